@@ -1,0 +1,28 @@
+# The contract's set-up targets (see CONTRACT.md in the shared folder).
+PYTHON ?= python3.11
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint bench-runtime clean
+
+setup: $(STAMP)
+
+# Re-install only when the dependency pins change; otherwise `make setup` returns at once.
+$(STAMP): pyproject.toml
+	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV)/bin/python -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/specextend demo
+
+test: setup
+	$(VENV)/bin/ruff check src tests scripts
+	$(VENV)/bin/python -m pytest -q -rs tests
+
+lint: setup
+	$(VENV)/bin/ruff check src tests scripts
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache

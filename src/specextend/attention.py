@@ -1,0 +1,187 @@
+"""Attention kernels: eager (reference), efficient (flash prefill + Hybrid Tree Attention) and
+the explicit attention scores that Cross-model Retrieval reads from one target layer.
+
+Every function here works on one sequence (no batch) with grouped-query attention:
+
+    q:    [H, T, D]          queries of the T new tokens (already rotated)
+    k, v: [Hkv, S, D]        the cache view: committed tokens, then the T new ones last
+    tree: [T, M] bool or None   what each new token may see among the LAST M keys (M >= T: the
+                             new tokens and, when a draft tree grows level by level, the tree
+                             nodes fed before them); None means causal over the T new tokens
+
+Every new token sees all keys before those M in full (the committed prefix); within the last M
+it sees what `tree` allows (a draft tree's ancestry, or the causal triangle for prefill).
+K/V are never repeated over the query groups: the group dimension is folded into the query rows.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+Backend = Literal["eager", "efficient"]
+BACKENDS: tuple[str, ...] = ("eager", "efficient")
+
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def _group(q: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """[H, T, D] -> [Hkv, g*T, D]: query heads that share a K/V head become extra query rows."""
+    h, t, d = q.shape
+    return q.reshape(n_kv, (h // n_kv) * t, d)
+
+
+def _ungroup(o: torch.Tensor, h: int) -> torch.Tensor:
+    n_kv, gt, d = o.shape
+    return o.reshape(h, gt * n_kv // h, d)
+
+
+def _tree_or_causal(tree: torch.Tensor | None, t: int, device: torch.device) -> torch.Tensor:
+    if tree is not None:
+        return tree.to(device)
+    return torch.ones(t, t, dtype=torch.bool, device=device).tril_()
+
+
+def eager_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Plain masked attention that materialises the [H, T, P+T] score matrix (the reference)."""
+    h, t, d = q.shape
+    n_kv, s, _ = k.shape
+    local = _tree_or_causal(tree, t, q.device)
+    allowed = torch.ones(t, s, dtype=torch.bool, device=q.device)
+    allowed[:, s - local.shape[1] :] = local
+    qg = _group(q, n_kv)
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * (1.0 / math.sqrt(d))
+    g = h // n_kv
+    scores = scores.masked_fill(~allowed.repeat(g, 1), float("-inf"))
+    probs = torch.softmax(scores.float() if scores.dtype in (torch.bfloat16, torch.float16) else scores, -1)
+    return _ungroup(torch.matmul(probs.to(v.dtype), v), h)
+
+
+def _prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unmasked attention of all queries to the committed prefix, with log-sum-exp.
+
+    Unmasked means the query groups can be folded into rows, so the efficient kernel runs
+    once per K/V head with no copy of K/V. Returns out [H, T, D] and lse [H, T] (float32+).
+    """
+    h, t, _ = q.shape
+    n_kv = k.shape[0]
+    qg = _group(q, n_kv).unsqueeze(0)
+    if q.device.type == "cpu":
+        out, lse = _flash_cpu(qg, k.unsqueeze(0), v.unsqueeze(0), 0.0, False)
+        out, lse = out[0], lse[0]
+    else:
+        # CUDA kernels do not expose the log-sum-exp through a public op; compute it in blocks.
+        out, lse = _blocked_attention_with_lse(qg[0], k, v)
+    return _ungroup(out, h), lse.reshape(h, t)
+
+
+def _blocked_attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int = 4096
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Online-softmax attention over key blocks: never holds more than [Hkv, rows, block] scores."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    acc_dtype = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
+    m = torch.full(q.shape[:-1], float("-inf"), dtype=acc_dtype, device=q.device)
+    denom = torch.zeros_like(m)
+    acc = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+    for start in range(0, k.shape[1], block):
+        s = torch.matmul(q, k[:, start : start + block].transpose(-1, -2)).to(acc_dtype) * scale
+        m_new = torch.maximum(m, s.amax(-1))
+        corr = torch.exp(m - m_new)
+        p = torch.exp(s - m_new.unsqueeze(-1))
+        denom = denom * corr + p.sum(-1)
+        acc = acc * corr.unsqueeze(-1) + torch.matmul(p.to(v.dtype), v[:, start : start + block]).to(acc_dtype)
+        m = m_new
+    return (acc / denom.unsqueeze(-1)).to(q.dtype), m + torch.log(denom)
+
+
+def _local_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention to the last M keys under the tree (or causal) mask, with log-sum-exp.
+
+    T is small for a draft tree (tens of nodes); for a prefill chunk it is a few hundred, so the
+    [H, T, T] scores stay small either way.
+    """
+    h, t, d = q.shape
+    n_kv = k.shape[0]
+    allowed = _tree_or_causal(tree, t, q.device).repeat(h // n_kv, 1)
+    qg = _group(q, n_kv)
+    acc_dtype = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
+    s = torch.matmul(qg, k.transpose(-1, -2)).to(acc_dtype) * (1.0 / math.sqrt(d))
+    s = s.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    out = torch.matmul(p.to(v.dtype), v)
+    return _ungroup(out, h), lse.reshape(h, t)
+
+
+def merge_by_lse(
+    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+) -> torch.Tensor:
+    """Exact combination of two softmax attentions over disjoint key sets.
+
+    softmax over the union = each part's output weighted by exp(lse_part - lse_union).
+    """
+    lse = torch.logaddexp(lse1, lse2)
+    w1 = torch.exp(lse1 - lse).unsqueeze(-1)
+    w2 = torch.exp(lse2 - lse).unsqueeze(-1)
+    return (o1.to(w1.dtype) * w1 + o2.to(w2.dtype) * w2).to(o1.dtype)
+
+
+def hybrid_tree_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree: torch.Tensor | None = None
+) -> torch.Tensor:
+    """SpecExtend's Hybrid Tree Attention.
+
+    The long committed prefix goes through the unmasked efficient kernel (it needs no mask, so
+    no [T, P] mask is built and no score matrix is materialised); the few tree tokens go
+    through a small masked attention; the two are merged exactly by their log-sum-exps.
+    Also serves chunked prefill, where the "tree" is the causal triangle of the chunk.
+    """
+    t = q.shape[1]
+    p = k.shape[1] - (tree.shape[1] if tree is not None else t)
+    o_local, lse_local = _local_attention(q, k[:, p:], v[:, p:], tree)
+    if p == 0:
+        return o_local
+    o_prefix, lse_prefix = _prefix_attention(q, k[:, :p], v[:, :p])
+    return merge_by_lse(o_prefix, lse_prefix, o_local, lse_local)
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree: torch.Tensor | None, backend: Backend
+) -> torch.Tensor:
+    if backend == "efficient":
+        return hybrid_tree_attention(q, k, v, tree)
+    if backend == "eager":
+        return eager_attention(q, k, v, tree)
+    raise ValueError(f"unknown attention backend {backend!r}")
+
+
+def attention_probs(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Softmax attention probabilities of a few query rows over keys, averaged over heads and rows.
+
+    q: [H, r, D] (rows that may attend to every key in k), k: [Hkv, S, D] -> [S] in float32.
+    This is the only place scores are materialised for retrieval: one layer, r rows.
+    """
+    d = q.shape[-1]
+    s = torch.matmul(_group(q, k.shape[0]), k.transpose(-1, -2)).float() * (1.0 / math.sqrt(d))
+    return torch.softmax(s, -1).mean(dim=(0, 1))
+
+
+def sdpa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree: torch.Tensor | None) -> torch.Tensor:
+    """PyTorch's own masked SDPA with repeated K/V, used only by tests as an independent oracle."""
+    h, t, _ = q.shape
+    n_kv, s, _ = k.shape
+    local = _tree_or_causal(tree, t, q.device)
+    allowed = torch.ones(t, s, dtype=torch.bool, device=q.device)
+    allowed[:, s - local.shape[1] :] = local
+    rep = h // n_kv
+    return F.scaled_dot_product_attention(
+        q, k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0), attn_mask=allowed
+    )

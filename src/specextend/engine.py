@@ -1,0 +1,299 @@
+"""The decoding loop: target-only (`ar`) and speculative (draft tree -> one target verification).
+
+Parts are swappable and the loop knows none of their insides: a `TreeBuilder` proposes
+(tree.py), a verifier accepts (verify.py), a `DraftCache` decides what the draft attends to
+(draft_cache.py). Invariants between steps:
+
+- the target cache holds every committed token except the newest one (`root`), which is the
+  first token of the next verification forward;
+- the draft cache holds the committed tokens except those in `todo`, which the next drafting
+  pass feeds first (the accepted run and the bonus token).
+
+Prefill is separate from decoding and restorable, so a benchmark can prefill a prompt once and
+decode it with several methods: decoding only ever appends after the prompt.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .attention import attention_probs
+from .draft_cache import DraftCache, SelectiveDraftCache, make_draft_cache
+from .errors import UserError
+from .kv_cache import KVCache
+from .model import Transformer
+from .settings import Settings
+from .tree import draft_dist, make_builder
+from .verify import sample, target_dist, verify_greedy, verify_sampling
+
+TokensCallback = Callable[[list[int]], None]
+TREE_HEADROOM = 256  # cache slots beyond prompt + new tokens, for tree nodes in flight
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    prompt_tokens: int
+    new_tokens: int
+    prefill_s: float
+    decode_s: float
+    total_s: float
+    steps: int
+    accepted_per_step: float
+    phases: dict[str, float]
+    stop_reason: str
+    accept_lengths: list[int]
+    settings: Settings
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+@dataclass
+class Prefilled:
+    """The prompt in both models' caches, restorable for several decodes."""
+
+    prompt_ids: list[int]
+    attention: str
+    target_cache: KVCache
+    first_logits: torch.Tensor
+    draft_cache: KVCache | None
+    target_s: float
+    draft_s: float
+    max_new_tokens: int
+
+    @property
+    def prefill_s(self) -> float:
+        return self.target_s + self.draft_s
+
+    def restore(self) -> None:
+        n = len(self.prompt_ids)
+        self.target_cache.truncate(n)
+        if self.draft_cache is not None:
+            self.draft_cache.truncate(n)
+
+
+class _Clock:
+    """Phase timer; on CUDA it synchronises so each phase owns its kernels' time."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.sync = device.type == "cuda"
+        self.totals = {"draft_s": 0.0, "verify_s": 0.0, "retrieval_s": 0.0}
+        self.t = self.now()
+
+    def now(self) -> float:
+        if self.sync:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        t = self.now()
+        self.totals[phase] += t - self.t
+        self.t = t
+
+    def skip(self) -> None:
+        self.t = self.now()
+
+
+class SpecEngine:
+    def __init__(self, target: Transformer, draft: Transformer | None, eos_ids: Sequence[int]) -> None:
+        self.target, self.draft = target, draft
+        self.eos = set(eos_ids)
+        # Called after every speculative step with (target cache, draft cache policy, output so
+        # far, pending draft tokens); tests use it to check the caches' invariants.
+        self.step_hook: Callable[[KVCache, DraftCache, list[int], list[int]], None] | None = None
+
+    # --- prefill -------------------------------------------------------------------------------
+    def check_fits(self, prompt_len: int, s: Settings) -> None:
+        if prompt_len == 0:
+            raise UserError("the prompt is empty")
+        limit = self.target.cfg.max_position
+        if s.method != "ar" and self.draft is not None and (s.draft_cache == "full" or s.positions == "original"):
+            limit = min(limit, self.draft.cfg.max_position)
+        if prompt_len + s.max_new_tokens > limit:
+            raise UserError(
+                f"prompt of {prompt_len} tokens + {s.max_new_tokens} new tokens exceeds the model's "
+                f"context of {limit} tokens"
+            )
+
+    def prefill(self, prompt_ids: list[int], settings: Settings) -> Prefilled:
+        s = settings.resolved()
+        self.check_fits(len(prompt_ids), s)
+        cap = len(prompt_ids) + s.max_new_tokens + TREE_HEADROOM
+        ids = torch.tensor(prompt_ids, dtype=torch.long)
+        t0 = time.perf_counter()
+        tcache = self.target.new_cache(cap)
+        first = self.target.prefill(ids, tcache, s.attention)
+        t1 = time.perf_counter()
+        dcache = None
+        if s.method != "ar" and self.draft is not None:
+            dcache = self.draft.new_cache(cap)
+            self.draft.prefill(ids, dcache, s.attention)
+        t2 = time.perf_counter()
+        return Prefilled(list(prompt_ids), s.attention, tcache, first, dcache, t1 - t0, t2 - t1, s.max_new_tokens)
+
+    # --- decode --------------------------------------------------------------------------------
+    def generate(self, prompt_ids: list[int], settings: Settings, on_tokens: TokensCallback | None = None
+                 ) -> GenerationResult:
+        state = self.prefill(prompt_ids, settings)
+        return self.decode(state, settings, on_tokens)
+
+    def decode(self, state: Prefilled, settings: Settings, on_tokens: TokensCallback | None = None
+               ) -> GenerationResult:
+        s = settings.resolved()
+        if s.attention != state.attention:
+            raise ValueError("decode with a different attention backend than the prefill")
+        if s.max_new_tokens > state.max_new_tokens:
+            raise ValueError("decode asks for more new tokens than the prefill made room for")
+        if s.method != "ar" and state.draft_cache is None:
+            raise UserError(f"method {s.method!r} needs a draft model")
+        state.restore()
+        gen = torch.Generator().manual_seed(s.seed)
+        clock = _Clock(self.target.device)
+        t_start = clock.t
+        loop = self._ar_loop if s.method == "ar" else self._spec_loop
+        out, accepts, stop, extra = loop(state, s, gen, clock, on_tokens)
+        decode_s = clock.now() - t_start
+        phases = dict(clock.totals)
+        phases["other_s"] = max(0.0, decode_s - sum(phases.values()))
+        steps = len(accepts)
+        return GenerationResult(
+            token_ids=out,
+            prompt_tokens=len(state.prompt_ids),
+            new_tokens=len(out),
+            prefill_s=state.prefill_s,
+            decode_s=decode_s,
+            total_s=state.prefill_s + decode_s,
+            steps=steps,
+            accepted_per_step=(sum(accepts) / steps) if steps and s.method != "ar" else 0.0,
+            phases=phases,
+            stop_reason=stop,
+            accept_lengths=accepts,
+            settings=s,
+            extra=extra,
+        )
+
+    def _choose(self, logits: torch.Tensor, s: Settings, gen: torch.Generator) -> int:
+        if s.greedy:
+            return int(torch.argmax(logits))
+        return sample(target_dist(logits, s.temperature, s.top_p), gen)
+
+    def _emit(self, out: list[int], new: list[int], s: Settings, cb: TokensCallback | None) -> str | None:
+        """Append new tokens, cut at EOS or the length limit; returns the stop reason if any."""
+        stop = None
+        room = s.max_new_tokens - len(out)
+        for i, t in enumerate(new[:room]):
+            if t in self.eos:
+                new, stop = new[: i + 1], "eos"
+                break
+        else:
+            new = new[:room]
+        out.extend(new)
+        if cb is not None and new:
+            cb(new)
+        if stop is None and len(out) >= s.max_new_tokens:
+            stop = "length"
+        return stop
+
+    def _ar_loop(self, state: Prefilled, s: Settings, gen, clock: _Clock, cb):
+        tcache = state.target_cache
+        x = self._choose(state.first_logits, s, gen)
+        out: list[int] = []
+        accepts: list[int] = []
+        stop = self._emit(out, [x], s, cb)
+        while stop is None:
+            clock.skip()
+            logits = self.target(torch.tensor([x]), torch.tensor([tcache.length]), tcache, None, s.attention)
+            tcache.commit()
+            x = self._choose(logits[0], s, gen)
+            clock.lap("verify_s")
+            accepts.append(0)
+            stop = self._emit(out, [x], s, cb)
+        return out, accepts, stop, {}
+
+    def _spec_loop(self, state: Prefilled, s: Settings, gen, clock: _Clock, cb):
+        assert self.draft is not None and state.draft_cache is not None
+        tcache = state.target_cache
+        policy: DraftCache = make_draft_cache(s.draft_cache, self.draft, state.draft_cache, s.attention, s)
+        builder = make_builder(s)
+        score_layers = self._score_layers(s) if s.draft_cache == "cmr" else []
+        clock.skip()
+        if isinstance(policy, SelectiveDraftCache):
+            policy.start()
+        clock.lap("retrieval_s")
+
+        root = self._choose(state.first_logits, s, gen)
+        out: list[int] = []
+        accepts: list[int] = []
+        stop = self._emit(out, [root], s, cb)
+        todo = [root]
+        n_verified = 0
+        while stop is None:
+            # Draft: catch up on committed tokens, then grow a tree below the root.
+            clock.skip()
+            logits = policy.extend(todo)
+            root_q = draft_dist(logits[-1], s.temperature)
+            tree = builder.build(root, root_q, policy.run_tree, s.greedy, s.temperature, gen)
+            policy.end_tree()
+            clock.lap("draft_s")
+
+            # Verify the whole tree in one target forward.
+            keep_q = dict.fromkeys(score_layers) if score_layers else None
+            base = tcache.length
+            logits = self.target(tree.tokens, base + tree.depths, tcache, tree.mask(), s.attention, keep_q=keep_q)
+            if s.greedy:
+                verdict = verify_greedy(tree, logits)
+            else:
+                verdict = verify_sampling(tree, logits, s.temperature, s.top_p, gen)
+            tcache.commit(verdict.path)
+            n_verified += tree.size
+            tokens = tree.tokens.tolist()
+            new = [tokens[i] for i in verdict.path[1:]] + [verdict.bonus]
+            clock.lap("verify_s")
+
+            accepts.append(len(verdict.path) - 1)
+            stop = self._emit(out, new, s, cb)
+            if stop is not None:
+                break
+            todo, root = new, verdict.bonus
+
+            # Retrieval: the draft cache policy may ask for the target's attention.
+            policy.observe(len(verdict.path) - 1)
+            if policy.wants_scores():
+                rows = [verdict.path[-1]] if s.retrieval_query == "last" else verdict.path
+                policy.refresh(self._retrieval_scores(tcache, keep_q, rows))
+            clock.lap("retrieval_s")
+            if self.step_hook is not None:
+                self.step_hook(tcache, policy, out, todo)
+        extra = {"verified_nodes_per_step": n_verified / max(1, len(accepts)),
+                 "draft_working_tokens": float(policy.working_tokens)}
+        if isinstance(policy, SelectiveDraftCache):
+            extra["retrievals"] = float(policy.rebuilds)
+        return out, accepts, stop, extra
+
+    def _score_layers(self, s: Settings) -> list[int]:
+        n = self.target.cfg.num_layers
+        last = s.retrieval_layer % n
+        if s.retrieval_layer >= n or s.retrieval_layer < -n:
+            raise UserError(f"--retrieval-layer {s.retrieval_layer} outside the target's {n} layers")
+        first = max(0, last - s.retrieval_layers_mean + 1)
+        return list(range(first, last + 1))
+
+    @staticmethod
+    def _retrieval_scores(cache: KVCache, keep_q: dict | None, rows: list[int]) -> torch.Tensor | None:
+        """Target attention of the accepted query row(s) over every committed token, averaged
+        over heads (and over layers when several are kept). Only these rows are scored."""
+        if not keep_q:
+            return None
+        n = cache.length
+        total = None
+        for layer, q in keep_q.items():
+            p = attention_probs(q[:, rows], cache.k[layer, :, :n])
+            total = p if total is None else total + p
+        return (total / len(keep_q)).cpu()

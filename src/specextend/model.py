@@ -1,0 +1,302 @@
+"""A Llama-family decoder in plain PyTorch: Llama 2/3/3.x, Mistral, Qwen2/2.5 and Qwen3.
+
+One sequence, a static KV cache, and a forward over *any* set of new tokens: their ids, their
+position ids and (optionally) a [T, T] mask of which new tokens see which. That one signature
+serves prefill, one-token decoding, a draft tree and the target's verification of that tree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import Backend, attend
+from .errors import UserError
+from .kv_cache import KVCache
+
+SUPPORTED_ARCHS = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
+        """Read a Hugging Face `config.json` dict; refuse architectures we do not implement."""
+        archs = d.get("architectures") or []
+        arch = next((SUPPORTED_ARCHS[a] for a in archs if a in SUPPORTED_ARCHS), None)
+        if arch is None and d.get("model_type") in SUPPORTED_ARCHS.values():
+            arch = d["model_type"]
+        if arch is None:
+            name = ", ".join(archs) or d.get("model_type") or "unknown"
+            raise UserError(
+                f"unsupported model architecture {name}; supported: {', '.join(sorted(SUPPORTED_ARCHS))}"
+            )
+        # transformers 5 folds rope settings into `rope_parameters`; older configs use top-level keys.
+        rope = dict(d.get("rope_parameters") or {})
+        scaling = d.get("rope_scaling") or None
+        if scaling is None and rope.get("rope_type", "default") != "default":
+            scaling = rope
+        theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
+        if scaling is not None:
+            kind = scaling.get("rope_type", scaling.get("type", "default"))
+            if kind not in ("default", "linear", "llama3"):
+                raise UserError(f"unsupported RoPE scaling {kind!r} (supported: default, linear, llama3)")
+            if kind == "default":
+                scaling = None
+        hidden = int(d["hidden_size"])
+        heads = int(d["num_attention_heads"])
+        max_pos = int(d.get("max_position_embeddings", 4096))
+        # Mistral v0.1 attends through a sliding window; we attend fully, so stay inside it.
+        if d.get("sliding_window") and d.get("use_sliding_window", arch == "mistral"):
+            max_pos = min(max_pos, int(d["sliding_window"]))
+        return cls(
+            arch=arch,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(d["intermediate_size"]),
+            num_layers=int(d["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            max_position=max_pos,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", arch == "qwen2")),
+            qk_norm=arch == "qwen3",
+            rope_scaling=scaling,
+        )
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies in float32, as Hugging Face computes them (so outputs match exactly)."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    sc = cfg.rope_scaling
+    if sc is None:
+        return inv
+    kind = sc.get("rope_type", sc.get("type"))
+    if kind == "linear":
+        return inv / float(sc["factor"])
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    factor = float(sc["factor"])
+    low, high = float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+    old_ctx = float(sc["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+    return torch.where(medium, blended, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [heads, T, D] by per-token angles (cos/sin: [T, D]), the rotate-half convention."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 whatever the model dtype (as the reference implementations do).
+        xf = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), with a faster kernel for few rows on CPU.
+
+    On this kind of CPU, PyTorch's default float32 GEMM for 1-16 rows runs at a fraction of
+    memory bandwidth, and decoding and verification are exactly that case. oneDNN with the
+    weight reordered once into its blocked layout is 2-4x faster there, and fastest from 4 rows
+    up, so fewer rows are padded to 4. `pack()` swaps the plain weight for the packed one (no
+    second copy is kept). float64 stays on the plain path, which is what exactness tests use.
+    """
+
+    def __init__(self, d_in: int, d_out: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(d_out, d_in), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(d_out), requires_grad=False) if bias else None
+        self.packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        w = self.weight
+        if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
+            return
+        if not torch.backends.mkldnn.is_available():
+            return
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.data, None)
+        self.out_features = w.shape[0]
+        self.weight = None  # type: ignore[assignment]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        t = x.shape[0]
+        if t < 4:
+            x = torch.cat([x, x.new_zeros(4 - t, x.shape[1])])
+        y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        return y[:t] if t < 4 else y
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv = Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.attention_bias)
+        self.o = Linear(q_out, cfg.hidden_size, bias=False)
+        self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache,
+        tree: torch.Tensor | None,
+        backend: Backend,
+        keep_q: dict[int, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv
+        qkv = self.qkv(self.attn_norm(x))
+        q = qkv[:, : nh * hd].view(t, nh, hd).transpose(0, 1)
+        k = qkv[:, nh * hd : (nh + nkv) * hd].view(t, nkv, hd).transpose(0, 1)
+        v = qkv[:, (nh + nkv) * hd :].view(t, nkv, hd).transpose(0, 1)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if keep_q is not None and self.index in keep_q:
+            keep_q[self.index] = q
+        k_all, v_all = cache.write(self.index, k, v)
+        a = attend(q, k_all, v_all, tree, backend)
+        x = x + self.o(a.transpose(0, 1).reshape(t, nh * hd))
+        gu = self.gate_up(self.mlp_norm(x))
+        g, u = gu.chunk(2, dim=-1)
+        return x + self.down(F.silu(g) * u)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def new_cache(self, capacity: int, dtype: torch.dtype | None = None) -> KVCache:
+        c = self.cfg
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, dtype or self.dtype, self.device)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Angles in float32 then cast, exactly as the reference does, so float64 runs match it.
+        freqs = positions.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def pack(self) -> Transformer:
+        """Reorder every projection for the fast few-row CPU kernel (see `Linear`)."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.pack()
+        return self
+
+    @torch.no_grad()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        tree: torch.Tensor | None = None,
+        backend: Backend = "efficient",
+        logits_rows: torch.Tensor | slice | None = None,
+        keep_q: dict[int, torch.Tensor] | None = None,
+        return_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Run T new tokens through the model, writing their K/V into `cache`'s pending slots.
+
+        tokens, positions: [T]; tree: [T, T] bool (new token i may see new token j) or None for
+        causal. The caller commits the pending slots afterwards (see `KVCache`). logits_rows
+        picks the rows that need logits (prefill needs one, not T x vocab). keep_q: a dict
+        whose keys are layer indices; each gets that layer's rotated queries [H, T, D].
+        Returns logits [rows, vocab] (float32 or wider), and the final hidden states on request.
+        """
+        cache.begin(tokens.shape[0])
+        cos, sin = self.rope(positions)
+        x = self.embed(tokens.to(self.device))
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache, tree, backend, keep_q)
+        h = self.norm(x if logits_rows is None else x[logits_rows])
+        logits = self.lm_head(h)
+        if logits.dtype in (torch.bfloat16, torch.float16):
+            logits = logits.float()
+        return (logits, h) if return_hidden else logits
+
+    def prefill(
+        self, tokens: torch.Tensor, cache: KVCache, backend: Backend = "efficient", chunk: int = 512
+    ) -> torch.Tensor:
+        """Feed a prompt in chunks (bounded memory at any length); returns the last token's logits."""
+        start = cache.length
+        n = tokens.shape[0]
+        logits = None
+        for s in range(0, n, chunk):
+            piece = tokens[s : s + chunk]
+            pos = torch.arange(start + s, start + s + piece.shape[0])
+            last = s + chunk >= n
+            out = self(piece, pos, cache, None, backend, logits_rows=slice(-1, None) if last else slice(0, 0))
+            cache.commit()
+            if last:
+                logits = out[-1]
+        assert logits is not None, "prefill needs at least one token"
+        return logits

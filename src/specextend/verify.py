@@ -1,0 +1,97 @@
+"""Verification of a draft tree against the target: which draft tokens are kept, and the next one.
+
+Greedy: follow the target's argmax from the root while a child carries it; the first argmax
+that no child carries is the bonus token. The committed tokens are exactly those the target
+would have produced alone.
+
+Sampling: recursive rejection sampling over siblings drawn without replacement (Jeon et al.,
+2024, "Recursive Speculative Decoding"; SpecInfer's multi-round scheme is the with-replacement
+variant). At a node with target distribution p and children x1, x2, ... drawn in that order
+from the draft distribution q without replacement:
+
+    accept x_i with probability min(1, p(x_i) / q_i(x_i));
+    on rejection  p <- normalise(max(p - q_i, 0))   (the residual)
+                  q_{i+1} <- q_i with x_i removed, renormalised (the next draw's law).
+
+Each round is one step of standard speculative sampling, which outputs exactly p whatever q
+is; removing x_i from q matches how the next sibling was drawn, and the residual is what the
+target still owes. So the token leaving a node is distributed exactly as p, and by induction the
+whole accepted sequence (plus the bonus token sampled from the final residual) is distributed
+as the target's own samples. Tests check this empirically and check that a broken rule fails.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .tree import DraftTree
+
+
+@dataclass
+class Verdict:
+    path: list[int]  # accepted tree nodes, root first (node indices into the tree)
+    bonus: int  # the target's next token after the last accepted node
+
+
+def target_dist(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """The distribution the target samples from: temperature, then nucleus (top-p) filtering."""
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the token crossing it included).
+        before = torch.cumsum(sorted_p, 0) - sorted_p
+        sorted_p[before >= top_p] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+        probs /= probs.sum()
+    return probs
+
+
+def sample(p: torch.Tensor, gen: torch.Generator | None) -> int:
+    return int(torch.multinomial(p.float() if p.dtype == torch.bfloat16 else p, 1, generator=gen))
+
+
+def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
+    best = torch.argmax(logits, dim=-1).tolist()
+    tokens = tree.tokens.tolist()
+    node, path = 0, [0]
+    while True:
+        nxt = next((c for c in tree.children[node] if tokens[c] == best[node]), None)
+        if nxt is None:
+            return Verdict(path, best[node])
+        node = nxt
+        path.append(node)
+
+
+def verify_sampling(
+    tree: DraftTree, logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None
+) -> Verdict:
+    tokens = tree.tokens.tolist()
+    node, path = 0, [0]
+    while True:
+        p = target_dist(logits[node], temperature, top_p)
+        kids = tree.children[node]
+        accepted = None
+        if kids:
+            q = tree.q[node].clone()
+            for c in kids:
+                x = tokens[c]
+                u = float(torch.rand((), generator=gen, dtype=torch.float64))
+                if q[x] > 0 and u * float(q[x]) < float(p[x]):  # u < p/q without dividing
+                    accepted = c
+                    break
+                residual = torch.clamp(p - q, min=0.0)
+                mass = float(residual.sum())
+                if mass <= 0.0:  # p == q: rejection is impossible in exact arithmetic; keep p
+                    break
+                p = residual / mass
+                q[x] = 0.0
+                qs = float(q.sum())
+                if qs <= 0.0:
+                    break
+                q /= qs
+        if accepted is None:
+            return Verdict(path, sample(p, gen))
+        node = accepted
+        path.append(node)

@@ -1,0 +1,79 @@
+"""Shared fixtures: tiny random models of every supported architecture, saved as HF folders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+
+
+def tiny_hf_config(arch: str, vocab: int = 64, layers: int = 2, **kw):
+    import transformers as tf
+
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        eos_token_id=vocab - 1,
+        bos_token_id=0,
+    )
+    common.update(kw)
+    if arch == "llama":
+        common.setdefault(
+            "rope_scaling",
+            {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+             "original_max_position_embeddings": 64},
+        )
+        common.setdefault("rope_theta", 500000.0)
+        return tf.LlamaConfig(**common)
+    if arch == "mistral":
+        return tf.MistralConfig(sliding_window=None, **common)
+    if arch == "qwen2":
+        return tf.Qwen2Config(**common)
+    if arch == "qwen3":
+        return tf.Qwen3Config(head_dim=8, **common)
+    raise ValueError(arch)
+
+
+def make_tiny_hf(arch: str, seed: int = 0, dtype=torch.float64, **kw):
+    """A random HF model (float64) with weights scaled so logits are spread, not flat."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = tiny_hf_config(arch, **kw)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif p.ndim == 2:
+                p.copy_(torch.randn_like(p) * (0.6 / p.shape[1] ** 0.5))
+            else:
+                p.copy_(0.1 * torch.randn_like(p))
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """Save a tiny model per architecture once per session; returns arch -> folder."""
+    cache: dict[str, Path] = {}
+
+    def get(arch: str, seed: int = 0, **kw) -> Path:
+        key = f"{arch}-{seed}-{sorted(kw.items())}"
+        if key not in cache:
+            d = tmp_path_factory.mktemp(f"{arch}{seed}")
+            make_tiny_hf(arch, seed, **kw).save_pretrained(d)
+            cache[key] = d
+        return cache[key]
+
+    return get
