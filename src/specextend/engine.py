@@ -67,6 +67,7 @@ class Prefilled:
     target_s: float
     draft_s: float
     max_new_tokens: int
+    last_q: dict[int, torch.Tensor]  # each target layer's query of the last prompt token
 
     @property
     def prefill_s(self) -> float:
@@ -129,14 +130,16 @@ class SpecEngine:
         ids = torch.tensor(prompt_ids, dtype=torch.long)
         t0 = time.perf_counter()
         tcache = self.target.new_cache(cap)
-        first = self.target.prefill(ids, tcache, s.attention)
+        last_q: dict[int, torch.Tensor] = {}
+        first = self.target.prefill(ids, tcache, s.attention, last_q=last_q)
         t1 = time.perf_counter()
         dcache = None
         if s.method != "ar" and self.draft is not None:
             dcache = self.draft.new_cache(cap)
             self.draft.prefill(ids, dcache, s.attention)
         t2 = time.perf_counter()
-        return Prefilled(list(prompt_ids), s.attention, tcache, first, dcache, t1 - t0, t2 - t1, s.max_new_tokens)
+        return Prefilled(list(prompt_ids), s.attention, tcache, first, dcache, t1 - t0, t2 - t1, s.max_new_tokens,
+                         last_q)
 
     # --- decode --------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], settings: Settings, on_tokens: TokensCallback | None = None
@@ -226,6 +229,9 @@ class SpecEngine:
         clock.skip()
         if isinstance(policy, SelectiveDraftCache):
             policy.start()
+            if score_layers:  # first retrieval: what the prompt's last token attends to
+                first_q = {i: state.last_q[i] for i in score_layers}
+                policy.refresh(self._retrieval_scores(tcache, first_q, [0]))
         clock.lap("retrieval_s")
 
         root = self._choose(state.first_logits, s, gen)

@@ -284,9 +284,18 @@ class Transformer(nn.Module):
         return (logits, h) if return_hidden else logits
 
     def prefill(
-        self, tokens: torch.Tensor, cache: KVCache, backend: Backend = "efficient", chunk: int = 512
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache,
+        backend: Backend = "efficient",
+        chunk: int = 512,
+        last_q: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Feed a prompt in chunks (bounded memory at any length); returns the last token's logits."""
+        """Feed a prompt in chunks (bounded memory at any length); returns the last token's logits.
+
+        last_q: if given, filled with every layer's query of the last prompt token ([H, 1, D]),
+        so retrieval can score the prompt by what its last token attends to.
+        """
         start = cache.length
         n = tokens.shape[0]
         logits = None
@@ -294,9 +303,13 @@ class Transformer(nn.Module):
             piece = tokens[s : s + chunk]
             pos = torch.arange(start + s, start + s + piece.shape[0])
             last = s + chunk >= n
-            out = self(piece, pos, cache, None, backend, logits_rows=slice(-1, None) if last else slice(0, 0))
+            keep = dict.fromkeys(range(self.cfg.num_layers)) if last and last_q is not None else None
+            out = self(piece, pos, cache, None, backend, logits_rows=slice(-1, None) if last else slice(0, 0),
+                       keep_q=keep)
             cache.commit()
             if last:
                 logits = out[-1]
+                if keep is not None:
+                    last_q.update({i: q[:, -1:].clone() for i, q in keep.items()})
         assert logits is not None, "prefill needs at least one token"
         return logits

@@ -1,0 +1,1 @@
+"""Model acquisition: the offline default pair, GGUF conversion and model references."""

@@ -1,0 +1,548 @@
+"""Convert a `.gguf` file into a Hugging Face model folder (fp32 safetensors, config, tokenizer).
+
+Why not just let transformers load the GGUF each time? Dequantising costs about a minute per model;
+doing it once and keeping fp32 safetensors makes every later load a plain memory copy.
+
+The folder is written atomically: everything goes into a temporary sibling, the marker file
+`.complete` is written last, and only then is the folder renamed into place. A folder without
+`.complete` is never treated as valid, so a killed conversion is simply redone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specextend.errors import UserError
+
+COMPLETE_MARKER = ".complete"
+MAX_SHARD_BYTES = 2 * 10**9  # "2 GB" as the Hub counts it, decimal
+
+# GGUF `general.architecture` -> (HF model_type, HF architectures entry).
+SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "mistral": ("mistral", "MistralForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+
+# llama.cpp's converter interleaves the rotary halves of Q/K rows for these architectures only.
+_PERMUTED_QK_ARCHS = frozenset({"llama", "mistral"})
+
+# Tokens that end a turn in chat models of these families, besides the file's own EOS id.
+_EXTRA_EOS_TOKENS: dict[str, tuple[str, ...]] = {
+    "qwen2": ("<|im_end|>", "<|endoftext|>"),
+    "qwen3": ("<|im_end|>", "<|endoftext|>"),
+    "llama": ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"),
+    "mistral": (),
+}
+
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+# Tensors llama.cpp adds that have no HF weight: rope factors are folded back into the config.
+_SKIPPED_TENSORS = frozenset({"rope_freqs.weight"})
+
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def open_gguf(path: str | os.PathLike[str]) -> Any:
+    """Open `path` with `gguf.GGUFReader`, turning every way a file can be broken into a UserError.
+
+    The reader memory-maps the file and trusts its header; a truncated file can therefore parse
+    and only fail (or silently read short) later, so tensor extents are checked here too.
+    """
+    from gguf import GGUFReader
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"GGUF file not found: {path}")
+    try:
+        reader = GGUFReader(path)
+    except Exception as exc:  # the reader raises ValueError, KeyError, IndexError, OverflowError, ...
+        raise UserError(f"{path} is not a valid GGUF file: {_short(exc)}") from exc
+    size = int(reader.data.size)
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
+            raise UserError(
+                f"{path} is not a valid GGUF file: tensor {t.name} runs past the end of the file (truncated download?)"
+            )
+    if field(reader, "general.architecture") is None:
+        raise UserError(f"{path} is not a valid GGUF file: no general.architecture key")
+    return reader
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def field(reader: Any, key: str, default: Any = None) -> Any:
+    """A metadata value as a Python object (str, int, float, list), or `default` if absent."""
+    f = reader.fields.get(key)
+    if f is None or not f.types:
+        return default
+    value = f.contents()
+    if isinstance(value, float):
+        # GGUF stores float32; its shortest decimal form is the number the model author wrote.
+        value = float(str(np.float32(value)))
+    return value
+
+
+def _tensor_map(reader: Any) -> dict[str, Any]:
+    return {t.name: t for t in reader.tensors}
+
+
+# --------------------------------------------------------------------------- config
+
+
+def gguf_architecture(reader: Any) -> str:
+    """The GGUF architecture, checked against the ones we can convert."""
+    arch = field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+        raise UserError(f"unsupported GGUF architecture {arch!r} (supported: {supported})")
+    return arch
+
+
+def _hf_model_type(reader: Any, arch: str) -> str:
+    """llama.cpp files Mistral models under "llama"; only the model name tells them apart."""
+    name = str(field(reader, "general.name", "") or "").lower()
+    if arch == "llama" and "mistral" in name:
+        return "mistral"
+    return arch
+
+
+def gguf_to_hf_config(reader: Any) -> dict[str, Any]:
+    """Build the Hugging Face `config.json` dict that describes the model in this GGUF."""
+    arch = gguf_architecture(reader)
+    model_type, hf_class = SUPPORTED_ARCHITECTURES[_hf_model_type(reader, arch)]
+    tensors = _tensor_map(reader)
+
+    def key(name: str, default: Any = None) -> Any:
+        return field(reader, f"{arch}.{name}", default)
+
+    hidden = int(key("embedding_length"))
+    n_heads = int(_uniform(key("attention.head_count"), "attention.head_count"))
+    n_kv = int(_uniform(key("attention.head_count_kv", n_heads), "attention.head_count_kv"))
+    head_dim = int(key("attention.key_length", hidden // n_heads))
+    embd = tensors.get("token_embd.weight")
+    if embd is None:
+        raise UserError("GGUF file has no token_embd.weight tensor")
+    # The embedding's row count is authoritative: the tokenizer list can be shorter (padding rows).
+    vocab_size = int(embd.shape[-1]) if len(embd.shape) > 1 else int(embd.shape[0])
+    rope_theta = float(key("rope.freq_base", 10000.0))
+    eps_default = 1e-5 if arch in _PERMUTED_QK_ARCHS else 1e-6
+    config: dict[str, Any] = {
+        "model_type": model_type,
+        "architectures": [hf_class],
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", eps_default)),
+        "rope_theta": rope_theta,
+        "max_position_embeddings": int(key("context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": "float32",
+    }
+    if arch in _PERMUTED_QK_ARCHS:
+        config["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
+    if arch == "qwen2":
+        config["use_sliding_window"] = False
+    scaling = _rope_scaling(reader, arch, tensors)
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta, **(scaling or {})}
+    if scaling:
+        config["rope_scaling"] = scaling
+    for hf_key, gguf_key in (
+        ("bos_token_id", "bos_token_id"),
+        ("eos_token_id", "eos_token_id"),
+        ("pad_token_id", "padding_token_id"),
+    ):
+        value = field(reader, f"tokenizer.ggml.{gguf_key}")
+        if value is not None:
+            config[hf_key] = int(value)
+    return config
+
+
+def _uniform(value: Any, name: str) -> Any:
+    """Some GGUFs store per-layer head counts as arrays; we only handle the uniform case."""
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise UserError(f"GGUF has a per-layer {name} ({sorted(set(value))}); not supported")
+        return value[0]
+    if value is None:
+        raise UserError(f"GGUF is missing {name}")
+    return value
+
+
+def _rope_scaling(reader: Any, arch: str, tensors: dict[str, Any]) -> dict[str, Any] | None:
+    kind = field(reader, f"{arch}.rope.scaling.type")
+    factor = field(reader, f"{arch}.rope.scaling.factor")
+    original = field(reader, f"{arch}.rope.scaling.original_context_length")
+    if kind in ("linear", "yarn") and factor:
+        scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
+        if original:
+            scaling["original_max_position_embeddings"] = int(original)
+        return scaling
+    if "rope_freqs.weight" in tensors:
+        return _llama3_scaling_from_factors(reader, arch, tensors["rope_freqs.weight"])
+    return None
+
+
+def _llama3_scaling_from_factors(reader: Any, arch: str, tensor: Any) -> dict[str, Any]:
+    """Recover Llama 3.x rope scaling from llama.cpp's precomputed per-frequency factors.
+
+    llama.cpp stores the factors, not the parameters. The largest factor is `factor`; the other
+    parameters have had the same values in every Llama 3.x release, which we check by recomputing.
+    """
+    stored = np.asarray(_dequantize(tensor), dtype=np.float64).reshape(-1)
+    scaling = {
+        "rope_type": "llama3",
+        "factor": float(round(stored.max(), 4)),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    theta = float(field(reader, f"{arch}.rope.freq_base", 10000.0))
+    dim = len(stored) * 2
+    expected = llama3_rope_factors(theta, dim, scaling)
+    if not np.allclose(expected, stored, rtol=1e-3):
+        raise UserError("GGUF has rope_freqs factors that do not match Llama 3 rope scaling; not supported")
+    return scaling
+
+
+def llama3_rope_factors(theta: float, dim: int, scaling: dict[str, Any]) -> np.ndarray:
+    """The per-frequency divisors llama.cpp writes as `rope_freqs.weight` for Llama 3 scaling."""
+    freqs = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_ctx = scaling["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_ctx / high:
+            out.append(1.0)
+        elif wavelen > old_ctx / low:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out)
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """HF parameter name for a GGUF tensor name; None for tensors with no HF counterpart."""
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    if gguf_name in _SKIPPED_TENSORS:
+        return None
+    m = _LAYER_RE.match(gguf_name)
+    if m and m.group(2) in _LAYER_TENSORS:
+        layer, kind, suffix = m.groups()
+        return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{suffix}"
+    raise UserError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent; cannot convert")
+
+
+def permute_qk(weights: np.ndarray, n_heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to Q/K rows for llama: per head, interleave the two rotary halves.
+
+    HF rotates pairs (i, i + d/2) of each head; GGML rotates adjacent pairs (2i, 2i + 1).
+    """
+    shape = weights.shape
+    return weights.reshape(n_heads, 2, shape[0] // n_heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def unpermute_qk(weights: np.ndarray, n_heads: int) -> np.ndarray:
+    """Inverse of `permute_qk`: restores the HF row order."""
+    shape = weights.shape
+    return weights.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def _dequantize(tensor: Any) -> np.ndarray:
+    """The tensor as float32 in torch (row-major, HF) shape; `ReaderTensor.data` is already reversed."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    qtype = GGMLQuantizationType(tensor.tensor_type)
+    if qtype == GGMLQuantizationType.F32:
+        out = np.array(tensor.data, dtype=np.float32)  # copy: leave the memory map read-only
+    else:
+        out = dequantize(tensor.data, qtype).astype(np.float32, copy=False)
+    torch_shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    return np.ascontiguousarray(out.reshape(torch_shape))
+
+
+def hf_tensor(tensor: Any, config: dict[str, Any]) -> np.ndarray:
+    """Dequantise one GGUF tensor and undo llama.cpp's Q/K permutation where it applied one."""
+    out = _dequantize(tensor)
+    if config["model_type"] in _PERMUTED_QK_ARCHS:
+        m = _LAYER_RE.match(tensor.name)
+        if m and m.group(2) == "attn_q":
+            out = unpermute_qk(out, config["num_attention_heads"])
+        elif m and m.group(2) == "attn_k":
+            out = unpermute_qk(out, config["num_key_value_heads"])
+    return np.ascontiguousarray(out)
+
+
+def _conversion_plan(reader: Any) -> list[tuple[str, Any, int]]:
+    """(hf name, GGUF tensor, fp32 bytes) for every tensor we keep, in file order."""
+    plan = []
+    for t in reader.tensors:
+        name = hf_tensor_name(t.name)
+        if name is not None:
+            plan.append((name, t, int(t.n_elements) * 4))
+    return plan
+
+
+def _shards(plan: list[tuple[str, Any, int]], max_bytes: int) -> list[list[tuple[str, Any, int]]]:
+    """Greedy split into shards of at most `max_bytes` (a single larger tensor gets its own shard)."""
+    shards: list[list[tuple[str, Any, int]]] = [[]]
+    used = 0
+    for item in plan:
+        if shards[-1] and used + item[2] > max_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(item)
+        used += item[2]
+    return shards
+
+
+def write_weights(
+    reader: Any,
+    config: dict[str, Any],
+    out: Path,
+    progress: bool = True,
+    max_shard_bytes: int | None = None,
+) -> list[str]:
+    """Write fp32 safetensors shards (+ index when more than one); returns the file names.
+
+    One shard's tensors are held in memory at a time, so peak memory is about one shard.
+    """
+    import torch
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    shards = _shards(_conversion_plan(reader), max_shard_bytes or MAX_SHARD_BYTES)
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    weight_map: dict[str, str] = {}
+    total = sum(len(s) for s in shards)
+    with tqdm(total=total, unit="tensor", desc="convert", file=sys.stderr, disable=not progress) as bar:
+        for file_name, shard in zip(names, shards, strict=True):
+            tensors = {}
+            for hf_name, tensor, _ in shard:
+                tensors[hf_name] = torch.from_numpy(hf_tensor(tensor, config))
+                weight_map[hf_name] = file_name
+                bar.update(1)
+            save_file(tensors, str(out / file_name), metadata={"format": "pt"})
+            os.chmod(out / file_name, 0o644)  # safetensors creates files owner-only; match the others
+            del tensors
+    if n > 1:
+        index = {
+            "metadata": {"total_size": sum(item[2] for s in shards for item in s)},
+            "weight_map": weight_map,
+        }
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return names
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def eos_token_ids(reader: Any, arch: str) -> list[int]:
+    """Every id that should stop generation: the file's EOS, EOT/EOM, and the family's turn-end tokens."""
+    ids: list[int] = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        value = field(reader, f"tokenizer.ggml.{key}")
+        if value is not None and int(value) not in ids:
+            ids.append(int(value))
+    wanted = _EXTRA_EOS_TOKENS.get(arch, ())
+    if wanted:
+        tokens_field = reader.fields.get("tokenizer.ggml.tokens")
+        if tokens_field is not None:
+            position = _find_tokens(tokens_field, wanted)
+            for token in wanted:
+                if token in position and position[token] not in ids:
+                    ids.append(position[token])
+    return ids
+
+
+def _find_tokens(tokens_field: Any, wanted: tuple[str, ...]) -> dict[str, int]:
+    """Ids of `wanted` token strings, without decoding the whole vocabulary into Python strings."""
+    targets = {t.encode("utf-8"): t for t in wanted}
+    found: dict[str, int] = {}
+    for token_id, part_index in enumerate(tokens_field.data):
+        part = tokens_field.parts[part_index]
+        if part.nbytes in {len(b) for b in targets}:
+            raw = part.tobytes()
+            if raw in targets:
+                found[targets[raw]] = token_id
+    return found
+
+
+def write_tokenizer(gguf_path: Path, out: Path, chat_template: str | None) -> None:
+    """Rebuild the HF tokenizer from the GGUF metadata (via transformers) and save it into `out`.
+
+    transformers 5 saves the chat template as `chat_template.jinja`; we also keep a copy in
+    `tokenizer_config.json` so that readers that only look there find it.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except Exception as exc:  # transformers raises many types for vocabularies it cannot rebuild
+        raise UserError(f"cannot build a tokenizer from {gguf_path}: {_short(exc)}") from exc
+    if chat_template and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(str(out))
+    for required in ("tokenizer.json", "tokenizer_config.json"):
+        if not (out / required).is_file():
+            raise UserError(f"tokenizer conversion of {gguf_path} did not write {required}")
+    if chat_template:
+        config_path = out / "tokenizer_config.json"
+        tok_config = json.loads(config_path.read_text())
+        if not tok_config.get("chat_template"):
+            tok_config["chat_template"] = chat_template
+            config_path.write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n")
+
+
+def generation_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """A `generation_config.json` dict: greedy by default, stopping on every EOS id we know."""
+    gen: dict[str, Any] = {"eos_token_id": eos_token_ids(reader, gguf_architecture(reader))}
+    for key in ("bos_token_id", "pad_token_id"):
+        if key in config:
+            gen[key] = config[key]
+    gen["do_sample"] = False
+    return gen
+
+
+# --------------------------------------------------------------------------- folder
+
+
+def is_complete(folder: str | os.PathLike[str]) -> bool:
+    """True only for a folder whose conversion finished (it carries the `.complete` marker)."""
+    return (Path(folder) / COMPLETE_MARKER).is_file()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temps(out_dir: Path) -> None:
+    """Delete temp folders left next to `out_dir` by conversions whose process has died.
+
+    They can be several GB each; without this every killed run would leak one.
+    """
+    for tmp in out_dir.parent.glob(f"{out_dir.name}.tmp-*"):
+        suffix = tmp.name.rsplit(".tmp-", 1)[-1]
+        if suffix.isdigit() and int(suffix) != os.getpid() and not _pid_alive(int(suffix)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _install(tmp: Path, out_dir: Path) -> None:
+    """Move the finished `tmp` into `out_dir`, replacing whatever (complete or not) was there."""
+    old = None
+    if out_dir.exists():
+        old = out_dir.with_name(f"{out_dir.name}.old-{os.getpid()}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def convert_gguf(
+    gguf_path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    progress: bool = True,
+    tokenizer: bool = True,
+) -> Path:
+    """Convert `gguf_path` into an HF model folder at `out_dir`, atomically; returns `out_dir`.
+
+    `tokenizer=False` skips the tokenizer files (for files without tokenizer metadata, e.g. tests).
+    """
+    gguf_path = Path(gguf_path).resolve()
+    out_dir = Path(out_dir)
+    reader = open_gguf(gguf_path)
+    config = gguf_to_hf_config(reader)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(out_dir)
+    tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        write_weights(reader, config, tmp, progress=progress)
+        _write_json(tmp / "config.json", config)
+        if tokenizer and "tokenizer.ggml.tokens" in reader.fields:
+            write_tokenizer(gguf_path, tmp, field(reader, "tokenizer.chat_template"))
+        elif tokenizer:
+            print(f"specextend: {gguf_path.name} has no tokenizer; folder has weights only", file=sys.stderr)
+        _write_json(tmp / "generation_config.json", generation_config(reader, config))
+        _fsync_dir_files(tmp)
+        (tmp / COMPLETE_MARKER).write_text(f"converted from {gguf_path.name}\n")
+        _install(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        del reader  # drop the memory map before returning
+    return out_dir
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _fsync_dir_files(folder: Path) -> None:
+    """Flush file contents before the marker exists, so a power cut cannot leave a marked, empty file."""
+    for path in folder.iterdir():
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())

@@ -1,0 +1,172 @@
+"""Turning a model reference given by the user into a local Hugging Face folder.
+
+A reference is one of: nothing (the default for the role), a known short name, a model folder, a
+`.gguf` file, or a hub id. Whatever it is, callers get back a folder holding `config.json` and
+safetensors weights, or a UserError that says in one line what was wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from specextend.errors import UserError
+from specextend.models.gguf import COMPLETE_MARKER, convert_gguf, is_complete
+from specextend.models.pull import (
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    SPECS,
+    ModelSpec,
+    file_lock,
+    model_dir,
+    pull,
+    specextend_home,
+)
+
+Role = Literal["target", "draft"]
+
+# Known short names; the same table `pull` uses, so a registered model can be pulled.
+KNOWN_MODELS: dict[str, ModelSpec] = SPECS
+DEFAULTS: dict[str, str] = {"target": DEFAULT_TARGET, "draft": DEFAULT_DRAFT}
+
+# `owner/name`, as the Hub spells repository ids.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def register_model(spec: ModelSpec) -> None:
+    """Make `spec.name` a known short name (resolvable and pullable)."""
+    KNOWN_MODELS[spec.name] = spec
+
+
+def default_model(role: Role) -> str:
+    if role not in DEFAULTS:
+        raise UserError(f"unknown model role {role!r} (expected 'target' or 'draft')")
+    return DEFAULTS[role]
+
+
+def resolve_model_ref(ref: str | None, role: Role, progress: bool = True) -> Path:
+    """The local HF folder for `ref` (see the module docstring), fetching or converting on first use."""
+    if ref is None or ref == "":
+        return pull(default_model(role), progress)
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        check_model_folder(path)
+        return path.resolve()
+    if path.is_file():
+        if path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
+            return converted_gguf(path, progress)
+        raise UserError(f"{ref} is not a model folder or a .gguf file")
+    if ref in KNOWN_MODELS:
+        return pull(ref, progress)
+    if _looks_like_path(ref):
+        raise UserError(f"model path not found: {ref}")
+    return hub_snapshot(ref)
+
+
+def check_model_folder(folder: Path) -> None:
+    """Refuse folders that cannot be loaded: no config.json, no safetensors, or a half-written conversion."""
+    if not (folder / "config.json").is_file():
+        raise UserError(f"{folder} is not a model folder: no config.json")
+    if not any(folder.glob("*.safetensors")):
+        raise UserError(f"{folder} is not a model folder: no .safetensors weights")
+    if _is_ours(folder) and not is_complete(folder):
+        raise UserError(f"{folder} is an unfinished conversion (no {COMPLETE_MARKER}); delete it and retry")
+
+
+def _is_ours(folder: Path) -> bool:
+    """Folders inside our cache are only valid with the completion marker."""
+    try:
+        folder.resolve().relative_to(specextend_home().resolve())
+    except ValueError:
+        return False
+    return True
+
+
+def _looks_like_path(ref: str) -> bool:
+    if ref.startswith(("/", "./", "../", "~")) or (os.sep in ref and not _HUB_ID.match(ref)):
+        return True
+    return ref.lower().endswith((".gguf", ".safetensors", ".json"))
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def converted_gguf(path: Path, progress: bool = True) -> Path:
+    """Convert a user's `.gguf` once into `HOME/converted/<stem>-<key>/` and return that folder.
+
+    The key covers the absolute path, size and mtime, so editing or replacing the file converts
+    it again while repeated runs reuse the earlier conversion.
+    """
+    folder = converted_folder(path)
+    if is_complete(folder):
+        return folder
+    with file_lock(specextend_home() / f".lock-converted-{folder.name}", progress):
+        if not is_complete(folder):
+            convert_gguf(path, folder, progress=progress)
+    return folder
+
+
+def converted_folder(path: Path) -> Path:
+    path = path.resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return specextend_home() / "converted" / f"{path.stem}-{key}"
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """Fetch `repo_id` from the Hugging Face Hub (or its local cache); UserError when that is impossible."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = Path(
+            snapshot_download(
+                repo_id,
+                allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken"],
+            )
+        )
+    except Exception as exc:
+        raise UserError(f"cannot fetch hub model {repo_id}: no hub reachable ({type(exc).__name__})") from exc
+    check_model_folder(folder)
+    return folder
+
+
+def folder_size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def list_models() -> list[dict[str, Any]]:
+    """Known models and GGUF conversions, for `specextend models list`."""
+    rows: list[dict[str, Any]] = []
+    for name, spec in KNOWN_MODELS.items():
+        folder = model_dir(name)
+        installed = is_complete(folder)
+        rows.append(
+            {
+                "name": name,
+                "role": spec.role,
+                "description": spec.description,
+                "installed": installed,
+                "path": str(folder),
+                "size_bytes": folder_size(folder) if installed else 0,
+            }
+        )
+    converted = specextend_home() / "converted"
+    if converted.is_dir():
+        for folder in sorted(converted.iterdir()):
+            if is_complete(folder):
+                rows.append(
+                    {
+                        "name": folder.name,
+                        "role": None,
+                        "description": (folder / COMPLETE_MARKER).read_text().strip(),
+                        "installed": True,
+                        "path": str(folder),
+                        "size_bytes": folder_size(folder),
+                    }
+                )
+    return rows
