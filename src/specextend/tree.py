@@ -55,16 +55,20 @@ def draft_dist(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 def pick_children(
     q: torch.Tensor, k: int, greedy: bool, gen: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """k candidate tokens from q and their probabilities: top-k, or a draw without replacement."""
+    """k candidate tokens from q, and the scores the tree shape may use for them.
+
+    Greedy: the top-k tokens. Sampling: a draw of k tokens without replacement, in draw order
+    (Gumbel-top-k). Either way the j-th child's score is the j-th largest probability of q,
+    never the drawn token's own probability: whether a sampled child stays in the tree must
+    not depend on which token it is, or the kept children would no longer be draws from q and
+    rejection sampling would lose exactness. (In greedy mode the two are the same numbers.)
+    """
+    probs, top = torch.topk(q, min(k, int((q > 0).sum())))
     if greedy:
-        probs, toks = torch.topk(q, k)
-        return toks, probs
-    # Gumbel-top-k: sorting log q + Gumbel noise gives a sample without replacement, in draw order.
+        return top, probs
     u = torch.rand(q.shape, generator=gen, dtype=torch.float64).clamp_(1e-300, 1.0)
     keys = torch.log(q) - torch.log(-torch.log(u))
-    k = min(k, int((q > 0).sum()))
-    toks = torch.topk(keys, k).indices
-    return toks, q[toks]
+    return torch.topk(keys, probs.numel()).indices, probs
 
 
 class TreeBuilder:
@@ -110,9 +114,9 @@ class DynamicTreeBuilder(TreeBuilder):
     draft probabilities from the root) in one draft forward; each expanded node proposes `topk`
     children. Growth stops at `depth` or when the best frontier path probability falls below
     `threshold`. Finally the `budget` nodes with the highest path probability are kept: a node's
-    path probability never exceeds its parent's, so the kept set is a tree. In sampling mode a
-    child also never outranks an earlier-drawn sibling, so each kept sibling list is a prefix of
-    the draw order (what recursive rejection sampling needs).
+    path probability never exceeds its parent's, and a child never outranks an earlier sibling
+    (scores are by rank, see `pick_children`), so the kept set is a tree whose sibling lists are
+    prefixes of the draw order (what recursive rejection sampling needs).
     """
 
     def __init__(self, budget: int, depth: int, topk: int, threshold: float = 0.0) -> None:
@@ -128,14 +132,12 @@ class DynamicTreeBuilder(TreeBuilder):
 
         def add_children(node: int, q: torch.Tensor) -> list[int]:
             c_tok, c_p = pick_children(q, self.topk, greedy, gen)
-            new, prev = [], score[node]
+            new = []
             for t, p in zip(c_tok.tolist(), c_p.tolist(), strict=True):
-                s = min(score[node] * p, prev)  # never outrank an earlier sibling
-                prev = s
                 toks.append(t)
                 parents.append(node)
                 depth.append(depth[node] + 1)
-                score.append(s)
+                score.append(score[node] * p)
                 new.append(len(toks) - 1)
             return new
 

@@ -52,6 +52,14 @@ def sample(p: torch.Tensor, gen: torch.Generator | None) -> int:
     return int(torch.multinomial(p.float() if p.dtype == torch.bfloat16 else p, 1, generator=gen))
 
 
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """What the target still owes after a rejection: normalise(max(p - q, 0))."""
+    r = torch.clamp(p - q, min=0.0)
+    mass = float(r.sum())
+    # mass 0 means p == q, where rejection cannot happen in exact arithmetic: keep p.
+    return r / mass if mass > 0.0 else p
+
+
 def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
     best = torch.argmax(logits, dim=-1).tolist()
     tokens = tree.tokens.tolist()
@@ -81,11 +89,7 @@ def verify_sampling(
                 if q[x] > 0 and u * float(q[x]) < float(p[x]):  # u < p/q without dividing
                     accepted = c
                     break
-                residual = torch.clamp(p - q, min=0.0)
-                mass = float(residual.sum())
-                if mass <= 0.0:  # p == q: rejection is impossible in exact arithmetic; keep p
-                    break
-                p = residual / mass
+                p = residual(p, q)
                 q[x] = 0.0
                 qs = float(q.sum())
                 if qs <= 0.0:

@@ -1,0 +1,89 @@
+"""Sampling keeps the target's distribution: tree drafting + recursive rejection sampling.
+
+A chi-square goodness-of-fit test compares the empirical distribution of the first generated
+positions with the exact target distribution; the same test must reject a deliberately broken
+acceptance rule, which proves it can fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specextend import verify
+from specextend.tree import ChainBuilder, DynamicTreeBuilder, draft_dist
+from specextend.verify import target_dist, verify_sampling
+
+V = 6
+N = 20_000
+POSITIONS = 3
+
+
+def markov_pair(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target and draft next-token logits given the previous token (rows), quite different."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(V, V, generator=g, dtype=torch.float64) * 1.5, torch.randn(V, V, generator=g,
+                                                                                     dtype=torch.float64) * 1.5
+
+
+def exact_marginals(p_logits, root: int, temperature: float, top_p: float) -> list[torch.Tensor]:
+    trans = torch.stack([target_dist(p_logits[a], temperature, top_p) for a in range(V)])
+    dist = trans[root]
+    out = [dist]
+    for _ in range(POSITIONS - 1):
+        dist = dist @ trans
+        out.append(dist)
+    return out
+
+
+def simulate(builder, p_logits, q_logits, root: int, temperature: float, top_p: float, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(POSITIONS, V)
+
+    def run(tokens, depths, mask):
+        return q_logits[tokens]
+
+    for _ in range(N):
+        out: list[int] = []
+        r = root
+        while len(out) < POSITIONS:
+            tree = builder.build(r, draft_dist(q_logits[r], temperature), run, False, temperature, gen)
+            verdict = verify_sampling(tree, p_logits[tree.tokens], temperature, top_p, gen)
+            toks = tree.tokens.tolist()
+            out += [toks[i] for i in verdict.path[1:]] + [verdict.bonus]
+            r = out[-1]
+        for pos in range(POSITIONS):
+            counts[pos, out[pos]] += 1
+    return counts
+
+
+def min_pvalue(counts, marg) -> float:
+    ps = []
+    for pos in range(POSITIONS):
+        expected = marg[pos].numpy() * N
+        keep = expected > 0
+        assert counts[pos][~torch.as_tensor(keep)].sum() == 0, "sampled a token the target cannot produce"
+        ps.append(chisquare(counts[pos].numpy()[keep], expected[keep] * (counts[pos].sum().item() / N)).pvalue)
+    return min(ps)
+
+
+BUILDERS = {
+    "chain": lambda: ChainBuilder(3),
+    "tree": lambda: DynamicTreeBuilder(budget=6, depth=3, topk=3),
+}
+
+
+@pytest.mark.parametrize("builder,temperature,top_p", [("chain", 1.0, 1.0), ("tree", 1.0, 1.0), ("tree", 0.7, 0.8)])
+def test_distribution_is_kept(builder, temperature, top_p):
+    p_logits, q_logits = markov_pair()
+    counts = simulate(BUILDERS[builder](), p_logits, q_logits, 2, temperature, top_p, seed=11)
+    assert min_pvalue(counts, exact_marginals(p_logits, 2, temperature, top_p)) > 1e-3
+
+
+def test_broken_rule_is_detected(monkeypatch):
+    """Skipping the residual after a rejection biases the output; the test must notice."""
+    monkeypatch.setattr(verify, "residual", lambda p, q: p)
+    p_logits, q_logits = markov_pair()
+    counts = simulate(BUILDERS["tree"](), p_logits, q_logits, 2, 1.0, 1.0, seed=11)
+    assert min_pvalue(counts, exact_marginals(p_logits, 2, 1.0, 1.0)) < 1e-6
