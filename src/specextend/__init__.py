@@ -1,0 +1,35 @@
+"""SpecExtend: fast speculative decoding on long inputs for Llama-family model pairs.
+
+`import specextend` stays cheap (no torch, no transformers): `load`, `Pair`, `Result` and
+`Settings` are imported on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["Pair", "Result", "Settings", "UserError", "load"]
+
+if TYPE_CHECKING:
+    from .api import Pair, Result, load
+    from .errors import UserError
+    from .settings import Settings
+
+_LAZY = {
+    "load": "api",
+    "Pair": "api",
+    "Result": "api",
+    "Settings": "settings",
+    "UserError": "errors",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
