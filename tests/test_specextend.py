@@ -71,16 +71,17 @@ def test_working_cache_holds_the_chosen_chunks(tiny_dir, positions):
     draft = load_model(tiny_dir("llama", 5, layers=1), torch.float64)
     n, c = 50, 4
     store = store_with_prompt(draft, n)
-    s = Settings(chunk_size=c, top_k_chunks=3, positions=positions, sink_tokens=4).resolved()
+    s = Settings(chunk_size=c, top_k_chunks=4, positions=positions, sink_tokens=4).resolved()
     policy = make_draft_cache("cmr", draft, store, "efficient", s)
     policy.start()
     scores = torch.full((n,), 1e-3)
     scores[20:24] = 0.5  # chunk 5 dominates
     scores[36:40] = 0.2  # then chunk 9
     policy.refresh(scores)
-    open_start = (n // c) * c
-    assert policy.selected == [(0, 4), (20, 24), (36, 40), (open_start, n)]
-    slots = torch.tensor([*range(0, 4), *range(20, 24), *range(36, 40), *range(open_start, n)])
+    # Chunk 0 (sink) and the newest complete chunk [44, 48) are always kept; the open chunk
+    # [48, 50) follows; the two best-scored chunks fill the rest of the k = 4.
+    assert policy.selected == [(0, 4), (20, 24), (36, 40), (44, 50)]
+    slots = torch.tensor([*range(0, 4), *range(20, 24), *range(36, 40), *range(44, 50)])
     w = policy.working
     assert w.length == len(slots)
     # Values are position-free: copied exactly. Keys are re-rotated to the new positions.

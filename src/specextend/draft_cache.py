@@ -204,17 +204,22 @@ class CMRDraftCache(SelectiveDraftCache):
         return self.steps_since >= self.s.retrieve_every
 
     def choose_chunks(self, scores: torch.Tensor) -> list[int]:
-        """Indices of the top-k complete chunks by mean attention (chunk 0 kept as the sink)."""
+        """Indices of the top-k complete chunks by mean attention.
+
+        Two chunks are always kept, inside the k: the first (it holds the attention sink the
+        draft's softmax leans on, when sink_tokens > 0) and the newest complete one (the
+        immediate context, e.g. a question that just ended; the target may rank it low because
+        the query token itself sits in the open chunk).
+        """
         c = self.s.chunk_size
         n_chunks = min(self.store.length, scores.shape[0]) // c
         if n_chunks == 0:
             return []
-        mean = scores[: n_chunks * c].view(n_chunks, c).mean(-1)
-        k = self.s.top_k_chunks
-        forced = [0] if self.s.sink_tokens > 0 else []
-        if forced:
+        mean = scores[: n_chunks * c].view(n_chunks, c).mean(-1).clone()
+        if self.s.sink_tokens > 0:
             mean[0] = float("inf")
-        return sorted(torch.topk(mean, min(k, n_chunks)).indices.tolist()) if k else forced
+        mean[n_chunks - 1] = float("inf")
+        return sorted(torch.topk(mean, min(self.s.top_k_chunks, n_chunks)).indices.tolist())
 
     def refresh(self, scores: torch.Tensor | None) -> None:
         if scores is None:

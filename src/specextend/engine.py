@@ -225,13 +225,13 @@ class SpecEngine:
         tcache = state.target_cache
         policy: DraftCache = make_draft_cache(s.draft_cache, self.draft, state.draft_cache, s.attention, s)
         builder = make_builder(s)
-        score_layers = self._score_layers(s) if s.draft_cache == "cmr" else []
+        score_layers = self.score_layers(s) if s.draft_cache == "cmr" else []
         clock.skip()
         if isinstance(policy, SelectiveDraftCache):
             policy.start()
             if score_layers:  # first retrieval: what the prompt's last token attends to
                 first_q = {i: state.last_q[i] for i in score_layers}
-                policy.refresh(self._retrieval_scores(tcache, first_q, [0]))
+                policy.refresh(self.retrieval_scores(tcache, first_q, [0]))
         clock.lap("retrieval_s")
 
         root = self._choose(state.first_logits, s, gen)
@@ -273,7 +273,7 @@ class SpecEngine:
             policy.observe(len(verdict.path) - 1)
             if policy.wants_scores():
                 rows = [verdict.path[-1]] if s.retrieval_query == "last" else verdict.path
-                policy.refresh(self._retrieval_scores(tcache, keep_q, rows))
+                policy.refresh(self.retrieval_scores(tcache, keep_q, rows))
             clock.lap("retrieval_s")
             if self.step_hook is not None:
                 self.step_hook(tcache, policy, out, todo)
@@ -283,7 +283,7 @@ class SpecEngine:
             extra["retrievals"] = float(policy.rebuilds)
         return out, accepts, stop, extra
 
-    def _score_layers(self, s: Settings) -> list[int]:
+    def score_layers(self, s: Settings) -> list[int]:
         n = self.target.cfg.num_layers
         last = s.retrieval_layer % n
         if s.retrieval_layer >= n or s.retrieval_layer < -n:
@@ -292,7 +292,7 @@ class SpecEngine:
         return list(range(first, last + 1))
 
     @staticmethod
-    def _retrieval_scores(cache: KVCache, keep_q: dict | None, rows: list[int]) -> torch.Tensor | None:
+    def retrieval_scores(cache: KVCache, keep_q: dict | None, rows: list[int]) -> torch.Tensor | None:
         """Target attention of the accepted query row(s) over every committed token, averaged
         over heads (and over layers when several are kept). Only these rows are scored."""
         if not keep_q:
