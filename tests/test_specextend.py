@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCHS
 
 from specextend.draft_cache import CMRDraftCache, StreamingDraftCache, make_draft_cache
 from specextend.engine import SpecEngine
 from specextend.models.loader import load_model
 from specextend.settings import Settings
+
+from conftest import ARCHS
 
 SMALL = dict(chunk_size=4, top_k_chunks=3, retrieve_every=2, tree_budget=6, tree_depth=4, tree_topk=2)
 ABLATIONS = {
