@@ -1,0 +1,337 @@
+"""summary.md, speedup.png and accepted.png from bench rows (results.jsonl).
+
+    python -m specextend.bench.report DIR      # rebuild DIR's summary and plots from DIR/results.jsonl
+
+Aggregates per data set (one input length) and method: decode tokens/s is total new tokens over
+total decode seconds; speedups are ratios of those rates; accepted per step is weighted by steps;
+the retrieval share is retrieval seconds over decode seconds; the match rate counts samples whose
+tokens equal `ar`'s token for token. Files are written atomically (temp file + os.replace), so an
+interrupted run never leaves a half-written summary or plot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .data import data_family, data_length
+
+RESULTS = "results.jsonl"
+SUMMARY = "summary.md"
+SPEEDUP_PNG = "speedup.png"
+ACCEPTED_PNG = "accepted.png"
+SPECULATIVE_ORDER = ("ar", "sd", "specextend")  # listed first, in this order; the rest alphabetically
+
+
+# --------------------------------------------------------------------------- results.jsonl
+
+
+def read_rows(path: Path, repair: bool = False) -> list[dict[str, Any]]:
+    """Complete rows of a results file. A trailing partial line (a killed writer) is ignored, and
+    with `repair` cut off so that later appends start on a fresh line."""
+    if not path.is_file():
+        return []
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data) and repair:
+        with open(path, "r+b") as f:
+            f.truncate(end)
+    rows = []
+    for lineno, line in enumerate(data[:end].splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            print(f"specextend: warning: {path} line {lineno} is not valid JSON; ignored", file=sys.stderr)
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def latest_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (data, sample, method): the last one written."""
+    by_key: dict[tuple, dict[str, Any]] = {}
+    for r in rows:
+        by_key[(r.get("data"), r.get("sample"), r.get("method"))] = r
+    return list(by_key.values())
+
+
+# --------------------------------------------------------------------------- aggregation
+
+
+@dataclass
+class Cell:
+    """One (data set, method) aggregate."""
+
+    data: str
+    method: str
+    samples: int
+    input_tokens: float
+    new_tokens: int
+    decode_tps: float | None
+    accepted: float | None
+    prefill_s: float | None
+    retrieval_share: float | None
+    matches: int
+    compared: int
+    speedup_ar: float | None = None
+    speedup_sd: float | None = None
+
+
+def _num(x: Any) -> float | None:
+    return float(x) if isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) else None
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def method_order(methods: Iterable[str]) -> list[str]:
+    ms = set(methods)
+    first = [m for m in SPECULATIVE_ORDER if m in ms]
+    ours = sorted(m for m in ms if m not in first and not m.startswith("hf-"))
+    return first + ours + sorted(m for m in ms if m.startswith("hf-"))
+
+
+def data_order(names: Iterable[str], cells_input: dict[str, float]) -> list[str]:
+    return sorted(set(names), key=lambda d: (data_family(d), data_length(d) or cells_input.get(d, 0), d))
+
+
+def _matches(rows: list[dict[str, Any]], ar_ids: dict[tuple, list[int]]) -> tuple[int, int]:
+    """(equal, compared): the row's own matches_ar, or recomputed when an ar row exists now."""
+    equal = compared = 0
+    for r in rows:
+        ref = ar_ids.get((r.get("data"), r.get("sample")))
+        m = (r.get("token_ids") == ref) if ref is not None else r.get("matches_ar")
+        if isinstance(m, bool):
+            compared += 1
+            equal += m
+    return equal, compared
+
+
+def aggregate(rows: list[dict[str, Any]]) -> list[Cell]:
+    ar_ids = {(r["data"], r["sample"]): r.get("token_ids") for r in rows if r.get("method") == "ar"}
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((str(r.get("data")), str(r.get("method"))), []).append(r)
+    cells: dict[tuple[str, str], Cell] = {}
+    for (data, method), rs in groups.items():
+        new = sum(int(r.get("new_tokens") or 0) for r in rs)
+        dec = sum(_num(r.get("decode_s")) or 0.0 for r in rs)
+        steps = [(_num(r.get("steps")), _num(r.get("accepted_per_step"))) for r in rs]
+        weighted = [(s, a) for s, a in steps if s is not None and a is not None and s > 0]
+        accepted = (sum(s * a for s, a in weighted) / sum(s for s, _ in weighted) if weighted
+                    else _mean([a for _, a in steps if a is not None]))
+        retr = sum(_num((r.get("phases") or {}).get("retrieval_s")) or 0.0 for r in rs)
+        eq, cmp_ = _matches(rs, ar_ids)
+        cells[(data, method)] = Cell(
+            data=data, method=method, samples=len(rs),
+            input_tokens=_mean([float(r.get("input_tokens") or r.get("prompt_tokens") or 0) for r in rs]) or 0.0,
+            new_tokens=new,
+            decode_tps=new / dec if dec > 0 else None,
+            accepted=accepted,
+            prefill_s=_mean([p for p in (_num(r.get("prefill_s")) for r in rs) if p is not None]),
+            retrieval_share=retr / dec if dec > 0 else None,
+            matches=eq, compared=cmp_,
+        )
+    for (data, _method), c in cells.items():
+        for base, attr in (("ar", "speedup_ar"), ("sd", "speedup_sd")):
+            ref = cells.get((data, base))
+            if ref is not None and ref.decode_tps and c.decode_tps is not None:
+                setattr(c, attr, c.decode_tps / ref.decode_tps)
+    return list(cells.values())
+
+
+# --------------------------------------------------------------------------- summary.md
+
+
+def _f(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def summary_tables(cells: list[Cell]) -> str:
+    """One markdown table per data set, ordered by family and input length."""
+    inputs = {c.data: c.input_tokens for c in cells}
+    out = []
+    for data in data_order(inputs, inputs):
+        cs = {c.method: c for c in cells if c.data == data}
+        n = max(c.samples for c in cs.values())
+        out.append(f"### {data}: {inputs[data]:,.0f} input tokens (mean), {n} sample{'s' * (n != 1)}\n")
+        out.append("| method | samples | new tokens | decode tok/s | vs ar | vs sd | accepted/step | prefill s "
+                   "| retrieval share | = ar |")
+        out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for m in method_order(cs):
+            c = cs[m]
+            match = f"{c.matches}/{c.compared}" if c.compared else "-"
+            retr = "-" if c.retrieval_share is None else f"{100 * c.retrieval_share:.1f}%"
+            out.append(
+                f"| {m} | {c.samples} | {c.new_tokens} | {_f(c.decode_tps, '.2f')} | "
+                f"{_f(c.speedup_ar, '.2f')}{'x' * (c.speedup_ar is not None)} | "
+                f"{_f(c.speedup_sd, '.2f')}{'x' * (c.speedup_sd is not None)} | {_f(c.accepted, '.2f')} | "
+                f"{_f(c.prefill_s, '.1f')} | {retr} | {match} |"
+            )
+        out.append("")
+    return "\n".join(out)
+
+
+def _run_info(rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return []
+    first = rows[0]
+    info = [f"- target: `{first.get('target')}`"]
+    drafts = sorted({str(r.get("draft")) for r in rows if r.get("draft")})
+    if drafts:
+        info.append(f"- draft: {', '.join(f'`{d}`' for d in drafts)}")
+    info.append(f"- dtype: {first.get('dtype')}, device: {first.get('device')}")
+    mnt = sorted({(r.get("config") or {}).get("max_new_tokens") for r in rows} - {None})
+    if mnt:
+        info.append(f"- max new tokens: {', '.join(map(str, mnt))}")
+    return info
+
+
+def summary_markdown(rows: list[dict[str, Any]]) -> str:
+    cells = aggregate(rows)
+    parts = ["# specextend bench", ""]
+    parts += _run_info(rows)
+    parts += [
+        "",
+        "Decode tok/s = new tokens / decode seconds (prefill excluded), summed over samples; vs ar / vs sd: "
+        "ratio of those rates on the same data; accepted/step: mean draft tokens accepted per target "
+        "forward (τ); prefill s: mean per sample (target + draft; target only for ar); retrieval share: "
+        "retrieval seconds / decode seconds; = ar: samples whose tokens equal ar's token for token.",
+        "",
+        summary_tables(cells) if cells else "(no results yet)",
+    ]
+    return "\n".join(parts) + "\n"
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def _series(cells: list[Cell], value: Callable[[Cell], float | None], skip: set[str]
+            ) -> dict[tuple[str, str], list[tuple[float, float]]]:
+    """(family, method) -> [(mean input tokens, value)] sorted by input length."""
+    series: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for c in cells:
+        v = value(c)
+        if c.method in skip or v is None:
+            continue
+        series.setdefault((data_family(c.data), c.method), []).append((c.input_tokens, v))
+    return {k: sorted(v) for k, v in series.items()}
+
+
+def _plot(path: Path, cells: list[Cell], value: Callable[[Cell], float | None], skip: set[str], ylabel: str,
+          title: str, reference: float | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = _series(cells, value, skip)
+    families = sorted({f for f, _ in series})
+    styles = ["-", "--", ":", "-."]
+    # One colour per method across both plots: assigned over every method in the results.
+    order = method_order({c.method for c in cells})
+    colors = {m: f"C{i % 10}" for i, m in enumerate(order)}
+    fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
+    try:
+        for (family, method), pts in sorted(series.items(), key=lambda kv: (kv[0][0], order.index(kv[0][1]))):
+            xs, ys = zip(*pts, strict=True)
+            label = method if len(families) == 1 else f"{method} ({family})"
+            ax.plot(xs, ys, styles[families.index(family) % len(styles)], marker="o", color=colors[method],
+                    label=label)
+        if reference is not None:
+            ax.axhline(reference, color="grey", linewidth=0.8, linestyle="--")
+        xs_all = sorted({round(x) for pts in series.values() for x, _ in pts})
+        if xs_all and xs_all[0] > 0:
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(xs_all, [f"{x:,}" for x in xs_all], rotation=30 if len(xs_all) > 5 else 0)
+            ax.minorticks_off()
+        ax.set_xlabel("input tokens (mean per data set)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        if series:
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "no data yet", ha="center", va="center", transform=ax.transAxes)
+        _atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
+    finally:
+        plt.close(fig)
+
+
+def plot_speedup(path: Path, cells: list[Cell]) -> None:
+    _plot(path, cells, lambda c: c.speedup_ar, {"ar"}, "decode speedup vs ar", "Decode speedup vs ar", 1.0)
+
+
+def plot_accepted(path: Path, cells: list[Cell]) -> None:
+    _plot(path, cells, lambda c: c.accepted, {"ar", "hf-ar"}, "accepted tokens per step (τ)",
+          "Draft tokens accepted per target forward", None)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _atomic(path: Path, write: Callable[[str], None]) -> None:
+    """Write through a temp file in the same folder, then os.replace: readers see old or new."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+
+    _atomic(path, write)
+
+
+def write_report(out_dir: Path, rows: list[dict[str, Any]], plots: bool = True) -> str:
+    """summary.md (and, with `plots`, speedup.png and accepted.png) in `out_dir`; returns the
+    summary's markdown."""
+    text = summary_markdown(rows)
+    write_text_atomic(out_dir / SUMMARY, text)
+    if plots:
+        cells = aggregate(rows)
+        plot_speedup(out_dir / SPEEDUP_PNG, cells)
+        plot_accepted(out_dir / ACCEPTED_PNG, cells)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or args[0] in ("-h", "--help"):
+        print("usage: python -m specextend.bench.report DIR", file=sys.stderr)
+        return 0 if args and args[0] in ("-h", "--help") else 2
+    out = Path(args[0])
+    rows = latest_rows(read_rows(out / RESULTS))
+    if not rows:
+        print(f"specextend: error: no results in {out / RESULTS}", file=sys.stderr)
+        return 2
+    write_report(out, rows)
+    print(summary_tables(aggregate(rows)))
+    print(f"wrote {out / SUMMARY}, {out / SPEEDUP_PNG}, {out / ACCEPTED_PNG}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

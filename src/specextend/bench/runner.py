@@ -1,0 +1,566 @@
+"""`specextend bench`: time decoding methods over a data set and write results, summary and plots.
+
+    specextend bench --out runs/x [--data PATH ...] [--methods ar,sd,specextend] [--samples 3]
+                     [--max-new-tokens 128] [--lengths 1K,4K] [--set chunk_size=64] ...
+
+Methods: the `generate` presets (`ar`, `sd`, `specextend`), ablations written `base+mod` (see
+MODIFIERS, e.g. `sd+cmr`, `specextend+full`), and the transformers baselines `hf-ar`,
+`hf-assisted`, `hf-lookup` (hf_baselines.py).
+
+Order of work, chosen for time and memory:
+1. everything the user typed is checked, data read and tokenised, and every prompt checked
+   against the models' context before any weights are read (bad input: exit 2, one line);
+2. our models are loaded once; per sample and attention backend the prompt is prefilled ONCE
+   and decoded by every method using that backend (`ar` first, so the others can be compared
+   with it token for token); the prefill time is reported in each of those rows (target only
+   for `ar`, which needs no draft);
+3. our models are freed, then the HF baselines run with HF copies of the weights.
+
+Outputs in --out: results.jsonl (one JSON line per sample x method, appended with flush + fsync),
+summary.md, speedup.png, accepted.png (rewritten atomically after every row). Re-running with
+the same --out skips rows already there (same data, sample, method and settings hash).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from ..errors import UserError
+from ..settings import METHODS, Settings
+from .data import (
+    BUILTIN_LENGTHS,
+    Sample,
+    builtin_code_inputs,
+    data_length,
+    encode_samples,
+    is_builtin,
+    load_jsonl_inputs,
+    parse_lengths,
+)
+from .hf_baselines import HF_METHODS, HFSettings
+from .report import RESULTS, aggregate, read_rows, summary_tables, write_report
+
+DEFAULT_METHODS = "ar,sd,specextend"
+# Plots cost ~0.5 s of a 2-core CPU: redraw them after a row only when this long has passed since
+# the last redraw (always at the end, also of an interrupted run). summary.md follows every row.
+PLOT_EVERY_S = 20.0
+
+# Ablation modifiers: `base+mod` sets one Settings field on top of the base preset.
+MODIFIERS: dict[str, tuple[str, str]] = {
+    "full": ("draft_cache", "full"),
+    "streaming": ("draft_cache", "streaming"),
+    "cmr": ("draft_cache", "cmr"),
+    "efficient": ("attention", "efficient"),
+    "eager": ("attention", "eager"),
+    "chain": ("tree", "chain"),
+    "dynamic": ("tree", "dynamic"),
+}
+# Settings that --methods and --max-new-tokens own; --set may not touch them.
+RESERVED = {"method", "draft_cache", "attention", "max_new_tokens", "extra"}
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    models = p.add_argument_group("models")
+    models.add_argument("--target", help="target model: folder, .gguf file, known name (default: the default pair)")
+    models.add_argument("--draft", help="draft model, same forms as --target")
+    models.add_argument("--dtype", default="float32", help="float32|float64|bfloat16|float16 (default: float32)")
+    models.add_argument("--draft-dtype", default=None, help="the draft's dtype (default: --dtype)")
+    models.add_argument("--device", default="cpu", help="cpu|cuda[:N] (default: cpu)")
+
+    data = p.add_argument_group("data")
+    data.add_argument("--data", nargs="+", default=None, metavar="PATH",
+                      help="JSONL files (field `text`) or folders of them; a bare name such as `govreport` is "
+                           "looked up in $SPECEXTEND_DATA and ../shared/data; `stdlib` is the built-in long-code "
+                           "set (default: the built-in set)")
+    data.add_argument("--lengths", default=None,
+                      help="input lengths to run, e.g. 1K,4K: the built-in set's cuts (default: "
+                           f"{','.join(f'{n // 1024}K' for n in BUILTIN_LENGTHS)}), and a filter on JSONL files "
+                           "named like govreport_4K.jsonl")
+    data.add_argument("--samples", type=int, default=3, help="samples per data set (default: 3)")
+    data.add_argument("--no-chat", dest="chat", action="store_false",
+                      help="tokenise prompts as raw text instead of a chat-template user turn")
+
+    method = p.add_argument_group("methods and settings")
+    method.add_argument("--methods", default=DEFAULT_METHODS,
+                        help=f"comma-separated: {', '.join(METHODS)}, ablations base+mod with mod in "
+                             f"{', '.join(MODIFIERS)} (e.g. sd+cmr), and {', '.join(HF_METHODS)} "
+                             f"(default: {DEFAULT_METHODS})")
+    method.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per run (default: 128)")
+    method.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a generation setting for every method (e.g. chunk_size=64, top_k_chunks=16, "
+                             "retrieve_every=4, tree_budget=16, temperature=0.7); repeatable")
+
+    out = p.add_argument_group("output")
+    out.add_argument("--out", required=True, metavar="DIR",
+                     help="results folder: results.jsonl, summary.md, speedup.png, accepted.png; "
+                          "re-running with the same folder resumes")
+    out.add_argument("-q", "--quiet", action="store_true", help="no progress bar or loading messages")
+
+
+# --------------------------------------------------------------------------- methods
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str  # as written in --methods
+    settings: Settings | None = None  # resolved, for our engine's methods
+    hf: HFSettings | None = None  # for the transformers baselines
+
+    @property
+    def is_hf(self) -> bool:
+        return self.hf is not None
+
+    @property
+    def needs_draft(self) -> bool:
+        if self.is_hf:
+            return self.name == "hf-assisted"
+        return self.settings is not None and self.settings.method != "ar"
+
+    def config(self) -> dict[str, Any]:
+        if self.hf is not None:
+            return self.hf.config(self.name)
+        assert self.settings is not None
+        return self.settings.as_dict()
+
+
+def _coerce(name: str, raw: str, default: Any) -> Any:
+    """A --set value typed like the field's default."""
+    try:
+        if isinstance(default, bool):
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if isinstance(default, int):
+            return int(raw)
+        if isinstance(default, float):
+            v = float(raw)
+            if not math.isfinite(v):
+                raise ValueError
+            return v
+    except ValueError:
+        raise UserError(f"--set {name}={raw}: expected a {type(default).__name__}") from None
+    return raw
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """--set KEY=VALUE items -> Settings field values (unknown or reserved keys: UserError)."""
+    defaults = {f.name: f.default for f in fields(Settings)}
+    known = sorted(set(defaults) - RESERVED)
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise UserError(f"--set wants KEY=VALUE, got {item!r}")
+        if key in RESERVED:
+            hint = "--max-new-tokens" if key == "max_new_tokens" else "--methods (e.g. sd+cmr)"
+            raise UserError(f"--set {key}: use {hint} instead")
+        if key not in defaults:
+            raise UserError(f"--set {key}: unknown setting; known: {', '.join(known)}")
+        out[key] = _coerce(key, raw.strip(), defaults[key])
+    return out
+
+
+def parse_method(name: str, base: Settings) -> MethodSpec:
+    if name in HF_METHODS:
+        return MethodSpec(name, hf=HFSettings(base.max_new_tokens, base.temperature, base.top_p, base.seed))
+    preset, *mods = name.split("+")
+    if preset not in METHODS:
+        raise UserError(f"unknown method {name!r}; choose from {', '.join(METHODS)}, ablations like sd+cmr, "
+                        f"and {', '.join(HF_METHODS)}")
+    changes: dict[str, str] = {}
+    for mod in mods:
+        if mod not in MODIFIERS:
+            raise UserError(f"unknown modifier +{mod} in {name!r}; choose from {', '.join(MODIFIERS)}")
+        field_name, value = MODIFIERS[mod]
+        if field_name in changes:
+            raise UserError(f"method {name!r} sets {field_name} twice")
+        if preset == "ar" and field_name != "attention":
+            raise UserError(f"method {name!r}: ar uses no draft, so +{mod} means nothing")
+        changes[field_name] = value
+    return MethodSpec(name, settings=replace(base, method=preset, **changes).resolved())
+
+
+def parse_methods(text: str, base: Settings) -> list[MethodSpec]:
+    names = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    if not names:
+        raise UserError("--methods is empty")
+    return [parse_method(n, base) for n in names]
+
+
+def engine_groups(specs: list[MethodSpec]) -> list[tuple[str, list[MethodSpec]]]:
+    """Our methods grouped by attention backend (one prefill each); `ar` and its group first."""
+    groups: dict[str, list[MethodSpec]] = {}
+    for sp in specs:
+        if sp.settings is not None:
+            groups.setdefault(sp.settings.attention or "", []).append(sp)
+    for g in groups.values():
+        g.sort(key=lambda sp: sp.name != "ar")
+    return sorted(groups.items(), key=lambda kv: kv[1][0].name != "ar")
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class Plan:
+    out: Path
+    specs: list[MethodSpec]
+    base: Settings
+    jsonl: list[Sample]  # read and checked, not yet tokenised
+    builtin: bool
+    lengths: list[int] | None
+    samples: int
+    chat: bool
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    """Every check that needs no model: numbers, methods, settings, data files, the output folder."""
+    from ..models.loader import parse_device, parse_dtype
+
+    if args.samples is None or args.samples <= 0:
+        raise UserError(f"--samples must be a positive integer, got {args.samples}")
+    if args.max_new_tokens is None or args.max_new_tokens <= 0:
+        raise UserError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
+    parse_dtype(args.dtype)
+    if args.draft_dtype is not None:
+        parse_dtype(args.draft_dtype)
+    parse_device(args.device)
+    base = Settings(max_new_tokens=args.max_new_tokens, **parse_set(args.set))
+    specs = parse_methods(args.methods, base)
+    lengths = parse_lengths(args.lengths) if args.lengths is not None else None
+
+    items = args.data or ["stdlib"]
+    builtin = any(is_builtin(i) for i in items)
+    paths = [i for i in items if not is_builtin(i)]
+    jsonl: list[Sample] = []
+    if paths:
+        # Read and check every record now; keep only what the length filter selects.
+        jsonl = load_jsonl_inputs(paths, limit=args.samples)
+        if lengths is not None:
+            jsonl = [s for s in jsonl if data_length(s.data) in lengths]
+            if not jsonl:
+                raise UserError(f"no data file matches --lengths {args.lengths}")
+    out = Path(args.out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {args.out} exists and is not a folder")
+    if (out / RESULTS).exists() and not (out / RESULTS).is_file():
+        raise UserError(f"{out / RESULTS} is not a file")
+    return Plan(out, specs, base, jsonl, builtin, lengths, args.samples, args.chat)
+
+
+def load_samples(plan: Plan, tokenizer: Any) -> list[Sample]:
+    samples: list[Sample] = []
+    if plan.builtin:
+        samples += builtin_code_inputs(tokenizer, plan.lengths or BUILTIN_LENGTHS, plan.samples, plan.chat)
+    if plan.jsonl:
+        encode_samples(plan.jsonl, tokenizer, plan.chat)
+        samples += plan.jsonl
+    for s in samples:
+        if not s.prompt_ids:
+            raise UserError(f"{s.data} sample {s.sample} encodes to no tokens")
+    return samples
+
+
+def check_context(prepared: Any, samples: list[Sample], specs: list[MethodSpec]) -> None:
+    """Every prompt + new tokens within every model's context, before any weights are read."""
+    longest = max(samples, key=lambda s: s.input_tokens)
+    for sp in specs:
+        try:
+            if sp.settings is not None:
+                prepared.check_fits(longest.input_tokens, sp.settings)
+            else:
+                assert sp.hf is not None
+                limit = int(prepared.target_cfg.max_position)
+                if longest.input_tokens + sp.hf.max_new_tokens > limit:
+                    raise UserError(f"a prompt of {longest.input_tokens} tokens + {sp.hf.max_new_tokens} new "
+                                    f"tokens exceeds the target's context of {limit} tokens")
+        except UserError as e:
+            raise UserError(f"{longest.data} sample {longest.sample} with {sp.name}: {e}") from None
+
+
+# --------------------------------------------------------------------------- rows and keys
+
+
+def settings_hash(run: dict[str, Any], spec: MethodSpec, sample: Sample) -> str:
+    """What makes a row reusable: models, dtypes, device, the method's resolved settings and the
+    exact prompt tokens."""
+    prompt = hashlib.sha256(json.dumps(sample.prompt_ids).encode()).hexdigest()
+    models = dict(run)
+    if not spec.needs_draft:
+        models.pop("draft", None)
+        models.pop("draft_dtype", None)
+    blob = json.dumps({"models": models, "config": spec.config(), "prompt": prompt}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def row_key(row: dict[str, Any]) -> tuple:
+    return (row.get("data"), row.get("sample"), row.get("method"), row.get("settings_hash"))
+
+
+def _finite(x: Any) -> Any:
+    """JSON has no NaN/inf; a broken timer must not make a row unparsable."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_finite(v) for v in x]
+    return x
+
+
+def append_row(path: Path, row: dict[str, Any]) -> None:
+    """One complete line per row, on disk before we go on: a killed run loses at most a partial
+    last line, which the next run cuts off (report.read_rows(repair=True))."""
+    line = json.dumps(_finite(row), ensure_ascii=False, allow_nan=False) + "\n"
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# --------------------------------------------------------------------------- the run
+
+
+class Bench:
+    """State of one run: keys, rows written so far, the ar outputs to compare against."""
+
+    def __init__(self, plan: Plan, prepared: Any, samples: list[Sample], quiet: bool) -> None:
+        self.plan, self.prepared, self.samples, self.quiet = plan, prepared, samples, quiet
+        self.run_info = {
+            "target": str(prepared.target_path),
+            "draft": str(prepared.draft_path) if prepared.draft_path is not None else None,
+            "dtype": prepared.dtype,
+            "draft_dtype": prepared.draft_dtype or prepared.dtype,
+            "device": prepared.device,
+        }
+        self.keys = {(s.data, s.sample, sp.name): settings_hash(self.run_info, sp, s)
+                     for s in samples for sp in plan.specs}
+        self.results = plan.out / RESULTS
+        existing = read_rows(self.results, repair=True)
+        wanted = {(*k, h) for k, h in self.keys.items()}
+        self.rows: dict[tuple, dict[str, Any]] = {row_key(r): r for r in existing if row_key(r) in wanted}
+        self.bar: Any = None
+        self.plotted_at = -math.inf
+
+    # ----------------------------------------------------------------- bookkeeping
+
+    def key(self, sample: Sample, spec: MethodSpec) -> tuple:
+        return (sample.data, sample.sample, spec.name, self.keys[(sample.data, sample.sample, spec.name)])
+
+    def done(self, sample: Sample, spec: MethodSpec) -> bool:
+        return self.key(sample, spec) in self.rows
+
+    def pending(self) -> list[tuple[Sample, MethodSpec]]:
+        return [(s, sp) for s in self.samples for sp in self.plan.specs if not self.done(s, sp)]
+
+    def ar_ids(self, sample: Sample) -> list[int] | None:
+        ar = next((sp for sp in self.plan.specs if sp.name == "ar"), None)
+        row = self.rows.get(self.key(sample, ar)) if ar is not None else None
+        return row.get("token_ids") if row is not None else None
+
+    def record(self, sample: Sample, spec: MethodSpec, row: dict[str, Any]) -> None:
+        ar = self.ar_ids(sample)
+        row.update(
+            data=sample.data,
+            sample=sample.sample,
+            source=sample.source,
+            input_tokens=sample.input_tokens,
+            settings_hash=self.keys[(sample.data, sample.sample, spec.name)],
+            matches_ar=True if spec.name == "ar" else (row["token_ids"] == ar if ar is not None else None),
+            finished_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        )
+        append_row(self.results, row)
+        self.rows[row_key(row)] = row
+        self.report(final=False)
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def report(self, final: bool) -> None:
+        plots = final or time.monotonic() - self.plotted_at >= PLOT_EVERY_S
+        write_report(self.plan.out, self.ordered_rows(), plots=plots)
+        if plots:
+            self.plotted_at = time.monotonic()
+
+    def ordered_rows(self) -> list[dict[str, Any]]:
+        order = {(s.data, s.sample, sp.name): i for i, (s, sp) in
+                 enumerate((s, sp) for s in self.samples for sp in self.plan.specs)}
+        return sorted(self.rows.values(), key=lambda r: order.get((r["data"], r["sample"], r["method"]), 0))
+
+    def say(self, message: str) -> None:
+        if self.quiet:
+            return
+        if self.bar is not None:
+            self.bar.write(f"specextend: {message}", file=sys.stderr)
+        else:
+            print(f"specextend: {message}", file=sys.stderr, flush=True)
+
+    def _status(self, sample: Sample, what: str) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"{sample.data} #{sample.sample} {what}", refresh=True)
+
+    # ----------------------------------------------------------------- our engine
+
+    def run_engine(self) -> None:
+        todo = [(s, sp) for s, sp in self.pending() if not sp.is_hf]
+        if not todo:
+            return
+        pair = self.prepared.load()
+        try:
+            for sample in self.samples:
+                for _attention, specs in engine_groups(self.plan.specs):
+                    waiting = [sp for sp in specs if not self.done(sample, sp)]
+                    if waiting:
+                        self._run_group(pair, sample, waiting)
+        finally:
+            # Free our weights before the HF baselines load theirs.
+            del pair
+            gc.collect()
+
+    def _run_group(self, pair: Any, sample: Sample, specs: list[MethodSpec]) -> None:
+        # Prefill with a speculative method's settings if any, so the draft is prefilled too.
+        first = next((sp for sp in specs if sp.needs_draft), specs[0])
+        assert first.settings is not None
+        self._status(sample, f"prefill ({first.settings.attention})")
+        state = pair.engine.prefill(sample.prompt_ids, first.settings)
+        try:
+            for sp in specs:
+                assert sp.settings is not None
+                self._status(sample, sp.name)
+                gen = pair.engine.decode(state, sp.settings)
+                self.record(sample, sp, self._engine_row(pair, sp, gen, state.target_s, state.draft_s))
+        finally:
+            del state
+
+    def _engine_row(self, pair: Any, spec: MethodSpec, gen: Any, target_s: float, draft_s: float
+                    ) -> dict[str, Any]:
+        s: Settings = gen.settings
+        spec_draft = spec.needs_draft
+        prefill_s = target_s + (draft_s if spec_draft else 0.0)
+        return {
+            "method": spec.name,
+            "preset": s.method,
+            "target": self.run_info["target"],
+            "draft": self.run_info["draft"] if spec_draft else None,
+            "dtype": self.run_info["dtype"],
+            "draft_dtype": self.run_info["draft_dtype"] if spec_draft else None,
+            "device": self.run_info["device"],
+            "config": s.as_dict(),
+            "prompt_tokens": gen.prompt_tokens,
+            "new_tokens": gen.new_tokens,
+            "token_ids": list(gen.token_ids),
+            "text": pair.decode(gen.token_ids),
+            "prefill_s": prefill_s,
+            "prefill_target_s": target_s,
+            "prefill_draft_s": draft_s if spec_draft else 0.0,
+            "decode_s": gen.decode_s,
+            "total_s": prefill_s + gen.decode_s,
+            "decode_tokens_per_s": gen.decode_tokens_per_s,
+            "steps": gen.steps,
+            "accepted_per_step": gen.accepted_per_step,
+            "phases": dict(gen.phases),
+            "stop_reason": gen.stop_reason,
+            "accept_lengths": list(gen.accept_lengths),
+            "extra": dict(gen.extra or {}),
+        }
+
+    # ----------------------------------------------------------------- HF baselines
+
+    def run_hf(self) -> None:
+        todo = [(s, sp) for s, sp in self.pending() if sp.is_hf]
+        if not todo:
+            return
+        from ..models.loader import eos_token_ids, parse_dtype
+        from .hf_baselines import HFBaselines
+
+        p = self.prepared
+        tok = p.tokenizer
+        eos = eos_token_ids(p.target_path, tok)
+        hf = HFBaselines(p.target_path, p.draft_path, parse_dtype(p.dtype),
+                         parse_dtype(p.draft_dtype or p.dtype), p.device)
+        try:
+            for sample, sp in todo:
+                assert sp.hf is not None
+                self._status(sample, sp.name)
+                m = hf.run(sp.name, sample.prompt_ids, sp.hf, eos)
+                self.record(sample, sp, self._hf_row(sp, sample, m, tok))
+        finally:
+            hf.close()
+
+    def _hf_row(self, spec: MethodSpec, sample: Sample, m: dict[str, Any], tok: Any) -> dict[str, Any]:
+        assisted = spec.name == "hf-assisted"
+        return {
+            "method": spec.name,
+            "preset": None,
+            "target": self.run_info["target"],
+            "draft": self.run_info["draft"] if assisted else None,
+            "dtype": self.run_info["dtype"],
+            "draft_dtype": self.run_info["draft_dtype"] if assisted else None,
+            "device": self.run_info["device"],
+            "config": spec.config(),
+            "prompt_tokens": sample.input_tokens,
+            "text": tok.decode(m["token_ids"], skip_special_tokens=True, clean_up_tokenization_spaces=False),
+            **m,
+        }
+
+    # ----------------------------------------------------------------- all
+
+    def run(self, progress_factory: Callable[..., Any] | None) -> None:
+        total = len(self.samples) * len(self.plan.specs)
+        done = total - len(self.pending())
+        if done:
+            self.say(f"resuming: {done} of {total} runs already in {self.results}")
+        if progress_factory is not None and not self.quiet:
+            self.bar = progress_factory(total=total, initial=done, desc="bench", unit="run", file=sys.stderr,
+                                        dynamic_ncols=True)
+        try:
+            self.run_engine()
+            self.run_hf()
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+                self.bar = None
+            # Also after Ctrl-C: the plots then show every row written.
+            self.report(final=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    """`specextend bench`; returns the exit status (bad input raises UserError -> 2)."""
+    from tqdm import tqdm
+
+    from ..api import prepare
+
+    plan = make_plan(args)
+    needs_draft = any(sp.needs_draft for sp in plan.specs)
+    t0 = time.perf_counter()
+    prepared = prepare(args.target, args.draft, dtype=args.dtype, device=args.device, draft_dtype=args.draft_dtype,
+                       load_draft=needs_draft, progress=not args.quiet)
+    samples = load_samples(plan, prepared.tokenizer)
+    check_context(prepared, samples, plan.specs)
+    plan.out.mkdir(parents=True, exist_ok=True)
+
+    bench = Bench(plan, prepared, samples, args.quiet)
+    bench.run(tqdm)
+    rows = bench.ordered_rows()
+    print(summary_tables(aggregate(rows)))
+    if not args.quiet:
+        print(f"specextend: {len(rows)} rows in {plan.out / RESULTS}; summary.md, speedup.png, accepted.png "
+              f"written ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    return 0

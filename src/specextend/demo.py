@@ -1,0 +1,178 @@
+"""`specextend demo` (what `make demo` runs): one long input, three decoders, side by side.
+
+The default pair summarises a long Python standard-library module (the bench's built-in long-code
+set, ~2K tokens by default). The prompt is prefilled ONCE (target and draft, efficient attention)
+and that prefill is reused by all three methods, so the demo spends its time on decoding:
+
+- `ar` (target alone) and `sd` (speculative decoding with the full draft cache) first, with a
+  progress line each. To share the prefill, `sd` decodes with the efficient attention backend here
+  (the bench's `sd` uses eager attention; the draft-cache policy, the difference that matters on
+  long inputs, is sd's). Going first, they also absorb any first-decode warm-up;
+- then `specextend`, streamed to stdout as tokens are accepted: text from accepted draft tokens
+  is marked (green on a terminal, [in brackets] otherwise), text from the target's own token of
+  each step is plain;
+- finally a table: decode tokens/s, speedup vs ar, accepted draft tokens per step, and whether
+  each output equals ar's token for token (greedy decoding is lossless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, TextIO
+
+from .errors import UserError
+from .settings import Settings
+
+DEFAULT_LENGTH = "2K"
+DEFAULT_NEW_TOKENS = 96
+GREEN, RESET = "\033[32m", "\033[0m"
+_REPLACEMENT = "\ufffd"  # decoded text ends in it while a multi-byte character is incomplete
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", help="target model: folder, .gguf file, known name (default: the default pair)")
+    p.add_argument("--draft", help="draft model, same forms as --target")
+    p.add_argument("--dtype", default="float32", help="float32|float64|bfloat16|float16 (default: float32)")
+    p.add_argument("--draft-dtype", default=None, help="the draft's dtype (default: --dtype)")
+    p.add_argument("--device", default="cpu", help="cpu|cuda[:N] (default: cpu)")
+    p.add_argument("--length", default=DEFAULT_LENGTH,
+                   help=f"input length in tokens, e.g. 1K, 2K, 4K (default: {DEFAULT_LENGTH})")
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_NEW_TOKENS,
+                   help=f"tokens each method generates (default: {DEFAULT_NEW_TOKENS})")
+    p.add_argument("--no-color", action="store_true",
+                   help="mark accepted draft text with [brackets] instead of colour (also: NO_COLOR set, or "
+                        "stdout not a terminal)")
+
+
+# --------------------------------------------------------------------------- streaming
+
+
+class MarkedStream:
+    """Writes accepted tokens as text, marking the part that came from accepted draft tokens.
+
+    Each engine callback batch is the accepted draft tokens followed by the target's own token.
+    The whole output is re-decoded each time and only the new suffix written, so characters that
+    span several tokens come out whole (a trailing U+FFFD waits for the rest of its character).
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], out: TextIO, color: bool) -> None:
+        self.decode, self.out, self.color = decode, out, color
+        self.ids: list[int] = []
+        self.emitted = ""
+        self.draft_tokens = 0
+
+    def _new_text(self) -> str:
+        text = self.decode(self.ids).rstrip(_REPLACEMENT)
+        if len(text) > len(self.emitted) and text.startswith(self.emitted):
+            piece = text[len(self.emitted):]
+            self.emitted = text
+            return piece
+        return ""
+
+    def _mark(self, piece: str) -> str:
+        if not piece:
+            return ""
+        return f"{GREEN}{piece}{RESET}" if self.color else f"[{piece}]"
+
+    def push(self, batch: list[int]) -> None:
+        drafted, own = batch[:-1], batch[-1:]
+        self.draft_tokens += len(drafted)
+        self.ids.extend(drafted)
+        marked = self._mark(self._new_text()) if drafted else ""
+        self.ids.extend(own)
+        self.out.write(marked + self._new_text())
+        self.out.flush()
+
+    def finish(self) -> None:
+        # Whatever was held back (a truly invalid byte sequence stays U+FFFD).
+        text = self.decode(self.ids)
+        if text.startswith(self.emitted):
+            self.out.write(text[len(self.emitted):])
+        self.out.write("\n")
+        self.out.flush()
+
+
+def use_color(args: argparse.Namespace, out: TextIO) -> bool:
+    if args.no_color or os.environ.get("NO_COLOR"):
+        return False
+    isatty = getattr(out, "isatty", None)
+    return bool(isatty and isatty())
+
+
+# --------------------------------------------------------------------------- the demo
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Settings]:
+    base = Settings(max_new_tokens=args.max_new_tokens)
+    return {
+        "specextend": replace(base, method="specextend").resolved(),
+        "ar": replace(base, method="ar", attention="efficient").resolved(),
+        "sd": replace(base, method="sd", attention="efficient").resolved(),
+    }
+
+
+def _table(results: dict[str, Any]) -> str:
+    ar = results["ar"]
+    rows = [("method", "new tokens", "decode tok/s", "speedup vs ar", "accepted/step", "= ar", "steps",
+             "draft/verify/retrieval s")]
+    for name in ("ar", "sd", "specextend"):
+        r = results[name]
+        speed = r.decode_tokens_per_s / ar.decode_tokens_per_s if ar.decode_tokens_per_s else float("nan")
+        phases = "/".join(f"{r.phases.get(k, 0.0):.1f}" for k in ("draft_s", "verify_s", "retrieval_s"))
+        rows.append((name, str(r.new_tokens), f"{r.decode_tokens_per_s:.2f}", f"{speed:.2f}x",
+                     f"{r.accepted_per_step:.2f}", "yes" if r.token_ids == ar.token_ids else "no", str(r.steps),
+                     phases))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+             for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """`specextend demo`; returns the exit status (bad input raises UserError -> 2)."""
+    from .api import prepare
+    from .bench.data import builtin_code_inputs, parse_length
+
+    if args.max_new_tokens is None or args.max_new_tokens <= 0:
+        raise UserError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
+    length = parse_length(args.length)
+    settings = _settings(args)
+    out = sys.stdout
+
+    prepared = prepare(args.target, args.draft, dtype=args.dtype, device=args.device, draft_dtype=args.draft_dtype)
+    sample = builtin_code_inputs(prepared.tokenizer, [length], samples=1, chat=True)[0]
+    for s in settings.values():
+        prepared.check_fits(sample.input_tokens, s)
+    pair = prepared.load()
+
+    module = sample.source.removeprefix("stdlib/")
+    print(f"Summarising the start of Python's {module} ({sample.input_tokens:,} prompt tokens) with "
+          f"{pair.target_path.name}, drafted by {pair.draft_path.name if pair.draft_path else '-'}.", file=out)
+    print("Prefilling the prompt once for all three methods ...", file=out, flush=True)
+    state = pair.engine.prefill(sample.prompt_ids, settings["specextend"])
+    print(f"prefill: {state.prefill_s:.1f} s (target {state.target_s:.1f} s, draft {state.draft_s:.1f} s)\n",
+          file=out)
+
+    results: dict[str, Any] = {}
+    for name in ("ar", "sd"):
+        print(f"{name} ...", end=" ", file=out, flush=True)
+        t = time.perf_counter()
+        results[name] = pair.engine.decode(state, settings[name])
+        print(f"{results[name].new_tokens} tokens in {time.perf_counter() - t:.1f} s", file=out, flush=True)
+
+    color = use_color(args, out)
+    legend = f"{GREEN}green{RESET}" if color else "[brackets]"
+    print(f"\nspecextend, streaming (text from accepted draft tokens in {legend}):\n", file=out, flush=True)
+    stream = MarkedStream(pair.decode, out, color)
+    results["specextend"] = pair.engine.decode(state, settings["specextend"], on_tokens=stream.push)
+    stream.finish()
+    print("\n" + _table(results), file=out)
+    print("\n(sd decodes with efficient attention here so all three share one prefill; decode tok/s excludes "
+          "the prefill.)", file=out, flush=True)
+    return 0

@@ -1,0 +1,256 @@
+"""`specextend bench` on tiny random models: artifacts, resume, interruption, refusals, data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specextend import cli
+from specextend.bench import data as bench_data
+from specextend.bench import report
+from specextend.engine import SpecEngine
+from specextend.errors import UserError
+
+from tiny_tokenizer import save_tiny_model, tiny_tokenizer
+
+CONTRACT_FIELDS = {
+    "method", "target", "draft", "dtype", "device", "config", "prompt_tokens", "new_tokens",
+    "token_ids", "text", "prefill_s", "decode_s", "total_s", "decode_tokens_per_s", "steps",
+    "accepted_per_step", "phases",
+}  # fmt: skip
+BENCH_FIELDS = {"data", "sample", "input_tokens", "matches_ar", "settings_hash"}
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(tmp_path, monkeypatch):
+    # Nothing here may touch (or pull into) the user's model cache.
+    monkeypatch.setenv("SPECEXTEND_HOME", str(tmp_path / "home"))
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("bench") / "target", seed=0)
+
+
+def bench(target: Path, out: Path, *extra: str, methods: str = "ar,sd,specextend", samples: int = 2) -> int:
+    # The target drafts for itself: every draft token is accepted, so τ > 0 and outputs equal ar's.
+    # A shallow tree keeps the tiny runs quick.
+    return cli.main(["bench", "--target", str(target), "--draft", str(target), "--lengths", "160",
+                     "--samples", str(samples), "--max-new-tokens", "6", "--methods", methods, "--out", str(out),
+                     "-q", "--set", "tree_depth=3", *extra])
+
+
+def rows_of(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+
+
+class Counter:
+    """Wraps SpecEngine.decode / prefill to count calls (and optionally fail on the n-th)."""
+
+    def __init__(self, monkeypatch, name: str, fail_on: int | None = None) -> None:
+        self.calls = 0
+        real = getattr(SpecEngine, name)
+
+        def wrapped(engine, *a, **kw):
+            self.calls += 1
+            if fail_on is not None and self.calls == fail_on:
+                raise KeyboardInterrupt
+            return real(engine, *a, **kw)
+
+        monkeypatch.setattr(SpecEngine, name, wrapped)
+
+
+def test_bench_writes_all_artifacts(target, tmp_path, monkeypatch, capsys):
+    prefills = Counter(monkeypatch, "prefill")
+    out = tmp_path / "out"
+    methods = "ar,sd,specextend,sd+cmr,hf-ar,hf-assisted,hf-lookup"
+    assert bench(target, out, methods=methods) == 0
+    rows = rows_of(out)
+    assert len(rows) == 2 * 7
+    for r in rows:
+        assert set(r) >= CONTRACT_FIELDS | BENCH_FIELDS, r["method"]
+        assert r["data"] == "stdlib-160" and r["sample"] in (0, 1)
+        assert r["input_tokens"] == r["prompt_tokens"] <= 160
+        assert r["new_tokens"] == len(r["token_ids"]) == 6
+        assert set(r["phases"]) == {"draft_s", "verify_s", "retrieval_s", "other_s"}
+        # Greedy decoding is lossless, and HF runs the same weights on the same prompt tokens.
+        assert r["matches_ar"] is True, r["method"]
+    by = {(r["sample"], r["method"]): r for r in rows}
+    assert by[(0, "sd")]["accepted_per_step"] > 0 and by[(0, "ar")]["accepted_per_step"] == 0
+    assert by[(0, "sd+cmr")]["config"]["draft_cache"] == "cmr" and by[(0, "sd+cmr")]["config"]["attention"] == "eager"
+    assert by[(0, "ar")]["draft"] is None and by[(0, "hf-assisted")]["draft"] == str(target)
+    # One prefill per sample and attention backend: (ar, specextend) efficient, (sd, sd+cmr) eager.
+    assert prefills.calls == 2 * 2
+    assert by[(0, "sd")]["prefill_s"] == by[(0, "sd+cmr")]["prefill_s"]
+    summary = (out / "summary.md").read_text()
+    for m in methods.split(","):
+        assert f"| {m} |" in summary
+    for png in ("speedup.png", "accepted.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    assert "stdlib-160" in printed and "| specextend |" in printed
+
+
+def test_resume_skips_finished_rows(target, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    assert bench(target, out, methods="ar,sd", samples=1) == 0
+    assert len(rows_of(out)) == 2
+
+    decodes = Counter(monkeypatch, "decode")
+    # Everything done: no model is even loaded.
+    from specextend.api import Prepared
+
+    monkeypatch.setattr(Prepared, "load", lambda self: pytest.fail("models loaded although nothing was left"))
+    assert bench(target, out, methods="ar,sd", samples=1) == 0
+    assert decodes.calls == 0 and len(rows_of(out)) == 2
+    monkeypatch.undo()
+
+    # A new method runs only its own rows; other settings make new rows, not reuse.
+    decodes = Counter(monkeypatch, "decode")
+    assert bench(target, out, methods="ar,sd,specextend", samples=1) == 0
+    assert decodes.calls == 1 and len(rows_of(out)) == 3
+    assert bench(target, out, "--set", "tree_budget=4", methods="sd", samples=1) == 0
+    assert decodes.calls == 2 and len(rows_of(out)) == 4
+
+
+def test_interrupted_run_resumes_to_the_same_rows(target, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    Counter(monkeypatch, "decode", fail_on=3)
+    assert bench(target, out) == 130  # the CLI's status for Ctrl-C
+    assert len(rows_of(out)) == 2
+    assert "| ar |" in (out / "summary.md").read_text()  # the files written so far are valid
+    monkeypatch.undo()
+    # A writer killed mid-line leaves a partial last line: ignored, then cut off.
+    with open(out / "results.jsonl", "a") as f:
+        f.write('{"method": "sd", "data": "std')
+    decodes = Counter(monkeypatch, "decode")
+    assert bench(target, out) == 0
+    assert decodes.calls == 6 - 2
+    rows = rows_of(out)
+    assert len(rows) == 6
+    assert {(r["sample"], r["method"]) for r in rows} == {(s, m) for s in (0, 1) for m in ("ar", "sd", "specextend")}
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--methods", "ar,fast"], "unknown method 'fast'"),
+        (["--methods", "sd+turbo"], "unknown modifier +turbo"),
+        (["--methods", "ar+cmr"], "ar uses no draft"),
+        (["--methods", "sd+cmr+full"], "sets draft_cache twice"),
+        (["--methods", " , "], "--methods is empty"),
+        (["--samples", "0"], "--samples must be a positive integer"),
+        (["--max-new-tokens", "-1"], "--max-new-tokens must be a positive integer"),
+        (["--lengths", "4X"], "bad length '4X'"),
+        (["--lengths", "8K"], "exceeds"),  # longer than the tiny models' 512-token context
+        (["--max-new-tokens", "600"], "exceeds"),
+        (["--set", "chunk_size=abc"], "expected a int"),
+        (["--set", "bogus=1"], "unknown setting"),
+        (["--set", "attention=eager"], "use --methods"),
+        (["--set", "tree_budget=0"], "--tree-budget must be a positive integer"),
+        (["--dtype", "float8"], "unknown dtype"),
+        (["--data", "/nonexistent/x.jsonl"], "data path not found"),
+    ],
+)
+def test_bad_input_exits_2_before_loading(target, tmp_path, monkeypatch, capsys, args, needle):
+    from specextend.api import Prepared
+
+    monkeypatch.setattr(Prepared, "load", lambda self: pytest.fail("models loaded before the input was checked"))
+    rc = cli.main(["bench", "--target", str(target), "--draft", str(target), "--out", str(tmp_path / "o"),
+                   "--lengths", "160", *args])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert needle in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        ("", "holds no records"),
+        ("\n\n", "holds no records"),
+        ('{"text": "ok"}\n{"text": \n', "line 2 is not valid JSON"),
+        ('{"prompt": "x"}\n', "has no string field 'text'"),
+        ('{"text": "  "}\n', "empty 'text'"),
+    ],
+)
+def test_bad_jsonl_exits_2(target, tmp_path, monkeypatch, capsys, content, needle):
+    from specextend.api import Prepared
+
+    monkeypatch.setattr(Prepared, "load", lambda self: pytest.fail("models loaded before the input was checked"))
+    f = tmp_path / "bad_1K.jsonl"
+    f.write_text(content)
+    rc = cli.main(["bench", "--target", str(target), "--draft", str(target), "--out", str(tmp_path / "o"),
+                   "--data", str(f)])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_out_must_be_a_folder(target, tmp_path, capsys):
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert cli.main(["bench", "--target", str(target), "--out", str(f), "--methods", "ar"]) == 2
+    assert "not a folder" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- data
+
+
+def test_jsonl_inputs_names_limits_and_folders(tmp_path, monkeypatch):
+    folder = tmp_path / "gov"
+    folder.mkdir()
+    for n in ("1K", "4K"):
+        (folder / f"govreport_{n}.jsonl").write_text("".join(json.dumps({"text": f"{n} doc {i}"}) + "\n"
+                                                             for i in range(5)))
+    samples = bench_data.load_jsonl_inputs([str(folder)], limit=2)
+    assert [(s.data, s.sample, s.text) for s in samples] == [
+        ("govreport-1K", 0, "1K doc 0"), ("govreport-1K", 1, "1K doc 1"),
+        ("govreport-4K", 0, "4K doc 0"), ("govreport-4K", 1, "4K doc 1"),
+    ]
+    assert bench_data.data_length("govreport-4K") == 4096 and bench_data.data_family("govreport-4K") == "govreport"
+    # A bare name is looked up under $SPECEXTEND_DATA.
+    monkeypatch.setenv(bench_data.DATA_ENV, str(tmp_path))
+    assert len(bench_data.load_jsonl_inputs(["gov"], limit=1)) == 2
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match=r"no \.jsonl files"):
+        bench_data.load_jsonl_inputs([str(tmp_path / "empty")])
+
+
+def test_builtin_set_is_cut_to_length_and_deterministic():
+    tok = tiny_tokenizer()
+    a = bench_data.builtin_code_inputs(tok, [128, 192], samples=2)
+    b = bench_data.builtin_code_inputs(tok, [128, 192], samples=2)
+    assert [(s.data, s.sample, s.source) for s in a] == [
+        ("stdlib-128", 0, "stdlib/argparse.py"), ("stdlib-128", 1, "stdlib/datetime.py"),
+        ("stdlib-192", 0, "stdlib/argparse.py"), ("stdlib-192", 1, "stdlib/datetime.py"),
+    ]
+    assert [s.prompt_ids for s in a] == [s.prompt_ids for s in b]
+    for s in a:
+        length = bench_data.data_length(s.data)
+        assert length // 2 < s.input_tokens <= length
+        assert s.text.startswith(bench_data.INSTRUCTION) and "```python\n" in s.text
+        # The chat template wraps the instruction as a user turn.
+        assert s.prompt_ids == bench_data.encode_prompt(tok, s.text, chat=True) != tok.encode(s.text)
+    assert bench_data.parse_lengths("2K,1k,512") == [512, 1024, 2048]
+    assert bench_data.length_label(16384) == "16K" and bench_data.length_label(96) == "96"
+
+
+# --------------------------------------------------------------------------- report
+
+
+def test_report_ignores_a_partial_last_line_and_runs_standalone(tmp_path, capsys):
+    row = {"data": "stdlib-1K", "sample": 0, "method": "ar", "input_tokens": 1000, "new_tokens": 10,
+           "decode_s": 2.0, "steps": 9, "accepted_per_step": 0.0, "prefill_s": 5.0, "token_ids": [1, 2],
+           "phases": {"retrieval_s": 0.0}, "matches_ar": True}
+    sd = dict(row, method="sd", decode_s=1.0, steps=4, accepted_per_step=1.5, token_ids=[1, 3],
+              matches_ar=None, phases={"retrieval_s": 0.1})
+    path = tmp_path / "results.jsonl"
+    path.write_text(json.dumps(row) + "\n" + json.dumps(sd) + "\n" + '{"data": "stdlib-1K", "sam')
+    assert len(report.read_rows(path)) == 2
+    assert report.main([str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    # sd: 2x ar's rate; its tokens differ from ar's (recomputed although its row said null).
+    assert "| sd | 1 | 10 | 10.00 | 2.00x | 1.00x | 1.50 | 5.0 | 10.0% | 0/1 |" in printed
+    assert (tmp_path / "speedup.png").is_file() and (tmp_path / "accepted.png").is_file()
+    assert report.main([str(tmp_path / "missing")]) == 2

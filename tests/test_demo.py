@@ -1,0 +1,75 @@
+"""`specextend demo` end to end on tiny random models, and its marked streaming."""
+
+from __future__ import annotations
+
+import argparse
+import io
+
+import pytest
+
+from specextend import demo
+from specextend.errors import UserError
+
+from tiny_tokenizer import save_tiny_model
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECEXTEND_HOME", str(tmp_path / "home"))
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    demo.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_demo_runs_end_to_end(tmp_path, capsys):
+    target = save_tiny_model(tmp_path / "target", seed=0)
+    # The target drafts for itself, so draft tokens are accepted and visibly marked.
+    args = parse("--target", str(target), "--draft", str(target), "--length", "160", "--max-new-tokens", "8",
+                 "--no-color")
+    assert demo.run(args) == 0
+    out = capsys.readouterr().out
+    assert "argparse.py" in out and "prefill:" in out
+    assert "[" in out and "\033[" not in out
+    table = out[out.index("method "):].splitlines()
+    assert [line.split()[0] for line in table[2:5]] == ["ar", "sd", "specextend"]
+    for line in table[2:5]:
+        cells = line.split()
+        assert cells[1] == "8" and cells[5] == "yes"  # 8 new tokens each, equal to ar's
+    assert float(table[4].split()[4]) > 0  # specextend accepted draft tokens
+
+
+def test_demo_refuses_bad_input_before_loading(tmp_path):
+    with pytest.raises(UserError, match="positive"):
+        demo.run(parse("--max-new-tokens", "0"))
+    with pytest.raises(UserError, match="bad length"):
+        demo.run(parse("--length", "two", "--target", str(tmp_path)))
+
+
+def _decode(ids: list[int]) -> str:
+    # Token 9 is the first half of a two-token character: it decodes to U+FFFD until 10 follows.
+    text = ""
+    for i, t in enumerate(ids):
+        if t == 9:
+            text += "é" if i + 1 < len(ids) and ids[i + 1] == 10 else "\ufffd"
+        elif t != 10:
+            text += chr(ord("a") + t)
+    return text
+
+
+@pytest.mark.parametrize("color", [False, True])
+def test_marked_stream_marks_draft_text(color):
+    out = io.StringIO()
+    s = demo.MarkedStream(_decode, out, color)
+    s.push([0])  # the first token comes from the prefill: the target's own
+    s.push([1, 2, 3])  # two accepted draft tokens + the target's token
+    s.push([9, 10])  # a character split across a draft token and the target's token
+    s.finish()
+    text = out.getvalue()
+    if color:
+        assert text == f"a{demo.GREEN}bc{demo.RESET}dé\n"
+    else:
+        assert text == "a[bc]dé\n"
+    assert s.draft_tokens == 3
