@@ -405,12 +405,13 @@ def prepare(
     the configs and tokenizers and check they fit together. The result can already encode and
     check prompts, so bad input fails before the slow part."""
     from .model import ModelConfig
-    from .models.loader import load_tokenizer, parse_device, parse_dtype, read_config
+    from .models.loader import default_draft_dtype, load_tokenizer, parse_device, parse_dtype, read_config
     from .models.registry import resolve_model_ref
 
     parse_dtype(dtype)
-    parse_dtype(draft_dtype or dtype)
     parse_device(device)
+    draft_dtype = draft_dtype or default_draft_dtype(dtype, device)
+    parse_dtype(draft_dtype)
     target_path = resolve_model_ref(_ref(target), "target", progress=progress)
     draft_path = resolve_model_ref(_ref(draft), "draft", progress=progress) if load_draft else None
     target_cfg = ModelConfig.from_hf(read_config(target_path))

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from .errors import UserError
+from .models.loader import DRAFT_DTYPE_HELP
 from .settings import ATTENTIONS, DRAFT_CACHES, METHODS, POSITION_MODES, TREES, Settings
 
 PROG = "specextend"
@@ -64,7 +65,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     models.add_argument("--target", help="target model: folder, .gguf file, known name (default: the default pair)")
     models.add_argument("--draft", help="draft model, same forms as --target (unused with --method ar)")
     models.add_argument("--dtype", default="float32", help="float32|float64|bfloat16|float16 (default: float32)")
-    models.add_argument("--draft-dtype", default=None, help="the draft's dtype (default: --dtype)")
+    models.add_argument("--draft-dtype", default=None, help=DRAFT_DTYPE_HELP)
     models.add_argument("--device", default="cpu", help="cpu|cuda[:N] (default: cpu)")
 
     prompt = p.add_argument_group("prompt (exactly one source)")

@@ -26,6 +26,7 @@ from dataclasses import replace
 from typing import Any, TextIO
 
 from .errors import UserError
+from .models.loader import DRAFT_DTYPE_HELP
 from .settings import Settings
 
 DEFAULT_LENGTH = "2K"
@@ -38,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="target model: folder, .gguf file, known name (default: the default pair)")
     p.add_argument("--draft", help="draft model, same forms as --target")
     p.add_argument("--dtype", default="float32", help="float32|float64|bfloat16|float16 (default: float32)")
-    p.add_argument("--draft-dtype", default=None, help="the draft's dtype (default: --dtype)")
+    p.add_argument("--draft-dtype", default=None, help=DRAFT_DTYPE_HELP)
     p.add_argument("--device", default="cpu", help="cpu|cuda[:N] (default: cpu)")
     p.add_argument("--length", default=DEFAULT_LENGTH,
                    help=f"input length in tokens, e.g. 1K, 2K, 4K (default: {DEFAULT_LENGTH})")

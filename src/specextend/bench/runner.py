@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
+from ..models.loader import DRAFT_DTYPE_HELP
 from ..settings import METHODS, Settings
 from .data import (
     BUILTIN_LENGTHS,
@@ -79,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     models.add_argument("--target", help="target model: folder, .gguf file, known name (default: the default pair)")
     models.add_argument("--draft", help="draft model, same forms as --target")
     models.add_argument("--dtype", default="float32", help="float32|float64|bfloat16|float16 (default: float32)")
-    models.add_argument("--draft-dtype", default=None, help="the draft's dtype (default: --dtype)")
+    models.add_argument("--draft-dtype", default=None, help=DRAFT_DTYPE_HELP)
     models.add_argument("--device", default="cpu", help="cpu|cuda[:N] (default: cpu)")
 
     data = p.add_argument_group("data")

@@ -42,6 +42,27 @@ def parse_device(name: str) -> torch.device:
     raise UserError(f"unknown device {name!r}; choose cpu or cuda")
 
 
+DRAFT_DTYPE_HELP = "the draft's dtype (default: bfloat16 on a CPU with native bf16 if --dtype is float32, else --dtype)"
+
+
+def default_draft_dtype(dtype: str, device: str) -> str:
+    """The draft's precision when none is asked for.
+
+    The draft only proposes; the target decides every token, so the draft's precision can
+    never change the output, only how often its guesses are accepted. A decode step is bound
+    by reading weights, so on a CPU with native bfloat16 dot products (AVX512-BF16/AMX) a
+    bfloat16 draft runs about 1.7x faster than float32 with the same acceptance (measured
+    on the default pair; see README). float64 (exactness tests) and GPUs keep the target's.
+    """
+    if dtype == "float32" and device == "cpu" and torch.backends.mkldnn.is_available():
+        try:
+            if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+                return "bfloat16"
+        except (AttributeError, RuntimeError):
+            pass
+    return dtype
+
+
 def read_config(folder: Path) -> dict[str, Any]:
     path = folder / "config.json"
     if not folder.is_dir():
