@@ -461,10 +461,10 @@ class Prepared(_Prompts):
         draft = None
         if self.draft_path is not None:
             draft = load_model(self.draft_path, parse_dtype(self.draft_dtype or self.dtype), dev)
-        what = f"target {self.target_path.name}"
+        what = f"target {self.target_path.name} ({self.dtype})"
         if self.draft_path is not None:
-            what += f" and draft {self.draft_path.name}"
-        _say(self.progress, f"loaded {what} ({self.dtype}, {self.device}) in {time.perf_counter() - t0:.1f} s")
+            what += f" and draft {self.draft_path.name} ({self.draft_dtype or self.dtype})"
+        _say(self.progress, f"loaded {what} on {self.device} in {time.perf_counter() - t0:.1f} s")
         return Pair(
             target,
             draft,
