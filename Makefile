@@ -18,11 +18,11 @@ demo: setup
 	$(VENV)/bin/specextend demo
 
 test: setup
-	$(VENV)/bin/ruff check src tests scripts
+	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/python -m pytest -q -rs tests
 
 lint: setup
-	$(VENV)/bin/ruff check src tests scripts
+	$(VENV)/bin/ruff check src tests
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache

@@ -101,3 +101,19 @@ def test_cuda_hybrid_matches_reference(dtype):
     ref = sdpa_reference(q.double(), k.double(), v.double(), tree)
     got = hybrid_tree_attention(q.cuda().to(dtype), k.cuda().to(dtype), v.cuda().to(dtype), tree.cuda())
     assert (got.double().cpu() - ref).abs().max() <= 3e-2
+
+
+@pytest.mark.parametrize("prefix", [0, 100, 2047, 2048, 3000])
+@pytest.mark.parametrize("t", [1, 7])
+def test_efficient_backend_dispatch_equals_reference(prefix, t):
+    """Whichever kernel the efficient backend picks for a length, the result is the same."""
+    from specextend.attention import attend
+
+    gen = torch.Generator().manual_seed(prefix + t)
+    q = torch.randn(6, t, 8, dtype=torch.float64, generator=gen)
+    k = torch.randn(2, prefix + t, 8, dtype=torch.float64, generator=gen)
+    v = torch.randn(2, prefix + t, 8, dtype=torch.float64, generator=gen)
+    tree = random_tree_mask(t, t, gen)
+    ref = sdpa_reference(q, k, v, tree)
+    assert (attend(q, k, v, tree, "efficient") - ref).abs().max() <= 1e-10
+    assert (attend(q, k, v, None, "efficient") - sdpa_reference(q, k, v, None)).abs().max() <= 1e-10
