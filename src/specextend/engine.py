@@ -110,6 +110,20 @@ class SpecEngine:
         # far, pending draft tokens); tests use it to check the caches' invariants.
         self.step_hook: Callable[[KVCache, DraftCache, list[int], list[int]], None] | None = None
 
+    def warmup(self, max_rows: int = 16) -> None:
+        """Run every forward shape decoding will use once, untimed.
+
+        oneDNN builds a kernel per matrix shape on first use; without this, whichever method
+        decodes first after loading pays those builds inside its timings.
+        """
+        for model in (self.target, self.draft):
+            if model is None:
+                continue
+            cache = model.new_cache(2 * max_rows + 2)
+            for t in range(1, max_rows + 1):
+                model(torch.zeros(t, dtype=torch.long), torch.arange(t), cache, None, "eager")
+                cache.discard()
+
     # --- prefill -------------------------------------------------------------------------------
     def check_fits(self, prompt_len: int, s: Settings) -> None:
         if prompt_len == 0:

@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     base = {k: _value(v) for k, _, v in (b.partition("=") for b in a.base)}
     grid = parse_grid(a.grid)
     pair = load(a.target, a.draft, dtype=a.dtype, draft_dtype=a.draft_dtype)
+    pair.engine.warmup()
     prompts = load_prompts(a.data, a.samples, pair.tokenizer, not a.no_chat)
     eng = pair.engine
     rows = []
