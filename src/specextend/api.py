@@ -95,17 +95,17 @@ class Result:
             "accept_lengths": list(self.accept_lengths),
             "extra": dict(self.extra),
         }
-        return _finite(d)
+        return finite_json(d)
 
 
-def _finite(x: Any) -> Any:
+def finite_json(x: Any) -> Any:
     """JSON has no NaN/inf; a broken timer must not make the output unparsable."""
     if isinstance(x, float) and not math.isfinite(x):
         return None
     if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
+        return {k: finite_json(v) for k, v in x.items()}
     if isinstance(x, list):
-        return [_finite(v) for v in x]
+        return [finite_json(v) for v in x]
     return x
 
 

@@ -19,6 +19,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, TextIO
 
+from .bench.data import record_text
 from .errors import UserError
 from .models.loader import DRAFT_DTYPE_HELP
 from .settings import ATTENTIONS, DRAFT_CACHES, METHODS, POSITION_MODES, TREES, Settings
@@ -252,23 +253,13 @@ def read_jsonl_text(name: str, index: int) -> str:
                 if not line.strip():
                     continue
                 if count == index:
-                    return _record_text(name, lineno, line)
+                    return record_text(name, lineno, line)
                 count += 1
     except UnicodeDecodeError as e:
         raise UserError(f"{name} is not UTF-8 text: {e.reason}") from None
     except OSError as e:
         raise UserError(f"cannot read {name}: {e.strerror}") from None
     raise UserError(f"--index {index} is out of range: {name} has {count} records")
-
-
-def _record_text(name: str, lineno: int, line: str) -> str:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise UserError(f"{name} line {lineno} is not valid JSON: {e.msg}") from None
-    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-        raise UserError(f"{name} line {lineno} has no string field 'text'")
-    return record["text"]
 
 
 @contextlib.contextmanager

@@ -175,6 +175,17 @@ def jsonl_files(paths: Sequence[str]) -> list[Path]:
     return files
 
 
+def record_text(name: str, lineno: int, line: str) -> str:
+    """Field `text` of one JSONL line; UserError naming the file and line when it has none."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{name} line {lineno} is not valid JSON: {e.msg}") from None
+    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+        raise UserError(f"{name} line {lineno} has no string field 'text'")
+    return record["text"]
+
+
 def read_jsonl_texts(path: Path) -> list[str]:
     """Field `text` of every record (blank lines are not records); UserError when unusable."""
     texts: list[str] = []
@@ -183,15 +194,10 @@ def read_jsonl_texts(path: Path) -> list[str]:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise UserError(f"{path} line {lineno} is not valid JSON: {e.msg}") from None
-                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                    raise UserError(f"{path} line {lineno} has no string field 'text'")
-                if not record["text"].strip():
+                text = record_text(str(path), lineno, line)
+                if not text.strip():
                     raise UserError(f"{path} line {lineno} has an empty 'text'")
-                texts.append(record["text"])
+                texts.append(text)
     except UnicodeDecodeError as e:
         raise UserError(f"{path} is not UTF-8 text: {e.reason}") from None
     except OSError as e:

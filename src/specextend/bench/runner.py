@@ -37,6 +37,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from ..api import finite_json
 from ..errors import UserError
 from ..models.loader import DRAFT_DTYPE_HELP
 from ..settings import METHODS, Settings
@@ -316,21 +317,10 @@ def row_key(row: dict[str, Any]) -> tuple:
     return (row.get("data"), row.get("sample"), row.get("method"), row.get("settings_hash"))
 
 
-def _finite(x: Any) -> Any:
-    """JSON has no NaN/inf; a broken timer must not make a row unparsable."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_finite(v) for v in x]
-    return x
-
-
 def append_row(path: Path, row: dict[str, Any]) -> None:
     """One complete line per row, on disk before we go on: a killed run loses at most a partial
     last line, which the next run cuts off (report.read_rows(repair=True))."""
-    line = json.dumps(_finite(row), ensure_ascii=False, allow_nan=False) + "\n"
+    line = json.dumps(finite_json(row), ensure_ascii=False, allow_nan=False) + "\n"
     with open(path, "a", encoding="utf-8") as f:
         f.write(line)
         f.flush()
