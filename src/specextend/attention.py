@@ -48,18 +48,24 @@ def _tree_or_causal(tree: torch.Tensor | None, t: int, device: torch.device) -> 
 def eager_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Plain masked attention that materialises the [H, T, P+T] score matrix (the reference)."""
+    """Plain masked attention that materialises the [H, T, P+T] score matrix (the reference).
+
+    Only the last M columns can be masked, so only they are touched by the mask (a full
+    [T, P+T] mask would cost as much memory traffic as the scores themselves).
+    """
     h, t, d = q.shape
     n_kv, s, _ = k.shape
     local = _tree_or_causal(tree, t, q.device)
-    allowed = torch.ones(t, s, dtype=torch.bool, device=q.device)
-    allowed[:, s - local.shape[1] :] = local
-    qg = _group(q, n_kv)
-    scores = torch.matmul(qg, k.transpose(-1, -2)) * (1.0 / math.sqrt(d))
-    g = h // n_kv
-    scores = scores.masked_fill(~allowed.repeat(g, 1), float("-inf"))
-    probs = torch.softmax(scores.float() if scores.dtype in (torch.bfloat16, torch.float16) else scores, -1)
+    m = local.shape[1]
+    scores = torch.matmul(_group(q, n_kv), k.transpose(-1, -2))
+    scores.mul_(1.0 / math.sqrt(d))
+    scores.view(n_kv, h // n_kv, t, s)[..., s - m :].masked_fill_(~local, float("-inf"))
+    # Half-precision scores are normalised in float32, as the reference implementations do.
+    probs = torch.softmax(scores, -1, dtype=torch.float32 if scores.dtype in _HALF else scores.dtype)
     return _ungroup(torch.matmul(probs.to(v.dtype), v), h)
+
+
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def _prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,10 +80,64 @@ def _prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tupl
     if q.device.type == "cpu":
         out, lse = _flash_cpu(qg, k.unsqueeze(0), v.unsqueeze(0), 0.0, False)
         out, lse = out[0], lse[0]
+    elif q.device.type == "cuda" and q.dtype != torch.float64:
+        out, lse = _cuda_attention_with_lse(qg, k.unsqueeze(0), v.unsqueeze(0))
     else:
-        # CUDA kernels do not expose the log-sum-exp through a public op; compute it in blocks.
+        # No fused kernel returns the log-sum-exp here (float64 on CUDA, other devices).
         out, lse = _blocked_attention_with_lse(qg[0], k, v)
     return _ungroup(out, h), lse.reshape(h, t)
+
+
+def _cuda_attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CUDA: FlashAttention-2 for float16/bfloat16, the memory-efficient kernel for float32.
+
+    Both are PyTorch's own fused SDPA kernels, called through the ops that also return the
+    log-sum-exp (the public `scaled_dot_product_attention` drops it). q: [1, Hkv, R, D].
+
+    A verification tree has few query rows and (with GQA) few K/V heads, so one fused call
+    would run on a handful of thread blocks of a GPU with a hundred-odd SMs. The prefix is
+    therefore split into blocks that run as a batch (split-KV, as in flash-decoding) and the
+    partial results are merged by their log-sum-exps, exactly as prefix and tree are.
+    """
+    r, d = q.shape[2], q.shape[3]
+    n_kv, s = k.shape[1], k.shape[2]
+    splits = _kv_splits(q, n_kv, r, s)
+    if splits == 1:
+        out, lse = _fused_with_lse(q, k, v)
+        return out[0], lse[0]
+    block = s // splits
+    full = block * splits
+    kb = k[0, :, :full].view(n_kv, splits, block, d).transpose(0, 1)
+    vb = v[0, :, :full].view(n_kv, splits, block, d).transpose(0, 1)
+    out, lse = _fused_with_lse(q.expand(splits, -1, -1, -1), kb, vb)
+    if full < s:  # the remainder, one more small call
+        o2, l2 = _fused_with_lse(q, k[:, :, full:], v[:, :, full:])
+        out, lse = torch.cat([out, o2]), torch.cat([lse, l2])
+    total = torch.logsumexp(lse, 0)
+    w = torch.exp(lse - total).unsqueeze(-1)
+    return (out.float() * w).sum(0).to(q.dtype), total
+
+
+def _kv_splits(q: torch.Tensor, n_kv: int, rows: int, keys: int, min_block: int = 512) -> int:
+    """Enough prefix blocks to give every SM about two thread blocks of work."""
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    per_split = n_kv * -(-rows // 128)  # the fused kernels tile query rows by up to 128
+    return max(1, min(-(-2 * sms // per_split), keys // min_block))
+
+
+def _fused_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One fused call on [B, Hkv, *, D] inputs -> out [B, Hkv, R, D], lse [B, Hkv, R] (float32)."""
+    r, d = q.shape[2], q.shape[3]
+    if q.dtype in (torch.float16, torch.bfloat16) and d <= 256 and d % 8 == 0:
+        res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False)
+        out, lse = res[0], res[1]
+    else:
+        res = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True)
+        # The efficient kernel pads its log-sum-exp rows up to a multiple of its block size.
+        out, lse = res[0], res[1][:, :, :r]
+    return out, lse
 
 
 def _blocked_attention_with_lse(
@@ -154,11 +214,15 @@ def hybrid_tree_attention(
 
 
 # Below this many cached tokens the efficient backend runs one small masked attention instead
-# of two kernels and a merge: measured on a 2-core AVX-512 CPU, the flash kernel's fixed cost
-# outweighs what it saves under ~2K keys (e.g. target verification of 9 tokens over 512 cached
-# tokens: 0.31 ms eager vs 0.41 ms hybrid per layer; over 4K: 2.39 vs 1.91 ms). Both compute
-# the same attention; a CMR draft cache (~1K tokens) therefore always takes the small path.
-EFFICIENT_MIN_PREFIX = 2048
+# of two kernels and a merge, as long as the score matrix stays below the cell limit.
+# CPU (2-core AVX-512): the flash kernel's fixed cost outweighs what it saves under ~2K keys
+# (target verification of 9 tokens over 512 cached tokens: 0.31 ms eager vs 0.41 ms hybrid per
+# layer; over 4K: 2.39 vs 1.91 ms). CUDA (H100, `python -m specextend.bench.kernels --device
+# cuda`): the hybrid's ~30 small kernel launches dominate a 64-node tree's attention, and the
+# masked kernel stayed faster in bfloat16 up to 64K cached tokens (0.80 vs 0.81 ms at 64K).
+# Both compute the same attention; a CMR draft cache (~1K tokens) always takes the small path.
+EFFICIENT_MIN_PREFIX = {"cpu": 2048, "cuda": 65536}
+EAGER_MAX_SCORES = {"cpu": 2048 * 1024, "cuda": 64 * 65536}
 
 
 def attend(
@@ -166,7 +230,10 @@ def attend(
 ) -> torch.Tensor:
     if backend == "efficient":
         prefix = k.shape[1] - (tree.shape[1] if tree is not None else q.shape[1])
-        if prefix < EFFICIENT_MIN_PREFIX and q.shape[1] * k.shape[1] <= 2048 * 1024:
+        dev = q.device.type
+        if prefix < EFFICIENT_MIN_PREFIX.get(dev, 2048) and q.shape[1] * k.shape[1] <= EAGER_MAX_SCORES.get(
+            dev, 2048 * 1024
+        ):
             return eager_attention(q, k, v, tree)
         return hybrid_tree_attention(q, k, v, tree)
     if backend == "eager":
