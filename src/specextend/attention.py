@@ -26,6 +26,7 @@ Backend = Literal["eager", "efficient"]
 BACKENDS: tuple[str, ...] = ("eager", "efficient")
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def _group(q: torch.Tensor, n_kv: int) -> torch.Tensor:
@@ -63,9 +64,6 @@ def eager_attention(
     # Half-precision scores are normalised in float32, as the reference implementations do.
     probs = torch.softmax(scores, -1, dtype=torch.float32 if scores.dtype in _HALF else scores.dtype)
     return _ungroup(torch.matmul(probs.to(v.dtype), v), h)
-
-
-_HALF = (torch.bfloat16, torch.float16)
 
 
 def _prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,7 +143,7 @@ def _blocked_attention_with_lse(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Online-softmax attention over key blocks: never holds more than [Hkv, rows, block] scores."""
     scale = 1.0 / math.sqrt(q.shape[-1])
-    acc_dtype = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
+    acc_dtype = torch.float32 if q.dtype in _HALF else q.dtype
     m = torch.full(q.shape[:-1], float("-inf"), dtype=acc_dtype, device=q.device)
     denom = torch.zeros_like(m)
     acc = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
@@ -172,7 +170,7 @@ def _local_attention(
     n_kv = k.shape[0]
     allowed = _tree_or_causal(tree, t, q.device).repeat(h // n_kv, 1)
     qg = _group(q, n_kv)
-    acc_dtype = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
+    acc_dtype = torch.float32 if q.dtype in _HALF else q.dtype
     s = torch.matmul(qg, k.transpose(-1, -2)).to(acc_dtype) * (1.0 / math.sqrt(d))
     s = s.masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(s, -1)
