@@ -115,6 +115,31 @@ def test_resume_skips_finished_rows(target, tmp_path, monkeypatch):
     assert decodes.calls == 2 and len(rows_of(out)) == 4
 
 
+def test_shared_prefill_is_one_prefill_per_sample(target, tmp_path, monkeypatch):
+    prefills = Counter(monkeypatch, "prefill")
+    out = tmp_path / "out"
+    methods = "ar,sd,specextend,specextend+retrieve_every=2"
+    assert bench(target, out, "--prefill", "shared", methods=methods) == 0
+    assert prefills.calls == 2  # one per sample, not one per sample and backend
+    rows = rows_of(out)
+    by = {(r["sample"], r["method"]): r for r in rows}
+    assert len(rows) == 2 * 4 and all(r["matches_ar"] is True for r in rows)
+    sd, se = by[(0, "sd")], by[(0, "specextend")]
+    # sd decodes with its own (eager) kernel from the efficient prefill, and says so.
+    assert sd["config"]["attention"] == "eager" and sd["prefill_attention"] == se["prefill_attention"] == "efficient"
+    assert sd["prefill_s"] == se["prefill_s"]
+    assert by[(0, "specextend+retrieve_every=2")]["config"]["retrieve_every"] == 2
+    summary = (out / "summary.md").read_text()
+    assert "bench --prefill shared" in summary
+    assert [line for line in summary.splitlines() if "†" in line and line.startswith("| ")] != []
+
+    # The per-backend rows are different measurements for sd only: those rerun, the rest resume.
+    decodes = Counter(monkeypatch, "decode")
+    assert bench(target, out, methods=methods) == 0
+    assert decodes.calls == 2
+    assert {r["prefill_attention"] for r in rows_of(out)[-2:]} == {"eager"}
+
+
 def test_interrupted_run_resumes_to_the_same_rows(target, tmp_path, monkeypatch):
     out = tmp_path / "out"
     Counter(monkeypatch, "decode", fail_on=3)
@@ -141,6 +166,12 @@ def test_interrupted_run_resumes_to_the_same_rows(target, tmp_path, monkeypatch)
         (["--methods", "ar+cmr"], "ar uses no draft"),
         (["--methods", "sd+cmr+full"], "sets draft_cache twice"),
         (["--methods", " , "], "--methods is empty"),
+        (["--methods", "specextend+bogus=1"], "unknown setting"),
+        (["--methods", "specextend+retrieve_every=x"], "expected a int"),
+        (["--methods", "specextend+attention=eager"], "use --methods"),
+        (["--methods", "ar+retrieve_every=2"], "ar uses no draft"),
+        (["--methods", "specextend+retrieve_every=0"], "--retrieve-every must be a positive integer"),
+        (["--prefill", "twice"], "invalid choice"),
         (["--samples", "0"], "--samples must be a positive integer"),
         (["--max-new-tokens", "-1"], "--max-new-tokens must be a positive integer"),
         (["--lengths", "4X"], "bad length '4X'"),

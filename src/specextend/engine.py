@@ -60,7 +60,7 @@ class Prefilled:
     """The prompt in both models' caches, restorable for several decodes."""
 
     prompt_ids: list[int]
-    attention: str
+    attention: str  # the backend that wrote the caches; decode may use another (same K and V)
     target_cache: KVCache
     first_logits: torch.Tensor
     draft_cache: KVCache | None
@@ -164,8 +164,6 @@ class SpecEngine:
     def decode(self, state: Prefilled, settings: Settings, on_tokens: TokensCallback | None = None
                ) -> GenerationResult:
         s = settings.resolved()
-        if s.attention != state.attention:
-            raise ValueError("decode with a different attention backend than the prefill")
         if s.max_new_tokens > state.max_new_tokens:
             raise ValueError("decode asks for more new tokens than the prefill made room for")
         if s.method != "ar" and state.draft_cache is None:

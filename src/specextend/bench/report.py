@@ -86,6 +86,7 @@ class Cell:
     compared: int
     speedup_ar: float | None = None
     speedup_sd: float | None = None
+    prefill_borrowed: bool = False  # prefill made by another backend (bench --prefill shared)
 
 
 def _num(x: Any) -> float | None:
@@ -119,6 +120,11 @@ def _matches(rows: list[dict[str, Any]], ar_ids: dict[tuple, list[int]]) -> tupl
     return equal, compared
 
 
+def _borrowed(row: dict[str, Any]) -> bool:
+    made_by = row.get("prefill_attention")
+    return made_by is not None and made_by != (row.get("config") or {}).get("attention")
+
+
 def aggregate(rows: list[dict[str, Any]]) -> list[Cell]:
     ar_ids = {(r["data"], r["sample"]): r.get("token_ids") for r in rows if r.get("method") == "ar"}
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
@@ -143,6 +149,7 @@ def aggregate(rows: list[dict[str, Any]]) -> list[Cell]:
             prefill_s=_mean([p for p in (_num(r.get("prefill_s")) for r in rs) if p is not None]),
             retrieval_share=retr / dec if dec > 0 else None,
             matches=eq, compared=cmp_,
+            prefill_borrowed=any(_borrowed(r) for r in rs),
         )
     for (data, _method), c in cells.items():
         for base, attr in (("ar", "speedup_ar"), ("sd", "speedup_sd")):
@@ -178,7 +185,7 @@ def summary_tables(cells: list[Cell]) -> str:
                 f"| {m} | {c.samples} | {c.new_tokens} | {_f(c.decode_tps, '.2f')} | "
                 f"{_f(c.speedup_ar, '.2f')}{'x' * (c.speedup_ar is not None)} | "
                 f"{_f(c.speedup_sd, '.2f')}{'x' * (c.speedup_sd is not None)} | {_f(c.accepted, '.2f')} | "
-                f"{_f(c.prefill_s, '.1f')} | {retr} | {match} |"
+                f"{_f(c.prefill_s, '.1f')}{' †' * c.prefill_borrowed} | {retr} | {match} |"
             )
         out.append("")
     return "\n".join(out)
@@ -212,6 +219,9 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
         "",
         summary_tables(cells) if cells else "(no results yet)",
     ]
+    if any(c.prefill_borrowed for c in cells):
+        parts += ["† prefill made once per sample by the efficient backend and shared (bench --prefill shared); "
+                  "the method decodes with its own attention from that cache.", ""]
     return "\n".join(parts) + "\n"
 
 

@@ -4,8 +4,8 @@
                      [--max-new-tokens 128] [--lengths 1K,4K] [--set chunk_size=64] ...
 
 Methods: the `generate` presets (`ar`, `sd`, `specextend`), ablations written `base+mod` (see
-MODIFIERS, e.g. `sd+cmr`, `specextend+full`), and the transformers baselines `hf-ar`,
-`hf-assisted`, `hf-lookup` (hf_baselines.py).
+MODIFIERS, e.g. `sd+cmr`, `specextend+full`, or any setting as `specextend+retrieve_every=4`),
+and the transformers baselines `hf-ar`, `hf-assisted`, `hf-lookup` (hf_baselines.py).
 
 Order of work, chosen for time and memory:
 1. everything the user typed is checked, data read and tokenised, and every prompt checked
@@ -13,7 +13,9 @@ Order of work, chosen for time and memory:
 2. our models are loaded once; per sample and attention backend the prompt is prefilled ONCE
    and decoded by every method using that backend (`ar` first, so the others can be compared
    with it token for token); the prefill time is reported in each of those rows (target only
-   for `ar`, which needs no draft);
+   for `ar`, which needs no draft). With --prefill shared there is one prefill per sample, on
+   the efficient backend, and every method decodes from it: the KV cache is the same whichever
+   kernel wrote it, and on a 2-core CPU a second prefill costs more than all of decoding;
 3. our models are freed, then the HF baselines run with HF copies of the weights.
 
 Outputs in --out: results.jsonl (one JSON line per sample x method, appended with flush + fsync),
@@ -69,6 +71,9 @@ MODIFIERS: dict[str, tuple[str, str]] = {
     "chain": ("tree", "chain"),
     "dynamic": ("tree", "dynamic"),
 }
+PREFILL_MODES = ("per-backend", "shared")
+# What ar's single-model loop reads; any other modifier on ar would change nothing.
+AR_SETTINGS = {"attention", "temperature", "top_p", "seed"}
 # Settings that --methods and --max-new-tokens own; --set may not touch them.
 RESERVED = {"method", "draft_cache", "attention", "max_new_tokens", "extra"}
 
@@ -100,9 +105,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     method = p.add_argument_group("methods and settings")
     method.add_argument("--methods", default=DEFAULT_METHODS,
                         help=f"comma-separated: {', '.join(METHODS)}, ablations base+mod with mod in "
-                             f"{', '.join(MODIFIERS)} (e.g. sd+cmr), and {', '.join(HF_METHODS)} "
+                             f"{', '.join(MODIFIERS)} or a setting key=value (e.g. sd+cmr, "
+                             f"specextend+retrieve_every=4), and {', '.join(HF_METHODS)} "
                              f"(default: {DEFAULT_METHODS})")
     method.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per run (default: 128)")
+    method.add_argument("--prefill", choices=PREFILL_MODES, default="per-backend",
+                        help="per-backend: each sample is prefilled once per attention backend and each method's "
+                             "row times its own backend's prefill; shared: one prefill per sample (efficient "
+                             "attention if any method uses it) reused by every method, rows of other backends "
+                             "record prefill_attention; decode is timed per method either way (default: "
+                             "per-backend)")
     method.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a generation setting for every method (e.g. chunk_size=64, top_k_chunks=16, "
                              "retrieve_every=4, tree_budget=16, temperature=0.7); repeatable")
@@ -140,7 +152,7 @@ class MethodSpec:
         return self.settings.as_dict()
 
 
-def _coerce(name: str, raw: str, default: Any) -> Any:
+def _coerce(name: str, raw: str, default: Any, where: str = "--set") -> Any:
     """A --set value typed like the field's default."""
     try:
         if isinstance(default, bool):
@@ -157,11 +169,11 @@ def _coerce(name: str, raw: str, default: Any) -> Any:
                 raise ValueError
             return v
     except ValueError:
-        raise UserError(f"--set {name}={raw}: expected a {type(default).__name__}") from None
+        raise UserError(f"{where} {name}={raw}: expected a {type(default).__name__}") from None
     return raw
 
 
-def parse_set(items: list[str]) -> dict[str, Any]:
+def parse_set(items: list[str], where: str = "--set") -> dict[str, Any]:
     """--set KEY=VALUE items -> Settings field values (unknown or reserved keys: UserError)."""
     defaults = {f.name: f.default for f in fields(Settings)}
     known = sorted(set(defaults) - RESERVED)
@@ -170,13 +182,13 @@ def parse_set(items: list[str]) -> dict[str, Any]:
         key, sep, raw = item.partition("=")
         key = key.strip().replace("-", "_")
         if not sep or not key:
-            raise UserError(f"--set wants KEY=VALUE, got {item!r}")
+            raise UserError(f"{where} wants KEY=VALUE, got {item!r}")
         if key in RESERVED:
             hint = "--max-new-tokens" if key == "max_new_tokens" else "--methods (e.g. sd+cmr)"
-            raise UserError(f"--set {key}: use {hint} instead")
+            raise UserError(f"{where} {key}: use {hint} instead")
         if key not in defaults:
-            raise UserError(f"--set {key}: unknown setting; known: {', '.join(known)}")
-        out[key] = _coerce(key, raw.strip(), defaults[key])
+            raise UserError(f"{where} {key}: unknown setting; known: {', '.join(known)}")
+        out[key] = _coerce(key, raw.strip(), defaults[key], where)
     return out
 
 
@@ -187,14 +199,19 @@ def parse_method(name: str, base: Settings) -> MethodSpec:
     if preset not in METHODS:
         raise UserError(f"unknown method {name!r}; choose from {', '.join(METHODS)}, ablations like sd+cmr, "
                         f"and {', '.join(HF_METHODS)}")
-    changes: dict[str, str] = {}
+    changes: dict[str, Any] = {}
     for mod in mods:
-        if mod not in MODIFIERS:
-            raise UserError(f"unknown modifier +{mod} in {name!r}; choose from {', '.join(MODIFIERS)}")
-        field_name, value = MODIFIERS[mod]
+        if "=" in mod:
+            # `+key=value`: any --set setting for this method alone, e.g. specextend+retrieve_every=4.
+            ((field_name, value),) = parse_set([mod], where=f"method {name}:").items()
+        elif mod in MODIFIERS:
+            field_name, value = MODIFIERS[mod]
+        else:
+            raise UserError(f"unknown modifier +{mod} in {name!r}; choose from {', '.join(MODIFIERS)} "
+                            "or a setting written key=value")
         if field_name in changes:
             raise UserError(f"method {name!r} sets {field_name} twice")
-        if preset == "ar" and field_name != "attention":
+        if preset == "ar" and field_name not in AR_SETTINGS:
             raise UserError(f"method {name!r}: ar uses no draft, so +{mod} means nothing")
         changes[field_name] = value
     return MethodSpec(name, settings=replace(base, method=preset, **changes).resolved())
@@ -207,12 +224,23 @@ def parse_methods(text: str, base: Settings) -> list[MethodSpec]:
     return [parse_method(n, base) for n in names]
 
 
-def engine_groups(specs: list[MethodSpec]) -> list[tuple[str, list[MethodSpec]]]:
-    """Our methods grouped by attention backend (one prefill each); `ar` and its group first."""
+def prefill_attention(spec: MethodSpec, specs: list[MethodSpec], mode: str) -> str:
+    """The attention backend whose prefill `spec`'s decode starts from."""
+    assert spec.settings is not None
+    if mode == "per-backend":
+        return spec.settings.attention
+    used = [sp.settings.attention for sp in specs if sp.settings is not None]
+    # Efficient prefill is the fastest and never materialises an L x L matrix; the KV it leaves is
+    # the same cache every backend decodes from.
+    return "efficient" if "efficient" in used else used[0]
+
+
+def engine_groups(specs: list[MethodSpec], mode: str = "per-backend") -> list[tuple[str, list[MethodSpec]]]:
+    """Our methods grouped by the prefill they decode from (one prefill each); `ar` and its group first."""
     groups: dict[str, list[MethodSpec]] = {}
     for sp in specs:
         if sp.settings is not None:
-            groups.setdefault(sp.settings.attention or "", []).append(sp)
+            groups.setdefault(prefill_attention(sp, specs, mode), []).append(sp)
     for g in groups.values():
         g.sort(key=lambda sp: sp.name != "ar")
     return sorted(groups.items(), key=lambda kv: kv[1][0].name != "ar")
@@ -231,6 +259,7 @@ class Plan:
     lengths: list[int] | None
     samples: int
     chat: bool
+    prefill: str = "per-backend"
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
@@ -265,7 +294,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise UserError(f"--out {args.out} exists and is not a folder")
     if (out / RESULTS).exists() and not (out / RESULTS).is_file():
         raise UserError(f"{out / RESULTS} is not a file")
-    return Plan(out, specs, base, jsonl, builtin, lengths, args.samples, args.chat)
+    return Plan(out, specs, base, jsonl, builtin, lengths, args.samples, args.chat, args.prefill)
 
 
 def load_samples(plan: Plan, tokenizer: Any) -> list[Sample]:
@@ -301,15 +330,18 @@ def check_context(prepared: Any, samples: list[Sample], specs: list[MethodSpec])
 # --------------------------------------------------------------------------- rows and keys
 
 
-def settings_hash(run: dict[str, Any], spec: MethodSpec, sample: Sample) -> str:
-    """What makes a row reusable: models, dtypes, device, the method's resolved settings and the
-    exact prompt tokens."""
+def settings_hash(run: dict[str, Any], spec: MethodSpec, sample: Sample, prefill: str | None = None) -> str:
+    """What makes a row reusable: models, dtypes, device, the method's resolved settings, the
+    exact prompt tokens, and the prefill's backend where it is not the method's own."""
     prompt = hashlib.sha256(json.dumps(sample.prompt_ids).encode()).hexdigest()
     models = dict(run)
     if not spec.needs_draft:
         models.pop("draft", None)
         models.pop("draft_dtype", None)
-    blob = json.dumps({"models": models, "config": spec.config(), "prompt": prompt}, sort_keys=True, default=str)
+    key: dict[str, Any] = {"models": models, "config": spec.config(), "prompt": prompt}
+    if spec.settings is not None and prefill is not None and prefill != spec.settings.attention:
+        key["prefill_attention"] = prefill
+    blob = json.dumps(key, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -342,7 +374,7 @@ class Bench:
             "draft_dtype": prepared.draft_dtype or prepared.dtype,
             "device": prepared.device,
         }
-        self.keys = {(s.data, s.sample, sp.name): settings_hash(self.run_info, sp, s)
+        self.keys = {(s.data, s.sample, sp.name): settings_hash(self.run_info, sp, s, self._prefill_of(sp))
                      for s in samples for sp in plan.specs}
         self.results = plan.out / RESULTS
         existing = read_rows(self.results, repair=True)
@@ -352,6 +384,9 @@ class Bench:
         self.plotted_at = -math.inf
 
     # ----------------------------------------------------------------- bookkeeping
+
+    def _prefill_of(self, spec: MethodSpec) -> str | None:
+        return None if spec.is_hf else prefill_attention(spec, self.plan.specs, self.plan.prefill)
 
     def key(self, sample: Sample, spec: MethodSpec) -> tuple:
         return (sample.data, sample.sample, spec.name, self.keys[(sample.data, sample.sample, spec.name)])
@@ -417,27 +452,29 @@ class Bench:
         pair.engine.warmup()  # kernel builds would otherwise land in the first method's timings
         try:
             for sample in self.samples:
-                for _attention, specs in engine_groups(self.plan.specs):
+                for attention, specs in engine_groups(self.plan.specs, self.plan.prefill):
                     waiting = [sp for sp in specs if not self.done(sample, sp)]
                     if waiting:
-                        self._run_group(pair, sample, waiting)
+                        self._run_group(pair, sample, waiting, attention)
         finally:
             # Free our weights before the HF baselines load theirs.
             del pair
             gc.collect()
 
-    def _run_group(self, pair: Any, sample: Sample, specs: list[MethodSpec]) -> None:
+    def _run_group(self, pair: Any, sample: Sample, specs: list[MethodSpec], attention: str) -> None:
         # Prefill with a speculative method's settings if any, so the draft is prefilled too.
         first = next((sp for sp in specs if sp.needs_draft), specs[0])
         assert first.settings is not None
-        self._status(sample, f"prefill ({first.settings.attention})")
-        state = pair.engine.prefill(sample.prompt_ids, first.settings)
+        self._status(sample, f"prefill ({attention})")
+        state = pair.engine.prefill(sample.prompt_ids, replace(first.settings, attention=attention))
         try:
             for sp in specs:
                 assert sp.settings is not None
                 self._status(sample, sp.name)
                 gen = pair.engine.decode(state, sp.settings)
-                self.record(sample, sp, self._engine_row(pair, sp, gen, state.target_s, state.draft_s))
+                row = self._engine_row(pair, sp, gen, state.target_s, state.draft_s)
+                row["prefill_attention"] = state.attention
+                self.record(sample, sp, row)
         finally:
             del state
 
