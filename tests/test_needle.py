@@ -252,3 +252,13 @@ def test_bad_length_is_a_user_error(tmp_path):
     (tmp_path / "govreport_4K.jsonl").write_text(json.dumps({"text": "x"}) + "\n")
     with pytest.raises(UserError, match="have: 4K"):
         needle.run(parse("--data", str(tmp_path), "--lengths", "8K"))
+
+
+def test_bad_draft_dtype_exits_2(folders, tmp_path, capsys):
+    (tmp_path / "govreport_T.jsonl").write_text(json.dumps({"text": govreport_text(12, seed=0)}) + "\n")
+    from specextend import cli
+
+    rc = cli.main(["needle", "--target", str(folders["target"]), "--draft", str(folders["draft"]), "--data",
+                   str(tmp_path), "--lengths", "t", "--draft-dtype", "float8", "--out", str(tmp_path / "o"), "-q"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "unknown dtype" in err and "Traceback" not in err

@@ -18,10 +18,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from .engine import GenerationResult
 from .errors import UserError
 from .settings import Settings
 
@@ -36,34 +37,17 @@ _REPLACEMENT = "\ufffd"
 # --------------------------------------------------------------------------- results
 
 
-@dataclass
-class Result:
-    """One generation: the engine's measurements, the decoded text and what ran."""
+@dataclass(kw_only=True)
+class Result(GenerationResult):
+    """One generation: the engine's measurements (GenerationResult), the decoded text and what ran."""
 
     text: str
-    token_ids: list[int]
-    prompt_tokens: int
-    new_tokens: int
-    prefill_s: float
-    decode_s: float
-    total_s: float
-    steps: int
-    accepted_per_step: float
-    phases: dict[str, float]
-    stop_reason: str
-    accept_lengths: list[int]
-    settings: Settings
     method: str
     target: str
     draft: str | None
     dtype: str
     draft_dtype: str | None
     device: str
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
     @property
     def config(self) -> dict[str, Any]:
@@ -327,27 +311,18 @@ class Pair(_Prompts):
 
     def _result(self, gen: Any, text: str) -> Result:
         s: Settings = gen.settings
+        fields_ = {f.name: getattr(gen, f.name) for f in fields(GenerationResult)}
+        fields_.update(token_ids=list(gen.token_ids), phases=dict(gen.phases), accept_lengths=list(gen.accept_lengths),
+                       settings=s, extra=dict(gen.extra or {}))
         return Result(
+            **fields_,
             text=text,
-            token_ids=list(gen.token_ids),
-            prompt_tokens=gen.prompt_tokens,
-            new_tokens=gen.new_tokens,
-            prefill_s=gen.prefill_s,
-            decode_s=gen.decode_s,
-            total_s=gen.total_s,
-            steps=gen.steps,
-            accepted_per_step=gen.accepted_per_step,
-            phases=dict(gen.phases),
-            stop_reason=gen.stop_reason,
-            accept_lengths=list(gen.accept_lengths),
-            settings=s,
             method=s.method,
             target=str(self.target_path),
             draft=str(self.draft_path) if s.method != "ar" and self.draft_path is not None else None,
             dtype=self.dtype,
             draft_dtype=self.draft_dtype if s.method != "ar" else None,
             device=self.device,
-            extra=dict(getattr(gen, "extra", {}) or {}),
         )
 
 

@@ -21,7 +21,7 @@ from typing import Any, TextIO
 
 from .bench.data import record_text
 from .errors import UserError
-from .models.loader import DRAFT_DTYPE_HELP
+from .models.loader import add_model_arguments
 from .settings import ATTENTIONS, DRAFT_CACHES, METHODS, POSITION_MODES, TREES, Settings
 
 PROG = "specextend"
@@ -62,12 +62,7 @@ def _opt(group: Any, flag: str, kind: type, help_text: str, **kw: Any) -> None:
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
-    models = p.add_argument_group("models")
-    models.add_argument("--target", help="target model: folder, .gguf file, known name (default: the default pair)")
-    models.add_argument("--draft", help="draft model, same forms as --target (unused with --method ar)")
-    models.add_argument("--dtype", default="float32", help="float32|float64|bfloat16|float16 (default: float32)")
-    models.add_argument("--draft-dtype", default=None, help=DRAFT_DTYPE_HELP)
-    models.add_argument("--device", default="cpu", help="cpu|cuda[:N] (default: cpu)")
+    add_model_arguments(p, draft_note=" (unused with --method ar)")
 
     prompt = p.add_argument_group("prompt (exactly one source)")
     src = prompt.add_mutually_exclusive_group()

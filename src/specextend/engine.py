@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -48,7 +49,7 @@ class GenerationResult:
     stop_reason: str
     accept_lengths: list[int]
     settings: Settings
-    extra: dict[str, float] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def decode_tokens_per_s(self) -> float:

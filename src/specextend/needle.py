@@ -36,6 +36,7 @@ import torch
 from .draft_cache import DraftCache, SelectiveDraftCache, make_draft_cache
 from .engine import Prefilled, SpecEngine
 from .errors import UserError
+from .models.loader import add_model_arguments
 from .settings import POSITION_MODES, Settings
 
 POLICIES = ("full", "streaming", "cmr")
@@ -429,11 +430,7 @@ def append_record(path: Path, rec: dict[str, Any]) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = Settings()
-    m = p.add_argument_group("models")
-    m.add_argument("--target", help="target model reference (default: the default pair)")
-    m.add_argument("--draft", help="draft model reference (default: the default pair)")
-    m.add_argument("--dtype", default="float32", help="float32|float64|bfloat16|float16 (default: float32)")
-    m.add_argument("--device", default="cpu", help="cpu|cuda[:N] (default: cpu)")
+    add_model_arguments(p)
     t = p.add_argument_group("trials")
     t.add_argument("--data", help=f"folder with govreport_<LEN>.jsonl (default: ${DATA_ENV} or "
                                   "../shared/data/govreport beside the repository)")
@@ -535,7 +532,8 @@ def run(args: argparse.Namespace) -> int:
         load_haystacks(folder, length)  # a bad length fails before the models load
     from .api import load
 
-    pair = load(args.target, args.draft, dtype=args.dtype, device=args.device, progress=not args.quiet)
+    pair = load(args.target, args.draft, dtype=args.dtype, device=args.device, draft_dtype=args.draft_dtype,
+                progress=not args.quiet)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config = run_config(pair, s)

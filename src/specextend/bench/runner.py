@@ -41,7 +41,7 @@ from typing import Any
 
 from ..api import finite_json
 from ..errors import UserError
-from ..models.loader import DRAFT_DTYPE_HELP
+from ..models.loader import add_model_arguments
 from ..settings import METHODS, Settings
 from .data import (
     BUILTIN_LENGTHS,
@@ -82,12 +82,7 @@ RESERVED = {"method", "draft_cache", "attention", "max_new_tokens", "extra"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    models = p.add_argument_group("models")
-    models.add_argument("--target", help="target model: folder, .gguf file, known name (default: the default pair)")
-    models.add_argument("--draft", help="draft model, same forms as --target")
-    models.add_argument("--dtype", default="float32", help="float32|float64|bfloat16|float16 (default: float32)")
-    models.add_argument("--draft-dtype", default=None, help=DRAFT_DTYPE_HELP)
-    models.add_argument("--device", default="cpu", help="cpu|cuda[:N] (default: cpu)")
+    add_model_arguments(p)
 
     data = p.add_argument_group("data")
     data.add_argument("--data", nargs="+", default=None, metavar="PATH",

@@ -7,6 +7,7 @@ instead of 7.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 from pathlib import Path
@@ -43,6 +44,16 @@ def parse_device(name: str) -> torch.device:
 
 
 DRAFT_DTYPE_HELP = "the draft's dtype (default: bfloat16 on a CPU with native bf16 if --dtype is float32, else --dtype)"
+
+
+def add_model_arguments(p: argparse.ArgumentParser, draft_note: str = "") -> None:
+    """The `models` option group every command that loads the pair shares (generate, bench, needle)."""
+    g = p.add_argument_group("models")
+    g.add_argument("--target", help="target model: folder, .gguf file, known name (default: the default pair)")
+    g.add_argument("--draft", help=f"draft model, same forms as --target{draft_note}")
+    g.add_argument("--dtype", default="float32", help="float32|float64|bfloat16|float16 (default: float32)")
+    g.add_argument("--draft-dtype", default=None, help=DRAFT_DTYPE_HELP)
+    g.add_argument("--device", default="cpu", help="cpu|cuda[:N] (default: cpu)")
 
 
 def default_draft_dtype(dtype: str, device: str) -> str:
