@@ -119,3 +119,44 @@ def test_planted_chunk_is_always_selected(tiny_dir):
         policy.refresh(scores / scores.sum())
         assert planted in policy.last_choice, trial
         assert any(a <= planted * c and (planted + 1) * c <= b for a, b in policy.selected)
+
+
+def test_short_context_keeps_every_token_until_it_grows(tiny_dir):
+    """Below cmr_min_ratio budgets of context the CMR working cache is the whole context (no
+    retrieval); once a new chunk opens past it, selection starts, and output still equals ar."""
+    target = load_model(tiny_dir("qwen2", 0), torch.float64)
+    draft = load_model(tiny_dir("qwen2", 5, layers=1), torch.float64)
+    eng = SpecEngine(target, draft, eos_ids=[])
+    prompt = PROMPT[:20]  # budget 4 x 3 = 12 tokens, threshold 2 x 12 = 24
+    ar = eng.generate(prompt, Settings(method="ar", max_new_tokens=40))
+    seen: list[tuple[int, int, bool]] = []
+
+    def hook(tcache, policy, out, todo):
+        seen.append((policy.store.length, policy.rebuilds, policy.selected == [(0, policy.selected[-1][1])]))
+
+    eng.step_hook = hook
+    r = eng.generate(prompt, Settings(method="specextend", max_new_tokens=40, **SMALL))
+    assert r.token_ids == ar.token_ids
+    short = [s for s in seen if s[0] <= 24]
+    assert short and all(rebuilds == 1 and whole for _, rebuilds, whole in short)  # only start()'s rebuild
+    assert seen[-1][1] > 2 and not seen[-1][2]  # later: retrieval, and a cut context
+
+
+@pytest.mark.parametrize(("ratio", "keeps_all"), [(2.0, True), (0.0, False)])
+def test_cmr_min_ratio_decides_whether_chunks_are_selected(tiny_dir, ratio, keeps_all):
+    draft = load_model(tiny_dir("llama", 5, layers=1), torch.float64)
+    n, c = 50, 4
+    store = store_with_prompt(draft, n)
+    s = Settings(chunk_size=c, top_k_chunks=8, cmr_min_ratio=ratio).resolved()  # budget 32, 50 <= 64
+    policy = make_draft_cache("cmr", draft, store, "efficient", s)
+    policy.start()
+    assert policy.wants_scores() is not keeps_all
+    scores = torch.full((n,), 1e-3)
+    scores[20:24] = 0.5
+    policy.refresh(scores)
+    if keeps_all:
+        assert policy.selected == [(0, n)] and policy.next_pos == n
+        assert torch.equal(policy.working.k[:, :, :n], store.k[:, :, :n])
+    else:
+        assert policy.working.length < n
+        assert any(a <= 20 and b >= 24 for a, b in policy.selected)  # the dominant chunk

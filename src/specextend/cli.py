@@ -91,6 +91,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     cmr.add_argument("--adaptive-refresh", action=argparse.BooleanOptionalAction, default=None,
                      help=f"also refresh when acceptance drops (default: {_default('adaptive_refresh')})")
     _opt(cmr, "--chunk-overlap", int, "extend each chosen chunk by this many neighbour tokens")
+    _opt(cmr, "--cmr-min-ratio", float, "select chunks only above this many budgets of context (0: always)")
     _opt(cmr, "--positions", str, "draft working-cache positions", choices=POSITION_MODES,
          metavar="|".join(POSITION_MODES))
     _opt(cmr, "--sink-tokens", int, "streaming cache: attention-sink tokens kept at the start")

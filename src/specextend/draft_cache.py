@@ -179,9 +179,19 @@ class CMRDraftCache(SelectiveDraftCache):
         self.last_choice: set[int] = set()
         self.skipped = 0  # adaptive mode: scored but the choice had not moved, so no rebuild
 
+    def keeps_all(self) -> bool:
+        """A short context stays whole: selecting would save the draft little and cost acceptance."""
+        return self.store.length <= self.s.cmr_min_ratio * self.budget
+
     def start(self) -> None:
-        # Before the first scores arrive, begin from the streaming view (sinks + recent).
         n = self.store.length
+        if self.keeps_all():
+            # The working cache is the whole context at its true positions; new tokens append
+            # to it, and retrieval starts when a new chunk opens past the threshold.
+            self.rebuild([(0, n)])
+            self.force = False
+            return
+        # Before the first scores arrive, begin from the streaming view (sinks + recent).
         sinks = min(self.s.sink_tokens, n)
         self.rebuild([(0, sinks), (max(sinks, n - (self.budget - sinks)), n)])
         self.force = True
@@ -196,6 +206,8 @@ class CMRDraftCache(SelectiveDraftCache):
         return self.store.length // self.s.chunk_size > self.chunks_seen
 
     def wants_scores(self) -> bool:
+        if self.keeps_all():
+            return False
         if self.force or self._new_chunk():
             return True  # first retrieval, or a new chunk opened since the last one
         if self.s.adaptive_refresh:
@@ -222,7 +234,7 @@ class CMRDraftCache(SelectiveDraftCache):
         return sorted(torch.topk(mean, min(self.s.top_k_chunks, n_chunks)).indices.tolist())
 
     def refresh(self, scores: torch.Tensor | None) -> None:
-        if scores is None:
+        if scores is None or self.keeps_all():
             return
         c, ov = self.s.chunk_size, self.s.chunk_overlap
         chosen = self.choose_chunks(scores)

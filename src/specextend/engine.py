@@ -242,7 +242,7 @@ class SpecEngine:
         clock.skip()
         if isinstance(policy, SelectiveDraftCache):
             policy.start()
-            if score_layers:  # first retrieval: what the prompt's last token attends to
+            if score_layers and policy.wants_scores():  # first retrieval: what the prompt's last token attends to
                 first_q = {i: state.last_q[i] for i in score_layers}
                 policy.refresh(self.retrieval_scores(tcache, first_q, [0]))
         clock.lap("retrieval_s")
