@@ -82,7 +82,7 @@ def test_tree_mask_equals_path_feeding(tiny_dir, arch, backend):
     toks = torch.randint(0, 64, (n,), generator=gen).tolist()
     cache = ours.new_cache(64)
     ours.prefill(torch.tensor(prompt), cache)
-    got = ours(torch.tensor(toks), torch.tensor(depth) + 20, cache, tree=mask, backend=backend)
+    got = ours(torch.tensor(toks), torch.tensor(depth) + 20, cache, tree_mask=mask, backend=backend)
     for i in range(n):
         path, j = [], i
         while j >= 0:
@@ -111,7 +111,7 @@ def test_compaction_equals_fresh_forward(tiny_dir, arch):
     toks = torch.randint(0, 64, (n,), generator=gen).tolist()
     cache = ours.new_cache(64)
     ours.prefill(torch.tensor(prompt), cache)
-    ours(torch.tensor(toks), torch.tensor(depth) + 15, cache, tree=mask)
+    ours(torch.tensor(toks), torch.tensor(depth) + 15, cache, tree_mask=mask)
     leaf = n - 1
     path, j = [], leaf
     while j >= 0:

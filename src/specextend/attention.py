@@ -3,14 +3,14 @@ the explicit attention scores that Cross-model Retrieval reads from one target l
 
 Every function here works on one sequence (no batch) with grouped-query attention:
 
-    q:    [H, T, D]          queries of the T new tokens (already rotated)
-    k, v: [Hkv, S, D]        the cache view: committed tokens, then the T new ones last
-    tree: [T, M] bool or None   what each new token may see among the LAST M keys (M >= T: the
-                             new tokens and, when a draft tree grows level by level, the tree
-                             nodes fed before them); None means causal over the T new tokens
+    q:         [H, T, D]      queries of the T new tokens (already rotated)
+    k, v:      [Hkv, S, D]    the cache view: committed tokens, then the T new ones last
+    tree_mask: [T, M] bool or None   what each new token may see among the LAST M keys (M >= T:
+                              the new tokens and, when a draft tree grows level by level, the
+                              tree nodes fed before them); None means causal over the T new tokens
 
 Every new token sees all keys before those M in full (the committed prefix); within the last M
-it sees what `tree` allows (a draft tree's ancestry, or the causal triangle for prefill).
+it sees what `tree_mask` allows (a draft tree's ancestry, or the causal triangle for prefill).
 K/V are never repeated over the query groups: the group dimension is folded into the query rows.
 """
 
@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 Backend = Literal["eager", "efficient"]
-BACKENDS: tuple[str, ...] = ("eager", "efficient")
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _HALF = (torch.bfloat16, torch.float16)
@@ -40,14 +39,14 @@ def _ungroup(o: torch.Tensor, h: int) -> torch.Tensor:
     return o.reshape(h, gt * n_kv // h, d)
 
 
-def _tree_or_causal(tree: torch.Tensor | None, t: int, device: torch.device) -> torch.Tensor:
-    if tree is not None:
-        return tree.to(device)
+def _tree_or_causal(tree_mask: torch.Tensor | None, t: int, device: torch.device) -> torch.Tensor:
+    if tree_mask is not None:
+        return tree_mask.to(device)
     return torch.ones(t, t, dtype=torch.bool, device=device).tril_()
 
 
 def eager_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree: torch.Tensor | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Plain masked attention that materialises the [H, T, P+T] score matrix (the reference).
 
@@ -56,7 +55,7 @@ def eager_attention(
     """
     h, t, d = q.shape
     n_kv, s, _ = k.shape
-    local = _tree_or_causal(tree, t, q.device)
+    local = _tree_or_causal(tree_mask, t, q.device)
     m = local.shape[1]
     scores = torch.matmul(_group(q, n_kv), k.transpose(-1, -2))
     scores.mul_(1.0 / math.sqrt(d))
@@ -159,7 +158,7 @@ def _blocked_attention_with_lse(
 
 
 def _local_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree: torch.Tensor | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention to the last M keys under the tree (or causal) mask, with log-sum-exp.
 
@@ -168,7 +167,7 @@ def _local_attention(
     """
     h, t, d = q.shape
     n_kv = k.shape[0]
-    allowed = _tree_or_causal(tree, t, q.device).repeat(h // n_kv, 1)
+    allowed = _tree_or_causal(tree_mask, t, q.device).repeat(h // n_kv, 1)
     qg = _group(q, n_kv)
     acc_dtype = torch.float32 if q.dtype in _HALF else q.dtype
     s = torch.matmul(qg, k.transpose(-1, -2)).to(acc_dtype) * (1.0 / math.sqrt(d))
@@ -193,7 +192,7 @@ def merge_by_lse(
 
 
 def hybrid_tree_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree: torch.Tensor | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
     """SpecExtend's Hybrid Tree Attention.
 
@@ -203,8 +202,8 @@ def hybrid_tree_attention(
     Also serves chunked prefill, where the "tree" is the causal triangle of the chunk.
     """
     t = q.shape[1]
-    p = k.shape[1] - (tree.shape[1] if tree is not None else t)
-    o_local, lse_local = _local_attention(q, k[:, p:], v[:, p:], tree)
+    p = k.shape[1] - (tree_mask.shape[1] if tree_mask is not None else t)
+    o_local, lse_local = _local_attention(q, k[:, p:], v[:, p:], tree_mask)
     if p == 0:
         return o_local
     o_prefix, lse_prefix = _prefix_attention(q, k[:, :p], v[:, :p])
@@ -224,18 +223,18 @@ EAGER_MAX_SCORES = {"cpu": 2048 * 1024, "cuda": 64 * 65536}
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree: torch.Tensor | None, backend: Backend
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor | None, backend: Backend
 ) -> torch.Tensor:
     if backend == "efficient":
-        prefix = k.shape[1] - (tree.shape[1] if tree is not None else q.shape[1])
+        prefix = k.shape[1] - (tree_mask.shape[1] if tree_mask is not None else q.shape[1])
         dev = q.device.type
         if prefix < EFFICIENT_MIN_PREFIX.get(dev, 2048) and q.shape[1] * k.shape[1] <= EAGER_MAX_SCORES.get(
             dev, 2048 * 1024
         ):
-            return eager_attention(q, k, v, tree)
-        return hybrid_tree_attention(q, k, v, tree)
+            return eager_attention(q, k, v, tree_mask)
+        return hybrid_tree_attention(q, k, v, tree_mask)
     if backend == "eager":
-        return eager_attention(q, k, v, tree)
+        return eager_attention(q, k, v, tree_mask)
     raise ValueError(f"unknown attention backend {backend!r}")
 
 
@@ -250,11 +249,11 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return torch.softmax(s, -1).mean(dim=(0, 1))
 
 
-def sdpa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree: torch.Tensor | None) -> torch.Tensor:
+def sdpa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor | None) -> torch.Tensor:
     """PyTorch's own masked SDPA with repeated K/V, used only by tests as an independent oracle."""
     h, t, _ = q.shape
     n_kv, s, _ = k.shape
-    local = _tree_or_causal(tree, t, q.device)
+    local = _tree_or_causal(tree_mask, t, q.device)
     allowed = torch.ones(t, s, dtype=torch.bool, device=q.device)
     allowed[:, s - local.shape[1] :] = local
     rep = h // n_kv

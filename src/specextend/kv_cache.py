@@ -9,8 +9,8 @@ attends over [0, length + T); the caller then decides what to keep:
 - `discard()` keeps none (draft tokens that were only proposed).
 
 Keeping a subset compacts in place, so the cache always holds exactly the committed tokens in
-sequence order. `gather_from` builds a cache out of selected slots of another (the draft's
-working cache made of retrieved chunks).
+sequence order. `copy_slots_from` fills a cache with selected slots of another (the draft's
+working cache made of retrieved chunks of its store).
 """
 
 from __future__ import annotations
@@ -101,19 +101,6 @@ class KVCache:
         src = src.to(other.k.device)
         self.k[:, :, dst_start : dst_start + n] = other.k[:, :, src]
         self.v[:, :, dst_start : dst_start + n] = other.v[:, :, src]
-
-    def snapshot(self) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """A copy of the committed contents (to restore the same prefill for several methods)."""
-        return self.k[:, :, : self.length].clone(), self.v[:, :, : self.length].clone(), self.length
-
-    def restore(self, snap: tuple[torch.Tensor, torch.Tensor, int]) -> None:
-        k, v, length = snap
-        if length > self.capacity:
-            raise CacheFullError(f"snapshot of {length} tokens exceeds capacity {self.capacity}")
-        self.k[:, :, :length] = k
-        self.v[:, :, :length] = v
-        self.length = length
-        self.pending = 0
 
     @property
     def nbytes(self) -> int:

@@ -193,7 +193,7 @@ class Block(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         cache: KVCache,
-        tree: torch.Tensor | None,
+        tree_mask: torch.Tensor | None,
         backend: Backend,
         keep_q: dict[int, torch.Tensor] | None,
     ) -> torch.Tensor:
@@ -209,7 +209,7 @@ class Block(nn.Module):
         if keep_q is not None and self.index in keep_q:
             keep_q[self.index] = q
         k_all, v_all = cache.write(self.index, k, v)
-        a = attend(q, k_all, v_all, tree, backend)
+        a = attend(q, k_all, v_all, tree_mask, backend)
         x = x + self.o(a.transpose(0, 1).reshape(t, nh * hd))
         gu = self.gate_up(self.mlp_norm(x))
         g, u = gu.chunk(2, dim=-1)
@@ -258,30 +258,30 @@ class Transformer(nn.Module):
         tokens: torch.Tensor,
         positions: torch.Tensor,
         cache: KVCache,
-        tree: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
         backend: Backend = "efficient",
         logits_rows: torch.Tensor | slice | None = None,
         keep_q: dict[int, torch.Tensor] | None = None,
-        return_hidden: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor:
         """Run T new tokens through the model, writing their K/V into `cache`'s pending slots.
 
-        tokens, positions: [T]; tree: [T, T] bool (new token i may see new token j) or None for
-        causal. The caller commits the pending slots afterwards (see `KVCache`). logits_rows
-        picks the rows that need logits (prefill needs one, not T x vocab). keep_q: a dict
-        whose keys are layer indices; each gets that layer's rotated queries [H, T, D].
-        Returns logits [rows, vocab] (float32 or wider), and the final hidden states on request.
+        tokens, positions: [T]; tree_mask: [T, M] bool, what each new token may see among the
+        last M keys (see attention.py), or None for causal. The caller commits the pending slots
+        afterwards (see `KVCache`). logits_rows picks the rows that need logits (prefill needs
+        one, not T x vocab). keep_q: a dict whose keys are layer indices; each gets that layer's
+        rotated queries [H, T, D].
+        Returns logits [rows, vocab] (float32 or wider).
         """
         cache.begin(tokens.shape[0])
         cos, sin = self.rope(positions)
         x = self.embed(tokens.to(self.device))
         for layer in self.layers:
-            x = layer(x, cos, sin, cache, tree, backend, keep_q)
+            x = layer(x, cos, sin, cache, tree_mask, backend, keep_q)
         h = self.norm(x if logits_rows is None else x[logits_rows])
         logits = self.lm_head(h)
         if logits.dtype in (torch.bfloat16, torch.float16):
             logits = logits.float()
-        return (logits, h) if return_hidden else logits
+        return logits
 
     def prefill(
         self,
