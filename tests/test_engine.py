@@ -42,7 +42,7 @@ def check_cache_invariants(target):
         assert torch.allclose(tcache.k[:, :, :n], fresh.k[:, :, :n], atol=1e-10, rtol=0)
         assert torch.allclose(tcache.v[:, :, :n], fresh.v[:, :, :n], atol=1e-10, rtol=0)
         # The draft's store holds the committed tokens except the ones still to be fed.
-        assert policy.store.length == len(committed) + 1 - len(todo)
+        assert policy.draft_store.length == len(committed) + 1 - len(todo)
 
     return hook
 

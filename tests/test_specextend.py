@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specextend.draft_cache import CMRDraftCache, StreamingDraftCache, make_draft_cache
+from specextend.draft_policy import CMRPolicy, StreamingPolicy, make_policy
 from specextend.engine import SpecEngine
 from specextend.models.loader import load_model
 from specextend.settings import Settings
@@ -41,7 +41,7 @@ def test_greedy_equals_ar(tiny_dir, arch, name):
     seen = {"refresh": 0}
 
     def hook(tcache, policy, out, todo):
-        if isinstance(policy, CMRDraftCache | StreamingDraftCache):
+        if isinstance(policy, CMRPolicy | StreamingPolicy):
             seen["refresh"] = policy.rebuilds
             w = policy.working.length
             assert w <= policy.budget + 2 * policy.s.chunk_size + 16 + 8 * policy.s.chunk_overlap
@@ -73,7 +73,7 @@ def test_working_cache_holds_the_chosen_chunks(tiny_dir, positions):
     n, c = 50, 4
     store = store_with_prompt(draft, n)
     s = Settings(chunk_size=c, top_k_chunks=4, positions=positions, sink_tokens=4).resolved()
-    policy = make_draft_cache("cmr", draft, store, "efficient", s)
+    policy = make_policy("cmr", draft, store, "efficient", s)
     policy.start()
     scores = torch.full((n,), 1e-3)
     scores[20:24] = 0.5  # chunk 5 dominates
@@ -111,7 +111,7 @@ def test_planted_chunk_is_always_selected(tiny_dir):
     gen = torch.Generator().manual_seed(0)
     for trial in range(50):
         s = Settings(chunk_size=c, top_k_chunks=4).resolved()
-        policy = make_draft_cache("cmr", draft, store, "efficient", s)
+        policy = make_policy("cmr", draft, store, "efficient", s)
         policy.start()
         scores = torch.rand(n, generator=gen) * 1e-2
         planted = int(torch.randint(1, n // c, (1,), generator=gen))
@@ -132,7 +132,7 @@ def test_short_context_keeps_every_token_until_it_grows(tiny_dir):
     seen: list[tuple[int, int, bool]] = []
 
     def hook(tcache, policy, out, todo):
-        seen.append((policy.store.length, policy.rebuilds, policy.selected == [(0, policy.selected[-1][1])]))
+        seen.append((policy.draft_store.length, policy.rebuilds, policy.selected == [(0, policy.selected[-1][1])]))
 
     eng.step_hook = hook
     r = eng.generate(prompt, Settings(method="specextend", max_new_tokens=40, **SMALL))
@@ -148,7 +148,7 @@ def test_cmr_min_ratio_decides_whether_chunks_are_selected(tiny_dir, ratio, keep
     n, c = 50, 4
     store = store_with_prompt(draft, n)
     s = Settings(chunk_size=c, top_k_chunks=8, cmr_min_ratio=ratio).resolved()  # budget 32, 50 <= 64
-    policy = make_draft_cache("cmr", draft, store, "efficient", s)
+    policy = make_policy("cmr", draft, store, "efficient", s)
     policy.start()
     assert policy.wants_scores() is not keeps_all
     scores = torch.full((n,), 1e-3)

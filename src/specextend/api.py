@@ -22,7 +22,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from .engine import GenerationResult
+from .engine import GenerationResult, check_fits
 from .errors import UserError
 from .settings import Settings
 
@@ -412,19 +412,9 @@ class Prepared(_Prompts):
     progress: bool
 
     def check_fits(self, prompt_tokens: int, settings: Settings) -> None:
-        """The engine's rule, early: prompt + new tokens within the context of every model that
-        sees all positions (the draft does unless its cache is selective with compact positions)."""
-        s = settings.resolved()
-        limit, whose = self.context, "the target's"
-        draft_sees_all = s.draft_cache == "full" or s.positions == "original"
-        draft_ctx = self.draft_cfg.max_position if self.draft_cfg is not None else limit
-        if s.method != "ar" and draft_sees_all and draft_ctx < limit:
-            limit, whose = int(draft_ctx), "the draft's"
-        if prompt_tokens + s.max_new_tokens > limit:
-            raise UserError(
-                f"a prompt of {prompt_tokens} tokens + {s.max_new_tokens} new tokens exceeds "
-                f"{whose} context of {limit} tokens"
-            )
+        """The engine's context limit (`engine.check_fits`), before any weights are read."""
+        draft_context = int(self.draft_cfg.max_position) if self.draft_cfg is not None else None
+        check_fits(prompt_tokens, settings, self.context, draft_context)
 
     def load(self) -> Pair:
         from .models.loader import eos_token_ids, load_model, parse_device, parse_dtype

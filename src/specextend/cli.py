@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from .bench.data import record_text
+from .draft_policy import DRAFT_POLICIES
 from .errors import UserError
 from .models.loader import add_model_arguments
-from .settings import ATTENTIONS, DRAFT_CACHES, METHODS, POSITION_MODES, TREES, Settings
+from .settings import ATTENTIONS, METHODS, POSITION_MODES, TREES, Settings
 
 PROG = "specextend"
 DEBUG_ENV = "SPECEXTEND_DEBUG"
@@ -75,8 +76,8 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     method = p.add_argument_group("method")
     _opt(method, "--method", str, "ar: target alone, sd: speculative decoding, specextend: + CMR",
          choices=METHODS, metavar="|".join(METHODS))
-    _opt(method, "--draft-cache", str, "draft KV policy, overrides the preset's", choices=DRAFT_CACHES,
-         metavar="|".join(DRAFT_CACHES), shown_default="the preset's")
+    _opt(method, "--draft-cache", str, "draft KV policy, overrides the preset's", choices=tuple(DRAFT_POLICIES),
+         metavar="|".join(DRAFT_POLICIES), shown_default="the preset's")
     _opt(method, "--attention", str, "attention backend, overrides the preset's", choices=ATTENTIONS,
          metavar="|".join(ATTENTIONS), shown_default="the preset's")
 

@@ -1,12 +1,13 @@
 """The decoding loop: target-only (`ar`) and speculative (draft tree -> one target verification).
 
 Parts are swappable and the loop knows none of their insides: a `TreeBuilder` proposes
-(tree.py), a verifier accepts (verify.py), a `DraftCache` decides what the draft attends to
-(draft_cache.py). Invariants between steps:
+(tree.py), a verifier accepts (verify.py), a `DraftPolicy` decides what the draft attends to
+(draft_policy.py). A speculative step is three calls: `_draft`, `_verify`, `_retrieve`.
+Invariants between steps:
 
 - the target cache holds every committed token except the newest one (`root`), which is the
   first token of the next verification forward;
-- the draft cache holds the committed tokens except those in `todo`, which the next drafting
+- the draft store holds the committed tokens except those in `todo`, which the next drafting
   pass feeds first (the accepted run and the bonus token).
 
 Prefill is separate from decoding and restorable, so a benchmark can prefill a prompt once and
@@ -23,13 +24,13 @@ from typing import Any
 import torch
 
 from .attention import attention_probs
-from .draft_cache import DraftCache, SelectiveDraftCache, make_draft_cache
+from .draft_policy import DRAFT_POLICIES, DraftPolicy, make_policy
 from .errors import UserError
 from .kv_cache import KVCache
 from .model import Transformer
 from .settings import Settings
-from .tree import draft_dist, make_builder
-from .verify import sample, target_dist, verify_greedy, verify_sampling
+from .tree import DraftTree, TreeBuilder, draft_dist, make_builder
+from .verify import Verdict, sample, target_dist, verify_greedy, verify_sampling
 
 TokensCallback = Callable[[list[int]], None]
 TREE_HEADROOM = 256  # cache slots beyond prompt + new tokens, for tree nodes in flight
@@ -64,7 +65,7 @@ class Prefilled:
     attention: str  # the backend that wrote the caches; decode may use another (same K and V)
     target_cache: KVCache
     first_logits: torch.Tensor
-    draft_cache: KVCache | None
+    draft_store: KVCache | None  # the draft's KV of every committed token (policies select from it)
     target_s: float
     draft_s: float
     max_new_tokens: int
@@ -77,8 +78,25 @@ class Prefilled:
     def restore(self) -> None:
         n = len(self.prompt_ids)
         self.target_cache.truncate(n)
-        if self.draft_cache is not None:
-            self.draft_cache.truncate(n)
+        if self.draft_store is not None:
+            self.draft_store.truncate(n)
+
+
+def check_fits(prompt_tokens: int, settings: Settings, target_context: int, draft_context: int | None) -> None:
+    """The context limit: prompt + new tokens within the target's context, and within the
+    draft's too when its policy attends at every true position (see `sees_every_position`)."""
+    s = settings.resolved()
+    if prompt_tokens == 0:
+        raise UserError("the prompt is empty")
+    limit, whose = target_context, "the target's"
+    if (s.method != "ar" and draft_context is not None and draft_context < limit
+            and DRAFT_POLICIES[s.draft_cache].sees_every_position(s)):
+        limit, whose = draft_context, "the draft's, which sees every position"
+    if prompt_tokens + s.max_new_tokens > limit:
+        raise UserError(
+            f"a prompt of {prompt_tokens} tokens + {s.max_new_tokens} new tokens exceeds the model's context of "
+            f"{limit} tokens ({whose})"
+        )
 
 
 class _Clock:
@@ -103,13 +121,17 @@ class _Clock:
         self.t = self.now()
 
 
+# What a decoding loop returns: tokens, accepted draft tokens per step, stop reason, statistics.
+LoopResult = tuple[list[int], list[int], str, dict[str, float]]
+
+
 class SpecEngine:
     def __init__(self, target: Transformer, draft: Transformer | None, eos_ids: Sequence[int]) -> None:
         self.target, self.draft = target, draft
         self.eos = set(eos_ids)
-        # Called after every speculative step with (target cache, draft cache policy, output so
-        # far, pending draft tokens); tests use it to check the caches' invariants.
-        self.step_hook: Callable[[KVCache, DraftCache, list[int], list[int]], None] | None = None
+        # Called after every speculative step with (target cache, draft policy, output so far,
+        # pending draft tokens); tests use it to check the caches' invariants.
+        self.step_hook: Callable[[KVCache, DraftPolicy, list[int], list[int]], None] | None = None
 
     def warmup(self, max_rows: int = 16) -> None:
         """Run every forward shape decoding will use once, untimed.
@@ -127,16 +149,8 @@ class SpecEngine:
 
     # --- prefill -------------------------------------------------------------------------------
     def check_fits(self, prompt_len: int, s: Settings) -> None:
-        if prompt_len == 0:
-            raise UserError("the prompt is empty")
-        limit = self.target.cfg.max_position
-        if s.method != "ar" and self.draft is not None and (s.draft_cache == "full" or s.positions == "original"):
-            limit = min(limit, self.draft.cfg.max_position)
-        if prompt_len + s.max_new_tokens > limit:
-            raise UserError(
-                f"prompt of {prompt_len} tokens + {s.max_new_tokens} new tokens exceeds the model's "
-                f"context of {limit} tokens"
-            )
+        check_fits(prompt_len, s, self.target.cfg.max_position,
+                   self.draft.cfg.max_position if self.draft is not None else None)
 
     def prefill(self, prompt_ids: list[int], settings: Settings) -> Prefilled:
         s = settings.resolved()
@@ -148,13 +162,13 @@ class SpecEngine:
         last_q: dict[int, torch.Tensor] = {}
         first = self.target.prefill(ids, tcache, s.attention, last_q=last_q)
         t1 = time.perf_counter()
-        dcache = None
+        draft_store = None
         if s.method != "ar" and self.draft is not None:
-            dcache = self.draft.new_cache(cap)
-            self.draft.prefill(ids, dcache, s.attention)
+            draft_store = self.draft.new_cache(cap)
+            self.draft.prefill(ids, draft_store, s.attention)
         t2 = time.perf_counter()
-        return Prefilled(list(prompt_ids), s.attention, tcache, first, dcache, t1 - t0, t2 - t1, s.max_new_tokens,
-                         last_q)
+        return Prefilled(list(prompt_ids), s.attention, tcache, first, draft_store, t1 - t0, t2 - t1,
+                         s.max_new_tokens, last_q)
 
     # --- decode --------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], settings: Settings, on_tokens: TokensCallback | None = None
@@ -167,7 +181,7 @@ class SpecEngine:
         s = settings.resolved()
         if s.max_new_tokens > state.max_new_tokens:
             raise ValueError("decode asks for more new tokens than the prefill made room for")
-        if s.method != "ar" and state.draft_cache is None:
+        if s.method != "ar" and state.draft_store is None:
             raise UserError(f"method {s.method!r} needs a draft model")
         state.restore()
         gen = torch.Generator().manual_seed(s.seed)
@@ -217,7 +231,8 @@ class SpecEngine:
             stop = "length"
         return stop
 
-    def _ar_loop(self, state: Prefilled, s: Settings, gen, clock: _Clock, cb):
+    def _ar_loop(self, state: Prefilled, s: Settings, gen: torch.Generator, clock: _Clock,
+                 cb: TokensCallback | None) -> LoopResult:
         tcache = state.target_cache
         x = self._choose(state.first_logits, s, gen)
         out: list[int] = []
@@ -233,20 +248,11 @@ class SpecEngine:
             stop = self._emit(out, [x], s, cb)
         return out, accepts, stop, {}
 
-    def _spec_loop(self, state: Prefilled, s: Settings, gen, clock: _Clock, cb):
-        assert self.draft is not None and state.draft_cache is not None
+    def _spec_loop(self, state: Prefilled, s: Settings, gen: torch.Generator, clock: _Clock,
+                   cb: TokensCallback | None) -> LoopResult:
         tcache = state.target_cache
-        policy: DraftCache = make_draft_cache(s.draft_cache, self.draft, state.draft_cache, s.attention, s)
         builder = make_builder(s)
-        score_layers = self.score_layers(s) if s.draft_cache == "cmr" else []
-        clock.skip()
-        if isinstance(policy, SelectiveDraftCache):
-            policy.start()
-            if score_layers and policy.wants_scores():  # first retrieval: what the prompt's last token attends to
-                first_q = {i: state.last_q[i] for i in score_layers}
-                policy.refresh(self.retrieval_scores(tcache, first_q, [0]))
-        clock.lap("retrieval_s")
-
+        policy, layers = self._start_policy(state, s, clock)
         root = self._choose(state.first_logits, s, gen)
         out: list[int] = []
         accepts: list[int] = []
@@ -254,55 +260,69 @@ class SpecEngine:
         todo = [root]
         n_verified = 0
         while stop is None:
-            # Draft: catch up on committed tokens, then grow a tree below the root.
             clock.skip()
-            logits = policy.extend(todo)
-            root_q = draft_dist(logits[-1], s.temperature)
-            tree = builder.build(root, root_q, policy.run_tree, s.greedy, s.temperature, gen)
-            policy.end_tree()
+            tree = self._draft(policy, builder, todo, root, s, gen)
             clock.lap("draft_s")
-
-            # Verify the whole tree in one target forward.
-            keep_q = dict.fromkeys(score_layers) if score_layers else None
-            base = tcache.length
-            logits = self.target(tree.tokens, base + tree.depths, tcache, tree.mask(), s.attention, keep_q=keep_q)
-            if s.greedy:
-                verdict = verify_greedy(tree, logits)
-            else:
-                verdict = verify_sampling(tree, logits, s.temperature, s.top_p, gen)
-            tcache.commit(verdict.path)
+            verdict, new, queries = self._verify(tree, tcache, layers, s, gen)
             n_verified += tree.size
-            tokens = tree.tokens.tolist()
-            new = [tokens[i] for i in verdict.path[1:]] + [verdict.bonus]
             clock.lap("verify_s")
-
             accepts.append(len(verdict.path) - 1)
             stop = self._emit(out, new, s, cb)
             if stop is not None:
                 break
             todo, root = new, verdict.bonus
-
-            # Retrieval: the draft cache policy may ask for the target's attention.
-            policy.observe(len(verdict.path) - 1)
-            if policy.wants_scores():
-                rows = [verdict.path[-1]] if s.retrieval_query == "last" else verdict.path
-                policy.refresh(self.retrieval_scores(tcache, keep_q, rows))
+            self._retrieve(policy, tcache, queries, verdict.path)
             clock.lap("retrieval_s")
             if self.step_hook is not None:
                 self.step_hook(tcache, policy, out, todo)
-        extra = {"verified_nodes_per_step": n_verified / max(1, len(accepts)),
-                 "draft_working_tokens": float(policy.working_tokens)}
-        if isinstance(policy, SelectiveDraftCache):
-            extra["retrievals"] = float(policy.rebuilds)
-        return out, accepts, stop, extra
+        return out, accepts, stop, {"verified_nodes_per_step": n_verified / max(1, len(accepts)), **policy.stats()}
 
-    def score_layers(self, s: Settings) -> list[int]:
-        n = self.target.cfg.num_layers
-        last = s.retrieval_layer % n
-        if s.retrieval_layer >= n or s.retrieval_layer < -n:
-            raise UserError(f"--retrieval-layer {s.retrieval_layer} outside the target's {n} layers")
-        first = max(0, last - s.retrieval_layers_mean + 1)
-        return list(range(first, last + 1))
+    def _start_policy(self, state: Prefilled, s: Settings, clock: _Clock) -> tuple[DraftPolicy, list[int]]:
+        """The draft policy over the prefilled draft store, started (its time is retrieval's), and
+        the target layers it scores with."""
+        assert self.draft is not None and state.draft_store is not None
+        policy = make_policy(s.draft_cache, self.draft, state.draft_store, s.attention, s)
+        layers = policy.score_layers(self.target.cfg.num_layers)
+        clock.skip()
+        policy.start(lambda: self.prompt_scores(state, layers))
+        clock.lap("retrieval_s")
+        return policy, layers
+
+    def _draft(self, policy: DraftPolicy, builder: TreeBuilder, todo: list[int], root: int, s: Settings,
+               gen: torch.Generator) -> DraftTree:
+        """Catch the draft up on the committed tokens, then grow a tree below the root."""
+        logits = policy.extend(todo)
+        root_q = draft_dist(logits[-1], s.temperature)
+        tree = builder.build(root, root_q, policy.run_tree, s.greedy, s.temperature, gen)
+        policy.end_tree()
+        return tree
+
+    def _verify(self, tree: DraftTree, tcache: KVCache, layers: list[int], s: Settings, gen: torch.Generator
+                ) -> tuple[Verdict, list[int], dict[int, torch.Tensor] | None]:
+        """Verify the whole tree in one target forward and commit the accepted path. Returns the
+        verdict, the new tokens (accepted run + bonus) and the queries of `layers`, the target
+        layers the draft policy scores with (None if none)."""
+        queries = dict.fromkeys(layers) if layers else None
+        positions = tcache.length + tree.depths
+        logits = self.target(tree.tokens, positions, tcache, tree.mask(), s.attention, keep_q=queries)
+        if s.greedy:
+            verdict = verify_greedy(tree, logits)
+        else:
+            verdict = verify_sampling(tree, logits, s.temperature, s.top_p, gen)
+        tcache.commit(verdict.path)
+        tokens = tree.tokens.tolist()
+        return verdict, [tokens[i] for i in verdict.path[1:]] + [verdict.bonus], queries
+
+    def _retrieve(self, policy: DraftPolicy, tcache: KVCache, queries: dict[int, torch.Tensor] | None,
+                  path: list[int]) -> None:
+        """Tell the draft policy how the step went; score the accepted rows if it asks."""
+        policy.observe(len(path) - 1)
+        if policy.wants_scores():
+            policy.refresh(self.retrieval_scores(tcache, queries, policy.score_rows(path)))
+
+    def prompt_scores(self, state: Prefilled, layers: list[int]) -> torch.Tensor | None:
+        """The first retrieval's scores: what the last prompt token attends to in `layers`."""
+        return self.retrieval_scores(state.target_cache, {i: state.last_q[i] for i in layers}, [0])
 
     @staticmethod
     def retrieval_scores(cache: KVCache, keep_q: dict | None, rows: list[int]) -> torch.Tensor | None:

@@ -33,13 +33,13 @@ from typing import Any
 
 import torch
 
-from .draft_cache import DraftCache, SelectiveDraftCache, make_draft_cache
+from .draft_policy import DRAFT_POLICIES, DraftPolicy, chunk_scores, make_policy, retrieval_layers
 from .engine import Prefilled, SpecEngine
 from .errors import UserError
 from .models.loader import add_model_arguments
 from .settings import POSITION_MODES, Settings
 
-POLICIES = ("full", "streaming", "cmr")
+POLICIES = tuple(DRAFT_POLICIES)
 DATA_ENV = "SPECEXTEND_DATA"
 RESULTS_FILE = "trials.jsonl"
 SUMMARY_FILE = "needle.json"
@@ -177,37 +177,28 @@ def prefill_trial(engine: SpecEngine, trial: Trial, s: Settings) -> tuple[Prefil
 
 
 def retrieval_scores(engine: SpecEngine, state: Prefilled, s: Settings) -> torch.Tensor:
-    """Target attention of the last prompt token over the prompt: the engine's layer choice
-    (retrieval_layer, retrieval_layers_mean) and its scoring function, as at its first retrieval."""
-    layers = engine.score_layers(s.resolved())
-    scores = engine.retrieval_scores(state.target_cache, {i: state.last_q[i] for i in layers}, [0])
+    """Target attention of the last prompt token over the prompt: CMR's layer choice
+    (retrieval_layer, retrieval_layers_mean) and the engine's scoring, as at its first retrieval."""
+    scores = engine.prompt_scores(state, retrieval_layers(s.resolved(), engine.target.cfg.num_layers))
     assert scores is not None
     return scores
 
 
-def build_policy(engine: SpecEngine, state: Prefilled, name: str, s: Settings, scores: torch.Tensor) -> DraftCache:
+def build_policy(engine: SpecEngine, state: Prefilled, name: str, s: Settings, scores: torch.Tensor
+                 ) -> DraftPolicy:
     """The policy's working cache over the draft store, ready to be fed the last prompt token.
 
     The store is cut to the prompt minus its last token first: the answer's first token then
     comes from re-feeding that token through the working cache, so no answer token has seen
-    more than the policy keeps (the draft's prefill logits saw the whole prompt).
+    more than the policy keeps (the draft's prefill logits saw the whole prompt). The policy
+    starts as in the engine, with `scores` as the prompt's scores.
     """
-    store = state.draft_cache
-    assert store is not None and engine.draft is not None
-    store.truncate(len(state.prompt_ids) - 1)
-    policy = make_draft_cache(name, engine.draft, store, state.attention, s)
-    if isinstance(policy, SelectiveDraftCache):
-        policy.start()
-        if name == "cmr":
-            policy.refresh(scores)
+    draft_store = state.draft_store
+    assert draft_store is not None and engine.draft is not None
+    draft_store.truncate(len(state.prompt_ids) - 1)
+    policy = make_policy(name, engine.draft, draft_store, state.attention, s)
+    policy.start(lambda: scores)
     return policy
-
-
-def kept_ranges(policy: DraftCache) -> list[tuple[int, int]]:
-    """Store ranges in the policy's working cache (the whole store for `full`)."""
-    if isinstance(policy, SelectiveDraftCache):
-        return list(policy.selected)
-    return [(0, policy.store.length)]
 
 
 def covers(ranges: Iterable[tuple[int, int]], span: tuple[int, int]) -> bool:
@@ -215,7 +206,7 @@ def covers(ranges: Iterable[tuple[int, int]], span: tuple[int, int]) -> bool:
     return sum(max(0, min(b, e) - max(a, s)) for s, e in ranges) >= b - a
 
 
-def greedy_answer(policy: DraftCache, first: int, max_new_tokens: int, eos: set[int]) -> tuple[list[int], int]:
+def greedy_answer(policy: DraftPolicy, first: int, max_new_tokens: int, eos: set[int]) -> tuple[list[int], int]:
     """The draft alone, greedy from its working cache; returns (tokens, largest working size)."""
     out: list[int] = []
     largest = policy.working_tokens
@@ -233,9 +224,7 @@ def greedy_answer(policy: DraftCache, first: int, max_new_tokens: int, eos: set[
 def chunk_rank(scores: torch.Tensor, span: tuple[int, int], chunk: int, n: int) -> int | None:
     """1-based rank of the best chunk holding the needle by mean attention (as CMR ranks, but
     without forcing chunk 0 first); None if the needle lies only in the open chunk."""
-    n_chunks = min(n, scores.shape[0]) // chunk
-    mean = scores[: n_chunks * chunk].view(n_chunks, chunk).mean(-1)
-    order = torch.argsort(mean, descending=True).tolist()
+    order = torch.argsort(chunk_scores(scores, n, chunk), descending=True).tolist()
     needle_chunks = set(range(span[0] // chunk, (span[1] - 1) // chunk + 1))
     ranks = [r + 1 for r, c in enumerate(order) if c in needle_chunks]
     return min(ranks) if ranks else None
@@ -245,13 +234,13 @@ def run_policy(engine: SpecEngine, state: Prefilled, name: str, s: Settings, sco
                tokenizer: Any, max_new_tokens: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     policy = build_policy(engine, state, name, s, scores)
-    ranges = kept_ranges(policy)
+    ranges = policy.kept_ranges()
     working = policy.working_tokens
     tokens, largest = greedy_answer(policy, trial.prompt_ids[-1], max_new_tokens, engine.eos)
     answer = tokenizer.decode(tokens, skip_special_tokens=True)
     # Leave the store as the next policy expects it: the prompt (the full policy appended to it).
-    assert state.draft_cache is not None
-    state.draft_cache.truncate(len(trial.prompt_ids) - 1)
+    assert state.draft_store is not None
+    state.draft_store.truncate(len(trial.prompt_ids) - 1)
     return {
         "answer": answer,
         "correct": trial.passphrase in answer,

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from .draft_policy import DRAFT_POLICIES
 from .errors import UserError
 
 METHODS = ("ar", "sd", "specextend")
-DRAFT_CACHES = ("full", "streaming", "cmr")
 ATTENTIONS = ("eager", "efficient")
 TREES = ("chain", "dynamic")
 POSITION_MODES = ("compact", "original")
@@ -72,8 +72,8 @@ class Settings:
         )
         if s.method == "ar":
             s.draft_cache = None
-        elif s.draft_cache not in DRAFT_CACHES:
-            raise UserError(f"unknown draft cache {s.draft_cache!r}; choose one of {', '.join(DRAFT_CACHES)}")
+        elif s.draft_cache not in DRAFT_POLICIES:
+            raise UserError(f"unknown draft cache {s.draft_cache!r}; choose one of {', '.join(DRAFT_POLICIES)}")
         if s.attention not in ATTENTIONS:
             raise UserError(f"unknown attention {s.attention!r}; choose one of {', '.join(ATTENTIONS)}")
         if s.tree not in TREES:

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ..api import finite_json
+from ..draft_policy import DRAFT_POLICIES
 from ..errors import UserError
 from ..models.loader import add_model_arguments
 from ..settings import METHODS, Settings
@@ -63,9 +64,7 @@ PLOT_EVERY_S = 20.0
 
 # Ablation modifiers: `base+mod` sets one Settings field on top of the base preset.
 MODIFIERS: dict[str, tuple[str, str]] = {
-    "full": ("draft_cache", "full"),
-    "streaming": ("draft_cache", "streaming"),
-    "cmr": ("draft_cache", "cmr"),
+    **{name: ("draft_cache", name) for name in DRAFT_POLICIES},
     "efficient": ("attention", "efficient"),
     "eager": ("attention", "eager"),
     "chain": ("tree", "chain"),
