@@ -9,7 +9,8 @@ import sys
 import pytest
 
 import specextend
-from specextend.api import _Detokenizer, load
+from specextend.api import load
+from specextend.detokenize import Detokenizer
 from specextend.errors import UserError
 
 from tiny_tokenizer import TINY_VOCAB, save_tiny_model, tiny_tokenizer
@@ -97,7 +98,7 @@ def test_detokenizer_holds_back_split_characters():
         return tok.decode(i, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     pieces: list[str] = []
-    d = _Detokenizer(decode, pieces.append)
+    d = Detokenizer(decode, pieces.append)
     for i in ids:
         d.push([i])
     d.finish(decode(ids))
@@ -114,7 +115,7 @@ def test_detokenizer_flushes_truly_invalid_bytes():
 
     ids = tok.encode("ab") + lone
     pieces: list[str] = []
-    d = _Detokenizer(decode, pieces.append)
+    d = Detokenizer(decode, pieces.append)
     d.push(ids)
     assert "".join(pieces) == "ab"
     d.finish(decode(ids))

@@ -12,7 +12,6 @@ The command line (`specextend generate`) is a thin layer over `load` and `Pair.g
 
 from __future__ import annotations
 
-import math
 import queue
 import sys
 import threading
@@ -22,16 +21,15 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from .detokenize import Detokenizer
 from .engine import GenerationResult, check_fits
 from .errors import UserError
+from .jsonl import finite_json
 from .settings import Settings
 
 __all__ = ["Pair", "Prepared", "Result", "Settings", "load", "prepare"]
 
 TextCallback = Callable[[str], None]
-
-# Detokenised text ends in U+FFFD while a multi-byte character is still split across tokens.
-_REPLACEMENT = "\ufffd"
 
 
 # --------------------------------------------------------------------------- results
@@ -80,51 +78,6 @@ class Result(GenerationResult):
             "extra": dict(self.extra),
         }
         return finite_json(d)
-
-
-def finite_json(x: Any) -> Any:
-    """JSON has no NaN/inf; a broken timer must not make the output unparsable."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: finite_json(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [finite_json(v) for v in x]
-    return x
-
-
-# --------------------------------------------------------------------------- streaming text
-
-
-class _Detokenizer:
-    """Turns accepted token batches into text pieces whose concatenation is the final text.
-
-    Decoding token by token breaks characters that span several tokens (and SentencePiece's
-    leading spaces), so each push decodes the whole generated sequence and emits the new suffix,
-    holding back trailing U+FFFD until the rest of the character arrives.
-    """
-
-    def __init__(self, decode: Callable[[list[int]], str], on_text: TextCallback) -> None:
-        self.decode = decode
-        self.on_text = on_text
-        self.ids: list[int] = []
-        self.emitted = ""
-
-    def push(self, new_ids: list[int]) -> None:
-        self.ids.extend(new_ids)
-        self._emit_upto(self.decode(self.ids).rstrip(_REPLACEMENT))
-
-    def finish(self, final_text: str) -> None:
-        """Flush what was held back (a genuinely invalid byte sequence stays U+FFFD)."""
-        self._emit_upto(final_text)
-
-    def _emit_upto(self, text: str) -> None:
-        # A decoder that rewrites earlier text would break the concatenation; wait until the
-        # text again extends what was already emitted.
-        if len(text) > len(self.emitted) and text.startswith(self.emitted):
-            piece = text[len(self.emitted) :]
-            self.emitted = text
-            self.on_text(piece)
 
 
 class _Cancelled(Exception):
@@ -245,7 +198,7 @@ class Pair(_Prompts):
     def _generate(
         self, ids: list[int], s: Settings, on_text: TextCallback | None, cancel: threading.Event | None = None
     ) -> Result:
-        detok = _Detokenizer(self.decode, on_text) if on_text is not None else None
+        detok = Detokenizer(self.decode, on_text) if on_text is not None else None
 
         def on_tokens(new_ids: list[int]) -> None:
             if cancel is not None and cancel.is_set():

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TextIO
 
+from .detokenize import Detokenizer
 from .errors import UserError
 from .models.loader import DRAFT_DTYPE_HELP
 from .settings import Settings
@@ -32,7 +33,6 @@ from .settings import Settings
 DEFAULT_LENGTH = "2K"
 DEFAULT_NEW_TOKENS = 96
 GREEN, RESET = "\033[32m", "\033[0m"
-_REPLACEMENT = "\ufffd"  # decoded text ends in it while a multi-byte character is incomplete
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,23 +57,21 @@ class MarkedStream:
     """Writes accepted tokens as text, marking the part that came from accepted draft tokens.
 
     Each engine callback batch is the accepted draft tokens followed by the target's own token.
-    The whole output is re-decoded each time and only the new suffix written, so characters that
-    span several tokens come out whole (a trailing U+FFFD waits for the rest of its character).
+    Text comes through a `Detokenizer`, so characters that span several tokens come out whole.
     """
 
     def __init__(self, decode: Callable[[list[int]], str], out: TextIO, color: bool) -> None:
         self.decode, self.out, self.color = decode, out, color
-        self.ids: list[int] = []
-        self.emitted = ""
+        self.pieces: list[str] = []
+        self.detok = Detokenizer(decode, self.pieces.append)
         self.draft_tokens = 0
 
-    def _new_text(self) -> str:
-        text = self.decode(self.ids).rstrip(_REPLACEMENT)
-        if len(text) > len(self.emitted) and text.startswith(self.emitted):
-            piece = text[len(self.emitted):]
-            self.emitted = text
-            return piece
-        return ""
+    def _text_of(self, ids: list[int]) -> str:
+        """The text these tokens complete (possibly none yet)."""
+        self.detok.push(ids)
+        text = "".join(self.pieces)
+        self.pieces.clear()
+        return text
 
     def _mark(self, piece: str) -> str:
         if not piece:
@@ -83,18 +81,13 @@ class MarkedStream:
     def push(self, batch: list[int]) -> None:
         drafted, own = batch[:-1], batch[-1:]
         self.draft_tokens += len(drafted)
-        self.ids.extend(drafted)
-        marked = self._mark(self._new_text()) if drafted else ""
-        self.ids.extend(own)
-        self.out.write(marked + self._new_text())
+        marked = self._mark(self._text_of(drafted)) if drafted else ""
+        self.out.write(marked + self._text_of(own))
         self.out.flush()
 
     def finish(self) -> None:
-        # Whatever was held back (a truly invalid byte sequence stays U+FFFD).
-        text = self.decode(self.ids)
-        if text.startswith(self.emitted):
-            self.out.write(text[len(self.emitted):])
-        self.out.write("\n")
+        self.detok.finish(self.decode(self.detok.ids))  # what was held back
+        self.out.write("".join(self.pieces) + "\n")
         self.out.flush()
 
 

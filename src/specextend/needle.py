@@ -36,6 +36,7 @@ import torch
 from .draft_policy import DRAFT_POLICIES, DraftPolicy, chunk_scores, make_policy, retrieval_layers
 from .engine import Prefilled, SpecEngine
 from .errors import UserError
+from .jsonl import append_jsonl
 from .models.loader import add_model_arguments
 from .settings import POSITION_MODES, Settings
 
@@ -405,15 +406,6 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def append_record(path: Path, rec: dict[str, Any]) -> None:
-    # A run killed mid-write leaves a line without its newline: start a fresh line after it.
-    cut = path.is_file() and path.stat().st_size > 0 and path.read_bytes()[-1:] != b"\n"
-    with path.open("a", encoding="utf-8") as f:
-        f.write(("\n" if cut else "") + json.dumps(rec) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
 # --------------------------------------------------------------------------- command line
 
 
@@ -501,7 +493,7 @@ def sweep(pair: Any, s: Settings, lengths: Sequence[str], trials: int, folder: P
             bar.set_description_str(f"needle {k + 1}/{len(todo)}: {length} #{i} ({len(trial.prompt_ids)} tok)")
             rec = run_trial(engine, pair.tokenizer, trial, s, s.max_new_tokens)
             rec["config"] = config
-            append_record(path, rec)
+            append_jsonl(path, rec)
             mine.append(rec)
             bar.update(weight[length])
             if not quiet:

@@ -30,7 +30,6 @@ import gc
 import hashlib
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -39,9 +38,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ..api import finite_json
 from ..draft_policy import DRAFT_POLICIES
 from ..errors import UserError
+from ..jsonl import append_jsonl
 from ..models.loader import add_model_arguments
 from ..settings import METHODS, Settings
 from .data import (
@@ -343,16 +342,6 @@ def row_key(row: dict[str, Any]) -> tuple:
     return (row.get("data"), row.get("sample"), row.get("method"), row.get("settings_hash"))
 
 
-def append_row(path: Path, row: dict[str, Any]) -> None:
-    """One complete line per row, on disk before we go on: a killed run loses at most a partial
-    last line, which the next run cuts off (report.read_rows(repair=True))."""
-    line = json.dumps(finite_json(row), ensure_ascii=False, allow_nan=False) + "\n"
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(line)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 # --------------------------------------------------------------------------- the run
 
 
@@ -407,7 +396,7 @@ class Bench:
             matches_ar=True if spec.name == "ar" else (row["token_ids"] == ar if ar is not None else None),
             finished_at=datetime.now(UTC).isoformat(timespec="seconds"),
         )
-        append_row(self.results, row)
+        append_jsonl(self.results, row)  # a killed run loses at most a partial last line
         self.rows[row_key(row)] = row
         self.report(final=False)
         if self.bar is not None:
