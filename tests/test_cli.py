@@ -190,7 +190,7 @@ def test_json_output_is_one_object_with_every_field(capsys, tiny):
     assert d["new_tokens"] == len(d["token_ids"]) == 12
     assert d["method"] == "ar" and d["draft"] is None and d["accepted_per_step"] == 0
     assert d["dtype"] == "float32" and d["device"] == "cpu" and d["target"] == str(tiny.resolve())
-    assert {f.name for f in fields(Settings)} - {"extra"} <= set(d["config"])
+    assert {f.name for f in fields(Settings)} - {"labels"} <= set(d["config"])
     assert set(d["phases"]) == {"draft_s", "verify_s", "retrieval_s", "other_s"}
     assert d["total_s"] >= d["decode_s"] > 0 and d["prefill_s"] > 0
 

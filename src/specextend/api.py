@@ -284,7 +284,7 @@ def make_settings(settings: Settings | None = None, **overrides: Any) -> Setting
     known = {f.name for f in fields(Settings)}
     unknown = sorted(set(overrides) - known)
     if unknown:
-        raise UserError(f"unknown setting {unknown[0]!r}; known: {', '.join(sorted(known - {'extra'}))}")
+        raise UserError(f"unknown setting {unknown[0]!r}; known: {', '.join(sorted(known - {'labels'}))}")
     base = settings if settings is not None else Settings()
     if not isinstance(base, Settings):
         raise UserError(f"settings must be a specextend.Settings, not {type(base).__name__}")

@@ -23,7 +23,7 @@ from .bench.data import record_text
 from .draft_policy import DRAFT_POLICIES
 from .errors import UserError
 from .models.loader import add_model_arguments
-from .settings import ATTENTIONS, METHODS, POSITION_MODES, TREES, Settings
+from .settings import ATTENTIONS, METHODS, POSITION_MODES, TREES, Settings, parse_assignments
 
 PROG = "specextend"
 DEBUG_ENV = "SPECEXTEND_DEBUG"
@@ -111,7 +111,8 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     _opt(sampling, "--top-p", float, "nucleus sampling mass, in (0, 1]")
     _opt(sampling, "--seed", int, "sampling seed")
     sampling.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                          help="an extra engine setting (Settings.extra); VALUE is parsed as JSON if it can be")
+                          help="a label recorded in the JSON's config for your own bookkeeping (read by nothing; "
+                               "every setting has its own option above); repeatable")
 
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object (the contract's fields) to stdout")
@@ -177,30 +178,12 @@ def _command_of(argv: Sequence[str]) -> str | None:
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """Resolved Settings from the options given (the rest keep Settings' defaults)."""
-    given = {
-        f.name: getattr(args, f.name)
-        for f in fields(Settings)
-        if f.name != "extra" and getattr(args, f.name, None) is not None
-    }
-    given["extra"] = _parse_extra(args.set)
-    return Settings(**given).resolved()
-
-
-def _parse_extra(items: list[str]) -> dict[str, Any]:
-    known = {f.name for f in fields(Settings)}
-    extra: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep or not key:
-            raise UserError(f"--set wants KEY=VALUE, got {item!r}")
-        if key in known:
-            raise UserError(f"--set {key}: use the --{key.replace('_', '-')} option instead")
-        try:
-            extra[key] = json.loads(raw)
-        except json.JSONDecodeError:
-            extra[key] = raw
-    return extra
+    names = [f.name for f in fields(Settings) if f.name != "labels"]
+    given = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+    # Every setting has its own option here, so --set holds labels only.
+    own_option = {name: f"the --{name.replace('_', '-')} option" for name in names}
+    labels = parse_assignments(args.set, "--set", refused=own_option, labels=True)
+    return Settings(**given, labels=labels).resolved()
 
 
 def read_prompt(args: argparse.Namespace) -> str:

@@ -1,8 +1,12 @@
-"""Generation settings, method presets and their validation (shared by the API, CLI and bench)."""
+"""Generation settings, method presets, their validation, and the one KEY=VALUE parser
+(`generate --set`, `bench --set`, bench's `base+key=value`, the sweep's `--base`/`--grid`)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+import difflib
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
 from .draft_policy import DRAFT_POLICIES
@@ -58,7 +62,9 @@ class Settings:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    # Labels (`generate --set KEY=VALUE`): recorded in the result's config for the caller's own
+    # bookkeeping and read by nothing; every setting above has its own option instead.
+    labels: dict[str, str | int | float | bool] = field(default_factory=dict)
 
     def resolved(self) -> Settings:
         """Fill the preset's choices and check every value; raises UserError on a bad one."""
@@ -99,6 +105,8 @@ class Settings:
             raise UserError(f"--cmr-min-ratio must be a finite number >= 0, got {s.cmr_min_ratio}")
         if not (0.0 <= s.tree_threshold < 1.0):
             raise UserError(f"--tree-threshold must be in [0, 1), got {s.tree_threshold}")
+        for key, value in s.labels.items():
+            check_label(key, value, where="label")
         return s
 
     @property
@@ -106,7 +114,84 @@ class Settings:
         return self.temperature == 0.0
 
     def as_dict(self) -> dict[str, Any]:
+        """Every setting, and the labels beside them, as plain JSON values."""
         d = asdict(self)
-        d.pop("extra")
-        d.update(self.extra)
+        d.pop("labels")
+        d.update(self.labels)
         return d
+
+
+# --------------------------------------------------------------------------- KEY=VALUE
+
+_DEFAULTS = {f.name: f.default for f in fields(Settings) if f.default is not MISSING}  # every setting, no labels
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def parse_assignments(items: Iterable[str], where: str = "--set", *, refused: Mapping[str, str] | None = None,
+                      labels: bool = False) -> dict[str, Any]:
+    """KEY=VALUE items -> {key: value}; bad items raise UserError naming `where`.
+
+    A setting's value is typed like its default (bool: 1/true/yes/on or 0/false/no/off; int;
+    finite float; otherwise text); dashes in KEY read as underscores. `refused` maps the keys a
+    caller takes through another option to a hint naming it. A key that names no setting is
+    refused, unless `labels`: then it is a label (see `Settings.labels`), typed as it reads.
+    """
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key, raw = key.strip().replace("-", "_"), raw.strip()
+        if not sep or not key:
+            raise UserError(f"{where} wants KEY=VALUE, got {item!r}")
+        if refused and key in refused:
+            raise UserError(f"{where} {key}: use {refused[key]} instead")
+        if key in _DEFAULTS:
+            out[key] = _typed(key, raw, _DEFAULTS[key], where)
+        elif labels:
+            out[key] = check_label(key, _label_value(raw), where)
+        else:
+            known = sorted(set(_DEFAULTS) - set(refused or ()))
+            raise UserError(f"{where} {key}: unknown setting; known: {', '.join(known)}")
+    return out
+
+
+def _typed(key: str, raw: str, default: Any, where: str) -> Any:
+    try:
+        if isinstance(default, bool):
+            if raw.lower() in _TRUE + _FALSE:
+                return raw.lower() in _TRUE
+            raise ValueError
+        if isinstance(default, int):
+            return int(raw)
+        if isinstance(default, float):
+            v = float(raw)
+            if not math.isfinite(v):
+                raise ValueError
+            return v
+    except ValueError:
+        raise UserError(f"{where} {key}={raw}: expected a {type(default).__name__}") from None
+    return raw
+
+
+def _label_value(raw: str) -> str | int | float | bool:
+    for cast in (int, float):
+        try:
+            v = cast(raw)
+        except ValueError:
+            continue
+        if math.isfinite(v):
+            return v
+    return {"true": True, "false": False}.get(raw.lower(), raw)
+
+
+def check_label(key: Any, value: Any, where: str = "--set") -> Any:
+    """A label must not be (or look like a misspelling of) a setting, and holds one plain value."""
+    if not isinstance(key, str) or not key.isidentifier():
+        raise UserError(f"{where} {key!r}: a label's name is a word (letters, digits, _)")
+    if key in _DEFAULTS or key == "labels":
+        raise UserError(f"{where} {key}: a setting's name, not one a label can take")
+    near = difflib.get_close_matches(key, list(_DEFAULTS), n=1, cutoff=0.8)
+    if near:
+        raise UserError(f"{where} {key}: no such setting (did you mean {near[0]}?)")
+    if not isinstance(value, str | int | float | bool) or (isinstance(value, float) and not math.isfinite(value)):
+        raise UserError(f"{where} {key}: a label holds text, a number or true/false, got {value!r}")
+    return value

@@ -33,7 +33,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,7 @@ from ..draft_policy import DRAFT_POLICIES
 from ..errors import UserError
 from ..jsonl import append_jsonl
 from ..models.loader import add_model_arguments
-from ..settings import METHODS, Settings
+from ..settings import METHODS, Settings, parse_assignments
 from .data import (
     BUILTIN_LENGTHS,
     Sample,
@@ -73,7 +73,12 @@ PREFILL_MODES = ("per-backend", "shared")
 # What ar's single-model loop reads; any other modifier on ar would change nothing.
 AR_SETTINGS = {"attention", "temperature", "top_p", "seed"}
 # Settings that --methods and --max-new-tokens own; --set may not touch them.
-RESERVED = {"method", "draft_cache", "attention", "max_new_tokens", "extra"}
+RESERVED = {
+    "method": "--methods (e.g. sd+cmr)",
+    "draft_cache": "--methods (e.g. sd+cmr)",
+    "attention": "--methods (e.g. sd+cmr)",
+    "max_new_tokens": "--max-new-tokens",
+}
 
 
 # --------------------------------------------------------------------------- arguments
@@ -145,44 +150,9 @@ class MethodSpec:
         return self.settings.as_dict()
 
 
-def _coerce(name: str, raw: str, default: Any, where: str = "--set") -> Any:
-    """A --set value typed like the field's default."""
-    try:
-        if isinstance(default, bool):
-            if raw.lower() in ("1", "true", "yes", "on"):
-                return True
-            if raw.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        if isinstance(default, int):
-            return int(raw)
-        if isinstance(default, float):
-            v = float(raw)
-            if not math.isfinite(v):
-                raise ValueError
-            return v
-    except ValueError:
-        raise UserError(f"{where} {name}={raw}: expected a {type(default).__name__}") from None
-    return raw
-
-
 def parse_set(items: list[str], where: str = "--set") -> dict[str, Any]:
     """--set KEY=VALUE items -> Settings field values (unknown or reserved keys: UserError)."""
-    defaults = {f.name: f.default for f in fields(Settings)}
-    known = sorted(set(defaults) - RESERVED)
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep or not key:
-            raise UserError(f"{where} wants KEY=VALUE, got {item!r}")
-        if key in RESERVED:
-            hint = "--max-new-tokens" if key == "max_new_tokens" else "--methods (e.g. sd+cmr)"
-            raise UserError(f"{where} {key}: use {hint} instead")
-        if key not in defaults:
-            raise UserError(f"{where} {key}: unknown setting; known: {', '.join(known)}")
-        out[key] = _coerce(key, raw.strip(), defaults[key], where)
-    return out
+    return parse_assignments(items, where, refused=RESERVED)
 
 
 def parse_method(name: str, base: Settings) -> MethodSpec:

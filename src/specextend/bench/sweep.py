@@ -5,8 +5,9 @@
         --grid tree_budget=4,8,12 --grid tree_depth=4,6 [--draft-dtype bfloat16] [--out sweep.jsonl]
 
 Every configuration is the base settings plus one point of the grid (a cartesian product);
-`ar` runs once per prompt as the reference for speedups and exactness. Used to choose the
-defaults in settings.py; the tables in the README come from runs of this script.
+`ar` runs once per prompt as the reference for speedups and exactness. Values are parsed as
+`bench --set` parses them (settings.parse_assignments). Used to choose the defaults in
+settings.py; the tables in the README come from runs of this script.
 """
 
 from __future__ import annotations
@@ -16,33 +17,26 @@ import itertools
 import json
 import sys
 import time
-from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
-from ..settings import Settings
+from ..errors import UserError
+from ..jsonl import append_jsonl
+from ..settings import Settings, parse_assignments
+
+# --max-new-tokens sets every run's length; a --base or --grid value for it would be overridden.
+REFUSED = {"max_new_tokens": "--max-new-tokens"}
 
 
-def _value(text: str):
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text.lower(), text)
-
-
-def parse_grid(items: list[str]) -> list[dict]:
-    keys, values = [], []
-    names = {f.name for f in fields(Settings)}
+def parse_grid(items: list[str]) -> list[dict[str, Any]]:
+    """--grid key=v1,v2,... items -> every combination of their values (a cartesian product)."""
+    axes = []  # per item, one single-setting dict per value
     for item in items:
-        key, _, vals = item.partition("=")
-        if key not in names:
-            raise SystemExit(f"unknown setting {key!r}")
-        keys.append(key)
-        values.append([_value(v) for v in vals.split(",")])
-    return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*values)] or [{}]
+        key, _, values = item.partition("=")
+        axes.append([parse_assignments([f"{key}={v}"], "--grid", refused=REFUSED) for v in values.split(",")])
+    return [{k: v for point in combo for k, v in point.items()} for combo in itertools.product(*axes)] or [{}]
 
 
 def load_prompts(path: str, samples: int, tokenizer, chat: bool) -> list[list[int]]:
@@ -58,6 +52,15 @@ def load_prompts(path: str, samples: int, tokenizer, chat: bool) -> list[list[in
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m specextend.bench.sweep`; bad input: one line on stderr, exit 2."""
+    try:
+        return sweep(argv)
+    except UserError as e:
+        print(f"specextend sweep: error: {e}", file=sys.stderr)
+        return 2
+
+
+def sweep(argv: list[str] | None = None) -> int:
     from ..api import load
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -74,8 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="append one JSON line per run here")
     a = ap.parse_args(argv)
 
-    base = {k: _value(v) for k, _, v in (b.partition("=") for b in a.base)}
+    base = parse_assignments(a.base, "--base", refused=REFUSED)
     grid = parse_grid(a.grid)
+    # Every configuration is checked before the models load.
+    runs = [(None, Settings(method="ar", max_new_tokens=a.max_new_tokens).resolved())]
+    runs += [(point, Settings(**{**base, **point, "max_new_tokens": a.max_new_tokens}).resolved()) for point in grid]
     pair = load(a.target, a.draft, dtype=a.dtype, draft_dtype=a.draft_dtype)
     pair.engine.warmup()
     prompts = load_prompts(a.data, a.samples, pair.tokenizer, not a.no_chat)
@@ -85,10 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, ids in enumerate(prompts):
         states = {}
         ar = None
-        for point in [None, *grid]:
-            s = Settings(method="ar", max_new_tokens=a.max_new_tokens) if point is None else \
-                Settings(**{**base, **point, "max_new_tokens": a.max_new_tokens})
-            s = s.resolved()
+        for point, s in runs:
             if s.attention not in states:
                 states[s.attention] = eng.prefill(ids, Settings(**{**base, "method": "sd",
                                                                    "attention": s.attention,
@@ -105,8 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                    "matches_ar": r.token_ids == ar.token_ids[: len(r.token_ids)], "extra": r.extra}
             rows.append(row)
             if a.out:
-                with open(a.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+                append_jsonl(Path(a.out), row)
             bar.update()
     bar.close()
 
