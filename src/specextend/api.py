@@ -208,10 +208,9 @@ class Pair(_Prompts):
 
         wants_tokens = detok is not None or cancel is not None
         gen = self.engine.generate(ids, s, on_tokens=on_tokens if wants_tokens else None)
-        text = self.decode(gen.token_ids)
+        self.last_result = self.result(gen)
         if detok is not None:
-            detok.finish(text)
-        self.last_result = self._result(gen, text)
+            detok.finish(self.last_result.text)
         return self.last_result
 
     def stream(
@@ -262,14 +261,15 @@ class Pair(_Prompts):
             cancel.set()
             worker.join()
 
-    def _result(self, gen: Any, text: str) -> Result:
+    def result(self, gen: GenerationResult) -> Result:
+        """The engine's measurements with the decoded text and what ran (models, dtypes, device)."""
         s: Settings = gen.settings
         fields_ = {f.name: getattr(gen, f.name) for f in fields(GenerationResult)}
         fields_.update(token_ids=list(gen.token_ids), phases=dict(gen.phases), accept_lengths=list(gen.accept_lengths),
                        settings=s, extra=dict(gen.extra or {}))
         return Result(
             **fields_,
-            text=text,
+            text=self.decode(gen.token_ids),
             method=s.method,
             target=str(self.target_path),
             draft=str(self.draft_path) if s.method != "ar" and self.draft_path is not None else None,

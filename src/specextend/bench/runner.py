@@ -433,35 +433,13 @@ class Bench:
 
     def _engine_row(self, pair: Any, spec: MethodSpec, gen: Any, target_s: float, draft_s: float
                     ) -> dict[str, Any]:
-        s: Settings = gen.settings
-        spec_draft = spec.needs_draft
-        prefill_s = target_s + (draft_s if spec_draft else 0.0)
-        return {
-            "method": spec.name,
-            "preset": s.method,
-            "target": self.run_info["target"],
-            "draft": self.run_info["draft"] if spec_draft else None,
-            "dtype": self.run_info["dtype"],
-            "draft_dtype": self.run_info["draft_dtype"] if spec_draft else None,
-            "device": self.run_info["device"],
-            "config": s.as_dict(),
-            "prompt_tokens": gen.prompt_tokens,
-            "new_tokens": gen.new_tokens,
-            "token_ids": list(gen.token_ids),
-            "text": pair.decode(gen.token_ids),
-            "prefill_s": prefill_s,
-            "prefill_target_s": target_s,
-            "prefill_draft_s": draft_s if spec_draft else 0.0,
-            "decode_s": gen.decode_s,
-            "total_s": prefill_s + gen.decode_s,
-            "decode_tokens_per_s": gen.decode_tokens_per_s,
-            "steps": gen.steps,
-            "accepted_per_step": gen.accepted_per_step,
-            "phases": dict(gen.phases),
-            "stop_reason": gen.stop_reason,
-            "accept_lengths": list(gen.accept_lengths),
-            "extra": dict(gen.extra or {}),
-        }
+        """The `generate --json` object, named by the method as written, with its own prefill
+        cost: a shared prefill's draft part is not `ar`'s."""
+        row = pair.result(gen).to_json()
+        draft_s = draft_s if spec.needs_draft else 0.0
+        row.update(method=spec.name, preset=gen.settings.method, prefill_s=target_s + draft_s,
+                   prefill_target_s=target_s, prefill_draft_s=draft_s, total_s=target_s + draft_s + gen.decode_s)
+        return row
 
     # ----------------------------------------------------------------- HF baselines
 
