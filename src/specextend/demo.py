@@ -27,7 +27,7 @@ from typing import Any, TextIO
 
 from .detokenize import Detokenizer
 from .errors import UserError
-from .models.loader import DRAFT_DTYPE_HELP
+from .models.loader import add_model_arguments
 from .settings import Settings
 
 DEFAULT_LENGTH = "2K"
@@ -36,11 +36,7 @@ GREEN, RESET = "\033[32m", "\033[0m"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", help="target model: folder, .gguf file, known name (default: the default pair)")
-    p.add_argument("--draft", help="draft model, same forms as --target")
-    p.add_argument("--dtype", default="float32", help="float32|float64|bfloat16|float16 (default: float32)")
-    p.add_argument("--draft-dtype", default=None, help=DRAFT_DTYPE_HELP)
-    p.add_argument("--device", default="cpu", help="cpu|cuda[:N] (default: cpu)")
+    add_model_arguments(p)
     p.add_argument("--length", default=DEFAULT_LENGTH,
                    help=f"input length in tokens, e.g. 1K, 2K, 4K (default: {DEFAULT_LENGTH})")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_NEW_TOKENS,

@@ -1,7 +1,8 @@
 """Runtime micro-benchmark: load time, prefill speed, decode and verification cost, and the
 memory-bandwidth floor of a decode step.
 
-    python -m specextend.bench.runtime [--model REF] [--context 2048] [--rows 1,4,8,16] [--json]
+    python -m specextend.bench.runtime [--target REF] [--dtype float32] [--context 2048]
+                                       [--rows 1,4,8,16] [--json]
 
 The floor is (weight bytes read per forward) / (measured memory read bandwidth): no
 implementation can run a decode step faster on this machine.
@@ -16,7 +17,7 @@ import time
 
 import torch
 
-from ..models.loader import load_model, parse_dtype
+from ..models.loader import add_model_arguments, load_model, parse_dtype
 from ..models.registry import resolve_model_ref
 
 
@@ -54,8 +55,7 @@ def timed(fn, repeats: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="model reference (default: the default target)")
-    ap.add_argument("--dtype", default="float32")
+    add_model_arguments(ap, draft=False)
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--rows", default="1,2,4,8,16,32")
     ap.add_argument("--prefill-tokens", type=int, default=1024)
@@ -63,7 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
 
-    path = resolve_model_ref(a.model, "target")
+    if a.device != "cpu":
+        # The floor is CPU memory bandwidth; GPU kernels are timed by specextend.bench.kernels.
+        print("specextend runtime: error: --device cpu only (see python -m specextend.bench.kernels)",
+              file=sys.stderr)
+        return 2
+    path = resolve_model_ref(a.target, "target")
     t = time.perf_counter()
     model = load_model(path, parse_dtype(a.dtype))
     load_s = time.perf_counter() - t

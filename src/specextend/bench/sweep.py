@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from ..errors import UserError
 from ..jsonl import append_jsonl
+from ..models.loader import add_model_arguments
 from ..settings import Settings, parse_assignments
 
 # --max-new-tokens sets every run's length; a --base or --grid value for it would be overridden.
@@ -64,10 +65,7 @@ def sweep(argv: list[str] | None = None) -> int:
     from ..api import load
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target")
-    ap.add_argument("--draft")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--draft-dtype")
+    add_model_arguments(ap)
     ap.add_argument("--data", required=True)
     ap.add_argument("--samples", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -82,7 +80,7 @@ def sweep(argv: list[str] | None = None) -> int:
     # Every configuration is checked before the models load.
     runs = [(None, Settings(method="ar", max_new_tokens=a.max_new_tokens).resolved())]
     runs += [(point, Settings(**{**base, **point, "max_new_tokens": a.max_new_tokens}).resolved()) for point in grid]
-    pair = load(a.target, a.draft, dtype=a.dtype, draft_dtype=a.draft_dtype)
+    pair = load(a.target, a.draft, dtype=a.dtype, device=a.device, draft_dtype=a.draft_dtype)
     pair.engine.warmup()
     prompts = load_prompts(a.data, a.samples, pair.tokenizer, not a.no_chat)
     eng = pair.engine

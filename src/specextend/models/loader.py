@@ -46,13 +46,16 @@ def parse_device(name: str) -> torch.device:
 DRAFT_DTYPE_HELP = "the draft's dtype (default: bfloat16 on a CPU with native bf16 if --dtype is float32, else --dtype)"
 
 
-def add_model_arguments(p: argparse.ArgumentParser, draft_note: str = "") -> None:
-    """The `models` option group every command that loads the pair shares (generate, bench, needle)."""
+def add_model_arguments(p: argparse.ArgumentParser, draft_note: str = "", draft: bool = True) -> None:
+    """The `models` option group every command that loads models shares (generate, bench, needle,
+    demo, the sweep; the runtime benchmark, which times the target alone, with `draft=False`)."""
     g = p.add_argument_group("models")
     g.add_argument("--target", help="target model: folder, .gguf file, known name (default: the default pair)")
-    g.add_argument("--draft", help=f"draft model, same forms as --target{draft_note}")
+    if draft:
+        g.add_argument("--draft", help=f"draft model, same forms as --target{draft_note}")
     g.add_argument("--dtype", default="float32", help="float32|float64|bfloat16|float16 (default: float32)")
-    g.add_argument("--draft-dtype", default=None, help=DRAFT_DTYPE_HELP)
+    if draft:
+        g.add_argument("--draft-dtype", default=None, help=DRAFT_DTYPE_HELP)
     g.add_argument("--device", default="cpu", help="cpu|cuda[:N] (default: cpu)")
 
 
