@@ -3,9 +3,14 @@ PYTHON ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench-runtime clean
+.PHONY: setup kernels demo test lint bench-runtime clean
 
-setup: $(STAMP)
+setup: $(STAMP) kernels
+
+# The C++ CPU kernels, compiled once per machine into the user cache (a minute or two on 2 cores);
+# afterwards this only finds them.
+kernels: $(STAMP)
+	@$(VENV)/bin/python -m specextend.kernels
 
 # Re-install only when the dependency pins change; otherwise `make setup` returns at once.
 $(STAMP): pyproject.toml

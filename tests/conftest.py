@@ -10,6 +10,14 @@ import torch
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Load the C++ kernels once, from the user's cache (where `make setup` built them), before
+    any test points SPECEXTEND_HOME at a temporary folder, which would build them again there."""
+    from specextend import kernels
+
+    kernels.load()
+
+
 def tiny_hf_config(arch: str, vocab: int = 64, layers: int = 2, **kw):
     import transformers as tf
 

@@ -46,6 +46,8 @@ class Result(GenerationResult):
     dtype: str
     draft_dtype: str | None
     device: str
+    weights: str = "float"
+    draft_weights: str | None = None
 
     @property
     def config(self) -> dict[str, Any]:
@@ -60,6 +62,8 @@ class Result(GenerationResult):
             "draft": self.draft,
             "dtype": self.dtype,
             "draft_dtype": self.draft_dtype,
+            "weights": self.weights,
+            "draft_weights": self.draft_weights,
             "device": self.device,
             "config": self.config,
             "prompt_tokens": self.prompt_tokens,
@@ -276,6 +280,8 @@ class Pair(_Prompts):
             dtype=self.dtype,
             draft_dtype=self.draft_dtype if s.method != "ar" else None,
             device=self.device,
+            weights=self.target.weights,
+            draft_weights=self.draft.weights if s.method != "ar" and self.draft is not None else None,
         )
 
 
@@ -306,6 +312,8 @@ def load(
     dtype: str = "float32",
     device: str = "cpu",
     draft_dtype: str | None = None,
+    weights: str = "auto",
+    draft_weights: str = "auto",
     load_draft: bool = True,
     progress: bool = True,
 ) -> Pair:
@@ -315,8 +323,8 @@ def load(
     the default pair (pulled on first use), a folder, a .gguf file or a known short name.
     Everything cheap (names, configs, tokenizers) is checked before any weights are read.
     """
-    return prepare(target, draft, dtype=dtype, device=device, draft_dtype=draft_dtype,
-                   load_draft=load_draft, progress=progress).load()
+    return prepare(target, draft, dtype=dtype, device=device, draft_dtype=draft_dtype, weights=weights,
+                   draft_weights=draft_weights, load_draft=load_draft, progress=progress).load()
 
 
 def prepare(
@@ -326,6 +334,8 @@ def prepare(
     dtype: str = "float32",
     device: str = "cpu",
     draft_dtype: str | None = None,
+    weights: str = "auto",
+    draft_weights: str = "auto",
     load_draft: bool = True,
     progress: bool = True,
 ) -> Prepared:
@@ -333,12 +343,21 @@ def prepare(
     the configs and tokenizers and check they fit together. The result can already encode and
     check prompts, so bad input fails before the slow part."""
     from .model import ModelConfig
-    from .models.loader import default_draft_dtype, load_tokenizer, parse_device, parse_dtype, read_config
+    from .models.loader import (
+        check_weights,
+        default_draft_dtype,
+        load_tokenizer,
+        parse_device,
+        parse_dtype,
+        read_config,
+    )
     from .models.registry import resolve_model_ref
 
     parse_dtype(dtype)
     parse_device(device)
-    draft_dtype = draft_dtype or default_draft_dtype(dtype, device)
+    check_weights(weights)
+    check_weights(draft_weights)
+    draft_dtype = draft_dtype or default_draft_dtype(dtype, device, draft_weights)
     parse_dtype(draft_dtype)
     target_path = resolve_model_ref(_ref(target), "target", progress=progress)
     draft_path = resolve_model_ref(_ref(draft), "draft", progress=progress) if load_draft else None
@@ -347,7 +366,8 @@ def prepare(
     tokenizer = load_tokenizer(target_path)
     if draft_path is not None and draft_cfg is not None:
         check_same_vocabulary(tokenizer, draft_path, target_cfg.vocab_size, draft_cfg.vocab_size)
-    return Prepared(target_path, draft_path, target_cfg, draft_cfg, tokenizer, dtype, draft_dtype, device, progress)
+    return Prepared(target_path, draft_path, target_cfg, draft_cfg, tokenizer, dtype, draft_dtype, device, progress,
+                    weights, draft_weights)
 
 
 @dataclass
@@ -363,6 +383,8 @@ class Prepared(_Prompts):
     draft_dtype: str | None
     device: str
     progress: bool
+    weights: str = "auto"
+    draft_weights: str = "auto"
 
     def check_fits(self, prompt_tokens: int, settings: Settings) -> None:
         """The engine's context limit (`engine.check_fits`), before any weights are read."""
@@ -375,13 +397,14 @@ class Prepared(_Prompts):
         dev = parse_device(self.device)
         # One line once loaded: a failed load then leaves only its error line on stderr.
         t0 = time.perf_counter()
-        target = load_model(self.target_path, parse_dtype(self.dtype), dev)
+        target = load_model(self.target_path, parse_dtype(self.dtype), dev, weights=self.weights)
         draft = None
         if self.draft_path is not None:
-            draft = load_model(self.draft_path, parse_dtype(self.draft_dtype or self.dtype), dev)
-        what = f"target {self.target_path.name} ({self.dtype})"
-        if self.draft_path is not None:
-            what += f" and draft {self.draft_path.name} ({self.draft_dtype or self.dtype})"
+            draft = load_model(self.draft_path, parse_dtype(self.draft_dtype or self.dtype), dev,
+                               weights=self.draft_weights)
+        what = f"target {self.target_path.name} ({target.weights})"
+        if draft is not None:
+            what += f" and draft {self.draft_path.name} ({draft.weights})"
         _say(self.progress, f"loaded {what} on {self.device} in {time.perf_counter() - t0:.1f} s")
         return Pair(
             target,

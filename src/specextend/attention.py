@@ -22,7 +22,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-Backend = Literal["eager", "efficient"]
+# "rowwise": the C++ kernel (csrc/attention.cpp) in which a token's output depends only on the
+# keys it sees; the quantized CPU runtime runs every attention through it (see `attend`).
+Backend = Literal["eager", "efficient", "rowwise"]
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _HALF = (torch.bfloat16, torch.float16)
@@ -235,6 +237,10 @@ def attend(
         return hybrid_tree_attention(q, k, v, tree_mask)
     if backend == "eager":
         return eager_attention(q, k, v, tree_mask)
+    if backend == "rowwise":
+        from .kernels import load
+
+        return load().attend(q, k, v, tree_mask, False)
     raise ValueError(f"unknown attention backend {backend!r}")
 
 
@@ -245,7 +251,7 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     This is the only place scores are materialised for retrieval: one layer, r rows.
     """
     d = q.shape[-1]
-    s = torch.matmul(_group(q, k.shape[0]), k.transpose(-1, -2)).float() * (1.0 / math.sqrt(d))
+    s = torch.matmul(_group(q, k.shape[0]), k.to(q.dtype).transpose(-1, -2)).float() * (1.0 / math.sqrt(d))
     return torch.softmax(s, -1).mean(dim=(0, 1))
 
 

@@ -22,7 +22,7 @@ from typing import Any, TextIO
 from .bench.data import record_text
 from .draft_policy import DRAFT_POLICIES
 from .errors import UserError
-from .models.loader import add_model_arguments
+from .models.loader import add_model_arguments, model_options
 from .settings import ATTENTIONS, METHODS, POSITION_MODES, TREES, Settings, parse_assignments
 
 PROG = "specextend"
@@ -312,15 +312,8 @@ def _run_generate(args: argparse.Namespace, settings: Settings, prompt: str,
                   on_text: Callable[[str], None] | None) -> Any:
     from .api import prepare
 
-    prepared = prepare(
-        args.target,
-        args.draft,
-        dtype=args.dtype,
-        device=args.device,
-        draft_dtype=args.draft_dtype,
-        load_draft=settings.method != "ar",
-        progress=not args.quiet,
-    )
+    prepared = prepare(args.target, args.draft, **model_options(args), load_draft=settings.method != "ar",
+                       progress=not args.quiet)
     # Tokenize and check the length before the (slow) weights are read.
     ids = prepared.encode(prompt, chat=args.chat)
     prepared.check_fits(len(ids), settings)

@@ -27,7 +27,7 @@ from typing import Any, TextIO
 
 from .detokenize import Detokenizer
 from .errors import UserError
-from .models.loader import add_model_arguments
+from .models.loader import add_model_arguments, model_options
 from .settings import Settings
 
 DEFAULT_LENGTH = "2K"
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     settings = _settings(args)
     out = sys.stdout
 
-    prepared = prepare(args.target, args.draft, dtype=args.dtype, device=args.device, draft_dtype=args.draft_dtype)
+    prepared = prepare(args.target, args.draft, **model_options(args))
     sample = builtin_code_inputs(prepared.tokenizer, [length], samples=1, chat=True)[0]
     for s in settings.values():
         prepared.check_fits(sample.input_tokens, s)

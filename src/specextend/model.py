@@ -17,7 +17,9 @@ from torch import nn
 
 from .attention import Backend, attend
 from .errors import UserError
+from .kernels import qlinear
 from .kv_cache import KVCache
+from .quant import QWeight
 
 SUPPORTED_ARCHS = {
     "LlamaForCausalLM": "llama",
@@ -137,13 +139,14 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b), with a faster kernel for few rows on CPU.
+    """y = x W^T (+ b) with the weight in one of three forms, chosen when the model is loaded:
 
-    On this kind of CPU, PyTorch's default float32 GEMM for 1-16 rows runs at a fraction of
-    memory bandwidth, and decoding and verification are exactly that case. oneDNN with the
-    weight reordered once into its blocked layout is 2-4x faster there, and fastest from 4 rows
-    up, so fewer rows are padded to 4. `pack()` swaps the plain weight for the packed one (no
-    second copy is kept). float64 stays on the plain path, which is what exactness tests use.
+    - a float weight (any device, any dtype): `F.linear`; float64 is what exactness tests use;
+    - the same reordered by oneDNN (`pack()`, float32/bfloat16 on CPU): PyTorch's default GEMM
+      for 1-16 rows runs at a fraction of memory bandwidth on this kind of CPU, and decoding and
+      verification are exactly that case; fewer than 4 rows are padded to 4, its fastest shape;
+    - a block-quantized weight (`quantize()`, a `quant.QWeight`): the C++ kernels quantize the
+      input to int8 per block of 32 of each row and read each weight block once for all rows.
     """
 
     def __init__(self, d_in: int, d_out: int, bias: bool) -> None:
@@ -151,18 +154,26 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(d_out, d_in), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(d_out), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None
+        self.qweight: QWeight | None = None
 
     def pack(self) -> None:
         w = self.weight
-        if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
+        if w is None or w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
             return
         if not torch.backends.mkldnn.is_available():
             return
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w.data, None)
-        self.out_features = w.shape[0]
         self.weight = None  # type: ignore[assignment]
 
+    def quantize(self, qweight: QWeight) -> None:
+        """Compute with a block-quantized weight from now on (the float weight is dropped)."""
+        self.qweight = qweight
+        self.weight = None  # type: ignore[assignment]
+        self.packed = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return qlinear(x, self.qweight, self.bias)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         t = x.shape[0]
@@ -170,6 +181,24 @@ class Linear(nn.Module):
             x = torch.cat([x, x.new_zeros(4 - t, x.shape[1])])
         y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         return y[:t] if t < 4 else y
+
+
+class Embedding(nn.Module):
+    """Token embeddings: a float table, or a block-quantized one whose rows are dequantized on lookup."""
+
+    def __init__(self, vocab: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab, dim), requires_grad=False)
+        self.qweight: QWeight | None = None
+
+    def quantize(self, qweight: QWeight) -> None:
+        self.qweight = qweight
+        self.weight = None  # type: ignore[assignment]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return self.qweight.rows(ids)
+        return F.embedding(ids, self.weight)
 
 
 class Block(nn.Module):
@@ -220,24 +249,35 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed.weight.requires_grad_(False)
+        self.embed = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.weights = "float"  # the loader's weight scheme (models.loader.WEIGHTS)
+        # Quantized activations turn a last-bit difference into a different int8 code, so the
+        # quantized runtime runs all attention through the row-independent kernel: a token's
+        # logits are then the same bits whether it is decoded alone or verified inside a tree.
+        self.rowwise_attention = False
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
+        """The activations' and KV cache's dtype (quantized weights compute in float32)."""
+        return self.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed.weight.device
+        return self.norm.weight.device
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's dtype: bfloat16 for the row-wise attention kernel (half the bytes a long
+        context reads per step, and bfloat16 dot products), else the activations' dtype."""
+        return torch.bfloat16 if self.rowwise_attention else self.dtype
 
     def new_cache(self, capacity: int, dtype: torch.dtype | None = None) -> KVCache:
         c = self.cfg
-        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, dtype or self.dtype, self.device)
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, dtype or self.kv_dtype, self.device)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Angles in float32 then cast, exactly as the reference does, so float64 runs match it.
@@ -273,6 +313,8 @@ class Transformer(nn.Module):
         Returns logits [rows, vocab] (float32 or wider).
         """
         cache.begin(tokens.shape[0])
+        if self.rowwise_attention:
+            backend = "rowwise"
         cos, sin = self.rope(positions)
         x = self.embed(tokens.to(self.device))
         for layer in self.layers:

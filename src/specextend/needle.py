@@ -37,7 +37,7 @@ from .draft_policy import DRAFT_POLICIES, DraftPolicy, chunk_scores, make_policy
 from .engine import Prefilled, SpecEngine
 from .errors import UserError
 from .jsonl import append_jsonl
-from .models.loader import add_model_arguments
+from .models.loader import add_model_arguments, model_options
 from .settings import POSITION_MODES, Settings
 
 POLICIES = tuple(DRAFT_POLICIES)
@@ -513,8 +513,7 @@ def run(args: argparse.Namespace) -> int:
         load_haystacks(folder, length)  # a bad length fails before the models load
     from .api import load
 
-    pair = load(args.target, args.draft, dtype=args.dtype, device=args.device, draft_dtype=args.draft_dtype,
-                progress=not args.quiet)
+    pair = load(args.target, args.draft, **model_options(args), progress=not args.quiet)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config = run_config(pair, s)

@@ -79,6 +79,28 @@ class _ForwardTimer:
             h.remove()
 
 
+def hf_model(path: Path, dtype: torch.dtype) -> Any:
+    """A transformers model of the folder: a Hugging Face checkpoint as it is, or our converted GGUF
+    folder (quantized tensors) with every weight dequantized exactly, as transformers' own GGUF
+    loader would give it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..models.loader import open_tensors
+
+    tensors = open_tensors(Path(path))
+    if not tensors.quantized:
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    config = AutoConfig.from_pretrained(str(path))
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = {name: tensors.get(name, dtype) for name in tensors.names}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]:
+        raise UserError(f"{path}: tensors do not match the transformers model ({(missing + unexpected)[:3]})")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model
+
+
 class HFBaselines:
     """HF copies of the pair, loaded on first use; call `close()` to free them."""
 
@@ -102,7 +124,9 @@ class HFBaselines:
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+            model = hf_model(path, dtype)
+        except UserError:
+            raise
         except Exception as e:  # transformers raises many kinds for an unloadable folder
             raise UserError(f"transformers cannot load {path}: {type(e).__name__}: {e}") from None
         return model.to(self.device).eval()

@@ -41,7 +41,7 @@ from typing import Any
 from ..draft_policy import DRAFT_POLICIES
 from ..errors import UserError
 from ..jsonl import append_jsonl
-from ..models.loader import add_model_arguments
+from ..models.loader import add_model_arguments, model_options
 from ..settings import METHODS, Settings, parse_assignments
 from .data import (
     BUILTIN_LENGTHS,
@@ -510,8 +510,8 @@ def run(args: argparse.Namespace) -> int:
     plan = make_plan(args)
     needs_draft = any(sp.needs_draft for sp in plan.specs)
     t0 = time.perf_counter()
-    prepared = prepare(args.target, args.draft, dtype=args.dtype, device=args.device, draft_dtype=args.draft_dtype,
-                       load_draft=needs_draft, progress=not args.quiet)
+    prepared = prepare(args.target, args.draft, **model_options(args), load_draft=needs_draft,
+                       progress=not args.quiet)
     samples = load_samples(plan, prepared.tokenizer)
     check_context(prepared, samples, plan.specs)
     plan.out.mkdir(parents=True, exist_ok=True)

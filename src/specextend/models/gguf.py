@@ -1,7 +1,10 @@
-"""Convert a `.gguf` file into a Hugging Face model folder (fp32 safetensors, config, tokenizer).
+"""Convert a `.gguf` file into a model folder: config.json, tokenizer and `model.safetensors`.
 
-Why not just let transformers load the GGUF each time? Dequantising costs about a minute per model;
-doing it once and keeping fp32 safetensors makes every later load a plain memory copy.
+The weights keep the file's own quantization grids in the layout the CPU kernels read (see
+`quant.py` and `qstore.py`): a Q4_K_M model stays about the size of its GGUF and loads with a
+plain read, and any other precision (`--weights float32`, `int8`, ...) is derived from it at load
+time without a second copy on disk. Tensor types the kernels do not compute with as they are
+(F32 norms and biases, other quantization types) are stored as float32 under their HF names.
 
 The folder is written atomically: everything goes into a temporary sibling, the marker file
 `.complete` is written last, and only then is the folder renamed into place. A folder without
@@ -24,7 +27,9 @@ import numpy as np
 from specextend.errors import UserError
 
 COMPLETE_MARKER = ".complete"
-MAX_SHARD_BYTES = 2 * 10**9  # "2 GB" as the Hub counts it, decimal
+WEIGHTS_FILE = "model.safetensors"
+# Written into the completion marker; a folder converted by an older version is converted again.
+FORMAT = "specextend-quantized-1"
 
 # GGUF `general.architecture` -> (HF model_type, HF architectures entry).
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -312,78 +317,72 @@ def _dequantize(tensor: Any) -> np.ndarray:
     return np.ascontiguousarray(out.reshape(torch_shape))
 
 
+def _qk_heads(name: str, config: dict[str, Any]) -> int | None:
+    """Heads to un-permute for a Q/K projection of an architecture llama.cpp permutes, else None."""
+    if config["model_type"] not in _PERMUTED_QK_ARCHS:
+        return None
+    m = _LAYER_RE.match(name)
+    if m and m.group(2) == "attn_q":
+        return int(config["num_attention_heads"])
+    if m and m.group(2) == "attn_k":
+        return int(config["num_key_value_heads"])
+    return None
+
+
 def hf_tensor(tensor: Any, config: dict[str, Any]) -> np.ndarray:
     """Dequantise one GGUF tensor and undo llama.cpp's Q/K permutation where it applied one."""
     out = _dequantize(tensor)
-    if config["model_type"] in _PERMUTED_QK_ARCHS:
-        m = _LAYER_RE.match(tensor.name)
-        if m and m.group(2) == "attn_q":
-            out = unpermute_qk(out, config["num_attention_heads"])
-        elif m and m.group(2) == "attn_k":
-            out = unpermute_qk(out, config["num_key_value_heads"])
+    heads = _qk_heads(tensor.name, config)
+    if heads is not None:
+        out = unpermute_qk(out, heads)
     return np.ascontiguousarray(out)
 
 
-def _conversion_plan(reader: Any) -> list[tuple[str, Any, int]]:
-    """(hf name, GGUF tensor, fp32 bytes) for every tensor we keep, in file order."""
-    plan = []
-    for t in reader.tensors:
-        name = hf_tensor_name(t.name)
-        if name is not None:
-            plan.append((name, t, int(t.n_elements) * 4))
-    return plan
+def kept_segment(tensor: Any, config: dict[str, Any]) -> Any:
+    """The tensor in the kernels' layout with its own quantization grid (`quant.Segment`), or None
+    when its type is not one the kernels compute with as it is (it is then stored as float32)."""
+    from gguf import GGMLQuantizationType
+
+    from .. import quant
+
+    kind = GGMLQuantizationType(tensor.tensor_type).name
+    if kind not in quant.GGUF_BLOCKS or len(tensor.shape) != 2:
+        return None
+    n, k = int(tensor.shape[1]), int(tensor.shape[0])
+    raw = np.asarray(tensor.data)
+    heads = _qk_heads(tensor.name, config)
+    if heads is not None:  # rows are output channels; each row's blocks move as a whole
+        raw = unpermute_qk(raw, heads)
+    return quant.from_gguf_blocks(kind, raw, n, k)
 
 
-def _shards(plan: list[tuple[str, Any, int]], max_bytes: int) -> list[list[tuple[str, Any, int]]]:
-    """Greedy split into shards of at most `max_bytes` (a single larger tensor gets its own shard)."""
-    shards: list[list[tuple[str, Any, int]]] = [[]]
-    used = 0
-    for item in plan:
-        if shards[-1] and used + item[2] > max_bytes:
-            shards.append([])
-            used = 0
-        shards[-1].append(item)
-        used += item[2]
-    return shards
+def write_weights(reader: Any, config: dict[str, Any], out: Path, progress: bool = True) -> list[str]:
+    """Write `model.safetensors`: quantized tensors in the kernels' layout with their GGUF grid
+    unchanged (see `quant.py`), every other tensor as float32; returns the file names.
 
-
-def write_weights(
-    reader: Any,
-    config: dict[str, Any],
-    out: Path,
-    progress: bool = True,
-    max_shard_bytes: int | None = None,
-) -> list[str]:
-    """Write fp32 safetensors shards (+ index when more than one); returns the file names.
-
-    One shard's tensors are held in memory at a time, so peak memory is about one shard.
+    A 4-bit model stays about the size of its GGUF file (the default target: 1.2 GB, where
+    float32 would take 7 GB), and loading it is a plain read.
     """
     import torch
-    from safetensors.torch import save_file
     from tqdm import tqdm
 
-    shards = _shards(_conversion_plan(reader), max_shard_bytes or MAX_SHARD_BYTES)
-    n = len(shards)
-    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    weight_map: dict[str, str] = {}
-    total = sum(len(s) for s in shards)
-    with tqdm(total=total, unit="tensor", desc="convert", file=sys.stderr, disable=not progress) as bar:
-        for file_name, shard in zip(names, shards, strict=True):
-            tensors = {}
-            for hf_name, tensor, _ in shard:
-                tensors[hf_name] = torch.from_numpy(hf_tensor(tensor, config))
-                weight_map[hf_name] = file_name
-                bar.update(1)
-            save_file(tensors, str(out / file_name), metadata={"format": "pt"})
-            os.chmod(out / file_name, 0o644)  # safetensors creates files owner-only; match the others
-            del tensors
-    if n > 1:
-        index = {
-            "metadata": {"total_size": sum(item[2] for s in shards for item in s)},
-            "weight_map": weight_map,
-        }
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return names
+    from .qstore import save_tensors
+
+    plan = [(hf_tensor_name(t.name), t) for t in reader.tensors]
+    floats: dict[str, torch.Tensor] = {}
+    segments: dict[str, Any] = {}
+    with tqdm(total=len(plan), unit="tensor", desc="convert", file=sys.stderr, disable=not progress) as bar:
+        for hf_name, tensor in plan:
+            bar.update(1)
+            if hf_name is None:
+                continue
+            seg = kept_segment(tensor, config)
+            if seg is None:
+                floats[hf_name] = torch.from_numpy(hf_tensor(tensor, config))
+            else:
+                segments[hf_name] = seg
+    save_tensors(out / WEIGHTS_FILE, floats, segments)
+    return [WEIGHTS_FILE]
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -464,6 +463,12 @@ def is_complete(folder: str | os.PathLike[str]) -> bool:
     return (Path(folder) / COMPLETE_MARKER).is_file()
 
 
+def is_current(folder: str | os.PathLike[str]) -> bool:
+    """A finished conversion in this version's format (older ones hold float32 shards)."""
+    marker = Path(folder) / COMPLETE_MARKER
+    return marker.is_file() and FORMAT in marker.read_text().split()
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -526,7 +531,7 @@ def convert_gguf(
             print(f"specextend: {gguf_path.name} has no tokenizer; folder has weights only", file=sys.stderr)
         _write_json(tmp / "generation_config.json", generation_config(reader, config))
         _fsync_dir_files(tmp)
-        (tmp / COMPLETE_MARKER).write_text(f"converted from {gguf_path.name}\n")
+        (tmp / COMPLETE_MARKER).write_text(f"converted from {gguf_path.name}\n{FORMAT}\n")
         _install(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

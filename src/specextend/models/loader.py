@@ -16,8 +16,10 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from .. import quant
 from ..errors import UserError
-from ..model import ModelConfig, Transformer, rope_inv_freq
+from ..model import Embedding, Linear, ModelConfig, Transformer, rope_inv_freq
+from ..quant import QWeight
 
 DTYPES = {
     "float32": torch.float32,
@@ -25,6 +27,49 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+
+
+# Weight schemes (`--weights`): quantized ones run on the C++ CPU kernels with float32
+# activations; float ones run the whole model in that dtype.
+QUANTIZED_WEIGHTS = ("gguf", "int8", "int4")
+WEIGHTS = ("auto", *QUANTIZED_WEIGHTS, "float32", "bfloat16", "float16", "float64")
+WEIGHTS_HELP = (
+    "weight storage and kernels: auto (default: on a CPU with AVX512-VNNI and --dtype float32, a GGUF "
+    "model keeps its own quantization grid and a float model is quantized to int8; else --dtype), "
+    "gguf (the GGUF file's grids: Q4_K, Q6_K, Q5_0, Q8_0), int8, int4, or float32|bfloat16|float16|float64"
+)
+
+
+def check_weights(weights: str) -> str:
+    if weights not in WEIGHTS:
+        raise UserError(f"unknown --weights {weights!r}; choose one of {', '.join(WEIGHTS)}")
+    return weights
+
+
+def fast_kernels() -> bool:
+    """Whether the quantized kernels build here and have their fast (AVX512-VNNI) path."""
+    from .. import kernels
+
+    return kernels.available() and bool(kernels.load().has_avx512_vnni())
+
+
+def resolve_weights(weights: str, dtype: torch.dtype, device: torch.device | str, quantized_source: bool) -> str:
+    """The concrete weight scheme for `weights` (see WEIGHTS); UserError for a combination that cannot run."""
+    check_weights(weights)
+    device = torch.device(device)
+    if weights == "auto":
+        if device.type == "cpu" and dtype == torch.float32 and fast_kernels():
+            return "gguf" if quantized_source else "int8"
+        return next(name for name, d in DTYPES.items() if d == dtype)
+    if weights in QUANTIZED_WEIGHTS:
+        if device.type != "cpu":
+            raise UserError(f"--weights {weights} runs on the CPU kernels; on {device.type} use a float scheme")
+        if dtype != torch.float32:
+            raise UserError(f"--weights {weights} computes in float32; drop --dtype or pass --dtype float32")
+        if weights == "gguf" and not quantized_source:
+            raise UserError("--weights gguf keeps a GGUF file's quantization; this model is stored in float "
+                            "(use int8 or int4)")
+    return weights
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -43,7 +88,14 @@ def parse_device(name: str) -> torch.device:
     raise UserError(f"unknown device {name!r}; choose cpu or cuda")
 
 
-DRAFT_DTYPE_HELP = "the draft's dtype (default: bfloat16 on a CPU with native bf16 if --dtype is float32, else --dtype)"
+DRAFT_DTYPE_HELP = ("the draft's dtype (default: float32 with quantized draft weights; else bfloat16 on a CPU with native "
+                    "bf16 if --dtype is float32; else --dtype)")
+
+
+def model_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of `api.load`/`api.prepare` from `add_model_arguments`'s flags."""
+    return {"dtype": args.dtype, "device": args.device, "draft_dtype": args.draft_dtype,
+            "weights": args.weights, "draft_weights": args.draft_weights}
 
 
 def add_model_arguments(p: argparse.ArgumentParser, draft_note: str = "", draft: bool = True) -> None:
@@ -57,17 +109,23 @@ def add_model_arguments(p: argparse.ArgumentParser, draft_note: str = "", draft:
     if draft:
         g.add_argument("--draft-dtype", default=None, help=DRAFT_DTYPE_HELP)
     g.add_argument("--device", default="cpu", help="cpu|cuda[:N] (default: cpu)")
+    g.add_argument("--weights", default="auto", help=WEIGHTS_HELP)
+    g.add_argument("--draft-weights", default="auto", help="the draft's --weights (default: auto)")
 
 
-def default_draft_dtype(dtype: str, device: str) -> str:
+def default_draft_dtype(dtype: str, device: str, weights: str = "auto") -> str:
     """The draft's precision when none is asked for.
 
     The draft only proposes; the target decides every token, so the draft's precision can
-    never change the output, only how often its guesses are accepted. A decode step is bound
-    by reading weights, so on a CPU with native bfloat16 dot products (AVX512-BF16/AMX) a
-    bfloat16 draft runs about 1.7x faster than float32 with the same acceptance (measured
-    on the default pair; see README). float64 (exactness tests) and GPUs keep the target's.
+    never change the output, only how often its guesses are accepted. Quantized weights compute
+    in float32. Otherwise a decode step is bound by reading weights, so on a CPU with native
+    bfloat16 dot products (AVX512-BF16/AMX) a bfloat16 draft runs about 1.7x faster than float32
+    with the same acceptance (measured on the default pair). float64 (exactness tests) and GPUs
+    keep the target's.
     """
+    if weights in QUANTIZED_WEIGHTS or (weights == "auto" and dtype == "float32" and device == "cpu"
+                                        and fast_kernels()):
+        return dtype
     if dtype == "float32" and device == "cpu" and torch.backends.mkldnn.is_available():
         try:
             if torch.ops.mkldnn._is_mkldnn_bf16_supported():
@@ -108,7 +166,9 @@ def _weight_files(folder: Path) -> list[Path]:
 
 
 class _Tensors:
-    """Lazy access to every tensor of a (possibly sharded) safetensors checkpoint."""
+    """Lazy access to every tensor of a (possibly sharded) Hugging Face safetensors checkpoint."""
+
+    quantized = False  # float tensors only (see `qstore.QuantizedFile` for the other kind)
 
     def __init__(self, files: list[Path]) -> None:
         self.where: dict[str, Any] = {}
@@ -136,52 +196,104 @@ class _Tensors:
     def has(self, name: str) -> bool:
         return name in self.where
 
+    def segment(self, name: str) -> None:
+        return None  # a Hugging Face checkpoint holds float tensors only
+
+
+def open_tensors(folder: Path) -> Any:
+    """The folder's weights: our quantized file (a converted GGUF) or a Hugging Face checkpoint."""
+    from .qstore import QuantizedFile, is_quantized_file
+
+    single = folder / "model.safetensors"
+    if single.is_file() and is_quantized_file(single):
+        return QuantizedFile(single)
+    return _Tensors(_weight_files(folder))
+
 
 def load_model(folder: Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-               pack: bool = True) -> Transformer:
-    """Build a `Transformer` from an HF folder. `pack` prepares the fast CPU kernels."""
+               pack: bool = True, weights: str = "auto") -> Transformer:
+    """Build a `Transformer` from a model folder with the weight scheme `weights` (see WEIGHTS).
+
+    Quantized schemes keep activations and the KV cache in `dtype` (float32); float schemes run
+    the whole model in their dtype. `pack` prepares the fast CPU kernels of float weights.
+    """
     cfg = ModelConfig.from_hf(read_config(folder))
-    ts = _Tensors(_weight_files(folder))
+    ts = open_tensors(folder)
+    scheme = resolve_weights(weights, dtype, device, ts.quantized)
+    act = dtype if scheme in QUANTIZED_WEIGHTS else DTYPES[scheme]
     with torch.device("meta"):
         model = Transformer(cfg)
 
     def param(t: torch.Tensor) -> torch.nn.Parameter:
         return torch.nn.Parameter(t.to(device), requires_grad=False)
 
-    model.embed.weight = param(ts.get("model.embed_tokens.weight", dtype))
-    _check_shape(model.embed.weight, (cfg.vocab_size, cfg.hidden_size), "model.embed_tokens.weight")
+    def project(mod: Linear | Embedding, names: list[str], rows: int | None, width: int) -> None:
+        """Give one projection (or the embedding) its weights: quantized where the scheme asks
+        and the shape allows, else float; `rows` None means any number of output rows."""
+        q = _quantized(ts, names, scheme) if scheme in QUANTIZED_WEIGHTS else None
+        if q is not None:
+            _check_shape((q.n, q.k), (rows or q.n, width), names[0])
+            mod.quantize(q)
+            return
+        w = torch.cat([ts.get(n, act) for n in names])
+        _check_shape(tuple(w.shape), (rows or w.shape[0], width), names[0])
+        mod.weight = param(w)
+
+    h = cfg.hidden_size
+    project(model.embed, ["model.embed_tokens.weight"], cfg.vocab_size, h)
     for i, blk in enumerate(model.layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        blk.qkv.weight = param(torch.cat([ts.get(a + f"{n}_proj.weight", dtype) for n in "qkv"]))
-        _check_shape(blk.qkv.weight, (blk.qkv.weight.shape[0], cfg.hidden_size), a + "q_proj.weight")
+        project(blk.qkv, [a + f"{n}_proj.weight" for n in "qkv"], None, h)
         if blk.qkv.bias is not None:
-            blk.qkv.bias = param(torch.cat([ts.get(a + f"{n}_proj.bias", dtype) for n in "qkv"]))
-        blk.o.weight = param(ts.get(a + "o_proj.weight", dtype))
-        blk.gate_up.weight = param(
-            torch.cat([ts.get(p + "mlp.gate_proj.weight", dtype), ts.get(p + "mlp.up_proj.weight", dtype)])
-        )
-        blk.down.weight = param(ts.get(p + "mlp.down_proj.weight", dtype))
-        blk.attn_norm.weight = param(ts.get(p + "input_layernorm.weight", dtype))
-        blk.mlp_norm.weight = param(ts.get(p + "post_attention_layernorm.weight", dtype))
+            blk.qkv.bias = param(torch.cat([ts.get(a + f"{n}_proj.bias", act) for n in "qkv"]))
+        project(blk.o, [a + "o_proj.weight"], h, cfg.num_heads * cfg.head_dim)
+        project(blk.gate_up, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], 2 * cfg.intermediate_size, h)
+        project(blk.down, [p + "mlp.down_proj.weight"], h, cfg.intermediate_size)
+        blk.attn_norm.weight = param(ts.get(p + "input_layernorm.weight", act))
+        blk.mlp_norm.weight = param(ts.get(p + "post_attention_layernorm.weight", act))
         if blk.q_norm is not None:
-            blk.q_norm.weight = param(ts.get(a + "q_norm.weight", dtype))
-            blk.k_norm.weight = param(ts.get(a + "k_norm.weight", dtype))
-    model.norm.weight = param(ts.get("model.norm.weight", dtype))
+            blk.q_norm.weight = param(ts.get(a + "q_norm.weight", act))
+            blk.k_norm.weight = param(ts.get(a + "k_norm.weight", act))
+    model.norm.weight = param(ts.get("model.norm.weight", act))
     if cfg.tie_word_embeddings or not ts.has("lm_head.weight"):
-        model.lm_head.weight = model.embed.weight
+        if model.embed.qweight is not None:
+            model.lm_head.quantize(model.embed.qweight)
+        else:
+            model.lm_head.weight = model.embed.weight
     else:
-        model.lm_head.weight = param(ts.get("lm_head.weight", dtype))
+        project(model.lm_head, ["lm_head.weight"], cfg.vocab_size, h)
     model.inv_freq = rope_inv_freq(cfg).to(device)
+    model.weights = scheme
+    model.rowwise_attention = scheme in QUANTIZED_WEIGHTS
     model.eval()
     if pack:
         model.pack()
     return model
 
 
-def _check_shape(t: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
-    if tuple(t.shape) != tuple(shape):
-        raise UserError(f"tensor {name} has shape {tuple(t.shape)}, config says {tuple(shape)}")
+def _quantized(ts: Any, names: list[str], scheme: str) -> QWeight | None:
+    """The stacked rows of `names` in the quantized `scheme`, or None where the shape does not allow it."""
+    if scheme == "gguf":
+        parts = []
+        for name in names:
+            seg = ts.segment(name)
+            if seg is None:  # stored in float in the GGUF too: the 8-bit format stands in
+                w = ts.get(name, torch.float32)
+                if w.shape[1] % 32:
+                    return None
+                seg = quant.quantize(w, 8).segments[0]
+            parts.append(quant.QWeight(seg.k, [seg]))
+        return quant.QWeight.concat(parts)
+    w = torch.cat([ts.get(n, torch.float32) for n in names])
+    if w.shape[1] % 32:
+        return None
+    return quant.quantize(w, 4 if scheme == "int4" else 8)
+
+
+def _check_shape(got: tuple[int, ...], shape: tuple[int, ...], name: str) -> None:
+    if tuple(got) != tuple(shape):
+        raise UserError(f"tensor {name} has shape {tuple(got)}, config says {tuple(shape)}")
 
 
 def load_tokenizer(folder: Path) -> Any:

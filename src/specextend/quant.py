@@ -1,0 +1,276 @@
+"""Block-quantized weights for the CPU kernels: formats, conversion from GGUF and from floats.
+
+A `QWeight` is a [n, k] matrix stored in one or more row *segments*, each in one format of
+`csrc/qlinear.cpp` (see its header for the byte layout):
+
+- ``q4k``: asymmetric 4-bit codes in groups of 32 with 6-bit scales and mins under a float16
+  super-block scale: exactly GGUF's Q4_K grid (8 groups per super-block), and our own 4-bit
+  format for float weights (up to 8 groups per super-block, so any width divisible by 32 fits).
+- ``q6k``: 6-bit codes in groups of 16 with signed 8-bit scales: exactly GGUF's Q6_K grid.
+- ``q8``: byte codes in groups of 32 with one float16 scale and a fixed offset:
+  GGUF's Q8_0 (offset 128) and Q5_0 (offset 16) grids, and our 8-bit format for float weights.
+
+Segments exist because one fused projection can mix formats (a GGUF file may store a layer's
+V projection in Q6_K and its Q and K in Q4_K); the kernel quantizes the input once and writes
+every segment's columns. Converting a GGUF tensor keeps its grid: the weights the kernel
+multiplies are exactly the ones `gguf`'s dequantiser returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .errors import UserError
+
+PANEL = 16
+FORMATS = {"q4k": 0, "q6k": 1, "q8": 2}
+
+
+def _superblock(fmt: str, groups: int) -> tuple[int, int]:
+    """(inputs, bytes per panel) of one super-block; `groups` counts q4k's groups of 32."""
+    if fmt == "q4k":
+        return 32 * groups, 64 + 288 * groups
+    return {"q6k": (256, 4384), "q8": (32, 544)}[fmt]
+
+
+def blob_bytes(fmt: str, n: int, k: int, groups: int = 8) -> int:
+    """Bytes of an [n, k] weight in format `fmt` (rows padded to whole panels)."""
+    inputs, size = _superblock(fmt, groups)
+    return -(-n // PANEL) * (k // inputs) * size
+
+
+def q4k_groups(k: int) -> int | None:
+    """The most groups of 32 (up to Q4_K's 8) a super-block can hold for input width k."""
+    return next((g for g in range(8, 0, -1) if k % (32 * g) == 0), None)
+
+
+@dataclass
+class Segment:
+    fmt: str
+    n: int  # output rows of this segment
+    blob: torch.Tensor  # uint8, the kernel layout
+    offset: int  # q8: the code that means zero
+    k: int  # input width
+    groups: int = 8  # q4k: groups of 32 per super-block
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        from . import kernels
+
+        ids = torch.arange(self.n) if rows is None else rows
+        return kernels.load().dequantize(self.blob, FORMATS[self.fmt], self.n, self.k, self.offset, self.groups, ids)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blob.numel()
+
+
+@dataclass
+class QWeight:
+    k: int
+    segments: list[Segment]
+
+    def __post_init__(self) -> None:
+        # The kernel's per-segment arguments, built once (a decode step makes ~150 calls).
+        self.blobs = [s.blob for s in self.segments]
+        self.formats = [FORMATS[s.fmt] for s in self.segments]
+        self.widths = [s.n for s in self.segments]
+        self.offsets = [s.offset for s in self.segments]
+        self.groups = [s.groups for s in self.segments]
+
+    @property
+    def n(self) -> int:
+        return sum(s.n for s in self.segments)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.segments)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([s.dequantize() for s in self.segments])
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows (an embedding lookup); only single-segment weights are looked up."""
+        if len(self.segments) != 1:
+            raise ValueError("row lookup needs a single-segment weight")
+        return self.segments[0].dequantize(ids)
+
+    @staticmethod
+    def concat(parts: list[QWeight]) -> QWeight:
+        """Stack row blocks (q, k, v -> qkv): adjacent segments of one format merge into one blob."""
+        k = parts[0].k
+        if any(p.k != k for p in parts):
+            raise ValueError("cannot stack weights of different input widths")
+        segs: list[Segment] = []
+        for seg in (s for p in parts for s in p.segments):
+            last = segs[-1] if segs else None
+            same = last and (last.fmt, last.offset, last.groups) == (seg.fmt, seg.offset, seg.groups)
+            if same and last.n % PANEL == 0:
+                segs[-1] = Segment(seg.fmt, last.n + seg.n, torch.cat([last.blob, seg.blob]), seg.offset, k, seg.groups)
+            else:
+                segs.append(seg)
+        return QWeight(k, segs)
+
+
+# --------------------------------------------------------------------------- layout
+
+
+def _panels(a: np.ndarray) -> np.ndarray:
+    """[n, ...] -> [n_pad, ...] with n_pad a multiple of the panel height (zero rows appended)."""
+    pad = (-a.shape[0]) % PANEL
+    if pad:
+        a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), dtype=a.dtype)])
+    return a
+
+
+def _steps(codes: np.ndarray, group: int) -> np.ndarray:
+    """codes [n_pad, k] -> [panels, k/group, group/4, 64]: byte 4c+j of step s = code[c, 4s+j]."""
+    n, k = codes.shape
+    c = codes.reshape(n // PANEL, PANEL, k // group, group // 4, 4)
+    return np.ascontiguousarray(c.transpose(0, 2, 3, 1, 4)).reshape(n // PANEL, k // group, group // 4, 64)
+
+
+def _by_panel(a: np.ndarray, per_sb: int) -> np.ndarray:
+    """[n_pad, k/g] per-row values -> [panels, superblocks, per_sb, 16] (channel-minor)."""
+    n, m = a.shape
+    return np.ascontiguousarray(a.reshape(n // PANEL, PANEL, m // per_sb, per_sb).transpose(0, 2, 3, 1))
+
+
+def _blob(parts: list[np.ndarray]) -> torch.Tensor:
+    """Concatenate per-(panel, superblock) byte parts [P, S, bytes_i] into one blob."""
+    flat = [p.reshape(p.shape[0], p.shape[1], -1).view(np.uint8) for p in parts]
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate(flat, axis=2)).reshape(-1))
+
+
+def pack_q4k(d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, mn: np.ndarray, codes: np.ndarray,
+             groups: int = 8) -> Segment:
+    """d, dmin: [n, k/(32*groups)] float16; sc, mn: [n, k/32] uint8 (6-bit); codes [n, k] uint8 (0..15)."""
+    n = codes.shape[0]
+    st = _steps(_panels(codes), 32)  # [P, k/32, 8, 64]
+    nib = st[:, :, :4] | (st[:, :, 4:] << 4)  # step i low, step i+4 high
+    p, g = nib.shape[:2]
+    parts = [
+        _by_panel(_panels(d), 1),
+        _by_panel(_panels(dmin), 1),
+        _by_panel(_panels(sc), groups),
+        _by_panel(_panels(mn), groups),
+        nib.reshape(p, g // groups, groups * 4 * 64),
+    ]
+    return Segment("q4k", n, _blob(parts), 0, codes.shape[1], groups)
+
+
+def pack_q6k(d: np.ndarray, sc: np.ndarray, codes: np.ndarray) -> Segment:
+    """d: [n, k/256] float16; sc: [n, k/16] int8; codes [n, k] uint8 (0..63, 32 means zero)."""
+    n = codes.shape[0]
+    st = _steps(_panels(codes), 16)  # [P, k/16, 4, 64]
+    p, g = st.shape[:2]
+    parts = [_by_panel(_panels(d), 1), _by_panel(_panels(sc), 16), st.reshape(p, g // 16, 16 * 4 * 64)]
+    return Segment("q6k", n, _blob(parts), 0, codes.shape[1])
+
+
+def pack_q8(d: np.ndarray, codes: np.ndarray, offset: int) -> Segment:
+    """d: [n, k/32] float16; codes [n, k] uint8; w = d * (code - offset)."""
+    n = codes.shape[0]
+    st = _steps(_panels(codes), 32)  # [P, k/32, 8, 64]
+    p, g = st.shape[:2]
+    parts = [_by_panel(_panels(d), 1), st.reshape(p, g, 8 * 64)]
+    return Segment("q8", n, _blob(parts), offset, codes.shape[1])
+
+
+# --------------------------------------------------------------------------- GGUF blocks
+
+# Bytes per block and values per block of the GGUF types we keep as they are.
+GGUF_BLOCKS = {"Q4_K": (144, 256), "Q6_K": (210, 256), "Q8_0": (34, 32), "Q5_0": (22, 32)}
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16)[..., 0]
+
+
+def from_gguf_blocks(kind: str, raw: np.ndarray, n: int, k: int) -> Segment:
+    """Repack a GGUF tensor's raw blocks ([n, k/values*bytes] uint8) without changing a weight."""
+    size, per = GGUF_BLOCKS[kind]
+    b = np.asarray(raw, dtype=np.uint8).reshape(n, k // per, size)
+    if kind == "Q4_K":
+        d, dmin, s = _f16(b[..., 0:2]), _f16(b[..., 2:4]), b[..., 4:16]
+        # Eight 6-bit scales and mins packed into 12 bytes (llama.cpp's get_scale_min_k4).
+        lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+        sc = np.concatenate([lo & 63, (hi & 15) | ((lo >> 6) << 4)], axis=-1)
+        mn = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=-1)
+        qs = b[..., 16:].reshape(n, k // 256, 4, 32)  # 4 chunks of 64 values: low nibbles, then high
+        codes = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, k)
+        return pack_q4k(d, dmin, sc.reshape(n, -1), mn.reshape(n, -1), codes)
+    if kind == "Q6_K":
+        ql, qh = b[..., 0:128], b[..., 128:192]
+        sc = b[..., 192:208].view(np.int8)
+        d = _f16(b[..., 208:210])
+        low = ql.reshape(n, -1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+        low = (low & 15).reshape(n, -1, 2, 128)
+        high = qh.reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
+        high = (high & 3).reshape(n, -1, 2, 128)
+        codes = (low | (high << 4)).reshape(n, k)
+        return pack_q6k(d, sc.reshape(n, -1), codes)
+    if kind == "Q8_0":
+        d = _f16(b[..., 0:2])
+        codes = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8).reshape(n, k)
+        return pack_q8(d, codes, 128)
+    if kind == "Q5_0":
+        d = _f16(b[..., 0:2])
+        qh = np.ascontiguousarray(b[..., 2:6]).view(np.uint32)  # [n, blocks, 1]
+        bits = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [n, blocks, 32]
+        qs = b[..., 6:22]
+        low = np.concatenate([qs & 15, qs >> 4], axis=-1)
+        return pack_q8(d, (low | (bits << 4)).reshape(n, k), 16)
+    raise ValueError(f"GGUF type {kind} is not kept as is")
+
+
+# --------------------------------------------------------------------------- float weights
+
+
+def quantize_int8(w: torch.Tensor) -> Segment:
+    """Symmetric 8-bit codes per group of 32, one float16 scale each (round to nearest)."""
+    n, k = w.shape
+    g = w.detach().float().reshape(n, k // 32, 32)
+    d = (g.abs().amax(-1) / 127).to(torch.float16)
+    inv = torch.where(d == 0, torch.zeros_like(d, dtype=torch.float32), 1.0 / d.float())
+    q = torch.round(g * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int16) + 128
+    return pack_q8(d.numpy(), q.to(torch.uint8).reshape(n, k).numpy(), 128)
+
+
+def quantize_int4(w: torch.Tensor) -> Segment:
+    """Asymmetric 4-bit codes per group of 32 in Q4_K's structure: per-group scale and min as
+    6-bit multiples of a float16 super-block scale. Each group maps [min, max] onto 0..15."""
+    n, k = w.shape
+    groups = q4k_groups(k)
+    if groups is None:
+        raise ValueError(f"4-bit weights need an input width divisible by 32, not {k}")
+    g = w.detach().float().reshape(n, k // 32, 32)
+    lo = g.amin(-1).clamp(max=0.0)
+    hi = g.amax(-1)
+    scale = (hi - lo) / 15.0  # [n, groups]
+    neg_min = -lo
+    sb_scale, sb_min = scale.reshape(n, -1, groups), neg_min.reshape(n, -1, groups)
+    d = (sb_scale.amax(-1) / 63).to(torch.float16)
+    dmin = (sb_min.amax(-1) / 63).to(torch.float16)
+
+    def code6(v: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        b = base.float().unsqueeze(-1)
+        return torch.where(b > 0, torch.round(v / torch.where(b > 0, b, 1)), 0).clamp(0, 63)
+
+    sc = code6(sb_scale, d).reshape(n, -1)
+    mn = code6(sb_min, dmin).reshape(n, -1)
+    eff_scale = (d.float().repeat_interleave(groups, 1) * sc).unsqueeze(-1)
+    eff_min = (dmin.float().repeat_interleave(groups, 1) * mn).unsqueeze(-1)
+    q = torch.where(eff_scale > 0, torch.round((g + eff_min) / torch.where(eff_scale > 0, eff_scale, 1)), 0)
+    q = q.clamp(0, 15).to(torch.uint8).reshape(n, k)
+    return pack_q4k(d.numpy(), dmin.numpy(), sc.to(torch.uint8).numpy(), mn.to(torch.uint8).numpy(), q.numpy(),
+                    groups)
+
+
+def quantize(w: torch.Tensor, bits: int) -> QWeight:
+    n, k = w.shape
+    if k % 32:
+        raise UserError(f"cannot quantize a [{n}, {k}] weight to {bits} bits: input width not a multiple of 32")
+    return QWeight(k, [quantize_int4(w) if bits == 4 else quantize_int8(w)])

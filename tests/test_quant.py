@@ -1,0 +1,158 @@
+"""The quantized CPU kernels: GGUF grids kept exactly, products against a float64 reference of the
+same quantized weights, and rows that do not depend on which other rows share the call."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize
+
+from specextend import kernels, quant
+
+ext = kernels.load()
+FAST = bool(ext.has_avx512_vnni())
+
+
+def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random raw GGUF blocks of `kind` for an [n, k] tensor, with sane float16 scales."""
+    rng = np.random.default_rng(seed)
+    size, per = quant.GGUF_BLOCKS[kind]
+    raw = rng.integers(0, 256, (n, k // per, size), dtype=np.uint8)
+
+    def put_f16(lo: int, scale: float) -> None:
+        vals = (rng.random((n, k // per)) * scale + scale / 10).astype(np.float16)
+        raw[..., lo : lo + 2] = vals.view(np.uint8).reshape(n, k // per, 2)
+
+    if kind == "Q4_K":
+        put_f16(0, 0.01)
+        put_f16(2, 0.01)
+    elif kind == "Q6_K":
+        put_f16(208, 0.01)
+    else:  # Q8_0, Q5_0: d first
+        put_f16(0, 0.01)
+    return raw.reshape(n, -1)
+
+
+def gguf_dequant(kind: str, raw: np.ndarray, n: int, k: int) -> np.ndarray:
+    return dequantize(raw, getattr(gguf.GGMLQuantizationType, kind)).reshape(n, k)
+
+
+def qw(seg: quant.Segment) -> quant.QWeight:
+    return quant.QWeight(seg.k, [seg])
+
+
+def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """float64 product of the int8-quantized activations (as the kernel sees them) with w."""
+    q8, d8, _ = ext.quantize_activations(x, True)
+    xq = q8.double().view(x.shape[0], -1, 32) * d8.double().unsqueeze(-1)
+    return xq.view(x.shape) @ w.double().T
+
+
+KINDS = [("Q4_K", 48, 512), ("Q6_K", 40, 256), ("Q8_0", 35, 96), ("Q5_0", 33, 64)]
+
+
+@pytest.mark.parametrize(("kind", "n", "k"), KINDS)
+def test_gguf_blocks_are_kept_exactly(kind: str, n: int, k: int) -> None:
+    raw = random_blocks(kind, n, k)
+    seg = quant.from_gguf_blocks(kind, raw, n, k)
+    assert seg.blob.numel() == quant.blob_bytes(seg.fmt, n, k)
+    assert np.array_equal(seg.dequantize().numpy(), gguf_dequant(kind, raw, n, k))
+    rows = torch.tensor([n - 1, 0, 7])
+    assert np.array_equal(seg.dequantize(rows).numpy(), gguf_dequant(kind, raw, n, k)[rows.numpy()])
+
+
+@pytest.mark.parametrize(("kind", "n", "k"), KINDS)
+def test_product_matches_float64_reference(kind: str, n: int, k: int) -> None:
+    raw = random_blocks(kind, n, k, seed=1)
+    w = qw(quant.from_gguf_blocks(kind, raw, n, k))
+    bias = torch.randn(n)
+    x = torch.randn(5, k)
+    y = kernels.qlinear(x, w, bias)
+    ref = reference(x, torch.from_numpy(gguf_dequant(kind, raw, n, k))) + bias.double()
+    assert y.shape == (5, n)
+    assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize(("kind", "n", "k"), KINDS)
+def test_a_row_alone_equals_the_same_row_in_a_batch(kind: str, n: int, k: int) -> None:
+    w = qw(quant.from_gguf_blocks(kind, random_blocks(kind, n, k, seed=2), n, k))
+    x = torch.randn(33, k)  # more than one tile of 16 rows
+    batch = kernels.qlinear(x, w)
+    for rows in (1, 4, 9, 16, 17):
+        part = kernels.qlinear(x[:rows], w)
+        assert torch.equal(part, batch[:rows]), rows
+    for i in (0, 8, 16, 32):
+        assert torch.equal(kernels.qlinear(x[i : i + 1], w)[0], batch[i])
+
+
+@pytest.mark.skipif(not FAST, reason="this CPU has no AVX512-VNNI path to compare")
+@pytest.mark.parametrize(("kind", "n", "k"), KINDS)
+def test_fast_path_gives_the_portable_bits(kind: str, n: int, k: int) -> None:
+    seg = quant.from_gguf_blocks(kind, random_blocks(kind, n, k, seed=3), n, k)
+    w = qw(seg)
+    x = torch.randn(19, k) * 3
+    args = (x, w.blobs, w.formats, w.widths, w.offsets, w.groups, None)
+    assert torch.equal(ext.qlinear(*args, False), ext.qlinear(*args, True))
+    assert all(torch.equal(a, b) for a, b in zip(ext.quantize_activations(x, False),
+                                                   ext.quantize_activations(x, True), strict=True))
+
+
+def test_activation_quantization_rounds_half_to_even_per_block() -> None:
+    x = torch.randn(3, 64)
+    x[0, :32] = torch.linspace(-1, 1, 32)
+    q8, d8, s16 = ext.quantize_activations(x, False)
+    blocks = x.view(3, 2, 32)
+    d = blocks.abs().amax(-1) / 127
+    assert torch.equal(d8, d)
+    expected = torch.round(blocks * (1 / d).unsqueeze(-1)).to(torch.int8).view(3, 64)  # torch.round: half to even
+    assert torch.equal(q8, expected)
+    assert torch.equal(s16, expected.view(3, 4, 16).int().sum(-1))
+
+
+def test_zero_block_has_zero_scale() -> None:
+    x = torch.zeros(1, 64)
+    x[0, 40] = 2.0
+    w = qw(quant.quantize(torch.randn(16, 64), 8).segments[0])
+    y = kernels.qlinear(x, w)
+    assert torch.isfinite(y).all()
+
+
+def test_stacked_segments_of_different_formats() -> None:
+    """q (Q4_K) + k (Q4_K) + v (Q6_K), as a GGUF stores one layer: one call, every column right."""
+    k = 256
+    parts = [("Q4_K", 32), ("Q4_K", 16), ("Q6_K", 16)]
+    raws = [random_blocks(kind, n, k, seed=i) for i, (kind, n) in enumerate(parts)]
+    segs = [quant.from_gguf_blocks(kind, raw, n, k) for (kind, n), raw in zip(parts, raws, strict=True)]
+    w = quant.QWeight.concat([qw(s) for s in segs])
+    assert [s.fmt for s in w.segments] == ["q4k", "q6k"]  # the two Q4_K blocks merged
+    full = np.concatenate([gguf_dequant(kind, raw, n, k) for (kind, n), raw in zip(parts, raws, strict=True)])
+    assert np.array_equal(w.dequantize().numpy(), full)
+    x = torch.randn(3, k)
+    ref = reference(x, torch.from_numpy(full))
+    assert torch.allclose(kernels.qlinear(x, w).double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("width", [512, 896])  # 896: 4-bit super-blocks of 7 groups (the 0.5B's hidden size)
+def test_float_weights_quantize_within_their_grid(bits: int, width: int) -> None:
+    w = torch.randn(40, width)
+    q = quant.quantize(w, bits)
+    assert q.segments[0].groups == (8 if width == 512 else 7) or bits == 8
+    deq = q.dequantize()
+    g = w.view(40, -1, 32)
+    span = g.amax(-1) - g.amin(-1).clamp(max=0) if bits == 4 else g.abs().amax(-1)
+    step = span / (15 if bits == 4 else 127)
+    err = (deq - w).view(40, -1, 32).abs().amax(-1)
+    # Half a step, plus what the 6-bit scale codes (4-bit) or float16 scales (8-bit) add.
+    assert (err <= step * (0.75 if bits == 4 else 0.51) + 1e-6).all()
+    x = torch.randn(2, width)
+    ref = reference(x, deq)
+    assert torch.allclose(kernels.qlinear(x, q).double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_bad_blob_size_is_refused() -> None:
+    seg = quant.quantize(torch.randn(16, 64), 8).segments[0]
+    with pytest.raises(RuntimeError, match="expected"):
+        ext.qlinear(torch.randn(1, 64), [seg.blob[:-1]], [2], [16], [128], [1], None, False)

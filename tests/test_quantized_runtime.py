@@ -1,0 +1,155 @@
+"""The quantized CPU runtime end to end: greedy speculative decoding equals target-only decoding at
+the same (quantized) precision, a token's logits do not depend on the other tokens of its forward,
+and a converted GGUF keeps its grid through the model cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from specextend import kernels
+from specextend.engine import SpecEngine
+from specextend.errors import UserError
+from specextend.models import gguf as conv
+from specextend.models.loader import load_model, resolve_weights
+from specextend.settings import Settings
+
+from conftest import make_tiny_hf
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")
+
+# head_dim 64 (the attention kernel's fast path), widths divisible by 32 (8-bit) and 256 (4-bit).
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab=96)
+SMALL = dict(chunk_size=4, top_k_chunks=3, retrieve_every=2, tree_budget=6, tree_depth=4, tree_topk=2,
+             cmr_min_ratio=0.0)
+METHODS = {
+    "sd": dict(method="sd"),
+    "sd+streaming": dict(method="sd", draft_cache="streaming"),
+    "specextend": dict(method="specextend"),
+    "specextend+chain": dict(method="specextend", tree="chain", chain_length=3),
+}
+PROMPT = torch.randint(0, 95, (60,), generator=torch.Generator().manual_seed(3)).tolist()
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    out = {}
+    for arch in ("qwen2", "llama"):
+        for seed, layers in ((0, 2), (5, 1)):
+            d = tmp_path_factory.mktemp(f"q{arch}{seed}")
+            kw = dict(SHAPE, layers=layers)
+            make_tiny_hf(arch, seed, dtype=torch.float32, **kw).save_pretrained(d)
+            out[(arch, seed)] = d
+    return out
+
+
+def pair(folders, arch: str, weights: str, same_draft: bool = False):
+    target = load_model(folders[(arch, 0)], torch.float32, weights=weights)
+    draft = target if same_draft else load_model(folders[(arch, 5)], torch.float32, weights=weights)
+    return target, draft
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("name", list(METHODS))
+def test_greedy_equals_ar_in_the_quantized_precision(folders, arch, weights, name):
+    target, draft = pair(folders, arch, weights, same_draft=name == "specextend+chain")
+    assert target.weights == weights and target.rowwise_attention
+    eng = SpecEngine(target, draft, eos_ids=[])
+    ar = eng.generate(PROMPT, Settings(method="ar", max_new_tokens=40))
+    r = eng.generate(PROMPT, Settings(max_new_tokens=40, **SMALL, **METHODS[name]))
+    assert r.token_ids == ar.token_ids
+    if name == "specextend+chain":
+        assert r.accepted_per_step > 1.5  # the draft is the target: long runs are accepted and compared
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_a_token_gets_the_same_logits_alone_and_inside_a_tree(folders, weights):
+    model = load_model(folders[("qwen2", 0)], torch.float32, weights=weights)
+    parents = [-1, 0, 0, 1, 1, 2, 3, 3, 5]
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    depth = [0] * n
+    for i in range(n):
+        if i:
+            mask[i] = mask[parents[i]]
+            depth[i] = depth[parents[i]] + 1
+        mask[i, i] = True
+    tokens = torch.randint(0, 95, (n,), generator=torch.Generator().manual_seed(1))
+    prompt = torch.tensor(PROMPT)
+    cache = model.new_cache(len(PROMPT) + 2 * n)
+    model.prefill(prompt, cache)
+    p = cache.length
+    tree_logits = model(tokens, p + torch.tensor(depth), cache, mask)
+    cache.discard()
+    for i in range(n):
+        path = [j for j in range(n) if mask[i, j]]  # ancestors then i, in order
+        alone = model.new_cache(len(PROMPT) + n)
+        model.prefill(prompt, alone)
+        if len(path) > 1:
+            model(tokens[path[:-1]], p + torch.arange(len(path) - 1), alone)
+            alone.commit()
+        logits = model(tokens[i : i + 1], torch.tensor([p + depth[i]]), alone)
+        assert torch.equal(logits[0], tree_logits[i]), i
+
+
+def test_quantized_logits_track_the_float_model(folders):
+    """int8 weights and int8 activations per block of 32 stay close to the float64 model."""
+    ref = load_model(folders[("qwen2", 0)], torch.float64, weights="float64")
+    q = load_model(folders[("qwen2", 0)], torch.float32, weights="int8")
+    ids = torch.tensor(PROMPT)
+    lr = ref(ids, torch.arange(len(ids)), ref.new_cache(len(ids)))
+    lq = q(ids, torch.arange(len(ids)), q.new_cache(len(ids)))
+    agree = (lr.argmax(-1) == lq.argmax(-1)).float().mean().item()
+    assert agree >= 0.9
+    assert (lq.double() - lr).abs().max() < 0.05 * lr.abs().max()
+
+
+def test_auto_weights_choice(folders):
+    fast = kernels.load().has_avx512_vnni()
+    assert resolve_weights("auto", torch.float32, "cpu", quantized_source=True) == ("gguf" if fast else "float32")
+    assert resolve_weights("auto", torch.float32, "cpu", quantized_source=False) == ("int8" if fast else "float32")
+    assert resolve_weights("auto", torch.float64, "cpu", quantized_source=True) == "float64"
+    with pytest.raises(UserError, match="float32"):
+        resolve_weights("int8", torch.float64, "cpu", quantized_source=False)
+    with pytest.raises(UserError, match="GGUF"):
+        resolve_weights("gguf", torch.float32, "cpu", quantized_source=False)
+    with pytest.raises(UserError, match="unknown --weights"):
+        resolve_weights("int3", torch.float32, "cpu", quantized_source=False)
+
+
+# --------------------------------------------------------------------------- GGUF -> cache -> load
+
+
+@pytest.fixture
+def converted(tmp_path: Path) -> Path:
+    from test_gguf import write_tiny_gguf
+
+    src = tmp_path / "tiny.gguf"
+    quantized = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight", "lm_head.weight")
+    write_tiny_gguf(src, "qwen2", tokenizer=False, quantized=quantized)
+    return conv.convert_gguf(src, tmp_path / "model", progress=False, tokenizer=False)
+
+
+def test_gguf_grid_survives_the_cache_and_the_float_model_matches(converted: Path) -> None:
+    q = load_model(converted, torch.float32, weights="gguf")
+    assert q.weights == "gguf"
+    fmts = [s.fmt for s in q.layers[0].qkv.qweight.segments]
+    assert fmts == ["q8"]  # the Q8_0 q_proj kept; k/v (float in the file) in the 8-bit format
+    assert q.lm_head.qweight.segments[0].offset == 128  # Q8_0's grid
+    f = load_model(converted, torch.float64, weights="float64")
+    # The float model's weights are the GGUF's, exactly (dequantised from the kept grid).
+    assert torch.equal(f.lm_head.weight.float(), q.lm_head.qweight.dequantize())
+    assert np.isfinite(q(torch.tensor([1, 2, 3]), torch.arange(3), q.new_cache(3)).numpy()).all()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_a_damaged_cached_model_is_refused(converted: Path, damage: str) -> None:
+    path = converted / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\x13" * 64 + data[64:])
+    with pytest.raises(UserError, match="corrupt or truncated"):
+        load_model(converted, torch.float32, weights="gguf")
