@@ -15,7 +15,7 @@ def pytest_configure(config: pytest.Config) -> None:
     any test points SPECEXTEND_HOME at a temporary folder, which would build them again there."""
     from specextend import kernels
 
-    kernels.load()
+    kernels.available()  # tests of the kernels skip where they cannot be built
 
 
 def tiny_hf_config(arch: str, vocab: int = 64, layers: int = 2, **kw):

@@ -36,10 +36,11 @@ def target(tmp_path_factory) -> Path:
 
 def bench(target: Path, out: Path, *extra: str, methods: str = "ar,sd,specextend", samples: int = 2) -> int:
     # The target drafts for itself: every draft token is accepted, so τ > 0 and outputs equal ar's.
-    # A shallow tree keeps the tiny runs quick.
+    # A shallow tree keeps the tiny runs quick. float32 weights: the transformers baselines run the
+    # same weights, so their outputs are comparable token for token.
     return cli.main(["bench", "--target", str(target), "--draft", str(target), "--lengths", "160",
                      "--samples", str(samples), "--max-new-tokens", "6", "--methods", methods, "--out", str(out),
-                     "-q", "--set", "tree_depth=3", *extra])
+                     "-q", "--set", "tree_depth=3", "--weights", "float32", "--draft-weights", "float32", *extra])
 
 
 def rows_of(out: Path) -> list[dict]:

@@ -10,10 +10,10 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from specextend.errors import UserError
 from specextend.models import gguf as conv
+from specextend.models.qstore import QuantizedFile
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, CONTEXT = 64, 2, 4, 2, 96, 256
 HEAD_DIM = HIDDEN // HEADS
@@ -181,10 +181,9 @@ def write_tiny_gguf(
 
 
 def load_folder(folder: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
+    """Every tensor of a converted folder as float32 (kept quantization grids dequantised)."""
+    stored = QuantizedFile(folder / conv.WEIGHTS_FILE)
+    return {name: stored.get(name, torch.float32) for name in stored.names}
 
 
 def assert_same_weights(folder: Path, expected: dict[str, np.ndarray]) -> None:
@@ -284,28 +283,30 @@ def test_qwen3_norms_and_head_dim(tmp_path: Path) -> None:
 
 
 def test_converted_folder_loads_in_transformers(tmp_path: Path) -> None:
-    from transformers import AutoModelForCausalLM
+    from specextend.bench.hf_baselines import hf_model
 
     src = tmp_path / "tiny.gguf"
-    write_tiny_gguf(src, "qwen2", tied=False, tokenizer=False)
+    expected = write_tiny_gguf(src, "qwen2", tied=False, tokenizer=False, quantized=("lm_head.weight",))
     out = conv.convert_gguf(src, tmp_path / "hf", progress=False, tokenizer=False)
-    model, info = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"]
+    model = hf_model(out, torch.float32)  # refuses missing or unexpected tensors
     assert model.config.rope_parameters["rope_theta"] == 1000000.0
+    assert torch.equal(model.lm_head.weight, torch.from_numpy(expected["lm_head.weight"]))
 
 
-def test_sharding_writes_an_index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(conv, "MAX_SHARD_BYTES", 100_000)
+def test_quantized_tensors_keep_their_grid_on_disk(tmp_path: Path) -> None:
+    """Q8_0 tensors are stored in the kernels' layout (about 8.5 bits a weight), not as float32."""
     src = tmp_path / "tiny.gguf"
-    expected = write_tiny_gguf(src, "qwen2", tokenizer=False)
+    quantized = ("model.layers.0.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight", "lm_head.weight")
+    write_tiny_gguf(src, "qwen2", tokenizer=False, quantized=quantized)
     out = conv.convert_gguf(src, tmp_path / "hf", progress=False, tokenizer=False)
-    shards = sorted(out.glob("*.safetensors"))
-    assert len(shards) > 1
-    assert all(f.stat().st_size <= 100_000 + 10_000 for f in shards)  # + safetensors header
-    index = json.loads((out / "model.safetensors.index.json").read_text())
-    assert set(index["weight_map"]) == set(expected)
-    assert set(index["weight_map"].values()) == {f.name for f in shards}
-    assert_same_weights(out, expected)
+    assert sorted(out.glob("*.safetensors")) == [out / conv.WEIGHTS_FILE]
+    stored = QuantizedFile(out / conv.WEIGHTS_FILE)
+    assert set(stored.formats) == set(quantized)
+    for name in quantized:
+        seg = stored.segment(name)
+        assert seg is not None and seg.fmt == "q8" and seg.offset == 128 and seg.blob.dtype == torch.uint8
+        assert seg.blob.numel() < seg.n * seg.k * 4 / 3  # under 11 bits a weight, with panel padding
+    assert stored.segment("model.norm.weight") is None
 
 
 def test_unsupported_architecture_is_named(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ METHODS = {
     "sd": dict(method="sd"),
     "sd+streaming": dict(method="sd", draft_cache="streaming"),
     "specextend": dict(method="specextend"),
-    "specextend+chain": dict(method="specextend", tree="chain", chain_length=3),
+    "sd+chain": dict(method="sd", tree="chain", chain_length=3),
 }
 PROMPT = torch.randint(0, 95, (60,), generator=torch.Generator().manual_seed(3)).tolist()
 
@@ -56,13 +56,13 @@ def pair(folders, arch: str, weights: str, same_draft: bool = False):
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 @pytest.mark.parametrize("name", list(METHODS))
 def test_greedy_equals_ar_in_the_quantized_precision(folders, arch, weights, name):
-    target, draft = pair(folders, arch, weights, same_draft=name == "specextend+chain")
+    target, draft = pair(folders, arch, weights, same_draft=name == "sd+chain")
     assert target.weights == weights and target.rowwise_attention
     eng = SpecEngine(target, draft, eos_ids=[])
     ar = eng.generate(PROMPT, Settings(method="ar", max_new_tokens=40))
     r = eng.generate(PROMPT, Settings(max_new_tokens=40, **SMALL, **METHODS[name]))
     assert r.token_ids == ar.token_ids
-    if name == "specextend+chain":
+    if name == "sd+chain":
         assert r.accepted_per_step > 1.5  # the draft is the target: long runs are accepted and compared
 
 

@@ -117,7 +117,6 @@ class HFBaselines:
     # ----------------------------------------------------------------- models
 
     def _load(self, path: Path, dtype: torch.dtype) -> Any:
-        from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         # Generation-config chatter and loading bars would drown the bench's progress bar.

@@ -36,9 +36,13 @@ def weight_bytes_per_forward(model) -> int:
     """Bytes of weights one forward reads: everything except the embedding table (a lookup)."""
     total = 0
     for name, mod in model.named_modules():
-        if getattr(mod, "packed", None) is not None:
+        if name.endswith("embed"):
+            continue
+        if getattr(mod, "qweight", None) is not None:
+            total += mod.qweight.nbytes
+        elif getattr(mod, "packed", None) is not None:
             total += mod.packed.numel() * mod.packed.element_size()
-        elif hasattr(mod, "weight") and mod.weight is not None and not name.endswith("embed"):
+        elif getattr(mod, "weight", None) is not None:
             total += mod.weight.numel() * mod.weight.element_size()
     return total
 
@@ -70,10 +74,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     path = resolve_model_ref(a.target, "target")
     t = time.perf_counter()
-    model = load_model(path, parse_dtype(a.dtype))
+    model = load_model(path, parse_dtype(a.dtype), weights=a.weights)
     load_s = time.perf_counter() - t
     vocab = model.cfg.vocab_size
-    res: dict = {"model": str(path), "dtype": a.dtype, "load_s": load_s, "threads": torch.get_num_threads()}
+    res: dict = {"model": str(path), "dtype": a.dtype, "weights": model.weights, "load_s": load_s,
+                 "threads": torch.get_num_threads()}
 
     cache = model.new_cache(max(a.context, a.prefill_tokens) + 64)
     ids = torch.randint(0, vocab, (a.prefill_tokens,))

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from ..errors import UserError
 from ..jsonl import append_jsonl
-from ..models.loader import add_model_arguments
+from ..models.loader import add_model_arguments, model_options
 from ..settings import Settings, parse_assignments
 
 # --max-new-tokens sets every run's length; a --base or --grid value for it would be overridden.
@@ -80,7 +80,7 @@ def sweep(argv: list[str] | None = None) -> int:
     # Every configuration is checked before the models load.
     runs = [(None, Settings(method="ar", max_new_tokens=a.max_new_tokens).resolved())]
     runs += [(point, Settings(**{**base, **point, "max_new_tokens": a.max_new_tokens}).resolved()) for point in grid]
-    pair = load(a.target, a.draft, dtype=a.dtype, device=a.device, draft_dtype=a.draft_dtype)
+    pair = load(a.target, a.draft, **model_options(a))
     pair.engine.warmup()
     prompts = load_prompts(a.data, a.samples, pair.tokenizer, not a.no_chat)
     eng = pair.engine

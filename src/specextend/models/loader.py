@@ -88,8 +88,8 @@ def parse_device(name: str) -> torch.device:
     raise UserError(f"unknown device {name!r}; choose cpu or cuda")
 
 
-DRAFT_DTYPE_HELP = ("the draft's dtype (default: float32 with quantized draft weights; else bfloat16 on a CPU with native "
-                    "bf16 if --dtype is float32; else --dtype)")
+DRAFT_DTYPE_HELP = ("the draft's dtype (default: float32 with quantized draft weights; else bfloat16 on a CPU "
+                    "with native bf16 if --dtype is float32; else --dtype)")
 
 
 def model_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -110,7 +110,8 @@ def add_model_arguments(p: argparse.ArgumentParser, draft_note: str = "", draft:
         g.add_argument("--draft-dtype", default=None, help=DRAFT_DTYPE_HELP)
     g.add_argument("--device", default="cpu", help="cpu|cuda[:N] (default: cpu)")
     g.add_argument("--weights", default="auto", help=WEIGHTS_HELP)
-    g.add_argument("--draft-weights", default="auto", help="the draft's --weights (default: auto)")
+    if draft:
+        g.add_argument("--draft-weights", default="auto", help="the draft's --weights (default: auto)")
 
 
 def default_draft_dtype(dtype: str, device: str, weights: str = "auto") -> str:

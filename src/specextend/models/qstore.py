@@ -79,7 +79,8 @@ class QuantizedFile:
         f = self.formats.get(name)
         if f is None:
             return None
-        return Segment(f["format"], int(f["n"]), self._read(name), int(f["offset"]), int(f["k"]), int(f.get("groups", 8)))
+        return Segment(f["format"], int(f["n"]), self._read(name), int(f["offset"]), int(f["k"]),
+                       int(f.get("groups", 8)))
 
     def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """The tensor as float `dtype` (quantized ones are dequantized exactly, then cast)."""
