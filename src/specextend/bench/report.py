@@ -5,8 +5,9 @@
 Aggregates per data set (one input length) and method: decode tokens/s is total new tokens over
 total decode seconds; speedups are ratios of those rates; accepted per step is weighted by steps;
 the retrieval share is retrieval seconds over decode seconds; the match rate counts samples whose
-tokens equal `ar`'s token for token. Files are written atomically (temp file + os.replace), so an
-interrupted run never leaves a half-written summary or plot.
+tokens equal `ar`'s token for token, and the ar prefix is the mean number of leading tokens equal to
+`ar`'s (peers with other numerics part from `ar` at a near-tie). Files are written atomically
+(temp file + os.replace), so an interrupted run never leaves a half-written summary or plot.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ SUMMARY = "summary.md"
 SPEEDUP_PNG = "speedup.png"
 ACCEPTED_PNG = "accepted.png"
 SPECULATIVE_ORDER = ("ar", "sd", "specextend")  # listed first, in this order; the rest alphabetically
+PEER_PREFIXES = ("hf-", "llamacpp-")  # other engines, listed after ours in this order
 
 
 # --------------------------------------------------------------------------- results.jsonl
@@ -84,6 +86,7 @@ class Cell:
     retrieval_share: float | None
     matches: int
     compared: int
+    ar_prefix: float | None = None  # mean leading tokens equal to ar's
     speedup_ar: float | None = None
     speedup_sd: float | None = None
     prefill_borrowed: bool = False  # prefill made by another backend (bench --prefill shared)
@@ -100,8 +103,9 @@ def _mean(xs: list[float]) -> float | None:
 def method_order(methods: Iterable[str]) -> list[str]:
     ms = set(methods)
     first = [m for m in SPECULATIVE_ORDER if m in ms]
-    ours = sorted(m for m in ms if m not in first and not m.startswith("hf-"))
-    return first + ours + sorted(m for m in ms if m.startswith("hf-"))
+    ours = sorted(m for m in ms if m not in first and not m.startswith(PEER_PREFIXES))
+    peers = [m for prefix in PEER_PREFIXES for m in sorted(ms) if m.startswith(prefix)]
+    return first + ours + peers
 
 
 def data_order(names: Iterable[str], cells_input: dict[str, float]) -> list[str]:
@@ -118,6 +122,23 @@ def _matches(rows: list[dict[str, Any]], ar_ids: dict[tuple, list[int]]) -> tupl
             compared += 1
             equal += m
     return equal, compared
+
+
+def _prefix(rows: list[dict[str, Any]], ar_ids: dict[tuple, list[int]]) -> float | None:
+    """Mean leading tokens equal to ar's: recomputed when an ar row exists now, else the row's own."""
+    found: list[float] = []
+    for r in rows:
+        ref, ids = ar_ids.get((r.get("data"), r.get("sample"))), r.get("token_ids")
+        if isinstance(ref, list) and isinstance(ids, list):
+            n = 0
+            for a, b in zip(ids, ref, strict=False):
+                if a != b:
+                    break
+                n += 1
+            found.append(float(n))
+        elif (p := _num(r.get("ar_prefix_match"))) is not None:
+            found.append(p)
+    return _mean(found)
 
 
 def _borrowed(row: dict[str, Any]) -> bool:
@@ -149,6 +170,7 @@ def aggregate(rows: list[dict[str, Any]]) -> list[Cell]:
             prefill_s=_mean([p for p in (_num(r.get("prefill_s")) for r in rs) if p is not None]),
             retrieval_share=retr / dec if dec > 0 else None,
             matches=eq, compared=cmp_,
+            ar_prefix=None if method == "ar" else _prefix(rs, ar_ids),
             prefill_borrowed=any(_borrowed(r) for r in rs),
         )
     for (data, _method), c in cells.items():
@@ -175,8 +197,8 @@ def summary_tables(cells: list[Cell]) -> str:
         n = max(c.samples for c in cs.values())
         out.append(f"### {data}: {inputs[data]:,.0f} input tokens (mean), {n} sample{'s' * (n != 1)}\n")
         out.append("| method | samples | new tokens | decode tok/s | vs ar | vs sd | accepted/step | prefill s "
-                   "| retrieval share | = ar |")
-        out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+                   "| retrieval share | = ar | ar prefix |")
+        out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for m in method_order(cs):
             c = cs[m]
             match = f"{c.matches}/{c.compared}" if c.compared else "-"
@@ -185,7 +207,7 @@ def summary_tables(cells: list[Cell]) -> str:
                 f"| {m} | {c.samples} | {c.new_tokens} | {_f(c.decode_tps, '.2f')} | "
                 f"{_f(c.speedup_ar, '.2f')}{'x' * (c.speedup_ar is not None)} | "
                 f"{_f(c.speedup_sd, '.2f')}{'x' * (c.speedup_sd is not None)} | {_f(c.accepted, '.2f')} | "
-                f"{_f(c.prefill_s, '.1f')}{' †' * c.prefill_borrowed} | {retr} | {match} |"
+                f"{_f(c.prefill_s, '.1f')}{' †' * c.prefill_borrowed} | {retr} | {match} | {_f(c.ar_prefix, '.1f')} |"
             )
         out.append("")
     return "\n".join(out)
@@ -215,7 +237,9 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
         "Decode tok/s = new tokens / decode seconds (prefill excluded), summed over samples; vs ar / vs sd: "
         "ratio of those rates on the same data; accepted/step: mean draft tokens accepted per target "
         "forward (τ); prefill s: mean per sample (target + draft; target only for ar); retrieval share: "
-        "retrieval seconds / decode seconds; = ar: samples whose tokens equal ar's token for token.",
+        "retrieval seconds / decode seconds; = ar: samples whose tokens equal ar's token for token; ar prefix: "
+        "mean leading tokens equal to ar's. hf-* rows: transformers on the same weights; llamacpp-* rows: "
+        "llama.cpp's llama-server on the same GGUF files and prompt tokens (its own prefill/decode clocks).",
         "",
         summary_tables(cells) if cells else "(no results yet)",
     ]
@@ -285,7 +309,7 @@ def plot_speedup(path: Path, cells: list[Cell]) -> None:
 
 
 def plot_accepted(path: Path, cells: list[Cell]) -> None:
-    _plot(path, cells, lambda c: c.accepted, {"ar", "hf-ar"}, "accepted tokens per step (τ)",
+    _plot(path, cells, lambda c: c.accepted, {"ar", "hf-ar", "llamacpp-ar"}, "accepted tokens per step (τ)",
           "Draft tokens accepted per target forward", None)
 
 

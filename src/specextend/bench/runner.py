@@ -5,7 +5,8 @@
 
 Methods: the `generate` presets (`ar`, `sd`, `specextend`), ablations written `base+mod` (see
 MODIFIERS, e.g. `sd+cmr`, `specextend+full`, or any setting as `specextend+retrieve_every=4`),
-and the transformers baselines `hf-ar`, `hf-assisted`, `hf-lookup` (hf_baselines.py).
+the transformers baselines `hf-ar`, `hf-assisted`, `hf-lookup` (hf_baselines.py), and the llama.cpp
+peers `llamacpp-ar`, `llamacpp-sd`, `llamacpp-lookup` on the same GGUF files (llamacpp.py; `make peers`).
 
 Order of work, chosen for time and memory:
 1. everything the user typed is checked, data read and tokenised, and every prompt checked
@@ -16,7 +17,8 @@ Order of work, chosen for time and memory:
    for `ar`, which needs no draft). With --prefill shared there is one prefill per sample, on
    the efficient backend, and every method decodes from it: the KV cache is the same whichever
    kernel wrote it, and on a 2-core CPU a second prefill costs more than all of decoding;
-3. our models are freed, then the HF baselines run with HF copies of the weights.
+3. our models are freed; the llama.cpp peers run, one llama-server per method; then the HF
+   baselines run with HF copies of the weights.
 
 Outputs in --out: results.jsonl (one JSON line per sample x method, appended with flush + fsync),
 summary.md, speedup.png, accepted.png (rewritten atomically after every row). Re-running with
@@ -54,6 +56,7 @@ from .data import (
     parse_lengths,
 )
 from .hf_baselines import HF_METHODS, HFSettings
+from .llamacpp import LLAMACPP_METHODS, LlamaCppSettings, Peer, is_llamacpp, parse_llamacpp_method, prefix_match
 from .report import RESULTS, aggregate, read_rows, summary_tables, write_report
 
 DEFAULT_METHODS = "ar,sd,specextend"
@@ -104,8 +107,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     method.add_argument("--methods", default=DEFAULT_METHODS,
                         help=f"comma-separated: {', '.join(METHODS)}, ablations base+mod with mod in "
                              f"{', '.join(MODIFIERS)} or a setting key=value (e.g. sd+cmr, "
-                             f"specextend+retrieve_every=4), and {', '.join(HF_METHODS)} "
-                             f"(default: {DEFAULT_METHODS})")
+                             f"specextend+retrieve_every=4), {', '.join(HF_METHODS)}, and the llama.cpp "
+                             f"peers {', '.join(LLAMACPP_METHODS)} (installed by `make peers`; settings as "
+                             f"e.g. llamacpp-sd+draft_max=8) (default: {DEFAULT_METHODS})")
     method.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per run (default: 128)")
     method.add_argument("--prefill", choices=PREFILL_MODES, default="per-backend",
                         help="per-backend: each sample is prefilled once per attention backend and each method's "
@@ -132,6 +136,7 @@ class MethodSpec:
     name: str  # as written in --methods
     settings: Settings | None = None  # resolved, for our engine's methods
     hf: HFSettings | None = None  # for the transformers baselines
+    llamacpp: LlamaCppSettings | None = None  # for the llama.cpp peers
 
     @property
     def is_hf(self) -> bool:
@@ -141,11 +146,22 @@ class MethodSpec:
     def needs_draft(self) -> bool:
         if self.is_hf:
             return self.name == "hf-assisted"
+        if self.llamacpp is not None:
+            return self.llamacpp.needs_draft
         return self.settings is not None and self.settings.method != "ar"
+
+    @property
+    def max_new_tokens(self) -> int:
+        for s in (self.settings, self.hf, self.llamacpp):
+            if s is not None:
+                return s.max_new_tokens
+        raise AssertionError("a method without settings")
 
     def config(self) -> dict[str, Any]:
         if self.hf is not None:
             return self.hf.config(self.name)
+        if self.llamacpp is not None:
+            return self.llamacpp.config(self.name)
         assert self.settings is not None
         return self.settings.as_dict()
 
@@ -158,10 +174,13 @@ def parse_set(items: list[str], where: str = "--set") -> dict[str, Any]:
 def parse_method(name: str, base: Settings) -> MethodSpec:
     if name in HF_METHODS:
         return MethodSpec(name, hf=HFSettings(base.max_new_tokens, base.temperature, base.top_p, base.seed))
+    if is_llamacpp(name):
+        return MethodSpec(name, llamacpp=parse_llamacpp_method(name, base.max_new_tokens, base.temperature,
+                                                               base.top_p, base.seed))
     preset, *mods = name.split("+")
     if preset not in METHODS:
         raise UserError(f"unknown method {name!r}; choose from {', '.join(METHODS)}, ablations like sd+cmr, "
-                        f"and {', '.join(HF_METHODS)}")
+                        f"{', '.join(HF_METHODS)} and {', '.join(LLAMACPP_METHODS)}")
     changes: dict[str, Any] = {}
     for mod in mods:
         if "=" in mod:
@@ -223,6 +242,8 @@ class Plan:
     samples: int
     chat: bool
     prefill: str = "per-backend"
+    peer: Peer | None = None  # llama.cpp's server, when a llamacpp-* method is asked for
+    gguf: tuple[Path, Path | None] | None = None  # (target, draft) GGUF files for the llama.cpp peers
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
@@ -239,6 +260,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     parse_device(args.device)
     base = Settings(max_new_tokens=args.max_new_tokens, **parse_set(args.set))
     specs = parse_methods(args.methods, base)
+    specs, peer = with_peer(specs)
     lengths = parse_lengths(args.lengths) if args.lengths is not None else None
 
     items = args.data or ["stdlib"]
@@ -257,7 +279,20 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise UserError(f"--out {args.out} exists and is not a folder")
     if (out / RESULTS).exists() and not (out / RESULTS).is_file():
         raise UserError(f"{out / RESULTS} is not a file")
-    return Plan(out, specs, base, jsonl, builtin, lengths, args.samples, args.chat, args.prefill)
+    return Plan(out, specs, base, jsonl, builtin, lengths, args.samples, args.chat, args.prefill, peer)
+
+
+def with_peer(specs: list[MethodSpec]) -> tuple[list[MethodSpec], Peer | None]:
+    """Find llama.cpp's server if a llamacpp-* method is asked for (refused here, before any model is read,
+    when it is not installed) and stamp its version into those methods' settings."""
+    from .llamacpp import find_peer
+
+    first = next((sp for sp in specs if sp.llamacpp is not None), None)
+    if first is None:
+        return specs, None
+    peer = find_peer(first.name)
+    return [replace(sp, llamacpp=replace(sp.llamacpp, version=peer.version)) if sp.llamacpp is not None else sp
+            for sp in specs], peer
 
 
 def load_samples(plan: Plan, tokenizer: Any) -> list[Sample]:
@@ -281,10 +316,9 @@ def check_context(prepared: Any, samples: list[Sample], specs: list[MethodSpec])
             if sp.settings is not None:
                 prepared.check_fits(longest.input_tokens, sp.settings)
             else:
-                assert sp.hf is not None
                 limit = int(prepared.target_cfg.max_position)
-                if longest.input_tokens + sp.hf.max_new_tokens > limit:
-                    raise UserError(f"a prompt of {longest.input_tokens} tokens + {sp.hf.max_new_tokens} new "
+                if longest.input_tokens + sp.max_new_tokens > limit:
+                    raise UserError(f"a prompt of {longest.input_tokens} tokens + {sp.max_new_tokens} new "
                                     f"tokens exceeds the target's context of {limit} tokens")
         except UserError as e:
             raise UserError(f"{longest.data} sample {longest.sample} with {sp.name}: {e}") from None
@@ -339,7 +373,7 @@ class Bench:
     # ----------------------------------------------------------------- bookkeeping
 
     def _prefill_of(self, spec: MethodSpec) -> str | None:
-        return None if spec.is_hf else prefill_attention(spec, self.plan.specs, self.plan.prefill)
+        return None if spec.settings is None else prefill_attention(spec, self.plan.specs, self.plan.prefill)
 
     def key(self, sample: Sample, spec: MethodSpec) -> tuple:
         return (sample.data, sample.sample, spec.name, self.keys[(sample.data, sample.sample, spec.name)])
@@ -364,6 +398,8 @@ class Bench:
             input_tokens=sample.input_tokens,
             settings_hash=self.keys[(sample.data, sample.sample, spec.name)],
             matches_ar=True if spec.name == "ar" else (row["token_ids"] == ar if ar is not None else None),
+            # Peers' numerics differ from ours, so after a near-tie they part: how far they agree first.
+            ar_prefix_match=len(row["token_ids"]) if spec.name == "ar" else prefix_match(row["token_ids"], ar),
             finished_at=datetime.now(UTC).isoformat(timespec="seconds"),
         )
         append_jsonl(self.results, row)  # a killed run loses at most a partial last line
@@ -398,7 +434,7 @@ class Bench:
     # ----------------------------------------------------------------- our engine
 
     def run_engine(self) -> None:
-        todo = [(s, sp) for s, sp in self.pending() if not sp.is_hf]
+        todo = [(s, sp) for s, sp in self.pending() if sp.settings is not None]
         if not todo:
             return
         pair = self.prepared.load()
@@ -440,6 +476,47 @@ class Bench:
         row.update(method=spec.name, preset=gen.settings.method, prefill_s=target_s + draft_s,
                    prefill_target_s=target_s, prefill_draft_s=draft_s, total_s=target_s + draft_s + gen.decode_s)
         return row
+
+    # ----------------------------------------------------------------- llama.cpp peers
+
+    def run_llamacpp(self) -> None:
+        from . import llamacpp
+
+        todo = [(s, sp) for s, sp in self.pending() if sp.llamacpp is not None]
+        if not todo:
+            return
+        assert self.plan.peer is not None and self.plan.gguf is not None
+        target, draft = self.plan.gguf
+        tok = self.prepared.tokenizer
+        dtype = llamacpp.gguf_file_type(target)
+        longest = max(s.input_tokens for s in self.samples)
+        context = int(self.prepared.target_cfg.max_position)
+        for spec in dict.fromkeys(sp for _, sp in todo):  # one server per method, in --methods order
+            s = spec.llamacpp
+            assert s is not None
+            samples = [sample for sample, sp in todo if sp is spec]
+            n_ctx = llamacpp.context_size(longest, s.max_new_tokens, max(s.draft_max, s.ngram_m), context)
+            self.say(f"{spec.name}: starting llama-server {self.plan.peer.version}")
+            with llamacpp.running(self.plan.peer, s, target, draft, n_ctx, samples[0].prompt_ids) as server:
+                info = llamacpp.server_info(server)
+                for sample in samples:
+                    self._status(sample, spec.name)
+                    resp, wall = server.complete(sample.prompt_ids, s.max_new_tokens)
+                    m = llamacpp.measurements(resp, wall, sample.prompt_ids)
+                    m["extra"]["server"] = info
+                    self.record(sample, spec, {
+                        "method": spec.name,
+                        "preset": None,
+                        "target": str(target),
+                        "draft": str(draft) if s.needs_draft else None,
+                        "dtype": dtype,
+                        "draft_dtype": llamacpp.gguf_file_type(draft) if s.needs_draft and draft else None,
+                        "device": "cpu",
+                        "config": spec.config(),
+                        "text": tok.decode(m["token_ids"], skip_special_tokens=True,
+                                           clean_up_tokenization_spaces=False),
+                        **m,
+                    })
 
     # ----------------------------------------------------------------- HF baselines
 
@@ -492,6 +569,7 @@ class Bench:
                                         dynamic_ncols=True)
         try:
             self.run_engine()
+            self.run_llamacpp()
             self.run_hf()
         finally:
             if self.bar is not None:
@@ -512,6 +590,12 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     prepared = prepare(args.target, args.draft, **model_options(args), load_draft=needs_draft,
                        progress=not args.quiet)
+    if plan.peer is not None:
+        # After `prepare`, which pulls the default pair (and so its GGUF files) on first use.
+        from .llamacpp import gguf_for
+
+        sd = any(sp.llamacpp is not None and sp.llamacpp.needs_draft for sp in plan.specs)
+        plan.gguf = (gguf_for(args.target, "target"), gguf_for(args.draft, "draft") if sd else None)
     samples = load_samples(plan, prepared.tokenizer)
     check_context(prepared, samples, plan.specs)
     plan.out.mkdir(parents=True, exist_ok=True)
