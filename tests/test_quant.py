@@ -93,8 +93,14 @@ def test_fast_path_gives_the_portable_bits(kind: str, n: int, k: int) -> None:
     seg = quant.from_gguf_blocks(kind, random_blocks(kind, n, k, seed=3), n, k)
     w = qw(seg)
     x = torch.randn(19, k) * 3
-    args = (x, w.blobs, w.formats, w.widths, w.offsets, w.groups, None)
+    args = (x, w.blobs, w.formats, w.widths, w.offsets, w.groups, None, None, 0.0, False, None)
     assert torch.equal(ext.qlinear(*args, False), ext.qlinear(*args, True))
+    norm, residual = torch.rand(seg.k) + 0.5, torch.randn(19, seg.n)
+    fused = (x, w.blobs, w.formats, w.widths, w.offsets, w.groups, None, norm, 1e-6, False, residual)
+    assert torch.equal(ext.qlinear(*fused, False), ext.qlinear(*fused, True))
+    gate_up = torch.cat([x, torch.randn(19, seg.k)], dim=1)
+    silu = (gate_up, w.blobs, w.formats, w.widths, w.offsets, w.groups, None, None, 0.0, True, None)
+    assert torch.equal(ext.qlinear(*silu, False), ext.qlinear(*silu, True))
     assert all(torch.equal(a, b) for a, b in zip(ext.quantize_activations(x, False),
                                                    ext.quantize_activations(x, True), strict=True))
 
@@ -152,7 +158,21 @@ def test_float_weights_quantize_within_their_grid(bits: int, width: int) -> None
     assert torch.allclose(kernels.qlinear(x, q).double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
+def test_fused_norm_silu_and_residual_match_the_unfused_product() -> None:
+    """RMSNorm / SiLU-gating before the product and a residual after it, all in the kernel call,
+    give what the separate float32 steps give (within the steps' own float32 rounding)."""
+    w = quant.quantize(torch.randn(48, 256), 8)
+    x, norm, res = torch.randn(5, 256) * 3, torch.rand(256) + 0.5, torch.randn(5, 48)
+    normed = norm * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    got = kernels.qlinear(x, w, norm=norm, eps=1e-6, residual=res)
+    assert torch.allclose(got, kernels.qlinear(normed, w) + res, atol=2e-2 * got.abs().max().item())
+    gu = torch.randn(5, 512)
+    gated = torch.nn.functional.silu(gu[:, :256]) * gu[:, 256:]
+    got = kernels.qlinear(gu, w, silu_mul=True)
+    assert torch.allclose(got, kernels.qlinear(gated, w), atol=2e-2 * got.abs().max().item())
+
+
 def test_bad_blob_size_is_refused() -> None:
     seg = quant.quantize(torch.randn(16, 64), 8).segments[0]
     with pytest.raises(RuntimeError, match="expected"):
-        ext.qlinear(torch.randn(1, 64), [seg.blob[:-1]], [2], [16], [128], [1], None, False)
+        ext.qlinear(torch.randn(1, 64), [seg.blob[:-1]], [2], [16], [128], [1], None, None, 0.0, False, None, False)

@@ -37,7 +37,7 @@ PROMPT = torch.randint(0, 95, (60,), generator=torch.Generator().manual_seed(3))
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     out = {}
-    for arch in ("qwen2", "llama"):
+    for arch in ("qwen2", "llama", "qwen3"):  # qwen3: per-head query/key norms (head_dim 8, the portable path)
         for seed, layers in ((0, 2), (5, 1)):
             d = tmp_path_factory.mktemp(f"q{arch}{seed}")
             kw = dict(SHAPE, layers=layers)
@@ -52,7 +52,7 @@ def pair(folders, arch: str, weights: str, same_draft: bool = False):
     return target, draft
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 @pytest.mark.parametrize("name", list(METHODS))
 def test_greedy_equals_ar_in_the_quantized_precision(folders, arch, weights, name):

@@ -94,9 +94,15 @@ def available() -> bool:
     return True
 
 
-def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T (+ bias) for a block-quantized W; x is float32 [rows, k]."""
-    return load().qlinear(x, w.blobs, w.formats, w.widths, w.offsets, w.groups, bias, False)
+def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, *, norm: torch.Tensor | None = None,
+            eps: float = 0.0, silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """y = pre(x) W^T (+ bias) (+ residual) for a block-quantized W; x is float32 [rows, k].
+
+    pre: RMSNorm with weight `norm` and `eps`, or silu(gate) * up when `silu_mul` (x holds
+    [gate | up]); each is applied in the same pass that quantizes the row.
+    """
+    return load().qlinear(x, w.blobs, w.formats, w.widths, w.offsets, w.groups, bias, norm, eps, silu_mul,
+                          residual, False)
 
 
 def main() -> int:

@@ -6,7 +6,8 @@ A `QWeight` is a [n, k] matrix stored in one or more row *segments*, each in one
 - ``q4k``: asymmetric 4-bit codes in groups of 32 with 6-bit scales and mins under a float16
   super-block scale: exactly GGUF's Q4_K grid (8 groups per super-block), and our own 4-bit
   format for float weights (up to 8 groups per super-block, so any width divisible by 32 fits).
-- ``q6k``: 6-bit codes in groups of 16 with signed 8-bit scales: exactly GGUF's Q6_K grid.
+- ``q6k``: 6-bit codes (a nibble plane and a 2-bit plane) in groups of 16 with signed 8-bit
+  scales: exactly GGUF's Q6_K grid.
 - ``q8``: byte codes in groups of 32 with one float16 scale and a fixed offset:
   GGUF's Q8_0 (offset 128) and Q5_0 (offset 16) grids, and our 8-bit format for float weights.
 
@@ -33,7 +34,7 @@ def _superblock(fmt: str, groups: int) -> tuple[int, int]:
     """(inputs, bytes per panel) of one super-block; `groups` counts q4k's groups of 32."""
     if fmt == "q4k":
         return 32 * groups, 64 + 288 * groups
-    return {"q6k": (256, 4384), "q8": (32, 544)}[fmt]
+    return {"q6k": (256, 3360), "q8": (32, 544)}[fmt]
 
 
 def blob_bytes(fmt: str, n: int, k: int, groups: int = 8) -> int:
@@ -162,11 +163,17 @@ def pack_q4k(d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, mn: np.ndarray, co
 
 
 def pack_q6k(d: np.ndarray, sc: np.ndarray, codes: np.ndarray) -> Segment:
-    """d: [n, k/256] float16; sc: [n, k/16] int8; codes [n, k] uint8 (0..63, 32 means zero)."""
+    """d: [n, k/256] float16; sc: [n, k/16] int8; codes [n, k] uint8 (0..63, 32 means zero).
+
+    Six bits a code, as in the GGUF: per group of 16, the low nibbles of steps (0, 2) and (1, 3)
+    share two 64-byte planes and the high two bits of all four steps one more."""
     n = codes.shape[0]
     st = _steps(_panels(codes), 16)  # [P, k/16, 4, 64]
+    lo, hi = st & 15, st >> 4
+    packed = np.stack([lo[:, :, 0] | (lo[:, :, 2] << 4), lo[:, :, 1] | (lo[:, :, 3] << 4),
+                       hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)], axis=2)
     p, g = st.shape[:2]
-    parts = [_by_panel(_panels(d), 1), _by_panel(_panels(sc), 16), st.reshape(p, g // 16, 16 * 4 * 64)]
+    parts = [_by_panel(_panels(d), 1), _by_panel(_panels(sc), 16), packed.reshape(p, g // 16, 16 * 3 * 64)]
     return Segment("q6k", n, _blob(parts), 0, codes.shape[1])
 
 

@@ -489,9 +489,78 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return out;
 }
 
+// The new tokens' attention inputs from the fused QKV projection h [T, (H + 2 Hkv) D]: queries
+// (and keys) optionally RMS-normed per head (Qwen3), both rotated by RoPE (rotate-half: x*cos +
+// rotate_half(x)*sin, cos/sin [T, D]); keys and values are stored in bfloat16 at cache slots
+// [start, start + T) of k_cache/v_cache [Hkv, capacity, D]. Returns the rotated queries [H, T, D].
+// Scalar and plain (no SIMD, no contraction): the same bits whatever the CPU.
+at::Tensor rope_store(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+                      const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double eps,
+                      at::Tensor& k_cache, at::Tensor& v_cache, int64_t start) {
+  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(), "rope_store: h [T, (H+2Hkv)D]");
+  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16 &&
+                  k_cache.dim() == 3 && k_cache.stride(2) == 1 && k_cache.stride(1) == k_cache.size(2) &&
+                  v_cache.stride(2) == 1 && v_cache.stride(1) == v_cache.size(2),
+              "rope_store: bfloat16 caches [Hkv, capacity, D] with contiguous rows");
+  const int64_t t = h.size(0), kvh = k_cache.size(0), d = k_cache.size(2);
+  TORCH_CHECK(h.size(1) == (heads + 2 * kvh) * d && d % 2 == 0, "rope_store: h width does not match the heads");
+  TORCH_CHECK(start >= 0 && start + t <= k_cache.size(1), "rope_store: slots past the cache's capacity");
+  const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
+  TORCH_CHECK(cc.scalar_type() == at::kFloat && cc.numel() == t * d && sc.numel() == t * d, "rope_store: cos/sin [T, D]");
+  at::Tensor qn, kn;
+  if (q_norm.has_value() && q_norm->defined()) qn = q_norm->contiguous();
+  if (k_norm.has_value() && k_norm->defined()) kn = k_norm->contiguous();
+  at::Tensor q = at::empty({heads, t, d}, h.options());
+  const float* hp = h.data_ptr<float>();
+  const float* cp = cc.data_ptr<float>();
+  const float* sp = sc.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  uint16_t* kp = reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::BFloat16>());
+  uint16_t* vp = reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+  const int64_t width = h.size(1), half = d / 2;
+  auto rotate = [&](const float* src, const float* norm, int64_t tok, float* dst) {
+    float buf[1024];
+    const float* x = src;
+    if (norm != nullptr) {
+      float sq = 0.f;
+      for (int64_t i = 0; i < d; ++i) sq += src[i] * src[i];
+      const float inv = 1.f / std::sqrt(sq / static_cast<float>(d) + static_cast<float>(eps));
+      for (int64_t i = 0; i < d; ++i) buf[i] = norm[i] * (src[i] * inv);
+      x = buf;
+    }
+    const float* c = cp + tok * d;
+    const float* s = sp + tok * d;
+    for (int64_t i = 0; i < d; ++i) {
+      const float rot = i < half ? -x[i + half] : x[i - half];
+      dst[i] = x[i] * c[i] + rot * s[i];
+    }
+  };
+  TORCH_CHECK(d <= 1024, "rope_store: head_dim above 1024");
+  at::parallel_for(0, t, 1, [&](int64_t b, int64_t e) {
+    float tmp[1024];
+    for (int64_t tok = b; tok < e; ++tok) {
+      const float* row = hp + tok * width;
+      for (int64_t hh = 0; hh < heads; ++hh)
+        rotate(row + hh * d, qn.defined() ? qn.data_ptr<float>() : nullptr, tok, qp + (hh * t + tok) * d);
+      for (int64_t hh = 0; hh < kvh; ++hh) {
+        rotate(row + (heads + hh) * d, kn.defined() ? kn.data_ptr<float>() : nullptr, tok, tmp);
+        uint16_t* kd = kp + hh * k_cache.stride(0) + (start + tok) * d;
+        uint16_t* vd = vp + hh * v_cache.stride(0) + (start + tok) * d;
+        const float* v = row + (heads + kvh + hh) * d;
+        for (int64_t i = 0; i < d; ++i) {
+          kd[i] = float_to_bf16(tmp[i]);
+          vd[i] = float_to_bf16(v[i]);
+        }
+      }
+    }
+  });
+  return q;
+}
+
 }  // namespace
 
 void register_attention(pybind11::module& m) {
+  m.def("rope_store", &rope_store, "rotate the new queries and keys, store keys and values in the bf16 cache");
   m.def("attend", &attend, "row-independent attention of new tokens over a bfloat16 KV cache");
   m.def("has_avx512_bf16", &has_avx512_bf16, "whether the AVX512-BF16 attention path runs on this CPU");
 }

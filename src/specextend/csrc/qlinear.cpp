@@ -18,8 +18,9 @@
 //       Q4_K grid kept exactly; smaller G serves input widths that are not multiples of 256):
 //       d[16] f16, dmin[16] f16, sc[G][16] u8, mn[G][16] u8, codes[G][4][64] (nibbles)
 //       w = d*sc[g] * q - dmin*mn[g]
-//   Q6K (symmetric 6-bit codes held in bytes, groups of 16, super-block 256; the Q6_K grid):
-//       d[16] f16, sc[16][16] i8, codes[16][4][64] u8          w = d*sc[g] * (q - 32)
+//   Q6K (symmetric 6-bit codes, groups of 16, super-block 256; the Q6_K grid):
+//       d[16] f16, sc[16][16] i8, then per group: low nibbles of steps 0|2 and 1|3 (2 x 64 bytes),
+//       high 2 bits of steps 0..3 at bits 0,2,4,6 (64 bytes)       w = d*sc[g] * (q - 32)
 //   Q8 (codes in bytes, groups of 32 = super-block, one f16 scale per group; Q8_0, Q5_0, int8):
 //       d[16] f16, codes[8][64] u8                              w = d * (q - offset)
 // Codes of one group are stored in steps of 4 inputs: byte 4*c + j of a 64-byte step holds
@@ -58,7 +59,7 @@ struct FormatInfo {
 FormatInfo info(int64_t fmt, int64_t sbg) {
   switch (fmt) {
     case Q4K: return {32, static_cast<int>(32 * sbg), 64 + 288 * sbg};
-    case Q6K: return {16, 256, 32 + 256 + 4096};
+    case Q6K: return {16, 256, 32 + 256 + 16 * 192};
     case Q8: return {32, 32, 32 + 512};
   }
   TORCH_CHECK(false, "unknown weight format ", fmt);
@@ -136,8 +137,94 @@ bool has_avx512_vnni() {
 #endif
 }
 
-Activations quantize(const at::Tensor& x, bool fast) {
-  const int64_t m = x.size(0), k = x.size(1);
+// What is applied to each input row before it is quantized (fused into the same pass).
+struct PreOp {
+  const float* norm = nullptr;  // RMSNorm weight [k]: row * rsqrt(mean(row^2) + eps) * norm
+  float eps = 0.f;
+  bool silu_mul = false;  // the row holds [gate | up] (2k values): silu(gate) * up
+};
+
+// exp for |x| <= 80 (beyond, clamped): 2^n * poly(r), r = x - n ln2; the same polynomial as the
+// attention kernel's, written once here for the scalar SiLU below.
+inline float exp80(float x) {
+  constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+  constexpr float kP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                           4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+  x = std::fmin(std::fmax(x, -80.f), 80.f);
+  const float n = std::nearbyint(x * kLog2e);
+  float r = std::fma(n, -kLn2Hi, x);
+  r = std::fma(n, -kLn2Lo, r);
+  float p = kP[0];
+  for (int i = 1; i < 6; ++i) p = std::fma(p, r, kP[i]);
+  p = std::fma(p, r * r, r + 1.0f);
+  return std::ldexp(p, static_cast<int>(n));
+}
+
+// The pre-op on one row, in plain scalar code shared by both paths (so they stay bit-identical).
+void pre_op_row(const float* x, int64_t k, const PreOp& op, float* out) {
+  if (op.silu_mul) {
+    for (int64_t i = 0; i < k; ++i) out[i] = x[i] / (1.f + exp80(-x[i])) * x[k + i];
+    return;
+  }
+  float sq[16] = {0.f};
+  for (int64_t i = 0; i < k; ++i) sq[i % 16] = std::fma(x[i], x[i], sq[i % 16]);
+  float total = 0.f;
+  for (float v : sq) total += v;
+  const float inv = 1.f / std::sqrt(total / static_cast<float>(k) + op.eps);
+  for (int64_t i = 0; i < k; ++i) out[i] = x[i] * inv * op.norm[i];
+}
+
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
+
+inline __m512 exp80_avx512(__m512 x) {
+  constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+  constexpr float kP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                           4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-80.f)), _mm512_set1_ps(80.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Hi), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kP[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP[i]));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// pre_op_row with the same arithmetic, 16 lanes at a time (k is a multiple of 32).
+void pre_op_row_avx512(const float* x, int64_t k, const PreOp& op, float* out) {
+  if (op.silu_mul) {
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (int64_t i = 0; i < k; i += 16) {
+      const __m512 g = _mm512_loadu_ps(x + i);
+      const __m512 e = exp80_avx512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+      _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), _mm512_loadu_ps(x + k + i)));
+    }
+    return;
+  }
+  __m512 sq = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    sq = _mm512_fmadd_ps(v, v, sq);
+  }
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, sq);
+  float total = 0.f;
+  for (float v : lanes) total += v;
+  const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(total / static_cast<float>(k) + op.eps));
+  for (int64_t i = 0; i < k; i += 16)
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), inv), _mm512_loadu_ps(op.norm + i)));
+}
+
+#pragma GCC pop_options
+#endif
+
+// x: [m, k] (or [m, 2k] with silu_mul) float32 -> the quantized rows of pre_op(x).
+Activations quantize(const at::Tensor& x, int64_t k, const PreOp& op, bool fast) {
+  const int64_t m = x.size(0);
+  const int64_t in_k = x.size(1);
+  const bool pre = op.norm != nullptr || op.silu_mul;
   auto opt = x.options();
   Activations a{at::empty({m, k}, opt.dtype(at::kChar)), at::empty({m, k / 32}, opt.dtype(at::kFloat)),
                 at::empty({m, k / 16}, opt.dtype(at::kInt)), at::empty({m, k / 32}, opt.dtype(at::kInt)),
@@ -148,21 +235,34 @@ Activations quantize(const at::Tensor& x, bool fast) {
   int32_t* s16 = a.s16.data_ptr<int32_t>();
   int32_t* s32 = a.s32.data_ptr<int32_t>();
   float* xs = a.xs.data_ptr<float>();
-  auto row = [&](int64_t r) {
+  auto row = [&](int64_t r, std::vector<float>& buf) {
+    const float* src = xp + r * in_k;
+    if (pre) {
+#if defined(__x86_64__)
+      if (fast) pre_op_row_avx512(src, k, op, buf.data());
+      else
+#endif
+        pre_op_row(src, k, op, buf.data());
+      src = buf.data();
+    }
 #if defined(__x86_64__)
     if (fast) {
-      quantize_row_avx512(xp + r * k, k, q + r * k, d8 + r * (k / 32), s16 + r * (k / 16), s32 + r * (k / 32),
+      quantize_row_avx512(src, k, q + r * k, d8 + r * (k / 32), s16 + r * (k / 16), s32 + r * (k / 32),
                           xs + r * (k / 32));
       return;
     }
 #endif
-    quantize_row_portable(xp + r * k, k, q + r * k, d8 + r * (k / 32), s16 + r * (k / 16), s32 + r * (k / 32),
+    quantize_row_portable(src, k, q + r * k, d8 + r * (k / 32), s16 + r * (k / 16), s32 + r * (k / 32),
                           xs + r * (k / 32));
   };
-  if (m >= 64) {
-    at::parallel_for(0, m, 16, [&](int64_t b, int64_t e) { for (int64_t r = b; r < e; ++r) row(r); });
+  if (m >= 8) {
+    at::parallel_for(0, m, 4, [&](int64_t b, int64_t e) {
+      std::vector<float> buf(pre ? k : 0);
+      for (int64_t r = b; r < e; ++r) row(r, buf);
+    });
   } else {
-    for (int64_t r = 0; r < m; ++r) row(r);
+    std::vector<float> buf(pre ? k : 0);
+    for (int64_t r = 0; r < m; ++r) row(r, buf);
   }
   return a;
 }
@@ -185,6 +285,12 @@ struct Rows {
   const float* xs;
   int64_t k;
 };
+
+// Code of lane byte b in step st of a packed Q6K group (see the layout above).
+inline int q6_code(const uint8_t* g, int st, int b) {
+  const uint8_t lo = g[64 * (st % 2) + b];
+  return ((st < 2 ? lo : lo >> 4) & 15) | (((g[128 + b] >> (2 * st)) & 3) << 4);
+}
 
 // Portable reference: one panel (16 channels) x `rows` rows, accumulating into acc[rows][16].
 void panel_portable(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int rows, float* acc) {
@@ -216,9 +322,9 @@ void panel_portable(const Segment& s, const uint8_t* p, const Rows& x, int64_t r
         } else if (s.fmt == Q6K) {
           const int8_t* sc = reinterpret_cast<const int8_t*>(p + 32) + 16 * g;
           scale[c] = d * static_cast<float>(sc[c]);
-          const uint8_t* cb = p + 288 + 256 * g;
+          const uint8_t* cb = p + 288 + 192 * g;
           for (int st = 0; st < 4; ++st)
-            for (int j = 0; j < 4; ++j) codes[c][4 * st + j] = cb[64 * st + 4 * c + j];
+            for (int j = 0; j < 4; ++j) codes[c][4 * st + j] = q6_code(cb, st, 4 * c + j);
         } else {
           scale[c] = d;
           const uint8_t* cb = p + 32;
@@ -330,16 +436,22 @@ void panel_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __
 template <int R>
 void panel_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m512* acc) {
   const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16;
-  for (int64_t sb = 0; sb < nsb; ++sb, p += 4384) {
+  const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+  for (int64_t sb = 0; sb < nsb; ++sb, p += 3360) {
     const __m512 d = cvt_f16(p);
     for (int g = 0; g < 16; ++g) {
       const int64_t k0 = sb * 256 + g * 16;
       const __m512 scale = _mm512_mul_ps(d, cvt_i8(p + 32 + 16 * g));
-      const uint8_t* cb = p + 288 + 256 * g;
-      prefetch_group(p + 274 * g, 274);
+      const uint8_t* cb = p + 288 + 192 * g;
+      prefetch_group(p + 210 * g, 210);
+      const __m512i a = _mm512_loadu_si512(cb), b = _mm512_loadu_si512(cb + 64), h = _mm512_loadu_si512(cb + 128);
+      // Step s's high bits sit at bits 2s..2s+1 of h; shifted to bits 4..5 they join the nibble.
       __m512i w[4];
-#pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) w[i] = _mm512_loadu_si512(cb + 64 * i);
+      w[0] = _mm512_or_si512(_mm512_and_si512(a, low), _mm512_and_si512(_mm512_slli_epi16(h, 4), top));
+      w[1] = _mm512_or_si512(_mm512_and_si512(b, low), _mm512_and_si512(_mm512_slli_epi16(h, 2), top));
+      w[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), low), _mm512_and_si512(h, top));
+      w[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), low),
+                             _mm512_and_si512(_mm512_srli_epi16(h, 2), top));
       const int8_t* q[R];
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) q[r] = x.q8 + (r0 + r) * x.k + k0;
@@ -384,7 +496,7 @@ void panel_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m
 
 template <int R>
 void tile_avx512(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, float* out, int64_t ldo,
-                 const float* bias, int valid) {
+                 const float* bias, const float* res, int valid) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   switch (s.fmt) {
@@ -394,10 +506,15 @@ void tile_avx512(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, 
   }
   const __mmask16 m = valid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
   const __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias) : _mm512_setzero_ps();
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + (r0 + r) * ldo, m, _mm512_add_ps(acc[r], b));
+  for (int r = 0; r < R; ++r) {
+    __m512 y = _mm512_add_ps(acc[r], b);
+    if (res) y = _mm512_add_ps(_mm512_maskz_loadu_ps(m, res + (r0 + r) * ldo), y);
+    _mm512_mask_storeu_ps(out + (r0 + r) * ldo, m, y);
+  }
 }
 
-using TileFn = void (*)(const Segment&, const uint8_t*, const Rows&, int64_t, float*, int64_t, const float*, int);
+using TileFn = void (*)(const Segment&, const uint8_t*, const Rows&, int64_t, float*, int64_t, const float*,
+                        const float*, int);
 
 template <int... Rs>
 constexpr std::array<TileFn, sizeof...(Rs)> make_tiles(std::integer_sequence<int, Rs...>) {
@@ -409,28 +526,43 @@ const auto kTiles = make_tiles(std::make_integer_sequence<int, kMaxTile>{});
 #endif
 
 void tile_portable(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int rows, float* out, int64_t ldo,
-                   const float* bias, int valid) {
+                   const float* bias, const float* res, int valid) {
   float acc[kMaxTile * kPanel] = {0.f};
   panel_portable(s, p, x, r0, rows, acc);
   for (int r = 0; r < rows; ++r)
     for (int c = 0; c < valid; ++c) {
-      float v = acc[r * kPanel + c];
-      out[(r0 + r) * ldo + c] = bias ? v + bias[c] : v;
+      float v = acc[r * kPanel + c] + (bias ? bias[c] : 0.f);
+      if (res) v = res[(r0 + r) * ldo + c] + v;
+      out[(r0 + r) * ldo + c] = v;
     }
 }
 
 // ------------------------------------------------------------------ the op
 
-// y[M, sum(n)] = x[M, K] @ concat(segments)^T (+ bias), one activation quantization for all.
+// y[M, sum(n)] = pre(x)[M, K] @ concat(segments)^T (+ bias) (+ residual), one activation
+// quantization for all segments. pre: an RMSNorm with weight `norm`, or silu(gate) * up when
+// `silu_mul` (x then holds [gate | up], 2K columns); residual: [M, sum(n)] added to the result.
 at::Tensor qlinear(const at::Tensor& x, const std::vector<at::Tensor>& blobs, const std::vector<int64_t>& fmts,
                    const std::vector<int64_t>& ns, const std::vector<int64_t>& offsets,
-                   const std::vector<int64_t>& sbgs, const c10::optional<at::Tensor>& bias, bool portable) {
+                   const std::vector<int64_t>& sbgs, const c10::optional<at::Tensor>& bias,
+                   const c10::optional<at::Tensor>& norm, double eps, bool silu_mul,
+                   const c10::optional<at::Tensor>& residual, bool portable) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "qlinear: x must be a 2-D float32 tensor");
   TORCH_CHECK(blobs.size() == fmts.size() && fmts.size() == ns.size() && ns.size() == offsets.size() &&
                   offsets.size() == sbgs.size(),
               "qlinear: one format, width, offset and super-block size per weight segment");
   const at::Tensor xc = x.contiguous();
-  const int64_t m = xc.size(0), k = xc.size(1);
+  const int64_t m = xc.size(0), k = silu_mul ? xc.size(1) / 2 : xc.size(1);
+  TORCH_CHECK(!silu_mul || xc.size(1) == 2 * k, "qlinear: silu_mul needs [gate | up] rows");
+  PreOp op;
+  at::Tensor nc;
+  if (norm.has_value() && norm->defined()) {
+    nc = norm->contiguous();
+    TORCH_CHECK(!silu_mul && nc.scalar_type() == at::kFloat && nc.numel() == k, "qlinear: norm must be float32 [k]");
+    op.norm = nc.data_ptr<float>();
+    op.eps = static_cast<float>(eps);
+  }
+  op.silu_mul = silu_mul;
   TORCH_CHECK(k % 32 == 0, "qlinear: input width must be a multiple of 32");
   int64_t n_total = 0;
   std::vector<Segment> segs;
@@ -453,8 +585,16 @@ at::Tensor qlinear(const at::Tensor& x, const std::vector<at::Tensor>& blobs, co
     TORCH_CHECK(bc.scalar_type() == at::kFloat && bc.numel() == n_total, "qlinear: bias must be float32 [n]");
     bp = bc.data_ptr<float>();
   }
+  const float* rp = nullptr;
+  at::Tensor rc;
+  if (residual.has_value() && residual->defined()) {
+    rc = residual->contiguous();
+    TORCH_CHECK(rc.scalar_type() == at::kFloat && rc.dim() == 2 && rc.size(0) == m && rc.size(1) == n_total,
+                "qlinear: residual must be float32 [m, n]");
+    rp = rc.data_ptr<float>();
+  }
   const bool fast = !portable && has_avx512_vnni();
-  Activations a = quantize(xc, fast);
+  Activations a = quantize(xc, k, op, fast);
   Rows rows{a.q8.data_ptr<int8_t>(), a.d8.data_ptr<float>(), a.s16.data_ptr<int32_t>(), a.s32.data_ptr<int32_t>(),
             a.xs.data_ptr<float>(), k};
   at::Tensor y = at::empty({m, n_total}, xc.options());
@@ -471,18 +611,19 @@ at::Tensor qlinear(const at::Tensor& x, const std::vector<at::Tensor>& blobs, co
       const int valid = static_cast<int>(std::min<int64_t>(kPanel, s.n - p * kPanel));
       float* out = yp + col0 + p * kPanel;
       const float* bias_p = bp ? bp + col0 + p * kPanel : nullptr;
+      const float* res_p = rp ? rp + col0 + p * kPanel : nullptr;
       const int64_t tiles = (m + kMaxTile - 1) / kMaxTile;
       for (int64_t ti = 0, r0 = 0; ti < tiles; ++ti) {
         // Balanced tiles (16 rows: 8 + 8, not 10 + 6); which tile a row lands in never changes its bits.
         const int rows_here = static_cast<int>((m - r0) / (tiles - ti));
 #if defined(__x86_64__)
         if (fast && valid == kPanel) {
-          kTiles[rows_here - 1](s, pb, rows, r0, out, n_total, bias_p, valid);
+          kTiles[rows_here - 1](s, pb, rows, r0, out, n_total, bias_p, res_p, valid);
           r0 += rows_here;
           continue;
         }
 #endif
-        tile_portable(s, pb, rows, r0, rows_here, out, n_total, bias_p, valid);
+        tile_portable(s, pb, rows, r0, rows_here, out, n_total, bias_p, res_p, valid);
         r0 += rows_here;
       }
     }
@@ -527,9 +668,9 @@ at::Tensor dequantize(const at::Tensor& blob, int64_t fmt, int64_t n, int64_t k,
               }
           } else if (fmt == Q6K) {
             const float scale = d * static_cast<float>(reinterpret_cast<const int8_t*>(p + 32)[16 * g + c]);
-            const uint8_t* cb = p + 288 + 256 * g;
+            const uint8_t* cb = p + 288 + 192 * g;
             for (int st = 0; st < 4; ++st)
-              for (int j = 0; j < 4; ++j) og[4 * st + j] = scale * static_cast<float>(cb[64 * st + 4 * c + j] - 32);
+              for (int j = 0; j < 4; ++j) og[4 * st + j] = scale * static_cast<float>(q6_code(cb, st, 4 * c + j) - 32);
           } else {
             const uint8_t* cb = p + 32;
             for (int st = 0; st < 8; ++st)
@@ -547,7 +688,7 @@ at::Tensor dequantize(const at::Tensor& blob, int64_t fmt, int64_t n, int64_t k,
 std::vector<at::Tensor> quantize_activations(const at::Tensor& x, bool portable) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % 32 == 0,
               "quantize_activations: x must be float32 [M, K] with K a multiple of 32");
-  Activations a = quantize(x.contiguous(), !portable && has_avx512_vnni());
+  Activations a = quantize(x.contiguous(), x.size(1), PreOp{}, !portable && has_avx512_vnni());
   return {a.q8, a.d8, a.s16};
 }
 

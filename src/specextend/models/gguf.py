@@ -29,7 +29,7 @@ from specextend.errors import UserError
 COMPLETE_MARKER = ".complete"
 WEIGHTS_FILE = "model.safetensors"
 # Written into the completion marker; a folder converted by an older version is converted again.
-FORMAT = "specextend-quantized-1"
+FORMAT = "specextend-quantized-2"
 
 # GGUF `general.architecture` -> (HF model_type, HF architectures entry).
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
