@@ -1,0 +1,200 @@
+"""What each weight scheme does to the target's predictions, teacher-forced on long text.
+
+    python -m specextend.bench.quality --data ../shared/data/govreport/govreport_2K.jsonl \\
+        --chunks 20 --weights float32,bfloat16,gguf,int8,int4 --llamacpp --out results/quality
+
+The texts are joined into one token stream and cut into chunks of `--ctx` tokens; each chunk is
+read in one causal pass and its second half is scored (every position predicts the next token),
+which is how llama.cpp's `llama-perplexity` scores a file, so `--llamacpp` runs that tool on the
+same text beside ours. The reference is the float32 model (a GGUF's weights dequantised exactly);
+for every scheme the report gives perplexity, its change against the reference and next-token
+top-1 agreement with the reference. Writes `quality.json` and `quality.md` into `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from ..errors import UserError
+from .data import read_jsonl_texts
+from .report import write_text_atomic
+
+DEFAULT_WEIGHTS = "float32,bfloat16,gguf,int8,int4"
+
+
+@dataclass
+class Scored:
+    """Per scored position of every chunk: the next token's log-probability and the top-1 choice."""
+
+    logprob: torch.Tensor  # float64 [positions]
+    top1: torch.Tensor  # long [positions]
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(-float(self.logprob.mean()))
+
+
+def token_stream(texts: list[str], tokenizer: Any) -> tuple[str, list[int]]:
+    """The texts as one document (blank line between reports) and its tokens (no BOS, as the file's)."""
+    text = "\n\n".join(t.strip() for t in texts)
+    return text, [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
+
+
+def chunks_of(ids: list[int], ctx: int, count: int) -> list[torch.Tensor]:
+    n = len(ids) // ctx
+    if n < count:
+        raise UserError(f"the texts give {n} chunks of {ctx} tokens, fewer than --chunks {count}; add --samples")
+    return [torch.tensor(ids[i * ctx : (i + 1) * ctx]) for i in range(count)]
+
+
+@torch.no_grad()
+def score(model: Any, chunks: list[torch.Tensor], piece: int = 256, progress: str = "") -> Scored:
+    """Teacher-forced scores of each chunk's second half (position j predicts token j + 1)."""
+    logprobs, top1 = [], []
+    for chunk in tqdm(chunks, desc=progress, unit="chunk", file=sys.stderr, disable=not progress):
+        ctx = chunk.shape[0]
+        first = ctx // 2
+        cache = model.new_cache(ctx)
+        for s in range(0, ctx, piece):
+            part = chunk[s : s + piece]
+            lo = max(first, s) - s
+            hi = min(part.shape[0], ctx - 1 - s)  # the last token predicts nothing we can check
+            rows = slice(lo, hi) if hi > lo else slice(0, 0)
+            logits = model(part, torch.arange(s, s + part.shape[0]), cache, None, "efficient", logits_rows=rows)
+            cache.commit()
+            if hi > lo:
+                lp = torch.log_softmax(logits.double(), -1)
+                target = chunk[s + lo + 1 : s + hi + 1]
+                logprobs.append(lp.gather(1, target.unsqueeze(1)).squeeze(1))
+                top1.append(logits.argmax(-1))
+    return Scored(torch.cat(logprobs), torch.cat(top1))
+
+
+def llamacpp_perplexity(gguf: Path, text: str, ctx: int, chunks: int, threads: int = 2) -> dict[str, Any]:
+    """llama.cpp's `llama-perplexity` on the same text and chunking (installed by `make peers`)."""
+    from .llamacpp import _server_env, find_peer
+
+    peer = find_peer("--llamacpp")
+    tool = peer.binary.with_name("llama-perplexity")
+    if not tool.is_file():
+        raise UserError(f"{tool} not found beside llama-server; run `make peers`")
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False, encoding="utf-8") as f:
+        f.write(text)
+        path = f.name
+    try:
+        t0 = time.perf_counter()
+        out = subprocess.run(
+            [str(tool), "-m", str(gguf), "-f", path, "-c", str(ctx), "--chunks", str(chunks), "-t", str(threads),
+             "-b", str(ctx)],
+            capture_output=True, text=True, env=_server_env(), timeout=6 * 3600, check=False,
+        )  # fmt: skip
+    finally:
+        os.unlink(path)
+    log = out.stdout + out.stderr
+    m = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", log)
+    tokens = re.search(r"tokenizing the input .*?\n.*?(\d+) tokens", log, re.S)
+    if out.returncode != 0 or m is None:
+        raise UserError(f"llama-perplexity failed (exit {out.returncode}): {log.strip().splitlines()[-1:]}")
+    return {"perplexity": float(m.group(1)), "stderr": float(m.group(2)), "seconds": time.perf_counter() - t0,
+            "version": peer.version, "tokens": int(tokens.group(1)) if tokens else None}
+
+
+def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    lines = [
+        f"Teacher-forced on {meta['chunks']} chunks x {meta['scored_per_chunk']} scored positions "
+        f"({meta['positions']} predictions; {meta['tokens']} tokens of {meta['data']}), ctx {meta['ctx']}.",
+        "",
+        "| weights | perplexity | change vs float32 | top-1 agreement with float32 | seconds |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        agree = "–" if r.get("top1_agreement") is None else f"{100 * r['top1_agreement']:.1f}%"
+        change = "–" if r.get("perplexity_change") is None else f"{100 * r['perplexity_change']:+.2f}%"
+        lines.append(f"| {r['weights']} | {r['perplexity']:.4f} | {change} | {agree} | {r['seconds']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m specextend.bench.quality", description=__doc__.splitlines()[0])
+    ap.add_argument("--target", help="target model (default: the default pair's)")
+    ap.add_argument("--data", required=True, help="JSONL file(s) with a `text` field, joined in order")
+    ap.add_argument("--samples", type=int, default=None, help="texts to read (default: all)")
+    ap.add_argument("--ctx", type=int, default=1024, help="tokens per chunk (default: 1024)")
+    ap.add_argument("--chunks", type=int, default=20, help="chunks to score (default: 20)")
+    ap.add_argument("--weights", default=DEFAULT_WEIGHTS, help=f"schemes, comma-separated (default: {DEFAULT_WEIGHTS})")
+    ap.add_argument("--llamacpp", action="store_true", help="also run llama.cpp's llama-perplexity (make peers)")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    try:
+        return _run(a)
+    except UserError as e:
+        print(f"specextend quality: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(a: argparse.Namespace) -> int:
+    from ..models.loader import check_weights, load_model, load_tokenizer
+    from ..models.registry import resolve_model_ref
+
+    schemes = [w.strip() for w in a.weights.split(",") if w.strip()]
+    for w in schemes:
+        check_weights(w)
+    if a.ctx < 64 or a.ctx % 2:
+        raise UserError("--ctx must be an even number of at least 64")
+    texts = [t for p in a.data.split(",") for t in read_jsonl_texts(Path(p))][: a.samples]
+    folder = resolve_model_ref(a.target, "target")
+    text, ids = token_stream(texts, load_tokenizer(folder))
+    chunks = chunks_of(ids, a.ctx, a.chunks)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    ref_scores: Scored | None = None
+    rows = []
+    for w in ["float32"] + [s for s in schemes if s != "float32"]:
+        t0 = time.perf_counter()
+        dtype = torch.float64 if w == "float64" else torch.bfloat16 if w == "bfloat16" else torch.float32
+        model = load_model(folder, dtype if w in ("float64", "bfloat16") else torch.float32, weights=w)
+        sc = score(model, chunks, progress=f"quality {model.weights}")
+        del model
+        row: dict[str, Any] = {"weights": w, "perplexity": sc.perplexity, "seconds": time.perf_counter() - t0}
+        if ref_scores is None:
+            ref_scores = sc
+        else:
+            row["perplexity_change"] = sc.perplexity / ref_scores.perplexity - 1
+            row["top1_agreement"] = float((sc.top1 == ref_scores.top1).double().mean())
+        if w in schemes:
+            rows.append(row)
+        print(f"specextend quality: {w}: perplexity {sc.perplexity:.4f}", file=sys.stderr, flush=True)
+    if a.llamacpp:
+        from .llamacpp import gguf_for
+
+        lc = llamacpp_perplexity(gguf_for(a.target, "target"), text, a.ctx, a.chunks)
+        rows.append({"weights": f"llama.cpp {lc['version']} (its own kernels, GGUF as is)",
+                     "perplexity": lc["perplexity"], "perplexity_change": lc["perplexity"] / ref_scores.perplexity - 1,
+                     "seconds": lc["seconds"], "llamacpp": lc})
+    meta = {"data": a.data, "tokens": len(ids), "ctx": a.ctx, "chunks": a.chunks,
+            "scored_per_chunk": a.ctx - a.ctx // 2 - 1, "positions": int(ref_scores.logprob.numel()),
+            "target": str(folder)}
+    write_text_atomic(out / "quality.json", json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    md = report(rows, meta)
+    write_text_atomic(out / "quality.md", md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
