@@ -112,6 +112,8 @@ def test_auto_weights_choice(folders):
     fast = kernels.load().has_avx512_vnni()
     assert resolve_weights("auto", torch.float32, "cpu", quantized_source=True) == ("gguf" if fast else "float32")
     assert resolve_weights("auto", torch.float32, "cpu", quantized_source=False) == ("int8" if fast else "float32")
+    assert resolve_weights("auto", torch.float32, "cpu", quantized_source=True, draft=True) == (
+        "int4" if fast else "float32")
     assert resolve_weights("auto", torch.float64, "cpu", quantized_source=True) == "float64"
     with pytest.raises(UserError, match="float32"):
         resolve_weights("int8", torch.float64, "cpu", quantized_source=False)

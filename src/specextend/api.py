@@ -401,7 +401,7 @@ class Prepared(_Prompts):
         draft = None
         if self.draft_path is not None:
             draft = load_model(self.draft_path, parse_dtype(self.draft_dtype or self.dtype), dev,
-                               weights=self.draft_weights)
+                               weights=self.draft_weights, draft=True)
         what = f"target {self.target_path.name} ({target.weights})"
         if draft is not None:
             what += f" and draft {self.draft_path.name} ({draft.weights})"

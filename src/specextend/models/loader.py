@@ -35,7 +35,8 @@ QUANTIZED_WEIGHTS = ("gguf", "int8", "int4")
 WEIGHTS = ("auto", *QUANTIZED_WEIGHTS, "float32", "bfloat16", "float16", "float64")
 WEIGHTS_HELP = (
     "weight storage and kernels: auto (default: on a CPU with AVX512-VNNI and --dtype float32, a GGUF "
-    "model keeps its own quantization grid and a float model is quantized to int8; else --dtype), "
+    "target keeps its own quantization grids, a float target is quantized to int8 and a draft to int4; "
+    "else --dtype), "
     "gguf (the GGUF file's grids: Q4_K, Q6_K, Q5_0, Q8_0), int8, int4, or float32|bfloat16|float16|float64"
 )
 
@@ -53,13 +54,18 @@ def fast_kernels() -> bool:
     return kernels.available() and bool(kernels.load().has_avx512_vnni())
 
 
-def resolve_weights(weights: str, dtype: torch.dtype, device: torch.device | str, quantized_source: bool) -> str:
-    """The concrete weight scheme for `weights` (see WEIGHTS); UserError for a combination that cannot run."""
+def resolve_weights(weights: str, dtype: torch.dtype, device: torch.device | str, quantized_source: bool,
+                    draft: bool = False) -> str:
+    """The concrete weight scheme for `weights` (see WEIGHTS); UserError for a combination that cannot run.
+
+    A draft only proposes (the target decides every token), so its automatic choice is 4-bit
+    weights, the fewest bytes a step: on the default pair that cut a draft forward by 27% and
+    made sd 12% faster at 2K, though acceptance fell a little (see README)."""
     check_weights(weights)
     device = torch.device(device)
     if weights == "auto":
         if device.type == "cpu" and dtype == torch.float32 and fast_kernels():
-            return "gguf" if quantized_source else "int8"
+            return "int4" if draft else "gguf" if quantized_source else "int8"
         return next(name for name, d in DTYPES.items() if d == dtype)
     if weights in QUANTIZED_WEIGHTS:
         if device.type != "cpu":
@@ -212,7 +218,7 @@ def open_tensors(folder: Path) -> Any:
 
 
 def load_model(folder: Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-               pack: bool = True, weights: str = "auto") -> Transformer:
+               pack: bool = True, weights: str = "auto", draft: bool = False) -> Transformer:
     """Build a `Transformer` from a model folder with the weight scheme `weights` (see WEIGHTS).
 
     Quantized schemes keep activations and the KV cache in `dtype` (float32); float schemes run
@@ -220,7 +226,7 @@ def load_model(folder: Path, dtype: torch.dtype = torch.float32, device: torch.d
     """
     cfg = ModelConfig.from_hf(read_config(folder))
     ts = open_tensors(folder)
-    scheme = resolve_weights(weights, dtype, device, ts.quantized)
+    scheme = resolve_weights(weights, dtype, device, ts.quantized, draft)
     act = dtype if scheme in QUANTIZED_WEIGHTS else DTYPES[scheme]
     with torch.device("meta"):
         model = Transformer(cfg)
