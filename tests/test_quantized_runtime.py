@@ -155,3 +155,29 @@ def test_a_damaged_cached_model_is_refused(converted: Path, damage: str) -> None
     path.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\x13" * 64 + data[64:])
     with pytest.raises(UserError, match="corrupt or truncated"):
         load_model(converted, torch.float32, weights="gguf")
+
+
+def test_derived_weights_are_computed_once_and_read_back(folders, tmp_path, monkeypatch):
+    from specextend import quant
+    from specextend.models.loader import derived_path
+
+    monkeypatch.setenv("SPECEXTEND_HOME", str(tmp_path))
+    first = load_model(folders[("qwen2", 5)], torch.float32, weights="int4")
+
+    def blob(model):
+        return model.layers[0].gate_up.qweight.segments[0].blob
+
+    path = derived_path(folders[("qwen2", 5)], "int4")
+    assert path.is_file() and path.is_relative_to(tmp_path)
+
+    def no_quantizing(*a, **k):
+        raise AssertionError("quantized again instead of reading the cache")
+
+    monkeypatch.setattr(quant, "quantize", no_quantizing)
+    again = load_model(folders[("qwen2", 5)], torch.float32, weights="int4")
+    assert torch.equal(blob(again), blob(first))
+    monkeypatch.undo()
+    monkeypatch.setenv("SPECEXTEND_HOME", str(tmp_path))
+    path.write_bytes(path.read_bytes()[:1000])  # damaged: computed again, not used
+    third = load_model(folders[("qwen2", 5)], torch.float32, weights="int4")
+    assert torch.equal(blob(third), blob(first))

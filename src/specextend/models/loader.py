@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from .. import quant
 from ..errors import UserError
 from ..model import Embedding, Linear, ModelConfig, Transformer, rope_inv_freq
 from ..quant import QWeight
+from .qstore import DerivedWeights
 
 DTYPES = {
     "float32": torch.float32,
@@ -228,6 +230,7 @@ def load_model(folder: Path, dtype: torch.dtype = torch.float32, device: torch.d
     ts = open_tensors(folder)
     scheme = resolve_weights(weights, dtype, device, ts.quantized, draft)
     act = dtype if scheme in QUANTIZED_WEIGHTS else DTYPES[scheme]
+    derived = DerivedWeights(derived_path(folder, scheme)) if scheme in QUANTIZED_WEIGHTS else None
     with torch.device("meta"):
         model = Transformer(cfg)
 
@@ -237,7 +240,7 @@ def load_model(folder: Path, dtype: torch.dtype = torch.float32, device: torch.d
     def project(mod: Linear | Embedding, names: list[str], rows: int | None, width: int) -> None:
         """Give one projection (or the embedding) its weights: quantized where the scheme asks
         and the shape allows, else float; `rows` None means any number of output rows."""
-        q = _quantized(ts, names, scheme) if scheme in QUANTIZED_WEIGHTS else None
+        q = _quantized(ts, names, scheme, derived) if derived is not None else None
         if q is not None:
             _check_shape((q.n, q.k), (rows or q.n, width), names[0])
             mod.quantize(q)
@@ -270,6 +273,8 @@ def load_model(folder: Path, dtype: torch.dtype = torch.float32, device: torch.d
             model.lm_head.weight = model.embed.weight
     else:
         project(model.lm_head, ["lm_head.weight"], cfg.vocab_size, h)
+    if derived is not None:
+        derived.save()
     model.inv_freq = rope_inv_freq(cfg).to(device)
     model.weights = scheme
     model.rowwise_attention = scheme in QUANTIZED_WEIGHTS
@@ -279,23 +284,41 @@ def load_model(folder: Path, dtype: torch.dtype = torch.float32, device: torch.d
     return model
 
 
-def _quantized(ts: Any, names: list[str], scheme: str) -> QWeight | None:
-    """The stacked rows of `names` in the quantized `scheme`, or None where the shape does not allow it."""
+def _quantized(ts: Any, names: list[str], scheme: str, derived: DerivedWeights) -> QWeight | None:
+    """The stacked rows of `names` in the quantized `scheme`, or None where the shape does not allow
+    it. Whatever has to be computed (rather than read as stored) goes through `derived`."""
+
+    def from_float(key: list[str], bits: int) -> quant.Segment | None:
+        w = torch.cat([ts.get(n, torch.float32) for n in key])
+        return None if w.shape[1] % 32 else quant.quantize(w, bits).segments[0]
+
     if scheme == "gguf":
         parts = []
         for name in names:
-            seg = ts.segment(name)
-            if seg is None:  # stored in float in the GGUF too: the 8-bit format stands in
-                w = ts.get(name, torch.float32)
-                if w.shape[1] % 32:
-                    return None
-                seg = quant.quantize(w, 8).segments[0]
+            # Stored in float in the GGUF too: the 8-bit format stands in.
+            seg = ts.segment(name) or derived.get(name, lambda name=name: from_float([name], 8))
+            if seg is None:
+                return None
             parts.append(quant.QWeight(seg.k, [seg]))
         return quant.QWeight.concat(parts)
-    w = torch.cat([ts.get(n, torch.float32) for n in names])
-    if w.shape[1] % 32:
-        return None
-    return quant.quantize(w, 4 if scheme == "int4" else 8)
+    seg = derived.get("+".join(names), lambda: from_float(names, 4 if scheme == "int4" else 8))
+    return None if seg is None else quant.QWeight(seg.k, [seg])
+
+
+def derived_path(folder: Path, scheme: str) -> Path:
+    """Where `scheme`'s computed weights for `folder` are kept: inside our own model folders (a new
+    conversion replaces them with the folder), else in the cache under a key that changes when the
+    folder's weight files do."""
+    from .pull import specextend_home
+
+    folder = folder.resolve()
+    home = specextend_home().resolve()
+    if folder.is_relative_to(home):
+        return folder / f"derived-{scheme}.safetensors"
+    files = sorted(folder.glob("*.safetensors"))
+    stamp = "".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns};" for p in files)
+    key = hashlib.sha256(f"{folder}\0{stamp}".encode()).hexdigest()[:16]
+    return home / "derived" / f"{folder.name}-{key}" / f"{scheme}.safetensors"
 
 
 def _check_shape(got: tuple[int, ...], shape: tuple[int, ...], name: str) -> None:

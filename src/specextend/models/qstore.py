@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +24,56 @@ _KEY = "specextend.quantized"
 
 
 def save_tensors(path: Path, floats: dict[str, torch.Tensor], segments: dict[str, Segment]) -> None:
-    """Write float tensors and quantized segments into one safetensors file at `path`."""
+    """Write float tensors and quantized segments into one safetensors file at `path`, atomically
+    (a temporary file renamed into place: readers see the old file or the whole new one)."""
     from safetensors.torch import save_file
 
     meta = {name: {"format": s.fmt, "n": s.n, "k": s.k, "offset": s.offset, "groups": s.groups}
             for name, s in segments.items()}
     tensors = {**floats, **{name: s.blob for name, s in segments.items()}}
-    save_file(tensors, str(path), metadata={"format": "pt", _KEY: json.dumps(meta)})
-    os.chmod(path, 0o644)  # safetensors creates files owner-only; match the others
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata={"format": "pt", _KEY: json.dumps(meta)})
+        os.chmod(tmp, 0o644)  # safetensors creates files owner-only; match the others
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+class DerivedWeights:
+    """Quantized forms a scheme computes from a model's weights (int8/int4 from float or from other
+    grids), kept in `path` so the quantization runs once: later loads read them back."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.stored: QuantizedFile | None = None
+        self.new: dict[str, Segment] = {}
+        if path.is_file():
+            try:
+                self.stored = QuantizedFile(path)
+            except UserError as e:  # it can be computed again; say so and do
+                print(f"specextend: recomputing {path.name}: {e}", file=sys.stderr)
+
+    def get(self, key: str, compute: Callable[[], Segment | None]) -> Segment | None:
+        seg = self.stored.segment(key) if self.stored is not None else None
+        if seg is None:
+            seg = compute()
+            if seg is not None:
+                self.new[key] = seg
+        return seg
+
+    def save(self) -> None:
+        """Write what was computed (with what was already stored); a read-only cache is skipped."""
+        if not self.new:
+            return
+        old = {n: s for n in (self.stored.formats if self.stored else {}) if (s := self.stored.segment(n))}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            save_tensors(self.path, {}, {**old, **self.new})
+        except OSError as e:
+            print(f"specextend: could not cache {self.path}: {e.strerror}", file=sys.stderr)
 
 
 def is_quantized_file(path: Path) -> bool:
