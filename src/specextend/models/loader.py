@@ -1,8 +1,11 @@
-"""Load a Hugging Face-format folder (config.json + safetensors) into `specextend.model`.
+"""Load a model folder into `specextend.model`: a Hugging Face checkpoint (config.json +
+safetensors) or our converted GGUF folder (`qstore`: kept quantization grids).
 
 Hugging Face names map onto our fused layout here: q/k/v projections become one `qkv`
 matrix and gate/up one `gate_up` matrix, so a decode step makes 4 matrix calls per layer
-instead of 7.
+instead of 7. The weight scheme (`--weights`) decides each projection's form: the GGUF's own
+grids, int8 or int4 for the C++ kernels (computed once and stored, see `DerivedWeights`), or a
+float dtype for PyTorch's kernels.
 """
 
 from __future__ import annotations
