@@ -65,7 +65,8 @@ def test_quantized_runtime_prefill_from_a_prefix_writes_the_same_bits(tmp_path):
     folders = []
     for seed, layers in ((0, 2), (5, 1)):
         d = tmp_path / f"m{seed}"
-        make_tiny_hf("qwen2", seed, dtype=torch.float32, layers=layers, max_position_embeddings=1024, **shape).save_pretrained(d)
+        model = make_tiny_hf("qwen2", seed, dtype=torch.float32, layers=layers, max_position_embeddings=1024, **shape)
+        model.save_pretrained(d)
         folders.append(d)
     target, draft = (load_model(d, torch.float32, weights="int8") for d in folders)
     assert target.rowwise_attention and target.kv_dtype == torch.bfloat16
@@ -104,10 +105,10 @@ def test_lookup_takes_the_longest_common_run_and_leaves_the_last_token():
     a = list(range(40))
     cache.insert(a, fake_prefix(40), "k", "k")
     assert cache.lookup([99, *a], "k", "k") is None  # differs at the first token
-    assert cache.lookup(a[:25] + [99, 98], "k", "k").length == 25
+    assert cache.lookup([*a[:25], 99, 98], "k", "k").length == 25
     assert cache.lookup(a, "k", "k").length == 39  # the whole prompt cached: its last token is prefilled again
     assert cache.lookup([*a, 1, 2], "k", "k").length == 40
-    got = cache.lookup(a[:10] + [0], "k", None)
+    got = cache.lookup([*a[:10], 0], "k", None)
     assert got.length == 10 and got.draft is None  # ar needs the target's KV only
     assert torch.equal(got.target.k, fake_prefix(40).target.k[:, :, :10])
     assert cache.lookup(a, "other", "k") is None and cache.lookup(a, "k", "other") is None
@@ -132,7 +133,7 @@ def test_an_extension_replaces_its_prefix_and_a_covered_prompt_is_not_stored_twi
     assert cache.stats()["entries"] == 1 and cache.stats()["bytes"] == 30 * PER_TOKEN
     cache.insert(list(range(10)), fake_prefix(10), "k", "k")
     assert cache.stats()["entries"] == 1
-    cache.insert(list(range(10)) + [99], fake_prefix(11), "k", "k")
+    cache.insert([*list(range(10)), 99], fake_prefix(11), "k", "k")
     assert cache.stats()["entries"] == 2
 
 

@@ -150,7 +150,8 @@ class _Prompts:
                 f"the prompt is {len(ids)} tokens, longer than the target's context of {self.context} tokens"
             )
 
-    def _prompt_ids(self, prompt: str | Sequence[int], chat: bool) -> list[int]:
+    def prompt_ids(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
+        """Checked token ids of a text prompt (in the chat template with `chat`) or of token ids."""
         if isinstance(prompt, str):
             return self.encode(prompt, chat=chat)
         if chat:
@@ -255,7 +256,7 @@ class Pair(_Prompts):
         (method, max_new_tokens, temperature, ...), applied on top of `settings` if given.
         `on_text` receives text pieces as tokens are accepted."""
         s = self._settings(settings, overrides)
-        return self._generate(self._prompt_ids(prompt, chat), s, on_text)
+        return self._generate(self.prompt_ids(prompt, chat), s, on_text)
 
     def _generate(
         self, ids: list[int], s: Settings, on_text: TextCallback | None, cancel: threading.Event | None = None
@@ -288,7 +289,7 @@ class Pair(_Prompts):
         """Text pieces as they are accepted. The finished `Result` is then `pair.last_result`
         (and the generator's return value). Settings are checked before the first piece."""
         s = self._settings(settings, overrides)
-        ids = self._prompt_ids(prompt, chat)  # bad input raises here, in the caller's thread
+        ids = self.prompt_ids(prompt, chat)  # bad input raises here, in the caller's thread
         return self._stream(ids, s)
 
     def _settings(self, settings: Settings | None, overrides: dict[str, Any]) -> Settings:
