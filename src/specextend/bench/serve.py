@@ -1,29 +1,81 @@
-"""Measure a running `specextend serve` through the official `openai` client (a dev dependency).
+"""Measure `specextend serve` through the official `openai` client (a dev dependency).
 
-    python -m specextend.bench.serve ttft --url http://127.0.0.1:8000 \
+    python -m specextend.bench.serve ttft --start "" \
         --data ../shared/data/govreport/govreport_8K.jsonl --index 0 --out results/serve-ttft.json
-    python -m specextend.bench.serve load --url http://127.0.0.1:8000 --pid PID \
+    python -m specextend.bench.serve compare results/serve-ttft.json
+    python -m specextend.bench.serve load --start "--cache-mb 64" \
         --requests 200 --clients 4 --abandoned 20 --out results/serve-load.json
 
+`--start ARGS` starts `specextend serve --port 0 -q ARGS` for the run (its log goes next to
+`--out`) and stops it afterwards; `--url URL` measures a server already running instead.
 `ttft`: the same long document (field `text` of a JSONL record) as a chat message followed by
 one question, then by another; each request streams, and time to first token is from sending
-the request to the first chunk with text. `load`: short chat requests from concurrent clients
+the request to the first chunk with text. `compare`: runs `specextend generate --json --chat`
+on each prompt of a ttft result, with the server's settings, and checks the server answered
+the same text in the same number of tokens. `load`: short chat requests from concurrent clients
 plus streams abandoned after their first chunk, counting every outcome by kind and sampling the
-server's resident memory (from /proc, given its pid).
+server's resident memory (from /proc) against the prefix cache's cap.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import re
+import shlex
+import signal
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 QUESTIONS = ("In one sentence, what is this report about?", "List two numbers that the report mentions.")
+
+
+@contextlib.contextmanager
+def started(args: str, log: Path) -> Iterator[tuple[str, int]]:
+    """`specextend serve --port 0 -q ARGS` in a subprocess until the block ends: (base URL, pid)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "specextend.cli", "serve", "--port", "0", "-q", *shlex.split(args)]
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, stderr=err, stdout=err)
+    try:
+        # The command prints the address once the models are loaded and the socket listens.
+        while True:
+            m = re.search(r"serving .* on (http://\S+)/v1", log.read_text())
+            if m:
+                break
+            if proc.poll() is not None:
+                raise SystemExit(f"the server exited ({proc.returncode}); see {log}")
+            time.sleep(0.2)
+        url = m.group(1)
+        while True:  # uvicorn answers once its lifespan has started
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5):
+                    break
+            except OSError:
+                time.sleep(0.2)
+        print(f"server {' '.join(cmd[2:])} on {url} (pid {proc.pid})", flush=True)
+        yield url, proc.pid
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _health(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=30) as r:
+        return json.loads(r.read())
 
 
 def _client(url: str, timeout: float = 1200.0) -> Any:
@@ -59,11 +111,41 @@ def ttft(args: argparse.Namespace) -> dict[str, Any]:
     for q in QUESTIONS:
         r = _stream_one(client, f"{doc}\n\n{q}", args.max_tokens)
         r["question"] = q
+        r["max_tokens"] = args.max_tokens
         runs.append(r)
         spec = (r["usage"] or {}).get("speculative", {})
         print(f"ttft {r['ttft_s']:.2f} s, total {r['total_s']:.2f} s, prompt {r['usage']['prompt_tokens']} tokens "
               f"({spec.get('cached_prompt_tokens')} cached), prefill {spec.get('prefill_s', 0):.2f} s", flush=True)
-    return {"runs": runs, "ttft_ratio": runs[1]["ttft_s"] / runs[0]["ttft_s"]}
+    ratio = runs[1]["ttft_s"] / runs[0]["ttft_s"]
+    print(f"second request's time to first token: {100 * ratio:.2f}% of the first's", flush=True)
+    return {"data": args.data, "index": args.index, "server": args.start, "runs": runs, "ttft_ratio": ratio,
+            "health_after": _health(args.url)}
+
+
+def compare(args: argparse.Namespace) -> dict[str, Any]:
+    """Each prompt of a ttft result through `specextend generate --json --chat` (greedy, the
+    server's method): the same text in the same number of tokens as the server's answer."""
+    from ..cli import read_jsonl_text
+
+    measured = json.loads(Path(args.result).read_text())
+    doc = read_jsonl_text(measured["data"], measured["index"])
+    rows = []
+    for run in measured["runs"]:
+        spec = run["usage"]["speculative"]
+        cmd = [sys.executable, "-m", "specextend.cli", "generate", "--json", "-q", "--chat", "--prompt-file", "-",
+               "--method", spec["method"], "--max-new-tokens", str(run["max_tokens"]),
+               *shlex.split(args.generate_args)]
+        out = subprocess.run(cmd, input=f"{doc}\n\n{run['question']}", capture_output=True, text=True, check=True)
+        gen = json.loads(out.stdout)
+        row = {"question": run["question"], "method": spec["method"],
+               "cached_prompt_tokens": spec["cached_prompt_tokens"],
+               "server_tokens": run["usage"]["completion_tokens"], "generate_tokens": gen["new_tokens"],
+               "same_text": gen["text"] == run["text"], "same_count": gen["new_tokens"] ==
+               run["usage"]["completion_tokens"], "prompt_tokens": [run["usage"]["prompt_tokens"],
+                                                                     gen["prompt_tokens"]]}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return {"rows": rows, "all_equal": all(r["same_text"] and r["same_count"] for r in rows)}
 
 
 def _rss_mb(pid: int) -> float | None:
@@ -127,6 +209,10 @@ def load(args: argparse.Namespace) -> dict[str, Any]:
         except Exception as e:
             note("error", f"{type(e).__name__}: {e}")
 
+    # One request first, not counted: buffers the models allocate on first use are not growth.
+    client.chat.completions.create(model="specextend", max_tokens=args.max_tokens,
+                                   messages=[{"role": "user", "content": "Warm up: say one word."}])
+    t_start = time.perf_counter()
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     every = max(1, args.requests // max(1, args.abandoned))
@@ -141,42 +227,70 @@ def load(args: argparse.Namespace) -> dict[str, Any]:
         for j in jobs:
             j.result()
     wall = time.perf_counter() - t_start
-    import urllib.request
-
-    with urllib.request.urlopen(f"{args.url.rstrip('/')}/health", timeout=30) as r:
-        health = json.loads(r.read())
+    health = _health(args.url)
+    # The server still answers after the load: one more request, timed.
+    t0 = time.perf_counter()
+    after = client.chat.completions.create(model="specextend", max_tokens=args.max_tokens,
+                                           messages=[{"role": "user", "content": "Say hello."}])
+    after_s = time.perf_counter() - t0
     stop.set()
     sampler.join()
     values = [v for _, v in rss]
-    out = {"outcomes": dict(outcomes), "errors": errors, "wall_s": wall, "health_after": health,
+    cap_mb = ((health.get("prefix_cache") or {}).get("max_bytes") or 0) / 2**20
+    growth = max(values) - values[0] if values else None
+    out = {"server": args.start, "outcomes": dict(outcomes), "errors": errors, "wall_s": wall,
+           "health_after": health, "answer_after_load": {"s": after_s, "text": after.choices[0].message.content},
            "rss_mb": {"first": values[0] if values else None, "max": max(values) if values else None,
-                      "last": values[-1] if values else None}, "rss_samples": rss}
+                      "last": values[-1] if values else None, "growth": growth, "cache_cap": cap_mb,
+                      "growth_within_cap": growth is not None and growth <= cap_mb},
+           "rss_samples": rss}
     print(json.dumps({k: v for k, v in out.items() if k != "rss_samples"}, indent=1))
     return out
+
+
+def _server_options(p: argparse.ArgumentParser) -> None:
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="a running server's base URL (http://127.0.0.1:8000)")
+    where.add_argument("--start", metavar="ARGS", help="start `specextend serve --port 0 -q ARGS` for the run")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m specextend.bench.serve", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
     t = sub.add_parser("ttft", help="time to first token: the same long document asked twice")
-    t.add_argument("--url", required=True)
+    _server_options(t)
     t.add_argument("--data", required=True, help="a JSONL file with field `text`")
     t.add_argument("--index", type=int, default=0)
     t.add_argument("--max-tokens", type=int, default=64)
     t.add_argument("--out", type=Path)
     ld = sub.add_parser("load", help="concurrent short requests and abandoned streams")
-    ld.add_argument("--url", required=True)
-    ld.add_argument("--pid", type=int, help="the server's process id, to sample its resident memory")
+    _server_options(ld)
+    ld.add_argument("--pid", type=int, help="the server's process id (with --url), to sample its resident memory")
     ld.add_argument("--requests", type=int, default=200)
     ld.add_argument("--clients", type=int, default=4)
     ld.add_argument("--abandoned", type=int, default=20)
     ld.add_argument("--max-tokens", type=int, default=8)
     ld.add_argument("--out", type=Path)
+    c = sub.add_parser("compare", help="the server's answers of a ttft result against `specextend generate`")
+    c.add_argument("result", type=Path, help="the JSON that `ttft --out` wrote")
+    c.add_argument("--generate-args", default="", metavar="ARGS",
+                   help="model and setting flags the server was started with, for generate too")
+    c.add_argument("--out", type=Path)
     args = p.parse_args(argv)
-    result = ttft(args) if args.what == "ttft" else load(args)
+    if args.what == "compare":
+        result = compare(args)
+    elif args.start is not None:
+        log = (args.out or Path("results/serve.json")).with_suffix(".server.log")
+        with started(args.start, log) as (url, pid):
+            args.url, args.pid = url, pid
+            result = ttft(args) if args.what == "ttft" else load(args)
+    else:
+        result = ttft(args) if args.what == "ttft" else load(args)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
+    if args.what == "compare" and not result["all_equal"]:
+        return 1
     return 0
 
 
