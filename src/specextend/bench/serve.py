@@ -159,6 +159,21 @@ def _rss_mb(pid: int) -> float | None:
     return None
 
 
+def memory(samples: list[tuple[float, float]], cache: dict[str, Any]) -> dict[str, Any]:
+    """Resident memory over a load run against the prefix cache: growth from the first sample,
+    how much of it the cache's own bytes explain, and growth over the last third (a leak keeps
+    growing there; a full cache that evicts does not)."""
+    if not samples:
+        return {}
+    values = [v for _, v in samples]
+    last = values[len(values) * 2 // 3:]
+    cap_mb, cache_mb = (cache.get("max_bytes") or 0) / 2**20, (cache.get("bytes") or 0) / 2**20
+    growth = max(values) - values[0]
+    return {"first": values[0], "max": max(values), "last": values[-1], "growth": growth, "cache_cap": cap_mb,
+            "cache_bytes_mb": cache_mb, "growth_beyond_cache": growth - cache_mb,
+            "growth_last_third": max(last) - last[0], "growth_within_cap": growth <= cap_mb}
+
+
 def load(args: argparse.Namespace) -> dict[str, Any]:
     import openai
 
@@ -235,14 +250,9 @@ def load(args: argparse.Namespace) -> dict[str, Any]:
     after_s = time.perf_counter() - t0
     stop.set()
     sampler.join()
-    values = [v for _, v in rss]
-    cap_mb = ((health.get("prefix_cache") or {}).get("max_bytes") or 0) / 2**20
-    growth = max(values) - values[0] if values else None
     out = {"server": args.start, "outcomes": dict(outcomes), "errors": errors, "wall_s": wall,
            "health_after": health, "answer_after_load": {"s": after_s, "text": after.choices[0].message.content},
-           "rss_mb": {"first": values[0] if values else None, "max": max(values) if values else None,
-                      "last": values[-1] if values else None, "growth": growth, "cache_cap": cap_mb,
-                      "growth_within_cap": growth is not None and growth <= cap_mb},
+           "rss_mb": memory(rss, health.get("prefix_cache") or {}),
            "rss_samples": rss}
     print(json.dumps({k: v for k, v in out.items() if k != "rss_samples"}, indent=1))
     return out
