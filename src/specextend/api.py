@@ -12,6 +12,7 @@ The command line (`specextend generate`) is a thin layer over `load` and `Pair.g
 
 from __future__ import annotations
 
+import hashlib
 import queue
 import sys
 import threading
@@ -19,13 +20,16 @@ import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .detokenize import Detokenizer
-from .engine import GenerationResult, check_fits
+from .engine import GenerationResult, Prefilled, check_fits
 from .errors import UserError
 from .jsonl import finite_json
 from .settings import Settings
+
+if TYPE_CHECKING:
+    from .prefix_cache import PrefixCache
 
 __all__ = ["Pair", "Prepared", "Result", "Settings", "load", "prepare"]
 
@@ -80,6 +84,7 @@ class Result(GenerationResult):
             "stop_reason": self.stop_reason,
             "accept_lengths": list(self.accept_lengths),
             "extra": dict(self.extra),
+            "cached_prompt_tokens": self.cached_prompt_tokens,
         }
         return finite_json(d)
 
@@ -112,17 +117,20 @@ class _Prompts:
         if not prompt.strip():
             raise UserError("the prompt is empty")
         if chat:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise UserError(f"the tokenizer in {self.target_path} has no chat template; drop --chat")
-            # Render to text, then tokenize: the template already holds any special tokens.
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-            )
-            ids = self.tokenizer.encode(text, add_special_tokens=False, verbose=False)
-        else:
-            # verbose=False: our own length check below says it better than transformers' warning.
-            ids = self.tokenizer.encode(prompt, verbose=False)
-        ids = [int(i) for i in ids]
+            return self.encode_chat([{"role": "user", "content": prompt}])
+        # verbose=False: our own length check below says it better than transformers' warning.
+        ids = [int(i) for i in self.tokenizer.encode(prompt, verbose=False)]
+        self._check_ids(ids)
+        return ids
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Prompt token ids of a conversation ({"role", "content"} dicts) in the tokenizer's chat
+        template, ending with the assistant's turn opened."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise UserError(f"the tokenizer in {self.target_path} has no chat template; send a plain prompt")
+        # Render to text, then tokenize: the template already holds any special tokens.
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        ids = [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False, verbose=False)]
         self._check_ids(ids)
         return ids
 
@@ -142,7 +150,8 @@ class _Prompts:
                 f"the prompt is {len(ids)} tokens, longer than the target's context of {self.context} tokens"
             )
 
-    def _prompt_ids(self, prompt: str | Sequence[int], chat: bool) -> list[int]:
+    def prompt_ids(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
+        """Checked token ids of a text prompt (in the chat template with `chat`) or of token ids."""
         if isinstance(prompt, str):
             return self.encode(prompt, chat=chat)
         if chat:
@@ -181,6 +190,56 @@ class Pair(_Prompts):
         self.device = device
         self.engine = SpecEngine(target, draft, self.eos_ids)
         self.last_result: Result | None = None
+        self.prefix_cache: PrefixCache | None = None
+
+    # ----------------------------------------------------------------- prefix cache
+
+    def enable_prefix_cache(self, max_mb: float, directory: str | Path | None = None,
+                            max_disk_mb: float | None = None) -> PrefixCache:
+        """Keep prompts' prefilled KV (up to `max_mb` MB; optionally also in `directory`, up to
+        `max_disk_mb`, default the same): a later prompt that starts the same way prefills only
+        the rest. Returns the cache (see `prefix_cache.PrefixCache.stats`)."""
+        from .prefix_cache import PrefixCache
+
+        self.prefix_cache = PrefixCache(int(max_mb * 2**20), self.fingerprint(), directory,
+                                        None if max_disk_mb is None else int(max_disk_mb * 2**20))
+        return self.prefix_cache
+
+    def fingerprint(self) -> str:
+        """What must match for KV written by another process to be used here: both models' files
+        (paths, sizes, modification times) and how they were loaded."""
+        h = hashlib.sha256()
+        for path, model in ((self.target_path, self.target), (self.draft_path, self.draft)):
+            if path is None or model is None:
+                h.update(b"none\0")
+                continue
+            files = sorted(path.iterdir()) if path.is_dir() else [path]
+            for f in files:
+                st = f.stat()
+                h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}\0".encode())
+            h.update(f"{model.weights}:{model.dtype}:{model.kv_dtype}\0".encode())
+        return h.hexdigest()[:32]
+
+    @staticmethod
+    def kv_kind(model: Any, s: Settings) -> str:
+        """The kernel that writes a prefill's KV: the row-independent one whatever the setting on
+        the quantized runtime, else the attention backend (their float K/V agree only to rounding)."""
+        return "rowwise" if model.rowwise_attention else str(s.attention)
+
+    def prefill(self, ids: list[int], s: Settings) -> Prefilled:
+        """Both models' caches over the prompt, starting from the longest cached prefix if any."""
+        prefix = None
+        if self.prefix_cache is not None:
+            draft_kind = self.kv_kind(self.draft, s) if s.method != "ar" and self.draft is not None else None
+            prefix = self.prefix_cache.lookup(ids, self.kv_kind(self.target, s), draft_kind)
+        return self.engine.prefill(ids, s, prefix)
+
+    def remember(self, state: Prefilled, s: Settings) -> None:
+        """Offer a prefilled prompt (prefilled with settings `s`) to the prefix cache (no-op without one)."""
+        if self.prefix_cache is None:
+            return
+        draft_kind = self.kv_kind(self.draft, s) if state.draft_store is not None else None
+        self.prefix_cache.insert(state.prompt_ids, state.snapshot(), self.kv_kind(self.target, s), draft_kind)
 
     # ----------------------------------------------------------------- generation
 
@@ -197,7 +256,7 @@ class Pair(_Prompts):
         (method, max_new_tokens, temperature, ...), applied on top of `settings` if given.
         `on_text` receives text pieces as tokens are accepted."""
         s = self._settings(settings, overrides)
-        return self._generate(self._prompt_ids(prompt, chat), s, on_text)
+        return self._generate(self.prompt_ids(prompt, chat), s, on_text)
 
     def _generate(
         self, ids: list[int], s: Settings, on_text: TextCallback | None, cancel: threading.Event | None = None
@@ -211,7 +270,9 @@ class Pair(_Prompts):
                 detok.push(new_ids)
 
         wants_tokens = detok is not None or cancel is not None
-        gen = self.engine.generate(ids, s, on_tokens=on_tokens if wants_tokens else None)
+        state = self.prefill(ids, s)
+        gen = self.engine.decode(state, s, on_tokens=on_tokens if wants_tokens else None)
+        self.remember(state, s)
         self.last_result = self.result(gen)
         if detok is not None:
             detok.finish(self.last_result.text)
@@ -228,7 +289,7 @@ class Pair(_Prompts):
         """Text pieces as they are accepted. The finished `Result` is then `pair.last_result`
         (and the generator's return value). Settings are checked before the first piece."""
         s = self._settings(settings, overrides)
-        ids = self._prompt_ids(prompt, chat)  # bad input raises here, in the caller's thread
+        ids = self.prompt_ids(prompt, chat)  # bad input raises here, in the caller's thread
         return self._stream(ids, s)
 
     def _settings(self, settings: Settings | None, overrides: dict[str, Any]) -> Settings:

@@ -33,6 +33,7 @@ DELEGATED: dict[str, tuple[str, str]] = {
     "bench": ("specextend.bench.runner", "time methods over a data set; writes results.jsonl, summary.md"),
     "needle": ("specextend.needle", "draft-only needle retrieval accuracy per draft cache policy"),
     "demo": ("specextend.demo", "the side-by-side demonstration that `make demo` runs"),
+    "serve": ("specextend.serve.command", "an OpenAI-compatible HTTP server that keeps long prompts prefilled"),
 }
 
 
@@ -73,6 +74,16 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     prompt.add_argument("--index", type=int, default=None, help="0-based record of --jsonl (default: 0)")
     prompt.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
 
+    add_settings_arguments(p)
+
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print one JSON object (the contract's fields) to stdout")
+    out.add_argument("-q", "--quiet", action="store_true", help="no loading messages or summary on stderr")
+
+
+def add_settings_arguments(p: argparse.ArgumentParser, labels: bool = True) -> None:
+    """The generation settings' options (method, retrieval, tree, length and sampling), shared by
+    `generate` and `serve` (where they are the defaults a request's body may override)."""
     method = p.add_argument_group("method")
     _opt(method, "--method", str, "ar: target alone, sd: speculative decoding, specextend: + CMR",
          choices=METHODS, metavar="|".join(METHODS))
@@ -110,13 +121,10 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     _opt(sampling, "--temperature", float, "0 is greedy")
     _opt(sampling, "--top-p", float, "nucleus sampling mass, in (0, 1]")
     _opt(sampling, "--seed", int, "sampling seed")
-    sampling.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                          help="a label recorded in the JSON's config for your own bookkeeping (read by nothing; "
-                               "every setting has its own option above); repeatable")
-
-    out = p.add_argument_group("output")
-    out.add_argument("--json", action="store_true", help="print one JSON object (the contract's fields) to stdout")
-    out.add_argument("-q", "--quiet", action="store_true", help="no loading messages or summary on stderr")
+    if labels:
+        sampling.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                              help="a label recorded in the JSON's config for your own bookkeeping (read by "
+                                   "nothing; every setting has its own option above); repeatable")
 
 
 def build_parser(command: str | None = None) -> _Parser:
@@ -182,7 +190,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     given = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
     # Every setting has its own option here, so --set holds labels only.
     own_option = {name: f"the --{name.replace('_', '-')} option" for name in names}
-    labels = parse_assignments(args.set, "--set", refused=own_option, labels=True)
+    labels = parse_assignments(getattr(args, "set", []), "--set", refused=own_option, labels=True)
     return Settings(**given, labels=labels).resolved()
 
 

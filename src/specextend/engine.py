@@ -11,7 +11,12 @@ Invariants between steps:
   pass feeds first (the accepted run and the bonus token).
 
 Prefill is separate from decoding and restorable, so a benchmark can prefill a prompt once and
-decode it with several methods: decoding only ever appends after the prompt.
+decode it with several methods: decoding only ever appends after the prompt. Prefill can also
+start from a `PrefixKV`, the caches of the prompt's first tokens from an earlier prefill (the
+prefix cache), and then runs only the rest of the prompt.
+
+The callback given to decoding receives every batch of accepted tokens; a true return value
+stops decoding after that batch (stop reason "stopped": a stop string, a client gone).
 """
 
 from __future__ import annotations
@@ -26,13 +31,13 @@ import torch
 from .attention import attention_probs
 from .draft_policy import DRAFT_POLICIES, DraftPolicy, make_policy
 from .errors import UserError
-from .kv_cache import KVCache
+from .kv_cache import KVCache, KVSnapshot
 from .model import Transformer
 from .settings import Settings
 from .tree import DraftTree, TreeBuilder, draft_dist, make_builder
 from .verify import Verdict, sample, target_dist, verify_greedy, verify_sampling
 
-TokensCallback = Callable[[list[int]], None]
+TokensCallback = Callable[[list[int]], bool | None]  # True: stop after this batch
 TREE_HEADROOM = 256  # cache slots beyond prompt + new tokens, for tree nodes in flight
 
 
@@ -51,10 +56,36 @@ class GenerationResult:
     accept_lengths: list[int]
     settings: Settings
     extra: dict[str, Any] = field(default_factory=dict)
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV came from a cached prefix, not prefill
 
     @property
     def decode_tokens_per_s(self) -> float:
         return self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class PrefixKV:
+    """The KV of a prompt's first `length` tokens from an earlier prefill: the target cache, and the
+    draft's full store (None when that prefill ran without the draft, as `ar` does)."""
+
+    target: KVSnapshot
+    draft: KVSnapshot | None
+
+    def __post_init__(self) -> None:
+        if self.draft is not None and self.draft.length != self.target.length:
+            raise ValueError("a prefix's target and draft KV cover different token counts")
+
+    @property
+    def length(self) -> int:
+        return self.target.length
+
+    @property
+    def nbytes(self) -> int:
+        return self.target.nbytes + (self.draft.nbytes if self.draft is not None else 0)
+
+    def head(self, n: int) -> PrefixKV:
+        """The first n tokens' KV (views)."""
+        return PrefixKV(self.target.head(n), self.draft.head(n) if self.draft is not None else None)
 
 
 @dataclass
@@ -70,10 +101,18 @@ class Prefilled:
     draft_s: float
     max_new_tokens: int
     last_q: dict[int, torch.Tensor]  # each target layer's query of the last prompt token
+    cached_tokens: int = 0  # prompt tokens loaded from a PrefixKV instead of prefilled
 
     @property
     def prefill_s(self) -> float:
         return self.target_s + self.draft_s
+
+    def snapshot(self) -> PrefixKV:
+        """A compact copy of the prompt's KV (target and draft store), for the prefix cache.
+        Decoding only appends after the prompt, so this is valid before or after a decode."""
+        n = len(self.prompt_ids)
+        return PrefixKV(self.target_cache.snapshot(n),
+                        self.draft_store.snapshot(n) if self.draft_store is not None else None)
 
     def restore(self) -> None:
         n = len(self.prompt_ids)
@@ -152,23 +191,39 @@ class SpecEngine:
         check_fits(prompt_len, s, self.target.cfg.max_position,
                    self.draft.cfg.max_position if self.draft is not None else None)
 
-    def prefill(self, prompt_ids: list[int], settings: Settings) -> Prefilled:
+    def prefill(self, prompt_ids: list[int], settings: Settings, prefix: PrefixKV | None = None) -> Prefilled:
+        """Both models' caches over the prompt. With `prefix` (the KV of the prompt's first
+        tokens, at least one token short of the whole prompt so the last token's logits and
+        queries are computed here), only the remaining tokens are prefilled."""
         s = settings.resolved()
         self.check_fits(len(prompt_ids), s)
+        uses_draft = s.method != "ar" and self.draft is not None
+        n = 0
+        if prefix is not None:
+            n = prefix.length
+            if not 0 < n < len(prompt_ids):
+                raise ValueError(f"a cached prefix of {n} tokens for a prompt of {len(prompt_ids)}")
+            if uses_draft and prefix.draft is None:
+                raise ValueError("the cached prefix has no draft KV; this method needs it")
         cap = len(prompt_ids) + s.max_new_tokens + TREE_HEADROOM
-        ids = torch.tensor(prompt_ids, dtype=torch.long)
+        rest = torch.tensor(prompt_ids[n:], dtype=torch.long)
         t0 = time.perf_counter()
         tcache = self.target.new_cache(cap)
+        if prefix is not None:
+            tcache.load(prefix.target)
         last_q: dict[int, torch.Tensor] = {}
-        first = self.target.prefill(ids, tcache, s.attention, last_q=last_q)
+        first = self.target.prefill(rest, tcache, s.attention, last_q=last_q)
         t1 = time.perf_counter()
         draft_store = None
-        if s.method != "ar" and self.draft is not None:
+        if uses_draft:
+            assert self.draft is not None
             draft_store = self.draft.new_cache(cap)
-            self.draft.prefill(ids, draft_store, s.attention)
+            if prefix is not None and prefix.draft is not None:
+                draft_store.load(prefix.draft)
+            self.draft.prefill(rest, draft_store, s.attention)
         t2 = time.perf_counter()
         return Prefilled(list(prompt_ids), s.attention, tcache, first, draft_store, t1 - t0, t2 - t1,
-                         s.max_new_tokens, last_q)
+                         s.max_new_tokens, last_q, cached_tokens=n)
 
     # --- decode --------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], settings: Settings, on_tokens: TokensCallback | None = None
@@ -207,6 +262,7 @@ class SpecEngine:
             accept_lengths=accepts,
             settings=s,
             extra=extra,
+            cached_prompt_tokens=state.cached_tokens,
         )
 
     def _choose(self, logits: torch.Tensor, s: Settings, gen: torch.Generator) -> int:
@@ -225,10 +281,11 @@ class SpecEngine:
         else:
             new = new[:room]
         out.extend(new)
-        if cb is not None and new:
-            cb(new)
+        halt = cb is not None and bool(new) and bool(cb(new))
         if stop is None and len(out) >= s.max_new_tokens:
             stop = "length"
+        if stop is None and halt:
+            stop = "stopped"
         return stop
 
     def _ar_loop(self, state: Prefilled, s: Settings, gen: torch.Generator, clock: _Clock,

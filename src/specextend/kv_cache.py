@@ -10,18 +10,46 @@ attends over [0, length + T); the caller then decides what to keep:
 
 Keeping a subset compacts in place, so the cache always holds exactly the committed tokens in
 sequence order. `copy_slots_from` fills a cache with selected slots of another (the draft's
-working cache made of retrieved chunks of its store).
+working cache made of retrieved chunks of its store). `snapshot` copies the committed slots out
+and `load` puts such a copy back as the first slots of a fresh cache (the prefix cache).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 
 class CacheFullError(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class KVSnapshot:
+    """The K/V of a cache's first `length` committed tokens, copied out of it (or read from a file).
+
+    k, v: [layers, kv_heads, length, head_dim]. Slot i depends only on tokens 0..i (attention is
+    causal), so the first n slots of a snapshot are the snapshot of the first n tokens (`head`).
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return int(self.k.shape[2])
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    def head(self, n: int) -> KVSnapshot:
+        """The first n tokens' K/V (views, no copy)."""
+        if not 0 < n <= self.length:
+            raise IndexError(f"cannot take {n} tokens of a {self.length}-token snapshot")
+        return KVSnapshot(self.k[:, :, :n], self.v[:, :, :n])
 
 
 class KVCache:
@@ -101,6 +129,26 @@ class KVCache:
         src = src.to(other.k.device)
         self.k[:, :, dst_start : dst_start + n] = other.k[:, :, src]
         self.v[:, :, dst_start : dst_start + n] = other.v[:, :, src]
+
+    def snapshot(self, length: int | None = None) -> KVSnapshot:
+        """A compact copy of the first `length` committed slots (default: all of them)."""
+        n = self.length if length is None else length
+        if not 0 < n <= self.length:
+            raise IndexError(f"cannot snapshot {n} tokens of a cache holding {self.length}")
+        return KVSnapshot(self.k[:, :, :n].clone(), self.v[:, :, :n].clone())
+
+    def load(self, snap: KVSnapshot) -> None:
+        """Make the snapshot's tokens this cache's whole committed content (slots [0, n))."""
+        if snap.k.shape[:2] != self.k.shape[:2] or snap.k.shape[3] != self.k.shape[3] or snap.k.dtype != self.k.dtype:
+            raise ValueError(f"a snapshot of shape {tuple(snap.k.shape)} {snap.k.dtype} does not fit a cache of "
+                             f"{tuple(self.k.shape)} {self.k.dtype}")
+        n = snap.length
+        if n > self.capacity:
+            raise CacheFullError(f"KV cache full: {n} > capacity {self.capacity}")
+        self.k[:, :, :n] = snap.k.to(self.k.device)
+        self.v[:, :, :n] = snap.v.to(self.v.device)
+        self.length = n
+        self.pending = 0
 
     @property
     def nbytes(self) -> int:

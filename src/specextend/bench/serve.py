@@ -1,0 +1,308 @@
+"""Measure `specextend serve` through the official `openai` client (a dev dependency).
+
+    python -m specextend.bench.serve ttft --start "" \
+        --data ../shared/data/govreport/govreport_8K.jsonl --index 0 --out results/serve-ttft.json
+    python -m specextend.bench.serve compare results/serve-ttft.json
+    python -m specextend.bench.serve load --start "--cache-mb 64" \
+        --requests 200 --clients 4 --abandoned 20 --out results/serve-load.json
+
+`--start ARGS` starts `specextend serve --port 0 -q ARGS` for the run (its log goes next to
+`--out`) and stops it afterwards; `--url URL` measures a server already running instead.
+`ttft`: the same long document (field `text` of a JSONL record) as a chat message followed by
+one question, then by another; each request streams, and time to first token is from sending
+the request to the first chunk with text. `compare`: runs `specextend generate --json --chat`
+on each prompt of a ttft result, with the server's settings, and checks the server answered
+the same text in the same number of tokens. `load`: short chat requests from concurrent clients
+plus streams abandoned after their first chunk, counting every outcome by kind and sampling the
+server's resident memory (from /proc) against the prefix cache's cap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+QUESTIONS = ("In one sentence, what is this report about?", "List two numbers that the report mentions.")
+
+
+@contextlib.contextmanager
+def started(args: str, log: Path) -> Iterator[tuple[str, int]]:
+    """`specextend serve --port 0 -q ARGS` in a subprocess until the block ends: (base URL, pid)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "specextend.cli", "serve", "--port", "0", "-q", *shlex.split(args)]
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, stderr=err, stdout=err)
+    try:
+        # The command prints the address once the models are loaded and the socket listens.
+        while True:
+            m = re.search(r"serving .* on (http://\S+)/v1", log.read_text())
+            if m:
+                break
+            if proc.poll() is not None:
+                raise SystemExit(f"the server exited ({proc.returncode}); see {log}")
+            time.sleep(0.2)
+        url = m.group(1)
+        while True:  # uvicorn answers once its lifespan has started
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5):
+                    break
+            except OSError:
+                time.sleep(0.2)
+        print(f"server {' '.join(cmd[2:])} on {url} (pid {proc.pid})", flush=True)
+        yield url, proc.pid
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _health(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=30) as r:
+        return json.loads(r.read())
+
+
+def _client(url: str, timeout: float = 1200.0) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=f"{url.rstrip('/')}/v1", api_key="none", max_retries=0, timeout=timeout)
+
+
+def _stream_one(client: Any, content: str, max_tokens: int) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    ttft = None
+    text = []
+    usage = None
+    stream = client.chat.completions.create(model="specextend", messages=[{"role": "user", "content": content}],
+                                            max_tokens=max_tokens, stream=True,
+                                            stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            text.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            usage = chunk.usage.model_dump()
+    return {"ttft_s": ttft, "total_s": time.perf_counter() - t0, "text": "".join(text), "usage": usage}
+
+
+def ttft(args: argparse.Namespace) -> dict[str, Any]:
+    from ..cli import read_jsonl_text
+
+    doc = read_jsonl_text(args.data, args.index)
+    client = _client(args.url)
+    runs = []
+    for q in QUESTIONS:
+        r = _stream_one(client, f"{doc}\n\n{q}", args.max_tokens)
+        r["question"] = q
+        r["max_tokens"] = args.max_tokens
+        runs.append(r)
+        spec = (r["usage"] or {}).get("speculative", {})
+        print(f"ttft {r['ttft_s']:.2f} s, total {r['total_s']:.2f} s, prompt {r['usage']['prompt_tokens']} tokens "
+              f"({spec.get('cached_prompt_tokens')} cached), prefill {spec.get('prefill_s', 0):.2f} s", flush=True)
+    ratio = runs[1]["ttft_s"] / runs[0]["ttft_s"]
+    print(f"second request's time to first token: {100 * ratio:.2f}% of the first's", flush=True)
+    return {"data": args.data, "index": args.index, "server": args.start, "runs": runs, "ttft_ratio": ratio,
+            "health_after": _health(args.url)}
+
+
+def compare(args: argparse.Namespace) -> dict[str, Any]:
+    """Each prompt of a ttft result through `specextend generate --json --chat` (greedy, the
+    server's method): the same text in the same number of tokens as the server's answer."""
+    from ..cli import read_jsonl_text
+
+    measured = json.loads(Path(args.result).read_text())
+    doc = read_jsonl_text(measured["data"], measured["index"])
+    rows = []
+    for run in measured["runs"]:
+        spec = run["usage"]["speculative"]
+        cmd = [sys.executable, "-m", "specextend.cli", "generate", "--json", "-q", "--chat", "--prompt-file", "-",
+               "--method", spec["method"], "--max-new-tokens", str(run["max_tokens"]),
+               *shlex.split(args.generate_args)]
+        out = subprocess.run(cmd, input=f"{doc}\n\n{run['question']}", capture_output=True, text=True, check=True)
+        gen = json.loads(out.stdout)
+        row = {"question": run["question"], "method": spec["method"],
+               "cached_prompt_tokens": spec["cached_prompt_tokens"],
+               "server_tokens": run["usage"]["completion_tokens"], "generate_tokens": gen["new_tokens"],
+               "same_text": gen["text"] == run["text"], "same_count": gen["new_tokens"] ==
+               run["usage"]["completion_tokens"], "prompt_tokens": [run["usage"]["prompt_tokens"],
+                                                                     gen["prompt_tokens"]]}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return {"rows": rows, "all_equal": all(r["same_text"] and r["same_count"] for r in rows)}
+
+
+def _rss_mb(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def memory(samples: list[tuple[float, float]], cache: dict[str, Any]) -> dict[str, Any]:
+    """Resident memory over a load run against the prefix cache: growth from the first sample,
+    how much of it the cache's own bytes explain, and growth over the last third (a leak keeps
+    growing there; a full cache that evicts does not)."""
+    if not samples:
+        return {}
+    values = [v for _, v in samples]
+    last = values[len(values) * 2 // 3:]
+    cap_mb, cache_mb = (cache.get("max_bytes") or 0) / 2**20, (cache.get("bytes") or 0) / 2**20
+    growth = max(values) - values[0]
+    return {"first": values[0], "max": max(values), "last": values[-1], "growth": growth, "cache_cap": cap_mb,
+            "cache_bytes_mb": cache_mb, "growth_beyond_cache": growth - cache_mb,
+            "growth_last_third": max(last) - last[0], "growth_within_cap": growth <= cap_mb}
+
+
+def load(args: argparse.Namespace) -> dict[str, Any]:
+    import openai
+
+    client = _client(args.url, timeout=600)
+    outcomes: Counter[str] = Counter()
+    errors: list[str] = []
+    lock = threading.Lock()
+    rss: list[tuple[float, float]] = []
+    stop = threading.Event()
+    t_start = time.perf_counter()
+
+    def sample() -> None:
+        while not stop.is_set():
+            v = _rss_mb(args.pid) if args.pid else None
+            if v is not None:
+                rss.append((time.perf_counter() - t_start, v))
+            stop.wait(1.0)
+
+    def note(kind: str, detail: str | None = None) -> None:
+        with lock:
+            outcomes[kind] += 1
+            if detail and len(errors) < 20:
+                errors.append(detail)
+
+    def short(i: int) -> None:
+        try:
+            r = client.chat.completions.create(
+                model="specextend", max_tokens=args.max_tokens,
+                messages=[{"role": "user", "content": f"Request {i}: write a Python one-liner that adds {i} to x."}])
+            note("ok" if r.choices[0].message.content is not None else "empty")
+        except openai.RateLimitError:
+            note("429")
+        except Exception as e:
+            note("error", f"{type(e).__name__}: {e}")
+
+    def abandoned(i: int) -> None:
+        try:
+            stream = client.chat.completions.create(
+                model="specextend", max_tokens=256, stream=True,
+                messages=[{"role": "user", "content": f"Stream {i}: explain Python generators at length."}])
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    break
+            stream.close()  # the client goes away mid-answer
+            note("abandoned")
+        except openai.RateLimitError:
+            note("429")
+        except Exception as e:
+            note("error", f"{type(e).__name__}: {e}")
+
+    # One request first, not counted: buffers the models allocate on first use are not growth.
+    client.chat.completions.create(model="specextend", max_tokens=args.max_tokens,
+                                   messages=[{"role": "user", "content": "Warm up: say one word."}])
+    t_start = time.perf_counter()
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    every = max(1, args.requests // max(1, args.abandoned))
+    jobs = []
+    with ThreadPoolExecutor(args.clients) as pool:
+        n_abandoned = 0
+        for i in range(args.requests):
+            jobs.append(pool.submit(short, i))
+            if n_abandoned < args.abandoned and i % every == every - 1:
+                jobs.append(pool.submit(abandoned, n_abandoned))
+                n_abandoned += 1
+        for j in jobs:
+            j.result()
+    wall = time.perf_counter() - t_start
+    health = _health(args.url)
+    # The server still answers after the load: one more request, timed.
+    t0 = time.perf_counter()
+    after = client.chat.completions.create(model="specextend", max_tokens=args.max_tokens,
+                                           messages=[{"role": "user", "content": "Say hello."}])
+    after_s = time.perf_counter() - t0
+    stop.set()
+    sampler.join()
+    out = {"server": args.start, "outcomes": dict(outcomes), "errors": errors, "wall_s": wall,
+           "health_after": health, "answer_after_load": {"s": after_s, "text": after.choices[0].message.content},
+           "rss_mb": memory(rss, health.get("prefix_cache") or {}),
+           "rss_samples": rss}
+    print(json.dumps({k: v for k, v in out.items() if k != "rss_samples"}, indent=1))
+    return out
+
+
+def _server_options(p: argparse.ArgumentParser) -> None:
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="a running server's base URL (http://127.0.0.1:8000)")
+    where.add_argument("--start", metavar="ARGS", help="start `specextend serve --port 0 -q ARGS` for the run")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m specextend.bench.serve", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    t = sub.add_parser("ttft", help="time to first token: the same long document asked twice")
+    _server_options(t)
+    t.add_argument("--data", required=True, help="a JSONL file with field `text`")
+    t.add_argument("--index", type=int, default=0)
+    t.add_argument("--max-tokens", type=int, default=64)
+    t.add_argument("--out", type=Path)
+    ld = sub.add_parser("load", help="concurrent short requests and abandoned streams")
+    _server_options(ld)
+    ld.add_argument("--pid", type=int, help="the server's process id (with --url), to sample its resident memory")
+    ld.add_argument("--requests", type=int, default=200)
+    ld.add_argument("--clients", type=int, default=4)
+    ld.add_argument("--abandoned", type=int, default=20)
+    ld.add_argument("--max-tokens", type=int, default=8)
+    ld.add_argument("--out", type=Path)
+    c = sub.add_parser("compare", help="the server's answers of a ttft result against `specextend generate`")
+    c.add_argument("result", type=Path, help="the JSON that `ttft --out` wrote")
+    c.add_argument("--generate-args", default="", metavar="ARGS",
+                   help="model and setting flags the server was started with, for generate too")
+    c.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    if args.what == "compare":
+        result = compare(args)
+    elif args.start is not None:
+        log = (args.out or Path("results/serve.json")).with_suffix(".server.log")
+        with started(args.start, log) as (url, pid):
+            args.url, args.pid = url, pid
+            result = ttft(args) if args.what == "ttft" else load(args)
+    else:
+        result = ttft(args) if args.what == "ttft" else load(args)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+    if args.what == "compare" and not result["all_equal"]:
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

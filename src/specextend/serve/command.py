@@ -1,0 +1,121 @@
+"""The `specextend serve` command: flags, loading, the prefix cache's size, and the HTTP server."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import socket
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from ..errors import UserError
+from ..models.loader import add_model_arguments, model_options
+
+DEFAULT_MAX_QUEUE = 16
+CACHE_SHARE = 0.4  # of the memory still available once the models are loaded
+MIN_DEFAULT_CACHE_MB = 256
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..cli import add_settings_arguments
+
+    add_model_arguments(p)
+    add_settings_arguments(p, labels=False)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default: 8000)")
+    g.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                   help="requests that may wait behind the running one; beyond it 429 (default: "
+                        f"{DEFAULT_MAX_QUEUE})")
+    g.add_argument("--cache-mb", type=float, default=None,
+                   help="memory cap of the prefix cache in MB; 0 turns it off (default: "
+                        f"{CACHE_SHARE * 100:.0f}%% of the memory available after loading)")
+    g.add_argument("--cache-dir", default=None, help="also keep the prefix cache in this folder, across restarts")
+    g.add_argument("--cache-disk-mb", type=float, default=None,
+                   help="cap of --cache-dir in MB (default: --cache-mb)")
+    g.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
+
+
+def available_memory_mb() -> float | None:
+    """MemAvailable from /proc/meminfo (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def default_cache_mb() -> float:
+    avail = available_memory_mb()
+    return 2048.0 if avail is None else max(MIN_DEFAULT_CACHE_MB, CACHE_SHARE * avail)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A bound, listening socket (so a taken port is one clear error before anything loads)."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(128)
+    except OSError as e:
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _check(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_queue < 0:
+        raise UserError(f"--max-queue must be >= 0, got {args.max_queue}")
+    for name in ("cache_mb", "cache_disk_mb"):
+        v = getattr(args, name)
+        if v is not None and not 0 <= v < float("inf"):
+            raise UserError(f"--{name.replace('_', '-')} must be a number >= 0, got {v}")
+    if args.cache_disk_mb is not None and args.cache_dir is None:
+        raise UserError("--cache-disk-mb needs --cache-dir")
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ..api import prepare
+    from ..cli import settings_from_args
+    from ..models.loader import load_tokenizer
+    from .app import Server
+
+    logging.basicConfig(stream=sys.stderr, format="specextend: %(message)s",
+                        level=logging.WARNING if args.quiet else logging.INFO)
+    logging.getLogger("specextend").setLevel(logging.WARNING if args.quiet else logging.INFO)
+    defaults = settings_from_args(args)
+    _check(args)
+    sock = listen(args.host, args.port)  # before the slow part: a taken port fails at once
+    prepared = prepare(args.target, args.draft, **model_options(args), progress=not args.quiet)
+    encoder = replace(prepared, tokenizer=load_tokenizer(prepared.target_path))
+    pair = prepared.load()
+    cache_mb = default_cache_mb() if args.cache_mb is None else args.cache_mb
+    if cache_mb > 0 or args.cache_dir is not None:
+        cache = pair.enable_prefix_cache(cache_mb, Path(args.cache_dir) if args.cache_dir else None,
+                                         args.cache_disk_mb)
+        where = f", mirrored in {args.cache_dir}" if args.cache_dir else ""
+        logging.getLogger("specextend.serve").info("prefix cache: up to %.0f MB%s (%d entries on disk)", cache_mb,
+                                                   where, cache.stats().get("disk_entries", 0))
+    model_id = prepared.target_path.name
+    server = Server(pair, encoder, defaults, args.max_queue, model_id)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"specextend: serving {model_id} ({defaults.method}) on http://{shown}:{port}/v1", file=sys.stderr,
+          flush=True)
+    config = uvicorn.Config(server.app(), log_level="warning" if args.quiet else "info", access_log=not args.quiet,
+                            timeout_graceful_shutdown=5)
+    # uvicorn shuts down gracefully on Ctrl-C, then re-raises it: a normal stop for a server.
+    with contextlib.suppress(KeyboardInterrupt):
+        uvicorn.Server(config).run(sockets=[sock])
+    print("specextend: server stopped", file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,98 @@
+"""One request's generation, run on the worker thread: prefill from the prefix cache, decode with
+the request's settings, stream text pieces back to the event loop as tokens are accepted, stop at
+a stop string or when the client has gone, then offer the prompt's KV to the prefix cache.
+
+The worker and the event loop talk only through the job: the worker posts events onto the
+job's asyncio queue (thread-safely), the loop sets `cancel`, which the worker reads at every
+accepted batch of tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..api import Pair, Result
+from ..detokenize import Detokenizer
+from ..settings import Settings
+from .stops import StopStrings
+
+log = logging.getLogger("specextend.serve")
+
+
+@dataclass
+class Outcome:
+    """A finished generation: the text sent (cut at a stop string), why it ended, the statistics."""
+
+    text: str
+    finish_reason: str  # OpenAI's: "stop" (end of sequence or a stop string) or "length"
+    result: Result
+    queue_s: float
+
+
+@dataclass
+class Job:
+    ids: list[int]
+    settings: Settings
+    stops: list[str]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+
+    def post(self, kind: str, value: Any = None) -> None:
+        """Hand an event to the event loop: ("text", piece), ("done", Outcome), ("error", exc),
+        ("cancelled", None). Safe from any thread; a loop already closed drops it."""
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+
+
+def run_job(pair: Pair, job: Job) -> None:
+    """Generate for one job on the calling (worker) thread; every outcome is posted as an event."""
+    if job.cancel.is_set():
+        job.post("cancelled")
+        return
+    queue_s = time.perf_counter() - job.submitted
+    s = job.settings
+    stops = StopStrings(job.stops)
+    sent: list[str] = []
+
+    def send(piece: str) -> None:
+        safe = stops.push(piece)
+        if safe:
+            sent.append(safe)
+            job.post("text", safe)
+
+    detok = Detokenizer(pair.decode, send)
+
+    def on_tokens(new_ids: list[int]) -> bool:
+        if job.cancel.is_set():
+            return True
+        detok.push(new_ids)
+        return stops.hit
+
+    state = pair.prefill(job.ids, s)
+    gen = pair.engine.decode(state, s, on_tokens)
+    result = pair.result(gen)
+    if not stops.hit:
+        detok.finish(result.text)
+        tail = stops.flush()
+        if tail:
+            sent.append(tail)
+            job.post("text", tail)
+    cancelled = job.cancel.is_set() and gen.stop_reason == "stopped" and not stops.hit
+    if cancelled:
+        job.post("cancelled")
+    else:
+        finish = "length" if gen.stop_reason == "length" and not stops.hit else "stop"
+        job.post("done", Outcome("".join(sent), finish, result, queue_s))
+    log.info("%d prompt tokens (%d cached, prefill %.2f s) + %d new (%s, %.2f tok/s, tau %.2f)%s",
+             result.prompt_tokens, result.cached_prompt_tokens, result.prefill_s, result.new_tokens, result.method,
+             result.decode_tokens_per_s, result.accepted_per_step, ", client gone" if cancelled else "")
+    # After the answer is out: storing the prompt's KV (and writing its file) delays only the next request.
+    pair.remember(state, s)

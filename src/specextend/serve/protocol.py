@@ -1,0 +1,331 @@
+"""The OpenAI wire format: request bodies checked into settings, and the response, chunk, usage and
+error objects.
+
+Bodies are validated by pydantic in strict mode (a string is not a number, 1.0 is not an
+integer) and unknown fields are refused, as OpenAI does. Beyond OpenAI's fields a body may carry
+any generation setting of the Python API by its keyword (`method`, `draft_cache`, `attention`,
+`chunk_size`, `top_k_chunks`, `retrieve_every`, `tree_budget`, ...); OpenAI's own names stand for
+the rest (`max_tokens` for max_new_tokens, `temperature`, `top_p`, `seed`). Fields that OpenAI
+has but this server cannot honour (several choices, log probabilities, penalties, tools) are
+accepted only at their neutral values, so no request is silently answered as another one.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from dataclasses import MISSING, dataclass, fields, replace
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+
+from ..errors import UserError
+from ..settings import Settings
+
+# Settings that the body sets through OpenAI's names, not their own.
+OPENAI_NAMED = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed"}
+MAX_STOPS = 4
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's {"error": {message, type, param, code}} with an HTTP status."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# --------------------------------------------------------------------------- request bodies
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def _setting_fields() -> dict[str, Any]:
+    """Every Settings field not named by OpenAI, typed like its default (None default: text)."""
+    out: dict[str, Any] = {}
+    for f in fields(Settings):
+        if f.name in OPENAI_NAMED or f.name == "labels" or f.default is MISSING:
+            continue
+        kind = type(f.default) if isinstance(f.default, bool | int | float | str) else str
+        out[f.name] = (kind | None, None)
+    return out
+
+
+_Extensions = create_model("_Extensions", __base__=_Strict, **_setting_fields())
+EXTENSION_FIELDS = tuple(_setting_fields())
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Common(_Extensions):  # type: ignore[misc, valid-type]
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = Field(None, ge=0)
+    stop: Any = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, v: Any) -> Any:
+        if v is None or isinstance(v, str):
+            return v
+        if isinstance(v, list) and len(v) <= MAX_STOPS and all(isinstance(s, str) for s in v):
+            return v
+        raise ValueError(f"must be a string or a list of up to {MAX_STOPS} strings")
+
+    def stops(self) -> list[str]:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stop if s]
+
+    def check_supported(self) -> None:
+        """Refuse what would change the answer in a way this server does not implement."""
+        if self.n != 1:
+            raise APIError(400, "only n=1 is supported (one choice per request)", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0:
+                raise APIError(400, f"{name} is not supported (only 0)", param=name)
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options needs stream: true", param="stream_options")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Any
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, v: Any) -> str:
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list):
+            try:
+                return "".join(TextPart.model_validate(p).text for p in v)
+            except ValidationError:
+                pass
+        raise ValueError("must be a string or a list of {\"type\": \"text\", \"text\": ...} parts")
+
+    def as_template(self) -> dict[str, str]:
+        # Chat templates know system, user and assistant; OpenAI's developer role is the system's.
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+
+
+class ChatBody(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs or self.top_logprobs:
+            raise APIError(400, "logprobs are not supported", param="logprobs")
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise APIError(400, "tools are not supported", param="tools")
+        if self.response_format not in (None, {"type": "text"}):
+            raise APIError(400, "only the text response format is supported", param="response_format")
+
+
+class CompletionBody(_Common):
+    prompt: Any
+    echo: bool = False
+    suffix: str | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, v: Any) -> str | list[int]:
+        # OpenAI also takes a batch (a list of prompts); one prompt per request here.
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str | list):
+            v = v[0]
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+            return v
+        raise ValueError("must be a string, or a list of token ids (one prompt per request)")
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if self.logprobs:
+            raise APIError(400, "logprobs are not supported", param="logprobs")
+        if self.best_of not in (None, 1):
+            raise APIError(400, "only best_of=1 is supported", param="best_of")
+
+
+# --------------------------------------------------------------------------- request -> settings
+
+
+@dataclass
+class Request:
+    """A checked request, not yet tokenized."""
+
+    kind: Literal["chat", "completion"]
+    messages: list[dict[str, str]] | None
+    prompt: str | list[int] | None
+    settings: Settings
+    stops: list[str]
+    stream: bool
+    include_usage: bool
+
+
+def parse(kind: Literal["chat", "completion"], body: Any, defaults: Settings) -> Request:
+    """Check a decoded JSON body against the endpoint's schema and the generation settings; raises
+    APIError(400) naming the offending field."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    model = ChatBody if kind == "chat" else CompletionBody
+    try:
+        req = model.model_validate(body)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+    req.check_supported()
+    overrides = {name: getattr(req, name) for name in EXTENSION_FIELDS if getattr(req, name) is not None}
+    max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    for name, value in (("max_new_tokens", max_tokens), ("temperature", req.temperature), ("top_p", req.top_p),
+                        ("seed", req.seed)):
+        if value is not None:
+            overrides[name] = value
+    settings = settings_from(defaults, overrides)
+    if isinstance(req, ChatBody):
+        return Request("chat", [m.as_template() for m in req.messages], None, settings, req.stops(), req.stream,
+                       bool(req.stream_options and req.stream_options.include_usage))
+    return Request("completion", None, req.prompt, settings, req.stops(), req.stream,
+                   bool(req.stream_options and req.stream_options.include_usage))
+
+
+def settings_from(defaults: Settings, overrides: dict[str, Any]) -> Settings:
+    """The server's settings with the request's on top; a bad value is a 400 naming its field."""
+    for name, value in overrides.items():
+        try:
+            replace(defaults, **{name: value}).resolved()
+        except UserError as e:
+            raise APIError(400, _api_names(str(e)), param=OPENAI_NAMED.get(name, name)) from None
+    try:
+        return replace(defaults, **overrides).resolved()
+    except UserError as e:
+        raise APIError(400, _api_names(str(e))) from None
+
+
+def _api_names(message: str) -> str:
+    """Settings' messages name command-line flags (--top-k-chunks); a request names fields."""
+    names = {f"--{n.replace('_', '-')}": OPENAI_NAMED.get(n, n) for n in (f.name for f in fields(Settings))}
+    return re.sub(r"--[a-z][a-z-]*", lambda m: names.get(m.group(0), m.group(0)), message)
+
+
+def _validation_error(e: ValidationError) -> APIError:
+    err = e.errors()[0]
+    loc = [p for p in err["loc"] if isinstance(p, int) or p.isidentifier()]
+    param = "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else p) for i, p in enumerate(loc)) or None
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        msg = "unrecognized request argument"
+    elif err["type"] == "missing":
+        msg = "required"
+    return APIError(400, f"{param}: {msg}" if param else msg, param=param)
+
+
+# --------------------------------------------------------------------------- responses
+
+
+def new_id(kind: str) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(result: Any, queue_s: float) -> dict[str, Any]:
+    """OpenAI's token counts (cached prompt tokens as OpenAI reports them) and the speculative
+    decoding statistics of this one request."""
+    phases = result.phases
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.new_tokens,
+        "total_tokens": result.prompt_tokens + result.new_tokens,
+        "prompt_tokens_details": {"cached_tokens": result.cached_prompt_tokens},
+        "speculative": {
+            "method": result.method,
+            "steps": result.steps,
+            "accepted_per_step": result.accepted_per_step,
+            "prefill_s": result.prefill_s,
+            "decode_s": result.decode_s,
+            "draft_s": phases.get("draft_s", 0.0),
+            "verify_s": phases.get("verify_s", 0.0),
+            "retrieval_s": phases.get("retrieval_s", 0.0),
+            "cached_prompt_tokens": result.cached_prompt_tokens,
+            "queue_s": queue_s,
+        },
+    }
+
+
+def response(kind: str, rid: str, created: int, model: str, text: str, finish: str, use: dict[str, Any]
+             ) -> dict[str, Any]:
+    if kind == "chat":
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                  "finish_reason": finish, "logprobs": None}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], "usage": use,
+            "system_fingerprint": None}
+
+
+def chunk(kind: str, rid: str, created: int, model: str, text: str | None, finish: str | None = None,
+          role: bool = False) -> dict[str, Any]:
+    """One streamed piece: new text, or (text None) the closing chunk with its finish reason."""
+    if kind == "chat":
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else (
+            {"content": text} if text is not None else {})
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
+            "system_fingerprint": None}
+
+
+def usage_chunk(kind: str, rid: str, created: int, model: str, use: dict[str, Any]) -> dict[str, Any]:
+    """The last chunk when the client asked for stream_options.include_usage (no choices)."""
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use,
+            "system_fingerprint": None}

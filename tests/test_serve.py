@@ -1,0 +1,357 @@
+"""`specextend serve` on tiny models, through the official `openai` client and plain HTTP: chat,
+completions, streaming, usage, extension settings, the prefix cache, 400s for bad requests, 429
+past the queue, a disconnecting stream that frees the slot, and the command itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx2 as httpx
+import openai
+import pytest
+import uvicorn
+
+from specextend.api import load, prepare
+from specextend.serve.app import Server
+from specextend.serve.command import listen
+from specextend.settings import Settings
+
+from tiny_tokenizer import save_tiny_model
+
+SMALL = dict(chunk_size=4, top_k_chunks=2, cmr_min_ratio=0.0)
+QUESTION = "What does the report say about the budget?"
+DOC = "The report covers the budget of the agency, its staff and the hearings held. " * 6
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECEXTEND_HOME", str(tmp_path / "home"))
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    return {"target": save_tiny_model(root / "target", seed=0),
+            "draft": save_tiny_model(root / "draft", seed=1, layers=1)}
+
+
+@pytest.fixture(scope="module")
+def pair(folders):
+    p = load(folders["target"], folders["draft"], dtype="float64", progress=False)
+    p.engine.eos = set()  # random weights: no early end, so every generation runs to max_tokens
+    return p
+
+
+@contextmanager
+def running(pair, folders, *, max_queue=4, cache_mb=64.0, cache_dir=None, **defaults):
+    """The server's app on a free port, in a thread; yields its base URL."""
+    encoder = prepare(folders["target"], folders["draft"], dtype="float64", progress=False)
+    pair.prefix_cache = None
+    if cache_mb:
+        pair.enable_prefix_cache(cache_mb, cache_dir)
+    server = Server(pair, encoder, Settings(**{"max_new_tokens": 16, **SMALL, **defaults}).resolved(), max_queue,
+                    "tiny")
+    sock = listen("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(server.app(), log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not uv.started:
+        assert time.time() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        pair.engine.step_hook = None
+        uv.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def url(pair, folders):
+    with running(pair, folders) as u:
+        yield u
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def expected(pair, prompt, chat: bool, **settings) -> list[int]:
+    """What the engine decodes cold, with no prefix cache."""
+    ids = pair.encode_chat([{"role": "user", "content": prompt}]) if chat else pair.encode(prompt)
+    return pair.engine.generate(ids, Settings(**{"max_new_tokens": 16, **SMALL, **settings})).token_ids
+
+
+def speculative(usage) -> dict:
+    return usage.model_extra["speculative"] if hasattr(usage, "model_extra") else usage["speculative"]
+
+
+# --------------------------------------------------------------------------- the OpenAI client
+
+
+def test_chat_completion_equals_generate(pair, url):
+    r = client(url).chat.completions.create(model="tiny", messages=[{"role": "user", "content": QUESTION}],
+                                            max_tokens=12)
+    assert r.object == "chat.completion" and r.model == "tiny"
+    assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason == "length"
+    want = expected(pair, QUESTION, chat=True, max_new_tokens=12)
+    assert r.choices[0].message.content == pair.decode(want)
+    u = r.usage
+    assert u.completion_tokens == 12
+    assert u.prompt_tokens == len(pair.encode_chat([{"role": "user", "content": QUESTION}]))
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    spec = speculative(u)
+    assert set(spec) >= {"method", "steps", "accepted_per_step", "prefill_s", "decode_s", "draft_s", "verify_s",
+                         "retrieval_s", "cached_prompt_tokens"}
+    assert spec["method"] == "specextend" and spec["steps"] >= 1
+
+
+def test_completion_and_extension_settings(pair, url):
+    c = client(url)
+    r = c.completions.create(model="tiny", prompt="def parse(s):", max_tokens=10, extra_body={"method": "sd"})
+    assert r.object == "text_completion"
+    assert r.choices[0].text == pair.decode(expected(pair, "def parse(s):", chat=False, max_new_tokens=10))
+    assert speculative(r.usage)["method"] == "sd"
+    ar = c.completions.create(model="tiny", prompt="def parse(s):", max_tokens=10, extra_body={"method": "ar"})
+    assert ar.choices[0].text == r.choices[0].text and speculative(ar.usage)["method"] == "ar"
+    ids = pair.encode("def parse(s):")
+    by_ids = c.completions.create(model="tiny", prompt=ids, max_tokens=10)
+    assert by_ids.choices[0].text == r.choices[0].text and by_ids.usage.prompt_tokens == len(ids)
+
+
+def test_streaming_chat_sends_chunks_then_usage(pair, url):
+    stream = client(url).chat.completions.create(
+        model="tiny", messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}],
+        max_tokens=16, stream=True, stream_options={"include_usage": True}, extra_body={"method": "sd"})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 1  # streamed, not one lump
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    ids = pair.encode_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}])
+    assert text == pair.decode(pair.engine.generate(ids, Settings(method="sd", max_new_tokens=16)).token_ids)
+    assert speculative(chunks[-1].usage)["steps"] >= 1
+
+
+def test_streaming_completion_and_stop_strings(pair, url):
+    c = client(url)
+    full = c.completions.create(model="tiny", prompt="hello", max_tokens=16).choices[0].text
+    pieces = [ch.choices[0].text for ch in c.completions.create(model="tiny", prompt="hello", max_tokens=16,
+                                                                 stream=True)]
+    assert "".join(pieces) == full
+    stop = full[5:7]
+    cut = full[: full.index(stop)]
+    r = c.completions.create(model="tiny", prompt="hello", max_tokens=16, stop=[stop])
+    assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+    streamed = c.completions.create(model="tiny", prompt="hello", max_tokens=16, stop=stop, stream=True)
+    assert "".join(ch.choices[0].text for ch in streamed) == cut
+
+
+def test_models_and_health(url):
+    models = client(url).models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    h = httpx.get(f"{url}/health").json()
+    assert h["status"] == "ok" and h["busy"] is False and h["prefix_cache"]["max_bytes"] == 64 << 20
+
+
+# --------------------------------------------------------------------------- the prefix cache
+
+
+@pytest.mark.parametrize("method", ["ar", "sd", "specextend"])
+def test_a_second_question_on_the_same_document_reuses_its_prefill(pair, folders, method):
+    with running(pair, folders) as u:
+        c = client(u)
+        answers = []
+        for q in ("Who wrote it?", "When was it held?"):
+            prompt = f"{DOC}\n\n{q}"
+            r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                          max_tokens=12, extra_body={"method": method})
+            assert r.choices[0].message.content == pair.decode(expected(pair, prompt, True, method=method,
+                                                                         max_new_tokens=12))
+            answers.append(r)
+        first, second = (speculative(a.usage)["cached_prompt_tokens"] for a in answers)
+        doc_tokens = len(pair.encode_chat([{"role": "user", "content": DOC}]))
+        assert first == 0 and second >= doc_tokens - 8
+        assert answers[1].usage.prompt_tokens_details.cached_tokens == second
+
+
+def test_a_restarted_server_finds_its_prefill_on_disk(pair, folders, tmp_path):
+    prompt = f"{DOC}\n\nWho wrote it?"
+    for round_ in range(2):
+        with running(pair, folders, cache_dir=tmp_path / "kv") as u:
+            r = client(u).chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                                  max_tokens=8)
+            cached = speculative(r.usage)["cached_prompt_tokens"]
+            assert cached == (0 if round_ == 0 else r.usage.prompt_tokens - 1)
+            assert httpx.get(f"{u}/health").json()["prefix_cache"]["disk_entries"] == 1
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+BAD = [
+    ("chat", b"{not json", None),
+    ("chat", b"[1, 2]", None),
+    ("chat", {"model": "tiny"}, "messages"),
+    ("chat", {"messages": []}, "messages"),
+    ("chat", {"messages": "hello"}, "messages"),
+    ("chat", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}, "max_tokens"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "5"}, "max_tokens"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 600}, "messages"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, "top_p"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, "top_p"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "method": "magic"}, "method"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "method": 3}, "method"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "chunk_size": 0}, "chunk_size"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "stream"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "bogus": 1}, "bogus"),
+    ("completion", {"model": "tiny"}, "prompt"),
+    ("completion", {"prompt": ""}, "prompt"),
+    ("completion", {"prompt": [1, "a"]}, "prompt"),
+    ("completion", {"prompt": [99999]}, "prompt"),
+    ("completion", {"prompt": "hi " * 300, "max_tokens": 300}, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "body", "param"), BAD, ids=[f"{i}-{b[2]}" for i, b in enumerate(BAD)])
+def test_bad_requests_get_openai_shaped_400s(url, endpoint, body, param):
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    r = httpx.post(f"{url}{path}", content=body if isinstance(body, bytes) else json.dumps(body),
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert err["param"] == param and err["message"] and "Traceback" not in r.text
+    if isinstance(body, dict) and body.get("max_tokens") == 600:
+        assert err["code"] == "context_length_exceeded"
+
+
+def test_the_openai_client_sees_a_bad_request_error(url):
+    with pytest.raises(openai.BadRequestError) as e:
+        client(url).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], top_p=2.0)
+    assert e.value.status_code == 400 and e.value.body["param"] == "top_p"
+
+
+def test_unknown_routes_and_internal_errors_are_json(pair, url, monkeypatch):
+    r = httpx.get(f"{url}/v2/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    assert httpx.get(f"{url}/v1/chat/completions").status_code == 405
+
+    def broken(*a, **k):
+        raise RuntimeError("the kernel fell over")
+
+    monkeypatch.setattr(pair.engine, "decode", broken)
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error" and "Traceback" not in r.text
+    monkeypatch.undo()
+    assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}).status_code == 200
+
+
+# --------------------------------------------------------------------------- the queue
+
+
+def slow_steps(pair, seconds: float = 0.05) -> None:
+    pair.engine.step_hook = lambda *a: time.sleep(seconds)
+
+
+def first_content_chunk(response: httpx.Response) -> None:
+    for line in response.iter_lines():
+        if line.startswith("data: ") and '"content": "' in line and '"content": ""' not in line:
+            return
+    raise AssertionError("the stream ended without content")
+
+
+def test_past_the_queue_requests_get_429_with_retry_after(pair, folders):
+    with running(pair, folders, max_queue=1) as u:
+        gate = threading.Event()
+        pair.engine.step_hook = lambda *a: gate.wait(60)  # the first generation holds the slot until released
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "stream": True,
+                "method": "sd"}
+        with httpx.Client(timeout=60) as h, h.stream("POST", f"{u}/v1/chat/completions", json=body) as running_:
+            first_content_chunk(running_)  # the first request holds the slot
+            waiting = threading.Thread(target=httpx.post, args=(f"{u}/v1/completions",),
+                                       kwargs={"json": {"prompt": "hi", "max_tokens": 2}, "timeout": 60})
+            waiting.start()
+            deadline = time.time() + 10
+            while httpx.get(f"{u}/health").json()["waiting"] < 1:
+                assert time.time() < deadline
+                time.sleep(0.02)
+            r = httpx.post(f"{u}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+            assert r.json()["error"]["type"] == "rate_limit_error" and r.json()["error"]["code"] == "queue_full"
+            with pytest.raises(openai.RateLimitError):
+                client(u).completions.create(model="tiny", prompt="hi", max_tokens=2)
+            gate.set()
+        waiting.join(60)
+        assert httpx.post(f"{u}/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_a_disconnecting_stream_frees_the_slot(pair, folders):
+    with running(pair, folders, max_queue=0) as u:
+        slow_steps(pair)  # 200 tokens would take many seconds
+        body = {"prompt": "hi", "max_tokens": 200, "stream": True, "method": "sd"}
+        t0 = time.time()
+        with httpx.Client(timeout=60) as h, h.stream("POST", f"{u}/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break
+        # The connection is closed; the generation stops at its next step and the next request runs.
+        deadline = time.time() + 10
+        while True:
+            r = httpx.post(f"{u}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "method": "ar"})
+            if r.status_code == 200:
+                break
+            assert r.status_code == 429 and time.time() < deadline
+            time.sleep(0.05)
+        assert time.time() - t0 < 8
+        assert httpx.get(f"{u}/health").json()["busy"] is False
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def test_the_serve_command_starts_answers_and_stops(folders, tmp_path):
+    env = {**os.environ, "SPECEXTEND_HOME": str(tmp_path / "home")}
+    cmd = [sys.executable, "-m", "specextend.cli", "serve", "--target", str(folders["target"]), "--draft",
+           str(folders["draft"]), "--dtype", "float64", "--port", "0", "--cache-mb", "16", "-q"]
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()
+        m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
+        assert m, line
+        base = f"http://127.0.0.1:{m.group(1)}"
+        r = client(base).chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=4)
+        assert r.usage.completion_tokens <= 4
+        assert httpx.get(f"{base}/health").json()["prefix_cache"]["max_bytes"] == 16 << 20
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+    assert proc.returncode == 0
+
+
+@pytest.mark.parametrize("args", [["--port", "70000"], ["--max-queue", "-1"], ["--cache-mb", "-5"],
+                                  ["--method", "magic"]])
+def test_the_serve_command_refuses_bad_flags_in_one_line(args, tmp_path):
+    env = {**os.environ, "SPECEXTEND_HOME": str(tmp_path / "home")}
+    r = subprocess.run([sys.executable, "-m", "specextend.cli", "serve", *args], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
