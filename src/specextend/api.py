@@ -233,7 +233,7 @@ class Pair(_Prompts):
 
     def _settings(self, settings: Settings | None, overrides: dict[str, Any]) -> Settings:
         s = make_settings(settings, **overrides)
-        if s.method != "ar" and self.draft is None:
+        if s.uses_draft and self.draft is None:
             raise UserError(f"method {s.method!r} needs a draft model (this pair was loaded without one)")
         return s
 
@@ -276,12 +276,12 @@ class Pair(_Prompts):
             text=self.decode(gen.token_ids),
             method=s.method,
             target=str(self.target_path),
-            draft=str(self.draft_path) if s.method != "ar" and self.draft_path is not None else None,
+            draft=str(self.draft_path) if s.uses_draft and self.draft_path is not None else None,
             dtype=self.dtype,
-            draft_dtype=self.draft_dtype if s.method != "ar" else None,
+            draft_dtype=self.draft_dtype if s.uses_draft else None,
             device=self.device,
             weights=self.target.weights,
-            draft_weights=self.draft.weights if s.method != "ar" and self.draft is not None else None,
+            draft_weights=self.draft.weights if s.uses_draft and self.draft is not None else None,
         )
 
 
