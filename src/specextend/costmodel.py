@@ -58,8 +58,8 @@ class ForwardCurve:
     """Seconds of one forward: `seconds[i][j]` for `rows[j]` new rows over `contexts[i]` cached tokens.
 
     Between grid points the cost is interpolated linearly, beyond them extrapolated from the last
-    two points; the table is made non-decreasing in both rows and context when built, so a larger
-    tree or a longer context never predicts cheaper."""
+    two points; the table is made non-decreasing in both rows and context when built (from above,
+    see below), so a larger tree or a longer context never predicts cheaper."""
 
     rows: list[int]
     contexts: list[int]
@@ -71,10 +71,16 @@ class ForwardCurve:
         if any(len(r) != len(self.rows) for r in self.seconds):
             raise ValueError("a cost curve needs one time per row count at every context")
         table = [list(map(float, r)) for r in self.seconds]
-        for i, r in enumerate(table):
-            for j in range(len(r)):
-                floor = max(r[j - 1] if j else 0.0, table[i - 1][j] if i else 0.0)
-                r[j] = max(r[j], floor)
+        if any(not (0.0 < x < float("inf")) for r in table for x in r):
+            raise ValueError("a cost curve's times must be positive and finite")
+        # Non-decreasing from above: each point is at most every point with as many rows or more
+        # and as much context or more. Timing noise only adds, so a slow outlier at a small point
+        # is cut down by its larger neighbours instead of lifting the whole table.
+        for i in range(len(table) - 1, -1, -1):
+            for j in range(len(table[i]) - 1, -1, -1):
+                ceiling = min(table[i][j + 1] if j + 1 < len(table[i]) else float("inf"),
+                              table[i + 1][j] if i + 1 < len(table) else float("inf"))
+                table[i][j] = min(table[i][j], ceiling)
         self.seconds = table
 
     def predict(self, rows: int, context: int) -> float:
@@ -152,7 +158,7 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def curve_key(model: Any, backend: str) -> str:
+def curve_parts(model: Any, backend: str) -> dict[str, Any]:
     """What a forward's cost depends on: the machine (CPU or GPU, threads), the model's shape, its
     weight format and size, precisions, the attention path and, for the C++ kernels, their build."""
     from . import kernels
@@ -184,16 +190,27 @@ def curve_key(model: Any, backend: str) -> str:
         "attention": "rowwise" if model.rowwise_attention else backend,
         "kernels": kernels.source_key() if quantized else None,
     }
-    digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+    return parts
+
+
+def curve_key(model: Any, backend: str) -> str:
+    """The cache file's name: the model's shape and weights, and a digest of `curve_parts`."""
+    cfg = model.cfg
+    digest = hashlib.sha256(json.dumps(curve_parts(model, backend), sort_keys=True).encode()).hexdigest()[:16]
     return f"{cfg.arch}-{cfg.num_layers}x{cfg.hidden_size}-{model.weights}-{digest}"
 
 
 def cached_curve(model: Any, backend: str, remeasure: bool = False, quiet: bool = False) -> ForwardCurve:
     """The model's curve from the cache, measured (and stored) if absent, unreadable or asked for."""
     path = cache_dir() / f"{curve_key(model, backend)}.json"
+    parts = json.loads(json.dumps(curve_parts(model, backend)))  # as it reads back from JSON
     if not remeasure:
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            return ForwardCurve.from_json(json.loads(path.read_text())["curve"])
+        # Checked on read: a file for other parts (a digest collision, a hand edit), a torn or
+        # malformed one, or impossible times are measured again rather than trusted.
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
+            stored = json.loads(path.read_text())
+            if stored.get("parts") == parts:
+                return ForwardCurve.from_json(stored["curve"])
     if not quiet:
         print(f"specextend: measuring the step costs of a {model.cfg.num_layers}-layer model "
               "(once per machine and model; about 10 s)", file=sys.stderr, flush=True)
@@ -201,7 +218,8 @@ def cached_curve(model: Any, backend: str, remeasure: bool = False, quiet: bool 
     with contextlib.suppress(OSError):  # an unwritable cache only means measuring next time again
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "curve": curve.to_json()}))
+        tmp.write_text(json.dumps({"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "parts": parts,
+                                   "curve": curve.to_json()}))
         tmp.replace(path)  # atomic: a concurrent reader sees the old file or the new one
     return curve
 
