@@ -286,11 +286,12 @@ class SpecEngine:
             n_verified += tree.size
             verify_s = clock.lap("verify_s")
             accepts.append(len(verdict.path) - 1)
+            # Told before the stop check, so the last step counts in the proposer's statistics.
+            proposer.verified(tree, verdict, new, context, draft_s, verify_s)
             stop = self._emit(out, new, s, cb)
             if stop is not None:
                 break
             root = verdict.bonus
-            proposer.verified(tree, verdict, new, context, draft_s, verify_s)
             if proposer.drafted:  # a draft that sat this step out has nothing to retrieve for
                 self._retrieve(proposer.policy, tcache, queries, verdict.path)
             clock.lap("retrieval_s")
