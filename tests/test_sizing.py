@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import random
 
 import pytest
@@ -242,3 +243,47 @@ def test_cheaper_rows_never_grow_fewer_levels(seed):
         sizes.append(len(sizer.choose(pool)))
     assert levels == sorted(levels), levels
     assert sizes == sorted(sizes), sizes
+
+
+# --------------------------------------------------------------------------- the cost cache
+
+
+def test_cost_curves_are_cached_and_checked_on_read(tiny_dir, tmp_path, monkeypatch):
+    from specextend import costmodel
+
+    monkeypatch.setenv("SPECEXTEND_COST_CACHE", str(tmp_path))
+    model = load_model(tiny_dir("qwen2", 0), torch.float64)
+    measured = []
+    fake = ForwardCurve([1, 2], [0, 64], [[1e-3, 2e-3], [2e-3, 3e-3]])
+    monkeypatch.setattr(costmodel, "measure_curve", lambda *a, **k: measured.append(1) or fake)
+    first = costmodel.cached_curve(model, "efficient", quiet=True)
+    again = costmodel.cached_curve(model, "efficient", quiet=True)
+    assert len(measured) == 1 and first.seconds == again.seconds == fake.seconds
+    (path,) = tmp_path.glob("*.json")
+    assert not list(tmp_path.glob("*.tmp"))  # written whole, then renamed
+    path.write_text(path.read_text()[:-7])  # torn
+    costmodel.cached_curve(model, "efficient", quiet=True)
+    assert len(measured) == 2
+    d = json.loads(path.read_text())
+    d["parts"]["threads"] += 1  # measured for another set-up under the same name
+    path.write_text(json.dumps(d))
+    costmodel.cached_curve(model, "efficient", quiet=True)
+    assert len(measured) == 3
+    d = json.loads(path.read_text())
+    d["curve"]["seconds"][0][0] = -1.0  # impossible
+    path.write_text(json.dumps(d))
+    costmodel.cached_curve(model, "efficient", quiet=True)
+    assert len(measured) == 4
+
+
+def test_a_slow_outlier_does_not_lift_the_curve():
+    c = ForwardCurve([1, 2, 4], [0, 1000], [[0.5, 0.011, 0.012], [0.02, 0.021, 0.03]])
+    assert c.seconds == [[0.011, 0.011, 0.012], [0.02, 0.021, 0.03]]
+    assert c.predict(3, 500) <= c.predict(4, 500) <= c.predict(4, 2000)
+
+
+def test_online_refresh_follows_observed_phase_times():
+    costs = CostModel(ForwardCurve([1, 2], [0], [[0.01, 0.012]]), refresh=True)
+    for _ in range(60):
+        costs.observe("target", costs.target.predict(1, 0), 0.02)  # the machine is twice as slow
+    assert costs.target_s(1, 0) == pytest.approx(0.02, rel=0.02)
