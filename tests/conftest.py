@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,8 @@ def pytest_configure(config: pytest.Config) -> None:
     from specextend import kernels
 
     kernels.available()  # tests of the kernels skip where they cannot be built
+    # Step costs the tests measure (tiny models) stay out of the user's cache.
+    os.environ["SPECEXTEND_COST_CACHE"] = tempfile.mkdtemp(prefix="specextend-costs-")
 
 
 def tiny_hf_config(arch: str, vocab: int = 64, layers: int = 2, **kw):

@@ -122,3 +122,97 @@ def test_engine_sampling_matches_target_distribution(tiny_dir):
         keep = (p * n) > 0
         assert counts[pos][~keep].sum() == 0
         assert chisquare(counts[pos][keep].numpy(), (p[keep] * n).numpy()).pvalue > 1e-3
+
+
+def simulate_with_lookup(p_logits, q_logits, root: int, temperature: float, seed: int, n: int = N):
+    """As `simulate`, with deterministic lookup branches (a function of the root, mostly wrong,
+    often equal to a draft child: one merged node) fused into each tree."""
+    from specextend.tree import LOOKUP, Pool, assemble
+
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(POSITIONS, V)
+    builder = DynamicTreeBuilder(budget=6, depth=3, topk=3)
+
+    def run(tokens, depths, mask):
+        return q_logits[tokens]
+
+    for _ in range(n):
+        out: list[int] = []
+        r = root
+        while len(out) < POSITIONS:
+            pool = Pool()
+            pool.add_continuation([(r + 1) % V, (r * 2) % V, 3], ngram=2)
+            pool.add_continuation([(r + 4) % V], ngram=1)
+            builder.grow(pool, draft_dist(q_logits[r], temperature), run, False, temperature, gen)
+            tree = assemble(r, pool, builder.select(pool) + pool.of(LOOKUP))
+            verdict = verify_sampling(tree, p_logits[tree.tokens], temperature, 1.0, gen)
+            toks = tree.tokens.tolist()
+            out += [toks[i] for i in verdict.path[1:]] + [verdict.bonus]
+            r = out[-1]
+        for pos in range(POSITIONS):
+            counts[pos, out[pos]] += 1
+    return counts
+
+
+def test_lookup_candidates_keep_the_distribution():
+    p_logits, q_logits = markov_pair(1)
+    counts = simulate_with_lookup(p_logits, q_logits, 2, 1.0, seed=5)
+    assert min_pvalue(counts, exact_marginals(p_logits, 2, 1.0, 1.0)) > 1e-3
+
+
+def test_broken_point_mass_rule_is_detected(monkeypatch):
+    """Keeping p after rejecting a lookup token (no residual) biases the output; noticed."""
+    monkeypatch.setattr(verify, "without", lambda p, x: p)
+    p_logits, q_logits = markov_pair(1)
+    counts = simulate_with_lookup(p_logits, q_logits, 2, 1.0, seed=5)
+    assert min_pvalue(counts, exact_marginals(p_logits, 2, 1.0, 1.0)) < 1e-6
+
+
+@pytest.mark.parametrize("method", ["specextend", "lookup"])
+def test_engine_sampling_with_wrong_lookup_candidates(tiny_dir, monkeypatch, method):
+    """Through the engine (sized trees from a frozen synthetic cost model): lookup candidates
+    drawn at random, mostly wrong, leave the first two tokens distributed as the target's own
+    samples (3 000 generations: fewer than the test above, the engine step being slower)."""
+    import random
+
+    from specextend.costmodel import CostModel, ForwardCurve
+    from specextend.engine import SpecEngine
+    from specextend.lookup import ContextIndex, Continuation
+    from specextend.models.loader import load_model
+    from specextend.settings import Settings
+
+    target = load_model(tiny_dir("qwen2", 0, vocab=8, layers=1), torch.float64)
+    draft = load_model(tiny_dir("qwen2", 3, vocab=8, layers=1), torch.float64)
+    eng = SpecEngine(target, draft, eos_ids=[])
+    rows = [1, 2, 4, 8, 16, 32]
+    eng.costs = CostModel(ForwardCurve(rows, [0], [[0.010, 0.0102, 0.0105, 0.011, 0.015, 0.03]]),
+                          ForwardCurve(rows, [0], [[0.001] * 6]), refresh=False)
+    rng = random.Random(7)  # independent of the generator the verifier draws from
+    monkeypatch.setattr(ContextIndex, "continuations", lambda self, m, b, n: [
+        Continuation(tuple(rng.randrange(8) for _ in range(rng.randint(1, 3))), rng.randint(1, 3))
+        for _ in range(2)])
+    prompt = [1, 2, 3]
+    temperature, top_p = 0.9, 0.95
+
+    def dist_after(ids):
+        cache = target.new_cache(len(ids) + 1)
+        return target_dist(target.prefill(torch.tensor(ids), cache), temperature, top_p)
+
+    p1 = dist_after(prompt)
+    p2 = sum(p1[a] * dist_after([*prompt, a]) for a in range(8))
+    s = Settings(method=method, max_new_tokens=2, temperature=temperature, top_p=top_p, chunk_size=4,
+                 top_k_chunks=2)
+    state = eng.prefill(prompt, s)
+    counts = torch.zeros(2, 8)
+    n = 3_000
+    lookup_nodes = 0.0
+    for seed in range(n):
+        r = eng.decode(state, Settings(**{**s.__dict__, "seed": seed}))
+        counts[0, r.token_ids[0]] += 1
+        counts[1, r.token_ids[1]] += 1
+        lookup_nodes += r.extra["lookup_nodes_per_step"]
+    assert lookup_nodes > 0
+    for pos, p in enumerate((p1, p2)):
+        keep = (p * n) > 0
+        assert counts[pos][~keep].sum() == 0
+        assert chisquare(counts[pos][keep].numpy(), (p[keep] * n).numpy()).pvalue > 1e-3

@@ -230,7 +230,7 @@ class Pair(_Prompts):
         """Both models' caches over the prompt, starting from the longest cached prefix if any."""
         prefix = None
         if self.prefix_cache is not None:
-            draft_kind = self.kv_kind(self.draft, s) if s.method != "ar" and self.draft is not None else None
+            draft_kind = self.kv_kind(self.draft, s) if s.uses_draft and self.draft is not None else None
             prefix = self.prefix_cache.lookup(ids, self.kv_kind(self.target, s), draft_kind)
         return self.engine.prefill(ids, s, prefix)
 
@@ -294,7 +294,7 @@ class Pair(_Prompts):
 
     def _settings(self, settings: Settings | None, overrides: dict[str, Any]) -> Settings:
         s = make_settings(settings, **overrides)
-        if s.method != "ar" and self.draft is None:
+        if s.uses_draft and self.draft is None:
             raise UserError(f"method {s.method!r} needs a draft model (this pair was loaded without one)")
         return s
 
@@ -337,12 +337,12 @@ class Pair(_Prompts):
             text=self.decode(gen.token_ids),
             method=s.method,
             target=str(self.target_path),
-            draft=str(self.draft_path) if s.method != "ar" and self.draft_path is not None else None,
+            draft=str(self.draft_path) if s.uses_draft and self.draft_path is not None else None,
             dtype=self.dtype,
-            draft_dtype=self.draft_dtype if s.method != "ar" else None,
+            draft_dtype=self.draft_dtype if s.uses_draft else None,
             device=self.device,
             weights=self.target.weights,
-            draft_weights=self.draft.weights if s.method != "ar" and self.draft is not None else None,
+            draft_weights=self.draft.weights if s.uses_draft and self.draft is not None else None,
         )
 
 

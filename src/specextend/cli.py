@@ -85,8 +85,9 @@ def add_settings_arguments(p: argparse.ArgumentParser, labels: bool = True) -> N
     """The generation settings' options (method, retrieval, tree, length and sampling), shared by
     `generate` and `serve` (where they are the defaults a request's body may override)."""
     method = p.add_argument_group("method")
-    _opt(method, "--method", str, "ar: target alone, sd: speculative decoding, specextend: + CMR",
-         choices=METHODS, metavar="|".join(METHODS))
+    _opt(method, "--method", str, "ar: target alone, sd: speculative decoding, specextend: + CMR, sized "
+         "trees and prompt lookup, lookup: the target with prompt lookup alone", choices=METHODS,
+         metavar="|".join(METHODS))
     _opt(method, "--draft-cache", str, "draft KV policy, overrides the preset's", choices=tuple(DRAFT_POLICIES),
          metavar="|".join(DRAFT_POLICIES), shown_default="the preset's")
     _opt(method, "--attention", str, "attention backend, overrides the preset's", choices=ATTENTIONS,
@@ -108,10 +109,21 @@ def add_settings_arguments(p: argparse.ArgumentParser, labels: bool = True) -> N
          metavar="|".join(POSITION_MODES))
     _opt(cmr, "--sink-tokens", int, "streaming cache: attention-sink tokens kept at the start")
 
+    sizing = p.add_argument_group("tree sizing and prompt lookup")
+    sizing.add_argument("--cost-model", action=argparse.BooleanOptionalAction, default=None,
+                        help="size each step's tree from the measured step costs, down to no tree (default: the "
+                             "preset's: on for specextend and lookup)")
+    sizing.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=None,
+                        help="propose continuations of the context's earlier occurrences of its last tokens "
+                             "(default: the preset's: on for specextend and lookup)")
+    _opt(sizing, "--lookup-ngram", int, "longest suffix matched against the context")
+    _opt(sizing, "--lookup-branches", int, "distinct continuations proposed per step")
+    _opt(sizing, "--lookup-length", int, "tokens per continuation")
+
     tree = p.add_argument_group("draft tree")
     _opt(tree, "--tree", str, "tree builder", choices=TREES, metavar="|".join(TREES))
-    _opt(tree, "--tree-budget", int, "draft nodes verified per step (dynamic tree)")
-    _opt(tree, "--tree-depth", int, "longest draft path")
+    _opt(tree, "--tree-budget", int, "draft nodes verified per step (dynamic tree; with the cost model, at most)")
+    _opt(tree, "--tree-depth", int, "longest draft path (with the cost model, at most)")
     _opt(tree, "--tree-topk", int, "children considered per expanded node")
     _opt(tree, "--tree-threshold", float, "stop growing below this best frontier path probability")
     _opt(tree, "--chain-length", int, "draft tokens per step (chain builder)")
@@ -320,7 +332,7 @@ def _run_generate(args: argparse.Namespace, settings: Settings, prompt: str,
                   on_text: Callable[[str], None] | None) -> Any:
     from .api import prepare
 
-    prepared = prepare(args.target, args.draft, **model_options(args), load_draft=settings.method != "ar",
+    prepared = prepare(args.target, args.draft, **model_options(args), load_draft=settings.uses_draft,
                        progress=not args.quiet)
     # Tokenize and check the length before the (slow) weights are read.
     ids = prepared.encode(prompt, chat=args.chat)
@@ -334,7 +346,7 @@ def summary_line(r: Any) -> str:
         f"prefill {r.prefill_s:.2f} s",
         f"decode {r.decode_s:.2f} s = {r.decode_tokens_per_s:.2f} tok/s",
     ]
-    if r.method != "ar":
+    if r.method != "ar":  # a speculative method, with or without a draft
         parts.append(f"τ {r.accepted_per_step:.2f} over {r.steps} steps")
     return f"{PROG}: " + " | ".join(parts)
 

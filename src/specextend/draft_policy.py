@@ -13,7 +13,8 @@ decoding loop (engine.py) and the needle test see only the `DraftPolicy` interfa
 - before decoding: `sees_every_position` (the context limit), `score_layers` (which target
   layers' queries to keep), `start` (the first working cache, from the prompt's scores if the
   policy wants them);
-- proposing: `extend` with committed tokens, `run_tree`/`end_tree` for a draft tree;
+- proposing: `extend` with committed tokens, `run_tree`/`end_tree` for a draft tree, `skip` for
+  committed tokens the draft sat out (the engine decoded them without it);
 - after each verification: `observe`, then `wants_scores`/`score_rows`/`refresh` for retrieval;
 - `stats` for the result, `kept_ranges` for inspection.
 
@@ -52,6 +53,10 @@ class DraftPolicy:
         self.working = draft_store
         self.next_pos = draft_store.length  # draft position of the next committed token
         self.tree_base = 0  # working length before the current tree
+        # Tokens the draft never saw (`skip`), and the true position of each stored slot: equal
+        # to the slot until something is skipped.
+        self.skipped = 0
+        self.true_pos = torch.arange(draft_store.capacity)
 
     # --- before decoding ---------------------------------------------------------------------
     @classmethod
@@ -78,6 +83,18 @@ class DraftPolicy:
         self.next_pos += n
         self.tree_base = self.working.length
         return logits
+
+    def skip(self, n: int) -> None:
+        """`n` committed tokens the draft will not see: it sat out the steps that produced them,
+        and feeding them all now would cost a draft forward over every one. The store gets no
+        slots for them; tokens after them keep their true positions where positions are true
+        ones, and `true_pos` maps each stored slot to its position in the target's cache."""
+        self.skipped += n
+        self.true_pos[self.draft_store.length :] += n
+        self._skip_positions(n)
+
+    def _skip_positions(self, n: int) -> None:
+        self.next_pos += n
 
     def run_tree(self, tokens: torch.Tensor, depths: torch.Tensor, tree_mask: torch.Tensor) -> torch.Tensor:
         """Feed draft tree nodes (depth 1 = child of the last committed token). The nodes stay in
@@ -146,6 +163,10 @@ class SelectiveDraftPolicy(DraftPolicy):
     def sees_every_position(cls, settings: Settings) -> bool:
         return settings.positions == "original"
 
+    def _skip_positions(self, n: int) -> None:
+        if not self.compact:  # compact positions simply close the gap
+            self.next_pos += n
+
     def _stored(self, n: int, pos: torch.Tensor) -> None:
         w, s = self.working.length, self.draft_store.length
         self.draft_store.begin(n)
@@ -176,7 +197,7 @@ class SelectiveDraftPolicy(DraftPolicy):
                 self.working.k[:, :, :n] = apply_rope(k, cos.to(k.device), sin.to(k.device))
             self.next_pos = n
         else:
-            self.next_pos = self.draft_store.length
+            self.next_pos = self.draft_store.length + self.skipped
         self.selected = ranges
         self.tree_base = n
         self.steps_since = 0
@@ -305,6 +326,8 @@ class CMRPolicy(SelectiveDraftPolicy):
     def refresh(self, scores: torch.Tensor | None) -> None:
         if scores is None or self.keeps_all():
             return
+        if self.skipped:  # scores are per target position; chunks are of stored slots
+            scores = scores[self.true_pos[: self.draft_store.length]]
         c, ov = self.s.chunk_size, self.s.chunk_overlap
         chosen = self.choose_chunks(scores)
         if self.s.adaptive_refresh and not (self.force or self.drop or self._new_chunk()):

@@ -1,14 +1,14 @@
 """The decoding loop: target-only (`ar`) and speculative (draft tree -> one target verification).
 
-Parts are swappable and the loop knows none of their insides: a `TreeBuilder` proposes
-(tree.py), a verifier accepts (verify.py), a `DraftPolicy` decides what the draft attends to
-(draft_policy.py). A speculative step is three calls: `_draft`, `_verify`, `_retrieve`.
-Invariants between steps:
+Parts are swappable and the loop knows none of their insides: a `Proposer` proposes
+(propose.py: the draft through its tree builder and `DraftPolicy`, prompt lookup, and the sizer
+that chooses the tree from the measured step costs), a verifier accepts (verify.py). A
+speculative step is three calls: `proposer.propose`, `_verify`, `_retrieve`. Invariants between steps:
 
 - the target cache holds every committed token except the newest one (`root`), which is the
   first token of the next verification forward;
-- the draft store holds the committed tokens except those in `todo`, which the next drafting
-  pass feeds first (the accepted run and the bonus token).
+- the draft store holds the committed tokens except those in the proposer's `backlog`, which
+  the next drafting pass feeds first, and those the draft skipped (`DraftPolicy.skip`).
 
 Prefill is separate from decoding and restorable, so a benchmark can prefill a prompt once and
 decode it with several methods: decoding only ever appends after the prompt. Prefill can also
@@ -29,12 +29,15 @@ from typing import Any
 import torch
 
 from .attention import attention_probs
+from .costmodel import CostModel, cached_curve
 from .draft_policy import DRAFT_POLICIES, DraftPolicy, make_policy
 from .errors import UserError
 from .kv_cache import KVCache, KVSnapshot
+from .lookup import ContextIndex
 from .model import Transformer
+from .propose import Proposer
 from .settings import Settings
-from .tree import DraftTree, TreeBuilder, draft_dist, make_builder
+from .tree import DraftTree, make_builder
 from .verify import Verdict, sample, target_dist, verify_greedy, verify_sampling
 
 TokensCallback = Callable[[list[int]], bool | None]  # True: stop after this batch
@@ -128,7 +131,7 @@ def check_fits(prompt_tokens: int, settings: Settings, target_context: int, draf
     if prompt_tokens == 0:
         raise UserError("the prompt is empty")
     limit, whose = target_context, "the target's"
-    if (s.method != "ar" and draft_context is not None and draft_context < limit
+    if (s.uses_draft and draft_context is not None and draft_context < limit
             and DRAFT_POLICIES[s.draft_cache].sees_every_position(s)):
         limit, whose = draft_context, "the draft's, which sees every position"
     if prompt_tokens + s.max_new_tokens > limit:
@@ -151,10 +154,13 @@ class _Clock:
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    def lap(self, phase: str) -> None:
+    def lap(self, phase: str) -> float:
+        """Close the current lap, counted as `phase`; returns its seconds."""
         t = self.now()
-        self.totals[phase] += t - self.t
+        lap = t - self.t
+        self.totals[phase] += lap
         self.t = t
+        return lap
 
     def skip(self) -> None:
         self.t = self.now()
@@ -168,9 +174,12 @@ class SpecEngine:
     def __init__(self, target: Transformer, draft: Transformer | None, eos_ids: Sequence[int]) -> None:
         self.target, self.draft = target, draft
         self.eos = set(eos_ids)
-        # Called after every speculative step with (target cache, draft policy, output so far,
-        # pending draft tokens); tests use it to check the caches' invariants.
-        self.step_hook: Callable[[KVCache, DraftPolicy, list[int], list[int]], None] | None = None
+        # Called after every speculative step with (target cache, draft policy or None, output so
+        # far, committed tokens not yet fed to the draft); tests use it to check invariants.
+        self.step_hook: Callable[[KVCache, DraftPolicy | None, list[int], list[int]], None] | None = None
+        # The measured step costs the tree sizing reads, refreshed online while decoding (one per
+        # engine: the online refresh carries over between generations). Tests set a synthetic one.
+        self.costs: CostModel | None = None
 
     def warmup(self, max_rows: int = 16) -> None:
         """Run every forward shape decoding will use once, untimed.
@@ -197,7 +206,7 @@ class SpecEngine:
         queries are computed here), only the remaining tokens are prefilled."""
         s = settings.resolved()
         self.check_fits(len(prompt_ids), s)
-        uses_draft = s.method != "ar" and self.draft is not None
+        uses_draft = s.uses_draft and self.draft is not None
         n = 0
         if prefix is not None:
             n = prefix.length
@@ -236,9 +245,11 @@ class SpecEngine:
         s = settings.resolved()
         if s.max_new_tokens > state.max_new_tokens:
             raise ValueError("decode asks for more new tokens than the prefill made room for")
-        if s.method != "ar" and state.draft_store is None:
+        if s.uses_draft and state.draft_store is None:
             raise UserError(f"method {s.method!r} needs a draft model")
         state.restore()
+        if s.cost_model:
+            self.cost_model(s)  # measured (once per machine) before the decode clock starts
         gen = torch.Generator().manual_seed(s.seed)
         clock = _Clock(self.target.device)
         t_start = clock.t
@@ -264,6 +275,14 @@ class SpecEngine:
             extra=extra,
             cached_prompt_tokens=state.cached_tokens,
         )
+
+    def cost_model(self, s: Settings) -> CostModel:
+        """The engine's cost model, measuring (or reading the cached) curves it still lacks."""
+        if self.costs is None:
+            self.costs = CostModel(cached_curve(self.target, s.attention))
+        if s.uses_draft and self.draft is not None and self.costs.draft is None:
+            self.costs.draft = cached_curve(self.draft, s.attention)
+        return self.costs
 
     def _choose(self, logits: torch.Tensor, s: Settings, gen: torch.Generator) -> int:
         if s.greedy:
@@ -308,31 +327,45 @@ class SpecEngine:
     def _spec_loop(self, state: Prefilled, s: Settings, gen: torch.Generator, clock: _Clock,
                    cb: TokensCallback | None) -> LoopResult:
         tcache = state.target_cache
-        builder = make_builder(s)
-        policy, layers = self._start_policy(state, s, clock)
+        proposer, layers = self._start_proposer(state, s, gen, clock)
         root = self._choose(state.first_logits, s, gen)
         out: list[int] = []
         accepts: list[int] = []
         stop = self._emit(out, [root], s, cb)
-        todo = [root]
+        proposer.committed([root])
         n_verified = 0
         while stop is None:
             clock.skip()
-            tree = self._draft(policy, builder, todo, root, s, gen)
-            clock.lap("draft_s")
+            context = tcache.length
+            tree = proposer.propose(root, context)  # lookup, and the draft where it pays
+            draft_s = clock.lap("draft_s")
             verdict, new, queries = self._verify(tree, tcache, layers, s, gen)
             n_verified += tree.size
-            clock.lap("verify_s")
+            verify_s = clock.lap("verify_s")
             accepts.append(len(verdict.path) - 1)
+            # Told before the stop check, so the last step counts in the proposer's statistics.
+            proposer.verified(tree, verdict, new, context, draft_s, verify_s)
             stop = self._emit(out, new, s, cb)
             if stop is not None:
                 break
-            todo, root = new, verdict.bonus
-            self._retrieve(policy, tcache, queries, verdict.path)
+            root = verdict.bonus
+            if proposer.drafted:  # a draft that sat this step out has nothing to retrieve for
+                self._retrieve(proposer.policy, tcache, queries, verdict.path)
             clock.lap("retrieval_s")
             if self.step_hook is not None:
-                self.step_hook(tcache, policy, out, todo)
-        return out, accepts, stop, {"verified_nodes_per_step": n_verified / max(1, len(accepts)), **policy.stats()}
+                self.step_hook(tcache, proposer.policy, out, proposer.backlog)
+        extra = {"verified_nodes_per_step": n_verified / max(1, len(accepts)), **proposer.stats(len(accepts))}
+        return out, accepts, stop, extra
+
+    def _start_proposer(self, state: Prefilled, s: Settings, gen: torch.Generator, clock: _Clock
+                        ) -> tuple[Proposer, list[int]]:
+        """The step's proposing parts, and the target layers the draft policy scores with."""
+        policy, layers = self._start_policy(state, s, clock) if s.uses_draft else (None, [])
+        index = None
+        if s.lookup:
+            index = ContextIndex(state.prompt_ids, len(state.prompt_ids) + s.max_new_tokens + TREE_HEADROOM)
+        costs = self.cost_model(s) if s.cost_model else None
+        return Proposer(s, policy, make_builder(s) if policy is not None else None, index, costs, gen), layers
 
     def _start_policy(self, state: Prefilled, s: Settings, clock: _Clock) -> tuple[DraftPolicy, list[int]]:
         """The draft policy over the prefilled draft store, started (its time is retrieval's), and
@@ -344,15 +377,6 @@ class SpecEngine:
         policy.start(lambda: self.prompt_scores(state, layers))
         clock.lap("retrieval_s")
         return policy, layers
-
-    def _draft(self, policy: DraftPolicy, builder: TreeBuilder, todo: list[int], root: int, s: Settings,
-               gen: torch.Generator) -> DraftTree:
-        """Catch the draft up on the committed tokens, then grow a tree below the root."""
-        logits = policy.extend(todo)
-        root_q = draft_dist(logits[-1], s.temperature)
-        tree = builder.build(root, root_q, policy.run_tree, s.greedy, s.temperature, gen)
-        policy.end_tree()
-        return tree
 
     def _verify(self, tree: DraftTree, tcache: KVCache, layers: list[int], s: Settings, gen: torch.Generator
                 ) -> tuple[Verdict, list[int], dict[int, torch.Tensor] | None]:

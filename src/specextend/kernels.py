@@ -39,6 +39,12 @@ def _key() -> str:
     return h.hexdigest()[:16]
 
 
+def source_key() -> str:
+    """What identifies this build of the kernels (sources, torch, Python, flags): measured step
+    costs are kept per build (costmodel.py), since a kernel change moves them."""
+    return _key()
+
+
 def build_dir() -> Path:
     """Where the compiled kernels live: `SPECEXTEND_KERNEL_CACHE`, else ~/.cache/specextend/kernels.
     Not under SPECEXTEND_HOME: pointing that at another model cache should not compile again."""

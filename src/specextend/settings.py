@@ -12,18 +12,22 @@ from typing import Any
 from .draft_policy import DRAFT_POLICIES
 from .errors import UserError
 
-METHODS = ("ar", "sd", "specextend")
+METHODS = ("ar", "sd", "specextend", "lookup")
 ATTENTIONS = ("eager", "efficient")
 TREES = ("chain", "dynamic")
 POSITION_MODES = ("compact", "original")
 
 # What each preset means (the contract): sd = standard tree speculative decoding; specextend =
-# efficient attention + cross-model retrieval for the draft.
+# efficient attention + cross-model retrieval for the draft, the tree sized each step from the
+# measured step costs, and prompt-lookup candidates fused into it; lookup = the target with
+# prompt-lookup candidates alone (no draft model), sized the same way.
 PRESETS: dict[str, dict[str, Any]] = {
-    "ar": {"draft_cache": None, "attention": "efficient"},
-    "sd": {"draft_cache": "full", "attention": "eager"},
-    "specextend": {"draft_cache": "cmr", "attention": "efficient"},
+    "ar": {"draft_cache": None, "attention": "efficient", "cost_model": False, "lookup": False},
+    "sd": {"draft_cache": "full", "attention": "eager", "cost_model": False, "lookup": False},
+    "specextend": {"draft_cache": "cmr", "attention": "efficient", "cost_model": True, "lookup": True},
+    "lookup": {"draft_cache": None, "attention": "efficient", "cost_model": True, "lookup": True},
 }
+DRAFTLESS = ("ar", "lookup")  # methods that never load or run a draft model
 
 
 @dataclass
@@ -31,6 +35,13 @@ class Settings:
     method: str = "specextend"
     draft_cache: str | None = None  # None: the preset's
     attention: str | None = None  # None: the preset's
+    # Tree sizing from the measured step costs (sizing.py), down to no tree (an `ar` step), and
+    # prompt-lookup candidates fused into the tree (lookup.py). None: the preset's.
+    cost_model: bool | None = None
+    lookup: bool | None = None
+    lookup_ngram: int = 4  # longest suffix of the committed tokens matched against the context
+    lookup_branches: int = 2  # distinct continuations proposed per step, at most
+    lookup_length: int = 8  # tokens per continuation, at most
     # Cross-model retrieval (and the streaming baseline's budget).
     chunk_size: int = 32
     top_k_chunks: int = 32
@@ -71,15 +82,18 @@ class Settings:
         if self.method not in METHODS:
             raise UserError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
         preset = PRESETS[self.method]
-        s = replace(
-            self,
-            draft_cache=self.draft_cache if self.draft_cache is not None else preset["draft_cache"],
-            attention=self.attention if self.attention is not None else preset["attention"],
-        )
+        s = replace(self, **{k: getattr(self, k) if getattr(self, k) is not None else v for k, v in preset.items()})
         if s.method == "ar":
+            s.draft_cache, s.cost_model, s.lookup = None, False, False
+        elif s.method == "lookup":
             s.draft_cache = None
+            if not s.lookup:
+                raise UserError("method lookup proposes only lookup candidates; it cannot run with lookup off")
         elif s.draft_cache not in DRAFT_POLICIES:
             raise UserError(f"unknown draft cache {s.draft_cache!r}; choose one of {', '.join(DRAFT_POLICIES)}")
+        for name in ("cost_model", "lookup"):
+            if not isinstance(getattr(s, name), bool):
+                raise UserError(f"--{name.replace('_', '-')} must be true or false, got {getattr(s, name)!r}")
         if s.attention not in ATTENTIONS:
             raise UserError(f"unknown attention {s.attention!r}; choose one of {', '.join(ATTENTIONS)}")
         if s.tree not in TREES:
@@ -89,7 +103,8 @@ class Settings:
         if s.retrieval_query not in ("last", "path"):
             raise UserError("retrieval query must be 'last' or 'path'")
         for name in ("chunk_size", "top_k_chunks", "retrieve_every", "tree_budget", "tree_depth",
-                     "tree_topk", "chain_length", "max_new_tokens", "retrieval_layers_mean"):
+                     "tree_topk", "chain_length", "max_new_tokens", "retrieval_layers_mean", "lookup_ngram",
+                     "lookup_branches", "lookup_length"):
             v = getattr(s, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
@@ -113,6 +128,11 @@ class Settings:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def uses_draft(self) -> bool:
+        """Whether this method runs a draft model (and so needs one loaded and prefilled)."""
+        return self.method not in DRAFTLESS
+
     def as_dict(self) -> dict[str, Any]:
         """Every setting, and the labels beside them, as plain JSON values."""
         d = asdict(self)
@@ -124,6 +144,8 @@ class Settings:
 # --------------------------------------------------------------------------- KEY=VALUE
 
 _DEFAULTS = {f.name: f.default for f in fields(Settings) if f.default is not MISSING}  # every setting, no labels
+# Settings whose default (None: the preset's) does not show their type: parsed as this one's.
+_TYPED_AS = {"cost_model": False, "lookup": False}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -145,7 +167,7 @@ def parse_assignments(items: Iterable[str], where: str = "--set", *, refused: Ma
         if refused and key in refused:
             raise UserError(f"{where} {key}: use {refused[key]} instead")
         if key in _DEFAULTS:
-            out[key] = _typed(key, raw, _DEFAULTS[key], where)
+            out[key] = _typed(key, raw, _TYPED_AS.get(key, _DEFAULTS[key]), where)
         elif labels:
             out[key] = check_label(key, _label_value(raw), where)
         else:

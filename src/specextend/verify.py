@@ -18,6 +18,16 @@ is; removing x_i from q matches how the next sibling was drawn, and the residual
 target still owes. So the token leaving a node is distributed exactly as p, and by induction the
 whole accepted sequence (plus the bonus token sampled from the final residual) is distributed
 as the target's own samples. Tests check this empirically and check that a broken rule fails.
+
+Deterministic children (prompt lookup, `DraftTree.fixed`) come first. A token y that does not
+depend on this step's draws is a proposal from the point mass at y, and the same round applies
+with q = delta_y: accept y with probability p(y); on rejection the residual is p with y removed,
+renormalised. Their rounds run before any draft round and change nothing about how the draft's
+children were drawn, so the draft rounds that follow keep their laws (q, then q without the
+earlier draws) and only see a smaller residual. A draft child equal to a rejected fixed child
+(one node in the tree) still takes its round in draw order: p(y) is 0 by then, so it is
+rejected, but the round's residual and the removal of y from q must happen, since skipping a
+round because of the value it drew would bias the output.
 """
 
 from __future__ import annotations
@@ -60,12 +70,20 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return r / mass if mass > 0.0 else p
 
 
+def without(p: torch.Tensor, x: int) -> torch.Tensor:
+    """The residual after rejecting a point-mass proposal x: p with x removed, renormalised."""
+    r = p.clone()
+    r[x] = 0.0
+    mass = float(r.sum())
+    return r / mass if mass > 0.0 else p
+
+
 def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
     best = torch.argmax(logits, dim=-1).tolist()
     tokens = tree.tokens.tolist()
     node, path = 0, [0]
     while True:
-        nxt = next((c for c in tree.children[node] if tokens[c] == best[node]), None)
+        nxt = next((c for c in tree.successors(node) if tokens[c] == best[node]), None)
         if nxt is None:
             return Verdict(path, best[node])
         node = nxt
@@ -81,7 +99,13 @@ def verify_sampling(
         p = target_dist(logits[node], temperature, top_p)
         kids = tree.children[node]
         accepted = None
-        if kids:
+        for c in tree.fixed[node]:  # point-mass proposals first
+            x = tokens[c]
+            if float(torch.rand((), generator=gen, dtype=torch.float64)) < float(p[x]):
+                accepted = c
+                break
+            p = without(p, x)
+        if accepted is None and kids:
             q = tree.q[node].clone()
             for c in kids:
                 x = tokens[c]

@@ -29,7 +29,7 @@ RESULTS = "results.jsonl"
 SUMMARY = "summary.md"
 SPEEDUP_PNG = "speedup.png"
 ACCEPTED_PNG = "accepted.png"
-SPECULATIVE_ORDER = ("ar", "sd", "specextend")  # listed first, in this order; the rest alphabetically
+SPECULATIVE_ORDER = ("ar", "sd", "specextend", "lookup")  # listed first, in this order; the rest alphabetically
 PEER_PREFIXES = ("hf-", "llamacpp-")  # other engines, listed after ours in this order
 
 

@@ -148,7 +148,7 @@ class MethodSpec:
             return self.name == "hf-assisted"
         if self.llamacpp is not None:
             return self.llamacpp.needs_draft
-        return self.settings is not None and self.settings.method != "ar"
+        return self.settings is not None and self.settings.uses_draft
 
     @property
     def max_new_tokens(self) -> int:

@@ -140,7 +140,7 @@ class Server:
             self.encoder.check_fits(len(ids), req.settings)
         except UserError as e:
             raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
-        if req.settings.method != "ar" and self.pair.draft is None:
+        if req.settings.uses_draft and self.pair.draft is None:
             raise APIError(400, f"method {req.settings.method!r} needs a draft model; this server has none",
                            param="method")
         return ids

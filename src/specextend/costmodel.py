@@ -1,0 +1,311 @@
+"""Step costs, measured on this machine: what a forward of the target or the draft costs against
+the number of new rows and the number of cached tokens they attend to.
+
+Speculation pays only when the tokens a step gains outweigh what its draft forwards and its wider
+verification cost, and on a 2-core CPU neither is free: a verification of 8 rows costs ~1.7x one
+row, and each draft forward ~1/3 of a target step. So the tree is sized from measured costs
+(sizing.py), never from constants:
+
+- `measure_curve` times one model's forward over a grid of rows x cached length (the KV cache is
+  only *set* to that length: attention costs the same whatever the keys hold), about 10 s for the
+  default pair;
+- `cached_curve` keeps the result in `$SPECEXTEND_COST_CACHE` (default ~/.cache/specextend/costs),
+  one file per machine, model shape, weight format, precision, attention backend and kernel
+  build (`curve_key`): a new kernel build or another CPU measures again;
+- `CostModel` predicts from the two curves and refreshes itself online: each step the engine's
+  phase timings are compared with the prediction and a per-model scale follows their ratio (and
+  a per-step overhead follows what the phases do not cover), so a busier machine or a faster
+  kernel moves the estimate within a few steps.
+
+`python -m specextend.costmodel` shows (or, with --remeasure, re-measures) the default pair's
+curves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT = 1  # bump when the file layout or the measurement changes
+ROWS = (1, 2, 4, 8, 16, 32)  # new tokens per forward: one decode step up to a large tree
+CONTEXTS = (256, 2048, 8192)  # cached tokens those rows attend to
+REPEATS = 3  # timed runs per point after one untimed one; the fastest counts (noise only adds)
+# Online refresh: how far one step's observed/predicted ratio moves the scale, and how far a
+# single observation may pull (a page fault or a preempted step must not swing the model).
+REFRESH_WEIGHT = 0.1
+RATIO_CLAMP = (0.5, 2.0)
+SCALE_CLAMP = (0.2, 5.0)
+
+
+# --------------------------------------------------------------------------- one model's curve
+
+
+@dataclass
+class ForwardCurve:
+    """Seconds of one forward: `seconds[i][j]` for `rows[j]` new rows over `contexts[i]` cached tokens.
+
+    Between grid points the cost is interpolated linearly, beyond them extrapolated from the last
+    two points; the table is made non-decreasing in both rows and context when built (from above,
+    see below), so a larger tree or a longer context never predicts cheaper."""
+
+    rows: list[int]
+    contexts: list[int]
+    seconds: list[list[float]]
+
+    def __post_init__(self) -> None:
+        if not self.rows or not self.contexts or len(self.seconds) != len(self.contexts):
+            raise ValueError("a cost curve needs rows, contexts and one row of seconds per context")
+        if any(len(r) != len(self.rows) for r in self.seconds):
+            raise ValueError("a cost curve needs one time per row count at every context")
+        table = [list(map(float, r)) for r in self.seconds]
+        if any(not (0.0 < x < float("inf")) for r in table for x in r):
+            raise ValueError("a cost curve's times must be positive and finite")
+        # Non-decreasing from above: each point is at most every point with as many rows or more
+        # and as much context or more. Timing noise only adds, so a slow outlier at a small point
+        # is cut down by its larger neighbours instead of lifting the whole table.
+        for i in range(len(table) - 1, -1, -1):
+            for j in range(len(table[i]) - 1, -1, -1):
+                ceiling = min(table[i][j + 1] if j + 1 < len(table[i]) else float("inf"),
+                              table[i + 1][j] if i + 1 < len(table) else float("inf"))
+                table[i][j] = min(table[i][j], ceiling)
+        self.seconds = table
+
+    def predict(self, rows: int, context: int) -> float:
+        return _interp(self.contexts, [_interp(self.rows, r, rows) for r in self.seconds], context)
+
+    def row_costs(self, context: int, max_rows: int) -> list[float]:
+        """[cost of 0 rows (unused, 0), 1 row, ..., max_rows rows] at one context."""
+        at_ctx = [_interp(self.contexts, [r[j] for r in self.seconds], context) for j in range(len(self.rows))]
+        return [0.0] + [_interp(self.rows, at_ctx, n) for n in range(1, max_rows + 1)]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rows": self.rows, "contexts": self.contexts, "seconds": self.seconds}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ForwardCurve:
+        return cls([int(r) for r in d["rows"]], [int(c) for c in d["contexts"]],
+                   [[float(x) for x in r] for r in d["seconds"]])
+
+
+def _interp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
+    """Piecewise linear through (xs, ys); flat below the first point, the last slope beyond the
+    last (never decreasing, never below the last value)."""
+    if len(xs) == 1 or x <= xs[0]:
+        return ys[0]
+    i = min(bisect.bisect_right(xs, x), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(y0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def measure_curve(model: Any, backend: str, rows: Sequence[int] = ROWS, contexts: Sequence[int] = CONTEXTS,
+                  repeats: int = REPEATS) -> ForwardCurve:
+    """Time `model`'s forward of each row count (a causal block, as a chain of draft tokens is)
+    over each cached length. Contexts beyond the model's own are cut to fit."""
+    limit = int(model.cfg.max_position) - max(rows)
+    ctxs = sorted({max(0, min(c, limit)) for c in contexts})
+    cache = model.new_cache(ctxs[-1] + max(rows))
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+
+    def once(n: int, ctx: int) -> float:
+        cache.length = ctx  # the keys' values do not change what attention costs
+        tokens = torch.zeros(n, dtype=torch.long)
+        mask = torch.ones(n, n, dtype=torch.bool).tril_()
+        sync()
+        t = time.perf_counter()
+        model(tokens, torch.arange(ctx, ctx + n), cache, mask, backend)
+        sync()
+        cache.discard()
+        return time.perf_counter() - t
+
+    table = []
+    for ctx in ctxs:
+        line = []
+        for n in rows:
+            once(n, ctx)  # first use of a shape may build kernels
+            line.append(min(once(n, ctx) for _ in range(repeats)))
+        table.append(line)
+    cache.length = 0
+    return ForwardCurve(list(rows), ctxs, table)
+
+
+# --------------------------------------------------------------------------- the cache
+
+
+def cache_dir() -> Path:
+    """Where measured curves live: `SPECEXTEND_COST_CACHE`, else ~/.cache/specextend/costs.
+    Per machine, like the kernel builds, so not under SPECEXTEND_HOME (a model cache)."""
+    return Path(os.environ.get("SPECEXTEND_COST_CACHE", "~/.cache/specextend/costs")).expanduser()
+
+
+def _cpu_name() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def curve_parts(model: Any, backend: str) -> dict[str, Any]:
+    """What a forward's cost depends on: the machine (CPU or GPU, threads), the model's shape, its
+    weight format and size, precisions, the attention path and, for the C++ kernels, their build."""
+    from . import kernels
+
+    cfg = model.cfg
+    device = model.device
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    weight_bytes = 0
+    for mod in model.modules():
+        q = getattr(mod, "qweight", None)
+        w = getattr(mod, "weight", None)
+        if q is not None:
+            weight_bytes += int(q.nbytes)
+        elif isinstance(w, torch.Tensor):
+            weight_bytes += w.numel() * w.element_size()
+    quantized = model.weights not in ("float", "float32", "bfloat16", "float16", "float64")
+    parts = {
+        "format": FORMAT,
+        "machine": machine,
+        "device": device.type,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "shape": [cfg.arch, cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers,
+                  cfg.num_heads, cfg.num_kv_heads, cfg.head_dim],
+        "weights": model.weights,
+        "weight_bytes": weight_bytes,
+        "dtype": str(model.dtype),
+        "kv_dtype": str(model.kv_dtype),
+        "attention": "rowwise" if model.rowwise_attention else backend,
+        "kernels": kernels.source_key() if quantized else None,
+    }
+    return parts
+
+
+def curve_key(model: Any, backend: str) -> str:
+    """The cache file's name: the model's shape and weights, and a digest of `curve_parts`."""
+    cfg = model.cfg
+    digest = hashlib.sha256(json.dumps(curve_parts(model, backend), sort_keys=True).encode()).hexdigest()[:16]
+    return f"{cfg.arch}-{cfg.num_layers}x{cfg.hidden_size}-{model.weights}-{digest}"
+
+
+def cached_curve(model: Any, backend: str, remeasure: bool = False, quiet: bool = False) -> ForwardCurve:
+    """The model's curve from the cache, measured (and stored) if absent, unreadable or asked for."""
+    path = cache_dir() / f"{curve_key(model, backend)}.json"
+    parts = json.loads(json.dumps(curve_parts(model, backend)))  # as it reads back from JSON
+    if not remeasure:
+        # Checked on read: a file for other parts (a digest collision, a hand edit), a torn or
+        # malformed one, or impossible times are measured again rather than trusted.
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
+            stored = json.loads(path.read_text())
+            if stored.get("parts") == parts:
+                return ForwardCurve.from_json(stored["curve"])
+    if not quiet:
+        print(f"specextend: measuring the step costs of a {model.cfg.num_layers}-layer model "
+              "(once per machine and model; about 10 s)", file=sys.stderr, flush=True)
+    curve = measure_curve(model, backend)
+    with contextlib.suppress(OSError):  # an unwritable cache only means measuring next time again
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "parts": parts,
+                                   "curve": curve.to_json()}))
+        tmp.replace(path)  # atomic: a concurrent reader sees the old file or the new one
+    return curve
+
+
+# --------------------------------------------------------------------------- the pair's model
+
+
+class CostModel:
+    """Predicted seconds of the target's and the draft's forwards, refreshed from observations.
+
+    `refresh=False` freezes it (tests use a synthetic model so sizing decisions are reproducible).
+    """
+
+    def __init__(self, target: ForwardCurve, draft: ForwardCurve | None = None, refresh: bool = True) -> None:
+        self.target, self.draft, self.refresh = target, draft, refresh
+        self.scale = {"target": 1.0, "draft": 1.0}
+        self.overhead_s = 0.0  # per step, outside the forwards (Python, sampling, retrieval)
+
+    @classmethod
+    def for_models(cls, target: Any, draft: Any | None, backend: str) -> CostModel:
+        return cls(cached_curve(target, backend), cached_curve(draft, backend) if draft is not None else None)
+
+    # ----------------------------------------------------------------- predictions
+
+    def target_s(self, rows: int, context: int) -> float:
+        return self.target.predict(rows, context) * self.scale["target"]
+
+    def draft_s(self, rows: int, context: int) -> float:
+        if self.draft is None:
+            raise ValueError("this cost model has no draft curve")
+        return self.draft.predict(rows, context) * self.scale["draft"]
+
+    def verify_costs(self, context: int, max_rows: int) -> list[float]:
+        """Seconds of a verification with n rows, n = 0..max_rows (index 0 unused)."""
+        k = self.scale["target"]
+        return [c * k for c in self.target.row_costs(context, max_rows)]
+
+    # ----------------------------------------------------------------- online refresh
+
+    def observe(self, model: str, predicted_raw: float, observed: float) -> None:
+        """One phase's wall time against the curve's raw (unscaled) prediction for it."""
+        if not self.refresh or predicted_raw <= 0.0 or observed <= 0.0:
+            return
+        ratio = min(max(observed / predicted_raw, self.scale[model] * RATIO_CLAMP[0]),
+                    self.scale[model] * RATIO_CLAMP[1])
+        new = (1.0 - REFRESH_WEIGHT) * self.scale[model] + REFRESH_WEIGHT * ratio
+        self.scale[model] = min(max(new, SCALE_CLAMP[0]), SCALE_CLAMP[1])
+
+    def observe_overhead(self, seconds: float) -> None:
+        if self.refresh and seconds >= 0.0:
+            self.overhead_s = (1.0 - REFRESH_WEIGHT) * self.overhead_s + REFRESH_WEIGHT * min(seconds, 1.0)
+
+    def stats(self) -> dict[str, float]:
+        return {"cost_scale_target": self.scale["target"], "cost_scale_draft": self.scale["draft"],
+                "cost_overhead_s": self.overhead_s}
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m specextend.costmodel`: the pair's measured curves (milliseconds per forward)."""
+    from .api import prepare
+    from .errors import UserError
+    from .models.loader import add_model_arguments, model_options
+
+    ap = argparse.ArgumentParser(description="Show (or re-measure) the step costs the tree sizing uses.")
+    add_model_arguments(ap)
+    ap.add_argument("--attention", default="efficient", choices=("efficient", "eager"))
+    ap.add_argument("--remeasure", action="store_true", help="measure again and replace the cached curves")
+    a = ap.parse_args(argv)
+    try:
+        pair = prepare(a.target, a.draft, **model_options(a)).load()
+    except UserError as e:
+        print(f"specextend costmodel: error: {e}", file=sys.stderr)
+        return 2
+    for name, model in (("target", pair.target), ("draft", pair.draft)):
+        if model is None:
+            continue
+        curve = cached_curve(model, a.attention, remeasure=a.remeasure)
+        print(f"{name}: {cache_dir() / (curve_key(model, a.attention) + '.json')}")
+        print("  cached \\ rows " + "".join(f"{r:>8d}" for r in curve.rows))
+        for ctx, line in zip(curve.contexts, curve.seconds, strict=True):
+            print(f"  {ctx:>13d} " + "".join(f"{1000 * s:8.1f}" for s in line))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""What a speculative step proposes: the draft's candidates and the context's, in one tree.
+
+A `Proposer` owns the proposing side of a decode: the draft (through its `DraftPolicy`, which
+decides what the draft attends to), the tree builder, the prompt-lookup index and the sizer.
+The engine's loop asks it for a tree (`propose`) and tells it what verification accepted
+(`verified`); it knows none of these parts' insides.
+
+Each step:
+1. lookup candidates (free: no forward) enter the candidate pool as a trie of continuations;
+2. with the sizer (`cost_model` on): the draft runs only if the sizer expects it to pay, is fed
+   the tokens it has not seen (or, after a long stretch without it, only the newest of them),
+   grows level by level while levels pay, and the sizer keeps the candidates that maximise
+   expected tokens per second, possibly none (an `ar` step). Without the sizer: the draft's
+   fixed-size tree (`sd`) plus every lookup candidate;
+3. the kept candidates become one tree; a lookup and a draft candidate for the same token share
+   a node (tree.assemble).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from .costmodel import CostModel
+from .draft_policy import DraftPolicy
+from .lookup import ContextIndex
+from .settings import Settings
+from .sizing import RESYNC_TOKENS, Sizer
+from .tree import LOOKUP, DraftTree, Pool, TreeBuilder, assemble, draft_dist
+from .verify import Verdict
+
+
+class Proposer:
+    def __init__(self, s: Settings, policy: DraftPolicy | None, builder: TreeBuilder | None,
+                 index: ContextIndex | None, costs: CostModel | None, gen: torch.Generator) -> None:
+        self.s, self.policy, self.builder, self.index, self.gen = s, policy, builder, index, gen
+        self.costs = costs
+        self.sizer = Sizer(costs, s, has_draft=policy is not None) if costs is not None else None
+        self.backlog: list[int] = []  # committed tokens the draft has not been fed yet
+        self.drafted = False  # whether the draft ran in the last step
+        # The last step's pool and choice, for `verified`.
+        self._pool = Pool()
+        self._keep: list[int] = []
+        self._node_of: dict[int, int] = {}
+        self._raw_draft_s = 0.0  # the cost curve's unscaled prediction of this step's draft forwards
+        self._step_start: float | None = None
+        self._phases_s = 0.0
+        self.counts = {"draft_steps": 0, "draft_forwards": 0, "ar_steps": 0, "lookup_nodes": 0,
+                       "lookup_accepted": 0, "skipped_tokens": 0}
+
+    # ----------------------------------------------------------------- the step
+
+    def committed(self, tokens: list[int]) -> None:
+        """Tokens are now part of the output (the first one, or a step's accepted run + bonus)."""
+        if self.index is not None:
+            self.index.append(tokens)
+        if self.policy is not None:
+            self.backlog.extend(tokens)
+
+    def propose(self, root: int, context: int) -> DraftTree:
+        """This step's tree below `root`, verified over `context` cached target tokens."""
+        now = time.perf_counter()
+        if self._step_start is not None and self.costs is not None:
+            # What the last step cost beyond its draft and verify phases: loop, emit, retrieval.
+            self.costs.observe_overhead(now - self._step_start - self._phases_s)
+        self._step_start = now
+        s, pool = self.s, Pool()
+        if self.index is not None:
+            for cont in self.index.continuations(s.lookup_ngram, s.lookup_branches, s.lookup_length):
+                pool.add_continuation(cont.tokens, cont.ngram)
+        self.drafted = False
+        self._raw_draft_s = 0.0
+        sizer = self.sizer
+        if sizer is None:
+            if self.policy is not None:
+                self._grow(pool, self._catch_up(resync=False), None)
+                keep = self.builder.select(pool) + pool.of(LOOKUP)
+            else:
+                keep = pool.of(LOOKUP)
+        else:
+            sizer.begin(context, self.policy.working.length if self.policy is not None else 0)
+            if sizer.should_draft(pool, len(self.backlog)):
+                self._grow(pool, self._catch_up(resync=True), sizer.keep_going)
+            keep = sizer.choose(pool)
+        self._node_of = {}
+        tree = assemble(root, pool, keep, self._node_of)
+        if self.drafted:
+            self.policy.end_tree()
+        self._pool, self._keep = pool, keep
+        return tree
+
+    def _catch_up(self, resync: bool) -> torch.Tensor:
+        """Feed the draft what it has not seen; returns its distribution for the next token."""
+        feed = self.backlog
+        if resync and len(feed) > RESYNC_TOKENS:
+            self.policy.skip(len(feed) - RESYNC_TOKENS)
+            self.counts["skipped_tokens"] += len(feed) - RESYNC_TOKENS
+            feed = feed[-RESYNC_TOKENS:]
+        context = self.policy.working.length
+        logits = self.policy.extend(feed)
+        self._forward(len(feed), context)
+        if self.sizer is not None:
+            self.sizer.caught_up(len(feed))
+        self.backlog = []
+        self.drafted = True
+        return draft_dist(logits[-1], self.s.temperature)
+
+    def _grow(self, pool: Pool, root_q: torch.Tensor, keep_going: Any) -> None:
+        def run(tokens: torch.Tensor, depths: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            self._forward(int(tokens.shape[0]), self.policy.working.length)
+            return self.policy.run_tree(tokens, depths, mask)
+
+        self.builder.grow(pool, root_q, run, self.s.greedy, self.s.temperature, self.gen, keep_going)
+
+    def _forward(self, rows: int, context: int) -> None:
+        self.counts["draft_forwards"] += 1
+        if self.costs is not None and self.costs.draft is not None:
+            self._raw_draft_s += self.costs.draft.predict(rows, context)
+
+    def verified(self, tree: DraftTree, verdict: Verdict, new: list[int], context: int, draft_s: float,
+                 verify_s: float) -> None:
+        """What verification accepted (`new`: the accepted run and the bonus token) and what the
+        step's phases took; `context` is the target's cached length the tree attended to."""
+        self.committed(new)
+        self.counts["draft_steps"] += self.drafted
+        self.counts["ar_steps"] += tree.size == 1
+        self.counts["lookup_nodes"] += sum(1 for o in tree.origin if o & LOOKUP)
+        self.counts["lookup_accepted"] += sum(1 for n in verdict.path[1:] if tree.origin[n] == LOOKUP)
+        self._phases_s = draft_s + verify_s
+        if self.costs is not None:
+            self.costs.observe("target", self.costs.target.predict(tree.size, context), verify_s)
+            if self.drafted:
+                self.costs.observe("draft", self._raw_draft_s, draft_s)
+        if self.sizer is not None:
+            self.sizer.observe(self._pool, self._keep, self._node_of, tree, verdict.path, self.drafted, len(new))
+
+    def stats(self, steps: int) -> dict[str, float]:
+        out: dict[str, float] = {k: float(v) for k, v in self.counts.items()}
+        out["lookup_nodes_per_step"] = out.pop("lookup_nodes") / max(1, steps)
+        if self.costs is not None:
+            out.update(self.costs.stats())
+        if self.sizer is not None:
+            out.update(self.sizer.stats())
+        if self.policy is not None:
+            out.update(self.policy.stats())
+        return out
+

@@ -1,0 +1,289 @@
+"""Tree sizing from the cost model: never slower than decoding alone, lossless, monotone.
+
+- A draft that never agrees: the engine settles into `ar` steps (its draft forwards stop but for
+  rare probes) and its output equals `ar`'s; when the draft starts agreeing, drafting resumes.
+- Lookup candidates that are wrong never change the output (greedy here; sampling in
+  test_sampling.py); a context that repeats a span lets lookup alone reach tau > 1.
+- The choice is monotone: with cheaper verification rows (same first row, same state) the sizer
+  never chooses a smaller tree, never drafts less, never grows fewer levels.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+
+import pytest
+import torch
+
+from specextend import propose
+from specextend.costmodel import CostModel, ForwardCurve
+from specextend.engine import SpecEngine
+from specextend.lookup import ContextIndex, Continuation
+from specextend.models.loader import load_model
+from specextend.settings import Settings
+from specextend.sizing import Sizer
+from specextend.tree import LOOKUP, DynamicTreeBuilder, Pool, draft_dist
+
+from conftest import ARCHS
+
+SMALL = dict(chunk_size=4, top_k_chunks=3, retrieve_every=2)
+PROMPT = torch.randint(0, 63, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def synthetic_costs(verify_ms=(10.0, 10.5, 11.0, 13.0, 20.0, 35.0), draft_ms=4.0) -> CostModel:
+    """A frozen cost model (no online refresh): decisions are reproducible. Verification of up
+    to 4 rows costs about one row, as on the target CPU; a draft forward costs 40% of a step."""
+    rows = [1, 2, 4, 8, 16, 32]
+    target = ForwardCurve(rows, [0], [[v / 1000 for v in verify_ms]])
+    draft = ForwardCurve(rows, [0], [[draft_ms / 1000 * (1 + r / 32) for r in rows]])
+    return CostModel(target, draft, refresh=False)
+
+
+def cheaper_rows(costs: CostModel, factor: float) -> CostModel:
+    """The same model with every verification row beyond the first costing `factor` times as much."""
+    t = costs.target
+    seconds = [[line[0] + factor * (x - line[0]) for x in line] for line in t.seconds]
+    return CostModel(ForwardCurve(list(t.rows), list(t.contexts), seconds), costs.draft, refresh=False)
+
+
+class Flipped:
+    """A draft that is the target with its logits times `sign`: -1 proposes the target's least
+    likely tokens (never accepted), +1 agrees with the target. Counts its decode forwards."""
+
+    def __init__(self, model) -> None:
+        self.model, self.sign, self.calls = model, -1.0, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.sign * self.model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def per_step_draft_calls(eng: SpecEngine, draft: Flipped, flip_at: int | None = None) -> list[int]:
+    calls: list[int] = []
+    seen = [0]
+
+    def hook(tcache, policy, out, backlog):
+        calls.append(draft.calls - seen[0])
+        seen[0] = draft.calls
+        if flip_at is not None and len(calls) == flip_at:
+            draft.sign = 1.0
+
+    eng.step_hook = hook
+    return calls
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_draft_that_never_agrees_settles_into_ar_steps(tiny_dir, arch):
+    target = load_model(tiny_dir(arch, 0), torch.float64)
+    draft = Flipped(target)
+    eng = SpecEngine(target, draft, eos_ids=[])
+    eng.costs = synthetic_costs()
+    ar = eng.generate(PROMPT, Settings(method="ar", max_new_tokens=160))
+    calls = per_step_draft_calls(eng, draft)
+    r = eng.generate(PROMPT, Settings(method="specextend", lookup=False, max_new_tokens=160, **SMALL))
+    assert r.token_ids == ar.token_ids
+    assert sum(r.accept_lengths) == 0  # nothing the draft proposed was ever accepted
+    drafted = [i for i, c in enumerate(calls) if c]
+    # A few steps to learn the draft is useless, then only probes at doubling intervals.
+    assert len(drafted) <= 14, drafted
+    assert sum(1 for i in drafted if i >= len(calls) // 2) <= 1, drafted
+    assert r.extra["ar_steps"] >= len(calls) - len(drafted)
+
+
+def test_drafting_resumes_when_acceptance_returns(tiny_dir, monkeypatch):
+    # The draft sees every committed token (full cache, no resync skipping), so once it agrees it
+    # is the target itself: what is tested is that the sizer notices and drafts again.
+    monkeypatch.setattr(propose, "RESYNC_TOKENS", 10**6)
+    target = load_model(tiny_dir("qwen2", 0), torch.float64)
+    draft = Flipped(target)
+    eng = SpecEngine(target, draft, eos_ids=[])
+    eng.costs = synthetic_costs()
+    ar = eng.generate(PROMPT, Settings(method="ar", max_new_tokens=200))
+    flip = 48
+    calls = per_step_draft_calls(eng, draft, flip_at=flip)
+    r = eng.generate(PROMPT, Settings(method="specextend", lookup=False, draft_cache="full", max_new_tokens=200))
+    assert r.token_ids == ar.token_ids
+    before, after = r.accept_lengths[:flip], r.accept_lengths[flip:]
+    assert sum(before) == 0
+    # The next probe (at most the probe interval reached by then, 32 steps) finds the draft
+    # agreeing, and from then on every step drafts and accepts, deeper as calibration grows.
+    back = next(i for i, a in enumerate(after) if a > 0)
+    assert back <= 40, after
+    resumed = after[back:]
+    assert min(resumed) >= 1 and sum(resumed) >= 1.5 * len(resumed), resumed
+    assert all(calls[flip + back :]), calls[flip + back :]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("method", ["specextend", "lookup", "sd+lookup"])
+def test_wrong_lookup_candidates_never_change_the_output(tiny_dir, arch, method, monkeypatch):
+    target = load_model(tiny_dir(arch, 0), torch.float64)
+    draft = load_model(tiny_dir(arch, 5, layers=1), torch.float64)
+    eng = SpecEngine(target, draft, eos_ids=[])
+    eng.costs = synthetic_costs()
+    ar = eng.generate(PROMPT, Settings(method="ar", max_new_tokens=40))
+    rng = random.Random(arch + method)
+
+    def wrong(self, max_ngram, branches, length):
+        return [Continuation(tuple(rng.randrange(64) for _ in range(rng.randint(1, length))), rng.randint(1, 4))
+                for _ in range(branches)]
+
+    monkeypatch.setattr(ContextIndex, "continuations", wrong)
+    preset = method.partition("+")[0]
+    s = Settings(method=preset, max_new_tokens=40, lookup=True, lookup_branches=3, **SMALL)
+    r = eng.generate(PROMPT, s)
+    assert r.token_ids == ar.token_ids
+    assert r.extra["lookup_nodes_per_step"] > 0  # the wrong candidates were verified, and refused
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lookup_alone_passes_one_token_per_step_on_a_repeating_context(tiny_dir, arch):
+    """No draft model at all: the output's own earlier spans, or the prompt's, are the proposals."""
+    # Seed 2: a random tiny model copies only when its greedy output falls into the context's
+    # pattern or a loop of its own; at this seed every architecture does within 120 tokens.
+    target = load_model(tiny_dir(arch, 2), torch.float64)
+    eng = SpecEngine(target, None, eos_ids=[])
+    eng.costs = synthetic_costs()
+    # The target's own greedy continuation, repeated: the context repeats a span, and so does
+    # what the target says next.
+    span = eng.generate(PROMPT, Settings(method="ar", max_new_tokens=24)).token_ids
+    prompt = PROMPT + span + PROMPT + span + PROMPT
+    ar = eng.generate(prompt, Settings(method="ar", max_new_tokens=120))
+    r = eng.generate(prompt, Settings(method="lookup", max_new_tokens=120))
+    assert r.token_ids == ar.token_ids
+    assert r.accepted_per_step > 1.0, r.accept_lengths
+    assert r.extra["draft_forwards"] == 0
+
+
+# --------------------------------------------------------------------------- monotone choices
+
+
+def random_pool(seed: int, topk: int = 3, depth: int = 5) -> tuple[Pool, DynamicTreeBuilder]:
+    """Draft candidates from a fake draft with random (peaked) distributions, and lookup branches."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = 20
+    pool = Pool()
+    rng = random.Random(seed)
+    for _ in range(rng.randint(0, 3)):
+        pool.add_continuation([rng.randrange(vocab) for _ in range(rng.randint(1, 8))], rng.randint(1, 4))
+
+    def run(tokens, depths, mask):
+        return torch.randn(len(tokens), vocab, generator=g, dtype=torch.float64) * 3
+
+    builder = DynamicTreeBuilder(budget=12, depth=depth, topk=topk)
+    builder.grow(pool, draft_dist(torch.randn(vocab, generator=g, dtype=torch.float64) * 3, 0.0), run, True, 0.0, None)
+    return pool, builder
+
+
+def random_state(sizer: Sizer, seed: int) -> Sizer:
+    rng = random.Random(seed)
+    for d in range(1, len(sizer.cal_acc)):
+        sizer.cal_pred[d] = rng.uniform(0.0, 5.0)
+        sizer.cal_acc[d] = rng.uniform(0.0, 1.2) * sizer.cal_pred[d]
+        sizer.cal_steps[d] = rng.uniform(1.0, 10.0)
+    sizer.rank_prob = sorted((rng.uniform(0.01, 0.9) for _ in sizer.rank_prob), reverse=True)
+    for key in [(n, d, a) for n in (1, 2, 3) for d in (1, 2, 3, 4) for a in (False, True)]:
+        tries = rng.uniform(0.0, 10.0)
+        sizer.lookup_stats[key] = [rng.uniform(0.0, 1.0) * tries, tries]
+    sizer.rate_tokens, sizer.rate_seconds = rng.uniform(0.0, 4.0), rng.uniform(0.005, 0.05)
+    sizer.drafted_once = True
+    sizer.idle, sizer.probe_after = 0, 64
+    return sizer
+
+
+FACTORS = (1.5, 1.0, 0.7, 0.4, 0.2, 0.0)  # verification rows beyond the first, ever cheaper
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_cheaper_rows_never_choose_a_smaller_tree(seed):
+    s = Settings(tree_budget=12, tree_depth=5, tree_topk=3).resolved()
+    base = synthetic_costs(verify_ms=(10.0, 11.0, 12.5, 17.0, 28.0, 55.0), draft_ms=3.0)
+    state = random_state(Sizer(base, s, has_draft=True), seed)
+    pool, _ = random_pool(seed)
+    lookup_only = Pool()
+    for i in pool.of(LOOKUP):  # the same lookup candidates, before any draft ran
+        lookup_only.add(pool.tokens[i], pool.parents[i], LOOKUP, ngram=pool.ngram[i], alt=pool.alt[i])
+    sizes, drafts = [], []
+    for f in FACTORS:
+        sizer = copy.deepcopy(state)
+        sizer.costs = cheaper_rows(base, f)
+        sizer.begin(context=0, draft_context=0)
+        drafts.append(sizer.should_draft(lookup_only, backlog=3))
+        sizes.append(len(sizer.choose(pool)))
+    assert sizes == sorted(sizes), sizes  # never smaller as rows get cheaper
+    assert drafts == sorted(drafts), drafts  # False ... True: once worth drafting, it stays so
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_cheaper_rows_never_grow_fewer_levels(seed):
+    """The whole step with a fake draft: levels grown and nodes kept never fall as rows get cheaper."""
+    s = Settings(tree_budget=16, tree_depth=6, tree_topk=2).resolved()
+    base = synthetic_costs(verify_ms=(10.0, 11.0, 12.5, 17.0, 28.0, 55.0), draft_ms=2.0)
+    state = random_state(Sizer(base, s, has_draft=True), seed)
+    levels, sizes = [], []
+    for f in FACTORS:
+        g = torch.Generator().manual_seed(seed)
+
+        def run(tokens, depths, mask, g=g):
+            return torch.randn(len(tokens), 20, generator=g, dtype=torch.float64) * 3
+
+        sizer = copy.deepcopy(state)
+        sizer.costs = cheaper_rows(base, f)
+        sizer.begin(context=0, draft_context=0)
+        sizer.caught_up(2)
+        pool = Pool()
+        root_q = draft_dist(torch.randn(20, generator=g, dtype=torch.float64) * 3, 0.0)
+        DynamicTreeBuilder(16, 6, 2).grow(pool, root_q, run, True, 0.0, None, sizer.keep_going)
+        levels.append(max(pool.depths))
+        sizes.append(len(sizer.choose(pool)))
+    assert levels == sorted(levels), levels
+    assert sizes == sorted(sizes), sizes
+
+
+# --------------------------------------------------------------------------- the cost cache
+
+
+def test_cost_curves_are_cached_and_checked_on_read(tiny_dir, tmp_path, monkeypatch):
+    from specextend import costmodel
+
+    monkeypatch.setenv("SPECEXTEND_COST_CACHE", str(tmp_path))
+    model = load_model(tiny_dir("qwen2", 0), torch.float64)
+    measured = []
+    fake = ForwardCurve([1, 2], [0, 64], [[1e-3, 2e-3], [2e-3, 3e-3]])
+    monkeypatch.setattr(costmodel, "measure_curve", lambda *a, **k: measured.append(1) or fake)
+    first = costmodel.cached_curve(model, "efficient", quiet=True)
+    again = costmodel.cached_curve(model, "efficient", quiet=True)
+    assert len(measured) == 1 and first.seconds == again.seconds == fake.seconds
+    (path,) = tmp_path.glob("*.json")
+    assert not list(tmp_path.glob("*.tmp"))  # written whole, then renamed
+    path.write_text(path.read_text()[:-7])  # torn
+    costmodel.cached_curve(model, "efficient", quiet=True)
+    assert len(measured) == 2
+    d = json.loads(path.read_text())
+    d["parts"]["threads"] += 1  # measured for another set-up under the same name
+    path.write_text(json.dumps(d))
+    costmodel.cached_curve(model, "efficient", quiet=True)
+    assert len(measured) == 3
+    d = json.loads(path.read_text())
+    d["curve"]["seconds"][0][0] = -1.0  # impossible
+    path.write_text(json.dumps(d))
+    costmodel.cached_curve(model, "efficient", quiet=True)
+    assert len(measured) == 4
+
+
+def test_a_slow_outlier_does_not_lift_the_curve():
+    c = ForwardCurve([1, 2, 4], [0, 1000], [[0.5, 0.011, 0.012], [0.02, 0.021, 0.03]])
+    assert c.seconds == [[0.011, 0.011, 0.012], [0.02, 0.021, 0.03]]
+    assert c.predict(3, 500) <= c.predict(4, 500) <= c.predict(4, 2000)
+
+
+def test_online_refresh_follows_observed_phase_times():
+    costs = CostModel(ForwardCurve([1, 2], [0], [[0.01, 0.012]]), refresh=True)
+    for _ in range(60):
+        costs.observe("target", costs.target.predict(1, 0), 0.02)  # the machine is twice as slow
+    assert costs.target_s(1, 0) == pytest.approx(0.02, rel=0.02)
