@@ -89,6 +89,26 @@ def test_broken_rule_is_detected(monkeypatch):
     assert min_pvalue(counts, exact_marginals(p_logits, 2, 1.0, 1.0)) < 1e-6
 
 
+def two_token_marginals(target, prompt: list[int], temperature: float, top_p: float):
+    """The target's exact distributions of the first and second new token (vocabulary of 8)."""
+
+    def dist_after(ids):
+        cache = target.new_cache(len(ids) + 1)
+        return target_dist(target.prefill(torch.tensor(ids), cache), temperature, top_p)
+
+    p1 = dist_after(prompt)
+    return p1, sum(p1[a] * dist_after([*prompt, a]) for a in range(8))
+
+
+def assert_counts_follow(counts, marginals, n: int) -> None:
+    """Sampled token counts per position put no mass outside each marginal's support and pass
+    a chi-square test against it."""
+    for pos, p in enumerate(marginals):
+        keep = (p * n) > 0
+        assert counts[pos][~keep].sum() == 0
+        assert chisquare(counts[pos][keep].numpy(), (p[keep] * n).numpy()).pvalue > 1e-3
+
+
 def test_engine_sampling_matches_target_distribution(tiny_dir):
     """End to end through the engine with tiny transformer models (8-token vocabulary): the first
     two generated tokens of `sd` follow the target's own sampling distribution (temperature and
@@ -103,12 +123,7 @@ def test_engine_sampling_matches_target_distribution(tiny_dir):
     prompt = [1, 2, 3]
     temperature, top_p = 0.9, 0.95
 
-    def dist_after(ids):
-        cache = target.new_cache(len(ids) + 1)
-        return target_dist(target.prefill(torch.tensor(ids), cache), temperature, top_p)
-
-    p1 = dist_after(prompt)
-    p2 = sum(p1[a] * dist_after([*prompt, a]) for a in range(8))
+    p1, p2 = two_token_marginals(target, prompt, temperature, top_p)
     s = Settings(method="sd", max_new_tokens=2, temperature=temperature, top_p=top_p, tree_budget=4,
                  tree_depth=3, tree_topk=2)
     state = eng.prefill(prompt, s)
@@ -118,10 +133,7 @@ def test_engine_sampling_matches_target_distribution(tiny_dir):
         out = eng.decode(state, Settings(**{**s.__dict__, "seed": seed})).token_ids
         counts[0, out[0]] += 1
         counts[1, out[1]] += 1
-    for pos, p in enumerate((p1, p2)):
-        keep = (p * n) > 0
-        assert counts[pos][~keep].sum() == 0
-        assert chisquare(counts[pos][keep].numpy(), (p[keep] * n).numpy()).pvalue > 1e-3
+    assert_counts_follow(counts, (p1, p2), n)
 
 
 def simulate_with_lookup(p_logits, q_logits, root: int, temperature: float, seed: int, n: int = N):
@@ -194,12 +206,7 @@ def test_engine_sampling_with_wrong_lookup_candidates(tiny_dir, monkeypatch, met
     prompt = [1, 2, 3]
     temperature, top_p = 0.9, 0.95
 
-    def dist_after(ids):
-        cache = target.new_cache(len(ids) + 1)
-        return target_dist(target.prefill(torch.tensor(ids), cache), temperature, top_p)
-
-    p1 = dist_after(prompt)
-    p2 = sum(p1[a] * dist_after([*prompt, a]) for a in range(8))
+    p1, p2 = two_token_marginals(target, prompt, temperature, top_p)
     s = Settings(method=method, max_new_tokens=2, temperature=temperature, top_p=top_p, chunk_size=4,
                  top_k_chunks=2)
     state = eng.prefill(prompt, s)
@@ -212,7 +219,4 @@ def test_engine_sampling_with_wrong_lookup_candidates(tiny_dir, monkeypatch, met
         counts[1, r.token_ids[1]] += 1
         lookup_nodes += r.extra["lookup_nodes_per_step"]
     assert lookup_nodes > 0
-    for pos, p in enumerate((p1, p2)):
-        keep = (p * n) > 0
-        assert counts[pos][~keep].sum() == 0
-        assert chisquare(counts[pos][keep].numpy(), (p[keep] * n).numpy()).pvalue > 1e-3
+    assert_counts_follow(counts, (p1, p2), n)

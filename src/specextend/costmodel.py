@@ -238,10 +238,6 @@ class CostModel:
         self.scale = {"target": 1.0, "draft": 1.0}
         self.overhead_s = 0.0  # per step, outside the forwards (Python, sampling, retrieval)
 
-    @classmethod
-    def for_models(cls, target: Any, draft: Any | None, backend: str) -> CostModel:
-        return cls(cached_curve(target, backend), cached_curve(draft, backend) if draft is not None else None)
-
     # ----------------------------------------------------------------- predictions
 
     def target_s(self, rows: int, context: int) -> float:

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from .quant import QWeight
 
 _SOURCES = ("module.cpp", "qlinear.cpp", "attention.cpp")
+_HEADERS = ("fastexp.h",)  # part of the build key: an edited header must build again
 _CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-std=c++17")
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -33,7 +34,7 @@ _module: ModuleType | None = None
 
 def _key() -> str:
     h = hashlib.sha256()
-    for name in _SOURCES:
+    for name in (*_SOURCES, *_HEADERS):
         h.update((Path(__file__).parent / "csrc" / name).read_bytes())
     h.update(f"{torch.__version__}|{sys.version_info[:2]}|{platform.machine()}|{_CFLAGS}".encode())
     return h.hexdigest()[:16]

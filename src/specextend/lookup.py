@@ -5,8 +5,8 @@ When the last committed tokens occurred earlier in the prompt or the output, wha
 there is a good guess for what follows now, and proposing it costs no draft forward, only
 verification rows. `ContextIndex` holds the committed tokens and finds, for the longest suffix
 that occurred before (up to `max_ngram` tokens), the continuations of its most recent
-occurrences. The search is a vectorised scan (a few comparisons over the context per step:
-~0.1 ms at 16K tokens), so nothing has to be built or kept in step with the cache.
+occurrences. The search is a vectorised scan (a few tensor comparisons over the context per
+step), so nothing has to be built or kept in step with the cache.
 
 The candidates are deterministic given the context: that is what lets the verifier treat them
 as point-mass proposals and stay exact under sampling (verify.py).

@@ -33,6 +33,8 @@
 #include <limits>
 #include <vector>
 
+#include "fastexp.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -43,24 +45,7 @@ constexpr int kBlock = 32;
 constexpr int kTokensPerItem = 8;  // tokens sharing one pass over the prefix blocks
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// exp(x) for x <= 0 (a score minus the running maximum): 2^n * poly(r), r = x - n ln2.
-constexpr float kLog2e = 1.44269504088896341f;
-constexpr float kLn2Hi = 0.693359375f;
-constexpr float kLn2Lo = -2.12194440e-4f;
-constexpr float kExpLo = -80.0f;  // exp stays a normal float (no denormal rounding)
-constexpr float kP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
-                         4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
-
-inline float exp_portable(float x) {
-  x = std::fmax(x, kExpLo);
-  const float n = std::nearbyint(x * kLog2e);
-  float r = std::fma(n, -kLn2Hi, x);
-  r = std::fma(n, -kLn2Lo, r);
-  float p = kP[0];
-  for (int i = 1; i < 6; ++i) p = std::fma(p, r, kP[i]);
-  p = std::fma(p, r * r, r + 1.0f);
-  return std::ldexp(p, static_cast<int>(n));
-}
+// exp of a score minus the running maximum (x <= 0): fastexp.h, shared with the other kernels.
 
 // The horizontal sum of 16 lanes in the tree the AVX-512 path uses: i+8, i+4, i+2, i+1.
 inline float hsum16_portable(const float* p) {
@@ -204,17 +189,6 @@ void block_portable(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, Ro
 #if defined(__x86_64__)
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
-
-inline __m512 exp_avx512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(kExpLo));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Hi), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Lo), r);
-  __m512 p = _mm512_set1_ps(kP[0]);
-  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP[i]));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
 
 inline float hsum16_avx512(__m512 v) {
   const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));

@@ -37,6 +37,8 @@
 #include <utility>
 #include <vector>
 
+#include "fastexp.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -144,26 +146,10 @@ struct PreOp {
   bool silu_mul = false;  // the row holds [gate | up] (2k values): silu(gate) * up
 };
 
-// exp for |x| <= 80 (beyond, clamped): 2^n * poly(r), r = x - n ln2; the same polynomial as the
-// attention kernel's, written once here for the scalar SiLU below.
-inline float exp80(float x) {
-  constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
-  constexpr float kP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
-                           4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
-  x = std::fmin(std::fmax(x, -80.f), 80.f);
-  const float n = std::nearbyint(x * kLog2e);
-  float r = std::fma(n, -kLn2Hi, x);
-  r = std::fma(n, -kLn2Lo, r);
-  float p = kP[0];
-  for (int i = 1; i < 6; ++i) p = std::fma(p, r, kP[i]);
-  p = std::fma(p, r * r, r + 1.0f);
-  return std::ldexp(p, static_cast<int>(n));
-}
-
 // The pre-op on one row, in plain scalar code shared by both paths (so they stay bit-identical).
 void pre_op_row(const float* x, int64_t k, const PreOp& op, float* out) {
   if (op.silu_mul) {
-    for (int64_t i = 0; i < k; ++i) out[i] = x[i] / (1.f + exp80(-x[i])) * x[k + i];
+    for (int64_t i = 0; i < k; ++i) out[i] = x[i] / (1.f + exp_portable(-x[i])) * x[k + i];
     return;
   }
   float sq[16] = {0.f};
@@ -178,27 +164,13 @@ void pre_op_row(const float* x, int64_t k, const PreOp& op, float* out) {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
 
-inline __m512 exp80_avx512(__m512 x) {
-  constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
-  constexpr float kP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
-                           4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-80.f)), _mm512_set1_ps(80.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Hi), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Lo), r);
-  __m512 p = _mm512_set1_ps(kP[0]);
-  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP[i]));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-
 // pre_op_row with the same arithmetic, 16 lanes at a time (k is a multiple of 32).
 void pre_op_row_avx512(const float* x, int64_t k, const PreOp& op, float* out) {
   if (op.silu_mul) {
     const __m512 one = _mm512_set1_ps(1.f);
     for (int64_t i = 0; i < k; i += 16) {
       const __m512 g = _mm512_loadu_ps(x + i);
-      const __m512 e = exp80_avx512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+      const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), g));
       _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), _mm512_loadu_ps(x + k + i)));
     }
     return;
