@@ -287,3 +287,35 @@ def test_online_refresh_follows_observed_phase_times():
     for _ in range(60):
         costs.observe("target", costs.target.predict(1, 0), 0.02)  # the machine is twice as slow
     assert costs.target_s(1, 0) == pytest.approx(0.02, rel=0.02)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_retrieval_after_a_drafted_step_counts_against_drafting(seed):
+    """What the draft policy spends after a drafted step is the draft's cost: when it grows, the
+    sizer drafts no more often (and, once it outweighs a step, not at all)."""
+    s = Settings(tree_budget=12, tree_depth=5, tree_topk=3).resolved()
+    state = random_state(Sizer(synthetic_costs(), s, has_draft=True), seed)
+    state.rank_prob = [0.8, 0.1, 0.05]
+    for d in range(1, len(state.cal_acc)):  # a well calibrated draft: drafting pays when it is free
+        state.cal_acc[d] = state.cal_pred[d]
+    state.rate_tokens = state.rate_seconds = 0.0  # the rate to beat: plain decoding's
+    decisions = []
+    for retrieval_ms in (0.0, 2.0, 8.0, 30.0, 200.0):
+        sizer = copy.deepcopy(state)
+        sizer.costs.retrieval_s = retrieval_ms / 1000
+        sizer.begin(context=0, draft_context=0)
+        decisions.append(sizer.should_draft(Pool(), backlog=1))
+    assert decisions[0] and not decisions[-1], decisions
+    assert decisions == sorted(decisions, reverse=True), decisions
+
+
+def test_retrieval_is_observed_only_after_drafted_steps():
+    costs = CostModel(ForwardCurve([1, 2], [0], [[0.01, 0.012]]), refresh=True)
+    proposer = propose.Proposer(Settings().resolved(), None, None, None, costs, torch.Generator())
+    proposer.drafted = False
+    proposer.retrieved(0.5)
+    assert costs.retrieval_s == 0.0
+    proposer.drafted = True
+    for _ in range(60):
+        proposer.retrieved(0.02)
+    assert costs.retrieval_s == pytest.approx(0.02, rel=0.02)

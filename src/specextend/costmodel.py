@@ -236,7 +236,10 @@ class CostModel:
     def __init__(self, target: ForwardCurve, draft: ForwardCurve | None = None, refresh: bool = True) -> None:
         self.target, self.draft, self.refresh = target, draft, refresh
         self.scale = {"target": 1.0, "draft": 1.0}
-        self.overhead_s = 0.0  # per step, outside the forwards (Python, sampling, retrieval)
+        self.overhead_s = 0.0  # per step, outside the forwards and retrieval (Python, sampling)
+        # Per step that ran the draft: the draft policy's bookkeeping and retrieval after it (a
+        # step without the draft has nothing to retrieve for, so this is the draft's cost).
+        self.retrieval_s = 0.0
 
     # ----------------------------------------------------------------- predictions
 
@@ -268,9 +271,13 @@ class CostModel:
         if self.refresh and seconds >= 0.0:
             self.overhead_s = (1.0 - REFRESH_WEIGHT) * self.overhead_s + REFRESH_WEIGHT * min(seconds, 1.0)
 
+    def observe_retrieval(self, seconds: float) -> None:
+        if self.refresh and seconds >= 0.0:
+            self.retrieval_s = (1.0 - REFRESH_WEIGHT) * self.retrieval_s + REFRESH_WEIGHT * min(seconds, 1.0)
+
     def stats(self) -> dict[str, float]:
         return {"cost_scale_target": self.scale["target"], "cost_scale_draft": self.scale["draft"],
-                "cost_overhead_s": self.overhead_s}
+                "cost_overhead_s": self.overhead_s, "cost_retrieval_s": self.retrieval_s}
 
 
 # --------------------------------------------------------------------------- command line

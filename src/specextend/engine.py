@@ -351,7 +351,7 @@ class SpecEngine:
             root = verdict.bonus
             if proposer.drafted:  # a draft that sat this step out has nothing to retrieve for
                 self._retrieve(proposer.policy, tcache, queries, verdict.path)
-            clock.lap("retrieval_s")
+            proposer.retrieved(clock.lap("retrieval_s"))
             if self.step_hook is not None:
                 self.step_hook(tcache, proposer.policy, out, proposer.backlog)
         extra = {"verified_nodes_per_step": n_verified / max(1, len(accepts)), **proposer.stats(len(accepts))}

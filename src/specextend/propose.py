@@ -63,7 +63,7 @@ class Proposer:
         """This step's tree below `root`, verified over `context` cached target tokens."""
         now = time.perf_counter()
         if self._step_start is not None and self.costs is not None:
-            # What the last step cost beyond its draft and verify phases: loop, emit, retrieval.
+            # What the last step cost beyond its draft, verify and retrieval phases: loop, emit.
             self.costs.observe_overhead(now - self._step_start - self._phases_s)
         self._step_start = now
         s, pool = self.s, Pool()
@@ -135,6 +135,12 @@ class Proposer:
                 self.costs.observe("draft", self._raw_draft_s, draft_s)
         if self.sizer is not None:
             self.sizer.observe(self._pool, self._keep, self._node_of, tree, verdict.path, self.drafted, len(new))
+
+    def retrieved(self, seconds: float) -> None:
+        """What the draft policy's bookkeeping and retrieval took after this step's verification."""
+        self._phases_s += seconds
+        if self.costs is not None and self.drafted:
+            self.costs.observe_retrieval(seconds)
 
     def stats(self, steps: int) -> dict[str, float]:
         out: dict[str, float] = {k: float(v) for k, v in self.counts.items()}

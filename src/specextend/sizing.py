@@ -20,7 +20,8 @@ The objective is Dinkelbach's form of a rate: with `lam` the rate to beat (token
     F = E[tokens] - lam * E[seconds]
       = 1 + sum of kept values - lam * (draft seconds + verify(1 + kept) + overhead),
 
-from the cost model's predictions (costmodel.py). `lam` is the larger of plain decoding's rate
+from the cost model's predictions (costmodel.py); a step that runs the draft also pays the draft
+policy's retrieval after it, which counts as draft seconds. `lam` is the larger of plain decoding's rate
 at this context and the engine's recent rate, so a tree wins over the bare root (an `ar` step)
 only when it is expected to beat decoding alone. Three decisions per step use it:
 
@@ -224,7 +225,8 @@ class Sizer:
             c.parents.append(-1)
             c.draft.append(True)
             scores.append(p)
-        spent = self.draft_s(max(1, min(backlog, RESYNC_TOKENS)))
+        # A step that runs the draft also pays its policy's retrieval afterwards.
+        spent = self.draft_s(max(1, min(backlog, RESYNC_TOKENS))) + self.costs.retrieval_s
         f_with, _ = self.best(c, spent)
         for depth in range(2, self.max_depth + 1):
             expand = sorted(frontier, key=lambda i: (-scores[i], i))[: self.topk]
@@ -308,7 +310,8 @@ class Sizer:
             stat[0] = stat[0] * LOOKUP_DECAY + (1.0 if node_of[i] in on_path else 0.0)
             stat[1] = stat[1] * LOOKUP_DECAY + 1.0
         # The engine's recent rate, in predicted seconds (steady, and reproducible in tests).
-        seconds = self.spent + self.verify_s[min(tree.size, len(self.verify_s) - 1)] + self.costs.overhead_s
+        seconds = (self.spent + self.verify_s[min(tree.size, len(self.verify_s) - 1)] + self.costs.overhead_s
+                   + (self.costs.retrieval_s if drafted else 0.0))
         self.rate_tokens = (1 - RATE_WEIGHT) * self.rate_tokens + RATE_WEIGHT * new_tokens
         self.rate_seconds = (1 - RATE_WEIGHT) * self.rate_seconds + RATE_WEIGHT * seconds
 

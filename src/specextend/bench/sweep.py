@@ -1,20 +1,25 @@
 """Parameter sweep: one prefill per prompt, many decodes with different settings, side by side.
 
-    python -m specextend.bench.sweep --data ../shared/data/govreport/govreport_2K.jsonl \
-        --samples 2 --max-new-tokens 128 --base method=sd \
-        --grid tree_budget=4,8,12 --grid tree_depth=4,6 [--draft-dtype bfloat16] [--out sweep.jsonl]
+    python -m specextend.bench.sweep --data ../shared/data/govreport/govreport_4K.jsonl \
+        --samples 8 --max-new-tokens 128 --base method=specextend \
+        --grid retrieve_every=4,8 --grid top_k_chunks=16,32 \
+        --point method=sd --point method=specextend,adaptive_refresh=true [--out sweep.jsonl]
 
-Every configuration is the base settings plus one point of the grid (a cartesian product);
-`ar` runs once per prompt as the reference for speedups and exactness. Values are parsed as
-`bench --set` parses them (settings.parse_assignments). Used to choose the defaults in
-settings.py; the tables in the README come from runs of this script.
+Every configuration is the base settings plus one point: each combination of the `--grid` axes
+(a cartesian product) and each `--point` (one configuration, KEY=VALUE pairs joined by commas).
+`--data stdlib --lengths 2K` runs the built-in code set. `ar` runs once per prompt as the
+reference for speedups and exactness. Values are parsed as `bench --set` parses them
+(settings.parse_assignments). Each prompt is prefilled once (efficient attention, as `bench
+--prefill shared`) and every configuration decodes from a copy of that state. The table gives,
+per configuration, the mean rate, the mean and the smallest per-prompt ratio to `ar` and to the
+better of `ar` and `sd` (when `method=sd` is one of the points), tau and how many outputs equal
+`ar`'s. Used to choose the defaults in settings.py; the README's tables come from this script.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import time
 from pathlib import Path
@@ -26,8 +31,9 @@ from ..errors import UserError
 from ..jsonl import append_jsonl
 from ..models.loader import add_model_arguments, model_options
 from ..settings import Settings, parse_assignments
+from .data import builtin_code_inputs, encode_samples, is_builtin, load_jsonl_inputs, parse_lengths
 
-# --max-new-tokens sets every run's length; a --base or --grid value for it would be overridden.
+# --max-new-tokens sets every run's length; a --base, --grid or --point value for it would be overridden.
 REFUSED = {"max_new_tokens": "--max-new-tokens"}
 
 
@@ -37,19 +43,26 @@ def parse_grid(items: list[str]) -> list[dict[str, Any]]:
     for item in items:
         key, _, values = item.partition("=")
         axes.append([parse_assignments([f"{key}={v}"], "--grid", refused=REFUSED) for v in values.split(",")])
-    return [{k: v for point in combo for k, v in point.items()} for combo in itertools.product(*axes)] or [{}]
+    return [{k: v for point in combo for k, v in point.items()} for combo in itertools.product(*axes)]
 
 
-def load_prompts(path: str, samples: int, tokenizer, chat: bool) -> list[list[int]]:
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()][:samples]
-    out = []
-    for r in rows:
-        text = r["text"]
-        if chat and getattr(tokenizer, "chat_template", None):
-            text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                 add_generation_prompt=True)
-        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return out
+def parse_points(items: list[str]) -> list[dict[str, Any]]:
+    """--point k=v,k2=v2 items -> one configuration each."""
+    return [parse_assignments([p for p in item.split(",") if p], "--point", refused=REFUSED) for item in items]
+
+
+def describe(point: dict[str, Any]) -> str:
+    return ",".join(f"{k}={v}" for k, v in point.items()) or "(base)"
+
+
+def load_prompts(data: str, lengths: str | None, samples: int, tokenizer: Any, chat: bool) -> list[list[int]]:
+    """Token ids of the first `samples` prompts of a JSONL file, or of the built-in code set."""
+    if is_builtin(data):
+        found = builtin_code_inputs(tokenizer, parse_lengths(lengths or "2K"), samples, chat)
+    else:
+        found = load_jsonl_inputs([data], samples)
+        encode_samples(found, tokenizer, chat)
+    return [s.prompt_ids for s in found]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,60 +79,82 @@ def sweep(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_arguments(ap)
-    ap.add_argument("--data", required=True)
+    ap.add_argument("--data", required=True, help="a JSONL file (field `text`), or `stdlib` for the built-in code set")
+    ap.add_argument("--lengths", help="the built-in code set's cut, e.g. 2K (default 2K)")
     ap.add_argument("--samples", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--no-chat", action="store_true")
     ap.add_argument("--base", action="append", default=[], help="key=value applied to every run")
     ap.add_argument("--grid", action="append", default=[], help="key=v1,v2,... (cartesian product)")
+    ap.add_argument("--point", action="append", default=[], help="key=v,key2=v2: one more configuration")
     ap.add_argument("--out", help="append one JSON line per run here")
     a = ap.parse_args(argv)
+    if a.samples <= 0 or a.max_new_tokens <= 0:
+        raise UserError("--samples and --max-new-tokens must be positive")
 
     base = parse_assignments(a.base, "--base", refused=REFUSED)
-    grid = parse_grid(a.grid)
+    points = parse_grid(a.grid) + parse_points(a.point) if (a.grid or a.point) else [{}]
     # Every configuration is checked before the models load.
-    runs = [(None, Settings(method="ar", max_new_tokens=a.max_new_tokens).resolved())]
-    runs += [(point, Settings(**{**base, **point, "max_new_tokens": a.max_new_tokens}).resolved()) for point in grid]
-    pair = load(a.target, a.draft, **model_options(a))
+    reference = {"method": "ar"}
+    runs = [(reference, Settings(method="ar", max_new_tokens=a.max_new_tokens).resolved())]
+    runs += [(p, Settings(**{**base, **p, "max_new_tokens": a.max_new_tokens}).resolved()) for p in points]
+    needs_draft = any(s.uses_draft for _, s in runs)
+    pair = load(a.target, a.draft, **model_options(a), load_draft=needs_draft)
     pair.engine.warmup()
-    prompts = load_prompts(a.data, a.samples, pair.tokenizer, not a.no_chat)
+    prompts = load_prompts(a.data, a.lengths, a.samples, pair.tokenizer, not a.no_chat)
     eng = pair.engine
     rows = []
-    bar = tqdm(total=len(prompts) * (len(grid) + 1), file=sys.stderr, desc="sweep")
+    bar = tqdm(total=len(prompts) * (len(runs) + 1), file=sys.stderr, desc="sweep")
     for i, ids in enumerate(prompts):
-        states = {}
+        bar.set_postfix_str(f"prompt {i}: prefill {len(ids)} tokens")
+        state = eng.prefill(ids, Settings(method="sd" if needs_draft else "ar", attention="efficient",
+                                          max_new_tokens=a.max_new_tokens))
+        bar.update()
         ar = None
         for point, s in runs:
-            if s.attention not in states:
-                states[s.attention] = eng.prefill(ids, Settings(**{**base, "method": "sd",
-                                                                   "attention": s.attention,
-                                                                   "max_new_tokens": a.max_new_tokens}))
+            bar.set_postfix_str(f"prompt {i}: {describe(point)}")
             t = time.perf_counter()
-            r = eng.decode(states[s.attention], s)
+            r = eng.decode(state, s)
             wall = time.perf_counter() - t
-            if point is None:
+            if ar is None:
                 ar = r
-            row = {"sample": i, "prompt_tokens": len(ids), "point": point or {"method": "ar"},
-                   "tok_s": r.decode_tokens_per_s, "tau": r.accepted_per_step, "steps": r.steps,
-                   "new_tokens": r.new_tokens, "phases": r.phases, "wall_s": wall,
-                   "speedup": r.decode_tokens_per_s / ar.decode_tokens_per_s,
-                   "matches_ar": r.token_ids == ar.token_ids[: len(r.token_ids)], "extra": r.extra}
+            row = {"sample": i, "prompt_tokens": len(ids), "point": point, "tok_s": r.decode_tokens_per_s,
+                   "tau": r.accepted_per_step, "steps": r.steps, "new_tokens": r.new_tokens, "phases": r.phases,
+                   "wall_s": wall, "speedup": r.decode_tokens_per_s / ar.decode_tokens_per_s,
+                   "matches_ar": r.token_ids == ar.token_ids, "extra": r.extra}
             rows.append(row)
             if a.out:
                 append_jsonl(Path(a.out), row)
             bar.update()
+        del state
     bar.close()
-
-    print(f"{'setting':60s} {'tok/s':>7s} {'x ar':>6s} {'tau':>5s} {'draft_s':>8s} {'verify_s':>8s} {'match':>5s}")
-    for point in [None, *grid]:
-        key = point or {"method": "ar"}
-        sel = [r for r in rows if r["point"] == key]
-        n = len(sel)
-        desc = ",".join(f"{k}={v}" for k, v in key.items())
-        print(f"{desc:60s} {sum(r['tok_s'] for r in sel) / n:7.2f} {sum(r['speedup'] for r in sel) / n:6.2f} "
-              f"{sum(r['tau'] for r in sel) / n:5.2f} {sum(r['phases']['draft_s'] for r in sel) / n:8.2f} "
-              f"{sum(r['phases']['verify_s'] for r in sel) / n:8.2f} {sum(r['matches_ar'] for r in sel)}/{n}")
+    print(table(rows, [p for p, _ in runs]))
     return 0
+
+
+def table(rows: list[dict[str, Any]], points: list[dict[str, Any]]) -> str:
+    """One line per configuration: means over prompts, and the worst prompt's ratios."""
+    sd = {r["sample"]: r["tok_s"] for r in rows if r["point"] == {"method": "sd"}}
+    ar = {r["sample"]: r["tok_s"] for r in rows if r["point"] == {"method": "ar"}}
+    lines = ["| setting | tok/s | × ar | min × ar | min × best(ar, sd) | tau | draft s | verify s | = ar |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for point in points:
+        sel = [r for r in rows if r["point"] == point]
+        if not sel:
+            continue
+        best = [r["tok_s"] / max(ar[r["sample"]], sd[r["sample"]]) for r in sel if r["sample"] in sd]
+        def mean(key: str, sel: list[dict[str, Any]] = sel) -> float:
+            return sum(r[key] for r in sel) / len(sel)
+
+        def phase(name: str, sel: list[dict[str, Any]] = sel) -> float:
+            return sum(r["phases"].get(name, 0.0) for r in sel) / len(sel)
+
+        lines.append(
+            f"| {describe(point)} | {mean('tok_s'):.2f} | {mean('speedup'):.2f} "
+            f"| {min(r['speedup'] for r in sel):.2f} | {f'{min(best):.2f}' if best else '-'} "
+            f"| {mean('tau'):.2f} | {phase('draft_s'):.2f} | {phase('verify_s'):.2f} "
+            f"| {sum(r['matches_ar'] for r in sel)}/{len(sel)} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
