@@ -285,8 +285,23 @@ def test_a_slow_outlier_does_not_lift_the_curve():
 def test_online_refresh_follows_observed_phase_times():
     costs = CostModel(ForwardCurve([1, 2], [0], [[0.01, 0.012]]), refresh=True)
     for _ in range(60):
-        costs.observe("target", costs.target.predict(1, 0), 0.02)  # the machine is twice as slow
+        costs.observe_verify(1, 0, 0.02)  # the machine is twice as slow
     assert costs.target_s(1, 0) == pytest.approx(0.02, rel=0.02)
+
+
+def test_tree_steps_do_not_move_the_one_row_cost():
+    """Trees costing more than their curve say nothing about decoding alone, the rate every tree
+    must beat: its cost stays the curve's until one-row steps measure it. Costs stay monotone."""
+    costs = CostModel(ForwardCurve([1, 2, 4, 8], [0], [[0.010, 0.011, 0.012, 0.016]]), refresh=True)
+    for _ in range(60):
+        costs.observe_verify(4, 0, 0.018)  # wider verifications run 1.5x their curve
+    assert costs.target_s(1, 0) == pytest.approx(0.010)
+    assert costs.target_s(4, 0) == pytest.approx(0.018, rel=0.02)
+    for _ in range(60):
+        costs.observe_verify(1, 0, 0.025)  # and one row 2.5x
+    assert costs.target_s(1, 0) == pytest.approx(0.025, rel=0.02)
+    v = costs.verify_costs(0, 8)
+    assert v[1] == pytest.approx(0.025, rel=0.02) and v == [0.0, *sorted(v[1:])]
 
 
 @pytest.mark.parametrize("seed", range(10))

@@ -13,9 +13,13 @@ row, and each draft forward ~1/3 of a target step. So the tree is sized from mea
   one file per machine, model shape, weight format, precision, attention backend and kernel
   build (`curve_key`): a new kernel build or another CPU measures again;
 - `CostModel` predicts from the two curves and refreshes itself online: each step the engine's
-  phase timings are compared with the prediction and a per-model scale follows their ratio (and
-  a per-step overhead follows what the phases do not cover), so a busier machine or a faster
-  kernel moves the estimate within a few steps.
+  phase timings are compared with the prediction and a scale follows their ratio (and a per-step
+  overhead follows what the phases do not cover), so a busier machine or a faster kernel moves
+  the estimate within a few steps. The target has two scales, one for a one-row step and one for
+  wider verifications: a single scale learnt from tree steps alone would carry their error to the
+  one-row step, the rate of decoding alone that every tree must beat, and nothing would correct it
+  while the sizer keeps choosing trees (it corrects itself the other way: a one-row cost guessed
+  too low leads to one-row steps, which measure it).
 
 `python -m specextend.costmodel` shows (or, with --remeasure, re-measures) the default pair's
 curves.
@@ -235,7 +239,8 @@ class CostModel:
 
     def __init__(self, target: ForwardCurve, draft: ForwardCurve | None = None, refresh: bool = True) -> None:
         self.target, self.draft, self.refresh = target, draft, refresh
-        self.scale = {"target": 1.0, "draft": 1.0}
+        # "target_1row": one-row steps; "target": verifications of more rows.
+        self.scale = {"target_1row": 1.0, "target": 1.0, "draft": 1.0}
         self.overhead_s = 0.0  # per step, outside the forwards and retrieval (Python, sampling)
         # Per step that ran the draft: the draft policy's bookkeeping and retrieval after it (a
         # step without the draft has nothing to retrieve for, so this is the draft's cost).
@@ -243,8 +248,13 @@ class CostModel:
 
     # ----------------------------------------------------------------- predictions
 
+    @staticmethod
+    def target_key(rows: int) -> str:
+        """Which of the target's scales applies to a forward of `rows` rows."""
+        return "target_1row" if rows <= 1 else "target"
+
     def target_s(self, rows: int, context: int) -> float:
-        return self.target.predict(rows, context) * self.scale["target"]
+        return self.target.predict(rows, context) * self.scale[self.target_key(rows)]
 
     def draft_s(self, rows: int, context: int) -> float:
         if self.draft is None:
@@ -252,14 +262,22 @@ class CostModel:
         return self.draft.predict(rows, context) * self.scale["draft"]
 
     def verify_costs(self, context: int, max_rows: int) -> list[float]:
-        """Seconds of a verification with n rows, n = 0..max_rows (index 0 unused)."""
-        k = self.scale["target"]
-        return [c * k for c in self.target.row_costs(context, max_rows)]
+        """Seconds of a verification with n rows, n = 0..max_rows (index 0 unused); never
+        decreasing in n, whatever the two scales say."""
+        out = [0.0]
+        for n, c in enumerate(self.target.row_costs(context, max_rows)[1:], 1):
+            out.append(max(c * self.scale[self.target_key(n)], out[-1]))
+        return out
 
     # ----------------------------------------------------------------- online refresh
 
+    def observe_verify(self, rows: int, context: int, observed: float) -> None:
+        """One verification's wall time: `rows` rows over `context` cached tokens."""
+        self.observe(self.target_key(rows), self.target.predict(rows, context), observed)
+
     def observe(self, model: str, predicted_raw: float, observed: float) -> None:
-        """One phase's wall time against the curve's raw (unscaled) prediction for it."""
+        """One phase's wall time against the curve's raw (unscaled) prediction for it; `model`
+        names the scale (see `scale`)."""
         if not self.refresh or predicted_raw <= 0.0 or observed <= 0.0:
             return
         ratio = min(max(observed / predicted_raw, self.scale[model] * RATIO_CLAMP[0]),
@@ -276,7 +294,8 @@ class CostModel:
             self.retrieval_s = (1.0 - REFRESH_WEIGHT) * self.retrieval_s + REFRESH_WEIGHT * min(seconds, 1.0)
 
     def stats(self) -> dict[str, float]:
-        return {"cost_scale_target": self.scale["target"], "cost_scale_draft": self.scale["draft"],
+        return {"cost_scale_target": self.scale["target"], "cost_scale_target_1row": self.scale["target_1row"],
+                "cost_scale_draft": self.scale["draft"],
                 "cost_overhead_s": self.overhead_s, "cost_retrieval_s": self.retrieval_s}
 
 

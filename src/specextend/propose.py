@@ -130,7 +130,7 @@ class Proposer:
         self.counts["lookup_accepted"] += sum(1 for n in verdict.path[1:] if tree.origin[n] == LOOKUP)
         self._phases_s = draft_s + verify_s
         if self.costs is not None:
-            self.costs.observe("target", self.costs.target.predict(tree.size, context), verify_s)
+            self.costs.observe_verify(tree.size, context, verify_s)
             if self.drafted:
                 self.costs.observe("draft", self._raw_draft_s, draft_s)
         if self.sizer is not None:

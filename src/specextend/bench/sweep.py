@@ -39,6 +39,8 @@ REFUSED = {"max_new_tokens": "--max-new-tokens"}
 
 def parse_grid(items: list[str]) -> list[dict[str, Any]]:
     """--grid key=v1,v2,... items -> every combination of their values (a cartesian product)."""
+    if not items:
+        return []
     axes = []  # per item, one single-setting dict per value
     for item in items:
         key, _, values = item.partition("=")
@@ -93,7 +95,7 @@ def sweep(argv: list[str] | None = None) -> int:
         raise UserError("--samples and --max-new-tokens must be positive")
 
     base = parse_assignments(a.base, "--base", refused=REFUSED)
-    points = parse_grid(a.grid) + parse_points(a.point) if (a.grid or a.point) else [{}]
+    points = parse_grid(a.grid) + parse_points(a.point) or [{}]
     # Every configuration is checked before the models load.
     reference = {"method": "ar"}
     runs = [(reference, Settings(method="ar", max_new_tokens=a.max_new_tokens).resolved())]
