@@ -39,3 +39,22 @@ def test_sweep_refuses_bad_points_before_loading(tmp_path, capsys):
         assert sweep.main(["--target", str(tmp_path / "absent"), "--data", str(data), *bad]) == 2
         err = capsys.readouterr().err
         assert err.startswith("specextend sweep: error:") and "Traceback" not in err
+
+
+def test_a_cut_run_resumes_with_start_and_reports_from_its_rows(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SPECEXTEND_HOME", str(tmp_path / "home"))
+    target = save_tiny_model(tmp_path / "target", seed=0, max_position_embeddings=4096)
+    data = tmp_path / "g.jsonl"
+    data.write_text("".join(json.dumps({"text": govreport_text(20, seed=i)}) + "\n" for i in range(3)))
+    out = tmp_path / "rows.jsonl"
+    common = ["--target", str(target), "--dtype", "float64", "--data", str(data), "--max-new-tokens", "4",
+              "--point", "method=lookup", "--out", str(out)]
+    assert sweep.main([*common, "--samples", "1"]) == 0
+    assert sweep.main([*common, "--start", "1", "--samples", "2"]) == 0  # the prompts the first run left
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["sample"] for r in rows] == [0, 0, 1, 1, 2, 2]
+    capsys.readouterr()
+    assert sweep.main(["--report", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert table.startswith("3 prompts, 6 runs") and "| method=lookup |" in table and "3/3 |" in table
+    assert sweep.main(["--report", str(tmp_path / "absent.jsonl")]) == 2

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 import time
 from pathlib import Path
@@ -81,18 +82,24 @@ def sweep(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_arguments(ap)
-    ap.add_argument("--data", required=True, help="a JSONL file (field `text`), or `stdlib` for the built-in code set")
+    ap.add_argument("--data", help="a JSONL file (field `text`), or `stdlib` for the built-in code set")
     ap.add_argument("--lengths", help="the built-in code set's cut, e.g. 2K (default 2K)")
     ap.add_argument("--samples", type=int, default=2)
+    ap.add_argument("--start", type=int, default=0, help="skip this many prompts first (to resume a cut run)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--no-chat", action="store_true")
     ap.add_argument("--base", action="append", default=[], help="key=value applied to every run")
     ap.add_argument("--grid", action="append", default=[], help="key=v1,v2,... (cartesian product)")
     ap.add_argument("--point", action="append", default=[], help="key=v,key2=v2: one more configuration")
     ap.add_argument("--out", help="append one JSON line per run here")
+    ap.add_argument("--report", metavar="ROWS", help="only print the table of a run's --out file")
     a = ap.parse_args(argv)
-    if a.samples <= 0 or a.max_new_tokens <= 0:
-        raise UserError("--samples and --max-new-tokens must be positive")
+    if a.report:
+        return report(Path(a.report))
+    if not a.data:
+        raise UserError("--data is required (a JSONL file, or stdlib)")
+    if a.samples <= 0 or a.max_new_tokens <= 0 or a.start < 0:
+        raise UserError("--samples and --max-new-tokens must be positive, --start not negative")
 
     base = parse_assignments(a.base, "--base", refused=REFUSED)
     points = parse_grid(a.grid) + parse_points(a.point) or [{}]
@@ -103,11 +110,11 @@ def sweep(argv: list[str] | None = None) -> int:
     needs_draft = any(s.uses_draft for _, s in runs)
     pair = load(a.target, a.draft, **model_options(a), load_draft=needs_draft)
     pair.engine.warmup()
-    prompts = load_prompts(a.data, a.lengths, a.samples, pair.tokenizer, not a.no_chat)
+    prompts = load_prompts(a.data, a.lengths, a.start + a.samples, pair.tokenizer, not a.no_chat)[a.start:]
     eng = pair.engine
     rows = []
     bar = tqdm(total=len(prompts) * (len(runs) + 1), file=sys.stderr, desc="sweep")
-    for i, ids in enumerate(prompts):
+    for i, ids in enumerate(prompts, a.start):
         bar.set_postfix_str(f"prompt {i}: prefill {len(ids)} tokens")
         state = eng.prefill(ids, Settings(method="sd" if needs_draft else "ar", attention="efficient",
                                           max_new_tokens=a.max_new_tokens))
@@ -131,6 +138,21 @@ def sweep(argv: list[str] | None = None) -> int:
         del state
     bar.close()
     print(table(rows, [p for p, _ in runs]))
+    return 0
+
+
+def report(path: Path) -> int:
+    """The table of a finished (or resumed) run's rows, configurations in first-seen order."""
+    try:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read sweep rows from {path}: {e}") from None
+    points: list[dict[str, Any]] = []
+    for r in rows:
+        if r["point"] not in points:
+            points.append(r["point"])
+    print(f"{len({r['sample'] for r in rows})} prompts, {len(rows)} runs")
+    print(table(rows, points))
     return 0
 
 
