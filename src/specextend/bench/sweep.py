@@ -167,18 +167,17 @@ def table(rows: list[dict[str, Any]], points: list[dict[str, Any]]) -> str:
         if not sel:
             continue
         best = [r["tok_s"] / max(ar[r["sample"]], sd[r["sample"]]) for r in sel if r["sample"] in sd]
-        def mean(key: str, sel: list[dict[str, Any]] = sel) -> float:
-            return sum(r[key] for r in sel) / len(sel)
-
-        def phase(name: str, sel: list[dict[str, Any]] = sel) -> float:
-            return sum(r["phases"].get(name, 0.0) for r in sel) / len(sel)
-
         lines.append(
-            f"| {describe(point)} | {mean('tok_s'):.2f} | {mean('speedup'):.2f} "
+            f"| {describe(point)} | {_mean(sel, 'tok_s'):.2f} | {_mean(sel, 'speedup'):.2f} "
             f"| {min(r['speedup'] for r in sel):.2f} | {f'{min(best):.2f}' if best else '-'} "
-            f"| {mean('tau'):.2f} | {phase('draft_s'):.2f} | {phase('verify_s'):.2f} "
+            f"| {_mean(sel, 'tau'):.2f} | {_mean(sel, 'draft_s'):.2f} | {_mean(sel, 'verify_s'):.2f} "
             f"| {sum(r['matches_ar'] for r in sel)}/{len(sel)} |")
     return "\n".join(lines)
+
+
+def _mean(rows: list[dict[str, Any]], key: str) -> float:
+    """Mean of a row field, or of a phase's seconds (phases a method lacks count as 0)."""
+    return sum(r[key] if key in r else r["phases"].get(key, 0.0) for r in rows) / len(rows)
 
 
 if __name__ == "__main__":
