@@ -19,9 +19,9 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, TextIO
 
-from .bench.data import record_text
 from .draft_policy import DRAFT_POLICIES
 from .errors import UserError
+from .jsonl import text_at
 from .models.loader import add_model_arguments, model_options
 from .settings import ATTENTIONS, METHODS, POSITION_MODES, TREES, Settings, parse_assignments
 
@@ -215,7 +215,7 @@ def read_prompt(args: argparse.Namespace) -> str:
     elif args.prompt_file is not None:
         text = _read_text_file(args.prompt_file)
     elif args.jsonl is not None:
-        text = read_jsonl_text(args.jsonl, 0 if args.index is None else args.index)
+        text = text_at(args.jsonl, 0 if args.index is None else args.index)
     else:
         raise UserError("no prompt: give --prompt TEXT, --prompt-file PATH or --jsonl PATH --index I")
     if not text.strip():
@@ -237,29 +237,6 @@ def _read_text_file(name: str) -> str:
         raise UserError(f"prompt file {name} is not UTF-8 text: {e.reason} at byte {e.start}") from None
     except OSError as e:
         raise UserError(f"cannot read prompt file {name}: {e.strerror}") from None
-
-
-def read_jsonl_text(name: str, index: int) -> str:
-    """Field `text` of the index-th record (0-based; blank lines are not records)."""
-    if index < 0:
-        raise UserError(f"--index must be >= 0, got {index}")
-    path = Path(name).expanduser()
-    if not path.is_file():
-        raise UserError(f"JSONL file not found: {name}")
-    count = 0
-    try:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                if count == index:
-                    return record_text(name, lineno, line)
-                count += 1
-    except UnicodeDecodeError as e:
-        raise UserError(f"{name} is not UTF-8 text: {e.reason}") from None
-    except OSError as e:
-        raise UserError(f"cannot read {name}: {e.strerror}") from None
-    raise UserError(f"--index {index} is out of range: {name} has {count} records")
 
 
 @contextlib.contextmanager

@@ -14,7 +14,6 @@ sample and fed unchanged to every method, ours and the Hugging Face baselines al
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sysconfig
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
+from ..jsonl import read_texts
 
 DATA_ENV = "SPECEXTEND_DATA"
 BUILTIN_NAMES = ("stdlib", "builtin")  # --data words that mean the built-in long-code set
@@ -70,21 +70,27 @@ class Sample:
 
 
 def parse_length(text: str) -> int:
-    """'4K' -> 4096, '512' -> 512; UserError for anything else."""
-    m = re.fullmatch(r"\s*(\d+)\s*([kK]?)\s*", text)
-    if not m:
+    """'4K' -> 4096, '1.5K' -> 1536, '512' -> 512; UserError for anything else."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kK]?)\s*", text)
+    n = float(m.group(1)) * (1024 if m.group(2) else 1) if m else None
+    if n is None or not n.is_integer():
         raise UserError(f"bad length {text!r}: write a token count like 512 or 4K")
-    n = int(m.group(1)) * (1024 if m.group(2) else 1)
     if n <= 0:
         raise UserError(f"bad length {text!r}: must be positive")
-    return n
+    return int(n)
 
 
 def parse_lengths(text: str) -> list[int]:
-    items = [t for t in text.split(",") if t.strip()]
+    """'2K,1k,512' -> [512, 1024, 2048]: token counts, sorted, each once."""
+    return sorted({parse_length(t) for t in split_list(text, "--lengths")})
+
+
+def split_list(text: str, option: str) -> list[str]:
+    """A comma-separated option's items, stripped, each once, in order; UserError when empty."""
+    items = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
     if not items:
-        raise UserError("--lengths is empty")
-    return sorted({parse_length(t) for t in items})
+        raise UserError(f"{option} is empty")
+    return items
 
 
 def length_label(n: int) -> str:
@@ -137,13 +143,17 @@ def encode_samples(samples: Iterable[Sample], tokenizer: Any, chat: bool = True)
 
 
 def data_roots() -> list[Path]:
-    """Where bare data names (`--data govreport`) are looked up: $SPECEXTEND_DATA, then the
-    shared data folder beside the repository (`<repo>/../shared/data`)."""
+    """Where data sets are looked up by name (`bench --data govreport`, the needle test's
+    haystacks): $SPECEXTEND_DATA, then the shared data folder beside the repository
+    (`<repo>/../shared/data`, found from this file or, for an installed copy, from the working
+    directory)."""
     roots = []
     if os.environ.get(DATA_ENV):
         roots.append(Path(os.environ[DATA_ENV]).expanduser())
     repo = Path(__file__).resolve().parents[3]
-    roots.append(repo.parent / "shared" / "data")
+    for shared in (repo.parent / "shared" / "data", Path.cwd().parent / "shared" / "data"):
+        if shared not in roots:
+            roots.append(shared)
     return roots
 
 
@@ -175,38 +185,6 @@ def jsonl_files(paths: Sequence[str]) -> list[Path]:
     return files
 
 
-def record_text(name: str, lineno: int, line: str) -> str:
-    """Field `text` of one JSONL line; UserError naming the file and line when it has none."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise UserError(f"{name} line {lineno} is not valid JSON: {e.msg}") from None
-    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-        raise UserError(f"{name} line {lineno} has no string field 'text'")
-    return record["text"]
-
-
-def read_jsonl_texts(path: Path) -> list[str]:
-    """Field `text` of every record (blank lines are not records); UserError when unusable."""
-    texts: list[str] = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                text = record_text(str(path), lineno, line)
-                if not text.strip():
-                    raise UserError(f"{path} line {lineno} has an empty 'text'")
-                texts.append(text)
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path} is not UTF-8 text: {e.reason}") from None
-    except OSError as e:
-        raise UserError(f"cannot read {path}: {e.strerror}") from None
-    if not texts:
-        raise UserError(f"{path} holds no records")
-    return texts
-
-
 def load_jsonl_inputs(paths: list[str], limit: int | None = None) -> list[Sample]:
     """Samples from JSONL files or folders of them (field `text`), the first `limit` of each file.
     Every record is checked, so a broken file fails before any model is loaded."""
@@ -219,7 +197,7 @@ def load_jsonl_inputs(paths: list[str], limit: int | None = None) -> list[Sample
         if name in names:
             continue  # the same file given twice
         names[name] = path
-        texts = read_jsonl_texts(path)
+        texts = read_texts(path)
         if limit is not None:
             texts = texts[:limit]
         samples += [Sample(name, i, t, source=str(path)) for i, t in enumerate(texts)]

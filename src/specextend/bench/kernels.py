@@ -31,6 +31,7 @@ import torch
 from ..attention import eager_attention, hybrid_tree_attention
 from ..model import ModelConfig, Transformer
 from ..models.loader import parse_device, parse_dtype
+from .data import parse_length
 
 # Qwen2.5-Coder-1.5B-Instruct's config.json, the fields the model reads.
 DEFAULT_TARGET_CONFIG = {
@@ -46,11 +47,6 @@ DEFAULT_TARGET_CONFIG = {
     "rope_theta": 1000000.0,
     "tie_word_embeddings": True,
 }
-
-
-def parse_length(s: str) -> int:
-    s = s.strip().upper()
-    return int(float(s[:-1]) * 1024) if s.endswith("K") else int(s)
 
 
 def random_tree(n: int, gen: torch.Generator) -> torch.Tensor:

@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from ..errors import UserError
-from .data import read_jsonl_texts
+from ..jsonl import read_texts
 from .report import write_text_atomic
 
 DEFAULT_WEIGHTS = "float32,bfloat16,gguf,int8,int4"
@@ -155,7 +155,7 @@ def _run(a: argparse.Namespace) -> int:
         check_weights(w)
     if a.ctx < 64 or a.ctx % 2:
         raise UserError("--ctx must be an even number of at least 64")
-    texts = [t for p in a.data.split(",") for t in read_jsonl_texts(Path(p))][: a.samples]
+    texts = [t for p in a.data.split(",") for t in read_texts(Path(p))][: a.samples]
     folder = resolve_model_ref(a.target, "target")
     text, ids = token_stream(texts, load_tokenizer(folder))
     chunks = chunks_of(ids, a.ctx, a.chunks)

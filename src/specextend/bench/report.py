@@ -13,16 +13,16 @@ tokens equal `ar`'s token for token, and the ar prefix is the mean number of lea
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..jsonl import read_rows
 from .data import data_family, data_length
 
 RESULTS = "results.jsonl"
@@ -34,30 +34,6 @@ PEER_PREFIXES = ("hf-", "llamacpp-")  # other engines, listed after ours in this
 
 
 # --------------------------------------------------------------------------- results.jsonl
-
-
-def read_rows(path: Path, repair: bool = False) -> list[dict[str, Any]]:
-    """Complete rows of a results file. A trailing partial line (a killed writer) is ignored, and
-    with `repair` cut off so that later appends start on a fresh line."""
-    if not path.is_file():
-        return []
-    data = path.read_bytes()
-    end = data.rfind(b"\n") + 1
-    if end < len(data) and repair:
-        with open(path, "r+b") as f:
-            f.truncate(end)
-    rows = []
-    for lineno, line in enumerate(data[:end].splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            print(f"specextend: warning: {path} line {lineno} is not valid JSON; ignored", file=sys.stderr)
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
 
 
 def latest_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -96,7 +72,8 @@ def _num(x: Any) -> float | None:
     return float(x) if isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) else None
 
 
-def _mean(xs: list[float]) -> float | None:
+def mean(xs: Sequence[float]) -> float | None:
+    """The mean, or None for no values (a table shows '-')."""
     return sum(xs) / len(xs) if xs else None
 
 
@@ -138,7 +115,7 @@ def _prefix(rows: list[dict[str, Any]], ar_ids: dict[tuple, list[int]]) -> float
             found.append(float(n))
         elif (p := _num(r.get("ar_prefix_match"))) is not None:
             found.append(p)
-    return _mean(found)
+    return mean(found)
 
 
 def _borrowed(row: dict[str, Any]) -> bool:
@@ -158,16 +135,16 @@ def aggregate(rows: list[dict[str, Any]]) -> list[Cell]:
         steps = [(_num(r.get("steps")), _num(r.get("accepted_per_step"))) for r in rs]
         weighted = [(s, a) for s, a in steps if s is not None and a is not None and s > 0]
         accepted = (sum(s * a for s, a in weighted) / sum(s for s, _ in weighted) if weighted
-                    else _mean([a for _, a in steps if a is not None]))
+                    else mean([a for _, a in steps if a is not None]))
         retr = sum(_num((r.get("phases") or {}).get("retrieval_s")) or 0.0 for r in rs)
         eq, cmp_ = _matches(rs, ar_ids)
         cells[(data, method)] = Cell(
             data=data, method=method, samples=len(rs),
-            input_tokens=_mean([float(r.get("input_tokens") or r.get("prompt_tokens") or 0) for r in rs]) or 0.0,
+            input_tokens=mean([float(r.get("input_tokens") or r.get("prompt_tokens") or 0) for r in rs]) or 0.0,
             new_tokens=new,
             decode_tps=new / dec if dec > 0 else None,
             accepted=accepted,
-            prefill_s=_mean([p for p in (_num(r.get("prefill_s")) for r in rs) if p is not None]),
+            prefill_s=mean([p for p in (_num(r.get("prefill_s")) for r in rs) if p is not None]),
             retrieval_share=retr / dec if dec > 0 else None,
             matches=eq, compared=cmp_,
             ar_prefix=None if method == "ar" else _prefix(rs, ar_ids),

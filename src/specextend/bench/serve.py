@@ -36,6 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from ..jsonl import text_at
+
 QUESTIONS = ("In one sentence, what is this report about?", "List two numbers that the report mentions.")
 
 
@@ -103,9 +105,7 @@ def _stream_one(client: Any, content: str, max_tokens: int) -> dict[str, Any]:
 
 
 def ttft(args: argparse.Namespace) -> dict[str, Any]:
-    from ..cli import read_jsonl_text
-
-    doc = read_jsonl_text(args.data, args.index)
+    doc = text_at(args.data, args.index)
     client = _client(args.url)
     runs = []
     for q in QUESTIONS:
@@ -125,10 +125,8 @@ def ttft(args: argparse.Namespace) -> dict[str, Any]:
 def compare(args: argparse.Namespace) -> dict[str, Any]:
     """Each prompt of a ttft result through `specextend generate --json --chat` (greedy, the
     server's method): the same text in the same number of tokens as the server's answer."""
-    from ..cli import read_jsonl_text
-
     measured = json.loads(Path(args.result).read_text())
-    doc = read_jsonl_text(measured["data"], measured["index"])
+    doc = text_at(measured["data"], measured["index"])
     rows = []
     for run in measured["runs"]:
         spec = run["usage"]["speculative"]
