@@ -7,7 +7,7 @@
   target's attention (plus the newest tokens), rebuilt every few steps and whenever a new chunk
   opens.
 
-`DRAFT_POLICIES` maps each name to its class; the command line's choices come from it. The
+`DRAFT_POLICIES` maps each name of `settings.DRAFT_CACHES` (the command line's choices) to its class. The
 decoding loop (engine.py) and the needle test see only the `DraftPolicy` interface:
 
 - before decoding: `sees_every_position` (the context limit), `score_layers` (which target
@@ -343,6 +343,7 @@ class CMRPolicy(SelectiveDraftPolicy):
         self.rebuild(ranges)
 
 
+# One class per `settings.DRAFT_CACHES` name (the names live there so that settings need no torch).
 DRAFT_POLICIES: dict[str, type[DraftPolicy]] = {
     "full": FullPolicy,
     "streaming": StreamingPolicy,

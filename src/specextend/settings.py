@@ -1,5 +1,11 @@
 """Generation settings, method presets, their validation, and the one KEY=VALUE parser
-(`generate --set`, `bench --set`, bench's `base+key=value`, the sweep's `--base`/`--grid`)."""
+(`generate --set`, `bench --set`, bench's `base+key=value`, the sweep's `--base`/`--grid`).
+
+A `Settings` is frozen. `resolved()` fills the preset's choices and checks every value; the API
+resolves a caller's settings once per call (`Pair.settings`) and the engine takes the resolved
+value as it is. This module imports nothing heavy: the command line reads its names and defaults
+for `--help`.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +15,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
-from .draft_policy import DRAFT_POLICIES
 from .errors import UserError
 
 METHODS = ("ar", "sd", "specextend", "lookup")
+# The draft KV policies (`--draft-cache`); draft_policy.py registers one class under each name.
+DRAFT_CACHES = ("full", "streaming", "cmr")
 ATTENTIONS = ("eager", "efficient")
 TREES = ("chain", "dynamic")
 POSITION_MODES = ("compact", "original")
+RETRIEVAL_QUERIES = ("last", "path")
 
 # What each preset means (the contract): sd = standard tree speculative decoding; specextend =
 # efficient attention + cross-model retrieval for the draft, the tree sized each step from the
@@ -30,7 +38,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 DRAFTLESS = ("ar", "lookup")  # methods that never load or run a draft model
 
 
-@dataclass
+@dataclass(frozen=True)
 class Settings:
     method: str = "specextend"
     draft_cache: str | None = None  # None: the preset's
@@ -80,51 +88,64 @@ class Settings:
     labels: dict[str, str | int | float | bool] = field(default_factory=dict)
 
     def resolved(self) -> Settings:
-        """Fill the preset's choices and check every value; raises UserError on a bad one."""
+        """The preset's choices filled in and every value checked; raises UserError on a bad one."""
+        s = self._with_preset()
+        s._check()
+        return s
+
+    def _with_preset(self) -> Settings:
         if self.method not in METHODS:
             raise UserError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
         preset = PRESETS[self.method]
         s = replace(self, **{k: getattr(self, k) if getattr(self, k) is not None else v for k, v in preset.items()})
         if s.method == "ar":
-            s.draft_cache, s.cost_model, s.lookup = None, False, False
-        elif s.method == "lookup":
-            s.draft_cache = None
+            return replace(s, draft_cache=None, cost_model=False, lookup=False)
+        if s.method == "lookup":
             if not s.lookup:
                 raise UserError("method lookup proposes only lookup candidates; it cannot run with lookup off")
-        elif s.draft_cache not in DRAFT_POLICIES:
-            raise UserError(f"unknown draft cache {s.draft_cache!r}; choose one of {', '.join(DRAFT_POLICIES)}")
+            return replace(s, draft_cache=None)
+        if s.draft_cache not in DRAFT_CACHES:
+            raise UserError(f"unknown draft cache {s.draft_cache!r}; choose one of {', '.join(DRAFT_CACHES)}")
+        return s
+
+    def _check(self) -> None:
         for name in ("cost_model", "lookup"):
-            if not isinstance(getattr(s, name), bool):
-                raise UserError(f"--{name.replace('_', '-')} must be true or false, got {getattr(s, name)!r}")
-        if s.attention not in ATTENTIONS:
-            raise UserError(f"unknown attention {s.attention!r}; choose one of {', '.join(ATTENTIONS)}")
-        if s.tree not in TREES:
-            raise UserError(f"unknown tree {s.tree!r}; choose one of {', '.join(TREES)}")
-        if s.positions not in POSITION_MODES:
-            raise UserError(f"unknown positions {s.positions!r}; choose compact or original")
-        if s.retrieval_query not in ("last", "path"):
+            if not isinstance(getattr(self, name), bool):
+                raise UserError(f"--{name.replace('_', '-')} must be true or false, got {getattr(self, name)!r}")
+        if self.attention not in ATTENTIONS:
+            raise UserError(f"unknown attention {self.attention!r}; choose one of {', '.join(ATTENTIONS)}")
+        if self.tree not in TREES:
+            raise UserError(f"unknown tree {self.tree!r}; choose one of {', '.join(TREES)}")
+        if self.positions not in POSITION_MODES:
+            raise UserError(f"unknown positions {self.positions!r}; choose compact or original")
+        if self.retrieval_query not in RETRIEVAL_QUERIES:
             raise UserError("retrieval query must be 'last' or 'path'")
         for name in ("chunk_size", "top_k_chunks", "retrieve_every", "tree_budget", "tree_depth",
                      "tree_topk", "chain_length", "max_new_tokens", "retrieval_layers_mean", "lookup_ngram",
                      "lookup_branches", "lookup_length"):
-            v = getattr(s, name)
+            v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
         for name in ("chunk_overlap", "sink_tokens", "seed"):
-            v = getattr(s, name)
+            v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise UserError(f"--{name.replace('_', '-')} must be a non-negative integer, got {v!r}")
-        if not (s.temperature >= 0.0):
-            raise UserError(f"--temperature must be >= 0, got {s.temperature}")
-        if not (0.0 < s.top_p <= 1.0):
-            raise UserError(f"--top-p must be in (0, 1], got {s.top_p}")
-        if not (0.0 <= s.cmr_min_ratio < float("inf")):
-            raise UserError(f"--cmr-min-ratio must be a finite number >= 0, got {s.cmr_min_ratio}")
-        if not (0.0 <= s.tree_threshold < 1.0):
-            raise UserError(f"--tree-threshold must be in [0, 1), got {s.tree_threshold}")
-        for key, value in s.labels.items():
+        if not (self.temperature >= 0.0):
+            raise UserError(f"--temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise UserError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.cmr_min_ratio < float("inf")):
+            raise UserError(f"--cmr-min-ratio must be a finite number >= 0, got {self.cmr_min_ratio}")
+        if not (0.0 <= self.tree_threshold < 1.0):
+            raise UserError(f"--tree-threshold must be in [0, 1), got {self.tree_threshold}")
+        for key, value in self.labels.items():
             check_label(key, value, where="label")
-        return s
+
+    @property
+    def is_resolved(self) -> bool:
+        """Whether the preset's choices are filled in (as `resolved` leaves them)."""
+        return (self.attention is not None and self.cost_model is not None and self.lookup is not None
+                and (self.draft_cache is not None or self.method in DRAFTLESS))
 
     @property
     def greedy(self) -> bool:
