@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random models of every supported architecture, saved as HF folders."""
+"""Shared fixtures: tiny random models of every supported architecture, saved as HF folders; a
+model cache of each test's own (`isolated_home`); `SpecEngine.generate` for engine-level tests."""
 
 from __future__ import annotations
 
@@ -16,10 +17,27 @@ def pytest_configure(config: pytest.Config) -> None:
     """Load the C++ kernels once, from the user's cache (where `make setup` built them), before
     any test points SPECEXTEND_HOME at a temporary folder, which would build them again there."""
     from specextend import kernels
+    from specextend.engine import SpecEngine
 
     kernels.available()  # tests of the kernels skip where they cannot be built
     # Step costs the tests measure (tiny models) stay out of the user's cache.
     os.environ["SPECEXTEND_COST_CACHE"] = tempfile.mkdtemp(prefix="specextend-costs-")
+    SpecEngine.generate = generate  # type: ignore[attr-defined]
+
+
+def generate(engine, prompt_ids: list[int], settings, on_tokens=None):
+    """Resolve the settings, prefill and decode in one call, on an engine built by a test. The
+    package itself decodes through `Pair` (api.py); tests that drive the engine directly call
+    this as `engine.generate`."""
+    s = settings.resolved()
+    return engine.decode(engine.prefill(prompt_ids, s), s, on_tokens)
+
+
+@pytest.fixture
+def isolated_home(tmp_path, monkeypatch):
+    """A model cache of this test's own: nothing may touch (or pull into) the user's. Test files
+    that load models by reference use it for every test (`pytestmark`)."""
+    monkeypatch.setenv("SPECEXTEND_HOME", str(tmp_path / "home"))
 
 
 def tiny_hf_config(arch: str, vocab: int = 64, layers: int = 2, **kw):

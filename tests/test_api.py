@@ -23,10 +23,7 @@ CONTRACT_FIELDS = {
 PROMPT = "hello the world, héllo 日本 "
 
 
-@pytest.fixture(autouse=True)
-def _isolated_home(tmp_path, monkeypatch):
-    # Nothing here may touch (or pull into) the user's model cache.
-    monkeypatch.setenv("SPECEXTEND_HOME", str(tmp_path / "home"))
+pytestmark = pytest.mark.usefixtures("isolated_home")  # conftest.py: a model cache of its own
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +47,7 @@ def test_generate_result_and_json(pair):
     r = pair.generate(PROMPT, method="ar", max_new_tokens=10)
     assert r.new_tokens == len(r.token_ids) == 10 and r.stop_reason == "length"
     assert r.prompt_tokens == len(pair.encode(PROMPT))
-    assert r.text == pair.decode(r.token_ids)
+    assert r.text == pair.detokenize(r.token_ids)
     d = r.to_json()
     assert set(d) >= CONTRACT_FIELDS
     assert d["method"] == "ar" and d["draft"] is None and d["accepted_per_step"] == 0

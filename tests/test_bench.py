@@ -23,10 +23,7 @@ CONTRACT_FIELDS = {
 BENCH_FIELDS = {"data", "sample", "input_tokens", "matches_ar", "settings_hash"}
 
 
-@pytest.fixture(autouse=True)
-def _isolated_home(tmp_path, monkeypatch):
-    # Nothing here may touch (or pull into) the user's model cache.
-    monkeypatch.setenv("SPECEXTEND_HOME", str(tmp_path / "home"))
+pytestmark = pytest.mark.usefixtures("isolated_home")  # conftest.py: a model cache of its own
 
 
 @pytest.fixture(scope="module")

@@ -29,10 +29,11 @@ PROMPT = "hello the world, héllo 日本 "
 ENTRY = Path(sys.executable).parent / "specextend"
 
 
+pytestmark = pytest.mark.usefixtures("isolated_home")  # conftest.py: a model cache of its own
+
+
 @pytest.fixture(autouse=True)
-def _isolated_home(tmp_path, monkeypatch):
-    # Never pull into (or read) the user's model cache from a test.
-    monkeypatch.setenv("SPECEXTEND_HOME", str(tmp_path / "home"))
+def _no_debug(monkeypatch):
     monkeypatch.delenv(cli.DEBUG_ENV, raising=False)
 
 

@@ -58,14 +58,14 @@ def test_pull_load_generate_and_match_transformers(pulled):
         r = pair.generate(ids, method=method, max_new_tokens=24)
         assert r.token_ids == ar.token_ids, f"{method} diverged from ar: {r.text!r} vs {ar.text!r}"
         assert r.accepted_per_step > 0.5
-    quantized_logits = pair.engine.prefill(ids, specextend.Settings(method="ar", max_new_tokens=1)).first_logits
+    quantized_logits = pair.prefill(ids, method="ar", max_new_tokens=1).first_logits
     del pair
     gc.collect()
 
     # float32 weights (dequantised exactly from the same grids) against transformers.
     fp = specextend.load(str(target_path), load_draft=False, weights="float32", progress=False)
     far = fp.generate(ids, method="ar", max_new_tokens=8)
-    first_logits = fp.engine.prefill(ids, specextend.Settings(method="ar", max_new_tokens=1)).first_logits
+    first_logits = fp.prefill(ids, method="ar", max_new_tokens=1).first_logits
     del fp
     gc.collect()
 

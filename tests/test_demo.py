@@ -12,10 +12,7 @@ from specextend.errors import UserError
 
 from tiny_tokenizer import save_tiny_model
 
-
-@pytest.fixture(autouse=True)
-def _isolated_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECEXTEND_HOME", str(tmp_path / "home"))
+pytestmark = pytest.mark.usefixtures("isolated_home")  # conftest.py: a model cache of its own
 
 
 def parse(*argv: str) -> argparse.Namespace:

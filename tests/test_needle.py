@@ -29,10 +29,7 @@ def govreport_text(n_sentences: int = 30, seed: int = 0) -> str:
             f"{body}\n\n### Summary:\n\n")
 
 
-@pytest.fixture(autouse=True)
-def _isolated_home(tmp_path, monkeypatch):
-    # Nothing here may touch (or pull into) the user's model cache.
-    monkeypatch.setenv("SPECEXTEND_HOME", str(tmp_path / "home"))
+pytestmark = pytest.mark.usefixtures("isolated_home")  # conftest.py: a model cache of its own
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +103,7 @@ def test_run_trial_every_policy(pair):
     trial = needle.make_trial(govreport_text(), pair.tokenizer, 0.5, PHRASE, length="T", index=3, haystack=1)
     n = len(trial.prompt_ids)
     assert n > 3 * budget  # a selective cache is really selective here
-    rec = needle.run_trial(pair.engine, pair.tokenizer, trial, s, 6)
+    rec = needle.run_trial(pair, trial, s, 6)
     assert rec["length"] == "T" and rec["trial"] == 3 and rec["prompt_tokens"] == n
     assert set(rec["policies"]) == set(needle.POLICIES)
     json.dumps(rec, allow_nan=False)
@@ -123,11 +120,11 @@ def test_run_trial_every_policy(pair):
 
     # The full policy (store cut by one token, the last re-fed) answers exactly as the draft
     # decoding from its own full prefill does.
-    ref = reference_greedy(pair.draft, trial.prompt_ids, 6, pair.engine.eos)
+    ref = reference_greedy(pair.draft, trial.prompt_ids, 6, set(pair.eos_ids))
     assert rec["policies"]["full"]["answer"] == pair.tokenizer.decode(ref, skip_special_tokens=True)
 
     # Every policy starts from the same store, whatever ran before it.
-    again = needle.run_trial(pair.engine, pair.tokenizer, trial, s, 6, policies=("cmr", "full", "streaming"))
+    again = needle.run_trial(pair, trial, s, 6, policies=("cmr", "full", "streaming"))
     for name in needle.POLICIES:
         for key in ("answer", "working_tokens", "needle_in_cache"):
             assert again["policies"][name][key] == rec["policies"][name][key], (name, key)
@@ -151,9 +148,9 @@ def test_cmr_keeps_the_chunk_the_target_attends_to(pair):
     s = settings()
     c = s.chunk_size
     trial = needle.make_trial(govreport_text(), pair.tokenizer, 0.5, PHRASE)
-    state, scores = needle.prefill_trial(pair.engine, trial, s)
+    state, scores = needle.prefill_trial(pair, trial, s)
     n_chunks = (len(trial.prompt_ids) - 1) // c
-    before = needle.build_policy(pair.engine, state, "cmr", s, scores)
+    before = needle.build_policy(pair, state, "cmr", s, scores)
     chosen = {a // c for a, _ in before.selected}
     # The needle's chunks, made the target's focus: only then must CMR keep them.
     a, b = trial.needle_tokens
@@ -164,23 +161,23 @@ def test_cmr_keeps_the_chunk_the_target_attends_to(pair):
     last = pair.target.cfg.num_layers - 1
     plant(state, 0, planted[0] * c, (planted[-1] + 1) * c)
     # Another layer's keys do not move the scores of the retrieval layer (the last).
-    assert torch.equal(needle.retrieval_scores(pair.engine, state, s), scores)
+    assert torch.equal(needle.cmr_scores(pair, state, s), scores)
     plant(state, last, planted[0] * c, (planted[-1] + 1) * c)
-    focused = needle.retrieval_scores(pair.engine, state, s)
+    focused = needle.cmr_scores(pair, state, s)
     assert focused[planted[0] * c : (planted[-1] + 1) * c].sum() > 0.9
 
-    policy = needle.build_policy(pair.engine, state, "cmr", s, focused)
+    policy = needle.build_policy(pair, state, "cmr", s, focused)
     for j in planted:
         assert needle.covers(policy.selected, (j * c, (j + 1) * c)), (j, policy.selected)
     assert needle.covers(policy.selected, (0, c))  # the sink chunk stays
     assert policy.working_tokens <= s.top_k_chunks * c + c
     assert needle.chunk_rank(focused, trial.needle_tokens, c, len(trial.prompt_ids) - 1) == 1
-    r = needle.run_policy(pair.engine, state, "cmr", s, focused, trial, pair.tokenizer, 4)
+    r = needle.run_policy(pair, state, "cmr", s, focused, trial, 4)
     assert r["needle_in_cache"]
 
     # With --retrieval-layer 0 the layer-0 plant (made above) is what CMR follows.
     s0 = replace(s, retrieval_layer=0)
-    p0 = needle.build_policy(pair.engine, state, "cmr", s0, needle.retrieval_scores(pair.engine, state, s0))
+    p0 = needle.build_policy(pair, state, "cmr", s0, needle.cmr_scores(pair, state, s0))
     assert needle.covers(p0.selected, trial.needle_tokens)
 
 
@@ -194,12 +191,12 @@ def parse(*argv: str) -> argparse.Namespace:
 
 
 def test_budget_options():
-    s = needle.settings_from_args(parse("--budget", "256", "--chunk-size", "16"))
+    s = needle.needle_settings(parse("--budget", "256", "--chunk-size", "16"))
     assert (s.top_k_chunks, s.chunk_size) == (16, 16)
-    assert needle.settings_from_args(parse("--top-k-chunks", "8")).top_k_chunks == 8
+    assert needle.needle_settings(parse("--top-k-chunks", "8")).top_k_chunks == 8
     for bad in (["--budget", "100"], ["--budget", "256", "--top-k-chunks", "4"]):
         with pytest.raises(UserError, match="budget"):
-            needle.settings_from_args(parse(*bad))
+            needle.needle_settings(parse(*bad))
 
 
 def test_sweep_resumes(folders, tmp_path, monkeypatch, capsys):
@@ -211,9 +208,9 @@ def test_sweep_resumes(folders, tmp_path, monkeypatch, capsys):
     calls: list[tuple[str, int]] = []
     real = needle.run_trial
 
-    def counted(engine, tokenizer, trial, *a, **kw):
+    def counted(pair, trial, *a, **kw):
         calls.append((trial.length, trial.index))
-        return real(engine, tokenizer, trial, *a, **kw)
+        return real(pair, trial, *a, **kw)
 
     monkeypatch.setattr(needle, "run_trial", counted)
     common = ["--target", str(folders["target"]), "--draft", str(folders["draft"]), "--dtype", "float64",

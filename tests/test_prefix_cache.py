@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from specextend import kernels, kv_file
-from specextend.engine import PrefixKV, SpecEngine
-from specextend.kv_cache import KVSnapshot
+from specextend.engine import SpecEngine
+from specextend.kv_cache import KVSnapshot, PrefixKV
 from specextend.models.loader import load_model
 from specextend.prefix_cache import PrefixCache
 from specextend.settings import Settings
@@ -46,7 +46,7 @@ def test_a_cached_prefix_decodes_the_same_tokens_as_a_cold_prefill(tiny_dir, arc
     cache.insert(DOC + Q1, first.snapshot(), tk, dk)
     prefix = cache.lookup(DOC + Q2, tk, dk)
     assert prefix is not None and prefix.length == len(DOC)
-    assert (prefix.draft is None) == (method == "ar")
+    assert (prefix.draft_kv is None) == (method == "ar")
 
     cold = eng.generate(DOC + Q2, s)
     warm_state = eng.prefill(DOC + Q2, s, prefix)
@@ -109,8 +109,8 @@ def test_lookup_takes_the_longest_common_run_and_leaves_the_last_token():
     assert cache.lookup(a, "k", "k").length == 39  # the whole prompt cached: its last token is prefilled again
     assert cache.lookup([*a, 1, 2], "k", "k").length == 40
     got = cache.lookup([*a[:10], 0], "k", None)
-    assert got.length == 10 and got.draft is None  # ar needs the target's KV only
-    assert torch.equal(got.target.k, fake_prefix(40).target.k[:, :, :10])
+    assert got.length == 10 and got.draft_kv is None  # ar needs the target's KV only
+    assert torch.equal(got.target_kv.k, fake_prefix(40).target_kv.k[:, :, :10])
     assert cache.lookup(a, "other", "k") is None and cache.lookup(a, "k", "other") is None
     st = cache.stats()
     assert st["hits"] == 4 and st["misses"] == 3 and st["entries"] == 1
@@ -164,7 +164,8 @@ def test_a_restarted_cache_finds_its_prefixes_on_disk(tmp_path):
     assert again.stats()["disk_entries"] == 1 and again.stats()["entries"] == 0
     got = again.lookup([*a[:30], 7], "k", "k")
     assert got.length == 30
-    assert torch.equal(got.target.k, p.target.k[:, :, :30]) and torch.equal(got.draft.v, p.draft.v[:, :, :30])
+    assert torch.equal(got.target_kv.k, p.target_kv.k[:, :, :30])
+    assert torch.equal(got.draft_kv.v, p.draft_kv.v[:, :, :30])
     assert again.stats()["entries"] == 1  # now in memory too
     # Written by other models: neither used nor removed.
     other = PrefixCache(1 << 20, "other-models", tmp_path)
@@ -207,5 +208,5 @@ def test_kv_file_round_trip_without_draft(tmp_path):
     p = fake_prefix(7, draft=False)
     kv_file.write(tmp_path / "x.kv", list(range(7)), p, "fp", "rowwise", None)
     header, back = kv_file.read(tmp_path / "x.kv")
-    assert header.tokens == tuple(range(7)) and header.draft_kind is None and back.draft is None
-    assert torch.equal(back.target.k, p.target.k) and back.target.k.dtype == torch.bfloat16
+    assert header.tokens == tuple(range(7)) and header.draft_kind is None and back.draft_kv is None
+    assert torch.equal(back.target_kv.k, p.target_kv.k) and back.target_kv.k.dtype == torch.bfloat16

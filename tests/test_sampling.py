@@ -7,6 +7,8 @@ acceptance rule, which proves it can fail.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -125,12 +127,12 @@ def test_engine_sampling_matches_target_distribution(tiny_dir):
 
     p1, p2 = two_token_marginals(target, prompt, temperature, top_p)
     s = Settings(method="sd", max_new_tokens=2, temperature=temperature, top_p=top_p, tree_budget=4,
-                 tree_depth=3, tree_topk=2)
+                 tree_depth=3, tree_topk=2).resolved()
     state = eng.prefill(prompt, s)
     counts = torch.zeros(2, 8)
     n = 20_000
     for seed in range(n):
-        out = eng.decode(state, Settings(**{**s.__dict__, "seed": seed})).token_ids
+        out = eng.decode(state, replace(s, seed=seed)).token_ids
         counts[0, out[0]] += 1
         counts[1, out[1]] += 1
     assert_counts_follow(counts, (p1, p2), n)
@@ -208,13 +210,13 @@ def test_engine_sampling_with_wrong_lookup_candidates(tiny_dir, monkeypatch, met
 
     p1, p2 = two_token_marginals(target, prompt, temperature, top_p)
     s = Settings(method=method, max_new_tokens=2, temperature=temperature, top_p=top_p, chunk_size=4,
-                 top_k_chunks=2)
+                 top_k_chunks=2).resolved()
     state = eng.prefill(prompt, s)
     counts = torch.zeros(2, 8)
     n = 3_000
     lookup_nodes = 0.0
     for seed in range(n):
-        r = eng.decode(state, Settings(**{**s.__dict__, "seed": seed}))
+        r = eng.decode(state, replace(s, seed=seed))
         counts[0, r.token_ids[0]] += 1
         counts[1, r.token_ids[1]] += 1
         lookup_nodes += r.extra["lookup_nodes_per_step"]

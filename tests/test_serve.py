@@ -31,9 +31,7 @@ QUESTION = "What does the report say about the budget?"
 DOC = "The report covers the budget of the agency, its staff and the hearings held. " * 6
 
 
-@pytest.fixture(autouse=True)
-def _isolated_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECEXTEND_HOME", str(tmp_path / "home"))
+pytestmark = pytest.mark.usefixtures("isolated_home")  # conftest.py: a model cache of its own
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +44,7 @@ def folders(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pair(folders):
     p = load(folders["target"], folders["draft"], dtype="float64", progress=False)
-    p.engine.eos = set()  # random weights: no early end, so every generation runs to max_tokens
+    p._engine.eos = set()  # random weights: no early end, so every generation runs to max_tokens
     return p
 
 
@@ -71,7 +69,7 @@ def running(pair, folders, *, max_queue=4, cache_mb=64.0, cache_dir=None, **defa
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
-        pair.engine.step_hook = None
+        pair._engine.step_hook = None
         uv.should_exit = True
         thread.join(10)
 
@@ -89,7 +87,7 @@ def client(url: str) -> openai.OpenAI:
 def expected(pair, prompt, chat: bool, **settings) -> list[int]:
     """What the engine decodes cold, with no prefix cache."""
     ids = pair.encode_chat([{"role": "user", "content": prompt}]) if chat else pair.encode(prompt)
-    return pair.engine.generate(ids, Settings(**{"max_new_tokens": 16, **SMALL, **settings})).token_ids
+    return pair._engine.generate(ids, Settings(**{"max_new_tokens": 16, **SMALL, **settings})).token_ids
 
 
 def speculative(usage) -> dict:
@@ -105,7 +103,7 @@ def test_chat_completion_equals_generate(pair, url):
     assert r.object == "chat.completion" and r.model == "tiny"
     assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason == "length"
     want = expected(pair, QUESTION, chat=True, max_new_tokens=12)
-    assert r.choices[0].message.content == pair.decode(want)
+    assert r.choices[0].message.content == pair.detokenize(want)
     u = r.usage
     assert u.completion_tokens == 12
     assert u.prompt_tokens == len(pair.encode_chat([{"role": "user", "content": QUESTION}]))
@@ -120,7 +118,7 @@ def test_completion_and_extension_settings(pair, url):
     c = client(url)
     r = c.completions.create(model="tiny", prompt="def parse(s):", max_tokens=10, extra_body={"method": "sd"})
     assert r.object == "text_completion"
-    assert r.choices[0].text == pair.decode(expected(pair, "def parse(s):", chat=False, max_new_tokens=10))
+    assert r.choices[0].text == pair.detokenize(expected(pair, "def parse(s):", chat=False, max_new_tokens=10))
     assert speculative(r.usage)["method"] == "sd"
     ar = c.completions.create(model="tiny", prompt="def parse(s):", max_tokens=10, extra_body={"method": "ar"})
     assert ar.choices[0].text == r.choices[0].text and speculative(ar.usage)["method"] == "ar"
@@ -141,7 +139,7 @@ def test_streaming_chat_sends_chunks_then_usage(pair, url):
     assert finals == ["length"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
     ids = pair.encode_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}])
-    assert text == pair.decode(pair.engine.generate(ids, Settings(method="sd", max_new_tokens=16)).token_ids)
+    assert text == pair.detokenize(pair._engine.generate(ids, Settings(method="sd", max_new_tokens=16)).token_ids)
     assert speculative(chunks[-1].usage)["steps"] >= 1
 
 
@@ -178,7 +176,7 @@ def test_a_second_question_on_the_same_document_reuses_its_prefill(pair, folders
             prompt = f"{DOC}\n\n{q}"
             r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
                                           max_tokens=12, extra_body={"method": method})
-            assert r.choices[0].message.content == pair.decode(expected(pair, prompt, True, method=method,
+            assert r.choices[0].message.content == pair.detokenize(expected(pair, prompt, True, method=method,
                                                                          max_new_tokens=12))
             answers.append(r)
         first, second = (speculative(a.usage)["cached_prompt_tokens"] for a in answers)
@@ -258,7 +256,7 @@ def test_unknown_routes_and_internal_errors_are_json(pair, url, monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("the kernel fell over")
 
-    monkeypatch.setattr(pair.engine, "decode", broken)
+    monkeypatch.setattr(pair._engine, "decode", broken)
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4})
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error" and "Traceback" not in r.text
     monkeypatch.undo()
@@ -269,7 +267,7 @@ def test_unknown_routes_and_internal_errors_are_json(pair, url, monkeypatch):
 
 
 def slow_steps(pair, seconds: float = 0.05) -> None:
-    pair.engine.step_hook = lambda *a: time.sleep(seconds)
+    pair._engine.step_hook = lambda *a: time.sleep(seconds)
 
 
 def first_content_chunk(response: httpx.Response) -> None:
@@ -282,7 +280,7 @@ def first_content_chunk(response: httpx.Response) -> None:
 def test_past_the_queue_requests_get_429_with_retry_after(pair, folders):
     with running(pair, folders, max_queue=1) as u:
         gate = threading.Event()
-        pair.engine.step_hook = lambda *a: gate.wait(60)  # the first generation holds the slot until released
+        pair._engine.step_hook = lambda *a: gate.wait(60)  # the first generation holds the slot until released
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "stream": True,
                 "method": "sd"}
         with httpx.Client(timeout=60) as h, h.stream("POST", f"{u}/v1/chat/completions", json=body) as running_:

@@ -43,9 +43,9 @@ def synthetic_costs(verify_ms=(10.0, 10.5, 11.0, 13.0, 20.0, 35.0), draft_ms=4.0
 
 def cheaper_rows(costs: CostModel, factor: float) -> CostModel:
     """The same model with every verification row beyond the first costing `factor` times as much."""
-    t = costs.target
+    t = costs.target_curve
     seconds = [[line[0] + factor * (x - line[0]) for x in line] for line in t.seconds]
-    return CostModel(ForwardCurve(list(t.rows), list(t.contexts), seconds), costs.draft, refresh=False)
+    return CostModel(ForwardCurve(list(t.rows), list(t.contexts), seconds), costs.draft_curve, refresh=False)
 
 
 class Flipped:

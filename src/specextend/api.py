@@ -7,14 +7,20 @@
     for piece in pair.stream("def fib(n):", max_new_tokens=64):
         print(piece, end="", flush=True)
 
-The command line (`specextend generate`) is a thin layer over `load` and `Pair.generate`.
+    state = pair.prefill(long_prompt, method="sd")    # prefill once (target and draft) ...
+    for method in ("ar", "sd", "specextend"):          # ... decode it with several settings
+        print(method, pair.decode(state, method=method).decode_tokens_per_s)
+
+`prepare` resolves the models (`models.resolve`: paths, configs, dtypes, weight schemes, the
+tokenizer, once) without reading weights; `Prepared.load` reads them. `load` is both. Every
+command goes through `prepare`, and only this module drives a pair's decoding engine: callers
+use `Pair.prefill`, `Pair.decode`, `Pair.remember` (the prefix cache) and `Pair.generate`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -23,15 +29,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .detokenize import Detokenizer
-from .engine import GenerationResult, Prefilled, check_fits
+from .engine import GenerationResult, Prefilled, SpecEngine, TokensCallback, check_fits
 from .errors import UserError
 from .jsonl import finite_json
+from .models.resolve import LoadOptions, ResolvedPair, resolve_pair
+from .progress import say
 from .settings import Settings
 
 if TYPE_CHECKING:
+    from .model import Transformer
     from .prefix_cache import PrefixCache
 
-__all__ = ["Pair", "Prepared", "Result", "Settings", "load", "prepare"]
+__all__ = ["LoadOptions", "Pair", "Prefilled", "Prepared", "Result", "Settings", "load", "prepare"]
 
 TextCallback = Callable[[str], None]
 
@@ -97,16 +106,49 @@ class _Cancelled(Exception):
 
 
 class _Prompts:
-    """Prompt text <-> token ids, shared by a prepared (not yet loaded) pair and a loaded one."""
+    """Prompt text <-> token ids and the context limit, shared by a prepared (not yet loaded) pair
+    and a loaded one; both hold the pair's resolved description (`spec`)."""
 
-    tokenizer: Any
-    target_cfg: Any  # specextend.model.ModelConfig
-    target_path: Path
+    spec: ResolvedPair
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.spec.tokenizer
+
+    @property
+    def target_path(self) -> Path:
+        return self.spec.target.path
+
+    @property
+    def draft_path(self) -> Path | None:
+        return self.spec.draft.path if self.spec.draft is not None else None
+
+    @property
+    def dtype(self) -> str:
+        return self.spec.target.dtype
+
+    @property
+    def draft_dtype(self) -> str | None:
+        return self.spec.draft.dtype if self.spec.draft is not None else None
+
+    @property
+    def device(self) -> str:
+        return self.spec.device
+
+    @property
+    def eos_ids(self) -> list[int]:
+        return list(self.spec.eos_ids)
 
     @property
     def context(self) -> int:
         """Longest sequence (prompt + generated) the target accepts."""
-        return int(self.target_cfg.max_position)
+        return int(self.spec.target.config.max_position)
+
+    def check_fits(self, prompt_tokens: int, settings: Settings) -> None:
+        """The engine's context limit (`engine.check_fits`), checkable before any weights are read."""
+        draft_context = int(self.spec.draft.config.max_position) if self.spec.draft is not None else None
+        check_fits(prompt_tokens, settings if settings.is_resolved else settings.resolved(), self.context,
+                   draft_context)
 
     # ----------------------------------------------------------------- text <-> tokens
 
@@ -134,14 +176,15 @@ class _Prompts:
         self._check_ids(ids)
         return ids
 
-    def decode(self, token_ids: Sequence[int]) -> str:
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of token ids (special tokens skipped)."""
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True,
                                      clean_up_tokenization_spaces=False)
 
     def _check_ids(self, ids: list[int]) -> None:
         if not ids:
             raise UserError("the prompt is empty")
-        vocab = int(self.target_cfg.vocab_size)
+        vocab = int(self.spec.target.config.vocab_size)
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
             raise UserError(f"prompt token id {bad[0]} is outside the target's vocabulary of {vocab}")
@@ -161,34 +204,46 @@ class _Prompts:
         return ids
 
 
+class Prepared(_Prompts):
+    """A checked pair whose weights are not loaded yet (see `prepare`): it can already encode
+    prompts and check them against the context, so bad input fails before the slow part."""
+
+    def __init__(self, spec: ResolvedPair, progress: bool = True) -> None:
+        self.spec, self.progress = spec, progress
+
+    def with_own_tokenizer(self) -> Prepared:
+        """The same pair with a tokenizer of its own, for encoding on another thread than the pair's."""
+        return Prepared(self.spec.with_own_tokenizer(), self.progress)
+
+    def load(self) -> Pair:
+        """Read both models' weights (as resolved) and make the pair."""
+        from .models.loader import build_model
+
+        # One line once loaded: a failed load then leaves only its error line on stderr.
+        t0 = time.perf_counter()
+        target = build_model(self.spec.target, self.device)
+        draft = build_model(self.spec.draft, self.device) if self.spec.draft is not None else None
+        what = f"target {self.target_path.name} ({target.weights})"
+        if draft is not None and self.draft_path is not None:
+            what += f" and draft {self.draft_path.name} ({draft.weights})"
+        say(self.progress, f"loaded {what} on {self.device} in {time.perf_counter() - t0:.1f} s")
+        return Pair(self.spec, target, draft)
+
+
 class Pair(_Prompts):
-    """A loaded target (and optional draft) with its tokenizer and decoding engine."""
+    """A loaded target (and optional draft) with its tokenizer and decoding engine.
 
-    def __init__(
-        self,
-        target: Any,
-        draft: Any | None,
-        tokenizer: Any,
-        eos_ids: Sequence[int],
-        target_path: Path,
-        draft_path: Path | None,
-        dtype: str = "float32",
-        device: str = "cpu",
-        draft_dtype: str | None = None,
-    ) -> None:
-        from .engine import SpecEngine
+    `generate` and `stream` are prefill + decode in one call. For more than one decode of a prompt
+    (a benchmark, a sweep), `prefill` it once and `decode` the state with each setting: decoding
+    only appends after the prompt, so every decode starts from the same caches. With a prefix
+    cache (`enable_prefix_cache`), `prefill` continues from the longest cached prefix of the
+    prompt and `remember` offers a prefilled prompt to the cache.
+    """
 
-        self.target = target
-        self.draft = draft
-        self.target_cfg = target.cfg
-        self.tokenizer = tokenizer
-        self.eos_ids = list(eos_ids)
-        self.target_path = Path(target_path)
-        self.draft_path = Path(draft_path) if draft_path is not None else None
-        self.dtype = dtype
-        self.draft_dtype = (draft_dtype or dtype) if draft is not None else None
-        self.device = device
-        self.engine = SpecEngine(target, draft, self.eos_ids)
+    def __init__(self, spec: ResolvedPair, target: Transformer, draft: Transformer | None) -> None:
+        self.spec = spec
+        self.target, self.draft = target, draft
+        self._engine = SpecEngine(target, draft, spec.eos_ids)
         self.last_result: Result | None = None
         self.prefix_cache: PrefixCache | None = None
 
@@ -220,28 +275,48 @@ class Pair(_Prompts):
             h.update(f"{model.weights}:{model.dtype}:{model.kv_dtype}\0".encode())
         return h.hexdigest()[:32]
 
-    @staticmethod
-    def kv_kind(model: Any, s: Settings) -> str:
-        """The kernel that writes a prefill's KV: the row-independent one whatever the setting on
-        the quantized runtime, else the attention backend (their float K/V agree only to rounding)."""
-        return "rowwise" if model.rowwise_attention else str(s.attention)
-
-    def prefill(self, ids: list[int], s: Settings) -> Prefilled:
-        """Both models' caches over the prompt, starting from the longest cached prefix if any."""
-        prefix = None
-        if self.prefix_cache is not None:
-            draft_kind = self.kv_kind(self.draft, s) if s.uses_draft and self.draft is not None else None
-            prefix = self.prefix_cache.lookup(ids, self.kv_kind(self.target, s), draft_kind)
-        return self.engine.prefill(ids, s, prefix)
-
-    def remember(self, state: Prefilled, s: Settings) -> None:
-        """Offer a prefilled prompt (prefilled with settings `s`) to the prefix cache (no-op without one)."""
+    def remember(self, state: Prefilled) -> None:
+        """Offer a prefilled prompt to the prefix cache (no-op without one). Valid after decoding too."""
         if self.prefix_cache is None:
             return
-        draft_kind = self.kv_kind(self.draft, s) if state.draft_store is not None else None
-        self.prefix_cache.insert(state.prompt_ids, state.snapshot(), self.kv_kind(self.target, s), draft_kind)
+        draft_backend = kv_backend(self.draft, state.attention) if state.draft_store is not None else None
+        self.prefix_cache.insert(state.prompt_ids, state.snapshot(), kv_backend(self.target, state.attention),
+                                 draft_backend)
 
-    # ----------------------------------------------------------------- generation
+    # ----------------------------------------------------------------- prefill and decode
+
+    def settings(self, settings: Settings | None = None, **overrides: Any) -> Settings:
+        """Resolved settings from a base and keyword overrides (`Settings` fields), checked against
+        this pair (a method that needs a draft, on a pair without one, is refused)."""
+        s = make_settings(settings, **overrides)
+        if s.uses_draft and self.draft is None:
+            raise UserError(f"method {s.method!r} needs a draft model (this pair was loaded without one)")
+        return s
+
+    def warmup(self) -> None:
+        """Run every forward shape decoding will use once, untimed (kernel builds stay out of timings)."""
+        self._engine.warmup()
+
+    def prefill(self, prompt: str | Sequence[int], settings: Settings | None = None, *, chat: bool = False,
+                **overrides: Any) -> Prefilled:
+        """Both models' caches over the prompt (the draft's only if the method uses one), with room
+        for `max_new_tokens`, continued from the longest cached prefix if a prefix cache is on.
+        Settings as in `generate`; their attention backend writes the caches."""
+        return self._prefill(self.prompt_ids(prompt, chat), self.settings(settings, **overrides))
+
+    def _prefill(self, ids: list[int], s: Settings) -> Prefilled:
+        prefix = None
+        if self.prefix_cache is not None:
+            draft_backend = kv_backend(self.draft, s.attention) if s.uses_draft and self.draft is not None else None
+            prefix = self.prefix_cache.lookup(ids, kv_backend(self.target, s.attention), draft_backend)
+        return self._engine.prefill(ids, s, prefix)
+
+    def decode(self, state: Prefilled, settings: Settings | None = None, *, on_tokens: TokensCallback | None = None,
+               **overrides: Any) -> Result:
+        """Decode after a prefilled prompt with these settings (any method the prefill's caches
+        serve; `max_new_tokens` within its room). `on_tokens` receives every accepted batch of
+        token ids; a true return value stops after that batch (stop reason "stopped")."""
+        return self.result(self._engine.decode(state, self.settings(settings, **overrides), on_tokens))
 
     def generate(
         self,
@@ -255,13 +330,13 @@ class Pair(_Prompts):
         """Generate after `prompt` (text, or token ids). Keyword overrides are `Settings` fields
         (method, max_new_tokens, temperature, ...), applied on top of `settings` if given.
         `on_text` receives text pieces as tokens are accepted."""
-        s = self._settings(settings, overrides)
+        s = self.settings(settings, **overrides)
         return self._generate(self.prompt_ids(prompt, chat), s, on_text)
 
     def _generate(
         self, ids: list[int], s: Settings, on_text: TextCallback | None, cancel: threading.Event | None = None
     ) -> Result:
-        detok = Detokenizer(self.decode, on_text) if on_text is not None else None
+        detok = Detokenizer(self.detokenize, on_text) if on_text is not None else None
 
         def on_tokens(new_ids: list[int]) -> None:
             if cancel is not None and cancel.is_set():
@@ -270,10 +345,9 @@ class Pair(_Prompts):
                 detok.push(new_ids)
 
         wants_tokens = detok is not None or cancel is not None
-        state = self.prefill(ids, s)
-        gen = self.engine.decode(state, s, on_tokens=on_tokens if wants_tokens else None)
-        self.remember(state, s)
-        self.last_result = self.result(gen)
+        state = self._prefill(ids, s)
+        self.last_result = self.result(self._engine.decode(state, s, on_tokens if wants_tokens else None))
+        self.remember(state)
         if detok is not None:
             detok.finish(self.last_result.text)
         return self.last_result
@@ -288,15 +362,9 @@ class Pair(_Prompts):
     ) -> Iterator[str]:
         """Text pieces as they are accepted. The finished `Result` is then `pair.last_result`
         (and the generator's return value). Settings are checked before the first piece."""
-        s = self._settings(settings, overrides)
+        s = self.settings(settings, **overrides)
         ids = self.prompt_ids(prompt, chat)  # bad input raises here, in the caller's thread
         return self._stream(ids, s)
-
-    def _settings(self, settings: Settings | None, overrides: dict[str, Any]) -> Settings:
-        s = make_settings(settings, **overrides)
-        if s.uses_draft and self.draft is None:
-            raise UserError(f"method {s.method!r} needs a draft model (this pair was loaded without one)")
-        return s
 
     def _stream(self, ids: list[int], s: Settings) -> Generator[str, None, Result | None]:
         pieces: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -326,15 +394,15 @@ class Pair(_Prompts):
             cancel.set()
             worker.join()
 
-    def result(self, gen: GenerationResult) -> Result:
+    def result(self, res: GenerationResult) -> Result:
         """The engine's measurements with the decoded text and what ran (models, dtypes, device)."""
-        s: Settings = gen.settings
-        fields_ = {f.name: getattr(gen, f.name) for f in fields(GenerationResult)}
-        fields_.update(token_ids=list(gen.token_ids), phases=dict(gen.phases), accept_lengths=list(gen.accept_lengths),
-                       settings=s, extra=dict(gen.extra or {}))
+        s: Settings = res.settings
+        fields_ = {f.name: getattr(res, f.name) for f in fields(GenerationResult)}
+        fields_.update(token_ids=list(res.token_ids), phases=dict(res.phases), accept_lengths=list(res.accept_lengths),
+                       settings=s, extra=dict(res.extra or {}))
         return Result(
             **fields_,
-            text=self.decode(gen.token_ids),
+            text=self.detokenize(res.token_ids),
             method=s.method,
             target=str(self.target_path),
             draft=str(self.draft_path) if s.uses_draft and self.draft_path is not None else None,
@@ -346,6 +414,13 @@ class Pair(_Prompts):
         )
 
 
+def kv_backend(model: Any, attention: str) -> str:
+    """The kernel that writes a prefill's KV: the row-independent one whatever the setting on the
+    quantized runtime, else the attention backend (their float K/V agree only to rounding). The
+    prefix cache reuses KV only for a prefill that the same kernel would write."""
+    return "rowwise" if model.rowwise_attention else str(attention)
+
+
 def make_settings(settings: Settings | None = None, **overrides: Any) -> Settings:
     """Settings from a base and keyword overrides; unknown names and bad values raise UserError."""
     known = {f.name for f in fields(Settings)}
@@ -355,37 +430,10 @@ def make_settings(settings: Settings | None = None, **overrides: Any) -> Setting
     base = settings if settings is not None else Settings()
     if not isinstance(base, Settings):
         raise UserError(f"settings must be a specextend.Settings, not {type(base).__name__}")
-    return replace(base, **overrides).resolved()
+    return (replace(base, **overrides) if overrides else base).resolved()
 
 
 # --------------------------------------------------------------------------- loading
-
-
-def _say(progress: bool, message: str) -> None:
-    if progress:
-        print(f"specextend: {message}", file=sys.stderr, flush=True)
-
-
-def load(
-    target: str | Path | None = None,
-    draft: str | Path | None = None,
-    *,
-    dtype: str = "float32",
-    device: str = "cpu",
-    draft_dtype: str | None = None,
-    weights: str = "auto",
-    draft_weights: str = "auto",
-    load_draft: bool = True,
-    progress: bool = True,
-) -> Pair:
-    """Load a target and (unless `load_draft` is False) a draft model with the target's tokenizer.
-
-    References are whatever `specextend.models.registry.resolve_model_ref` accepts: None for
-    the default pair (pulled on first use), a folder, a .gguf file or a known short name.
-    Everything cheap (names, configs, tokenizers) is checked before any weights are read.
-    """
-    return prepare(target, draft, dtype=dtype, device=device, draft_dtype=draft_dtype, weights=weights,
-                   draft_weights=draft_weights, load_draft=load_draft, progress=progress).load()
 
 
 def prepare(
@@ -400,118 +448,18 @@ def prepare(
     load_draft: bool = True,
     progress: bool = True,
 ) -> Prepared:
-    """Everything `load` does short of reading weights: resolve (and pull) the references, read
-    the configs and tokenizers and check they fit together. The result can already encode and
-    check prompts, so bad input fails before the slow part."""
-    from .model import ModelConfig
-    from .models.loader import (
-        check_weights,
-        default_draft_dtype,
-        load_tokenizer,
-        parse_device,
-        parse_dtype,
-        read_config,
-    )
-    from .models.registry import resolve_model_ref
+    """Everything `load` does short of reading weights: check the options, resolve (and pull)
+    the references, read the configs and the tokenizer and check that they fit together.
 
-    parse_dtype(dtype)
-    parse_device(device)
-    check_weights(weights)
-    check_weights(draft_weights)
-    draft_dtype = draft_dtype or default_draft_dtype(dtype, device, draft_weights)
-    parse_dtype(draft_dtype)
-    target_path = resolve_model_ref(_ref(target), "target", progress=progress)
-    draft_path = resolve_model_ref(_ref(draft), "draft", progress=progress) if load_draft else None
-    target_cfg = ModelConfig.from_hf(read_config(target_path))
-    draft_cfg = ModelConfig.from_hf(read_config(draft_path)) if draft_path is not None else None
-    tokenizer = load_tokenizer(target_path)
-    if draft_path is not None and draft_cfg is not None:
-        check_same_vocabulary(tokenizer, draft_path, target_cfg.vocab_size, draft_cfg.vocab_size)
-    return Prepared(target_path, draft_path, target_cfg, draft_cfg, tokenizer, dtype, draft_dtype, device, progress,
-                    weights, draft_weights)
-
-
-@dataclass
-class Prepared(_Prompts):
-    """A checked pair whose weights are not loaded yet (see `prepare`)."""
-
-    target_path: Path
-    draft_path: Path | None
-    target_cfg: Any
-    draft_cfg: Any | None
-    tokenizer: Any
-    dtype: str
-    draft_dtype: str | None
-    device: str
-    progress: bool
-    weights: str = "auto"
-    draft_weights: str = "auto"
-
-    def check_fits(self, prompt_tokens: int, settings: Settings) -> None:
-        """The engine's context limit (`engine.check_fits`), before any weights are read."""
-        draft_context = int(self.draft_cfg.max_position) if self.draft_cfg is not None else None
-        check_fits(prompt_tokens, settings, self.context, draft_context)
-
-    def load(self) -> Pair:
-        from .models.loader import eos_token_ids, load_model, parse_device, parse_dtype
-
-        dev = parse_device(self.device)
-        # One line once loaded: a failed load then leaves only its error line on stderr.
-        t0 = time.perf_counter()
-        target = load_model(self.target_path, parse_dtype(self.dtype), dev, weights=self.weights)
-        draft = None
-        if self.draft_path is not None:
-            draft = load_model(self.draft_path, parse_dtype(self.draft_dtype or self.dtype), dev,
-                               weights=self.draft_weights, draft=True)
-        what = f"target {self.target_path.name} ({target.weights})"
-        if draft is not None:
-            what += f" and draft {self.draft_path.name} ({draft.weights})"
-        _say(self.progress, f"loaded {what} on {self.device} in {time.perf_counter() - t0:.1f} s")
-        return Pair(
-            target,
-            draft,
-            self.tokenizer,
-            eos_token_ids(self.target_path, self.tokenizer),
-            self.target_path,
-            self.draft_path,
-            dtype=self.dtype,
-            device=self.device,
-            draft_dtype=self.draft_dtype,
-        )
-
-
-def _ref(ref: str | Path | None) -> str | None:
-    return None if ref is None else str(ref)
-
-
-def check_same_vocabulary(target_tok: Any, draft_path: Path, target_vocab: int, draft_vocab: int) -> None:
-    """Refuse a draft that speaks another vocabulary: its proposals would be other tokens.
-
-    The embedding sizes must agree (draft and target logits are compared index by index), and
-    when the draft folder has its own tokenizer, every token string must agree too.
+    References are whatever `specextend.models.registry.resolve_model_ref` accepts: None for
+    the default pair (pulled on first use), a folder, a .gguf file or a known short name.
+    `dtype`, `device`, `draft_dtype`, `weights` and `draft_weights` are `LoadOptions`; without
+    `load_draft` the pair has no draft (methods ar and lookup need none).
     """
-    if target_vocab != draft_vocab:
-        raise UserError(
-            f"draft and target tokenizers differ: the target's vocabulary has {target_vocab} entries, "
-            f"the draft's {draft_vocab}"
-        )
-    if not ((draft_path / "tokenizer.json").is_file() or (draft_path / "tokenizer.model").is_file()):
-        return  # nothing to compare against; the sizes agree
-    from .models.loader import load_tokenizer
+    options = LoadOptions(dtype, device, draft_dtype, weights, draft_weights)
+    return Prepared(resolve_pair(target, draft, options, load_draft=load_draft, progress=progress), progress)
 
-    draft_tok = load_tokenizer(draft_path)
-    if len(target_tok) != len(draft_tok):
-        raise UserError(
-            f"draft and target tokenizers differ: {len(target_tok)} tokens in the target's, "
-            f"{len(draft_tok)} in the draft's"
-        )
-    t_vocab, d_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
-    if t_vocab != d_vocab:
-        d_by_id = {i: t for t, i in d_vocab.items()}
-        for tok, i in sorted(t_vocab.items(), key=lambda kv: kv[1]):
-            if d_by_id.get(i) != tok:
-                raise UserError(
-                    f"draft and target tokenizers differ: token {i} is {tok!r} in the target's, "
-                    f"{d_by_id.get(i)!r} in the draft's"
-                )
-        raise UserError("draft and target tokenizers differ")
+
+def load(target: str | Path | None = None, draft: str | Path | None = None, **options: Any) -> Pair:
+    """`prepare(target, draft, **options).load()`: the pair, loaded (options as in `prepare`)."""
+    return prepare(target, draft, **options).load()

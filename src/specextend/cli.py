@@ -15,15 +15,19 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, TextIO
 
-from .draft_policy import DRAFT_POLICIES
 from .errors import UserError
 from .jsonl import text_at
-from .models.loader import add_model_arguments, model_options
-from .settings import ATTENTIONS, METHODS, POSITION_MODES, TREES, Settings, parse_assignments
+from .options import (
+    add_model_arguments,
+    add_settings_arguments,
+    check_model_options,
+    model_options,
+    settings_from_args,
+)
+from .settings import Settings
 
 PROG = "specextend"
 DEBUG_ENV = "SPECEXTEND_DEBUG"
@@ -47,22 +51,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _default(name: str) -> Any:
-    """A Settings field's default: the single source of truth for generate's defaults."""
-    for f in fields(Settings):
-        if f.name == name and f.default is not MISSING:
-            return f.default
-    raise KeyError(name)
-
-
-def _opt(group: Any, flag: str, kind: type, help_text: str, **kw: Any) -> None:
-    """An option mapping onto the Settings field of the same name; None means 'not given'."""
-    name = flag.lstrip("-").replace("-", "_")
-    default = kw.pop("shown_default", _default(name))
-    group.add_argument(flag, type=kind, default=None, dest=name,
-                       help=f"{help_text} (default: {default})", **kw)
-
-
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p, draft_note=" (unused with --method ar)")
 
@@ -79,64 +67,6 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object (the contract's fields) to stdout")
     out.add_argument("-q", "--quiet", action="store_true", help="no loading messages or summary on stderr")
-
-
-def add_settings_arguments(p: argparse.ArgumentParser, labels: bool = True) -> None:
-    """The generation settings' options (method, retrieval, tree, length and sampling), shared by
-    `generate` and `serve` (where they are the defaults a request's body may override)."""
-    method = p.add_argument_group("method")
-    _opt(method, "--method", str, "ar: target alone, sd: speculative decoding, specextend: + CMR, sized "
-         "trees and prompt lookup, lookup: the target with prompt lookup alone", choices=METHODS,
-         metavar="|".join(METHODS))
-    _opt(method, "--draft-cache", str, "draft KV policy, overrides the preset's", choices=tuple(DRAFT_POLICIES),
-         metavar="|".join(DRAFT_POLICIES), shown_default="the preset's")
-    _opt(method, "--attention", str, "attention backend, overrides the preset's", choices=ATTENTIONS,
-         metavar="|".join(ATTENTIONS), shown_default="the preset's")
-
-    cmr = p.add_argument_group("cross-model retrieval (draft cache cmr; streaming uses the budget)")
-    _opt(cmr, "--chunk-size", int, "tokens per retrieval chunk")
-    _opt(cmr, "--top-k-chunks", int, "chunks kept in the draft's working cache")
-    _opt(cmr, "--retrieve-every", int, "refresh the retrieval every N steps")
-    _opt(cmr, "--retrieval-layer", int, "target layer whose attention ranks chunks (-1: last)")
-    _opt(cmr, "--retrieval-layers-mean", int, "average the scores of this many layers ending there")
-    _opt(cmr, "--retrieval-query", str, "query rows: the last accepted token or the accepted path",
-         choices=("last", "path"), metavar="last|path")
-    cmr.add_argument("--adaptive-refresh", action=argparse.BooleanOptionalAction, default=None,
-                     help=f"also refresh when acceptance drops (default: {_default('adaptive_refresh')})")
-    _opt(cmr, "--chunk-overlap", int, "extend each chosen chunk by this many neighbour tokens")
-    _opt(cmr, "--cmr-min-ratio", float, "select chunks only above this many budgets of context (0: always)")
-    _opt(cmr, "--positions", str, "draft working-cache positions", choices=POSITION_MODES,
-         metavar="|".join(POSITION_MODES))
-    _opt(cmr, "--sink-tokens", int, "streaming cache: attention-sink tokens kept at the start")
-
-    sizing = p.add_argument_group("tree sizing and prompt lookup")
-    sizing.add_argument("--cost-model", action=argparse.BooleanOptionalAction, default=None,
-                        help="size each step's tree from the measured step costs, down to no tree (default: the "
-                             "preset's: on for specextend and lookup)")
-    sizing.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=None,
-                        help="propose continuations of the context's earlier occurrences of its last tokens "
-                             "(default: the preset's: on for specextend and lookup)")
-    _opt(sizing, "--lookup-ngram", int, "longest suffix matched against the context")
-    _opt(sizing, "--lookup-branches", int, "distinct continuations proposed per step")
-    _opt(sizing, "--lookup-length", int, "tokens per continuation")
-
-    tree = p.add_argument_group("draft tree")
-    _opt(tree, "--tree", str, "tree builder", choices=TREES, metavar="|".join(TREES))
-    _opt(tree, "--tree-budget", int, "draft nodes verified per step (dynamic tree; with the cost model, at most)")
-    _opt(tree, "--tree-depth", int, "longest draft path (with the cost model, at most)")
-    _opt(tree, "--tree-topk", int, "children considered per expanded node")
-    _opt(tree, "--tree-threshold", float, "stop growing below this best frontier path probability")
-    _opt(tree, "--chain-length", int, "draft tokens per step (chain builder)")
-
-    sampling = p.add_argument_group("length and sampling")
-    _opt(sampling, "--max-new-tokens", int, "tokens to generate at most")
-    _opt(sampling, "--temperature", float, "0 is greedy")
-    _opt(sampling, "--top-p", float, "nucleus sampling mass, in (0, 1]")
-    _opt(sampling, "--seed", int, "sampling seed")
-    if labels:
-        sampling.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                              help="a label recorded in the JSON's config for your own bookkeeping (read by "
-                                   "nothing; every setting has its own option above); repeatable")
 
 
 def build_parser(command: str | None = None) -> _Parser:
@@ -194,16 +124,6 @@ def _command_of(argv: Sequence[str]) -> str | None:
 
 
 # --------------------------------------------------------------------------- generate
-
-
-def settings_from_args(args: argparse.Namespace) -> Settings:
-    """Resolved Settings from the options given (the rest keep Settings' defaults)."""
-    names = [f.name for f in fields(Settings) if f.name != "labels"]
-    given = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
-    # Every setting has its own option here, so --set holds labels only.
-    own_option = {name: f"the --{name.replace('_', '-')} option" for name in names}
-    labels = parse_assignments(getattr(args, "set", []), "--set", refused=own_option, labels=True)
-    return Settings(**given, labels=labels).resolved()
 
 
 def read_prompt(args: argparse.Namespace) -> str:
@@ -267,14 +187,9 @@ def _stdout_to_stderr() -> Iterator[TextIO]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .models.loader import parse_device, parse_dtype
-
     # Everything the user typed is checked before any model is fetched or loaded.
     settings = settings_from_args(args)
-    parse_dtype(args.dtype)
-    if args.draft_dtype is not None:
-        parse_dtype(args.draft_dtype)
-    parse_device(args.device)
+    check_model_options(args)
     prompt = read_prompt(args)
 
     if args.json:
@@ -307,9 +222,9 @@ def _utf8(stream: TextIO) -> bool:
 
 def _run_generate(args: argparse.Namespace, settings: Settings, prompt: str,
                   on_text: Callable[[str], None] | None) -> Any:
-    from .api import prepare
+    from . import api
 
-    prepared = prepare(args.target, args.draft, **model_options(args), load_draft=settings.uses_draft,
+    prepared = api.prepare(args.target, args.draft, **model_options(args), load_draft=settings.uses_draft,
                        progress=not args.quiet)
     # Tokenize and check the length before the (slow) weights are read.
     ids = prepared.encode(prompt, chat=args.chat)

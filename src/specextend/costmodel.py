@@ -2,9 +2,9 @@
 the number of new rows and the number of cached tokens they attend to.
 
 Speculation pays only when the tokens a step gains outweigh what its draft forwards and its wider
-verification cost, and on a 2-core CPU neither is free: a verification of 8 rows costs ~1.7x one
-row, and each draft forward ~1/3 of a target step. So the tree is sized from measured costs
-(sizing.py), never from constants:
+verification cost, and on a CPU neither is free: a verification of several rows costs well over
+one row, and a draft forward a good fraction of a target step (README, "Measured choices"). So
+the tree is sized from measured costs (sizing.py), never from constants:
 
 - `measure_curve` times one model's forward over a grid of rows x cached length (the KV cache is
   only *set* to that length: attention costs the same whatever the keys hold), about 10 s for the
@@ -21,13 +21,11 @@ row, and each draft forward ~1/3 of a target step. So the tree is sized from mea
   while the sizer keeps choosing trees (it corrects itself the other way: a one-row cost guessed
   too low leads to one-row steps, which measure it).
 
-`python -m specextend.costmodel` shows (or, with --remeasure, re-measures) the default pair's
-curves.
+`python -m specextend.bench.costs` shows (or, with --remeasure, re-measures) a pair's curves.
 """
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import contextlib
 import hashlib
@@ -237,8 +235,9 @@ class CostModel:
     `refresh=False` freezes it (tests use a synthetic model so sizing decisions are reproducible).
     """
 
-    def __init__(self, target: ForwardCurve, draft: ForwardCurve | None = None, refresh: bool = True) -> None:
-        self.target, self.draft, self.refresh = target, draft, refresh
+    def __init__(self, target_curve: ForwardCurve, draft_curve: ForwardCurve | None = None, refresh: bool = True
+                 ) -> None:
+        self.target_curve, self.draft_curve, self.refresh = target_curve, draft_curve, refresh
         # "target_1row": one-row steps; "target": verifications of more rows.
         self.scale = {"target_1row": 1.0, "target": 1.0, "draft": 1.0}
         self.overhead_s = 0.0  # per step, outside the forwards and retrieval (Python, sampling)
@@ -254,18 +253,18 @@ class CostModel:
         return "target_1row" if rows <= 1 else "target"
 
     def target_s(self, rows: int, context: int) -> float:
-        return self.target.predict(rows, context) * self.scale[self.target_key(rows)]
+        return self.target_curve.predict(rows, context) * self.scale[self.target_key(rows)]
 
     def draft_s(self, rows: int, context: int) -> float:
-        if self.draft is None:
+        if self.draft_curve is None:
             raise ValueError("this cost model has no draft curve")
-        return self.draft.predict(rows, context) * self.scale["draft"]
+        return self.draft_curve.predict(rows, context) * self.scale["draft"]
 
     def verify_costs(self, context: int, max_rows: int) -> list[float]:
         """Seconds of a verification with n rows, n = 0..max_rows (index 0 unused); never
         decreasing in n, whatever the two scales say."""
         out = [0.0]
-        for n, c in enumerate(self.target.row_costs(context, max_rows)[1:], 1):
+        for n, c in enumerate(self.target_curve.row_costs(context, max_rows)[1:], 1):
             out.append(max(c * self.scale[self.target_key(n)], out[-1]))
         return out
 
@@ -273,7 +272,7 @@ class CostModel:
 
     def observe_verify(self, rows: int, context: int, observed: float) -> None:
         """One verification's wall time: `rows` rows over `context` cached tokens."""
-        self.observe(self.target_key(rows), self.target.predict(rows, context), observed)
+        self.observe(self.target_key(rows), self.target_curve.predict(rows, context), observed)
 
     def observe(self, model: str, predicted_raw: float, observed: float) -> None:
         """One phase's wall time against the curve's raw (unscaled) prediction for it; `model`
@@ -297,37 +296,3 @@ class CostModel:
         return {"cost_scale_target": self.scale["target"], "cost_scale_target_1row": self.scale["target_1row"],
                 "cost_scale_draft": self.scale["draft"],
                 "cost_overhead_s": self.overhead_s, "cost_retrieval_s": self.retrieval_s}
-
-
-# --------------------------------------------------------------------------- command line
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m specextend.costmodel`: the pair's measured curves (milliseconds per forward)."""
-    from .api import prepare
-    from .errors import UserError
-    from .models.loader import add_model_arguments, model_options
-
-    ap = argparse.ArgumentParser(description="Show (or re-measure) the step costs the tree sizing uses.")
-    add_model_arguments(ap)
-    ap.add_argument("--attention", default="efficient", choices=("efficient", "eager"))
-    ap.add_argument("--remeasure", action="store_true", help="measure again and replace the cached curves")
-    a = ap.parse_args(argv)
-    try:
-        pair = prepare(a.target, a.draft, **model_options(a)).load()
-    except UserError as e:
-        print(f"specextend costmodel: error: {e}", file=sys.stderr)
-        return 2
-    for name, model in (("target", pair.target), ("draft", pair.draft)):
-        if model is None:
-            continue
-        curve = cached_curve(model, a.attention, remeasure=a.remeasure)
-        print(f"{name}: {cache_dir() / (curve_key(model, a.attention) + '.json')}")
-        print("  cached \\ rows " + "".join(f"{r:>8d}" for r in curve.rows))
-        for ctx, line in zip(curve.contexts, curve.seconds, strict=True):
-            print(f"  {ctx:>13d} " + "".join(f"{1000 * s:8.1f}" for s in line))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -27,7 +27,7 @@ from typing import Any, TextIO
 
 from .detokenize import Detokenizer
 from .errors import UserError
-from .models.loader import add_model_arguments, model_options
+from .options import add_model_arguments, model_options
 from .settings import Settings
 
 DEFAULT_LENGTH = "2K"
@@ -126,7 +126,7 @@ def _table(results: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """`specextend demo`; returns the exit status (bad input raises UserError -> 2)."""
-    from .api import prepare
+    from . import api
     from .bench.data import builtin_code_inputs, parse_length
 
     if args.max_new_tokens is None or args.max_new_tokens <= 0:
@@ -135,18 +135,18 @@ def run(args: argparse.Namespace) -> int:
     settings = _settings(args)
     out = sys.stdout
 
-    prepared = prepare(args.target, args.draft, **model_options(args))
+    prepared = api.prepare(args.target, args.draft, **model_options(args))
     sample = builtin_code_inputs(prepared.tokenizer, [length], samples=1, chat=True)[0]
     for s in settings.values():
         prepared.check_fits(sample.input_tokens, s)
     pair = prepared.load()
-    pair.engine.warmup()  # kernel builds would otherwise land in the first method's timings
+    pair.warmup()  # kernel builds would otherwise land in the first method's timings
 
     module = sample.source.removeprefix("stdlib/")
     print(f"Summarising the start of Python's {module} ({sample.input_tokens:,} prompt tokens) with "
           f"{pair.target_path.name}, drafted by {pair.draft_path.name if pair.draft_path else '-'}.", file=out)
     print("Prefilling the prompt once for all three methods ...", file=out, flush=True)
-    state = pair.engine.prefill(sample.prompt_ids, settings["specextend"])
+    state = pair.prefill(sample.prompt_ids, settings["specextend"])
     print(f"prefill: {state.prefill_s:.1f} s (target {state.target_s:.1f} s, draft {state.draft_s:.1f} s)\n",
           file=out)
 
@@ -154,14 +154,14 @@ def run(args: argparse.Namespace) -> int:
     for name in ("ar", "sd"):
         print(f"{name} ...", end=" ", file=out, flush=True)
         t = time.perf_counter()
-        results[name] = pair.engine.decode(state, settings[name])
+        results[name] = pair.decode(state, settings[name])
         print(f"{results[name].new_tokens} tokens in {time.perf_counter() - t:.1f} s", file=out, flush=True)
 
     color = use_color(args, out)
     legend = f"{GREEN}green{RESET}" if color else "[brackets]"
     print(f"\nspecextend, streaming (text from accepted draft tokens in {legend}):\n", file=out, flush=True)
-    stream = MarkedStream(pair.decode, out, color)
-    results["specextend"] = pair.engine.decode(state, settings["specextend"], on_tokens=stream.push)
+    stream = MarkedStream(pair.detokenize, out, color)
+    results["specextend"] = pair.decode(state, settings["specextend"], on_tokens=stream.push)
     stream.finish()
     print("\n" + _table(results), file=out)
     print("\n(sd decodes with efficient attention here so all three share one prefill; decode tok/s excludes "

@@ -13,7 +13,9 @@ speculative step is three calls: `proposer.propose`, `_verify`, `_retrieve`. Inv
 Prefill is separate from decoding and restorable, so a benchmark can prefill a prompt once and
 decode it with several methods: decoding only ever appends after the prompt. Prefill can also
 start from a `PrefixKV`, the caches of the prompt's first tokens from an earlier prefill (the
-prefix cache), and then runs only the rest of the prompt.
+prefix cache), and then runs only the rest of the prompt. The engine belongs to a `Pair`
+(api.py), its only caller in the package: settings arrive resolved (`Settings.resolved`) and are
+taken as they are.
 
 The callback given to decoding receives every batch of accepted tokens; a true return value
 stops decoding after that batch (stop reason "stopped": a stop string, a client gone).
@@ -24,7 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -32,7 +34,7 @@ from .attention import attention_probs
 from .costmodel import CostModel, cached_curve
 from .draft_policy import DRAFT_POLICIES, DraftPolicy, make_policy
 from .errors import UserError
-from .kv_cache import KVCache, KVSnapshot
+from .kv_cache import KVCache, PrefixKV
 from .lookup import ContextIndex
 from .model import Transformer
 from .propose import Proposer
@@ -42,6 +44,11 @@ from .verify import Verdict, sample, target_dist, verify_greedy, verify_sampling
 
 TokensCallback = Callable[[list[int]], bool | None]  # True: stop after this batch
 TREE_HEADROOM = 256  # cache slots beyond prompt + new tokens, for tree nodes in flight
+
+
+def cache_slots(prompt_tokens: int, new_tokens: int) -> int:
+    """Slots a decode's caches need: the prompt, the new tokens, and room for a tree in flight."""
+    return prompt_tokens + new_tokens + TREE_HEADROOM
 
 
 @dataclass
@@ -66,31 +73,6 @@ class GenerationResult:
         return self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
 
-@dataclass(frozen=True)
-class PrefixKV:
-    """The KV of a prompt's first `length` tokens from an earlier prefill: the target cache, and the
-    draft's full store (None when that prefill ran without the draft, as `ar` does)."""
-
-    target: KVSnapshot
-    draft: KVSnapshot | None
-
-    def __post_init__(self) -> None:
-        if self.draft is not None and self.draft.length != self.target.length:
-            raise ValueError("a prefix's target and draft KV cover different token counts")
-
-    @property
-    def length(self) -> int:
-        return self.target.length
-
-    @property
-    def nbytes(self) -> int:
-        return self.target.nbytes + (self.draft.nbytes if self.draft is not None else 0)
-
-    def head(self, n: int) -> PrefixKV:
-        """The first n tokens' KV (views)."""
-        return PrefixKV(self.target.head(n), self.draft.head(n) if self.draft is not None else None)
-
-
 @dataclass
 class Prefilled:
     """The prompt in both models' caches, restorable for several decodes."""
@@ -102,7 +84,7 @@ class Prefilled:
     draft_store: KVCache | None  # the draft's KV of every committed token (policies select from it)
     target_s: float
     draft_s: float
-    max_new_tokens: int
+    room: int  # new tokens the caches have slots for: a decode may ask for at most this many
     last_q: dict[int, torch.Tensor]  # each target layer's query of the last prompt token
     cached_tokens: int = 0  # prompt tokens loaded from a PrefixKV instead of prefilled
 
@@ -126,8 +108,9 @@ class Prefilled:
 
 def check_fits(prompt_tokens: int, settings: Settings, target_context: int, draft_context: int | None) -> None:
     """The context limit: prompt + new tokens within the target's context, and within the
-    draft's too when its policy attends at every true position (see `sees_every_position`)."""
-    s = settings.resolved()
+    draft's too when its policy attends at every true position (see `sees_every_position`).
+    `settings` are resolved."""
+    s = _as_resolved(settings)
     if prompt_tokens == 0:
         raise UserError("the prompt is empty")
     limit, whose = target_context, "the target's"
@@ -139,6 +122,12 @@ def check_fits(prompt_tokens: int, settings: Settings, target_context: int, draf
             f"a prompt of {prompt_tokens} tokens + {s.max_new_tokens} new tokens exceeds the model's context of "
             f"{limit} tokens ({whose})"
         )
+
+
+def _as_resolved(s: Settings) -> Settings:
+    if not s.is_resolved:
+        raise ValueError("the engine takes resolved settings (Settings.resolved())")
+    return s
 
 
 class _Clock:
@@ -166,8 +155,13 @@ class _Clock:
         self.t = self.now()
 
 
-# What a decoding loop returns: tokens, accepted draft tokens per step, stop reason, statistics.
-LoopResult = tuple[list[int], list[int], str, dict[str, float]]
+class LoopOutput(NamedTuple):
+    """What a decoding loop returns."""
+
+    tokens: list[int]
+    accepts: list[int]  # draft tokens accepted per step (0 for a step without a tree)
+    stop: str  # the stop reason: "eos", "length" or "stopped"
+    extra: dict[str, float]  # the loop's statistics
 
 
 class SpecEngine:
@@ -201,10 +195,11 @@ class SpecEngine:
                    self.draft.cfg.max_position if self.draft is not None else None)
 
     def prefill(self, prompt_ids: list[int], settings: Settings, prefix: PrefixKV | None = None) -> Prefilled:
-        """Both models' caches over the prompt. With `prefix` (the KV of the prompt's first
-        tokens, at least one token short of the whole prompt so the last token's logits and
-        queries are computed here), only the remaining tokens are prefilled."""
-        s = settings.resolved()
+        """Both models' caches over the prompt, with room for `settings.max_new_tokens`. With
+        `prefix` (the KV of the prompt's first tokens, at least one token short of the whole
+        prompt so the last token's logits and queries are computed here), only the remaining
+        tokens are prefilled. `settings` are resolved."""
+        s = _as_resolved(settings)
         self.check_fits(len(prompt_ids), s)
         uses_draft = s.uses_draft and self.draft is not None
         n = 0
@@ -212,14 +207,14 @@ class SpecEngine:
             n = prefix.length
             if not 0 < n < len(prompt_ids):
                 raise ValueError(f"a cached prefix of {n} tokens for a prompt of {len(prompt_ids)}")
-            if uses_draft and prefix.draft is None:
+            if uses_draft and prefix.draft_kv is None:
                 raise ValueError("the cached prefix has no draft KV; this method needs it")
-        cap = len(prompt_ids) + s.max_new_tokens + TREE_HEADROOM
+        cap = cache_slots(len(prompt_ids), s.max_new_tokens)
         rest = torch.tensor(prompt_ids[n:], dtype=torch.long)
         t0 = time.perf_counter()
         tcache = self.target.new_cache(cap)
         if prefix is not None:
-            tcache.load(prefix.target)
+            tcache.load(prefix.target_kv)
         last_q: dict[int, torch.Tensor] = {}
         first = self.target.prefill(rest, tcache, s.attention, last_q=last_q)
         t1 = time.perf_counter()
@@ -227,34 +222,31 @@ class SpecEngine:
         if uses_draft:
             assert self.draft is not None
             draft_store = self.draft.new_cache(cap)
-            if prefix is not None and prefix.draft is not None:
-                draft_store.load(prefix.draft)
+            if prefix is not None and prefix.draft_kv is not None:
+                draft_store.load(prefix.draft_kv)
             self.draft.prefill(rest, draft_store, s.attention)
         t2 = time.perf_counter()
         return Prefilled(list(prompt_ids), s.attention, tcache, first, draft_store, t1 - t0, t2 - t1,
                          s.max_new_tokens, last_q, cached_tokens=n)
 
     # --- decode --------------------------------------------------------------------------------
-    def generate(self, prompt_ids: list[int], settings: Settings, on_tokens: TokensCallback | None = None
-                 ) -> GenerationResult:
-        state = self.prefill(prompt_ids, settings)
-        return self.decode(state, settings, on_tokens)
-
     def decode(self, state: Prefilled, settings: Settings, on_tokens: TokensCallback | None = None
                ) -> GenerationResult:
-        s = settings.resolved()
-        if s.max_new_tokens > state.max_new_tokens:
+        """Decode after the prefilled prompt (restored first, so any number of decodes can share it).
+        `settings` are resolved."""
+        s = _as_resolved(settings)
+        if s.max_new_tokens > state.room:
             raise ValueError("decode asks for more new tokens than the prefill made room for")
         if s.uses_draft and state.draft_store is None:
             raise UserError(f"method {s.method!r} needs a draft model")
         state.restore()
         if s.cost_model:
             self.cost_model(s)  # measured (once per machine) before the decode clock starts
-        gen = torch.Generator().manual_seed(s.seed)
+        rng = torch.Generator().manual_seed(s.seed)
         clock = _Clock(self.target.device)
         t_start = clock.t
         loop = self._ar_loop if s.method == "ar" else self._spec_loop
-        out, accepts, stop, extra = loop(state, s, gen, clock, on_tokens)
+        out, accepts, stop, extra = loop(state, s, rng, clock, on_tokens)
         decode_s = clock.now() - t_start
         phases = dict(clock.totals)
         phases["other_s"] = max(0.0, decode_s - sum(phases.values()))
@@ -280,14 +272,14 @@ class SpecEngine:
         """The engine's cost model, measuring (or reading the cached) curves it still lacks."""
         if self.costs is None:
             self.costs = CostModel(cached_curve(self.target, s.attention))
-        if s.uses_draft and self.draft is not None and self.costs.draft is None:
-            self.costs.draft = cached_curve(self.draft, s.attention)
+        if s.uses_draft and self.draft is not None and self.costs.draft_curve is None:
+            self.costs.draft_curve = cached_curve(self.draft, s.attention)
         return self.costs
 
-    def _choose(self, logits: torch.Tensor, s: Settings, gen: torch.Generator) -> int:
+    def _choose(self, logits: torch.Tensor, s: Settings, rng: torch.Generator) -> int:
         if s.greedy:
             return int(torch.argmax(logits))
-        return sample(target_dist(logits, s.temperature, s.top_p), gen)
+        return sample(target_dist(logits, s.temperature, s.top_p), rng)
 
     def _emit(self, out: list[int], new: list[int], s: Settings, cb: TokensCallback | None) -> str | None:
         """Append new tokens, cut at EOS or the length limit; returns the stop reason if any."""
@@ -307,10 +299,10 @@ class SpecEngine:
             stop = "stopped"
         return stop
 
-    def _ar_loop(self, state: Prefilled, s: Settings, gen: torch.Generator, clock: _Clock,
-                 cb: TokensCallback | None) -> LoopResult:
+    def _ar_loop(self, state: Prefilled, s: Settings, rng: torch.Generator, clock: _Clock,
+                 cb: TokensCallback | None) -> LoopOutput:
         tcache = state.target_cache
-        x = self._choose(state.first_logits, s, gen)
+        x = self._choose(state.first_logits, s, rng)
         out: list[int] = []
         accepts: list[int] = []
         stop = self._emit(out, [x], s, cb)
@@ -318,17 +310,17 @@ class SpecEngine:
             clock.skip()
             logits = self.target(torch.tensor([x]), torch.tensor([tcache.length]), tcache, None, s.attention)
             tcache.commit()
-            x = self._choose(logits[0], s, gen)
+            x = self._choose(logits[0], s, rng)
             clock.lap("verify_s")
             accepts.append(0)
             stop = self._emit(out, [x], s, cb)
-        return out, accepts, stop, {}
+        return LoopOutput(out, accepts, stop, {})
 
-    def _spec_loop(self, state: Prefilled, s: Settings, gen: torch.Generator, clock: _Clock,
-                   cb: TokensCallback | None) -> LoopResult:
+    def _spec_loop(self, state: Prefilled, s: Settings, rng: torch.Generator, clock: _Clock,
+                   cb: TokensCallback | None) -> LoopOutput:
         tcache = state.target_cache
-        proposer, layers = self._start_proposer(state, s, gen, clock)
-        root = self._choose(state.first_logits, s, gen)
+        proposer, layers = self._start_proposer(state, s, rng, clock)
+        root = self._choose(state.first_logits, s, rng)
         out: list[int] = []
         accepts: list[int] = []
         stop = self._emit(out, [root], s, cb)
@@ -339,7 +331,7 @@ class SpecEngine:
             context = tcache.length
             tree = proposer.propose(root, context)  # lookup, and the draft where it pays
             draft_s = clock.lap("draft_s")
-            verdict, new, queries = self._verify(tree, tcache, layers, s, gen)
+            verdict, new, queries = self._verify(tree, tcache, layers, s, rng)
             n_verified += tree.size
             verify_s = clock.lap("verify_s")
             accepts.append(len(verdict.path) - 1)
@@ -355,17 +347,17 @@ class SpecEngine:
             if self.step_hook is not None:
                 self.step_hook(tcache, proposer.policy, out, proposer.backlog)
         extra = {"verified_nodes_per_step": n_verified / max(1, len(accepts)), **proposer.stats(len(accepts))}
-        return out, accepts, stop, extra
+        return LoopOutput(out, accepts, stop, extra)
 
-    def _start_proposer(self, state: Prefilled, s: Settings, gen: torch.Generator, clock: _Clock
+    def _start_proposer(self, state: Prefilled, s: Settings, rng: torch.Generator, clock: _Clock
                         ) -> tuple[Proposer, list[int]]:
         """The step's proposing parts, and the target layers the draft policy scores with."""
         policy, layers = self._start_policy(state, s, clock) if s.uses_draft else (None, [])
         index = None
         if s.lookup:
-            index = ContextIndex(state.prompt_ids, len(state.prompt_ids) + s.max_new_tokens + TREE_HEADROOM)
+            index = ContextIndex(state.prompt_ids, cache_slots(len(state.prompt_ids), s.max_new_tokens))
         costs = self.cost_model(s) if s.cost_model else None
-        return Proposer(s, policy, make_builder(s) if policy is not None else None, index, costs, gen), layers
+        return Proposer(s, policy, make_builder(s) if policy is not None else None, index, costs, rng), layers
 
     def _start_policy(self, state: Prefilled, s: Settings, clock: _Clock) -> tuple[DraftPolicy, list[int]]:
         """The draft policy over the prefilled draft store, started (its time is retrieval's), and
@@ -374,11 +366,11 @@ class SpecEngine:
         policy = make_policy(s.draft_cache, self.draft, state.draft_store, s.attention, s)
         layers = policy.score_layers(self.target.cfg.num_layers)
         clock.skip()
-        policy.start(lambda: self.prompt_scores(state, layers))
+        policy.start(lambda: prompt_scores(state, layers))
         clock.lap("retrieval_s")
         return policy, layers
 
-    def _verify(self, tree: DraftTree, tcache: KVCache, layers: list[int], s: Settings, gen: torch.Generator
+    def _verify(self, tree: DraftTree, tcache: KVCache, layers: list[int], s: Settings, rng: torch.Generator
                 ) -> tuple[Verdict, list[int], dict[int, torch.Tensor] | None]:
         """Verify the whole tree in one target forward and commit the accepted path. Returns the
         verdict, the new tokens (accepted run + bonus) and the queries of `layers`, the target
@@ -389,7 +381,7 @@ class SpecEngine:
         if s.greedy:
             verdict = verify_greedy(tree, logits)
         else:
-            verdict = verify_sampling(tree, logits, s.temperature, s.top_p, gen)
+            verdict = verify_sampling(tree, logits, s.temperature, s.top_p, rng)
         tcache.commit(verdict.path)
         tokens = tree.tokens.tolist()
         return verdict, [tokens[i] for i in verdict.path[1:]] + [verdict.bonus], queries
@@ -399,21 +391,22 @@ class SpecEngine:
         """Tell the draft policy how the step went; score the accepted rows if it asks."""
         policy.observe(len(path) - 1)
         if policy.wants_scores():
-            policy.refresh(self.retrieval_scores(tcache, queries, policy.score_rows(path)))
+            policy.refresh(retrieval_scores(tcache, queries, policy.score_rows(path)))
 
-    def prompt_scores(self, state: Prefilled, layers: list[int]) -> torch.Tensor | None:
-        """The first retrieval's scores: what the last prompt token attends to in `layers`."""
-        return self.retrieval_scores(state.target_cache, {i: state.last_q[i] for i in layers}, [0])
 
-    @staticmethod
-    def retrieval_scores(cache: KVCache, keep_q: dict | None, rows: list[int]) -> torch.Tensor | None:
-        """Target attention of the accepted query row(s) over every committed token, averaged
-        over heads (and over layers when several are kept). Only these rows are scored."""
-        if not keep_q:
-            return None
-        n = cache.length
-        total = None
-        for layer, q in keep_q.items():
-            p = attention_probs(q[:, rows], cache.k[layer, :, :n])
-            total = p if total is None else total + p
-        return (total / len(keep_q)).cpu()
+def prompt_scores(state: Prefilled, layers: list[int]) -> torch.Tensor | None:
+    """The first retrieval's scores: what the last prompt token attends to in the target's `layers`."""
+    return retrieval_scores(state.target_cache, {i: state.last_q[i] for i in layers}, [0])
+
+
+def retrieval_scores(cache: KVCache, keep_q: dict | None, rows: list[int]) -> torch.Tensor | None:
+    """Target attention of the accepted query row(s) over every committed token, averaged
+    over heads (and over layers when several are kept). Only these rows are scored."""
+    if not keep_q:
+        return None
+    n = cache.length
+    total = None
+    for layer, q in keep_q.items():
+        p = attention_probs(q[:, rows], cache.k[layer, :, :n])
+        total = p if total is None else total + p
+    return (total / len(keep_q)).cpu()

@@ -11,7 +11,8 @@ attends over [0, length + T); the caller then decides what to keep:
 Keeping a subset compacts in place, so the cache always holds exactly the committed tokens in
 sequence order. `copy_slots_from` fills a cache with selected slots of another (the draft's
 working cache made of retrieved chunks of its store). `snapshot` copies the committed slots out
-and `load` puts such a copy back as the first slots of a fresh cache (the prefix cache).
+and `load` puts such a copy back as the first slots of a fresh cache. A `PrefixKV` is the pair of
+snapshots one prompt's prefill leaves (target and draft): what the prefix cache stores.
 """
 
 from __future__ import annotations
@@ -50,6 +51,31 @@ class KVSnapshot:
         if not 0 < n <= self.length:
             raise IndexError(f"cannot take {n} tokens of a {self.length}-token snapshot")
         return KVSnapshot(self.k[:, :, :n], self.v[:, :, :n])
+
+
+@dataclass(frozen=True)
+class PrefixKV:
+    """The KV of a prompt's first `length` tokens from an earlier prefill: the target cache, and the
+    draft's full store (None when that prefill ran without the draft, as `ar` does)."""
+
+    target_kv: KVSnapshot
+    draft_kv: KVSnapshot | None
+
+    def __post_init__(self) -> None:
+        if self.draft_kv is not None and self.draft_kv.length != self.target_kv.length:
+            raise ValueError("a prefix's target and draft KV cover different token counts")
+
+    @property
+    def length(self) -> int:
+        return self.target_kv.length
+
+    @property
+    def nbytes(self) -> int:
+        return self.target_kv.nbytes + (self.draft_kv.nbytes if self.draft_kv is not None else 0)
+
+    def head(self, n: int) -> PrefixKV:
+        """The first n tokens' KV (views)."""
+        return PrefixKV(self.target_kv.head(n), self.draft_kv.head(n) if self.draft_kv is not None else None)
 
 
 class KVCache:

@@ -26,8 +26,7 @@ from typing import Any
 
 import torch
 
-from .engine import PrefixKV
-from .kv_cache import KVSnapshot
+from .kv_cache import KVSnapshot, PrefixKV
 
 MAGIC = b"SPXKV\x00\x01\n"
 FORMAT = 1
@@ -56,9 +55,9 @@ class Header:
 
 
 def _tensors(prefix: PrefixKV) -> list[tuple[str, torch.Tensor]]:
-    out = [("target.k", prefix.target.k), ("target.v", prefix.target.v)]
-    if prefix.draft is not None:
-        out += [("draft.k", prefix.draft.k), ("draft.v", prefix.draft.v)]
+    out = [("target.k", prefix.target_kv.k), ("target.v", prefix.target_kv.v)]
+    if prefix.draft_kv is not None:
+        out += [("draft.k", prefix.draft_kv.k), ("draft.v", prefix.draft_kv.v)]
     return out
 
 

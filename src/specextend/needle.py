@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
 import sys
@@ -29,19 +28,23 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .draft_policy import DRAFT_POLICIES, DraftPolicy, chunk_scores, make_policy, retrieval_layers
-from .engine import Prefilled, SpecEngine
+from .bench.data import DATA_ENV, data_roots, split_list
+from .bench.report import mean
+from .draft_policy import DraftPolicy, chunk_scores, make_policy, retrieval_layers
+from .engine import Prefilled, prompt_scores
 from .errors import UserError
-from .jsonl import append_jsonl
-from .models.loader import add_model_arguments, model_options
-from .settings import POSITION_MODES, Settings
+from .jsonl import append_jsonl, read_rows, read_texts
+from .options import add_model_arguments, model_options
+from .settings import DRAFT_CACHES, POSITION_MODES, Settings
 
-POLICIES = tuple(DRAFT_POLICIES)
-DATA_ENV = "SPECEXTEND_DATA"
+if TYPE_CHECKING:
+    from .api import Pair
+
+POLICIES = DRAFT_CACHES
 RESULTS_FILE = "trials.jsonl"
 SUMMARY_FILE = "needle.json"
 # The issue's goal: CMR keeps most of the full cache's accuracy, StreamingLLM loses the needle.
@@ -164,29 +167,27 @@ def _token_span(offsets: list[tuple[int, int]], start: int, end: int) -> tuple[i
 # --------------------------------------------------------------------------- one trial
 
 
-def prefill_trial(engine: SpecEngine, trial: Trial, s: Settings) -> tuple[Prefilled, torch.Tensor]:
+def prefill_trial(pair: Pair, trial: Trial, s: Settings) -> tuple[Prefilled, torch.Tensor]:
     """Prefill both models once; returns the state and the CMR scores over the prompt tokens.
 
     The scores are exactly the engine's first retrieval: the chosen target layers' queries of
-    the last prompt token (`last_q`) over the target cache, through `retrieval_scores`.
+    the last prompt token (`last_q`) over the target cache (`cmr_scores`).
     """
-    s = s.resolved()
     # The full policy reads every position, so the draft's own context must fit the prompt too.
-    engine.check_fits(len(trial.prompt_ids), replace(s, draft_cache="full"))
-    state = engine.prefill(trial.prompt_ids, s)
-    return state, retrieval_scores(engine, state, s)
+    pair.check_fits(len(trial.prompt_ids), replace(s, draft_cache="full"))
+    state = pair.prefill(trial.prompt_ids, s)
+    return state, cmr_scores(pair, state, s)
 
 
-def retrieval_scores(engine: SpecEngine, state: Prefilled, s: Settings) -> torch.Tensor:
+def cmr_scores(pair: Pair, state: Prefilled, s: Settings) -> torch.Tensor:
     """Target attention of the last prompt token over the prompt: CMR's layer choice
     (retrieval_layer, retrieval_layers_mean) and the engine's scoring, as at its first retrieval."""
-    scores = engine.prompt_scores(state, retrieval_layers(s.resolved(), engine.target.cfg.num_layers))
+    scores = prompt_scores(state, retrieval_layers(s, pair.target.cfg.num_layers))
     assert scores is not None
     return scores
 
 
-def build_policy(engine: SpecEngine, state: Prefilled, name: str, s: Settings, scores: torch.Tensor
-                 ) -> DraftPolicy:
+def build_policy(pair: Pair, state: Prefilled, name: str, s: Settings, scores: torch.Tensor) -> DraftPolicy:
     """The policy's working cache over the draft store, ready to be fed the last prompt token.
 
     The store is cut to the prompt minus its last token first: the answer's first token then
@@ -195,9 +196,9 @@ def build_policy(engine: SpecEngine, state: Prefilled, name: str, s: Settings, s
     starts as in the engine, with `scores` as the prompt's scores.
     """
     draft_store = state.draft_store
-    assert draft_store is not None and engine.draft is not None
+    assert draft_store is not None and pair.draft is not None
     draft_store.truncate(len(state.prompt_ids) - 1)
-    policy = make_policy(name, engine.draft, draft_store, state.attention, s)
+    policy = make_policy(name, pair.draft, draft_store, state.attention, s)
     policy.start(lambda: scores)
     return policy
 
@@ -231,14 +232,14 @@ def chunk_rank(scores: torch.Tensor, span: tuple[int, int], chunk: int, n: int) 
     return min(ranks) if ranks else None
 
 
-def run_policy(engine: SpecEngine, state: Prefilled, name: str, s: Settings, scores: torch.Tensor, trial: Trial,
-               tokenizer: Any, max_new_tokens: int) -> dict[str, Any]:
+def run_policy(pair: Pair, state: Prefilled, name: str, s: Settings, scores: torch.Tensor, trial: Trial,
+               max_new_tokens: int) -> dict[str, Any]:
     t0 = time.perf_counter()
-    policy = build_policy(engine, state, name, s, scores)
+    policy = build_policy(pair, state, name, s, scores)
     ranges = policy.kept_ranges()
     working = policy.working_tokens
-    tokens, largest = greedy_answer(policy, trial.prompt_ids[-1], max_new_tokens, engine.eos)
-    answer = tokenizer.decode(tokens, skip_special_tokens=True)
+    tokens, largest = greedy_answer(policy, trial.prompt_ids[-1], max_new_tokens, set(pair.eos_ids))
+    answer = pair.tokenizer.decode(tokens, skip_special_tokens=True)
     # Leave the store as the next policy expects it: the prompt (the full policy appended to it).
     assert state.draft_store is not None
     state.draft_store.truncate(len(trial.prompt_ids) - 1)
@@ -253,11 +254,11 @@ def run_policy(engine: SpecEngine, state: Prefilled, name: str, s: Settings, sco
     }
 
 
-def run_trial(engine: SpecEngine, tokenizer: Any, trial: Trial, s: Settings, max_new_tokens: int,
-              policies: Sequence[str] = POLICIES) -> dict[str, Any]:
+def run_trial(pair: Pair, trial: Trial, s: Settings, max_new_tokens: int, policies: Sequence[str] = POLICIES
+              ) -> dict[str, Any]:
     """Prefill once, answer with every policy from the same store; one JSON-able record."""
     t0 = time.perf_counter()
-    state, scores = prefill_trial(engine, trial, s)
+    state, scores = prefill_trial(pair, trial, s)
     n = len(trial.prompt_ids)
     a, b = trial.needle_tokens
     rec: dict[str, Any] = {
@@ -278,16 +279,12 @@ def run_trial(engine: SpecEngine, tokenizer: Any, trial: Trial, s: Settings, max
     # Scores are all CMR needs from the target: free its cache before the draft decodes.
     state.target_cache = None  # type: ignore[assignment]
     for name in policies:
-        rec["policies"][name] = run_policy(engine, state, name, s, scores, trial, tokenizer, max_new_tokens)
+        rec["policies"][name] = run_policy(pair, state, name, s, scores, trial, max_new_tokens)
     rec["trial_s"] = time.perf_counter() - t0
     return rec
 
 
 # --------------------------------------------------------------------------- summary
-
-
-def _mean(xs: Sequence[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
 
 
 def summarise(records: Sequence[dict[str, Any]], lengths: Sequence[str],
@@ -304,10 +301,10 @@ def summarise(records: Sequence[dict[str, Any]], lengths: Sequence[str],
                 "trials": len(rs),
                 "correct": correct,
                 "accuracy": correct / len(rs) if rs else None,
-                "working_tokens_mean": _mean([x["working_tokens"] for x in rs]),
+                "working_tokens_mean": mean([x["working_tokens"] for x in rs]),
                 "max_working_tokens": max((x["max_working_tokens"] for x in rs), default=None),
-                "needle_in_cache_rate": _mean([float(x["needle_in_cache"]) for x in rs]),
-                "decode_s_mean": _mean([x["decode_s"] for x in rs]),
+                "needle_in_cache_rate": mean([float(x["needle_in_cache"]) for x in rs]),
+                "decode_s_mean": mean([x["decode_s"] for x in rs]),
             }
         acc = {p: per[p]["accuracy"] for p in policies}
         rel = acc.get("cmr") / acc["full"] if acc.get("cmr") is not None and acc.get("full") else None
@@ -316,11 +313,11 @@ def summarise(records: Sequence[dict[str, Any]], lengths: Sequence[str],
             "trials": len(recs),
             "policies": per,
             "cmr_over_full": rel,
-            "prompt_tokens_mean": _mean([r["prompt_tokens"] for r in recs]),
+            "prompt_tokens_mean": mean([r["prompt_tokens"] for r in recs]),
             "needle_chunk_rank_median": sorted(ranks)[len(ranks) // 2] if ranks else None,
-            "target_prefill_s_mean": _mean([r["target_prefill_s"] for r in recs]),
-            "draft_prefill_s_mean": _mean([r["draft_prefill_s"] for r in recs]),
-            "trial_s_mean": _mean([r["trial_s"] for r in recs]),
+            "target_prefill_s_mean": mean([r["target_prefill_s"] for r in recs]),
+            "draft_prefill_s_mean": mean([r["draft_prefill_s"] for r in recs]),
+            "trial_s_mean": mean([r["trial_s"] for r in recs]),
         }
         if rel is not None and acc.get("streaming") is not None:
             entry["goal_met"] = rel >= GOAL_CMR_OVER_FULL and acc["streaming"] < GOAL_STREAMING_BELOW
@@ -356,13 +353,8 @@ def format_table(summary: dict[str, Any]) -> str:
 
 
 def data_dir(given: str | None) -> Path:
-    """--data, else $SPECEXTEND_DATA, else ../shared/data/govreport beside the repository."""
-    candidates = [Path(given)] if given else []
-    if not given and os.environ.get(DATA_ENV):
-        candidates.append(Path(os.environ[DATA_ENV]))
-    if not candidates:
-        repo = Path(__file__).resolve().parents[2]
-        candidates += [repo.parent / "shared" / "data" / "govreport", Path.cwd().parent / "shared/data/govreport"]
+    """--data, else the GovReport folder under the data roots ($SPECEXTEND_DATA, ../shared/data)."""
+    candidates = [Path(given)] if given else data_roots()
     for c in candidates:
         c = c.expanduser()
         # A data root holding govreport/ is accepted as well as the govreport folder itself.
@@ -373,10 +365,8 @@ def data_dir(given: str | None) -> Path:
 
 
 def parse_lengths(text: str) -> list[str]:
-    labels = [x.strip().upper() for x in text.split(",") if x.strip()]
-    if not labels:
-        raise UserError("--lengths is empty")
-    return list(dict.fromkeys(labels))
+    """Haystack labels, as the files name them (govreport_<LABEL>.jsonl): '4k,8K' -> ['4K', '8K']."""
+    return list(dict.fromkeys(x.upper() for x in split_list(text, "--lengths")))
 
 
 def load_haystacks(folder: Path, length: str) -> list[str]:
@@ -384,26 +374,7 @@ def load_haystacks(folder: Path, length: str) -> list[str]:
     if not path.is_file():
         have = sorted(p.stem.removeprefix("govreport_") for p in folder.glob("govreport_*.jsonl"))
         raise UserError(f"no haystack file for length {length!r} in {folder} (have: {', '.join(have)})")
-    texts = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            texts.append(json.loads(line)["text"])
-    if not texts:
-        raise UserError(f"{path} has no records")
-    return texts
-
-
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """Records already written; a line cut short by a killed run is ignored (redone)."""
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+    return read_texts(path)
 
 
 # --------------------------------------------------------------------------- command line
@@ -413,8 +384,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = Settings()
     add_model_arguments(p)
     t = p.add_argument_group("trials")
-    t.add_argument("--data", help=f"folder with govreport_<LEN>.jsonl (default: ${DATA_ENV} or "
-                                  "../shared/data/govreport beside the repository)")
+    t.add_argument("--data", help=f"folder with govreport_<LEN>.jsonl (default: govreport/ in ${DATA_ENV} or "
+                                  "../shared/data beside the repository)")
     t.add_argument("--lengths", default="4K,8K", help="haystack lengths, comma-separated (default: 4K,8K)")
     t.add_argument("--trials", type=int, default=20, help="trials per length (default: 20)")
     t.add_argument("--seed", type=int, default=0, help="seed of needle depths and passphrases (default: 0)")
@@ -438,7 +409,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("-q", "--quiet", action="store_true", help="no loading messages or progress bar")
 
 
-def settings_from_args(args: argparse.Namespace) -> Settings:
+def needle_settings(args: argparse.Namespace) -> Settings:
+    """The trials' settings: CMR's options from the command line, one budget for both selective caches."""
     chunk = args.chunk_size
     top_k = args.top_k_chunks
     if args.budget is not None:
@@ -454,7 +426,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return s.resolved()
 
 
-def run_config(pair: Any, s: Settings) -> dict[str, Any]:
+def run_config(pair: Pair, s: Settings) -> dict[str, Any]:
     """What a record depends on: a rerun reuses records only when this is unchanged."""
     keys = ("chunk_size", "top_k_chunks", "positions", "retrieval_layer", "retrieval_layers_mean", "sink_tokens",
             "attention", "max_new_tokens", "seed")
@@ -464,11 +436,11 @@ def run_config(pair: Any, s: Settings) -> dict[str, Any]:
     return cfg
 
 
-def sweep(pair: Any, s: Settings, lengths: Sequence[str], trials: int, folder: Path, out: Path, config: dict,
+def sweep(pair: Pair, s: Settings, lengths: Sequence[str], trials: int, folder: Path, out: Path, config: dict,
           quiet: bool = False) -> list[dict[str, Any]]:
     """Run every trial not yet in out/trials.jsonl; returns this config's records."""
     path = out / RESULTS_FILE
-    old = read_records(path)
+    old = read_rows(path)
     mine = [r for r in old if r.get("config") == config]
     if len(mine) < len(old) and not quiet:
         print(f"needle: ignoring {len(old) - len(mine)} records in {path} made with other settings",
@@ -480,7 +452,6 @@ def sweep(pair: Any, s: Settings, lengths: Sequence[str], trials: int, folder: P
     if todo:
         from tqdm import tqdm
 
-        engine = pair.engine
         # Weight progress by haystack size: a longer trial takes longer, so the ETA stays honest.
         weight = {length: len(haystacks[length][0]) for length in lengths}
         bar = tqdm(total=sum(weight[x] for x, _ in todo), disable=quiet, unit="ch", unit_scale=True,
@@ -491,7 +462,7 @@ def sweep(pair: Any, s: Settings, lengths: Sequence[str], trials: int, folder: P
             hay, depth, phrase = trial_spec(config["seed"], i, len(texts))
             trial = make_trial(texts[hay], pair.tokenizer, depth, phrase, length=length, index=i, haystack=hay)
             bar.set_description_str(f"needle {k + 1}/{len(todo)}: {length} #{i} ({len(trial.prompt_ids)} tok)")
-            rec = run_trial(engine, pair.tokenizer, trial, s, s.max_new_tokens)
+            rec = run_trial(pair, trial, s, s.max_new_tokens)
             rec["config"] = config
             append_jsonl(path, rec)
             mine.append(rec)
@@ -506,14 +477,14 @@ def sweep(pair: Any, s: Settings, lengths: Sequence[str], trials: int, folder: P
 def run(args: argparse.Namespace) -> int:
     if args.trials < 1:
         raise UserError(f"--trials must be >= 1, got {args.trials}")
-    s = settings_from_args(args)
+    s = needle_settings(args)
     lengths = parse_lengths(args.lengths)
     folder = data_dir(args.data)
     for length in lengths:
         load_haystacks(folder, length)  # a bad length fails before the models load
-    from .api import load
+    from . import api
 
-    pair = load(args.target, args.draft, **model_options(args), progress=not args.quiet)
+    pair = api.load(args.target, args.draft, **model_options(args), progress=not args.quiet)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config = run_config(pair, s)

@@ -9,7 +9,7 @@ the same. At least the prompt's last token is always prefilled, since decoding n
 and retrieval its queries.
 
 Entries are also keyed by their *kind*, the attention kernel that wrote them (see
-`Pair.kv_kind`): the float backends write K/V that agree only to rounding, so a prefix is reused
+`api.kv_backend`): the float backends write K/V that agree only to rounding, so a prefix is reused
 only by a prefill that would have written the same bits.
 
 Memory is bounded: least recently used entries go first once their KV bytes exceed the cap. An
@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from . import kv_file
-from .engine import PrefixKV
+from .kv_cache import PrefixKV
 
 log = logging.getLogger("specextend.prefix_cache")
 
@@ -167,11 +167,11 @@ class PrefixCache:
                 self.hits += 1
                 self.cached_tokens += n
                 head = prefix.head(n)
-                return head if draft_kind is not None else PrefixKV(head.target, None)
+                return head if draft_kind is not None else PrefixKV(head.target_kv, None)
 
     def insert(self, tokens: Sequence[int], prefix: PrefixKV, target_kind: str, draft_kind: str | None) -> None:
         """Remember a prompt's KV (`prefix` covers all of `tokens`; draft_kind None: no draft KV)."""
-        if prefix.length != len(tokens) or (prefix.draft is None) != (draft_kind is None):
+        if prefix.length != len(tokens) or (prefix.draft_kv is None) != (draft_kind is None):
             raise ValueError("the KV does not match the tokens and kinds it is stored under")
         ids = np.asarray(tokens, dtype=np.int64)
         key = self._key(ids, target_kind, draft_kind)

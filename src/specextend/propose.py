@@ -116,8 +116,8 @@ class Proposer:
 
     def _forward(self, rows: int, context: int) -> None:
         self.counts["draft_forwards"] += 1
-        if self.costs is not None and self.costs.draft is not None:
-            self._raw_draft_s += self.costs.draft.predict(rows, context)
+        if self.costs is not None and self.costs.draft_curve is not None:
+            self._raw_draft_s += self.costs.draft_curve.predict(rows, context)
 
     def verified(self, tree: DraftTree, verdict: Verdict, new: list[int], context: int, draft_s: float,
                  verify_s: float) -> None:

@@ -49,11 +49,10 @@ class _PeakRSS:
 def _child(model_ref: str | None, length: int, backend: str, layers: int) -> dict:
     import torch
 
+    from .. import api
     from ..kv_cache import KVCache
-    from ..models.loader import load_model
-    from ..models.registry import resolve_model_ref
 
-    model = load_model(resolve_model_ref(model_ref, "target", progress=False), torch.float32)
+    model = api.load(model_ref, load_draft=False, progress=False).target
     full_layers = model.cfg.num_layers
     kv_bytes_full = 2 * full_layers * model.cfg.num_kv_heads * model.cfg.head_dim * 4 * length
     model.layers = model.layers[:layers]

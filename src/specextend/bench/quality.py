@@ -146,18 +146,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _load_options(scheme: str) -> dict[str, str]:
+    """The target's load options for a scheme: float64 and bfloat16 compute in their own dtype,
+    every other scheme in float32 (quantized weights) or its own (float16, via the scheme)."""
+    return {"dtype": scheme if scheme in ("float64", "bfloat16") else "float32", "weights": scheme}
+
+
 def _run(a: argparse.Namespace) -> int:
-    from ..models.loader import check_weights, load_model, load_tokenizer
-    from ..models.registry import resolve_model_ref
+    from .. import api
+    from ..models.resolve import LoadOptions
 
     schemes = [w.strip() for w in a.weights.split(",") if w.strip()]
     for w in schemes:
-        check_weights(w)
+        LoadOptions(**_load_options(w))
     if a.ctx < 64 or a.ctx % 2:
         raise UserError("--ctx must be an even number of at least 64")
     texts = [t for p in a.data.split(",") for t in read_texts(Path(p))][: a.samples]
-    folder = resolve_model_ref(a.target, "target")
-    text, ids = token_stream(texts, load_tokenizer(folder))
+    prepared = api.prepare(a.target, load_draft=False)
+    folder = prepared.target_path
+    text, ids = token_stream(texts, prepared.tokenizer)
     chunks = chunks_of(ids, a.ctx, a.chunks)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -166,8 +173,7 @@ def _run(a: argparse.Namespace) -> int:
     rows = []
     for w in ["float32"] + [s for s in schemes if s != "float32"]:
         t0 = time.perf_counter()
-        dtype = torch.float64 if w == "float64" else torch.bfloat16 if w == "bfloat16" else torch.float32
-        model = load_model(folder, dtype if w in ("float64", "bfloat16") else torch.float32, weights=w)
+        model = api.load(folder, load_draft=False, progress=False, **_load_options(w)).target
         sc = score(model, chunks, progress=f"quality {model.weights}")
         del model
         row: dict[str, Any] = {"weights": w, "perplexity": sc.perplexity, "seconds": time.perf_counter() - t0}

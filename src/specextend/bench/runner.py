@@ -40,11 +40,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ..draft_policy import DRAFT_POLICIES
 from ..errors import UserError
-from ..jsonl import append_jsonl
-from ..models.loader import add_model_arguments, model_options
-from ..settings import METHODS, Settings, parse_assignments
+from ..jsonl import append_jsonl, read_rows
+from ..options import add_model_arguments, check_model_options, model_options
+from ..settings import DRAFT_CACHES, METHODS, Settings, parse_assignments
 from .data import (
     BUILTIN_LENGTHS,
     Sample,
@@ -57,7 +56,7 @@ from .data import (
 )
 from .hf_baselines import HF_METHODS, HFSettings
 from .llamacpp import LLAMACPP_METHODS, LlamaCppSettings, Peer, is_llamacpp, parse_llamacpp_method, prefix_match
-from .report import RESULTS, aggregate, read_rows, summary_tables, write_report
+from .report import RESULTS, aggregate, summary_tables, write_report
 
 DEFAULT_METHODS = "ar,sd,specextend"
 # Plots cost ~0.5 s of a 2-core CPU: redraw them after a row only when this long has passed since
@@ -66,7 +65,7 @@ PLOT_EVERY_S = 20.0
 
 # Ablation modifiers: `base+mod` sets one Settings field on top of the base preset.
 MODIFIERS: dict[str, tuple[str, str]] = {
-    **{name: ("draft_cache", name) for name in DRAFT_POLICIES},
+    **{name: ("draft_cache", name) for name in DRAFT_CACHES},
     "efficient": ("attention", "efficient"),
     "eager": ("attention", "eager"),
     "chain": ("tree", "chain"),
@@ -248,16 +247,11 @@ class Plan:
 
 def make_plan(args: argparse.Namespace) -> Plan:
     """Every check that needs no model: numbers, methods, settings, data files, the output folder."""
-    from ..models.loader import parse_device, parse_dtype
-
     if args.samples is None or args.samples <= 0:
         raise UserError(f"--samples must be a positive integer, got {args.samples}")
     if args.max_new_tokens is None or args.max_new_tokens <= 0:
         raise UserError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
-    parse_dtype(args.dtype)
-    if args.draft_dtype is not None:
-        parse_dtype(args.draft_dtype)
-    parse_device(args.device)
+    check_model_options(args)
     base = Settings(max_new_tokens=args.max_new_tokens, **parse_set(args.set))
     specs = parse_methods(args.methods, base)
     specs, peer = with_peer(specs)
@@ -316,7 +310,7 @@ def check_context(prepared: Any, samples: list[Sample], specs: list[MethodSpec])
             if sp.settings is not None:
                 prepared.check_fits(longest.input_tokens, sp.settings)
             else:
-                limit = int(prepared.target_cfg.max_position)
+                limit = prepared.context
                 if longest.input_tokens + sp.max_new_tokens > limit:
                     raise UserError(f"a prompt of {longest.input_tokens} tokens + {sp.max_new_tokens} new "
                                     f"tokens exceeds the target's context of {limit} tokens")
@@ -438,7 +432,7 @@ class Bench:
         if not todo:
             return
         pair = self.prepared.load()
-        pair.engine.warmup()  # kernel builds would otherwise land in the first method's timings
+        pair.warmup()  # kernel builds would otherwise land in the first method's timings
         try:
             for sample in self.samples:
                 for attention, specs in engine_groups(self.plan.specs, self.plan.prefill):
@@ -455,26 +449,24 @@ class Bench:
         first = next((sp for sp in specs if sp.needs_draft), specs[0])
         assert first.settings is not None
         self._status(sample, f"prefill ({attention})")
-        state = pair.engine.prefill(sample.prompt_ids, replace(first.settings, attention=attention))
+        state = pair.prefill(sample.prompt_ids, replace(first.settings, attention=attention))
         try:
             for sp in specs:
                 assert sp.settings is not None
                 self._status(sample, sp.name)
-                gen = pair.engine.decode(state, sp.settings)
-                row = self._engine_row(pair, sp, gen, state.target_s, state.draft_s)
+                row = self._engine_row(sp, pair.decode(state, sp.settings), state.target_s, state.draft_s)
                 row["prefill_attention"] = state.attention
                 self.record(sample, sp, row)
         finally:
             del state
 
-    def _engine_row(self, pair: Any, spec: MethodSpec, gen: Any, target_s: float, draft_s: float
-                    ) -> dict[str, Any]:
+    def _engine_row(self, spec: MethodSpec, res: Any, target_s: float, draft_s: float) -> dict[str, Any]:
         """The `generate --json` object, named by the method as written, with its own prefill
         cost: a shared prefill's draft part is not `ar`'s."""
-        row = pair.result(gen).to_json()
+        row = res.to_json()
         draft_s = draft_s if spec.needs_draft else 0.0
-        row.update(method=spec.name, preset=gen.settings.method, prefill_s=target_s + draft_s,
-                   prefill_target_s=target_s, prefill_draft_s=draft_s, total_s=target_s + draft_s + gen.decode_s)
+        row.update(method=spec.name, preset=res.settings.method, prefill_s=target_s + draft_s,
+                   prefill_target_s=target_s, prefill_draft_s=draft_s, total_s=target_s + draft_s + res.decode_s)
         return row
 
     # ----------------------------------------------------------------- llama.cpp peers
@@ -490,7 +482,7 @@ class Bench:
         tok = self.prepared.tokenizer
         dtype = llamacpp.gguf_file_type(target)
         longest = max(s.input_tokens for s in self.samples)
-        context = int(self.prepared.target_cfg.max_position)
+        context = self.prepared.context
         for spec in dict.fromkeys(sp for _, sp in todo):  # one server per method, in --methods order
             s = spec.llamacpp
             assert s is not None
@@ -524,12 +516,12 @@ class Bench:
         todo = [(s, sp) for s, sp in self.pending() if sp.is_hf]
         if not todo:
             return
-        from ..models.loader import eos_token_ids, parse_dtype
+        from ..models.loader import parse_dtype
         from .hf_baselines import HFBaselines
 
         p = self.prepared
         tok = p.tokenizer
-        eos = eos_token_ids(p.target_path, tok)
+        eos = p.eos_ids
         hf = HFBaselines(p.target_path, p.draft_path, parse_dtype(p.dtype),
                          parse_dtype(p.draft_dtype or p.dtype), p.device)
         try:
@@ -583,12 +575,12 @@ def run(args: argparse.Namespace) -> int:
     """`specextend bench`; returns the exit status (bad input raises UserError -> 2)."""
     from tqdm import tqdm
 
-    from ..api import prepare
+    from .. import api
 
     plan = make_plan(args)
     needs_draft = any(sp.needs_draft for sp in plan.specs)
     t0 = time.perf_counter()
-    prepared = prepare(args.target, args.draft, **model_options(args), load_draft=needs_draft,
+    prepared = api.prepare(args.target, args.draft, **model_options(args), load_draft=needs_draft,
                        progress=not args.quiet)
     if plan.peer is not None:
         # After `prepare`, which pulls the default pair (and so its GGUF files) on first use.

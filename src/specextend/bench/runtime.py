@@ -14,11 +14,11 @@ import argparse
 import json
 import sys
 import time
+from typing import Any
 
 import torch
 
-from ..models.loader import add_model_arguments, load_model, parse_dtype
-from ..models.registry import resolve_model_ref
+from ..options import add_model_arguments, model_options
 
 
 def read_bandwidth_gbs(mb: int = 1024, repeats: int = 5) -> float:
@@ -57,7 +57,7 @@ def timed(fn, repeats: int) -> float:
     return best
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_arguments(ap, draft=False)
     ap.add_argument("--context", type=int, default=2048)
@@ -65,69 +65,81 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-tokens", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", action="store_true")
-    a = ap.parse_args(argv)
+    return ap
 
+
+def main(argv: list[str] | None = None) -> int:
+    from .. import api
+
+    a = _parser().parse_args(argv)
     if a.device != "cpu":
         # The floor is CPU memory bandwidth; GPU kernels are timed by specextend.bench.kernels.
         print("specextend runtime: error: --device cpu only (see python -m specextend.bench.kernels)",
               file=sys.stderr)
         return 2
-    path = resolve_model_ref(a.target, "target")
+    prepared = api.prepare(a.target, load_draft=False, **model_options(a))
     t = time.perf_counter()
-    model = load_model(path, parse_dtype(a.dtype), weights=a.weights)
-    load_s = time.perf_counter() - t
-    vocab = model.cfg.vocab_size
-    res: dict = {"model": str(path), "dtype": a.dtype, "weights": model.weights, "load_s": load_s,
-                 "threads": torch.get_num_threads()}
+    pair = prepared.load()
+    res: dict[str, Any] = {"model": str(pair.target_path), "dtype": a.dtype, "weights": pair.target.weights,
+                           "load_s": time.perf_counter() - t, "threads": torch.get_num_threads()}
+    res.update(prefill_speed(pair.target, a.prefill_tokens))
+    res.update(step_costs(pair.target, a.context, [int(r) for r in a.rows.split(",")], a.repeats))
+    bw = read_bandwidth_gbs()
+    wb = weight_bytes_per_forward(pair.target)
+    res.update(read_bandwidth_gbs=bw, weight_bytes=wb, floor_s=wb / (bw * 1e9))
+    print(json.dumps(res, indent=2) if a.json else report(res, a.prefill_tokens))
+    return 0
 
-    cache = model.new_cache(max(a.context, a.prefill_tokens) + 64)
-    ids = torch.randint(0, vocab, (a.prefill_tokens,))
+
+def prefill_speed(model: Any, tokens: int) -> dict[str, float]:
+    """Prefill tokens per second of a random prompt, per attention backend."""
+    cache = model.new_cache(tokens + 64)
+    ids = torch.randint(0, model.cfg.vocab_size, (tokens,))
     model.prefill(ids[:512], cache, "eager")  # first-use kernel builds stay out of the timings
     model.prefill(ids[:512], cache, "efficient")
+    out = {}
     for backend in ("efficient", "eager"):
         cache.reset()
         t = time.perf_counter()
         model.prefill(ids, cache, backend)
-        res[f"prefill_tokens_per_s_{backend}"] = a.prefill_tokens / (time.perf_counter() - t)
+        out[f"prefill_tokens_per_s_{backend}"] = tokens / (time.perf_counter() - t)
+    return out
 
-    cache.reset()
-    model.prefill(torch.randint(0, vocab, (a.context,)), cache, "efficient")
-    rows = [int(r) for r in a.rows.split(",")]
+
+def step_costs(model: Any, context: int, rows: list[int], repeats: int) -> dict[str, Any]:
+    """Seconds of one forward of each row count (a causal block) over a cache of `context` tokens."""
+    cache = model.new_cache(context + max(rows) + 64)
+    model.prefill(torch.randint(0, model.cfg.vocab_size, (context,)), cache, "efficient")
     per_rows = {}
     for r in rows:
-        toks = torch.randint(0, vocab, (r,))
-        pos = torch.arange(a.context, a.context + r)
+        toks = torch.randint(0, model.cfg.vocab_size, (r,))
+        pos = torch.arange(context, context + r)
         mask = torch.ones(r, r, dtype=torch.bool).tril_()
 
         def step(toks=toks, pos=pos, mask=mask):
             model(toks, pos, cache, mask, "efficient")
             cache.discard()
 
-        per_rows[r] = timed(step, a.repeats)
-    res["forward_s_at_context"] = {str(r): per_rows[r] for r in rows}
-    res["context"] = a.context
+        per_rows[r] = timed(step, repeats)
+    out: dict[str, Any] = {"forward_s_at_context": {str(r): per_rows[r] for r in rows}, "context": context}
     if 1 in per_rows:
-        res["rows_cost_vs_one"] = {str(r): per_rows[r] / per_rows[1] for r in rows}
-    bw = read_bandwidth_gbs()
-    wb = weight_bytes_per_forward(model)
-    res["read_bandwidth_gbs"] = bw
-    res["weight_bytes"] = wb
-    res["floor_s"] = wb / (bw * 1e9)
+        out["rows_cost_vs_one"] = {str(r): per_rows[r] / per_rows[1] for r in rows}
+    return out
 
-    if a.json:
-        print(json.dumps(res, indent=2))
-        return 0
-    out = sys.stdout
-    print(f"model {path} ({a.dtype}), {res['threads']} threads, loaded in {load_s:.1f} s", file=out)
-    print(f"prefill: {res['prefill_tokens_per_s_efficient']:.1f} tok/s efficient, "
-          f"{res['prefill_tokens_per_s_eager']:.1f} tok/s eager ({a.prefill_tokens} tokens)", file=out)
-    print(f"forward over a {a.context}-token cache:", file=out)
-    for r in rows:
-        extra = f"  ({res['rows_cost_vs_one'][str(r)]:.2f}x one row)" if 1 in per_rows else ""
-        print(f"  {r:3d} new tokens: {per_rows[r] * 1e3:7.1f} ms{extra}", file=out)
-    print(f"floor: {wb / 1e9:.2f} GB of weights / {bw:.1f} GB/s read bandwidth = {res['floor_s'] * 1e3:.0f} ms",
-          file=out)
-    return 0
+
+def report(res: dict[str, Any], prefill_tokens: int) -> str:
+    """The measurements as text."""
+    lines = [f"model {res['model']} ({res['dtype']}), {res['threads']} threads, loaded in {res['load_s']:.1f} s",
+             f"prefill: {res['prefill_tokens_per_s_efficient']:.1f} tok/s efficient, "
+             f"{res['prefill_tokens_per_s_eager']:.1f} tok/s eager ({prefill_tokens} tokens)",
+             f"forward over a {res['context']}-token cache:"]
+    vs_one = res.get("rows_cost_vs_one", {})
+    for r, seconds in res["forward_s_at_context"].items():
+        extra = f"  ({vs_one[r]:.2f}x one row)" if vs_one else ""
+        lines.append(f"  {int(r):3d} new tokens: {seconds * 1e3:7.1f} ms{extra}")
+    lines.append(f"floor: {res['weight_bytes'] / 1e9:.2f} GB of weights / {res['read_bandwidth_gbs']:.1f} GB/s read "
+                 f"bandwidth = {res['floor_s'] * 1e3:.0f} ms")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

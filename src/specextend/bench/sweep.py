@@ -20,19 +20,20 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
 from ..errors import UserError
-from ..jsonl import append_jsonl
-from ..models.loader import add_model_arguments, model_options
+from ..jsonl import append_jsonl, read_rows
+from ..options import add_model_arguments, model_options
 from ..settings import Settings, parse_assignments
 from .data import builtin_code_inputs, encode_samples, is_builtin, load_jsonl_inputs, parse_lengths
+from .report import mean
 
 # --max-new-tokens sets every run's length; a --base, --grid or --point value for it would be overridden.
 REFUSED = {"max_new_tokens": "--max-new-tokens"}
@@ -77,9 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def sweep(argv: list[str] | None = None) -> int:
-    from ..api import load
-
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_arguments(ap)
     ap.add_argument("--data", help="a JSONL file (field `text`), or `stdlib` for the built-in code set")
@@ -93,60 +92,74 @@ def sweep(argv: list[str] | None = None) -> int:
     ap.add_argument("--point", action="append", default=[], help="key=v,key2=v2: one more configuration")
     ap.add_argument("--out", help="append one JSON line per run here")
     ap.add_argument("--report", metavar="ROWS", help="only print the table of a run's --out file")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def sweep(argv: list[str] | None = None) -> int:
+    from .. import api
+
+    a = _parser().parse_args(argv)
     if a.report:
         return report(Path(a.report))
     if not a.data:
         raise UserError("--data is required (a JSONL file, or stdlib)")
     if a.samples <= 0 or a.max_new_tokens <= 0 or a.start < 0:
         raise UserError("--samples and --max-new-tokens must be positive, --start not negative")
-
-    base = parse_assignments(a.base, "--base", refused=REFUSED)
-    points = parse_grid(a.grid) + parse_points(a.point) or [{}]
-    # Every configuration is checked before the models load.
-    reference = {"method": "ar"}
-    runs = [(reference, Settings(method="ar", max_new_tokens=a.max_new_tokens).resolved())]
-    runs += [(p, Settings(**{**base, **p, "max_new_tokens": a.max_new_tokens}).resolved()) for p in points]
+    runs = configurations(a.base, a.grid, a.point, a.max_new_tokens)  # every one checked before the models load
     needs_draft = any(s.uses_draft for _, s in runs)
-    pair = load(a.target, a.draft, **model_options(a), load_draft=needs_draft)
-    pair.engine.warmup()
+    pair = api.load(a.target, a.draft, **model_options(a), load_draft=needs_draft)
+    pair.warmup()
     prompts = load_prompts(a.data, a.lengths, a.start + a.samples, pair.tokenizer, not a.no_chat)[a.start:]
-    eng = pair.engine
-    rows = []
+    # One prefill per prompt serves every configuration: the draft's too when any of them drafts.
+    prefill = Settings(method="sd" if needs_draft else "ar", attention="efficient", max_new_tokens=a.max_new_tokens)
     bar = tqdm(total=len(prompts) * (len(runs) + 1), file=sys.stderr, desc="sweep")
+    rows = []
     for i, ids in enumerate(prompts, a.start):
         bar.set_postfix_str(f"prompt {i}: prefill {len(ids)} tokens")
-        state = eng.prefill(ids, Settings(method="sd" if needs_draft else "ar", attention="efficient",
-                                          max_new_tokens=a.max_new_tokens))
+        state = pair.prefill(ids, prefill)
         bar.update()
-        ar = None
-        for point, s in runs:
-            bar.set_postfix_str(f"prompt {i}: {describe(point)}")
-            t = time.perf_counter()
-            r = eng.decode(state, s)
-            wall = time.perf_counter() - t
-            if ar is None:
-                ar = r
-            row = {"sample": i, "prompt_tokens": len(ids), "point": point, "tok_s": r.decode_tokens_per_s,
-                   "tau": r.accepted_per_step, "steps": r.steps, "new_tokens": r.new_tokens, "phases": r.phases,
-                   "wall_s": wall, "speedup": r.decode_tokens_per_s / ar.decode_tokens_per_s,
-                   "matches_ar": r.token_ids == ar.token_ids, "extra": r.extra}
+        for row in decode_all(pair, state, runs, bar, sample=i):
             rows.append(row)
             if a.out:
                 append_jsonl(Path(a.out), row)
-            bar.update()
         del state
     bar.close()
     print(table(rows, [p for p, _ in runs]))
     return 0
 
 
+def configurations(base: list[str], grid: list[str], points: list[str], max_new_tokens: int
+                   ) -> list[tuple[dict[str, Any], Settings]]:
+    """(point, resolved settings) of every run: `ar` first (the reference), then base + each point."""
+    common = parse_assignments(base, "--base", refused=REFUSED)
+    runs = [({"method": "ar"}, Settings(method="ar", max_new_tokens=max_new_tokens).resolved())]
+    for p in parse_grid(grid) + parse_points(points) or [{}]:
+        runs.append((p, Settings(**{**common, **p, "max_new_tokens": max_new_tokens}).resolved()))
+    return runs
+
+
+def decode_all(pair: Any, state: Any, runs: list[tuple[dict[str, Any], Settings]], bar: Any, sample: int
+               ) -> Iterator[dict[str, Any]]:
+    """One row per configuration, each decoded from the same prefilled prompt; `ar` comes first."""
+    ar = None
+    for point, s in runs:
+        bar.set_postfix_str(f"prompt {sample}: {describe(point)}")
+        t = time.perf_counter()
+        r = pair.decode(state, s)
+        wall = time.perf_counter() - t
+        ar = ar or r
+        yield {"sample": sample, "prompt_tokens": r.prompt_tokens, "point": point, "tok_s": r.decode_tokens_per_s,
+               "tau": r.accepted_per_step, "steps": r.steps, "new_tokens": r.new_tokens, "phases": r.phases,
+               "wall_s": wall, "speedup": r.decode_tokens_per_s / ar.decode_tokens_per_s,
+               "matches_ar": r.token_ids == ar.token_ids, "extra": r.extra}
+        bar.update()
+
+
 def report(path: Path) -> int:
     """The table of a finished (or resumed) run's rows, configurations in first-seen order."""
-    try:
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot read sweep rows from {path}: {e}") from None
+    if not path.is_file():
+        raise UserError(f"cannot read sweep rows from {path}: no such file")
+    rows = read_rows(path)
     points: list[dict[str, Any]] = []
     for r in rows:
         if r["point"] not in points:
@@ -177,7 +190,7 @@ def table(rows: list[dict[str, Any]], points: list[dict[str, Any]]) -> str:
 
 def _mean(rows: list[dict[str, Any]], key: str) -> float:
     """Mean of a row field, or of a phase's seconds (phases a method lacks count as 0)."""
-    return sum(r[key] if key in r else r["phases"].get(key, 0.0) for r in rows) / len(rows)
+    return mean([r[key] if key in r else r["phases"].get(key, 0.0) for r in rows]) or 0.0
 
 
 if __name__ == "__main__":

@@ -1,6 +1,11 @@
 """Load a model folder into `specextend.model`: a Hugging Face checkpoint (config.json +
 safetensors) or our converted GGUF folder (`qstore`: kept quantization grids).
 
+Loading is two steps: `resolve_model` reads the folder's config.json (once) and settles the
+dtype and the concrete weight scheme into a `ResolvedModel`; `build_model` reads the weights
+and builds the `Transformer` from that description, reading no config again. `load_model` does
+both for one folder (tests, tools); a pair is resolved by `models.resolve`.
+
 Hugging Face names map onto our fused layout here: q/k/v projections become one `qkv`
 matrix and gate/up one `gate_up` matrix, so a decode step makes 4 matrix calls per layer
 instead of 7. The weight scheme (`--weights`) decides each projection's form: the GGUF's own
@@ -10,10 +15,10 @@ float dtype for PyTorch's kernels.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +29,7 @@ from .. import quant
 from ..errors import UserError
 from ..model import Embedding, Linear, ModelConfig, Transformer, rope_inv_freq
 from ..quant import QWeight
-from .qstore import DerivedWeights
+from .qstore import DerivedWeights, QuantizedFile, is_quantized_file
 
 DTYPES = {
     "float32": torch.float32,
@@ -38,12 +43,6 @@ DTYPES = {
 # activations; float ones run the whole model in that dtype.
 QUANTIZED_WEIGHTS = ("gguf", "int8", "int4")
 WEIGHTS = ("auto", *QUANTIZED_WEIGHTS, "float32", "bfloat16", "float16", "float64")
-WEIGHTS_HELP = (
-    "weight storage and kernels: auto (default: on a CPU with AVX512-VNNI and --dtype float32, a GGUF "
-    "target keeps its own quantization grids, a float target is quantized to int8 and a draft to int4; "
-    "else --dtype), "
-    "gguf (the GGUF file's grids: Q4_K, Q6_K, Q5_0, Q8_0), int8, int4, or float32|bfloat16|float16|float64"
-)
 
 
 def check_weights(weights: str) -> str:
@@ -64,8 +63,8 @@ def resolve_weights(weights: str, dtype: torch.dtype, device: torch.device | str
     """The concrete weight scheme for `weights` (see WEIGHTS); UserError for a combination that cannot run.
 
     A draft only proposes (the target decides every token), so its automatic choice is 4-bit
-    weights, the fewest bytes a step: on the default pair that cut a draft forward by 27% and
-    made sd 12% faster at 2K, though acceptance fell a little (see README)."""
+    weights, the fewest bytes a step: a faster draft forward for a little less acceptance
+    (README, "Measured choices")."""
     check_weights(weights)
     device = torch.device(device)
     if weights == "auto":
@@ -99,41 +98,15 @@ def parse_device(name: str) -> torch.device:
     raise UserError(f"unknown device {name!r}; choose cpu or cuda")
 
 
-DRAFT_DTYPE_HELP = ("the draft's dtype (default: float32 with quantized draft weights; else bfloat16 on a CPU "
-                    "with native bf16 if --dtype is float32; else --dtype)")
-
-
-def model_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The keyword arguments of `api.load`/`api.prepare` from `add_model_arguments`'s flags."""
-    return {"dtype": args.dtype, "device": args.device, "draft_dtype": args.draft_dtype,
-            "weights": args.weights, "draft_weights": args.draft_weights}
-
-
-def add_model_arguments(p: argparse.ArgumentParser, draft_note: str = "", draft: bool = True) -> None:
-    """The `models` option group every command that loads models shares (generate, bench, needle,
-    demo, the sweep; the runtime benchmark, which times the target alone, with `draft=False`)."""
-    g = p.add_argument_group("models")
-    g.add_argument("--target", help="target model: folder, .gguf file, known name (default: the default pair)")
-    if draft:
-        g.add_argument("--draft", help=f"draft model, same forms as --target{draft_note}")
-    g.add_argument("--dtype", default="float32", help="float32|float64|bfloat16|float16 (default: float32)")
-    if draft:
-        g.add_argument("--draft-dtype", default=None, help=DRAFT_DTYPE_HELP)
-    g.add_argument("--device", default="cpu", help="cpu|cuda[:N] (default: cpu)")
-    g.add_argument("--weights", default="auto", help=WEIGHTS_HELP)
-    if draft:
-        g.add_argument("--draft-weights", default="auto", help="the draft's --weights (default: auto)")
-
-
 def default_draft_dtype(dtype: str, device: str, weights: str = "auto") -> str:
     """The draft's precision when none is asked for.
 
     The draft only proposes; the target decides every token, so the draft's precision can
     never change the output, only how often its guesses are accepted. Quantized weights compute
     in float32. Otherwise a decode step is bound by reading weights, so on a CPU with native
-    bfloat16 dot products (AVX512-BF16/AMX) a bfloat16 draft runs about 1.7x faster than float32
-    with the same acceptance (measured on the default pair). float64 (exactness tests) and GPUs
-    keep the target's.
+    bfloat16 dot products (AVX512-BF16/AMX) a bfloat16 draft runs faster than float32 with the
+    same acceptance (README, "Measured choices"). float64 (exactness tests) and GPUs keep the
+    target's.
     """
     if weights in QUANTIZED_WEIGHTS or (weights == "auto" and dtype == "float32" and device == "cpu"
                                         and fast_kernels()):
@@ -212,79 +185,129 @@ class _Tensors:
         return None  # a Hugging Face checkpoint holds float tensors only
 
 
+def holds_quantized_file(folder: Path) -> bool:
+    """Whether the folder's weights are our quantized file (a converted GGUF), not a Hugging Face checkpoint."""
+    single = folder / "model.safetensors"
+    return single.is_file() and is_quantized_file(single)
+
+
 def open_tensors(folder: Path) -> Any:
     """The folder's weights: our quantized file (a converted GGUF) or a Hugging Face checkpoint."""
-    from .qstore import QuantizedFile, is_quantized_file
-
-    single = folder / "model.safetensors"
-    if single.is_file() and is_quantized_file(single):
-        return QuantizedFile(single)
+    if holds_quantized_file(folder):
+        return QuantizedFile(folder / "model.safetensors")
     return _Tensors(_weight_files(folder))
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """One model as it will be loaded: its folder, its config (config.json, read once), the dtype of
+    activations and KV cache, the concrete weight scheme (never "auto") and the end-of-sequence ids
+    its files name."""
+
+    path: Path
+    config: ModelConfig
+    dtype: str  # a DTYPES name
+    weights: str  # a WEIGHTS name other than "auto"
+    eos_ids: tuple[int, ...]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+def resolve_model(folder: Path, dtype: str = "float32", device: torch.device | str = "cpu", weights: str = "auto",
+                  draft: bool = False) -> ResolvedModel:
+    """Read `folder`'s config and settle its weight scheme (see `resolve_weights`); no weights are read."""
+    hf_config = read_config(folder)
+    scheme = resolve_weights(weights, parse_dtype(dtype), device, holds_quantized_file(folder), draft)
+    return ResolvedModel(folder, ModelConfig.from_hf(hf_config), dtype, scheme, _eos_ids(folder, hf_config))
 
 
 def load_model(folder: Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                pack: bool = True, weights: str = "auto", draft: bool = False) -> Transformer:
-    """Build a `Transformer` from a model folder with the weight scheme `weights` (see WEIGHTS).
+    """Resolve and build one model folder with the weight scheme `weights` (see WEIGHTS)."""
+    name = next(n for n, d in DTYPES.items() if d == dtype)
+    return build_model(resolve_model(folder, name, device, weights, draft), device, pack)
 
-    Quantized schemes keep activations and the KV cache in `dtype` (float32); float schemes run
+
+def build_model(m: ResolvedModel, device: torch.device | str = "cpu", pack: bool = True) -> Transformer:
+    """Build a `Transformer` from a resolved model, reading its weights (and nothing else).
+
+    Quantized schemes keep activations and the KV cache in `m.dtype` (float32); float schemes run
     the whole model in their dtype. `pack` prepares the fast CPU kernels of float weights.
     """
-    cfg = ModelConfig.from_hf(read_config(folder))
-    ts = open_tensors(folder)
-    scheme = resolve_weights(weights, dtype, device, ts.quantized, draft)
-    act = dtype if scheme in QUANTIZED_WEIGHTS else DTYPES[scheme]
-    derived = DerivedWeights(derived_path(folder, scheme)) if scheme in QUANTIZED_WEIGHTS else None
+    ts = open_tensors(m.path)
+    quantized = m.weights in QUANTIZED_WEIGHTS
+    act = m.torch_dtype if quantized else DTYPES[m.weights]
+    derived = DerivedWeights(derived_path(m.path, m.weights)) if quantized else None
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Transformer(m.config)
+    _fill(model, _Weights(ts, act, device, derived, m.weights))
+    if derived is not None:
+        derived.save()
+    model.inv_freq = rope_inv_freq(m.config).to(device)
+    model.weights = m.weights
+    model.rowwise_attention = quantized
+    model.eval()
+    if pack:
+        model.pack()
+    return model
 
-    def param(t: torch.Tensor) -> torch.nn.Parameter:
-        return torch.nn.Parameter(t.to(device), requires_grad=False)
 
-    def project(mod: Linear | Embedding, names: list[str], rows: int | None, width: int) -> None:
+class _Weights:
+    """Where a model's parameters come from: the checkpoint's tensors in the activation dtype, or
+    quantized where the scheme asks and the shape allows (computed ones through `derived`)."""
+
+    def __init__(self, ts: Any, act: torch.dtype, device: torch.device | str, derived: DerivedWeights | None,
+                 scheme: str) -> None:
+        self.ts, self.act, self.device, self.derived, self.scheme = ts, act, device, derived, scheme
+
+    def param(self, name: str) -> torch.nn.Parameter:
+        return self.wrap(self.ts.get(name, self.act))
+
+    def wrap(self, t: torch.Tensor) -> torch.nn.Parameter:
+        return torch.nn.Parameter(t.to(self.device), requires_grad=False)
+
+    def project(self, mod: Linear | Embedding, names: list[str], rows: int | None, width: int) -> None:
         """Give one projection (or the embedding) its weights: quantized where the scheme asks
         and the shape allows, else float; `rows` None means any number of output rows."""
-        q = _quantized(ts, names, scheme, derived) if derived is not None else None
+        q = _quantized(self.ts, names, self.scheme, self.derived) if self.derived is not None else None
         if q is not None:
             _check_shape((q.n, q.k), (rows or q.n, width), names[0])
             mod.quantize(q)
             return
-        w = torch.cat([ts.get(n, act) for n in names])
+        w = torch.cat([self.ts.get(n, self.act) for n in names])
         _check_shape(tuple(w.shape), (rows or w.shape[0], width), names[0])
-        mod.weight = param(w)
+        mod.weight = self.wrap(w)
 
+
+def _fill(model: Transformer, w: _Weights) -> None:
+    """Every parameter of `model` (built on the meta device) from the checkpoint's Hugging Face names."""
+    cfg = model.cfg
     h = cfg.hidden_size
-    project(model.embed, ["model.embed_tokens.weight"], cfg.vocab_size, h)
+    w.project(model.embed, ["model.embed_tokens.weight"], cfg.vocab_size, h)
     for i, blk in enumerate(model.layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        project(blk.qkv, [a + f"{n}_proj.weight" for n in "qkv"], None, h)
+        w.project(blk.qkv, [a + f"{n}_proj.weight" for n in "qkv"], None, h)
         if blk.qkv.bias is not None:
-            blk.qkv.bias = param(torch.cat([ts.get(a + f"{n}_proj.bias", act) for n in "qkv"]))
-        project(blk.o, [a + "o_proj.weight"], h, cfg.num_heads * cfg.head_dim)
-        project(blk.gate_up, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], 2 * cfg.intermediate_size, h)
-        project(blk.down, [p + "mlp.down_proj.weight"], h, cfg.intermediate_size)
-        blk.attn_norm.weight = param(ts.get(p + "input_layernorm.weight", act))
-        blk.mlp_norm.weight = param(ts.get(p + "post_attention_layernorm.weight", act))
+            blk.qkv.bias = w.wrap(torch.cat([w.ts.get(a + f"{n}_proj.bias", w.act) for n in "qkv"]))
+        w.project(blk.o, [a + "o_proj.weight"], h, cfg.num_heads * cfg.head_dim)
+        w.project(blk.gate_up, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], 2 * cfg.intermediate_size, h)
+        w.project(blk.down, [p + "mlp.down_proj.weight"], h, cfg.intermediate_size)
+        blk.attn_norm.weight = w.param(p + "input_layernorm.weight")
+        blk.mlp_norm.weight = w.param(p + "post_attention_layernorm.weight")
         if blk.q_norm is not None:
-            blk.q_norm.weight = param(ts.get(a + "q_norm.weight", act))
-            blk.k_norm.weight = param(ts.get(a + "k_norm.weight", act))
-    model.norm.weight = param(ts.get("model.norm.weight", act))
-    if cfg.tie_word_embeddings or not ts.has("lm_head.weight"):
+            blk.q_norm.weight = w.param(a + "q_norm.weight")
+            blk.k_norm.weight = w.param(a + "k_norm.weight")
+    model.norm.weight = w.param("model.norm.weight")
+    if cfg.tie_word_embeddings or not w.ts.has("lm_head.weight"):
         if model.embed.qweight is not None:
             model.lm_head.quantize(model.embed.qweight)
         else:
             model.lm_head.weight = model.embed.weight
     else:
-        project(model.lm_head, ["lm_head.weight"], cfg.vocab_size, h)
-    if derived is not None:
-        derived.save()
-    model.inv_freq = rope_inv_freq(cfg).to(device)
-    model.weights = scheme
-    model.rowwise_attention = scheme in QUANTIZED_WEIGHTS
-    model.eval()
-    if pack:
-        model.pack()
-    return model
+        w.project(model.lm_head, ["lm_head.weight"], cfg.vocab_size, h)
 
 
 def _quantized(ts: Any, names: list[str], scheme: str, derived: DerivedWeights) -> QWeight | None:
@@ -341,8 +364,8 @@ def load_tokenizer(folder: Path) -> Any:
         raise UserError(f"cannot load the tokenizer in {folder}: {e}") from None
 
 
-def eos_token_ids(folder: Path, tokenizer: Any = None) -> list[int]:
-    """Every end-of-sequence id: the generation config's list, the config's, the tokenizer's."""
+def _eos_ids(folder: Path, hf_config: dict[str, Any]) -> tuple[int, ...]:
+    """Every end-of-sequence id the model's files name: the generation config's, then the config's."""
     ids: list[int] = []
 
     def add(x: Any) -> None:
@@ -355,7 +378,5 @@ def eos_token_ids(folder: Path, tokenizer: Any = None) -> list[int]:
     if gen.is_file():
         with contextlib.suppress(json.JSONDecodeError):
             add(json.loads(gen.read_text()).get("eos_token_id"))
-    add(read_config(folder).get("eos_token_id"))
-    if tokenizer is not None:
-        add(getattr(tokenizer, "eos_token_id", None))
-    return sorted(set(ids))
+    add(hf_config.get("eos_token_id"))
+    return tuple(sorted(set(ids)))

@@ -7,11 +7,10 @@ import contextlib
 import logging
 import socket
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 from ..errors import UserError
-from ..models.loader import add_model_arguments, model_options
+from ..options import add_model_arguments, add_settings_arguments, model_options, settings_from_args
 
 DEFAULT_MAX_QUEUE = 16
 CACHE_SHARE = 0.4  # of the memory still available once the models are loaded
@@ -19,8 +18,6 @@ MIN_DEFAULT_CACHE_MB = 256
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..cli import add_settings_arguments
-
     add_model_arguments(p)
     add_settings_arguments(p, labels=False)
     g = p.add_argument_group("server")
@@ -85,9 +82,7 @@ def _check(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from ..api import prepare
-    from ..cli import settings_from_args
-    from ..models.loader import load_tokenizer
+    from .. import api
     from .app import Server
 
     logging.basicConfig(stream=sys.stderr, format="specextend: %(message)s",
@@ -96,8 +91,8 @@ def run(args: argparse.Namespace) -> int:
     defaults = settings_from_args(args)
     _check(args)
     sock = listen(args.host, args.port)  # before the slow part: a taken port fails at once
-    prepared = prepare(args.target, args.draft, **model_options(args), progress=not args.quiet)
-    encoder = replace(prepared, tokenizer=load_tokenizer(prepared.target_path))
+    prepared = api.prepare(args.target, args.draft, **model_options(args), progress=not args.quiet)
+    encoder = prepared.with_own_tokenizer()
     pair = prepared.load()
     cache_mb = default_cache_mb() if args.cache_mb is None else args.cache_mb
     if cache_mb > 0 or args.cache_dir is not None:

@@ -1,6 +1,8 @@
-"""One request's generation, run on the worker thread: prefill from the prefix cache, decode with
-the request's settings, stream text pieces back to the event loop as tokens are accepted, stop at
-a stop string or when the client has gone, then offer the prompt's KV to the prefix cache.
+"""One request's generation, run on the worker thread, through the pair's public steps:
+`Pair.prefill` (from the prefix cache), `Pair.decode` with the request's settings, streaming text
+pieces back to the event loop as tokens are accepted and stopping at a stop string or when the
+client has gone, then `Pair.remember` (the prompt's KV into the prefix cache) once the answer is
+out, so storing it delays only the next request.
 
 The worker and the event loop talk only through the job: the worker posts events onto the
 job's asyncio queue (thread-safely), the loop sets `cancel`, which the worker reads at every
@@ -68,7 +70,7 @@ def run_job(pair: Pair, job: Job) -> None:
             sent.append(safe)
             job.post("text", safe)
 
-    detok = Detokenizer(pair.decode, send)
+    detok = Detokenizer(pair.detokenize, send)
 
     def on_tokens(new_ids: list[int]) -> bool:
         if job.cancel.is_set():
@@ -77,22 +79,21 @@ def run_job(pair: Pair, job: Job) -> None:
         return stops.hit
 
     state = pair.prefill(job.ids, s)
-    gen = pair.engine.decode(state, s, on_tokens)
-    result = pair.result(gen)
+    result = pair.decode(state, s, on_tokens=on_tokens)
     if not stops.hit:
         detok.finish(result.text)
         tail = stops.flush()
         if tail:
             sent.append(tail)
             job.post("text", tail)
-    cancelled = job.cancel.is_set() and gen.stop_reason == "stopped" and not stops.hit
+    cancelled = job.cancel.is_set() and result.stop_reason == "stopped" and not stops.hit
     if cancelled:
         job.post("cancelled")
     else:
-        finish = "length" if gen.stop_reason == "length" and not stops.hit else "stop"
+        finish = "length" if result.stop_reason == "length" and not stops.hit else "stop"
         job.post("done", Outcome("".join(sent), finish, result, queue_s))
     log.info("%d prompt tokens (%d cached, prefill %.2f s) + %d new (%s, %.2f tok/s, tau %.2f)%s",
              result.prompt_tokens, result.cached_prompt_tokens, result.prefill_s, result.new_tokens, result.method,
              result.decode_tokens_per_s, result.accepted_per_step, ", client gone" if cancelled else "")
     # After the answer is out: storing the prompt's KV (and writing its file) delays only the next request.
-    pair.remember(state, s)
+    pair.remember(state)

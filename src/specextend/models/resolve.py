@@ -1,0 +1,119 @@
+"""A model pair, resolved once: what a command's or an API call's model arguments mean, worked
+out before any weights are read.
+
+`LoadOptions` holds the precision, device and weight-scheme choices, checked as given (a bad
+name fails here, before any model is fetched). `resolve_pair` turns two references (None for the
+default pair, a folder, a .gguf file, a known short name, a hub id) and the options into a
+`ResolvedPair`: each model's folder, config, dtype and concrete weight scheme
+(`loader.ResolvedModel`), the target's tokenizer and every end-of-sequence id. Each config.json
+is read here, once; `loader.build_model` then reads only weights. The API (`api.prepare`) and
+through it every command build their pair this way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ..errors import UserError
+from .loader import (
+    ResolvedModel,
+    check_weights,
+    default_draft_dtype,
+    load_tokenizer,
+    parse_device,
+    parse_dtype,
+    resolve_model,
+)
+from .registry import resolve_model_ref
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How to load a pair: dtype and device, the draft's dtype (None: `default_draft_dtype`), and
+    each model's weight scheme (`loader.WEIGHTS`). Checked when made; UserError on a bad name."""
+
+    dtype: str = "float32"
+    device: str = "cpu"
+    draft_dtype: str | None = None
+    weights: str = "auto"
+    draft_weights: str = "auto"
+
+    def __post_init__(self) -> None:
+        parse_dtype(self.dtype)
+        if self.draft_dtype is not None:
+            parse_dtype(self.draft_dtype)
+        parse_device(self.device)
+        check_weights(self.weights)
+        check_weights(self.draft_weights)
+
+
+@dataclass(frozen=True)
+class ResolvedPair:
+    """A target (and optional draft) ready to be loaded, with the target's tokenizer."""
+
+    target: ResolvedModel
+    draft: ResolvedModel | None
+    device: str
+    tokenizer: Any
+    eos_ids: tuple[int, ...]  # the target's files' and its tokenizer's
+
+    def with_own_tokenizer(self) -> ResolvedPair:
+        """The same pair with a tokenizer of its own (a tokenizer is not safe to share across threads)."""
+        return replace(self, tokenizer=load_tokenizer(self.target.path))
+
+
+def resolve_pair(target: str | Path | None, draft: str | Path | None, options: LoadOptions, *,
+                 load_draft: bool = True, progress: bool = True) -> ResolvedPair:
+    """Resolve (and on first use pull or convert) both references, read their configs and the
+    target's tokenizer, and check that the two fit together. Without `load_draft`, no draft."""
+    target_path = resolve_model_ref(_ref(target), "target", progress=progress)
+    draft_path = resolve_model_ref(_ref(draft), "draft", progress=progress) if load_draft else None
+    t = resolve_model(target_path, options.dtype, options.device, options.weights)
+    d = None
+    if draft_path is not None:
+        draft_dtype = options.draft_dtype or default_draft_dtype(options.dtype, options.device, options.draft_weights)
+        d = resolve_model(draft_path, draft_dtype, options.device, options.draft_weights, draft=True)
+    tokenizer = load_tokenizer(target_path)
+    if d is not None:
+        check_same_vocabulary(tokenizer, d.path, t.config.vocab_size, d.config.vocab_size)
+    eos = set(t.eos_ids)
+    if isinstance(getattr(tokenizer, "eos_token_id", None), int):
+        eos.add(tokenizer.eos_token_id)
+    return ResolvedPair(t, d, options.device, tokenizer, tuple(sorted(eos)))
+
+
+def _ref(ref: str | Path | None) -> str | None:
+    return None if ref is None else str(ref)
+
+
+def check_same_vocabulary(target_tok: Any, draft_path: Path, target_vocab: int, draft_vocab: int) -> None:
+    """Refuse a draft that speaks another vocabulary: its proposals would be other tokens.
+
+    The embedding sizes must agree (draft and target logits are compared index by index), and
+    when the draft folder has its own tokenizer, every token string must agree too.
+    """
+    if target_vocab != draft_vocab:
+        raise UserError(
+            f"draft and target tokenizers differ: the target's vocabulary has {target_vocab} entries, "
+            f"the draft's {draft_vocab}"
+        )
+    if not ((draft_path / "tokenizer.json").is_file() or (draft_path / "tokenizer.model").is_file()):
+        return  # nothing to compare against; the sizes agree
+    draft_tok = load_tokenizer(draft_path)
+    if len(target_tok) != len(draft_tok):
+        raise UserError(
+            f"draft and target tokenizers differ: {len(target_tok)} tokens in the target's, "
+            f"{len(draft_tok)} in the draft's"
+        )
+    t_vocab, d_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
+    if t_vocab != d_vocab:
+        d_by_id = {i: t for t, i in d_vocab.items()}
+        for tok, i in sorted(t_vocab.items(), key=lambda kv: kv[1]):
+            if d_by_id.get(i) != tok:
+                raise UserError(
+                    f"draft and target tokenizers differ: token {i} is {tok!r} in the target's, "
+                    f"{d_by_id.get(i)!r} in the draft's"
+                )
+        raise UserError("draft and target tokenizers differ")
