@@ -76,10 +76,10 @@ def build_parser(command: str | None = None) -> _Parser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    gen = sub.add_parser("generate", help="generate text after a prompt",
-                         description="Generate after a prompt with ar, sd or specextend decoding.")
-    add_generate_arguments(gen)
-    gen.set_defaults(func=cmd_generate)
+    generate = sub.add_parser("generate", help="generate text after a prompt",
+                              description="Generate after a prompt with ar, sd or specextend decoding.")
+    add_generate_arguments(generate)
+    generate.set_defaults(func=cmd_generate)
 
     models = sub.add_parser("models", help="list or pull the known models")
     msub = models.add_subparsers(dest="models_command", metavar="ACTION", required=True)

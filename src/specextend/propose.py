@@ -34,8 +34,8 @@ from .verify import Verdict
 
 class Proposer:
     def __init__(self, s: Settings, policy: DraftPolicy | None, builder: TreeBuilder | None,
-                 index: ContextIndex | None, costs: CostModel | None, gen: torch.Generator) -> None:
-        self.s, self.policy, self.builder, self.index, self.gen = s, policy, builder, index, gen
+                 index: ContextIndex | None, costs: CostModel | None, rng: torch.Generator) -> None:
+        self.s, self.policy, self.builder, self.index, self.rng = s, policy, builder, index, rng
         self.costs = costs
         self.sizer = Sizer(costs, s, has_draft=policy is not None) if costs is not None else None
         self.backlog: list[int] = []  # committed tokens the draft has not been fed yet
@@ -112,7 +112,7 @@ class Proposer:
             self._forward(int(tokens.shape[0]), self.policy.working.length)
             return self.policy.run_tree(tokens, depths, mask)
 
-        self.builder.grow(pool, root_q, run, self.s.greedy, self.s.temperature, self.gen, keep_going)
+        self.builder.grow(pool, root_q, run, self.s.greedy, self.s.temperature, self.rng, keep_going)
 
     def _forward(self, rows: int, context: int) -> None:
         self.counts["draft_forwards"] += 1

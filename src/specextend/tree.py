@@ -162,7 +162,7 @@ def draft_dist(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def pick_children(
-    q: torch.Tensor, k: int, greedy: bool, gen: torch.Generator | None
+    q: torch.Tensor, k: int, greedy: bool, rng: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """k candidate tokens from q, and the scores the tree shape may use for them.
 
@@ -175,7 +175,7 @@ def pick_children(
     probs, top = torch.topk(q, min(k, int((q > 0).sum())))
     if greedy:
         return top, probs
-    u = torch.rand(q.shape, generator=gen, dtype=torch.float64).clamp_(1e-300, 1.0)
+    u = torch.rand(q.shape, generator=rng, dtype=torch.float64).clamp_(1e-300, 1.0)
     keys = torch.log(q) - torch.log(-torch.log(u))
     return torch.topk(keys, probs.numel()).indices, probs
 
@@ -189,7 +189,7 @@ class TreeBuilder:
     """Interface: grow draft candidates below a root whose draft distribution is `root_q`."""
 
     def grow(self, pool: Pool, root_q: torch.Tensor, run: DraftRunner, greedy: bool, temperature: float,
-             gen: torch.Generator | None, keep_going: KeepGoing | None = None) -> None:
+             rng: torch.Generator | None, keep_going: KeepGoing | None = None) -> None:
         """Add the draft's candidates to `pool`, one draft forward per level after the first."""
         raise NotImplementedError
 
@@ -198,10 +198,10 @@ class TreeBuilder:
         raise NotImplementedError
 
     def build(self, root: int, root_q: torch.Tensor, run: DraftRunner, greedy: bool, temperature: float,
-              gen: torch.Generator | None) -> DraftTree:
+              rng: torch.Generator | None) -> DraftTree:
         """Grow the whole tree and keep `select`'s nodes: the fixed-size tree of `sd`."""
         pool = Pool()
-        self.grow(pool, root_q, run, greedy, temperature, gen)
+        self.grow(pool, root_q, run, greedy, temperature, rng)
         return assemble(root, pool, self.select(pool))
 
 
@@ -221,10 +221,10 @@ class DynamicTreeBuilder(TreeBuilder):
     def __init__(self, budget: int, depth: int, topk: int, threshold: float = 0.0) -> None:
         self.budget, self.depth, self.topk, self.threshold = budget, depth, topk, threshold
 
-    def grow(self, pool, root_q, run, greedy, temperature, gen, keep_going=None) -> None:
+    def grow(self, pool, root_q, run, greedy, temperature, rng, keep_going=None) -> None:
         def add_children(node: int, q: torch.Tensor) -> list[int]:
             pool.dists[node] = q
-            c_tok, c_p = pick_children(q, self.topk, greedy, gen)
+            c_tok, c_p = pick_children(q, self.topk, greedy, rng)
             base = pool.score[node] if node >= 0 else 1.0
             return [pool.add(t, node, DRAFT, score=base * p) for t, p in zip(c_tok.tolist(), c_p.tolist(), strict=True)]
 

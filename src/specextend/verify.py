@@ -58,8 +58,8 @@ def target_dist(logits: torch.Tensor, temperature: float, top_p: float) -> torch
     return probs
 
 
-def sample(p: torch.Tensor, gen: torch.Generator | None) -> int:
-    return int(torch.multinomial(p.float() if p.dtype == torch.bfloat16 else p, 1, generator=gen))
+def sample(p: torch.Tensor, rng: torch.Generator | None) -> int:
+    return int(torch.multinomial(p.float() if p.dtype == torch.bfloat16 else p, 1, generator=rng))
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -91,7 +91,7 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
 
 
 def verify_sampling(
-    tree: DraftTree, logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None
+    tree: DraftTree, logits: torch.Tensor, temperature: float, top_p: float, rng: torch.Generator | None
 ) -> Verdict:
     tokens = tree.tokens.tolist()
     node, path = 0, [0]
@@ -101,7 +101,7 @@ def verify_sampling(
         accepted = None
         for c in tree.fixed[node]:  # point-mass proposals first
             x = tokens[c]
-            if float(torch.rand((), generator=gen, dtype=torch.float64)) < float(p[x]):
+            if float(torch.rand((), generator=rng, dtype=torch.float64)) < float(p[x]):
                 accepted = c
                 break
             p = without(p, x)
@@ -109,7 +109,7 @@ def verify_sampling(
             q = tree.q[node].clone()
             for c in kids:
                 x = tokens[c]
-                u = float(torch.rand((), generator=gen, dtype=torch.float64))
+                u = float(torch.rand((), generator=rng, dtype=torch.float64))
                 if q[x] > 0 and u * float(q[x]) < float(p[x]):  # u < p/q without dividing
                     accepted = c
                     break
@@ -120,6 +120,6 @@ def verify_sampling(
                     break
                 q /= qs
         if accepted is None:
-            return Verdict(path, sample(p, gen))
+            return Verdict(path, sample(p, rng))
         node = accepted
         path.append(node)

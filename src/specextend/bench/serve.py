@@ -134,13 +134,13 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
                "--method", spec["method"], "--max-new-tokens", str(run["max_tokens"]),
                *shlex.split(args.generate_args)]
         out = subprocess.run(cmd, input=f"{doc}\n\n{run['question']}", capture_output=True, text=True, check=True)
-        gen = json.loads(out.stdout)
+        generated = json.loads(out.stdout)
         row = {"question": run["question"], "method": spec["method"],
                "cached_prompt_tokens": spec["cached_prompt_tokens"],
-               "server_tokens": run["usage"]["completion_tokens"], "generate_tokens": gen["new_tokens"],
-               "same_text": gen["text"] == run["text"], "same_count": gen["new_tokens"] ==
+               "server_tokens": run["usage"]["completion_tokens"], "generate_tokens": generated["new_tokens"],
+               "same_text": generated["text"] == run["text"], "same_count": generated["new_tokens"] ==
                run["usage"]["completion_tokens"], "prompt_tokens": [run["usage"]["prompt_tokens"],
-                                                                     gen["prompt_tokens"]]}
+                                                                     generated["prompt_tokens"]]}
         rows.append(row)
         print(json.dumps(row), flush=True)
     return {"rows": rows, "all_equal": all(r["same_text"] and r["same_count"] for r in rows)}

@@ -447,12 +447,12 @@ def write_tokenizer(gguf_path: Path, out: Path, chat_template: str | None) -> No
 
 def generation_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
     """A `generation_config.json` dict: greedy by default, stopping on every EOS id we know."""
-    gen: dict[str, Any] = {"eos_token_id": eos_token_ids(reader, gguf_architecture(reader))}
+    gen_config: dict[str, Any] = {"eos_token_id": eos_token_ids(reader, gguf_architecture(reader))}
     for key in ("bos_token_id", "pad_token_id"):
         if key in config:
-            gen[key] = config[key]
-    gen["do_sample"] = False
-    return gen
+            gen_config[key] = config[key]
+    gen_config["do_sample"] = False
+    return gen_config
 
 
 # --------------------------------------------------------------------------- folder

@@ -374,9 +374,9 @@ def _eos_ids(folder: Path, hf_config: dict[str, Any]) -> tuple[int, ...]:
         elif isinstance(x, list):
             ids.extend(i for i in x if isinstance(i, int))
 
-    gen = folder / "generation_config.json"
-    if gen.is_file():
+    gen_config = folder / "generation_config.json"
+    if gen_config.is_file():
         with contextlib.suppress(json.JSONDecodeError):
-            add(json.loads(gen.read_text()).get("eos_token_id"))
+            add(json.loads(gen_config.read_text()).get("eos_token_id"))
     add(hf_config.get("eos_token_id"))
     return tuple(sorted(set(ids)))
