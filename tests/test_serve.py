@@ -353,3 +353,34 @@ def test_the_serve_command_refuses_bad_flags_in_one_line(args, tmp_path):
     r = subprocess.run([sys.executable, "-m", "specextend.cli", "serve", *args], env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+# --------------------------------------------------------------------------- the load measurement
+
+
+def test_the_load_measurement_counts_every_outcome():
+    """bench/serve.py's load run against a fake client: short requests, abandoned streams, errors."""
+    from types import SimpleNamespace
+
+    from specextend.bench import serve as measure
+
+    class Stream:
+        def __iter__(self):
+            return iter([SimpleNamespace(choices=[SimpleNamespace(delta=SimpleNamespace(content="x"))])] * 3)
+
+        def close(self):
+            pass
+
+    def fake_create(messages, stream=False, **kw):
+        if "Request 3:" in messages[0]["content"]:
+            raise RuntimeError("the server fell over")
+        if stream:
+            return Stream()
+        return SimpleNamespace(choices=[SimpleNamespace(message=SimpleNamespace(content="ok"))])
+
+    client = SimpleNamespace(chat=SimpleNamespace(completions=SimpleNamespace(create=fake_create)))
+    outcomes = measure._Outcomes()
+    args = SimpleNamespace(requests=8, abandoned=2, clients=3, max_tokens=4)
+    measure._send_all(client, args, outcomes)
+    assert dict(outcomes.counts) == {"ok": 7, "error": 1, "abandoned": 2}
+    assert outcomes.errors == ["RuntimeError: the server fell over"]

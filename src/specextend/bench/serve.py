@@ -172,86 +172,111 @@ def memory(samples: list[tuple[float, float]], cache: dict[str, Any]) -> dict[st
             "growth_last_third": max(last) - last[0], "growth_within_cap": growth <= cap_mb}
 
 
-def load(args: argparse.Namespace) -> dict[str, Any]:
-    import openai
+class _Outcomes:
+    """Every request's outcome by kind ("ok", "empty", "abandoned", "429", "error"), counted from
+    the clients' threads, and the first errors' messages."""
 
-    client = _client(args.url, timeout=600)
-    outcomes: Counter[str] = Counter()
-    errors: list[str] = []
-    lock = threading.Lock()
-    rss: list[tuple[float, float]] = []
-    stop = threading.Event()
-    t_start = time.perf_counter()
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self.errors: list[str] = []
+        self.lock = threading.Lock()
 
-    def sample() -> None:
-        while not stop.is_set():
-            v = _rss_mb(args.pid) if args.pid else None
+    def note(self, kind: str, detail: str | None = None) -> None:
+        with self.lock:
+            self.counts[kind] += 1
+            if detail and len(self.errors) < 20:
+                self.errors.append(detail)
+
+    def run(self, request: Any) -> None:
+        """Make one request (a function returning its outcome's kind) and count how it ended."""
+        import openai
+
+        try:
+            self.note(request())
+        except openai.RateLimitError:
+            self.note("429")
+        except Exception as e:
+            self.note("error", f"{type(e).__name__}: {e}")
+
+
+class _RSSSampler:
+    """The server's resident memory once a second, on a thread, while the block runs."""
+
+    def __init__(self, pid: int | None) -> None:
+        self.pid, self.samples = pid, []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            v = _rss_mb(self.pid) if self.pid else None
             if v is not None:
-                rss.append((time.perf_counter() - t_start, v))
-            stop.wait(1.0)
+                self.samples.append((time.perf_counter() - self.t_start, v))
+            self.stop.wait(1.0)
 
-    def note(kind: str, detail: str | None = None) -> None:
-        with lock:
-            outcomes[kind] += 1
-            if detail and len(errors) < 20:
-                errors.append(detail)
+    def __enter__(self) -> _RSSSampler:
+        self.t_start = time.perf_counter()
+        self.thread.start()
+        return self
 
-    def short(i: int) -> None:
-        try:
-            r = client.chat.completions.create(
-                model="specextend", max_tokens=args.max_tokens,
-                messages=[{"role": "user", "content": f"Request {i}: write a Python one-liner that adds {i} to x."}])
-            note("ok" if r.choices[0].message.content is not None else "empty")
-        except openai.RateLimitError:
-            note("429")
-        except Exception as e:
-            note("error", f"{type(e).__name__}: {e}")
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
 
-    def abandoned(i: int) -> None:
-        try:
-            stream = client.chat.completions.create(
-                model="specextend", max_tokens=256, stream=True,
-                messages=[{"role": "user", "content": f"Stream {i}: explain Python generators at length."}])
-            for chunk in stream:
-                if chunk.choices and chunk.choices[0].delta.content:
-                    break
-            stream.close()  # the client goes away mid-answer
-            note("abandoned")
-        except openai.RateLimitError:
-            note("429")
-        except Exception as e:
-            note("error", f"{type(e).__name__}: {e}")
 
-    # One request first, not counted: buffers the models allocate on first use are not growth.
-    client.chat.completions.create(model="specextend", max_tokens=args.max_tokens,
-                                   messages=[{"role": "user", "content": "Warm up: say one word."}])
-    t_start = time.perf_counter()
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
+def _short(client: Any, i: int, max_tokens: int) -> str:
+    r = client.chat.completions.create(
+        model="specextend", max_tokens=max_tokens,
+        messages=[{"role": "user", "content": f"Request {i}: write a Python one-liner that adds {i} to x."}])
+    return "ok" if r.choices[0].message.content is not None else "empty"
+
+
+def _abandoned(client: Any, i: int) -> str:
+    stream = client.chat.completions.create(
+        model="specextend", max_tokens=256, stream=True,
+        messages=[{"role": "user", "content": f"Stream {i}: explain Python generators at length."}])
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            break
+    stream.close()  # the client goes away mid-answer
+    return "abandoned"
+
+
+def _send_all(client: Any, args: argparse.Namespace, outcomes: _Outcomes) -> None:
+    """--requests short requests from --clients threads, with --abandoned streams spread among them."""
     every = max(1, args.requests // max(1, args.abandoned))
     jobs = []
     with ThreadPoolExecutor(args.clients) as pool:
         n_abandoned = 0
         for i in range(args.requests):
-            jobs.append(pool.submit(short, i))
+            jobs.append(pool.submit(outcomes.run, lambda i=i: _short(client, i, args.max_tokens)))
             if n_abandoned < args.abandoned and i % every == every - 1:
-                jobs.append(pool.submit(abandoned, n_abandoned))
+                jobs.append(pool.submit(outcomes.run, lambda n=n_abandoned: _abandoned(client, n)))
                 n_abandoned += 1
         for j in jobs:
             j.result()
-    wall = time.perf_counter() - t_start
-    health = _health(args.url)
-    # The server still answers after the load: one more request, timed.
-    t0 = time.perf_counter()
-    after = client.chat.completions.create(model="specextend", max_tokens=args.max_tokens,
-                                           messages=[{"role": "user", "content": "Say hello."}])
-    after_s = time.perf_counter() - t0
-    stop.set()
-    sampler.join()
-    out = {"server": args.start, "outcomes": dict(outcomes), "errors": errors, "wall_s": wall,
+
+
+def load(args: argparse.Namespace) -> dict[str, Any]:
+    client = _client(args.url, timeout=600)
+    outcomes = _Outcomes()
+    # One request first, not counted: buffers the models allocate on first use are not growth.
+    client.chat.completions.create(model="specextend", max_tokens=args.max_tokens,
+                                   messages=[{"role": "user", "content": "Warm up: say one word."}])
+    with _RSSSampler(args.pid) as rss:
+        t_start = time.perf_counter()
+        _send_all(client, args, outcomes)
+        wall = time.perf_counter() - t_start
+        health = _health(args.url)
+        # The server still answers after the load: one more request, timed.
+        t0 = time.perf_counter()
+        after = client.chat.completions.create(model="specextend", max_tokens=args.max_tokens,
+                                               messages=[{"role": "user", "content": "Say hello."}])
+        after_s = time.perf_counter() - t0
+    out = {"server": args.start, "outcomes": dict(outcomes.counts), "errors": outcomes.errors, "wall_s": wall,
            "health_after": health, "answer_after_load": {"s": after_s, "text": after.choices[0].message.content},
-           "rss_mb": memory(rss, health.get("prefix_cache") or {}),
-           "rss_samples": rss}
+           "rss_mb": memory(rss.samples, health.get("prefix_cache") or {}),
+           "rss_samples": rss.samples}
     print(json.dumps({k: v for k, v in out.items() if k != "rss_samples"}, indent=1))
     return out
 
