@@ -4,14 +4,27 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from specextend.attention import (
     _blocked_attention_with_lse,
     attention_probs,
     eager_attention,
     hybrid_tree_attention,
-    sdpa_reference,
 )
+
+
+def sdpa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor | None) -> torch.Tensor:
+    """The independent oracle: PyTorch's own masked SDPA with repeated K/V (causal without a tree)."""
+    h, t, _ = q.shape
+    n_kv, s, _ = k.shape
+    local = tree_mask.to(q.device) if tree_mask is not None else torch.ones(t, t, dtype=torch.bool).tril_()
+    allowed = torch.ones(t, s, dtype=torch.bool, device=q.device)
+    allowed[:, s - local.shape[1] :] = local.to(q.device)
+    rep = h // n_kv
+    return F.scaled_dot_product_attention(
+        q, k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0), attn_mask=allowed
+    )
 
 
 def random_tree_mask(t: int, m: int, gen: torch.Generator) -> torch.Tensor:

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specextend.attention import _prefix_attention, attend, hybrid_tree_attention, sdpa_reference
+from specextend.attention import _prefix_attention, attend, hybrid_tree_attention
 from specextend.engine import SpecEngine
 from specextend.models.loader import load_model
 from specextend.settings import Settings
 
-from test_attention import random_tree_mask
+from test_attention import random_tree_mask, sdpa_reference
 
 pytestmark = [
     pytest.mark.cuda,

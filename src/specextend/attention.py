@@ -20,7 +20,6 @@ import math
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
 # "rowwise": the C++ kernel (csrc/attention.cpp) in which a token's output depends only on the
 # keys it sees; the quantized CPU runtime runs every attention through it (see `attend`).
@@ -253,16 +252,3 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     d = q.shape[-1]
     s = torch.matmul(_group(q, k.shape[0]), k.to(q.dtype).transpose(-1, -2)).float() * (1.0 / math.sqrt(d))
     return torch.softmax(s, -1).mean(dim=(0, 1))
-
-
-def sdpa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor | None) -> torch.Tensor:
-    """PyTorch's own masked SDPA with repeated K/V, used only by tests as an independent oracle."""
-    h, t, _ = q.shape
-    n_kv, s, _ = k.shape
-    local = _tree_or_causal(tree_mask, t, q.device)
-    allowed = torch.ones(t, s, dtype=torch.bool, device=q.device)
-    allowed[:, s - local.shape[1] :] = local
-    rep = h // n_kv
-    return F.scaled_dot_product_attention(
-        q, k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0), attn_mask=allowed
-    )
