@@ -212,13 +212,11 @@ def hybrid_tree_attention(
 
 
 # Below this many cached tokens the efficient backend runs one small masked attention instead
-# of two kernels and a merge, as long as the score matrix stays below the cell limit.
-# CPU (2-core AVX-512): the flash kernel's fixed cost outweighs what it saves under ~2K keys
-# (target verification of 9 tokens over 512 cached tokens: 0.31 ms eager vs 0.41 ms hybrid per
-# layer; over 4K: 2.39 vs 1.91 ms). CUDA (H100, `python -m specextend.bench.kernels --device
-# cuda`): the hybrid's ~30 small kernel launches dominate a 64-node tree's attention, and the
-# masked kernel stayed faster in bfloat16 up to 64K cached tokens (0.80 vs 0.81 ms at 64K).
-# Both compute the same attention; a CMR draft cache (~1K tokens) always takes the small path.
+# of two kernels and a merge, as long as the score matrix stays below the cell limit: on a CPU the
+# flash kernel's fixed cost outweighs what it saves over short prefixes, and on CUDA the hybrid's
+# many small kernel launches dominate a tree's attention (measured with `python -m
+# specextend.bench.kernels`; README, "Measured choices"). Both compute the same attention; a CMR
+# draft cache (~1K tokens) always takes the small path.
 EFFICIENT_MIN_PREFIX = {"cpu": 2048, "cuda": 65536}
 EAGER_MAX_SCORES = {"cpu": 2048 * 1024, "cuda": 64 * 65536}
 

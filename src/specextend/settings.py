@@ -50,10 +50,8 @@ class Settings:
     lookup_ngram: int = 4  # longest suffix of the committed tokens matched against the context
     lookup_branches: int = 2  # distinct continuations proposed per step, at most
     lookup_length: int = 8  # tokens per continuation, at most
-    # Cross-model retrieval (and the streaming baseline's budget).
-    # The contract's defaults (32 chunks of 32 tokens, refreshed every 8 steps). The README's sweep (8
-    # prompts per length) found no better retrieval layer or refresh policy; 16 chunks ran a few
-    # percent faster at most lengths, within the run-to-run spread (see the README).
+    # Cross-model retrieval (and the streaming baseline's budget): the contract's defaults (32
+    # chunks of 32 tokens, refreshed every 8 steps), which the README's retrieval sweep kept.
     chunk_size: int = 32
     top_k_chunks: int = 32
     retrieve_every: int = 8
@@ -70,9 +68,9 @@ class Settings:
     sink_tokens: int = 4  # streaming: attention sinks at the start
     # Draft tree.
     tree: str = "dynamic"
-    # Defaults from a measured sweep on the default pair (GovReport 2K, CPU; see README): a
-    # verification of up to ~6 rows costs about one decode step here, 17 rows twice that, and
-    # each tree level costs one draft forward, so a small, fairly deep tree wins.
+    # Defaults from a measured sweep on the default pair (README, "Draft tree shape"): a
+    # verification of a few rows costs about one decode step, a wide one much more, and each tree
+    # level costs one draft forward, so a small, fairly deep tree wins.
     tree_budget: int = 8  # draft nodes verified per step (dynamic tree)
     tree_depth: int = 5  # longest draft path
     tree_topk: int = 2  # children per expanded node, and nodes expanded per level

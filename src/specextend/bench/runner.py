@@ -16,7 +16,7 @@ Order of work, chosen for time and memory:
    with it token for token); the prefill time is reported in each of those rows (target only
    for `ar`, which needs no draft). With --prefill shared there is one prefill per sample, on
    the efficient backend, and every method decodes from it: the KV cache is the same whichever
-   kernel wrote it, and on a 2-core CPU a second prefill costs more than all of decoding;
+   kernel wrote it, and on a small CPU a second prefill costs more than all of decoding;
 3. our models are freed; the llama.cpp peers run, one llama-server per method; then the HF
    baselines run with HF copies of the weights.
 
@@ -59,8 +59,9 @@ from .llamacpp import LLAMACPP_METHODS, LlamaCppSettings, Peer, is_llamacpp, par
 from .report import RESULTS, aggregate, summary_tables, write_report
 
 DEFAULT_METHODS = "ar,sd,specextend"
-# Plots cost ~0.5 s of a 2-core CPU: redraw them after a row only when this long has passed since
-# the last redraw (always at the end, also of an interrupted run). summary.md follows every row.
+# Drawing the plots takes CPU time from the runs being timed: redraw them after a row only when
+# this long has passed since the last redraw (always at the end, also of an interrupted run).
+# summary.md follows every row.
 PLOT_EVERY_S = 20.0
 
 # Ablation modifiers: `base+mod` sets one Settings field on top of the base preset.
