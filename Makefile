@@ -47,12 +47,15 @@ $(PEERS_STAMP): | $(STAMP)
 demo: setup
 	$(VENV)/bin/specextend demo
 
+# lint-imports checks the import contracts in pyproject.toml: layers point one way, no cycles.
 test: setup
 	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python -m pytest -q -rs tests
 
 lint: setup
 	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/lint-imports
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache .import_linter_cache
