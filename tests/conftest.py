@@ -34,10 +34,12 @@ def generate(engine, prompt_ids: list[int], settings, on_tokens=None):
 
 
 @pytest.fixture
-def isolated_home(tmp_path, monkeypatch):
+def isolated_home(tmp_path, monkeypatch) -> Path:
     """A model cache of this test's own: nothing may touch (or pull into) the user's. Test files
-    that load models by reference use it for every test (`pytestmark`)."""
-    monkeypatch.setenv("SPECEXTEND_HOME", str(tmp_path / "home"))
+    that load models by reference use it for every test (`pytestmark`). Returns the folder."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("SPECEXTEND_HOME", str(home))
+    return home
 
 
 def tiny_hf_config(arch: str, vocab: int = 64, layers: int = 2, **kw):

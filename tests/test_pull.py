@@ -25,10 +25,8 @@ N_PARTS = 3
 
 
 @pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    home = tmp_path / "home"
-    monkeypatch.setenv("SPECEXTEND_HOME", str(home))
-    return home
+def home(isolated_home: Path) -> Path:
+    return isolated_home
 
 
 @pytest.fixture

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from specextend.bench import sweep
 from test_needle import govreport_text
 
 from tiny_tokenizer import save_tiny_model
 
+pytestmark = pytest.mark.usefixtures("isolated_home")  # conftest.py: a model cache of its own
 
-def test_sweep_runs_grid_and_points_and_every_output_equals_ar(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("SPECEXTEND_HOME", str(tmp_path / "home"))
+
+def test_sweep_runs_grid_and_points_and_every_output_equals_ar(tmp_path, capsys):
     target = save_tiny_model(tmp_path / "target", seed=0, max_position_embeddings=4096)
     draft = save_tiny_model(tmp_path / "draft", seed=3, layers=1, max_position_embeddings=4096)
     data = tmp_path / "g.jsonl"
@@ -41,8 +44,7 @@ def test_sweep_refuses_bad_points_before_loading(tmp_path, capsys):
         assert err.startswith("specextend sweep: error:") and "Traceback" not in err
 
 
-def test_a_cut_run_resumes_with_start_and_reports_from_its_rows(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("SPECEXTEND_HOME", str(tmp_path / "home"))
+def test_a_cut_run_resumes_with_start_and_reports_from_its_rows(tmp_path, capsys):
     target = save_tiny_model(tmp_path / "target", seed=0, max_position_embeddings=4096)
     data = tmp_path / "g.jsonl"
     data.write_text("".join(json.dumps({"text": govreport_text(20, seed=i)}) + "\n" for i in range(3)))
