@@ -1,8 +1,9 @@
-"""`specextend` on the command line: generate, models, and (delegated) bench, needle and demo.
+"""`specextend` on the command line: generate, models, and (delegated) bench, needle, demo and serve.
 
-Exit status (the contract): 0 success; 2 bad input or settings, one line on stderr and no
-traceback; 1 an unexpected internal error; 130 interrupted. Heavy imports (torch,
-transformers) happen inside the commands so `specextend --help` answers at once.
+The options shared with other commands are in options.py; a command's work goes through the API
+(`api.prepare`, `Pair`). Exit status (the contract): 0 success; 2 bad input or settings, one line
+on stderr and no traceback; 1 an unexpected internal error; 130 interrupted. Heavy imports (torch,
+transformers) happen inside the commands so `specextend --help` answers at once (tested).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Benchmark inputs: JSONL prompt files (e.g. GovReport) and a built-in long-code set.
+"""Benchmark inputs: JSONL prompt files (e.g. GovReport; read by `jsonl.read_texts`), found by
+name under the data roots, and a built-in long-code set; the length and list options.
 
 The built-in set needs no download: large modules of Python's own standard library, cut to a
 token budget (1K, 2K, 4K, 8K, 16K target tokens) and wrapped in a summarisation instruction.

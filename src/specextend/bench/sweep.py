@@ -10,10 +10,10 @@ Every configuration is the base settings plus one point: each combination of the
 `--data stdlib --lengths 2K` runs the built-in code set. `ar` runs once per prompt as the
 reference for speedups and exactness. Values are parsed as `bench --set` parses them
 (settings.parse_assignments). Each prompt is prefilled once (efficient attention, as `bench
---prefill shared`) and every configuration decodes from a copy of that state. The table gives,
-per configuration, the mean rate, the mean and the smallest per-prompt ratio to `ar` and to the
-better of `ar` and `sd` (when `method=sd` is one of the points), tau and how many outputs equal
-`ar`'s. Used to choose the defaults in settings.py; the README's tables come from this script.
+--prefill shared`) and every configuration decodes from that state (`Pair.prefill`, then
+`Pair.decode` per configuration). The table gives, per configuration, the mean rate, the mean
+and the smallest per-prompt ratio to `ar` and to the better of `ar` and `sd` (when `method=sd` is
+one of the points), tau and how many outputs equal `ar`'s. Used to choose the defaults in settings.py; the README's tables come from this script.
 """
 
 from __future__ import annotations

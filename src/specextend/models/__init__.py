@@ -1,1 +1,3 @@
-"""Model acquisition: the offline default pair, GGUF conversion and model references."""
+"""Models: a pair resolved once from its references and options (`resolve.py`), built from that
+description (`loader.py`), the quantized model store and GGUF conversion (`qstore.py`, `gguf.py`),
+references and the offline default pair (`registry.py`, `pull.py`)."""
