@@ -39,7 +39,7 @@ DTYPES = {
 QUANTIZED_WEIGHTS = ("gguf", "int8", "int4")
 WEIGHTS = ("auto", *QUANTIZED_WEIGHTS, "float32", "bfloat16", "float16", "float64")
 WEIGHTS_HELP = (
-    "weight storage and kernels: auto (default: on a CPU with AVX512-VNNI and --dtype float32, a GGUF "
+    "weight storage and kernels: auto (default: on a CPU with AVX2, AVX-512 or NEON and --dtype float32, a GGUF "
     "target keeps its own quantization grids, a float target is quantized to int8 and a draft to int4; "
     "else --dtype), "
     "gguf (the GGUF file's grids: Q4_K, Q6_K, Q5_0, Q8_0), int8, int4, or float32|bfloat16|float16|float64"
@@ -53,10 +53,10 @@ def check_weights(weights: str) -> str:
 
 
 def fast_kernels() -> bool:
-    """Whether the quantized kernels build here and have their fast (AVX512-VNNI) path."""
+    """Whether the quantized kernels build here and run a vector path (AVX-512, AVX2 or NEON)."""
     from .. import kernels
 
-    return kernels.available() and bool(kernels.load().has_avx512_vnni())
+    return kernels.has_fast_path()
 
 
 def resolve_weights(weights: str, dtype: torch.dtype, device: torch.device | str, quantized_source: bool,
