@@ -38,32 +38,28 @@ inline void chunk_planes(const uint16_t* src, float* dst) {
   }
 }
 
-// Keys [j0, j0 + 4) against one query: each key's 16 lanes of two chains (chunks 0,1 and 2..)
-// added, then lane i + lane i+8 (the first level of the reference's tree), in L[t].
+// The lanes of keys [0, keys) against one query, for one half x8 of the 16 lanes: each key's two
+// chains (chunks 0,1 and 2..) added. The query's planes for the half stay in registers while
+// the keys stream past, one FMA per loaded key register.
 template <int DC>
-inline void key_lanes4(const float* kf, const float* qf, int j0, __m256* L) {
-  __m256 half[2][4];
-#pragma GCC unroll 2
-  for (int x8 = 0; x8 < 2; ++x8) {
-    __m256 a[4], b[4];
-#pragma GCC unroll 4
-    for (int t = 0; t < 4; ++t) a[t] = b[t] = _mm256_setzero_ps();
-#pragma GCC unroll 8
-    for (int c = 0; c < DC; ++c) {
-      const __m256 qo = _mm256_load_ps(qf + 32 * c + 16 * x8), qe = _mm256_load_ps(qf + 32 * c + 16 * x8 + 8);
-#pragma GCC unroll 4
-      for (int t = 0; t < 4; ++t) {
-        const float* kp = kf + (j0 + t) * 32 * DC + 32 * c + 16 * x8;
-        __m256& acc = c < 2 ? a[t] : b[t];
-        acc = _mm256_fmadd_ps(_mm256_load_ps(kp), qo, acc);
-        acc = _mm256_fmadd_ps(_mm256_load_ps(kp + 8), qe, acc);
-      }
-    }
-#pragma GCC unroll 4
-    for (int t = 0; t < 4; ++t) half[x8][t] = DC > 2 ? _mm256_add_ps(a[t], b[t]) : a[t];
+inline void key_half_lanes(const float* kf, const float* qf, int keys, int x8, __m256* out) {
+  __m256 qo[DC], qe[DC];
+  for (int c = 0; c < DC; ++c) {
+    qo[c] = _mm256_load_ps(qf + 32 * c + 16 * x8);
+    qe[c] = _mm256_load_ps(qf + 32 * c + 16 * x8 + 8);
   }
-#pragma GCC unroll 4
-  for (int t = 0; t < 4; ++t) L[t] = _mm256_add_ps(half[0][t], half[1][t]);
+  for (int j = 0; j < keys; ++j) {
+    const float* kp = kf + j * 32 * DC + 16 * x8;
+    __m256 a = _mm256_fmadd_ps(_mm256_load_ps(kp), qo[0], _mm256_setzero_ps());
+    a = _mm256_fmadd_ps(_mm256_load_ps(kp + 8), qe[0], a);
+    __m256 b = _mm256_setzero_ps();
+    for (int c = 1; c < DC; ++c) {
+      __m256& acc = c < 2 ? a : b;
+      acc = _mm256_fmadd_ps(_mm256_load_ps(kp + 32 * c), qo[c], acc);
+      acc = _mm256_fmadd_ps(_mm256_load_ps(kp + 32 * c + 8), qe[c], acc);
+    }
+    out[j] = DC > 2 ? _mm256_add_ps(a, b) : a;
+  }
 }
 
 // The rest of the tree (i+4, i+2, i+1) for 8 keys at once; lane j of the result is key j's score.
@@ -106,15 +102,37 @@ void scores_half(const uint16_t* kb, int n, int64_t d, int h, RowState* rows, in
         for (int i = 0; i < 32; i += 8) _mm256_store_ps(kf + j * d + 32 * c + i, _mm256_setzero_ps());
       }
     }
+  const int keys8 = (keys + 7) / 8 * 8;
   for (int r = 0; r < nrows; ++r) {
     for (int c = 0; c < DC; ++c) chunk_planes(rows[r].q + 32 * c, qf + 32 * c);
-    for (int jb = 0; jb < kKeyHalf && jb < keys; jb += 8) {
-      __m256 L[8];
-      key_lanes4<DC>(kf, qf, jb, L);
-      key_lanes4<DC>(kf, qf, jb + 4, L + 4);
+    __m256 half[2][kKeyHalf];
+    key_half_lanes<DC>(kf, qf, keys8, 0, half[0]);
+    key_half_lanes<DC>(kf, qf, keys8, 1, half[1]);
+    for (int jb = 0; jb < keys8; jb += 8) {
+      __m256 L[8];  // lane i + lane i+8: the first level of the reference's tree
+      for (int t = 0; t < 8; ++t) L[t] = _mm256_add_ps(half[0][jb + t], half[1][jb + t]);
       _mm256_store_ps(s + r * kBlock + j0 + jb, reduce8(L));
     }
   }
+}
+
+// acc = acc * alpha, then per key pair + v[2j+1] * w[2j+1] + v[2j] * w[2j], for NC x 8 dims of
+// the converted values vf [kBlock][kDimHalf] (the reference's value chain, dim by dim).
+template <int NC>
+inline void weigh_values(const float* vf, const float* w, int pairs, float alpha, float* acc) {
+  const __m256 al = _mm256_set1_ps(alpha);
+  __m256 a[NC];
+  for (int c = 0; c < NC; ++c) a[c] = _mm256_mul_ps(_mm256_load_ps(acc + 8 * c), al);
+  for (int j = 0; j < pairs; ++j) {
+    const __m256 w1 = _mm256_set1_ps(w[2 * j + 1]), w0 = _mm256_set1_ps(w[2 * j]);
+    const float* v1 = vf + (2 * j + 1) * kDimHalf;
+    const float* v0 = vf + (2 * j) * kDimHalf;
+    for (int c = 0; c < NC; ++c) {
+      a[c] = _mm256_fmadd_ps(_mm256_load_ps(v1 + 8 * c), w1, a[c]);
+      a[c] = _mm256_fmadd_ps(_mm256_load_ps(v0 + 8 * c), w0, a[c]);
+    }
+  }
+  for (int c = 0; c < NC; ++c) _mm256_store_ps(acc + 8 * c, a[c]);
 }
 
 template <int DC>
@@ -156,7 +174,7 @@ void block(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* r
   }
   const int pairs = (n + 1) / 2;
   for (int64_t base = 0; base < d; base += kDimHalf) {
-    const int width = static_cast<int>(std::min<int64_t>(kDimHalf, d - base)), nc = width / 8;
+    const int width = static_cast<int>(std::min<int64_t>(kDimHalf, d - base));
     for (int j = 0; j < 2 * pairs; ++j) {
       if (j < n) {
         value_row(vb + j * d + base, width, vf + j * kDimHalf);
@@ -165,22 +183,8 @@ void block(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* r
       }
     }
     for (int r = 0; r < nrows; ++r) {
-      float* acc = rows[r].acc + base;
-      const float* pw = s + r * kBlock;
-      const __m256 al = _mm256_set1_ps(alpha[r]);
-      __m256 a[8];
-      for (int c = 0; c < nc; ++c) a[c] = _mm256_mul_ps(_mm256_load_ps(acc + 8 * c), al);
-      for (int j = 0; j < pairs; ++j) {
-        const __m256 w1 = _mm256_set1_ps(pw[2 * j + 1]), w0 = _mm256_set1_ps(pw[2 * j]);
-        const float* v1 = vf + (2 * j + 1) * kDimHalf;
-        const float* v0 = vf + (2 * j) * kDimHalf;
-#pragma GCC unroll 8
-        for (int c = 0; c < nc; ++c) {
-          a[c] = _mm256_fmadd_ps(_mm256_load_ps(v1 + 8 * c), w1, a[c]);
-          a[c] = _mm256_fmadd_ps(_mm256_load_ps(v0 + 8 * c), w0, a[c]);
-        }
-      }
-      for (int c = 0; c < nc; ++c) _mm256_store_ps(acc + 8 * c, a[c]);
+      if (width == kDimHalf) weigh_values<kDimHalf / 8>(vf, s + r * kBlock, pairs, alpha[r], rows[r].acc + base);
+      else weigh_values<4>(vf, s + r * kBlock, pairs, alpha[r], rows[r].acc + base);  // the last 32 of d % 64
     }
   }
 }
