@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: setup kernels demo test test-arm lint bench-runtime clean peers
+.PHONY: setup kernels demo test test-arm test-tools lint bench-runtime clean peers
 
 setup: $(STAMP) kernels
 
@@ -62,10 +62,18 @@ $(PEERS_STAMP): | $(STAMP)
 ARM_CXX := aarch64-linux-gnu-g++
 ARM_EXE := build/exactness-aarch64
 
-test-arm:
-	@command -v $(ARM_CXX) >/dev/null && command -v qemu-aarch64 >/dev/null || { \
-		echo "installing g++-aarch64-linux-gnu and qemu-user (Debian packages)"; \
-		$$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get install -y -q g++-aarch64-linux-gnu qemu-user >/dev/null; }
+# Debian packages the kernel exactness tests use when present (tests/test_kernel_paths.py skips
+# without them): the aarch64 cross compiler and qemu-user (NEON under emulation), SIMDe (the avx512
+# path's code emulated on a CPU without AVX-512). CI installs them before `make test`.
+TEST_TOOLS := g++-aarch64-linux-gnu qemu-user libsimde-dev
+
+test-tools:
+	@command -v $(ARM_CXX) >/dev/null && command -v qemu-aarch64 >/dev/null && \
+		test -f /usr/include/simde/x86/avx512.h || { \
+		echo "installing $(TEST_TOOLS) (Debian packages)"; \
+		$$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get install -y -q $(TEST_TOOLS) >/dev/null; }
+
+test-arm: test-tools
 	@mkdir -p build
 	$(ARM_CXX) -O2 -std=c++17 -ffp-contract=off -static -o $(ARM_EXE) \
 		src/specextend/csrc/core/*.cpp src/specextend/csrc/test/exactness.cpp
@@ -77,7 +85,7 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/python -m pytest -q -rs tests
+	$(VENV)/bin/python -m pytest -q -rs -n 2 --dist load tests
 
 lint: setup
 	$(VENV)/bin/ruff check src tests

@@ -105,15 +105,46 @@ def test_attention_equals_the_portable_bits(path: str, d: int, heads: int, kv: i
         assert torch.equal(ours, ext.attend(q, k, v, mask, PORTABLE))
 
 
+SOURCES = [str(p) for p in sorted((CSRC / "core").glob("*.cpp"))] + [str(CSRC / "test" / "exactness.cpp")]
+FLAGS = ["-O2", "-std=c++17", "-ffp-contract=off"]
+
+
+def run_exactness(exe: Path, *runner: str) -> str:
+    out = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and " 0 failed" in out.stdout, out.stdout + out.stderr
+    return out.stdout
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ for the standalone build")
 def test_kernel_core_exactness_program(tmp_path: Path) -> None:
     """The core alone (no PyTorch), built natively: each path = portable, rows independent."""
     exe = tmp_path / "exactness"
-    sources = [str(p) for p in sorted((CSRC / "core").glob("*.cpp"))] + [str(CSRC / "test" / "exactness.cpp")]
-    subprocess.run(["g++", "-O2", "-std=c++17", "-ffp-contract=off", *sources, "-o", str(exe)], check=True)
-    out = subprocess.run([str(exe)], capture_output=True, text=True)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert " 0 failed" in out.stdout
+    subprocess.run(["g++", *FLAGS, *SOURCES, "-o", str(exe)], check=True)
+    paths = run_exactness(exe).splitlines()[0]
+    assert all(p in paths for p in kernels.cpu_paths())
+
+
+@pytest.mark.skipif(not Path("/usr/include/simde/x86/avx512.h").is_file() or "avx2" not in kernels.cpu_paths()
+                    or "avx512" in kernels.cpu_paths(),
+                    reason="needs an AVX2 CPU without AVX-512 and SIMDe (Debian's libsimde-dev)")
+def test_avx512_path_under_emulation(tmp_path: Path) -> None:
+    """The avx512 path's code on this AVX2 CPU, its intrinsics emulated (csrc/test/emulate_avx512.h):
+    on a CPU without AVX-512 nothing else runs that code before a user with one does."""
+    exe = tmp_path / "exactness-avx512"
+    # -O0: optimising SIMDe's emulation takes minutes; the arithmetic is IEEE at any level
+    emulated = ["-O0", *FLAGS[1:], "-DSPECEXTEND_EMULATE_AVX512", "-mavx2", "-mfma", "-mf16c"]
+    subprocess.run(["g++", *emulated, *SOURCES, "-o", str(exe)], check=True)
+    assert "avx512" in run_exactness(exe).splitlines()[0]
+
+
+@pytest.mark.skipif(shutil.which("aarch64-linux-gnu-g++") is None or shutil.which("qemu-aarch64") is None,
+                    reason="needs Debian's g++-aarch64-linux-gnu and qemu-user (`make test-arm` installs them)")
+def test_neon_path_under_emulation(tmp_path: Path) -> None:
+    """`make test-arm` in a test: the core cross-built for aarch64, run with and without dot products."""
+    exe = tmp_path / "exactness-aarch64"
+    subprocess.run(["aarch64-linux-gnu-g++", *FLAGS, "-static", *SOURCES, "-o", str(exe)], check=True)
+    assert "neon" in run_exactness(exe, "qemu-aarch64", "-cpu", "max").splitlines()[0]
+    assert "neon" not in run_exactness(exe, "qemu-aarch64", "-cpu", "cortex-a53").splitlines()[0]
 
 
 def test_the_cpu_variable_forces_a_path(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -137,5 +168,6 @@ def test_a_path_this_cpu_cannot_run_is_refused_in_one_line(tmp_path: Path) -> No
     out = subprocess.run([str(cli), "generate", "--target", "nowhere.gguf", "--prompt", "x", "--weights", "int8"],
                          capture_output=True, text=True, env=env)
     assert out.returncode == 2
-    lines = out.stderr.strip().splitlines()
+    # one line, after the kernels' one-time build notice when this run had to build them
+    lines = [x for x in out.stderr.strip().splitlines() if "building the CPU kernels" not in x]
     assert len(lines) == 1 and f"this CPU cannot run the {missing} kernels" in lines[0], out.stderr

@@ -3,7 +3,7 @@
 // query row of the item; its values are interleaved by key pairs once for all of them.
 #if defined(__x86_64__)
 
-#include <immintrin.h>
+#include "x86.h"
 
 #include <algorithm>
 #include <cmath>

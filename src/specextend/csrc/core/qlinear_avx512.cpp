@@ -2,7 +2,7 @@
 // instruction), 16 channels a register, tiles of up to 10 rows sharing each weight group.
 #if defined(__x86_64__)
 
-#include <immintrin.h>
+#include "x86.h"
 
 #include <array>
 #include <cmath>

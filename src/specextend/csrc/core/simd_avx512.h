@@ -1,7 +1,7 @@
 // AVX-512 helpers shared by the avx512 kernels; include inside an SPX_BEGIN_AVX512* region.
 #pragma once
 
-#include <immintrin.h>
+#include "x86.h"
 
 #include "fastexp.h"
 

@@ -3,7 +3,14 @@
 // at the baseline, so one binary serves every CPU of its architecture.
 #pragma once
 
-#if defined(__clang__)
+#if defined(SPECEXTEND_EMULATE_AVX512)
+// test/emulate_avx512.h builds AVX-512 operations from AVX2 ones
+#define SPX_END _Pragma("GCC pop_options")
+#define SPX_BEGIN_AVX2 _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma,f16c\")")
+#define SPX_BEGIN_AVX512 SPX_BEGIN_AVX2
+#define SPX_BEGIN_AVX512BF16 SPX_BEGIN_AVX2
+#define SPX_BEGIN_NEON
+#elif defined(__clang__)
 #define SPX_END _Pragma("clang attribute pop")
 #define SPX_BEGIN_AVX2 _Pragma("clang attribute push(__attribute__((target(\"avx2,fma,f16c\"))), apply_to = function)")
 #define SPX_BEGIN_AVX512 \
