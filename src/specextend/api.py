@@ -28,10 +28,12 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import kernels
 from .detokenize import Detokenizer
 from .engine import GenerationResult, Prefilled, SpecEngine, TokensCallback, check_fits
 from .errors import UserError
 from .jsonl import finite_json
+from .models.loader import QUANTIZED_WEIGHTS
 from .models.resolve import LoadOptions, ResolvedPair, resolve_pair
 from .progress import say
 from .settings import Settings
@@ -61,11 +63,12 @@ class Result(GenerationResult):
     device: str
     weights: str = "float"
     draft_weights: str | None = None
+    cpu_kernels: str | None = None  # the C++ kernel path that ran (kernels.PATHS), None without them
 
     @property
     def config(self) -> dict[str, Any]:
-        """Every resolved setting, as plain JSON values."""
-        return self.settings.as_dict()
+        """Every resolved setting, as plain JSON values, and the CPU kernel path that ran."""
+        return {**self.settings.as_dict(), "cpu_kernels": self.cpu_kernels}
 
     def to_json(self) -> dict[str, Any]:
         """The `generate --json` object of the contract (plus stop_reason, accept_lengths, extra)."""
@@ -400,6 +403,7 @@ class Pair(_Prompts):
         fields_ = {f.name: getattr(res, f.name) for f in fields(GenerationResult)}
         fields_.update(token_ids=list(res.token_ids), phases=dict(res.phases), accept_lengths=list(res.accept_lengths),
                        settings=s, extra=dict(res.extra or {}))
+        draft_weights = self.draft.weights if s.uses_draft and self.draft is not None else None
         return Result(
             **fields_,
             text=self.detokenize(res.token_ids),
@@ -410,7 +414,8 @@ class Pair(_Prompts):
             draft_dtype=self.draft_dtype if s.uses_draft else None,
             device=self.device,
             weights=self.target.weights,
-            draft_weights=self.draft.weights if s.uses_draft and self.draft is not None else None,
+            draft_weights=draft_weights,
+            cpu_kernels=kernels.path() if {self.target.weights, draft_weights} & set(QUANTIZED_WEIGHTS) else None,
         )
 
 

@@ -235,9 +235,9 @@ def attend(
     if backend == "eager":
         return eager_attention(q, k, v, tree_mask)
     if backend == "rowwise":
-        from .kernels import load
+        from .kernels import attend as rowwise
 
-        return load().attend(q, k, v, tree_mask, False)
+        return rowwise(q, k, v, tree_mask)
     raise ValueError(f"unknown attention backend {backend!r}")
 
 

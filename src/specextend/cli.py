@@ -92,6 +92,11 @@ def build_parser(command: str | None = None) -> _Parser:
     mpull.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     mpull.set_defaults(func=cmd_models_pull)
 
+    kern = sub.add_parser("kernels", help="build the C++ CPU kernels (once) and name the paths this CPU runs",
+                          description="Build (or find) the C++ CPU kernels and name the instruction-set paths "
+                                      "this CPU runs (SPECEXTEND_CPU forces one).")
+    kern.set_defaults(func=cmd_kernels)
+
     for name, (module_name, help_text) in DELEGATED.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == command:
@@ -273,6 +278,13 @@ def cmd_models_list(args: argparse.Namespace) -> int:
     widths = [max(len(row[i]) for row in table) for i in range(4)]
     for row in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[4])
+    return 0
+
+
+def cmd_kernels(args: argparse.Namespace) -> int:
+    from . import kernels
+
+    print(kernels.describe())
     return 0
 
 

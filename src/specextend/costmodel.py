@@ -191,6 +191,7 @@ def curve_parts(model: Any, backend: str) -> dict[str, Any]:
         "kv_dtype": str(model.kv_dtype),
         "attention": "rowwise" if model.rowwise_attention else backend,
         "kernels": kernels.source_key() if quantized else None,
+        "cpu_kernels": kernels.path() if quantized else None,  # each instruction-set path has its own costs
     }
     return parts
 

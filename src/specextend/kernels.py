@@ -1,10 +1,17 @@
-"""The project's C++ CPU kernels (quantized linear layers), built once per machine and cached.
+"""The project's C++ CPU kernels (quantized linear layers, attention, RoPE), built once per machine.
 
-The extension is compiled with PyTorch's `cpp_extension` into `~/.cache/specextend/kernels/<key>/`
+The sources live in `csrc/`: a core over raw pointers (`csrc/core/`, no PyTorch: one file per
+instruction set behind one dispatch) and a thin PyTorch binding (`csrc/torch_ops.cpp`). The
+extension is compiled with PyTorch's `cpp_extension` into `~/.cache/specextend/kernels/<key>/`
 (see `build_dir`), where the key covers the sources, the torch and Python versions and the
-compiler flags, so an edited source or a new torch builds again while every
-later process loads the cached library in well under a second. `make setup` builds it; the
-first use builds it otherwise. OpenMP comes from torch's own runtime (same thread pool).
+compiler flags, so an edited source or a new torch builds again while every later process
+loads the cached library in well under a second. `make setup` builds it; the first use builds
+it otherwise. OpenMP comes from torch's own runtime (same thread pool).
+
+Kernel paths (`SPECEXTEND_CPU`): `portable` (plain C++, any CPU), `avx2` (AVX2 + FMA + F16C),
+`avx512` (AVX-512 with VNNI; its attention uses AVX512-BF16 where present) and `neon` (ARMv8.2
+dot products). Every path computes the same arithmetic in the same order, so each gives the
+portable path's bits; `auto` (the default) takes the fastest this CPU runs.
 """
 
 from __future__ import annotations
@@ -25,17 +32,26 @@ from .errors import UserError
 if TYPE_CHECKING:
     from .quant import QWeight
 
-_SOURCES = ("module.cpp", "qlinear.cpp", "attention.cpp")
-_HEADERS = ("fastexp.h",)  # part of the build key: an edited header must build again
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = ("torch_ops.cpp", "core/cpu.cpp", "core/qlinear.cpp", "core/qlinear_portable.cpp",
+            "core/qlinear_avx2.cpp", "core/qlinear_avx512.cpp", "core/qlinear_neon.cpp", "core/attention.cpp",
+            "core/attention_portable.cpp", "core/attention_avx2.cpp", "core/attention_avx512.cpp",
+            "core/attention_neon.cpp", "core/rope.cpp")
 _CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-std=c++17")
 _lock = threading.Lock()
 _module: ModuleType | None = None
 
+PATHS = ("portable", "avx2", "avx512", "neon")  # the kernel paths; ids in csrc/core/cpu.h
+CPU_ENV = "SPECEXTEND_CPU"
+
 
 def _key() -> str:
     h = hashlib.sha256()
-    for name in (*_SOURCES, *_HEADERS):
-        h.update((Path(__file__).parent / "csrc" / name).read_bytes())
+    # Every source and header of the extension is part of the key: an edited header must build again.
+    for f in sorted([_CSRC / "torch_ops.cpp", *(_CSRC / "core").iterdir()]):
+        if f.suffix in (".cpp", ".h"):
+            h.update(str(f.relative_to(_CSRC)).encode())
+            h.update(f.read_bytes())
     h.update(f"{torch.__version__}|{sys.version_info[:2]}|{platform.machine()}|{_CFLAGS}".encode())
     return h.hexdigest()[:16]
 
@@ -79,7 +95,7 @@ def _build(verbose: bool) -> ModuleType:
     try:
         return cpp_extension.load(
             name=f"specextend_kernels_{_key()}",
-            sources=[str(Path(__file__).parent / "csrc" / n) for n in _SOURCES],
+            sources=[str(_CSRC / n) for n in _SOURCES],
             extra_cflags=list(_CFLAGS),
             extra_ldflags=["-fopenmp"],
             build_directory=str(out),
@@ -101,6 +117,35 @@ def available() -> bool:
     return True
 
 
+def cpu_paths() -> list[str]:
+    """The kernel paths this CPU runs, slowest first (always starting with `portable`)."""
+    return list(load().cpu_paths())
+
+
+def path() -> str:
+    """The path the kernels run: `SPECEXTEND_CPU` if set (UserError if this CPU cannot run it),
+    else the fastest this CPU has."""
+    want = os.environ.get(CPU_ENV, "auto").strip().lower() or "auto"
+    if want != "auto" and want not in PATHS:
+        raise UserError(f"{CPU_ENV}={want} is not a kernel path; choose auto, {', '.join(PATHS)}")
+    have = cpu_paths()
+    if want == "auto":
+        return have[-1]
+    if want not in have:
+        raise UserError(f"{CPU_ENV}={want}: this CPU cannot run the {want} kernels (it runs {', '.join(have)})")
+    return want
+
+
+def path_id() -> int:
+    return PATHS.index(path())
+
+
+def has_fast_path() -> bool:
+    """Whether the quantized kernels run here on a vector path (anything but portable); never
+    raises for a missing build, but a `SPECEXTEND_CPU` this CPU cannot run is a UserError."""
+    return available() and path() != "portable"
+
+
 def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, *, norm: torch.Tensor | None = None,
             eps: float = 0.0, silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
     """y = pre(x) W^T (+ bias) (+ residual) for a block-quantized W; x is float32 [rows, k].
@@ -109,20 +154,29 @@ def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, *, no
     [gate | up]); each is applied in the same pass that quantizes the row.
     """
     return load().qlinear(x, w.blobs, w.formats, w.widths, w.offsets, w.groups, bias, norm, eps, silu_mul,
-                          residual, False)
+                          residual, _path_id())
 
 
-def main() -> int:
-    """`python -m specextend.kernels`: build (or find) the kernels and say which paths run here."""
-    try:
-        ext = load()
-    except UserError as e:
-        print(f"specextend: {e}", file=sys.stderr)
-        return 2
-    print(f"specextend kernels: {build_dir()} (AVX512-VNNI linear: {'yes' if ext.has_avx512_vnni() else 'no'}, "
-          f"AVX512-BF16 attention: {'yes' if ext.has_avx512_bf16() else 'no'})")
-    return 0
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor | None) -> torch.Tensor:
+    """Row-independent attention of new tokens q [H, T, D] over a bfloat16 cache k, v [Hkv, S, D]."""
+    return load().attend(q, k, v, tree_mask, _path_id())
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+_resolved: tuple[str, int] | None = None
+
+
+def _path_id() -> int:
+    # A decode step makes ~150 kernel calls: the environment is read once per value it has.
+    global _resolved
+    env = os.environ.get(CPU_ENV, "")
+    if _resolved is None or _resolved[0] != env:
+        _resolved = (env, path_id())
+    return _resolved[1]
+
+
+def describe() -> str:
+    """One line for `make setup`: where the kernels are and which paths this CPU runs."""
+    ext = load()
+    paths = cpu_paths()
+    extra = " (attention with AVX512-BF16)" if "avx512" in paths and ext.has_avx512_bf16() else ""
+    return f"specextend kernels: {build_dir()}; paths this CPU runs: {', '.join(paths)}{extra}; auto = {paths[-1]}"

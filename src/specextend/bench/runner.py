@@ -286,8 +286,8 @@ def with_peer(specs: list[MethodSpec]) -> tuple[list[MethodSpec], Peer | None]:
     if first is None:
         return specs, None
     peer = find_peer(first.name)
-    return [replace(sp, llamacpp=replace(sp.llamacpp, version=peer.version)) if sp.llamacpp is not None else sp
-            for sp in specs], peer
+    return [replace(sp, llamacpp=replace(sp.llamacpp, version=peer.version, cpu=peer.cpu))
+            if sp.llamacpp is not None else sp for sp in specs], peer
 
 
 def load_samples(plan: Plan, tokenizer: Any) -> list[Sample]:

@@ -52,10 +52,10 @@ def check_weights(weights: str) -> str:
 
 
 def fast_kernels() -> bool:
-    """Whether the quantized kernels build here and have their fast (AVX512-VNNI) path."""
+    """Whether the quantized kernels build here and run a vector path (AVX-512, AVX2 or NEON)."""
     from .. import kernels
 
-    return kernels.available() and bool(kernels.load().has_avx512_vnni())
+    return kernels.has_fast_path()
 
 
 def resolve_weights(weights: str, dtype: torch.dtype, device: torch.device | str, quantized_source: bool,

@@ -1,0 +1,86 @@
+// Attention of new tokens over a bfloat16 KV cache on the CPU, computed so that a token's output
+// depends only on its query and the keys it may see, never on which other tokens share the call.
+//
+// Each new token t sees the committed prefix [0, P) and, among the last M cache slots (the new
+// tokens, or a draft tree's nodes), those its mask row allows, in slot order. That ordered list
+// of visible keys is the same whether the token is decoded alone (its ancestors are then
+// committed and it comes last) or verified inside a tree, so the kernel walks the list in blocks
+// of 32 keys numbered by position in the list, with an online softmax per block, and every sum
+// inside a block runs in a fixed order: the same list gives the same bits.
+//
+// The arithmetic (attention_portable.cpp is its reference; every path reproduces it): products
+// of bfloat16 values with float32 accumulation in the lane structure of VDPBF16PS (a lane adds
+// its odd pair's product, then its even pair's, each exact product rounded once into the sum), on
+// the query (rounded to bfloat16 after scaling), the cached keys and values (stored in bfloat16)
+// and the softmax weights (rounded to bfloat16 before they weigh the values); maxima,
+// exponentials and sums stay in float32. A block is shared by every query row of the work item:
+// all query heads of a K/V head, for all tokens whose visible lists share that block (a tree's
+// tokens share the prefix; a prefill chunk's tokens share all but their tails).
+//
+// Layout: q [H, T, D] float32; k, v [Hkv, S, D] bfloat16 (views of the cache, rows contiguous);
+// mask [T, M] bool or none (causal over the T new tokens, M = T). Query head h uses K/V head
+// h / (H / Hkv). Output [H, T, D] float32.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "cpu.h"
+
+namespace spx {
+
+constexpr int kBlock = 32;
+constexpr int kTokensPerItem = 8;  // tokens sharing one pass over the prefix blocks
+
+struct Attention {
+  const float* q;
+  const uint16_t* k;
+  const uint16_t* v;
+  float* out;
+  int64_t heads, kv_heads, t, d, s, m;  // m: trailing slots under the mask
+  int64_t k_head_stride, v_head_stride;
+  const bool* mask;  // [t, m] or null (causal)
+  float scale;
+  int64_t prefix() const { return s - m; }
+};
+
+// One work item: the query heads of K/V head kvh for tokens [t0, t1).
+struct AttentionItem {
+  int64_t kvh, t0, t1;
+};
+
+// Tokens in balanced groups of at most kTokensPerItem (9 tokens: 5 + 4), one item per K/V head
+// and group; how tokens are grouped never changes a token's bits.
+std::vector<AttentionItem> attention_items(const Attention& pb);
+
+// Items [i0, i1) of `items`.
+void attend_items(Path path, const Attention& pb, const AttentionItem* items, int64_t i0, int64_t i1);
+
+// ------------------------------------------------------------------ per path
+
+// One query row's running softmax: maximum, sum, and the weighted sum of values.
+struct RowState {
+  const uint16_t* q;  // bfloat16 [d], already scaled
+  float* acc;         // float32 [d], 64-byte aligned, in the path's own dimension order
+  float m, l;
+};
+
+// A path's block kernel: one block of n <= kBlock keys (kb, vb: n rows of d bfloat16) into
+// every row's state; `finish` writes acc / l in natural dimension order.
+struct BlockKernel {
+  void (*block)(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* rows, int nrows, float* ws);
+  void (*finish)(const RowState& st, int64_t d, float* out);
+  size_t (*workspace)(int64_t d, int nrows);  // floats of `ws` the block kernel needs
+};
+
+BlockKernel block_kernel_portable();
+#if defined(__x86_64__)
+bool block_kernel_avx2(int64_t d, BlockKernel* out);
+bool block_kernel_avx512(int64_t d, BlockKernel* out);
+#endif
+#if defined(__aarch64__)
+bool block_kernel_neon(int64_t d, BlockKernel* out);
+#endif
+
+}  // namespace spx

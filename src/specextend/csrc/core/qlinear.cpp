@@ -1,0 +1,86 @@
+// The driver of the quantized linear layers (qlinear.h): formats, the per-path dispatch, tiling.
+#include "qlinear.h"
+
+#include <algorithm>
+
+namespace spx {
+
+bool format_info(int64_t fmt, int64_t sbg, FormatInfo* out) {
+  switch (fmt) {
+    case Q4K:
+      if (sbg < 1 || sbg > 8) return false;
+      *out = {32, static_cast<int>(32 * sbg), 64 + 288 * sbg};
+      return true;
+    case Q6K: *out = {16, 256, 32 + 256 + 16 * 192}; return true;
+    case Q8: *out = {32, 32, 32 + 512}; return true;
+    default: return false;
+  }
+}
+
+namespace {
+
+using TileFn = void (*)(const Segment&, const uint8_t*, const Rows&, int64_t, int, const TileOut&);
+using QuantFn = void (*)(const float*, int64_t, int8_t*, float*, int32_t*, int32_t*, float*);
+using PreFn = void (*)(const float*, int64_t, const PreOp&, float*);
+
+struct Kernels {
+  TileFn tile;
+  int tile_rows;
+  QuantFn quantize;
+  PreFn pre_op;
+};
+
+Kernels kernels_for(Path path) {
+  switch (path) {
+#if defined(__x86_64__)
+    case Path::AVX2: return {tile_avx2, tile_rows_avx2(), quantize_row_avx2, pre_op_row_avx2};
+    case Path::AVX512: return {tile_avx512, tile_rows_avx512(), quantize_row_avx512, pre_op_row_avx512};
+#endif
+#if defined(__aarch64__)
+    case Path::NEON: return {tile_neon, tile_rows_neon(), quantize_row_neon, pre_op_row_neon};
+#endif
+    default: return {tile_portable, 4, quantize_row_portable, pre_op_row_portable};
+  }
+}
+
+}  // namespace
+
+void quantize_rows(Path path, const float* x, int64_t ldx, const PreOp& op, const Rows& a, int64_t r0, int64_t r1,
+                   float* scratch) {
+  const Kernels kn = kernels_for(path);
+  const int64_t k = a.k, kb = k / kActBlock;
+  const bool pre = op.norm != nullptr || op.silu_mul;
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* src = x + r * ldx;
+    if (pre) {
+      kn.pre_op(src, k, op, scratch);
+      src = scratch;
+    }
+    kn.quantize(src, k, a.q8 + r * k, a.d8 + r * kb, a.s16 + r * (k / 16), a.s32 + r * kb, a.xs + r * kb);
+  }
+}
+
+void linear_panels(Path path, const Linear& op, int64_t p0, int64_t p1) {
+  const Kernels kn = kernels_for(path);
+  const bool vector = path != Path::Portable;
+  int64_t si = 0, col0 = 0;
+  const int64_t tiles = (op.m + kn.tile_rows - 1) / kn.tile_rows;
+  for (int64_t gp = p0; gp < p1; ++gp) {
+    while (gp >= op.first_panel[si + 1]) col0 += op.segs[si++].n;
+    const Segment& s = op.segs[si];
+    const int64_t p = gp - op.first_panel[si];
+    const uint8_t* pb = s.blob + p * s.panel_bytes();
+    const int64_t c0 = col0 + p * kPanel;
+    const TileOut out{op.y + c0, op.ldy, op.bias ? op.bias + c0 : nullptr, op.residual ? op.residual + c0 : nullptr,
+                      static_cast<int>(std::min<int64_t>(kPanel, s.n - p * kPanel))};
+    for (int64_t ti = 0, r0 = 0; ti < tiles; ++ti) {
+      // Balanced tiles (16 rows in tiles of 10: 8 + 8, not 10 + 6); which tile a row lands in
+      // never changes its bits. A partial panel (a width not a multiple of 16) runs portable.
+      const int rows = static_cast<int>((op.m - r0) / (tiles - ti));
+      (vector && out.valid == kPanel ? kn.tile : tile_portable)(s, pb, op.x, r0, rows, out);
+      r0 += rows;
+    }
+  }
+}
+
+}  // namespace spx

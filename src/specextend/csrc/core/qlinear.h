@@ -1,0 +1,143 @@
+// Quantized linear layers on the CPU: y = pre(x) W^T (+ b) (+ residual) with W in a
+// block-quantized format and x quantized on the fly to int8, one scale per block of 32 values
+// of each row. The core works on raw pointers (no PyTorch), so the exactness tests can run it
+// anywhere, an emulated aarch64 included; torch_ops.cpp binds it.
+//
+// Why this shape: a decode step streams every weight once, so its speed is the weight bytes
+// (4-6 bits each instead of 32); a verification of a draft tree multiplies the same weights by a
+// few more rows, so a kernel reads each weight block once and applies it to every row of a tile
+// while it is in registers.
+//
+// The arithmetic, the same on every path (qlinear_portable.cpp is its reference): per row,
+// channel and weight group, the integer dot product of codes and int8 activations (exact), then
+// t = float(dot) * d8 (the activation block's scale), acc = fma(t, scale, acc) with the group's
+// float scale, and for Q4K acc = fma(-min, xs, acc) with xs = d8 * (sum of the block's codes);
+// groups in input order. Integer sums are exact in any order, so paths may split and pair them
+// as their instructions like; the float steps are the same operations in the same order.
+// Row independence: each row's activation scales are its own and its sums run in the same
+// order whatever the other rows are, so a token gets bit-identical outputs decoded alone or
+// inside a tree. Threads split output channels, never a reduction.
+//
+// Weight layout ("blob"): output channels in panels of 16; within a panel, super-blocks along
+// the input dimension, each self-contained (scales next to their codes, one sequential stream):
+//   Q4K (asymmetric 4-bit, groups of 32, G = 1..8 groups per super-block; with G = 8 the GGUF
+//       Q4_K grid kept exactly; smaller G serves input widths that are not multiples of 256):
+//       d[16] f16, dmin[16] f16, sc[G][16] u8, mn[G][16] u8, codes[G][4][64] (nibbles)
+//       w = d*sc[g] * q - dmin*mn[g]
+//   Q6K (symmetric 6-bit codes, groups of 16, super-block 256; the Q6_K grid):
+//       d[16] f16, sc[16][16] i8, then per group: low nibbles of steps 0|2 and 1|3 (2 x 64 bytes),
+//       high 2 bits of steps 0..3 at bits 0,2,4,6 (64 bytes)       w = d*sc[g] * (q - 32)
+//   Q8 (codes in bytes, groups of 32 = super-block, one f16 scale per group; Q8_0, Q5_0, int8):
+//       d[16] f16, codes[8][64] u8                              w = d * (q - offset)
+// Codes of one group are stored in steps of 4 inputs: byte 4*c + j of a 64-byte step holds
+// input 4*s + j of channel c (one 32-bit lane per channel: the operand layout of VPDPBUSD, of
+// AVX2's VPMADDUBSW pairs and of NEON's SDOT). Q4K packs two steps per 64 bytes: step i in the
+// low nibbles, step i + 4 in the high ones.
+#pragma once
+
+#include <cstdint>
+
+#include "cpu.h"
+
+namespace spx {
+
+enum Format : int64_t { Q4K = 0, Q6K = 1, Q8 = 2 };
+
+constexpr int kPanel = 16;
+constexpr int kActBlock = 32;  // activation quantization block
+constexpr int kMaxTile = 16;   // the most rows any path's tile takes
+
+struct FormatInfo {
+  int group;       // inputs per scale
+  int superblock;  // inputs per self-contained block of the blob
+  int64_t bytes;   // blob bytes per (panel, super-block)
+};
+
+// False for an unknown format or a Q4K super-block size outside 1..8 groups.
+bool format_info(int64_t fmt, int64_t sbg, FormatInfo* out);
+
+struct Segment {
+  const uint8_t* blob;
+  int64_t fmt, n, k, offset, sbg;  // sbg: Q4K groups per super-block (the others: fixed layouts)
+  FormatInfo fi() const {
+    FormatInfo f{};
+    format_info(fmt, sbg, &f);
+    return f;
+  }
+  int64_t panels() const { return (n + kPanel - 1) / kPanel; }
+  int64_t panel_bytes() const { return fi().bytes * (k / fi().superblock); }
+};
+
+// Quantized activations of m rows of width k: q8 [m, k] int8, d8 [m, k/32] (scale per block),
+// s16 [m, k/16] and s32 [m, k/32] (sums of 16 and 32 codes), xs [m, k/32] = d8 * s32.
+struct Rows {
+  int8_t* q8;
+  float* d8;
+  int32_t* s16;
+  int32_t* s32;
+  float* xs;
+  int64_t k;
+};
+
+// What is applied to each input row before it is quantized (fused into the same pass).
+struct PreOp {
+  const float* norm = nullptr;  // RMSNorm weight [k]: row * rsqrt(mean(row^2) + eps) * norm
+  float eps = 0.f;
+  bool silu_mul = false;  // the row holds [gate | up] (2k values): silu(gate) * up
+};
+
+// pre(x) of rows [r0, r1) quantized into `a` (x: row stride ldx; scratch: k floats).
+void quantize_rows(Path path, const float* x, int64_t ldx, const PreOp& op, const Rows& a, int64_t r0, int64_t r1,
+                   float* scratch);
+
+// One product: every segment's columns side by side in y [m, ldy].
+struct Linear {
+  const Segment* segs;
+  const int64_t* first_panel;  // [nsegs + 1]: global index of each segment's first panel
+  int64_t nsegs;
+  Rows x;
+  int64_t m;
+  float* y;
+  int64_t ldy;
+  const float* bias;      // [ldy] or null
+  const float* residual;  // [m, ldy] or null
+};
+
+// Panels [p0, p1) of the product (global panel indices).
+void linear_panels(Path path, const Linear& op, int64_t p0, int64_t p1);
+
+// Weight row `row` of a segment in float32 (embedding lookups, float conversions, tests).
+void dequantize_row(const Segment& s, int64_t row, float* out);
+
+// ------------------------------------------------------------------ per path
+
+// One tile: panel `p` (16 channels, `valid` of them real) times rows [r0, r0 + rows), written
+// to out (row stride ldo) with bias and residual already offset to the panel's first column.
+struct TileOut {
+  float* y;
+  int64_t ldo;
+  const float* bias;
+  const float* residual;
+  int valid;
+};
+
+void tile_portable(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int rows, const TileOut& out);
+void quantize_row_portable(const float* x, int64_t k, int8_t* q, float* d8, int32_t* s16, int32_t* s32, float* xs);
+void pre_op_row_portable(const float* x, int64_t k, const PreOp& op, float* out);
+
+#define SPX_DECLARE_PATH(isa)                                                                                \
+  int tile_rows_##isa();                                                                                     \
+  void tile_##isa(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int rows, const TileOut& out); \
+  void quantize_row_##isa(const float* x, int64_t k, int8_t* q, float* d8, int32_t* s16, int32_t* s32, float* xs); \
+  void pre_op_row_##isa(const float* x, int64_t k, const PreOp& op, float* out);
+
+#if defined(__x86_64__)
+SPX_DECLARE_PATH(avx2)
+SPX_DECLARE_PATH(avx512)
+#endif
+#if defined(__aarch64__)
+SPX_DECLARE_PATH(neon)
+#endif
+#undef SPX_DECLARE_PATH
+
+}  // namespace spx

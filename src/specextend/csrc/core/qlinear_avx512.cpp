@@ -1,0 +1,245 @@
+// The avx512 path of the quantized linear layers: AVX-512 VNNI (VPDPBUSD: 64 int8 products a
+// instruction), 16 channels a register, tiles of up to 10 rows sharing each weight group.
+#if defined(__x86_64__)
+
+#include "x86.h"
+
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+#include "qlinear.h"
+#include "target.h"
+
+SPX_BEGIN_AVX512
+#include "simd_avx512.h"
+
+namespace spx {
+
+namespace {
+
+constexpr int kTile = 10;  // rows that share one pass over the weights (registers: 2 per row)
+
+// Weights stream from memory once per call; with several rows a group takes long enough that the
+// hardware prefetcher falls behind, so each group also asks for the bytes ~9 KB ahead into L2.
+constexpr int64_t kPrefetch = 9472;
+
+inline void prefetch_group(const uint8_t* p, int bytes) {
+  for (int off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch + off), _MM_HINT_T1);
+}
+
+inline __m512i bcast4(const int8_t* q) {
+  int32_t v;
+  std::memcpy(&v, q, 4);
+  return _mm512_set1_epi32(v);
+}
+
+inline __m512 cvt_u8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+inline __m512 cvt_i8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+inline __m512 cvt_f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+
+// Rows are interleaved step by step (one accumulator per row), so a tile's R dot products are
+// R independent VPDPBUSD chains the core can overlap; integer sums are exact in any order. A
+// single row splits its chain in two for the same reason.
+template <int R, int STEPS>
+inline void dots(const __m512i* w, const int8_t* const* q, __m512i* dot) {
+  constexpr int kSplit = R == 1 ? 2 : 1;
+  __m512i part[R * kSplit];
+#pragma GCC unroll 16
+  for (int r = 0; r < R * kSplit; ++r) part[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+  for (int st = 0; st < STEPS; ++st) {
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const int c = R == 1 ? st % kSplit : r;
+      part[c] = _mm512_dpbusd_epi32(part[c], w[st], bcast4(q[r] + 4 * st));
+    }
+  }
+  if constexpr (R == 1) {
+    dot[0] = _mm512_add_epi32(part[0], part[1]);
+  } else {
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) dot[r] = part[r];
+  }
+}
+
+template <int R>
+void panel_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m512* acc) {
+  const int64_t sbg = s.sbg, nsb = s.k / (32 * sbg), kb = s.k / 32, sb_bytes = 64 + 288 * sbg;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
+    const __m512 d = cvt_f16(p), dmin = cvt_f16(p + 32);
+    for (int g = 0; g < sbg; ++g) {
+      const int64_t k0 = (sb * sbg + g) * 32;
+      const __m512 scale = _mm512_mul_ps(d, cvt_u8(p + 64 + 16 * g));
+      const __m512 mins = _mm512_mul_ps(dmin, cvt_u8(p + 64 + 16 * sbg + 16 * g));
+      const uint8_t* cb = p + 64 + 32 * sbg + 256 * g;
+      prefetch_group(p + (sb_bytes / sbg) * g, static_cast<int>(sb_bytes / sbg));
+      __m512i w[8];
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        const __m512i v = _mm512_loadu_si512(cb + 64 * i);
+        w[i] = _mm512_and_si512(v, low);
+        w[i + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+      const int8_t* q[R];
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) q[r] = x.q8 + (r0 + r) * x.k + k0;
+      __m512i dot[R];
+      dots<R, 8>(w, q, dot);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const int64_t b = (r0 + r) * kb + k0 / 32;
+        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(x.d8[b]));
+        acc[r] = _mm512_fmadd_ps(t, scale, acc[r]);
+        acc[r] = _mm512_fnmadd_ps(mins, _mm512_set1_ps(x.xs[b]), acc[r]);
+      }
+    }
+  }
+}
+
+template <int R>
+void panel_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m512* acc) {
+  const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16;
+  const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+  for (int64_t sb = 0; sb < nsb; ++sb, p += 3360) {
+    const __m512 d = cvt_f16(p);
+    for (int g = 0; g < 16; ++g) {
+      const int64_t k0 = sb * 256 + g * 16;
+      const __m512 scale = _mm512_mul_ps(d, cvt_i8(p + 32 + 16 * g));
+      const uint8_t* cb = p + 288 + 192 * g;
+      prefetch_group(p + 210 * g, 210);
+      const __m512i a = _mm512_loadu_si512(cb), b = _mm512_loadu_si512(cb + 64), h = _mm512_loadu_si512(cb + 128);
+      // Step s's high bits sit at bits 2s..2s+1 of h; shifted to bits 4..5 they join the nibble.
+      __m512i w[4];
+      w[0] = _mm512_or_si512(_mm512_and_si512(a, low), _mm512_and_si512(_mm512_slli_epi16(h, 4), top));
+      w[1] = _mm512_or_si512(_mm512_and_si512(b, low), _mm512_and_si512(_mm512_slli_epi16(h, 2), top));
+      w[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), low), _mm512_and_si512(h, top));
+      w[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), low),
+                             _mm512_and_si512(_mm512_srli_epi16(h, 2), top));
+      const int8_t* q[R];
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) q[r] = x.q8 + (r0 + r) * x.k + k0;
+      __m512i dot[R];
+      dots<R, 4>(w, q, dot);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = r0 + r;
+        const __m512i c = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(32 * x.s16[row * k16 + k0 / 16]));
+        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(x.d8[row * kb + k0 / 32]));
+        acc[r] = _mm512_fmadd_ps(t, scale, acc[r]);
+      }
+    }
+  }
+}
+
+template <int R>
+void panel_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m512* acc) {
+  const int64_t nsb = s.k / 32, kb = s.k / 32;
+  const int32_t off = static_cast<int32_t>(s.offset);
+  for (int64_t sb = 0; sb < nsb; ++sb, p += 544) {
+    const __m512 scale = cvt_f16(p);
+    prefetch_group(p, 544);
+    __m512i w[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) w[i] = _mm512_loadu_si512(p + 32 + 64 * i);
+    const int8_t* q[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) q[r] = x.q8 + (r0 + r) * x.k + sb * 32;
+    __m512i dot[R];
+    dots<R, 8>(w, q, dot);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const int64_t b = (r0 + r) * kb + sb;
+      const __m512i c = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(off * x.s32[b]));
+      const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(x.d8[b]));
+      acc[r] = _mm512_fmadd_ps(t, scale, acc[r]);
+    }
+  }
+}
+
+template <int R>
+void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const TileOut& out) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  switch (s.fmt) {
+    case Q4K: panel_q4k<R>(s, p, x, r0, acc); break;
+    case Q6K: panel_q6k<R>(s, p, x, r0, acc); break;
+    default: panel_q8<R>(s, p, x, r0, acc); break;
+  }
+  const __m512 b = out.bias ? _mm512_loadu_ps(out.bias) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    __m512 y = _mm512_add_ps(acc[r], b);
+    if (out.residual) y = _mm512_add_ps(_mm512_loadu_ps(out.residual + (r0 + r) * out.ldo), y);
+    _mm512_storeu_ps(out.y + (r0 + r) * out.ldo, y);
+  }
+}
+
+using Fn = void (*)(const Segment&, const uint8_t*, const Rows&, int64_t, const TileOut&);
+
+template <int... Rs>
+constexpr std::array<Fn, sizeof...(Rs)> make_tiles(std::integer_sequence<int, Rs...>) {
+  return {&tile<Rs + 1>...};
+}
+const auto kTiles = make_tiles(std::make_integer_sequence<int, kTile>{});
+
+}  // namespace
+
+int tile_rows_avx512() { return kTile; }
+
+// Full panels only (the driver runs a partial one portable).
+void tile_avx512(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int rows, const TileOut& out) {
+  kTiles[rows - 1](s, p, x, r0, out);
+}
+
+void quantize_row_avx512(const float* x, int64_t k, int8_t* q, float* d8, int32_t* s16, int32_t* s32, float* xs) {
+  for (int64_t b = 0; b < k / kActBlock; ++b) {
+    const float* xb = x + b * kActBlock;
+    const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const float d = amax / 127.f;
+    const float id = d != 0.f ? 1.f / d : 0.f;
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id)));
+    const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kActBlock), _mm512_cvtsepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kActBlock + 16), _mm512_cvtsepi32_epi8(qhi));
+    const int32_t a = _mm512_reduce_add_epi32(qlo), c = _mm512_reduce_add_epi32(qhi);
+    d8[b] = d;
+    s16[2 * b] = a;
+    s16[2 * b + 1] = c;
+    s32[b] = a + c;
+    xs[b] = d * static_cast<float>(a + c);
+  }
+}
+
+// pre_op_row_portable with the same arithmetic, 16 lanes at a time (k is a multiple of 32).
+void pre_op_row_avx512(const float* x, int64_t k, const PreOp& op, float* out) {
+  if (op.silu_mul) {
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (int64_t i = 0; i < k; i += 16) {
+      const __m512 g = _mm512_loadu_ps(x + i);
+      const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+      _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), _mm512_loadu_ps(x + k + i)));
+    }
+    return;
+  }
+  __m512 sq = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    sq = _mm512_fmadd_ps(v, v, sq);
+  }
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, sq);
+  float total = 0.f;
+  for (float v : lanes) total += v;
+  const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(total / static_cast<float>(k) + op.eps));
+  for (int64_t i = 0; i < k; i += 16)
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), inv), _mm512_loadu_ps(op.norm + i)));
+}
+
+}  // namespace spx
+
+SPX_END
+
+#endif  // __x86_64__

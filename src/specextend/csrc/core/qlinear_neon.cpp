@@ -1,0 +1,260 @@
+// The neon path of the quantized linear layers: ARMv8.2 dot products (SDOT: 16 int8 products a
+// instruction into 4 int32 lanes). The blob's steps already have SDOT's shape, a 32-bit lane per
+// channel holding 4 inputs, so one SDOT against 4 activation bytes selected by lane covers 4
+// channels x 4 inputs; a 16-channel panel is 4 registers. Codes are signed operands: Q4K (0..15)
+// and Q6K (0..63) as they are, Q8's bytes as code - 128. The float epilogue is the reference's
+// (qlinear.h), 4 channels an instruction.
+#if defined(__aarch64__)
+
+#include <arm_neon.h>
+
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+#include "qlinear.h"
+#include "target.h"
+
+SPX_BEGIN_NEON
+#include "simd_neon.h"
+
+namespace spx {
+
+namespace {
+
+constexpr int kTile = 4;
+
+inline float32x4_t cvt_u8x4(const uint8_t* p) {
+  uint8_t b[8] = {p[0], p[1], p[2], p[3], 0, 0, 0, 0};
+  return vcvtq_f32_u32(vmovl_u16(vget_low_u16(vmovl_u8(vld1_u8(b)))));
+}
+inline float32x4_t cvt_i8x4(const uint8_t* p) {
+  int8_t b[8] = {static_cast<int8_t>(p[0]), static_cast<int8_t>(p[1]), static_cast<int8_t>(p[2]),
+                 static_cast<int8_t>(p[3]), 0, 0, 0, 0};
+  return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vld1_s8(b)))));
+}
+
+// acc + (float(dot) * d8) * scale, fused: the reference epilogue, 4 channels.
+inline float32x4_t epilogue(int32x4_t dot, float d8, float32x4_t scale, float32x4_t acc) {
+  return vfmaq_f32(acc, vmulq_n_f32(vcvtq_f32_s32(dot), d8), scale);
+}
+
+// dot[c4] += codes of step `lane` (w[c4]) x the 4 activation bytes in lane `lane` of a.
+#define SPX_SDOT4(dot, w, a, lane)                   \
+  do {                                               \
+    dot[0] = vdotq_laneq_s32(dot[0], w[0], a, lane); \
+    dot[1] = vdotq_laneq_s32(dot[1], w[1], a, lane); \
+    dot[2] = vdotq_laneq_s32(dot[2], w[2], a, lane); \
+    dot[3] = vdotq_laneq_s32(dot[3], w[3], a, lane); \
+  } while (0)
+
+template <int R>
+void panel_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, float32x4_t (*acc)[4]) {
+  const int64_t sbg = s.sbg, nsb = s.k / (32 * sbg), kb = s.k / 32, sb_bytes = 64 + 288 * sbg;
+  const uint8x16_t low = vdupq_n_u8(0x0F);
+  for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
+    for (int g = 0; g < sbg; ++g) {
+      const int64_t k0 = (sb * sbg + g) * 32;
+      const uint8_t* cb = p + 64 + 32 * sbg + 256 * g;
+      int32x4_t dot[R][4];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < 4; ++c) dot[r][c] = vdupq_n_s32(0);
+      int8x16_t a0[R], a1[R];
+      for (int r = 0; r < R; ++r) {
+        a0[r] = vld1q_s8(x.q8 + (r0 + r) * x.k + k0);  // steps 0..3
+        a1[r] = vld1q_s8(x.q8 + (r0 + r) * x.k + k0 + 16);  // steps 4..7
+      }
+#define SPX_Q4K_STEP(i)                                                                    \
+  {                                                                                        \
+    int8x16_t lo[4], hi[4];                                                                \
+    for (int c = 0; c < 4; ++c) {                                                          \
+      const uint8x16_t v = vld1q_u8(cb + 64 * (i) + 16 * c);                              \
+      lo[c] = vreinterpretq_s8_u8(vandq_u8(v, low));                                      \
+      hi[c] = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));                                      \
+    }                                                                                      \
+    for (int r = 0; r < R; ++r) {                                                          \
+      SPX_SDOT4(dot[r], lo, a0[r], i);                                                     \
+      SPX_SDOT4(dot[r], hi, a1[r], i);                                                     \
+    }                                                                                      \
+  }
+      SPX_Q4K_STEP(0)
+      SPX_Q4K_STEP(1)
+      SPX_Q4K_STEP(2)
+      SPX_Q4K_STEP(3)
+#undef SPX_Q4K_STEP
+      for (int c = 0; c < 4; ++c) {
+        const float32x4_t scale = vmulq_f32(load_f16x4(p + 8 * c), cvt_u8x4(p + 64 + 16 * g + 4 * c));
+        const float32x4_t mins = vmulq_f32(load_f16x4(p + 32 + 8 * c), cvt_u8x4(p + 64 + 16 * sbg + 16 * g + 4 * c));
+        for (int r = 0; r < R; ++r) {
+          const int64_t b = (r0 + r) * kb + k0 / 32;
+          const float32x4_t t = epilogue(dot[r][c], x.d8[b], scale, acc[r][c]);
+          acc[r][c] = vfmsq_f32(t, mins, vdupq_n_f32(x.xs[b]));  // t - mins * xs, fused
+        }
+      }
+    }
+  }
+}
+
+template <int R>
+void panel_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, float32x4_t (*acc)[4]) {
+  const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16;
+  const uint8x16_t low = vdupq_n_u8(0x0F), top = vdupq_n_u8(0x30);
+  for (int64_t sb = 0; sb < nsb; ++sb, p += 3360) {
+    for (int g = 0; g < 16; ++g) {
+      const int64_t k0 = sb * 256 + g * 16;
+      const uint8_t* cb = p + 288 + 192 * g;
+      int8x16_t w[4][4];  // [step][channel quad]
+      for (int c = 0; c < 4; ++c) {
+        const uint8x16_t a = vld1q_u8(cb + 16 * c), b = vld1q_u8(cb + 64 + 16 * c), hb = vld1q_u8(cb + 128 + 16 * c);
+        w[0][c] = vreinterpretq_s8_u8(vorrq_u8(vandq_u8(a, low), vandq_u8(vshlq_n_u8(hb, 4), top)));
+        w[1][c] = vreinterpretq_s8_u8(vorrq_u8(vandq_u8(b, low), vandq_u8(vshlq_n_u8(hb, 2), top)));
+        w[2][c] = vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(a, 4), vandq_u8(hb, top)));
+        w[3][c] = vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(b, 4), vandq_u8(vshrq_n_u8(hb, 2), top)));
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = r0 + r;
+        const int8x16_t a = vld1q_s8(x.q8 + row * x.k + k0);
+        int32x4_t dot[4] = {vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)};
+        SPX_SDOT4(dot, w[0], a, 0);
+        SPX_SDOT4(dot, w[1], a, 1);
+        SPX_SDOT4(dot, w[2], a, 2);
+        SPX_SDOT4(dot, w[3], a, 3);
+        const int32x4_t off = vdupq_n_s32(32 * x.s16[row * k16 + k0 / 16]);
+        const float d8 = x.d8[row * kb + k0 / 32];
+        for (int c = 0; c < 4; ++c) {
+          const float32x4_t scale = vmulq_f32(load_f16x4(p + 8 * c), cvt_i8x4(p + 32 + 16 * g + 4 * c));
+          acc[r][c] = epilogue(vsubq_s32(dot[c], off), d8, scale, acc[r][c]);
+        }
+      }
+    }
+  }
+}
+
+template <int R>
+void panel_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, float32x4_t (*acc)[4]) {
+  const int64_t nsb = s.k / 32, kb = s.k / 32;
+  const int32_t off = static_cast<int32_t>(s.offset);
+  const uint8x16_t flip = vdupq_n_u8(0x80);
+  for (int64_t sb = 0; sb < nsb; ++sb, p += 544) {
+    int32x4_t dot[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) dot[r][c] = vdupq_n_s32(0);
+    for (int half = 0; half < 2; ++half) {  // steps 4*half .. 4*half + 3
+      int8x16_t a[R];
+      for (int r = 0; r < R; ++r) a[r] = vld1q_s8(x.q8 + (r0 + r) * x.k + sb * 32 + 16 * half);
+#define SPX_Q8_STEP(i)                                                                            \
+  {                                                                                               \
+    int8x16_t w[4];                                                                               \
+    for (int c = 0; c < 4; ++c)                                                                   \
+      w[c] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(p + 32 + 64 * (4 * half + (i)) + 16 * c), flip)); \
+    for (int r = 0; r < R; ++r) SPX_SDOT4(dot[r], w, a[r], i);                                    \
+  }
+      SPX_Q8_STEP(0)
+      SPX_Q8_STEP(1)
+      SPX_Q8_STEP(2)
+      SPX_Q8_STEP(3)
+#undef SPX_Q8_STEP
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t b = (r0 + r) * kb + sb;
+      // sum(code * q) - offset * sum(q) = sum((code - 128) * q) + (128 - offset) * sum(q)
+      const int32x4_t fix = vdupq_n_s32((128 - off) * x.s32[b]);
+      for (int c = 0; c < 4; ++c) acc[r][c] = epilogue(vaddq_s32(dot[r][c], fix), x.d8[b], load_f16x4(p + 8 * c), acc[r][c]);
+    }
+  }
+}
+
+#undef SPX_SDOT4
+
+template <int R>
+void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const TileOut& out) {
+  float32x4_t acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = vdupq_n_f32(0.f);
+  switch (s.fmt) {
+    case Q4K: panel_q4k<R>(s, p, x, r0, acc); break;
+    case Q6K: panel_q6k<R>(s, p, x, r0, acc); break;
+    default: panel_q8<R>(s, p, x, r0, acc); break;
+  }
+  for (int c = 0; c < 4; ++c) {
+    const float32x4_t b = out.bias ? vld1q_f32(out.bias + 4 * c) : vdupq_n_f32(0.f);
+    for (int r = 0; r < R; ++r) {
+      float32x4_t y = vaddq_f32(acc[r][c], b);
+      if (out.residual) y = vaddq_f32(vld1q_f32(out.residual + (r0 + r) * out.ldo + 4 * c), y);
+      vst1q_f32(out.y + (r0 + r) * out.ldo + 4 * c, y);
+    }
+  }
+}
+
+using Fn = void (*)(const Segment&, const uint8_t*, const Rows&, int64_t, const TileOut&);
+
+template <int... Rs>
+constexpr std::array<Fn, sizeof...(Rs)> make_tiles(std::integer_sequence<int, Rs...>) {
+  return {&tile<Rs + 1>...};
+}
+const auto kTiles = make_tiles(std::make_integer_sequence<int, kTile>{});
+
+}  // namespace
+
+int tile_rows_neon() { return kTile; }
+
+void tile_neon(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int rows, const TileOut& out) {
+  kTiles[rows - 1](s, p, x, r0, out);
+}
+
+void quantize_row_neon(const float* x, int64_t k, int8_t* q, float* d8, int32_t* s16, int32_t* s32, float* xs) {
+  for (int64_t b = 0; b < k / kActBlock; ++b) {
+    const float* xb = x + b * kActBlock;
+    float32x4_t v[8];
+    float32x4_t m = vdupq_n_f32(0.f);
+    for (int i = 0; i < 8; ++i) {
+      v[i] = vld1q_f32(xb + 4 * i);
+      m = vmaxq_f32(m, vabsq_f32(v[i]));
+    }
+    const float d = vmaxvq_f32(m) / 127.f;
+    const float id = d != 0.f ? 1.f / d : 0.f;
+    int32x4_t c[8];
+    for (int i = 0; i < 8; ++i) c[i] = vcvtnq_s32_f32(vmulq_n_f32(v[i], id));  // nearest, ties to even
+    for (int h = 0; h < 2; ++h) {
+      const int16x8_t lo = vcombine_s16(vqmovn_s32(c[4 * h]), vqmovn_s32(c[4 * h + 1]));
+      const int16x8_t hi = vcombine_s16(vqmovn_s32(c[4 * h + 2]), vqmovn_s32(c[4 * h + 3]));
+      vst1q_s8(q + b * kActBlock + 16 * h, vcombine_s8(vqmovn_s16(lo), vqmovn_s16(hi)));
+      s16[2 * b + h] = vaddvq_s32(vaddq_s32(vaddq_s32(c[4 * h], c[4 * h + 1]), vaddq_s32(c[4 * h + 2], c[4 * h + 3])));
+    }
+    d8[b] = d;
+    s32[b] = s16[2 * b] + s16[2 * b + 1];
+    xs[b] = d * static_cast<float>(s32[b]);
+  }
+}
+
+// pre_op_row_portable with the same arithmetic: RMSNorm's 16 partial sums in four registers.
+void pre_op_row_neon(const float* x, int64_t k, const PreOp& op, float* out) {
+  if (op.silu_mul) {
+    const float32x4_t one = vdupq_n_f32(1.f);
+    for (int64_t i = 0; i < k; i += 4) {
+      const float32x4_t g = vld1q_f32(x + i);
+      const float32x4_t e = exp_neon(vsubq_f32(vdupq_n_f32(0.f), g));
+      vst1q_f32(out + i, vmulq_f32(vdivq_f32(g, vaddq_f32(one, e)), vld1q_f32(x + k + i)));
+    }
+    return;
+  }
+  float32x4_t sq[4] = {vdupq_n_f32(0.f), vdupq_n_f32(0.f), vdupq_n_f32(0.f), vdupq_n_f32(0.f)};
+  for (int64_t i = 0; i < k; i += 16)
+    for (int j = 0; j < 4; ++j) {
+      const float32x4_t v = vld1q_f32(x + i + 4 * j);
+      sq[j] = vfmaq_f32(sq[j], v, v);
+    }
+  float lanes[16];
+  for (int j = 0; j < 4; ++j) vst1q_f32(lanes + 4 * j, sq[j]);
+  float total = 0.f;
+  for (float v : lanes) total += v;
+  const float inv = 1.f / std::sqrt(total / static_cast<float>(k) + op.eps);
+  for (int64_t i = 0; i < k; i += 4) vst1q_f32(out + i, vmulq_f32(vmulq_n_f32(vld1q_f32(x + i), inv), vld1q_f32(op.norm + i)));
+}
+
+}  // namespace spx
+
+SPX_END
+
+#endif  // __aarch64__

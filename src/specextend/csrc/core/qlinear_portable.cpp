@@ -1,0 +1,148 @@
+// The portable path of the quantized linear layers: the reference arithmetic in scalar code
+// (see qlinear.h), which every vector path reproduces bit for bit.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "fastexp.h"
+#include "half.h"
+#include "qlinear.h"
+
+namespace spx {
+
+void quantize_row_portable(const float* x, int64_t k, int8_t* q, float* d8, int32_t* s16, int32_t* s32, float* xs) {
+  for (int64_t b = 0; b < k / kActBlock; ++b) {
+    const float* xb = x + b * kActBlock;
+    float amax = 0.f;
+    for (int i = 0; i < kActBlock; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+    const float d = amax / 127.f;
+    const float id = d != 0.f ? 1.f / d : 0.f;
+    int32_t sums[2] = {0, 0};
+    for (int i = 0; i < kActBlock; ++i) {
+      const int v = static_cast<int>(std::nearbyint(xb[i] * id));
+      q[b * kActBlock + i] = static_cast<int8_t>(v);
+      sums[i / 16] += v;
+    }
+    d8[b] = d;
+    s16[2 * b] = sums[0];
+    s16[2 * b + 1] = sums[1];
+    s32[b] = sums[0] + sums[1];
+    xs[b] = d * static_cast<float>(s32[b]);
+  }
+}
+
+// RMSNorm sums squares in 16 interleaved partial sums (lane i%16) added in lane order; SiLU is
+// elementwise. Vector paths keep the same partial sums in their registers.
+void pre_op_row_portable(const float* x, int64_t k, const PreOp& op, float* out) {
+  if (op.silu_mul) {
+    for (int64_t i = 0; i < k; ++i) out[i] = x[i] / (1.f + exp_portable(-x[i])) * x[k + i];
+    return;
+  }
+  float sq[16] = {0.f};
+  for (int64_t i = 0; i < k; ++i) sq[i % 16] = std::fma(x[i], x[i], sq[i % 16]);
+  float total = 0.f;
+  for (float v : sq) total += v;
+  const float inv = 1.f / std::sqrt(total / static_cast<float>(k) + op.eps);
+  for (int64_t i = 0; i < k; ++i) out[i] = x[i] * inv * op.norm[i];
+}
+
+namespace {
+
+// Code of lane byte b in step st of a packed Q6K group (see the layout in qlinear.h).
+inline int q6_code(const uint8_t* g, int st, int b) {
+  const uint8_t lo = g[64 * (st % 2) + b];
+  return ((st < 2 ? lo : lo >> 4) & 15) | (((g[128 + b] >> (2 * st)) & 3) << 4);
+}
+
+// One group's codes [16 channels][group] and float scales (and Q4K mins).
+struct Group {
+  float scale[kPanel], mins[kPanel];
+  int32_t codes[kPanel][32];
+};
+
+void unpack_group(const Segment& s, const uint8_t* p, int g, Group& out) {
+  const uint16_t* dh = reinterpret_cast<const uint16_t*>(p);
+  for (int c = 0; c < kPanel; ++c) {
+    const float d = half_to_float(dh[c]);
+    if (s.fmt == Q4K) {
+      const uint8_t* sc = p + 64 + 16 * g;
+      const uint8_t* mn = p + 64 + 16 * s.sbg + 16 * g;
+      out.scale[c] = d * static_cast<float>(sc[c]);
+      out.mins[c] = half_to_float(dh[16 + c]) * static_cast<float>(mn[c]);
+      const uint8_t* cb = p + 64 + 32 * s.sbg + 256 * g;
+      for (int st = 0; st < 8; ++st)
+        for (int j = 0; j < 4; ++j) {
+          const uint8_t byte = cb[64 * (st % 4) + 4 * c + j];
+          out.codes[c][4 * st + j] = st < 4 ? (byte & 15) : (byte >> 4);
+        }
+    } else if (s.fmt == Q6K) {
+      out.scale[c] = d * static_cast<float>(reinterpret_cast<const int8_t*>(p + 32)[16 * g + c]);
+      const uint8_t* cb = p + 288 + 192 * g;
+      for (int st = 0; st < 4; ++st)
+        for (int j = 0; j < 4; ++j) out.codes[c][4 * st + j] = q6_code(cb, st, 4 * c + j);
+    } else {
+      out.scale[c] = d;
+      for (int st = 0; st < 8; ++st)
+        for (int j = 0; j < 4; ++j) out.codes[c][4 * st + j] = p[32 + 64 * st + 4 * c + j];
+    }
+  }
+}
+
+// One group of one row into acc[16]: the reference epilogue.
+void group_row(const Segment& s, const Group& grp, const Rows& x, int64_t row, int64_t k0, float* acc) {
+  const FormatInfo fi = s.fi();
+  const int64_t kb = x.k / 32;
+  const int8_t* q = x.q8 + row * x.k + k0;
+  const float d8 = x.d8[row * kb + k0 / 32];
+  for (int c = 0; c < kPanel; ++c) {
+    int32_t dot = 0;
+    for (int i = 0; i < fi.group; ++i) dot += grp.codes[c][i] * static_cast<int32_t>(q[i]);
+    if (s.fmt == Q6K) dot -= 32 * x.s16[row * (x.k / 16) + k0 / 16];
+    if (s.fmt == Q8) dot -= static_cast<int32_t>(s.offset) * x.s32[row * kb + k0 / 32];
+    const float t = static_cast<float>(dot) * d8;
+    acc[c] = std::fma(t, grp.scale[c], acc[c]);
+    if (s.fmt == Q4K) acc[c] = std::fma(-grp.mins[c], x.xs[row * kb + k0 / 32], acc[c]);
+  }
+}
+
+}  // namespace
+
+void tile_portable(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int rows, const TileOut& out) {
+  float acc[kMaxTile * kPanel] = {0.f};
+  const FormatInfo fi = s.fi();
+  const int groups = fi.superblock / fi.group;
+  Group grp;
+  for (int64_t sb = 0; sb < s.k / fi.superblock; ++sb, p += fi.bytes)
+    for (int g = 0; g < groups; ++g) {
+      unpack_group(s, p, g, grp);
+      const int64_t k0 = sb * fi.superblock + static_cast<int64_t>(g) * fi.group;
+      for (int r = 0; r < rows; ++r) group_row(s, grp, x, r0 + r, k0, acc + r * kPanel);
+    }
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < out.valid; ++c) {
+      float v = acc[r * kPanel + c] + (out.bias ? out.bias[c] : 0.f);
+      if (out.residual) v = out.residual[(r0 + r) * out.ldo + c] + v;
+      out.y[(r0 + r) * out.ldo + c] = v;
+    }
+}
+
+void dequantize_row(const Segment& s, int64_t row, float* o) {
+  const FormatInfo fi = s.fi();
+  const int64_t panel = row / kPanel;
+  const int c = static_cast<int>(row % kPanel);
+  const uint8_t* p = s.blob + panel * s.panel_bytes();
+  const int groups = fi.superblock / fi.group;
+  Group grp;
+  for (int64_t sb = 0; sb < s.k / fi.superblock; ++sb, p += fi.bytes)
+    for (int g = 0; g < groups; ++g) {
+      unpack_group(s, p, g, grp);
+      float* og = o + sb * fi.superblock + g * fi.group;
+      for (int i = 0; i < fi.group; ++i) {
+        if (s.fmt == Q4K) og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i]) - grp.mins[c];
+        else if (s.fmt == Q6K) og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i] - 32);
+        else og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i] - s.offset);
+      }
+    }
+}
+
+}  // namespace spx

@@ -1,0 +1,191 @@
+// The kernel core's exactness tests without PyTorch, for any architecture the core builds on
+// (`make test-arm` cross-builds this for aarch64 and runs it under user-mode emulation):
+//   1. every vector path this CPU runs gives the portable path's bits: quantized products of
+//      every format (with the fused norm, SiLU, bias and residual), the activation quantization,
+//      and attention over a bfloat16 cache (causal and tree masks, several head sizes);
+//   2. rows are independent: a row computed alone equals the same row inside batches of 2-16.
+// Exit status 0 when every check passes; each failure is printed.
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../core/attention.h"
+#include "../core/cpu.h"
+#include "../core/half.h"
+#include "../core/qlinear.h"
+
+namespace {
+
+using spx::Path;
+
+int failures = 0, checks = 0;
+std::mt19937 rng(1234);
+
+void check(bool ok, const std::string& what) {
+  ++checks;
+  if (!ok) {
+    ++failures;
+    std::printf("FAIL %s\n", what.c_str());
+  }
+}
+
+bool same_bits(const float* a, const float* b, size_t n) { return std::memcmp(a, b, n * sizeof(float)) == 0; }
+
+std::vector<float> randn(size_t n, float scale = 1.f) {
+  std::normal_distribution<float> dist(0.f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+uint16_t half_bits(float f) {  // a positive normal float as binary16, rounded down (test data only)
+  int e;
+  const float m = std::frexp(f, &e);  // f = m * 2^e, m in [0.5, 1)
+  const int he = e - 1 + 15;
+  const uint16_t man = static_cast<uint16_t>((m * 2.f - 1.f) * 1024.f);
+  return static_cast<uint16_t>((he << 10) | man);
+}
+
+// A random blob in the kernel layout (qlinear.h): random codes and signed scales, sane halves.
+std::vector<uint8_t> random_blob(const spx::Segment& shape) {
+  const spx::FormatInfo fi = shape.fi();
+  std::vector<uint8_t> blob(shape.panels() * shape.panel_bytes());
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::uniform_real_distribution<float> scale(0.001f, 0.02f);
+  for (uint8_t& b : blob) b = static_cast<uint8_t>(byte(rng));
+  const int halves = shape.fmt == spx::Q4K ? 32 : 16;
+  for (size_t off = 0; off < blob.size(); off += fi.bytes) {
+    for (int i = 0; i < halves; ++i) {
+      const uint16_t h = half_bits(scale(rng));
+      std::memcpy(&blob[off + 2 * i], &h, 2);
+    }
+    if (shape.fmt == spx::Q4K)  // 6-bit scales and mins
+      for (int i = 0; i < 32 * shape.sbg; ++i) blob[off + 64 + i] &= 63;
+  }
+  return blob;
+}
+
+struct LinearCase {
+  int64_t fmt, n, k, offset, sbg;
+  bool norm, silu, bias, residual;
+};
+
+std::vector<float> run_linear(Path path, const LinearCase& c, const spx::Segment& seg, const std::vector<float>& x,
+                              int64_t m, const std::vector<float>& norm, const std::vector<float>& bias,
+                              const std::vector<float>& res) {
+  const int64_t k = c.k;
+  std::vector<int8_t> q8(m * k);
+  std::vector<float> d8(m * k / 32), xs(m * k / 32), scratch(k), y(m * c.n);
+  std::vector<int32_t> s16(m * k / 16), s32(m * k / 32);
+  const spx::Rows rows{q8.data(), d8.data(), s16.data(), s32.data(), xs.data(), k};
+  spx::PreOp op;
+  op.norm = c.norm ? norm.data() : nullptr;
+  op.eps = 1e-6f;
+  op.silu_mul = c.silu;
+  spx::quantize_rows(path, x.data(), c.silu ? 2 * k : k, op, rows, 0, m, scratch.data());
+  const int64_t first[2] = {0, seg.panels()};
+  const spx::Linear lin{&seg, first, 1, rows, m, y.data(), c.n, c.bias ? bias.data() : nullptr,
+                        c.residual ? res.data() : nullptr};
+  spx::linear_panels(path, lin, 0, seg.panels());
+  return y;
+}
+
+void linear_tests(const std::vector<Path>& paths) {
+  const LinearCase cases[] = {
+      {spx::Q4K, 48, 512, 0, 8, false, false, true, false},  {spx::Q4K, 64, 1536, 0, 8, true, false, false, true},
+      {spx::Q4K, 40, 896, 0, 7, false, true, false, false},  {spx::Q4K, 35, 96, 0, 3, false, false, true, true},
+      {spx::Q6K, 40, 256, 0, 8, true, false, true, false},   {spx::Q6K, 32, 1536, 0, 8, false, true, false, true},
+      {spx::Q8, 35, 96, 128, 1, false, false, false, false}, {spx::Q8, 33, 64, 16, 1, true, false, true, true},
+      {spx::Q8, 48, 896, 128, 1, false, true, false, false},
+  };
+  for (const LinearCase& c : cases) {
+    const spx::Segment shape{nullptr, c.fmt, c.n, c.k, c.offset, c.sbg};
+    const std::vector<uint8_t> blob = random_blob(shape);
+    spx::Segment seg = shape;
+    seg.blob = blob.data();
+    const int64_t m = 19;
+    const std::vector<float> x = randn(m * (c.silu ? 2 : 1) * c.k, 3.f), norm = randn(c.k), bias = randn(c.n),
+                             res = randn(m * c.n);
+    const std::string name = "linear fmt " + std::to_string(c.fmt) + " n " + std::to_string(c.n) + " k " +
+                             std::to_string(c.k);
+    const std::vector<float> ref = run_linear(Path::Portable, c, seg, x, m, norm, bias, res);
+    for (Path p : paths) {
+      const std::vector<float> y = run_linear(p, c, seg, x, m, norm, bias, res);
+      check(same_bits(y.data(), ref.data(), y.size()), name + ": " + spx::path_name(p) + " = portable");
+      // rows alone and in batches of 1..16 from every offset of a few
+      for (int64_t rows : {1, 2, 3, 5, 9, 16})
+        for (int64_t r0 : {int64_t{0}, m - rows}) {
+          const int64_t w = c.silu ? 2 * c.k : c.k;
+          std::vector<float> xs(x.begin() + r0 * w, x.begin() + (r0 + rows) * w);
+          std::vector<float> rs(res.begin() + r0 * c.n, res.begin() + (r0 + rows) * c.n);
+          const std::vector<float> part = run_linear(p, c, seg, xs, rows, norm, bias, rs);
+          check(same_bits(part.data(), ref.data() + r0 * c.n, part.size()),
+                name + ": " + spx::path_name(p) + " rows " + std::to_string(r0) + "+" + std::to_string(rows));
+        }
+    }
+  }
+}
+
+std::vector<uint16_t> random_bf16(size_t n) {
+  const std::vector<float> f = randn(n);
+  std::vector<uint16_t> out(n);
+  for (size_t i = 0; i < n; ++i) out[i] = spx::float_to_bf16(f[i]);
+  return out;
+}
+
+std::vector<float> run_attention(Path path, spx::Attention pb) {
+  std::vector<float> out(pb.heads * pb.t * pb.d);
+  pb.out = out.data();
+  const std::vector<spx::AttentionItem> items = spx::attention_items(pb);
+  spx::attend_items(path, pb, items.data(), 0, static_cast<int64_t>(items.size()));
+  return out;
+}
+
+void attention_tests(const std::vector<Path>& paths) {
+  struct Case {
+    int64_t heads, kv, t, s, d;
+    bool tree;
+  };
+  const Case cases[] = {{12, 2, 1, 100, 128, false}, {12, 2, 9, 700, 128, true}, {4, 1, 20, 77, 64, false},
+                        {6, 2, 3, 35, 32, true},     {4, 2, 5, 66, 96, true},   {2, 1, 17, 1000, 128, false}};
+  for (const Case& c : cases) {
+    const std::vector<float> q = randn(c.heads * c.t * c.d);
+    const std::vector<uint16_t> k = random_bf16(c.kv * c.s * c.d), v = random_bf16(c.kv * c.s * c.d);
+    std::vector<uint8_t> mask_bytes(c.t * c.t);
+    std::bernoulli_distribution coin(0.5);
+    for (int64_t i = 0; i < c.t; ++i)
+      for (int64_t j = 0; j < c.t; ++j) mask_bytes[i * c.t + j] = (i == j) || (j < i && coin(rng));
+    std::vector<char> mask(mask_bytes.begin(), mask_bytes.end());
+    spx::Attention pb{q.data(), k.data(), v.data(), nullptr, c.heads, c.kv, c.t, c.d, c.s, c.t, c.s * c.d, c.s * c.d,
+                      c.tree ? reinterpret_cast<const bool*>(mask.data()) : nullptr,
+                      1.f / std::sqrt(static_cast<float>(c.d))};
+    const std::vector<float> ref = run_attention(Path::Portable, pb);
+    for (Path p : paths) {
+      const std::vector<float> y = run_attention(p, pb);
+      check(same_bits(y.data(), ref.data(), y.size()), "attention d " + std::to_string(c.d) + " t " +
+                                                          std::to_string(c.t) + ": " + spx::path_name(p) + " = portable");
+    }
+  }
+}
+
+}  // namespace
+
+int main() {
+  std::vector<Path> paths;
+  std::string names = "portable";
+  for (Path p : {Path::AVX2, Path::AVX512, Path::NEON})
+    if (spx::cpu_supports(p)) {
+      paths.push_back(p);
+      names += std::string(", ") + spx::path_name(p);
+    }
+  std::printf("kernel paths on this CPU: %s\n", names.c_str());
+  paths.insert(paths.begin(), Path::Portable);  // the portable path's own row independence
+  linear_tests(paths);
+  attention_tests(paths);
+  std::printf("%d checks, %d failed\n", checks, failures);
+  return failures == 0 ? 0 : 1;
+}

@@ -1,0 +1,240 @@
+// The PyTorch binding of the kernel core (core/): tensors in, checked, raw pointers handed to the
+// core, threads from PyTorch's pool. Every check runs before any parallel work, and the core
+// never throws, so no exception crosses a parallel region.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <string>
+#include <vector>
+
+#include "core/attention.h"
+#include "core/cpu.h"
+#include "core/qlinear.h"
+#include "core/rope.h"
+
+namespace {
+
+spx::Path checked_path(int64_t path) {
+  TORCH_CHECK(path >= 0 && path < spx::kPaths, "unknown kernel path ", path);
+  const auto p = static_cast<spx::Path>(path);
+  TORCH_CHECK(spx::cpu_supports(p), "this CPU cannot run the ", spx::path_name(p), " kernels");
+  return p;
+}
+
+std::vector<std::string> cpu_paths() {
+  std::vector<std::string> out;
+  for (int i = 0; i < spx::kPaths; ++i)
+    if (spx::cpu_supports(static_cast<spx::Path>(i))) out.emplace_back(spx::path_name(static_cast<spx::Path>(i)));
+  return out;
+}
+
+// The int8 activations of rows x [m, k], with their scales and sums (buffers kept alive by `keep`).
+struct QuantizedRows {
+  at::Tensor q8, d8, s16, s32, xs;
+  spx::Rows rows() {
+    return {q8.data_ptr<int8_t>(), d8.data_ptr<float>(), s16.data_ptr<int32_t>(), s32.data_ptr<int32_t>(),
+            xs.data_ptr<float>(), q8.size(1)};
+  }
+};
+
+QuantizedRows quantize(spx::Path path, const at::Tensor& x, int64_t k, const spx::PreOp& op) {
+  const int64_t m = x.size(0);
+  auto opt = x.options();
+  QuantizedRows a{at::empty({m, k}, opt.dtype(at::kChar)), at::empty({m, k / 32}, opt.dtype(at::kFloat)),
+                  at::empty({m, k / 16}, opt.dtype(at::kInt)), at::empty({m, k / 32}, opt.dtype(at::kInt)),
+                  at::empty({m, k / 32}, opt.dtype(at::kFloat))};
+  const spx::Rows rows = a.rows();
+  const float* xp = x.data_ptr<float>();
+  const int64_t ldx = x.size(1);
+  // One scratch row per thread, allocated here: nothing is allocated inside the parallel region.
+  const int64_t threads = m >= 8 ? at::get_num_threads() : 1;
+  std::vector<float> scratch(static_cast<size_t>(threads) * k);
+  if (m >= 8) {
+    at::parallel_for(0, m, 4, [&](int64_t b, int64_t e) {
+      spx::quantize_rows(path, xp, ldx, op, rows, b, e, scratch.data() + at::get_thread_num() * k);
+    });
+  } else {
+    spx::quantize_rows(path, xp, ldx, op, rows, 0, m, scratch.data());
+  }
+  return a;
+}
+
+const float* optional_float(const c10::optional<at::Tensor>& t, at::Tensor& keep, int64_t numel, const char* what) {
+  if (!t.has_value() || !t->defined()) return nullptr;
+  keep = t->contiguous();
+  TORCH_CHECK(keep.scalar_type() == at::kFloat && keep.numel() == numel, "qlinear: ", what, " must be float32 of ",
+              numel, " values");
+  return keep.data_ptr<float>();
+}
+
+// y[M, sum(n)] = pre(x)[M, K] @ concat(segments)^T (+ bias) (+ residual), one activation
+// quantization for all segments. pre: an RMSNorm with weight `norm`, or silu(gate) * up when
+// `silu_mul` (x then holds [gate | up], 2K columns); residual: [M, sum(n)] added to the result.
+at::Tensor qlinear(const at::Tensor& x, const std::vector<at::Tensor>& blobs, const std::vector<int64_t>& fmts,
+                   const std::vector<int64_t>& ns, const std::vector<int64_t>& offsets,
+                   const std::vector<int64_t>& sbgs, const c10::optional<at::Tensor>& bias,
+                   const c10::optional<at::Tensor>& norm, double eps, bool silu_mul,
+                   const c10::optional<at::Tensor>& residual, int64_t path_id) {
+  const spx::Path path = checked_path(path_id);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "qlinear: x must be a 2-D float32 tensor");
+  TORCH_CHECK(blobs.size() == fmts.size() && fmts.size() == ns.size() && ns.size() == offsets.size() &&
+                  offsets.size() == sbgs.size() && !blobs.empty(),
+              "qlinear: one format, width, offset and super-block size per weight segment");
+  const at::Tensor xc = x.contiguous();
+  const int64_t m = xc.size(0), k = silu_mul ? xc.size(1) / 2 : xc.size(1);
+  TORCH_CHECK(!silu_mul || xc.size(1) == 2 * k, "qlinear: silu_mul needs [gate | up] rows");
+  TORCH_CHECK(k % 32 == 0 && k > 0, "qlinear: input width must be a positive multiple of 32");
+  spx::PreOp op;
+  at::Tensor norm_keep, bias_keep, res_keep;
+  op.norm = optional_float(norm, norm_keep, k, "norm");
+  TORCH_CHECK(!(op.norm && silu_mul), "qlinear: norm and silu_mul do not combine");
+  op.eps = static_cast<float>(eps);
+  op.silu_mul = silu_mul;
+  int64_t n_total = 0;
+  std::vector<spx::Segment> segs;
+  std::vector<int64_t> first_panel{0};
+  for (size_t i = 0; i < blobs.size(); ++i) {
+    spx::FormatInfo fi{};
+    TORCH_CHECK(spx::format_info(fmts[i], sbgs[i], &fi), "qlinear: unknown weight format ", fmts[i],
+                " (Q4K takes 1 to 8 groups per super-block)");
+    TORCH_CHECK(k % fi.superblock == 0, "qlinear: input width ", k, " is not a multiple of the format's ",
+                fi.superblock);
+    TORCH_CHECK(ns[i] > 0 && blobs[i].scalar_type() == at::kByte && blobs[i].is_contiguous(),
+                "qlinear: weight blob ", i, " must be contiguous uint8 of a positive width");
+    spx::Segment s{blobs[i].data_ptr<uint8_t>(), fmts[i], ns[i], k, offsets[i], sbgs[i]};
+    TORCH_CHECK(blobs[i].numel() == s.panels() * s.panel_bytes(), "qlinear: weight blob ", i, " has ",
+                blobs[i].numel(), " bytes, expected ", s.panels() * s.panel_bytes());
+    segs.push_back(s);
+    first_panel.push_back(first_panel.back() + s.panels());
+    n_total += s.n;
+  }
+  const float* bp = optional_float(bias, bias_keep, n_total, "bias");
+  const float* rp = optional_float(residual, res_keep, m * n_total, "residual");
+  TORCH_CHECK(!rp || (res_keep.dim() == 2 && res_keep.size(0) == m), "qlinear: residual must be [m, n]");
+  QuantizedRows a = quantize(path, xc, k, op);
+  at::Tensor y = at::empty({m, n_total}, xc.options());
+  const spx::Linear lin{segs.data(), first_panel.data(), static_cast<int64_t>(segs.size()), a.rows(), m,
+                        y.data_ptr<float>(), n_total, bp, rp};
+  at::parallel_for(0, first_panel.back(), 1, [&](int64_t b, int64_t e) { spx::linear_panels(path, lin, b, e); });
+  return y;
+}
+
+// Rows of one segment in float32 (embedding lookups, float conversions, tests).
+at::Tensor dequantize(const at::Tensor& blob, int64_t fmt, int64_t n, int64_t k, int64_t offset, int64_t sbg,
+                      const at::Tensor& row_ids) {
+  spx::FormatInfo fi{};
+  TORCH_CHECK(spx::format_info(fmt, sbg, &fi), "dequantize: unknown format (Q4K takes 1 to 8 groups per super-block)");
+  TORCH_CHECK(k > 0 && k % fi.superblock == 0 && n > 0, "dequantize: bad input width");
+  TORCH_CHECK(blob.scalar_type() == at::kByte && blob.is_contiguous(), "dequantize: blob must be contiguous uint8");
+  spx::Segment s{blob.data_ptr<uint8_t>(), fmt, n, k, offset, sbg};
+  TORCH_CHECK(blob.numel() == s.panels() * s.panel_bytes(), "dequantize: blob size does not match the format");
+  const at::Tensor ids = row_ids.to(at::kLong).contiguous();
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  const int64_t rows = ids.numel();
+  for (int64_t i = 0; i < rows; ++i) TORCH_CHECK(idp[i] >= 0 && idp[i] < n, "dequantize: row id out of range");
+  at::Tensor out = at::empty({rows, k}, at::dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 64, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) spx::dequantize_row(s, idp[i], op + i * k);
+  });
+  return out;
+}
+
+// The activation quantization alone (tests compare it with a Python reference and across paths).
+std::vector<at::Tensor> quantize_activations(const at::Tensor& x, int64_t path_id) {
+  const spx::Path path = checked_path(path_id);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % 32 == 0 && x.size(1) > 0,
+              "quantize_activations: x must be float32 [M, K] with K a positive multiple of 32");
+  QuantizedRows a = quantize(path, x.contiguous(), x.size(1), spx::PreOp{});
+  return {a.q8, a.d8, a.s16};
+}
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& mask,
+                  int64_t path_id) {
+  const spx::Path path = checked_path(path_id);
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "attend: q [H,T,D], k and v [Hkv,S,D]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "attend: q must be float32");
+  TORCH_CHECK(k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16, "attend: k and v must be bfloat16");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(1) == v.size(2),
+              "attend: k and v rows must be contiguous");
+  const at::Tensor qc = q.contiguous();
+  spx::Attention pb{};
+  pb.heads = qc.size(0);
+  pb.t = qc.size(1);
+  pb.d = qc.size(2);
+  pb.kv_heads = k.size(0);
+  pb.s = k.size(1);
+  TORCH_CHECK(pb.kv_heads > 0 && pb.heads % pb.kv_heads == 0, "attend: query heads must be a multiple of K/V heads");
+  TORCH_CHECK(pb.d % 2 == 0 && pb.d > 0 && k.size(2) == pb.d && v.size(2) == pb.d && v.size(1) == pb.s &&
+                  v.size(0) == pb.kv_heads,
+              "attend: shapes");
+  at::Tensor mc;
+  if (mask.has_value() && mask->defined()) {
+    mc = mask->to(at::kBool).contiguous();
+    TORCH_CHECK(mc.dim() == 2 && mc.size(0) == pb.t && mc.size(1) >= pb.t && mc.size(1) <= pb.s, "attend: mask [T, M]");
+    pb.m = mc.size(1);
+    pb.mask = mc.data_ptr<bool>();
+  } else {
+    TORCH_CHECK(pb.t <= pb.s, "attend: more new tokens than cache slots");
+    pb.m = pb.t;
+    pb.mask = nullptr;
+  }
+  pb.q = qc.data_ptr<float>();
+  pb.k = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
+  pb.v = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+  pb.k_head_stride = k.stride(0);
+  pb.v_head_stride = v.stride(0);
+  pb.scale = 1.f / std::sqrt(static_cast<float>(pb.d));
+  at::Tensor out = at::empty({pb.heads, pb.t, pb.d}, qc.options());
+  pb.out = out.data_ptr<float>();
+  const std::vector<spx::AttentionItem> items = spx::attention_items(pb);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1,
+                   [&](int64_t b, int64_t e) { spx::attend_items(path, pb, items.data(), b, e); });
+  return out;
+}
+
+at::Tensor rope_store(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+                      const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double eps,
+                      at::Tensor& k_cache, at::Tensor& v_cache, int64_t start) {
+  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(), "rope_store: h [T, (H+2Hkv)D]");
+  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16 &&
+                  k_cache.dim() == 3 && k_cache.stride(2) == 1 && k_cache.stride(1) == k_cache.size(2) &&
+                  v_cache.stride(2) == 1 && v_cache.stride(1) == v_cache.size(2),
+              "rope_store: bfloat16 caches [Hkv, capacity, D] with contiguous rows");
+  const int64_t t = h.size(0), kvh = k_cache.size(0), d = k_cache.size(2);
+  TORCH_CHECK(h.size(1) == (heads + 2 * kvh) * d && d % 2 == 0, "rope_store: h width does not match the heads");
+  TORCH_CHECK(d <= spx::kMaxHeadDim, "rope_store: head_dim above ", spx::kMaxHeadDim);
+  TORCH_CHECK(start >= 0 && start + t <= k_cache.size(1) && start + t <= v_cache.size(1),
+              "rope_store: slots past the cache's capacity");
+  const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
+  TORCH_CHECK(cc.scalar_type() == at::kFloat && sc.scalar_type() == at::kFloat && cc.numel() == t * d &&
+                  sc.numel() == t * d,
+              "rope_store: cos/sin float32 [T, D]");
+  at::Tensor qn, kn;
+  if (q_norm.has_value() && q_norm->defined()) qn = q_norm->contiguous();
+  if (k_norm.has_value() && k_norm->defined()) kn = k_norm->contiguous();
+  TORCH_CHECK((!qn.defined() || (qn.scalar_type() == at::kFloat && qn.numel() == d)) &&
+                  (!kn.defined() || (kn.scalar_type() == at::kFloat && kn.numel() == d)),
+              "rope_store: q_norm/k_norm float32 [D]");
+  at::Tensor q = at::empty({heads, t, d}, h.options());
+  const spx::Rope op{h.data_ptr<float>(), cc.data_ptr<float>(), sc.data_ptr<float>(),
+                     qn.defined() ? qn.data_ptr<float>() : nullptr, kn.defined() ? kn.data_ptr<float>() : nullptr,
+                     static_cast<float>(eps), t, heads, kvh, d, start, q.data_ptr<float>(),
+                     reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+                     reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::BFloat16>()), k_cache.stride(0),
+                     v_cache.stride(0)};
+  at::parallel_for(0, t, 1, [&](int64_t b, int64_t e) { spx::rope_tokens(op, b, e); });
+  return q;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("qlinear", &qlinear, "quantized linear over weight segments");
+  m.def("dequantize", &dequantize, "dequantize rows of a weight blob");
+  m.def("quantize_activations", &quantize_activations, "int8 activations, one scale per 32");
+  m.def("attend", &attend, "row-independent attention of new tokens over a bfloat16 KV cache");
+  m.def("rope_store", &rope_store, "rotate the new queries and keys, store keys and values in the bf16 cache");
+  m.def("cpu_paths", &cpu_paths, "the kernel paths this CPU runs, slowest first");
+  m.def("has_avx512_bf16", &spx::cpu_has_avx512_bf16, "whether the avx512 path's attention uses AVX512-BF16");
+}

@@ -1,0 +1,173 @@
+"""Every kernel path this CPU runs gives the portable path's bits, and `SPECEXTEND_CPU` chooses one.
+
+The portable path (plain C++) defines the arithmetic; the vector paths (avx2, avx512, neon)
+reproduce it operation for operation. These tests compare each path the machine can run with the
+portable one on random inputs of several shapes, and run the kernel core's own exactness program
+(csrc/test/exactness.cpp, no PyTorch) natively; `make test-arm` runs that program for aarch64
+under emulation."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from specextend import kernels, quant
+from specextend.errors import UserError
+from test_quant import random_blocks
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")
+
+ext = kernels.load()
+PORTABLE = kernels.PATHS.index("portable")
+VECTOR = [p for p in kernels.cpu_paths() if p != "portable"]
+CSRC = Path(kernels.__file__).parent / "csrc"
+
+# (GGUF kind or float bits, rows, width): widths not multiples of 256 and a partial panel of 16
+WEIGHTS = [("Q4_K", 48, 512), ("Q4_K", 64, 1536), ("Q6_K", 40, 256), ("Q6_K", 35, 768), ("Q8_0", 35, 96),
+           ("Q5_0", 33, 64), (4, 48, 896), (4, 40, 96), (8, 32, 160)]
+
+
+def weight(kind: str | int, n: int, k: int) -> quant.QWeight:
+    if isinstance(kind, int):
+        return quant.quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)), kind)
+    return quant.QWeight(k, [quant.from_gguf_blocks(kind, random_blocks(kind, n, k, seed=n), n, k)])
+
+
+def product(w: quant.QWeight, x: torch.Tensor, path: str, **kw) -> torch.Tensor:
+    args = (w.blobs, w.formats, w.widths, w.offsets, w.groups)
+    return ext.qlinear(x, *args, kw.get("bias"), kw.get("norm"), 1e-6, kw.get("silu", False), kw.get("residual"),
+                       kernels.PATHS.index(path))
+
+
+@pytest.mark.skipif(not VECTOR, reason="this CPU has only the portable path")
+@pytest.mark.parametrize("path", VECTOR)
+@pytest.mark.parametrize(("kind", "n", "k"), WEIGHTS)
+def test_products_equal_the_portable_bits(path: str, kind, n: int, k: int) -> None:
+    w = weight(kind, n, k)
+    g = torch.Generator().manual_seed(7)
+    for m in (1, 2, 4, 9, 16, 19):
+        x = torch.randn(m, k, generator=g) * 3
+        assert torch.equal(product(w, x, path), product(w, x, "portable")), m
+        fused = dict(bias=torch.randn(n, generator=g), norm=torch.rand(k, generator=g) + 0.5,
+                     residual=torch.randn(m, n, generator=g))
+        assert torch.equal(product(w, x, path, **fused), product(w, x, "portable", **fused)), m
+        gate_up = torch.cat([x, torch.randn(m, k, generator=g)], dim=1)
+        assert torch.equal(product(w, gate_up, path, silu=True), product(w, gate_up, "portable", silu=True)), m
+
+
+@pytest.mark.parametrize("path", kernels.cpu_paths())
+@pytest.mark.parametrize(("kind", "n", "k"), WEIGHTS[::2])
+def test_a_row_alone_equals_the_row_in_any_batch(path: str, kind, n: int, k: int) -> None:
+    w = weight(kind, n, k)
+    x = torch.randn(19, k, generator=torch.Generator().manual_seed(3)) * 2
+    batch = product(w, x, path)
+    for rows in range(1, 17):
+        for r0 in (0, 19 - rows):
+            assert torch.equal(product(w, x[r0 : r0 + rows], path), batch[r0 : r0 + rows]), (rows, r0)
+
+
+@pytest.mark.skipif(not VECTOR, reason="this CPU has only the portable path")
+@pytest.mark.parametrize("path", VECTOR)
+def test_activation_quantization_equals_the_portable_bits(path: str) -> None:
+    x = torch.randn(13, 256) * torch.logspace(-3, 3, 13).unsqueeze(1)
+    x[0, :32] = 0  # a zero block
+    ours, ref = ext.quantize_activations(x, kernels.PATHS.index(path)), ext.quantize_activations(x, PORTABLE)
+    assert all(torch.equal(a, b) for a, b in zip(ours, ref, strict=True))
+
+
+def tree_mask(t: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.eye(t, dtype=torch.bool)
+    for i in range(1, t):
+        mask[i] = mask[int(torch.randint(0, i, (1,), generator=g))]
+        mask[i, i] = True
+    return mask
+
+
+@pytest.mark.skipif(not VECTOR, reason="this CPU has only the portable path")
+@pytest.mark.parametrize("path", VECTOR)
+@pytest.mark.parametrize("d", [64, 128, 96, 32])
+@pytest.mark.parametrize(("heads", "kv", "t", "prefix"), [(12, 2, 1, 100), (12, 2, 9, 2000), (4, 1, 20, 45),
+                                                          (6, 2, 3, 0)])
+def test_attention_equals_the_portable_bits(path: str, d: int, heads: int, kv: int, t: int, prefix: int) -> None:
+    g = torch.Generator().manual_seed(d + t)
+    capacity = prefix + t + 7  # a view of a larger cache, as the model passes it
+    k = torch.randn(kv, capacity, d, generator=g).bfloat16()[:, : prefix + t]
+    v = torch.randn(kv, capacity, d, generator=g).bfloat16()[:, : prefix + t]
+    q = torch.randn(heads, t, d, generator=g) * 2
+    for mask in (None, tree_mask(t, seed=t)):
+        ours = ext.attend(q, k, v, mask, kernels.PATHS.index(path))
+        assert torch.equal(ours, ext.attend(q, k, v, mask, PORTABLE))
+
+
+SOURCES = [str(p) for p in sorted((CSRC / "core").glob("*.cpp"))] + [str(CSRC / "test" / "exactness.cpp")]
+FLAGS = ["-O2", "-std=c++17", "-ffp-contract=off"]
+
+
+def run_exactness(exe: Path, *runner: str) -> str:
+    out = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and " 0 failed" in out.stdout, out.stdout + out.stderr
+    return out.stdout
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ for the standalone build")
+def test_kernel_core_exactness_program(tmp_path: Path) -> None:
+    """The core alone (no PyTorch), built natively: each path = portable, rows independent."""
+    exe = tmp_path / "exactness"
+    subprocess.run(["g++", *FLAGS, *SOURCES, "-o", str(exe)], check=True)
+    paths = run_exactness(exe).splitlines()[0]
+    assert all(p in paths for p in kernels.cpu_paths())
+
+
+@pytest.mark.skipif(not Path("/usr/include/simde/x86/avx512.h").is_file() or "avx2" not in kernels.cpu_paths()
+                    or "avx512" in kernels.cpu_paths(),
+                    reason="needs an AVX2 CPU without AVX-512 and SIMDe (Debian's libsimde-dev)")
+def test_avx512_path_under_emulation(tmp_path: Path) -> None:
+    """The avx512 path's code on this AVX2 CPU, its intrinsics emulated (csrc/test/emulate_avx512.h):
+    on a CPU without AVX-512 nothing else runs that code before a user with one does."""
+    exe = tmp_path / "exactness-avx512"
+    # -O0: optimising SIMDe's emulation takes minutes; the arithmetic is IEEE at any level
+    emulated = ["-O0", *FLAGS[1:], "-DSPECEXTEND_EMULATE_AVX512", "-mavx2", "-mfma", "-mf16c"]
+    subprocess.run(["g++", *emulated, *SOURCES, "-o", str(exe)], check=True)
+    assert "avx512" in run_exactness(exe).splitlines()[0]
+
+
+@pytest.mark.skipif(shutil.which("aarch64-linux-gnu-g++") is None or shutil.which("qemu-aarch64") is None,
+                    reason="needs Debian's g++-aarch64-linux-gnu and qemu-user (`make test-arm` installs them)")
+def test_neon_path_under_emulation(tmp_path: Path) -> None:
+    """`make test-arm` in a test: the core cross-built for aarch64, run with and without dot products."""
+    exe = tmp_path / "exactness-aarch64"
+    subprocess.run(["aarch64-linux-gnu-g++", *FLAGS, "-static", *SOURCES, "-o", str(exe)], check=True)
+    assert "neon" in run_exactness(exe, "qemu-aarch64", "-cpu", "max").splitlines()[0]
+    assert "neon" not in run_exactness(exe, "qemu-aarch64", "-cpu", "cortex-a53").splitlines()[0]
+
+
+def test_the_cpu_variable_forces_a_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(kernels.CPU_ENV, "portable")
+    assert kernels.path() == "portable" and not kernels.has_fast_path()
+    monkeypatch.setenv(kernels.CPU_ENV, "auto")
+    assert kernels.path() == kernels.cpu_paths()[-1]
+    monkeypatch.setenv(kernels.CPU_ENV, "sse9")
+    with pytest.raises(UserError, match="not a kernel path"):
+        kernels.path()
+    missing = next(p for p in ("neon", "avx512", "avx2") if p not in kernels.cpu_paths())
+    monkeypatch.setenv(kernels.CPU_ENV, missing)
+    with pytest.raises(UserError, match=f"this CPU cannot run the {missing} kernels"):
+        kernels.path()
+
+
+def test_a_path_this_cpu_cannot_run_is_refused_in_one_line(tmp_path: Path) -> None:
+    missing = next(p for p in ("neon", "avx512", "avx2") if p not in kernels.cpu_paths())
+    env = dict(os.environ, SPECEXTEND_CPU=missing, SPECEXTEND_HOME=str(tmp_path))
+    cli = Path(os.sys.executable).with_name("specextend")
+    out = subprocess.run([str(cli), "generate", "--target", "nowhere.gguf", "--prompt", "x", "--weights", "int8"],
+                         capture_output=True, text=True, env=env)
+    assert out.returncode == 2
+    # one line, after the kernels' one-time build notice when this run had to build them
+    lines = [x for x in out.stderr.strip().splitlines() if "building the CPU kernels" not in x]
+    assert len(lines) == 1 and f"this CPU cannot run the {missing} kernels" in lines[0], out.stderr
