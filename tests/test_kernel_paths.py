@@ -19,6 +19,7 @@ import torch
 from specextend import kernels, quant
 from specextend.errors import UserError
 from test_quant import random_blocks
+from tiny_tokenizer import save_tiny_model
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")
 
@@ -163,9 +164,11 @@ def test_the_cpu_variable_forces_a_path(monkeypatch: pytest.MonkeyPatch) -> None
 
 def test_a_path_this_cpu_cannot_run_is_refused_in_one_line(tmp_path: Path) -> None:
     missing = next(p for p in ("neon", "avx512", "avx2") if p not in kernels.cpu_paths())
-    env = dict(os.environ, SPECEXTEND_CPU=missing, SPECEXTEND_HOME=str(tmp_path))
+    env = dict(os.environ, SPECEXTEND_CPU=missing, SPECEXTEND_HOME=str(tmp_path / "home"))
     cli = Path(os.sys.executable).with_name("specextend")
-    out = subprocess.run([str(cli), "generate", "--target", "nowhere.gguf", "--prompt", "x", "--weights", "int8"],
+    model = save_tiny_model(tmp_path / "model", seed=0)  # a real model: the path is refused, not the files
+    out = subprocess.run([str(cli), "generate", "--target", str(model), "--prompt", "x", "--weights", "int8",
+                          "--method", "ar"],
                          capture_output=True, text=True, env=env)
     assert out.returncode == 2
     # one line, after the kernels' one-time build notice when this run had to build them

@@ -79,6 +79,9 @@ def resolve_weights(weights: str, dtype: torch.dtype, device: torch.device | str
         if weights == "gguf" and not quantized_source:
             raise UserError("--weights gguf keeps a GGUF file's quantization; this model is stored in float "
                             "(use int8 or int4)")
+        from .. import kernels
+
+        kernels.path()  # a forced kernel path this CPU cannot run is refused here, before any weight is read
     return weights
 
 
@@ -219,8 +222,9 @@ def resolve_model(folder: Path, dtype: str = "float32", device: torch.device | s
                   draft: bool = False) -> ResolvedModel:
     """Read `folder`'s config and settle its weight scheme (see `resolve_weights`); no weights are read."""
     hf_config = read_config(folder)
+    config = ModelConfig.from_hf(hf_config)  # an unsupported architecture is refused before any weight file is read
     scheme = resolve_weights(weights, parse_dtype(dtype), device, holds_quantized_file(folder), draft)
-    return ResolvedModel(folder, ModelConfig.from_hf(hf_config), dtype, scheme, _eos_ids(folder, hf_config))
+    return ResolvedModel(folder, config, dtype, scheme, _eos_ids(folder, hf_config))
 
 
 def load_model(folder: Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
