@@ -3,7 +3,9 @@
     python -m specextend.bench.report DIR      # rebuild DIR's summary and plots from DIR/results.jsonl
 
 Aggregates per data set (one input length) and method: decode tokens/s is total new tokens over
-total decode seconds; speedups are ratios of those rates; accepted per step is weighted by steps;
+total decode seconds; end-to-end tokens/s is total new tokens over total seconds of prefill +
+decode (each row's own prefill: what a user of that method waits for); speedups are ratios of
+those rates, on both bases; accepted per step is weighted by steps;
 the retrieval share is retrieval seconds over decode seconds; the match rate counts samples whose
 tokens equal `ar`'s token for token, and the ar prefix is the mean number of leading tokens equal to
 `ar`'s (peers with other numerics part from `ar` at a near-tie). Files are written atomically
@@ -63,8 +65,11 @@ class Cell:
     matches: int
     compared: int
     ar_prefix: float | None = None  # mean leading tokens equal to ar's
+    total_s: float | None = None  # mean prefill + decode seconds per sample
+    e2e_tps: float | None = None  # new tokens / (prefill + decode seconds), summed over samples
     speedup_ar: float | None = None
     speedup_sd: float | None = None
+    e2e_speedup_ar: float | None = None
     prefill_borrowed: bool = False  # prefill made by another backend (bench --prefill shared)
 
 
@@ -138,6 +143,7 @@ def aggregate(rows: list[dict[str, Any]]) -> list[Cell]:
                     else mean([a for _, a in steps if a is not None]))
         retr = sum(_num((r.get("phases") or {}).get("retrieval_s")) or 0.0 for r in rs)
         eq, cmp_ = _matches(rs, ar_ids)
+        totals = [t for t in (_total(r) for r in rs) if t is not None]
         cells[(data, method)] = Cell(
             data=data, method=method, samples=len(rs),
             input_tokens=mean([float(r.get("input_tokens") or r.get("prompt_tokens") or 0) for r in rs]) or 0.0,
@@ -145,6 +151,8 @@ def aggregate(rows: list[dict[str, Any]]) -> list[Cell]:
             decode_tps=new / dec if dec > 0 else None,
             accepted=accepted,
             prefill_s=mean([p for p in (_num(r.get("prefill_s")) for r in rs) if p is not None]),
+            total_s=mean(totals),
+            e2e_tps=new / sum(totals) if totals and len(totals) == len(rs) and sum(totals) > 0 else None,
             retrieval_share=retr / dec if dec > 0 else None,
             matches=eq, compared=cmp_,
             ar_prefix=None if method == "ar" else _prefix(rs, ar_ids),
@@ -155,7 +163,19 @@ def aggregate(rows: list[dict[str, Any]]) -> list[Cell]:
             ref = cells.get((data, base))
             if ref is not None and ref.decode_tps and c.decode_tps is not None:
                 setattr(c, attr, c.decode_tps / ref.decode_tps)
+        ref = cells.get((data, "ar"))
+        if ref is not None and ref.e2e_tps and c.e2e_tps is not None:
+            c.e2e_speedup_ar = c.e2e_tps / ref.e2e_tps
     return list(cells.values())
+
+
+def _total(row: dict[str, Any]) -> float | None:
+    """A row's end-to-end seconds: its `total_s`, else its prefill + decode."""
+    t = _num(row.get("total_s"))
+    if t is not None:
+        return t
+    p, d = _num(row.get("prefill_s")), _num(row.get("decode_s"))
+    return p + d if p is not None and d is not None else None
 
 
 # --------------------------------------------------------------------------- summary.md
@@ -163,6 +183,10 @@ def aggregate(rows: list[dict[str, Any]]) -> list[Cell]:
 
 def _f(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
+
+
+def _x(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
 
 
 def summary_tables(cells: list[Cell]) -> str:
@@ -173,18 +197,18 @@ def summary_tables(cells: list[Cell]) -> str:
         cs = {c.method: c for c in cells if c.data == data}
         n = max(c.samples for c in cs.values())
         out.append(f"### {data}: {inputs[data]:,.0f} input tokens (mean), {n} sample{'s' * (n != 1)}\n")
-        out.append("| method | samples | new tokens | decode tok/s | vs ar | vs sd | accepted/step | prefill s "
-                   "| retrieval share | = ar | ar prefix |")
-        out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        out.append("| method | samples | new tokens | decode tok/s | vs ar | vs sd | prefill s | total s "
+                   "| end-to-end tok/s | e2e vs ar | accepted/step | retrieval share | = ar | ar prefix |")
+        out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for m in method_order(cs):
             c = cs[m]
             match = f"{c.matches}/{c.compared}" if c.compared else "-"
             retr = "-" if c.retrieval_share is None else f"{100 * c.retrieval_share:.1f}%"
             out.append(
-                f"| {m} | {c.samples} | {c.new_tokens} | {_f(c.decode_tps, '.2f')} | "
-                f"{_f(c.speedup_ar, '.2f')}{'x' * (c.speedup_ar is not None)} | "
-                f"{_f(c.speedup_sd, '.2f')}{'x' * (c.speedup_sd is not None)} | {_f(c.accepted, '.2f')} | "
-                f"{_f(c.prefill_s, '.1f')}{' †' * c.prefill_borrowed} | {retr} | {match} | {_f(c.ar_prefix, '.1f')} |"
+                f"| {m} | {c.samples} | {c.new_tokens} | {_f(c.decode_tps, '.2f')} | {_x(c.speedup_ar)} | "
+                f"{_x(c.speedup_sd)} | {_f(c.prefill_s, '.1f')}{' †' * c.prefill_borrowed} | {_f(c.total_s, '.1f')} | "
+                f"{_f(c.e2e_tps, '.2f')} | {_x(c.e2e_speedup_ar)} | {_f(c.accepted, '.2f')} | {retr} | {match} | "
+                f"{_f(c.ar_prefix, '.1f')} |"
             )
         out.append("")
     return "\n".join(out)
@@ -212,8 +236,10 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
     parts += [
         "",
         "Decode tok/s = new tokens / decode seconds (prefill excluded), summed over samples; vs ar / vs sd: "
-        "ratio of those rates on the same data; accepted/step: mean draft tokens accepted per target "
-        "forward (τ); prefill s: mean per sample (target + draft; target only for ar); retrieval share: "
+        "ratio of those rates on the same data; prefill s: the method's own prefill, mean per sample (the "
+        "target's, plus the prompt KV its draft computed; target only for ar); total s: prefill + decode, "
+        "mean per sample; end-to-end tok/s = new tokens / total seconds, e2e vs ar its ratio to ar's; "
+        "accepted/step: mean draft tokens accepted per target forward (τ); retrieval share: "
         "retrieval seconds / decode seconds; = ar: samples whose tokens equal ar's token for token; ar prefix: "
         "mean leading tokens equal to ar's. hf-* rows: transformers on the same weights; llamacpp-* rows: "
         "llama.cpp's llama-server on the same GGUF files and prompt tokens (its own prefill/decode clocks).",
@@ -221,8 +247,8 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
         summary_tables(cells) if cells else "(no results yet)",
     ]
     if any(c.prefill_borrowed for c in cells):
-        parts += ["† prefill made once per sample by the efficient backend and shared (bench --prefill shared); "
-                  "the method decodes with its own attention from that cache.", ""]
+        parts += ["† target prefill made once per sample by the efficient backend and shared (bench --prefill "
+                  "shared); the method decodes with its own attention from that cache.", ""]
     return "\n".join(parts) + "\n"
 
 
@@ -241,53 +267,72 @@ def _series(cells: list[Cell], value: Callable[[Cell], float | None], skip: set[
     return {k: sorted(v) for k, v in series.items()}
 
 
-def _plot(path: Path, cells: list[Cell], value: Callable[[Cell], float | None], skip: set[str], ylabel: str,
-          title: str, reference: float | None) -> None:
+@dataclass
+class Panel:
+    """One plot: a value per cell against input length."""
+
+    value: Callable[[Cell], float | None]
+    skip: set[str]
+    ylabel: str
+    title: str
+    reference: float | None
+
+
+def _plot(path: Path, cells: list[Cell], panels: list[Panel]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series = _series(cells, value, skip)
-    families = sorted({f for f, _ in series})
-    styles = ["-", "--", ":", "-."]
-    # One colour per method across both plots: assigned over every method in the results.
-    order = method_order({c.method for c in cells})
-    colors = {m: f"C{i % 10}" for i, m in enumerate(order)}
-    fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), layout="constrained", squeeze=False)
     try:
-        for (family, method), pts in sorted(series.items(), key=lambda kv: (kv[0][0], order.index(kv[0][1]))):
-            xs, ys = zip(*pts, strict=True)
-            label = method if len(families) == 1 else f"{method} ({family})"
-            ax.plot(xs, ys, styles[families.index(family) % len(styles)], marker="o", color=colors[method],
-                    label=label)
-        if reference is not None:
-            ax.axhline(reference, color="grey", linewidth=0.8, linestyle="--")
-        xs_all = sorted({round(x) for pts in series.values() for x, _ in pts})
-        if xs_all and xs_all[0] > 0:
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(xs_all, [f"{x:,}" for x in xs_all], rotation=30 if len(xs_all) > 5 else 0)
-            ax.minorticks_off()
-        ax.set_xlabel("input tokens (mean per data set)")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        ax.grid(True, alpha=0.3)
-        if series:
-            ax.legend(fontsize=8)
-        else:
-            ax.text(0.5, 0.5, "no data yet", ha="center", va="center", transform=ax.transAxes)
+        for ax, panel in zip(axes[0], panels, strict=True):
+            _draw(ax, cells, panel)
         _atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
     finally:
         plt.close(fig)
 
 
+def _draw(ax: Any, cells: list[Cell], panel: Panel) -> None:
+    series = _series(cells, panel.value, panel.skip)
+    families = sorted({f for f, _ in series})
+    styles = ["-", "--", ":", "-."]
+    # One colour per method across every plot: assigned over every method in the results.
+    order = method_order({c.method for c in cells})
+    colors = {m: f"C{i % 10}" for i, m in enumerate(order)}
+    for (family, method), pts in sorted(series.items(), key=lambda kv: (kv[0][0], order.index(kv[0][1]))):
+        xs, ys = zip(*pts, strict=True)
+        label = method if len(families) == 1 else f"{method} ({family})"
+        ax.plot(xs, ys, styles[families.index(family) % len(styles)], marker="o", color=colors[method], label=label)
+    if panel.reference is not None:
+        ax.axhline(panel.reference, color="grey", linewidth=0.8, linestyle="--")
+    xs_all = sorted({round(x) for pts in series.values() for x, _ in pts})
+    if xs_all and xs_all[0] > 0:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs_all, [f"{x:,}" for x in xs_all], rotation=30 if len(xs_all) > 5 else 0)
+        ax.minorticks_off()
+    ax.set_xlabel("input tokens (mean per data set)")
+    ax.set_ylabel(panel.ylabel)
+    ax.set_title(panel.title)
+    ax.grid(True, alpha=0.3)
+    if series:
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no data yet", ha="center", va="center", transform=ax.transAxes)
+
+
 def plot_speedup(path: Path, cells: list[Cell]) -> None:
-    _plot(path, cells, lambda c: c.speedup_ar, {"ar"}, "decode speedup vs ar", "Decode speedup vs ar", 1.0)
+    """Decode speedup and end-to-end speedup over ar, side by side."""
+    _plot(path, cells, [
+        Panel(lambda c: c.speedup_ar, {"ar"}, "decode speedup vs ar", "Decode (prefill excluded) vs ar", 1.0),
+        Panel(lambda c: c.e2e_speedup_ar, {"ar"}, "end-to-end speedup vs ar", "End to end (prefill + decode) vs ar",
+              1.0),
+    ])
 
 
 def plot_accepted(path: Path, cells: list[Cell]) -> None:
-    _plot(path, cells, lambda c: c.accepted, {"ar", "hf-ar", "llamacpp-ar"}, "accepted tokens per step (τ)",
-          "Draft tokens accepted per target forward", None)
+    _plot(path, cells, [Panel(lambda c: c.accepted, {"ar", "hf-ar", "llamacpp-ar"}, "accepted tokens per step (τ)",
+                              "Draft tokens accepted per target forward", None)])
 
 
 # --------------------------------------------------------------------------- files

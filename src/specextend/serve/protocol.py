@@ -287,6 +287,7 @@ def usage(result: Any, queue_s: float) -> dict[str, Any]:
             "accepted_per_step": result.accepted_per_step,
             "prefill_s": result.prefill_s,
             "decode_s": result.decode_s,
+            "total_s": result.total_s,
             "draft_s": phases.get("draft_s", 0.0),
             "verify_s": phases.get("verify_s", 0.0),
             "retrieval_s": phases.get("retrieval_s", 0.0),
