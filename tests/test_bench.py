@@ -125,7 +125,12 @@ def test_shared_prefill_is_one_prefill_per_sample(target, tmp_path, monkeypatch)
     sd, se = by[(0, "sd")], by[(0, "specextend")]
     # sd decodes with its own (eager) kernel from the efficient prefill, and says so.
     assert sd["config"]["attention"] == "eager" and sd["prefill_attention"] == se["prefill_attention"] == "efficient"
-    assert sd["prefill_s"] == se["prefill_s"]
+    # Each row's prefill is its own: the shared target prefill, plus the prompt KV its draft read.
+    assert sd["prefill_target_s"] == se["prefill_target_s"] == by[(0, "ar")]["prefill_s"]
+    assert by[(0, "ar")]["prefill_draft_s"] == 0.0 and sd["prefill_draft_s"] > 0.0
+    for r in rows:
+        assert r["prefill_s"] == pytest.approx(r["prefill_target_s"] + r["prefill_draft_s"])
+        assert r["total_s"] == pytest.approx(r["prefill_s"] + r["decode_s"])
     assert by[(0, "specextend+retrieve_every=2")]["config"]["retrieve_every"] == 2
     summary = (out / "summary.md").read_text()
     assert "bench --prefill shared" in summary
@@ -279,7 +284,9 @@ def test_report_ignores_a_partial_last_line_and_runs_standalone(tmp_path, capsys
     assert len(report.read_rows(path)) == 2
     assert report.main([str(tmp_path)]) == 0
     printed = capsys.readouterr().out
-    # sd: 2x ar's rate; its tokens differ from ar's (recomputed although its row said null).
-    assert "| sd | 1 | 10 | 10.00 | 2.00x | 1.00x | 1.50 | 5.0 | 10.0% | 0/1 |" in printed
+    # sd: 2x ar's decode rate; end to end (prefill + decode, from the rows' fields since they have no
+    # total_s) 10 tokens in 6 s against ar's 7 s; its tokens differ from ar's (recomputed although
+    # its row said null).
+    assert "| sd | 1 | 10 | 10.00 | 2.00x | 1.00x | 5.0 | 6.0 | 1.67 | 1.17x | 1.50 | 10.0% | 0/1 |" in printed
     assert (tmp_path / "speedup.png").is_file() and (tmp_path / "accepted.png").is_file()
     assert report.main([str(tmp_path / "missing")]) == 2

@@ -19,6 +19,7 @@ import torch
 from specextend import kernels, quant
 from specextend.errors import UserError
 from test_quant import random_blocks
+
 from tiny_tokenizer import save_tiny_model
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")

@@ -17,7 +17,9 @@ from specextend.settings import Settings
 from conftest import make_tiny_hf
 
 SMALL = dict(chunk_size=4, top_k_chunks=3, retrieve_every=2, cmr_min_ratio=0.0)
-METHODS = {"ar": dict(method="ar"), "sd": dict(method="sd"), "specextend": dict(method="specextend", **SMALL)}
+# The draft starts at once (draft_gate off), so the cached prefix holds draft KV to reuse.
+METHODS = {"ar": dict(method="ar"), "sd": dict(method="sd"),
+           "specextend": dict(method="specextend", draft_gate=False, **SMALL)}
 
 
 def ids(n: int, seed: int, vocab: int = 63) -> list[int]:
@@ -43,7 +45,10 @@ def test_a_cached_prefix_decodes_the_same_tokens_as_a_cold_prefill(tiny_dir, arc
     tk, dk = kinds(s, method != "ar")
 
     first = eng.prefill(DOC + Q1, s)
-    cache.insert(DOC + Q1, first.snapshot(), tk, dk)
+    eng.decode(first, s)  # the draft computes the prompt KV its policy reads, which the cache keeps
+    snap = first.snapshot()
+    assert (snap.draft_kv is None) == (method == "ar")
+    cache.insert(DOC + Q1, snap, tk, dk)
     prefix = cache.lookup(DOC + Q2, tk, dk)
     assert prefix is not None and prefix.length == len(DOC)
     assert (prefix.draft_kv is None) == (method == "ar")
@@ -77,8 +82,9 @@ def test_quantized_runtime_prefill_from_a_prefix_writes_the_same_bits(tmp_path):
     prefix = eng.prefill(doc + q1, s).snapshot().head(len(doc))
     cold, warm = eng.prefill(doc + q2, s), eng.prefill(doc + q2, s, prefix)
     n = len(doc + q2)
-    for a, b in ((cold.target_cache, warm.target_cache), (cold.draft_store, warm.draft_store)):
-        assert torch.equal(a.k[:, :, :n], b.k[:, :, :n]) and torch.equal(a.v[:, :, :n], b.v[:, :, :n])
+    # The target's KV is the same bits; the draft's prompt KV is computed when a decode reads it.
+    a, b = cold.target_cache, warm.target_cache
+    assert torch.equal(a.k[:, :, :n], b.k[:, :, :n]) and torch.equal(a.v[:, :, :n], b.v[:, :, :n])
     assert torch.equal(cold.first_logits, warm.first_logits)
     assert all(torch.equal(cold.last_q[i], warm.last_q[i]) for i in cold.last_q)
     assert eng.decode(warm, s).token_ids == eng.decode(cold, s).token_ids
@@ -116,14 +122,30 @@ def test_lookup_takes_the_longest_common_run_and_leaves_the_last_token():
     assert st["hits"] == 4 and st["misses"] == 3 and st["entries"] == 1
 
 
-def test_an_entry_without_draft_kv_does_not_serve_a_speculative_prefill():
+def test_an_entry_without_draft_kv_serves_the_target_and_one_with_it_is_preferred():
     cache = PrefixCache(1 << 20)
     cache.insert(list(range(20)), fake_prefix(20, draft=False), "k", None)
-    assert cache.lookup(list(range(30)), "k", "k") is None
+    # A speculative prefill takes the target's KV; its draft computes the slots it reads.
+    hit = cache.lookup(list(range(30)), "k", "k")
+    assert hit is not None and hit.length == 20 and hit.draft_kv is None
     assert cache.lookup(list(range(30)), "k", None).length == 20
-    # The same tokens with the draft's KV are stored beside it (they serve more).
+    # The same tokens with the draft's KV are stored beside it and preferred where a draft is needed.
     cache.insert(list(range(20)), fake_prefix(20), "k", "k")
-    assert cache.lookup(list(range(30)), "k", "k").length == 20
+    assert cache.lookup(list(range(30)), "k", "k").draft_kv is not None
+    assert cache.lookup(list(range(30)), "k", None).draft_kv is None
+
+
+def test_an_entry_with_more_of_the_drafts_kv_replaces_one_with_less():
+    cache = PrefixCache(1 << 20)
+    some = fake_prefix(20)
+    mask = torch.zeros(20, dtype=torch.bool)
+    mask[:8] = True
+    cache.insert(list(range(20)), PrefixKV(some.target_kv, some.draft_kv, mask), "k", "k")
+    assert cache.lookup(list(range(30)), "k", "k").draft_slots == 8
+    cache.insert(list(range(20)), fake_prefix(20, seed=1), "k", "k")  # every slot computed
+    assert cache.stats()["entries"] == 1 and cache.lookup(list(range(30)), "k", "k").draft_slots == 20
+    cache.insert(list(range(20)), PrefixKV(some.target_kv, some.draft_kv, mask), "k", "k")  # less: not kept
+    assert cache.lookup(list(range(30)), "k", "k").draft_slots == 20
 
 
 def test_an_extension_replaces_its_prefix_and_a_covered_prompt_is_not_stored_twice():

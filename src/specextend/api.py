@@ -282,9 +282,9 @@ class Pair(_Prompts):
         """Offer a prefilled prompt to the prefix cache (no-op without one). Valid after decoding too."""
         if self.prefix_cache is None:
             return
-        draft_backend = kv_backend(self.draft, state.attention) if state.draft_store is not None else None
-        self.prefix_cache.insert(state.prompt_ids, state.snapshot(), kv_backend(self.target, state.attention),
-                                 draft_backend)
+        snap = state.snapshot()  # the draft's slots computed so far, if any
+        draft_backend = kv_backend(self.draft, state.attention) if snap.draft_kv is not None else None
+        self.prefix_cache.insert(state.prompt_ids, snap, kv_backend(self.target, state.attention), draft_backend)
 
     # ----------------------------------------------------------------- prefill and decode
 

@@ -261,6 +261,15 @@ class CostModel:
             raise ValueError("this cost model has no draft curve")
         return self.draft_curve.predict(rows, context) * self.scale["draft"]
 
+    def draft_prefill_s(self, tokens: int) -> float:
+        """Seconds for the draft to compute `tokens` prompt tokens' KV: forwards of the widest
+        measured row count, attending on average to half of them (a prefill's forwards are wider
+        still and cheaper per token, so this errs towards not starting the draft)."""
+        if tokens <= 0:
+            return 0.0
+        rows = ROWS[-1]
+        return tokens / rows * self.draft_s(rows, tokens // 2)
+
     def verify_costs(self, context: int, max_rows: int) -> list[float]:
         """Seconds of a verification with n rows, n = 0..max_rows (index 0 unused); never
         decreasing in n, whatever the two scales say."""

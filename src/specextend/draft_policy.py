@@ -11,12 +11,18 @@
 decoding loop (engine.py) and the needle test see only the `DraftPolicy` interface:
 
 - before decoding: `sees_every_position` (the context limit), `score_layers` (which target
-  layers' queries to keep), `start` (the first working cache, from the prompt's scores if the
-  policy wants them);
+  layers' queries to keep), `start_tokens` (how many prompt tokens' draft KV starting would
+  compute), `start` (the first working cache, from the prompt's scores if the policy wants them);
 - proposing: `extend` with committed tokens, `run_tree`/`end_tree` for a draft tree, `skip` for
   committed tokens the draft sat out (the engine decoded them without it);
 - after each verification: `observe`, then `wants_scores`/`score_rows`/`refresh` for retrieval;
 - `stats` for the result, `kept_ranges` for inspection.
+
+The draft store's prompt slots hold KV only where the draft computed it (`DraftPrompt`,
+draft_prefill.py): a policy asks for the slots it is about to read (`_ensure`), so `full` and a
+context short enough to keep whole compute the whole prompt once, while `cmr` computes the
+chunks the target's attention chooses (`draft_prefill="selected"`, the default; `"full"` computes
+the whole prompt first, as a full draft prefill did) and a chunk chosen later when it is chosen.
 
 Positions in a working cache built from selected slots: by default they are re-indexed
 compactly (slot i has position i), so a draft trained on short contexts stays inside its
@@ -33,6 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .attention import Backend
+from .draft_prefill import DraftPrompt
 from .errors import UserError
 from .kv_cache import KVCache
 from .model import Transformer, apply_rope
@@ -48,8 +55,10 @@ PromptScores = Callable[[], torch.Tensor | None]
 class DraftPolicy:
     """The interface, and the `full` policy: the working cache is the draft store itself."""
 
-    def __init__(self, draft: Transformer, draft_store: KVCache, backend: Backend, settings: Settings) -> None:
+    def __init__(self, draft: Transformer, draft_store: KVCache, backend: Backend, settings: Settings,
+                 prompt: DraftPrompt | None = None) -> None:
         self.draft, self.draft_store, self.backend, self.s = draft, draft_store, backend, settings
+        self.prompt = prompt  # None: every prompt slot of the store holds KV already
         self.working = draft_store
         self.next_pos = draft_store.length  # draft position of the next committed token
         self.tree_base = 0  # working length before the current tree
@@ -69,8 +78,18 @@ class DraftPolicy:
         """Target layers whose attention this policy reads (their queries are kept in verification)."""
         return []
 
+    def start_tokens(self) -> int:
+        """How many prompt tokens' draft KV `start` would compute (the draft's start-up cost)."""
+        return self.prompt.missing([(0, self.prompt.n)]) if self.prompt is not None else 0
+
     def start(self, prompt_scores: PromptScores | None = None) -> None:
         """Build the first working cache, from the prompt's scores if the policy wants them."""
+        self._ensure([(0, self.draft_store.length)])
+
+    def _ensure(self, ranges: list[tuple[int, int]]) -> None:
+        """The store's prompt slots in `ranges` hold KV (computed now if they did not)."""
+        if self.prompt is not None:
+            self.prompt.ensure(ranges)
 
     # --- proposing ---------------------------------------------------------------------------
     def extend(self, tokens: list[int]) -> torch.Tensor:
@@ -145,8 +164,9 @@ class FullPolicy(DraftPolicy):
 class SelectiveDraftPolicy(DraftPolicy):
     """A working cache made of selected draft-store slots; subclasses choose the slots."""
 
-    def __init__(self, draft: Transformer, draft_store: KVCache, backend: Backend, settings: Settings) -> None:
-        super().__init__(draft, draft_store, backend, settings)
+    def __init__(self, draft: Transformer, draft_store: KVCache, backend: Backend, settings: Settings,
+                 prompt: DraftPrompt | None = None) -> None:
+        super().__init__(draft, draft_store, backend, settings, prompt)
         c = draft.cfg
         self.working = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, draft_store.capacity, draft_store.k.dtype,
                                draft_store.k.device)
@@ -183,6 +203,7 @@ class SelectiveDraftPolicy(DraftPolicy):
     def rebuild(self, ranges: list[tuple[int, int]]) -> None:
         """Working cache := the given store ranges, in order, then re-rotated if compact."""
         ranges = _merge(ranges)
+        self._ensure(ranges)
         slots = torch.cat([torch.arange(a, b) for a, b in ranges]) if ranges else torch.zeros(0, dtype=torch.long)
         n = int(slots.numel())
         self.working.reset()
@@ -227,6 +248,9 @@ def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 class StreamingPolicy(SelectiveDraftPolicy):
     """`streaming` (StreamingLLM): the first `sink_tokens` tokens plus the most recent ones."""
 
+    def start_tokens(self) -> int:
+        return self.prompt.missing(self.sinks_and_recent()) if self.prompt is not None else 0
+
     def start(self, prompt_scores: PromptScores | None = None) -> None:
         self.rebuild(self.sinks_and_recent())
 
@@ -257,8 +281,9 @@ def chunk_scores(scores: torch.Tensor, tokens: int, chunk: int) -> torch.Tensor:
 class CMRPolicy(SelectiveDraftPolicy):
     """`cmr`, Cross-model Retrieval: the target's attention ranks fixed-size chunks of the context."""
 
-    def __init__(self, draft: Transformer, draft_store: KVCache, backend: Backend, settings: Settings) -> None:
-        super().__init__(draft, draft_store, backend, settings)
+    def __init__(self, draft: Transformer, draft_store: KVCache, backend: Backend, settings: Settings,
+                 prompt: DraftPrompt | None = None) -> None:
+        super().__init__(draft, draft_store, backend, settings, prompt)
         self.ema_accept: float | None = None
         self.drop = False
         self.force = True
@@ -271,6 +296,12 @@ class CMRPolicy(SelectiveDraftPolicy):
         """A short context stays whole: selecting would save the draft little and cost acceptance."""
         return self.draft_store.length <= self.s.cmr_min_ratio * self.budget
 
+    def start_tokens(self) -> int:
+        whole = super().start_tokens()
+        if self.keeps_all() or self.s.draft_prefill == "full":
+            return whole
+        return min(whole, self.budget + self.s.chunk_size)  # the chosen chunks and the open one
+
     def start(self, prompt_scores: PromptScores | None = None) -> None:
         if self.keeps_all():
             # The working cache is the whole context at its true positions; new tokens append
@@ -278,11 +309,15 @@ class CMRPolicy(SelectiveDraftPolicy):
             self.rebuild([(0, self.draft_store.length)])
             self.force = False
             return
-        # Until the first scores arrive, begin from the streaming view (sinks + recent).
-        self.rebuild(self.sinks_and_recent())
+        if self.s.draft_prefill == "full":
+            self._ensure([(0, self.draft_store.length)])
         self.force = True
-        if prompt_scores is not None:  # first retrieval: what the prompt's last token attends to
-            self.refresh(prompt_scores())
+        scores = prompt_scores() if prompt_scores is not None else None
+        if scores is not None:  # first retrieval: what the prompt's last token attends to
+            self.refresh(scores)
+        else:  # no scores: the streaming view (sinks + recent) until they arrive
+            self.rebuild(self.sinks_and_recent())
+            self.force = True
 
     def observe(self, accepted: int) -> None:
         super().observe(accepted)
@@ -351,8 +386,10 @@ DRAFT_POLICIES: dict[str, type[DraftPolicy]] = {
 }
 
 
-def make_policy(name: str, draft: Transformer, draft_store: KVCache, backend: Backend, settings: Settings
-                ) -> DraftPolicy:
+def make_policy(name: str, draft: Transformer, draft_store: KVCache, backend: Backend, settings: Settings,
+                prompt: DraftPrompt | None = None) -> DraftPolicy:
+    """The policy `name` over `draft_store`; with `prompt`, the store's prompt slots are computed
+    as the policy reads them (without it they all hold KV already)."""
     if name not in DRAFT_POLICIES:
         raise ValueError(f"unknown draft cache {name!r}")
-    return DRAFT_POLICIES[name](draft, draft_store, backend, settings)
+    return DRAFT_POLICIES[name](draft, draft_store, backend, settings, prompt)

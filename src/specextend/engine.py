@@ -13,7 +13,11 @@ speculative step is three calls: `proposer.propose`, `_verify`, `_retrieve`. Inv
 Prefill is separate from decoding and restorable, so a benchmark can prefill a prompt once and
 decode it with several methods: decoding only ever appends after the prompt. Prefill can also
 start from a `PrefixKV`, the caches of the prompt's first tokens from an earlier prefill (the
-prefix cache), and then runs only the rest of the prompt. The engine belongs to a `Pair`
+prefix cache), and then runs only the rest of the prompt. The draft's KV of the prompt is not
+part of prefill: its policy computes the slots it reads when the draft starts (draft_prefill.py),
+and with the cost model the draft starts only once it is expected to repay that (sizing.py), so
+a request may finish without it. That time is reported as prefill (`prefill_s`, and
+`extra.draft_prefill_s`), not as decoding. The engine belongs to a `Pair`
 (api.py), its only caller in the package: settings arrive resolved (`Settings.resolved`) and are
 taken as they are.
 
@@ -33,6 +37,7 @@ import torch
 from .attention import attention_probs
 from .costmodel import CostModel, cached_curve
 from .draft_policy import DRAFT_POLICIES, DraftPolicy, make_policy
+from .draft_prefill import DraftPrompt
 from .errors import UserError
 from .kv_cache import KVCache, PrefixKV
 from .lookup import ContextIndex
@@ -82,22 +87,34 @@ class Prefilled:
     target_cache: KVCache
     first_logits: torch.Tensor
     draft_store: KVCache | None  # the draft's KV of every committed token (policies select from it)
+    draft_prompt: DraftPrompt | None  # which of the store's prompt slots the draft has computed
     target_s: float
-    draft_s: float
     room: int  # new tokens the caches have slots for: a decode may ask for at most this many
     last_q: dict[int, torch.Tensor]  # each target layer's query of the last prompt token
     cached_tokens: int = 0  # prompt tokens loaded from a PrefixKV instead of prefilled
 
     @property
-    def prefill_s(self) -> float:
-        return self.target_s + self.draft_s
+    def draft_s(self) -> float:
+        """Seconds the draft has spent computing the prompt's KV so far (over all decodes)."""
+        return self.draft_prompt.seconds if self.draft_prompt is not None else 0.0
 
     def snapshot(self) -> PrefixKV:
-        """A compact copy of the prompt's KV (target and draft store), for the prefix cache.
-        Decoding only appends after the prompt, so this is valid before or after a decode."""
+        """A compact copy of the prompt's KV (target, and the draft's slots computed so far), for
+        the prefix cache. Decoding only appends after the prompt, so this is valid before or after
+        a decode."""
         n = len(self.prompt_ids)
-        return PrefixKV(self.target_cache.snapshot(n),
-                        self.draft_store.snapshot(n) if self.draft_store is not None else None)
+        target = self.target_cache.snapshot(n)
+        dp = self.draft_prompt
+        if self.draft_store is None or dp is None or not bool(dp.computed.any()):
+            return PrefixKV(target, None)
+        return PrefixKV(target, self.draft_store.snapshot(n), None if dp.complete else dp.computed.clone())
+
+    def forget_draft(self) -> None:
+        """Drop the draft's prompt KV computed so far (not any loaded from a cached prefix's
+        computation: all of it), so that the next decode computes exactly what it reads, in its
+        own passes, as it would alone (a benchmark timing each method's own draft prefill)."""
+        if self.draft_prompt is not None:
+            self.draft_prompt.forget()
 
     def restore(self) -> None:
         n = len(self.prompt_ids)
@@ -136,6 +153,7 @@ class _Clock:
     def __init__(self, device: torch.device) -> None:
         self.sync = device.type == "cuda"
         self.totals = {"draft_s": 0.0, "verify_s": 0.0, "retrieval_s": 0.0}
+        self.excluded = 0.0
         self.t = self.now()
 
     def now(self) -> float:
@@ -153,6 +171,11 @@ class _Clock:
 
     def skip(self) -> None:
         self.t = self.now()
+
+    def exclude(self, seconds: float) -> None:
+        """`seconds` of the running lap belong to no phase (the draft's prompt KV: prefill)."""
+        self.t += seconds
+        self.excluded += seconds
 
 
 class LoopOutput(NamedTuple):
@@ -207,8 +230,6 @@ class SpecEngine:
             n = prefix.length
             if not 0 < n < len(prompt_ids):
                 raise ValueError(f"a cached prefix of {n} tokens for a prompt of {len(prompt_ids)}")
-            if uses_draft and prefix.draft_kv is None:
-                raise ValueError("the cached prefix has no draft KV; this method needs it")
         cap = cache_slots(len(prompt_ids), s.max_new_tokens)
         rest = torch.tensor(prompt_ids[n:], dtype=torch.long)
         t0 = time.perf_counter()
@@ -218,15 +239,17 @@ class SpecEngine:
         last_q: dict[int, torch.Tensor] = {}
         first = self.target.prefill(rest, tcache, s.attention, last_q=last_q)
         t1 = time.perf_counter()
-        draft_store = None
+        draft_store = draft_prompt = None
         if uses_draft:
             assert self.draft is not None
             draft_store = self.draft.new_cache(cap)
+            mask = prefix.draft_mask() if prefix is not None else None
             if prefix is not None and prefix.draft_kv is not None:
                 draft_store.load(prefix.draft_kv)
-            self.draft.prefill(rest, draft_store, s.attention)
-        t2 = time.perf_counter()
-        return Prefilled(list(prompt_ids), s.attention, tcache, first, draft_store, t1 - t0, t2 - t1,
+            draft_prompt = DraftPrompt(self.draft, draft_store, prompt_ids, s.attention, s.sink_tokens)
+            if mask is not None:
+                draft_prompt.loaded(mask)
+        return Prefilled(list(prompt_ids), s.attention, tcache, first, draft_store, draft_prompt, t1 - t0,
                          s.max_new_tokens, last_q, cached_tokens=n)
 
     # --- decode --------------------------------------------------------------------------------
@@ -244,20 +267,32 @@ class SpecEngine:
             self.cost_model(s)  # measured (once per machine) before the decode clock starts
         rng = torch.Generator().manual_seed(s.seed)
         clock = _Clock(self.target.device)
+        dp = state.draft_prompt if s.uses_draft else None
+        if dp is not None:
+            dp.begin_decode()
+            dp.on_compute = clock.exclude  # the draft's prompt KV is prefill, whenever it is computed
         t_start = clock.t
         loop = self._ar_loop if s.method == "ar" else self._spec_loop
-        out, accepts, stop, extra = loop(state, s, rng, clock, on_tokens)
-        decode_s = clock.now() - t_start
+        try:
+            out, accepts, stop, extra = loop(state, s, rng, clock, on_tokens)
+        finally:
+            if dp is not None:
+                dp.on_compute = None
+        decode_s = clock.now() - t_start - clock.excluded
         phases = dict(clock.totals)
         phases["other_s"] = max(0.0, decode_s - sum(phases.values()))
         steps = len(accepts)
+        draft_prefill_s = dp.charged_s if dp is not None else 0.0
+        if dp is not None:
+            extra = {**extra, "draft_prefill_s": draft_prefill_s, "draft_prompt_tokens": float(dp.charged_tokens)}
+        prefill_s = state.target_s + draft_prefill_s
         return GenerationResult(
             token_ids=out,
             prompt_tokens=len(state.prompt_ids),
             new_tokens=len(out),
-            prefill_s=state.prefill_s,
+            prefill_s=prefill_s,
             decode_s=decode_s,
-            total_s=state.prefill_s + decode_s,
+            total_s=prefill_s + decode_s,
             steps=steps,
             accepted_per_step=(sum(accepts) / steps) if steps and s.method != "ar" else 0.0,
             phases=phases,
@@ -351,24 +386,31 @@ class SpecEngine:
 
     def _start_proposer(self, state: Prefilled, s: Settings, rng: torch.Generator, clock: _Clock
                         ) -> tuple[Proposer, list[int]]:
-        """The step's proposing parts, and the target layers the draft policy scores with."""
-        policy, layers = self._start_policy(state, s, clock) if s.uses_draft else (None, [])
+        """The step's proposing parts, and the target layers the draft policy scores with. The
+        proposer starts the draft policy when it chooses to (see `Proposer`)."""
+        policy, layers, start = self._policy(state, s, clock) if s.uses_draft else (None, [], None)
         index = None
         if s.lookup:
             index = ContextIndex(state.prompt_ids, cache_slots(len(state.prompt_ids), s.max_new_tokens))
         costs = self.cost_model(s) if s.cost_model else None
-        return Proposer(s, policy, make_builder(s) if policy is not None else None, index, costs, rng), layers
+        builder = make_builder(s) if policy is not None else None
+        return Proposer(s, policy, builder, index, costs, rng, start), layers
 
-    def _start_policy(self, state: Prefilled, s: Settings, clock: _Clock) -> tuple[DraftPolicy, list[int]]:
-        """The draft policy over the prefilled draft store, started (its time is retrieval's), and
-        the target layers it scores with."""
+    def _policy(self, state: Prefilled, s: Settings, clock: _Clock
+                ) -> tuple[DraftPolicy, list[int], Callable[[], None]]:
+        """The draft policy over the draft store, the target layers it scores with, and how to
+        start it: its first working cache, from the prompt's scores (computing the prompt KV it
+        reads, which the clock counts as prefill; the rest is retrieval's time)."""
         assert self.draft is not None and state.draft_store is not None
-        policy = make_policy(s.draft_cache, self.draft, state.draft_store, s.attention, s)
+        policy = make_policy(s.draft_cache, self.draft, state.draft_store, s.attention, s, state.draft_prompt)
         layers = policy.score_layers(self.target.cfg.num_layers)
-        clock.skip()
-        policy.start(lambda: prompt_scores(state, layers))
-        clock.lap("retrieval_s")
-        return policy, layers
+
+        def start() -> None:
+            clock.lap("draft_s")
+            policy.start(lambda: prompt_scores(state, layers))
+            clock.lap("retrieval_s")
+
+        return policy, layers, start
 
     def _verify(self, tree: DraftTree, tcache: KVCache, layers: list[int], s: Settings, rng: torch.Generator
                 ) -> tuple[Verdict, list[int], dict[int, torch.Tensor] | None]:

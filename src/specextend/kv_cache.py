@@ -56,14 +56,28 @@ class KVSnapshot:
 @dataclass(frozen=True)
 class PrefixKV:
     """The KV of a prompt's first `length` tokens from an earlier prefill: the target cache, and the
-    draft's full store (None when that prefill ran without the draft, as `ar` does)."""
+    draft's store (None when the draft computed none of it, as under `ar`) with the mask of the
+    slots it computed (the draft computes a prompt's KV where its policy reads it,
+    draft_prefill.py; None: all of them)."""
 
     target_kv: KVSnapshot
     draft_kv: KVSnapshot | None
+    draft_computed: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.draft_kv is not None and self.draft_kv.length != self.target_kv.length:
             raise ValueError("a prefix's target and draft KV cover different token counts")
+        if self.draft_computed is not None and (self.draft_kv is None
+                                                or int(self.draft_computed.numel()) != self.target_kv.length):
+            raise ValueError("a prefix's draft mask must come with draft KV of the same length")
+
+    def draft_mask(self) -> torch.Tensor | None:
+        """Which draft slots hold KV (None without draft KV)."""
+        if self.draft_kv is None:
+            return None
+        if self.draft_computed is None:
+            return torch.ones(self.length, dtype=torch.bool)
+        return self.draft_computed.to(torch.bool)
 
     @property
     def length(self) -> int:
@@ -75,7 +89,16 @@ class PrefixKV:
 
     def head(self, n: int) -> PrefixKV:
         """The first n tokens' KV (views)."""
-        return PrefixKV(self.target_kv.head(n), self.draft_kv.head(n) if self.draft_kv is not None else None)
+        if self.draft_kv is None:
+            return PrefixKV(self.target_kv.head(n), None)
+        mask = self.draft_computed[:n] if self.draft_computed is not None else None
+        return PrefixKV(self.target_kv.head(n), self.draft_kv.head(n), mask)
+
+    @property
+    def draft_slots(self) -> int:
+        """How many slots hold draft KV."""
+        mask = self.draft_mask()
+        return 0 if mask is None else int(mask.sum())
 
 
 class KVCache:
@@ -155,6 +178,16 @@ class KVCache:
         src = src.to(other.k.device)
         self.k[:, :, dst_start : dst_start + n] = other.k[:, :, src]
         self.v[:, :, dst_start : dst_start + n] = other.v[:, :, src]
+
+    def put_slots(self, other: KVCache, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy slots `src` of `other` into this cache's slots `dst` (any order; lengths unchanged)."""
+        if int(src.numel()) != int(dst.numel()):
+            raise ValueError("put_slots needs as many destination slots as source slots")
+        if dst.numel() and int(dst.max()) >= self.capacity:
+            raise CacheFullError(f"KV cache slot {int(dst.max())} beyond capacity {self.capacity}")
+        src, dst = src.to(other.k.device), dst.to(self.k.device)
+        self.k[:, :, dst] = other.k[:, :, src]
+        self.v[:, :, dst] = other.v[:, :, src]
 
     def snapshot(self, length: int | None = None) -> KVSnapshot:
         """A compact copy of the first `length` committed slots (default: all of them)."""

@@ -35,7 +35,8 @@ _LEN = struct.Struct("<Q")
 _DIGEST = 32
 MAX_HEADER = 64 << 20  # a header is token ids and a few names; more means a corrupt length field
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float64, torch.float32, torch.bfloat16, torch.float16)}
+_DTYPES = {str(d).removeprefix("torch."): d
+           for d in (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.uint8)}
 
 
 class CorruptFile(Exception):
@@ -58,6 +59,8 @@ def _tensors(prefix: PrefixKV) -> list[tuple[str, torch.Tensor]]:
     out = [("target.k", prefix.target_kv.k), ("target.v", prefix.target_kv.v)]
     if prefix.draft_kv is not None:
         out += [("draft.k", prefix.draft_kv.k), ("draft.v", prefix.draft_kv.v)]
+        if prefix.draft_computed is not None:  # the slots the draft computed (absent: all)
+            out.append(("draft.computed", prefix.draft_computed.to(torch.uint8)))
     return out
 
 
@@ -176,7 +179,8 @@ def read(path: Path) -> tuple[Header, PrefixKV]:
     try:
         target = KVSnapshot(tensors["target.k"], tensors["target.v"])
         draft = KVSnapshot(tensors["draft.k"], tensors["draft.v"]) if "draft.k" in tensors else None
-        prefix = PrefixKV(target, draft)
+        computed = tensors["draft.computed"].to(torch.bool) if "draft.computed" in tensors else None
+        prefix = PrefixKV(target, draft, computed)
     except (KeyError, ValueError) as e:
         raise CorruptFile(f"inconsistent tensors: {e}") from None
     if prefix.length != len(header.tokens) or (draft is None) != (header.draft_kind is None):

@@ -13,7 +13,16 @@ import argparse
 from dataclasses import MISSING, fields
 from typing import Any
 
-from .settings import ATTENTIONS, DRAFT_CACHES, METHODS, POSITION_MODES, TREES, Settings, parse_assignments
+from .settings import (
+    ATTENTIONS,
+    DRAFT_CACHES,
+    DRAFT_PREFILLS,
+    METHODS,
+    POSITION_MODES,
+    TREES,
+    Settings,
+    parse_assignments,
+)
 
 WEIGHTS_HELP = (
     "weight storage and kernels: auto (default: on a CPU with AVX2, AVX-512 or NEON and --dtype float32, a GGUF "
@@ -104,6 +113,8 @@ def add_settings_arguments(p: argparse.ArgumentParser, labels: bool = True) -> N
     _opt(cmr, "--positions", str, "draft working-cache positions", choices=POSITION_MODES,
          metavar="|".join(POSITION_MODES))
     _opt(cmr, "--sink-tokens", int, "streaming cache: attention-sink tokens kept at the start")
+    _opt(cmr, "--draft-prefill", str, "the draft's prompt KV: selected (what the draft cache reads, chunks "
+         "computed when chosen) or full (the whole prompt)", choices=DRAFT_PREFILLS, metavar="|".join(DRAFT_PREFILLS))
 
     sizing = p.add_argument_group("tree sizing and prompt lookup")
     sizing.add_argument("--cost-model", action=argparse.BooleanOptionalAction, default=None,
@@ -112,6 +123,9 @@ def add_settings_arguments(p: argparse.ArgumentParser, labels: bool = True) -> N
     sizing.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=None,
                         help="propose continuations of the context's earlier occurrences of its last tokens "
                              "(default: the preset's: on for specextend and lookup)")
+    sizing.add_argument("--draft-gate", action=argparse.BooleanOptionalAction, default=None,
+                        help="with the cost model, start the draft only once it is expected to repay the prompt "
+                             f"KV it must compute (default: {_default('draft_gate')})")
     _opt(sizing, "--lookup-ngram", int, "longest suffix matched against the context")
     _opt(sizing, "--lookup-branches", int, "distinct continuations proposed per step")
     _opt(sizing, "--lookup-length", int, "tokens per continuation")

@@ -1,8 +1,9 @@
 """The prefix cache: prefilled KV of earlier prompts, so a prompt that starts the same way (the same
 long document with another question) prefills only what differs.
 
-An entry is one prompt's KV, the target cache and the draft's full store (which CMR selects
-from), keyed by its token ids. A lookup takes the entry sharing the longest run of leading
+An entry is one prompt's KV, the target cache and the draft's store (the slots the draft computed
+so far: it computes a prompt's KV where its policy reads it, draft_prefill.py), keyed by its
+token ids. A lookup takes the entry sharing the longest run of leading
 tokens with the new prompt and uses that many of its slots: slot i depends on tokens 0..i only
 (attention is causal), so the first n slots of any prompt that starts with those n tokens are
 the same. At least the prompt's last token is always prefilled, since decoding needs its logits
@@ -51,10 +52,18 @@ class _Entry:
     nbytes: int
     prefix: PrefixKV | None = None  # in memory
     path: Path | None = None  # on disk
+    draft_slots: int = 0  # slots holding draft KV (a file read back counts as complete)
 
     def serves(self, target_kind: str, draft_kind: str | None) -> bool:
-        """Whether this entry's KV can stand in for a prefill of these kinds (None: no draft needed)."""
-        return self.target_kind == target_kind and (draft_kind is None or self.draft_kind == draft_kind)
+        """Whether this entry's KV can stand in for a prefill of these kinds (None: no draft
+        needed). An entry without draft KV serves a draft too: the draft computes its slots."""
+        return self.target_kind == target_kind and (draft_kind is None or self.draft_kind in (None, draft_kind))
+
+    def holds(self, other: _Entry) -> bool:
+        """Whether this entry has every kind of KV `other` has, as much of the draft's."""
+        return (self.serves(other.target_kind, other.draft_kind)
+                and (other.draft_kind is None or self.draft_kind == other.draft_kind)
+                and self.draft_slots >= other.draft_slots)
 
 
 def _common(a: np.ndarray, b: np.ndarray) -> int:
@@ -78,26 +87,26 @@ class _Tier:
 
     def best(self, tokens: np.ndarray, target_kind: str, draft_kind: str | None) -> tuple[str | None, int]:
         """The entry sharing the longest leading run with `tokens`, and that run's length."""
-        best_key, best_n = None, 0
+        best_key, best_n, best_draft = None, 0, -1
         for key, e in self.entries.items():
             if e.serves(target_kind, draft_kind):
                 n = _common(e.tokens, tokens)
-                if n > best_n:
-                    best_key, best_n = key, n
+                draft = e.draft_slots if draft_kind is not None and e.draft_kind is not None else 0
+                if (n, draft) > (best_n, best_draft):  # the longest run; with the draft's KV on a tie
+                    best_key, best_n, best_draft = key, n, draft
         return best_key, best_n
 
-    def covering(self, tokens: np.ndarray, target_kind: str, draft_kind: str | None) -> str | None:
-        """An entry that already holds all of `tokens` with at least these kinds."""
+    def covering(self, new: _Entry) -> str | None:
+        """An entry that already holds all of `new`'s tokens and KV."""
         for key, e in self.entries.items():
-            if e.serves(target_kind, draft_kind) and len(e.tokens) >= len(tokens) and \
-                    _common(e.tokens, tokens) == len(tokens):
+            if e.holds(new) and len(e.tokens) >= len(new.tokens) and _common(e.tokens, new.tokens) == len(new.tokens):
                 return key
         return None
 
     def superseded(self, new: _Entry) -> list[str]:
-        """Entries that `new` makes redundant: their tokens start `new`'s, and `new` serves their kinds."""
+        """Entries that `new` makes redundant: their tokens start `new`'s, and `new` holds their KV."""
         return [key for key, e in self.entries.items()
-                if new.serves(e.target_kind, e.draft_kind) and len(e.tokens) <= len(new.tokens)
+                if new.holds(e) and len(e.tokens) <= len(new.tokens)
                 and _common(e.tokens, new.tokens) == len(e.tokens)]
 
     def add(self, key: str, e: _Entry) -> None:
@@ -176,7 +185,7 @@ class PrefixCache:
         ids = np.asarray(tokens, dtype=np.int64)
         key = self._key(ids, target_kind, draft_kind)
         with self._lock:
-            entry = _Entry(ids, target_kind, draft_kind, prefix.nbytes, prefix=prefix)
+            entry = _Entry(ids, target_kind, draft_kind, prefix.nbytes, prefix=prefix, draft_slots=prefix.draft_slots)
             self._insert_memory(key, entry)
             if self.directory is not None:
                 self._insert_disk(key, entry)
@@ -188,7 +197,7 @@ class PrefixCache:
             log.info("prefix of %d tokens (%.0f MB) is larger than the cache cap; not kept in memory",
                      len(entry.tokens), entry.nbytes / 2**20)
             return
-        covering = self.memory.covering(entry.tokens, entry.target_kind, entry.draft_kind)
+        covering = self.memory.covering(entry)
         if covering is not None:
             self.memory.touch(covering)
             return
@@ -209,7 +218,7 @@ class PrefixCache:
         assert self.directory is not None and entry.prefix is not None
         if entry.nbytes > self.disk.max_bytes:
             return
-        covering = self.disk.covering(entry.tokens, entry.target_kind, entry.draft_kind)
+        covering = self.disk.covering(entry)
         if covering is not None:
             self._touch_disk(covering)
             return
@@ -221,8 +230,11 @@ class PrefixCache:
             log.warning("could not write the prefix cache file %s: %s", path, e)
             return
         for old in self.disk.superseded(entry):
-            self._unlink(self.disk.remove(old))
-        self.disk.add(key, _Entry(entry.tokens, entry.target_kind, entry.draft_kind, entry.nbytes, path=path))
+            gone = self.disk.remove(old)
+            if old != key:  # the same key's file was just rewritten in place
+                self._unlink(gone)
+        self.disk.add(key, _Entry(entry.tokens, entry.target_kind, entry.draft_kind, entry.nbytes, path=path,
+                                  draft_slots=entry.draft_slots))
         for _, old_entry in self.disk.overflow():
             self._unlink(old_entry)
 
@@ -241,7 +253,8 @@ class PrefixCache:
             self.disk.remove(key)
             return None
         self._touch_disk(key)
-        self._insert_memory(key, _Entry(e.tokens, e.target_kind, e.draft_kind, prefix.nbytes, prefix=prefix))
+        self._insert_memory(key, _Entry(e.tokens, e.target_kind, e.draft_kind, prefix.nbytes, prefix=prefix,
+                                        draft_slots=prefix.draft_slots))
         return prefix
 
     def _touch_disk(self, key: str) -> None:
@@ -275,7 +288,7 @@ class PrefixCache:
         for _, path, header in sorted(found, key=lambda f: f[0]):
             ids = np.asarray(header.tokens, dtype=np.int64)
             self.disk.add(path.stem, _Entry(ids, header.target_kind, header.draft_kind, header.payload_bytes,
-                                            path=path))
+                                            path=path, draft_slots=len(ids) if header.draft_kind else 0))
         for _, old in self.disk.overflow():
             self._unlink(old)
         if found:

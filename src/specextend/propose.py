@@ -7,7 +7,8 @@ The engine's loop asks it for a tree (`propose`) and tells it what verification 
 
 Each step:
 1. lookup candidates (free: no forward) enter the candidate pool as a trie of continuations;
-2. with the sizer (`cost_model` on): the draft runs only if the sizer expects it to pay, is fed
+2. with the sizer (`cost_model` on): the draft starts once the sizer expects it to repay its
+   start-up (`draft_gate`), then runs only if the sizer expects it to pay, is fed
    the tokens it has not seen (or, after a long stretch without it, only the newest of them),
    grows level by level while levels pay, and the sizer keeps the candidates that maximise
    expected tokens per second, possibly none (an `ar` step). Without the sizer: the draft's
@@ -19,6 +20,7 @@ Each step:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,11 +35,22 @@ from .verify import Verdict
 
 
 class Proposer:
+    """`policy` arrives unstarted, with `start` to start it (its first working cache, and the
+    prompt KV the draft reads): at the first step, or with the sizer and `draft_gate`, at the
+    first step where starting is expected to pay over the tokens still to generate. Until then
+    the step proposes lookup candidates alone (the draft's backlog grows, and a late start
+    feeds it only the newest tokens, as after any stretch without the draft)."""
+
     def __init__(self, s: Settings, policy: DraftPolicy | None, builder: TreeBuilder | None,
-                 index: ContextIndex | None, costs: CostModel | None, rng: torch.Generator) -> None:
+                 index: ContextIndex | None, costs: CostModel | None, rng: torch.Generator,
+                 start: Callable[[], None] | None = None) -> None:
         self.s, self.policy, self.builder, self.index, self.rng = s, policy, builder, index, rng
         self.costs = costs
         self.sizer = Sizer(costs, s, has_draft=policy is not None) if costs is not None else None
+        self._start = start
+        self.started = policy is not None and start is None
+        self.gated = self.sizer is not None and s.draft_gate
+        self.produced = 0  # output tokens so far
         self.backlog: list[int] = []  # committed tokens the draft has not been fed yet
         self.drafted = False  # whether the draft ran in the last step
         # The last step's pool and choice, for `verified`.
@@ -49,11 +62,14 @@ class Proposer:
         self._phases_s = 0.0
         self.counts = {"draft_steps": 0, "draft_forwards": 0, "ar_steps": 0, "lookup_nodes": 0,
                        "lookup_accepted": 0, "skipped_tokens": 0}
+        if policy is not None:
+            self.counts["draft_started_at"] = -1  # output tokens before the draft started (-1: never)
 
     # ----------------------------------------------------------------- the step
 
     def committed(self, tokens: list[int]) -> None:
         """Tokens are now part of the output (the first one, or a step's accepted run + bonus)."""
+        self.produced += len(tokens)
         if self.index is not None:
             self.index.append(tokens)
         if self.policy is not None:
@@ -75,13 +91,17 @@ class Proposer:
         sizer = self.sizer
         if sizer is None:
             if self.policy is not None:
+                self._ensure_started()
                 self._grow(pool, self._catch_up(resync=False), None)
                 keep = self.builder.select(pool) + pool.of(LOOKUP)
             else:
                 keep = pool.of(LOOKUP)
         else:
-            sizer.begin(context, self.policy.working.length if self.policy is not None else 0)
-            if sizer.should_draft(pool, len(self.backlog)):
+            sizer.begin(context, self.policy.working.length if self.started else 0)
+            if self.policy is not None and not self.started and (not self.gated or self._draft_pays(pool)):
+                self._ensure_started()
+                sizer.begin(context, self.policy.working.length)
+            if self.started and sizer.should_draft(pool, len(self.backlog)):
                 self._grow(pool, self._catch_up(resync=True), sizer.keep_going)
             keep = sizer.choose(pool)
         self._node_of = {}
@@ -90,6 +110,18 @@ class Proposer:
             self.policy.end_tree()
         self._pool, self._keep = pool, keep
         return tree
+
+    def _draft_pays(self, pool: Pool) -> bool:
+        assert self.sizer is not None and self.costs is not None and self.policy is not None
+        startup_s = self.costs.draft_prefill_s(self.policy.start_tokens())
+        return self.sizer.draft_pays(pool, len(self.backlog), startup_s, self.s.max_new_tokens - self.produced)
+
+    def _ensure_started(self) -> None:
+        if not self.started:
+            assert self._start is not None
+            self._start()
+            self.started = True
+            self.counts["draft_started_at"] = self.produced
 
     def _catch_up(self, resync: bool) -> torch.Tensor:
         """Feed the draft what it has not seen; returns its distribution for the next token."""
@@ -149,7 +181,7 @@ class Proposer:
             out.update(self.costs.stats())
         if self.sizer is not None:
             out.update(self.sizer.stats())
-        if self.policy is not None:
+        if self.policy is not None and self.started:
             out.update(self.policy.stats())
         return out
 

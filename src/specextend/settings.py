@@ -23,6 +23,7 @@ DRAFT_CACHES = ("full", "streaming", "cmr")
 ATTENTIONS = ("eager", "efficient")
 TREES = ("chain", "dynamic")
 POSITION_MODES = ("compact", "original")
+DRAFT_PREFILLS = ("selected", "full")
 RETRIEVAL_QUERIES = ("last", "path")
 
 # What each preset means (the contract): sd = standard tree speculative decoding; specextend =
@@ -65,6 +66,13 @@ class Settings:
     # attention and costs acceptance (measured in the README). 0 = always select.
     cmr_min_ratio: float = 2.0
     positions: str = "compact"  # draft working-cache positions: compact re-indexing or original
+    # The draft's KV of the prompt (draft_prefill.py): "selected" computes what the draft policy
+    # reads (cmr: the chosen chunks, on demand), "full" the whole prompt when the draft starts.
+    draft_prefill: str = "selected"
+    # With the cost model: start the draft only once it is expected to repay computing the prompt
+    # KV it reads over the tokens still to generate (sizing.Sizer.draft_pays); until then, and
+    # for a request where it never pays, the proposer runs lookup alone.
+    draft_gate: bool = True
     sink_tokens: int = 4  # streaming: attention sinks at the start
     # Draft tree.
     tree: str = "dynamic"
@@ -107,7 +115,9 @@ class Settings:
         return s
 
     def _check(self) -> None:
-        for name in ("cost_model", "lookup"):
+        if self.draft_prefill not in DRAFT_PREFILLS:
+            raise UserError(f"unknown draft prefill {self.draft_prefill!r}; choose one of {', '.join(DRAFT_PREFILLS)}")
+        for name in ("cost_model", "lookup", "draft_gate"):
             if not isinstance(getattr(self, name), bool):
                 raise UserError(f"--{name.replace('_', '-')} must be true or false, got {getattr(self, name)!r}")
         if self.attention not in ATTENTIONS:

@@ -23,7 +23,12 @@ The objective is Dinkelbach's form of a rate: with `lam` the rate to beat (token
 from the cost model's predictions (costmodel.py); a step that runs the draft also pays the draft
 policy's retrieval after it, which counts as draft seconds. `lam` is the larger of plain decoding's rate
 at this context and the engine's recent rate, so a tree wins over the bare root (an `ar` step)
-only when it is expected to beat decoding alone. Three decisions per step use it:
+only when it is expected to beat decoding alone. Three decisions per step use it, after one per
+request:
+
+0. start the draft or not (`draft_pays`, until it says yes): starting computes the prompt KV
+   the draft reads (draft_prefill.py), worth it only if the draft's expected gain per step over
+   the steps still to come repays it; a short answer never starts it and runs lookup alone;
 
 1. draft or not (`should_draft`): the best lookup-only tree against the best tree expected with
    the draft (the draft's usual rank probabilities, the current calibration, and the predicted
@@ -204,6 +209,23 @@ class Sizer:
 
     # ----------------------------------------------------------------- decisions
 
+    def draft_pays(self, pool: Pool, backlog: int, startup_s: float, tokens_left: int) -> bool:
+        """Whether to start the draft now (decision 0, asked each step until it says yes): the
+        tokens per step it is expected to add over the lookup-only tree, net of the step's time
+        (valued at the rate to beat), over the steps still to come, against what starting costs
+        (`startup_s`: computing the prompt KV the draft reads, in tokens forgone at that rate).
+        Before the draft has run, its acceptance is the prior (rank probabilities, calibration
+        1); the lookup candidates' rates are this request's so far."""
+        if not self.has_draft or tokens_left <= 1:
+            return False
+        lookup = self.values(pool)
+        f_without, _ = self.best(lookup, 0.0)
+        f_with, tokens = self._draft_tree(lookup, backlog)
+        gain = f_with - f_without
+        if gain <= 0.0:
+            return False
+        return tokens_left / max(1.0, tokens) * gain > self.lam * startup_s
+
     def should_draft(self, pool: Pool, backlog: int) -> bool:
         """Whether this step runs the draft (decision 1); `pool` holds the lookup candidates."""
         if not self.has_draft:
@@ -213,8 +235,13 @@ class Sizer:
             return True
         lookup = self.values(pool)
         f_without, _ = self.best(lookup, 0.0)
-        # The tree the draft is expected to grow: root children at the usual rank probabilities,
-        # then levels while they pay, judged as `keep_going` will judge them.
+        f_with, _ = self._draft_tree(lookup, backlog)
+        return f_with > f_without
+
+    def _draft_tree(self, lookup: Candidates, backlog: int) -> tuple[float, float]:
+        """F of the tree the draft is expected to grow over the lookup candidates, and its
+        expected tokens: root children at the usual rank probabilities, then levels while they
+        pay, judged as `keep_going` will judge them."""
         c = Candidates(list(lookup.values), list(lookup.parents), list(lookup.draft))
         scores = [0.0] * len(c.values)
         k1 = self.calibration(1)
@@ -227,18 +254,18 @@ class Sizer:
             scores.append(p)
         # A step that runs the draft also pays its policy's retrieval afterwards.
         spent = self.draft_s(max(1, min(backlog, RESYNC_TOKENS))) + self.costs.retrieval_s
-        f_with, _ = self.best(c, spent)
+        f_with, kept = self.best(c, spent)
         for depth in range(2, self.max_depth + 1):
             expand = sorted(frontier, key=lambda i: (-scores[i], i))[: self.topk]
             level = self.draft_s(len(expand))
             grown = self._with_children(c, expand, depth)
-            f_grown, _ = self.best(grown, spent + level)
+            f_grown, kept_grown = self.best(grown, spent + level)
             if f_grown <= f_with:
                 break
             frontier = list(range(len(c.values), len(grown.values)))
             scores += [scores[e] * p for e in expand for p in self.rank_prob]
-            c, spent, f_with = grown, spent + level, f_grown
-        return f_with > f_without
+            c, spent, f_with, kept = grown, spent + level, f_grown, kept_grown
+        return f_with, 1.0 + sum(c.values[i] for i in kept)
 
     def caught_up(self, rows: int) -> None:
         """The draft was fed `rows` tokens this step (its first forward)."""

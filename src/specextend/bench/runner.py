@@ -446,7 +446,7 @@ class Bench:
             gc.collect()
 
     def _run_group(self, pair: Any, sample: Sample, specs: list[MethodSpec], attention: str) -> None:
-        # Prefill with a speculative method's settings if any, so the draft is prefilled too.
+        # Prefill with a speculative method's settings if any, so the state has a draft store.
         first = next((sp for sp in specs if sp.needs_draft), specs[0])
         assert first.settings is not None
         self._status(sample, f"prefill ({attention})")
@@ -455,19 +455,21 @@ class Bench:
             for sp in specs:
                 assert sp.settings is not None
                 self._status(sample, sp.name)
-                row = self._engine_row(sp, pair.decode(state, sp.settings), state.target_s, state.draft_s)
+                state.forget_draft()  # each method computes the draft's prompt KV it reads, as alone
+                row = self._engine_row(sp, pair.decode(state, sp.settings))
                 row["prefill_attention"] = state.attention
                 self.record(sample, sp, row)
         finally:
             del state
 
-    def _engine_row(self, spec: MethodSpec, res: Any, target_s: float, draft_s: float) -> dict[str, Any]:
-        """The `generate --json` object, named by the method as written, with its own prefill
-        cost: a shared prefill's draft part is not `ar`'s."""
+    def _engine_row(self, spec: MethodSpec, res: Any) -> dict[str, Any]:
+        """The `generate --json` object, named by the method as written. Its prefill is its own:
+        the shared target prefill, plus the draft's prompt KV this method's decode computed (each
+        method starts from none), so `total_s` is what a user of this method alone waits for."""
         row = res.to_json()
-        draft_s = draft_s if spec.needs_draft else 0.0
-        row.update(method=spec.name, preset=res.settings.method, prefill_s=target_s + draft_s,
-                   prefill_target_s=target_s, prefill_draft_s=draft_s, total_s=target_s + draft_s + res.decode_s)
+        draft_s = float((res.extra or {}).get("draft_prefill_s", 0.0))
+        row.update(method=spec.name, preset=res.settings.method, prefill_target_s=res.prefill_s - draft_s,
+                   prefill_draft_s=draft_s)
         return row
 
     # ----------------------------------------------------------------- llama.cpp peers

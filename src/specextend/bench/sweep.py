@@ -146,6 +146,7 @@ def decode_all(pair: Any, state: Any, runs: list[tuple[dict[str, Any], Settings]
     for point, s in runs:
         bar.set_postfix_str(f"prompt {sample}: {describe(point)}")
         t = time.perf_counter()
+        state.forget_draft()  # each configuration computes the draft's prompt KV it reads, as alone
         r = pair.decode(state, s)
         wall = time.perf_counter() - t
         ar = ar or r
