@@ -214,11 +214,13 @@ def test_engine_sampling_with_wrong_lookup_candidates(tiny_dir, monkeypatch, met
     state = eng.prefill(prompt, s)
     counts = torch.zeros(2, 8)
     n = 3_000
-    lookup_nodes = 0.0
+    lookup_nodes = drafted = 0.0
     for seed in range(n):
         r = eng.decode(state, replace(s, seed=seed))
         counts[0, r.token_ids[0]] += 1
         counts[1, r.token_ids[1]] += 1
         lookup_nodes += r.extra["lookup_nodes_per_step"]
+        drafted += r.extra.get("draft_steps", 0.0)
     assert lookup_nodes > 0
+    assert (drafted > 0) == (method == "specextend")  # a draft this cheap starts (draft_gate) and runs
     assert_counts_follow(counts, (p1, p2), n)

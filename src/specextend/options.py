@@ -98,23 +98,7 @@ def add_settings_arguments(p: argparse.ArgumentParser, labels: bool = True) -> N
     _opt(method, "--attention", str, "attention backend, overrides the preset's", choices=ATTENTIONS,
          metavar="|".join(ATTENTIONS), shown_default="the preset's")
 
-    cmr = p.add_argument_group("cross-model retrieval (draft cache cmr; streaming uses the budget)")
-    _opt(cmr, "--chunk-size", int, "tokens per retrieval chunk")
-    _opt(cmr, "--top-k-chunks", int, "chunks kept in the draft's working cache")
-    _opt(cmr, "--retrieve-every", int, "refresh the retrieval every N steps")
-    _opt(cmr, "--retrieval-layer", int, "target layer whose attention ranks chunks (-1: last)")
-    _opt(cmr, "--retrieval-layers-mean", int, "average the scores of this many layers ending there")
-    _opt(cmr, "--retrieval-query", str, "query rows: the last accepted token or the accepted path",
-         choices=("last", "path"), metavar="last|path")
-    cmr.add_argument("--adaptive-refresh", action=argparse.BooleanOptionalAction, default=None,
-                     help=f"also refresh when acceptance drops (default: {_default('adaptive_refresh')})")
-    _opt(cmr, "--chunk-overlap", int, "extend each chosen chunk by this many neighbour tokens")
-    _opt(cmr, "--cmr-min-ratio", float, "select chunks only above this many budgets of context (0: always)")
-    _opt(cmr, "--positions", str, "draft working-cache positions", choices=POSITION_MODES,
-         metavar="|".join(POSITION_MODES))
-    _opt(cmr, "--sink-tokens", int, "streaming cache: attention-sink tokens kept at the start")
-    _opt(cmr, "--draft-prefill", str, "the draft's prompt KV: selected (what the draft cache reads, chunks "
-         "computed when chosen) or full (the whole prompt)", choices=DRAFT_PREFILLS, metavar="|".join(DRAFT_PREFILLS))
+    _add_retrieval_arguments(p)
 
     sizing = p.add_argument_group("tree sizing and prompt lookup")
     sizing.add_argument("--cost-model", action=argparse.BooleanOptionalAction, default=None,
@@ -147,6 +131,27 @@ def add_settings_arguments(p: argparse.ArgumentParser, labels: bool = True) -> N
         sampling.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                               help="a label recorded in the JSON's config for your own bookkeeping (read by "
                                    "nothing; every setting has its own option above); repeatable")
+
+
+def _add_retrieval_arguments(p: argparse.ArgumentParser) -> None:
+    """Cross-model retrieval's options (the streaming cache uses its budget), and the draft's prompt KV."""
+    cmr = p.add_argument_group("cross-model retrieval (draft cache cmr; streaming uses the budget)")
+    _opt(cmr, "--chunk-size", int, "tokens per retrieval chunk")
+    _opt(cmr, "--top-k-chunks", int, "chunks kept in the draft's working cache")
+    _opt(cmr, "--retrieve-every", int, "refresh the retrieval every N steps")
+    _opt(cmr, "--retrieval-layer", int, "target layer whose attention ranks chunks (-1: last)")
+    _opt(cmr, "--retrieval-layers-mean", int, "average the scores of this many layers ending there")
+    _opt(cmr, "--retrieval-query", str, "query rows: the last accepted token or the accepted path",
+         choices=("last", "path"), metavar="last|path")
+    cmr.add_argument("--adaptive-refresh", action=argparse.BooleanOptionalAction, default=None,
+                     help=f"also refresh when acceptance drops (default: {_default('adaptive_refresh')})")
+    _opt(cmr, "--chunk-overlap", int, "extend each chosen chunk by this many neighbour tokens")
+    _opt(cmr, "--cmr-min-ratio", float, "select chunks only above this many budgets of context (0: always)")
+    _opt(cmr, "--positions", str, "draft working-cache positions", choices=POSITION_MODES,
+         metavar="|".join(POSITION_MODES))
+    _opt(cmr, "--sink-tokens", int, "streaming cache: attention-sink tokens kept at the start")
+    _opt(cmr, "--draft-prefill", str, "the draft's prompt KV: selected (what the draft cache reads, chunks "
+         "computed when chosen) or full (the whole prompt)", choices=DRAFT_PREFILLS, metavar="|".join(DRAFT_PREFILLS))
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
