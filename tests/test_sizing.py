@@ -160,6 +160,27 @@ def test_lookup_alone_passes_one_token_per_step_on_a_repeating_context(tiny_dir,
     assert r.extra["draft_forwards"] == 0
 
 
+def test_lookup_probes_find_candidates_the_prior_undervalues(tiny_dir, monkeypatch):
+    """Candidates that are always right but that the prior says do not pay (a two-row step costs
+    1.6 rows here): only verifying one shows they pass, and the probes do; without them every
+    step stays a one-row step."""
+    target = load_model(tiny_dir("qwen2", 0), torch.float64)
+    eng = SpecEngine(target, None, eos_ids=[])
+    eng.costs = synthetic_costs(verify_ms=(10.0, 16.0, 20.0, 25.0, 35.0, 60.0))
+    truth = eng.generate(PROMPT, Settings(method="ar", max_new_tokens=80)).token_ids
+    n_prompt = len(PROMPT)
+
+    def continuations(self, ngram, branches, length):  # the target's own next 4 tokens, 1-gram match
+        done = self.length - n_prompt
+        nxt = tuple(truth[done : done + 4])
+        return [Continuation(nxt, 1)] if nxt else []
+
+    monkeypatch.setattr(ContextIndex, "continuations", continuations)
+    r = eng.generate(PROMPT, Settings(method="lookup", max_new_tokens=80))
+    assert r.token_ids == truth
+    assert r.extra["lookup_accepted"] > 40 and r.accepted_per_step > 1.0, r.accept_lengths
+
+
 # --------------------------------------------------------------------------- monotone choices
 
 

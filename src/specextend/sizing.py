@@ -38,7 +38,9 @@ request:
    coming back is noticed, at a cost that vanishes as the interval grows;
 2. one more draft level or not (`keep_going`): F with the level's expected children and its
    cost against F without;
-3. the nodes kept (`choose`): the prefix by value that maximises F.
+3. the nodes kept (`choose`): the prefix by value that maximises F; a *lookup probe* verifies
+   the first lookup candidate anyway after 1, 2, 4, ... 128 steps that offered lookup
+   candidates and verified none (lookup's acceptance is learnt only from what is verified).
 
 Monotone by construction: for a fixed state, cheaper verification rows raise F more for larger
 trees, so they never choose a smaller one (tested). Lossless: sizing decides only what is
@@ -106,6 +108,9 @@ class Sizer:
         self.idle = 0  # steps since the draft last ran
         self.probe_after = 1
         self.drafted_once = False
+        self.lookup_idle = 0  # steps that offered lookup candidates and verified none
+        self.lookup_probe_after = 1
+        self.lookup_probe: int | None = None  # this step's forced lookup candidate
         # Per step (set by `begin`).
         self.verify_s: list[float] = []
         self.lam = 0.0
@@ -284,8 +289,17 @@ class Sizer:
         return True
 
     def choose(self, pool: Pool) -> list[int]:
-        """The candidates to verify (decision 3)."""
-        _, keep = self.best(self.values(pool), self.spent, self._forced(pool))
+        """The candidates to verify (decision 3). A lookup probe verifies the first lookup
+        candidate whatever its value after 1, 2, 4, ... PROBE_MAX steps that offered lookup
+        candidates and verified none: lookup's acceptance is learnt only from what is verified,
+        so without probes a few early misses would keep it out for good."""
+        forced = self._forced(pool)
+        self.lookup_probe = None
+        if not forced and self.lookup_idle >= self.lookup_probe_after:
+            first = [i for i in range(len(pool)) if pool.origin[i] == LOOKUP and pool.parents[i] < 0][:1]
+            if first:
+                forced, self.lookup_probe = first, first[0]
+        _, keep = self.best(self.values(pool), self.spent, forced)
         return keep
 
     def _forced(self, pool: Pool) -> list[int]:
@@ -325,6 +339,7 @@ class Sizer:
             self.drafted_once = True
         else:
             self.idle += 1
+        self._observe_lookup_probe(pool, kept, node_of, on_path)
         # Lookup acceptance, for tokens whose parent was accepted.
         for i in kept:
             if pool.origin[i] != LOOKUP:
@@ -341,6 +356,18 @@ class Sizer:
                    + (self.costs.retrieval_s if drafted else 0.0))
         self.rate_tokens = (1 - RATE_WEIGHT) * self.rate_tokens + RATE_WEIGHT * new_tokens
         self.rate_seconds = (1 - RATE_WEIGHT) * self.rate_seconds + RATE_WEIGHT * seconds
+
+    def _observe_lookup_probe(self, pool: Pool, kept: set[int], node_of: dict[int, int], on_path: set[int]) -> None:
+        offered = [i for i in range(len(pool)) if pool.origin[i] == LOOKUP]
+        verified = [i for i in offered if i in kept]
+        if any(node_of[i] in on_path for i in verified):
+            self.lookup_probe_after = 1  # lookup pays again: probe soon after the next idle step
+        elif self.lookup_probe is not None:
+            self.lookup_probe_after = min(2 * self.lookup_probe_after, PROBE_MAX)
+        if verified:
+            self.lookup_idle = 0
+        elif offered:
+            self.lookup_idle += 1
 
     def _observe_ranks(self, pool: Pool) -> None:
         """The draft's j-th largest probability at the nodes it expanded (child score / parent's)."""
