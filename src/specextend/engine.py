@@ -110,9 +110,9 @@ class Prefilled:
         return PrefixKV(target, self.draft_store.snapshot(n), None if dp.complete else dp.computed.clone())
 
     def forget_draft(self) -> None:
-        """Drop the draft's prompt KV computed so far (not any loaded from a cached prefix's
-        computation: all of it), so that the next decode computes exactly what it reads, in its
-        own passes, as it would alone (a benchmark timing each method's own draft prefill)."""
+        """Drop all of the draft's prompt KV (computed or loaded from a cached prefix), so that
+        the next decode computes exactly what it reads, in its own passes, as it would alone (a
+        benchmark timing each method's own draft prefill)."""
         if self.draft_prompt is not None:
             self.draft_prompt.forget()
 
