@@ -28,7 +28,8 @@ SMALL = dict(chunk_size=4, top_k_chunks=3, retrieve_every=2, tree_budget=6, tree
 METHODS = {
     "sd": dict(method="sd"),
     "sd+streaming": dict(method="sd", draft_cache="streaming"),
-    "specextend": dict(method="specextend"),
+    "specextend": dict(method="specextend", draft_gate=False),  # the draft runs: its kernels are tested
+    "specextend+gated": dict(method="specextend"),
     "sd+chain": dict(method="sd", tree="chain", chain_length=3),
 }
 PROMPT = torch.randint(0, 95, (60,), generator=torch.Generator().manual_seed(3)).tolist()

@@ -109,9 +109,10 @@ def test_chat_completion_equals_generate(pair, url):
     assert u.prompt_tokens == len(pair.encode_chat([{"role": "user", "content": QUESTION}]))
     assert u.total_tokens == u.prompt_tokens + u.completion_tokens
     spec = speculative(u)
-    assert set(spec) >= {"method", "steps", "accepted_per_step", "prefill_s", "decode_s", "draft_s", "verify_s",
-                         "retrieval_s", "cached_prompt_tokens"}
+    assert set(spec) >= {"method", "steps", "accepted_per_step", "prefill_s", "decode_s", "total_s", "draft_s",
+                         "verify_s", "retrieval_s", "cached_prompt_tokens"}
     assert spec["method"] == "specextend" and spec["steps"] >= 1
+    assert spec["total_s"] == pytest.approx(spec["prefill_s"] + spec["decode_s"])
 
 
 def test_completion_and_extension_settings(pair, url):

@@ -73,11 +73,9 @@ inline float32x4_t round_bf16(float32x4_t p) {
   return vreinterpretq_f32_u32(vandq_u32(r, vdupq_n_u32(0xFFFF0000u)));
 }
 
-void block(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* rows, int nrows, float* ws) {
+// Keys as planes and values as float32 rows, zero-padded to whole key groups.
+void convert_block(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, float* kf, float* vf) {
   const int dc = static_cast<int>(d / 32);
-  float* kf = ws;               // [kBlock][d] key planes
-  float* vf = kf + kBlock * d;  // [kBlock][d] values, natural order
-  float* qf = vf + kBlock * d;  // [d] one query's planes
   const int keys4 = (n + 3) / 4 * 4, pairs = (n + 1) / 2;
   for (int j = 0; j < keys4; ++j)
     for (int c = 0; c < dc; ++c) {
@@ -95,56 +93,80 @@ void block(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* r
       }
     }
   }
+}
+
+// One query's scores against the block's keys (-inf past n).
+void block_scores(const float* kf, const float* qf, int n, int64_t d, float* s) {
+  const int dc = static_cast<int>(d / 32);
+  for (int j0 = 0; j0 < kBlock; j0 += 4) {
+    if (j0 >= n) {
+      for (int t = 0; t < 4; ++t) s[j0 + t] = kNegInf;
+      continue;
+    }
+    float32x4_t b[4];
+    for (int t = 0; t < 4; ++t) b[t] = key_b(kf + (j0 + t) * d, qf, dc);
+    vst1q_f32(s + j0, reduce4(b));
+    for (int t = 0; t < 4; ++t)
+      if (j0 + t >= n) s[j0 + t] = kNegInf;
+  }
+}
+
+// The block's softmax weights against the new maximum, rounded to bfloat16 into pw; returns the
+// sum of the unrounded weights in the reference's tree order.
+float block_weights(const float* s, int n, float m_new, float* pw) {
+  float32x4_t p[8];
+  for (int q4 = 0; q4 < 8; ++q4) {
+    const float32x4_t e = exp_neon(vsubq_f32(vld1q_f32(s + 4 * q4), vdupq_n_f32(m_new)));
+    const uint32x4_t idx = {static_cast<uint32_t>(4 * q4), static_cast<uint32_t>(4 * q4 + 1),
+                            static_cast<uint32_t>(4 * q4 + 2), static_cast<uint32_t>(4 * q4 + 3)};
+    p[q4] = vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(e), vcltq_u32(idx, vdupq_n_u32(n))));
+    vst1q_f32(pw + 4 * q4, round_bf16(p[q4]));
+  }
+  // psum[i] = p[i] + p[i+16]; then the 16-lane tree i+8, i+4, i+2, i+1
+  float32x4_t ps[4];
+  for (int i = 0; i < 4; ++i) ps[i] = vaddq_f32(p[i], p[i + 4]);
+  const float32x4_t bsum = vaddq_f32(vaddq_f32(ps[0], ps[2]), vaddq_f32(ps[1], ps[3]));
+  return (vgetq_lane_f32(bsum, 0) + vgetq_lane_f32(bsum, 2)) + (vgetq_lane_f32(bsum, 1) + vgetq_lane_f32(bsum, 3));
+}
+
+// acc = acc * alpha + the weighted values, 64 dimensions at a time, key pairs odd then even.
+void accumulate_values(const float* vf, const float* pw, int n, int64_t d, float alpha, float* acc) {
+  const int pairs = (n + 1) / 2;
+  for (int64_t base = 0; base < d; base += 64) {
+    const int nc = static_cast<int>(std::min<int64_t>(16, (d - base) / 4));
+    float32x4_t a[16];
+    for (int c = 0; c < nc; ++c) a[c] = vmulq_n_f32(vld1q_f32(acc + base + 4 * c), alpha);
+    for (int j = 0; j < pairs; ++j) {
+      const float w1 = pw[2 * j + 1], w0 = pw[2 * j];
+      const float* v1 = vf + (2 * j + 1) * d + base;
+      const float* v0 = vf + (2 * j) * d + base;
+      for (int c = 0; c < nc; ++c) {
+        a[c] = vfmaq_n_f32(a[c], vld1q_f32(v1 + 4 * c), w1);
+        a[c] = vfmaq_n_f32(a[c], vld1q_f32(v0 + 4 * c), w0);
+      }
+    }
+    for (int c = 0; c < nc; ++c) vst1q_f32(acc + base + 4 * c, a[c]);
+  }
+}
+
+void block(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* rows, int nrows, float* ws) {
+  const int dc = static_cast<int>(d / 32);
+  float* kf = ws;               // [kBlock][d] key planes
+  float* vf = kf + kBlock * d;  // [kBlock][d] values, natural order
+  float* qf = vf + kBlock * d;  // [d] one query's planes
+  convert_block(kb, vb, n, d, kf, vf);
   for (int r = 0; r < nrows; ++r) {
     RowState& st = rows[r];
     for (int c = 0; c < dc; ++c) chunk_planes(st.q + 32 * c, qf + 32 * c);
     alignas(16) float s[kBlock];
-    for (int j0 = 0; j0 < kBlock; j0 += 4) {
-      if (j0 >= n) {
-        for (int t = 0; t < 4; ++t) s[j0 + t] = kNegInf;
-        continue;
-      }
-      float32x4_t b[4];
-      for (int t = 0; t < 4; ++t) b[t] = key_b(kf + (j0 + t) * d, qf, dc);
-      vst1q_f32(s + j0, reduce4(b));
-      for (int t = 0; t < 4; ++t)
-        if (j0 + t >= n) s[j0 + t] = kNegInf;
-    }
+    block_scores(kf, qf, n, d, s);
     float bmax = kNegInf;
     for (int j = 0; j < n; ++j) bmax = std::fmax(bmax, s[j]);
     const float m_new = std::fmax(st.m, bmax);
     const float alpha = vgetq_lane_f32(exp_neon(vdupq_n_f32(st.m - m_new)), 0);
     alignas(16) float pw[kBlock];
-    float32x4_t p[8];
-    for (int q4 = 0; q4 < 8; ++q4) {
-      const float32x4_t e = exp_neon(vsubq_f32(vld1q_f32(s + 4 * q4), vdupq_n_f32(m_new)));
-      const uint32x4_t idx = {static_cast<uint32_t>(4 * q4), static_cast<uint32_t>(4 * q4 + 1),
-                              static_cast<uint32_t>(4 * q4 + 2), static_cast<uint32_t>(4 * q4 + 3)};
-      p[q4] = vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(e), vcltq_u32(idx, vdupq_n_u32(n))));
-      vst1q_f32(pw + 4 * q4, round_bf16(p[q4]));
-    }
-    // psum[i] = p[i] + p[i+16]; then the 16-lane tree i+8, i+4, i+2, i+1
-    float32x4_t ps[4];
-    for (int i = 0; i < 4; ++i) ps[i] = vaddq_f32(p[i], p[i + 4]);
-    const float32x4_t bsum = vaddq_f32(vaddq_f32(ps[0], ps[2]), vaddq_f32(ps[1], ps[3]));
-    const float total = (vgetq_lane_f32(bsum, 0) + vgetq_lane_f32(bsum, 2)) +
-                        (vgetq_lane_f32(bsum, 1) + vgetq_lane_f32(bsum, 3));
-    st.l = std::fma(st.l, alpha, total);
-    for (int64_t base = 0; base < d; base += 64) {
-      const int nc = static_cast<int>(std::min<int64_t>(16, (d - base) / 4));
-      float32x4_t a[16];
-      for (int c = 0; c < nc; ++c) a[c] = vmulq_n_f32(vld1q_f32(st.acc + base + 4 * c), alpha);
-      for (int j = 0; j < pairs; ++j) {
-        const float w1 = pw[2 * j + 1], w0 = pw[2 * j];
-        const float* v1 = vf + (2 * j + 1) * d + base;
-        const float* v0 = vf + (2 * j) * d + base;
-        for (int c = 0; c < nc; ++c) {
-          a[c] = vfmaq_n_f32(a[c], vld1q_f32(v1 + 4 * c), w1);
-          a[c] = vfmaq_n_f32(a[c], vld1q_f32(v0 + 4 * c), w0);
-        }
-      }
-      for (int c = 0; c < nc; ++c) vst1q_f32(st.acc + base + 4 * c, a[c]);
-    }
+    st.l = std::fma(st.l, alpha, block_weights(s, n, m_new, pw));
+    accumulate_values(vf, pw, n, d, alpha, st.acc);
     st.m = m_new;
   }
 }
