@@ -209,8 +209,9 @@ def test_engine_sampling_with_wrong_lookup_candidates(tiny_dir, monkeypatch, met
     temperature, top_p = 0.9, 0.95
 
     p1, p2 = two_token_marginals(target, prompt, temperature, top_p)
+    # The draft starts at once (draft_gate off), so its proposals are verified beside lookup's.
     s = Settings(method=method, max_new_tokens=2, temperature=temperature, top_p=top_p, chunk_size=4,
-                 top_k_chunks=2).resolved()
+                 top_k_chunks=2, draft_gate=False).resolved()
     state = eng.prefill(prompt, s)
     counts = torch.zeros(2, 8)
     n = 3_000
@@ -222,5 +223,5 @@ def test_engine_sampling_with_wrong_lookup_candidates(tiny_dir, monkeypatch, met
         lookup_nodes += r.extra["lookup_nodes_per_step"]
         drafted += r.extra.get("draft_steps", 0.0)
     assert lookup_nodes > 0
-    assert (drafted > 0) == (method == "specextend")  # a draft this cheap starts (draft_gate) and runs
+    assert (drafted > 0) == (method == "specextend")
     assert_counts_follow(counts, (p1, p2), n)
