@@ -93,11 +93,6 @@ class Prefilled:
     last_q: dict[int, torch.Tensor]  # each target layer's query of the last prompt token
     cached_tokens: int = 0  # prompt tokens loaded from a PrefixKV instead of prefilled
 
-    @property
-    def draft_s(self) -> float:
-        """Seconds the draft has spent computing the prompt's KV so far (over all decodes)."""
-        return self.draft_prompt.seconds if self.draft_prompt is not None else 0.0
-
     def snapshot(self) -> PrefixKV:
         """A compact copy of the prompt's KV (target, and the draft's slots computed so far), for
         the prefix cache. Decoding only appends after the prompt, so this is valid before or after

@@ -50,6 +50,7 @@ class Proposer:
         self._start = start
         self.started = policy is not None and start is None
         self.gated = self.sizer is not None and s.draft_gate
+        self._startup_s: float | None = None  # predicted seconds of the start's prompt KV
         self.produced = 0  # output tokens so far
         self.backlog: list[int] = []  # committed tokens the draft has not been fed yet
         self.drafted = False  # whether the draft ran in the last step
@@ -113,8 +114,9 @@ class Proposer:
 
     def _draft_pays(self, pool: Pool) -> bool:
         assert self.sizer is not None and self.costs is not None and self.policy is not None
-        startup_s = self.costs.draft_prefill_s(self.policy.start_tokens())
-        return self.sizer.draft_pays(pool, len(self.backlog), startup_s, self.s.max_new_tokens - self.produced)
+        if self._startup_s is None:  # nothing computes the prompt KV before the start: ask once
+            self._startup_s = self.costs.draft_prefill_s(self.policy.start_tokens())
+        return self.sizer.draft_pays(pool, len(self.backlog), self._startup_s, self.s.max_new_tokens - self.produced)
 
     def _ensure_started(self) -> None:
         if not self.started:

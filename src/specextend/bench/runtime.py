@@ -55,15 +55,11 @@ def weight_bytes_per_forward(model) -> int:
     return total
 
 
-def timed(fn, repeats: int, warmup: bool = True) -> float:
-    if warmup:
-        fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+def elapsed(fn) -> float:
+    """Seconds of one call of `fn`."""
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -137,7 +133,7 @@ def step_costs(model: Any, context: int, rows: list[int], repeats: int) -> dict[
     per_rows = {r: float("inf") for r in rows}
     for _ in range(repeats):
         for r in rows:
-            per_rows[r] = min(per_rows[r], timed(steps[r], 1, warmup=False))
+            per_rows[r] = min(per_rows[r], elapsed(steps[r]))
     out: dict[str, Any] = {"forward_s_at_context": {str(r): per_rows[r] for r in rows}, "context": context}
     if 1 in per_rows:
         out["rows_cost_vs_one"] = {str(r): per_rows[r] / per_rows[1] for r in rows}
