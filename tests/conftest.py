@@ -20,6 +20,13 @@ def pytest_configure(config: pytest.Config) -> None:
     from specextend.engine import SpecEngine
 
     kernels.available()  # tests of the kernels skip where they cannot be built
+    # One thread per core per xdist worker: workers share the cores, and threads that spin while
+    # another worker holds their core made a 5 s test of tiny models take a minute. Children (the
+    # CLI and server tests' processes) inherit the setting.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    threads = max(1, len(os.sched_getaffinity(0)) // workers)
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
     # Step costs the tests measure (tiny models) stay out of the user's cache.
     os.environ["SPECEXTEND_COST_CACHE"] = tempfile.mkdtemp(prefix="specextend-costs-")
     SpecEngine.generate = generate  # type: ignore[attr-defined]

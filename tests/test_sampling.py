@@ -18,7 +18,7 @@ from specextend.tree import ChainBuilder, DynamicTreeBuilder, draft_dist
 from specextend.verify import target_dist, verify_sampling
 
 V = 6
-N = 20_000
+N = 10_000  # the broken-rule tests below reject at p < 1e-6 with this many draws
 POSITIONS = 3
 
 
@@ -114,7 +114,8 @@ def assert_counts_follow(counts, marginals, n: int) -> None:
 def test_engine_sampling_matches_target_distribution(tiny_dir):
     """End to end through the engine with tiny transformer models (8-token vocabulary): the first
     two generated tokens of `sd` follow the target's own sampling distribution (temperature and
-    top-p applied), checked over 20 000 generations against the exact marginals."""
+    top-p applied), checked over 8 000 generations against the exact marginals (the rule itself
+    is checked with more draws above; this is the wiring: seeds, temperature, top-p)."""
     from specextend.engine import SpecEngine
     from specextend.models.loader import load_model
     from specextend.settings import Settings
@@ -130,7 +131,7 @@ def test_engine_sampling_matches_target_distribution(tiny_dir):
                  tree_depth=3, tree_topk=2).resolved()
     state = eng.prefill(prompt, s)
     counts = torch.zeros(2, 8)
-    n = 20_000
+    n = 8_000
     for seed in range(n):
         out = eng.decode(state, replace(s, seed=seed)).token_ids
         counts[0, out[0]] += 1
