@@ -325,6 +325,30 @@ def test_tree_steps_do_not_move_the_one_row_cost():
     assert v[1] == pytest.approx(0.025, rel=0.02) and v == [0.0, *sorted(v[1:])]
 
 
+def test_rows_a_tree_adds_never_look_free():
+    """One-row steps measured far above their curve (what every step of this decode pays) and
+    wider ones near it: the rows beyond the first still cost at least their increment on the
+    curve, so a lookup candidate worth less than that increment is not verified."""
+    curve = ForwardCurve([1, 2, 4, 8], [0], [[0.050, 0.066, 0.100, 0.160]])
+    costs = CostModel(curve, refresh=True)
+    for _ in range(60):
+        costs.observe_verify(1, 0, 0.070)  # one row 1.4x its curve
+        costs.observe_verify(3, 0, 0.090)  # three rows 1.08x
+    v = costs.verify_costs(0, 8)
+    assert v[1] == pytest.approx(0.070, rel=0.02)
+    raw = curve.row_costs(0, 8)
+    assert all(v[n] - v[n - 1] >= raw[n] - raw[n - 1] for n in range(2, 9))
+
+    sizer = Sizer(costs, Settings(method="lookup").resolved(), has_draft=False)
+    sizer.begin(0, 0)
+    pool = Pool()
+    pool.add_continuation([5, 6], ngram=1)
+    sizer.lookup_stats[(1, 1, False)] = [5.0, 50.0]  # one in ten of lookup's tokens accepted here
+    sizer.lookup_stats[(1, 2, False)] = [5.0, 50.0]
+    # worth ~0.1 token against ~0.25 token of the second row's time: the root alone
+    assert 0.05 < sizer.lookup_rate(1, 1, False) < 0.2 and sizer.choose(pool) == []
+
+
 @pytest.mark.parametrize("seed", range(10))
 def test_retrieval_after_a_drafted_step_counts_against_drafting(seed):
     """What the draft policy spends after a drafted step is the draft's cost: when it grows, the
@@ -355,3 +379,17 @@ def test_retrieval_is_observed_only_after_drafted_steps():
     for _ in range(60):
         proposer.retrieved(0.02)
     assert costs.retrieval_s == pytest.approx(0.02, rel=0.02)
+
+
+def test_lookup_priors_follow_how_this_requests_lookup_fares():
+    """A bucket of lookup candidates never verified yet starts at its prior scaled by how the
+    request's verified lookup tokens fared against theirs: low where the text rarely repeats
+    its context, high (at most certain) where it does; one miss or hit hardly moves it."""
+    def rate(accepted: float, expected: float) -> float:
+        sizer = Sizer(synthetic_costs(), Settings(method="lookup").resolved(), has_draft=False)
+        sizer.lookup_seen = [accepted, expected]
+        return sizer.lookup_rate(3, 2, False)
+
+    prior = rate(0.0, 0.0)
+    assert rate(2.0, 12.0) < 0.5 * prior < prior < rate(12.0, 6.0) <= 1.0
+    assert rate(0.0, 0.6) > 0.85 * prior and rate(1.0, 0.6) < 1.15 * prior

@@ -271,11 +271,16 @@ class CostModel:
         return tokens / rows * self.draft_s(rows, tokens // 2)
 
     def verify_costs(self, context: int, max_rows: int) -> list[float]:
-        """Seconds of a verification with n rows, n = 0..max_rows (index 0 unused); never
-        decreasing in n, whatever the two scales say."""
+        """Seconds of a verification with n rows, n = 0..max_rows (index 0 unused). Each row
+        beyond the first costs at least its increment on the curve times the lower of the two
+        scales: the scales are learnt apart, and a one-row scale pulled up by what every step of a
+        decode pays (or a wider one pulled down) must not make the rows a tree adds look free."""
+        raw = self.target_curve.row_costs(context, max_rows)
+        low = min(self.scale["target_1row"], self.scale["target"])
         out = [0.0]
-        for n, c in enumerate(self.target_curve.row_costs(context, max_rows)[1:], 1):
-            out.append(max(c * self.scale[self.target_key(n)], out[-1]))
+        for n in range(1, len(raw)):
+            added = (raw[n] - raw[n - 1]) * low if n > 1 else 0.0
+            out.append(max(raw[n] * self.scale[self.target_key(n)], out[-1] + added))
         return out
 
     # ----------------------------------------------------------------- online refresh

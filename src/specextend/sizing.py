@@ -11,7 +11,9 @@ path):
   carries to deeper levels before they are ever grown);
 - a lookup candidate: its parent's value times the running rate at which lookup tokens of its
   depth, match length and rank were accepted when their parent was; for the first token also
-  the draft's calibrated probability of it when the draft ran (whichever says more).
+  the draft's calibrated probability of it when the draft ran (whichever says more). A bucket
+  seen little leans on its prior, scaled by how this request's lookup tokens fare against their
+  priors overall (text that repeats its context rarely gets low priors everywhere, code high).
 
 Values never increase along a path, so every prefix of the candidates ordered by value is a tree.
 
@@ -72,6 +74,8 @@ RANK_WEIGHT = 0.1  # EMA weight of the draft's rank probabilities
 # lookup child) starts at half.
 LOOKUP_PRIOR = {1: 0.3, 2: 0.45, 3: 0.6}
 LOOKUP_PRIOR_WEIGHT = 2.0
+# The request-wide scale of those priors starts at 1 with this weight, in tokens of prior expectation.
+LOOKUP_SCALE_WEIGHT = 4.0
 # When the draft has fallen behind by more than this many tokens (it sat out `ar` steps), it is
 # fed only the newest ones: catching up costs a draft forward over every fed token, and the
 # draft's guesses need the recent context more than all of it (see DraftPolicy.skip).
@@ -104,6 +108,7 @@ class Sizer:
         self.cal_steps = [0.0] * (self.max_depth + 2)  # decayed count of steps that observed each depth
         self.rank_prob = [0.6 * 0.3**j for j in range(self.topk)]
         self.lookup_stats: dict[tuple[int, int, bool], list[float]] = {}
+        self.lookup_seen = [0.0, 0.0]  # decayed: lookup tokens accepted, and their priors' expectation
         self.rate_tokens = self.rate_seconds = 0.0
         self.idle = 0  # steps since the draft last ran
         self.probe_after = 1
@@ -148,8 +153,14 @@ class Sizer:
     def lookup_rate(self, ngram: int, depth: int, alt: bool) -> float:
         key = (min(ngram, 3), min(depth, 4), alt)
         acc, tries = self.lookup_stats.get(key, (0.0, 0.0))
-        prior = LOOKUP_PRIOR[key[0]] * (0.5 if alt else 1.0)
+        accepted, expected = self.lookup_seen
+        scale = (accepted + LOOKUP_SCALE_WEIGHT) / (expected + LOOKUP_SCALE_WEIGHT)
+        prior = min(1.0, self._lookup_prior(key) * scale)
         return (acc + prior * LOOKUP_PRIOR_WEIGHT) / (tries + LOOKUP_PRIOR_WEIGHT)
+
+    @staticmethod
+    def _lookup_prior(key: tuple[int, int, bool]) -> float:
+        return LOOKUP_PRIOR[key[0]] * (0.5 if key[2] else 1.0)
 
     def values(self, pool: Pool) -> Candidates:
         cal = [self.calibration(d) for d in range(self.max_depth + 2)]
@@ -349,8 +360,11 @@ class Sizer:
                 continue
             key = (min(pool.ngram[i], 3), min(pool.depths[i], 4), pool.alt[i])
             stat = self.lookup_stats.setdefault(key, [0.0, 0.0])
-            stat[0] = stat[0] * LOOKUP_DECAY + (1.0 if node_of[i] in on_path else 0.0)
+            hit = 1.0 if node_of[i] in on_path else 0.0
+            stat[0] = stat[0] * LOOKUP_DECAY + hit
             stat[1] = stat[1] * LOOKUP_DECAY + 1.0
+            self.lookup_seen[0] = self.lookup_seen[0] * LOOKUP_DECAY + hit
+            self.lookup_seen[1] = self.lookup_seen[1] * LOOKUP_DECAY + self._lookup_prior(key)
         # The engine's recent rate, in predicted seconds (steady, and reproducible in tests).
         seconds = (self.spent + self.verify_s[min(tree.size, len(self.verify_s) - 1)] + self.costs.overhead_s
                    + (self.costs.retrieval_s if drafted else 0.0))
