@@ -456,20 +456,20 @@ class Bench:
                 assert sp.settings is not None
                 self._status(sample, sp.name)
                 state.forget_draft()  # each method computes the draft's prompt KV it reads, as alone
-                row = self._engine_row(sp, pair.decode(state, sp.settings))
+                row = self._engine_row(sp, pair.decode(state, sp.settings), state.target_s)
                 row["prefill_attention"] = state.attention
                 self.record(sample, sp, row)
         finally:
             del state
 
-    def _engine_row(self, spec: MethodSpec, res: Any) -> dict[str, Any]:
+    def _engine_row(self, spec: MethodSpec, res: Any, target_s: float) -> dict[str, Any]:
         """The `generate --json` object, named by the method as written. Its prefill is its own:
-        the shared target prefill, plus the draft's prompt KV this method's decode computed (each
-        method starts from none), so `total_s` is what a user of this method alone waits for."""
+        the shared target prefill (`target_s`), plus the draft's prompt KV this method's decode
+        computed (each method starts from none), so `total_s` is what a user of this method alone
+        waits for."""
         row = res.to_json()
         draft_s = float((res.extra or {}).get("draft_prefill_s", 0.0))
-        row.update(method=spec.name, preset=res.settings.method, prefill_target_s=res.prefill_s - draft_s,
-                   prefill_draft_s=draft_s)
+        row.update(method=spec.name, preset=res.settings.method, prefill_target_s=target_s, prefill_draft_s=draft_s)
         return row
 
     # ----------------------------------------------------------------- llama.cpp peers
