@@ -150,8 +150,13 @@ class Sizer:
             k = (self.cal_acc[d] + k * w) / (pred + w)
         return k
 
+    @staticmethod
+    def _lookup_key(ngram: int, depth: int, alt: bool) -> tuple[int, int, bool]:
+        """The bucket a lookup token's acceptance is counted in: match length, depth, rank."""
+        return min(ngram, 3), min(depth, 4), alt
+
     def lookup_rate(self, ngram: int, depth: int, alt: bool) -> float:
-        key = (min(ngram, 3), min(depth, 4), alt)
+        key = self._lookup_key(ngram, depth, alt)
         acc, tries = self.lookup_stats.get(key, (0.0, 0.0))
         accepted, expected = self.lookup_seen
         scale = (accepted + LOOKUP_SCALE_WEIGHT) / (expected + LOOKUP_SCALE_WEIGHT)
@@ -358,7 +363,7 @@ class Sizer:
             up = pool.parents[i]
             if up >= 0 and node_of[up] not in on_path:
                 continue
-            key = (min(pool.ngram[i], 3), min(pool.depths[i], 4), pool.alt[i])
+            key = self._lookup_key(pool.ngram[i], pool.depths[i], pool.alt[i])
             stat = self.lookup_stats.setdefault(key, [0.0, 0.0])
             hit = 1.0 if node_of[i] in on_path else 0.0
             stat[0] = stat[0] * LOOKUP_DECAY + hit
