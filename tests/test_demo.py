@@ -57,6 +57,8 @@ def _decode(ids: list[int]) -> str:
     for i, t in enumerate(ids):
         if t == 9:
             text += "é" if i + 1 < len(ids) and ids[i + 1] == 10 else "\ufffd"
+        elif t == 11:
+            text += "\n"
         elif t != 10:
             text += chr(ord("a") + t)
     return text
@@ -76,3 +78,17 @@ def test_marked_stream_marks_draft_text(color):
     else:
         assert text == "a[bc]dé\n"
     assert s.draft_tokens == 3
+
+
+@pytest.mark.parametrize("color", [False, True])
+def test_marked_stream_closes_marks_before_a_line_break(color):
+    """Accepted proposed text across a line break is marked line by line: a bracket (or colour)
+    opened on one line never closes on the next."""
+    out = io.StringIO()
+    s = demo.MarkedStream(_decode, out, color)
+    s.push([0])
+    s.push([1, 11, 2, 3])  # accepted "b", "\n", "c", then the target's own "d"
+    s.push([11, 4, 5])  # accepted "\n" (nothing to mark on either side) and "e", the target's "f"
+    s.finish()
+    g, r = demo.GREEN, demo.RESET
+    assert out.getvalue() == (f"a{g}b{r}\n{g}c{r}d\n{g}e{r}f\n" if color else "a[b]\n[c]d\n[e]f\n")

@@ -8,10 +8,10 @@ and that prefill is reused by all three methods, so the demo spends its time on 
   progress line each. To share the prefill, `sd` decodes with the efficient attention backend here
   (the bench's `sd` uses eager attention; the draft-cache policy, the difference that matters on
   long inputs, is sd's). Going first, they also absorb any first-decode warm-up;
-- then `specextend`, streamed to stdout as tokens are accepted: text from accepted draft tokens
-  is marked (green on a terminal, [in brackets] otherwise), text from the target's own token of
-  each step is plain;
-- finally a table: decode tokens/s, speedup vs ar, accepted draft tokens per step, and whether
+- then `specextend`, streamed to stdout as tokens are accepted: text from accepted proposed
+  tokens (the draft's or prompt lookup's) is marked (green on a terminal, [in brackets]
+  otherwise, line by line), text from the target's own token of each step is plain;
+- finally a table: decode tokens/s, speedup vs ar, accepted proposed tokens per step, and whether
   each output equals ar's token for token (greedy decoding is lossless).
 """
 
@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_NEW_TOKENS,
                    help=f"tokens each method generates (default: {DEFAULT_NEW_TOKENS})")
     p.add_argument("--no-color", action="store_true",
-                   help="mark accepted draft text with [brackets] instead of colour (also: NO_COLOR set, or "
+                   help="mark accepted proposed text with [brackets] instead of colour (also: NO_COLOR set, or "
                         "stdout not a terminal)")
 
 
@@ -50,9 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 class MarkedStream:
-    """Writes accepted tokens as text, marking the part that came from accepted draft tokens.
+    """Writes accepted tokens as text, marking the part that came from accepted proposed tokens.
 
-    Each engine callback batch is the accepted draft tokens followed by the target's own token.
+    Each engine callback batch is the accepted proposed tokens (the draft's or prompt lookup's)
+    followed by the target's own token.
     Text comes through a `Detokenizer`, so characters that span several tokens come out whole.
     """
 
@@ -70,9 +71,9 @@ class MarkedStream:
         return text
 
     def _mark(self, piece: str) -> str:
-        if not piece:
-            return ""
-        return f"{GREEN}{piece}{RESET}" if self.color else f"[{piece}]"
+        # Line by line: a mark left open across a line break would wrap the next line's start.
+        return "\n".join((f"{GREEN}{line}{RESET}" if self.color else f"[{line}]") if line else ""
+                         for line in piece.split("\n"))
 
     def push(self, batch: list[int]) -> None:
         drafted, own = batch[:-1], batch[-1:]
@@ -161,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
 
     color = use_color(args, out)
     legend = f"{GREEN}green{RESET}" if color else "[brackets]"
-    print(f"\nspecextend, streaming (text from accepted draft tokens in {legend}):\n", file=out, flush=True)
+    print(f"\nspecextend, streaming (accepted proposed tokens, the draft's or prompt lookup's, in {legend}):\n",
+          file=out, flush=True)
     stream = MarkedStream(pair.detokenize, out, color)
     state.forget_draft()
     results["specextend"] = pair.decode(state, settings["specextend"], on_tokens=stream.push)
