@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -289,6 +290,23 @@ def test_report_ignores_a_partial_last_line_and_runs_standalone(tmp_path, capsys
     # sd: 2x ar's decode rate; end to end (prefill + decode, from the rows' fields since they have no
     # total_s) 10 tokens in 6 s against ar's 7 s; its tokens differ from ar's (recomputed although
     # its row said null).
-    assert "| sd | 1 | 10 | 10.00 | 2.00x | 1.00x | 5.0 | 6.0 | 1.67 | 1.17x | 1.50 | 10.0% | 0/1 |" in printed
+    assert ("| sd | 1 | 10 | 10.00 | 2.00x | 1.00x | 5.0 | 6.0 | 1.67 | 1.17x | 1.167–1.167x | 1/1 | 1.50 | 10.0% | "
+            "0/1 |") in printed
     assert (tmp_path / "speedup.png").is_file() and (tmp_path / "accepted.png").is_file()
     assert report.main([str(tmp_path / "missing")]) == 2
+
+
+def test_report_shows_each_samples_end_to_end_ratio_to_ar():
+    """A mean above ar can hide a prompt that lost end to end: the summary gives the per-sample
+    range and how many samples were at least as fast as ar."""
+    def row(method, sample, total):
+        return {"data": "govreport-8K", "sample": sample, "method": method, "input_tokens": 8000, "new_tokens": 10,
+                "decode_s": 1.0, "prefill_s": total - 1.0, "total_s": total, "steps": 10, "token_ids": [sample]}
+    rows = [row("ar", 0, 100.0), row("ar", 1, 50.0), row("ar", 2, 40.0),
+            row("specextend", 0, 80.0), row("specextend", 1, 50.0), row("specextend", 2, 41.0)]
+    cells = {c.method: c for c in report.aggregate(rows)}
+    lo, hi = cells["specextend"].e2e_range_ar
+    assert math.isclose(lo, 40 / 41) and math.isclose(hi, 1.25)
+    assert cells["specextend"].e2e_wins == (2, 3)  # an equal total counts as not slower
+    assert cells["ar"].e2e_range_ar is None and cells["ar"].e2e_wins is None
+    assert "| 0.976–1.250x | 2/3 |" in report.summary_tables(list(cells.values()))

@@ -5,7 +5,9 @@
 Aggregates per data set (one input length) and method: decode tokens/s is total new tokens over
 total decode seconds; end-to-end tokens/s is total new tokens over total seconds of prefill +
 decode (each row's own prefill: what a user of that method waits for); speedups are ratios of
-those rates, on both bases; accepted per step is weighted by steps;
+those rates, on both bases, and per sample the end-to-end ratio's range and how many samples
+were at least as fast as `ar` end to end (a mean hides a prompt that lost); accepted per step is
+weighted by steps;
 the retrieval share is retrieval seconds over decode seconds; the match rate counts samples whose
 tokens equal `ar`'s token for token, and the ar prefix is the mean number of leading tokens equal to
 `ar`'s (peers with other numerics part from `ar` at a near-tie). Files are written atomically
@@ -70,6 +72,8 @@ class Cell:
     speedup_ar: float | None = None
     speedup_sd: float | None = None
     e2e_speedup_ar: float | None = None
+    e2e_range_ar: tuple[float, float] | None = None  # lowest and highest per-sample end-to-end ratio to ar
+    e2e_wins: tuple[int, int] | None = None  # samples at least as fast as ar end to end, samples compared
     prefill_borrowed: bool = False  # prefill made by another backend (bench --prefill shared)
 
 
@@ -130,6 +134,7 @@ def _borrowed(row: dict[str, Any]) -> bool:
 
 def aggregate(rows: list[dict[str, Any]]) -> list[Cell]:
     ar_ids = {(r["data"], r["sample"]): r.get("token_ids") for r in rows if r.get("method") == "ar"}
+    ar_totals = {(r["data"], r["sample"]): _total(r) for r in rows if r.get("method") == "ar"}
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault((str(r.get("data")), str(r.get("method"))), []).append(r)
@@ -158,6 +163,8 @@ def aggregate(rows: list[dict[str, Any]]) -> list[Cell]:
             ar_prefix=None if method == "ar" else _prefix(rs, ar_ids),
             prefill_borrowed=any(_borrowed(r) for r in rs),
         )
+        if method != "ar":
+            _per_sample_e2e(cells[(data, method)], rs, ar_totals)
     for (data, _method), c in cells.items():
         for base, attr in (("ar", "speedup_ar"), ("sd", "speedup_sd")):
             ref = cells.get((data, base))
@@ -167,6 +174,18 @@ def aggregate(rows: list[dict[str, Any]]) -> list[Cell]:
         if ref is not None and ref.e2e_tps and c.e2e_tps is not None:
             c.e2e_speedup_ar = c.e2e_tps / ref.e2e_tps
     return list(cells.values())
+
+
+def _per_sample_e2e(cell: Cell, rows: list[dict[str, Any]], ar_totals: dict[tuple, float | None]) -> None:
+    """Each sample's end-to-end ratio to ar's (ar's seconds over the row's), where both have them."""
+    ratios = []
+    for r in rows:
+        ref, own = ar_totals.get((r.get("data"), r.get("sample"))), _total(r)
+        if ref is not None and own is not None and own > 0:
+            ratios.append(ref / own)
+    if ratios:
+        cell.e2e_range_ar = (min(ratios), max(ratios))
+        cell.e2e_wins = (sum(x >= 1.0 for x in ratios), len(ratios))
 
 
 def _total(row: dict[str, Any]) -> float | None:
@@ -189,6 +208,10 @@ def _x(ratio: float | None) -> str:
     return "-" if ratio is None else f"{ratio:.2f}x"
 
 
+def _range(r: tuple[float, float] | None) -> str:
+    return "-" if r is None else f"{r[0]:.3f}–{r[1]:.3f}x"
+
+
 def summary_tables(cells: list[Cell]) -> str:
     """One markdown table per data set, ordered by family and input length."""
     inputs = {c.data: c.input_tokens for c in cells}
@@ -198,8 +221,9 @@ def summary_tables(cells: list[Cell]) -> str:
         n = max(c.samples for c in cs.values())
         out.append(f"### {data}: {inputs[data]:,.0f} input tokens (mean), {n} sample{'s' * (n != 1)}\n")
         out.append("| method | samples | new tokens | decode tok/s | vs ar | vs sd | prefill s | total s "
-                   "| end-to-end tok/s | e2e vs ar | accepted/step | retrieval share | = ar | ar prefix |")
-        out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+                   "| end-to-end tok/s | e2e vs ar | e2e vs ar per sample | e2e ≥ ar | accepted/step | retrieval share "
+                   "| = ar | ar prefix |")
+        out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for m in method_order(cs):
             c = cs[m]
             match = f"{c.matches}/{c.compared}" if c.compared else "-"
@@ -207,7 +231,9 @@ def summary_tables(cells: list[Cell]) -> str:
             out.append(
                 f"| {m} | {c.samples} | {c.new_tokens} | {_f(c.decode_tps, '.2f')} | {_x(c.speedup_ar)} | "
                 f"{_x(c.speedup_sd)} | {_f(c.prefill_s, '.1f')}{' †' * c.prefill_borrowed} | {_f(c.total_s, '.1f')} | "
-                f"{_f(c.e2e_tps, '.2f')} | {_x(c.e2e_speedup_ar)} | {_f(c.accepted, '.2f')} | {retr} | {match} | "
+                f"{_f(c.e2e_tps, '.2f')} | {_x(c.e2e_speedup_ar)} | {_range(c.e2e_range_ar)} | "
+                f"{'-' if c.e2e_wins is None else f'{c.e2e_wins[0]}/{c.e2e_wins[1]}'} | {_f(c.accepted, '.2f')} | "
+                f"{retr} | {match} | "
                 f"{_f(c.ar_prefix, '.1f')} |"
             )
         out.append("")
@@ -238,7 +264,9 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
         "Decode tok/s = new tokens / decode seconds (prefill excluded), summed over samples; vs ar / vs sd: "
         "ratio of those rates on the same data; prefill s: the method's own prefill, mean per sample (the "
         "target's, plus the prompt KV its draft computed; target only for ar); total s: prefill + decode, "
-        "mean per sample; end-to-end tok/s = new tokens / total seconds, e2e vs ar its ratio to ar's; "
+        "mean per sample; end-to-end tok/s = new tokens / total seconds, e2e vs ar its ratio to ar's; e2e vs ar "
+        "per sample: the lowest and highest of each sample's ar total seconds over the method's; e2e ≥ ar: "
+        "samples whose ratio is at least 1; "
         "accepted/step: mean draft tokens accepted per target forward (τ); retrieval share: "
         "retrieval seconds / decode seconds; = ar: samples whose tokens equal ar's token for token; ar prefix: "
         "mean leading tokens equal to ar's. hf-* rows: transformers on the same weights; llamacpp-* rows: "
