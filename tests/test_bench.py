@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from specextend import cli
 from specextend.bench import data as bench_data
@@ -310,3 +311,19 @@ def test_report_shows_each_samples_end_to_end_ratio_to_ar():
     assert cells["specextend"].e2e_wins == (2, 3)  # an equal total counts as not slower
     assert cells["ar"].e2e_range_ar is None and cells["ar"].e2e_wins is None
     assert "| 0.976–1.250x | 2/3 |" in report.summary_tables(list(cells.values()))
+
+
+def test_runtime_bench_times_a_short_prefill_and_refuses_bad_numbers(tiny_dir, capsys):
+    """A prefill shorter than the warm-up's 512 tokens fits its cache (the two warm-ups used to
+    share one cache and overflow it); bad numbers exit 2 before any model is loaded."""
+    from specextend.bench import runtime
+    from specextend.models.loader import load_model
+
+    model = load_model(tiny_dir("qwen2", 0), torch.float64)
+    out = runtime.prefill_speed(model, 100)
+    assert out["prefill_tokens_per_s_efficient"] > 0 and out["prefill_tokens_per_s_eager"] > 0
+    for bad in (["--rows", "1,x"], ["--rows", "0,2"], ["--prefill-tokens", "0"], ["--context", "-5"]):
+        with pytest.raises(SystemExit) as e:
+            runtime.main(["--target", "/nonexistent", *bad])
+        assert e.value.code == 2
+        assert "error:" in capsys.readouterr().err

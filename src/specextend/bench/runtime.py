@@ -76,7 +76,14 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from .. import api
 
-    a = _parser().parse_args(argv)
+    ap = _parser()
+    a = ap.parse_args(argv)
+    try:
+        rows = [int(r) for r in a.rows.split(",")]
+    except ValueError:
+        ap.error(f"--rows: comma-separated whole numbers, not {a.rows!r}")
+    if min([a.context, a.prefill_tokens, a.repeats, *rows]) < 1:
+        ap.error("--context, --prefill-tokens, --repeats and --rows must be at least 1")
     if a.device != "cpu":
         # The floor is CPU memory bandwidth; GPU kernels are timed by specextend.bench.kernels.
         print("specextend runtime: error: --device cpu only (see python -m specextend.bench.kernels)",
@@ -89,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                            "load_s": time.perf_counter() - t, "threads": torch.get_num_threads(),
                            "cpu_kernels": cpu_kernels(pair.target)}
     res.update(prefill_speed(pair.target, a.prefill_tokens))
-    res.update(step_costs(pair.target, a.context, [int(r) for r in a.rows.split(",")], a.repeats))
+    res.update(step_costs(pair.target, a.context, rows, a.repeats))
     bw = read_bandwidth_gbs()
     wb = weight_bytes_per_forward(pair.target)
     res.update(read_bandwidth_gbs=bw, weight_bytes=wb, floor_s=wb / (bw * 1e9))
@@ -101,8 +108,9 @@ def prefill_speed(model: Any, tokens: int) -> dict[str, float]:
     """Prefill tokens per second of a random prompt, per attention backend."""
     cache = model.new_cache(tokens + 64)
     ids = torch.randint(0, model.cfg.vocab_size, (tokens,))
-    model.prefill(ids[:512], cache, "eager")  # first-use kernel builds stay out of the timings
-    model.prefill(ids[:512], cache, "efficient")
+    for backend in ("eager", "efficient"):  # first-use kernel builds stay out of the timings
+        cache.reset()
+        model.prefill(ids[:512], cache, backend)
     out = {}
     for backend in ("efficient", "eager"):
         cache.reset()
