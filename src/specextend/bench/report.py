@@ -22,7 +22,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,9 +72,19 @@ class Cell:
     speedup_ar: float | None = None
     speedup_sd: float | None = None
     e2e_speedup_ar: float | None = None
-    e2e_range_ar: tuple[float, float] | None = None  # lowest and highest per-sample end-to-end ratio to ar
-    e2e_wins: tuple[int, int] | None = None  # samples at least as fast as ar end to end, samples compared
+    e2e_ratios_ar: list[float] = field(default_factory=list)  # per sample: ar's total seconds over this row's
     prefill_borrowed: bool = False  # prefill made by another backend (bench --prefill shared)
+
+    @property
+    def e2e_range_ar(self) -> tuple[float, float] | None:
+        """The lowest and highest per-sample end-to-end ratio to ar."""
+        return (min(self.e2e_ratios_ar), max(self.e2e_ratios_ar)) if self.e2e_ratios_ar else None
+
+    @property
+    def e2e_wins(self) -> tuple[int, int] | None:
+        """Samples at least as fast as ar end to end, and samples compared."""
+        r = self.e2e_ratios_ar
+        return (sum(x >= 1.0 for x in r), len(r)) if r else None
 
 
 def _num(x: Any) -> float | None:
@@ -161,10 +171,9 @@ def aggregate(rows: list[dict[str, Any]]) -> list[Cell]:
             retrieval_share=retr / dec if dec > 0 else None,
             matches=eq, compared=cmp_,
             ar_prefix=None if method == "ar" else _prefix(rs, ar_ids),
+            e2e_ratios_ar=[] if method == "ar" else _e2e_ratios(rs, ar_totals),
             prefill_borrowed=any(_borrowed(r) for r in rs),
         )
-        if method != "ar":
-            _per_sample_e2e(cells[(data, method)], rs, ar_totals)
     for (data, _method), c in cells.items():
         for base, attr in (("ar", "speedup_ar"), ("sd", "speedup_sd")):
             ref = cells.get((data, base))
@@ -176,16 +185,14 @@ def aggregate(rows: list[dict[str, Any]]) -> list[Cell]:
     return list(cells.values())
 
 
-def _per_sample_e2e(cell: Cell, rows: list[dict[str, Any]], ar_totals: dict[tuple, float | None]) -> None:
+def _e2e_ratios(rows: list[dict[str, Any]], ar_totals: dict[tuple, float | None]) -> list[float]:
     """Each sample's end-to-end ratio to ar's (ar's seconds over the row's), where both have them."""
     ratios = []
     for r in rows:
         ref, own = ar_totals.get((r.get("data"), r.get("sample"))), _total(r)
         if ref is not None and own is not None and own > 0:
             ratios.append(ref / own)
-    if ratios:
-        cell.e2e_range_ar = (min(ratios), max(ratios))
-        cell.e2e_wins = (sum(x >= 1.0 for x in ratios), len(ratios))
+    return ratios
 
 
 def _total(row: dict[str, Any]) -> float | None:
@@ -212,6 +219,10 @@ def _range(r: tuple[float, float] | None) -> str:
     return "-" if r is None else f"{r[0]:.3f}–{r[1]:.3f}x"
 
 
+def _count(c: tuple[int, int] | None) -> str:
+    return "-" if c is None else f"{c[0]}/{c[1]}"
+
+
 def summary_tables(cells: list[Cell]) -> str:
     """One markdown table per data set, ordered by family and input length."""
     inputs = {c.data: c.input_tokens for c in cells}
@@ -232,7 +243,7 @@ def summary_tables(cells: list[Cell]) -> str:
                 f"| {m} | {c.samples} | {c.new_tokens} | {_f(c.decode_tps, '.2f')} | {_x(c.speedup_ar)} | "
                 f"{_x(c.speedup_sd)} | {_f(c.prefill_s, '.1f')}{' †' * c.prefill_borrowed} | {_f(c.total_s, '.1f')} | "
                 f"{_f(c.e2e_tps, '.2f')} | {_x(c.e2e_speedup_ar)} | {_range(c.e2e_range_ar)} | "
-                f"{'-' if c.e2e_wins is None else f'{c.e2e_wins[0]}/{c.e2e_wins[1]}'} | {_f(c.accepted, '.2f')} | "
+                f"{_count(c.e2e_wins)} | {_f(c.accepted, '.2f')} | "
                 f"{retr} | {match} | "
                 f"{_f(c.ar_prefix, '.1f')} |"
             )
