@@ -60,7 +60,9 @@ def test_generate_result_and_json(pair):
 @pytest.mark.parametrize("method", ["sd", "specextend"])
 def test_greedy_speculative_equals_ar(pair, method):
     ar = pair.generate(PROMPT, method="ar", max_new_tokens=12)
-    spec = pair.generate(PROMPT, method=method, max_new_tokens=12, chunk_size=4, top_k_chunks=2)
+    # Cost model off: with it, whether any draft token is verified depends on this machine's
+    # step times (a loaded machine may judge no draft pays over 12 tokens).
+    spec = pair.generate(PROMPT, method=method, max_new_tokens=12, chunk_size=4, top_k_chunks=2, cost_model=False)
     assert spec.token_ids == ar.token_ids
     assert spec.accepted_per_step > 0
     assert spec.to_json()["draft"] is not None
