@@ -69,10 +69,11 @@ CAL_PRIOR_STEPS = 2.0
 LOOKUP_DECAY = 0.95  # per observation of a lookup bucket
 RATE_WEIGHT = 0.1  # EMA weight of the engine's recent rate
 RANK_WEIGHT = 0.1  # EMA weight of the draft's rank probabilities
-# Lookup priors (acceptance of a token given its parent was accepted) by matched suffix length
-# 1, 2, 3+, until observations take over; an alternative continuation (not its parent's first
-# lookup child) starts at half.
-LOOKUP_PRIOR = {1: 0.3, 2: 0.45, 3: 0.6}
+# Lookup priors (acceptance of a token given its parent was accepted) per kind (`lookup_key`):
+# by matched suffix length 1, 2, 3+, until observations take over; an alternative continuation
+# (not its parent's first lookup child) starts at half.
+LOOKUP_PRIOR = {(n, d, alt): p * (0.5 if alt else 1.0) for n, p in {1: 0.3, 2: 0.45, 3: 0.6}.items()
+                for d in range(1, 5) for alt in (False, True)}
 LOOKUP_PRIOR_WEIGHT = 2.0
 # The request-wide scale of those priors starts at 1 with this weight, in tokens of prior expectation.
 LOOKUP_SCALE_WEIGHT = 4.0
@@ -80,6 +81,11 @@ LOOKUP_SCALE_WEIGHT = 4.0
 # fed only the newest ones: catching up costs a draft forward over every fed token, and the
 # draft's guesses need the recent context more than all of it (see DraftPolicy.skip).
 RESYNC_TOKENS = 16
+
+
+def lookup_key(ngram: int, depth: int, alt: bool) -> tuple[int, int, bool]:
+    """The kind a lookup token's acceptance is counted under: match length, depth, rank."""
+    return min(ngram, 3), min(depth, 4), alt
 
 
 @dataclass
@@ -150,22 +156,13 @@ class Sizer:
             k = (self.cal_acc[d] + k * w) / (pred + w)
         return k
 
-    @staticmethod
-    def _lookup_key(ngram: int, depth: int, alt: bool) -> tuple[int, int, bool]:
-        """The bucket a lookup token's acceptance is counted in: match length, depth, rank."""
-        return min(ngram, 3), min(depth, 4), alt
-
     def lookup_rate(self, ngram: int, depth: int, alt: bool) -> float:
-        key = self._lookup_key(ngram, depth, alt)
+        key = lookup_key(ngram, depth, alt)
         acc, tries = self.lookup_stats.get(key, (0.0, 0.0))
         accepted, expected = self.lookup_seen
         scale = (accepted + LOOKUP_SCALE_WEIGHT) / (expected + LOOKUP_SCALE_WEIGHT)
-        prior = min(1.0, self._lookup_prior(key) * scale)
+        prior = min(1.0, LOOKUP_PRIOR[key] * scale)
         return (acc + prior * LOOKUP_PRIOR_WEIGHT) / (tries + LOOKUP_PRIOR_WEIGHT)
-
-    @staticmethod
-    def _lookup_prior(key: tuple[int, int, bool]) -> float:
-        return LOOKUP_PRIOR[key[0]] * (0.5 if key[2] else 1.0)
 
     def values(self, pool: Pool) -> Candidates:
         cal = [self.calibration(d) for d in range(self.max_depth + 2)]
@@ -363,13 +360,13 @@ class Sizer:
             up = pool.parents[i]
             if up >= 0 and node_of[up] not in on_path:
                 continue
-            key = self._lookup_key(pool.ngram[i], pool.depths[i], pool.alt[i])
+            key = lookup_key(pool.ngram[i], pool.depths[i], pool.alt[i])
             stat = self.lookup_stats.setdefault(key, [0.0, 0.0])
             hit = 1.0 if node_of[i] in on_path else 0.0
             stat[0] = stat[0] * LOOKUP_DECAY + hit
             stat[1] = stat[1] * LOOKUP_DECAY + 1.0
             self.lookup_seen[0] = self.lookup_seen[0] * LOOKUP_DECAY + hit
-            self.lookup_seen[1] = self.lookup_seen[1] * LOOKUP_DECAY + self._lookup_prior(key)
+            self.lookup_seen[1] = self.lookup_seen[1] * LOOKUP_DECAY + LOOKUP_PRIOR[key]
         # The engine's recent rate, in predicted seconds (steady, and reproducible in tests).
         seconds = (self.spent + self.verify_s[min(tree.size, len(self.verify_s) - 1)] + self.costs.overhead_s
                    + (self.costs.retrieval_s if drafted else 0.0))
