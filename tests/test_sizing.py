@@ -23,7 +23,7 @@ from specextend.engine import SpecEngine
 from specextend.lookup import ContextIndex, Continuation
 from specextend.models.loader import load_model
 from specextend.settings import Settings
-from specextend.sizing import Sizer
+from specextend.sizing import LOOKUP_PRIOR, Sizer, lookup_key
 from specextend.tree import LOOKUP, DynamicTreeBuilder, Pool, draft_dist
 
 from conftest import ARCHS
@@ -393,3 +393,13 @@ def test_lookup_priors_follow_how_this_requests_lookup_fares():
     prior = rate(0.0, 0.0)
     assert rate(2.0, 12.0) < 0.5 * prior < prior < rate(12.0, 6.0) <= 1.0
     assert rate(0.0, 0.6) > 0.85 * prior and rate(1.0, 0.6) < 1.15 * prior
+
+
+def test_every_kind_of_lookup_token_has_a_prior_that_is_a_probability():
+    """Any match length and depth the proposer can offer (`--lookup-ngram` and `--lookup-length`
+    have no upper bound) maps to a kind with a prior: a missing one would fail a decode with a
+    KeyError deep in the loop."""
+    for n in range(1, 9):
+        for depth in range(1, 65):
+            for alt in (False, True):
+                assert 0.0 < LOOKUP_PRIOR[lookup_key(n, depth, alt)] < 1.0
