@@ -69,16 +69,13 @@ CAL_PRIOR_STEPS = 2.0
 LOOKUP_DECAY = 0.95  # per observation of a lookup bucket
 RATE_WEIGHT = 0.1  # EMA weight of the engine's recent rate
 RANK_WEIGHT = 0.1  # EMA weight of the draft's rank probabilities
-# Lookup priors, until this request's observations take over: the chance a lookup token is
-# accepted when its parent was, per kind (`lookup_key`). A parent's first lookup child by matched
-# suffix length (1, 2, 3+) and depth (1, 2, 3, 4+): a token deeper in a branch whose start was
-# right continues a longer match. An alternative (a later branch, right only where the first is
-# wrong) by match length alone. Rates that `python -m specextend.bench.lookup_replay` measured
-# over answers kept apart from the benchmarks (README, "Measured choices").
-_FIRST_CHILD_PRIOR = {1: (0.25, 0.40, 0.55, 0.80), 2: (0.40, 0.60, 0.80, 0.85), 3: (0.80, 0.85, 0.90, 0.90)}
-_ALTERNATIVE_PRIOR = {1: 0.07, 2: 0.10, 3: 0.25}
-LOOKUP_PRIOR = {(n, d, alt): _ALTERNATIVE_PRIOR[n] if alt else by_depth[d - 1]
-                for n, by_depth in _FIRST_CHILD_PRIOR.items() for d in range(1, 5) for alt in (False, True)}
+# Lookup priors (acceptance of a token given its parent was accepted) per kind (`lookup_key`):
+# by matched suffix length 1, 2, 3+, until observations take over; an alternative continuation
+# (not its parent's first lookup child) starts at half. Flat in depth on purpose: priors set to
+# the replayed rates by depth (bench/lookup_replay.py; higher deeper down) verified more rows for
+# the same accepted tokens (README, "Measured choices").
+LOOKUP_PRIOR = {(n, d, alt): p * (0.5 if alt else 1.0) for n, p in {1: 0.3, 2: 0.45, 3: 0.6}.items()
+                for d in range(1, 5) for alt in (False, True)}
 LOOKUP_PRIOR_WEIGHT = 2.0
 # The request-wide scale of those priors starts at 1 with this weight, in tokens of prior expectation.
 LOOKUP_SCALE_WEIGHT = 4.0
