@@ -51,4 +51,13 @@ def test_replays_a_bench_runs_answers_and_refuses_a_mismatched_prompt(tmp_path, 
     assert "rebuilt prompt is not the run's" in capsys.readouterr().err
     assert lookup_replay.main([str(tmp_path / "nothing")]) == 2
     assert "no ar rows" in capsys.readouterr().err
+    # A row without its answer: refused in one line, not a KeyError.
+    rows = (out / "results.jsonl").read_text().splitlines()
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    row = json.loads(rows[0])
+    del row["token_ids"]
+    (broken / "results.jsonl").write_text(json.dumps(row) + "\n")
+    assert lookup_replay.main([str(broken)]) == 2
+    assert "lacks token_ids" in capsys.readouterr().err
 

@@ -32,6 +32,8 @@ from .data import builtin_code_inputs, data_length, encode_prompt, is_builtin, l
 from .report import latest_rows
 
 Key = tuple[int, int, bool]
+ROW_FIELDS = ("target", "data", "sample", "source", "prompt_tokens", "token_ids", "config")
+LOOKUP_SETTINGS = ("lookup_ngram", "lookup_branches", "lookup_length")  # a run's own, else the defaults
 
 
 def replay(prompt: list[int], answer: list[int], ngram: int, branches: int, length: int,
@@ -48,10 +50,10 @@ def replay(prompt: list[int], answer: list[int], ngram: int, branches: int, leng
             if up >= 0 and not right[up]:
                 right[i] = False
                 continue
-            d = pool.depths[i]
-            right[i] = t + d - 1 < len(answer) and pool.tokens[i] == answer[t + d - 1]
-            if t + d - 1 < len(answer):
-                c = counts[lookup_key(pool.ngram[i], d, pool.alt[i])]
+            at = t + pool.depths[i] - 1  # the answer position this token proposes
+            right[i] = at < len(answer) and pool.tokens[i] == answer[at]
+            if at < len(answer):
+                c = counts[lookup_key(pool.ngram[i], pool.depths[i], pool.alt[i])]
                 c[0] += right[i]
                 c[1] += 1
         index.append([answer[t]])
@@ -70,10 +72,7 @@ class Prompts:
         if tok is None:
             tok = self.tokenizers[row["target"]] = load_tokenizer(Path(row["target"]))
         data, sample = row["data"], row["sample"]
-        key = (row["target"], data)
-        if key not in self.sets:
-            self.sets[key] = []
-        ids = self.sets[key]
+        ids = self.sets.setdefault((row["target"], data), [])
         if sample >= len(ids):
             if is_builtin(row["source"].split("/")[0]):  # "stdlib/argparse.py": the built-in code set
                 n = data_length(data)
@@ -99,7 +98,11 @@ def measure(dirs: list[Path], chat: bool = True) -> tuple[dict[Key, list[int]], 
         if not rows:
             raise UserError(f"{d} has no ar rows (results.jsonl of a bench run with method ar)")
         for r in rows:
-            s = Settings(**{k: r["config"][k] for k in ("lookup_ngram", "lookup_branches", "lookup_length")})
+            missing = [k for k in ROW_FIELDS if k not in r]
+            if missing:
+                raise UserError(f"{d}: an ar row (sample {r.get('sample')}) lacks {', '.join(missing)}; "
+                                "is it a bench run's results.jsonl?")
+            s = Settings(**{k: v for k, v in r["config"].items() if k in LOOKUP_SETTINGS})
             replay(prompts.of(r), r["token_ids"], s.lookup_ngram, s.lookup_branches, s.lookup_length, counts)
             answers += 1
     return dict(counts), answers
