@@ -74,8 +74,11 @@ RANK_WEIGHT = 0.1  # EMA weight of the draft's rank probabilities
 # (not its parent's first lookup child) starts at half. Flat in depth on purpose: priors set to
 # the replayed rates by depth (bench/lookup_replay.py; higher deeper down) verified more rows for
 # the same accepted tokens (README, "Measured choices").
-LOOKUP_PRIOR = {(n, d, alt): p * (0.5 if alt else 1.0) for n, p in {1: 0.3, 2: 0.45, 3: 0.6}.items()
-                for d in range(1, 5) for alt in (False, True)}
+# Lookup tokens are counted by match length and depth up to these; longer ones count as these.
+LOOKUP_KIND_NGRAM = 3
+LOOKUP_KIND_DEPTH = 4
+LOOKUP_PRIOR = {(n, d, alt): p * (0.5 if alt else 1.0) for n, p in {1: 0.3, 2: 0.45, LOOKUP_KIND_NGRAM: 0.6}.items()
+                for d in range(1, LOOKUP_KIND_DEPTH + 1) for alt in (False, True)}
 LOOKUP_PRIOR_WEIGHT = 2.0
 # The request-wide scale of those priors starts at 1 with this weight, in tokens of prior expectation.
 LOOKUP_SCALE_WEIGHT = 4.0
@@ -87,7 +90,7 @@ RESYNC_TOKENS = 16
 
 def lookup_key(ngram: int, depth: int, alt: bool) -> tuple[int, int, bool]:
     """The kind a lookup token's acceptance is counted under: match length, depth, rank."""
-    return min(ngram, 3), min(depth, 4), alt
+    return min(ngram, LOOKUP_KIND_NGRAM), min(depth, LOOKUP_KIND_DEPTH), alt
 
 
 @dataclass

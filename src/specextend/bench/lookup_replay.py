@@ -26,7 +26,7 @@ from ..jsonl import read_rows
 from ..lookup import ContextIndex
 from ..models.loader import load_tokenizer
 from ..settings import Settings
-from ..sizing import LOOKUP_PRIOR, lookup_key
+from ..sizing import LOOKUP_KIND_DEPTH, LOOKUP_KIND_NGRAM, LOOKUP_PRIOR, lookup_key
 from ..tree import Pool
 from .data import builtin_code_inputs, data_length, encode_prompt, is_builtin, load_jsonl_inputs
 from .report import latest_rows
@@ -44,15 +44,13 @@ def replay(prompt: list[int], answer: list[int], ngram: int, branches: int, leng
         pool = Pool()
         for c in index.continuations(ngram, branches, length):
             pool.add_continuation(c.tokens, c.ngram)
-        right: dict[int, bool] = {}
-        for i in range(len(pool)):  # parents come before their children
+        right: list[bool] = []  # per pool node; parents come before their children
+        for i in range(len(pool)):
             up = pool.parents[i]
-            if up >= 0 and not right[up]:
-                right[i] = False
-                continue
             at = t + pool.depths[i] - 1  # the answer position this token proposes
-            right[i] = at < len(answer) and pool.tokens[i] == answer[at]
-            if at < len(answer):
+            counted = (up < 0 or right[up]) and at < len(answer)
+            right.append(counted and pool.tokens[i] == answer[at])
+            if counted:
                 c = counts[lookup_key(pool.ngram[i], pool.depths[i], pool.alt[i])]
                 c[0] += right[i]
                 c[1] += 1
@@ -113,8 +111,9 @@ def table(counts: dict[Key, list[int]], answers: int) -> str:
              "", "| match | depth | branch | right / offered | rate | prior |", "|---:|---:|---|---:|---:|---:|"]
     for key in sorted(counts):
         (n, d, alt), (right, offered) = key, counts[key]
-        lines.append(f"| {n}{'+' if n == 3 else ''} | {d}{'+' if d == 4 else ''} | {'alt' if alt else 'first'} "
-                     f"| {right} / {offered} | {right / offered:.2f} | {LOOKUP_PRIOR[key]:.2f} |")
+        match, depth = f"{n}{'+' * (n == LOOKUP_KIND_NGRAM)}", f"{d}{'+' * (d == LOOKUP_KIND_DEPTH)}"
+        lines.append(f"| {match} | {depth} | {'alt' if alt else 'first'} | {right} / {offered} "
+                     f"| {right / offered:.2f} | {LOOKUP_PRIOR[key]:.2f} |")
     return "\n".join(lines)
 
 
