@@ -265,8 +265,9 @@ class Pair(_Prompts):
 
     def fingerprint(self) -> str:
         """What must match for KV written by another process to be used here: both models' files
-        (paths, sizes, modification times) and how they were loaded."""
-        h = hashlib.sha256()
+        (paths, sizes, modification times), how they were loaded, and the version of the
+        kernels' arithmetic."""
+        h = hashlib.sha256(f"kernels {kernels.ARITHMETIC_VERSION}\0".encode())
         for path, model in ((self.target_path, self.target), (self.draft_path, self.draft)):
             if path is None or model is None:
                 h.update(b"none\0")
