@@ -22,6 +22,7 @@ import uvicorn
 from specextend.api import load, prepare
 from specextend.serve.app import Server
 from specextend.serve.command import listen
+from specextend.serve.scheduler import Limits
 from specextend.settings import Settings
 
 from tiny_tokenizer import save_tiny_model
@@ -48,15 +49,23 @@ def pair(folders):
     return p
 
 
+SERVERS: dict[str, Server] = {}
+
+
+def engine(url: str):
+    """The decoding engine the server's batch runs (tests hook into its steps)."""
+    return SERVERS[url].batched._engine
+
+
 @contextmanager
-def running(pair, folders, *, max_queue=4, cache_mb=64.0, cache_dir=None, **defaults):
+def running(pair, folders, *, max_queue=4, cache_mb=64.0, cache_dir=None, limits=None, **defaults):
     """The server's app on a free port, in a thread; yields its base URL."""
     encoder = prepare(folders["target"], folders["draft"], dtype="float64", progress=False)
     pair.prefix_cache = None
     if cache_mb:
         pair.enable_prefix_cache(cache_mb, cache_dir)
     server = Server(pair, encoder, Settings(**{"max_new_tokens": 16, **SMALL, **defaults}).resolved(), max_queue,
-                    "tiny")
+                    "tiny", limits=limits)
     sock = listen("127.0.0.1", 0)
     port = sock.getsockname()[1]
     uv = uvicorn.Server(uvicorn.Config(server.app(), log_level="warning"))
@@ -66,10 +75,12 @@ def running(pair, folders, *, max_queue=4, cache_mb=64.0, cache_dir=None, **defa
     while not uv.started:
         assert time.time() < deadline, "the server did not start"
         time.sleep(0.02)
+    url = f"http://127.0.0.1:{port}"
+    SERVERS[url] = server
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
-        pair._engine.step_hook = None
+        SERVERS.pop(url)
         uv.should_exit = True
         thread.join(10)
 
@@ -257,7 +268,7 @@ def test_unknown_routes_and_internal_errors_are_json(pair, url, monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("the kernel fell over")
 
-    monkeypatch.setattr(pair._engine, "decode", broken)
+    monkeypatch.setattr(engine(url), "decode", broken)
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4})
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error" and "Traceback" not in r.text
     monkeypatch.undo()
@@ -267,8 +278,12 @@ def test_unknown_routes_and_internal_errors_are_json(pair, url, monkeypatch):
 # --------------------------------------------------------------------------- the queue
 
 
-def slow_steps(pair, seconds: float = 0.05) -> None:
-    pair._engine.step_hook = lambda *a: time.sleep(seconds)
+def one_at_a_time(max_queue: int) -> Limits:
+    return Limits(max_batch=1, max_queue=max_queue, step_tokens=64, kv_bytes=2**30)
+
+
+def slow_steps(url: str, seconds: float = 0.05) -> None:
+    engine(url).step_hook = lambda *a: time.sleep(seconds)
 
 
 def first_content_chunk(response: httpx.Response) -> None:
@@ -279,9 +294,9 @@ def first_content_chunk(response: httpx.Response) -> None:
 
 
 def test_past_the_queue_requests_get_429_with_retry_after(pair, folders):
-    with running(pair, folders, max_queue=1) as u:
+    with running(pair, folders, max_queue=1, limits=one_at_a_time(1)) as u:
         gate = threading.Event()
-        pair._engine.step_hook = lambda *a: gate.wait(60)  # the first generation holds the slot until released
+        engine(u).step_hook = lambda *a: gate.wait(60)  # the first generation holds the slot until released
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "stream": True,
                 "method": "sd"}
         with httpx.Client(timeout=60) as h, h.stream("POST", f"{u}/v1/chat/completions", json=body) as running_:
@@ -304,8 +319,8 @@ def test_past_the_queue_requests_get_429_with_retry_after(pair, folders):
 
 
 def test_a_disconnecting_stream_frees_the_slot(pair, folders):
-    with running(pair, folders, max_queue=0) as u:
-        slow_steps(pair)  # 200 tokens would take many seconds
+    with running(pair, folders, max_queue=0, limits=one_at_a_time(0)) as u:
+        slow_steps(u)  # 200 tokens would take many seconds
         body = {"prompt": "hi", "max_tokens": 200, "stream": True, "method": "sd"}
         t0 = time.time()
         with httpx.Client(timeout=60) as h, h.stream("POST", f"{u}/v1/completions", json=body) as r:

@@ -8,13 +8,28 @@ import logging
 import socket
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import UserError
 from ..options import add_model_arguments, add_settings_arguments, model_options, settings_from_args
+from .scheduler import Limits
+
+if TYPE_CHECKING:
+    from ..api import Pair
 
 DEFAULT_MAX_QUEUE = 16
 CACHE_SHARE = 0.4  # of the memory still available once the models are loaded
 MIN_DEFAULT_CACHE_MB = 256
+# Continuous batching. The KV budget: this share of the memory available once the models are
+# loaded (the prefix cache takes its own share of what is left). The step's token budget: as many
+# target rows as the measured step costs put within STEP_S at STEP_CONTEXT cached tokens, so that
+# running streams keep a token every fraction of a second while a long prompt prefills.
+DEFAULT_MAX_BATCH = 16
+KV_SHARE = 0.3
+MIN_DEFAULT_KV_MB = 512
+STEP_S = 0.5
+STEP_CONTEXT = 2048
+STEP_TOKENS_RANGE = (16, 1024)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,6 +41,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help="requests that may wait behind the running one; beyond it 429 (default: "
                         f"{DEFAULT_MAX_QUEUE})")
+    g.add_argument("--max-batch", type=int, default=None,
+                   help=f"requests served at once (continuous batching; default: {DEFAULT_MAX_BATCH})")
+    g.add_argument("--step-tokens", type=int, default=None,
+                   help="target rows per batch step: decode rows first, then prompt tokens in chunks (default: as "
+                        f"many as the measured step costs fit in {STEP_S} s)")
+    g.add_argument("--kv-mb", type=float, default=None,
+                   help="memory the running requests' KV caches may take in MB; a request that does not fit waits "
+                        f"(default: {KV_SHARE * 100:.0f}%% of the memory available after loading)")
     g.add_argument("--cache-mb", type=float, default=None,
                    help="memory cap of the prefix cache in MB; 0 turns it off (default: "
                         f"{CACHE_SHARE * 100:.0f}%% of the memory available after loading)")
@@ -47,9 +70,31 @@ def available_memory_mb() -> float | None:
     return None
 
 
-def default_cache_mb() -> float:
+def default_limits(pair: Pair, max_queue: int, max_batch: int | None = None, step_tokens: int | None = None,
+                   kv_mb: float | None = None) -> Limits:
+    """The batching bounds: those given, the defaults for the rest (see the constants above)."""
+    if step_tokens is None:
+        assert pair._engine.costs is not None, "the step costs are measured when the batch starts"
+        curve = pair._engine.costs.target_curve
+        lo, hi = STEP_TOKENS_RANGE
+        step_tokens = lo
+        while step_tokens < hi and curve.predict(2 * step_tokens, STEP_CONTEXT) <= STEP_S:
+            step_tokens *= 2
+    if kv_mb is None:
+        kv_mb = default_kv_mb()
+    return Limits(max_batch=max_batch or DEFAULT_MAX_BATCH, max_queue=max_queue, step_tokens=step_tokens,
+                  kv_bytes=int(kv_mb * 2**20))
+
+
+def default_kv_mb() -> float:
     avail = available_memory_mb()
-    return 2048.0 if avail is None else max(MIN_DEFAULT_CACHE_MB, CACHE_SHARE * avail)
+    return 4096.0 if avail is None else max(MIN_DEFAULT_KV_MB, KV_SHARE * avail)
+
+
+def default_cache_mb(reserved_mb: float = 0.0) -> float:
+    """The prefix cache's share of the memory available, less `reserved_mb` (the KV budget)."""
+    avail = available_memory_mb()
+    return 2048.0 if avail is None else max(MIN_DEFAULT_CACHE_MB, CACHE_SHARE * (avail - reserved_mb))
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -75,6 +120,12 @@ def _check(args: argparse.Namespace) -> None:
         v = getattr(args, name)
         if v is not None and not 0 <= v < float("inf"):
             raise UserError(f"--{name.replace('_', '-')} must be a number >= 0, got {v}")
+    for name in ("max_batch", "step_tokens"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if args.kv_mb is not None and not 0 < args.kv_mb < float("inf"):
+        raise UserError(f"--kv-mb must be a number > 0, got {args.kv_mb}")
     if args.cache_disk_mb is not None and args.cache_dir is None:
         raise UserError("--cache-disk-mb needs --cache-dir")
 
@@ -94,7 +145,9 @@ def run(args: argparse.Namespace) -> int:
     prepared = api.prepare(args.target, args.draft, **model_options(args), progress=not args.quiet)
     encoder = prepared.with_own_tokenizer()
     pair = prepared.load()
-    cache_mb = default_cache_mb() if args.cache_mb is None else args.cache_mb
+    # The KV budget's default share is of the memory available now; the prefix cache's of what is left.
+    kv_mb = args.kv_mb if args.kv_mb is not None else default_kv_mb()
+    cache_mb = default_cache_mb(kv_mb) if args.cache_mb is None else args.cache_mb
     if cache_mb > 0 or args.cache_dir is not None:
         cache = pair.enable_prefix_cache(cache_mb, Path(args.cache_dir) if args.cache_dir else None,
                                          args.cache_disk_mb)
@@ -102,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("specextend.serve").info("prefix cache: up to %.0f MB%s (%d entries on disk)", cache_mb,
                                                    where, cache.stats().get("disk_entries", 0))
     model_id = prepared.target_path.name
-    server = Server(pair, encoder, defaults, args.max_queue, model_id)
+    server = Server(pair, encoder, defaults, args.max_queue, model_id,
+                    batching=dict(max_batch=args.max_batch, step_tokens=args.step_tokens, kv_mb=kv_mb))
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"specextend: serving {model_id} ({defaults.method}) on http://{shown}:{port}/v1", file=sys.stderr,

@@ -1,0 +1,254 @@
+"""Several generations advancing together, one batch step at a time (the worker of the server's
+scheduler, vLLM's scheduler/worker split).
+
+Each sequence runs the ordinary generation code (prefill from the prefix cache, the decoding loop,
+the proposer and its draft policy) in a greenlet of its own, on the thread that runs the steps.
+Its models are `Port`s: a forward asked of a port suspends the sequence with the request (a
+`Call`), and the step runs every pending forward of one model together
+(`Transformer.forward_many`), then resumes each sequence with its logits. One greenlet runs at a
+time, so nothing needs a lock; the quantized kernels are row-independent and a prompt's KV does
+not depend on how its prefill is cut into chunks, so every sequence's tokens are the bits it
+gets alone. Each sequence keeps its own settings and random generator (they live in its
+decoding loop), so per-request sampling parameters and logits processing plug in unchanged.
+
+A step (`Batch.step`):
+1. draft rounds: while a sequence waits on a draft forward, all pending draft forwards run in one
+   call (a draft tree grows a level per round; a draft's prompt KV is computed in these rounds);
+2. one target forward: every decode row and verification tree, then prompt tokens of sequences
+   still prefilling, in the order and within the token budget the caller gives, so running
+   requests keep streaming while a long prompt prefills a chunk per step.
+
+Sequences inside a batch size their trees from `StepCosts`: a verification row costs what it adds
+to this step's forward, weighed against the whole batch's rate, so speculation backs off as the
+step fills (a row riding on a prefill chunk is nearly free; in a full batch it is not).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from greenlet import greenlet
+
+from .costmodel import CostModel
+from .model import Rows, Transformer
+
+
+class Cancelled(Exception):
+    """Thrown into a sequence whose request was withdrawn: it unwinds at its pending forward."""
+
+
+@dataclass
+class Call:
+    """A forward a sequence waits on: `rows` of `model`. A prefill call holds all of a prompt's
+    remaining tokens; the step may run only the first ones (a chunk) and asks again for the rest."""
+
+    model: Transformer
+    rows: Rows
+    prefill: bool = False
+
+
+def _suspend(call: Call) -> Any:
+    parent = greenlet.getcurrent().parent
+    if parent is None:
+        raise RuntimeError("a batched model was called outside a batch's sequence")
+    return parent.switch(call)
+
+
+class Port:
+    """A model as a sequence in a batch sees it: the same attributes, but its forwards (and its
+    prefill, chunk by chunk) run in the batch's steps."""
+
+    def __init__(self, model: Transformer) -> None:
+        self.model = model
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Any, tree_mask: torch.Tensor | None = None,
+                 backend: Any = "efficient", logits_rows: torch.Tensor | slice | None = None,
+                 keep_q: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        return _suspend(Call(self.model, Rows(tokens, positions, cache, tree_mask, logits_rows, keep_q, backend)))
+
+    def prefill(self, tokens: torch.Tensor, cache: Any, backend: Any = "efficient", chunk: int = 512,
+                last_q: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """`Transformer.prefill`, in the chunks the steps grant (`chunk` is the step's to choose)."""
+        start, n, done = cache.length, int(tokens.shape[0]), 0
+        while True:
+            keep = dict.fromkeys(range(self.model.cfg.num_layers)) if last_q is not None else None
+            rows = Rows(tokens[done:], torch.arange(start + done, start + n), cache, None, slice(-1, None), keep,
+                        backend)
+            logits, taken = _suspend(Call(self.model, rows, prefill=True))
+            cache.commit()
+            done += taken
+            if done == n:
+                if keep is not None and last_q is not None:
+                    last_q.update({i: q[:, -1:].clone() for i, q in keep.items()})
+                return logits[-1]
+
+
+class Sequence:
+    """One generation in the batch: `run` (the request's whole generation, on its greenlet), the
+    forward it waits on, and how it ended."""
+
+    def __init__(self, run: Callable[[], Any], tag: Any = None) -> None:
+        self.glet = greenlet(run)
+        self.tag = tag  # the caller's (the scheduler's request)
+        self.call: Call | None = None
+        self.done = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.prefilled = 0  # prompt tokens prefilled in steps (a call's first tokens count as they run)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.call is not None and self.call.prefill
+
+    @property
+    def waiting_tokens(self) -> int:
+        """Prompt tokens still to prefill (0 when not prefilling)."""
+        return self.call.rows.size if self.prefilling else 0
+
+    def resume(self, value: Any = None) -> None:
+        """Run the sequence until its next forward: started, or given what its pending one returned."""
+        started = bool(self.glet)  # a greenlet is true while it has started and not ended
+        self._switch(lambda: self.glet.switch(value) if started else self.glet.switch())
+
+    def cancel(self) -> None:
+        """Unwind the sequence at its pending forward (its caches go with its frames)."""
+        if self.done:
+            return
+        if not self.glet:  # never started
+            self.done, self.error = True, Cancelled()
+            return
+        self._switch(lambda: self.glet.throw(Cancelled()))
+
+    def _switch(self, go: Callable[[], Any]) -> None:
+        self.call = None
+        try:
+            out = go()
+        except BaseException as e:  # the sequence raised: it is over, the caller reports it
+            self.done, self.error = True, e
+            return
+        if self.glet.dead:
+            self.done, self.result = True, out
+        else:
+            assert isinstance(out, Call), "a batched sequence suspended without a forward"
+            self.call = out
+
+
+@dataclass
+class StepReport:
+    """What one step ran: for scheduling, /health and the cost view of the next step."""
+
+    decode_rows: int = 0  # rows of decoding sequences in the target forward
+    decoding: int = 0  # sequences with decode rows in it
+    prefill_rows: int = 0  # prompt tokens prefilled
+    draft_rounds: int = 0
+    drafting: int = 0  # sequences that ran the draft
+
+
+class Batch:
+    """The sequences advancing together over one target (and draft) model, and the step."""
+
+    def __init__(self, target: Transformer, draft: Transformer | None) -> None:
+        self.target, self.draft = target, draft
+        self.sequences: list[Sequence] = []
+        self.last = StepReport()
+
+    def add(self, seq: Sequence) -> None:
+        """Start a sequence: it runs until its first forward (or to its end; `reap` returns it)."""
+        seq.resume()
+        self.sequences.append(seq)
+
+    def reap(self) -> list[Sequence]:
+        """Remove and return the sequences that have ended."""
+        done = [s for s in self.sequences if s.done]
+        self.sequences = [s for s in self.sequences if not s.done]
+        return done
+
+    def step(self, budget: int, prefill_order: Callable[[list[Sequence]], list[Sequence]] = list) -> StepReport:
+        """Advance every sequence by one target forward (and the draft rounds before it).
+        `budget`: target rows in the step; decode rows always run, prompt tokens fill what is
+        left (at least one token, so a prefill always progresses) in `prefill_order`."""
+        report = StepReport()
+        drafted: set[int] = set()
+        while True:
+            waiting = [s for s in self.sequences if s.call is not None and s.call.model is not self.target]
+            if not waiting:
+                break
+            drafted.update(id(s) for s in waiting)
+            self._run(waiting[0].call.model, waiting, [s.call.rows for s in waiting])  # type: ignore[union-attr]
+            report.draft_rounds += 1
+        report.drafting = len(drafted)
+        decode = [s for s in self.sequences if s.call is not None and not s.call.prefill]
+        parts = [s.call.rows for s in decode]  # type: ignore[union-attr]
+        report.decode_rows = sum(p.size for p in parts)
+        report.decoding = len(decode)
+        left = max(1, budget - report.decode_rows)
+        chunked: list[tuple[Sequence, int]] = []
+        for s in prefill_order([s for s in self.sequences if s.prefilling]):
+            if left <= 0:
+                break
+            rows = s.call.rows  # type: ignore[union-attr]
+            take = min(left, rows.size)
+            if take < rows.size:  # a chunk: no logits, no queries (they are the last token's)
+                rows = Rows(rows.tokens[:take], rows.positions[:take], rows.cache, None, slice(0, 0), None,
+                            rows.backend)
+            parts.append(rows)
+            chunked.append((s, take))
+            left -= take
+            report.prefill_rows += take
+        if parts:
+            outs = self.target.forward_many(parts)
+            for s, out in zip(decode, outs, strict=False):
+                s.resume(out)
+            for (s, take), out in zip(chunked, outs[len(decode):], strict=True):
+                s.prefilled += take
+                s.resume((out, take))
+        self.last = report
+        return report
+
+    @staticmethod
+    def _run(model: Transformer, seqs: list[Sequence], parts: list[Rows]) -> None:
+        outs = model.forward_many(parts)
+        for s, out in zip(seqs, outs, strict=True):
+            s.resume(out)
+
+
+class StepCosts(CostModel):
+    """The pair's cost model as a sequence inside a batch sees it.
+
+    Frozen: a sequence's phase timings include the other sequences' work, so they say nothing
+    about its own forwards. Verification is priced at the margin of the step: with `b` sequences
+    decoding and `r` rows in the last step, a tree of n rows costs the step T(r + n - 1) - T(r)
+    more, and the first row is the sequence's share T(r) / b of the step. The sizer's rate to
+    beat is then the batch's (b tokens per T(r)), so a tree is kept only where its expected
+    tokens beat what its extra rows cost every sequence in the step. A draft forward is shared by
+    the sequences that draft in a round: each pays its share of the last step's drafters."""
+
+    def __init__(self, base: CostModel, batch: Batch) -> None:
+        super().__init__(base.target_curve, base.draft_curve, refresh=False)
+        self.base, self.batch = base, batch
+
+    def _sync(self) -> None:
+        b = self.base
+        self.draft_curve = b.draft_curve
+        self.scale, self.overhead_s, self.retrieval_s = dict(b.scale), b.overhead_s, b.retrieval_s
+
+    def verify_costs(self, context: int, max_rows: int) -> list[float]:
+        self._sync()
+        last = self.batch.last
+        others = max(0, last.decode_rows + last.prefill_rows - 1)
+        b = max(1, last.decoding)
+        if others == 0:
+            return super().verify_costs(context, max_rows)
+        own = super().verify_costs(context, others + max_rows)
+        base = own[others + 1]
+        return [0.0] + [base / b + own[others + n] - base for n in range(1, max_rows + 1)]
+
+    def draft_s(self, rows: int, context: int) -> float:
+        self._sync()
+        return super().draft_s(rows, context) / max(1, self.batch.last.drafting)
