@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import httpx2 as httpx
@@ -153,6 +154,24 @@ def test_streaming_chat_sends_chunks_then_usage(pair, url):
     ids = pair.encode_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}])
     assert text == pair.detokenize(pair._engine.generate(ids, Settings(method="sd", max_new_tokens=16)).token_ids)
     assert speculative(chunks[-1].usage)["steps"] >= 1
+
+
+def _stream_text(url: str, content: str, method: str, max_tokens: int) -> str:
+    stream = client(url).chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}],
+                                                 max_tokens=max_tokens, stream=True, extra_body={"method": method})
+    return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+
+def test_concurrent_streams_answer_what_one_at_a_time_answers(url):
+    """Requests of every method and length, streamed at once, each answer what it answers alone."""
+    asks = [(f"{DOC[: 150 * (i % 3)]} Question {i}: {QUESTION}", m, 8 + 4 * i)
+            for i, m in enumerate(["ar", "sd", "specextend", "lookup", "sd", "ar", "specextend", "lookup"])]
+    alone = [_stream_text(url, *a) for a in asks]
+    with ThreadPoolExecutor(len(asks)) as pool:
+        together = list(pool.map(lambda a: _stream_text(url, *a), asks))
+    assert together == alone
+    h = httpx.get(f"{url}/health").json()
+    assert h["running"] == h["waiting"] == 0 and h["batch"]["kv_in_use_mb"] == 0
 
 
 def test_streaming_completion_and_stop_strings(pair, url):
@@ -400,3 +419,23 @@ def test_the_load_measurement_counts_every_outcome():
     measure._send_all(client, args, outcomes)
     assert dict(outcomes.counts) == {"ok": 7, "error": 1, "abandoned": 2}
     assert outcomes.errors == ["RuntimeError: the server fell over"]
+
+
+def test_the_server_is_healthy_after_200_requests_and_abandoned_streams(pair, folders):
+    """bench/serve.py's load run against the real (tiny) server: every request answered or
+    abandoned, nothing left running or holding KV, and the server still answers."""
+    from types import SimpleNamespace
+
+    from specextend.bench import serve as measure
+
+    with running(pair, folders, max_queue=256, method="ar") as u:
+        outcomes = measure._Outcomes()
+        args = SimpleNamespace(requests=200, abandoned=20, clients=8, max_tokens=2)
+        measure._send_all(client(u), args, outcomes)
+        assert dict(outcomes.counts) == {"ok": 200, "abandoned": 20}, outcomes.errors
+        deadline = time.time() + 20
+        while (h := httpx.get(f"{u}/health").json())["running"] or h["waiting"]:
+            assert time.time() < deadline, h
+            time.sleep(0.05)
+        assert h["batch"]["kv_in_use_mb"] == 0 and h["completed"] >= 220
+        assert client(u).completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].text is not None
