@@ -31,7 +31,7 @@ from ..settings import Settings
 from . import protocol
 from .jobs import Job, Outcome, run_job
 from .protocol import APIError
-from .scheduler import Limits, QueueFull, Scheduler, TooLarge
+from .scheduler import Limits, QueueFull, Scheduler, TooLarge, default_limits
 
 log = logging.getLogger("specextend.serve")
 
@@ -40,7 +40,7 @@ DISCONNECT_POLL_S = 0.5  # how often a waiting non-streaming request checks that
 
 class Server:
     """The loaded pair, the tokenizer the HTTP side encodes with, the defaults and the scheduler.
-    `limits` bound the batch (None: `command.default_limits(**batching)`, from this machine's memory
+    `limits` bound the batch (None: `scheduler.default_limits(**batching)`, from this machine's memory
     and the target's measured step costs)."""
 
     def __init__(self, pair: Pair, encoder: Prepared, defaults: Settings, max_queue: int, model_id: str,
@@ -80,8 +80,6 @@ class Server:
 
     def start(self) -> Scheduler:
         """The batch over the pair's models and the scheduler that runs it."""
-        from .command import default_limits
-
         pair = self.pair
         batch = Batch(pair.target, pair.draft)
         self.batched = batched = pair.in_batch(batch)  # measures the step costs once per machine (cached)

@@ -8,28 +8,14 @@ import logging
 import socket
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..errors import UserError
 from ..options import add_model_arguments, add_settings_arguments, model_options, settings_from_args
-from .scheduler import Limits
-
-if TYPE_CHECKING:
-    from ..api import Pair
+from .scheduler import DEFAULT_MAX_BATCH, KV_SHARE, STEP_S, available_memory_mb, default_kv_mb
 
 DEFAULT_MAX_QUEUE = 16
 CACHE_SHARE = 0.4  # of the memory still available once the models are loaded
 MIN_DEFAULT_CACHE_MB = 256
-# Continuous batching. The KV budget: this share of the memory available once the models are
-# loaded (the prefix cache takes its own share of what is left). The step's token budget: as many
-# target rows as the measured step costs put within STEP_S at STEP_CONTEXT cached tokens, so that
-# running streams keep a token every fraction of a second while a long prompt prefills.
-DEFAULT_MAX_BATCH = 16
-KV_SHARE = 0.3
-MIN_DEFAULT_KV_MB = 512
-STEP_S = 0.5
-STEP_CONTEXT = 2048
-STEP_TOKENS_RANGE = (16, 1024)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,39 +42,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-disk-mb", type=float, default=None,
                    help="cap of --cache-dir in MB (default: --cache-mb)")
     g.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
-
-
-def available_memory_mb() -> float | None:
-    """MemAvailable from /proc/meminfo (Linux), else None."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) / 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def default_limits(pair: Pair, max_queue: int, max_batch: int | None = None, step_tokens: int | None = None,
-                   kv_mb: float | None = None) -> Limits:
-    """The batching bounds: those given, the defaults for the rest (see the constants above)."""
-    if step_tokens is None:
-        assert pair._engine.costs is not None, "the step costs are measured when the batch starts"
-        curve = pair._engine.costs.target_curve
-        lo, hi = STEP_TOKENS_RANGE
-        step_tokens = lo
-        while step_tokens < hi and curve.predict(2 * step_tokens, STEP_CONTEXT) <= STEP_S:
-            step_tokens *= 2
-    if kv_mb is None:
-        kv_mb = default_kv_mb()
-    return Limits(max_batch=max_batch or DEFAULT_MAX_BATCH, max_queue=max_queue, step_tokens=step_tokens,
-                  kv_bytes=int(kv_mb * 2**20))
-
-
-def default_kv_mb() -> float:
-    avail = available_memory_mb()
-    return 4096.0 if avail is None else max(MIN_DEFAULT_KV_MB, KV_SHARE * avail)
 
 
 def default_cache_mb(reserved_mb: float = 0.0) -> float:

@@ -28,16 +28,63 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..batch import Batch, Cancelled, Sequence
 from .jobs import Job
 
+if TYPE_CHECKING:
+    from ..api import Pair
+
 log = logging.getLogger("specextend.serve")
 
+# Continuous batching. The KV budget: this share of the memory available once the models are
+# loaded (the prefix cache takes its own share of what is left). The step's token budget: as many
+# target rows as the measured step costs put within STEP_S at STEP_CONTEXT cached tokens, so that
+# running streams keep a token every fraction of a second while a long prompt prefills.
+DEFAULT_MAX_BATCH = 16
+KV_SHARE = 0.3
+MIN_DEFAULT_KV_MB = 512
+STEP_S = 0.5
+STEP_CONTEXT = 2048
+STEP_TOKENS_RANGE = (16, 1024)
 HEAD_WAIT_S = 30.0  # after this long at the head of the queue, a request waiting for memory blocks the others
 IDLE_POLL_S = 0.5
+
+
+def available_memory_mb() -> float | None:
+    """MemAvailable from /proc/meminfo (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def default_limits(pair: Pair, max_queue: int, max_batch: int | None = None, step_tokens: int | None = None,
+                   kv_mb: float | None = None) -> Limits:
+    """The batching bounds: those given, the defaults for the rest (see the constants above)."""
+    if step_tokens is None:
+        assert pair._engine.costs is not None, "the step costs are measured when the batch starts"
+        curve = pair._engine.costs.target_curve
+        lo, hi = STEP_TOKENS_RANGE
+        step_tokens = lo
+        while step_tokens < hi and curve.predict(2 * step_tokens, STEP_CONTEXT) <= STEP_S:
+            step_tokens *= 2
+    if kv_mb is None:
+        kv_mb = default_kv_mb()
+    return Limits(max_batch=max_batch or DEFAULT_MAX_BATCH, max_queue=max_queue, step_tokens=step_tokens,
+                  kv_bytes=int(kv_mb * 2**20))
+
+
+def default_kv_mb() -> float:
+    avail = available_memory_mb()
+    return 4096.0 if avail is None else max(MIN_DEFAULT_KV_MB, KV_SHARE * avail)
 
 
 class QueueFull(Exception):
