@@ -57,6 +57,12 @@ def _suspend(call: Call) -> Any:
     return parent.switch(call)
 
 
+def _fills_kv_only(rows: Rows) -> bool:
+    lr = rows.logits_rows
+    return (rows.size > 1 and rows.tree_mask is None and rows.keep_q is None and isinstance(lr, slice)
+            and lr == slice(0, 0))
+
+
 class Port:
     """A model as a sequence in a batch sees it: the same attributes, but its forwards (and its
     prefill, chunk by chunk) run in the batch's steps."""
@@ -70,7 +76,19 @@ class Port:
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Any, tree_mask: torch.Tensor | None = None,
                  backend: Any = "efficient", logits_rows: torch.Tensor | slice | None = None,
                  keep_q: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
-        return _suspend(Call(self.model, Rows(tokens, positions, cache, tree_mask, logits_rows, keep_q, backend)))
+        rows = Rows(tokens, positions, cache, tree_mask, logits_rows, keep_q, backend)
+        if not _fills_kv_only(rows):
+            return _suspend(Call(self.model, rows))
+        # A causal pass that asks for no logits and no queries (a draft's prompt KV): the steps may
+        # run it in chunks, which leave the same KV; the last chunk stays pending for the caller.
+        done, n = 0, rows.size
+        while True:
+            part = Rows(tokens[done:], positions[done:], cache, None, logits_rows, None, backend)
+            out, taken = _suspend(Call(self.model, part, prefill=True))
+            done += taken
+            if done == n:
+                return out
+            cache.commit()
 
     def prefill(self, tokens: torch.Tensor, cache: Any, backend: Any = "efficient", chunk: int = 512,
                 last_q: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
@@ -171,51 +189,60 @@ class Batch:
 
     def step(self, budget: int, prefill_order: Callable[[list[Sequence]], list[Sequence]] = list) -> StepReport:
         """Advance every sequence by one target forward (and the draft rounds before it).
-        `budget`: target rows in the step; decode rows always run, prompt tokens fill what is
-        left (at least one token, so a prefill always progresses) in `prefill_order`."""
+        `budget`: rows per model in the step. Decode rows (and draft trees) always run; prompt
+        tokens fill what is left, in `prefill_order` (the target's at least one token, so a
+        prefill always progresses); a draft's prompt pass beyond it waits for the next step."""
         report = StepReport()
         drafted: set[int] = set()
+        draft_left = budget
         while True:
-            waiting = [s for s in self.sequences if s.call is not None and s.call.model is not self.target]
+            waiting = [s for s in self.sequences if s.call is not None and s.call.model is not self.target
+                       and (draft_left > 0 or not s.call.prefill)]
             if not waiting:
                 break
             drafted.update(id(s) for s in waiting)
-            self._run(waiting[0].call.model, waiting, [s.call.rows for s in waiting])  # type: ignore[union-attr]
+            draft_left -= self._run(waiting[0].call.model, waiting, draft_left)  # type: ignore[union-attr]
             report.draft_rounds += 1
         report.drafting = len(drafted)
-        decode = [s for s in self.sequences if s.call is not None and not s.call.prefill]
-        parts = [s.call.rows for s in decode]  # type: ignore[union-attr]
-        report.decode_rows = sum(p.size for p in parts)
+        ready = [s for s in self.sequences if s.call is not None and s.call.model is self.target]
+        decode = [s for s in ready if not s.call.prefill]  # type: ignore[union-attr]
         report.decoding = len(decode)
-        left = max(1, budget - report.decode_rows)
-        chunked: list[tuple[Sequence, int]] = []
-        for s in prefill_order([s for s in self.sequences if s.prefilling]):
-            if left <= 0:
-                break
-            rows = s.call.rows  # type: ignore[union-attr]
-            take = min(left, rows.size)
-            if take < rows.size:  # a chunk: no logits, no queries (they are the last token's)
-                rows = Rows(rows.tokens[:take], rows.positions[:take], rows.cache, None, slice(0, 0), None,
-                            rows.backend)
-            parts.append(rows)
-            chunked.append((s, take))
-            left -= take
-            report.prefill_rows += take
-        if parts:
-            outs = self.target.forward_many(parts)
-            for s, out in zip(decode, outs, strict=False):
-                s.resume(out)
-            for (s, take), out in zip(chunked, outs[len(decode):], strict=True):
-                s.prefilled += take
-                s.resume((out, take))
+        report.decode_rows = sum(s.call.rows.size for s in decode)  # type: ignore[union-attr]
+        if ready:
+            report.prefill_rows = self._run(self.target, decode + prefill_order([s for s in ready if s.prefilling]),
+                                            max(1, budget - report.decode_rows))
         self.last = report
         return report
 
     @staticmethod
-    def _run(model: Transformer, seqs: list[Sequence], parts: list[Rows]) -> None:
-        outs = model.forward_many(parts)
-        for s, out in zip(seqs, outs, strict=True):
-            s.resume(out)
+    def _run(model: Transformer, seqs: list[Sequence], left: int) -> int:
+        """One forward of `model` over the sequences' pending calls: whole calls, and of prefill
+        calls (in the order given) the first tokens, `left` in all. Each sequence resumes with
+        its logits (a prefill call with its logits and how many tokens ran). Returns the prompt
+        tokens that ran."""
+        parts, runs = [], []
+        taken = 0
+        for s in seqs:
+            call = s.call
+            assert call is not None
+            rows, take = call.rows, None
+            if call.prefill:
+                if left - taken <= 0:
+                    continue
+                take = min(left - taken, rows.size)
+                if take < rows.size:  # a chunk: no logits, no queries (they are the last token's)
+                    rows = Rows(rows.tokens[:take], rows.positions[:take], rows.cache, None, slice(0, 0), None,
+                                rows.backend)
+                taken += take
+            parts.append(rows)
+            runs.append((s, take))
+        for (s, take), out in zip(runs, model.forward_many(parts), strict=True):
+            if take is None:
+                s.resume(out)
+            else:
+                s.prefilled += take
+                s.resume((out, take))
+        return taken
 
 
 class StepCosts(CostModel):
