@@ -25,6 +25,7 @@ step fills (a row riding on a prefill chunk is nearly free; in a full batch it i
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -166,6 +167,8 @@ class StepReport:
     prefill_rows: int = 0  # prompt tokens prefilled
     draft_rounds: int = 0
     drafting: int = 0  # sequences that ran the draft
+    seconds: float = 0.0  # the step's wall time
+    forward_s: float = 0.0  # of which in the models' forwards (the rest: the sequences' own work)
 
 
 class Batch:
@@ -175,6 +178,9 @@ class Batch:
         self.target, self.draft = target, draft
         self.sequences: list[Sequence] = []
         self.last = StepReport()
+        # Per decoding sequence and step, what is not a forward (its loop, sampling, lookup,
+        # retrieval, streaming), averaged over recent steps: the sizer's per-step overhead.
+        self.overhead_s = 0.0
 
     def add(self, seq: Sequence) -> None:
         """Start a sequence: it runs until its first forward (or to its end; `reap` returns it)."""
@@ -190,9 +196,12 @@ class Batch:
     def step(self, budget: int, prefill_order: Callable[[list[Sequence]], list[Sequence]] = list) -> StepReport:
         """Advance every sequence by one target forward (and the draft rounds before it).
         `budget`: rows per model in the step. Decode rows (and draft trees) always run; prompt
-        tokens fill what is left, in `prefill_order` (the target's at least one token, so a
-        prefill always progresses); a draft's prompt pass beyond it waits for the next step."""
+        tokens fill what is left after one row per decoding sequence (the rows a tree adds are
+        priced by the sizer, `StepCosts`, and do not starve prefills), in `prefill_order`, at least
+        one token so a prefill always progresses; a draft's prompt pass beyond the budget waits
+        for the next step."""
         report = StepReport()
+        t0 = time.perf_counter()
         drafted: set[int] = set()
         draft_left = budget
         while True:
@@ -201,7 +210,7 @@ class Batch:
             if not waiting:
                 break
             drafted.update(id(s) for s in waiting)
-            draft_left -= self._run(waiting[0].call.model, waiting, draft_left)  # type: ignore[union-attr]
+            draft_left -= self._run(waiting[0].call.model, waiting, draft_left, report)  # type: ignore[union-attr]
             report.draft_rounds += 1
         report.drafting = len(drafted)
         ready = [s for s in self.sequences if s.call is not None and s.call.model is self.target]
@@ -210,12 +219,16 @@ class Batch:
         report.decode_rows = sum(s.call.rows.size for s in decode)  # type: ignore[union-attr]
         if ready:
             report.prefill_rows = self._run(self.target, decode + prefill_order([s for s in ready if s.prefilling]),
-                                            max(1, budget - report.decode_rows))
+                                            max(1, budget - report.decoding), report)
+        report.seconds = time.perf_counter() - t0
+        if report.decoding:
+            own = max(0.0, report.seconds - report.forward_s) / report.decoding
+            self.overhead_s = own if self.overhead_s == 0.0 else 0.8 * self.overhead_s + 0.2 * own
         self.last = report
         return report
 
     @staticmethod
-    def _run(model: Transformer, seqs: list[Sequence], left: int) -> int:
+    def _run(model: Transformer, seqs: list[Sequence], left: int, report: StepReport) -> int:
         """One forward of `model` over the sequences' pending calls: whole calls, and of prefill
         calls (in the order given) the first tokens, `left` in all. Each sequence resumes with
         its logits (a prefill call with its logits and how many tokens ran). Returns the prompt
@@ -236,7 +249,10 @@ class Batch:
                 taken += take
             parts.append(rows)
             runs.append((s, take))
-        for (s, take), out in zip(runs, model.forward_many(parts), strict=True):
+        t0 = time.perf_counter()
+        outs = model.forward_many(parts)
+        report.forward_s += time.perf_counter() - t0
+        for (s, take), out in zip(runs, outs, strict=True):
             if take is None:
                 s.resume(out)
             else:
@@ -249,12 +265,15 @@ class StepCosts(CostModel):
     """The pair's cost model as a sequence inside a batch sees it.
 
     Frozen: a sequence's phase timings include the other sequences' work, so they say nothing
-    about its own forwards. Verification is priced at the margin of the step: with `b` sequences
-    decoding and `r` rows in the last step, a tree of n rows costs the step T(r + n - 1) - T(r)
-    more, and the first row is the sequence's share T(r) / b of the step. The sizer's rate to
-    beat is then the batch's (b tokens per T(r)), so a tree is kept only where its expected
-    tokens beat what its extra rows cost every sequence in the step. A draft forward is shared by
-    the sequences that draft in a round: each pays its share of the last step's drafters."""
+    about its own forwards. Priced against the batch decoding plainly: with `b` sequences decoding,
+    each one's share of a plain decode step is T(b) / b, so the sizer's rate to beat is the batch's
+    (b tokens per T(b)); with `p` prompt tokens in the step as well, a tree of n rows adds
+    T(b + p + n - 1) - T(b + p). A tree is kept only where its expected tokens beat what its rows
+    cost every sequence in the step, so speculation backs off as the step fills, and rows riding
+    on a prefill chunk pay only their own rows (never the prefill's). The per-step overhead
+    is the batch's own (a sequence's work outside the forwards, `Batch.overhead_s`). A draft forward is
+    shared by the sequences that draft in a round: each pays its share of a round as wide as the
+    last step's drafters."""
 
     def __init__(self, base: CostModel, batch: Batch) -> None:
         super().__init__(base.target_curve, base.draft_curve, refresh=False)
@@ -263,19 +282,27 @@ class StepCosts(CostModel):
     def _sync(self) -> None:
         b = self.base
         self.draft_curve = b.draft_curve
-        self.scale, self.overhead_s, self.retrieval_s = dict(b.scale), b.overhead_s, b.retrieval_s
+        self.scale, self.retrieval_s = dict(b.scale), b.retrieval_s
+        # The batch's measured per-sequence overhead once it has one (the pair's was measured alone).
+        self.overhead_s = self.batch.overhead_s or b.overhead_s
+
+    @property  # type: ignore[override]
+    def probes(self) -> bool:
+        """No probing while other sequences decode: the draft runs only where it is expected to pay."""
+        return self.batch.last.decoding <= 1
 
     def verify_costs(self, context: int, max_rows: int) -> list[float]:
         self._sync()
         last = self.batch.last
-        others = max(0, last.decode_rows + last.prefill_rows - 1)
         b = max(1, last.decoding)
-        if others == 0:
+        r = b + last.prefill_rows
+        if r == 1:
             return super().verify_costs(context, max_rows)
-        own = super().verify_costs(context, others + max_rows)
-        base = own[others + 1]
-        return [0.0] + [base / b + own[others + n] - base for n in range(1, max_rows + 1)]
+        own = super().verify_costs(context, r + max_rows)
+        share = own[b] / b
+        return [0.0] + [share + own[r + n - 1] - own[r] for n in range(1, max_rows + 1)]
 
     def draft_s(self, rows: int, context: int) -> float:
         self._sync()
-        return super().draft_s(rows, context) / max(1, self.batch.last.drafting)
+        drafting = max(1, self.batch.last.drafting)
+        return super().draft_s(rows * drafting, context) / drafting
