@@ -439,3 +439,32 @@ def test_the_server_is_healthy_after_200_requests_and_abandoned_streams(pair, fo
             time.sleep(0.05)
         assert h["batch"]["kv_in_use_mb"] == 0 and h["completed"] >= 220
         assert client(u).completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].text is not None
+
+
+def test_the_concurrent_measurement_summarises_streams(tmp_path):
+    """bench/concurrent.py's figures from recorded streams: time to the last answer, tokens per
+    second, chunk gaps, the gaps of running streams while a document prefills, equality to alone."""
+    from specextend.bench import concurrent as cc
+
+    def stream(i, sent, chunks, text, tokens, error=None):
+        return cc.Stream(i, sent, chunks[0] if chunks else None, (chunks or [sent])[-1] + 0.1, chunks, text, tokens,
+                         error)
+
+    running = [stream(0, 0.0, [0.5, 1.0, 3.0, 3.5], "a", 4), stream(1, 0.0, [0.6, 1.1, 2.9], "b", 3)]
+    doc, short = stream(2, 1.0, [4.0], "c", 1), stream(3, 2.0, [2.5], "d", 1)
+    streams = [*running, doc, short]
+    s = cc.summarise(streams)
+    assert s["answered"] == 4 and s["tokens"] == 9 and abs(s["time_to_last_s"] - 4.1) < 1e-9
+    d = cc.during(streams, (2, 2))
+    assert d["short_ttft_s"] == 0.5 and d["document_ttft_s"] == 3.0
+    assert d["running_gap_max_s"] == 2.0 and d["running_gaps"] == 5  # gaps ending within [1.0, 4.0]
+    alone = [stream(0, 0, [1], "a", 4), stream(1, 0, [1], "x", 3), stream(2, 0, [1], "c", 1),
+             stream(3, 0, [1], "d", 1, error="429")]
+    assert cc.equal_to(alone, streams) == [True, False, True, None]
+    result = {"scenario": "t", "serve_args": "", "prompt_tokens": [5] * 4, "max_tokens": [4] * 4,
+              "servers": {k: {"summary": {**s, **d, "equal_to_alone": [True] * 4}, "streams":
+                              [vars(x) for x in streams]} for k in ("ours", "llama")}}
+    md = cc.table(result)
+    assert "| ours |" in md and "4/4" in md and "ours / llama: time to last answer 1.00x" in md
+    cc.plot(result, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0
