@@ -178,3 +178,28 @@ def test_past_the_queue_requests_are_refused(pair):
         return await asyncio.gather(finish(jobs[0]), finish(jobs[1]))
 
     assert [k for k, _ in serve(pair, limits, submit)] == ["done", "done"]
+
+
+def test_a_failed_step_fails_its_requests_and_the_server_goes_on(pair, monkeypatch):
+    real = pair.target.forward_many
+    calls = {"n": 0}
+
+    def flaky(parts):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("the kernel fell over")
+        return real(parts)
+
+    monkeypatch.setattr(pair.target, "forward_many", flaky)
+
+    async def submit(sched, loop):
+        first = Job(prompt(1, 10), settings(method="ar", max_new_tokens=8), [], loop)
+        sched.submit(first)
+        out = [await finish(first)]
+        second = Job(prompt(2, 10), settings(method="ar", max_new_tokens=8), [], loop)
+        sched.submit(second)
+        out.append(await finish(second))
+        return out, sched.kv_in_use
+
+    (first, second), kv = serve(pair, LIMITS, submit)
+    assert first[0] == "error: the kernel fell over" and second[0] == "done" and kv == 0

@@ -135,6 +135,11 @@ class Sequence:
         started = bool(self.glet)  # a greenlet is true while it has started and not ended
         self._switch(lambda: self.glet.switch(value) if started else self.glet.switch())
 
+    def fail(self, error: BaseException) -> None:
+        """End the sequence with `error` (a step it was part of failed): unwound like a cancel."""
+        self.cancel()
+        self.done, self.error = True, error
+
     def cancel(self) -> None:
         """Unwind the sequence at its pending forward (its caches go with its frames)."""
         if self.done:
@@ -270,7 +275,8 @@ class StepCosts(CostModel):
     (b tokens per T(b)); with `p` prompt tokens in the step as well, a tree of n rows adds
     T(b + p + n - 1) - T(b + p). A tree is kept only where its expected tokens beat what its rows
     cost every sequence in the step, so speculation backs off as the step fills, and rows riding
-    on a prefill chunk pay only their own rows (never the prefill's). The per-step overhead
+    on a prefill chunk pay only their own rows (never the prefill's), while a draft round, which
+    delays the prefill too, is priced by all the rows it holds up. The per-step overhead
     is the batch's own (a sequence's work outside the forwards, `Batch.overhead_s`). A draft forward is
     shared by the sequences that draft in a round: each pays its share of a round as wide as the
     last step's drafters."""
@@ -304,5 +310,9 @@ class StepCosts(CostModel):
 
     def draft_s(self, rows: int, context: int) -> float:
         self._sync()
-        drafting = max(1, self.batch.last.drafting)
-        return super().draft_s(rows * drafting, context) / drafting
+        last = self.batch.last
+        drafting = max(1, last.drafting)
+        # A draft round holds up the whole step, prompt chunks included: priced per row the step
+        # carries, not only per decoding sequence (so it rarely runs while prompts prefill).
+        held = (max(1, last.decoding) + last.prefill_rows) / max(1, last.decoding)
+        return super().draft_s(rows * drafting, context) / drafting * held

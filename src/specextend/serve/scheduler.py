@@ -173,7 +173,12 @@ class Scheduler:
                 self._withdraw()
                 self._admit()
                 if self.batch.sequences:
-                    self.batch.step(self.limits.step_tokens, _shortest_first)
+                    try:
+                        self.batch.step(self.limits.step_tokens, _shortest_first)
+                    except Exception as e:  # reported to every request of the step; the server goes on
+                        log.error("a batch step failed", exc_info=e)
+                        for seq in self.batch.sequences:
+                            seq.fail(e)
                     self.steps += 1
                 self._finish()
             for r in self.waiting_list + self.running_list:
