@@ -150,10 +150,9 @@ def summarise(streams: list[Stream]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def ours(serve_args: str, log: Path) -> Iterator[str]:
-    from .serve import started
-
-    with started(serve_args, log) as (url, _pid):
+def ours(start: Any, serve_args: str, log: Path) -> Iterator[str]:
+    """`specextend serve ARGS` for the block, through `start` (serve.py's `started`)."""
+    with start(serve_args, log) as (url, _pid):
         yield url
 
 
@@ -197,11 +196,12 @@ def llama(clients: int, context: int, threads: int = 2) -> Iterator[str]:
                 proc.wait()
 
 
-def server(kind: str, serve_args: str, clients: int, context: int, log: Path) -> contextlib.AbstractContextManager[str]:
+def server(kind: str, start: Any, serve_args: str, clients: int, context: int, log: Path
+           ) -> contextlib.AbstractContextManager[str]:
     if kind == "ours":
-        return ours(serve_args, log)
+        return ours(start, serve_args, log)
     if kind == "ours-one":
-        return ours(f"--max-batch 1 --max-queue {max(16, clients)} {serve_args}", log)
+        return ours(start, f"--max-batch 1 --max-queue {max(16, clients)} {serve_args}", log)
     if kind == "llama":
         return llama(clients, context)
     raise SystemExit(f"unknown server {kind!r}: choose ours, ours-one, llama")
@@ -230,26 +230,26 @@ def equal_to(reference: list[Stream] | None, streams: list[Stream]) -> list[bool
     return [None if (a.error or b.error) else a.text == b.text for a, b in zip(streams, reference, strict=True)]
 
 
-def run(scenario: Scenario, kinds: list[str], serve_args: str, out: Path, encode: Any) -> dict[str, Any]:
+def run(scenario: Scenario, kinds: list[str], serve_args: str, out: Path, encode: Any, start: Any, health: Any
+        ) -> dict[str, Any]:
+    """Each server in turn: `start(args, log)` starts ours (serve.py's `started`), `health(url)`
+    reads its /health after the run."""
     context = max(len(p) for p in scenario.prompts) + max(scenario.max_tokens) + 64
     results: dict[str, Any] = {"scenario": scenario.name, "serve_args": serve_args, "servers": {},
                                "prompt_tokens": [len(p) for p in scenario.prompts],
                                "max_tokens": scenario.max_tokens, "delays": scenario.delays}
     streams_by: dict[str, list[Stream]] = {}
     for kind in kinds:
-        with server(kind, serve_args, len(scenario.prompts), context, out / f"{scenario.name}-{kind}.log") as url:
+        log = out / f"{scenario.name}-{kind}.log"
+        with server(kind, start, serve_args, len(scenario.prompts), context, log) as url:
             warm(url, encode)
             streams = run_clients(url, scenario.prompts, scenario.max_tokens, scenario.delays)
-            health = None
-            if kind != "llama":
-                from .serve import _health
-
-                health = _health(url)
+            after = health(url) if kind != "llama" else None
         streams_by[kind] = streams
         summary = summarise(streams)
         if scenario.window is not None:
             summary.update(during(streams, scenario.window))
-        summary["health_after"] = health
+        summary["health_after"] = after
         results["servers"][kind] = {"summary": summary, "streams": [asdict(s) for s in streams]}
         print(f"{scenario.name} {kind}: {json.dumps({k: v for k, v in summary.items() if k != 'health_after'})}",
               flush=True)

@@ -316,7 +316,7 @@ def _concurrent(args: argparse.Namespace) -> dict[str, Any]:
                                [0.0] * k + [args.doc_at, args.doc_at + args.after], window=(k, k))
     args.out.mkdir(parents=True, exist_ok=True)
     result = cc.run(scenario, [k.strip() for k in args.servers.split(",") if k.strip()], args.serve_args, args.out,
-                    encode)
+                    encode, started, _health)
     (args.out / "summary.md").write_text(cc.table(result))
     cc.plot(result, args.out / "clients.png")
     print(cc.table(result), flush=True)
