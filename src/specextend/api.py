@@ -41,6 +41,7 @@ from .progress import say
 from .settings import Settings
 
 if TYPE_CHECKING:
+    from .costmodel import CostModel
     from .model import Transformer
     from .prefix_cache import PrefixCache
 
@@ -295,13 +296,18 @@ class Pair(_Prompts):
         cache, with an engine whose forwards run in the batch's steps (`batch.Port`) and whose
         trees are sized for the step (`batch.StepCosts`). Its `prefill`, `decode` and `remember`
         must be called from a sequence of that batch."""
-        base = self._engine.cost_model(make_settings(method="specextend" if self.draft is not None else "lookup"))
+        base = self.step_costs()
         other = copy.copy(self)
         other._engine = SpecEngine(Port(self.target), Port(self.draft) if self.draft is not None else None,
                                    self.spec.eos_ids)
         other._engine.eos = self._engine.eos
         other._engine.costs = StepCosts(base, batch)
         return other
+
+    def step_costs(self) -> CostModel:
+        """The measured step costs of both models (measured once per machine and cached), which
+        tree sizing and the server's step budget read."""
+        return self._engine.cost_model(make_settings(method="specextend" if self.draft is not None else "lookup"))
 
     def kv_bytes(self, prompt_tokens: int, settings: Settings) -> int:
         """Bytes of the caches a generation of this prompt length allocates (`engine.kv_bytes`)."""

@@ -70,8 +70,7 @@ def default_limits(pair: Pair, max_queue: int, max_batch: int | None = None, ste
                    kv_mb: float | None = None) -> Limits:
     """The batching bounds: those given, the defaults for the rest (see the constants above)."""
     if step_tokens is None:
-        assert pair._engine.costs is not None, "the step costs are measured when the batch starts"
-        curve = pair._engine.costs.target_curve
+        curve = pair.step_costs().target_curve
         lo, hi = STEP_TOKENS_RANGE
         step_tokens = lo
         while step_tokens < hi and curve.predict(2 * step_tokens, STEP_CONTEXT) <= STEP_S:
