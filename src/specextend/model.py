@@ -226,6 +226,21 @@ class Embedding(nn.Module):
         return F.embedding(ids, self.weight)
 
 
+class Workspace:
+    """A reusable output buffer for the quantized runtime's widest product (gate/up: 2 x the MLP
+    width per token). A prefill chunk's is tens of MB; allocated anew for every layer, the C
+    library maps fresh pages for it each time and the page faults cost a visible share of prefill
+    (docs/benchmarks.md). One per model: its layers run one after another."""
+
+    def __init__(self) -> None:
+        self._buf = torch.empty(0)
+
+    def take(self, rows: int, cols: int) -> torch.Tensor:
+        if self._buf.numel() < rows * cols:
+            self._buf = torch.empty(rows * cols)
+        return self._buf[: rows * cols].view(rows, cols)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
@@ -240,6 +255,7 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.workspace = Workspace()  # the model gives all its layers one (Transformer.__init__)
 
     def forward(
         self,
@@ -301,7 +317,8 @@ class Block(nn.Module):
             off += t
         a = outs[0] if len(outs) == 1 else torch.cat(outs)
         x = kernels.qlinear(a, self.o.qweight, residual=x)
-        gu = kernels.qlinear(x, self.gate_up.qweight, norm=self.mlp_norm.weight, eps=self.mlp_norm.eps)
+        gu = kernels.qlinear(x, self.gate_up.qweight, norm=self.mlp_norm.weight, eps=self.mlp_norm.eps,
+                             out=self.workspace.take(x.shape[0], self.gate_up.qweight.n))
         return kernels.qlinear(gu, self.down.qweight, silu_mul=True, residual=x)
 
 
@@ -311,6 +328,9 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.embed = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.workspace = Workspace()
+        for layer in self.layers:
+            layer.workspace = self.workspace
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
