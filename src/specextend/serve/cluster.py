@@ -293,6 +293,18 @@ def placement(replicas: int, replica_cpus: float | None) -> tuple[float, int, fl
     return replica_cpus, max(1, int(replica_cpus)), 1.0 / per_node
 
 
+def _await_reports(replicas: int, timeout_s: float = 10 * STATS_PERIOD_S + 20) -> None:
+    """Wait until the router knows every replica and has its first report (what /health shows)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        router = ROUTERS.get(APP)
+        seen = router.replicas() if router is not None else []
+        if len(seen) >= replicas and all(r["reported_s_ago"] is not None for r in seen):
+            return
+        time.sleep(0.2)
+    log.warning("not every replica has reported its load yet; /health shows them as they do")
+
+
 def run_replicas(args: argparse.Namespace, sock: socket.socket) -> int:
     from .. import api
     from ..options import model_options, settings_from_args
@@ -305,7 +317,8 @@ def run_replicas(args: argparse.Namespace, sock: socket.socket) -> int:
         if args.ray_address:
             ray.init(address=args.ray_address, logging_level=level, log_to_driver=not args.quiet)
         else:
-            ray.init(include_dashboard=False, logging_level=level, log_to_driver=not args.quiet)
+            # "local": a new cluster of this machine, even where `ray start` left one running
+            ray.init(address="local", include_dashboard=False, logging_level=level, log_to_driver=not args.quiet)
     except (ConnectionError, ValueError, RuntimeError) as e:
         raise UserError(f"cannot join the Ray cluster at {args.ray_address}: {e}") from None
     try:
@@ -329,6 +342,7 @@ def run_replicas(args: argparse.Namespace, sock: socket.socket) -> int:
         serve.start(proxy_location="Disabled")
         handle = serve.run(deployment.bind(args, share, threads), name=APP, route_prefix=None)
         handle.health.remote().result()  # the first call makes the handle's router (and checks a replica)
+        _await_reports(args.replicas)
         front = Front(encoder.with_own_tokenizer(), defaults, args.max_queue, encoder.target_path.name, handle,
                       routing)
         run_http(front, sock, args.quiet)
