@@ -156,7 +156,9 @@ def compile_grammar(spec: GrammarSpec, hf_tokenizer: Any, vocab: int) -> Grammar
         raise UserError(f"the {_what(spec)} cannot be compiled: {_first_line(template.get_error())}")
     grammar = Grammar(spec, template, tok, vocab)
     state = grammar.start()
-    if state.stopped and not state.accepting:
+    first = state.allowed()  # computing the first mask is what finds a grammar without a way in
+    first[grammar.eos] = False
+    if not state.accepting and not bool(first.any()):
         raise UserError(f"the {_what(spec)} admits no output")
     with _lock:
         _compiled[key] = template

@@ -124,7 +124,8 @@ class LogitsProcessor:
         st = self.state
         assert st is not None
         mapped = [self._g(t) for t in path]
-        if st.valid_prefix(mapped) < len(mapped):
+        # Nothing follows the end of the output (and llguidance does not roll its end back).
+        if (self.grammar is not None and self.grammar.eos in mapped) or st.valid_prefix(mapped) < len(mapped):
             return None
         for t in mapped:
             st.consume(t)
