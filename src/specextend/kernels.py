@@ -47,6 +47,9 @@ CPU_ENV = "SPECEXTEND_CPU"
 
 def _key() -> str:
     h = hashlib.sha256()
+    # The checkout's own path too: the build records absolute source paths, so two checkouts (git
+    # worktrees) sharing one directory would rebuild it over each other at every load.
+    h.update(str(_CSRC.resolve()).encode())
     # Every source and header of the extension is part of the key: an edited header must build again.
     for f in sorted([_CSRC / "torch_ops.cpp", *(_CSRC / "core").iterdir()]):
         if f.suffix in (".cpp", ".h"):
