@@ -270,3 +270,38 @@ def test_penalised_sampling_keeps_the_penalised_distribution(tiny_dir):
 def test_bad_penalties_are_refused(bad):
     with pytest.raises(UserError):
         Settings(**bad).resolved()
+
+
+# --------------------------------------------------------------------------- the command line
+
+
+def test_generate_takes_a_schema_and_logprobs(capsys, pair, tmp_path):
+    from specextend.cli import main
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    common = ["generate", "--target", str(pair.target_path), "--draft", str(pair.draft_path), "--dtype", "float64",
+              "--prompt", PROMPTS[0], "--max-new-tokens", "120", "--json", "--json-schema", str(schema),
+              "--logprobs", "1", "--presence-penalty", "0.5"]
+    outs = {}
+    for method in ("ar", "lookup"):
+        assert main([*common, "--method", method]) == 0
+        outs[method] = json.loads(capsys.readouterr().out)
+    assert outs["lookup"]["token_ids"] == outs["ar"]["token_ids"]
+    check_valid("json_schema", outs["ar"]["text"])
+    assert len(outs["ar"]["logprobs"]) == outs["ar"]["new_tokens"]
+    assert outs["ar"]["config"]["presence_penalty"] == 0.5
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--regex", "("], "cannot be compiled"),
+    (["--json-schema", "/no/such/schema.json"], "schema file not found"),
+    (["--logprobs", "21"], "--logprobs"),
+    (["--frequency-penalty", "5"], "frequency-penalty"),
+])
+def test_generate_refuses_bad_structured_options_in_one_line(capsys, pair, args, needle):
+    from specextend.cli import main
+
+    code = main(["generate", "--target", str(pair.target_path), "--method", "ar", "--prompt", "hi", *args])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and needle in err, err
