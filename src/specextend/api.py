@@ -372,6 +372,8 @@ class Pair(_Prompts):
 
     def _result(self, res: GenerationResult, proc: LogitsProcessor | None) -> Result:
         out = self.result(res)
+        if proc is not None:
+            out.extra["processor_s"] = proc.seconds  # grammar, penalties, logprobs: within decode_s
         if proc is not None and proc.top_logprobs is not None:
             out.logprobs = self.logprob_entries(proc.logprobs)
         return out

@@ -157,8 +157,10 @@ def compile_grammar(spec: GrammarSpec, hf_tokenizer: Any, vocab: int) -> Grammar
     grammar = Grammar(spec, template, tok, vocab)
     state = grammar.start()
     first = state.allowed()  # computing the first mask is what finds a grammar without a way in
-    first[grammar.eos] = False
-    if not state.accepting and not bool(first.any()):
+    if first is not None:
+        first = first.clone()
+        first[grammar.eos] = False
+    if not state.accepting and (first is None or not bool(first.any())):
         raise UserError(f"the {_what(spec)} admits no output")
     with _lock:
         _compiled[key] = template
@@ -189,11 +191,6 @@ class Grammar:
         return bytes(self.tokenizer.decode_bytes([token]))
 
 
-# Bit i of byte b, for every byte: unpacks llguidance's bitmask (little-endian bits) in one gather.
-_BITS = torch.tensor(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little"),
-                     dtype=torch.bool)
-
-
 class GrammarState:
     """One generation's place in a grammar: which tokens may come next, consume and roll back.
 
@@ -203,11 +200,14 @@ class GrammarState:
     def __init__(self, matcher: Any, vocab: int, eos: int) -> None:
         self.m, self.vocab, self.eos = matcher, vocab, eos
 
-    def allowed(self) -> torch.Tensor:
+    def allowed(self) -> torch.Tensor | None:
         """[vocab] bool: the tokens the grammar admits next (the end-of-sequence token once it is
-        complete); none after an error."""
+        complete); None if it admits none (after an error)."""
         bits = np.frombuffer(self.m.compute_bitmask(), dtype=np.uint8)
-        return _BITS[torch.from_numpy(bits.astype(np.int64))].view(-1)[: self.vocab]
+        if not bits.any():
+            return None
+        # llguidance's bitmask is little-endian within each byte; unpacking it is ~10 us at 150K.
+        return torch.from_numpy(np.unpackbits(bits, bitorder="little").view(np.bool_))[: self.vocab]
 
     def consume(self, token: int) -> bool:
         """Advance by one token the grammar admits (check `allowed` first: a token it does not

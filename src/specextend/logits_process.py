@@ -25,8 +25,11 @@ numbers wherever the target's rows are independent of each other (the quantized 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
@@ -34,6 +37,21 @@ from .grammar import Grammar, GrammarState
 from .penalties import Penalties
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _timed(method: F) -> F:
+    """Count a call's wall time in the processor's `seconds` (its share of a step is reported)."""
+
+    @functools.wraps(method)
+    def wrapper(self: LogitsProcessor, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    return wrapper  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -43,6 +61,11 @@ class TokenLogprob:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token, logprob), most likely first; finite ones only
+
+
+@functools.cache
+def _neg_inf(dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(float("-inf"), dtype=dtype)
 
 
 class LogitsProcessor:
@@ -55,6 +78,7 @@ class LogitsProcessor:
         self.penalties = penalties if penalties is not None and penalties.active else None
         self.top_logprobs = top_logprobs
         self.logprobs: list[TokenLogprob] = []
+        self.seconds = 0.0  # wall time spent in its calls
         # Every end-of-sequence id of the model stands for the grammar's own end token.
         self.stops = frozenset(eos_ids) | ({grammar.eos} if grammar is not None else frozenset())
 
@@ -65,36 +89,40 @@ class LogitsProcessor:
 
     # ----------------------------------------------------------------- adjusting rows
 
+    @_timed
     def row(self, logits: torch.Tensor) -> torch.Tensor:
         """The next token's row after the committed output."""
+        return self._next_row(logits)
+
+    def _next_row(self, logits: torch.Tensor) -> torch.Tensor:
         out = self._adjust(logits, [])
         if out is None:
             raise RuntimeError(f"the grammar admits no next token: {self.state.error if self.state else ''}")
         return out
 
+    @_timed
     def tree(self, tokens: Sequence[int], parents: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
         """Every row of a tree (node 0: the root, the newest committed token), each for the path
         from the root to its node."""
         if not (self.state is not None or self.penalties is not None):
             return logits
-        out = logits.clone()
-        out[0] = self.row(logits[0])
+        out = torch.empty_like(logits)
+        if self._adjust(logits[0], [], out[0]) is None:
+            raise RuntimeError(f"the grammar admits no next token: {self.state.error if self.state else ''}")
         for i in range(1, len(tokens)):
-            path = self._path(tokens, parents, i)
-            adjusted = self._adjust(logits[i], path)
-            if adjusted is not None:
-                out[i] = adjusted
+            if self._adjust(logits[i], self._path(tokens, parents, i), out[i]) is None:
+                out[i].copy_(logits[i])
         return out
 
+    @_timed
     def draft_rows(self, paths: Sequence[Sequence[int]], logits: torch.Tensor) -> torch.Tensor:
         """The draft's rows, each after the committed output plus its path (the proposer's nodes)."""
         if not (self.state is not None or self.penalties is not None):
             return logits
-        out = logits.clone()
+        out = torch.empty_like(logits)
         for r, path in enumerate(paths):
-            adjusted = self._adjust(logits[r], list(path))
-            if adjusted is not None:
-                out[r] = adjusted
+            if self._adjust(logits[r], list(path), out[r]) is None:
+                out[r].copy_(logits[r])
         return out
 
     @staticmethod
@@ -105,19 +133,23 @@ class LogitsProcessor:
             node = parents[node]
         return path[::-1]
 
-    def _adjust(self, logits: torch.Tensor, path: list[int]) -> torch.Tensor | None:
-        """Penalties, then the grammar's mask, for the position after `path`; None if the
-        grammar does not admit `path` (or nothing after it)."""
+    def _adjust(self, logits: torch.Tensor, path: list[int], out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Penalties, then the grammar's mask, for the position after `path`, into `out` (a new
+        row if None); None if the grammar does not admit `path` (or nothing after it)."""
         allowed = None
         if self.state is not None:
             allowed = self._allowed_after(path)
             if allowed is None:
                 return None
-        out = self.penalties.apply(logits, path) if self.penalties is not None else logits.clone()
-        if allowed is not None:
-            n = min(out.shape[-1], allowed.shape[0])
-            out[:n].masked_fill_(~allowed[:n], float("-inf"))
-            out[n:] = float("-inf")
+        src = self.penalties.apply(logits, path) if self.penalties is not None else logits
+        if out is None:
+            out = torch.empty_like(logits)
+        if allowed is None:
+            return out.copy_(src)
+        # One pass over the row (a masked fill is slower on CPU), writing where the caller wants it.
+        n = min(out.shape[-1], allowed.shape[0])
+        torch.where(allowed[:n], src[:n], _neg_inf(src.dtype), out=out[:n])
+        out[n:] = float("-inf")
         return out
 
     def _allowed_after(self, path: list[int]) -> torch.Tensor | None:
@@ -134,11 +166,11 @@ class LogitsProcessor:
         finally:
             st.rollback(len(mapped))
         eos = self.grammar.eos if self.grammar is not None else -1
-        if 0 <= eos < allowed.shape[0] and bool(allowed[eos]):
+        if allowed is not None and 0 <= eos < allowed.shape[0] and bool(allowed[eos]):
             for t in self.stops:
                 if 0 <= t < allowed.shape[0]:
                     allowed[t] = True
-        return allowed if bool(allowed.any()) else None
+        return allowed
 
     def _g(self, token: int) -> int:
         """The grammar's token for a model token (every end-of-sequence id is the grammar's end)."""
@@ -146,12 +178,14 @@ class LogitsProcessor:
 
     # ----------------------------------------------------------------- proposals
 
+    @_timed
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many of these tokens after the committed output the grammar admits, in order."""
         if self.state is None:
             return len(tokens)
         return self.state.valid_prefix([self._g(t) for t in tokens])
 
+    @_timed
     def forced(self) -> list[int]:
         """The tokens the grammar forces after the committed output (none without a grammar)."""
         if self.state is None or self.state.stopped:
@@ -164,6 +198,7 @@ class LogitsProcessor:
         """Whether the token ends the output under the grammar (its end-of-sequence)."""
         return self.state is not None and token in self.stops
 
+    @_timed
     def commit(self, tokens: Sequence[int], rows: torch.Tensor | None) -> None:
         """The output grows by `tokens`, chosen from the adjusted `rows` (one per token)."""
         if self.top_logprobs is not None:
