@@ -305,3 +305,27 @@ def test_generate_refuses_bad_structured_options_in_one_line(capsys, pair, args,
     code = main(["generate", "--target", str(pair.target_path), "--method", "ar", "--prompt", "hi", *args])
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+# --------------------------------------------------------------------------- the benchmark
+
+
+def test_structured_bench_writes_rows_and_a_summary(pair, tmp_path):
+    from specextend.bench import structured
+
+    data = tmp_path / "reports.jsonl"
+    data.write_text("".join(json.dumps({"text": f"### Text:\n\nReport {i}: the agency audited the budget. " * 3})
+                            + "\n" for i in range(2)))
+    out = tmp_path / "out"
+    args = ["--target", str(pair.target_path), "--draft", str(pair.draft_path), "--data", str(data),
+            "--samples", "2", "--max-new-tokens", "24", "--methods", "ar,lookup", "--out", str(out)]
+    assert structured.main(args) == 0
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * 2 * 2  # prompts x methods x (schema, free)
+    assert all(r["matches_ar"] for r in rows)  # lookup equals ar, with the schema and without
+    assert all(r["valid"] is None for r in rows if not r["constrained"])
+    summary = json.loads((out / "summary.json").read_text())
+    assert {c["method"] for c in summary["cells"]} == {"ar", "lookup"}
+    assert "| reports | lookup | 2 |" in (out / "summary.md").read_text()
+    assert structured.main(args) == 0  # resumed: nothing left to run, the same rows
+    assert len((out / "results.jsonl").read_text().splitlines()) == len(rows)
