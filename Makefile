@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: setup kernels demo test test-arm test-tools lint bench-runtime clean peers
+.PHONY: setup kernels demo test test-arm test-tools lint bench-runtime clean peers docs
 
 setup: $(STAMP) kernels
 
@@ -85,13 +85,18 @@ demo: setup
 
 # lint-imports checks the import contracts in pyproject.toml: layers point one way, no cycles.
 test: setup
-	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff check src tests examples
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python -m pytest -q -rs -n 2 --dist load tests
 
 lint: setup
-	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff check src tests examples
 	$(VENV)/bin/lint-imports
+
+# docs/cli.md's generated part, written from the argparse parsers (tests/test_docs.py fails while
+# it is stale): run after adding or changing a flag or its help, and commit the file.
+docs: setup
+	$(VENV)/bin/python -m specextend.clidoc docs/cli.md
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache .import_linter_cache

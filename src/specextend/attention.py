@@ -215,7 +215,7 @@ def hybrid_tree_attention(
 # of two kernels and a merge, as long as the score matrix stays below the cell limit: on a CPU the
 # flash kernel's fixed cost outweighs what it saves over short prefixes, and on CUDA the hybrid's
 # many small kernel launches dominate a tree's attention (measured with `python -m
-# specextend.bench.kernels`; README, "Measured choices"). Both compute the same attention; a CMR
+# specextend.bench.kernels`; docs/benchmarks.md, "Measured choices"). Both compute the same attention; a CMR
 # draft cache (~1K tokens) always takes the small path.
 EFFICIENT_MIN_PREFIX = {"cpu": 2048, "cuda": 65536}
 EAGER_MAX_SCORES = {"cpu": 2048 * 1024, "cuda": 64 * 65536}

@@ -22,8 +22,9 @@ from typing import Any, TextIO
 from .errors import UserError
 from .jsonl import text_at
 from .options import (
+    add_method_arguments,
     add_model_arguments,
-    add_settings_arguments,
+    add_tuning_arguments,
     check_model_options,
     model_options,
     settings_from_args,
@@ -35,10 +36,50 @@ DEBUG_ENV = "SPECEXTEND_DEBUG"
 
 # Commands implemented elsewhere: module, one-line help. Imported only when run.
 DELEGATED: dict[str, tuple[str, str]] = {
-    "bench": ("specextend.bench.runner", "time methods over a data set; writes results.jsonl, summary.md"),
+    "bench": ("specextend.bench.runner", "time methods side by side on the same prompts, llama.cpp included"),
     "needle": ("specextend.needle", "draft-only needle retrieval accuracy per draft cache policy"),
     "demo": ("specextend.demo", "the side-by-side demonstration that `make demo` runs"),
     "serve": ("specextend.serve.command", "an OpenAI-compatible HTTP server that keeps long prompts prefilled"),
+}
+# The order `specextend --help` lists the commands in: the most used first.
+ORDER = ("generate", "serve", "bench", "models", "demo", "needle", "kernels")
+
+DESCRIPTION = """\
+Speculative decoding that stays fast on long prompts, on CPUs. A small draft model and prompt
+lookup propose tokens, the target model checks them all in one forward pass, and the output is
+exactly the target's own. Reads GGUF files and runs its own quantized CPU kernels."""
+
+EPILOG = """\
+examples:
+  specextend generate --chat --prompt "Write a Python function that parses an ISO date."
+  specextend generate --chat --prompt-file question.txt --max-new-tokens 200 --json
+  specextend serve --port 8000       # OpenAI-compatible API at http://127.0.0.1:8000/v1
+  specextend bench --data govreport --methods ar,specextend,llamacpp-ar --out results/mine
+  specextend models pull             # the default model pair, once (about 1.6 GB)
+
+`specextend COMMAND --help` lists a command's options; docs/cli.md lists every command's."""
+
+# What each command's own --help says first (its one-line help otherwise).
+DESCRIPTIONS = {
+    "generate": """\
+Generate after a prompt, streaming the text to stdout as it is accepted (a one-line summary goes
+to stderr; --json prints one JSON object instead). The default method, specextend, is lossless:
+greedy output equals the target's alone (--method ar).
+
+examples:
+  specextend generate --chat --prompt "Write a Python function that parses an ISO date."
+  specextend generate --chat --prompt-file report.txt --max-new-tokens 200 --json
+  specextend generate --target my-target.gguf --draft my-draft.gguf --prompt 'def fib(n):'""",
+    "serve": """\
+An OpenAI-compatible HTTP server over one loaded model pair: /v1/chat/completions and
+/v1/completions (streaming or not), /v1/models, /health. A prompt that starts like an earlier
+one (the same document, another question) reuses its prefilled KV. The method, sampling and
+tuning options below are the defaults a request's body may override.""",
+    "bench": """\
+Time decoding methods side by side on the same prompts from one prefill each: the presets, any
+ablation (sd+cmr, specextend+retrieve_every=4), transformers' baselines and llama.cpp on the same
+GGUF files (make peers). Every row says whether its output equals ar's. Writes results.jsonl,
+summary.md and speedup.png into --out; running again with the same --out resumes.""",
 }
 
 
@@ -53,8 +94,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
-    add_model_arguments(p, draft_note=" (unused with --method ar)")
-
+    """generate's options, the most used first: the prompt, the method and length, the output;
+    then the models and the settings that tune the method."""
     prompt = p.add_argument_group("prompt (exactly one source)")
     src = prompt.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="the prompt text")
@@ -63,7 +104,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     prompt.add_argument("--index", type=int, default=None, help="0-based record of --jsonl (default: 0)")
     prompt.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
 
-    add_settings_arguments(p)
+    add_method_arguments(p)
 
     fmt = p.add_argument_group("structured output (one at most; speculation stays exact under it)")
     shape = fmt.add_mutually_exclusive_group()
@@ -78,20 +119,37 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--json", action="store_true", help="print one JSON object (the contract's fields) to stdout")
     out.add_argument("-q", "--quiet", action="store_true", help="no loading messages or summary on stderr")
 
+    add_model_arguments(p, draft_note=" (unused with --method ar or lookup)")
+    add_tuning_arguments(p)
+
 
 def build_parser(command: str | None = None) -> _Parser:
     """The full parser. A delegated command's own options are added only when it is `command`,
     so other commands never import (or need) its module."""
-    parser = _Parser(prog=PROG, description="Fast speculative decoding on long inputs (SpecExtend).")
+    parser = _Parser(prog=PROG, description=DESCRIPTION, epilog=EPILOG,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    own = {"generate": _add_generate, "models": _add_models, "kernels": _add_kernels}
+    for name in [*ORDER, *(n for n in DELEGATED if n not in ORDER)]:
+        if name in own:
+            own[name](sub)
+        elif name in DELEGATED:
+            _add_delegated(sub, name, command)
+    return parser
 
-    generate = sub.add_parser("generate", help="generate text after a prompt",
-                              description="Generate after a prompt with ar, sd or specextend decoding.")
+
+def _add_generate(sub: Any) -> None:
+    generate = sub.add_parser("generate", help="generate text after a prompt", description=DESCRIPTIONS["generate"],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     add_generate_arguments(generate)
     generate.set_defaults(func=cmd_generate)
 
-    models = sub.add_parser("models", help="list or pull the known models")
+
+def _add_models(sub: Any) -> None:
+    models = sub.add_parser("models", help="list or pull the known models (the default pair)",
+                            description="List the known models, or pull one (no NAME: the default pair) into the "
+                                        "model cache ($SPECEXTEND_HOME, default ~/.cache/specextend).")
     msub = models.add_subparsers(dest="models_command", metavar="ACTION", required=True)
     mlist = msub.add_parser("list", help="known models: name, role, installed, size, path")
     mlist.add_argument("--json", action="store_true", help="one JSON list on stdout")
@@ -101,18 +159,22 @@ def build_parser(command: str | None = None) -> _Parser:
     mpull.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     mpull.set_defaults(func=cmd_models_pull)
 
+
+def _add_kernels(sub: Any) -> None:
     kern = sub.add_parser("kernels", help="build the C++ CPU kernels (once) and name the paths this CPU runs",
                           description="Build (or find) the C++ CPU kernels and name the instruction-set paths "
                                       "this CPU runs (SPECEXTEND_CPU forces one).")
     kern.set_defaults(func=cmd_kernels)
 
-    for name, (module_name, help_text) in DELEGATED.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        if name == command:
-            module = _delegate(name, module_name)
-            module.add_arguments(p)
-            p.set_defaults(func=module.run)
-    return parser
+
+def _add_delegated(sub: Any, name: str, command: str | None) -> None:
+    module_name, help_text = DELEGATED[name]
+    p = sub.add_parser(name, help=help_text, description=DESCRIPTIONS.get(name, help_text),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    if name == command:
+        module = _delegate(name, module_name)
+        module.add_arguments(p)
+        p.set_defaults(func=module.run)
 
 
 def _version() -> str:

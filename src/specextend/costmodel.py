@@ -3,7 +3,7 @@ the number of new rows and the number of cached tokens they attend to.
 
 Speculation pays only when the tokens a step gains outweigh what its draft forwards and its wider
 verification cost, and on a CPU neither is free: a verification of several rows costs well over
-one row, and a draft forward a good fraction of a target step (README, "Measured choices"). So
+one row, and a draft forward a good fraction of a target step (docs/benchmarks.md, "Measured choices"). So
 the tree is sized from measured costs (sizing.py), never from constants:
 
 - `measure_curve` times one model's forward over a grid of rows x cached length (the KV cache is

@@ -41,9 +41,11 @@ def add_model_arguments(p: argparse.ArgumentParser, draft_note: str = "", draft:
     """The `models` option group every command that loads models shares (generate, bench, needle,
     demo, serve, the sweep; the runtime benchmark, which times the target alone, with `draft=False`)."""
     g = p.add_argument_group("models")
-    g.add_argument("--target", help="target model: folder, .gguf file, known name (default: the default pair)")
+    g.add_argument("--target", help="target model: a .gguf file, a Hugging Face folder or a known name (`specextend "
+                                     "models list`) (default: the default pair, pulled on first use)")
     if draft:
-        g.add_argument("--draft", help=f"draft model, same forms as --target{draft_note}")
+        g.add_argument("--draft", help="draft model, same forms as --target, with the target's tokenizer"
+                                       f"{draft_note}")
     g.add_argument("--dtype", default="float32", help="float32|float64|bfloat16|float16 (default: float32)")
     if draft:
         g.add_argument("--draft-dtype", default=None, help=DRAFT_DTYPE_HELP)
@@ -88,18 +90,41 @@ def _opt(group: Any, flag: str, kind: type, help_text: str, **kw: Any) -> None:
 
 def add_settings_arguments(p: argparse.ArgumentParser, labels: bool = True) -> None:
     """The generation settings' options (method, retrieval, tree, length and sampling), shared by
-    `generate` and `serve` (where they are the defaults a request's body may override)."""
+    `generate` and `serve` (where they are the defaults a request's body may override): the
+    common ones first, then those that tune the method."""
+    add_method_arguments(p, labels)
+    add_tuning_arguments(p)
+
+
+def add_method_arguments(p: argparse.ArgumentParser, labels: bool = True) -> None:
+    """The settings most runs set: the method, the length of the answer and sampling."""
     method = p.add_argument_group("method")
-    _opt(method, "--method", str, "ar: target alone, sd: speculative decoding, specextend: + CMR, sized "
-         "trees and prompt lookup, lookup: the target with prompt lookup alone", choices=METHODS,
+    _opt(method, "--method", str, "specextend: the draft with Cross-model Retrieval, trees sized from measured "
+         "step costs and prompt lookup; ar: the target alone; sd: plain speculative decoding (fixed draft tree, "
+         "full draft cache); lookup: the target with prompt lookup alone, no draft model", choices=METHODS,
          metavar="|".join(METHODS))
     _opt(method, "--draft-cache", str, "draft KV policy, overrides the preset's", choices=DRAFT_CACHES,
          metavar="|".join(DRAFT_CACHES), shown_default="the preset's")
     _opt(method, "--attention", str, "attention backend, overrides the preset's", choices=ATTENTIONS,
          metavar="|".join(ATTENTIONS), shown_default="the preset's")
 
-    _add_retrieval_arguments(p)
+    sampling = p.add_argument_group("length and sampling")
+    _opt(sampling, "--max-new-tokens", int, "tokens to generate at most")
+    _opt(sampling, "--temperature", float, "0 is greedy")
+    _opt(sampling, "--top-p", float, "nucleus sampling mass, in (0, 1]")
+    _opt(sampling, "--seed", int, "sampling seed")
+    _opt(sampling, "--frequency-penalty", float, "OpenAI's: minus this times a token's count in the output, in [-2, 2]")
+    _opt(sampling, "--presence-penalty", float, "OpenAI's: minus this for a token already in the output, in [-2, 2]")
+    _opt(sampling, "--repetition-penalty", float, "divides a positive logit (multiplies a negative one) of a token "
+         "in the prompt or output; 1 is off")
+    if labels:
+        sampling.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                              help="a label recorded in the JSON's config for your own bookkeeping (read by "
+                                   "nothing; every setting has its own option); repeatable")
 
+
+def add_tuning_arguments(p: argparse.ArgumentParser) -> None:
+    """The settings that tune a method: tree sizing and prompt lookup, retrieval, the draft tree."""
     sizing = p.add_argument_group("tree sizing and prompt lookup")
     sizing.add_argument("--cost-model", action=argparse.BooleanOptionalAction, default=None,
                         help="size each step's tree from the measured step costs, down to no tree (default: the "
@@ -114,6 +139,8 @@ def add_settings_arguments(p: argparse.ArgumentParser, labels: bool = True) -> N
     _opt(sizing, "--lookup-branches", int, "distinct continuations proposed per step")
     _opt(sizing, "--lookup-length", int, "tokens per continuation")
 
+    _add_retrieval_arguments(p)
+
     tree = p.add_argument_group("draft tree")
     _opt(tree, "--tree", str, "tree builder", choices=TREES, metavar="|".join(TREES))
     _opt(tree, "--tree-budget", int, "draft nodes verified per step (dynamic tree; with the cost model, at most)")
@@ -121,20 +148,6 @@ def add_settings_arguments(p: argparse.ArgumentParser, labels: bool = True) -> N
     _opt(tree, "--tree-topk", int, "children considered per expanded node")
     _opt(tree, "--tree-threshold", float, "stop growing below this best frontier path probability")
     _opt(tree, "--chain-length", int, "draft tokens per step (chain builder)")
-
-    sampling = p.add_argument_group("length and sampling")
-    _opt(sampling, "--max-new-tokens", int, "tokens to generate at most")
-    _opt(sampling, "--temperature", float, "0 is greedy")
-    _opt(sampling, "--top-p", float, "nucleus sampling mass, in (0, 1]")
-    _opt(sampling, "--seed", int, "sampling seed")
-    _opt(sampling, "--frequency-penalty", float, "OpenAI's: minus this times a token's count in the output, in [-2, 2]")
-    _opt(sampling, "--presence-penalty", float, "OpenAI's: minus this for a token already in the output, in [-2, 2]")
-    _opt(sampling, "--repetition-penalty", float, "divides a positive logit (multiplies a negative one) of a token "
-         "in the prompt or output; 1 is off")
-    if labels:
-        sampling.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                              help="a label recorded in the JSON's config for your own bookkeeping (read by "
-                                   "nothing; every setting has its own option above); repeatable")
 
 
 def _add_retrieval_arguments(p: argparse.ArgumentParser) -> None:

@@ -52,7 +52,7 @@ class Settings:
     lookup_branches: int = 2  # distinct continuations proposed per step, at most
     lookup_length: int = 8  # tokens per continuation, at most
     # Cross-model retrieval (and the streaming baseline's budget): the contract's defaults (32
-    # chunks of 32 tokens, refreshed every 8 steps), which the README's retrieval sweep kept.
+    # chunks of 32 tokens, refreshed every 8 steps), which the retrieval sweeps kept (docs/benchmarks.md).
     chunk_size: int = 32
     top_k_chunks: int = 32
     retrieve_every: int = 8
@@ -63,7 +63,7 @@ class Settings:
     chunk_overlap: int = 0  # extend each chosen chunk by this many neighbour tokens on both sides
     # CMR selects chunks only once the context exceeds this many working-cache budgets; below it
     # the working cache keeps every token: dropping half of a short context saves the draft little
-    # attention and costs acceptance (measured in the README). 0 = always select.
+    # attention and costs acceptance (docs/benchmarks.md, "Measured choices"). 0 = always select.
     cmr_min_ratio: float = 2.0
     positions: str = "compact"  # draft working-cache positions: compact re-indexing or original
     # The draft's KV of the prompt (draft_prefill.py): "selected" computes what the draft policy
@@ -76,7 +76,7 @@ class Settings:
     sink_tokens: int = 4  # streaming: attention sinks at the start
     # Draft tree.
     tree: str = "dynamic"
-    # Defaults from a measured sweep on the default pair (README, "Draft tree shape"): a
+    # Defaults from a measured sweep on the default pair (docs/benchmarks.md, "Measured choices"): a
     # verification of a few rows costs about one decode step, a wide one much more, and each tree
     # level costs one draft forward, so a small, fairly deep tree wins.
     tree_budget: int = 8  # draft nodes verified per step (dynamic tree)

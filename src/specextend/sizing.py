@@ -73,7 +73,7 @@ RANK_WEIGHT = 0.1  # EMA weight of the draft's rank probabilities
 # by matched suffix length 1, 2, 3+, until observations take over; an alternative continuation
 # (not its parent's first lookup child) starts at half. Flat in depth on purpose: priors set to
 # the replayed rates by depth (bench/lookup_replay.py; higher deeper down) verified more rows for
-# the same accepted tokens (README, "Measured choices").
+# the same accepted tokens (docs/benchmarks.md, "Measured choices").
 # Lookup tokens are counted by match length and depth up to these; longer ones count as these.
 LOOKUP_KIND_NGRAM = 3
 LOOKUP_KIND_DEPTH = 4

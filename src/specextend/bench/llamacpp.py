@@ -29,7 +29,7 @@ How a row is measured, so that it compares with ours:
   forward yields its accepted draft tokens + one), `accepted_per_step` = accepted / steps (llama.cpp
   reports `draft_n` and `draft_n_accepted` per request; without speculation both are 0).
 
-Settings (see README): sd drafts up to 16 tokens, at least 0, stopping below p 0.75 (llama.cpp's
+Settings (docs/benchmarks.md): sd drafts up to 16 tokens, at least 0, stopping below p 0.75 (llama.cpp's
 long-standing server defaults and the issue's best of 4/8/16; this build's own defaults are 3 / 0 /
 0.0); lookup uses ngram-simple with this build's defaults (12-token key, 48-token draft). Every
 setting can be changed per method: `llamacpp-sd+draft_max=8`, `llamacpp-lookup+ngram_n=3+ngram_m=10`.

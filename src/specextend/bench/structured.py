@@ -95,7 +95,8 @@ def run_sample(pair: Pair, ids: list[int], methods: list[str], max_new: int, con
                 "matches_ar": r.token_ids == ar_ids, "valid": valid(r.text) if c else None,
                 "processor_s": r.extra.get("processor_s", 0.0), "forced_nodes": r.extra.get("forced_nodes", 0.0),
                 "forced_accepted": r.extra.get("forced_accepted", 0.0),
-                "lookup_accepted": r.extra.get("lookup_accepted", 0.0), "prompt_tokens": r.prompt_tokens,
+                "lookup_accepted": r.extra.get("lookup_accepted", 0.0),
+                "draft_started_at": r.extra.get("draft_started_at"), "prompt_tokens": r.prompt_tokens,
                 "prefill_s": r.prefill_s, "text": r.text, "cpu_kernels": r.cpu_kernels,
             })
     return rows
@@ -149,13 +150,15 @@ def summarise(rows: list[dict[str, Any]], methods: list[str]) -> tuple[str, list
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m specextend.bench.structured", description=__doc__.split("\n\n")[0])
-    p.add_argument("--target"), p.add_argument("--draft")
+    p.add_argument("--target", help="target model reference (default: the default pair's)")
+    p.add_argument("--draft", help="draft model reference (default: the default pair's)")
     p.add_argument("--data", nargs="+", required=True, help="JSONL files (field `text`), e.g. GovReport 2K and 8K")
-    p.add_argument("--samples", type=int, default=8)
-    p.add_argument("--methods", default="ar,specextend,lookup")
-    p.add_argument("--max-new-tokens", type=int, default=384)
+    p.add_argument("--samples", type=int, default=8, help="prompts per file, the first ones (default: 8)")
+    p.add_argument("--methods", default="ar,specextend,lookup", help="comma-separated, ar first (default: "
+                   "ar,specextend,lookup)")
+    p.add_argument("--max-new-tokens", type=int, default=384, help="tokens per answer at most (default: 384)")
     p.add_argument("--no-free", action="store_true", help="skip the unconstrained decodes")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="results folder (re-running with it resumes)")
     args = p.parse_args(argv)
     try:
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]

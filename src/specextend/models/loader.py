@@ -64,7 +64,7 @@ def resolve_weights(weights: str, dtype: torch.dtype, device: torch.device | str
 
     A draft only proposes (the target decides every token), so its automatic choice is 4-bit
     weights, the fewest bytes a step: a faster draft forward for a little less acceptance
-    (README, "Measured choices")."""
+    (docs/benchmarks.md, "Measured choices")."""
     check_weights(weights)
     device = torch.device(device)
     if weights == "auto":
@@ -108,7 +108,7 @@ def default_draft_dtype(dtype: str, device: str, weights: str = "auto") -> str:
     never change the output, only how often its guesses are accepted. Quantized weights compute
     in float32. Otherwise a decode step is bound by reading weights, so on a CPU with native
     bfloat16 dot products (AVX512-BF16/AMX) a bfloat16 draft runs faster than float32 with the
-    same acceptance (README, "Measured choices"). float64 (exactness tests) and GPUs keep the
+    same acceptance (docs/benchmarks.md, "Measured choices"). float64 (exactness tests) and GPUs keep the
     target's.
     """
     if weights in QUANTIZED_WEIGHTS or (weights == "auto" and dtype == "float32" and device == "cpu"
