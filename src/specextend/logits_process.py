@@ -186,11 +186,21 @@ class LogitsProcessor:
         return self.state.valid_prefix([self._g(t) for t in tokens])
 
     @_timed
-    def forced(self) -> list[int]:
-        """The tokens the grammar forces after the committed output (none without a grammar)."""
-        if self.state is None or self.state.stopped:
+    def forced(self, after: Sequence[int] = ()) -> list[int]:
+        """The tokens the grammar forces after the committed output and then `after` (none
+        without a grammar, or if the grammar does not admit `after`)."""
+        st = self.state
+        if st is None or self.grammar is None:
             return []
-        return self.state.forced()
+        mapped = [self._g(t) for t in after]
+        if self.grammar.eos in mapped or st.valid_prefix(mapped) < len(mapped):
+            return []
+        for t in mapped:
+            st.consume(t)
+        try:
+            return [] if st.stopped else st.forced()
+        finally:
+            st.rollback(len(mapped))
 
     # ----------------------------------------------------------------- the output grows
 

@@ -19,8 +19,9 @@ Each step:
 With a `LogitsProcessor` (a grammar, penalties), the draft's rows are adjusted as the target's
 will be, for each node's own path, so the draft proposes what the grammar admits; lookup's
 continuations are cut where the grammar stops admitting them; and the tokens the grammar forces
-after the committed output (a schema's next key, closing punctuation) join the pool as free
-candidates (`FORCED`: deterministic, like lookup's, verified as point-mass proposals).
+after the committed output, and after each lookup continuation (a schema's next key, closing
+punctuation), join the pool as free candidates (`FORCED`: deterministic, like lookup's, verified
+as point-mass proposals).
 """
 
 from __future__ import annotations
@@ -103,6 +104,9 @@ class Proposer:
                 tokens = cont.tokens if proc is None else cont.tokens[: proc.valid_prefix(cont.tokens)]
                 if tokens:
                     pool.add_continuation(tokens, cont.ngram)
+            if proc is not None:  # where a copied span ends, the grammar may force what follows
+                for leaf in pool.leaves(LOOKUP):
+                    pool.extend(leaf, proc.forced(pool.path(leaf)), FORCED)
         self.drafted = False
         self._raw_draft_s = 0.0
         sizer = self.sizer

@@ -107,6 +107,16 @@ class Pool:
             same = next((i for i in kids if self.tokens[i] == t), None)
             parent = same if same is not None else self.add(t, parent, origin, ngram=ngram, alt=bool(kids))
 
+    def extend(self, parent: int, tokens: Sequence[int], origin: int) -> None:
+        """A chain of candidates below `parent` (-1: the root)."""
+        for t in tokens:
+            parent = self.add(t, parent, origin, ngram=self.ngram[parent] if parent >= 0 else 0)
+
+    def leaves(self, origin: int) -> list[int]:
+        """The candidates of `origin` without children."""
+        parents = set(self.parents)
+        return [i for i in range(len(self)) if self.origin[i] == origin and i not in parents]
+
     def path(self, i: int) -> list[int]:
         """The tokens from below the root down to candidate i (-1: none)."""
         out: list[int] = []
