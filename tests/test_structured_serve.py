@@ -129,3 +129,31 @@ def test_bad_requests_are_openai_shaped_400s(url, body, param, needle):
     assert err["param"] == param and needle in err["message"] and err["type"] == "invalid_request_error"
     assert "\n" not in err["message"]
     json.dumps(err)
+
+
+def test_concurrent_constrained_requests_each_keep_their_own_grammar(pair, url):
+    """Requests with different grammars, penalties and methods, sent at once and batched together:
+    each answers what it answers alone (its own grammar state and counts), log-probabilities too."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    formats = [schema_format(), {"type": "regex", "regex": r"(yes|no)\. [a-z]{2,8}"}, {"type": "json_object"},
+               None, {"type": "grammar", "grammar": 'start: "id-" /[0-9]{1,3}/'}]
+    methods = ["specextend", "lookup", "ar", "sd", "lookup"]  # five: within the server's queue of four
+
+    def ask(i: int) -> tuple[str, list[float]]:
+        body: dict = {"model": "tiny", "messages": [{"role": "user", "content": f"{DOC[: 90 * i]} Question {i}?"}],
+                      "max_tokens": 40, "logprobs": True, "top_logprobs": 1, "frequency_penalty": 0.3 * (i % 2),
+                      "method": methods[i], **SMALL}
+        if formats[i] is not None:
+            body["response_format"] = formats[i]
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return choice["message"]["content"], [c["logprob"] for c in choice["logprobs"]["content"]]
+
+    alone = [ask(i) for i in range(len(formats))]
+    with ThreadPoolExecutor(len(formats)) as pool:
+        together = list(pool.map(ask, range(len(formats))))
+    assert [t for t, _ in together] == [t for t, _ in alone]
+    for (_, a), (_, b) in zip(together, alone, strict=True):
+        assert a == pytest.approx(b, rel=1e-9, abs=1e-12)
