@@ -73,6 +73,26 @@ def test_a_row_alone_equals_the_row_in_any_batch(path: str, kind, n: int, k: int
             assert torch.equal(product(w, x[r0 : r0 + rows], path), batch[r0 : r0 + rows]), (rows, r0)
 
 
+# Row counts around every boundary of the kernels' work split: tiles (up to 10-11 rows), the rows
+# kernel (from 12 on avx512), its blocks of 64 rows and a prefill chunk's 512, never a multiple.
+MANY_ROWS = (1, 2, 3, 5, 8, 11, 12, 13, 17, 33, 63, 64, 65, 100, 129, 257, 511, 600)
+
+
+@pytest.mark.parametrize("path", kernels.cpu_paths())
+@pytest.mark.parametrize(("kind", "n", "k"), WEIGHTS)
+def test_many_rows_equal_each_row_alone(path: str, kind, n: int, k: int) -> None:
+    """The many-row product (tiles, the rows kernel, row blocks, threads taking units in any
+    order) gives every row the bits of that row computed alone, on every path, for every
+    weight format, up to 600 rows."""
+    w = weight(kind, n, k)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(600, k, generator=g) * 2
+    res = torch.randn(600, n, generator=g)
+    alone = torch.cat([product(w, x[r : r + 1], "portable", residual=res[r : r + 1]) for r in range(600)])
+    for m in MANY_ROWS:
+        assert torch.equal(product(w, x[:m], path, residual=res[:m]), alone[:m]), m
+
+
 @pytest.mark.skipif(not VECTOR, reason="this CPU has only the portable path")
 @pytest.mark.parametrize("path", VECTOR)
 def test_activation_quantization_equals_the_portable_bits(path: str) -> None:

@@ -150,14 +150,16 @@ def has_fast_path() -> bool:
 
 
 def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, *, norm: torch.Tensor | None = None,
-            eps: float = 0.0, silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+            eps: float = 0.0, silu_mul: bool = False, residual: torch.Tensor | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
     """y = pre(x) W^T (+ bias) (+ residual) for a block-quantized W; x is float32 [rows, k].
 
     pre: RMSNorm with weight `norm` and `eps`, or silu(gate) * up when `silu_mul` (x holds
-    [gate | up]); each is applied in the same pass that quantizes the row.
+    [gate | up]); each is applied in the same pass that quantizes the row. out: a contiguous
+    float32 [rows, n] to write y into (and return) instead of a new tensor.
     """
     return load().qlinear(x, w.blobs, w.formats, w.widths, w.offsets, w.groups, bias, norm, eps, silu_mul,
-                          residual, _path_id())
+                          residual, _path_id(), out)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor | None) -> torch.Tensor:

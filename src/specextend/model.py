@@ -202,6 +202,21 @@ class Embedding(nn.Module):
         return F.embedding(ids, self.weight)
 
 
+class Workspace:
+    """A reusable output buffer for the quantized runtime's widest product (gate/up: 2 x the MLP
+    width per token). A prefill chunk's is tens of MB; allocated anew for every layer, the C
+    library maps fresh pages for it each time and the page faults cost a visible share of prefill
+    (docs/benchmarks.md). One per model: its layers run one after another."""
+
+    def __init__(self) -> None:
+        self._buf = torch.empty(0)
+
+    def take(self, rows: int, cols: int) -> torch.Tensor:
+        if self._buf.numel() < rows * cols:
+            self._buf = torch.empty(rows * cols)
+        return self._buf[: rows * cols].view(rows, cols)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
@@ -216,6 +231,7 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.workspace = Workspace()  # the model gives all its layers one (Transformer.__init__)
 
     def forward(
         self,
@@ -271,7 +287,8 @@ class Block(nn.Module):
         end = start + cache.pending
         a = kernels.attend(q, k_layer[:, :end], v_layer[:, :end], tree_mask)
         x = kernels.qlinear(a.transpose(0, 1).reshape(t, -1), self.o.qweight, residual=x)
-        gu = kernels.qlinear(x, self.gate_up.qweight, norm=self.mlp_norm.weight, eps=self.mlp_norm.eps)
+        gu = kernels.qlinear(x, self.gate_up.qweight, norm=self.mlp_norm.weight, eps=self.mlp_norm.eps,
+                             out=self.workspace.take(t, self.gate_up.qweight.n))
         return kernels.qlinear(gu, self.down.qweight, silu_mul=True, residual=x)
 
 
@@ -281,6 +298,9 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.embed = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.workspace = Workspace()
+        for layer in self.layers:
+            layer.workspace = self.workspace
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)

@@ -4,6 +4,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <atomic>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -59,6 +61,23 @@ QuantizedRows quantize(spx::Path path, const at::Tensor& x, int64_t k, const spx
   return a;
 }
 
+// The product's units (spx::plan_linear) taken by the threads from a shared counter: a thread
+// that another process slows down hands its share over, and whichever thread computes a unit,
+// its outputs are the same bits.
+void run_linear(spx::Path path, const spx::Linear& lin, int64_t panels) {
+  const int threads = at::get_num_threads();
+  const spx::LinearWork work = spx::plan_linear(lin, panels, threads);
+  std::atomic<int64_t> next{0};
+  constexpr int64_t kScratch = spx::kRowBlock * spx::kPanel;
+  std::vector<float> scratch(static_cast<size_t>(threads) * kScratch + 16);
+  float* base = scratch.data() + ((16 - (reinterpret_cast<uintptr_t>(scratch.data()) / 4) % 16) % 16);
+  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+    float* acc = base + (b % threads) * kScratch;
+    for (int64_t u; (u = next.fetch_add(1)) < work.units();) spx::linear_unit(path, lin, work, u, acc);
+    (void)e;
+  });
+}
+
 const float* optional_float(const c10::optional<at::Tensor>& t, at::Tensor& keep, int64_t numel, const char* what) {
   if (!t.has_value() || !t->defined()) return nullptr;
   keep = t->contiguous();
@@ -74,7 +93,8 @@ at::Tensor qlinear(const at::Tensor& x, const std::vector<at::Tensor>& blobs, co
                    const std::vector<int64_t>& ns, const std::vector<int64_t>& offsets,
                    const std::vector<int64_t>& sbgs, const c10::optional<at::Tensor>& bias,
                    const c10::optional<at::Tensor>& norm, double eps, bool silu_mul,
-                   const c10::optional<at::Tensor>& residual, int64_t path_id) {
+                   const c10::optional<at::Tensor>& residual, int64_t path_id,
+                   const c10::optional<at::Tensor>& out) {
   const spx::Path path = checked_path(path_id);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "qlinear: x must be a 2-D float32 tensor");
   TORCH_CHECK(blobs.size() == fmts.size() && fmts.size() == ns.size() && ns.size() == offsets.size() &&
@@ -112,10 +132,18 @@ at::Tensor qlinear(const at::Tensor& x, const std::vector<at::Tensor>& blobs, co
   const float* rp = optional_float(residual, res_keep, m * n_total, "residual");
   TORCH_CHECK(!rp || (res_keep.dim() == 2 && res_keep.size(0) == m), "qlinear: residual must be [m, n]");
   QuantizedRows a = quantize(path, xc, k, op);
-  at::Tensor y = at::empty({m, n_total}, xc.options());
+  at::Tensor y;
+  if (out.has_value() && out->defined()) {
+    y = *out;
+    TORCH_CHECK(y.scalar_type() == at::kFloat && y.is_contiguous() && y.dim() == 2 && y.size(0) == m &&
+                    y.size(1) == n_total,
+                "qlinear: out must be contiguous float32 [", m, ", ", n_total, "]");
+  } else {
+    y = at::empty({m, n_total}, xc.options());
+  }
   const spx::Linear lin{segs.data(), first_panel.data(), static_cast<int64_t>(segs.size()), a.rows(), m,
                         y.data_ptr<float>(), n_total, bp, rp};
-  at::parallel_for(0, first_panel.back(), 1, [&](int64_t b, int64_t e) { spx::linear_panels(path, lin, b, e); });
+  run_linear(path, lin, first_panel.back());
   return y;
 }
 
@@ -230,7 +258,9 @@ at::Tensor rope_store(const at::Tensor& h, const at::Tensor& cos, const at::Tens
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("qlinear", &qlinear, "quantized linear over weight segments");
+  m.def("qlinear", &qlinear, "quantized linear over weight segments", py::arg("x"), py::arg("blobs"), py::arg("fmts"),
+        py::arg("ns"), py::arg("offsets"), py::arg("sbgs"), py::arg("bias"), py::arg("norm"), py::arg("eps"),
+        py::arg("silu_mul"), py::arg("residual"), py::arg("path"), py::arg("out") = py::none());
   m.def("dequantize", &dequantize, "dequantize rows of a weight blob");
   m.def("quantize_activations", &quantize_activations, "int8 activations, one scale per 32");
   m.def("attend", &attend, "row-independent attention of new tokens over a bfloat16 KV cache");

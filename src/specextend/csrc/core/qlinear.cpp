@@ -2,6 +2,8 @@
 #include "qlinear.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <vector>
 
 namespace spx {
 
@@ -20,12 +22,15 @@ bool format_info(int64_t fmt, int64_t sbg, FormatInfo* out) {
 namespace {
 
 using TileFn = void (*)(const Segment&, const uint8_t*, const Rows&, int64_t, int, const TileOut&);
+using RowsFn = void (*)(const Segment&, const uint8_t*, const Rows&, int64_t, int, const TileOut&, float*);
 using QuantFn = void (*)(const float*, int64_t, int8_t*, float*, int32_t*, int32_t*, float*);
 using PreFn = void (*)(const float*, int64_t, const PreOp&, float*);
 
 struct Kernels {
   TileFn tile;
   int tile_rows;
+  RowsFn rows;    // null: tiles at every row count
+  int rows_from;  // from this many rows `rows` beats tiles (below it, tiles keep the accumulators in registers)
   QuantFn quantize;
   PreFn pre_op;
 };
@@ -33,13 +38,14 @@ struct Kernels {
 Kernels kernels_for(Path path) {
   switch (path) {
 #if defined(__x86_64__)
-    case Path::AVX2: return {tile_avx2, tile_rows_avx2(), quantize_row_avx2, pre_op_row_avx2};
-    case Path::AVX512: return {tile_avx512, tile_rows_avx512(), quantize_row_avx512, pre_op_row_avx512};
+    case Path::AVX2: return {tile_avx2, tile_rows_avx2(), nullptr, 0, quantize_row_avx2, pre_op_row_avx2};
+    case Path::AVX512:
+      return {tile_avx512, tile_rows_avx512(), rows_avx512, rows_from_avx512(), quantize_row_avx512, pre_op_row_avx512};
 #endif
 #if defined(__aarch64__)
-    case Path::NEON: return {tile_neon, tile_rows_neon(), quantize_row_neon, pre_op_row_neon};
+    case Path::NEON: return {tile_neon, tile_rows_neon(), nullptr, 0, quantize_row_neon, pre_op_row_neon};
 #endif
-    default: return {tile_portable, 4, quantize_row_portable, pre_op_row_portable};
+    default: return {tile_portable, 4, nullptr, 0, quantize_row_portable, pre_op_row_portable};
   }
 }
 
@@ -60,11 +66,13 @@ void quantize_rows(Path path, const float* x, int64_t ldx, const PreOp& op, cons
   }
 }
 
-void linear_panels(Path path, const Linear& op, int64_t p0, int64_t p1) {
+void linear_block(Path path, const Linear& op, int64_t p0, int64_t p1, int64_t r0, int64_t r1, float* scratch) {
   const Kernels kn = kernels_for(path);
   const bool vector = path != Path::Portable;
+  const int64_t m = r1 - r0;
+  const bool by_rows = kn.rows != nullptr && m >= kn.rows_from;
   int64_t si = 0, col0 = 0;
-  const int64_t tiles = (op.m + kn.tile_rows - 1) / kn.tile_rows;
+  const int64_t tiles = (m + kn.tile_rows - 1) / kn.tile_rows;
   for (int64_t gp = p0; gp < p1; ++gp) {
     while (gp >= op.first_panel[si + 1]) col0 += op.segs[si++].n;
     const Segment& s = op.segs[si];
@@ -73,14 +81,47 @@ void linear_panels(Path path, const Linear& op, int64_t p0, int64_t p1) {
     const int64_t c0 = col0 + p * kPanel;
     const TileOut out{op.y + c0, op.ldy, op.bias ? op.bias + c0 : nullptr, op.residual ? op.residual + c0 : nullptr,
                       static_cast<int>(std::min<int64_t>(kPanel, s.n - p * kPanel))};
-    for (int64_t ti = 0, r0 = 0; ti < tiles; ++ti) {
+    if (by_rows && out.valid == kPanel) {
+      for (int64_t r = r0; r < r1; r += kRowBlock)
+        kn.rows(s, pb, op.x, r, static_cast<int>(std::min<int64_t>(kRowBlock, r1 - r)), out, scratch);
+      continue;
+    }
+    for (int64_t ti = 0, r = r0; ti < tiles; ++ti) {
       // Balanced tiles (16 rows in tiles of 10: 8 + 8, not 10 + 6); which tile a row lands in
       // never changes its bits. A partial panel (a width not a multiple of 16) runs portable.
-      const int rows = static_cast<int>((op.m - r0) / (tiles - ti));
-      (vector && out.valid == kPanel ? kn.tile : tile_portable)(s, pb, op.x, r0, rows, out);
-      r0 += rows;
+      const int rows = static_cast<int>((r1 - r) / (tiles - ti));
+      (vector && out.valid == kPanel ? kn.tile : tile_portable)(s, pb, op.x, r, rows, out);
+      r += rows;
     }
   }
+}
+
+void linear_panels(Path path, const Linear& op, int64_t p0, int64_t p1) {
+  std::vector<float> scratch(kRowBlock * kPanel + 16);
+  float* acc = scratch.data() + ((16 - (reinterpret_cast<uintptr_t>(scratch.data()) / 4) % 16) % 16);
+  linear_block(path, op, p0, p1, 0, op.m, acc);
+}
+
+LinearWork plan_linear(const Linear& op, int64_t panels, int threads) {
+  LinearWork w{};
+  w.m = op.m;
+  w.panels = panels;
+  w.row_blocks = (op.m + kRowBlock - 1) / kRowBlock;
+  if (w.row_blocks == 0 || panels == 0) return w;  // no rows (a prefill chunk asks no logits): no units
+  w.row_block = (op.m + w.row_blocks - 1) / w.row_blocks;
+  // At least 8 units a thread (a thread slowed by another process hands its share over), and
+  // chunks of at least 4 panels so a chunk streams a few contiguous KB of weights.
+  const int64_t want = std::max<int64_t>(1, 8 * threads / w.row_blocks);
+  w.chunk = std::max<int64_t>(std::min<int64_t>(4, panels), (panels + want - 1) / want);
+  w.chunks = (panels + w.chunk - 1) / w.chunk;
+  return w;
+}
+
+void linear_unit(Path path, const Linear& op, const LinearWork& w, int64_t unit, float* scratch) {
+  const int64_t rb = unit / w.chunks, ch = unit % w.chunks;
+  const int64_t r0 = rb * w.m / w.row_blocks, r1 = (rb + 1) * w.m / w.row_blocks;
+  const int64_t p0 = ch * w.chunk, p1 = std::min(w.panels, p0 + w.chunk);
+  linear_block(path, op, p0, p1, r0, r1, scratch);
 }
 
 }  // namespace spx

@@ -46,6 +46,7 @@ enum Format : int64_t { Q4K = 0, Q6K = 1, Q8 = 2 };
 constexpr int kPanel = 16;
 constexpr int kActBlock = 32;  // activation quantization block
 constexpr int kMaxTile = 16;   // the most rows any path's tile takes
+constexpr int kRowBlock = 64;  // the most rows a rows kernel takes at once (see linear_block)
 
 struct FormatInfo {
   int group;       // inputs per scale
@@ -103,8 +104,23 @@ struct Linear {
   const float* residual;  // [m, ldy] or null
 };
 
-// Panels [p0, p1) of the product (global panel indices).
+// Panels [p0, p1) of the product (global panel indices) for rows [r0, r1). scratch: the
+// accumulators of one row block, kRowBlock * kPanel floats, 64-byte aligned.
+void linear_block(Path path, const Linear& op, int64_t p0, int64_t p1, int64_t r0, int64_t r1, float* scratch);
+
+// Panels [p0, p1) for every row (allocates its own scratch).
 void linear_panels(Path path, const Linear& op, int64_t p0, int64_t p1);
+
+// A product cut into units of (row block, chunk of panels) that threads take in any order: each
+// unit writes its own outputs with the same arithmetic, so the split never changes a bit. Row
+// blocks keep a block's activations in L2 while every panel passes over them; chunks are small
+// enough that two threads finish together on a product of any shape.
+struct LinearWork {
+  int64_t m, panels, row_block, row_blocks, chunk, chunks;
+  int64_t units() const { return row_blocks * chunks; }
+};
+LinearWork plan_linear(const Linear& op, int64_t panels, int threads);
+void linear_unit(Path path, const Linear& op, const LinearWork& w, int64_t unit, float* scratch);
 
 // Weight row `row` of a segment in float32 (embedding lookups, float conversions, tests).
 void dequantize_row(const Segment& s, int64_t row, float* out);
@@ -128,12 +144,18 @@ void pre_op_row_portable(const float* x, int64_t k, const PreOp& op, float* out)
 #define SPX_DECLARE_PATH(isa)                                                                                \
   int tile_rows_##isa();                                                                                     \
   void tile_##isa(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int rows, const TileOut& out); \
+  int rows_from_##isa();                                                                                     \
+  void rows_##isa(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, const TileOut& out,   \
+                  float* acc);                                                                               \
   void quantize_row_##isa(const float* x, int64_t k, int8_t* q, float* d8, int32_t* s16, int32_t* s32, float* xs); \
   void pre_op_row_##isa(const float* x, int64_t k, const PreOp& op, float* out);
 
 #if defined(__x86_64__)
-SPX_DECLARE_PATH(avx2)
 SPX_DECLARE_PATH(avx512)
+int tile_rows_avx2();
+void tile_avx2(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int rows, const TileOut& out);
+void quantize_row_avx2(const float* x, int64_t k, int8_t* q, float* d8, int32_t* s16, int32_t* s32, float* xs);
+void pre_op_row_avx2(const float* x, int64_t k, const PreOp& op, float* out);
 #endif
 #if defined(__aarch64__)
 SPX_DECLARE_PATH(neon)

@@ -35,6 +35,10 @@ inline __m512i bcast4(const int8_t* q) {
   return _mm512_set1_epi32(v);
 }
 
+// An int32 from memory in every lane, read by a broadcast load: an integer first loaded into a
+// general register would cross into the vector unit on a port the dot products need.
+inline __m512i bcast_i32(const int32_t* p) { return _mm512_broadcastd_epi32(_mm_loadu_si32(p)); }
+
 inline __m512 cvt_u8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p))); }
 inline __m512 cvt_i8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
 inline __m512 cvt_f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
@@ -176,6 +180,139 @@ void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const T
   }
 }
 
+// ---------------------------------------------------------------- many rows
+//
+// One panel times any number of rows: each weight group is unpacked into registers once and
+// applied to every row in turn, the rows' accumulators living in a small buffer (L1) instead of
+// registers. Per row and group the work is the group's VPDPBUSDs plus the reference epilogue, so
+// the weight decoding is paid once per group however many rows there are; a tile (above) would
+// decode it again for every 10 rows and keep too many registers live.
+
+// One row's exact int32 dot products of a group over STEPS steps of 4 inputs, in two chains.
+template <int STEPS>
+inline __m512i row_dot(const __m512i* w, const int8_t* q) {
+  __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+#pragma GCC unroll 8
+  for (int st = 0; st < STEPS; st += 2) {
+    a = _mm512_dpbusd_epi32(a, w[st], bcast4(q + 4 * st));
+    b = _mm512_dpbusd_epi32(b, w[st + 1], bcast4(q + 4 * st + 4));
+  }
+  return _mm512_add_epi32(a, b);
+}
+
+inline void unpack_q4k(const uint8_t* cb, __m512i* w) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    const __m512i v = _mm512_loadu_si512(cb + 64 * i);
+    w[i] = _mm512_and_si512(v, low);
+    w[i + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+  }
+}
+
+// Two groups a pass over the rows (an odd super-block size ends with one): each row's
+// accumulator is loaded and stored once for both, and its updates keep the reference order.
+template <int G>
+inline void rows_q4k_groups(const uint8_t* p, int64_t sbg, int g, const __m512& d, const __m512& dmin, const Rows& x,
+                            int64_t k0, int64_t r0, int n, float* acc) {
+  const int64_t kb = x.k / 32, xk = x.k;
+  __m512 scale[G], mins[G];
+  __m512i w[G][8];
+#pragma GCC unroll 2
+  for (int j = 0; j < G; ++j) {
+    scale[j] = _mm512_mul_ps(d, cvt_u8(p + 64 + 16 * (g + j)));
+    mins[j] = _mm512_mul_ps(dmin, cvt_u8(p + 64 + 16 * sbg + 16 * (g + j)));
+    unpack_q4k(p + 64 + 32 * sbg + 256 * (g + j), w[j]);
+  }
+  const int8_t* q = x.q8 + r0 * xk + k0;
+  const float* d8 = x.d8 + r0 * kb + k0 / 32;
+  const float* xs = x.xs + r0 * kb + k0 / 32;
+#pragma GCC unroll 2
+  for (int r = 0; r < n; ++r) {
+    __m512 a = _mm512_load_ps(acc + 16 * r);
+#pragma GCC unroll 2
+    for (int j = 0; j < G; ++j) {
+      const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(row_dot<8>(w[j], q + r * xk + 32 * j)), _mm512_set1_ps(d8[r * kb + j]));
+      a = _mm512_fnmadd_ps(mins[j], _mm512_set1_ps(xs[r * kb + j]), _mm512_fmadd_ps(t, scale[j], a));
+    }
+    _mm512_store_ps(acc + 16 * r, a);
+  }
+}
+
+void rows_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
+  const int64_t sbg = s.sbg, nsb = s.k / (32 * sbg), sb_bytes = 64 + 288 * sbg;
+  for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
+    const __m512 d = cvt_f16(p), dmin = cvt_f16(p + 32);
+    prefetch_group(p, static_cast<int>(sb_bytes));
+    int g = 0;
+    for (; g + 1 < sbg; g += 2) rows_q4k_groups<2>(p, sbg, g, d, dmin, x, (sb * sbg + g) * 32, r0, n, acc);
+    if (g < sbg) rows_q4k_groups<1>(p, sbg, g, d, dmin, x, (sb * sbg + g) * 32, r0, n, acc);
+  }
+}
+
+// Q6K's groups of 16 go in pairs: both halves of one activation block share its scale, and
+// each row's accumulator is loaded and stored once for the two groups (same order of operations).
+inline void unpack_q6k(const uint8_t* cb, __m512i* w) {
+  const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+  const __m512i a = _mm512_loadu_si512(cb), b = _mm512_loadu_si512(cb + 64), h = _mm512_loadu_si512(cb + 128);
+  // Step s's high bits sit at bits 2s..2s+1 of h; shifted to bits 4..5 they join the nibble.
+  w[0] = _mm512_or_si512(_mm512_and_si512(a, low), _mm512_and_si512(_mm512_slli_epi16(h, 4), top));
+  w[1] = _mm512_or_si512(_mm512_and_si512(b, low), _mm512_and_si512(_mm512_slli_epi16(h, 2), top));
+  w[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), low), _mm512_and_si512(h, top));
+  w[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), low), _mm512_and_si512(_mm512_srli_epi16(h, 2), top));
+}
+
+void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
+  const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16, xk = x.k;
+  for (int64_t sb = 0; sb < nsb; ++sb, p += 3360) {
+    const __m512 d = cvt_f16(p);
+    for (int g = 0; g < 16; g += 2) {
+      const int64_t k0 = sb * 256 + g * 16;
+      const __m512 scale0 = _mm512_mul_ps(d, cvt_i8(p + 32 + 16 * g));
+      const __m512 scale1 = _mm512_mul_ps(d, cvt_i8(p + 48 + 16 * g));
+      prefetch_group(p + 210 * g, 420);
+      __m512i w0[4], w1[4];
+      unpack_q6k(p + 288 + 192 * g, w0);
+      unpack_q6k(p + 480 + 192 * g, w1);
+      const int8_t* q = x.q8 + r0 * xk + k0;
+      const int32_t* s16 = x.s16 + r0 * k16 + k0 / 16;
+      const float* d8 = x.d8 + r0 * kb + k0 / 32;
+#pragma GCC unroll 2
+      for (int r = 0; r < n; ++r) {
+        const __m512i c0 = _mm512_sub_epi32(row_dot<4>(w0, q + r * xk), _mm512_slli_epi32(bcast_i32(s16 + r * k16), 5));
+        const __m512i c1 =
+            _mm512_sub_epi32(row_dot<4>(w1, q + r * xk + 16), _mm512_slli_epi32(bcast_i32(s16 + r * k16 + 1), 5));
+        const __m512 dd = _mm512_set1_ps(d8[r * kb]);
+        __m512 a = _mm512_load_ps(acc + 16 * r);
+        a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(c0), dd), scale0, a);
+        a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(c1), dd), scale1, a);
+        _mm512_store_ps(acc + 16 * r, a);
+      }
+    }
+  }
+}
+
+void rows_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
+  const int64_t nsb = s.k / 32, kb = s.k / 32, xk = x.k;
+  const int32_t off = static_cast<int32_t>(s.offset);
+  for (int64_t sb = 0; sb < nsb; ++sb, p += 544) {
+    const __m512 scale = cvt_f16(p);
+    prefetch_group(p, 544);
+    __m512i w[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) w[i] = _mm512_loadu_si512(p + 32 + 64 * i);
+    const int8_t* q = x.q8 + r0 * xk + sb * 32;
+    const int32_t* s32 = x.s32 + r0 * kb + sb;
+    const float* d8 = x.d8 + r0 * kb + sb;
+#pragma GCC unroll 4
+    for (int r = 0; r < n; ++r) {
+      const __m512i c = _mm512_sub_epi32(row_dot<8>(w, q + r * xk), _mm512_set1_epi32(off * s32[r * kb]));
+      const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(d8[r * kb]));
+      _mm512_store_ps(acc + 16 * r, _mm512_fmadd_ps(t, scale, _mm512_load_ps(acc + 16 * r)));
+    }
+  }
+}
+
 using Fn = void (*)(const Segment&, const uint8_t*, const Rows&, int64_t, const TileOut&);
 
 template <int... Rs>
@@ -188,9 +325,29 @@ const auto kTiles = make_tiles(std::make_integer_sequence<int, kTile>{});
 
 int tile_rows_avx512() { return kTile; }
 
+// Up to 11 rows, tiles of at most 10 keep every accumulator in registers and beat the rows
+// kernel's loads and stores; from 12 the rows kernel's single pass over the weights wins.
+int rows_from_avx512() { return 12; }
+
 // Full panels only (the driver runs a partial one portable).
 void tile_avx512(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int rows, const TileOut& out) {
   kTiles[rows - 1](s, p, x, r0, out);
+}
+
+// Full panels only, n <= kRowBlock rows; acc: kRowBlock * 16 floats, 64-byte aligned.
+void rows_avx512(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, const TileOut& out, float* acc) {
+  for (int r = 0; r < n; ++r) _mm512_store_ps(acc + 16 * r, _mm512_setzero_ps());
+  switch (s.fmt) {
+    case Q4K: rows_q4k(s, p, x, r0, n, acc); break;
+    case Q6K: rows_q6k(s, p, x, r0, n, acc); break;
+    default: rows_q8(s, p, x, r0, n, acc); break;
+  }
+  const __m512 b = out.bias ? _mm512_loadu_ps(out.bias) : _mm512_setzero_ps();
+  for (int r = 0; r < n; ++r) {
+    __m512 y = _mm512_add_ps(_mm512_load_ps(acc + 16 * r), b);
+    if (out.residual) y = _mm512_add_ps(_mm512_loadu_ps(out.residual + (r0 + r) * out.ldo), y);
+    _mm512_storeu_ps(out.y + (r0 + r) * out.ldo, y);
+  }
 }
 
 void quantize_row_avx512(const float* x, int64_t k, int8_t* q, float* d8, int32_t* s16, int32_t* s32, float* xs) {
