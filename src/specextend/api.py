@@ -226,6 +226,11 @@ class _Prompts:
             return None
         return compile_grammar(spec, self.tokenizer, int(self.spec.target.config.vocab_size))
 
+    def warm_grammars(self) -> None:
+        """Build the grammar engine's view of the tokenizer now (about 1.5 s at 150K tokens, once
+        per tokenizer), so that the first constrained request does not wait for it."""
+        tokenizer_for(self.tokenizer, int(self.spec.target.config.vocab_size))
+
     def prompt_ids(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
         """Checked token ids of a text prompt (in the chat template with `chat`) or of token ids."""
         if isinstance(prompt, str):

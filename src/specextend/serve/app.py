@@ -45,6 +45,7 @@ class Server:
         # `encoder` holds its own tokenizer: the event loop encodes prompts while the worker
         # thread decodes with the pair's, and a tokenizer is not safe to share across threads.
         self.pair, self.encoder, self.defaults, self.model_id = pair, encoder, defaults, model_id
+        encoder.warm_grammars()  # before serving: compiling a request's grammar then takes milliseconds
         self.max_queue = max_queue
         self.scheduler: Scheduler | None = None  # made on the event loop, at startup
         self.started = int(time.time())
