@@ -90,7 +90,11 @@ std::vector<float> run_linear(Path path, const LinearCase& c, const spx::Segment
   const int64_t first[2] = {0, seg.panels()};
   const spx::Linear lin{&seg, first, 1, rows, m, y.data(), c.n, c.bias ? bias.data() : nullptr,
                         c.residual ? res.data() : nullptr};
-  spx::linear_panels(path, lin, 0, seg.panels());
+  // The units as threads would take them, here last to first: the order must not matter.
+  const spx::LinearWork work = spx::plan_linear(lin, seg.panels(), 2);
+  std::vector<float> acc(spx::kRowBlock * spx::kPanel + 16);
+  float* a = acc.data() + ((16 - (reinterpret_cast<uintptr_t>(acc.data()) / 4) % 16) % 16);
+  for (int64_t u = work.units() - 1; u >= 0; --u) spx::linear_unit(path, lin, work, u, a);
   return y;
 }
 
@@ -107,7 +111,7 @@ void linear_tests(const std::vector<Path>& paths) {
     const std::vector<uint8_t> blob = random_blob(shape);
     spx::Segment seg = shape;
     seg.blob = blob.data();
-    const int64_t m = 19;
+    const int64_t m = 150;  // tiles, the rows kernel and its blocks of 64 rows
     const std::vector<float> x = randn(m * (c.silu ? 2 : 1) * c.k, 3.f), norm = randn(c.k), bias = randn(c.n),
                              res = randn(m * c.n);
     const std::string name = "linear fmt " + std::to_string(c.fmt) + " n " + std::to_string(c.n) + " k " +
@@ -116,8 +120,8 @@ void linear_tests(const std::vector<Path>& paths) {
     for (Path p : paths) {
       const std::vector<float> y = run_linear(p, c, seg, x, m, norm, bias, res);
       check(same_bits(y.data(), ref.data(), y.size()), name + ": " + spx::path_name(p) + " = portable");
-      // rows alone and in batches of 1..16 from every offset of a few
-      for (int64_t rows : {1, 2, 3, 5, 9, 16})
+      // rows alone and in batches of 1..65 from a few offsets
+      for (int64_t rows : {1, 2, 3, 5, 9, 12, 16, 65})
         for (int64_t r0 : {int64_t{0}, m - rows}) {
           const int64_t w = c.silu ? 2 * c.k : c.k;
           std::vector<float> xs(x.begin() + r0 * w, x.begin() + (r0 + rows) * w);
