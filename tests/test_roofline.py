@@ -55,7 +55,7 @@ def test_peak_json_lists_every_path_with_positive_figures_or_why_not(capsys, rec
             assert loop["gmac_per_s"] > 0 and len(loop["repeats_gmac_per_s"]) == 2
             assert loop["gmac_per_s"] == max(loop["repeats_gmac_per_s"])
             assert loop["gmac_per_s_per_thread"] == pytest.approx(loop["gmac_per_s"] / threads)
-            assert loop["estimate"] == (path == "portable") and loop["in_floor"] == (kind != "bf16_native")
+            assert loop["estimate"] == (path == "portable") and loop["in_floor"] == (kind in roofline.FLOOR_KINDS)
             assert loop["best_recorded_gmac_per_s"] >= loop["gmac_per_s"]
         if path == "portable":  # labelled as an estimate, not a limit
             assert all("estimate" in loop["note"] for loop in loops.values())

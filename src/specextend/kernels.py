@@ -46,7 +46,7 @@ _lock = threading.Lock()
 _module: ModuleType | None = None
 
 PATHS = ("portable", "avx2", "avx512", "neon")  # the kernel paths; ids in csrc/core/cpu.h
-PEAK_KINDS = ("int8", "bf16", "bf16_native")  # what a peak loop stands for; ids in csrc/core/peak.h
+PEAK_KINDS = ("int8", "bf16", "bf16_native", "int8_pair")  # what a peak loop stands for; ids in csrc/core/peak.h
 CPU_ENV = "SPECEXTEND_CPU"
 
 

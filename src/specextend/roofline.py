@@ -30,7 +30,7 @@ from . import kernels
 if TYPE_CHECKING:
     from .model import ModelConfig
 
-FLOOR_KINDS = ("int8", "bf16")  # the loops the compute floor divides by (bf16_native is reported only)
+FLOOR_KINDS = ("int8", "bf16")  # the loops the compute floor divides by (the other kinds are reported only)
 
 
 # --------------------------------------------------------------------------- multiply-adds

@@ -1,4 +1,6 @@
-"""Runtime micro-benchmark: load time, prefill speed, decode and verification cost, the
+"""Runtime micro-benchmark: load, prefill, decode and verification costs against the machine's floors.
+
+Load time, prefill speed, the cost of a forward of 1 to N rows over a cached context, the
 memory-bandwidth floor of a decode step, and prefill and many-row forwards against the CPU's
 compute floor (the roofline).
 

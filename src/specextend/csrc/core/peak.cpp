@@ -138,11 +138,27 @@ namespace {
 #define SPX_I256(j) _mm256_set1_epi32(j)
 #define SPX_F256(j) _mm256_set1_ps(static_cast<float>(j))
 
-// The avx2 linear kernels' int8 dot product: VPMADDUBSW (32 u8 x s8 products summed in pairs into
-// int16), VPMADDWD by ones (pairs into int32), VPADDD into the accumulator: 32 multiply-adds.
+// AVX2's 8-bit products: VPMADDUBSW (32 u8 x s8 products summed in pairs into int16) added up in
+// int16 (VPADDW): 32 multiply-adds an instruction, the limit of the avx2 linear kernels, which
+// approach it where they add several products in int16 before widening them once (4-bit weights).
+#define SPX_MADD16(n) "vpmaddubsw %[b], %[a], %[t]\n\tvpaddw %[t], " SPX_C(n) ", " SPX_C(n) "\n\t"
+uint32_t int8_avx2(int64_t iters, int32_t seed) {
+  __m256i a = _mm256_set1_epi32(seed * 0x01010101), b = _mm256_set1_epi32(seed * 0x01020304), t;
+  SPX_DECLARE12(__m256i, SPX_I256);
+  for (int64_t i = 0; i < iters; ++i) {
+    SPX_LAUNDER(a, "+x");
+    SPX_LAUNDER(b, "+x");
+    asm volatile(SPX_STEPS12(SPX_MADD16) : SPX_OPERANDS12("+x"), [t] "=&x"(t) : [a] "x"(a), [b] "x"(b));
+  }
+  return digest(SPX_SUM12(_mm256_add_epi16));
+}
+
+// The same products each widened to int32 at once: VPMADDUBSW, VPMADDWD by ones (pairs into
+// int32), VPADDD into the accumulator, 32 multiply-adds per three instructions (two of them
+// multiplies): a kernel that cannot keep products in int16 (8-bit weights) is capped here.
 #define SPX_MADD_PAIR(n) \
   "vpmaddubsw %[b], %[a], %[t]\n\tvpmaddwd %[ones], %[t], %[t]\n\tvpaddd %[t], " SPX_C(n) ", " SPX_C(n) "\n\t"
-uint32_t int8_avx2(int64_t iters, int32_t seed) {
+uint32_t int8_pair_avx2(int64_t iters, int32_t seed) {
   __m256i a = _mm256_set1_epi32(seed * 0x01010101), b = _mm256_set1_epi32(seed * 0x01020304), t;
   const __m256i ones = _mm256_set1_epi16(1);
   SPX_DECLARE12(__m256i, SPX_I256);
@@ -305,7 +321,7 @@ namespace spx {
 
 bool peak_loop(Path path, PeakKind kind, PeakLoop* out) {
   if (!cpu_supports(path)) return false;
-  const bool int8 = kind == PeakKind::Int8, bf16 = kind == PeakKind::BF16;
+  const bool int8 = kind == PeakKind::Int8, bf16 = kind == PeakKind::BF16, pair = kind == PeakKind::Int8Pair;
   switch (path) {
     case Path::Portable:
       if (int8)
@@ -323,7 +339,15 @@ bool peak_loop(Path path, PeakKind kind, PeakLoop* out) {
 #if defined(__x86_64__)
     case Path::AVX2:
       if (int8)
-        *out = {"vpmaddubsw + vpmaddwd + vpaddd ymm", "", 32 * kAcc12, int8_avx2};
+        *out = {"vpmaddubsw + vpaddw ymm",
+                "products added in int16: the limit of 8-bit products on AVX2; the kernels approach it where "
+                "they add several products in int16 before widening them (4-bit weights)",
+                32 * kAcc12, int8_avx2};
+      else if (pair)
+        *out = {"vpmaddubsw + vpmaddwd + vpaddd ymm",
+                "every product pair widened to int32 at once (two multiplies per 32 products): where a kernel "
+                "cannot add products in int16 first (8-bit weights) it is capped here; not part of the floor",
+                32 * kAcc12, int8_pair_avx2};
       else if (bf16)
         *out = {"vfmadd231ps ymm",
                 "bfloat16 emulated: keys and values widened to float32 once per block of keys, then float32 FMAs; "
@@ -377,6 +401,7 @@ const char* peak_kind_name(PeakKind kind) {
     case PeakKind::Int8: return "int8";
     case PeakKind::BF16: return "bf16";
     case PeakKind::BF16Native: return "bf16_native";
+    case PeakKind::Int8Pair: return "int8_pair";
   }
   return "?";
 }

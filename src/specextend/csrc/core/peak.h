@@ -15,11 +15,12 @@
 
 namespace spx {
 
-// int8: the linear layers' dot products; bf16: what the path's attention computes bfloat16
-// products with; bf16_native: a bfloat16 instruction the CPU has but the path's attention does
-// not use (reported, not part of the floor).
-enum class PeakKind : int { Int8 = 0, BF16 = 1, BF16Native = 2 };
-constexpr int kPeakKinds = 3;
+// int8: the most int8 products a second the path's linear layers can compute; bf16: what the
+// path's attention computes bfloat16 products with. Reported beside them, not part of the floor:
+// bf16_native, a bfloat16 instruction the CPU has but the path's attention does not use, and
+// int8_pair, avx2's dot product with every product pair widened to int32 at once.
+enum class PeakKind : int { Int8 = 0, BF16 = 1, BF16Native = 2, Int8Pair = 3 };
+constexpr int kPeakKinds = 4;
 
 struct PeakLoop {
   const char* instruction;  // what one step of the loop runs
