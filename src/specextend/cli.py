@@ -22,6 +22,7 @@ from typing import Any, TextIO
 from .errors import UserError
 from .jsonl import text_at
 from .options import (
+    OneLineParser,
     add_method_arguments,
     add_model_arguments,
     add_tuning_arguments,
@@ -86,11 +87,7 @@ summary.md and speedup.png into --out; running again with the same --out resumes
 # --------------------------------------------------------------------------- parser
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (the contract's 'one clear line'), exit 2."""
-
-    def error(self, message: str) -> Any:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+_Parser = OneLineParser
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
@@ -105,6 +102,15 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     prompt.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
 
     add_method_arguments(p)
+
+    fmt = p.add_argument_group("structured output (one at most; speculation stays exact under it)")
+    shape = fmt.add_mutually_exclusive_group()
+    shape.add_argument("--json-object", action="store_true", help="the output is one JSON object")
+    shape.add_argument("--json-schema", metavar="PATH", help="the output is JSON valid under this JSON schema file")
+    shape.add_argument("--regex", help="the output matches this regular expression")
+    shape.add_argument("--grammar", metavar="PATH", help="the output follows this grammar file (Lark or GBNF)")
+    fmt.add_argument("--logprobs", type=int, default=None, metavar="N",
+                     help="record each token's log-probability and N alternatives (0-20; in the JSON output)")
 
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object (the contract's fields) to stdout")
@@ -154,7 +160,14 @@ def _add_models(sub: Any) -> None:
 def _add_kernels(sub: Any) -> None:
     kern = sub.add_parser("kernels", help="build the C++ CPU kernels (once) and name the paths this CPU runs",
                           description="Build (or find) the C++ CPU kernels and name the instruction-set paths "
-                                      "this CPU runs (SPECEXTEND_CPU forces one).")
+                                      "this CPU runs (SPECEXTEND_CPU forces one). --peak measures each path's "
+                                      "int8 and bfloat16 multiply-add peak on all threads (a few seconds).")
+    kern.add_argument("--peak", action="store_true",
+                      help="measure each path's multiply-add peaks (register-only loops of its instructions)")
+    kern.add_argument("--json", action="store_true", help="with --peak: one JSON object on stdout")
+    kern.add_argument("--seconds", type=float, default=0.5, help="with --peak: seconds per loop (default 0.5)")
+    kern.add_argument("--repeats", type=int, default=5,
+                      help="with --peak: timed runs per loop; each figure is the best (default 5)")
     kern.set_defaults(func=cmd_kernels)
 
 
@@ -211,20 +224,20 @@ def read_prompt(args: argparse.Namespace) -> str:
     return text
 
 
-def _read_text_file(name: str) -> str:
+def _read_text_file(name: str, what: str = "prompt file") -> str:
     if name == "-":
         return sys.stdin.read()
     path = Path(name).expanduser()
     if not path.exists():
-        raise UserError(f"prompt file not found: {name}")
+        raise UserError(f"{what} not found: {name}")
     if not path.is_file():
-        raise UserError(f"prompt file is not a file: {name}")
+        raise UserError(f"{what} is not a file: {name}")
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise UserError(f"prompt file {name} is not UTF-8 text: {e.reason} at byte {e.start}") from None
+        raise UserError(f"{what} {name} is not UTF-8 text: {e.reason} at byte {e.start}") from None
     except OSError as e:
-        raise UserError(f"cannot read prompt file {name}: {e.strerror}") from None
+        raise UserError(f"cannot read {what} {name}: {e.strerror}") from None
 
 
 @contextlib.contextmanager
@@ -259,6 +272,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     check_model_options(args)
     prompt = read_prompt(args)
+    if args.logprobs is not None and not 0 <= args.logprobs <= 20:
+        raise UserError(f"--logprobs must be in 0..20, got {args.logprobs}")
 
     if args.json:
         with _stdout_to_stderr() as out:
@@ -294,10 +309,29 @@ def _run_generate(args: argparse.Namespace, settings: Settings, prompt: str,
 
     prepared = api.prepare(args.target, args.draft, **model_options(args), load_draft=settings.uses_draft,
                        progress=not args.quiet)
-    # Tokenize and check the length before the (slow) weights are read.
+    # Tokenize, check the length and compile the grammar before the (slow) weights are read.
     ids = prepared.encode(prompt, chat=args.chat)
     prepared.check_fits(len(ids), settings)
-    return prepared.load().generate(ids, settings=settings, on_text=on_text)
+    grammar = prepared.grammar(response_format(args))
+    return prepared.load().generate(ids, settings=settings, on_text=on_text, response_format=grammar,
+                                    logprobs=args.logprobs)
+
+
+def response_format(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The OpenAI-style response_format of generate's structured-output options."""
+    if args.json_object:
+        return {"type": "json_object"}
+    if args.json_schema is not None:
+        try:
+            schema = json.loads(_read_text_file(args.json_schema, "schema file"))
+        except ValueError as e:
+            raise UserError(f"--json-schema {args.json_schema}: not JSON: {e}") from None
+        return {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}
+    if args.regex is not None:
+        return {"type": "regex", "regex": args.regex}
+    if args.grammar is not None:
+        return {"type": "grammar", "grammar": _read_text_file(args.grammar, "grammar file")}
+    return None
 
 
 def summary_line(r: Any) -> str:
@@ -346,7 +380,17 @@ def cmd_models_list(args: argparse.Namespace) -> int:
 def cmd_kernels(args: argparse.Namespace) -> int:
     from . import kernels
 
-    print(kernels.describe())
+    if not args.peak:
+        if args.json:
+            raise UserError("--json goes with --peak")
+        print(kernels.describe())
+        return 0
+    if not (0 < args.seconds <= 60) or args.repeats < 1:
+        raise UserError("--seconds must be above 0 and at most 60, --repeats at least 1")
+    from . import roofline
+
+    measured = roofline.measure(seconds=args.seconds, repeats=args.repeats)
+    print(json.dumps(measured, indent=2) if args.json else f"{kernels.describe()}\n{roofline.table(measured)}")
     return 0
 
 

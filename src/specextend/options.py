@@ -34,6 +34,13 @@ DRAFT_DTYPE_HELP = ("the draft's dtype (default: float32 with quantized draft we
                     "with native bf16 if --dtype is float32; else --dtype)")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (the contract's 'one clear line'), exit 2."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 # --------------------------------------------------------------------------- models
 
 
@@ -113,6 +120,10 @@ def add_method_arguments(p: argparse.ArgumentParser, labels: bool = True) -> Non
     _opt(sampling, "--temperature", float, "0 is greedy")
     _opt(sampling, "--top-p", float, "nucleus sampling mass, in (0, 1]")
     _opt(sampling, "--seed", int, "sampling seed")
+    _opt(sampling, "--frequency-penalty", float, "OpenAI's: minus this times a token's count in the output, in [-2, 2]")
+    _opt(sampling, "--presence-penalty", float, "OpenAI's: minus this for a token already in the output, in [-2, 2]")
+    _opt(sampling, "--repetition-penalty", float, "divides a positive logit (multiplies a negative one) of a token "
+         "in the prompt or output; 1 is off")
     if labels:
         sampling.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                               help="a label recorded in the JSON's config for your own bookkeeping (read by "

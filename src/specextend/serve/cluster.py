@@ -167,7 +167,8 @@ class Front(Server):
         return self.flights
 
     def job(self, req: protocol.Request, ids: list[int]) -> Job:
-        return RemoteJob(ids, req.settings, req.stops, asyncio.get_running_loop(), req=req)
+        self._grammar(req)  # a bad response_format is refused here; each replica compiles its own (cached)
+        return RemoteJob(ids, req.settings, req.stops, asyncio.get_running_loop(), logprobs=req.logprobs, req=req)
 
     def submit(self, job: Job) -> None:
         assert isinstance(job, RemoteJob)
