@@ -135,7 +135,10 @@ class Server:
             return _error(e)
         rid, created = protocol.new_id(kind), protocol.now()
         if req.stream:
-            headers = await self._started(job, request)
+            try:
+                headers = await self._started(job, request)
+            except APIError as e:
+                return _error(e)
             return StreamingResponse(self._events(job, kind, rid, created, req.include_usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
@@ -168,7 +171,8 @@ class Server:
 
     async def _started(self, job: Job, request: HTTPRequest) -> dict[str, str]:
         """Headers of a streamed response, sent before its first chunk: none here (a front end over
-        replicas waits for the replica's first event and names it)."""
+        replicas waits for the replica's first event and names it, or raises the APIError that
+        ended the request before it started)."""
         return {}
 
     def _grammar(self, req: protocol.Request) -> Grammar | None:

@@ -126,11 +126,12 @@ def _api_error(fields: dict[str, Any]) -> APIError:
 @dataclass
 class RemoteJob(Job):
     """A job whose events come from a replica: `started` is set at its first event for the client
-    (text, done, error), by then `replica` names the replica serving it."""
+    (text, done, error, cancelled), by then `replica` names the replica serving it."""
 
     req: protocol.Request | None = None
     replica: str | None = None
     started: asyncio.Event = field(default_factory=asyncio.Event)
+    early: APIError | None = None  # the error that ended it before its first token
     task: asyncio.Task[None] | None = None
 
 
@@ -144,8 +145,6 @@ class _Flights:
     @property
     def running(self) -> int:
         return len(self.tasks)
-
-    waiting = 0
 
     def shutdown(self) -> None:
         for t in self.tasks:
@@ -191,9 +190,13 @@ class Front(Server):
                 if await request.is_disconnected():
                     job.cancel.set()
                     break
+        if job.early is not None:  # answered with its own status, as the one-process server does
+            raise job.early
         return protocol.replica_header(job.replica) or {}
 
     def _deliver(self, job: RemoteJob, kind: str, value: Any = None) -> None:
+        if kind == "error" and not job.started.is_set():
+            job.early = value
         job.started.set()
         job.events.put_nowait((kind, value))
 
@@ -314,6 +317,7 @@ def run_replicas(args: argparse.Namespace, sock: socket.socket) -> int:
     encoder = api.prepare(args.target, args.draft, **model_options(args), progress=not args.quiet)
     routing = args.routing or "affinity"
     level = logging.WARNING if args.quiet else logging.INFO
+    logging.getLogger("ray.serve").setLevel(level)
     try:
         if args.ray_address:
             ray.init(address=args.ray_address, logging_level=level, log_to_driver=not args.quiet)
@@ -328,7 +332,7 @@ def run_replicas(args: argparse.Namespace, sock: socket.socket) -> int:
         deployment = serve.deployment(Replica, name="replica").options(
             num_replicas=args.replicas,
             max_ongoing_requests=capacity + args.max_queue,
-            max_queued_requests=args.max_queue * args.replicas,
+            max_queued_requests=max(1, args.max_queue * args.replicas),  # Ray's least is 1
             ray_actor_options={"num_cpus": cpus},
             health_check_period_s=2,
             graceful_shutdown_timeout_s=5,
