@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from specextend.serve.routing import BLOCK, HASH_TOKENS, Affinity, Load, RoundRobin, owner
+from specextend.serve.routing import BLOCK, HASH_TOKENS, MIN_MATCH, Affinity, Load, RoundRobin, owner
 
 REPLICAS = ["r1", "r2", "r3"]
 
@@ -61,13 +61,27 @@ def test_a_saturated_replica_gives_way_to_the_least_loaded():
     assert policy.choose(document, loads(r1=3, r2=3, r3=3))[0] == "r1"  # all equally busy: its home
 
 
-def test_a_shared_run_shorter_than_a_block_is_no_affinity():
+@pytest.mark.parametrize("shared", [BLOCK - 1, MIN_MATCH - 1])
+def test_a_short_shared_run_is_no_affinity(shared):
+    """A chat template's header, a short system prompt: new documents after it spread as before."""
+    header = doc(2, shared)
+    for s in range(10, 40):
+        policy = Affinity()
+        policy.routed([*header, *doc(3)], "r1")
+        fresh = [*header, *doc(s)]
+        assert policy.choose(fresh, loads())[0] == owner(fresh, REPLICAS)
+        if owner(fresh, REPLICAS) != "r1":
+            return
+    pytest.fail("every document hashed to r1")
+
+
+def test_among_replicas_that_hold_a_prompt_the_least_loaded_takes_it():
     policy = Affinity()
-    header = doc(2, BLOCK - 1)  # a chat template's header, a short system prompt
-    policy.routed([*header, *doc(3)], "r1")
-    fresh = [*header, *doc(4)]
-    assert policy.matches(fresh, REPLICAS)["r1"] == 0
-    assert policy.choose(fresh, loads())[0] == owner(fresh, REPLICAS)
+    system = doc(7, 2 * MIN_MATCH)  # a long system prompt both replicas hold
+    policy.routed([*system, 1], "r1")
+    policy.routed([*system, 2], "r2")
+    assert policy.choose([*system, 3], loads(r1=1, r3=0))[0] == "r2"
+    assert policy.choose([*system, 3], loads(r2=1))[0] == "r1"
 
 
 def test_a_replica_that_left_is_forgotten():

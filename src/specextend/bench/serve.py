@@ -392,6 +392,20 @@ def _server_options(p: argparse.ArgumentParser) -> None:
     where.add_argument("--start", metavar="ARGS", help="start `specextend serve --port 0 -q ARGS` for the run")
 
 
+def _add_replicas(sub: Any) -> None:
+    r = sub.add_parser("replicas", help="serve --replicas: follow-up questions' time to first token per routing")
+    r.add_argument("--data", required=True, help="a JSONL file with field `text`: records 0.. are the documents")
+    r.add_argument("--replicas", type=int, default=2)
+    r.add_argument("--routing", default="affinity,round-robin", help="routings to run, in turn")
+    r.add_argument("--docs", type=int, default=2)
+    r.add_argument("--questions", type=int, default=3)
+    r.add_argument("--max-tokens", type=int, default=32)
+    r.add_argument("--serve-args", default="", metavar="ARGS", help="more flags for `specextend serve`")
+    r.add_argument("--ar", action="store_true", help="check every answer against `specextend generate --method ar`")
+    r.add_argument("--generate-args", default="", metavar="ARGS", help="model flags for generate (with --ar)")
+    r.add_argument("--out", type=Path)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m specextend.bench.serve", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
@@ -431,30 +445,14 @@ def main(argv: list[str] | None = None) -> int:
             q.add_argument("--running-tokens", type=int, default=256)
             q.add_argument("--doc-at", type=float, default=3.0, help="seconds after the streams start")
             q.add_argument("--after", type=float, default=2.0, help="the short prompt, seconds after the document")
-    r = sub.add_parser("replicas", help="serve --replicas: follow-up questions' time to first token per routing")
-    r.add_argument("--data", required=True, help="a JSONL file with field `text`: records 0.. are the documents")
-    r.add_argument("--replicas", type=int, default=2)
-    r.add_argument("--routing", default="affinity,round-robin", help="routings to run, in turn")
-    r.add_argument("--docs", type=int, default=2)
-    r.add_argument("--questions", type=int, default=3)
-    r.add_argument("--max-tokens", type=int, default=32)
-    r.add_argument("--serve-args", default="", metavar="ARGS", help="more flags for `specextend serve`")
-    r.add_argument("--ar", action="store_true", help="check every answer against `specextend generate --method ar`")
-    r.add_argument("--generate-args", default="", metavar="ARGS", help="model flags for generate (with --ar)")
-    r.add_argument("--out", type=Path)
+    _add_replicas(sub)
     args = p.parse_args(argv)
-    if args.what == "replicas":
-        result = replicas(args)
-        if args.out is not None:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(result, indent=1))
-        return 0
     if args.what in ("concurrent", "during"):
         result = _concurrent(args)
         (args.out / "result.json").write_text(json.dumps(result, indent=1))
         return 0
-    if args.what == "compare":
-        result = compare(args)
+    if args.what in ("compare", "replicas"):
+        result = compare(args) if args.what == "compare" else replicas(args)
     elif args.start is not None:
         log = (args.out or Path("results/serve.json")).with_suffix(".server.log")
         with started(args.start, log) as (url, pid):
@@ -466,6 +464,8 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
     if args.what == "compare" and not result["all_equal"]:
+        return 1
+    if args.what == "replicas" and args.ar and not all(v["all_match_ar"] for v in result["summary"].values()):
         return 1
     return 0
 

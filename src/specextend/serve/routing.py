@@ -7,7 +7,8 @@ remembers, per replica, the prompts it sent there as a chain of hashes of fixed-
 blocks (block i's hash covers tokens 0..i*BLOCK, so one dictionary lookup per block finds how
 many leading blocks a replica has seen). A request goes to
 
-1. the replica that saw the longest run of its leading blocks, if any saw at least one;
+1. the replica that saw the longest run of its leading blocks, if that run is at least
+   MIN_MATCH tokens (among equals, the least loaded);
 2. otherwise the replica its leading tokens hash to (rendezvous hashing over the live replicas:
    any front end, even one just restarted with no memory, sends a document to the same replica,
    and a replica that leaves moves only its own documents);
@@ -27,10 +28,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-# A block of this many tokens is the unit of affinity: shorter shared runs (a chat template's
-# header, a short system prompt) are not worth keeping a request off a less loaded replica.
+# A block of this many tokens is the unit the router remembers prompts by. A shared run shorter
+# than MIN_MATCH (a chat template's header, a short system prompt) counts for nothing: it would
+# pull every new document to the replica that first saw it, for a prefill of a second or so.
+# MIN_MATCH = HASH_TOKENS: a prompt that shares fewer leading tokens is hashed on its own ones.
 BLOCK = 64
 HASH_TOKENS = 256  # the leading tokens a new prompt is hashed by
+MIN_MATCH = HASH_TOKENS
 MAX_BLOCKS = 1 << 20  # remembered block hashes, all replicas together (least recently used go first)
 IMBALANCE = 4  # a replica this many requests above the least loaded is saturated (see Load)
 
@@ -108,9 +112,8 @@ class Affinity:
         match = self.matches(ids, replicas)
         best = max(match.values())
         home = owner(ids, replicas)
-        if best > 0:  # the longest match; among equals, the hashed owner, then the least loaded
-            pick = min((r for r in replicas if match[r] == best),
-                       key=lambda r: (r != home, loads[r].in_flight, r))
+        if best >= MIN_MATCH:  # the longest match; among equals, the least loaded, then the hashed owner
+            pick = min((r for r in replicas if match[r] == best), key=lambda r: (loads[r].in_flight, r != home, r))
         else:
             pick = home
         least = min(load.in_flight for load in loads.values())
