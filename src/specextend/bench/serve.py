@@ -463,11 +463,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
-    if args.what == "compare" and not result["all_equal"]:
-        return 1
-    if args.what == "replicas" and args.ar and not all(v["all_match_ar"] for v in result["summary"].values()):
-        return 1
-    return 0
+    return 1 if _differs(args, result) else 0
+
+
+def _differs(args: argparse.Namespace, result: dict[str, Any]) -> bool:
+    """Whether an answer differed from what it is checked against (compare, replicas --ar)."""
+    if args.what == "compare":
+        return not result["all_equal"]
+    return args.what == "replicas" and args.ar and not all(v["all_match_ar"] for v in result["summary"].values())
 
 
 if __name__ == "__main__":
