@@ -23,7 +23,8 @@ from specextend.api import prepare
 
 from tiny_tokenizer import save_tiny_model
 
-pytest.importorskip("ray.serve", reason="needs the cluster extra (Ray Serve): pip install -e '.[cluster]'")
+pytest.importorskip("ray.serve", reason="needs the cluster extra (Ray Serve): pip install -e '.[cluster]'",
+                    exc_type=ImportError)  # ray without its serve extra's packages too
 
 pytestmark = pytest.mark.usefixtures("isolated_home")  # conftest.py: a model cache of its own
 

@@ -112,7 +112,10 @@ def run(args: argparse.Namespace) -> int:
     _check(args)
     sock = listen(args.host, args.port)  # before the slow part: a taken port fails at once
     if args.replicas is not None:
-        from .cluster import run_replicas  # Ray is an optional extra, imported only here
+        try:
+            from .cluster import run_replicas  # Ray is an optional extra, imported only here
+        except ImportError as e:  # Ray without its serve packages
+            raise UserError(f"--replicas needs Ray Serve ({e}): {INSTALL_CLUSTER}") from None
 
         return run_replicas(args, sock)
     from .replica import build
