@@ -25,10 +25,12 @@ def parse(*argv: str) -> argparse.Namespace:
 def test_demo_runs_end_to_end(tmp_path, capsys, monkeypatch):
     target = save_tiny_model(tmp_path / "target", seed=0)
     # The target drafts for itself, so draft tokens are accepted and visibly marked. The draft
-    # starts at once: for 8 tokens the cost model would rightly never start a draft as costly as
-    # the target (tests/test_draft_prefill.py tests that decision).
+    # starts at once and its tree is fixed: for 8 tokens the cost model would rightly never start
+    # a draft as costly as the target, and on a loaded machine it may size every tree to one row
+    # (tests/test_draft_prefill.py and tests/test_sizing.py test those decisions).
     chosen = demo._settings
-    monkeypatch.setattr(demo, "_settings", lambda a: {k: replace(v, draft_gate=False) for k, v in chosen(a).items()})
+    monkeypatch.setattr(demo, "_settings", lambda a: {k: replace(v, draft_gate=False, cost_model=False)
+                                                      for k, v in chosen(a).items()})
     args = parse("--target", str(target), "--draft", str(target), "--length", "160", "--max-new-tokens", "8",
                  "--no-color")
     assert demo.run(args) == 0
