@@ -232,3 +232,16 @@ def test_kv_file_round_trip_without_draft(tmp_path):
     header, back = kv_file.read(tmp_path / "x.kv")
     assert header.tokens == tuple(range(7)) and header.draft_kind is None and back.draft_kv is None
     assert torch.equal(back.target_kv.k, p.target_kv.k) and back.target_kv.k.dtype == torch.bfloat16
+
+
+def test_the_fingerprint_changes_with_the_kernels_arithmetic(tmp_path, monkeypatch):
+    """KV written by kernels with other arithmetic (another version of the code) is never read back."""
+    from specextend import api
+
+    from tiny_tokenizer import save_tiny_model
+
+    path = save_tiny_model(tmp_path / "model", seed=0)
+    pair = api.load(path, path, progress=False, dtype="float32", weights="int8")
+    before = pair.fingerprint()
+    monkeypatch.setattr(kernels, "ARITHMETIC_VERSION", kernels.ARITHMETIC_VERSION + 1)
+    assert pair.fingerprint() != before

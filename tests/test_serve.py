@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import httpx2 as httpx
@@ -22,6 +23,7 @@ import uvicorn
 from specextend.api import load, prepare
 from specextend.serve.app import Server
 from specextend.serve.command import listen
+from specextend.serve.scheduler import Limits
 from specextend.settings import Settings
 
 from tiny_tokenizer import save_tiny_model
@@ -48,15 +50,23 @@ def pair(folders):
     return p
 
 
+SERVERS: dict[str, Server] = {}
+
+
+def engine(url: str):
+    """The decoding engine the server's batch runs (tests hook into its steps)."""
+    return SERVERS[url].batched._engine
+
+
 @contextmanager
-def running(pair, folders, *, max_queue=4, cache_mb=64.0, cache_dir=None, **defaults):
+def running(pair, folders, *, max_queue=4, cache_mb=64.0, cache_dir=None, limits=None, **defaults):
     """The server's app on a free port, in a thread; yields its base URL."""
     encoder = prepare(folders["target"], folders["draft"], dtype="float64", progress=False)
     pair.prefix_cache = None
     if cache_mb:
         pair.enable_prefix_cache(cache_mb, cache_dir)
     server = Server(pair, encoder, Settings(**{"max_new_tokens": 16, **SMALL, **defaults}).resolved(), max_queue,
-                    "tiny")
+                    "tiny", limits=limits)
     sock = listen("127.0.0.1", 0)
     port = sock.getsockname()[1]
     uv = uvicorn.Server(uvicorn.Config(server.app(), log_level="warning"))
@@ -66,10 +76,12 @@ def running(pair, folders, *, max_queue=4, cache_mb=64.0, cache_dir=None, **defa
     while not uv.started:
         assert time.time() < deadline, "the server did not start"
         time.sleep(0.02)
+    url = f"http://127.0.0.1:{port}"
+    SERVERS[url] = server
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
-        pair._engine.step_hook = None
+        SERVERS.pop(url)
         uv.should_exit = True
         thread.join(10)
 
@@ -142,6 +154,24 @@ def test_streaming_chat_sends_chunks_then_usage(pair, url):
     ids = pair.encode_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}])
     assert text == pair.detokenize(pair._engine.generate(ids, Settings(method="sd", max_new_tokens=16)).token_ids)
     assert speculative(chunks[-1].usage)["steps"] >= 1
+
+
+def _stream_text(url: str, content: str, method: str, max_tokens: int) -> str:
+    stream = client(url).chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}],
+                                                 max_tokens=max_tokens, stream=True, extra_body={"method": method})
+    return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+
+def test_concurrent_streams_answer_what_one_at_a_time_answers(url):
+    """Requests of every method and length, streamed at once, each answer what it answers alone."""
+    asks = [(f"{DOC[: 150 * (i % 3)]} Question {i}: {QUESTION}", m, 8 + 4 * i)
+            for i, m in enumerate(["ar", "sd", "specextend", "lookup", "sd", "ar", "specextend", "lookup"])]
+    alone = [_stream_text(url, *a) for a in asks]
+    with ThreadPoolExecutor(len(asks)) as pool:
+        together = list(pool.map(lambda a: _stream_text(url, *a), asks))
+    assert together == alone
+    h = httpx.get(f"{url}/health").json()
+    assert h["running"] == h["waiting"] == 0 and h["batch"]["kv_in_use_mb"] == 0
 
 
 def test_streaming_completion_and_stop_strings(pair, url):
@@ -257,7 +287,7 @@ def test_unknown_routes_and_internal_errors_are_json(pair, url, monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("the kernel fell over")
 
-    monkeypatch.setattr(pair._engine, "decode", broken)
+    monkeypatch.setattr(engine(url), "decode", broken)
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4})
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error" and "Traceback" not in r.text
     monkeypatch.undo()
@@ -267,8 +297,12 @@ def test_unknown_routes_and_internal_errors_are_json(pair, url, monkeypatch):
 # --------------------------------------------------------------------------- the queue
 
 
-def slow_steps(pair, seconds: float = 0.05) -> None:
-    pair._engine.step_hook = lambda *a: time.sleep(seconds)
+def one_at_a_time(max_queue: int) -> Limits:
+    return Limits(max_batch=1, max_queue=max_queue, step_tokens=64, kv_bytes=2**30)
+
+
+def slow_steps(url: str, seconds: float = 0.05) -> None:
+    engine(url).step_hook = lambda *a: time.sleep(seconds)
 
 
 def first_content_chunk(response: httpx.Response) -> None:
@@ -279,9 +313,9 @@ def first_content_chunk(response: httpx.Response) -> None:
 
 
 def test_past_the_queue_requests_get_429_with_retry_after(pair, folders):
-    with running(pair, folders, max_queue=1) as u:
+    with running(pair, folders, max_queue=1, limits=one_at_a_time(1)) as u:
         gate = threading.Event()
-        pair._engine.step_hook = lambda *a: gate.wait(60)  # the first generation holds the slot until released
+        engine(u).step_hook = lambda *a: gate.wait(60)  # the first generation holds the slot until released
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "stream": True,
                 "method": "sd"}
         with httpx.Client(timeout=60) as h, h.stream("POST", f"{u}/v1/chat/completions", json=body) as running_:
@@ -304,8 +338,8 @@ def test_past_the_queue_requests_get_429_with_retry_after(pair, folders):
 
 
 def test_a_disconnecting_stream_frees_the_slot(pair, folders):
-    with running(pair, folders, max_queue=0) as u:
-        slow_steps(pair)  # 200 tokens would take many seconds
+    with running(pair, folders, max_queue=0, limits=one_at_a_time(0)) as u:
+        slow_steps(u)  # 200 tokens would take many seconds
         body = {"prompt": "hi", "max_tokens": 200, "stream": True, "method": "sd"}
         t0 = time.time()
         with httpx.Client(timeout=60) as h, h.stream("POST", f"{u}/v1/completions", json=body) as r:
@@ -385,3 +419,52 @@ def test_the_load_measurement_counts_every_outcome():
     measure._send_all(client, args, outcomes)
     assert dict(outcomes.counts) == {"ok": 7, "error": 1, "abandoned": 2}
     assert outcomes.errors == ["RuntimeError: the server fell over"]
+
+
+def test_the_server_is_healthy_after_200_requests_and_abandoned_streams(pair, folders):
+    """bench/serve.py's load run against the real (tiny) server: every request answered or
+    abandoned, nothing left running or holding KV, and the server still answers."""
+    from types import SimpleNamespace
+
+    from specextend.bench import serve as measure
+
+    with running(pair, folders, max_queue=256, method="ar") as u:
+        outcomes = measure._Outcomes()
+        args = SimpleNamespace(requests=200, abandoned=20, clients=8, max_tokens=2)
+        measure._send_all(client(u), args, outcomes)
+        assert dict(outcomes.counts) == {"ok": 200, "abandoned": 20}, outcomes.errors
+        deadline = time.time() + 20
+        while (h := httpx.get(f"{u}/health").json())["running"] or h["waiting"]:
+            assert time.time() < deadline, h
+            time.sleep(0.05)
+        assert h["batch"]["kv_in_use_mb"] == 0 and h["completed"] >= 220
+        assert client(u).completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].text is not None
+
+
+def test_the_concurrent_measurement_summarises_streams(tmp_path):
+    """bench/concurrent.py's figures from recorded streams: time to the last answer, tokens per
+    second, chunk gaps, the gaps of running streams while a document prefills, equality to alone."""
+    from specextend.bench import concurrent as cc
+
+    def stream(i, sent, chunks, text, tokens, error=None):
+        return cc.Stream(i, sent, chunks[0] if chunks else None, (chunks or [sent])[-1] + 0.1, chunks, text, tokens,
+                         error)
+
+    running = [stream(0, 0.0, [0.5, 1.0, 3.0, 3.5], "a", 4), stream(1, 0.0, [0.6, 1.1, 2.9], "b", 3)]
+    doc, short = stream(2, 1.0, [4.0], "c", 1), stream(3, 2.0, [2.5], "d", 1)
+    streams = [*running, doc, short]
+    s = cc.summarise(streams)
+    assert s["answered"] == 4 and s["tokens"] == 9 and abs(s["time_to_last_s"] - 4.1) < 1e-9
+    d = cc.during(streams, (2, 2))
+    assert d["short_ttft_s"] == 0.5 and d["document_ttft_s"] == 3.0
+    assert d["running_gap_max_s"] == 2.0 and d["running_gaps"] == 5  # gaps ending within [1.0, 4.0]
+    alone = [stream(0, 0, [1], "a", 4), stream(1, 0, [1], "x", 3), stream(2, 0, [1], "c", 1),
+             stream(3, 0, [1], "d", 1, error="429")]
+    assert cc.equal_to(alone, streams) == [True, False, True, None]
+    result = {"scenario": "t", "serve_args": "", "prompt_tokens": [5] * 4, "max_tokens": [4] * 4,
+              "servers": {k: {"summary": {**s, **d, "equal_to_alone": [True] * 4}, "streams":
+                              [vars(x) for x in streams]} for k in ("ours", "llama")}}
+    md = cc.table(result)
+    assert "| ours |" in md and "4/4" in md and "ours / llama: time to last answer 1.00x" in md
+    cc.plot(result, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0

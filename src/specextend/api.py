@@ -19,6 +19,7 @@ use `Pair.prefill`, `Pair.decode`, `Pair.remember` (the prefix cache) and `Pair.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import queue
 import threading
@@ -29,8 +30,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import kernels
+from .batch import Batch, Port, StepCosts
 from .detokenize import Detokenizer
-from .engine import GenerationResult, Prefilled, SpecEngine, TokensCallback, check_fits
+from .engine import GenerationResult, Prefilled, SpecEngine, TokensCallback, check_fits, kv_bytes
 from .errors import UserError
 from .jsonl import finite_json
 from .models.loader import QUANTIZED_WEIGHTS
@@ -39,6 +41,7 @@ from .progress import say
 from .settings import Settings
 
 if TYPE_CHECKING:
+    from .costmodel import CostModel
     from .model import Transformer
     from .prefix_cache import PrefixCache
 
@@ -265,8 +268,9 @@ class Pair(_Prompts):
 
     def fingerprint(self) -> str:
         """What must match for KV written by another process to be used here: both models' files
-        (paths, sizes, modification times) and how they were loaded."""
-        h = hashlib.sha256()
+        (paths, sizes, modification times), how they were loaded, and the version of the
+        kernels' arithmetic."""
+        h = hashlib.sha256(f"kernels {kernels.ARITHMETIC_VERSION}\0".encode())
         for path, model in ((self.target_path, self.target), (self.draft_path, self.draft)):
             if path is None or model is None:
                 h.update(b"none\0")
@@ -285,6 +289,30 @@ class Pair(_Prompts):
         snap = state.snapshot()  # the draft's slots computed so far, if any
         draft_backend = kv_backend(self.draft, state.attention) if snap.draft_kv is not None else None
         self.prefix_cache.insert(state.prompt_ids, snap, kv_backend(self.target, state.attention), draft_backend)
+
+    # ----------------------------------------------------------------- batching
+
+    def in_batch(self, batch: Batch) -> Pair:
+        """This pair as the sequences of `batch` run it: the same models, tokenizer and prefix
+        cache, with an engine whose forwards run in the batch's steps (`batch.Port`) and whose
+        trees are sized for the step (`batch.StepCosts`). Its `prefill`, `decode` and `remember`
+        must be called from a sequence of that batch."""
+        base = self.step_costs()
+        other = copy.copy(self)
+        other._engine = SpecEngine(Port(self.target), Port(self.draft) if self.draft is not None else None,
+                                   self.spec.eos_ids)
+        other._engine.eos = self._engine.eos
+        other._engine.costs = StepCosts(base, batch)
+        return other
+
+    def step_costs(self) -> CostModel:
+        """The measured step costs of both models (measured once per machine and cached), which
+        tree sizing and the server's step budget read."""
+        return self._engine.cost_model(make_settings(method="specextend" if self.draft is not None else "lookup"))
+
+    def kv_bytes(self, prompt_tokens: int, settings: Settings) -> int:
+        """Bytes of the caches a generation of this prompt length allocates (`engine.kv_bytes`)."""
+        return kv_bytes(self.target, self.draft, prompt_tokens, settings)
 
     # ----------------------------------------------------------------- prefill and decode
 

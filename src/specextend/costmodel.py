@@ -236,6 +236,10 @@ class CostModel:
     `refresh=False` freezes it (tests use a synthetic model so sizing decisions are reproducible).
     """
 
+    # Whether the sizer may run the draft against its expectation to measure acceptance (a probe):
+    # cheap for one sequence; in a batch (batch.StepCosts) a probe costs every sequence a round.
+    probes = True
+
     def __init__(self, target_curve: ForwardCurve, draft_curve: ForwardCurve | None = None, refresh: bool = True
                  ) -> None:
         self.target_curve, self.draft_curve, self.refresh = target_curve, draft_curve, refresh

@@ -56,6 +56,24 @@ def cache_slots(prompt_tokens: int, new_tokens: int) -> int:
     return prompt_tokens + new_tokens + TREE_HEADROOM
 
 
+def kv_bytes(target: Transformer, draft: Transformer | None, prompt_tokens: int, settings: Settings) -> int:
+    """Bytes of the caches a generation allocates, before it allocates them (a server's KV
+    budget): the target's cache, and with a draft its store, its working cache and the scratch
+    cache of its prompt passes (each at most as large as the store), plus the copy of the prompt's
+    KV that the prefix cache takes at the end."""
+    s = _as_resolved(settings)
+    slots = cache_slots(prompt_tokens, s.max_new_tokens)
+
+    def per_token(m: Transformer) -> int:
+        c = m.cfg
+        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty(0, dtype=m.kv_dtype).element_size()
+
+    total = per_token(target) * (slots + prompt_tokens)
+    if s.uses_draft and draft is not None:
+        total += per_token(draft) * (3 * slots + prompt_tokens)
+    return total
+
+
 @dataclass
 class GenerationResult:
     token_ids: list[int]

@@ -42,6 +42,10 @@ _lock = threading.Lock()
 _module: ModuleType | None = None
 
 PATHS = ("portable", "avx2", "avx512", "neon")  # the kernel paths; ids in csrc/core/cpu.h
+# The kernels' arithmetic, versioned: raised whenever an output's bits change, so that KV written
+# by another version (the prefix cache's files) is never read back as if this one had computed
+# it. 2: an attention score is one chain over the dimension pairs.
+ARITHMETIC_VERSION = 2
 CPU_ENV = "SPECEXTEND_CPU"
 
 

@@ -3,6 +3,13 @@
 One sequence, a static KV cache, and a forward over *any* set of new tokens: their ids, their
 position ids and (optionally) a [T, T] mask of which new tokens see which. That one signature
 serves prefill, one-token decoding, a draft tree and the target's verification of that tree.
+
+`forward_many` runs the new tokens of several sequences (`Rows`, each with its own positions,
+cache and mask) in one forward: on the quantized runtime the linear layers read each weight once
+for all rows and attention runs per sequence over its own cache, and since every kernel there is
+row-independent each sequence's logits and KV are the bits it gets alone (`batches_rows`).
+Elsewhere (float weights, whose GEMMs may block differently by row count) it runs them one after
+the other, which keeps the bits too.
 """
 
 from __future__ import annotations
@@ -126,6 +133,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+@dataclass
+class Rows:
+    """One sequence's new tokens in a forward: `Transformer.forward`'s arguments as one value."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    cache: KVCache
+    tree_mask: torch.Tensor | None = None
+    logits_rows: torch.Tensor | slice | None = None
+    keep_q: dict[int, torch.Tensor] | None = None
+    backend: Backend = "efficient"  # the attention of the float paths (the quantized runtime's is its own)
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.shape[0])
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -243,8 +267,6 @@ class Block(nn.Module):
         backend: Backend,
         keep_q: dict[int, torch.Tensor] | None,
     ) -> torch.Tensor:
-        if backend == "rowwise" and self.quantized:
-            return self._forward_fused(x, cos, sin, cache, tree_mask, keep_q)
         t = x.shape[0]
         hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv
         qkv = self.qkv(self.attn_norm(x))
@@ -267,28 +289,36 @@ class Block(nn.Module):
     def quantized(self) -> bool:
         return all(m.qweight is not None for m in (self.qkv, self.o, self.gate_up, self.down))
 
-    def _forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                       tree_mask: torch.Tensor | None, keep_q: dict[int, torch.Tensor] | None) -> torch.Tensor:
-        """The same layer in five kernel calls: a decode step is a few dozen microseconds of Python
-        per layer instead of some forty small tensor operations (the norms, SiLU and residual adds
-        are folded into the quantized products; RoPE and the cache write are one call)."""
-        t = x.shape[0]
+    def forward_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, parts: list[Rows]
+                     ) -> torch.Tensor:
+        """The layer in five kernel calls over the rows of several sequences (x: their rows one
+        after the other): a decode step is a few dozen microseconds of Python per layer instead of
+        some forty small tensor operations (the norms, SiLU and residual adds are folded into the
+        quantized products; RoPE and the cache write are one call). The products take every row at
+        once; RoPE, the cache write and attention run per sequence, over its own cache."""
         qkv = kernels.qlinear(x, self.qkv.qweight, self.qkv.bias, norm=self.attn_norm.weight, eps=self.attn_norm.eps)
-        k_layer, v_layer = cache.k[self.index], cache.v[self.index]
-        start = cache.length
-        q = kernels.load().rope_store(
-            qkv, cos, sin, self.n_heads,
-            self.q_norm.weight if self.q_norm is not None else None,
-            self.k_norm.weight if self.k_norm is not None else None,
-            self.attn_norm.eps, k_layer, v_layer, start,
-        )  # fmt: skip
-        if keep_q is not None and self.index in keep_q:
-            keep_q[self.index] = q
-        end = start + cache.pending
-        a = kernels.attend(q, k_layer[:, :end], v_layer[:, :end], tree_mask)
-        x = kernels.qlinear(a.transpose(0, 1).reshape(t, -1), self.o.qweight, residual=x)
+        ext = kernels.load()
+        q_norm = self.q_norm.weight if self.q_norm is not None else None
+        k_norm = self.k_norm.weight if self.k_norm is not None else None
+        outs = []
+        off = 0
+        for p in parts:
+            t, cache = p.size, p.cache
+            k_layer, v_layer = cache.k[self.index], cache.v[self.index]
+            start = cache.length
+            rows = slice(off, off + t)
+            q = ext.rope_store(qkv[rows], cos[rows], sin[rows], self.n_heads, q_norm, k_norm, self.attn_norm.eps,
+                               k_layer, v_layer, start)
+            if p.keep_q is not None and self.index in p.keep_q:
+                p.keep_q[self.index] = q
+            end = start + cache.pending
+            a = kernels.attend(q, k_layer[:, :end], v_layer[:, :end], p.tree_mask)
+            outs.append(a.transpose(0, 1).reshape(t, -1))
+            off += t
+        a = outs[0] if len(outs) == 1 else torch.cat(outs)
+        x = kernels.qlinear(a, self.o.qweight, residual=x)
         gu = kernels.qlinear(x, self.gate_up.qweight, norm=self.mlp_norm.weight, eps=self.mlp_norm.eps,
-                             out=self.workspace.take(t, self.gate_up.qweight.n))
+                             out=self.workspace.take(x.shape[0], self.gate_up.qweight.n))
         return kernels.qlinear(gu, self.down.qweight, silu_mul=True, residual=x)
 
 
@@ -362,6 +392,8 @@ class Transformer(nn.Module):
         rotated queries [H, T, D].
         Returns logits [rows, vocab] (float32 or wider).
         """
+        if self.fused:
+            return self._forward_fused([Rows(tokens, positions, cache, tree_mask, logits_rows, keep_q, backend)])[0]
         cache.begin(tokens.shape[0])
         if self.rowwise_attention:
             backend = "rowwise"
@@ -370,6 +402,48 @@ class Transformer(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, cache, tree_mask, backend, keep_q)
         x = x if logits_rows is None else x[logits_rows]
+        return self._logits(x)
+
+    @property
+    def fused(self) -> bool:
+        """Whether forwards run the quantized kernels' fused layers (`Block.forward_rows`)."""
+        return self.rowwise_attention and all(layer.quantized for layer in self.layers)
+
+    @property
+    def batches_rows(self) -> bool:
+        """Whether `forward_many` stacks the sequences' rows into one forward: only where every
+        kernel is row-independent (the quantized runtime, its head included)."""
+        return self.fused and self.lm_head.qweight is not None
+
+    @torch.no_grad()
+    def forward_many(self, parts: list[Rows]) -> list[torch.Tensor]:
+        """`forward` for several sequences at once: each part's logits, as `forward` returns them
+        for that part alone (the same bits). Each part's cache gets its pending slots."""
+        if self.batches_rows and len(parts) > 1:
+            return self._forward_fused(parts)
+        return [self(p.tokens, p.positions, p.cache, p.tree_mask, p.backend, p.logits_rows, p.keep_q) for p in parts]
+
+    def _forward_fused(self, parts: list[Rows]) -> list[torch.Tensor]:
+        for p in parts:
+            p.cache.begin(p.size)
+        one = len(parts) == 1
+        positions = parts[0].positions if one else torch.cat([p.positions for p in parts])
+        tokens = parts[0].tokens if one else torch.cat([p.tokens for p in parts])
+        cos, sin = self.rope(positions)
+        x = self.embed(tokens.to(self.device))
+        for layer in self.layers:
+            x = layer.forward_rows(x, cos, sin, parts)
+        picked, counts, off = [], [], 0
+        for p in parts:
+            rows = x[off : off + p.size]
+            rows = rows if p.logits_rows is None else rows[p.logits_rows]
+            picked.append(rows)
+            counts.append(int(rows.shape[0]))
+            off += p.size
+        logits = self._logits(picked[0] if one else torch.cat(picked))
+        return [logits] if one else list(torch.split(logits, counts))
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.lm_head.qweight is not None:  # the final norm folded into the head's quantized product
             logits = qlinear(x, self.lm_head.qweight, norm=self.norm.weight, eps=self.norm.eps)
         else:

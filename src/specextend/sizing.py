@@ -253,7 +253,7 @@ class Sizer:
         """Whether this step runs the draft (decision 1); `pool` holds the lookup candidates."""
         if not self.has_draft:
             return False
-        if not self.drafted_once or self.idle >= self.probe_after:
+        if (not self.drafted_once or self.idle >= self.probe_after) and self.costs.probes:
             self.probing = self.drafted_once
             return True
         lookup = self.values(pool)

@@ -6,6 +6,12 @@
     python -m specextend.bench.serve load --start "--cache-mb 64" \
         --requests 200 --clients 4 --abandoned 20 --out results/serve-load.json
 
+    python -m specextend.bench.serve concurrent --data ../shared/data/govreport/govreport_2K.jsonl \
+        --clients 4 --max-tokens 64 --out results/serve-4x2K
+    python -m specextend.bench.serve concurrent --clients 16 --max-tokens 128 --out results/serve-16short
+    python -m specextend.bench.serve during --data ../shared/data/govreport/govreport_8K.jsonl \
+        --out results/serve-during-8K
+
 `--start ARGS` starts `specextend serve --port 0 -q ARGS` for the run (its log goes next to
 `--out`) and stops it afterwards; `--url URL` measures a server already running instead.
 `ttft`: the same long document (field `text` of a JSONL record) as a chat message followed by
@@ -14,7 +20,9 @@ the request to the first chunk with text. `compare`: runs `specextend generate -
 on each prompt of a ttft result, with the server's settings, and checks the server answered
 the same text in the same number of tokens. `load`: short chat requests from concurrent clients
 plus streams abandoned after their first chunk, counting every outcome by kind and sampling the
-server's resident memory (from /proc) against the prefix cache's cap.
+server's resident memory (from /proc) against the prefix cache's cap. `concurrent` and `during`:
+many clients at once against our server, the same server one request at a time, and llama.cpp's
+`llama-server -np N` (bench/concurrent.py), written as JSON, a Markdown table and a plot.
 """
 
 from __future__ import annotations
@@ -281,6 +289,40 @@ def load(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _concurrent(args: argparse.Namespace) -> dict[str, Any]:
+    from ..api import prepare
+    from . import concurrent as cc
+
+    enc = prepare(progress=False)
+
+    def encode(text: str) -> list[int]:
+        return enc.prompt_ids(text)
+
+    if args.what == "concurrent":
+        if args.data:
+            prompts = [encode(text_at(args.data, i)) for i in range(args.clients)]
+            name = f"{args.clients} clients x {Path(args.data).stem}"
+        else:
+            prompts = [encode(cc.SHORT_PROMPTS[i % len(cc.SHORT_PROMPTS)] + (f" (variant {i})" if i >= 16 else ""))
+                       for i in range(args.clients)]
+            name = f"{args.clients} clients x short prompts"
+        scenario = cc.Scenario(name, prompts, [args.max_tokens] * args.clients, [0.0] * args.clients)
+    else:
+        k = args.running
+        prompts = [encode(cc.SHORT_PROMPTS[i]) for i in range(k)]
+        prompts += [encode(text_at(args.data, args.index)), encode("Say one word.")]
+        scenario = cc.Scenario(f"short prompt during a {Path(args.data).stem} prefill", prompts,
+                               [args.running_tokens] * k + [args.max_tokens, 16],
+                               [0.0] * k + [args.doc_at, args.doc_at + args.after], window=(k, k))
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = cc.run(scenario, [k.strip() for k in args.servers.split(",") if k.strip()], args.serve_args, args.out,
+                    encode, started, _health)
+    (args.out / "summary.md").write_text(cc.table(result))
+    cc.plot(result, args.out / "clients.png")
+    print(cc.table(result), flush=True)
+    return result
+
+
 def _server_options(p: argparse.ArgumentParser) -> None:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="a running server's base URL (http://127.0.0.1:8000)")
@@ -309,7 +351,28 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--generate-args", default="", metavar="ARGS",
                    help="model and setting flags the server was started with, for generate too")
     c.add_argument("--out", type=Path)
+    for name in ("concurrent", "during"):
+        q = sub.add_parser(name, help="many clients at once: ours, ours one at a time, llama-server -np N" if
+                           name == "concurrent" else "a short prompt (and running streams) during a long prefill")
+        q.add_argument("--servers", default="ours,ours-one,llama", help="any of ours, ours-one, llama")
+        q.add_argument("--serve-args", default="", metavar="ARGS", help="flags for `specextend serve` (ours)")
+        q.add_argument("--max-tokens", type=int, default=64)
+        q.add_argument("--out", type=Path, required=True, help="folder for the JSON, summary.md and the plot")
+        if name == "concurrent":
+            q.add_argument("--data", help="a JSONL file: client i sends record i's text (default: short prompts)")
+            q.add_argument("--clients", type=int, default=4)
+        else:
+            q.add_argument("--data", required=True, help="a JSONL file with the long document")
+            q.add_argument("--index", type=int, default=0)
+            q.add_argument("--running", type=int, default=2, help="streams already running")
+            q.add_argument("--running-tokens", type=int, default=256)
+            q.add_argument("--doc-at", type=float, default=3.0, help="seconds after the streams start")
+            q.add_argument("--after", type=float, default=2.0, help="the short prompt, seconds after the document")
     args = p.parse_args(argv)
+    if args.what in ("concurrent", "during"):
+        result = _concurrent(args)
+        (args.out / "result.json").write_text(json.dumps(result, indent=1))
+        return 0
     if args.what == "compare":
         result = compare(args)
     elif args.start is not None:

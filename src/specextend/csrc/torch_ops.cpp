@@ -215,9 +215,14 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   pb.scale = 1.f / std::sqrt(static_cast<float>(pb.d));
   at::Tensor out = at::empty({pb.heads, pb.t, pb.d}, qc.options());
   pb.out = out.data_ptr<float>();
-  const std::vector<spx::AttentionItem> items = spx::attention_items(pb);
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1,
-                   [&](int64_t b, int64_t e) { spx::attend_items(path, pb, items.data(), b, e); });
+  // Items from a shared counter, most keys first: threads finish together on any causal shape.
+  const int threads = at::get_num_threads();
+  const std::vector<spx::AttentionItem> items = spx::attention_items(pb, threads);
+  const int64_t count = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(threads, count), 1, [&](int64_t, int64_t) {
+    for (int64_t i; (i = next.fetch_add(1)) < count;) spx::attend_items(path, pb, items.data(), i, i + 1);
+  });
   return out;
 }
 

@@ -3,9 +3,9 @@
 `POST /v1/chat/completions`, `POST /v1/completions` (JSON, or server-sent events with
 `stream: true`), `GET /v1/models`, `GET /health`. A request is checked and tokenized here,
 on the event loop, before it is queued, so a bad request is refused at once whatever is running;
-the generation itself runs on the scheduler's worker thread. Every failure is an OpenAI-shaped
-JSON error; an unexpected one is logged with its traceback on the server and answered 500
-without it.
+the generations run together on the scheduler's thread (continuous batching, scheduler.py).
+Every failure is an OpenAI-shaped JSON error; an unexpected one is logged with its traceback on
+the server and answered 500 without it.
 """
 
 from __future__ import annotations
@@ -24,13 +24,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..api import Pair, Prepared
+from ..batch import Batch
 from ..errors import UserError
 from ..jsonl import finite_json
 from ..settings import Settings
 from . import protocol
 from .jobs import Job, Outcome, run_job
 from .protocol import APIError
-from .scheduler import QueueFull, Scheduler
+from .scheduler import Limits, QueueFull, Scheduler, TooLarge, default_limits
 
 log = logging.getLogger("specextend.serve")
 
@@ -38,14 +39,20 @@ DISCONNECT_POLL_S = 0.5  # how often a waiting non-streaming request checks that
 
 
 class Server:
-    """The loaded pair, the tokenizer the HTTP side encodes with, the defaults and the scheduler."""
+    """The loaded pair, the tokenizer the HTTP side encodes with, the defaults and the scheduler.
+    `limits` bound the batch (None: `scheduler.default_limits(**batching)`, from this machine's memory
+    and the target's measured step costs)."""
 
-    def __init__(self, pair: Pair, encoder: Prepared, defaults: Settings, max_queue: int, model_id: str) -> None:
+    def __init__(self, pair: Pair, encoder: Prepared, defaults: Settings, max_queue: int, model_id: str,
+                 limits: Limits | None = None, batching: dict[str, Any] | None = None) -> None:
         # `encoder` holds its own tokenizer: the event loop encodes prompts while the worker
         # thread decodes with the pair's, and a tokenizer is not safe to share across threads.
         self.pair, self.encoder, self.defaults, self.model_id = pair, encoder, defaults, model_id
         self.max_queue = max_queue
+        self.limits = limits
+        self.batching = batching or {}  # default_limits' arguments when `limits` is None
         self.scheduler: Scheduler | None = None  # made on the event loop, at startup
+        self.batched: Pair | None = None  # the pair as the batch's sequences run it
         self.started = int(time.time())
 
     def app(self) -> Starlette:
@@ -63,13 +70,23 @@ class Server:
 
         class _Life:
             async def __aenter__(self) -> None:
-                server.scheduler = Scheduler(lambda job: run_job(server.pair, job), server.max_queue)
+                server.scheduler = server.start()
 
             async def __aexit__(self, *exc: object) -> None:
                 if server.scheduler is not None:
                     server.scheduler.shutdown()
 
         return _Life()
+
+    def start(self) -> Scheduler:
+        """The batch over the pair's models and the scheduler that runs it."""
+        pair = self.pair
+        batch = Batch(pair.target, pair.draft)
+        self.batched = batched = pair.in_batch(batch)  # measures the step costs once per machine (cached)
+        if self.limits is None:
+            self.limits = default_limits(pair, self.max_queue, **self.batching)
+        return Scheduler(batch, lambda job: run_job(batched, job),
+                         lambda job: pair.kv_bytes(len(job.ids), job.settings), self.limits)
 
     # ----------------------------------------------------------------- routes
 
@@ -90,9 +107,11 @@ class Server:
             "status": "ok",
             "model": self.model_id,
             "busy": bool(sched and sched.running),
+            "running": sched.running if sched else 0,
             "waiting": sched.waiting if sched else 0,
             "max_queue": self.max_queue,
             "completed": sched.completed if sched else 0,
+            "batch": sched.stats() if sched else None,
             "prefix_cache": cache.stats() if cache is not None else None,
         })
 
@@ -111,6 +130,8 @@ class Server:
             return _error(APIError(429, f"the server is busy ({self.max_queue} requests already waiting); retry "
                                         f"in {e.retry_after} s", type="rate_limit_error", code="queue_full",
                                    headers={"Retry-After": str(e.retry_after)}))
+        except TooLarge as e:
+            return _error(APIError(400, str(e), param="max_tokens", code="kv_budget_exceeded"))
         rid, created = protocol.new_id(kind), protocol.now()
         if req.stream:
             return StreamingResponse(self._events(job, kind, rid, created, req.include_usage),

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..options import add_model_arguments, add_settings_arguments, model_options, settings_from_args
+from .scheduler import DEFAULT_MAX_BATCH, KV_SHARE, STEP_S, available_memory_mb, default_kv_mb
 
 DEFAULT_MAX_QUEUE = 16
 CACHE_SHARE = 0.4  # of the memory still available once the models are loaded
@@ -26,6 +27,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help="requests that may wait behind the running one; beyond it 429 (default: "
                         f"{DEFAULT_MAX_QUEUE})")
+    g.add_argument("--max-batch", type=int, default=None,
+                   help=f"requests served at once (continuous batching; default: {DEFAULT_MAX_BATCH})")
+    g.add_argument("--step-tokens", type=int, default=None,
+                   help="target rows per batch step: decode rows first, then prompt tokens in chunks (default: as "
+                        f"many as the measured step costs fit in {STEP_S} s)")
+    g.add_argument("--kv-mb", type=float, default=None,
+                   help="memory the running requests' KV caches may take in MB; a request that does not fit waits "
+                        f"(default: {KV_SHARE * 100:.0f}%% of the memory available after loading)")
     g.add_argument("--cache-mb", type=float, default=None,
                    help="memory cap of the prefix cache in MB; 0 turns it off (default: "
                         f"{CACHE_SHARE * 100:.0f}%% of the memory available after loading)")
@@ -35,21 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
 
 
-def available_memory_mb() -> float | None:
-    """MemAvailable from /proc/meminfo (Linux), else None."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) / 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def default_cache_mb() -> float:
+def default_cache_mb(reserved_mb: float = 0.0) -> float:
+    """The prefix cache's share of the memory available, less `reserved_mb` (the KV budget)."""
     avail = available_memory_mb()
-    return 2048.0 if avail is None else max(MIN_DEFAULT_CACHE_MB, CACHE_SHARE * avail)
+    return 2048.0 if avail is None else max(MIN_DEFAULT_CACHE_MB, CACHE_SHARE * (avail - reserved_mb))
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -75,6 +73,12 @@ def _check(args: argparse.Namespace) -> None:
         v = getattr(args, name)
         if v is not None and not 0 <= v < float("inf"):
             raise UserError(f"--{name.replace('_', '-')} must be a number >= 0, got {v}")
+    for name in ("max_batch", "step_tokens"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if args.kv_mb is not None and not 0 < args.kv_mb < float("inf"):
+        raise UserError(f"--kv-mb must be a number > 0, got {args.kv_mb}")
     if args.cache_disk_mb is not None and args.cache_dir is None:
         raise UserError("--cache-disk-mb needs --cache-dir")
 
@@ -94,7 +98,9 @@ def run(args: argparse.Namespace) -> int:
     prepared = api.prepare(args.target, args.draft, **model_options(args), progress=not args.quiet)
     encoder = prepared.with_own_tokenizer()
     pair = prepared.load()
-    cache_mb = default_cache_mb() if args.cache_mb is None else args.cache_mb
+    # The KV budget's default share is of the memory available now; the prefix cache's of what is left.
+    kv_mb = args.kv_mb if args.kv_mb is not None else default_kv_mb()
+    cache_mb = default_cache_mb(kv_mb) if args.cache_mb is None else args.cache_mb
     if cache_mb > 0 or args.cache_dir is not None:
         cache = pair.enable_prefix_cache(cache_mb, Path(args.cache_dir) if args.cache_dir else None,
                                          args.cache_disk_mb)
@@ -102,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("specextend.serve").info("prefix cache: up to %.0f MB%s (%d entries on disk)", cache_mb,
                                                    where, cache.stats().get("disk_entries", 0))
     model_id = prepared.target_path.name
-    server = Server(pair, encoder, defaults, args.max_queue, model_id)
+    server = Server(pair, encoder, defaults, args.max_queue, model_id,
+                    batching=dict(max_batch=args.max_batch, step_tokens=args.step_tokens, kv_mb=kv_mb))
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"specextend: serving {model_id} ({defaults.method}) on http://{shown}:{port}/v1", file=sys.stderr,

@@ -75,14 +75,19 @@ struct TokenKeys {
 };
 
 // Rows of the item (token-major, then query head): the scaled bfloat16 query and zeroed state.
-void start_rows(const Attention& pb, const AttentionItem& it, uint16_t* qbuf, float* acc0, RowState* rows) {
+void start_rows(const Attention& pb, const AttentionItem& it, uint16_t* qbuf, float* qfbuf, float* acc0,
+                RowState* rows) {
   const int64_t g = pb.heads / pb.kv_heads, d = pb.d;
   for (int64_t i = 0; i < it.t1 - it.t0; ++i)
     for (int64_t r = 0; r < g; ++r) {
       uint16_t* q = qbuf + (i * g + r) * d;
+      float* qf = qfbuf + (i * g + r) * d;
       const float* src = pb.q + ((it.kvh * g + r) * pb.t + it.t0 + i) * d;
-      for (int64_t x = 0; x < d; ++x) q[x] = float_to_bf16(src[x] * pb.scale);
-      rows[i * g + r] = RowState{q, acc0 + (i * g + r) * d, kNegInf, 0.f};
+      for (int64_t x = 0; x < d; ++x) {
+        q[x] = float_to_bf16(src[x] * pb.scale);
+        qf[x] = bf16_to_float(q[x]);
+      }
+      rows[i * g + r] = RowState{q, qf, acc0 + (i * g + r) * d, kNegInf, 0.f};
     }
 }
 
@@ -90,10 +95,10 @@ void run_item(const Attention& pb, const AttentionItem& it, const BlockKernel& k
   const int64_t g = pb.heads / pb.kv_heads, d = pb.d, prefix = pb.prefix();
   const int ntok = static_cast<int>(it.t1 - it.t0), nrows = ntok * static_cast<int>(g);
   std::vector<uint16_t> qbuf(nrows * d);
-  std::vector<float> accbuf(nrows * d + 16, 0.f);
+  std::vector<float> accbuf(nrows * d + 16, 0.f), qfbuf(nrows * d);
   float* acc0 = accbuf.data() + ((16 - (reinterpret_cast<uintptr_t>(accbuf.data()) / 4) % 16) % 16);
   std::vector<RowState> rows(nrows);
-  start_rows(pb, it, qbuf.data(), acc0, rows.data());
+  start_rows(pb, it, qbuf.data(), qfbuf.data(), acc0, rows.data());
   std::vector<TokenKeys> tokens(ntok);
   int64_t shared = std::numeric_limits<int64_t>::max();
   for (int i = 0; i < ntok; ++i) {
@@ -128,13 +133,15 @@ void run_item(const Attention& pb, const AttentionItem& it, const BlockKernel& k
 
 }  // namespace
 
-std::vector<AttentionItem> attention_items(const Attention& pb) {
+std::vector<AttentionItem> attention_items(const Attention& pb, int threads) {
   std::vector<AttentionItem> items;
-  const int64_t groups = (pb.t + kTokensPerItem - 1) / kTokensPerItem;
-  for (int64_t gi = 0, t0 = 0; gi < groups; ++gi) {
-    const int64_t t1 = t0 + (pb.t - t0) / (groups - gi);
+  const int64_t min_groups = (threads + pb.kv_heads - 1) / pb.kv_heads;
+  const int64_t groups =
+      std::min(pb.t, std::max<int64_t>((pb.t + kTokensPerItem - 1) / kTokensPerItem, min_groups));
+  // Later groups see more keys (a causal chunk's tails): they go first.
+  for (int64_t gi = groups - 1; gi >= 0; --gi) {
+    const int64_t t0 = gi * pb.t / groups, t1 = (gi + 1) * pb.t / groups;
     for (int64_t h = 0; h < pb.kv_heads; ++h) items.push_back({h, t0, t1});
-    t0 = t1;
   }
   return items;
 }

@@ -13,9 +13,12 @@
 // its odd pair's product, then its even pair's, each exact product rounded once into the sum), on
 // the query (rounded to bfloat16 after scaling), the cached keys and values (stored in bfloat16)
 // and the softmax weights (rounded to bfloat16 before they weigh the values); maxima,
-// exponentials and sums stay in float32. A block is shared by every query row of the work item:
-// all query heads of a K/V head, for all tokens whose visible lists share that block (a tree's
-// tokens share the prefix; a prefill chunk's tokens share all but their tails).
+// exponentials and sums stay in float32. A score q.k is one chain over the dimension pairs in
+// order, so a register whose lanes are 16 keys computes 16 scores at once and a block of query
+// rows times a block of keys is a small matrix product with no horizontal sums. A block is
+// shared by every query row of the work item: all query heads of a K/V head, for all tokens
+// whose visible lists share that block (a tree's tokens share the prefix; a prefill chunk's
+// tokens share all but their tails).
 //
 // Layout: q [H, T, D] float32; k, v [Hkv, S, D] bfloat16 (views of the cache, rows contiguous);
 // mask [T, M] bool or none (causal over the T new tokens, M = T). Query head h uses K/V head
@@ -31,7 +34,7 @@
 namespace spx {
 
 constexpr int kBlock = 32;
-constexpr int kTokensPerItem = 8;  // tokens sharing one pass over the prefix blocks
+constexpr int kTokensPerItem = 16;  // at most this many tokens share one pass over the prefix blocks
 
 struct Attention {
   const float* q;
@@ -50,9 +53,11 @@ struct AttentionItem {
   int64_t kvh, t0, t1;
 };
 
-// Tokens in balanced groups of at most kTokensPerItem (9 tokens: 5 + 4), one item per K/V head
-// and group; how tokens are grouped never changes a token's bits.
-std::vector<AttentionItem> attention_items(const Attention& pb);
+// Tokens in balanced groups of at most kTokensPerItem (a draft tree's 9 tokens: one group), one
+// item per K/V head and group, at least `threads` items where there are tokens enough; items
+// with the most keys first, so threads taking them in order finish together. How tokens are
+// grouped never changes a token's bits.
+std::vector<AttentionItem> attention_items(const Attention& pb, int threads = 1);
 
 // Items [i0, i1) of `items`.
 void attend_items(Path path, const Attention& pb, const AttentionItem* items, int64_t i0, int64_t i1);
@@ -62,6 +67,7 @@ void attend_items(Path path, const Attention& pb, const AttentionItem* items, in
 // One query row's running softmax: maximum, sum, and the weighted sum of values.
 struct RowState {
   const uint16_t* q;  // bfloat16 [d], already scaled
+  const float* qf;    // the same values widened to float32 (exact), for paths that multiply in float32
   float* acc;         // float32 [d], 64-byte aligned, in the path's own dimension order
   float m, l;
 };

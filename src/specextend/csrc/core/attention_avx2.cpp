@@ -27,51 +27,85 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline __m256i load16(const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-// 32 dims of bfloat16 (one chunk) as float32 planes: [x8][odd 8 | even 8], lane x of half x8
-// holding dims 32c + 16*x8 + 2x (even) and + 1 (odd).
-inline void chunk_planes(const uint16_t* src, float* dst) {
+// 8 x 8 transpose of 32-bit words: r[i] <- word i of every r[j].
+inline void transpose8(__m256i* r) {
+  __m256i t[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  __m256i u[8];
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int w = 0; w < 4; ++w) {
+    r[w] = _mm256_permute2x128_si256(u[w], u[w + 4], 0x20);
+    r[w + 4] = _mm256_permute2x128_si256(u[w], u[w + 4], 0x31);
+  }
+}
+
+// Half-blocks of 16 keys and halves of 64 value dims keep the float32 copies a block is
+// converted into (shared by every row of the item) at 8 KB, inside L1 beside the rows' state.
+constexpr int kKeyHalf = 16, kDimHalf = 64;
+
+// Keys [16h, 16h + 16) of the block as float32 planes across key lanes: kf[p][0][j] is the odd
+// element (dim 2p + 1) of pair p of key j, kf[p][1][j] the even one; zero past n.
+void key_planes(const uint16_t* kb, int n, int64_t d, int h, float* kf) {
   const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int x8 = 0; x8 < 2; ++x8) {
-    const __m256i u = load16(src + 16 * x8);
-    _mm256_store_ps(dst + 16 * x8, _mm256_castsi256_ps(_mm256_and_si256(u, hi)));
-    _mm256_store_ps(dst + 16 * x8 + 8, _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)));
-  }
-}
-
-// The lanes of keys [0, keys) against one query, for one half x8 of the 16 lanes: each key's two
-// chains (chunks 0,1 and 2..) added. The query's planes for the half stay in registers while
-// the keys stream past, one FMA per loaded key register.
-template <int DC>
-inline void key_half_lanes(const float* kf, const float* qf, int keys, int x8, __m256* out) {
-  __m256 qo[DC], qe[DC];
-  for (int c = 0; c < DC; ++c) {
-    qo[c] = _mm256_load_ps(qf + 32 * c + 16 * x8);
-    qe[c] = _mm256_load_ps(qf + 32 * c + 16 * x8 + 8);
-  }
-  for (int j = 0; j < keys; ++j) {
-    const float* kp = kf + j * 32 * DC + 16 * x8;
-    __m256 a = _mm256_fmadd_ps(_mm256_load_ps(kp), qo[0], _mm256_setzero_ps());
-    a = _mm256_fmadd_ps(_mm256_load_ps(kp + 8), qe[0], a);
-    __m256 b = _mm256_setzero_ps();
-    for (int c = 1; c < DC; ++c) {
-      __m256& acc = c < 2 ? a : b;
-      acc = _mm256_fmadd_ps(_mm256_load_ps(kp + 32 * c), qo[c], acc);
-      acc = _mm256_fmadd_ps(_mm256_load_ps(kp + 32 * c + 8), qe[c], acc);
+  for (int j8 = 0; j8 < kKeyHalf; j8 += 8)
+    for (int64_t p0 = 0; p0 < d / 2; p0 += 8) {
+      __m256i r[8];
+      for (int j = 0; j < 8; ++j) {
+        const int key = kKeyHalf * h + j8 + j;
+        r[j] = key < n ? load16(kb + key * d + 2 * p0) : _mm256_setzero_si256();
+      }
+      transpose8(r);
+      for (int i = 0; i < 8; ++i) {
+        float* dst = kf + (p0 + i) * 2 * kKeyHalf + j8;
+        _mm256_store_ps(dst, _mm256_castsi256_ps(_mm256_and_si256(r[i], hi)));
+        _mm256_store_ps(dst + kKeyHalf, _mm256_castsi256_ps(_mm256_slli_epi32(r[i], 16)));
+      }
     }
-    out[j] = DC > 2 ? _mm256_add_ps(a, b) : a;
+}
+
+// Scores of R rows against the half-block's 16 keys: per row two chains (keys 0-7, 8-15) over
+// the pairs in order, odd product then even (attention_portable.cpp's score chain).
+template <int R>
+inline void score_rows(const float* kf, int64_t pairs, const RowState* rows, float* s) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const float* k = kf + p * 2 * kKeyHalf;
+    const __m256 o0 = _mm256_load_ps(k), o1 = _mm256_load_ps(k + 8);
+    const __m256 e0 = _mm256_load_ps(k + 16), e1 = _mm256_load_ps(k + 24);
+    for (int r = 0; r < R; ++r) {
+      const __m256 qo = _mm256_broadcast_ss(rows[r].qf + 2 * p + 1), qe = _mm256_broadcast_ss(rows[r].qf + 2 * p);
+      acc[r][0] = _mm256_fmadd_ps(e0, qe, _mm256_fmadd_ps(o0, qo, acc[r][0]));
+      acc[r][1] = _mm256_fmadd_ps(e1, qe, _mm256_fmadd_ps(o1, qo, acc[r][1]));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(s + r * kBlock, acc[r][0]);
+    _mm256_storeu_ps(s + r * kBlock + 8, acc[r][1]);
   }
 }
 
-// The rest of the tree (i+4, i+2, i+1) for 8 keys at once; lane j of the result is key j's score.
-inline __m256 reduce8(const __m256* L) {
-  __m256 b[4];
-  for (int i = 0; i < 4; ++i)
-    b[i] = _mm256_add_ps(_mm256_permute2f128_ps(L[2 * i], L[2 * i + 1], 0x20),
-                         _mm256_permute2f128_ps(L[2 * i], L[2 * i + 1], 0x31));
-  const __m256 c0 = _mm256_add_ps(_mm256_shuffle_ps(b[0], b[1], 0x44), _mm256_shuffle_ps(b[0], b[1], 0xEE));
-  const __m256 c1 = _mm256_add_ps(_mm256_shuffle_ps(b[2], b[3], 0x44), _mm256_shuffle_ps(b[2], b[3], 0xEE));
-  const __m256 s = _mm256_add_ps(_mm256_shuffle_ps(c0, c1, 0x88), _mm256_shuffle_ps(c0, c1, 0xDD));
-  return _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));  // keys 0,2,4,6,1,3,5,7 -> 0..7
+// Scores of every row against keys [16h, 16h + 16) of the block into s[row][32].
+void scores_half(const uint16_t* kb, int n, int64_t d, int h, RowState* rows, int nrows, float* kf, float* s) {
+  key_planes(kb, n, d, h, kf);
+  constexpr int kRows = 4;  // 8 chains in flight
+  float* sh = s + kKeyHalf * h;
+  int r = 0;
+  for (; r + kRows <= nrows; r += kRows) score_rows<kRows>(kf, d / 2, rows + r, sh + r * kBlock);
+  switch (nrows - r) {
+    case 3: score_rows<3>(kf, d / 2, rows + r, sh + r * kBlock); break;
+    case 2: score_rows<2>(kf, d / 2, rows + r, sh + r * kBlock); break;
+    case 1: score_rows<1>(kf, d / 2, rows + r, sh + r * kBlock); break;
+    default: break;
+  }
 }
 
 // A value row as float32 in the order VPUNPCK{L,H}WD leaves it: per 16 dims, [0-3, 8-11] then
@@ -82,37 +116,6 @@ inline void value_row(const uint16_t* src, int64_t d, float* dst) {
     const __m256i u = load16(src + i);
     _mm256_store_ps(dst + i, _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, u)));
     _mm256_store_ps(dst + i + 8, _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, u)));
-  }
-}
-
-// Half-blocks of 16 keys and halves of 64 value dims keep the float32 copies a block is
-// converted into (shared by every row of the item) at 8 KB, inside L1 beside the rows' state.
-constexpr int kKeyHalf = 16, kDimHalf = 64;
-
-// Scores of every row against keys [16h, 16h + 16) of the block into s[row][32].
-template <int DC>
-void scores_half(const uint16_t* kb, int n, int64_t d, int h, RowState* rows, int nrows, float* kf, float* qf,
-                 float* s) {
-  const int j0 = kKeyHalf * h, keys = std::min(kKeyHalf, n - j0);
-  for (int j = 0; j < kKeyHalf; ++j)
-    for (int c = 0; c < DC; ++c) {
-      if (j < keys) {
-        chunk_planes(kb + (j0 + j) * d + 32 * c, kf + j * d + 32 * c);
-      } else {
-        for (int i = 0; i < 32; i += 8) _mm256_store_ps(kf + j * d + 32 * c + i, _mm256_setzero_ps());
-      }
-    }
-  const int keys8 = (keys + 7) / 8 * 8;
-  for (int r = 0; r < nrows; ++r) {
-    for (int c = 0; c < DC; ++c) chunk_planes(rows[r].q + 32 * c, qf + 32 * c);
-    __m256 half[2][kKeyHalf];
-    key_half_lanes<DC>(kf, qf, keys8, 0, half[0]);
-    key_half_lanes<DC>(kf, qf, keys8, 1, half[1]);
-    for (int jb = 0; jb < keys8; jb += 8) {
-      __m256 L[8];  // lane i + lane i+8: the first level of the reference's tree
-      for (int t = 0; t < 8; ++t) L[t] = _mm256_add_ps(half[0][jb + t], half[1][jb + t]);
-      _mm256_store_ps(s + r * kBlock + j0 + jb, reduce8(L));
-    }
   }
 }
 
@@ -135,15 +138,13 @@ inline void weigh_values(const float* vf, const float* w, int pairs, float alpha
   for (int c = 0; c < NC; ++c) _mm256_store_ps(acc + 8 * c, a[c]);
 }
 
-template <int DC>
 void block(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* rows, int nrows, float* ws) {
   float* s = ws;                               // [nrows][kBlock] scores, then softmax weights
   float* alpha = s + nrows * kBlock;           // [nrows] (padded to 8)
-  float* kf = alpha + (nrows + 7) / 8 * 8;     // [kKeyHalf][d] key planes
+  float* kf = alpha + (nrows + 7) / 8 * 8;     // [d / 2][2][kKeyHalf] key planes
   float* vf = kf + kKeyHalf * d;               // [kBlock][kDimHalf] values
-  float* qf = vf + kBlock * kDimHalf;          // [d] one query's planes
-  scores_half<DC>(kb, n, d, 0, rows, nrows, kf, qf, s);
-  if (n > kKeyHalf) scores_half<DC>(kb, n, d, 1, rows, nrows, kf, qf, s);
+  scores_half(kb, n, d, 0, rows, nrows, kf, s);
+  if (n > kKeyHalf) scores_half(kb, n, d, 1, rows, nrows, kf, s);
   const __m256 neg_inf = _mm256_set1_ps(kNegInf);
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256 keep = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
@@ -198,17 +199,14 @@ void finish(const RowState& st, int64_t d, float* out) {
 }
 
 size_t workspace(int64_t d, int nrows) {
-  return static_cast<size_t>(nrows) * kBlock + (nrows + 7) / 8 * 8 + kKeyHalf * d + kBlock * kDimHalf + d;
+  return static_cast<size_t>(nrows) * kBlock + (nrows + 7) / 8 * 8 + kKeyHalf * d + kBlock * kDimHalf;
 }
-
-using BlockFn = void (*)(const uint16_t*, const uint16_t*, int, int64_t, RowState*, int, float*);
 
 }  // namespace
 
 bool block_kernel_avx2(int64_t d, BlockKernel* out) {
   if (!cpu_supports(Path::AVX2) || d % 32 != 0 || d > 256) return false;
-  constexpr BlockFn by_chunks[8] = {block<1>, block<2>, block<3>, block<4>, block<5>, block<6>, block<7>, block<8>};
-  *out = {by_chunks[d / 32 - 1], finish, workspace};
+  *out = {block, finish, workspace};
   return true;
 }
 

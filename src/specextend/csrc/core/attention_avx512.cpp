@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "attention.h"
@@ -29,31 +30,6 @@ inline float hsum16_avx512(__m512 v) {
   return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
 }
 
-// Lane sums of 16 vectors at once: lane j of the result is v[perm[j]]'s sum, each summed by the
-// tree of the portable path (i+8, then i+4, i+2, i+1); `ReducePerm` undoes the lane order.
-inline __m512 reduce16(const __m512* v) {
-  __m512 w[8], u[4], y[2];
-  for (int i = 0; i < 8; ++i)
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)
-    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88), _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)
-    y[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44), _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
-}
-
-// Which input vector's sum reduce16 leaves in each output lane, found once by reducing markers.
-struct ReducePerm {
-  int of_lane[16];
-  ReducePerm() {
-    __m512 v[16];
-    for (int j = 0; j < 16; ++j) v[j] = _mm512_maskz_mov_ps(1, _mm512_set1_ps(static_cast<float>(j + 1)));
-    alignas(64) float out[16];
-    _mm512_store_ps(out, reduce16(v));
-    for (int l = 0; l < 16; ++l) of_lane[l] = static_cast<int>(out[l]) - 1;
-  }
-};
-
 // Values of one block interleaved by key pairs: vi[j][c] holds keys (2j, 2j+1) for 16 dims of
 // chunk c, in unpacklo/unpackhi lane order (see `stored_dim`).
 template <int DV>
@@ -68,85 +44,166 @@ void interleave_values(const uint16_t* vb, int n, int64_t d, __m512i (*vi)[DV]) 
   }
 }
 
-// Scores of `nrows` query rows (bfloat16 in registers, lanes over dimensions) against 16 keys:
-// three rows share each key's loads; each (row, key) is a VDPBF16PS chain per pair of chunks.
-template <int DC>  // 32-dimension chunks per row
-void scores16(const uint16_t* kb, int n, int64_t d, RowState* rows, int nrows, float* s, int ld,
-              const ReducePerm& perm) {
-  alignas(64) __m512 part[3][16];
-  for (int r0 = 0; r0 < nrows; r0 += 3) {
-    const int rn = std::min(3, nrows - r0);
-    __m512i q[3][DC];
-    for (int r = 0; r < rn; ++r)
-      for (int c = 0; c < DC; ++c) q[r][c] = _mm512_loadu_si512(rows[r0 + r].q + 32 * c);
-    for (int j = 0; j < 16; ++j) {
-      __m512i k[DC];
-      for (int c = 0; c < DC; ++c) k[c] = j < n ? _mm512_loadu_si512(kb + j * d + 32 * c) : _mm512_setzero_si512();
-      for (int r = 0; r < rn; ++r) {
-        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)k[0], (__m512bh)q[r][0]);
-        a = _mm512_dpbf16_ps(a, (__m512bh)k[1], (__m512bh)q[r][1]);
-        if constexpr (DC > 2) {
-          __m512 b = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)k[2], (__m512bh)q[r][2]);
-          b = _mm512_dpbf16_ps(b, (__m512bh)k[3], (__m512bh)q[r][3]);
-          a = _mm512_add_ps(a, b);
-        }
-        part[r][j] = a;
+// r[i] <- dword i of every r[j] (a 16 x 16 transpose of 32-bit words).
+inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // r[4b + w] now holds, in 128-bit lane L, word w of rows 4L..4L+3 for rows 4b..4b+3's quartet.
+  for (int i = 0; i < 8; ++i) {
+    const int a = (i / 4) * 8 + i % 4;  // pairs (0,4) (1,5) (2,6) (3,7) (8,12) ...
+    t[a] = _mm512_shuffle_i32x4(r[a], r[a + 4], 0x88);
+    t[a + 4] = _mm512_shuffle_i32x4(r[a], r[a + 4], 0xDD);
+  }
+  for (int i = 0; i < 8; ++i) {
+    const int a = i;  // pairs (0,8) (1,9) ... (7,15)
+    const __m512i lo = _mm512_shuffle_i32x4(t[a], t[a + 8], 0x88), hi = _mm512_shuffle_i32x4(t[a], t[a + 8], 0xDD);
+    r[a] = lo;
+    r[a + 8] = hi;
+  }
+}
+
+// The block's keys as dimension pairs across key lanes: kt[2p + h] holds pair p (dims 2p, 2p+1)
+// of keys 16h..16h+15, zero past n. Shared by every query row of the item.
+template <int DP>
+void transpose_keys(const uint16_t* kb, int n, int64_t d, __m512i* kt) {
+  for (int h = 0; h < 2; ++h)
+    for (int c = 0; c < DP / 16; ++c) {
+      __m512i r[16];
+      for (int j = 0; j < 16; ++j) {
+        const int key = 16 * h + j;
+        r[j] = key < n ? _mm512_loadu_si512(kb + key * d + 32 * c) : _mm512_setzero_si512();
       }
+      transpose16(r);
+      for (int i = 0; i < 16; ++i) kt[2 * (16 * c + i) + h] = r[i];
     }
-    for (int r = 0; r < rn; ++r) {
-      alignas(64) float out[16];
-      _mm512_store_ps(out, reduce16(part[r]));
-      for (int l = 0; l < 16; ++l) s[(r0 + r) * ld + perm.of_lane[l]] = out[l];
+}
+
+// Scores of R rows against the block's 32 keys: per row, two chains (keys 0-15, 16-31) over the
+// pairs in order, one VDPBF16PS per pair and half (attention_portable.cpp's score chain).
+template <int DP, int R>
+inline void score_rows(const __m512i* kt, const RowState* rows, float* s) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+  for (int p = 0; p < DP; ++p) {
+    const __m512bh k0 = (__m512bh)_mm512_load_si512(kt + 2 * p), k1 = (__m512bh)_mm512_load_si512(kt + 2 * p + 1);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, rows[r].q + 2 * p, 4);
+      const __m512bh qb = (__m512bh)_mm512_set1_epi32(pair);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], k0, qb);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], k1, qb);
     }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(s + r * kBlock, acc[r][0]);
+    _mm512_storeu_ps(s + r * kBlock + 16, acc[r][1]);
+  }
+}
+
+template <int DP>
+void block_scores(const __m512i* kt, const RowState* rows, int nrows, float* s) {
+  constexpr int kRows = 6;  // 12 chains in flight: enough to cover VDPBF16PS latency
+  int r = 0;
+  for (; r + kRows <= nrows; r += kRows) score_rows<DP, kRows>(kt, rows + r, s + r * kBlock);
+  switch (nrows - r) {
+    case 5: score_rows<DP, 5>(kt, rows + r, s + r * kBlock); break;
+    case 4: score_rows<DP, 4>(kt, rows + r, s + r * kBlock); break;
+    case 3: score_rows<DP, 3>(kt, rows + r, s + r * kBlock); break;
+    case 2: score_rows<DP, 2>(kt, rows + r, s + r * kBlock); break;
+    case 1: score_rows<DP, 1>(kt, rows + r, s + r * kBlock); break;
+    default: break;
   }
 }
 
 template <int DC>
 void block_dc(const uint16_t* kb, const __m512i (*vi)[2 * DC], int n, int64_t d, RowState* rows, int nrows,
-              const ReducePerm& perm, float* sbuf) {
+              float* sbuf) {
   constexpr int DV = 2 * DC;  // float32 accumulators of 16 dims
-  scores16<DC>(kb, n, d, rows, nrows, sbuf, kBlock, perm);
-  if (n > 16) scores16<DC>(kb + 16 * d, n - 16, d, rows, nrows, sbuf + 16, kBlock, perm);
+  alignas(64) __m512i kt[DC * 16 * 2];
+  transpose_keys<DC * 16>(kb, n, d, kt);
+  block_scores<DC * 16>(kt, rows, nrows, sbuf);
   const __mmask16 k0 = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
   const __mmask16 k1 = n >= 32 ? 0xFFFF : (n > 16 ? static_cast<__mmask16>((1u << (n - 16)) - 1) : 0);
-  for (int r = 0; r < nrows; ++r) {
-    RowState& st = rows[r];
-    __m512 s[2] = {_mm512_loadu_ps(sbuf + r * kBlock), n > 16 ? _mm512_loadu_ps(sbuf + r * kBlock + 16) : _mm512_setzero_ps()};
-    s[0] = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), k0, s[0]);
-    s[1] = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), k1, s[1]);
-    const float bmax = _mm512_reduce_max_ps(_mm512_max_ps(s[0], s[1]));
-    const float m_new = std::fmax(st.m, bmax);
-    const float alpha = _mm_cvtss_f32(_mm512_castps512_ps128(exp_avx512(_mm512_set1_ps(st.m - m_new))));
-    const __m512 mn = _mm512_set1_ps(m_new);
-    const __m512 p0 = _mm512_maskz_mov_ps(k0, exp_avx512(_mm512_sub_ps(s[0], mn)));
-    const __m512 p1 = _mm512_maskz_mov_ps(k1, exp_avx512(_mm512_sub_ps(s[1], mn)));
-    st.l = std::fma(st.l, alpha, hsum16_avx512(_mm512_add_ps(p0, p1)));
-    alignas(64) int32_t pp[16];  // bfloat16 weights of key pairs (2j, 2j+1)
-    _mm512_store_si512(pp, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-    __m512 a[DV];
-    const __m512 al = _mm512_set1_ps(alpha);
-    for (int c = 0; c < DV; ++c) a[c] = _mm512_mul_ps(_mm512_load_ps(st.acc + 16 * c), al);
-    const int pairs = (n + 1) / 2;  // weights past n are zero: their products add nothing
-#pragma GCC unroll 16
-    for (int j = 0; j < pairs; ++j) {
-      const __m512bh w = (__m512bh)_mm512_set1_epi32(pp[j]);
-      for (int c = 0; c < DV; ++c) a[c] = _mm512_dpbf16_ps(a[c], (__m512bh)vi[j][c], w);
+  // Softmax weights of every row first (bfloat16 pairs in pw), then the values two rows at a
+  // time, so each interleaved value register loaded serves both.
+  alignas(64) int32_t pw[2][16];
+  float alpha[2];
+  const int pairs = (n + 1) / 2;  // weights past n are zero: their products add nothing
+  for (int r0 = 0; r0 < nrows; r0 += 2) {
+    const int rn = std::min(2, nrows - r0);
+    for (int i = 0; i < rn; ++i) {
+      RowState& st = rows[r0 + i];
+      const float* sr = sbuf + (r0 + i) * kBlock;
+      __m512 s[2] = {_mm512_loadu_ps(sr), n > 16 ? _mm512_loadu_ps(sr + 16) : _mm512_setzero_ps()};
+      s[0] = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), k0, s[0]);
+      s[1] = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), k1, s[1]);
+      const float bmax = _mm512_reduce_max_ps(_mm512_max_ps(s[0], s[1]));
+      const float m_new = std::fmax(st.m, bmax);
+      alpha[i] = _mm_cvtss_f32(_mm512_castps512_ps128(exp_avx512(_mm512_set1_ps(st.m - m_new))));
+      const __m512 mn = _mm512_set1_ps(m_new);
+      const __m512 p0 = _mm512_maskz_mov_ps(k0, exp_avx512(_mm512_sub_ps(s[0], mn)));
+      const __m512 p1 = _mm512_maskz_mov_ps(k1, exp_avx512(_mm512_sub_ps(s[1], mn)));
+      st.l = std::fma(st.l, alpha[i], hsum16_avx512(_mm512_add_ps(p0, p1)));
+      _mm512_store_si512(pw[i], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));  // pairs (2j, 2j+1)
+      st.m = m_new;
     }
-    for (int c = 0; c < DV; ++c) _mm512_store_ps(st.acc + 16 * c, a[c]);
-    st.m = m_new;
+    if (rn == 2) {
+      float* acc0 = rows[r0].acc;
+      float* acc1 = rows[r0 + 1].acc;
+      __m512 a[DV], b[DV];
+      const __m512 al0 = _mm512_set1_ps(alpha[0]), al1 = _mm512_set1_ps(alpha[1]);
+      for (int c = 0; c < DV; ++c) {
+        a[c] = _mm512_mul_ps(_mm512_load_ps(acc0 + 16 * c), al0);
+        b[c] = _mm512_mul_ps(_mm512_load_ps(acc1 + 16 * c), al1);
+      }
+#pragma GCC unroll 4
+      for (int j = 0; j < pairs; ++j) {
+        const __m512bh w0 = (__m512bh)_mm512_set1_epi32(pw[0][j]), w1 = (__m512bh)_mm512_set1_epi32(pw[1][j]);
+        for (int c = 0; c < DV; ++c) {
+          const __m512bh v = (__m512bh)vi[j][c];
+          a[c] = _mm512_dpbf16_ps(a[c], v, w0);
+          b[c] = _mm512_dpbf16_ps(b[c], v, w1);
+        }
+      }
+      for (int c = 0; c < DV; ++c) {
+        _mm512_store_ps(acc0 + 16 * c, a[c]);
+        _mm512_store_ps(acc1 + 16 * c, b[c]);
+      }
+    } else {
+      float* acc0 = rows[r0].acc;
+      __m512 a[DV];
+      const __m512 al0 = _mm512_set1_ps(alpha[0]);
+      for (int c = 0; c < DV; ++c) a[c] = _mm512_mul_ps(_mm512_load_ps(acc0 + 16 * c), al0);
+#pragma GCC unroll 4
+      for (int j = 0; j < pairs; ++j) {
+        const __m512bh w0 = (__m512bh)_mm512_set1_epi32(pw[0][j]);
+        for (int c = 0; c < DV; ++c) a[c] = _mm512_dpbf16_ps(a[c], (__m512bh)vi[j][c], w0);
+      }
+      for (int c = 0; c < DV; ++c) _mm512_store_ps(acc0 + 16 * c, a[c]);
+    }
   }
 }
 
 void block(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* rows, int nrows, float* ws) {
-  static const ReducePerm perm;
   alignas(64) __m512i vi[kBlock / 2][8];
   if (d == 128) {
     interleave_values<8>(vb, n, d, vi);
-    block_dc<4>(kb, vi, n, d, rows, nrows, perm, ws);
+    block_dc<4>(kb, vi, n, d, rows, nrows, ws);
   } else {
     auto v4 = reinterpret_cast<__m512i(*)[4]>(vi);
     interleave_values<4>(vb, n, d, v4);
-    block_dc<2>(kb, v4, n, d, rows, nrows, perm, ws);
+    block_dc<2>(kb, v4, n, d, rows, nrows, ws);
   }
 }
 

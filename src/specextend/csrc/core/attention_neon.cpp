@@ -22,48 +22,20 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// 32 dims of bfloat16 as float32 planes [x4][odd 4 | even 4]: lane x of quad x4 holds dims
-// 8*x4 + 2x (even) and + 1 (odd) of the chunk.
-inline void chunk_planes(const uint16_t* src, float* dst) {
-  const uint32x4_t hi = vdupq_n_u32(0xFFFF0000u);
-  for (int x4 = 0; x4 < 4; ++x4) {
-    const uint32x4_t u = vld1q_u32(reinterpret_cast<const uint32_t*>(src + 8 * x4));
-    vst1q_f32(dst + 8 * x4, vreinterpretq_f32_u32(vandq_u32(u, hi)));
-    vst1q_f32(dst + 8 * x4 + 4, vreinterpretq_f32_u32(vshlq_n_u32(u, 16)));
-  }
-}
-
-// One key's 16 lanes (two chains, added), then the tree's first two levels: b[i], i < 4.
-inline float32x4_t key_b(const float* kp, const float* qf, int dc) {
-  float32x4_t a[4], b[4];
-  for (int x4 = 0; x4 < 4; ++x4) a[x4] = b[x4] = vdupq_n_f32(0.f);
-  for (int c = 0; c < dc; ++c)
-    for (int x4 = 0; x4 < 4; ++x4) {
-      float32x4_t& acc = c < 2 ? a[x4] : b[x4];
-      const float* k = kp + 32 * c + 8 * x4;
-      const float* q = qf + 32 * c + 8 * x4;
-      acc = vfmaq_f32(acc, vld1q_f32(k), vld1q_f32(q));          // odd
-      acc = vfmaq_f32(acc, vld1q_f32(k + 4), vld1q_f32(q + 4));  // even
-    }
-  float32x4_t lanes[4];
-  for (int x4 = 0; x4 < 4; ++x4) lanes[x4] = dc > 2 ? vaddq_f32(a[x4], b[x4]) : a[x4];
-  // a[i] = lane i + lane i+8 (quads 0,2 and 1,3), then b[i] = a[i] + a[i+4]
-  return vaddq_f32(vaddq_f32(lanes[0], lanes[2]), vaddq_f32(lanes[1], lanes[3]));
-}
-
-// The tree's last levels for 4 keys: lane t of the result is (b_t[0] + b_t[2]) + (b_t[1] + b_t[3]).
-inline float32x4_t reduce4(const float32x4_t* b) {
-  const float32x4_t t0 = vtrn1q_f32(b[0], b[1]), t1 = vtrn2q_f32(b[0], b[1]);
-  const float32x4_t t2 = vtrn1q_f32(b[2], b[3]), t3 = vtrn2q_f32(b[2], b[3]);
-  auto zip1 = [](float32x4_t x, float32x4_t y) {
-    return vreinterpretq_f32_f64(vzip1q_f64(vreinterpretq_f64_f32(x), vreinterpretq_f64_f32(y)));
+// 4 x 4 transpose of 32-bit words: r[i] <- word i of every r[j].
+inline void transpose4(uint32x4_t* r) {
+  const uint32x4_t t0 = vtrn1q_u32(r[0], r[1]), t1 = vtrn2q_u32(r[0], r[1]);
+  const uint32x4_t t2 = vtrn1q_u32(r[2], r[3]), t3 = vtrn2q_u32(r[2], r[3]);
+  auto zip1 = [](uint32x4_t x, uint32x4_t y) {
+    return vreinterpretq_u32_u64(vzip1q_u64(vreinterpretq_u64_u32(x), vreinterpretq_u64_u32(y)));
   };
-  auto zip2 = [](float32x4_t x, float32x4_t y) {
-    return vreinterpretq_f32_f64(vzip2q_f64(vreinterpretq_f64_f32(x), vreinterpretq_f64_f32(y)));
+  auto zip2 = [](uint32x4_t x, uint32x4_t y) {
+    return vreinterpretq_u32_u64(vzip2q_u64(vreinterpretq_u64_u32(x), vreinterpretq_u64_u32(y)));
   };
-  const float32x4_t e0 = zip1(t0, t2), e2 = zip2(t0, t2);  // element 0 and element 2 of each key
-  const float32x4_t e1 = zip1(t1, t3), e3 = zip2(t1, t3);
-  return vaddq_f32(vaddq_f32(e0, e2), vaddq_f32(e1, e3));
+  r[0] = zip1(t0, t2);
+  r[1] = zip1(t1, t3);
+  r[2] = zip2(t0, t2);
+  r[3] = zip2(t1, t3);
 }
 
 inline float32x4_t round_bf16(float32x4_t p) {
@@ -73,14 +45,22 @@ inline float32x4_t round_bf16(float32x4_t p) {
   return vreinterpretq_f32_u32(vandq_u32(r, vdupq_n_u32(0xFFFF0000u)));
 }
 
-// Keys as planes and values as float32 rows, zero-padded to whole key groups.
+// Keys as float32 planes across key lanes (kf[p][0][j]: the odd element, dim 2p + 1, of key j;
+// kf[p][1][j]: the even one; zero past n) and values as float32 rows, zero-padded to key pairs.
 void convert_block(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, float* kf, float* vf) {
-  const int dc = static_cast<int>(d / 32);
-  const int keys4 = (n + 3) / 4 * 4, pairs = (n + 1) / 2;
-  for (int j = 0; j < keys4; ++j)
-    for (int c = 0; c < dc; ++c) {
-      if (j < n) chunk_planes(kb + j * d + 32 * c, kf + j * d + 32 * c);
-      else std::fill(kf + j * d + 32 * c, kf + j * d + 32 * c + 32, 0.f);
+  const int pairs = (n + 1) / 2;
+  const uint32x4_t hi = vdupq_n_u32(0xFFFF0000u);
+  for (int j4 = 0; j4 < kBlock; j4 += 4)
+    for (int64_t p0 = 0; p0 < d / 2; p0 += 4) {
+      uint32x4_t r[4];
+      for (int j = 0; j < 4; ++j)
+        r[j] = j4 + j < n ? vld1q_u32(reinterpret_cast<const uint32_t*>(kb + (j4 + j) * d + 2 * p0)) : vdupq_n_u32(0);
+      transpose4(r);
+      for (int i = 0; i < 4; ++i) {
+        float* dst = kf + (p0 + i) * 2 * kBlock + j4;
+        vst1q_f32(dst, vreinterpretq_f32_u32(vandq_u32(r[i], hi)));
+        vst1q_f32(dst + kBlock, vreinterpretq_f32_u32(vshlq_n_u32(r[i], 16)));
+      }
     }
   for (int j = 0; j < 2 * pairs; ++j) {
     for (int64_t i = 0; i < d; i += 8) {
@@ -95,20 +75,18 @@ void convert_block(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, flo
   }
 }
 
-// One query's scores against the block's keys (-inf past n).
+// One query's scores against the block's 32 keys: eight 4-key chains over the pairs in order,
+// odd product then even (attention_portable.cpp's score chain); -inf past n.
 void block_scores(const float* kf, const float* qf, int n, int64_t d, float* s) {
-  const int dc = static_cast<int>(d / 32);
-  for (int j0 = 0; j0 < kBlock; j0 += 4) {
-    if (j0 >= n) {
-      for (int t = 0; t < 4; ++t) s[j0 + t] = kNegInf;
-      continue;
-    }
-    float32x4_t b[4];
-    for (int t = 0; t < 4; ++t) b[t] = key_b(kf + (j0 + t) * d, qf, dc);
-    vst1q_f32(s + j0, reduce4(b));
-    for (int t = 0; t < 4; ++t)
-      if (j0 + t >= n) s[j0 + t] = kNegInf;
+  float32x4_t acc[8];
+  for (int c = 0; c < 8; ++c) acc[c] = vdupq_n_f32(0.f);
+  for (int64_t p = 0; p < d / 2; ++p) {
+    const float* k = kf + p * 2 * kBlock;
+    const float qo = qf[2 * p + 1], qe = qf[2 * p];
+    for (int c = 0; c < 8; ++c) acc[c] = vfmaq_n_f32(vfmaq_n_f32(acc[c], vld1q_f32(k + 4 * c), qo), vld1q_f32(k + kBlock + 4 * c), qe);
   }
+  for (int c = 0; c < 8; ++c) vst1q_f32(s + 4 * c, acc[c]);
+  for (int j = n; j < kBlock; ++j) s[j] = kNegInf;
 }
 
 // The block's softmax weights against the new maximum, rounded to bfloat16 into pw; returns the
@@ -150,16 +128,13 @@ void accumulate_values(const float* vf, const float* pw, int n, int64_t d, float
 }
 
 void block(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* rows, int nrows, float* ws) {
-  const int dc = static_cast<int>(d / 32);
-  float* kf = ws;               // [kBlock][d] key planes
+  float* kf = ws;               // [d / 2][2][kBlock] key planes
   float* vf = kf + kBlock * d;  // [kBlock][d] values, natural order
-  float* qf = vf + kBlock * d;  // [d] one query's planes
   convert_block(kb, vb, n, d, kf, vf);
   for (int r = 0; r < nrows; ++r) {
     RowState& st = rows[r];
-    for (int c = 0; c < dc; ++c) chunk_planes(st.q + 32 * c, qf + 32 * c);
     alignas(16) float s[kBlock];
-    block_scores(kf, qf, n, d, s);
+    block_scores(kf, st.qf, n, d, s);
     float bmax = kNegInf;
     for (int j = 0; j < n; ++j) bmax = std::fmax(bmax, s[j]);
     const float m_new = std::fmax(st.m, bmax);
@@ -176,7 +151,7 @@ void finish(const RowState& st, int64_t d, float* out) {
   for (int64_t x = 0; x < d; ++x) out[x] = st.acc[x] * inv;
 }
 
-size_t workspace(int64_t d, int) { return static_cast<size_t>(2 * kBlock + 1) * d; }
+size_t workspace(int64_t d, int) { return static_cast<size_t>(2 * kBlock) * d; }
 
 }  // namespace
 

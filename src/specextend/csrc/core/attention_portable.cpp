@@ -7,6 +7,13 @@
 #include "fastexp.h"
 #include "half.h"
 
+// GCC 12's vectorizer reorders the two products of a score pair (it adds them in element
+// order, even before odd) when it turns the chain below into vector code at -O2/-O3, which
+// changes the reference's bits; the reference is plain scalar code, so it stays scalar.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-tree-vectorize")
+#endif
+
 namespace spx {
 
 namespace {
@@ -28,21 +35,13 @@ inline float dot2(float acc, uint16_t a0, uint16_t a1, uint16_t b0, uint16_t b1)
   return acc + bf16_to_float(a0) * bf16_to_float(b0);
 }
 
-// q.k in 16 lanes: lane x of a 32-dimension chunk c holds dims (32c + 2x, 32c + 2x + 1); chunks
-// 0,1 and chunks 2.. form two chains whose sum is reduced over the 16 lanes by the tree of
-// `hsum16_portable`.
+// q.k as one chain over the dimension pairs in order, each pair as a VDPBF16PS lane takes it
+// (odd product, then even): a key's score is one lane of a register whose lanes are the block's
+// keys, so many-row tiles compute it as a matrix product with no horizontal sums.
 inline float score_portable(const uint16_t* k, const uint16_t* q, int64_t d) {
-  float lanes[16];
-  for (int x = 0; x < 16; ++x) {
-    float a = 0.f, b = 0.f;
-    for (int64_t c = 0; c < d / 32; ++c) {
-      const int64_t i = 32 * c + 2 * x;
-      float& acc = c < 2 ? a : b;
-      acc = dot2(acc, k[i], k[i + 1], q[i], q[i + 1]);
-    }
-    lanes[x] = d / 32 > 2 ? a + b : a;
-  }
-  return hsum16_portable(lanes);
+  float acc = 0.f;
+  for (int64_t i = 0; i < d; i += 2) acc = dot2(acc, k[i], k[i + 1], q[i], q[i + 1]);
+  return acc;
 }
 
 void block_portable(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* rows, int nrows, float*) {

@@ -1,0 +1,318 @@
+"""Several generations advancing together, one batch step at a time (the worker of the server's
+scheduler, vLLM's scheduler/worker split).
+
+Each sequence runs the ordinary generation code (prefill from the prefix cache, the decoding loop,
+the proposer and its draft policy) in a greenlet of its own, on the thread that runs the steps.
+Its models are `Port`s: a forward asked of a port suspends the sequence with the request (a
+`Call`), and the step runs every pending forward of one model together
+(`Transformer.forward_many`), then resumes each sequence with its logits. One greenlet runs at a
+time, so nothing needs a lock; the quantized kernels are row-independent and a prompt's KV does
+not depend on how its prefill is cut into chunks, so every sequence's tokens are the bits it
+gets alone. Each sequence keeps its own settings and random generator (they live in its
+decoding loop), so per-request sampling parameters and logits processing plug in unchanged.
+
+A step (`Batch.step`):
+1. draft rounds: while a sequence waits on a draft forward, all pending draft forwards run in one
+   call (a draft tree grows a level per round; a draft's prompt KV is computed in these rounds);
+2. one target forward: every decode row and verification tree, then prompt tokens of sequences
+   still prefilling, in the order and within the token budget the caller gives, so running
+   requests keep streaming while a long prompt prefills a chunk per step.
+
+Sequences inside a batch size their trees from `StepCosts`: a verification row costs what it adds
+to this step's forward, weighed against the whole batch's rate, so speculation backs off as the
+step fills (a row riding on a prefill chunk is nearly free; in a full batch it is not).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from greenlet import greenlet
+
+from .costmodel import CostModel
+from .model import Rows, Transformer
+
+
+class Cancelled(Exception):
+    """Thrown into a sequence whose request was withdrawn: it unwinds at its pending forward."""
+
+
+@dataclass
+class Call:
+    """A forward a sequence waits on: `rows` of `model`. A prefill call holds all of a prompt's
+    remaining tokens; the step may run only the first ones (a chunk) and asks again for the rest."""
+
+    model: Transformer
+    rows: Rows
+    prefill: bool = False
+
+
+def _suspend(call: Call) -> Any:
+    parent = greenlet.getcurrent().parent
+    if parent is None:
+        raise RuntimeError("a batched model was called outside a batch's sequence")
+    return parent.switch(call)
+
+
+def _fills_kv_only(rows: Rows) -> bool:
+    lr = rows.logits_rows
+    return (rows.size > 1 and rows.tree_mask is None and rows.keep_q is None and isinstance(lr, slice)
+            and lr == slice(0, 0))
+
+
+class Port:
+    """A model as a sequence in a batch sees it: the same attributes, but its forwards (and its
+    prefill, chunk by chunk) run in the batch's steps."""
+
+    def __init__(self, model: Transformer) -> None:
+        self.model = model
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Any, tree_mask: torch.Tensor | None = None,
+                 backend: Any = "efficient", logits_rows: torch.Tensor | slice | None = None,
+                 keep_q: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        rows = Rows(tokens, positions, cache, tree_mask, logits_rows, keep_q, backend)
+        if not _fills_kv_only(rows):
+            return _suspend(Call(self.model, rows))
+        # A causal pass that asks for no logits and no queries (a draft's prompt KV): the steps may
+        # run it in chunks, which leave the same KV; the last chunk stays pending for the caller.
+        done, n = 0, rows.size
+        while True:
+            part = Rows(tokens[done:], positions[done:], cache, None, logits_rows, None, backend)
+            out, taken = _suspend(Call(self.model, part, prefill=True))
+            done += taken
+            if done == n:
+                return out
+            cache.commit()
+
+    def prefill(self, tokens: torch.Tensor, cache: Any, backend: Any = "efficient", chunk: int = 512,
+                last_q: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """`Transformer.prefill`, in the chunks the steps grant (`chunk` is the step's to choose)."""
+        start, n, done = cache.length, int(tokens.shape[0]), 0
+        while True:
+            keep = dict.fromkeys(range(self.model.cfg.num_layers)) if last_q is not None else None
+            rows = Rows(tokens[done:], torch.arange(start + done, start + n), cache, None, slice(-1, None), keep,
+                        backend)
+            logits, taken = _suspend(Call(self.model, rows, prefill=True))
+            cache.commit()
+            done += taken
+            if done == n:
+                if keep is not None and last_q is not None:
+                    last_q.update({i: q[:, -1:].clone() for i, q in keep.items()})
+                return logits[-1]
+
+
+class Sequence:
+    """One generation in the batch: `run` (the request's whole generation, on its greenlet), the
+    forward it waits on, and how it ended."""
+
+    def __init__(self, run: Callable[[], Any], tag: Any = None) -> None:
+        self.glet = greenlet(run)
+        self.tag = tag  # the caller's (the scheduler's request)
+        self.call: Call | None = None
+        self.done = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.prefilled = 0  # prompt tokens prefilled in steps (a call's first tokens count as they run)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.call is not None and self.call.prefill
+
+    @property
+    def waiting_tokens(self) -> int:
+        """Prompt tokens still to prefill (0 when not prefilling)."""
+        return self.call.rows.size if self.prefilling else 0
+
+    def resume(self, value: Any = None) -> None:
+        """Run the sequence until its next forward: started, or given what its pending one returned."""
+        started = bool(self.glet)  # a greenlet is true while it has started and not ended
+        self._switch(lambda: self.glet.switch(value) if started else self.glet.switch())
+
+    def fail(self, error: BaseException) -> None:
+        """End the sequence with `error` (a step it was part of failed): unwound like a cancel."""
+        self.cancel()
+        self.done, self.error = True, error
+
+    def cancel(self) -> None:
+        """Unwind the sequence at its pending forward (its caches go with its frames)."""
+        if self.done:
+            return
+        if not self.glet:  # never started
+            self.done, self.error = True, Cancelled()
+            return
+        self._switch(lambda: self.glet.throw(Cancelled()))
+
+    def _switch(self, go: Callable[[], Any]) -> None:
+        self.call = None
+        try:
+            out = go()
+        except BaseException as e:  # the sequence raised: it is over, the caller reports it
+            self.done, self.error = True, e
+            return
+        if self.glet.dead:
+            self.done, self.result = True, out
+        else:
+            assert isinstance(out, Call), "a batched sequence suspended without a forward"
+            self.call = out
+
+
+@dataclass
+class StepReport:
+    """What one step ran: for scheduling, /health and the cost view of the next step."""
+
+    decode_rows: int = 0  # rows of decoding sequences in the target forward
+    decoding: int = 0  # sequences with decode rows in it
+    prefill_rows: int = 0  # prompt tokens prefilled
+    draft_rounds: int = 0
+    drafting: int = 0  # sequences that ran the draft
+    seconds: float = 0.0  # the step's wall time
+    forward_s: float = 0.0  # of which in the models' forwards (the rest: the sequences' own work)
+
+
+class Batch:
+    """The sequences advancing together over one target (and draft) model, and the step."""
+
+    def __init__(self, target: Transformer, draft: Transformer | None) -> None:
+        self.target, self.draft = target, draft
+        self.sequences: list[Sequence] = []
+        self.last = StepReport()
+        # Per decoding sequence and step, what is not a forward (its loop, sampling, lookup,
+        # retrieval, streaming), averaged over recent steps: the sizer's per-step overhead.
+        self.overhead_s = 0.0
+
+    def add(self, seq: Sequence) -> None:
+        """Start a sequence: it runs until its first forward (or to its end; `reap` returns it)."""
+        seq.resume()
+        self.sequences.append(seq)
+
+    def reap(self) -> list[Sequence]:
+        """Remove and return the sequences that have ended."""
+        done = [s for s in self.sequences if s.done]
+        self.sequences = [s for s in self.sequences if not s.done]
+        return done
+
+    def step(self, budget: int, prefill_order: Callable[[list[Sequence]], list[Sequence]] = list) -> StepReport:
+        """Advance every sequence by one target forward (and the draft rounds before it).
+        `budget`: rows per model in the step. Decode rows (and draft trees) always run; prompt
+        tokens fill what is left after one row per decoding sequence (the rows a tree adds are
+        priced by the sizer, `StepCosts`, and do not starve prefills), in `prefill_order`, at least
+        one token so a prefill always progresses; a draft's prompt pass beyond the budget waits
+        for the next step."""
+        report = StepReport()
+        t0 = time.perf_counter()
+        drafted: set[int] = set()
+        draft_left = budget
+        while True:
+            waiting = [s for s in self.sequences if s.call is not None and s.call.model is not self.target
+                       and (draft_left > 0 or not s.call.prefill)]
+            if not waiting:
+                break
+            drafted.update(id(s) for s in waiting)
+            draft_left -= self._run(waiting[0].call.model, waiting, draft_left, report)  # type: ignore[union-attr]
+            report.draft_rounds += 1
+        report.drafting = len(drafted)
+        ready = [s for s in self.sequences if s.call is not None and s.call.model is self.target]
+        decode = [s for s in ready if not s.call.prefill]  # type: ignore[union-attr]
+        report.decoding = len(decode)
+        report.decode_rows = sum(s.call.rows.size for s in decode)  # type: ignore[union-attr]
+        if ready:
+            report.prefill_rows = self._run(self.target, decode + prefill_order([s for s in ready if s.prefilling]),
+                                            max(1, budget - report.decoding), report)
+        report.seconds = time.perf_counter() - t0
+        if report.decoding:
+            own = max(0.0, report.seconds - report.forward_s) / report.decoding
+            self.overhead_s = own if self.overhead_s == 0.0 else 0.8 * self.overhead_s + 0.2 * own
+        self.last = report
+        return report
+
+    @staticmethod
+    def _run(model: Transformer, seqs: list[Sequence], left: int, report: StepReport) -> int:
+        """One forward of `model` over the sequences' pending calls: whole calls, and of prefill
+        calls (in the order given) the first tokens, `left` in all. Each sequence resumes with
+        its logits (a prefill call with its logits and how many tokens ran). Returns the prompt
+        tokens that ran."""
+        parts, runs = [], []
+        taken = 0
+        for s in seqs:
+            call = s.call
+            assert call is not None
+            rows, take = call.rows, None
+            if call.prefill:
+                if left - taken <= 0:
+                    continue
+                take = min(left - taken, rows.size)
+                if take < rows.size:  # a chunk: no logits, no queries (they are the last token's)
+                    rows = Rows(rows.tokens[:take], rows.positions[:take], rows.cache, None, slice(0, 0), None,
+                                rows.backend)
+                taken += take
+            parts.append(rows)
+            runs.append((s, take))
+        t0 = time.perf_counter()
+        outs = model.forward_many(parts)
+        report.forward_s += time.perf_counter() - t0
+        for (s, take), out in zip(runs, outs, strict=True):
+            if take is None:
+                s.resume(out)
+            else:
+                s.prefilled += take
+                s.resume((out, take))
+        return taken
+
+
+class StepCosts(CostModel):
+    """The pair's cost model as a sequence inside a batch sees it.
+
+    Frozen: a sequence's phase timings include the other sequences' work, so they say nothing
+    about its own forwards. Priced against the batch decoding plainly: with `b` sequences decoding,
+    each one's share of a plain decode step is T(b) / b, so the sizer's rate to beat is the batch's
+    (b tokens per T(b)); with `p` prompt tokens in the step as well, a tree of n rows adds
+    T(b + p + n - 1) - T(b + p). A tree is kept only where its expected tokens beat what its rows
+    cost every sequence in the step, so speculation backs off as the step fills, and rows riding
+    on a prefill chunk pay only their own rows (never the prefill's), while a draft round, which
+    delays the prefill too, is priced by all the rows it holds up. The per-step overhead
+    is the batch's own (a sequence's work outside the forwards, `Batch.overhead_s`). A draft forward is
+    shared by the sequences that draft in a round: each pays its share of a round as wide as the
+    last step's drafters."""
+
+    def __init__(self, base: CostModel, batch: Batch) -> None:
+        super().__init__(base.target_curve, base.draft_curve, refresh=False)
+        self.base, self.batch = base, batch
+
+    def _sync(self) -> None:
+        b = self.base
+        self.draft_curve = b.draft_curve
+        self.scale, self.retrieval_s = dict(b.scale), b.retrieval_s
+        # The batch's measured per-sequence overhead once it has one (the pair's was measured alone).
+        self.overhead_s = self.batch.overhead_s or b.overhead_s
+
+    @property  # type: ignore[override]
+    def probes(self) -> bool:
+        """No probing while other sequences decode: the draft runs only where it is expected to pay."""
+        return self.batch.last.decoding <= 1
+
+    def verify_costs(self, context: int, max_rows: int) -> list[float]:
+        self._sync()
+        last = self.batch.last
+        b = max(1, last.decoding)
+        r = b + last.prefill_rows
+        if r == 1:
+            return super().verify_costs(context, max_rows)
+        own = super().verify_costs(context, r + max_rows)
+        share = own[b] / b
+        return [0.0] + [share + own[r + n - 1] - own[r] for n in range(1, max_rows + 1)]
+
+    def draft_s(self, rows: int, context: int) -> float:
+        self._sync()
+        last = self.batch.last
+        drafting = max(1, last.drafting)
+        # A draft round holds up the whole step, prompt chunks included: priced per row the step
+        # carries, not only per decoding sequence (so it rarely runs while prompts prefill).
+        held = (max(1, last.decoding) + last.prefill_rows) / max(1, last.decoding)
+        return super().draft_s(rows * drafting, context) / drafting * held

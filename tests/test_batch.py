@@ -1,0 +1,106 @@
+"""The batch step: rows of several sequences in one forward are each sequence's own bits.
+
+On the quantized runtime every kernel is row-independent, so a sequence's logits and KV must not
+depend on which other sequences share its forward, nor on how its prompt was cut into prefill
+chunks. Checked on every kernel path this CPU runs, with tiny quantized models.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specextend import kernels
+from specextend.model import Rows
+from specextend.models.loader import load_model
+
+from conftest import make_tiny_hf
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")
+
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab=96)
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
+def model(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(f"batch-{request.param}")
+    make_tiny_hf(request.param, 0, dtype=torch.float32, layers=2, **SHAPE).save_pretrained(d)
+    m = load_model(d, torch.float32, weights="int4")
+    assert m.batches_rows
+    return m
+
+
+def _ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 95, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _tree_mask(parents: list[int]) -> torch.Tensor:
+    n = len(parents)
+    m = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        if i:
+            m[i] = m[parents[i]]
+        m[i, i] = True
+    return m
+
+
+def _sequences(model):
+    """Three sequences with different histories, each with its next forward: a prefill chunk in the
+    middle of a prompt, one decode row, a verification tree (mask, depths as positions, kept queries)."""
+    seqs = []
+    for n, seed in ((40, 1), (75, 2), (9, 3)):
+        cache = model.new_cache(200)
+        model.prefill(_ids(n, seed), cache)
+        seqs.append(cache)
+    parents = [-1, 0, 0, 1, 2, 3]
+    depths = torch.tensor([0, 1, 1, 2, 2, 3])
+    p0, p1, p2 = (c.length for c in seqs)
+    return seqs, [
+        dict(tokens=_ids(33, 4), positions=torch.arange(p0, p0 + 33), logits_rows=slice(-1, None)),
+        dict(tokens=_ids(1, 5), positions=torch.tensor([p1])),
+        dict(tokens=_ids(6, 6), positions=p2 + depths, tree_mask=_tree_mask(parents), keep_q={0: None, 1: None}),
+    ]
+
+
+@pytest.mark.parametrize("path", kernels.cpu_paths())
+def test_rows_of_several_sequences_are_each_sequence_alone(model, monkeypatch, path):
+    monkeypatch.setenv(kernels.CPU_ENV, path)
+    caches, calls = _sequences(model)
+    alone_caches, alone_calls = _sequences(model)
+    batched = model.forward_many([Rows(cache=c, **call) for c, call in zip(caches, calls, strict=True)])
+    for i, (cache, call) in enumerate(zip(alone_caches, alone_calls, strict=True)):
+        logits = model(cache=cache, **call)
+        assert torch.equal(logits, batched[i]), i
+        end = cache.length + cache.pending
+        assert caches[i].pending == cache.pending
+        assert torch.equal(caches[i].k[:, :, :end], cache.k[:, :, :end]), i
+        assert torch.equal(caches[i].v[:, :, :end], cache.v[:, :, :end]), i
+        if call.get("keep_q"):
+            assert all(torch.equal(calls[i]["keep_q"][k], call["keep_q"][k]) for k in call["keep_q"])
+
+
+@pytest.mark.parametrize("path", kernels.cpu_paths())
+def test_prefill_chunks_do_not_change_the_bits(model, monkeypatch, path):
+    """A prompt prefilled in chunks of any size leaves the same KV and last logits (chunked prefill
+    in the server, and the prefix cache, rely on it)."""
+    monkeypatch.setenv(kernels.CPU_ENV, path)
+    ids = _ids(150, 7)
+    ref_cache = model.new_cache(160)
+    ref = model.prefill(ids, ref_cache)
+    for chunk in (1, 13, 64, 149):
+        cache = model.new_cache(160)
+        logits = model.prefill(ids, cache, chunk=chunk)
+        assert torch.equal(logits, ref), chunk
+        assert torch.equal(cache.k[:, :, :150], ref_cache.k[:, :, :150]), chunk
+        assert torch.equal(cache.v[:, :, :150], ref_cache.v[:, :, :150]), chunk
+
+
+def test_float_models_run_the_parts_one_by_one(tmp_path):
+    """Float weights are not batched (their GEMMs may differ by row count): each part alone."""
+    make_tiny_hf("qwen2", 0, layers=1).save_pretrained(tmp_path)
+    m = load_model(tmp_path, torch.float64, weights="float64")
+    assert not m.batches_rows
+    a, b = m.new_cache(20), m.new_cache(20)
+    out = m.forward_many([Rows(_ids(5, 1) % 60, torch.arange(5), a), Rows(_ids(3, 2) % 60, torch.arange(3), b)])
+    ref = m(_ids(5, 1) % 60, torch.arange(5), m.new_cache(20))
+    assert torch.equal(out[0], ref) and out[1].shape == (3, 64)

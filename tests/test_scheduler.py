@@ -1,0 +1,207 @@
+"""Continuous batching on tiny quantized models: each request's tokens inside a batch are the ones
+it gets alone (every method, prompts prefilled in chunks beside other requests' decoding), a short
+request that arrives during a long prefill finishes first, a withdrawn request frees its slot and
+its caches, and the KV budget makes requests wait instead of allocating past it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from specextend import kernels
+from specextend.api import load
+from specextend.batch import Batch, Sequence
+from specextend.serve.jobs import Job, run_job
+from specextend.serve.scheduler import Limits, QueueFull, Scheduler, TooLarge
+from specextend.settings import Settings
+
+from tiny_tokenizer import save_tiny_model
+
+pytestmark = [pytest.mark.usefixtures("isolated_home"),
+              pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")]
+
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+SMALL = dict(chunk_size=4, top_k_chunks=2, cmr_min_ratio=0.0, tree_budget=6, tree_depth=3)
+METHODS = [dict(method="ar"), dict(method="lookup"), dict(method="sd"), dict(method="specextend", draft_gate=False),
+           dict(method="specextend")]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sched")
+    target = save_tiny_model(root / "target", seed=0, **SHAPE)
+    draft = save_tiny_model(root / "draft", seed=1, layers=1, **SHAPE)
+    p = load(target, draft, dtype="float32", weights="int8", draft_weights="int8", progress=False)
+    p._engine.eos = set()  # random weights: every generation runs to its length
+    assert p.target.batches_rows and p.draft.batches_rows
+    return p
+
+
+def prompt(i: int, n: int) -> list[int]:
+    return torch.randint(3, 90, (n,), generator=torch.Generator().manual_seed(i)).tolist()
+
+
+def settings(**kw) -> Settings:
+    return Settings(**{"max_new_tokens": 20, **SMALL, **kw}).resolved()
+
+
+@pytest.mark.parametrize("path", kernels.cpu_paths())
+def test_requests_in_a_batch_get_the_tokens_they_get_alone(pair, monkeypatch, path):
+    monkeypatch.setenv(kernels.CPU_ENV, path)
+    requests = [(prompt(i, n), settings(**m)) for i, (n, m) in enumerate(zip((70, 9, 33, 120, 15), METHODS,
+                                                                                strict=True))]
+    requests.append((prompt(9, 50), settings(method="sd", temperature=0.8, seed=3)))
+    alone = [pair.generate(ids, settings=s).token_ids for ids, s in requests]
+    batch = Batch(pair.target, pair.draft)
+    batched = pair.in_batch(batch)
+    results: dict[int, list[int]] = {}
+    for i, (ids, s) in enumerate(requests):
+        def run(i=i, ids=ids, s=s):
+            results[i] = batched.generate(ids, settings=s).token_ids
+        batch.add(Sequence(run))
+    steps = 0
+    rows = []
+    while batch.sequences:
+        report = batch.step(16)  # prompts of 33 to 120 tokens prefill in chunks beside decoding ones
+        rows.append(report.decode_rows + report.prefill_rows)
+        for s in batch.reap():
+            assert s.error is None, s.error
+        steps += 1
+    assert max(rows) > 16 or steps > 10  # several requests shared the steps
+    greedy = range(len(requests) - 1)
+    assert [results[i] for i in greedy] == [alone[i] for i in greedy]
+    assert len(results[len(requests) - 1]) == 20  # sampling: its own generator, the target's distribution
+
+
+# --------------------------------------------------------------------------- the scheduler
+
+
+def serve(pair, limits: Limits, submit, poll=None):
+    """Run a scheduler over the pair while `submit(scheduler, loop)` (a coroutine) sends jobs; `poll`
+    is called on the event loop every few milliseconds (to watch the scheduler)."""
+    batch = Batch(pair.target, pair.draft)
+    batched = pair.in_batch(batch)
+
+    async def main():
+        sched = Scheduler(batch, lambda job: run_job(batched, job),
+                          lambda job: pair.kv_bytes(len(job.ids), job.settings), limits)
+        try:
+            task = asyncio.ensure_future(submit(sched, asyncio.get_running_loop()))
+            while not task.done():
+                if poll is not None:
+                    poll(sched)
+                await asyncio.sleep(0.002)
+            return task.result()
+        finally:
+            sched.shutdown()
+
+    return asyncio.run(main())
+
+
+async def finish(job: Job) -> tuple[str, float]:
+    while True:
+        kind, value = await job.events.get()
+        if kind in ("done", "cancelled", "error"):
+            return kind if kind != "error" else f"error: {value}", time.perf_counter()
+
+
+LIMITS = Limits(max_batch=8, max_queue=8, step_tokens=8, kv_bytes=2**30)
+
+
+def test_a_short_request_during_a_long_prefill_finishes_first(pair):
+    async def submit(sched, loop):
+        long = Job(prompt(1, 400), settings(method="ar", max_new_tokens=4), [], loop)
+        sched.submit(long)
+        while sched.batch.last.prefill_rows == 0:  # the long prompt is prefilling, a chunk per step
+            await asyncio.sleep(0.001)
+        short = Job(prompt(2, 5), settings(method="ar", max_new_tokens=4), [], loop)
+        sched.submit(short)
+        return await asyncio.gather(finish(long), finish(short))
+
+    (k1, t_long), (k2, t_short) = serve(pair, LIMITS, submit)
+    assert k1 == k2 == "done" and t_short < t_long
+
+
+def test_a_withdrawn_request_frees_its_slot_and_caches(pair):
+    limits = Limits(max_batch=1, max_queue=4, step_tokens=8, kv_bytes=2**30)
+
+    async def submit(sched, loop):
+        first = Job(prompt(1, 30), settings(method="sd", max_new_tokens=400), [], loop)
+        second = Job(prompt(2, 10), settings(method="ar", max_new_tokens=4), [], loop)
+        sched.submit(first)
+        sched.submit(second)
+        while not sched.running or sched.batch.last.decode_rows == 0:
+            await asyncio.sleep(0.001)
+        assert sched.waiting == 1 and sched.kv_in_use > 0
+        first.cancel.set()  # the client went away mid-answer
+        out = await asyncio.gather(finish(first), finish(second))
+        while sched.running:
+            await asyncio.sleep(0.001)
+        return out, sched.kv_in_use, sched.admitted
+
+    ((k1, _), (k2, _)), kv, admitted = serve(pair, limits, submit)
+    assert (k1, k2) == ("cancelled", "done") and kv == 0 and admitted == 0
+
+
+def test_the_kv_budget_makes_requests_wait_instead_of_allocating_past_it(pair):
+    s = settings(method="specextend", max_new_tokens=30)
+    one = pair.kv_bytes(60, s)
+    limits = Limits(max_batch=8, max_queue=8, step_tokens=16, kv_bytes=int(1.5 * one))  # room for one at a time
+    seen = []
+
+    async def submit(sched, loop):
+        with pytest.raises(TooLarge):
+            sched.submit(Job(prompt(0, 200), settings(max_new_tokens=30), [], loop))
+        jobs = [Job(prompt(i, 60), s, [], loop) for i in range(3)]
+        for j in jobs:
+            sched.submit(j)
+        return await asyncio.gather(*(finish(j) for j in jobs))
+
+    out = serve(pair, limits, submit, poll=lambda sched: seen.append((sched.running, sched.kv_in_use)))
+    assert [k for k, _ in out] == ["done"] * 3
+    assert max(r for r, _ in seen) == 1 and max(kv for _, kv in seen) <= limits.kv_bytes
+
+
+def test_past_the_queue_requests_are_refused(pair):
+    limits = Limits(max_batch=1, max_queue=1, step_tokens=8, kv_bytes=2**30)
+
+    async def submit(sched, loop):
+        jobs = [Job(prompt(i, 10), settings(method="ar", max_new_tokens=50), [], loop) for i in range(3)]
+        sched.submit(jobs[0])
+        sched.submit(jobs[1])
+        with pytest.raises(QueueFull) as e:
+            sched.submit(jobs[2])
+        assert e.value.retry_after >= 1
+        return await asyncio.gather(finish(jobs[0]), finish(jobs[1]))
+
+    assert [k for k, _ in serve(pair, limits, submit)] == ["done", "done"]
+
+
+def test_a_failed_step_fails_its_requests_and_the_server_goes_on(pair, monkeypatch):
+    real = pair.target.forward_many
+    calls = {"n": 0}
+
+    def flaky(parts):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("the kernel fell over")
+        return real(parts)
+
+    monkeypatch.setattr(pair.target, "forward_many", flaky)
+
+    async def submit(sched, loop):
+        first = Job(prompt(1, 10), settings(method="ar", max_new_tokens=8), [], loop)
+        sched.submit(first)
+        out = [await finish(first)]
+        second = Job(prompt(2, 10), settings(method="ar", max_new_tokens=8), [], loop)
+        sched.submit(second)
+        out.append(await finish(second))
+        while sched.running:  # the answer is out; the request ends once its prompt is remembered
+            await asyncio.sleep(0.001)
+        return out, sched.kv_in_use
+
+    (first, second), kv = serve(pair, LIMITS, submit)
+    assert first[0] == "error: the kernel fell over" and second[0] == "done" and kv == 0
