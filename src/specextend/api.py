@@ -11,6 +11,16 @@
     for method in ("ar", "sd", "specextend"):          # ... decode it with several settings
         print(method, pair.decode(state, method=method).decode_tokens_per_s)
 
+Structured outputs, penalties and log-probabilities:
+
+    res = pair.generate(report, chat=True, response_format={"type": "json_schema", "json_schema":
+                        {"name": "facts", "schema": schema}}, frequency_penalty=0.3, logprobs=2)
+    json.loads(res.text); res.logprobs[0]["top_logprobs"]
+
+`response_format` is OpenAI's (text, json_object, json_schema) or the extensions {"type": "regex",
+"regex": ...} and {"type": "grammar", "grammar": ...} (Lark or GBNF); `logprobs` is the number of
+alternatives per position (0: the chosen token's only). Penalties are `Settings` fields.
+
 `prepare` resolves the models (`models.resolve`: paths, configs, dtypes, weight schemes, the
 tokenizer, once) without reading weights; `Prepared.load` reads them. `load` is both. Every
 command goes through `prepare`, and only this module drives a pair's decoding engine: callers
@@ -34,9 +44,12 @@ from .batch import Batch, Port, StepCosts
 from .detokenize import Detokenizer
 from .engine import GenerationResult, Prefilled, SpecEngine, TokensCallback, check_fits, kv_bytes
 from .errors import UserError
+from .grammar import Grammar, GrammarSpec, compile_grammar, tokenizer_for
 from .jsonl import finite_json
+from .logits_process import MAX_TOP_LOGPROBS, LogitsProcessor, TokenLogprob
 from .models.loader import QUANTIZED_WEIGHTS
 from .models.resolve import LoadOptions, ResolvedPair, resolve_pair
+from .penalties import Penalties
 from .progress import say
 from .settings import Settings
 
@@ -67,6 +80,8 @@ class Result(GenerationResult):
     weights: str = "float"
     draft_weights: str | None = None
     cpu_kernels: str | None = None  # the C++ kernel path that ran (kernels.PATHS), None without them
+    # Per generated token, when asked for: {token, token_id, logprob, bytes, top_logprobs: [...]}.
+    logprobs: list[dict[str, Any]] | None = None
 
     @property
     def config(self) -> dict[str, Any]:
@@ -101,6 +116,8 @@ class Result(GenerationResult):
             "extra": dict(self.extra),
             "cached_prompt_tokens": self.cached_prompt_tokens,
         }
+        if self.logprobs is not None:
+            d["logprobs"] = self.logprobs
         return finite_json(d)
 
 
@@ -198,6 +215,24 @@ class _Prompts:
             raise UserError(
                 f"the prompt is {len(ids)} tokens, longer than the target's context of {self.context} tokens"
             )
+
+    # ----------------------------------------------------------------- structured outputs
+
+    def grammar(self, response_format: Any) -> Grammar | None:
+        """The compiled grammar of a `response_format` (see the module's docstring) for this pair's
+        tokenizer, None for plain text; UserError (one line) for one that is malformed, does not
+        compile or admits nothing. Compiled grammars are cached per grammar and tokenizer."""
+        if isinstance(response_format, Grammar):
+            return response_format
+        spec = GrammarSpec.parse(response_format)
+        if spec is None:
+            return None
+        return compile_grammar(spec, self.tokenizer, int(self.spec.target.config.vocab_size))
+
+    def warm_grammars(self) -> None:
+        """Build the grammar engine's view of the tokenizer now (about 1.5 s at 150K tokens, once
+        per tokenizer), so that the first constrained request does not wait for it."""
+        tokenizer_for(self.tokenizer, int(self.spec.target.config.vocab_size))
 
     def prompt_ids(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
         """Checked token ids of a text prompt (in the chat template with `chat`) or of token ids."""
@@ -343,11 +378,49 @@ class Pair(_Prompts):
         return self._engine.prefill(ids, s, prefix)
 
     def decode(self, state: Prefilled, settings: Settings | None = None, *, on_tokens: TokensCallback | None = None,
+               response_format: Any = None, logprobs: int | None = None, processor: LogitsProcessor | None = None,
                **overrides: Any) -> Result:
         """Decode after a prefilled prompt with these settings (any method the prefill's caches
         serve; `max_new_tokens` within its room). `on_tokens` receives every accepted batch of
-        token ids; a true return value stops after that batch (stop reason "stopped")."""
-        return self.result(self._engine.decode(state, self.settings(settings, **overrides), on_tokens))
+        token ids; a true return value stops after that batch (stop reason "stopped").
+        `response_format` and `logprobs` as in `generate`; or a fresh `processor` (see
+        `processor`) whose log-probabilities the caller reads as they grow."""
+        s = self.settings(settings, **overrides)
+        proc = processor if processor is not None else self.processor(state.prompt_ids, s, response_format, logprobs)
+        return self._result(self._engine.decode(state, s, on_tokens, proc), proc)
+
+    def processor(self, prompt_ids: Sequence[int], s: Settings, response_format: Any = None,
+                  logprobs: int | None = None) -> LogitsProcessor | None:
+        """A decode's own logits processing (grammar, penalties, log-probabilities); None if
+        the request needs none."""
+        grammar = self.grammar(response_format)
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+            raise UserError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {logprobs!r}")
+        if grammar is None and logprobs is None and not s.penalised:
+            return None
+        vocab = int(self.spec.target.config.vocab_size)
+        penalties = Penalties(s.frequency_penalty, s.presence_penalty, s.repetition_penalty, prompt_ids, vocab)
+        return LogitsProcessor(grammar=grammar, penalties=penalties, top_logprobs=logprobs, eos_ids=self.eos_ids)
+
+    def _result(self, res: GenerationResult, proc: LogitsProcessor | None) -> Result:
+        out = self.result(res)
+        if proc is not None:
+            out.extra["processor_s"] = proc.seconds  # grammar, penalties, logprobs: within decode_s
+        if proc is not None and proc.top_logprobs is not None:
+            out.logprobs = self.logprob_entries(proc.logprobs)
+        return out
+
+    def logprob_entries(self, logprobs: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+        """Log-probabilities as OpenAI's entries (token text, its bytes, the alternatives)."""
+        tok = tokenizer_for(self.tokenizer, int(self.spec.target.config.vocab_size))
+
+        def one(token: int, logprob: float) -> dict[str, Any]:
+            raw = bytes(tok.decode_bytes([token]))
+            return {"token": raw.decode("utf-8", errors="replace"), "token_id": token, "logprob": logprob,
+                    "bytes": list(raw)}
+
+        return [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in logprobs]
 
     def generate(
         self,
@@ -356,16 +429,22 @@ class Pair(_Prompts):
         chat: bool = False,
         on_text: TextCallback | None = None,
         settings: Settings | None = None,
+        response_format: Any = None,
+        logprobs: int | None = None,
         **overrides: Any,
     ) -> Result:
         """Generate after `prompt` (text, or token ids). Keyword overrides are `Settings` fields
-        (method, max_new_tokens, temperature, ...), applied on top of `settings` if given.
-        `on_text` receives text pieces as tokens are accepted."""
+        (method, max_new_tokens, temperature, frequency_penalty, ...), applied on top of `settings`
+        if given. `on_text` receives text pieces as tokens are accepted. `response_format`
+        constrains the output (OpenAI's, or a regex / grammar: see the module's docstring);
+        `logprobs` (0-20) asks for each token's log-probability and that many alternatives."""
         s = self.settings(settings, **overrides)
-        return self._generate(self.prompt_ids(prompt, chat), s, on_text)
+        ids = self.prompt_ids(prompt, chat)
+        return self._generate(ids, s, on_text, proc=self.processor(ids, s, response_format, logprobs))
 
     def _generate(
-        self, ids: list[int], s: Settings, on_text: TextCallback | None, cancel: threading.Event | None = None
+        self, ids: list[int], s: Settings, on_text: TextCallback | None, cancel: threading.Event | None = None,
+        proc: LogitsProcessor | None = None,
     ) -> Result:
         detok = Detokenizer(self.detokenize, on_text) if on_text is not None else None
 
@@ -377,7 +456,7 @@ class Pair(_Prompts):
 
         wants_tokens = detok is not None or cancel is not None
         state = self._prefill(ids, s)
-        self.last_result = self.result(self._engine.decode(state, s, on_tokens if wants_tokens else None))
+        self.last_result = self._result(self._engine.decode(state, s, on_tokens if wants_tokens else None, proc), proc)
         self.remember(state)
         if detok is not None:
             detok.finish(self.last_result.text)
@@ -389,21 +468,24 @@ class Pair(_Prompts):
         *,
         chat: bool = False,
         settings: Settings | None = None,
+        response_format: Any = None,
+        logprobs: int | None = None,
         **overrides: Any,
     ) -> Iterator[str]:
         """Text pieces as they are accepted. The finished `Result` is then `pair.last_result`
         (and the generator's return value). Settings are checked before the first piece."""
         s = self.settings(settings, **overrides)
         ids = self.prompt_ids(prompt, chat)  # bad input raises here, in the caller's thread
-        return self._stream(ids, s)
+        return self._stream(ids, s, self.processor(ids, s, response_format, logprobs))
 
-    def _stream(self, ids: list[int], s: Settings) -> Generator[str, None, Result | None]:
+    def _stream(self, ids: list[int], s: Settings, proc: LogitsProcessor | None = None
+                ) -> Generator[str, None, Result | None]:
         pieces: queue.Queue[tuple[str, Any]] = queue.Queue()
         cancel = threading.Event()
 
         def work() -> None:
             try:
-                pieces.put(("done", self._generate(ids, s, lambda p: pieces.put(("text", p)), cancel)))
+                pieces.put(("done", self._generate(ids, s, lambda p: pieces.put(("text", p)), cancel, proc)))
             except _Cancelled:
                 pieces.put(("done", None))
             except BaseException as e:  # re-raised in the consumer's thread

@@ -106,6 +106,15 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
 
     add_method_arguments(p)
 
+    fmt = p.add_argument_group("structured output (one at most; speculation stays exact under it)")
+    shape = fmt.add_mutually_exclusive_group()
+    shape.add_argument("--json-object", action="store_true", help="the output is one JSON object")
+    shape.add_argument("--json-schema", metavar="PATH", help="the output is JSON valid under this JSON schema file")
+    shape.add_argument("--regex", help="the output matches this regular expression")
+    shape.add_argument("--grammar", metavar="PATH", help="the output follows this grammar file (Lark or GBNF)")
+    fmt.add_argument("--logprobs", type=int, default=None, metavar="N",
+                     help="record each token's log-probability and N alternatives (0-20; in the JSON output)")
+
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object (the contract's fields) to stdout")
     out.add_argument("-q", "--quiet", action="store_true", help="no loading messages or summary on stderr")
@@ -211,20 +220,20 @@ def read_prompt(args: argparse.Namespace) -> str:
     return text
 
 
-def _read_text_file(name: str) -> str:
+def _read_text_file(name: str, what: str = "prompt file") -> str:
     if name == "-":
         return sys.stdin.read()
     path = Path(name).expanduser()
     if not path.exists():
-        raise UserError(f"prompt file not found: {name}")
+        raise UserError(f"{what} not found: {name}")
     if not path.is_file():
-        raise UserError(f"prompt file is not a file: {name}")
+        raise UserError(f"{what} is not a file: {name}")
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise UserError(f"prompt file {name} is not UTF-8 text: {e.reason} at byte {e.start}") from None
+        raise UserError(f"{what} {name} is not UTF-8 text: {e.reason} at byte {e.start}") from None
     except OSError as e:
-        raise UserError(f"cannot read prompt file {name}: {e.strerror}") from None
+        raise UserError(f"cannot read {what} {name}: {e.strerror}") from None
 
 
 @contextlib.contextmanager
@@ -259,6 +268,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     check_model_options(args)
     prompt = read_prompt(args)
+    if args.logprobs is not None and not 0 <= args.logprobs <= 20:
+        raise UserError(f"--logprobs must be in 0..20, got {args.logprobs}")
 
     if args.json:
         with _stdout_to_stderr() as out:
@@ -294,10 +305,29 @@ def _run_generate(args: argparse.Namespace, settings: Settings, prompt: str,
 
     prepared = api.prepare(args.target, args.draft, **model_options(args), load_draft=settings.uses_draft,
                        progress=not args.quiet)
-    # Tokenize and check the length before the (slow) weights are read.
+    # Tokenize, check the length and compile the grammar before the (slow) weights are read.
     ids = prepared.encode(prompt, chat=args.chat)
     prepared.check_fits(len(ids), settings)
-    return prepared.load().generate(ids, settings=settings, on_text=on_text)
+    grammar = prepared.grammar(response_format(args))
+    return prepared.load().generate(ids, settings=settings, on_text=on_text, response_format=grammar,
+                                    logprobs=args.logprobs)
+
+
+def response_format(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The OpenAI-style response_format of generate's structured-output options."""
+    if args.json_object:
+        return {"type": "json_object"}
+    if args.json_schema is not None:
+        try:
+            schema = json.loads(_read_text_file(args.json_schema, "schema file"))
+        except ValueError as e:
+            raise UserError(f"--json-schema {args.json_schema}: not JSON: {e}") from None
+        return {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}
+    if args.regex is not None:
+        return {"type": "regex", "regex": args.regex}
+    if args.grammar is not None:
+        return {"type": "grammar", "grammar": _read_text_file(args.grammar, "grammar file")}
+    return None
 
 
 def summary_line(r: Any) -> str:

@@ -48,6 +48,7 @@ TOOLS: dict[str, list[list[str]]] = {
     "specextend.bench.report": [[]],
     "specextend.bench.memory": [[]],
     "specextend.bench.kernels": [[]],
+    "specextend.bench.structured": [[]],
     "specextend.bench.llamacpp": [],
 }
 

@@ -23,6 +23,11 @@ taken as they are.
 
 The callback given to decoding receives every batch of accepted tokens; a true return value
 stops decoding after that batch (stop reason "stopped": a stop string, a client gone).
+
+A decode may carry a `LogitsProcessor` (logits_process.py: a grammar, penalties, log-probabilities).
+The loop hands it the target's rows before choosing or verifying (`row`, `tree`), the proposer
+hands it the draft's rows and lookup's candidates, and every emitted batch is committed to it
+with the rows its tokens came from. Without one the loop runs as it always did.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from .draft_policy import DRAFT_POLICIES, DraftPolicy, make_policy
 from .draft_prefill import DraftPrompt
 from .errors import UserError
 from .kv_cache import KVCache, PrefixKV
+from .logits_process import LogitsProcessor
 from .lookup import ContextIndex
 from .model import Transformer
 from .propose import Proposer
@@ -266,10 +272,10 @@ class SpecEngine:
                          s.max_new_tokens, last_q, cached_tokens=n)
 
     # --- decode --------------------------------------------------------------------------------
-    def decode(self, state: Prefilled, settings: Settings, on_tokens: TokensCallback | None = None
-               ) -> GenerationResult:
+    def decode(self, state: Prefilled, settings: Settings, on_tokens: TokensCallback | None = None,
+               processor: LogitsProcessor | None = None) -> GenerationResult:
         """Decode after the prefilled prompt (restored first, so any number of decodes can share it).
-        `settings` are resolved."""
+        `settings` are resolved; `processor`, if given, is this decode's own (it keeps state)."""
         s = _as_resolved(settings)
         if s.max_new_tokens > state.room:
             raise ValueError("decode asks for more new tokens than the prefill made room for")
@@ -287,7 +293,8 @@ class SpecEngine:
         t_start = clock.t
         loop = self._ar_loop if s.method == "ar" else self._spec_loop
         try:
-            out, accepts, stop, extra = loop(state, s, rng, clock, on_tokens)
+            proc = processor if processor is not None and processor.active else None
+            out, accepts, stop, extra = loop(state, s, rng, clock, on_tokens, proc)
         finally:
             if dp is not None:
                 dp.on_compute = None
@@ -329,16 +336,20 @@ class SpecEngine:
             return int(torch.argmax(logits))
         return sample(target_dist(logits, s.temperature, s.top_p), rng)
 
-    def _emit(self, out: list[int], new: list[int], s: Settings, cb: TokensCallback | None) -> str | None:
-        """Append new tokens, cut at EOS or the length limit; returns the stop reason if any."""
+    def _emit(self, out: list[int], new: list[int], s: Settings, cb: TokensCallback | None,
+              proc: LogitsProcessor | None = None, rows: torch.Tensor | None = None) -> str | None:
+        """Append new tokens, cut at EOS or the length limit; returns the stop reason if any.
+        `rows`: the (processed) target rows the new tokens were chosen from, for `proc`."""
         stop = None
         room = s.max_new_tokens - len(out)
         for i, t in enumerate(new[:room]):
-            if t in self.eos:
+            if t in self.eos or (proc is not None and proc.ends(t)):
                 new, stop = new[: i + 1], "eos"
                 break
         else:
             new = new[:room]
+        if proc is not None:
+            proc.commit(new, rows)
         out.extend(new)
         halt = cb is not None and bool(new) and bool(cb(new))
         if stop is None and len(out) >= s.max_new_tokens:
@@ -348,30 +359,33 @@ class SpecEngine:
         return stop
 
     def _ar_loop(self, state: Prefilled, s: Settings, rng: torch.Generator, clock: _Clock,
-                 cb: TokensCallback | None) -> LoopOutput:
+                 cb: TokensCallback | None, proc: LogitsProcessor | None) -> LoopOutput:
         tcache = state.target_cache
-        x = self._choose(state.first_logits, s, rng)
+        row = proc.row(state.first_logits) if proc is not None else state.first_logits
+        x = self._choose(row, s, rng)
         out: list[int] = []
         accepts: list[int] = []
-        stop = self._emit(out, [x], s, cb)
+        stop = self._emit(out, [x], s, cb, proc, row[None])
         while stop is None:
             clock.skip()
             logits = self.target(torch.tensor([x]), torch.tensor([tcache.length]), tcache, None, s.attention)
             tcache.commit()
-            x = self._choose(logits[0], s, rng)
+            row = proc.row(logits[0]) if proc is not None else logits[0]
+            x = self._choose(row, s, rng)
             clock.lap("verify_s")
             accepts.append(0)
-            stop = self._emit(out, [x], s, cb)
+            stop = self._emit(out, [x], s, cb, proc, row[None])
         return LoopOutput(out, accepts, stop, {})
 
     def _spec_loop(self, state: Prefilled, s: Settings, rng: torch.Generator, clock: _Clock,
-                   cb: TokensCallback | None) -> LoopOutput:
+                   cb: TokensCallback | None, proc: LogitsProcessor | None) -> LoopOutput:
         tcache = state.target_cache
-        proposer, layers = self._start_proposer(state, s, rng, clock)
-        root = self._choose(state.first_logits, s, rng)
+        proposer, layers = self._start_proposer(state, s, rng, clock, proc)
+        row = proc.row(state.first_logits) if proc is not None else state.first_logits
+        root = self._choose(row, s, rng)
         out: list[int] = []
         accepts: list[int] = []
-        stop = self._emit(out, [root], s, cb)
+        stop = self._emit(out, [root], s, cb, proc, row[None])
         proposer.committed([root])
         n_verified = 0
         while stop is None:
@@ -379,13 +393,13 @@ class SpecEngine:
             context = tcache.length
             tree = proposer.propose(root, context)  # lookup, and the draft where it pays
             draft_s = clock.lap("draft_s")
-            verdict, new, queries = self._verify(tree, tcache, layers, s, rng)
+            verdict, new, queries, rows = self._verify(tree, tcache, layers, s, rng, proc)
             n_verified += tree.size
             verify_s = clock.lap("verify_s")
             accepts.append(len(verdict.path) - 1)
             # Told before the stop check, so the last step counts in the proposer's statistics.
             proposer.verified(tree, verdict, new, context, draft_s, verify_s)
-            stop = self._emit(out, new, s, cb)
+            stop = self._emit(out, new, s, cb, proc, rows)
             if stop is not None:
                 break
             root = verdict.bonus
@@ -397,8 +411,8 @@ class SpecEngine:
         extra = {"verified_nodes_per_step": n_verified / max(1, len(accepts)), **proposer.stats(len(accepts))}
         return LoopOutput(out, accepts, stop, extra)
 
-    def _start_proposer(self, state: Prefilled, s: Settings, rng: torch.Generator, clock: _Clock
-                        ) -> tuple[Proposer, list[int]]:
+    def _start_proposer(self, state: Prefilled, s: Settings, rng: torch.Generator, clock: _Clock,
+                        proc: LogitsProcessor | None = None) -> tuple[Proposer, list[int]]:
         """The step's proposing parts, and the target layers the draft policy scores with. The
         proposer starts the draft policy when it chooses to (see `Proposer`)."""
         policy, layers, start = self._policy(state, s, clock) if s.uses_draft else (None, [], None)
@@ -407,7 +421,7 @@ class SpecEngine:
             index = ContextIndex(state.prompt_ids, cache_slots(len(state.prompt_ids), s.max_new_tokens))
         costs = self.cost_model(s) if s.cost_model else None
         builder = make_builder(s) if policy is not None else None
-        return Proposer(s, policy, builder, index, costs, rng, start), layers
+        return Proposer(s, policy, builder, index, costs, rng, start, proc), layers
 
     def _policy(self, state: Prefilled, s: Settings, clock: _Clock
                 ) -> tuple[DraftPolicy, list[int], Callable[[], None]]:
@@ -425,21 +439,26 @@ class SpecEngine:
 
         return policy, layers, start
 
-    def _verify(self, tree: DraftTree, tcache: KVCache, layers: list[int], s: Settings, rng: torch.Generator
-                ) -> tuple[Verdict, list[int], dict[int, torch.Tensor] | None]:
+    def _verify(self, tree: DraftTree, tcache: KVCache, layers: list[int], s: Settings, rng: torch.Generator,
+                proc: LogitsProcessor | None = None
+                ) -> tuple[Verdict, list[int], dict[int, torch.Tensor] | None, torch.Tensor | None]:
         """Verify the whole tree in one target forward and commit the accepted path. Returns the
-        verdict, the new tokens (accepted run + bonus) and the queries of `layers`, the target
-        layers the draft policy scores with (None if none)."""
+        verdict, the new tokens (accepted run + bonus), the queries of `layers`, the target
+        layers the draft policy scores with (None if none), and the rows the new tokens were
+        chosen from (the accepted path's, processed by `proc`)."""
         queries = dict.fromkeys(layers) if layers else None
         positions = tcache.length + tree.depths
         logits = self.target(tree.tokens, positions, tcache, tree.mask(), s.attention, keep_q=queries)
+        if proc is not None:
+            logits = proc.tree(tree.tokens.tolist(), tree.parents, logits)
         if s.greedy:
             verdict = verify_greedy(tree, logits)
         else:
             verdict = verify_sampling(tree, logits, s.temperature, s.top_p, rng)
         tcache.commit(verdict.path)
         tokens = tree.tokens.tolist()
-        return verdict, [tokens[i] for i in verdict.path[1:]] + [verdict.bonus], queries
+        rows = logits[verdict.path] if proc is not None else None
+        return verdict, [tokens[i] for i in verdict.path[1:]] + [verdict.bonus], queries, rows
 
     def _retrieve(self, policy: DraftPolicy, tcache: KVCache, queries: dict[int, torch.Tensor] | None,
                   path: list[int]) -> None:

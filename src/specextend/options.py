@@ -113,6 +113,10 @@ def add_method_arguments(p: argparse.ArgumentParser, labels: bool = True) -> Non
     _opt(sampling, "--temperature", float, "0 is greedy")
     _opt(sampling, "--top-p", float, "nucleus sampling mass, in (0, 1]")
     _opt(sampling, "--seed", int, "sampling seed")
+    _opt(sampling, "--frequency-penalty", float, "OpenAI's: minus this times a token's count in the output, in [-2, 2]")
+    _opt(sampling, "--presence-penalty", float, "OpenAI's: minus this for a token already in the output, in [-2, 2]")
+    _opt(sampling, "--repetition-penalty", float, "divides a positive logit (multiplies a negative one) of a token "
+         "in the prompt or output; 1 is off")
     if labels:
         sampling.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                               help="a label recorded in the JSON's config for your own bookkeeping (read by "

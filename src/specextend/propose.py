@@ -15,6 +15,13 @@ Each step:
    fixed-size tree (`sd`) plus every lookup candidate;
 3. the kept candidates become one tree; a lookup and a draft candidate for the same token share
    a node (tree.assemble).
+
+With a `LogitsProcessor` (a grammar, penalties), the draft's rows are adjusted as the target's
+will be, for each node's own path, so the draft proposes what the grammar admits; lookup's
+continuations are cut where the grammar stops admitting them; and the tokens the grammar forces
+after the committed output, and after each lookup continuation (a schema's next key, closing
+punctuation), join the pool as free candidates (`FORCED`: deterministic, like lookup's, verified
+as point-mass proposals).
 """
 
 from __future__ import annotations
@@ -27,10 +34,11 @@ import torch
 
 from .costmodel import CostModel
 from .draft_policy import DraftPolicy
+from .logits_process import LogitsProcessor
 from .lookup import ContextIndex
 from .settings import Settings
 from .sizing import RESYNC_TOKENS, Sizer
-from .tree import LOOKUP, DraftTree, Pool, TreeBuilder, assemble, draft_dist
+from .tree import FORCED, LOOKUP, DraftTree, Pool, TreeBuilder, assemble, draft_dist
 from .verify import Verdict
 
 
@@ -43,8 +51,9 @@ class Proposer:
 
     def __init__(self, s: Settings, policy: DraftPolicy | None, builder: TreeBuilder | None,
                  index: ContextIndex | None, costs: CostModel | None, rng: torch.Generator,
-                 start: Callable[[], None] | None = None) -> None:
+                 start: Callable[[], None] | None = None, processor: LogitsProcessor | None = None) -> None:
         self.s, self.policy, self.builder, self.index, self.rng = s, policy, builder, index, rng
+        self.proc = processor
         self.costs = costs
         self.sizer = Sizer(costs, s, has_draft=policy is not None) if costs is not None else None
         self._start = start
@@ -63,6 +72,8 @@ class Proposer:
         self._phases_s = 0.0
         self.counts = {"draft_steps": 0, "draft_forwards": 0, "ar_steps": 0, "lookup_nodes": 0,
                        "lookup_accepted": 0, "skipped_tokens": 0}
+        if processor is not None:
+            self.counts.update(forced_nodes=0, forced_accepted=0)
         if policy is not None:
             self.counts["draft_started_at"] = -1  # output tokens before the draft started (-1: never)
 
@@ -83,10 +94,19 @@ class Proposer:
             # What the last step cost beyond its draft, verify and retrieval phases: loop, emit.
             self.costs.observe_overhead(now - self._step_start - self._phases_s)
         self._step_start = now
-        s, pool = self.s, Pool()
+        s, pool, proc = self.s, Pool(), self.proc
+        if proc is not None:
+            forced = proc.forced()
+            if forced:
+                pool.add_continuation(forced, 0, origin=FORCED)
         if self.index is not None:
             for cont in self.index.continuations(s.lookup_ngram, s.lookup_branches, s.lookup_length):
-                pool.add_continuation(cont.tokens, cont.ngram)
+                tokens = cont.tokens if proc is None else cont.tokens[: proc.valid_prefix(cont.tokens)]
+                if tokens:
+                    pool.add_continuation(tokens, cont.ngram)
+            if proc is not None:  # where a copied span ends, the grammar may force what follows
+                for leaf in pool.leaves(LOOKUP):
+                    pool.extend(leaf, proc.forced(pool.path(leaf)), FORCED)
         self.drafted = False
         self._raw_draft_s = 0.0
         sizer = self.sizer
@@ -94,9 +114,9 @@ class Proposer:
             if self.policy is not None:
                 self._ensure_started()
                 self._grow(pool, self._catch_up(resync=False), None)
-                keep = self.builder.select(pool) + pool.of(LOOKUP)
+                keep = self.builder.select(pool) + pool.of(LOOKUP) + pool.of(FORCED)
             else:
-                keep = pool.of(LOOKUP)
+                keep = pool.of(LOOKUP) + pool.of(FORCED)
         else:
             sizer.begin(context, self.policy.working.length if self.started else 0)
             if self.policy is not None and not self.started and (not self.gated or self._draft_pays(pool)):
@@ -134,6 +154,8 @@ class Proposer:
             feed = feed[-RESYNC_TOKENS:]
         context = self.policy.working.length
         logits = self.policy.extend(feed)
+        if self.proc is not None:
+            logits = self.proc.draft_rows([[]], logits[-1:])
         self._forward(len(feed), context)
         if self.sizer is not None:
             self.sizer.caught_up(len(feed))
@@ -144,7 +166,10 @@ class Proposer:
     def _grow(self, pool: Pool, root_q: torch.Tensor, keep_going: Any) -> None:
         def run(tokens: torch.Tensor, depths: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             self._forward(int(tokens.shape[0]), self.policy.working.length)
-            return self.policy.run_tree(tokens, depths, mask)
+            logits = self.policy.run_tree(tokens, depths, mask)
+            if self.proc is not None:  # the level's nodes are the last ones the builder expanded
+                logits = self.proc.draft_rows([pool.path(i) for i in pool.expanded[-int(tokens.shape[0]):]], logits)
+            return logits
 
         self.builder.grow(pool, root_q, run, self.s.greedy, self.s.temperature, self.rng, keep_going)
 
@@ -162,6 +187,9 @@ class Proposer:
         self.counts["ar_steps"] += tree.size == 1
         self.counts["lookup_nodes"] += sum(1 for o in tree.origin if o & LOOKUP)
         self.counts["lookup_accepted"] += sum(1 for n in verdict.path[1:] if tree.origin[n] == LOOKUP)
+        if "forced_nodes" in self.counts:
+            self.counts["forced_nodes"] += sum(1 for o in tree.origin if o & FORCED)
+            self.counts["forced_accepted"] += sum(1 for n in verdict.path[1:] if tree.origin[n] & FORCED)
         self._phases_s = draft_s + verify_s
         if self.costs is not None:
             self.costs.observe_verify(tree.size, context, verify_s)

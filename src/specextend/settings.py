@@ -89,6 +89,11 @@ class Settings:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    # Penalties on the target's distribution (penalties.py; OpenAI's two, and the Hugging Face
+    # repetition penalty), applied before verification, so speculation still equals `ar`.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     # Labels (`generate --set KEY=VALUE`): recorded in the result's config for the caller's own
     # bookkeeping and read by nothing; every setting above has its own option instead.
     labels: dict[str, str | int | float | bool] = field(default_factory=dict)
@@ -140,6 +145,13 @@ class Settings:
                 raise UserError(f"--{name.replace('_', '-')} must be a non-negative integer, got {v!r}")
         if not (self.temperature >= 0.0):
             raise UserError(f"--temperature must be >= 0, got {self.temperature}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not -2.0 <= v <= 2.0:
+                raise UserError(f"--{name.replace('_', '-')} must be a number in [-2, 2], got {v!r}")
+        rp = self.repetition_penalty
+        if isinstance(rp, bool) or not isinstance(rp, int | float) or not 0.0 < rp < float("inf"):
+            raise UserError(f"--repetition-penalty must be a number > 0, got {rp!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise UserError(f"--top-p must be in (0, 1], got {self.top_p}")
         if not (0.0 <= self.cmr_min_ratio < float("inf")):
@@ -158,6 +170,11 @@ class Settings:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalised(self) -> bool:
+        """Whether any penalty changes the target's distribution."""
+        return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def uses_draft(self) -> bool:

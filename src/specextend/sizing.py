@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 from .costmodel import ROWS, CostModel
 from .settings import Settings
-from .tree import DRAFT, LOOKUP, DraftTree, Pool
+from .tree import DRAFT, FORCED, LOOKUP, DraftTree, Pool
 
 MAX_ROWS = ROWS[-1]  # the cost model is measured up to this many verification rows
 PROBE_MAX = 128  # longest wait between draft probes, in steps
@@ -178,6 +178,8 @@ class Sizer:
             parent_v = vals[up] if up >= 0 else 1.0
             if pool.origin[i] == DRAFT:
                 v = parent_v * min(1.0, self._conditional(pool, i) * cal[min(pool.depths[i], len(cal) - 1)])
+            elif pool.origin[i] == FORCED:  # the grammar forces it: taken unless the target spells it otherwise
+                v = parent_v
             else:
                 v = parent_v * self.lookup_rate(pool.ngram[i], pool.depths[i], pool.alt[i])
                 if up < 0 and root_q is not None:  # the draft's word on the first token, where it has one

@@ -24,7 +24,10 @@ from .settings import Settings
 DraftRunner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-DRAFT, LOOKUP = 1, 2  # who proposed a node (bits: a node both proposed is both)
+# Who proposed a node (bits: a node several proposed has each): the draft, prompt lookup, or the
+# grammar that forces it (logits_process.py). Lookup's and the grammar's are deterministic.
+DRAFT, LOOKUP, FORCED = 1, 2, 4
+FIXED = LOOKUP | FORCED
 
 
 @dataclass
@@ -95,13 +98,32 @@ class Pool:
         self.alt.append(alt)
         return len(self.tokens) - 1
 
-    def add_continuation(self, tokens: Sequence[int], ngram: int) -> None:
-        """A lookup branch below the root, sharing the prefix it has in common with earlier ones."""
+    def add_continuation(self, tokens: Sequence[int], ngram: int, origin: int = LOOKUP) -> None:
+        """A lookup (or forced) branch below the root, sharing the prefix it has in common with
+        earlier ones of the same origin."""
         parent = -1
         for t in tokens:
-            kids = [i for i in range(len(self)) if self.parents[i] == parent and self.origin[i] == LOOKUP]
+            kids = [i for i in range(len(self)) if self.parents[i] == parent and self.origin[i] == origin]
             same = next((i for i in kids if self.tokens[i] == t), None)
-            parent = same if same is not None else self.add(t, parent, LOOKUP, ngram=ngram, alt=bool(kids))
+            parent = same if same is not None else self.add(t, parent, origin, ngram=ngram, alt=bool(kids))
+
+    def extend(self, parent: int, tokens: Sequence[int], origin: int) -> None:
+        """A chain of candidates below `parent` (-1: the root)."""
+        for t in tokens:
+            parent = self.add(t, parent, origin, ngram=self.ngram[parent] if parent >= 0 else 0)
+
+    def leaves(self, origin: int) -> list[int]:
+        """The candidates of `origin` without children."""
+        parents = set(self.parents)
+        return [i for i in range(len(self)) if self.origin[i] == origin and i not in parents]
+
+    def path(self, i: int) -> list[int]:
+        """The tokens from below the root down to candidate i (-1: none)."""
+        out: list[int] = []
+        while i >= 0:
+            out.append(self.tokens[i])
+            i = self.parents[i]
+        return out[::-1]
 
     def of(self, origin: int) -> list[int]:
         return [i for i in range(len(self)) if self.origin[i] == origin]
@@ -138,8 +160,9 @@ def assemble(root: int, pool: Pool, keep: Sequence[int], node_of: dict[int, int]
             origin.append(0)
         node_of[i] = node
         origin[node] |= pool.origin[i]
-        if pool.origin[i] == LOOKUP:
-            fixed[up].append(node)
+        if pool.origin[i] & FIXED:
+            if node not in fixed[up]:
+                fixed[up].append(node)
         else:
             children[up].append(node)
             if i in pool.dists:

@@ -26,6 +26,7 @@ from starlette.routing import Route
 from ..api import Pair, Prepared
 from ..batch import Batch
 from ..errors import UserError
+from ..grammar import Grammar
 from ..jsonl import finite_json
 from ..settings import Settings
 from . import protocol
@@ -48,6 +49,7 @@ class Server:
         # `encoder` holds its own tokenizer: the event loop encodes prompts while the worker
         # thread decodes with the pair's, and a tokenizer is not safe to share across threads.
         self.pair, self.encoder, self.defaults, self.model_id = pair, encoder, defaults, model_id
+        encoder.warm_grammars()  # before serving: compiling a request's grammar then takes milliseconds
         self.max_queue = max_queue
         self.limits = limits
         self.batching = batching or {}  # default_limits' arguments when `limits` is None
@@ -121,7 +123,7 @@ class Server:
         try:
             req = protocol.parse(kind, await _json_body(request), self.defaults)  # type: ignore[arg-type]
             ids = self._encode(req)
-            job = Job(ids, req.settings, req.stops, asyncio.get_running_loop())
+            job = Job(ids, req.settings, req.stops, asyncio.get_running_loop(), self._grammar(req), req.logprobs)
             assert self.scheduler is not None
             self.scheduler.submit(job)
         except APIError as e:
@@ -144,7 +146,15 @@ class Server:
         if outcome is None:  # the client is gone; nobody reads this
             return Response(status_code=499)
         use = protocol.usage(outcome.result, outcome.queue_s)
-        return _json(protocol.response(kind, rid, created, self.model_id, outcome.text, outcome.finish_reason, use))
+        return _json(protocol.response(kind, rid, created, self.model_id, outcome.text, outcome.finish_reason, use,
+                                       outcome.result.logprobs))
+
+    def _grammar(self, req: protocol.Request) -> Grammar | None:
+        """The request's response_format compiled (cached per grammar); APIError(400) otherwise."""
+        try:
+            return self.encoder.grammar(req.response_format)
+        except UserError as e:
+            raise APIError(400, str(e), param="response_format", code="invalid_response_format") from None
 
     def _encode(self, req: protocol.Request) -> list[int]:
         """Prompt token ids, checked against the context; APIError(400) otherwise."""
@@ -182,7 +192,7 @@ class Server:
                 kind, value = getter.result()
                 getter = None
                 if kind == "text":
-                    text_parts.append(value)
+                    text_parts.append(value[0])
                 elif kind == "done":
                     return value
                 elif kind == "cancelled":
@@ -200,10 +210,14 @@ class Server:
         try:
             if kind == "chat":
                 yield _sse(protocol.chunk(kind, rid, created, model, None, role=True))
+            offset = 0  # text sent so far (completions' logprobs count offsets in it)
             while True:
                 event, value = await job.events.get()
                 if event == "text":
-                    yield _sse(protocol.chunk(kind, rid, created, model, value))
+                    text, entries = value
+                    yield _sse(protocol.chunk(kind, rid, created, model, text,
+                                              logprobs=protocol.logprobs_object(kind, entries, offset)))
+                    offset += len(text)
                 elif event == "done":
                     yield _sse(protocol.chunk(kind, rid, created, model, None, finish=value.finish_reason))
                     if include_usage:

@@ -21,6 +21,7 @@ from typing import Any
 
 from ..api import Pair, Result
 from ..detokenize import Detokenizer
+from ..grammar import Grammar
 from ..settings import Settings
 from .stops import StopStrings
 
@@ -43,13 +44,15 @@ class Job:
     settings: Settings
     stops: list[str]
     loop: asyncio.AbstractEventLoop
+    grammar: Grammar | None = None  # compiled on the event loop, so a bad one is refused at once
+    logprobs: int | None = None  # alternatives per position; None: no log-probabilities
     events: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
 
     def post(self, kind: str, value: Any = None) -> None:
-        """Hand an event to the event loop: ("text", piece), ("done", Outcome), ("error", exc),
-        ("cancelled", None). Safe from any thread; a loop already closed drops it."""
+        """Hand an event to the event loop: ("text", (piece, logprob entries or None)), ("done",
+        Outcome), ("error", exc), ("cancelled", None). Safe from any thread; a loop already closed drops it."""
         with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
 
@@ -63,12 +66,26 @@ def run_job(pair: Pair, job: Job) -> None:
     s = job.settings
     stops = StopStrings(job.stops)
     sent: list[str] = []
+    pending: list[str] = []  # text of the batch being sent
+    proc = pair.processor(job.ids, s, job.grammar, job.logprobs)
+    given = 0  # log-probabilities sent so far
 
     def send(piece: str) -> None:
         safe = stops.push(piece)
         if safe:
             sent.append(safe)
-            job.post("text", safe)
+            pending.append(safe)
+
+    def post() -> None:
+        # One event per batch of tokens: its text and its tokens' log-probabilities together.
+        nonlocal given
+        entries = None
+        if proc is not None and proc.top_logprobs is not None:
+            entries = pair.logprob_entries(proc.logprobs[given:])
+            given = len(proc.logprobs)
+        if pending or entries:
+            job.post("text", ("".join(pending), entries))
+        pending.clear()
 
     detok = Detokenizer(pair.detokenize, send)
 
@@ -76,16 +93,18 @@ def run_job(pair: Pair, job: Job) -> None:
         if job.cancel.is_set():
             return True
         detok.push(new_ids)
+        post()
         return stops.hit
 
     state = pair.prefill(job.ids, s)
-    result = pair.decode(state, s, on_tokens=on_tokens)
+    result = pair.decode(state, s, on_tokens=on_tokens, processor=proc)
     if not stops.hit:
         detok.finish(result.text)
         tail = stops.flush()
         if tail:
             sent.append(tail)
-            job.post("text", tail)
+            pending.append(tail)
+        post()
     cancelled = job.cancel.is_set() and result.stop_reason == "stopped" and not stops.hit
     if cancelled:
         job.post("cancelled")

@@ -5,9 +5,12 @@ Bodies are validated by pydantic in strict mode (a string is not a number, 1.0 i
 integer) and unknown fields are refused, as OpenAI does. Beyond OpenAI's fields a body may carry
 any generation setting of the Python API by its keyword (`method`, `draft_cache`, `attention`,
 `chunk_size`, `top_k_chunks`, `retrieve_every`, `tree_budget`, ...); OpenAI's own names stand for
-the rest (`max_tokens` for max_new_tokens, `temperature`, `top_p`, `seed`). Fields that OpenAI
-has but this server cannot honour (several choices, log probabilities, penalties, tools) are
-accepted only at their neutral values, so no request is silently answered as another one.
+the rest (`max_tokens` for max_new_tokens, `temperature`, `top_p`, `seed`, `frequency_penalty`,
+`presence_penalty`). `response_format` (text, json_object, json_schema, and the extensions regex
+and grammar) constrains the output on both endpoints; `logprobs` / `top_logprobs` (chat) and
+`logprobs` (completions) return log-probabilities. Fields that OpenAI has but this server cannot
+honour (several choices, logit_bias, tools) are accepted only at their neutral values, so no
+request is silently answered as another one.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from ..errors import UserError
 from ..settings import Settings
 
 # Settings that the body sets through OpenAI's names, not their own.
-OPENAI_NAMED = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed"}
+OPENAI_NAMED = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed",
+                "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty"}
 MAX_STOPS = 4
 
 
@@ -78,8 +82,9 @@ class _Common(_Extensions):  # type: ignore[misc, valid-type]
     stream_options: StreamOptions | None = None
     n: int = 1
     user: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    response_format: dict[str, Any] | None = None
     logit_bias: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     store: bool | None = None
@@ -102,9 +107,6 @@ class _Common(_Extensions):  # type: ignore[misc, valid-type]
         """Refuse what would change the answer in a way this server does not implement."""
         if self.n != 1:
             raise APIError(400, "only n=1 is supported (one choice per request)", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                raise APIError(400, f"{name} is not supported (only 0)", param=name)
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
@@ -142,27 +144,28 @@ class ChatBody(_Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs or self.top_logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if self.tools or self.tool_choice not in (None, "none"):
             raise APIError(400, "tools are not supported", param="tools")
-        if self.response_format not in (None, {"type": "text"}):
-            raise APIError(400, "only the text response format is supported", param="response_format")
+
+    def wanted_logprobs(self) -> int | None:
+        """Alternatives per position when log-probabilities are asked for, else None."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionBody(_Common):
     prompt: Any
     echo: bool = False
     suffix: str | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = None
 
     @field_validator("prompt", mode="before")
@@ -183,10 +186,11 @@ class CompletionBody(_Common):
             raise APIError(400, "echo is not supported", param="echo")
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
-        if self.logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
         if self.best_of not in (None, 1):
             raise APIError(400, "only best_of=1 is supported", param="best_of")
+
+    def wanted_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 # --------------------------------------------------------------------------- request -> settings
@@ -203,6 +207,8 @@ class Request:
     stops: list[str]
     stream: bool
     include_usage: bool
+    response_format: dict[str, Any] | None = None  # as sent; compiled by the server (app.py)
+    logprobs: int | None = None  # alternatives per position; None: no log-probabilities
 
 
 def parse(kind: Literal["chat", "completion"], body: Any, defaults: Settings) -> Request:
@@ -219,15 +225,17 @@ def parse(kind: Literal["chat", "completion"], body: Any, defaults: Settings) ->
     overrides = {name: getattr(req, name) for name in EXTENSION_FIELDS if getattr(req, name) is not None}
     max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
     for name, value in (("max_new_tokens", max_tokens), ("temperature", req.temperature), ("top_p", req.top_p),
-                        ("seed", req.seed)):
+                        ("seed", req.seed), ("frequency_penalty", req.frequency_penalty),
+                        ("presence_penalty", req.presence_penalty)):
         if value is not None:
             overrides[name] = value
     settings = settings_from(defaults, overrides)
+    usage_too = bool(req.stream_options and req.stream_options.include_usage)
     if isinstance(req, ChatBody):
         return Request("chat", [m.as_template() for m in req.messages], None, settings, req.stops(), req.stream,
-                       bool(req.stream_options and req.stream_options.include_usage))
-    return Request("completion", None, req.prompt, settings, req.stops(), req.stream,
-                   bool(req.stream_options and req.stream_options.include_usage))
+                       usage_too, req.response_format, req.wanted_logprobs())
+    return Request("completion", None, req.prompt, settings, req.stops(), req.stream, usage_too,
+                   req.response_format, req.wanted_logprobs())
 
 
 def settings_from(defaults: Settings, overrides: dict[str, Any]) -> Settings:
@@ -297,29 +305,49 @@ def usage(result: Any, queue_s: float) -> dict[str, Any]:
     }
 
 
-def response(kind: str, rid: str, created: int, model: str, text: str, finish: str, use: dict[str, Any]
-             ) -> dict[str, Any]:
+def logprobs_object(kind: str, entries: list[dict[str, Any]] | None, offset: int = 0) -> dict[str, Any] | None:
+    """Log-probabilities in the endpoint's shape: chat's {"content": [...]} or the completions'
+    {tokens, token_logprobs, top_logprobs, text_offset} (`offset`: the text sent before these)."""
+    if entries is None:
+        return None
+    if kind == "chat":
+        return {"content": [{k: e[k] for k in ("token", "logprob", "bytes")}
+                            | {"top_logprobs": [{k: t[k] for k in ("token", "logprob", "bytes")}
+                                                for t in e["top_logprobs"]]} for e in entries], "refusal": None}
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}
+
+
+def response(kind: str, rid: str, created: int, model: str, text: str, finish: str, use: dict[str, Any],
+             logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    lp = logprobs_object(kind, logprobs)
     if kind == "chat":
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                  "finish_reason": finish, "logprobs": None}
+                                  "finish_reason": finish, "logprobs": lp}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": lp}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], "usage": use,
             "system_fingerprint": None}
 
 
 def chunk(kind: str, rid: str, created: int, model: str, text: str | None, finish: str | None = None,
-          role: bool = False) -> dict[str, Any]:
-    """One streamed piece: new text, or (text None) the closing chunk with its finish reason."""
+          role: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One streamed piece: new text (and its tokens' `logprobs_object`), or (text None) the
+    closing chunk with its finish reason."""
     if kind == "chat":
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else (
             {"content": text} if text is not None else {})
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
             "system_fingerprint": None}
