@@ -251,18 +251,18 @@ void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const T
 // Per row and group the work is the int8 products plus the reference epilogue; the weight
 // decoding is paid once per group however many rows there are.
 
-#ifndef SPX_ROW_TILE
-#define SPX_ROW_TILE 4
-#endif
-constexpr int kRowTile = SPX_ROW_TILE;  // rows of a tile: 2 int16 sums a row, beside 2 steps of codes and an activation
+// Rows of a tile: 2 int16 sums a row beside 2 registers of codes and an activation (Q4K, Q6K);
+// Q8's magnitudes and signs take 4 registers a step, so its tiles have 3 rows.
+constexpr int kRowTile = 4;
+constexpr int kQ8RowTile = 3;
 
 // int16 pairs summed into int32 lanes (exact).
 inline __m256i widen(__m256i s) { return _mm256_madd_epi16(s, _mm256_set1_epi16(1)); }
 
-// Tiles of at most kRowTile rows, as even as possible (9 rows: 3 + 3 + 3): calls f(row, rows).
-template <class F>
+// Tiles of at most T rows, as even as possible (9 rows, T = 4: 3 + 3 + 3): calls f(row, rows).
+template <int T, class F>
 inline void for_tiles(int n, F&& f) {
-  const int tiles = (n + kRowTile - 1) / kRowTile;
+  const int tiles = (n + T - 1) / T;
   for (int t = 0, r = 0; t < tiles; ++t) {
     const int rows = (n - r) / (tiles - t);
     f(r, rows);
@@ -326,19 +326,14 @@ void rows_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int
   Q4Group grp;
   for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
     const __m256 d[2] = {cvt_f16(p), cvt_f16(p + 16)}, dmin[2] = {cvt_f16(p + 32), cvt_f16(p + 48)};
-#ifndef SPX_PF_GROUP
     prefetch(p, sb_bytes);
-#endif
     for (int g = 0; g < sbg; ++g) {
       const int64_t k0 = (sb * sbg + g) * 32;
-#ifdef SPX_PF_GROUP
-      prefetch(p + (sb_bytes / sbg) * g, sb_bytes / sbg);
-#endif
       unpack_q4k_group(p, sbg, g, d, dmin, grp);
       const int8_t* q = x.q8 + r0 * xk + k0;
       const float* d8 = x.d8 + r0 * kb + k0 / 32;
       const float* xs = x.xs + r0 * kb + k0 / 32;
-      for_tiles(n, [&](int r, int rows) {
+      for_tiles<kRowTile>(n, [&](int r, int rows) {
         switch (rows) {
           case 1: q4k_tile_rows<1>(grp, q + r * xk, xk, d8 + r * kb, xs + r * kb, kb, acc + 16 * r); break;
           case 2: q4k_tile_rows<2>(grp, q + r * xk, xk, d8 + r * kb, xs + r * kb, kb, acc + 16 * r); break;
@@ -407,80 +402,6 @@ inline void q6k_tile_rows(const Q6Group& g, const int8_t* q, int64_t xk, const i
   }
 }
 
-// Variant: codes centred (code - 32, signed) so that |code - 32| * |q| pairs (<= 2 * 32 * 127) keep
-// all 4 steps in one int16 sum: VPMADDUBSW takes |code - 32| against q carrying the code's sign.
-struct alignas(32) Q6GroupS {
-  __m256i mag[4][2], sgn[4][2];
-  __m256 scale[2];
-};
-
-inline void unpack_q6k_group_s(const uint8_t* p, int g, const __m256* d, Q6GroupS& o) {
-  Q6Group u;
-  unpack_q6k_group(p, g, d, u);
-  const __m256i c32 = _mm256_set1_epi8(32);
-  for (int st = 0; st < 4; ++st)
-    for (int h = 0; h < 2; ++h) {
-      const __m256i c = _mm256_sub_epi8(_mm256_load_si256(&u.w[st][h]), c32);
-      _mm256_store_si256(&o.sgn[st][h], c);
-      _mm256_store_si256(&o.mag[st][h], _mm256_abs_epi8(c));
-    }
-  o.scale[0] = u.scale[0];
-  o.scale[1] = u.scale[1];
-}
-
-template <int R>
-inline void q6k_tile_rows_s(const Q6GroupS& g, const int8_t* q, int64_t xk, const float* d8, int64_t kb, float* acc) {
-  __m256i sum[R][2];
-#pragma GCC unroll 4
-  for (int st = 0; st < 4; ++st) {
-    const __m256i m0 = _mm256_load_si256(&g.mag[st][0]), m1 = _mm256_load_si256(&g.mag[st][1]);
-    const __m256i s0 = _mm256_load_si256(&g.sgn[st][0]), s1 = _mm256_load_si256(&g.sgn[st][1]);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m256i a = bcast4(q + r * xk + 4 * st);
-      const __m256i p0 = _mm256_maddubs_epi16(m0, _mm256_sign_epi8(a, s0));
-      const __m256i p1 = _mm256_maddubs_epi16(m1, _mm256_sign_epi8(a, s1));
-      sum[r][0] = st ? _mm256_add_epi16(sum[r][0], p0) : p0;
-      sum[r][1] = st ? _mm256_add_epi16(sum[r][1], p1) : p1;
-      in_register(sum[r][0]);
-      in_register(sum[r][1]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    const __m256 dd = _mm256_set1_ps(d8[r * kb]);
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(widen(sum[r][h])), dd);
-      _mm256_store_ps(acc + 16 * r + 8 * h, _mm256_fmadd_ps(t, g.scale[h], _mm256_load_ps(acc + 16 * r + 8 * h)));
-    }
-  }
-}
-
-#ifdef SPX_Q6_SIGN
-void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
-  const int64_t nsb = s.k / 256, kb = x.k / 32, xk = x.k;
-  Q6GroupS grp;
-  for (int64_t sb = 0; sb < nsb; ++sb, p += 3360) {
-    const __m256 d[2] = {cvt_f16(p), cvt_f16(p + 16)};
-    for (int g = 0; g < 16; ++g) {
-      const int64_t k0 = sb * 256 + g * 16;
-      if (g % 4 == 0) prefetch(p + 210 * g, 840);
-      unpack_q6k_group_s(p, g, d, grp);
-      const int8_t* q = x.q8 + r0 * xk + k0;
-      const float* d8 = x.d8 + r0 * kb + k0 / 32;
-      for_tiles(n, [&](int r, int rows) {
-        switch (rows) {
-          case 1: q6k_tile_rows_s<1>(grp, q + r * xk, xk, d8 + r * kb, kb, acc + 16 * r); break;
-          case 2: q6k_tile_rows_s<2>(grp, q + r * xk, xk, d8 + r * kb, kb, acc + 16 * r); break;
-          case 3: q6k_tile_rows_s<3>(grp, q + r * xk, xk, d8 + r * kb, kb, acc + 16 * r); break;
-          default: q6k_tile_rows_s<kRowTile>(grp, q + r * xk, xk, d8 + r * kb, kb, acc + 16 * r); break;
-        }
-      });
-    }
-  }
-}
-#else
 void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
   const int64_t nsb = s.k / 256, kb = x.k / 32, k16 = x.k / 16, xk = x.k;
   Q6Group grp;
@@ -493,7 +414,7 @@ void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int
       const int8_t* q = x.q8 + r0 * xk + k0;
       const int32_t* s16 = x.s16 + r0 * k16 + k0 / 16;
       const float* d8 = x.d8 + r0 * kb + k0 / 32;
-      for_tiles(n, [&](int r, int rows) {
+      for_tiles<kRowTile>(n, [&](int r, int rows) {
         switch (rows) {
           case 1: q6k_tile_rows<1>(grp, q + r * xk, xk, s16 + r * k16, k16, d8 + r * kb, kb, acc + 16 * r); break;
           case 2: q6k_tile_rows<2>(grp, q + r * xk, xk, s16 + r * k16, k16, d8 + r * kb, kb, acc + 16 * r); break;
@@ -506,8 +427,6 @@ void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int
     }
   }
 }
-
-#endif
 
 // A Q8 group [step][half]: codes - 128 (signed, for their sign) and their magnitudes, as the
 // tile's; `small` when every code is below 32 (Q5_0's grid), whose products then keep 4 steps in
@@ -610,10 +529,6 @@ inline void q8_tile_rows(const Q8Group& g, int32_t off, const int8_t* q, int64_t
   }
 }
 
-#ifndef SPX_Q8_TILE
-#define SPX_Q8_TILE 3
-#endif
-
 void rows_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
   const int64_t nsb = s.k / 32, kb = x.k / 32, xk = x.k;
   const int32_t off = static_cast<int32_t>(s.offset);
@@ -624,17 +539,13 @@ void rows_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int 
     const int8_t* q = x.q8 + r0 * xk + sb * 32;
     const int32_t* s32 = x.s32 + r0 * kb + sb;
     const float* d8 = x.d8 + r0 * kb + sb;
-    const int tiles = (n + SPX_Q8_TILE - 1) / SPX_Q8_TILE;
-    for (int t = 0, r = 0; t < tiles; ++t) {
-      const int rows = (n - r) / (tiles - t);
+    for_tiles<kQ8RowTile>(n, [&](int r, int rows) {
       switch (rows) {
         case 1: q8_tile_rows<1>(grp, off, q + r * xk, xk, s32 + r * kb, d8 + r * kb, kb, acc + 16 * r); break;
         case 2: q8_tile_rows<2>(grp, off, q + r * xk, xk, s32 + r * kb, d8 + r * kb, kb, acc + 16 * r); break;
-        case 3: q8_tile_rows<3>(grp, off, q + r * xk, xk, s32 + r * kb, d8 + r * kb, kb, acc + 16 * r); break;
-        default: q8_tile_rows<4>(grp, off, q + r * xk, xk, s32 + r * kb, d8 + r * kb, kb, acc + 16 * r); break;
+        default: q8_tile_rows<kQ8RowTile>(grp, off, q + r * xk, xk, s32 + r * kb, d8 + r * kb, kb, acc + 16 * r); break;
       }
-      r += rows;
-    }
+    });
   }
 }
 
@@ -655,10 +566,9 @@ void tile_avx2(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, in
   kTiles[rows - 1](s, p, x, r0, out);
 }
 
-#ifndef SPX_ROWS_FROM
-#define SPX_ROWS_FROM 2
-#endif
-int rows_from_avx2() { return SPX_ROWS_FROM; }
+// Up to 3 rows one tile keeps the accumulators in registers and beats the rows kernel's loads and
+// stores; from 4 the rows kernel wins, and from 9 tiles would decode every group twice.
+int rows_from_avx2() { return 4; }
 
 // Full panels only, n <= kRowBlock rows; acc: kRowBlock * 16 floats, 32-byte aligned.
 void rows_avx2(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, const TileOut& out, float* acc) {
