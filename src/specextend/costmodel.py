@@ -31,7 +31,6 @@ import contextlib
 import hashlib
 import json
 import os
-import platform
 import sys
 import time
 from collections.abc import Sequence
@@ -152,14 +151,6 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SPECEXTEND_COST_CACHE", "~/.cache/specextend/costs")).expanduser()
 
 
-def _cpu_name() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
 def curve_parts(model: Any, backend: str) -> dict[str, Any]:
     """What a forward's cost depends on: the machine (CPU or GPU, threads), the model's shape, its
     weight format and size, precisions, the attention path and, for the C++ kernels, their build."""
@@ -167,7 +158,7 @@ def curve_parts(model: Any, backend: str) -> dict[str, Any]:
 
     cfg = model.cfg
     device = model.device
-    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else kernels.cpu_name()
     weight_bytes = 0
     for mod in model.modules():
         q = getattr(mod, "qweight", None)

@@ -16,14 +16,18 @@ portable path's bits; `auto` (the default) takes the fastest this CPU runs.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
 import sys
 import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,7 +40,7 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("torch_ops.cpp", "core/cpu.cpp", "core/qlinear.cpp", "core/qlinear_portable.cpp",
             "core/qlinear_avx2.cpp", "core/qlinear_avx512.cpp", "core/qlinear_neon.cpp", "core/attention.cpp",
             "core/attention_portable.cpp", "core/attention_avx2.cpp", "core/attention_avx512.cpp",
-            "core/attention_neon.cpp", "core/rope.cpp")
+            "core/attention_neon.cpp", "core/rope.cpp", "core/peak.cpp")
 _CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-std=c++17")
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -46,6 +50,7 @@ PATHS = ("portable", "avx2", "avx512", "neon")  # the kernel paths; ids in csrc/
 # by another version (the prefix cache's files) is never read back as if this one had computed
 # it. 2: an attention score is one chain over the dimension pairs.
 ARITHMETIC_VERSION = 2
+PEAK_KINDS = ("int8", "bf16", "bf16_native", "int8_pair")  # what a peak loop stands for; ids in csrc/core/peak.h
 CPU_ENV = "SPECEXTEND_CPU"
 
 
@@ -162,13 +167,63 @@ def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, *, no
     [gate | up]); each is applied in the same pass that quantizes the row. out: a contiguous
     float32 [rows, n] to write y into (and return) instead of a new tensor.
     """
-    return load().qlinear(x, w.blobs, w.formats, w.widths, w.offsets, w.groups, bias, norm, eps, silu_mul,
-                          residual, _path_id(), out)
+    args = (x, w.blobs, w.formats, w.widths, w.offsets, w.groups, bias, norm, eps, silu_mul, residual, _path_id(), out)
+    if _clock is not None:
+        return _clock.time("linear", load().qlinear, args)
+    return load().qlinear(*args)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor | None) -> torch.Tensor:
     """Row-independent attention of new tokens q [H, T, D] over a bfloat16 cache k, v [Hkv, S, D]."""
+    if _clock is not None:
+        return _clock.time("attention", load().attend, (q, k, v, tree_mask, _path_id()))
     return load().attend(q, k, v, tree_mask, _path_id())
+
+
+@dataclass
+class KernelClock:
+    """Wall seconds spent inside the linear-layer (`qlinear`) and attention (`attend`) kernels."""
+
+    linear_s: float = 0.0
+    attention_s: float = 0.0
+    linear_calls: int = 0
+    attention_calls: int = 0
+
+    def time(self, part: str, fn: Callable[..., torch.Tensor], args: tuple[Any, ...]) -> torch.Tensor:
+        t = time.perf_counter()
+        y = fn(*args)
+        dt = time.perf_counter() - t
+        if part == "linear":
+            self.linear_s += dt
+            self.linear_calls += 1
+        else:
+            self.attention_s += dt
+            self.attention_calls += 1
+        return y
+
+
+_clock: KernelClock | None = None
+
+
+@contextlib.contextmanager
+def clocked() -> Iterator[KernelClock]:
+    """Time every `qlinear` and `attend` call made inside the block (the runtime bench's split of a
+    forward into linear layers and attention); the kernels run as they always do. Not reentrant."""
+    global _clock
+    if _clock is not None:
+        raise RuntimeError("kernels.clocked() is already active")
+    _clock = KernelClock()
+    try:
+        yield _clock
+    finally:
+        _clock = None
+
+
+def peak(path: str, kind: str, seconds: float, repeats: int) -> dict[str, Any] | None:
+    """One register-only multiply-add loop of `path` (csrc/core/peak.h) on every thread of the pool:
+    its instruction and note, and each repeat's wall seconds and multiply-adds (all threads);
+    None where the path has no loop of that `kind` (PEAK_KINDS)."""
+    return load().peak(PATHS.index(path), PEAK_KINDS.index(kind), seconds, repeats)
 
 
 _resolved: tuple[str, int] | None = None
@@ -181,6 +236,15 @@ def _path_id() -> int:
     if _resolved is None or _resolved[0] != env:
         _resolved = (env, path_id())
     return _resolved[1]
+
+
+def cpu_name() -> str:
+    """The CPU's model name (measured costs and peaks are kept per machine)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 def describe() -> str:

@@ -34,6 +34,13 @@ DRAFT_DTYPE_HELP = ("the draft's dtype (default: float32 with quantized draft we
                     "with native bf16 if --dtype is float32; else --dtype)")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (the contract's 'one clear line'), exit 2."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 # --------------------------------------------------------------------------- models
 
 

@@ -1,11 +1,17 @@
-"""Runtime micro-benchmark: load time, prefill speed, decode and verification cost, and the
-memory-bandwidth floor of a decode step.
+"""Runtime micro-benchmark: load, prefill, decode and verification costs against the machine's floors.
+
+Load time, prefill speed, the cost of a forward of 1 to N rows over a cached context, the
+memory-bandwidth floor of a decode step, and prefill and many-row forwards against the CPU's
+compute floor (the roofline).
 
     python -m specextend.bench.runtime [--target REF] [--dtype float32] [--context 2048]
-                                       [--rows 1,4,8,16] [--json]
+                                       [--rows 1,4,8,16] [--prefill-lengths 512,2048] [--json]
 
-The floor is (weight bytes read per forward) / (measured memory read bandwidth): no
-implementation can run a decode step faster on this machine.
+The memory floor is (weight bytes read per forward) / (measured memory read bandwidth): no
+implementation can run a decode step faster on this machine. The compute floor (quantized
+kernels) is the forward's multiply-adds counted from the model's shape, the linear layers' at the
+int8 peak and attention's at the bfloat16 peak of the kernel path (`specextend kernels --peak`);
+prefill is timed whole and inside the linear-layer and attention kernels (`kernels.clocked`).
 """
 
 from __future__ import annotations
@@ -17,9 +23,11 @@ import time
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
+from .. import kernels, roofline
 from ..models.loader import QUANTIZED_WEIGHTS
-from ..options import add_model_arguments, model_options
+from ..options import OneLineParser, add_model_arguments, model_options
 
 
 def read_bandwidth_gbs(mb: int = 1024, repeats: int = 5) -> float:
@@ -63,14 +71,30 @@ def elapsed(fn) -> float:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     add_model_arguments(ap, draft=False)
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--rows", default="1,2,4,8,16,32")
     ap.add_argument("--prefill-tokens", type=int, default=1024)
+    ap.add_argument("--prefill-lengths", default="512,2048",
+                    help="prompt lengths whose prefill is timed against the compute floor, split into linear "
+                         "layers and attention (quantized kernels; '' skips; default 512,2048)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", action="store_true")
     return ap
+
+
+def _counts(ap: argparse.ArgumentParser, flag: str, text: str, allow_empty: bool = False) -> list[int]:
+    """Comma-separated whole numbers of at least 1 (exit 2 with one line otherwise)."""
+    if allow_empty and not text.strip():
+        return []
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        ap.error(f"{flag}: comma-separated whole numbers, not {text!r}")
+    if min(values) < 1:
+        ap.error(f"{flag}: every number must be at least 1")
+    return values
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,10 +102,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = _parser()
     a = ap.parse_args(argv)
-    try:
-        rows = [int(r) for r in a.rows.split(",")]
-    except ValueError:
-        ap.error(f"--rows: comma-separated whole numbers, not {a.rows!r}")
+    rows = _counts(ap, "--rows", a.rows)
+    lengths = _counts(ap, "--prefill-lengths", a.prefill_lengths, allow_empty=True)
     if min([a.context, a.prefill_tokens, a.repeats, *rows]) < 1:
         ap.error("--context, --prefill-tokens, --repeats and --rows must be at least 1")
     if a.device != "cpu":
@@ -92,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     prepared = api.prepare(a.target, load_draft=False, **model_options(a))
     t = time.perf_counter()
     pair = prepared.load()
+    too_long = [n for n in lengths if n > pair.target.cfg.max_position]
+    if too_long:
+        ap.error(f"--prefill-lengths: {too_long[0]} tokens is beyond the model's {pair.target.cfg.max_position} "
+                 "positions")
     res: dict[str, Any] = {"model": str(pair.target_path), "dtype": a.dtype, "weights": pair.target.weights,
                            "load_s": time.perf_counter() - t, "threads": torch.get_num_threads(),
                            "cpu_kernels": cpu_kernels(pair.target)}
@@ -100,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     bw = read_bandwidth_gbs()
     wb = weight_bytes_per_forward(pair.target)
     res.update(read_bandwidth_gbs=bw, weight_bytes=wb, floor_s=wb / (bw * 1e9))
+    if res["cpu_kernels"] is not None:
+        res["roofline"] = measure_roofline(pair.target, res, lengths)
     print(json.dumps(res, indent=2) if a.json else report(res, a.prefill_tokens))
     return 0
 
@@ -148,6 +176,83 @@ def step_costs(model: Any, context: int, rows: list[int], repeats: int) -> dict[
     return out
 
 
+# --------------------------------------------------------------------------- the roofline
+
+
+def measure_roofline(model: Any, res: dict[str, Any], lengths: list[int]) -> dict[str, Any]:
+    """The kernel path's peaks, prefill at each of `lengths`, and `res`'s many-row forwards
+    against the compute floor. The floor divides by the best peaks recorded on this machine (noise
+    only lowers a measurement); this run's own are reported beside them."""
+    path = res["cpu_kernels"]
+    measured = roofline.measure(paths=[path])
+    loops = measured["paths"][path]["loops"]
+    peaks = roofline.floor_peaks(measured, path)
+    return {
+        "path": path, "cpu": measured["cpu"], "threads": measured["threads"],
+        "kernel_build": measured["kernel_build"],
+        "peak_gmac_per_s": peaks,
+        "peak_measured_now_gmac_per_s": {k: loops[k]["gmac_per_s"] for k in roofline.FLOOR_KINDS},
+        "peak_instruction": {k: loops[k]["instruction"] for k in roofline.FLOOR_KINDS},
+        "prefill": prefill_roofline(model, lengths, peaks),
+        "rows": rows_roofline(model, res, peaks),
+    }
+
+
+def against_floor(macs: roofline.Macs, seconds: float, clock: kernels.KernelClock | None,
+                  peaks: dict[str, float]) -> dict[str, Any]:
+    """A forward of `macs` that took `seconds`, against the compute floor at `peaks`; with the
+    kernels' clock, its linear-layer and attention parts against their own peaks."""
+    floor = roofline.floor_s(macs, peaks["int8"], peaks["bf16"])
+    out: dict[str, Any] = {
+        "seconds": seconds, "linear_gmacs": macs.linear / 1e9, "attention_gmacs": macs.attention / 1e9,
+        "sustained_gmac_per_s": macs.total / seconds / 1e9, "floor_s": floor, "share_of_floor": floor / seconds,
+    }
+    if clock is not None:
+        out["linear_s"], out["attention_s"] = clock.linear_s, clock.attention_s
+        out["other_s"] = seconds - clock.linear_s - clock.attention_s  # RoPE, embedding, Python
+        for part, kind, m, s in (("linear", "int8", macs.linear, clock.linear_s),
+                                 ("attention", "bf16", macs.attention, clock.attention_s)):
+            rate = m / s / 1e9 if s > 0 else 0.0
+            out[f"{part}_gmac_per_s"] = rate
+            out[f"{part}_share_of_peak"] = rate / peaks[kind]
+    return out
+
+
+def prefill_roofline(model: Any, lengths: list[int], peaks: dict[str, float]) -> list[dict[str, Any]]:
+    """Each length prefilled once from an empty cache (a random prompt: the arithmetic does not
+    depend on the tokens), timed whole and inside the kernels."""
+    if not lengths:
+        return []
+    longest = max(lengths)
+    cache = model.new_cache(longest)
+    ids = torch.randint(0, model.cfg.vocab_size, (longest,))
+    model.prefill(ids[: min(512, longest)], cache)  # warm-up: buffers and first-use costs stay out
+    out = []
+    for n in tqdm(lengths, desc="prefill against the roofline", unit="prompt", file=sys.stderr):
+        cache.reset()
+        with kernels.clocked() as clock:
+            t = time.perf_counter()
+            model.prefill(ids[:n], cache)
+            seconds = time.perf_counter() - t
+        row = {"tokens": n, "tokens_per_s": n / seconds}
+        row.update(against_floor(roofline.prefill_macs(model.cfg, n), seconds, clock, peaks))
+        out.append(row)
+    return out
+
+
+def rows_roofline(model: Any, res: dict[str, Any], peaks: dict[str, float]) -> dict[str, Any]:
+    """The many-row forwards `step_costs` timed (best of its repeats, logits for every row),
+    against the compute floor and against the roofline's floor (the higher of compute and memory)."""
+    context = res["context"]
+    out = {}
+    for r, seconds in res["forward_s_at_context"].items():
+        row = against_floor(roofline.forward_macs(model.cfg, int(r), context, logits=int(r)), seconds, None, peaks)
+        row["roofline_floor_s"] = max(row["floor_s"], res["floor_s"])
+        row["share_of_roofline"] = row["roofline_floor_s"] / seconds
+        out[r] = row
+    return out
+
+
 def report(res: dict[str, Any], prefill_tokens: int) -> str:
     """The measurements as text."""
     lines = [f"model {res['model']} ({res['dtype']}, {res['weights']} weights, kernels {res['cpu_kernels']}), "
@@ -161,6 +266,33 @@ def report(res: dict[str, Any], prefill_tokens: int) -> str:
         lines.append(f"  {int(r):3d} new tokens: {seconds * 1e3:7.1f} ms{extra}")
     lines.append(f"floor: {res['weight_bytes'] / 1e9:.2f} GB of weights / {res['read_bandwidth_gbs']:.1f} GB/s read "
                  f"bandwidth = {res['floor_s'] * 1e3:.0f} ms")
+    if "roofline" in res:
+        lines.append(roofline_report(res["roofline"]))
+    return "\n".join(lines)
+
+
+def roofline_report(rf: dict[str, Any]) -> str:
+    """The roofline part of the report: the peaks, then prefill and the many-row forwards."""
+    pk, now, ins = rf["peak_gmac_per_s"], rf["peak_measured_now_gmac_per_s"], rf["peak_instruction"]
+    lines = [f"compute floor ({rf['path']} kernels, {rf['cpu']}, {rf['threads']} threads): linear layers at the int8 "
+             f"peak {pk['int8']:.0f} G MAC/s ({ins['int8']}; {now['int8']:.0f} this run), attention at the bf16 "
+             f"peak {pk['bf16']:.0f} G MAC/s ({ins['bf16']}; {now['bf16']:.0f} this run)"]
+    if rf["prefill"]:
+        head = ("tokens", "tok/s", "time s", "floor s", "of floor", "linear G/s", "of int8", "attn G/s",
+                "of bf16", "lin s", "attn s", "other s")
+        rows = [head] + [
+            (str(p["tokens"]), f"{p['tokens_per_s']:.1f}", f"{p['seconds']:.2f}", f"{p['floor_s']:.2f}",
+             f"{p['share_of_floor']:.0%}", f"{p['linear_gmac_per_s']:.0f}", f"{p['linear_share_of_peak']:.0%}",
+             f"{p['attention_gmac_per_s']:.0f}", f"{p['attention_share_of_peak']:.0%}", f"{p['linear_s']:.2f}",
+             f"{p['attention_s']:.2f}", f"{p['other_s']:.2f}")
+            for p in rf["prefill"]]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        lines.append("prefill (one run per length):")
+        lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines.append("forwards over the cache: share of the compute floor / of the roofline (max of compute and memory)")
+    for r, row in rf["rows"].items():
+        lines.append(f"  {int(r):3d} new tokens: {row['share_of_floor']:5.1%} / {row['share_of_roofline']:5.1%}  "
+                     f"({row['sustained_gmac_per_s']:.0f} G MAC/s sustained)")
     return "\n".join(lines)
 
 

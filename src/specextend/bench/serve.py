@@ -11,6 +11,8 @@
     python -m specextend.bench.serve concurrent --clients 16 --max-tokens 128 --out results/serve-16short
     python -m specextend.bench.serve during --data ../shared/data/govreport/govreport_8K.jsonl \
         --out results/serve-during-8K
+    python -m specextend.bench.serve replicas --data ../shared/data/govreport/govreport_2K.jsonl \
+        --replicas 2 --docs 2 --questions 3 --ar --out results/serve-replicas-2K.json
 
 `--start ARGS` starts `specextend serve --port 0 -q ARGS` for the run (its log goes next to
 `--out`) and stops it afterwards; `--url URL` measures a server already running instead.
@@ -23,6 +25,12 @@ plus streams abandoned after their first chunk, counting every outcome by kind a
 server's resident memory (from /proc) against the prefix cache's cap. `concurrent` and `during`:
 many clients at once against our server, the same server one request at a time, and llama.cpp's
 `llama-server -np N` (bench/concurrent.py), written as JSON, a Markdown table and a plot.
+`replicas`: `serve --replicas N` once per routing (affinity, round-robin), each time asking
+`--questions` questions about each of `--docs` documents (records 0.. of `--data`), one request
+at a time, the documents interleaved so that round-robin sends a document's questions to
+different replicas; reports each request's replica, cached prompt tokens and time to first
+token, and the follow-up questions' time to first token as a share of the first questions';
+with `--ar`, whether each answer equals `specextend generate --method ar`'s.
 """
 
 from __future__ import annotations
@@ -323,10 +331,79 @@ def _concurrent(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def replicas(args: argparse.Namespace) -> dict[str, Any]:
+    docs = [text_at(args.data, i) for i in range(args.docs)]
+    order = [(d, q) for q in range(args.questions)
+             for d in (range(args.docs) if q % 2 == 0 else reversed(range(args.docs)))]
+    questions = [f"Question {q + 1}: {QUESTIONS[q % len(QUESTIONS)]}" for q in range(args.questions)]
+    runs: dict[str, list[dict[str, Any]]] = {}
+    summary: dict[str, dict[str, Any]] = {}
+    for routing in args.routing.split(","):
+        out = args.out or Path("results/serve-replicas.json")
+        flags = f"--replicas {args.replicas} --routing {routing} {args.serve_args}"
+        with started(flags, out.with_suffix(f".{routing}.server.log")) as (url, _):
+            client = _client(url)
+            rows = []
+            for d, q in order:
+                r = _stream_one(client, f"{docs[d]}\n\n{questions[q]}", args.max_tokens)
+                spec = r["usage"]["speculative"]
+                row = {"doc": d, "question": q, "replica": spec["replica"], "ttft_s": r["ttft_s"],
+                       "total_s": r["total_s"], "prompt_tokens": r["usage"]["prompt_tokens"],
+                       "cached_prompt_tokens": spec["cached_prompt_tokens"], "prefill_s": spec["prefill_s"],
+                       "text": r["text"], "completion_tokens": r["usage"]["completion_tokens"]}
+                rows.append(row)
+                print(f"{routing}: doc {d} question {q + 1} on {row['replica']}: ttft {row['ttft_s']:.2f} s, "
+                      f"{row['cached_prompt_tokens']} of {row['prompt_tokens']} prompt tokens cached", flush=True)
+            health = _health(url)
+        firsts = [r["ttft_s"] for r in rows if r["question"] == 0]
+        follow = [r["ttft_s"] for r in rows if r["question"] > 0]
+        mean_first, mean_follow = sum(firsts) / len(firsts), sum(follow) / max(1, len(follow))
+        summary[routing] = {
+            "first_ttft_s": mean_first, "follow_up_ttft_s": mean_follow, "follow_up_share": mean_follow / mean_first,
+            "follow_ups_cached": sum(r["cached_prompt_tokens"] >= 0.9 * r["prompt_tokens"]
+                                     for r in rows if r["question"] > 0),
+            "follow_ups": len(follow), "replicas_per_doc": {d: sorted({r["replica"] for r in rows if r["doc"] == d})
+                                                            for d in range(args.docs)},
+            "health_after": health}
+        runs[routing] = rows
+        print(f"{routing}: follow-up time to first token {100 * summary[routing]['follow_up_share']:.1f}% of the "
+              f"first question's ({mean_follow:.2f} s / {mean_first:.2f} s)", flush=True)
+    if args.ar:
+        for d, q in sorted(set(order)):
+            cmd = [sys.executable, "-m", "specextend.cli", "generate", "--json", "-q", "--chat", "--prompt-file", "-",
+                   "--method", "ar", "--max-new-tokens", str(args.max_tokens), *shlex.split(args.generate_args)]
+            out = subprocess.run(cmd, input=f"{docs[d]}\n\n{questions[q]}", capture_output=True, text=True,
+                                 check=True)
+            text = json.loads(out.stdout)["text"]
+            for rows in runs.values():
+                for r in rows:
+                    if (r["doc"], r["question"]) == (d, q):
+                        r["matches_ar"] = r["text"] == text
+        for routing, rows in runs.items():
+            summary[routing]["all_match_ar"] = all(r["matches_ar"] for r in rows)
+            print(f"{routing}: every answer equals ar's: {summary[routing]['all_match_ar']}", flush=True)
+    return {"data": args.data, "docs": args.docs, "questions": args.questions, "replicas": args.replicas,
+            "serve_args": args.serve_args, "max_tokens": args.max_tokens, "summary": summary, "runs": runs}
+
+
 def _server_options(p: argparse.ArgumentParser) -> None:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="a running server's base URL (http://127.0.0.1:8000)")
     where.add_argument("--start", metavar="ARGS", help="start `specextend serve --port 0 -q ARGS` for the run")
+
+
+def _add_replicas(sub: Any) -> None:
+    r = sub.add_parser("replicas", help="serve --replicas: follow-up questions' time to first token per routing")
+    r.add_argument("--data", required=True, help="a JSONL file with field `text`: records 0.. are the documents")
+    r.add_argument("--replicas", type=int, default=2)
+    r.add_argument("--routing", default="affinity,round-robin", help="routings to run, in turn")
+    r.add_argument("--docs", type=int, default=2)
+    r.add_argument("--questions", type=int, default=3)
+    r.add_argument("--max-tokens", type=int, default=32)
+    r.add_argument("--serve-args", default="", metavar="ARGS", help="more flags for `specextend serve`")
+    r.add_argument("--ar", action="store_true", help="check every answer against `specextend generate --method ar`")
+    r.add_argument("--generate-args", default="", metavar="ARGS", help="model flags for generate (with --ar)")
+    r.add_argument("--out", type=Path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -368,13 +445,14 @@ def main(argv: list[str] | None = None) -> int:
             q.add_argument("--running-tokens", type=int, default=256)
             q.add_argument("--doc-at", type=float, default=3.0, help="seconds after the streams start")
             q.add_argument("--after", type=float, default=2.0, help="the short prompt, seconds after the document")
+    _add_replicas(sub)
     args = p.parse_args(argv)
     if args.what in ("concurrent", "during"):
         result = _concurrent(args)
         (args.out / "result.json").write_text(json.dumps(result, indent=1))
         return 0
-    if args.what == "compare":
-        result = compare(args)
+    if args.what in ("compare", "replicas"):
+        result = compare(args) if args.what == "compare" else replicas(args)
     elif args.start is not None:
         log = (args.out or Path("results/serve.json")).with_suffix(".server.log")
         with started(args.start, log) as (url, pid):
@@ -385,9 +463,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
-    if args.what == "compare" and not result["all_equal"]:
-        return 1
-    return 0
+    return 1 if _differs(args, result) else 0
+
+
+def _differs(args: argparse.Namespace, result: dict[str, Any]) -> bool:
+    """Whether an answer differed from what it is checked against (compare, replicas --ar)."""
+    if args.what == "compare":
+        return not result["all_equal"]
+    return args.what == "replicas" and args.ar and not all(v["all_match_ar"] for v in result["summary"].values())
 
 
 if __name__ == "__main__":

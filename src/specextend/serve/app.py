@@ -11,8 +11,11 @@ the server and answered 500 without it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import socket
+import sys
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -103,9 +106,12 @@ class Server:
             {"id": self.model_id, "object": "model", "created": self.started, "owned_by": "specextend"}]})
 
     async def health(self, request: HTTPRequest) -> Response:
+        return JSONResponse(finite_json(self.health_body()))
+
+    def health_body(self) -> dict[str, Any]:
         sched = self.scheduler
         cache = self.pair.prefix_cache
-        return JSONResponse({
+        return {
             "status": "ok",
             "model": self.model_id,
             "busy": bool(sched and sched.running),
@@ -115,7 +121,7 @@ class Server:
             "completed": sched.completed if sched else 0,
             "batch": sched.stats() if sched else None,
             "prefix_cache": cache.stats() if cache is not None else None,
-        })
+        }
 
     # ----------------------------------------------------------------- generation
 
@@ -123,31 +129,51 @@ class Server:
         try:
             req = protocol.parse(kind, await _json_body(request), self.defaults)  # type: ignore[arg-type]
             ids = self._encode(req)
-            job = Job(ids, req.settings, req.stops, asyncio.get_running_loop(), self._grammar(req), req.logprobs)
-            assert self.scheduler is not None
-            self.scheduler.submit(job)
+            job = self.job(req, ids)
+            self.submit(job)
         except APIError as e:
             return _error(e)
-        except QueueFull as e:
-            return _error(APIError(429, f"the server is busy ({self.max_queue} requests already waiting); retry "
-                                        f"in {e.retry_after} s", type="rate_limit_error", code="queue_full",
-                                   headers={"Retry-After": str(e.retry_after)}))
-        except TooLarge as e:
-            return _error(APIError(400, str(e), param="max_tokens", code="kv_budget_exceeded"))
         rid, created = protocol.new_id(kind), protocol.now()
         if req.stream:
+            try:
+                headers = await self._started(job, request)
+            except APIError as e:
+                return _error(e)
             return StreamingResponse(self._events(job, kind, rid, created, req.include_usage),
                                      media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
         try:
             outcome = await self._wait(job, request)
         except APIError as e:
             return _error(e)
         if outcome is None:  # the client is gone; nobody reads this
             return Response(status_code=499)
-        use = protocol.usage(outcome.result, outcome.queue_s)
+        use = protocol.usage(outcome.result, outcome.queue_s, outcome.replica)
         return _json(protocol.response(kind, rid, created, self.model_id, outcome.text, outcome.finish_reason, use,
-                                       outcome.result.logprobs))
+                                       outcome.result.logprobs), headers=protocol.replica_header(outcome.replica))
+
+    def submit(self, job: Job) -> None:
+        """Queue a job (on the event loop); APIError when it cannot be taken: 429 with Retry-After
+        while the queue is full, 400 for caches larger than the KV budget."""
+        assert self.scheduler is not None
+        try:
+            self.scheduler.submit(job)
+        except QueueFull as e:
+            raise APIError(429, f"the server is busy ({self.max_queue} requests already waiting); retry in "
+                                f"{e.retry_after} s", type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(e.retry_after)}) from None
+        except TooLarge as e:
+            raise APIError(400, str(e), param="max_tokens", code="kv_budget_exceeded") from None
+
+    def job(self, req: protocol.Request, ids: list[int]) -> Job:
+        """The generation a checked, tokenized request asks for (on the running event loop)."""
+        return Job(ids, req.settings, req.stops, asyncio.get_running_loop(), self._grammar(req), req.logprobs)
+
+    async def _started(self, job: Job, request: HTTPRequest) -> dict[str, str]:
+        """Headers of a streamed response, sent before its first chunk: none here (a front end over
+        replicas waits for the replica's first event and names it, or raises the APIError that
+        ended the request before it started)."""
+        return {}
 
     def _grammar(self, req: protocol.Request) -> Grammar | None:
         """The request's response_format compiled (cached per grammar); APIError(400) otherwise."""
@@ -171,7 +197,7 @@ class Server:
             self.encoder.check_fits(len(ids), req.settings)
         except UserError as e:
             raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
-        if req.settings.uses_draft and self.pair.draft is None:
+        if req.settings.uses_draft and self.encoder.draft_path is None:
             raise APIError(400, f"method {req.settings.method!r} needs a draft model; this server has none",
                            param="method")
         return ids
@@ -198,7 +224,7 @@ class Server:
                 elif kind == "cancelled":
                     return None
                 else:
-                    raise _generation_error(value)
+                    raise generation_error(value)
         finally:
             if getter is not None:
                 getter.cancel()
@@ -221,14 +247,14 @@ class Server:
                 elif event == "done":
                     yield _sse(protocol.chunk(kind, rid, created, model, None, finish=value.finish_reason))
                     if include_usage:
-                        use = protocol.usage(value.result, value.queue_s)
+                        use = protocol.usage(value.result, value.queue_s, value.replica)
                         yield _sse(protocol.usage_chunk(kind, rid, created, model, use))
                     yield "data: [DONE]\n\n"
                     return
                 elif event == "cancelled":
                     return
                 else:
-                    yield _sse(_generation_error(value).body())
+                    yield _sse(generation_error(value).body())
                     yield "data: [DONE]\n\n"
                     return
         finally:
@@ -246,11 +272,30 @@ async def _json_body(request: HTTPRequest) -> Any:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
 
 
-def _generation_error(e: BaseException) -> APIError:
+def generation_error(e: BaseException) -> APIError:
+    """The OpenAI-shaped error a failed generation is answered with (an unexpected one is logged)."""
+    if isinstance(e, APIError):
+        return e
     if isinstance(e, UserError):
         return APIError(400, str(e))
     log.error("generation failed", exc_info=e)
     return APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
+
+
+def run_http(server: Server, sock: socket.socket, quiet: bool) -> None:
+    """Announce the address and serve `server`'s routes on `sock` until Ctrl-C."""
+    import uvicorn
+
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"specextend: serving {server.model_id} ({server.defaults.method}) on http://{shown}:{port}/v1",
+          file=sys.stderr, flush=True)
+    config = uvicorn.Config(server.app(), log_level="warning" if quiet else "info", access_log=not quiet,
+                            timeout_graceful_shutdown=5)
+    # uvicorn shuts down gracefully on Ctrl-C, then re-raises it: a normal stop for a server.
+    with contextlib.suppress(KeyboardInterrupt):
+        uvicorn.Server(config).run(sockets=[sock])
+    print("specextend: server stopped", file=sys.stderr, flush=True)
 
 
 def _json(obj: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> JSONResponse:

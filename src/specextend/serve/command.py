@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
+import importlib.util
 import logging
 import socket
 import sys
-from pathlib import Path
 
 from ..errors import UserError
-from ..options import add_model_arguments, add_settings_arguments, model_options, settings_from_args
-from .scheduler import DEFAULT_MAX_BATCH, KV_SHARE, STEP_S, available_memory_mb, default_kv_mb
+from ..options import add_model_arguments, add_settings_arguments, settings_from_args
+from .replica import CACHE_SHARE
+from .scheduler import DEFAULT_MAX_BATCH, KV_SHARE, STEP_S
 
 DEFAULT_MAX_QUEUE = 16
-CACHE_SHARE = 0.4  # of the memory still available once the models are loaded
-MIN_DEFAULT_CACHE_MB = 256
+INSTALL_CLUSTER = "pip install -e '.[cluster]'"
+ROUTINGS = ("affinity", "round-robin")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,12 +42,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-disk-mb", type=float, default=None,
                    help="cap of --cache-dir in MB (default: --cache-mb)")
     g.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
-
-
-def default_cache_mb(reserved_mb: float = 0.0) -> float:
-    """The prefix cache's share of the memory available, less `reserved_mb` (the KV budget)."""
-    avail = available_memory_mb()
-    return 2048.0 if avail is None else max(MIN_DEFAULT_CACHE_MB, CACHE_SHARE * (avail - reserved_mb))
+    c = p.add_argument_group("replicas (Ray Serve; needs the cluster extra: " + INSTALL_CLUSTER + ")")
+    c.add_argument("--replicas", type=int, default=None,
+                   help="serve with N replicas of the model pair on a Ray cluster, each request routed to the "
+                        "replica that holds its document (default: one server in this process, no Ray)")
+    c.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (e.g. auto, or HOST:6379 of a `ray start --head`); default: start "
+                        "a local one")
+    c.add_argument("--routing", choices=ROUTINGS, default=None,
+                   help="affinity: the replica whose prefix cache holds the prompt's longest prefix, else the one "
+                        "its leading tokens hash to, else the least loaded; round-robin: each in turn (default: "
+                        "affinity)")
+    c.add_argument("--replica-cpus", type=float, default=None,
+                   help="CPUs (and threads) each replica takes (default: a node's CPUs shared by the replicas "
+                        "that may land on it)")
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -81,43 +89,36 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError(f"--kv-mb must be a number > 0, got {args.kv_mb}")
     if args.cache_disk_mb is not None and args.cache_dir is None:
         raise UserError("--cache-disk-mb needs --cache-dir")
+    if args.replicas is None:
+        for name in ("ray_address", "routing", "replica_cpus"):
+            if getattr(args, name) is not None:
+                raise UserError(f"--{name.replace('_', '-')} needs --replicas")
+        return
+    if args.replicas < 1:
+        raise UserError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.replica_cpus is not None and not 0 < args.replica_cpus < float("inf"):
+        raise UserError(f"--replica-cpus must be a number > 0, got {args.replica_cpus}")
+    if importlib.util.find_spec("ray") is None:
+        raise UserError(f"--replicas needs Ray Serve: {INSTALL_CLUSTER}")
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from .. import api
-    from .app import Server
+    from .app import run_http
 
     logging.basicConfig(stream=sys.stderr, format="specextend: %(message)s",
                         level=logging.WARNING if args.quiet else logging.INFO)
     logging.getLogger("specextend").setLevel(logging.WARNING if args.quiet else logging.INFO)
-    defaults = settings_from_args(args)
+    settings_from_args(args)  # bad settings fail here, before anything loads
     _check(args)
     sock = listen(args.host, args.port)  # before the slow part: a taken port fails at once
-    prepared = api.prepare(args.target, args.draft, **model_options(args), progress=not args.quiet)
-    encoder = prepared.with_own_tokenizer()
-    pair = prepared.load()
-    # The KV budget's default share is of the memory available now; the prefix cache's of what is left.
-    kv_mb = args.kv_mb if args.kv_mb is not None else default_kv_mb()
-    cache_mb = default_cache_mb(kv_mb) if args.cache_mb is None else args.cache_mb
-    if cache_mb > 0 or args.cache_dir is not None:
-        cache = pair.enable_prefix_cache(cache_mb, Path(args.cache_dir) if args.cache_dir else None,
-                                         args.cache_disk_mb)
-        where = f", mirrored in {args.cache_dir}" if args.cache_dir else ""
-        logging.getLogger("specextend.serve").info("prefix cache: up to %.0f MB%s (%d entries on disk)", cache_mb,
-                                                   where, cache.stats().get("disk_entries", 0))
-    model_id = prepared.target_path.name
-    server = Server(pair, encoder, defaults, args.max_queue, model_id,
-                    batching=dict(max_batch=args.max_batch, step_tokens=args.step_tokens, kv_mb=kv_mb))
-    host, port = sock.getsockname()[:2]
-    shown = f"[{host}]" if ":" in host else host
-    print(f"specextend: serving {model_id} ({defaults.method}) on http://{shown}:{port}/v1", file=sys.stderr,
-          flush=True)
-    config = uvicorn.Config(server.app(), log_level="warning" if args.quiet else "info", access_log=not args.quiet,
-                            timeout_graceful_shutdown=5)
-    # uvicorn shuts down gracefully on Ctrl-C, then re-raises it: a normal stop for a server.
-    with contextlib.suppress(KeyboardInterrupt):
-        uvicorn.Server(config).run(sockets=[sock])
-    print("specextend: server stopped", file=sys.stderr, flush=True)
+    if args.replicas is not None:
+        try:
+            from .cluster import run_replicas  # Ray is an optional extra, imported only here
+        except ImportError as e:  # Ray without its serve packages
+            raise UserError(f"--replicas needs Ray Serve ({e}): {INSTALL_CLUSTER}") from None
+
+        return run_replicas(args, sock)
+    from .replica import build
+
+    run_http(build(args), sock, args.quiet)
     return 0

@@ -36,6 +36,7 @@ class Outcome:
     finish_reason: str  # OpenAI's: "stop" (end of sequence or a stop string) or "length"
     result: Result
     queue_s: float
+    replica: str | None = None  # the replica that served it, where there are several
 
 
 @dataclass

@@ -280,11 +280,11 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(result: Any, queue_s: float) -> dict[str, Any]:
+def usage(result: Any, queue_s: float, replica: str | None = None) -> dict[str, Any]:
     """OpenAI's token counts (cached prompt tokens as OpenAI reports them) and the speculative
-    decoding statistics of this one request."""
+    decoding statistics of this one request (with `replica`, the replica that served it)."""
     phases = result.phases
-    return {
+    out = {
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.new_tokens,
         "total_tokens": result.prompt_tokens + result.new_tokens,
@@ -303,6 +303,17 @@ def usage(result: Any, queue_s: float) -> dict[str, Any]:
             "queue_s": queue_s,
         },
     }
+    if replica is not None:
+        out["speculative"]["replica"] = replica
+    return out
+
+
+REPLICA_HEADER = "x-specextend-replica"
+
+
+def replica_header(replica: str | None) -> dict[str, str] | None:
+    """The response header that names the replica that served it (served by replicas only)."""
+    return {REPLICA_HEADER: replica} if replica is not None else None
 
 
 def logprobs_object(kind: str, entries: list[dict[str, Any]] | None, offset: int = 0) -> dict[str, Any] | None:

@@ -1,0 +1,357 @@
+"""`specextend serve --replicas N`: the same OpenAI API, served by N replicas of the model pair on Ray
+Serve, each request routed to the replica that holds its document.
+
+- A replica (`Replica`, a Ray Serve deployment) is the one-process server (replica.py): its own
+  pair, prefix cache and batching scheduler. Ray starts the replicas, checks their health and
+  restarts one that dies.
+- The front end (`Front`) is this process's HTTP server: it checks and tokenizes a request as the
+  one-process server does, then streams it from a replica through a Ray Serve deployment handle.
+  The handle's router is `Router`, Ray Serve's request-router interface over a policy of
+  routing.py (document affinity, or round-robin for contrast); it counts each replica's
+  requests in flight, which is what "saturated" reads.
+- Faults: a request whose replica is lost (its process died, its node left) before any of its
+  tokens reached the client is sent again to another replica; one that had streamed tokens ends
+  with an OpenAI-shaped error in the stream. A replica's own errors are answered as the
+  one-process server answers them.
+- Each response names its replica (`x-specextend-replica`, `usage.speculative.replica`), and
+  `/health` lists the replicas with their load and cache use as they last reported them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import os
+import socket
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray import serve
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.serve.config import RequestRouterConfig
+from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
+from starlette.requests import Request as HTTPRequest
+
+from ..api import Prepared
+from ..errors import UserError
+from ..settings import Settings
+from . import protocol, router
+from .app import DISCONNECT_POLL_S, Server, generation_error, run_http
+from .jobs import Job
+from .protocol import APIError
+from .replica import build
+from .routing import ROUTERS, Route
+from .scheduler import DEFAULT_MAX_BATCH
+
+log = logging.getLogger("specextend.serve")
+
+APP = "specextend"
+ATTEMPTS = 3  # replicas a request may be tried on when the one serving it is lost
+STATS_PERIOD_S = 1.0  # how often each replica reports its load and cache to the routers
+LOST = (RayActorError, ActorDiedError, ActorUnavailableError, ReplicaUnavailableError)
+
+
+# --------------------------------------------------------------------------- the replicas
+
+
+class Replica:
+    """One Ray Serve replica: the one-process server's pair, prefix cache and scheduler."""
+
+    def __init__(self, args: argparse.Namespace, memory_share: float, threads: int) -> None:
+        import torch
+
+        torch.set_num_threads(threads)
+        logging.basicConfig(format="specextend: %(message)s")
+        logging.getLogger("specextend").setLevel(logging.WARNING if args.quiet else logging.INFO)
+        self.name = serve.get_replica_context().replica_id.unique_id
+        self.node = ray.get_runtime_context().get_node_id()
+        self.server = build(args, memory_share)
+        self.server.scheduler = self.server.start()
+
+    async def generate(self, route: Route, req: protocol.Request) -> AsyncIterator[tuple[str, Any]]:
+        """The request's events as the one-process server's job posts them, after ("replica", name);
+        an error as ("error", APIError's fields). Cancelling the stream cancels the generation."""
+        yield "replica", self.name
+        try:
+            job = self.server.job(req, list(route.ids))
+            self.server.submit(job)
+        except APIError as e:
+            yield "error", _fields(e)
+            return
+        try:
+            while True:
+                kind, value = await job.events.get()
+                if kind == "done":
+                    value.replica = self.name
+                elif kind == "error":
+                    value = _fields(generation_error(value))
+                yield kind, value
+                if kind != "text":
+                    return
+        finally:
+            job.cancel.set()  # the client or the front end is gone: free the batch slot
+
+    def health(self) -> dict[str, Any]:
+        body = self.server.health_body()
+        return {"replica": self.name, "node": self.node, "pid": os.getpid(), "at": time.time(),
+                **{k: body[k] for k in ("running", "waiting", "completed", "batch", "prefix_cache")}}
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Ray Serve polls this (every STATS_PERIOD_S) and hands it to the routers."""
+        return self.health()
+
+    def __del__(self) -> None:
+        if getattr(self, "server", None) is not None and self.server.scheduler is not None:
+            self.server.scheduler.shutdown()
+
+
+def _fields(e: APIError) -> dict[str, Any]:
+    return {"status": e.status, "message": e.message, "type": e.type, "param": e.param, "code": e.code,
+            "headers": e.headers}
+
+
+def _api_error(fields: dict[str, Any]) -> APIError:
+    return APIError(fields["status"], fields["message"], type=fields["type"], param=fields["param"],
+                    code=fields["code"], headers=fields["headers"])
+
+
+# --------------------------------------------------------------------------- the front end
+
+
+@dataclass
+class RemoteJob(Job):
+    """A job whose events come from a replica: `started` is set at its first event for the client
+    (text, done, error, cancelled), by then `replica` names the replica serving it."""
+
+    req: protocol.Request | None = None
+    replica: str | None = None
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+    early: APIError | None = None  # the error that ended it before its first token
+    task: asyncio.Task[None] | None = None
+
+
+class _Flights:
+    """The front end's requests in flight (the lifespan's `scheduler`)."""
+
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.completed = 0
+
+    @property
+    def running(self) -> int:
+        return len(self.tasks)
+
+    def shutdown(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+
+
+class Front(Server):
+    """The HTTP server of `--replicas`: requests are checked and tokenized here, generated on the
+    replicas through `handle` (its router picks the replica)."""
+
+    def __init__(self, encoder: Prepared, defaults: Settings, max_queue: int, model_id: str,
+                 handle: Any, routing: str) -> None:
+        super().__init__(None, encoder, defaults, max_queue, model_id)  # type: ignore[arg-type]
+        self.handle = handle.options(stream=True, method_name="generate")
+        self.routing = routing
+        self.flights = _Flights()
+
+    def start(self) -> Any:
+        return self.flights
+
+    def job(self, req: protocol.Request, ids: list[int]) -> Job:
+        self._grammar(req)  # a bad response_format is refused here; each replica compiles its own (cached)
+        return RemoteJob(ids, req.settings, req.stops, asyncio.get_running_loop(), logprobs=req.logprobs, req=req)
+
+    def submit(self, job: Job) -> None:
+        assert isinstance(job, RemoteJob)
+        job.task = task = asyncio.ensure_future(self._pump(job))
+        self.flights.tasks.add(task)
+        task.add_done_callback(self._landed)
+
+    def _landed(self, task: asyncio.Task[None]) -> None:
+        self.flights.tasks.discard(task)
+        self.flights.completed += 1
+
+    async def _started(self, job: Job, request: HTTPRequest) -> dict[str, str]:
+        """Wait for the replica's first event before the stream's headers go out, so a request
+        retried on another replica before its first token names the replica that served it."""
+        assert isinstance(job, RemoteJob)
+        while not job.started.is_set():
+            try:
+                await asyncio.wait_for(job.started.wait(), DISCONNECT_POLL_S)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    job.cancel.set()
+                    break
+        if job.early is not None:  # answered with its own status, as the one-process server does
+            raise job.early
+        return protocol.replica_header(job.replica) or {}
+
+    def _deliver(self, job: RemoteJob, kind: str, value: Any = None) -> None:
+        if kind == "error" and not job.started.is_set():
+            job.early = value
+        job.started.set()
+        job.events.put_nowait((kind, value))
+
+    async def _pump(self, job: RemoteJob) -> None:
+        """Stream the job from a replica into its events; on a lost replica, try another while no
+        token has reached the client."""
+        assert job.req is not None
+        avoid: list[str] = []
+        streamed = False
+        for attempt in range(ATTEMPTS):
+            replica: str | None = None
+            stream = self.handle.remote(Route(tuple(job.ids), tuple(avoid)), job.req)
+            try:
+                async for kind, value in _until_cancelled(stream, job):
+                    if kind == "replica":
+                        replica = job.replica = value
+                        continue
+                    if kind == "error":
+                        value = _api_error(value)
+                    streamed = streamed or (kind == "text" and job.req.stream)
+                    self._deliver(job, kind, value)
+                    if kind != "text":
+                        return
+                if job.cancel.is_set():
+                    self._deliver(job, "cancelled")
+                    return
+                lost: BaseException = RuntimeError("the stream ended without an answer")
+            except BackPressureError:
+                self._deliver(job, "error", APIError(
+                    429, "every replica is busy; retry in a few seconds", type="rate_limit_error",
+                    code="queue_full", headers={"Retry-After": "5"}))
+                return
+            except LOST as e:
+                lost = e
+            except Exception as e:  # the replica's own failure, not its loss: no retry
+                self._deliver(job, "error", generation_error(e))
+                return
+            where = f"replica {replica}" if replica else "its replica"
+            if streamed:
+                log.warning("%s was lost after streaming part of a request: %s", where, type(lost).__name__)
+                self._deliver(job, "error", APIError(
+                    502, f"{where} was lost while streaming this answer ({type(lost).__name__}); the text "
+                         "sent so far is incomplete: send the request again", type="server_error",
+                    code="replica_lost"))
+                return
+            log.warning("%s was lost before answering (attempt %d of %d): %s", where, attempt + 1, ATTEMPTS,
+                        type(lost).__name__)
+            if replica:
+                avoid.append(replica)
+        self._deliver(job, "error", APIError(
+            503, f"the replicas serving this request were lost {ATTEMPTS} times; retry later",
+            type="server_error", code="replica_lost"))
+
+    def health_body(self) -> dict[str, Any]:
+        router = ROUTERS.get(APP)
+        replicas = router.replicas() if router is not None else []
+        return {"status": "ok" if replicas else "starting", "model": self.model_id, "routing": self.routing,
+                "busy": bool(self.flights.running), "running": self.flights.running,
+                "completed": self.flights.completed, "max_queue": self.max_queue, "replicas": replicas}
+
+
+async def _until_cancelled(stream: Any, job: Job) -> AsyncIterator[tuple[str, Any]]:
+    """The replica's events until the stream ends or the client goes (`job.cancel`), which
+    cancels the stream (and so the replica's generation)."""
+    it = stream.__aiter__()
+    pending: asyncio.Future[Any] | None = None
+    try:
+        while True:
+            pending = pending or asyncio.ensure_future(it.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=DISCONNECT_POLL_S)
+            if not done:
+                if job.cancel.is_set():
+                    return
+                continue
+            try:
+                item = pending.result()
+            except StopAsyncIteration:
+                return
+            pending = None
+            yield item
+    finally:
+        if pending is not None and not pending.done():
+            pending.cancel()
+        stream.cancel()
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def placement(replicas: int, replica_cpus: float | None) -> tuple[float, int, float]:
+    """Each replica's CPUs (a Ray resource), its threads, and its share of a machine's memory: the
+    replicas that may land on one node share it (ceil(replicas / nodes) of them)."""
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    per_node = math.ceil(replicas / max(1, len(nodes)))
+    if replica_cpus is None:
+        smallest = min((n.get("Resources", {}).get("CPU", 1.0) for n in nodes), default=1.0)
+        replica_cpus = max(1.0, math.floor(smallest / per_node))
+    return replica_cpus, max(1, int(replica_cpus)), 1.0 / per_node
+
+
+def _await_reports(replicas: int, timeout_s: float = 10 * STATS_PERIOD_S + 20) -> None:
+    """Wait until the router knows every replica and has its first report (what /health shows)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        router = ROUTERS.get(APP)
+        seen = router.replicas() if router is not None else []
+        if len(seen) >= replicas and all(r["reported_s_ago"] is not None for r in seen):
+            return
+        time.sleep(0.2)
+    log.warning("not every replica has reported its load yet; /health shows them as they do")
+
+
+def run_replicas(args: argparse.Namespace, sock: socket.socket) -> int:
+    from .. import api
+    from ..options import model_options, settings_from_args
+
+    defaults = settings_from_args(args)
+    encoder = api.prepare(args.target, args.draft, **model_options(args), progress=not args.quiet)
+    routing = args.routing or "affinity"
+    level = logging.WARNING if args.quiet else logging.INFO
+    logging.getLogger("ray.serve").setLevel(level)
+    try:
+        if args.ray_address:
+            ray.init(address=args.ray_address, logging_level=level, log_to_driver=not args.quiet)
+        else:
+            # "local": a new cluster of this machine, even where `ray start` left one running
+            ray.init(address="local", include_dashboard=False, logging_level=level, log_to_driver=not args.quiet)
+    except (ConnectionError, ValueError, RuntimeError) as e:
+        raise UserError(f"cannot join the Ray cluster at {args.ray_address}: {e}") from None
+    try:
+        cpus, threads, share = placement(args.replicas, args.replica_cpus)
+        capacity = args.max_batch or DEFAULT_MAX_BATCH
+        deployment = serve.deployment(Replica, name="replica").options(
+            num_replicas=args.replicas,
+            max_ongoing_requests=capacity + args.max_queue,
+            max_queued_requests=max(1, args.max_queue * args.replicas),  # Ray's least is 1
+            ray_actor_options={"num_cpus": cpus},
+            health_check_period_s=2,
+            graceful_shutdown_timeout_s=5,
+            request_router_config=RequestRouterConfig(
+                request_router_class=f"{router.__name__}:Router",
+                request_router_kwargs={"routing_policy": routing, "capacity": capacity},
+                request_routing_stats_period_s=STATS_PERIOD_S,
+            ),
+        )
+        log.info("starting %d replicas (%s CPUs, %d threads each; routing: %s)", args.replicas, cpus, threads,
+                 routing)
+        serve.start(proxy_location="Disabled")
+        handle = serve.run(deployment.bind(args, share, threads), name=APP, route_prefix=None)
+        handle.health.remote().result()  # the first call makes the handle's router (and checks a replica)
+        _await_reports(args.replicas)
+        front = Front(encoder.with_own_tokenizer(), defaults, args.max_queue, encoder.target_path.name, handle,
+                      routing)
+        run_http(front, sock, args.quiet)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0

@@ -1,0 +1,190 @@
+"""`specextend serve --replicas 2` on a local Ray cluster with tiny models, through the official
+`openai` client: each document's questions stay on one replica and reuse its prefill (round-robin
+for contrast does not), every response names its replica, /health lists them; a replica killed
+mid-run loses no request silently and comes back. Skipped without the cluster extra (Ray Serve);
+CI installs it. Each test starts its own cluster (tens of seconds on 2 cores), so they are few."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from specextend.api import prepare
+
+from tiny_tokenizer import save_tiny_model
+
+pytest.importorskip("ray.serve", reason="needs the cluster extra (Ray Serve): pip install -e '.[cluster]'",
+                    exc_type=ImportError)  # ray without its serve extra's packages too
+
+pytestmark = pytest.mark.usefixtures("isolated_home")  # conftest.py: a model cache of its own
+
+START_S = 300  # a local Ray cluster and two replicas, on a busy 2-core machine
+DOCS = ["The agency's budget grew by four percent, staff numbers fell, and three hearings were held. " * 3,
+        "Rainfall in the northern valley doubled, flooding two towns and closing the main railway line. " * 3]
+QUESTIONS = ["What happened?", "Who was affected?", "What comes next?"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cluster")
+    return {"target": save_tiny_model(root / "target", seed=0),
+            "draft": save_tiny_model(root / "draft", seed=1, layers=1)}
+
+
+@contextmanager
+def replicas(folders, tmp_path, *flags: str):
+    """`specextend serve --replicas 2` in a subprocess; yields its base URL."""
+    env = {**os.environ, "SPECEXTEND_HOME": str(tmp_path / "home"), "RAY_ADDRESS": ""}
+    cmd = [sys.executable, "-m", "specextend.cli", "serve", "--replicas", "2", "--target", str(folders["target"]),
+           "--draft", str(folders["draft"]), "--dtype", "float64", "--port", "0", "--cache-mb", "64",
+           "--max-new-tokens", "4", "-q", *flags]
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    found = threading.Event()
+
+    def drain() -> None:  # keeps reading, so Ray's messages never fill the pipe
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            if re.search(r"serving .* on http://", line):
+                found.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        deadline = time.time() + START_S
+        while not found.wait(1):
+            assert proc.poll() is None and time.time() < deadline, "".join(lines[-30:])
+        port = re.search(r"http://127\.0\.0\.1:(\d+)/v1", "".join(lines)).group(1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+    assert proc.returncode == 0, "".join(lines[-30:])
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def ask(url: str, d: int, q: int) -> tuple[str, int]:
+    """Ask question q about document d; (the replica named in the header, cached prompt tokens)."""
+    raw = client(url).chat.completions.with_raw_response.create(
+        model="x", max_tokens=4, messages=[{"role": "user", "content": f"{DOCS[d]}\n\nQuestion: {QUESTIONS[q]}"}])
+    r = raw.parse()
+    replica = raw.headers["x-specextend-replica"]
+    assert r.usage.model_extra["speculative"]["replica"] == replica
+    return replica, r.usage.prompt_tokens_details.cached_tokens
+
+
+# Interleaved so that round-robin sends each document's questions to both replicas.
+ORDER = [(0, 0), (1, 0), (1, 1), (0, 1), (0, 2), (1, 2)]
+
+
+def doc_tokens(folders) -> list[int]:
+    tok = prepare(folders["target"], folders["draft"], dtype="float64", progress=False)
+    return [len(tok.encode(d)) for d in DOCS]
+
+
+def test_affinity_keeps_each_document_on_its_replica_and_a_killed_replica_loses_no_request(folders, tmp_path):
+    n_doc = doc_tokens(folders)
+    with replicas(folders, tmp_path) as url:
+        health = httpx.get(f"{url}/health").json()
+        assert health["routing"] == "affinity" and len(health["replicas"]) == 2
+        for r in health["replicas"]:
+            assert {"in_flight", "running", "waiting", "batch", "prefix_cache", "pid"} <= set(r)
+
+        served: dict[int, set[str]] = {0: set(), 1: set()}
+        for d, q in ORDER:
+            replica, cached = ask(url, d, q)
+            served[d].add(replica)
+            if q > 0:
+                assert cached >= 0.9 * n_doc[d], (d, q, cached, n_doc[d])
+        assert all(len(s) == 1 for s in served.values()), served
+        time.sleep(2)  # the replicas report every second
+        reported = {r["replica"]: r for r in httpx.get(f"{url}/health").json()["replicas"]}
+        assert sum(r["prefix_cache"]["entries"] for r in reported.values()) >= 2
+
+        # A replica dies mid-run: streams that had tokens from it end with an error, requests it
+        # had not started go to the other replica, nothing hangs; Ray starts a new replica.
+        results: dict[str, tuple] = {}
+        first = threading.Event()
+
+        def stream(i: int) -> None:
+            tokens = 0
+            try:
+                s = client(url).completions.create(model="x", prompt=f"Story {i}: once upon a time",
+                                                   max_tokens=400, stream=True)
+                for chunk in s:
+                    if chunk.choices and chunk.choices[0].text:
+                        tokens += 1
+                        first.set()
+                    if chunk.choices and chunk.choices[0].finish_reason:
+                        results[f"s{i}"] = ("done", tokens)
+            except openai.APIError as e:
+                results[f"s{i}"] = ("error", tokens, str(e))
+
+        def plain(i: int) -> None:
+            try:
+                r = client(url).completions.create(model="x", prompt=f"Afterwards {i}", max_tokens=4)
+                results[f"p{i}"] = ("done", r.choices[0].finish_reason)
+            except openai.APIError as e:
+                results[f"p{i}"] = ("error", str(e))
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        assert first.wait(120)
+        victim = max(httpx.get(f"{url}/health").json()["replicas"], key=lambda r: r["in_flight"])
+        os.kill(victim["pid"], signal.SIGKILL)
+        late = [threading.Thread(target=plain, args=(i,)) for i in range(4)]
+        for t in late:
+            t.start()
+        for t in threads + late:
+            t.join(180)
+        assert not any(t.is_alive() for t in threads + late), "a request hung"
+        assert len(results) == 10, results
+        for key, outcome in results.items():
+            if key.startswith("p"):
+                assert outcome[0] == "done", outcome  # not streamed: retried on the other replica
+            elif outcome[0] == "error":
+                assert outcome[1] > 0 and "was lost while streaming" in outcome[2], outcome
+        deadline = time.time() + START_S
+        while True:
+            ids = [r["replica"] for r in httpx.get(f"{url}/health").json()["replicas"]]
+            if len(ids) == 2 and victim["replica"] not in ids:
+                break
+            assert time.time() < deadline, ids
+            time.sleep(1)
+        seen = set()
+        for i in range(40):  # new documents hash across both replicas, the new one included
+            seen.add(client(url).completions.with_raw_response.create(
+                model="x", prompt=f"New document {i}", max_tokens=2).headers["x-specextend-replica"])
+            if set(ids) <= seen:
+                break
+        assert set(ids) <= seen, (ids, seen)
+
+
+def test_round_robin_sends_some_follow_up_questions_where_their_document_is_not(folders, tmp_path):
+    n_doc = doc_tokens(folders)
+    with replicas(folders, tmp_path, "--routing", "round-robin") as url:
+        assert httpx.get(f"{url}/health").json()["routing"] == "round-robin"
+        misses = []
+        for d, q in ORDER:
+            _, cached = ask(url, d, q)
+            if q > 0:
+                misses.append(cached < 0.9 * n_doc[d])
+        assert any(misses), misses
