@@ -71,10 +71,14 @@ void run_linear(spx::Path path, const spx::Linear& lin, int64_t panels) {
   const spx::LinearWork work = spx::plan_linear(lin, panels, threads);
   std::atomic<int64_t> next{0};
   constexpr int64_t kScratch = spx::kRowBlock * spx::kPanel;
-  std::vector<float> scratch(static_cast<size_t>(threads) * kScratch + 16);
-  float* base = scratch.data() + ((16 - (reinterpret_cast<uintptr_t>(scratch.data()) / 4) % 16) % 16);
+  // Each thread's accumulators (a rows kernel stores and reloads them for every weight group) on
+  // their own 4 KB page, at a different offset in it: packed side by side from a 64-byte boundary
+  // they made the avx2 rows kernel's prefill measurably slower (docs/benchmarks.md).
+  constexpr int64_t kPage = 1024;  // floats
+  std::vector<float> scratch(static_cast<size_t>(threads) * (kScratch + kPage) + kPage);
+  float* base = scratch.data() + ((kPage - (reinterpret_cast<uintptr_t>(scratch.data()) / 4) % kPage) % kPage);
   at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
-    float* acc = base + (b % threads) * kScratch;
+    float* acc = base + (b % threads) * (kScratch + kPage) + 16 * (b % threads);
     for (int64_t u; (u = next.fetch_add(1)) < work.units();) spx::linear_unit(path, lin, work, u, acc);
     (void)e;
   });

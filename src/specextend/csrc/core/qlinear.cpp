@@ -38,12 +38,12 @@ struct Kernels {
 Kernels kernels_for(Path path) {
   switch (path) {
 #if defined(__x86_64__)
-    case Path::AVX2: return {tile_avx2, tile_rows_avx2(), nullptr, 0, quantize_row_avx2, pre_op_row_avx2};
+    case Path::AVX2: return {tile_avx2, tile_rows_avx2(), rows_avx2, rows_from_avx2(), quantize_row_avx2, pre_op_row_avx2};
     case Path::AVX512:
       return {tile_avx512, tile_rows_avx512(), rows_avx512, rows_from_avx512(), quantize_row_avx512, pre_op_row_avx512};
 #endif
 #if defined(__aarch64__)
-    case Path::NEON: return {tile_neon, tile_rows_neon(), nullptr, 0, quantize_row_neon, pre_op_row_neon};
+    case Path::NEON: return {tile_neon, tile_rows_neon(), rows_neon, rows_from_neon(), quantize_row_neon, pre_op_row_neon};
 #endif
     default: return {tile_portable, 4, nullptr, 0, quantize_row_portable, pre_op_row_portable};
   }

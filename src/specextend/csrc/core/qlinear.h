@@ -151,11 +151,8 @@ void pre_op_row_portable(const float* x, int64_t k, const PreOp& op, float* out)
   void pre_op_row_##isa(const float* x, int64_t k, const PreOp& op, float* out);
 
 #if defined(__x86_64__)
+SPX_DECLARE_PATH(avx2)
 SPX_DECLARE_PATH(avx512)
-int tile_rows_avx2();
-void tile_avx2(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int rows, const TileOut& out);
-void quantize_row_avx2(const float* x, int64_t k, int8_t* q, float* d8, int32_t* s16, int32_t* s32, float* xs);
-void pre_op_row_avx2(const float* x, int64_t k, const PreOp& op, float* out);
 #endif
 #if defined(__aarch64__)
 SPX_DECLARE_PATH(neon)

@@ -187,6 +187,149 @@ void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const T
   }
 }
 
+// ---------------------------------------------------------------- many rows
+//
+// One panel times any number of rows (up to kRowBlock): each weight group is unpacked into
+// registers once for half the panel (8 channels: 2 registers a step, 16 for a Q4K or Q8 group or
+// a pair of Q6K groups) and applied to every row in turn, the rows' float accumulators living in
+// `acc` (L1) instead of registers. The tile above decodes every group again for each 4 rows.
+// SDOT's lane form takes its activation lane as an immediate, hence the macros.
+
+// dot[c] += codes of step `st` (w[st][c]) x the 4 activation bytes in lane `lane` of a, both quads.
+#define SPX_SDOT2(dot, w, st, a, lane)                     \
+  do {                                                     \
+    dot[0] = vdotq_laneq_s32(dot[0], w[st][0], a, lane);   \
+    dot[1] = vdotq_laneq_s32(dot[1], w[st][1], a, lane);   \
+  } while (0)
+
+// The exact int32 dot products of one row and one group of 8 steps (two chains: steps 0-3 and 4-7).
+inline void row_dots8(const int8x16_t (*w)[2], const int8_t* q, int32x4_t* dot) {
+  const int8x16_t a0 = vld1q_s8(q), a1 = vld1q_s8(q + 16);
+  int32x4_t lo[2] = {vdupq_n_s32(0), vdupq_n_s32(0)}, hi[2] = {vdupq_n_s32(0), vdupq_n_s32(0)};
+  SPX_SDOT2(lo, w, 0, a0, 0);
+  SPX_SDOT2(hi, w, 4, a1, 0);
+  SPX_SDOT2(lo, w, 1, a0, 1);
+  SPX_SDOT2(hi, w, 5, a1, 1);
+  SPX_SDOT2(lo, w, 2, a0, 2);
+  SPX_SDOT2(hi, w, 6, a1, 2);
+  SPX_SDOT2(lo, w, 3, a0, 3);
+  SPX_SDOT2(hi, w, 7, a1, 3);
+  dot[0] = vaddq_s32(lo[0], hi[0]);
+  dot[1] = vaddq_s32(lo[1], hi[1]);
+}
+
+void rows_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
+  const int64_t sbg = s.sbg, nsb = s.k / (32 * sbg), sb_bytes = 64 + 288 * sbg, kb = x.k / 32, xk = x.k;
+  const uint8x16_t low = vdupq_n_u8(0x0F);
+  for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes)
+    for (int g = 0; g < sbg; ++g) {
+      const int64_t k0 = (sb * sbg + g) * 32;
+      const uint8_t* cb = p + 64 + 32 * sbg + 256 * g;
+      for (int h = 0; h < 2; ++h) {  // channels 8h .. 8h + 7: quads 2h and 2h + 1
+        int8x16_t w[8][2];
+        float32x4_t scale[2], mins[2];
+        for (int c = 0; c < 2; ++c) {
+          const int quad = 2 * h + c;
+          for (int i = 0; i < 4; ++i) {
+            const uint8x16_t v = vld1q_u8(cb + 64 * i + 16 * quad);
+            w[i][c] = vreinterpretq_s8_u8(vandq_u8(v, low));
+            w[i + 4][c] = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
+          }
+          scale[c] = vmulq_f32(load_f16x4(p + 8 * quad), cvt_u8x4(p + 64 + 16 * g + 4 * quad));
+          mins[c] = vmulq_f32(load_f16x4(p + 32 + 8 * quad), cvt_u8x4(p + 64 + 16 * sbg + 16 * g + 4 * quad));
+        }
+        for (int r = 0; r < n; ++r) {
+          int32x4_t dot[2];
+          row_dots8(w, x.q8 + (r0 + r) * xk + k0, dot);
+          const int64_t b = (r0 + r) * kb + k0 / 32;
+          float* a = acc + 16 * r + 8 * h;
+          for (int c = 0; c < 2; ++c) {
+            const float32x4_t t = epilogue(dot[c], x.d8[b], scale[c], vld1q_f32(a + 4 * c));
+            vst1q_f32(a + 4 * c, vfmsq_f32(t, mins[c], vdupq_n_f32(x.xs[b])));  // t - mins * xs, fused
+          }
+        }
+      }
+    }
+}
+
+// Q6K's groups of 16 go in pairs (both halves of one activation block share its scale): each
+// row's accumulators are loaded and stored once for the two, updated in group order.
+void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
+  const int64_t nsb = s.k / 256, kb = x.k / 32, k16 = x.k / 16, xk = x.k;
+  const uint8x16_t low = vdupq_n_u8(0x0F), top = vdupq_n_u8(0x30);
+  for (int64_t sb = 0; sb < nsb; ++sb, p += 3360)
+    for (int g = 0; g < 16; g += 2) {
+      const int64_t k0 = sb * 256 + g * 16;
+      for (int h = 0; h < 2; ++h) {
+        int8x16_t w[2][4][2];  // [group][step][quad]
+        float32x4_t scale[2][2];
+        for (int j = 0; j < 2; ++j) {
+          const uint8_t* cb = p + 288 + 192 * (g + j);
+          for (int c = 0; c < 2; ++c) {
+            const int quad = 2 * h + c;
+            const uint8x16_t a = vld1q_u8(cb + 16 * quad), b = vld1q_u8(cb + 64 + 16 * quad),
+                             hb = vld1q_u8(cb + 128 + 16 * quad);
+            w[j][0][c] = vreinterpretq_s8_u8(vorrq_u8(vandq_u8(a, low), vandq_u8(vshlq_n_u8(hb, 4), top)));
+            w[j][1][c] = vreinterpretq_s8_u8(vorrq_u8(vandq_u8(b, low), vandq_u8(vshlq_n_u8(hb, 2), top)));
+            w[j][2][c] = vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(a, 4), vandq_u8(hb, top)));
+            w[j][3][c] = vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(b, 4), vandq_u8(vshrq_n_u8(hb, 2), top)));
+            scale[j][c] = vmulq_f32(load_f16x4(p + 8 * quad), cvt_i8x4(p + 32 + 16 * (g + j) + 4 * quad));
+          }
+        }
+        for (int r = 0; r < n; ++r) {
+          const int64_t row = r0 + r;
+          const int8_t* q = x.q8 + row * xk + k0;
+          const int8x16_t a0 = vld1q_s8(q), a1 = vld1q_s8(q + 16);
+          int32x4_t d0[2] = {vdupq_n_s32(0), vdupq_n_s32(0)}, d1[2] = {vdupq_n_s32(0), vdupq_n_s32(0)};
+          SPX_SDOT2(d0, w[0], 0, a0, 0);
+          SPX_SDOT2(d1, w[1], 0, a1, 0);
+          SPX_SDOT2(d0, w[0], 1, a0, 1);
+          SPX_SDOT2(d1, w[1], 1, a1, 1);
+          SPX_SDOT2(d0, w[0], 2, a0, 2);
+          SPX_SDOT2(d1, w[1], 2, a1, 2);
+          SPX_SDOT2(d0, w[0], 3, a0, 3);
+          SPX_SDOT2(d1, w[1], 3, a1, 3);
+          const int32x4_t off0 = vdupq_n_s32(32 * x.s16[row * k16 + k0 / 16]);
+          const int32x4_t off1 = vdupq_n_s32(32 * x.s16[row * k16 + k0 / 16 + 1]);
+          const float d8 = x.d8[row * kb + k0 / 32];
+          float* a = acc + 16 * r + 8 * h;
+          for (int c = 0; c < 2; ++c) {
+            float32x4_t v = epilogue(vsubq_s32(d0[c], off0), d8, scale[0][c], vld1q_f32(a + 4 * c));
+            v = epilogue(vsubq_s32(d1[c], off1), d8, scale[1][c], v);
+            vst1q_f32(a + 4 * c, v);
+          }
+        }
+      }
+    }
+}
+
+void rows_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
+  const int64_t nsb = s.k / 32, kb = x.k / 32, xk = x.k;
+  const int32_t off = static_cast<int32_t>(s.offset);
+  const uint8x16_t flip = vdupq_n_u8(0x80);
+  for (int64_t sb = 0; sb < nsb; ++sb, p += 544)
+    for (int h = 0; h < 2; ++h) {
+      int8x16_t w[8][2];
+      float32x4_t scale[2];
+      for (int c = 0; c < 2; ++c) {
+        const int quad = 2 * h + c;
+        for (int st = 0; st < 8; ++st) w[st][c] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(p + 32 + 64 * st + 16 * quad), flip));
+        scale[c] = load_f16x4(p + 8 * quad);
+      }
+      for (int r = 0; r < n; ++r) {
+        int32x4_t dot[2];
+        row_dots8(w, x.q8 + (r0 + r) * xk + sb * 32, dot);
+        const int64_t b = (r0 + r) * kb + sb;
+        // sum(code * q) - offset * sum(q) = sum((code - 128) * q) + (128 - offset) * sum(q)
+        const int32x4_t fix = vdupq_n_s32((128 - off) * x.s32[b]);
+        float* a = acc + 16 * r + 8 * h;
+        for (int c = 0; c < 2; ++c) vst1q_f32(a + 4 * c, epilogue(vaddq_s32(dot[c], fix), x.d8[b], scale[c], vld1q_f32(a + 4 * c)));
+      }
+    }
+}
+
+#undef SPX_SDOT2
+
 using Fn = void (*)(const Segment&, const uint8_t*, const Rows&, int64_t, const TileOut&);
 
 template <int... Rs>
@@ -201,6 +344,29 @@ int tile_rows_neon() { return kTile; }
 
 void tile_neon(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int rows, const TileOut& out) {
   kTiles[rows - 1](s, p, x, r0, out);
+}
+
+// Up to 4 rows one tile decodes each group once with the accumulators in registers; from 5 rows
+// tiles would decode every group again for each 4 rows, and the rows kernel decodes it once.
+// (Chosen by counting, not timed: no aarch64 machine was at hand.)
+int rows_from_neon() { return 5; }
+
+// Full panels only, n <= kRowBlock rows; acc: kRowBlock * 16 floats.
+void rows_neon(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, const TileOut& out, float* acc) {
+  for (int i = 0; i < 4 * n; ++i) vst1q_f32(acc + 4 * i, vdupq_n_f32(0.f));
+  switch (s.fmt) {
+    case Q4K: rows_q4k(s, p, x, r0, n, acc); break;
+    case Q6K: rows_q6k(s, p, x, r0, n, acc); break;
+    default: rows_q8(s, p, x, r0, n, acc); break;
+  }
+  for (int c = 0; c < 4; ++c) {
+    const float32x4_t b = out.bias ? vld1q_f32(out.bias + 4 * c) : vdupq_n_f32(0.f);
+    for (int r = 0; r < n; ++r) {
+      float32x4_t y = vaddq_f32(vld1q_f32(acc + 16 * r + 4 * c), b);
+      if (out.residual) y = vaddq_f32(vld1q_f32(out.residual + (r0 + r) * out.ldo + 4 * c), y);
+      vst1q_f32(out.y + (r0 + r) * out.ldo + 4 * c, y);
+    }
+  }
 }
 
 void quantize_row_neon(const float* x, int64_t k, int8_t* q, float* d8, int32_t* s16, int32_t* s32, float* xs) {

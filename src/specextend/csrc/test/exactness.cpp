@@ -65,6 +65,8 @@ std::vector<uint8_t> random_blob(const spx::Segment& shape) {
     }
     if (shape.fmt == spx::Q4K)  // 6-bit scales and mins
       for (int i = 0; i < 32 * shape.sbg; ++i) blob[off + 64 + i] &= 63;
+    if (shape.fmt == spx::Q8 && shape.offset == 16)  // Q5_0's grid: codes 0..31 (kernels may use the range)
+      for (int i = 32; i < fi.bytes; ++i) blob[off + i] &= 31;
   }
   return blob;
 }
@@ -104,7 +106,7 @@ void linear_tests(const std::vector<Path>& paths) {
       {spx::Q4K, 40, 896, 0, 7, false, true, false, false},  {spx::Q4K, 35, 96, 0, 3, false, false, true, true},
       {spx::Q6K, 40, 256, 0, 8, true, false, true, false},   {spx::Q6K, 32, 1536, 0, 8, false, true, false, true},
       {spx::Q8, 35, 96, 128, 1, false, false, false, false}, {spx::Q8, 33, 64, 16, 1, true, false, true, true},
-      {spx::Q8, 48, 896, 128, 1, false, true, false, false},
+      {spx::Q8, 48, 896, 128, 1, false, true, false, false}, {spx::Q8, 32, 640, 16, 1, true, false, true, true},
   };
   for (const LinearCase& c : cases) {
     const spx::Segment shape{nullptr, c.fmt, c.n, c.k, c.offset, c.sbg};
