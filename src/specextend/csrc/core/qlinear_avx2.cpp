@@ -292,23 +292,32 @@ inline void unpack_q4k_group(const uint8_t* p, int64_t sbg, int g, const __m256*
 }
 
 // R rows of one Q4K group: q, d8, xs at the tile's first row (row strides xk, kb).
-template <int R>
-inline void q4k_tile_rows(const Q4Group& g, const int8_t* q, int64_t xk, const float* d8, const float* xs, int64_t kb,
-                          float* acc) {
-  __m256i sum[R][2];
+// R rows' int16 sums of N steps from `st0` over one group's register-held unsigned codes (two
+// registers a step, 8 channels each): one VPMADDUBSW per step, row and register, added in int16
+// (the caller bounds the codes so N steps cannot overflow).
+template <int R, int N>
+inline void int16_sums(const __m256i (*w)[2], int st0, const int8_t* q, int64_t xk, __m256i (*sum)[2]) {
 #pragma GCC unroll 8
-  for (int st = 0; st < 8; ++st) {
-    const __m256i c0 = _mm256_load_si256(&g.w[st][0]), c1 = _mm256_load_si256(&g.w[st][1]);
+  for (int i = 0; i < N; ++i) {
+    const int st = st0 + i;
+    const __m256i c0 = _mm256_load_si256(&w[st][0]), c1 = _mm256_load_si256(&w[st][1]);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256i a = bcast4(q + r * xk + 4 * st);
       const __m256i p0 = _mm256_maddubs_epi16(c0, a), p1 = _mm256_maddubs_epi16(c1, a);
-      sum[r][0] = st ? _mm256_add_epi16(sum[r][0], p0) : p0;
-      sum[r][1] = st ? _mm256_add_epi16(sum[r][1], p1) : p1;
+      sum[r][0] = i ? _mm256_add_epi16(sum[r][0], p0) : p0;
+      sum[r][1] = i ? _mm256_add_epi16(sum[r][1], p1) : p1;
       in_register(sum[r][0]);
       in_register(sum[r][1]);
     }
   }
+}
+
+template <int R>
+inline void q4k_tile_rows(const Q4Group& g, const int8_t* q, int64_t xk, const float* d8, const float* xs, int64_t kb,
+                          float* acc) {
+  __m256i sum[R][2];
+  int16_sums<R, 8>(g.w, 0, q, xk, sum);
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     const __m256 dd = _mm256_set1_ps(d8[r * kb]), x = _mm256_set1_ps(xs[r * kb]);
@@ -486,20 +495,7 @@ inline void q8_dots_small(const Q8Group& g, const int8_t* q, int64_t xk, __m256i
 #pragma GCC unroll 2
   for (int half = 0; half < 2; ++half) {  // steps 4 * half .. 4 * half + 3
     __m256i sum[R][2];
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) {
-      const int st = 4 * half + i;
-      const __m256i c0 = _mm256_load_si256(&g.mag[st][0]), c1 = _mm256_load_si256(&g.mag[st][1]);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const __m256i a = bcast4(q + r * xk + 4 * st);
-        const __m256i p0 = _mm256_maddubs_epi16(c0, a), p1 = _mm256_maddubs_epi16(c1, a);
-        sum[r][0] = i ? _mm256_add_epi16(sum[r][0], p0) : p0;
-        sum[r][1] = i ? _mm256_add_epi16(sum[r][1], p1) : p1;
-        in_register(sum[r][0]);
-        in_register(sum[r][1]);
-      }
-    }
+    int16_sums<R, 4>(g.mag, 4 * half, q, xk, sum);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < 2; ++h) {

@@ -138,16 +138,22 @@ void panel_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __
   }
 }
 
+// One Q8 group of a panel (544 bytes: 16 float16 scales, then 8 steps of 16 channels x 4 codes)
+// into registers; returns the channels' scales. The next groups are prefetched.
+inline __m512 load_q8_group(const uint8_t* p, __m512i* w) {
+  prefetch_group(p, 544);
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) w[i] = _mm512_loadu_si512(p + 32 + 64 * i);
+  return cvt_f16(p);
+}
+
 template <int R>
 void panel_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m512* acc) {
   const int64_t nsb = s.k / 32, kb = s.k / 32;
   const int32_t off = static_cast<int32_t>(s.offset);
   for (int64_t sb = 0; sb < nsb; ++sb, p += 544) {
-    const __m512 scale = cvt_f16(p);
-    prefetch_group(p, 544);
     __m512i w[8];
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) w[i] = _mm512_loadu_si512(p + 32 + 64 * i);
+    const __m512 scale = load_q8_group(p, w);
     const int8_t* q[R];
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) q[r] = x.q8 + (r0 + r) * x.k + sb * 32;
@@ -296,11 +302,8 @@ void rows_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int 
   const int64_t nsb = s.k / 32, kb = s.k / 32, xk = x.k;
   const int32_t off = static_cast<int32_t>(s.offset);
   for (int64_t sb = 0; sb < nsb; ++sb, p += 544) {
-    const __m512 scale = cvt_f16(p);
-    prefetch_group(p, 544);
     __m512i w[8];
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) w[i] = _mm512_loadu_si512(p + 32 + 64 * i);
+    const __m512 scale = load_q8_group(p, w);
     const int8_t* q = x.q8 + r0 * xk + sb * 32;
     const int32_t* s32 = x.s32 + r0 * kb + sb;
     const float* d8 = x.d8 + r0 * kb + sb;
