@@ -13,7 +13,10 @@ batch on the scheduler's thread, so the event loop keeps answering while the mod
   requests, `QueueFull` (429 with an estimate of when to retry).
 - Each step: every running request's decode rows, then prompt tokens up to `step_tokens` rows in
   all, the shortest remaining prompt first, so a short question's prefill finishes in the next step
-  even while a long document prefills a chunk per step (vLLM's short prompts first).
+  even while a long document prefills a chunk per step (vLLM's short prompts first). While no
+  request decodes (every running one is prefilling), no stream's gaps are at stake, so the step
+  takes `idle_step_tokens`, larger: a step re-reads every weight and pays its Python once, so
+  larger chunks prefill faster, and a request arriving meanwhile waits at most one such step.
 - A withdrawn request (its client gone) is unwound at the start of the next step, which frees its
   caches and its slot.
 """
@@ -37,17 +40,20 @@ from .jobs import Job
 
 if TYPE_CHECKING:
     from ..api import Pair
+    from ..costmodel import ForwardCurve
 
 log = logging.getLogger("specextend.serve")
 
 # Continuous batching. The KV budget: this share of the memory available once the models are
 # loaded (the prefix cache takes its own share of what is left). The step's token budget: as many
 # target rows as the measured step costs put within STEP_S at STEP_CONTEXT cached tokens, so that
-# running streams keep a token every fraction of a second while a long prompt prefills.
+# running streams keep a token every fraction of a second while a long prompt prefills; while
+# nothing decodes, as many as fit within IDLE_STEP_S (what a newcomer may wait for its first step).
 DEFAULT_MAX_BATCH = 16
 KV_SHARE = 0.3
 MIN_DEFAULT_KV_MB = 512
 STEP_S = 0.5
+IDLE_STEP_S = 1.5
 STEP_CONTEXT = 2048
 STEP_TOKENS_RANGE = (16, 1024)
 HEAD_WAIT_S = 30.0  # after this long at the head of the queue, a request waiting for memory blocks the others
@@ -68,17 +74,25 @@ def available_memory_mb() -> float | None:
 
 def default_limits(pair: Pair, max_queue: int, max_batch: int | None = None, step_tokens: int | None = None,
                    kv_mb: float | None = None) -> Limits:
-    """The batching bounds: those given, the defaults for the rest (see the constants above)."""
+    """The batching bounds: those given, the defaults for the rest (see the constants above). A
+    given `step_tokens` bounds every step, idle ones too."""
+    idle_tokens = step_tokens
     if step_tokens is None:
         curve = pair.step_costs().target_curve
-        lo, hi = STEP_TOKENS_RANGE
-        step_tokens = lo
-        while step_tokens < hi and curve.predict(2 * step_tokens, STEP_CONTEXT) <= STEP_S:
-            step_tokens *= 2
+        step_tokens, idle_tokens = _tokens_within(curve, STEP_S), _tokens_within(curve, IDLE_STEP_S)
     if kv_mb is None:
         kv_mb = default_kv_mb()
     return Limits(max_batch=max_batch or DEFAULT_MAX_BATCH, max_queue=max_queue, step_tokens=step_tokens,
-                  kv_bytes=int(kv_mb * 2**20))
+                  kv_bytes=int(kv_mb * 2**20), idle_step_tokens=idle_tokens)
+
+
+def _tokens_within(curve: ForwardCurve, seconds: float) -> int:
+    """The largest power of two of rows (in STEP_TOKENS_RANGE) the curve puts within `seconds`."""
+    lo, hi = STEP_TOKENS_RANGE
+    n = lo
+    while n < hi and curve.predict(2 * n, STEP_CONTEXT) <= seconds:
+        n *= 2
+    return n
 
 
 def default_kv_mb() -> float:
@@ -102,6 +116,11 @@ class Limits:
     max_queue: int  # requests waiting beyond those
     step_tokens: int  # target rows per step (decode rows first, then prompt tokens)
     kv_bytes: int  # the running requests' caches, at most
+    idle_step_tokens: int | None = None  # per step while no request decodes (None: step_tokens)
+
+    def budget(self, decoding: bool) -> int:
+        """The step's rows: `step_tokens` while some request decodes, else the idle budget."""
+        return self.step_tokens if decoding or self.idle_step_tokens is None else self.idle_step_tokens
 
 
 @dataclass
@@ -173,7 +192,7 @@ class Scheduler:
                 self._admit()
                 if self.batch.sequences:
                     try:
-                        self.batch.step(self.limits.step_tokens, _shortest_first)
+                        self.batch.step(self.limits.budget(self._streaming()), _shortest_first)
                     except Exception as e:  # reported to every request of the step; the server goes on
                         log.error("a batch step failed", exc_info=e)
                         for seq in self.batch.sequences:
@@ -184,6 +203,12 @@ class Scheduler:
                 if r.seq is not None:
                     r.seq.cancel()
                 r.job.post("cancelled")
+
+    def _streaming(self) -> bool:
+        """Whether some running request has started its answer: all but a target's prompt prefill
+        (a draft's prompt pass starts mid-answer)."""
+        return any(not (s.prefilling and s.call.model is self.batch.target)  # type: ignore[union-attr]
+                   for s in self.batch.sequences)
 
     def _take(self, block: bool) -> None:
         with contextlib.suppress(queue.Empty):
@@ -240,7 +265,8 @@ class Scheduler:
     def stats(self) -> dict[str, object]:
         last = self.batch.last
         return {"running": self.running, "waiting": self.waiting, "max_batch": self.limits.max_batch,
-                "step_tokens": self.limits.step_tokens, "steps": self.steps,
+                "step_tokens": self.limits.step_tokens, "idle_step_tokens": self.limits.budget(False),
+                "steps": self.steps,
                 "kv_in_use_mb": round(self.kv_in_use / 2**20, 1),
                 "kv_budget_mb": round(self.limits.kv_bytes / 2**20, 1),
                 "last_step": {"decode_rows": last.decode_rows, "prefill_rows": last.prefill_rows,
