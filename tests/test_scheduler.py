@@ -76,13 +76,33 @@ def test_requests_in_a_batch_get_the_tokens_they_get_alone(pair, monkeypatch, pa
     assert len(results[len(requests) - 1]) == 20  # sampling: its own generator, the target's distribution
 
 
+def test_in_a_shared_batch_a_proposer_with_nothing_to_propose_rests(pair):
+    """Others wait on each step's proposing, so a sequence whose trees are the bare root takes plain
+    steps for a while (tokens unchanged); alone it never does."""
+    requests = [(prompt(20 + i, 12), settings(method="specextend", max_new_tokens=40)) for i in range(4)]
+    alone = [pair.generate(ids, settings=s) for ids, s in requests]
+    assert all(r.extra["rested_steps"] == 0 for r in alone)
+    batch = Batch(pair.target, pair.draft)
+    batched = pair.in_batch(batch)
+    results = {}
+    for i, (ids, s) in enumerate(requests):
+        def run(i=i, ids=ids, s=s):
+            results[i] = batched.generate(ids, settings=s)
+        batch.add(Sequence(run))
+    while batch.sequences:
+        batch.step(64)
+        assert all(s.error is None for s in batch.reap())
+    assert [results[i].token_ids for i in range(4)] == [r.token_ids for r in alone]
+    assert sum(results[i].extra["rested_steps"] for i in range(4)) > 0
+
+
 # --------------------------------------------------------------------------- the scheduler
 
 
-def serve(pair, limits: Limits, submit, poll=None):
+def serve(pair, limits: Limits, submit, poll=None, batch_cls=Batch):
     """Run a scheduler over the pair while `submit(scheduler, loop)` (a coroutine) sends jobs; `poll`
     is called on the event loop every few milliseconds (to watch the scheduler)."""
-    batch = Batch(pair.target, pair.draft)
+    batch = batch_cls(pair.target, pair.draft)
     batched = pair.in_batch(batch)
 
     async def main():
@@ -123,6 +143,33 @@ def test_a_short_request_during_a_long_prefill_finishes_first(pair):
 
     (k1, t_long), (k2, t_short) = serve(pair, LIMITS, submit)
     assert k1 == k2 == "done" and t_short < t_long
+
+
+def test_steps_are_larger_only_while_no_request_decodes(pair):
+    limits = Limits(max_batch=8, max_queue=8, step_tokens=8, kv_bytes=2**30, idle_step_tokens=64)
+    steps = []  # (the step's budget, whether a request was decoding, prompt tokens it ran)
+
+    class Recording(Batch):
+        def step(self, budget, prefill_order=list):
+            decoding = any(not s.prefilling for s in self.sequences)
+            report = super().step(budget, prefill_order)
+            steps.append((budget, decoding, report.prefill_rows))
+            return report
+
+    async def submit(sched, loop):
+        long = Job(prompt(1, 400), settings(method="ar", max_new_tokens=4), [], loop)
+        sched.submit(long)
+        while sched.batch.last.prefill_rows == 0:
+            await asyncio.sleep(0.001)
+        short = Job(prompt(2, 5), settings(method="ar", max_new_tokens=30), [], loop)
+        sched.submit(short)
+        return await asyncio.gather(finish(long), finish(short))
+
+    assert [k for k, _ in serve(pair, limits, submit, batch_cls=Recording)] == ["done", "done"]
+    assert all(budget == (8 if decoding else 64) for budget, decoding, _ in steps)
+    assert any(rows == 64 for _, decoding, rows in steps if not decoding)  # the long prompt alone: big chunks
+    assert any(decoding for _, decoding, _ in steps)
+    assert all(rows <= 8 for _, decoding, rows in steps if decoding)  # beside a stream: small ones
 
 
 def test_a_withdrawn_request_frees_its_slot_and_caches(pair):

@@ -224,7 +224,7 @@ class Batch:
         report.decode_rows = sum(s.call.rows.size for s in decode)  # type: ignore[union-attr]
         if ready:
             report.prefill_rows = self._run(self.target, decode + prefill_order([s for s in ready if s.prefilling]),
-                                            max(1, budget - report.decoding), report)
+                                            max(1, budget - report.decoding), report, current=True)
         report.seconds = time.perf_counter() - t0
         if report.decoding:
             own = max(0.0, report.seconds - report.forward_s) / report.decoding
@@ -232,12 +232,14 @@ class Batch:
         self.last = report
         return report
 
-    @staticmethod
-    def _run(model: Transformer, seqs: list[Sequence], left: int, report: StepReport) -> int:
+    def _run(self, model: Transformer, seqs: list[Sequence], left: int, report: StepReport,
+             current: bool = False) -> int:
         """One forward of `model` over the sequences' pending calls: whole calls, and of prefill
         calls (in the order given) the first tokens, `left` in all. Each sequence resumes with
         its logits (a prefill call with its logits and how many tokens ran). Returns the prompt
-        tokens that ran."""
+        tokens that ran. `current`: the step's report becomes `last` before the sequences resume,
+        so the trees they propose next are sized by this step (the best guess of the next one),
+        not the one before (in the first step, none)."""
         parts, runs = [], []
         taken = 0
         for s in seqs:
@@ -257,6 +259,9 @@ class Batch:
         t0 = time.perf_counter()
         outs = model.forward_many(parts)
         report.forward_s += time.perf_counter() - t0
+        if current:
+            report.prefill_rows = taken
+            self.last = report
         for (s, take), out in zip(runs, outs, strict=True):
             if take is None:
                 s.resume(out)
@@ -293,9 +298,14 @@ class StepCosts(CostModel):
         self.overhead_s = self.batch.overhead_s or b.overhead_s
 
     @property  # type: ignore[override]
-    def probes(self) -> bool:
-        """No probing while other sequences decode: the draft runs only where it is expected to pay."""
-        return self.batch.last.decoding <= 1
+    def shared(self) -> bool:
+        """Other sequences decode in the same steps: no probes, and rests (see CostModel.shared)."""
+        return self.batch.last.decoding > 1
+
+    @property  # type: ignore[override]
+    def settled(self) -> bool:
+        """No prompt chunk shares the step: its costs are what the coming steps will cost."""
+        return self.batch.last.prefill_rows == 0
 
     def verify_costs(self, context: int, max_rows: int) -> list[float]:
         self._sync()

@@ -227,9 +227,13 @@ class CostModel:
     `refresh=False` freezes it (tests use a synthetic model so sizing decisions are reproducible).
     """
 
-    # Whether the sizer may run the draft against its expectation to measure acceptance (a probe):
-    # cheap for one sequence; in a batch (batch.StepCosts) a probe costs every sequence a round.
-    probes = True
+    # Whether other sequences wait on this one's steps (batch.StepCosts, with others decoding):
+    # then the sizer runs no probes (a probe would cost every sequence a round) and the proposer
+    # rests between steps that propose nothing (its own work would hold up the others too).
+    shared = False
+    # Whether this step's costs stand for the steps to come (false in a batch step that carries
+    # prompt chunks, where rows ride on the prefill): long-term decisions (starting the draft) wait.
+    settled = True
 
     def __init__(self, target_curve: ForwardCurve, draft_curve: ForwardCurve | None = None, refresh: bool = True
                  ) -> None:

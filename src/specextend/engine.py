@@ -448,7 +448,9 @@ class SpecEngine:
         chosen from (the accepted path's, processed by `proc`)."""
         queries = dict.fromkeys(layers) if layers else None
         positions = tcache.length + tree.depths
-        logits = self.target(tree.tokens, positions, tcache, tree.mask(), s.attention, keep_q=queries)
+        # A lone root is an `ar` step: the causal path sees the same keys and costs less.
+        mask = tree.mask() if tree.size > 1 else None
+        logits = self.target(tree.tokens, positions, tcache, mask, s.attention, keep_q=queries)
         if proc is not None:
             logits = proc.tree(tree.tokens.tolist(), tree.parents, logits)
         if s.greedy:

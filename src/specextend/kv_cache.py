@@ -139,6 +139,10 @@ class KVCache:
             self.length += self.pending
             self.pending = 0
             return
+        if isinstance(keep, list) and len(keep) <= self.pending and keep == list(range(len(keep))):
+            self.length += len(keep)  # a chain's path (a lone root's [0]): already in place
+            self.pending = 0
+            return
         idx = torch.as_tensor(keep, dtype=torch.long)
         n = int(idx.numel())
         if n == 0:

@@ -16,6 +16,13 @@ Each step:
 3. the kept candidates become one tree; a lookup and a draft candidate for the same token share
    a node (tree.assemble).
 
+In a batch whose other sequences wait on this one's steps (`CostModel.shared`), proposing is
+itself a cost: every step pays each sequence's lookup and sizing before the forward. After a step
+whose tree was the bare root, the proposer rests (its next steps are plain `ar` steps, with no
+lookup and no sizing) for 1, 2, 4, ... REST_MAX steps while that repeats, back to 1 once a tree
+is proposed again; rests end when the batch stops being shared. A grammar's forced tokens are
+never skipped: with a `LogitsProcessor` it does not rest.
+
 With a `LogitsProcessor` (a grammar, penalties), the draft's rows are adjusted as the target's
 will be, for each node's own path, so the draft proposes what the grammar admits; lookup's
 continuations are cut where the grammar stops admitting them; and the tokens the grammar forces
@@ -40,6 +47,8 @@ from .settings import Settings
 from .sizing import RESYNC_TOKENS, Sizer
 from .tree import FORCED, LOOKUP, DraftTree, Pool, TreeBuilder, assemble, draft_dist
 from .verify import Verdict
+
+REST_MAX = 8  # the longest rest, in steps (see the module's docstring)
 
 
 class Proposer:
@@ -71,11 +80,14 @@ class Proposer:
         self._step_start: float | None = None
         self._phases_s = 0.0
         self.counts = {"draft_steps": 0, "draft_forwards": 0, "ar_steps": 0, "lookup_nodes": 0,
-                       "lookup_accepted": 0, "skipped_tokens": 0}
+                       "lookup_accepted": 0, "skipped_tokens": 0, "rested_steps": 0}
         if processor is not None:
             self.counts.update(forced_nodes=0, forced_accepted=0)
         if policy is not None:
             self.counts["draft_started_at"] = -1  # output tokens before the draft started (-1: never)
+        self.rest = 0  # plain steps still to take before proposing again
+        self._rest_next = 1
+        self.resting = False  # whether this step rested
 
     # ----------------------------------------------------------------- the step
 
@@ -89,6 +101,13 @@ class Proposer:
 
     def propose(self, root: int, context: int) -> DraftTree:
         """This step's tree below `root`, verified over `context` cached target tokens."""
+        self.resting = self.rest > 0 and self.costs is not None and self.costs.shared
+        if self.resting:
+            self.rest -= 1
+            self.counts["rested_steps"] += 1
+            self.drafted, self._step_start = False, None  # a rest spans no step the overhead may time
+            self._pool, self._keep, self._node_of = Pool(), [], {}
+            return assemble(root, self._pool, self._keep, self._node_of)
         now = time.perf_counter()
         if self._step_start is not None and self.costs is not None:
             # What the last step cost beyond its draft, verify and retrieval phases: loop, emit.
@@ -195,8 +214,18 @@ class Proposer:
             self.costs.observe_verify(tree.size, context, verify_s)
             if self.drafted:
                 self.costs.observe("draft", self._raw_draft_s, draft_s)
-        if self.sizer is not None:
+        if self.sizer is not None and not self.resting:
             self.sizer.observe(self._pool, self._keep, self._node_of, tree, verdict.path, self.drafted, len(new))
+        self._plan_rest(tree)
+
+    def _plan_rest(self, tree: DraftTree) -> None:
+        if self.resting:
+            return
+        if self.costs is not None and self.costs.shared and self.proc is None and tree.size == 1 and not self.drafted:
+            self.rest = self._rest_next
+            self._rest_next = min(2 * self._rest_next, REST_MAX)
+        else:
+            self.rest, self._rest_next = 0, 1
 
     def retrieved(self, seconds: float) -> None:
         """What the draft policy's bookkeeping and retrieval took after this step's verification."""

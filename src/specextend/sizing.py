@@ -241,7 +241,7 @@ class Sizer:
         (`startup_s`: computing the prompt KV the draft reads, in tokens forgone at that rate).
         Before the draft has run, its acceptance is the prior (rank probabilities, calibration
         1); the lookup candidates' rates are this request's so far."""
-        if not self.has_draft or tokens_left <= 1:
+        if not self.has_draft or tokens_left <= 1 or not self.costs.settled:
             return False
         lookup = self.values(pool)
         f_without, _ = self.best(lookup, 0.0)
@@ -255,7 +255,7 @@ class Sizer:
         """Whether this step runs the draft (decision 1); `pool` holds the lookup candidates."""
         if not self.has_draft:
             return False
-        if (not self.drafted_once or self.idle >= self.probe_after) and self.costs.probes:
+        if (not self.drafted_once or self.idle >= self.probe_after) and not self.costs.shared:
             self.probing = self.drafted_once
             return True
         lookup = self.values(pool)
@@ -315,7 +315,7 @@ class Sizer:
         so without probes a few early misses would keep it out for good."""
         forced = self._forced(pool)
         self.lookup_probe = None
-        if not forced and self.lookup_idle >= self.lookup_probe_after:
+        if not forced and self.lookup_idle >= self.lookup_probe_after and not self.costs.shared:
             first = [i for i in range(len(pool)) if pool.origin[i] == LOOKUP and pool.parents[i] < 0][:1]
             if first:
                 forced, self.lookup_probe = first, first[0]
