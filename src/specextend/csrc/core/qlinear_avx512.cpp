@@ -4,6 +4,7 @@
 
 #include "x86.h"
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstring>
@@ -268,7 +269,18 @@ inline void unpack_q6k(const uint8_t* cb, __m512i* w) {
   w[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), low), _mm512_and_si512(_mm512_srli_epi16(h, 2), top));
 }
 
-void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
+// A pair's activations, sums and scales of 64 rows sit on as many pages (rows are k bytes apart),
+// more than the L1 TLB holds for wide inputs; slices of 32 rows keep one pass within it (the
+// second slice rereads the panel's weights from cache and unpacks them again).
+constexpr int kQ6Slice = 32;
+
+// Q6K's correction -32 * (sum of a group's 16 activation codes) in every lane: each group's
+// VPDPBUSD chain starts from it, so nothing is subtracted after (int32 sums: exact in any order).
+inline __m512i q6k_start(const int32_t* s16) {
+  return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(bcast_i32(s16), 5));
+}
+
+void rows_q6k_slice(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
   const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16, xk = x.k;
   for (int64_t sb = 0; sb < nsb; ++sb, p += 3360) {
     const __m512 d = cvt_f16(p);
@@ -283,11 +295,17 @@ void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int
       const int8_t* q = x.q8 + r0 * xk + k0;
       const int32_t* s16 = x.s16 + r0 * k16 + k0 / 16;
       const float* d8 = x.d8 + r0 * kb + k0 / 32;
-#pragma GCC unroll 2
       for (int r = 0; r < n; ++r) {
-        const __m512i c0 = _mm512_sub_epi32(row_dot<4>(w0, q + r * xk), _mm512_slli_epi32(bcast_i32(s16 + r * k16), 5));
-        const __m512i c1 =
-            _mm512_sub_epi32(row_dot<4>(w1, q + r * xk + 16), _mm512_slli_epi32(bcast_i32(s16 + r * k16 + 1), 5));
+        const int8_t* qr = q + r * xk;
+        // The row's codes two pairs on: its lines are far apart, which the hardware prefetcher
+        // does not follow.
+        _mm_prefetch(reinterpret_cast<const char*>(qr + 64), _MM_HINT_T0);
+        __m512i c0 = q6k_start(s16 + r * k16), c1 = q6k_start(s16 + r * k16 + 1);
+#pragma GCC unroll 4
+        for (int st = 0; st < 4; ++st) {
+          c0 = _mm512_dpbusd_epi32(c0, w0[st], bcast4(qr + 4 * st));
+          c1 = _mm512_dpbusd_epi32(c1, w1[st], bcast4(qr + 16 + 4 * st));
+        }
         const __m512 dd = _mm512_set1_ps(d8[r * kb]);
         __m512 a = _mm512_load_ps(acc + 16 * r);
         a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(c0), dd), scale0, a);
@@ -296,6 +314,11 @@ void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int
       }
     }
   }
+}
+
+void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
+  for (int h = 0; h < n; h += kQ6Slice)
+    rows_q6k_slice(s, p, x, r0 + h, std::min(kQ6Slice, n - h), acc + 16 * h);
 }
 
 void rows_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
