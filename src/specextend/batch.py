@@ -192,6 +192,12 @@ class Batch:
         seq.resume()
         self.sequences.append(seq)
 
+    def streaming(self) -> bool:
+        """Whether some sequence has started its answer: any pending forward but a target's
+        prompt prefill (a draft's prompt pass starts mid-answer)."""
+        return any(not (s.prefilling and s.call.model is self.target)  # type: ignore[union-attr]
+                   for s in self.sequences)
+
     def reap(self) -> list[Sequence]:
         """Remove and return the sequences that have ended."""
         done = [s for s in self.sequences if s.done]
@@ -222,9 +228,9 @@ class Batch:
         decode = [s for s in ready if not s.call.prefill]  # type: ignore[union-attr]
         report.decoding = len(decode)
         report.decode_rows = sum(s.call.rows.size for s in decode)  # type: ignore[union-attr]
-        if ready:
-            report.prefill_rows = self._run(self.target, decode + prefill_order([s for s in ready if s.prefilling]),
-                                            max(1, budget - report.decoding), report, current=True)
+        if ready:  # sets report.prefill_rows (before the sequences resume: see _run)
+            self._run(self.target, decode + prefill_order([s for s in ready if s.prefilling]),
+                      max(1, budget - report.decoding), report, current=True)
         report.seconds = time.perf_counter() - t0
         if report.decoding:
             own = max(0.0, report.seconds - report.forward_s) / report.decoding

@@ -85,7 +85,7 @@ class Proposer:
             self.counts.update(forced_nodes=0, forced_accepted=0)
         if policy is not None:
             self.counts["draft_started_at"] = -1  # output tokens before the draft started (-1: never)
-        self.rest = 0  # plain steps still to take before proposing again
+        self._rest = 0  # plain steps still to take before proposing again
         self._rest_next = 1
         self.resting = False  # whether this step rested
 
@@ -101,13 +101,12 @@ class Proposer:
 
     def propose(self, root: int, context: int) -> DraftTree:
         """This step's tree below `root`, verified over `context` cached target tokens."""
-        self.resting = self.rest > 0 and self.costs is not None and self.costs.shared
+        self.resting = self._rest > 0 and self.costs is not None and self.costs.shared
         if self.resting:
-            self.rest -= 1
+            self._rest -= 1
             self.counts["rested_steps"] += 1
             self.drafted, self._step_start = False, None  # a rest spans no step the overhead may time
-            self._pool, self._keep, self._node_of = Pool(), [], {}
-            return assemble(root, self._pool, self._keep, self._node_of)
+            return assemble(root, Pool(), [])
         now = time.perf_counter()
         if self._step_start is not None and self.costs is not None:
             # What the last step cost beyond its draft, verify and retrieval phases: loop, emit.
@@ -214,18 +213,19 @@ class Proposer:
             self.costs.observe_verify(tree.size, context, verify_s)
             if self.drafted:
                 self.costs.observe("draft", self._raw_draft_s, draft_s)
-        if self.sizer is not None and not self.resting:
+        if self.resting:
+            return
+        if self.sizer is not None:
             self.sizer.observe(self._pool, self._keep, self._node_of, tree, verdict.path, self.drafted, len(new))
         self._plan_rest(tree)
 
     def _plan_rest(self, tree: DraftTree) -> None:
-        if self.resting:
-            return
+        """After a proposing step: rest if it proposed nothing while others wait on the steps."""
         if self.costs is not None and self.costs.shared and self.proc is None and tree.size == 1 and not self.drafted:
-            self.rest = self._rest_next
+            self._rest = self._rest_next
             self._rest_next = min(2 * self._rest_next, REST_MAX)
         else:
-            self.rest, self._rest_next = 0, 1
+            self._rest, self._rest_next = 0, 1
 
     def retrieved(self, seconds: float) -> None:
         """What the draft policy's bookkeeping and retrieval took after this step's verification."""

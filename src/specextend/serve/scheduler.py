@@ -192,7 +192,7 @@ class Scheduler:
                 self._admit()
                 if self.batch.sequences:
                     try:
-                        self.batch.step(self.limits.budget(self._streaming()), _shortest_first)
+                        self.batch.step(self.limits.budget(self.batch.streaming()), _shortest_first)
                     except Exception as e:  # reported to every request of the step; the server goes on
                         log.error("a batch step failed", exc_info=e)
                         for seq in self.batch.sequences:
@@ -203,12 +203,6 @@ class Scheduler:
                 if r.seq is not None:
                     r.seq.cancel()
                 r.job.post("cancelled")
-
-    def _streaming(self) -> bool:
-        """Whether some running request has started its answer: all but a target's prompt prefill
-        (a draft's prompt pass starts mid-answer)."""
-        return any(not (s.prefilling and s.call.model is self.batch.target)  # type: ignore[union-attr]
-                   for s in self.batch.sequences)
 
     def _take(self, block: bool) -> None:
         with contextlib.suppress(queue.Empty):

@@ -62,6 +62,14 @@ inline __m256 epilogue(__m256i dot, float d8, __m256 scale, __m256 acc) {
   return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d8)), scale, acc);
 }
 
+// One row's 16 accumulators in memory (the rows kernels): the epilogue of each half's dot
+// products plus the integer correction c (exact in int32).
+inline void epilogue_row(float* acc, const __m256i* dot, __m256i c, float d8, const __m256* scale) {
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h)
+    _mm256_store_ps(acc + 8 * h, epilogue(_mm256_add_epi32(dot[h], c), d8, scale[h], _mm256_load_ps(acc + 8 * h)));
+}
+
 // NR rows' int16 sums of one group (2 registers a row) over its 8 steps; w: the unpacked codes.
 template <int NR>
 inline void q4k_sums(const __m256i (*w)[2], const int8_t* const* q, __m256i (*sum)[2]) {
@@ -400,15 +408,8 @@ inline void q6k_tile_rows(const Q6Group& g, const int8_t* q, int64_t xk, const i
     }
   }
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    const __m256i off = _mm256_set1_epi32(32 * s16[r * k16]);
-    const __m256 dd = _mm256_set1_ps(d8[r * kb]);
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dot[r][h], off)), dd);
-      _mm256_store_ps(acc + 16 * r + 8 * h, _mm256_fmadd_ps(t, g.scale[h], _mm256_load_ps(acc + 16 * r + 8 * h)));
-    }
-  }
+  for (int r = 0; r < R; ++r)
+    epilogue_row(acc + 16 * r, dot[r], _mm256_set1_epi32(-32 * s16[r * k16]), d8[r * kb], g.scale);
 }
 
 void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
@@ -514,15 +515,7 @@ inline void q8_tile_rows(const Q8Group& g, int32_t off, const int8_t* q, int64_t
   if (g.small) q8_dots_small<R>(g, q, xk, dot);
   else q8_dots_any<R>(g, q, xk, dot);
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    const __m256i c = _mm256_set1_epi32(fix * s32[r * kb]);
-    const __m256 dd = _mm256_set1_ps(d8[r * kb]);
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(dot[r][h], c)), dd);
-      _mm256_store_ps(acc + 16 * r + 8 * h, _mm256_fmadd_ps(t, g.scale[h], _mm256_load_ps(acc + 16 * r + 8 * h)));
-    }
-  }
+  for (int r = 0; r < R; ++r) epilogue_row(acc + 16 * r, dot[r], _mm256_set1_epi32(fix * s32[r * kb]), d8[r * kb], g.scale);
 }
 
 void rows_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
