@@ -132,7 +132,9 @@ def measure(paths: list[str] | None = None, seconds: float = 0.5, repeats: int =
     fresh: dict[str, float] = {}
     for path in paths or list(kernels.PATHS):
         if path not in runnable:
-            out["paths"][path] = {"runnable": False, "reason": f"this CPU cannot run the {path} kernels"}
+            why = kernels.amx_refusal() if path == "amx" else None
+            out["paths"][path] = {"runnable": False,
+                                  "reason": f"this CPU cannot run the {path} kernels" + (f": {why}" if why else "")}
             continue
         loops = {}
         for kind in kernels.PEAK_KINDS:
