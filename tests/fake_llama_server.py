@@ -16,13 +16,18 @@ import json
 import os
 import signal
 import sys
+import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 def illegal_instruction() -> None:
     """Die as a process that executed an instruction its CPU refuses (exit status -4)."""
     sys.stdout.flush()
-    os.kill(os.getpid(), signal.SIGILL)  # Python leaves SIGILL's default action (terminate) in place
+    # To this very thread (Python leaves SIGILL's default action, terminate, in place): a signal to the
+    # process may land on another thread while this one still answers the request.
+    signal.pthread_kill(threading.get_ident(), signal.SIGILL)
+    time.sleep(60)  # never reached; and never an answer
 
 
 def main(argv: list[str]) -> int:

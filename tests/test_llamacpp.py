@@ -8,6 +8,7 @@ import json
 import os
 import stat
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -345,6 +346,21 @@ def test_a_peer_that_dies_of_sigill_runs_again_with_no_repack(fake_peer, tiny_wi
     clean = tmp_path / "clean"
     assert bench(tiny_with_gguf, clean, "llamacpp-ar") == 0
     assert all(r["config"]["no_repack"] is False for r in rows_of(clean))
+
+
+@pytest.mark.parametrize("when", ["start", "prompt", ""])
+def test_the_serve_benchs_peer_runs_again_with_no_repack_after_sigill(fake_peer, tmp_path, monkeypatch, when):
+    from specextend.bench import concurrent
+
+    monkeypatch.setenv("FAKE_LLAMA_SIGILL", when)
+    monkeypatch.setattr(llamacpp, "gguf_for", lambda ref, role: tmp_path / "model.gguf")
+    info: dict = {}
+    with concurrent.llama(2, 256, info=info) as url, urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+        assert r.status == 200
+    assert info == {"no_repack": bool(when)}
+    argvs = [json.loads(line) for line in (tmp_path / "argv").read_text().splitlines()]
+    assert ["--no-repack" in a for a in argvs] == ([False, True] if when else [False])
+    assert not any(alive(int(p)) for p in fake_peer.read_text().split())
 
 
 def test_a_peer_that_dies_otherwise_is_not_retried(tmp_path, tiny_with_gguf, monkeypatch, capsys):
