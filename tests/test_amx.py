@@ -95,6 +95,33 @@ def test_the_cpu_variable_and_the_amx_paths(monkeypatch):
         assert kernels.path() == kernels.cpu_paths()[-1] != "amx"
 
 
+@pytest.mark.parametrize(("amx_s", "choice"), [(0.5, "amx"), (2.0, "avx512")])
+def test_auto_takes_amx_only_where_it_measured_faster(tmp_path, monkeypatch, amx_s, choice):
+    """On a CPU with AMX, `auto` times a many-row product on amx and avx512 once per machine and
+    kernel build, and keeps the faster; the record is read back, not measured again."""
+    timed: list[str] = []
+
+    def seconds(path: str) -> float:
+        timed.append(path)
+        return amx_s if path == "amx" else 1.0
+
+    monkeypatch.setattr(kernels, "cpu_paths", lambda: ["portable", "avx2", "avx512", "amx"])
+    monkeypatch.setattr(kernels, "build_dir", lambda: tmp_path)
+    monkeypatch.setattr(kernels, "_many_row_seconds", seconds)
+    monkeypatch.setenv(kernels.CPU_ENV, "auto")
+    assert kernels.path() == choice and sorted(timed) == ["amx", "avx512"]
+    assert kernels.path() == choice and len(timed) == 2  # read back
+    assert kernels.auto_path(["portable", "avx2", "avx512"]) == "avx512"  # no amx: nothing to measure
+    monkeypatch.setattr(kernels, "cpu_name", lambda: "another CPU")  # a record from another machine
+    assert kernels.path() == choice and len(timed) == 4
+
+
+def test_the_many_row_timing_runs_on_every_path_it_may_compare():
+    """The product `auto` times is a valid one (here on the paths this CPU has, amx-emulated for amx)."""
+    for path in [*kernels.cpu_paths(), EMULATED]:
+        assert 0 < kernels._many_row_seconds(path, rows=16, repeats=1) < 60
+
+
 def run_cli(tmp_path: Path, *argv: str, **env: str) -> subprocess.CompletedProcess:
     environ = dict(os.environ, SPECEXTEND_HOME=str(tmp_path / "home"), **env)
     return subprocess.run([str(CLI), *argv], capture_output=True, text=True, env=environ, timeout=600)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import platform
 import sys
@@ -157,7 +158,7 @@ def path() -> str:
         raise UserError(f"{CPU_ENV}={want} is not a kernel path; choose auto, {', '.join(PATHS)}")
     have = cpu_paths()
     if want == "auto":
-        return have[-1]
+        return auto_path(have)
     if want == EMULATED_AMX:
         return want  # runs anywhere (slowly): a test switch
     if want not in have:
@@ -168,6 +169,42 @@ def path() -> str:
 
 def path_id() -> int:
     return path_index(path())
+
+
+def auto_path(have: list[str] | None = None) -> str:
+    """What `auto` runs: the fastest path this CPU has, except that amx is taken only where it
+    measured faster than avx512 on a many-row product (once per machine and kernel build, kept in
+    the build's folder): a CPU that has AMX but runs it slowly (a VM, an early stepping) keeps avx512."""
+    have = cpu_paths() if have is None else have
+    if have[-1] != "amx":
+        return have[-1]
+    record = build_dir() / "auto-path.json"
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        stored = json.loads(record.read_text())
+        if stored["cpu"] == cpu_name():
+            return str(stored["choice"])
+    times = {p: _many_row_seconds(p) for p in ("avx512", "amx")}
+    choice = "amx" if times["amx"] < times["avx512"] else "avx512"
+    with contextlib.suppress(OSError):  # an unwritable cache measures again next time
+        record.write_text(json.dumps({"cpu": cpu_name(), "choice": choice, "seconds": times}))
+    return choice
+
+
+def _many_row_seconds(path: str, rows: int = 128, repeats: int = 5) -> float:
+    """Best wall seconds of a 4-bit product of `rows` rows (2048 -> 1024 channels, random codes)."""
+    n, k, sbg = 1024, 2048, 8
+    g = torch.Generator().manual_seed(0)
+    blob = torch.randint(0, 256, (n // 16 * k // 256, 64 + 288 * sbg), dtype=torch.uint8, generator=g)
+    blob[:, :64] = torch.tensor([0x00, 0x2C], dtype=torch.uint8).repeat(32)  # float16 scales 1/16
+    blob[:, 64 : 64 + 32 * sbg] &= 63  # 6-bit group scales and minimums, as Q4_K's
+    x = torch.randn(rows, k, generator=g)
+    args = ([blob.reshape(-1)], [0], [n], [0], [sbg], None, None, 0.0, False, None, path_index(path))
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first run pays for first-touch page faults
+        t = time.perf_counter()
+        load().qlinear(x, *args)
+        best = min(best, time.perf_counter() - t)
+    return best
 
 
 def has_fast_path() -> bool:
@@ -270,7 +307,8 @@ def describe() -> str:
     ext = load()
     paths = cpu_paths()
     extra = " (attention with AVX512-BF16)" if "avx512" in paths and ext.has_avx512_bf16() else ""
-    line = f"specextend kernels: {build_dir()}; paths this CPU runs: {', '.join(paths)}{extra}; auto = {paths[-1]}"
+    line = (f"specextend kernels: {build_dir()}; paths this CPU runs: {', '.join(paths)}{extra}; "
+            f"auto = {auto_path(paths)}")
     why = amx_refusal()
     if why and platform.machine() in ("x86_64", "AMD64"):
         line += f"; no amx: {why}"
