@@ -271,7 +271,7 @@ void finish_item(const Segment& s, const Rows& x, const Pending& it, float* acc)
   V::epilogue(it.sums, it.rows, g, *it.gs, acc);
 }
 
-// Panel `p` times rows [r0, r0 + n), 2 <= n <= kRowBlock; acc: n x 16 floats, 64-byte aligned.
+// Panel `p` times rows [r0, r0 + n), 1 <= n <= kRowBlock; acc: n x 16 floats, 64-byte aligned.
 template <class T, class V>
 void rows_tiles(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, const TileOut& out,
                 float* acc) {
