@@ -5,15 +5,29 @@ prints. The server answers /health, /props and /completion (prompt as token ids)
 shape of llama.cpp b11434: it "generates" the prompt's tokens in reverse order, so that outputs are
 deterministic and differ from any model's. With `--spec-type` it reports drafted/accepted counts.
 It writes its pid to $FAKE_LLAMA_PIDFILE (appending), so tests can check it was stopped, and
-$FAKE_LLAMA_ARGV receives its argument list.
+$FAKE_LLAMA_ARGV receives its argument list. $FAKE_LLAMA_SIGILL=start|prompt makes it die of an
+illegal instruction (SIGILL) while starting or on its first /completion, unless it was given
+`--no-repack`: what llama.cpp's AMX path does on some Xeons.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+def illegal_instruction() -> None:
+    """Die as a process that executed an instruction its CPU refuses (exit status -4)."""
+    sys.stdout.flush()
+    # To this very thread (Python leaves SIGILL's default action, terminate, in place): a signal to the
+    # process may land on another thread while this one still answers the request.
+    signal.pthread_kill(threading.get_ident(), signal.SIGILL)
+    time.sleep(60)  # never reached; and never an answer
 
 
 def main(argv: list[str]) -> int:
@@ -28,6 +42,9 @@ def main(argv: list[str]) -> int:
     if os.environ.get("FAKE_LLAMA_ARGV"):
         with open(os.environ["FAKE_LLAMA_ARGV"], "a") as f:
             f.write(json.dumps(argv) + "\n")
+    crash = "" if "--no-repack" in argv else os.environ.get("FAKE_LLAMA_SIGILL", "")
+    if crash == "start":
+        illegal_instruction()
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args: object) -> None:
@@ -55,6 +72,8 @@ def main(argv: list[str]) -> int:
             if self.path != "/completion" or not all(isinstance(t, int) for t in prompt):
                 self._send(400, {"error": {"code": 400, "message": "bad request", "type": "invalid_request_error"}})
                 return
+            if crash == "prompt":
+                illegal_instruction()
             n = int(body["n_predict"])
             tokens = list(reversed(prompt))[:n]
             timings = {"cache_n": 0, "prompt_n": len(prompt), "prompt_ms": 10.0 * len(prompt),

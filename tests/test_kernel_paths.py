@@ -1,8 +1,9 @@
 """Every kernel path this CPU runs gives the portable path's bits, and `SPECEXTEND_CPU` chooses one.
 
-The portable path (plain C++) defines the arithmetic; the vector paths (avx2, avx512, neon)
-reproduce it operation for operation. These tests compare each path the machine can run with the
-portable one on random inputs of several shapes, and run the kernel core's own exactness program
+The portable path (plain C++) defines the arithmetic; the vector paths (avx2, avx512, neon) and
+the amx path reproduce it operation for operation. These tests compare each path the machine can
+run with the portable one on random inputs of several shapes (the amx path's code everywhere, on
+emulated tiles: `amx-emulated`), and run the kernel core's own exactness program
 (csrc/test/exactness.cpp, no PyTorch) natively; `make test-arm` runs that program for aarch64
 under emulation."""
 
@@ -25,8 +26,10 @@ from tiny_tokenizer import save_tiny_model
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")
 
 ext = kernels.load()
-PORTABLE = kernels.PATHS.index("portable")
-VECTOR = [p for p in kernels.cpu_paths() if p != "portable"]
+PORTABLE = kernels.path_index("portable")
+# Every path this CPU runs, and the amx code on emulated tiles (any CPU; slow, so small shapes).
+PATHS = [*kernels.cpu_paths(), kernels.EMULATED_AMX]
+VECTOR = [p for p in PATHS if p != "portable"]
 CSRC = Path(kernels.__file__).parent / "csrc"
 
 # (GGUF kind or float bits, rows, width): widths not multiples of 256 and a partial panel of 16
@@ -43,7 +46,7 @@ def weight(kind: str | int, n: int, k: int) -> quant.QWeight:
 def product(w: quant.QWeight, x: torch.Tensor, path: str, **kw) -> torch.Tensor:
     args = (w.blobs, w.formats, w.widths, w.offsets, w.groups)
     return ext.qlinear(x, *args, kw.get("bias"), kw.get("norm"), 1e-6, kw.get("silu", False), kw.get("residual"),
-                       kernels.PATHS.index(path))
+                       kernels.path_index(path))
 
 
 @pytest.mark.skipif(not VECTOR, reason="this CPU has only the portable path")
@@ -62,7 +65,7 @@ def test_products_equal_the_portable_bits(path: str, kind, n: int, k: int) -> No
         assert torch.equal(product(w, gate_up, path, silu=True), product(w, gate_up, "portable", silu=True)), m
 
 
-@pytest.mark.parametrize("path", kernels.cpu_paths())
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize(("kind", "n", "k"), WEIGHTS[::2])
 def test_a_row_alone_equals_the_row_in_any_batch(path: str, kind, n: int, k: int) -> None:
     w = weight(kind, n, k)
@@ -78,7 +81,7 @@ def test_a_row_alone_equals_the_row_in_any_batch(path: str, kind, n: int, k: int
 MANY_ROWS = (1, 2, 3, 5, 8, 11, 12, 13, 17, 33, 63, 64, 65, 100, 129, 257, 511, 600)
 
 
-@pytest.mark.parametrize("path", kernels.cpu_paths())
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize(("kind", "n", "k"), WEIGHTS)
 def test_many_rows_equal_each_row_alone(path: str, kind, n: int, k: int) -> None:
     """The many-row product (tiles, the rows kernel, row blocks, threads taking units in any
@@ -98,7 +101,7 @@ def test_many_rows_equal_each_row_alone(path: str, kind, n: int, k: int) -> None
 def test_activation_quantization_equals_the_portable_bits(path: str) -> None:
     x = torch.randn(13, 256) * torch.logspace(-3, 3, 13).unsqueeze(1)
     x[0, :32] = 0  # a zero block
-    ours, ref = ext.quantize_activations(x, kernels.PATHS.index(path)), ext.quantize_activations(x, PORTABLE)
+    ours, ref = ext.quantize_activations(x, kernels.path_index(path)), ext.quantize_activations(x, PORTABLE)
     assert all(torch.equal(a, b) for a, b in zip(ours, ref, strict=True))
 
 
@@ -123,7 +126,7 @@ def test_attention_equals_the_portable_bits(path: str, d: int, heads: int, kv: i
     v = torch.randn(kv, capacity, d, generator=g).bfloat16()[:, : prefix + t]
     q = torch.randn(heads, t, d, generator=g) * 2
     for mask in (None, tree_mask(t, seed=t)):
-        ours = ext.attend(q, k, v, mask, kernels.PATHS.index(path))
+        ours = ext.attend(q, k, v, mask, kernels.path_index(path))
         assert torch.equal(ours, ext.attend(q, k, v, mask, PORTABLE))
 
 
@@ -158,11 +161,11 @@ def test_avx512_path_under_emulation(tmp_path: Path) -> None:
     for source in SOURCES:
         # -O0 for the emulated files only: optimising SIMDe's emulation takes minutes, while the
         # portable reference unoptimised would take as long to run; the arithmetic is IEEE at any level
-        level = "-O0" if source.endswith("_avx512.cpp") else "-O2"
+        level = "-O0" if source.endswith(("_avx512.cpp", "_amx.cpp")) else "-O2"
         objects.append(str(tmp_path / (Path(source).stem + ".o")))
         subprocess.run(["g++", level, *emulated, "-c", source, "-o", objects[-1]], check=True)
     subprocess.run(["g++", *objects, "-o", str(exe)], check=True)
-    assert "avx512" in run_exactness(exe).splitlines()[0]
+    assert "avx512" in run_exactness(exe).splitlines()[0]  # amx-emulated ran with the AVX-512 epilogue too
 
 
 @pytest.mark.skipif(shutil.which("aarch64-linux-gnu-g++") is None or shutil.which("qemu-aarch64") is None,
@@ -179,7 +182,7 @@ def test_the_cpu_variable_forces_a_path(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv(kernels.CPU_ENV, "portable")
     assert kernels.path() == "portable" and not kernels.has_fast_path()
     monkeypatch.setenv(kernels.CPU_ENV, "auto")
-    assert kernels.path() == kernels.cpu_paths()[-1]
+    assert kernels.path() == kernels.auto_path()
     monkeypatch.setenv(kernels.CPU_ENV, "sse9")
     with pytest.raises(UserError, match="not a kernel path"):
         kernels.path()

@@ -8,6 +8,7 @@ import json
 import os
 import stat
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -322,6 +323,56 @@ def test_server_that_dies_at_start_is_one_line(tmp_path, tiny_with_gguf, monkeyp
     assert bench(tiny_with_gguf, tmp_path / "out", "llamacpp-ar") == 1
     err = capsys.readouterr().err
     assert "failed to load model" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("when", ["start", "prompt"])
+def test_a_peer_that_dies_of_sigill_runs_again_with_no_repack(fake_peer, tiny_with_gguf, tmp_path, monkeypatch,
+                                                               when):
+    """llama.cpp's AMX path faults on some Xeons (issue 35): the bench retries once with --no-repack,
+    and the row's config says so; the resume hash is the method's own, so the row is found again."""
+    monkeypatch.setenv("FAKE_LLAMA_SIGILL", when)
+    out = tmp_path / "out"
+    assert bench(tiny_with_gguf, out, "llamacpp-ar") == 0
+    argvs = [json.loads(line) for line in (tmp_path / "argv").read_text().splitlines()]
+    assert len(argvs) == 2 and "--no-repack" not in argvs[0] and argvs[1][-1] == "--no-repack"
+    pids = [int(p) for p in fake_peer.read_text().split()]
+    assert len(pids) == 2 and not any(alive(p) for p in pids)
+    rows = rows_of(out)
+    assert len(rows) == 2 and all(r["config"]["no_repack"] is True for r in rows)
+    assert all(r["config"]["server_args"][-1] == "--no-repack" for r in rows)
+    assert all(r["extra"]["server"]["argv"][-1] == "--no-repack" for r in rows)
+    assert bench(tiny_with_gguf, out, "llamacpp-ar") == 0 and len(rows_of(out)) == 2  # resumed: nothing to run
+    monkeypatch.delenv("FAKE_LLAMA_SIGILL")
+    clean = tmp_path / "clean"
+    assert bench(tiny_with_gguf, clean, "llamacpp-ar") == 0
+    assert all(r["config"]["no_repack"] is False for r in rows_of(clean))
+
+
+@pytest.mark.parametrize("when", ["start", "prompt", ""])
+def test_the_serve_benchs_peer_runs_again_with_no_repack_after_sigill(fake_peer, tmp_path, monkeypatch, when):
+    from specextend.bench import concurrent
+
+    monkeypatch.setenv("FAKE_LLAMA_SIGILL", when)
+    monkeypatch.setattr(llamacpp, "gguf_for", lambda ref, role: tmp_path / "model.gguf")
+    info: dict = {}
+    with concurrent.llama(2, 256, info=info) as url, urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+        assert r.status == 200
+    assert info == {"no_repack": bool(when)}
+    argvs = [json.loads(line) for line in (tmp_path / "argv").read_text().splitlines()]
+    assert ["--no-repack" in a for a in argvs] == ([False, True] if when else [False])
+    assert not any(alive(int(p)) for p in fake_peer.read_text().split())
+
+
+def test_a_peer_that_dies_otherwise_is_not_retried(tmp_path, tiny_with_gguf, monkeypatch, capsys):
+    script = tmp_path / "llama-server"
+    script.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'version: 7 (x)'; exit 0; fi\n"
+                      f"echo run >> {tmp_path / 'runs'}; kill -SEGV $$\n")
+    script.chmod(0o755)
+    monkeypatch.setenv(llamacpp.SERVER_ENV, str(script))
+    assert bench(tiny_with_gguf, tmp_path / "out", "llamacpp-ar") == 1
+    assert (tmp_path / "runs").read_text().count("run") == 1
+    err = capsys.readouterr().err
+    assert "status -11" in err and len(err.strip().splitlines()) == 1
 
 
 # --------------------------------------------------------------------------- the real peer

@@ -9,15 +9,19 @@ loads the cached library in well under a second. `make setup` builds it; the fir
 it otherwise. OpenMP comes from torch's own runtime (same thread pool).
 
 Kernel paths (`SPECEXTEND_CPU`): `portable` (plain C++, any CPU), `avx2` (AVX2 + FMA + F16C),
-`avx512` (AVX-512 with VNNI; its attention uses AVX512-BF16 where present) and `neon` (ARMv8.2
-dot products). Every path computes the same arithmetic in the same order, so each gives the
-portable path's bits; `auto` (the default) takes the fastest this CPU runs.
+`avx512` (AVX-512 with VNNI; its attention uses AVX512-BF16 where present), `neon` (ARMv8.2
+dot products) and `amx` (Intel AMX tiles for products of 2+ rows, avx512 for the rest; only where
+CPUID, XCR0 and Linux's permission request all allow it). Every path computes the same arithmetic
+in the same order, so each gives the portable path's bits; `auto` (the default) takes the fastest
+this CPU runs. `amx-emulated` is a test switch, not a path to run: the amx code with its tile
+operations emulated in plain C++ (any CPU, slowly), so tests compare it bit for bit everywhere.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import platform
 import sys
@@ -40,12 +44,14 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("torch_ops.cpp", "core/cpu.cpp", "core/qlinear.cpp", "core/qlinear_portable.cpp",
             "core/qlinear_avx2.cpp", "core/qlinear_avx512.cpp", "core/qlinear_neon.cpp", "core/attention.cpp",
             "core/attention_portable.cpp", "core/attention_avx2.cpp", "core/attention_avx512.cpp",
-            "core/attention_neon.cpp", "core/rope.cpp", "core/peak.cpp")
+            "core/attention_neon.cpp", "core/rope.cpp", "core/peak.cpp",
+            "core/qlinear_amx.cpp")
 _CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-std=c++17")
 _lock = threading.Lock()
 _module: ModuleType | None = None
 
-PATHS = ("portable", "avx2", "avx512", "neon")  # the kernel paths; ids in csrc/core/cpu.h
+PATHS = ("portable", "avx2", "avx512", "neon", "amx")  # the kernel paths; ids in csrc/core/cpu.h
+EMULATED_AMX = "amx-emulated"  # test switch (csrc/core/cpu.h): the amx code on emulated tiles
 # The kernels' arithmetic, versioned: raised whenever an output's bits change, so that KV written
 # by another version (the prefix cache's files) is never read back as if this one had computed
 # it. 2: an attention score is one chain over the dimension pairs.
@@ -134,22 +140,71 @@ def cpu_paths() -> list[str]:
     return list(load().cpu_paths())
 
 
+def path_index(name: str) -> int:
+    """The C++ id of a kernel path (PATHS, or the EMULATED_AMX test switch)."""
+    return (*PATHS, EMULATED_AMX).index(name)
+
+
+def amx_refusal() -> str | None:
+    """Why the amx path cannot run on this machine (CPU, OS, VM or build), or None where it runs."""
+    return load().amx_status()
+
+
 def path() -> str:
     """The path the kernels run: `SPECEXTEND_CPU` if set (UserError if this CPU cannot run it),
     else the fastest this CPU has."""
     want = os.environ.get(CPU_ENV, "auto").strip().lower() or "auto"
-    if want != "auto" and want not in PATHS:
+    if want != "auto" and want not in PATHS and want != EMULATED_AMX:
         raise UserError(f"{CPU_ENV}={want} is not a kernel path; choose auto, {', '.join(PATHS)}")
     have = cpu_paths()
     if want == "auto":
-        return have[-1]
+        return auto_path(have)
+    if want == EMULATED_AMX:
+        return want  # runs anywhere (slowly): a test switch
     if want not in have:
-        raise UserError(f"{CPU_ENV}={want}: this CPU cannot run the {want} kernels (it runs {', '.join(have)})")
+        why = f": {amx_refusal()}" if want == "amx" and amx_refusal() else ""
+        raise UserError(f"{CPU_ENV}={want}: this CPU cannot run the {want} kernels{why} (it runs {', '.join(have)})")
     return want
 
 
 def path_id() -> int:
-    return PATHS.index(path())
+    return path_index(path())
+
+
+def auto_path(have: list[str] | None = None) -> str:
+    """What `auto` runs: the fastest path this CPU has, except that amx is taken only where it
+    measured faster than avx512 on a many-row product (once per machine and kernel build, kept in
+    the build's folder): a CPU that has AMX but runs it slowly (a VM, an early stepping) keeps avx512."""
+    have = cpu_paths() if have is None else have
+    if have[-1] != "amx":
+        return have[-1]
+    record = build_dir() / "auto-path.json"
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        stored = json.loads(record.read_text())
+        if stored["cpu"] == cpu_name():
+            return str(stored["choice"])
+    times = {p: _many_row_seconds(p) for p in ("avx512", "amx")}
+    choice = "amx" if times["amx"] < times["avx512"] else "avx512"
+    with contextlib.suppress(OSError):  # an unwritable cache measures again next time
+        record.write_text(json.dumps({"cpu": cpu_name(), "choice": choice, "seconds": times}))
+    return choice
+
+
+def _many_row_seconds(path: str, rows: int = 128, repeats: int = 5) -> float:
+    """Best wall seconds of a 4-bit product of `rows` rows (2048 -> 1024 channels, random codes)."""
+    n, k, sbg = 1024, 2048, 8
+    g = torch.Generator().manual_seed(0)
+    blob = torch.randint(0, 256, (n // 16 * k // 256, 64 + 288 * sbg), dtype=torch.uint8, generator=g)
+    blob[:, :64] = torch.tensor([0x00, 0x2C], dtype=torch.uint8).repeat(32)  # float16 scales 1/16
+    blob[:, 64 : 64 + 32 * sbg] &= 63  # 6-bit group scales and minimums, as Q4_K's
+    x = torch.randn(rows, k, generator=g)
+    args = ([blob.reshape(-1)], [0], [n], [0], [sbg], None, None, 0.0, False, None, path_index(path))
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first run pays for first-touch page faults
+        t = time.perf_counter()
+        load().qlinear(x, *args)
+        best = min(best, time.perf_counter() - t)
+    return best
 
 
 def has_fast_path() -> bool:
@@ -223,7 +278,7 @@ def peak(path: str, kind: str, seconds: float, repeats: int) -> dict[str, Any] |
     """One register-only multiply-add loop of `path` (csrc/core/peak.h) on every thread of the pool:
     its instruction and note, and each repeat's wall seconds and multiply-adds (all threads);
     None where the path has no loop of that `kind` (PEAK_KINDS)."""
-    return load().peak(PATHS.index(path), PEAK_KINDS.index(kind), seconds, repeats)
+    return load().peak(path_index(path), PEAK_KINDS.index(kind), seconds, repeats)
 
 
 _resolved: tuple[str, int] | None = None
@@ -252,4 +307,9 @@ def describe() -> str:
     ext = load()
     paths = cpu_paths()
     extra = " (attention with AVX512-BF16)" if "avx512" in paths and ext.has_avx512_bf16() else ""
-    return f"specextend kernels: {build_dir()}; paths this CPU runs: {', '.join(paths)}{extra}; auto = {paths[-1]}"
+    line = (f"specextend kernels: {build_dir()}; paths this CPU runs: {', '.join(paths)}{extra}; "
+            f"auto = {auto_path(paths)}")
+    why = amx_refusal()
+    if why and platform.machine() in ("x86_64", "AMD64"):
+        line += f"; no amx: {why}"
+    return line

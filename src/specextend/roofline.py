@@ -124,7 +124,7 @@ def measure(paths: list[str] | None = None, seconds: float = 0.5, repeats: int =
     threads = torch.get_num_threads()
     out: dict[str, Any] = {
         "cpu": kernels.cpu_name(), "machine": platform.machine(), "threads": threads,
-        "kernel_build": kernels.source_key(), "auto": runnable[-1],
+        "kernel_build": kernels.source_key(), "auto": kernels.auto_path(runnable),
         "has_avx512_bf16": bool(kernels.load().has_avx512_bf16()),
         "seconds_per_loop": seconds, "repeats": repeats, "figure": "best of the repeats",
         "unit": "G multiply-adds per second", "paths": {},
@@ -132,7 +132,9 @@ def measure(paths: list[str] | None = None, seconds: float = 0.5, repeats: int =
     fresh: dict[str, float] = {}
     for path in paths or list(kernels.PATHS):
         if path not in runnable:
-            out["paths"][path] = {"runnable": False, "reason": f"this CPU cannot run the {path} kernels"}
+            why = kernels.amx_refusal() if path == "amx" else None
+            out["paths"][path] = {"runnable": False,
+                                  "reason": f"this CPU cannot run the {path} kernels" + (f": {why}" if why else "")}
             continue
         loops = {}
         for kind in kernels.PEAK_KINDS:

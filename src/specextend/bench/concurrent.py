@@ -25,6 +25,7 @@ import contextlib
 import itertools
 import json
 import os
+import signal
 import statistics
 import subprocess
 import tempfile
@@ -157,53 +158,81 @@ def ours(start: Any, serve_args: str, log: Path) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def llama(clients: int, context: int, threads: int = 2) -> Iterator[str]:
-    """`llama-server -np N` over the default target's GGUF, each slot `context` tokens, on a free port."""
-    from .llamacpp import _free_port, _server_env, find_peer, gguf_for
+def llama(clients: int, context: int, threads: int = 2, info: dict[str, Any] | None = None) -> Iterator[str]:
+    """`llama-server -np N` over the default target's GGUF, each slot `context` tokens, on a free port.
+    One that dies of SIGILL while starting or on a first short prompt runs once more with
+    --no-repack (llama.cpp's AMX path faults on some Xeons: bench/llamacpp.py); `info["no_repack"]`
+    says which ran."""
+    from .llamacpp import NO_REPACK, _free_port, _server_env, find_peer, gguf_for
 
     peer = find_peer()
-    port = _free_port()
-    argv = [str(peer.binary), "-m", str(gguf_for(None, "target")), "--host", "127.0.0.1", "--port", str(port),
-            "-np", str(clients), "-c", str(clients * context), "-t", str(threads), "-tb", str(threads),
-            "--no-webui"]
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                env=_server_env(), start_new_session=True)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 300
-            while True:
-                if proc.poll() is not None:
-                    log.seek(0)
-                    raise SystemExit(f"llama-server exited: {log.read().decode(errors='replace')[-2000:]}")
-                with contextlib.suppress(OSError):
-                    import urllib.request
-
-                    with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-                        if r.status == 200:
-                            break
-                if time.monotonic() > deadline:
-                    raise SystemExit("llama-server did not start in 300 s")
-                time.sleep(0.2)
-            print(f"llama-server {peer.version} -np {clients} on {url}", flush=True)
-            yield url
-        finally:
-            proc.terminate()
+    for no_repack in (False, True):
+        port = _free_port()
+        argv = [str(peer.binary), "-m", str(gguf_for(None, "target")), "--host", "127.0.0.1", "--port", str(port),
+                "-np", str(clients), "-c", str(clients * context), "-t", str(threads), "-tb", str(threads),
+                "--no-webui", *([NO_REPACK] if no_repack else [])]
+        with tempfile.TemporaryFile() as log:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    env=_server_env(), start_new_session=True)
             try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                url = f"http://127.0.0.1:{port}"
+                status = _llama_serving(proc, url)
+                if status == -signal.SIGILL and not no_repack:
+                    print(f"llama-server died of SIGILL; retrying once with {NO_REPACK}", flush=True)
+                    continue
+                if status is not None:
+                    log.seek(0)
+                    raise SystemExit(f"llama-server exited ({status}): {log.read().decode(errors='replace')[-2000:]}")
+                print(f"llama-server {peer.version} -np {clients} on {url}" + (f" ({NO_REPACK})" if no_repack else ""),
+                      flush=True)
+                if info is not None:
+                    info["no_repack"] = no_repack
+                yield url
+                return
+            finally:
+                proc.terminate()
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
 
 
-def server(kind: str, start: Any, serve_args: str, clients: int, context: int, log: Path
-           ) -> contextlib.AbstractContextManager[str]:
+def _llama_serving(proc: subprocess.Popen, url: str) -> int | None:
+    """None once the server answers /health and a first 32-token prompt (many rows through its
+    weights, where a matrix path would fault); its exit status if it exits first."""
+    import urllib.request
+
+    deadline = time.monotonic() + 300
+    while True:
+        if proc.poll() is not None:
+            return proc.returncode
+        with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+            if r.status == 200:
+                break
+        if time.monotonic() > deadline:
+            raise SystemExit("llama-server did not start in 300 s")
+        time.sleep(0.2)
+    body = json.dumps({"prompt": list(range(1, 33)), "n_predict": 1, "cache_prompt": False}).encode()
+    req = urllib.request.Request(f"{url}/completion", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=600) as r:
+            r.read()
+    except OSError:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return proc.wait(15)
+        raise
+    return None
+
+
+def server(kind: str, start: Any, serve_args: str, clients: int, context: int, log: Path,
+           info: dict[str, Any] | None = None) -> contextlib.AbstractContextManager[str]:
     if kind == "ours":
         return ours(start, serve_args, log)
     if kind == "ours-one":
         return ours(start, f"--max-batch 1 --max-queue {max(16, clients)} {serve_args}", log)
     if kind == "llama":
-        return llama(clients, context)
+        return llama(clients, context, info=info)
     raise SystemExit(f"unknown server {kind!r}: choose ours, ours-one, llama")
 
 
@@ -241,7 +270,8 @@ def run(scenario: Scenario, kinds: list[str], serve_args: str, out: Path, encode
     streams_by: dict[str, list[Stream]] = {}
     for kind in kinds:
         log = out / f"{scenario.name}-{kind}.log"
-        with server(kind, start, serve_args, len(scenario.prompts), context, log) as url:
+        info: dict[str, Any] = {}
+        with server(kind, start, serve_args, len(scenario.prompts), context, log, info) as url:
             warm(url, encode)
             streams = run_clients(url, scenario.prompts, scenario.max_tokens, scenario.delays)
             after = health(url) if kind != "llama" else None
@@ -250,7 +280,7 @@ def run(scenario: Scenario, kinds: list[str], serve_args: str, out: Path, encode
         if scenario.window is not None:
             summary.update(during(streams, scenario.window))
         summary["health_after"] = after
-        results["servers"][kind] = {"summary": summary, "streams": [asdict(s) for s in streams]}
+        results["servers"][kind] = {"summary": summary, "streams": [asdict(s) for s in streams], **info}
         print(f"{scenario.name} {kind}: {json.dumps({k: v for k, v in summary.items() if k != 'health_after'})}",
               flush=True)
     reference = streams_by.get("ours-one")

@@ -27,7 +27,11 @@ How a row is measured, so that it compares with ours:
   the last token), so HTTP and JSON overhead stays out; `request_s` in `extra` is the wall time;
 - `steps` = target forwards after the prefill = new tokens - 1 - accepted draft tokens (each
   forward yields its accepted draft tokens + one), `accepted_per_step` = accepted / steps (llama.cpp
-  reports `draft_n` and `draft_n_accepted` per request; without speculation both are 0).
+  reports `draft_n` and `draft_n_accepted` per request; without speculation both are 0);
+- a server that dies of an illegal instruction (SIGILL) while starting or on its first prompt is
+  started once more with `--no-repack`: llama.cpp's AMX path (on by default for Q4_K/Q6_K since early
+  2026) faults on some Xeons, its tile configuration not loaded (shared/notes/cpu-amx.md), and
+  `--no-repack` keeps it off. The row's `config.no_repack` says which ran.
 
 Settings (docs/benchmarks.md): sd drafts up to 16 tokens, at least 0, stopping below p 0.75 (llama.cpp's
 long-standing server defaults and the issue's best of 4/8/16; this build's own defaults are 3 / 0 /
@@ -42,12 +46,13 @@ import http.client
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
@@ -70,6 +75,21 @@ CTX_ROUND = 256
 
 class PeerError(RuntimeError):
     """llama-server failed or answered something we cannot use (not the user's input)."""
+
+
+class PeerCrash(PeerError):
+    """llama-server exited while starting or on its first prompt; `status` is Popen's (-N: signal N)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def illegal_instruction(self) -> bool:
+        return self.status == -signal.SIGILL
+
+
+NO_REPACK = "--no-repack"  # llama.cpp: no repacked weights, so none of its AMX or other repack paths
 
 
 # --------------------------------------------------------------------------- settings
@@ -372,8 +392,10 @@ def context_size(longest_prompt: int, max_new_tokens: int, draft_max: int, model
 class LlamaServer:
     """A `llama-server` child process on 127.0.0.1; use as a context manager (stops it on any exit)."""
 
-    def __init__(self, peer: Peer, settings: LlamaCppSettings, target: Path, draft: Path | None, n_ctx: int) -> None:
+    def __init__(self, peer: Peer, settings: LlamaCppSettings, target: Path, draft: Path | None, n_ctx: int,
+                 no_repack: bool = False) -> None:
         self.peer, self.settings, self.target, self.draft, self.n_ctx = peer, settings, target, draft, n_ctx
+        self.no_repack = no_repack
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
         self.props: dict[str, Any] = {}
@@ -386,7 +408,7 @@ class LlamaServer:
             if self.draft is None:
                 raise UserError(f"{self.settings.method} needs a draft model")
             argv += ["-md", str(self.draft)]
-        return argv
+        return argv + ([NO_REPACK] if self.no_repack else [])
 
     # ----------------------------------------------------------------- lifetime
 
@@ -425,7 +447,7 @@ class LlamaServer:
                 log = self.log_tail()
                 if "bind" in log.lower() and "address" in log.lower():
                     return False
-                raise PeerError(f"llama-server exited with status {code} while starting: {_last_error(log)}")
+                raise PeerCrash(code, f"llama-server exited with status {code} while starting: {_last_error(log)}")
             with contextlib.suppress(OSError, http.client.HTTPException):
                 conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
                 try:
@@ -517,8 +539,24 @@ class LlamaServer:
         return out, time.perf_counter() - t0
 
     def warm_up(self, prompt_ids: list[int]) -> None:
-        """One short untimed request: the first one pays for page faults and buffer allocation."""
-        self.complete(prompt_ids[:WARMUP_TOKENS], 4)
+        """One short untimed request: the first one pays for page faults and buffer allocation (and
+        is the first to run many rows through the weights: where a build's matrix path faults)."""
+        try:
+            self.complete(prompt_ids[:WARMUP_TOKENS], 4)
+        except PeerError as e:
+            code = self.exit_status()
+            if code is None:
+                raise
+            raise PeerCrash(code, f"llama-server exited with status {code} on its first prompt ({e})") from None
+
+    def exit_status(self, wait_s: float = 15.0) -> int | None:
+        """The server's exit status once it has exited (waiting up to `wait_s`), else None."""
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            return None
 
 
 def _last_error(log: str) -> str:
@@ -621,13 +659,43 @@ def server_info(server: LlamaServer) -> dict[str, Any]:
     }
 
 
+def _started(peer: Peer, settings: LlamaCppSettings, target: Path, draft: Path | None, n_ctx: int,
+             warm_prompt: list[int], no_repack: bool) -> LlamaServer:
+    server = LlamaServer(peer, settings, target, draft, n_ctx, no_repack=no_repack)
+    try:
+        server.start()
+        server.warm_up(warm_prompt)
+    except BaseException:
+        server.close()
+        raise
+    return server
+
+
 @contextlib.contextmanager
 def running(peer: Peer, settings: LlamaCppSettings, target: Path, draft: Path | None, n_ctx: int,
-            warm_prompt: list[int]) -> Iterator[LlamaServer]:
-    """A started, warmed-up server for one method, stopped on leaving (errors and Ctrl-C included)."""
-    with LlamaServer(peer, settings, target, draft, n_ctx) as server:
-        server.warm_up(warm_prompt)
+            warm_prompt: list[int], say: Callable[[str], None] = print) -> Iterator[LlamaServer]:
+    """A started, warmed-up server for one method, stopped on leaving (errors and Ctrl-C included);
+    one that dies of SIGILL while starting or warming up runs again with --no-repack (`no_repack`)."""
+    try:
+        server = _started(peer, settings, target, draft, n_ctx, warm_prompt, no_repack=False)
+    except PeerCrash as e:
+        if not e.illegal_instruction:
+            raise
+        say(f"{e}; retrying once with {NO_REPACK}")
+        server = _started(peer, settings, target, draft, n_ctx, warm_prompt, no_repack=True)
+    try:
         yield server
+    finally:
+        server.close()
+
+
+def row_config(config: dict[str, Any], server: LlamaServer) -> dict[str, Any]:
+    """A method's `config` as it ran: whether the server needed --no-repack (the resume hash keeps
+    the method's own config, so a retried row is still found again)."""
+    out = {**config, "no_repack": server.no_repack}
+    if server.no_repack:
+        out["server_args"] = [*config["server_args"], NO_REPACK]
+    return out
 
 
 def main() -> int:

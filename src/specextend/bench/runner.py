@@ -492,7 +492,7 @@ class Bench:
             samples = [sample for sample, sp in todo if sp is spec]
             n_ctx = llamacpp.context_size(longest, s.max_new_tokens, max(s.draft_max, s.ngram_m), context)
             self.say(f"{spec.name}: starting llama-server {self.plan.peer.version}")
-            with llamacpp.running(self.plan.peer, s, target, draft, n_ctx, samples[0].prompt_ids) as server:
+            with llamacpp.running(self.plan.peer, s, target, draft, n_ctx, samples[0].prompt_ids, self.say) as server:
                 info = llamacpp.server_info(server)
                 for sample in samples:
                     self._status(sample, spec.name)
@@ -507,7 +507,7 @@ class Bench:
                         "dtype": dtype,
                         "draft_dtype": llamacpp.gguf_file_type(draft) if s.needs_draft and draft else None,
                         "device": "cpu",
-                        "config": spec.config(),
+                        "config": llamacpp.row_config(spec.config(), server),
                         "text": tok.decode(m["token_ids"], skip_special_tokens=True,
                                            clean_up_tokenization_spaces=False),
                         **m,

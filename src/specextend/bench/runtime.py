@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     bw = read_bandwidth_gbs()
     wb = weight_bytes_per_forward(pair.target)
     res.update(read_bandwidth_gbs=bw, weight_bytes=wb, floor_s=wb / (bw * 1e9))
-    if res["cpu_kernels"] is not None:
+    if res["cpu_kernels"] not in (None, kernels.EMULATED_AMX):  # an emulation has no peak to divide by
         res["roofline"] = measure_roofline(pair.target, res, lengths)
     print(json.dumps(res, indent=2) if a.json else report(res, a.prefill_tokens))
     return 0

@@ -27,9 +27,17 @@ spx::Path checked_path(int64_t path) {
 
 std::vector<std::string> cpu_paths() {
   std::vector<std::string> out;
-  for (int i = 0; i < spx::kPaths; ++i)
-    if (spx::cpu_supports(static_cast<spx::Path>(i))) out.emplace_back(spx::path_name(static_cast<spx::Path>(i)));
+  for (int i = 0; i < spx::kPaths; ++i) {
+    const auto p = static_cast<spx::Path>(i);
+    if (p != spx::Path::AMXEmulated && spx::cpu_supports(p)) out.emplace_back(spx::path_name(p));
+  }
   return out;
+}
+
+// Why the amx path cannot run here (one clause), or None where it runs.
+py::object amx_status() {
+  const char* why = spx::amx_status();
+  return why == nullptr ? py::object(py::none()) : py::object(py::str(why));
 }
 
 // The int8 activations of rows x [m, k], with their scales and sums (buffers kept alive by `keep`).
@@ -322,7 +330,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_activations", &quantize_activations, "int8 activations, one scale per 32");
   m.def("attend", &attend, "row-independent attention of new tokens over a bfloat16 KV cache");
   m.def("rope_store", &rope_store, "rotate the new queries and keys, store keys and values in the bf16 cache");
-  m.def("cpu_paths", &cpu_paths, "the kernel paths this CPU runs, slowest first");
+  m.def("cpu_paths", &cpu_paths, "the kernel paths this CPU runs, slowest first (amx-emulated, a test path, not listed)");
+  m.def("amx_status", &amx_status, "why the amx path cannot run here, or None where it runs");
   m.def("has_avx512_bf16", &spx::cpu_has_avx512_bf16, "whether the avx512 path's attention uses AVX512-BF16");
   m.def("peak", &peak, "multiply-add rate of a register-only loop on every thread (kernels --peak)");
 }

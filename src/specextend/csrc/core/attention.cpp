@@ -49,7 +49,7 @@ const uint16_t* block_rows(const uint16_t* base, int64_t prefix, int64_t contigu
 
 BlockKernel kernel_for(Path path, int64_t d) {
   BlockKernel k{};
-  switch (path) {
+  switch (vector_path(path)) {  // the amx paths attend on their vector path's kernels
 #if defined(__x86_64__)
     case Path::AVX512:
       if (block_kernel_avx512(d, &k) || block_kernel_avx2(d, &k)) return k;

@@ -1,6 +1,19 @@
 // CPU feature detection for the kernel paths (cpu.h).
 #include "cpu.h"
 
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <initializer_list>
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+#if defined(__x86_64__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #if defined(__aarch64__) && defined(__linux__)
 #include <sys/auxv.h>
 #endif
@@ -56,7 +69,80 @@ bool neon_dotprod() {
 #endif
 }
 
+#if defined(__x86_64__)
+uint64_t xgetbv0() {
+  uint32_t lo, hi;
+  asm volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (static_cast<uint64_t>(hi) << 32) | lo;
+}
+#endif
+
+// The permission to use AMX's 8 KB of tile state, once per process (Linux: arch/x86 xstate
+// docs). Without it the first tile instruction faults even where CPUID and XCR0 say AMX.
+int request_amx_permission() {
+  const char* test = std::getenv("SPECEXTEND_TEST_AMX_PERMISSION");
+  if (test != nullptr && std::strcmp(test, "deny") == 0) return EPERM;
+#if defined(__x86_64__) && defined(__linux__)
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0 ? 0 : errno;
+#else
+  return ENOSYS;
+#endif
+}
+
+AmxProbe probe_amx() {
+  AmxProbe p;
+#if defined(__x86_64__) && !defined(SPECEXTEND_EMULATE_AVX512)
+  p.x86 = true;
+  p.avx512 = avx512();
+  unsigned a, b, c, d;
+  if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) {
+    p.tile = (d >> 24) & 1;
+    p.int8 = (d >> 25) & 1;
+  }
+  if (!p.tile || !p.int8) return p;
+  if (__get_cpuid_count(0x1D, 0, &a, &b, &c, &d)) p.max_palette = a;
+  if (p.max_palette >= 1 && __get_cpuid_count(0x1D, 1, &a, &b, &c, &d)) {
+    p.palette1[0] = a;
+    p.palette1[1] = b;
+    p.palette1[2] = c;
+    p.palette1[3] = d;
+  }
+  if (__get_cpuid(1, &a, &b, &c, &d)) p.osxsave = (c >> 27) & 1;
+  if (p.osxsave) p.xcr0 = xgetbv0();
+  if (amx_refusal(p) != nullptr) return p;  // only a CPU and OS with AMX are asked for the permission
+  p.permission = request_amx_permission();
+#endif
+  return p;
+}
+
 }  // namespace
+
+const char* amx_refusal(const AmxProbe& p) {
+  if (!p.x86) return "this build has no amx code (not x86-64, or an emulated test build)";
+  if (!p.tile || !p.int8) return "no AMX-TILE and AMX-INT8 in CPUID";
+  if (!p.avx512) return "no AVX-512 with VNNI on this CPU";
+  if (p.max_palette < 1) return "CPUID leaf 0x1D reports no tile palette 1";
+  // Palette 1 as the kernels use it: 8 KB of tile data, 1 KB tiles of 16 rows x 64 bytes, 8 tiles.
+  const uint32_t* t = p.palette1;
+  if ((t[0] & 0xFFFF) < 8192 || (t[0] >> 16) < 1024 || (t[1] & 0xFFFF) < 64 || (t[1] >> 16) < 8 ||
+      (t[2] & 0xFFFF) < 16)
+    return "tile palette 1 is smaller than 8 tiles of 16 rows x 64 bytes";
+  if (!p.osxsave) return "the OS does not enable XSAVE";
+  if (((p.xcr0 >> 17) & 3) != 3) return "the OS does not enable the tile state (XCR0 bits 17-18)";
+  if (p.permission != 0) return "Linux refused the tile-data permission (arch_prctl ARCH_REQ_XCOMP_PERM)";
+  return nullptr;
+}
+
+const AmxProbe& amx_probe() {
+  static const AmxProbe p = probe_amx();
+  return p;
+}
+
+const char* amx_status() {
+  static const char* why = amx_refusal(amx_probe());
+  return why;
+}
 
 bool cpu_supports(Path p) {
   switch (p) {
@@ -64,8 +150,18 @@ bool cpu_supports(Path p) {
     case Path::AVX2: return avx2();
     case Path::AVX512: return avx512();
     case Path::NEON: return neon_dotprod();
+    case Path::AMX: return amx_status() == nullptr;
+    case Path::AMXEmulated: return true;
   }
   return false;
+}
+
+Path vector_path(Path p) {
+  if (p == Path::AMX) return Path::AVX512;
+  if (p != Path::AMXEmulated) return p;
+  for (Path v : {Path::AVX512, Path::AVX2, Path::NEON})
+    if (cpu_supports(v)) return v;
+  return Path::Portable;
 }
 
 bool cpu_has_avx512_bf16() {
@@ -85,6 +181,8 @@ const char* path_name(Path p) {
     case Path::AVX2: return "avx2";
     case Path::AVX512: return "avx512";
     case Path::NEON: return "neon";
+    case Path::AMX: return "amx";
+    case Path::AMXEmulated: return "amx-emulated";
   }
   return "?";
 }

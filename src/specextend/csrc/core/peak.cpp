@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "amx_tiles.h"
 #include "target.h"
 
 #if defined(__x86_64__)
@@ -239,6 +240,45 @@ uint32_t bf16_avx512(int64_t iters, int32_t seed) {
 }  // namespace spx
 SPX_END
 
+namespace spx {
+namespace {
+
+// TDPBSUD on full tiles (16 rows x 64 bytes: 16x16x64 = 16384 products an instruction), four
+// independent C tiles from two A and two B tiles. Tile instructions keep their operands in the
+// tiles, so nothing can be folded or hoisted; only C tile 0 is read back, for the digest. Runs
+// only where cpu.h says AMX runs (the process holds the tile-data permission).
+uint32_t int8_amx(int64_t iters, int32_t seed) {
+  TileConfig cfg;
+  for (int t = 0; t < kTileRegs; ++t) {
+    cfg.rows[t] = kTileMaxRows;
+    cfg.colsb[t] = kTileMaxBytes;
+  }
+  alignas(64) uint8_t src[kTileMaxRows * kTileMaxBytes];
+  for (int i = 0; i < static_cast<int>(sizeof(src)); ++i) src[i] = static_cast<uint8_t>(seed * 7 + i);
+  alignas(64) int32_t out[kTileMaxRows * 16];
+  NativeTiles::config(cfg);
+  NativeTiles::zero<0>();
+  NativeTiles::zero<1>();
+  NativeTiles::zero<2>();
+  NativeTiles::zero<3>();
+  NativeTiles::load<4>(src, 64);
+  NativeTiles::load<5>(src, 64);
+  NativeTiles::load<6>(src, 64);
+  NativeTiles::load<7>(src, 64);
+  for (int64_t i = 0; i < iters; ++i) {
+    NativeTiles::dpbsud<0, 4, 6>();
+    NativeTiles::dpbsud<1, 4, 7>();
+    NativeTiles::dpbsud<2, 5, 6>();
+    NativeTiles::dpbsud<3, 5, 7>();
+  }
+  NativeTiles::store<0>(out, 64);
+  NativeTiles::release();
+  return digest(out);
+}
+
+}  // namespace
+}  // namespace spx
+
 #endif  // !SPECEXTEND_EMULATE_AVX512
 #endif  // __x86_64__
 
@@ -320,8 +360,18 @@ SPX_END
 namespace spx {
 
 bool peak_loop(Path path, PeakKind kind, PeakLoop* out) {
-  if (!cpu_supports(path)) return false;
+  if (!cpu_supports(path) || path == Path::AMXEmulated) return false;
   const bool int8 = kind == PeakKind::Int8, bf16 = kind == PeakKind::BF16, pair = kind == PeakKind::Int8Pair;
+#if defined(__x86_64__) && !defined(SPECEXTEND_EMULATE_AVX512)
+  if (path == Path::AMX && int8) {
+    *out = {"tdpbsud tmm 16x16x64",
+            "the tile unit's rate on full tiles; the kernels multiply one weight group per instruction "
+            "(K = 32, Q6K's 16), which takes as long: their ceiling is half of this (a quarter for Q6K)",
+            4 * 16 * 16 * 64, int8_amx};
+    return true;
+  }
+#endif
+  if (path == Path::AMX) path = Path::AVX512;  // its attention and one-row products are avx512's
   switch (path) {
     case Path::Portable:
       if (int8)

@@ -36,6 +36,17 @@ struct Kernels {
 };
 
 Kernels kernels_for(Path path) {
+  if (path == Path::AMX || path == Path::AMXEmulated) {
+    // From 2 rows the tiles; one row keeps its vector path's memory-bound kernel.
+    Kernels k = kernels_for(vector_path(path));
+#if defined(__x86_64__) && !defined(SPECEXTEND_EMULATE_AVX512)
+    k.rows = path == Path::AMX ? rows_amx : rows_amx_emulated;
+#else
+    k.rows = rows_amx_emulated;
+#endif
+    k.rows_from = 2;
+    return k;
+  }
   switch (path) {
 #if defined(__x86_64__)
     case Path::AVX2: return {tile_avx2, tile_rows_avx2(), rows_avx2, rows_from_avx2(), quantize_row_avx2, pre_op_row_avx2};
@@ -68,7 +79,7 @@ void quantize_rows(Path path, const float* x, int64_t ldx, const PreOp& op, cons
 
 void linear_block(Path path, const Linear& op, int64_t p0, int64_t p1, int64_t r0, int64_t r1, float* scratch) {
   const Kernels kn = kernels_for(path);
-  const bool vector = path != Path::Portable;
+  const bool vector = vector_path(path) != Path::Portable;
   const int64_t m = r1 - r0;
   const bool by_rows = kn.rows != nullptr && m >= kn.rows_from;
   int64_t si = 0, col0 = 0;

@@ -159,4 +159,12 @@ SPX_DECLARE_PATH(neon)
 #endif
 #undef SPX_DECLARE_PATH
 
+// The amx path's many-row product (qlinear_amx.cpp), the rows kernel of the amx paths (the rest of
+// each is its vector path's, cpu.h): on the tiles, and the same code on emulated tiles (any CPU).
+#if defined(__x86_64__)
+void rows_amx(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, const TileOut& out, float* acc);
+#endif
+void rows_amx_emulated(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, const TileOut& out,
+                       float* acc);
+
 }  // namespace spx

@@ -3,7 +3,9 @@
 //   1. every vector path this CPU runs gives the portable path's bits: quantized products of
 //      every format (with the fused norm, SiLU, bias and residual), the activation quantization,
 //      and attention over a bfloat16 cache (causal and tree masks, several head sizes);
-//   2. rows are independent: a row computed alone equals the same row inside batches of 2-16.
+//   2. rows are independent: a row computed alone equals the same row inside batches of 2-16;
+//   3. the amx path's code on emulated tiles (amx-emulated, any CPU) is among the paths of 1 and 2,
+//      and its detection refuses AMX at every step a CPU, an OS or a VM can deny it.
 // Exit status 0 when every check passes; each failure is printed.
 #include <cmath>
 #include <cstdint>
@@ -11,6 +13,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../core/attention.h"
@@ -178,18 +181,50 @@ void attention_tests(const std::vector<Path>& paths) {
   }
 }
 
+// The detection's verdicts on made-up probes: each missing step refuses AMX, all present accept it.
+void amx_detection_tests() {
+  spx::AmxProbe ok;
+  ok.x86 = ok.avx512 = ok.tile = ok.int8 = ok.osxsave = true;
+  ok.max_palette = 1;
+  ok.palette1[0] = 8192u | (1024u << 16);
+  ok.palette1[1] = 64u | (8u << 16);
+  ok.palette1[2] = 16;
+  ok.xcr0 = 0x600e7;    // x87, SSE, AVX, AVX-512 state, XTILECFG, XTILEDATA
+  ok.permission = 0;
+  check(spx::amx_refusal(ok) == nullptr, "amx detection: a complete probe runs amx");
+  const std::pair<const char*, spx::AmxProbe (*)(spx::AmxProbe)> denials[] = {
+      {"CPUID", [](spx::AmxProbe p) { p.int8 = false; return p; }},
+      {"palette", [](spx::AmxProbe p) { p.max_palette = 0; return p; }},
+      {"palette", [](spx::AmxProbe p) { p.palette1[2] = 8; return p; }},
+      {"XCR0", [](spx::AmxProbe p) { p.xcr0 &= ~(uint64_t{1} << 18); return p; }},
+      {"XSAVE", [](spx::AmxProbe p) { p.osxsave = false; return p; }},
+      {"arch_prctl", [](spx::AmxProbe p) { p.permission = 1; return p; }},
+      {"AVX-512", [](spx::AmxProbe p) { p.avx512 = false; return p; }},
+  };
+  for (const auto& d : denials) {
+    const char* why = spx::amx_refusal(d.second(ok));
+    check(why != nullptr && std::strstr(why, d.first) != nullptr, std::string("amx detection refuses: ") + d.first);
+  }
+  const char* here = spx::amx_status();
+  check(spx::cpu_supports(Path::AMX) == (here == nullptr), "amx detection: cpu_supports agrees with amx_status");
+  std::printf("amx on this CPU: %s\n", here == nullptr ? "runs" : here);
+}
+
 }  // namespace
 
 int main() {
   std::vector<Path> paths;
   std::string names = "portable";
-  for (Path p : {Path::AVX2, Path::AVX512, Path::NEON})
+  for (Path p : {Path::AVX2, Path::AVX512, Path::NEON, Path::AMX})
     if (spx::cpu_supports(p)) {
       paths.push_back(p);
       names += std::string(", ") + spx::path_name(p);
     }
   std::printf("kernel paths on this CPU: %s\n", names.c_str());
   paths.insert(paths.begin(), Path::Portable);  // the portable path's own row independence
+  // The amx code on emulated tiles everywhere (with AVX-512's epilogue where this build runs it).
+  paths.push_back(Path::AMXEmulated);
+  amx_detection_tests();
   linear_tests(paths);
   attention_tests(paths);
   std::printf("%d checks, %d failed\n", checks, failures);

@@ -1,0 +1,328 @@
+// The amx path's many-row product (qlinear.h): a panel of 16 channels times 2..64 rows on Intel AMX
+// tiles, with the reference arithmetic (qlinear_portable.cpp) to the bit.
+//
+// Per weight group (32 inputs; Q6K's 16) the group's codes are unpacked once into one B tile
+// (the blob's steps of 4 inputs x 16 channels are already TDPBSUD's B layout; Q8's codes are
+// loaded straight from the blob), and every 16-row tile of activations is multiplied by it with
+// one TDPBSUD (signed int8 activations x unsigned codes into int32, exact) into a C tile zeroed for
+// that group. C goes through memory to the float epilogue, which applies the group's correction,
+// activation scale, channel scale (and Q4K's minimum) to each row's accumulators in the reference
+// order; groups stay in input order for every row. Two C and two A tiles alternate, so one item's
+// tile work can run while the previous item's epilogue does (the hardware overlaps them; the
+// tiles are the faster part, cpu-amx.md). Rows are independent: a row's sums never meet another
+// row's, and the tile a row lands in changes nothing.
+//
+// The code is one template over a tile backend (amx_tiles.h) and a vector backend for the
+// epilogue and unpacking: native tiles with AVX-512 (the amx path; every CPU with AMX has it), and
+// emulated tiles with AVX-512 or scalar C++ (the amx-emulated test path, cpu.h).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "amx_tiles.h"
+#include "half.h"
+#include "qlinear.h"
+#include "target.h"
+
+#if defined(__x86_64__)
+#include "x86.h"
+#endif
+
+namespace spx {
+
+namespace {
+
+// One weight group as the epilogue needs it: float channel scales (and Q4K's minimums).
+struct alignas(64) GroupScales {
+  float scale[kPanel];
+  float mins[kPanel];
+};
+
+// A group's per-row inputs, from the activation block of the group's inputs: the row's scale d8,
+// xs (Q4K's minimum term) and the int32 correction offset x sums (Q6K: 32 x the sum of the
+// group's 16 codes; Q8: the format's offset x the block's sum; Q4K none).
+struct GroupRows {
+  const float* d8;
+  const float* xs;
+  const int32_t* sums;
+  int64_t kb, sum_stride;
+  int32_t offset;
+  bool q4k;
+};
+
+// --------------------------------------------------------------- vector backends
+
+// Plain C++: the reference's operations one lane at a time (the build keeps FMA contraction off).
+struct ScalarVec {
+  static void unpack_q4k(const uint8_t* cb, uint8_t* w) {
+    for (int i = 0; i < 4; ++i)
+      for (int b = 0; b < 64; ++b) {
+        w[64 * i + b] = cb[64 * i + b] & 15;
+        w[64 * (i + 4) + b] = cb[64 * i + b] >> 4;
+      }
+  }
+
+  static void unpack_q6k(const uint8_t* cb, uint8_t* w) {
+    for (int st = 0; st < 4; ++st)
+      for (int b = 0; b < 64; ++b) {
+        const uint8_t lo = cb[64 * (st % 2) + b];
+        w[64 * st + b] = static_cast<uint8_t>(((st < 2 ? lo : lo >> 4) & 15) | (((cb[128 + b] >> (2 * st)) & 3) << 4));
+      }
+  }
+
+  // scale[c] = f16 d[c] x q[c] (q: u8, or i8 when `is_signed`); into out[16].
+  static void scales(const uint8_t* d, const uint8_t* q, bool is_signed, float* out) {
+    const uint16_t* dh = reinterpret_cast<const uint16_t*>(d);
+    for (int c = 0; c < kPanel; ++c) {
+      const float v = is_signed ? static_cast<float>(static_cast<int8_t>(q[c])) : static_cast<float>(q[c]);
+      out[c] = half_to_float(dh[c]) * v;
+    }
+  }
+
+  static void halves(const uint8_t* d, float* out) {
+    const uint16_t* dh = reinterpret_cast<const uint16_t*>(d);
+    for (int c = 0; c < kPanel; ++c) out[c] = half_to_float(dh[c]);
+  }
+
+  // rows x 16 int32 sums (row stride 16) into the rows' accumulators (row stride 16).
+  static void epilogue(const int32_t* sums, int rows, const GroupRows& g, const GroupScales& gs, float* acc) {
+    for (int i = 0; i < rows; ++i) {
+      const uint32_t corr = static_cast<uint32_t>(g.offset) * static_cast<uint32_t>(g.sums[i * g.sum_stride]);
+      const float d8 = g.d8[i * g.kb];
+      for (int c = 0; c < kPanel; ++c) {
+        const int32_t dot = static_cast<int32_t>(static_cast<uint32_t>(sums[16 * i + c]) - corr);
+        const float t = static_cast<float>(dot) * d8;
+        float a = std::fma(t, gs.scale[c], acc[16 * i + c]);
+        if (g.q4k) a = std::fma(-gs.mins[c], g.xs[i * g.kb], a);
+        acc[16 * i + c] = a;
+      }
+    }
+  }
+
+  static void finish(const float* acc, int64_t r0, int n, const TileOut& out) {
+    for (int r = 0; r < n; ++r)
+      for (int c = 0; c < kPanel; ++c) {
+        float v = acc[16 * r + c] + (out.bias ? out.bias[c] : 0.f);
+        if (out.residual) v = out.residual[(r0 + r) * out.ldo + c] + v;
+        out.y[(r0 + r) * out.ldo + c] = v;
+      }
+  }
+};
+
+}  // namespace
+}  // namespace spx
+
+#if defined(__x86_64__)
+SPX_BEGIN_AVX512
+namespace spx {
+namespace {
+
+// AVX-512: the avx512 path's operations (qlinear_avx512.cpp), 16 channels a register.
+struct Avx512Vec {
+  static void unpack_q4k(const uint8_t* cb, uint8_t* w) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int i = 0; i < 4; ++i) {
+      const __m512i v = _mm512_loadu_si512(cb + 64 * i);
+      _mm512_storeu_si512(w + 64 * i, _mm512_and_si512(v, low));
+      _mm512_storeu_si512(w + 64 * (i + 4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+    }
+  }
+
+  static void unpack_q6k(const uint8_t* cb, uint8_t* w) {
+    const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+    const __m512i a = _mm512_loadu_si512(cb), b = _mm512_loadu_si512(cb + 64), h = _mm512_loadu_si512(cb + 128);
+    // Step s's high bits sit at bits 2s..2s+1 of h; shifted to bits 4..5 they join the nibble.
+    _mm512_storeu_si512(w, _mm512_or_si512(_mm512_and_si512(a, low), _mm512_and_si512(_mm512_slli_epi16(h, 4), top)));
+    _mm512_storeu_si512(w + 64,
+                        _mm512_or_si512(_mm512_and_si512(b, low), _mm512_and_si512(_mm512_slli_epi16(h, 2), top)));
+    _mm512_storeu_si512(w + 128,
+                        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), low), _mm512_and_si512(h, top)));
+    _mm512_storeu_si512(w + 192, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), low),
+                                                 _mm512_and_si512(_mm512_srli_epi16(h, 2), top)));
+  }
+
+  static __m512 cvt_f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+
+  static void scales(const uint8_t* d, const uint8_t* q, bool is_signed, float* out) {
+    const __m128i v = _mm_loadu_si128((const __m128i*)q);
+    const __m512i w = is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
+    _mm512_store_ps(out, _mm512_mul_ps(cvt_f16(d), _mm512_cvtepi32_ps(w)));
+  }
+
+  static void halves(const uint8_t* d, float* out) { _mm512_store_ps(out, cvt_f16(d)); }
+
+  static void epilogue(const int32_t* sums, int rows, const GroupRows& g, const GroupScales& gs, float* acc) {
+    const __m512 scale = _mm512_load_ps(gs.scale), mins = _mm512_load_ps(gs.mins);
+    for (int i = 0; i < rows; ++i) {
+      const int32_t corr = static_cast<int32_t>(static_cast<uint32_t>(g.offset) *
+                                                static_cast<uint32_t>(g.sums[i * g.sum_stride]));
+      const __m512i c = _mm512_sub_epi32(_mm512_load_si512(sums + 16 * i), _mm512_set1_epi32(corr));
+      const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(g.d8[i * g.kb]));
+      __m512 a = _mm512_fmadd_ps(t, scale, _mm512_load_ps(acc + 16 * i));
+      if (g.q4k) a = _mm512_fnmadd_ps(mins, _mm512_set1_ps(g.xs[i * g.kb]), a);
+      _mm512_store_ps(acc + 16 * i, a);
+    }
+  }
+
+  static void finish(const float* acc, int64_t r0, int n, const TileOut& out) {
+    const __m512 b = out.bias ? _mm512_loadu_ps(out.bias) : _mm512_setzero_ps();
+    for (int r = 0; r < n; ++r) {
+      __m512 y = _mm512_add_ps(_mm512_load_ps(acc + 16 * r), b);
+      if (out.residual) y = _mm512_add_ps(_mm512_loadu_ps(out.residual + (r0 + r) * out.ldo), y);
+      _mm512_storeu_ps(out.y + (r0 + r) * out.ldo, y);
+    }
+  }
+};
+
+}  // namespace
+}  // namespace spx
+SPX_END
+#endif  // __x86_64__
+
+namespace spx {
+
+namespace {
+
+// --------------------------------------------------------------- the tile kernel
+
+// Tile registers: C tiles 0 and 1 and A tiles 2 and 3 alternate between consecutive items, B tiles
+// 4 and 5 between consecutive groups; 6 (C) and 7 (A) take the last row tile when the row count
+// is above 16 and not a multiple of it (fewer rows: a configuration of its own).
+constexpr int kC0 = 0, kA0 = 2, kB0 = 4, kCTail = 6, kATail = 7;
+
+TileConfig config_for(int group, int n) {
+  TileConfig cfg;
+  const int full = std::min(n, kTileMaxRows), tail = n > kTileMaxRows ? n % kTileMaxRows : 0;
+  for (int j = 0; j < 2; ++j) {
+    cfg.rows[kC0 + j] = static_cast<uint8_t>(full);
+    cfg.colsb[kC0 + j] = 64;
+    cfg.rows[kA0 + j] = static_cast<uint8_t>(full);
+    cfg.colsb[kA0 + j] = static_cast<uint16_t>(group);
+    cfg.rows[kB0 + j] = static_cast<uint8_t>(group / 4);
+    cfg.colsb[kB0 + j] = 64;
+  }
+  if (tail > 0) {
+    cfg.rows[kCTail] = static_cast<uint8_t>(tail);
+    cfg.colsb[kCTail] = 64;
+    cfg.rows[kATail] = static_cast<uint8_t>(tail);
+    cfg.colsb[kATail] = static_cast<uint16_t>(group);
+  }
+  return cfg;
+}
+
+// One item's tile work: a row tile's activations times the group's B tile into C, then C to memory.
+template <class T, int C, int A, int B>
+void tile_item(const int8_t* a, int64_t lda, int32_t* c) {
+  T::template load<A>(a, lda);
+  T::template zero<C>();
+  T::template dpbsud<C, A, B>();
+  T::template store<C>(c, 64);
+}
+
+template <class T>
+void issue(bool tail, int parity, int b, const int8_t* a, int64_t lda, int32_t* c) {
+  if (tail) (b ? tile_item<T, kCTail, kATail, kB0 + 1> : tile_item<T, kCTail, kATail, kB0>)(a, lda, c);
+  else if (parity) (b ? tile_item<T, kC0 + 1, kA0 + 1, kB0 + 1> : tile_item<T, kC0 + 1, kA0 + 1, kB0>)(a, lda, c);
+  else (b ? tile_item<T, kC0, kA0, kB0 + 1> : tile_item<T, kC0, kA0, kB0>)(a, lda, c);
+}
+
+// A group of the panel: where its codes are (B rows of 64 bytes) and its scales.
+template <class V>
+const uint8_t* prepare_group(const Segment& s, const uint8_t* p, int64_t gi, uint8_t* buf, GroupScales& gs) {
+  if (s.fmt == Q4K) {
+    const int64_t sbg = s.sbg, g = gi % sbg;
+    const uint8_t* sb = p + (gi / sbg) * (64 + 288 * sbg);
+    V::scales(sb, sb + 64 + 16 * g, false, gs.scale);
+    V::scales(sb + 32, sb + 64 + 16 * sbg + 16 * g, false, gs.mins);
+    V::unpack_q4k(sb + 64 + 32 * sbg + 256 * g, buf);
+    return buf;
+  }
+  if (s.fmt == Q6K) {
+    const int64_t g = gi % 16;
+    const uint8_t* sb = p + (gi / 16) * 3360;
+    V::scales(sb, sb + 32 + 16 * g, true, gs.scale);
+    V::unpack_q6k(sb + 288 + 192 * g, buf);
+    return buf;
+  }
+  const uint8_t* grp = p + gi * 544;
+  V::halves(grp, gs.scale);
+  return grp + 32;  // Q8's codes are B's layout already
+}
+
+struct Pending {  // an item whose sums wait for the epilogue
+  int rows;
+  int64_t row, k0;
+  int32_t* sums;
+  const GroupScales* gs;
+};
+
+template <class V>
+void finish_item(const Segment& s, const Rows& x, const Pending& it, float* acc) {
+  const int64_t kb = x.k / 32, k16 = x.k / 16;
+  const int64_t b = it.row * kb + it.k0 / 32;
+  GroupRows g{x.d8 + b, x.xs + b, x.s32 + b, kb, kb, 0, s.fmt == Q4K};  // Q4K: no correction
+  if (s.fmt == Q6K) {
+    g.sums = x.s16 + it.row * k16 + it.k0 / 16;
+    g.sum_stride = k16;
+    g.offset = 32;
+  }
+  if (s.fmt == Q8) g.offset = static_cast<int32_t>(s.offset);
+  V::epilogue(it.sums, it.rows, g, *it.gs, acc);
+}
+
+// Panel `p` times rows [r0, r0 + n), 1 <= n <= kRowBlock; acc: n x 16 floats, 64-byte aligned.
+template <class T, class V>
+void rows_tiles(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, const TileOut& out,
+                float* acc) {
+  const FormatInfo fi = s.fi();
+  const int64_t groups = s.k / fi.group;
+  const int tiles = (n + kTileMaxRows - 1) / kTileMaxRows;
+  const bool has_tail = n > kTileMaxRows && n % kTileMaxRows != 0;
+  alignas(64) uint8_t codes[2][512];
+  alignas(64) GroupScales scales[2];
+  alignas(64) int32_t sums[2][kTileMaxRows * 16];
+  std::memset(acc, 0, sizeof(float) * 16 * n);
+  // Each call loads its own configuration on its own thread (whichever worker runs it) and
+  // releases the tiles after, so no thread ever runs a tile instruction unconfigured.
+  T::config(config_for(fi.group, n));
+  Pending prev{0, 0, 0, nullptr, nullptr};
+  int64_t item = 0;
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    const int b = static_cast<int>(gi & 1);
+    const uint8_t* w = prepare_group<V>(s, p, gi, codes[b], scales[b]);
+    (b ? T::template load<kB0 + 1> : T::template load<kB0>)(w, 64);
+    const int64_t k0 = gi * fi.group;
+    for (int t = 0; t < tiles; ++t, ++item) {
+      const int parity = static_cast<int>(item & 1);
+      const bool tail = has_tail && t == tiles - 1;
+      const int64_t row = static_cast<int64_t>(t) * kTileMaxRows;
+      issue<T>(tail, parity, b, x.q8 + (r0 + row) * x.k + k0, x.k, sums[parity]);
+      if (prev.sums) finish_item<V>(s, x, prev, acc + 16 * (prev.row - r0));
+      prev = {std::min(kTileMaxRows, n - static_cast<int>(row)), r0 + row, k0, sums[parity], &scales[b]};
+    }
+  }
+  if (prev.sums) finish_item<V>(s, x, prev, acc + 16 * (prev.row - r0));
+  T::release();
+  V::finish(acc, r0, n, out);
+}
+
+}  // namespace
+
+#if defined(__x86_64__) && !defined(SPECEXTEND_EMULATE_AVX512)
+void rows_amx(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, const TileOut& out, float* acc) {
+  rows_tiles<NativeTiles, Avx512Vec>(s, p, x, r0, n, out, acc);
+}
+#endif
+
+void rows_amx_emulated(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, const TileOut& out,
+                       float* acc) {
+#if defined(__x86_64__)
+  // The vector half that would run beside the tiles where this CPU has it (the exactness program's
+  // AVX-512 emulation included), so the emulation checks the amx path's own epilogue too.
+  if (cpu_supports(Path::AVX512)) return rows_tiles<EmuTiles, Avx512Vec>(s, p, x, r0, n, out, acc);
+#endif
+  rows_tiles<EmuTiles, ScalarVec>(s, p, x, r0, n, out, acc);
+}
+
+}  // namespace spx
