@@ -1,11 +1,11 @@
 """The HTTP side: OpenAI-compatible routes on Starlette.
 
 `POST /v1/chat/completions`, `POST /v1/completions` (JSON, or server-sent events with
-`stream: true`), `GET /v1/models`, `GET /health`. A request is checked and tokenized here,
-on the event loop, before it is queued, so a bad request is refused at once whatever is running;
-the generations run together on the scheduler's thread (continuous batching, scheduler.py).
-Every failure is an OpenAI-shaped JSON error; an unexpected one is logged with its traceback on
-the server and answered 500 without it.
+`stream: true`), `GET /v1/models`, `GET /health`, `GET /metrics` (metrics.py; API keys: auth.py).
+A request is checked and tokenized here, on the event loop, before it is queued, so a bad
+request is refused at once whatever is running; the generations run together on the
+scheduler's thread (continuous batching, scheduler.py). Every failure is an OpenAI-shaped JSON
+error; an unexpected one is logged with its traceback on the server and answered 500 without it.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ from ..errors import UserError
 from ..grammar import Grammar
 from ..jsonl import finite_json
 from ..settings import Settings
-from . import protocol
+from . import auth, protocol
 from .jobs import Job, Outcome, run_job
+from .metrics import ServerMetrics
 from .protocol import APIError
 from .scheduler import Limits, QueueFull, Scheduler, TooLarge, default_limits
 
@@ -47,6 +48,8 @@ class Server:
     `limits` bound the batch (None: `scheduler.default_limits(**batching)`, from this machine's memory
     and the target's measured step costs)."""
 
+    api_keys: tuple[str, ...] = ()  # with keys, every route but /health needs one (auth.py)
+
     def __init__(self, pair: Pair, encoder: Prepared, defaults: Settings, max_queue: int, model_id: str,
                  limits: Limits | None = None, batching: dict[str, Any] | None = None) -> None:
         # `encoder` holds its own tokenizer: the event loop encodes prompts while the worker
@@ -59,6 +62,7 @@ class Server:
         self.scheduler: Scheduler | None = None  # made on the event loop, at startup
         self.batched: Pair | None = None  # the pair as the batch's sequences run it
         self.started = int(time.time())
+        self.metrics = ServerMetrics(self.health_body)
 
     def app(self) -> Starlette:
         routes = [
@@ -66,8 +70,10 @@ class Server:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics.endpoint, methods=["GET"]),
         ]
-        return Starlette(routes=routes, lifespan=self._lifespan,
+        middleware = [*self.metrics.middleware(), *auth.middleware(self.api_keys)]  # 401s are counted too
+        return Starlette(routes=routes, middleware=middleware, lifespan=self._lifespan,
                          exception_handlers={HTTPException: _http_error, Exception: _internal_error})
 
     def _lifespan(self, app: Starlette) -> Any:
@@ -217,6 +223,7 @@ class Server:
                     continue
                 kind, value = getter.result()
                 getter = None
+                self.metrics.observe(job, kind, value)
                 if kind == "text":
                     text_parts.append(value[0])
                 elif kind == "done":
@@ -239,6 +246,7 @@ class Server:
             offset = 0  # text sent so far (completions' logprobs count offsets in it)
             while True:
                 event, value = await job.events.get()
+                self.metrics.observe(job, event, value)
                 if event == "text":
                     text, entries = value
                     yield _sse(protocol.chunk(kind, rid, created, model, text,
