@@ -39,6 +39,8 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jinja2 import TemplateError
+
 from . import kernels
 from .batch import Batch, Port, StepCosts
 from .detokenize import Detokenizer
@@ -188,13 +190,21 @@ class _Prompts:
         self._check_ids(ids)
         return ids
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """Prompt token ids of a conversation ({"role", "content"} dicts) in the tokenizer's chat
-        template, ending with the assistant's turn opened."""
+    def encode_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+                    ) -> list[int]:
+        """Prompt token ids of a conversation ({"role", "content"} dicts; an assistant's
+        `tool_calls` and tool results as toolcalls.template_messages makes them) in the
+        tokenizer's chat template, ending with the assistant's turn opened; `tools` (OpenAI's
+        shape) are described as the template describes them."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise UserError(f"the tokenizer in {self.target_path} has no chat template; send a plain prompt")
         # Render to text, then tokenize: the template already holds any special tokens.
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        extra = {"tools": list(tools)} if tools else {}
+        try:
+            text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False,
+                                                      **extra)
+        except TemplateError as e:  # a template's own raise_exception (an order of roles it refuses)
+            raise UserError(f"the chat template cannot render these messages: {str(e).strip()[:300]}") from None
         ids = [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False, verbose=False)]
         self._check_ids(ids)
         return ids
