@@ -272,3 +272,37 @@ def test_bad_tool_requests_get_400s(url, fields, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error" and "Traceback" not in r.text
+
+
+# --------------------------------------------------------------------------- the Python API and generate
+
+
+def test_the_python_api_takes_messages_and_tools(pair):
+    convo = [*ASK, {"role": "assistant", "content": "Let me think."}, {"role": "user", "content": "Go on."}]
+    runs = {m: pair.generate(convo, method=m, max_new_tokens=160, tools=TOOLS, parallel_tool_calls=False,
+                             tool_choice={"type": "function", "function": {"name": "get_weather"}}, **SMALL)
+            for m in ("ar", "specextend")}
+    ar = runs["ar"]
+    assert len(ar.tool_calls) == 1 and valid(ar.tool_calls[0]) and ar.to_json()["tool_calls"] == ar.tool_calls
+    assert runs["specextend"].token_ids == ar.token_ids
+    with pytest.raises(UserError, match="chat"):
+        pair.generate("hi", tools=TOOLS)
+    with pytest.raises(ToolError, match="not among the tools"):
+        pair.generate(convo, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "fly"}})
+    assert pair.generate(convo, max_new_tokens=4, tools=TOOLS, tool_choice="none").tool_calls is None
+
+
+def test_generate_takes_a_tools_file(folders, tmp_path, capsys):
+    from specextend.cli import main
+
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(TOOLS))
+    base = ["generate", "--target", str(folders["target"]), "--draft", str(folders["draft"]), "--dtype", "float64",
+            "--prompt", ASK[0]["content"], "--tools", str(tools), "--max-new-tokens", "160", "--chunk-size", "4",
+            "--top-k-chunks", "2", "-q"]
+    assert main([*base, "--tool-choice", "book", "--json", "--method", "sd"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [c["function"]["name"] for c in out["tool_calls"]] == ["book"] and valid(out["tool_calls"][0])
+    assert main([*base, "--tool-choice", "fly"]) == 2
+    err = capsys.readouterr().err
+    assert "not among the tools" in err and len(err.strip().splitlines()) == 1
