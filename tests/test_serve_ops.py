@@ -34,6 +34,7 @@ def folders(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pair(folders):
     p = load(folders["target"], folders["draft"], dtype="float64", progress=False)
+    p.step_costs()  # measured here, not in the server's start (which a test waits for with a deadline)
     p._engine.eos = set()
     return p
 

@@ -147,7 +147,9 @@ def folders(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pair(folders):
-    return load(folders["target"], folders["draft"], dtype="float64", progress=False)
+    p = load(folders["target"], folders["draft"], dtype="float64", progress=False)
+    p.step_costs()  # measured here, not in the server's start (which a test waits for with a deadline)
+    return p
 
 
 @pytest.fixture(scope="module")
@@ -306,3 +308,21 @@ def test_generate_takes_a_tools_file(folders, tmp_path, capsys):
     assert main([*base, "--tool-choice", "fly"]) == 2
     err = capsys.readouterr().err
     assert "not among the tools" in err and len(err.strip().splitlines()) == 1
+
+
+def test_langchain_binds_tools_and_runs_a_two_step_loop(url):
+    lc = pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage, ToolMessage
+
+    chat = lc.ChatOpenAI(base_url=f"{url}/v1", api_key="none", model="tiny", max_tokens=160, max_retries=0,
+                         timeout=120, extra_body={"method": "specextend", **SMALL})
+    forced = chat.bind_tools([WEATHER, BOOK], tool_choice="get_weather")
+    history = [HumanMessage(ASK[0]["content"])]
+    first = forced.invoke(history)
+    assert [c["name"] for c in first.tool_calls] == ["get_weather"] and not first.invalid_tool_calls
+    call = first.tool_calls[0]
+    assert valid({"function": {"name": call["name"], "arguments": json.dumps(call["args"])}})
+    history += [first, ToolMessage("sunny, 21 C", tool_call_id=call["id"])]
+    second = chat.bind_tools([WEATHER, BOOK]).invoke(history)  # auto: text or calls, both well formed
+    assert second.content or second.tool_calls
+    assert not second.invalid_tool_calls
