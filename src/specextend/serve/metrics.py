@@ -46,7 +46,7 @@ class ServerMetrics:
         self.requests = Counter(f"{PREFIX}_requests", "HTTP requests answered, by route and status code",
                                 ["route", "status"], registry=registry)
         self.generations = Counter(f"{PREFIX}_generations", "Generations ended, by finish reason "
-                                   "(stop, length, tool_calls, cancelled, error)", ["finish_reason"],
+                                   "(stop, length, cancelled, error)", ["finish_reason"],
                                    registry=registry)
         self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "From a request's admission to its first "
                               "piece of text", buckets=LATENCY_BUCKETS, registry=registry)
