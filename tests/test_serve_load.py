@@ -7,6 +7,7 @@ afterwards. Bounded: 16 requests, a few tokens each."""
 from __future__ import annotations
 
 import random
+import resource
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -99,6 +100,10 @@ def test_sixteen_long_documents_at_once_are_served_or_refused_cleanly(pair, fold
         assert kinds.count("served") + kinds.count("hung up") + len(refused) == CLIENTS
         assert kinds.count("served") >= 1 and refused  # the queue bound was reached, and work was done
         assert peak[0] <= limits.kv_bytes / 2**20 + 0.1
+        rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(f"\n{tokens}-token documents: {kinds.count('served')} served, {kinds.count('hung up')} hung up, "
+              f"{len(refused)} refused; peak KV {peak[0]:.1f} MB of {limits.kv_bytes / 2**20:.1f}; "
+              f"peak RSS of the test process (server and clients) {rss_mb:.0f} MB")
         health = httpx.get(f"{url}/health").json()
         for _ in range(100):  # the hung-up streams end at their next step
             if health["running"] == health["waiting"] == 0:
