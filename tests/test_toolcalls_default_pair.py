@@ -65,8 +65,8 @@ def test_the_template_round_trip(prepared):
            "</tool_response><|im_end|>\n<|im_start|>assistant\n" in again
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "book"}}])
-def test_the_default_pair_calls_validly_and_speculation_equals_ar(pair, choice):
+def test_the_default_pair_calls_validly_and_speculation_equals_ar(pair, choice="required"):
+    # One choice (about 14 minutes on a busy 2-core machine); a named function is tested on tiny models.
     spec = ToolSpec.parse(TOOLS, choice, False)
     ids = pair.encode_chat(ASK, spec.template_tools())
     grammar = pair.grammar(spec.grammar(pair.tokenizer))
