@@ -59,7 +59,7 @@ def engine(url: str):
 
 
 @contextmanager
-def running(pair, folders, *, max_queue=4, cache_mb=64.0, cache_dir=None, limits=None, **defaults):
+def running(pair, folders, *, max_queue=4, cache_mb=64.0, cache_dir=None, limits=None, api_keys=(), **defaults):
     """The server's app on a free port, in a thread; yields its base URL."""
     encoder = prepare(folders["target"], folders["draft"], dtype="float64", progress=False)
     pair.prefix_cache = None
@@ -67,6 +67,7 @@ def running(pair, folders, *, max_queue=4, cache_mb=64.0, cache_dir=None, limits
         pair.enable_prefix_cache(cache_mb, cache_dir)
     server = Server(pair, encoder, Settings(**{"max_new_tokens": 16, **SMALL, **defaults}).resolved(), max_queue,
                     "tiny", limits=limits)
+    server.api_keys = tuple(api_keys)
     sock = listen("127.0.0.1", 0)
     port = sock.getsockname()[1]
     uv = uvicorn.Server(uvicorn.Config(server.app(), log_level="warning"))

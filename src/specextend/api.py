@@ -39,6 +39,8 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jinja2 import TemplateError
+
 from . import kernels
 from .batch import Batch, Port, StepCosts
 from .detokenize import Detokenizer
@@ -52,6 +54,7 @@ from .models.resolve import LoadOptions, ResolvedPair, resolve_pair
 from .penalties import Penalties
 from .progress import say
 from .settings import Settings
+from .toolcalls import CallParser, ToolSpec, template_messages
 
 if TYPE_CHECKING:
     from .costmodel import CostModel
@@ -82,6 +85,8 @@ class Result(GenerationResult):
     cpu_kernels: str | None = None  # the C++ kernel path that ran (kernels.PATHS), None without them
     # Per generated token, when asked for: {token, token_id, logprob, bytes, top_logprobs: [...]}.
     logprobs: list[dict[str, Any]] | None = None
+    # With tools: the calls the answer made (OpenAI's shape; [] when it answered with text).
+    tool_calls: list[dict[str, Any]] | None = None
 
     @property
     def config(self) -> dict[str, Any]:
@@ -118,6 +123,8 @@ class Result(GenerationResult):
         }
         if self.logprobs is not None:
             d["logprobs"] = self.logprobs
+        if self.tool_calls is not None:
+            d["tool_calls"] = self.tool_calls
         return finite_json(d)
 
 
@@ -188,13 +195,21 @@ class _Prompts:
         self._check_ids(ids)
         return ids
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """Prompt token ids of a conversation ({"role", "content"} dicts) in the tokenizer's chat
-        template, ending with the assistant's turn opened."""
+    def encode_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+                    ) -> list[int]:
+        """Prompt token ids of a conversation ({"role", "content"} dicts; an assistant's
+        `tool_calls` and tool results as toolcalls.template_messages makes them) in the
+        tokenizer's chat template, ending with the assistant's turn opened; `tools` (OpenAI's
+        shape) are described as the template describes them."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise UserError(f"the tokenizer in {self.target_path} has no chat template; send a plain prompt")
         # Render to text, then tokenize: the template already holds any special tokens.
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        extra = {"tools": list(tools)} if tools else {}
+        try:
+            text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False,
+                                                      **extra)
+        except TemplateError as e:  # a template's own raise_exception (an order of roles it refuses)
+            raise UserError(f"the chat template cannot render these messages: {str(e).strip()[:300]}") from None
         ids = [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False, verbose=False)]
         self._check_ids(ids)
         return ids
@@ -234,8 +249,17 @@ class _Prompts:
         per tokenizer), so that the first constrained request does not wait for it."""
         tokenizer_for(self.tokenizer, int(self.spec.target.config.vocab_size))
 
-    def prompt_ids(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
-        """Checked token ids of a text prompt (in the chat template with `chat`) or of token ids."""
+    def prompt_ids(self, prompt: str | Sequence[int] | Sequence[dict[str, Any]], chat: bool = False,
+                   tools: ToolSpec | None = None) -> list[int]:
+        """Checked token ids of a text prompt (in the chat template with `chat`), of a
+        conversation (OpenAI's messages, tool calls and results included) or of token ids (used
+        as they are). `tools` are described in the template (a text prompt needs `chat`)."""
+        if isinstance(prompt, list | tuple) and prompt and all(isinstance(m, dict) for m in prompt):
+            return self.encode_chat(template_messages(prompt), tools.template_tools() if tools else None)
+        if isinstance(prompt, str) and tools is not None:
+            if not chat:
+                raise UserError("tools need a chat prompt: chat=True, or a list of messages")
+            return self.encode_chat([{"role": "user", "content": prompt}], tools.template_tools())
         if isinstance(prompt, str):
             return self.encode(prompt, chat=chat)
         if chat:
@@ -431,16 +455,29 @@ class Pair(_Prompts):
         settings: Settings | None = None,
         response_format: Any = None,
         logprobs: int | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
         **overrides: Any,
     ) -> Result:
-        """Generate after `prompt` (text, or token ids). Keyword overrides are `Settings` fields
-        (method, max_new_tokens, temperature, frequency_penalty, ...), applied on top of `settings`
-        if given. `on_text` receives text pieces as tokens are accepted. `response_format`
-        constrains the output (OpenAI's, or a regex / grammar: see the module's docstring);
-        `logprobs` (0-20) asks for each token's log-probability and that many alternatives."""
+        """Generate after `prompt` (text, OpenAI's messages, or token ids). Keyword overrides are
+        `Settings` fields (method, max_new_tokens, temperature, frequency_penalty, ...), applied on
+        top of `settings` if given. `on_text` receives text pieces as tokens are accepted.
+        `response_format` constrains the output (OpenAI's, or a regex / grammar: see the module's
+        docstring); `logprobs` (0-20) asks for each token's log-probability and that many
+        alternatives. `tools`, `tool_choice` and `parallel_tool_calls` are OpenAI's (toolcalls.py):
+        the result's `tool_calls` are the calls the answer made."""
         s = self.settings(settings, **overrides)
-        ids = self.prompt_ids(prompt, chat)
-        return self._generate(ids, s, on_text, proc=self.processor(ids, s, response_format, logprobs))
+        spec = ToolSpec.parse(tools, tool_choice, parallel_tool_calls)
+        ids = self.prompt_ids(prompt, chat, spec)
+        if spec is not None:
+            if response_format is not None:
+                raise UserError("tools and a response_format cannot be combined (a call is constrained to its schema)")
+            response_format = self.grammar(spec.grammar(self.tokenizer))
+        res = self._generate(ids, s, on_text, proc=self.processor(ids, s, response_format, logprobs))
+        if spec is not None:
+            res.tool_calls = CallParser().answer(res.text)[1]
+        return res
 
     def _generate(
         self, ids: list[int], s: Settings, on_text: TextCallback | None, cancel: threading.Event | None = None,

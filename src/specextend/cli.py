@@ -109,6 +109,11 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     shape.add_argument("--json-schema", metavar="PATH", help="the output is JSON valid under this JSON schema file")
     shape.add_argument("--regex", help="the output matches this regular expression")
     shape.add_argument("--grammar", metavar="PATH", help="the output follows this grammar file (Lark or GBNF)")
+    shape.add_argument("--tools", metavar="PATH",
+                       help="a JSON file of OpenAI tools the answer may call (implies --chat; calls in --json's "
+                            "tool_calls)")
+    fmt.add_argument("--tool-choice", default=None, metavar="CHOICE",
+                     help="with --tools: auto (default), none, required, or the name of the function to call")
     fmt.add_argument("--logprobs", type=int, default=None, metavar="N",
                      help="record each token's log-probability and N alternatives (0-20; in the JSON output)")
 
@@ -274,10 +279,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = read_prompt(args)
     if args.logprobs is not None and not 0 <= args.logprobs <= 20:
         raise UserError(f"--logprobs must be in 0..20, got {args.logprobs}")
+    tools = tool_options(args)
 
     if args.json:
         with _stdout_to_stderr() as out:
-            result = _run_generate(args, settings, prompt, on_text=None)
+            result = _run_generate(args, settings, prompt, None, tools)
         out.write(json.dumps(result.to_json(), ensure_ascii=not _utf8(out)) + "\n")
         out.flush()
         return 0
@@ -290,7 +296,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    result = _run_generate(args, settings, prompt, on_text=on_text)
+    result = _run_generate(args, settings, prompt, on_text, tools)
     if result.text and not result.text.endswith("\n") and sys.stdout.isatty():
         sys.stdout.write("\n")
     sys.stdout.flush()
@@ -304,17 +310,44 @@ def _utf8(stream: TextIO) -> bool:
 
 
 def _run_generate(args: argparse.Namespace, settings: Settings, prompt: str,
-                  on_text: Callable[[str], None] | None) -> Any:
+                  on_text: Callable[[str], None] | None, tools: dict[str, Any]) -> Any:
     from . import api
+    from .toolcalls import ToolSpec
 
     prepared = api.prepare(args.target, args.draft, **model_options(args), load_draft=settings.uses_draft,
                        progress=not args.quiet)
     # Tokenize, check the length and compile the grammar before the (slow) weights are read.
-    ids = prepared.encode(prompt, chat=args.chat)
+    if tools:
+        spec = ToolSpec.parse(tools["tools"], tools["tool_choice"])
+        ids = prepared.prompt_ids(prompt, chat=True, tools=spec)
+        if spec is not None:
+            prepared.grammar(spec.grammar(prepared.tokenizer))  # compiled (and cached) before loading
+    else:
+        ids = prepared.encode(prompt, chat=args.chat)
     prepared.check_fits(len(ids), settings)
     grammar = prepared.grammar(response_format(args))
     return prepared.load().generate(ids, settings=settings, on_text=on_text, response_format=grammar,
-                                    logprobs=args.logprobs)
+                                    logprobs=args.logprobs, **tools)
+
+
+def tool_options(args: argparse.Namespace) -> dict[str, Any]:
+    """generate's --tools and --tool-choice as `Pair.generate`'s keywords ({} without tools),
+    checked (UserError) before anything loads."""
+    from .toolcalls import CHOICES, ToolSpec
+
+    if args.tools is None:
+        if args.tool_choice is not None:
+            raise UserError("--tool-choice needs --tools")
+        return {}
+    try:
+        tools = json.loads(_read_text_file(args.tools, "tools file"))
+    except ValueError as e:
+        raise UserError(f"--tools {args.tools}: not JSON: {e}") from None
+    choice: Any = args.tool_choice
+    if choice is not None and choice not in CHOICES:
+        choice = {"type": "function", "function": {"name": choice}}
+    ToolSpec.parse(tools, choice)
+    return {"tools": tools, "tool_choice": choice}
 
 
 def response_format(args: argparse.Namespace) -> dict[str, Any] | None:

@@ -1,11 +1,11 @@
 """The HTTP side: OpenAI-compatible routes on Starlette.
 
 `POST /v1/chat/completions`, `POST /v1/completions` (JSON, or server-sent events with
-`stream: true`), `GET /v1/models`, `GET /health`. A request is checked and tokenized here,
-on the event loop, before it is queued, so a bad request is refused at once whatever is running;
-the generations run together on the scheduler's thread (continuous batching, scheduler.py).
-Every failure is an OpenAI-shaped JSON error; an unexpected one is logged with its traceback on
-the server and answered 500 without it.
+`stream: true`), `GET /v1/models`, `GET /health`, `GET /metrics` (metrics.py; API keys: auth.py).
+A request is checked and tokenized here, on the event loop, before it is queued, so a bad
+request is refused at once whatever is running; the generations run together on the
+scheduler's thread (continuous batching, scheduler.py). Every failure is an OpenAI-shaped JSON
+error; an unexpected one is logged with its traceback on the server and answered 500 without it.
 """
 
 from __future__ import annotations
@@ -32,8 +32,10 @@ from ..errors import UserError
 from ..grammar import Grammar
 from ..jsonl import finite_json
 from ..settings import Settings
-from . import protocol
+from ..toolcalls import CallParser, template_messages
+from . import auth, protocol
 from .jobs import Job, Outcome, run_job
+from .metrics import ServerMetrics
 from .protocol import APIError
 from .scheduler import Limits, QueueFull, Scheduler, TooLarge, default_limits
 
@@ -47,6 +49,8 @@ class Server:
     `limits` bound the batch (None: `scheduler.default_limits(**batching)`, from this machine's memory
     and the target's measured step costs)."""
 
+    api_keys: tuple[str, ...] = ()  # with keys, every route but /health needs one (auth.py)
+
     def __init__(self, pair: Pair, encoder: Prepared, defaults: Settings, max_queue: int, model_id: str,
                  limits: Limits | None = None, batching: dict[str, Any] | None = None) -> None:
         # `encoder` holds its own tokenizer: the event loop encodes prompts while the worker
@@ -59,6 +63,7 @@ class Server:
         self.scheduler: Scheduler | None = None  # made on the event loop, at startup
         self.batched: Pair | None = None  # the pair as the batch's sequences run it
         self.started = int(time.time())
+        self.metrics = ServerMetrics(self.health_body)
 
     def app(self) -> Starlette:
         routes = [
@@ -66,8 +71,10 @@ class Server:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics.endpoint, methods=["GET"]),
         ]
-        return Starlette(routes=routes, lifespan=self._lifespan,
+        middleware = [*self.metrics.middleware(), *auth.middleware(self.api_keys)]  # 401s are counted too
+        return Starlette(routes=routes, middleware=middleware, lifespan=self._lifespan,
                          exception_handlers={HTTPException: _http_error, Exception: _internal_error})
 
     def _lifespan(self, app: Starlette) -> Any:
@@ -134,12 +141,13 @@ class Server:
         except APIError as e:
             return _error(e)
         rid, created = protocol.new_id(kind), protocol.now()
+        calls = CallParser() if req.tools is not None else None  # the answer parsed into tool calls
         if req.stream:
             try:
                 headers = await self._started(job, request)
             except APIError as e:
                 return _error(e)
-            return StreamingResponse(self._events(job, kind, rid, created, req.include_usage),
+            return StreamingResponse(self._events(job, kind, rid, created, req.include_usage, calls),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
         try:
@@ -149,8 +157,10 @@ class Server:
         if outcome is None:  # the client is gone; nobody reads this
             return Response(status_code=499)
         use = protocol.usage(outcome.result, outcome.queue_s, outcome.replica)
-        return _json(protocol.response(kind, rid, created, self.model_id, outcome.text, outcome.finish_reason, use,
-                                       outcome.result.logprobs), headers=protocol.replica_header(outcome.replica))
+        text, tool_calls = calls.answer(outcome.text) if calls is not None else (outcome.text, None)
+        finish = calls.finish_reason(outcome.finish_reason) if calls is not None else outcome.finish_reason
+        return _json(protocol.response(kind, rid, created, self.model_id, text, finish, use, outcome.result.logprobs,
+                                       tool_calls), headers=protocol.replica_header(outcome.replica))
 
     def submit(self, job: Job) -> None:
         """Queue a job (on the event loop); APIError when it cannot be taken: 429 with Retry-After
@@ -176,7 +186,13 @@ class Server:
         return {}
 
     def _grammar(self, req: protocol.Request) -> Grammar | None:
-        """The request's response_format compiled (cached per grammar); APIError(400) otherwise."""
+        """The request's response_format, or its tools' calls, compiled (cached per grammar);
+        APIError(400) otherwise."""
+        if req.tools is not None:
+            try:
+                return self.encoder.grammar(req.tools.grammar(self.encoder.tokenizer))
+            except UserError as e:
+                raise APIError(400, str(e), param="tools", code="invalid_tools") from None
         try:
             return self.encoder.grammar(req.response_format)
         except UserError as e:
@@ -187,7 +203,8 @@ class Server:
         param = "messages" if req.kind == "chat" else "prompt"
         try:
             if req.messages is not None:
-                ids = self.encoder.encode_chat(req.messages)
+                tools = req.tools.template_tools() if req.tools is not None else None
+                ids = self.encoder.encode_chat(template_messages(req.messages), tools)
             else:
                 assert req.prompt is not None
                 ids = self.encoder.prompt_ids(req.prompt, chat=False)
@@ -217,6 +234,7 @@ class Server:
                     continue
                 kind, value = getter.result()
                 getter = None
+                self.metrics.observe(job, kind, value)
                 if kind == "text":
                     text_parts.append(value[0])
                 elif kind == "done":
@@ -229,8 +247,10 @@ class Server:
             if getter is not None:
                 getter.cancel()
 
-    async def _events(self, job: Job, kind: str, rid: str, created: int, include_usage: bool) -> AsyncIterator[str]:
+    async def _events(self, job: Job, kind: str, rid: str, created: int, include_usage: bool,
+                      calls: CallParser | None = None) -> AsyncIterator[str]:
         """Server-sent events: a chunk per accepted batch of tokens, the closing chunk, [DONE].
+        With `calls`, the text goes out as content or tool-call deltas (toolcalls.py).
         If the client goes away this generator is closed, and the generation stops at its next step."""
         model = self.model_id
         try:
@@ -239,13 +259,24 @@ class Server:
             offset = 0  # text sent so far (completions' logprobs count offsets in it)
             while True:
                 event, value = await job.events.get()
+                self.metrics.observe(job, event, value)
                 if event == "text":
                     text, entries = value
-                    yield _sse(protocol.chunk(kind, rid, created, model, text,
-                                              logprobs=protocol.logprobs_object(kind, entries, offset)))
+                    lp = protocol.logprobs_object(kind, entries, offset)
+                    if calls is not None:
+                        for delta in calls.push(text) or ([{}] if lp else []):
+                            yield _sse(protocol.chunk(kind, rid, created, model, None, logprobs=lp, delta=delta))
+                            lp = None
+                    else:
+                        yield _sse(protocol.chunk(kind, rid, created, model, text, logprobs=lp))
                     offset += len(text)
                 elif event == "done":
-                    yield _sse(protocol.chunk(kind, rid, created, model, None, finish=value.finish_reason))
+                    finish = value.finish_reason
+                    if calls is not None:
+                        for delta in calls.finish():
+                            yield _sse(protocol.chunk(kind, rid, created, model, None, delta=delta))
+                        finish = calls.finish_reason(finish)
+                    yield _sse(protocol.chunk(kind, rid, created, model, None, finish=finish))
                     if include_usage:
                         use = protocol.usage(value.result, value.queue_s, value.replica)
                         yield _sse(protocol.usage_chunk(kind, rid, created, model, use))

@@ -309,7 +309,7 @@ def _await_reports(replicas: int, timeout_s: float = 10 * STATS_PERIOD_S + 20) -
     log.warning("not every replica has reported its load yet; /health shows them as they do")
 
 
-def run_replicas(args: argparse.Namespace, sock: socket.socket) -> int:
+def run_replicas(args: argparse.Namespace, sock: socket.socket, api_keys: tuple[str, ...] = ()) -> int:
     from .. import api
     from ..options import model_options, settings_from_args
 
@@ -345,11 +345,14 @@ def run_replicas(args: argparse.Namespace, sock: socket.socket) -> int:
         log.info("starting %d replicas (%s CPUs, %d threads each; routing: %s)", args.replicas, cpus, threads,
                  routing)
         serve.start(proxy_location="Disabled")
-        handle = serve.run(deployment.bind(args, share, threads), name=APP, route_prefix=None)
+        # The front end checks the keys; the replicas (no HTTP of their own) are not handed them.
+        keyless = argparse.Namespace(**{**vars(args), "api_key": None, "api_key_file": None})
+        handle = serve.run(deployment.bind(keyless, share, threads), name=APP, route_prefix=None)
         handle.health.remote().result()  # the first call makes the handle's router (and checks a replica)
         _await_reports(args.replicas)
         front = Front(encoder.with_own_tokenizer(), defaults, args.max_queue, encoder.target_path.name, handle,
                       routing)
+        front.api_keys = api_keys
         run_http(front, sock, args.quiet)
     finally:
         serve.shutdown()

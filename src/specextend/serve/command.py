@@ -10,6 +10,7 @@ import sys
 
 from ..errors import UserError
 from ..options import add_model_arguments, add_settings_arguments, settings_from_args
+from . import auth
 from .replica import CACHE_SHARE
 from .scheduler import DEFAULT_MAX_BATCH, KV_SHARE, STEP_S
 
@@ -41,6 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-dir", default=None, help="also keep the prefix cache in this folder, across restarts")
     g.add_argument("--cache-disk-mb", type=float, default=None,
                    help="cap of --cache-dir in MB (default: --cache-mb)")
+    g.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on every route but /health (repeatable; also from "
+                        f"{auth.ENV}, comma-separated, which keeps keys out of the process list)")
+    g.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="also accept the keys in FILE (one a line; # comments)")
     g.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
     c = p.add_argument_group("replicas (Ray Serve; needs the cluster extra: " + INSTALL_CLUSTER + ")")
     c.add_argument("--replicas", type=int, default=None,
@@ -110,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("specextend").setLevel(logging.WARNING if args.quiet else logging.INFO)
     settings_from_args(args)  # bad settings fail here, before anything loads
     _check(args)
+    keys = auth.load_keys(args.api_key, args.api_key_file)  # a bad key file fails before anything loads
     sock = listen(args.host, args.port)  # before the slow part: a taken port fails at once
     if args.replicas is not None:
         try:
@@ -117,8 +124,10 @@ def run(args: argparse.Namespace) -> int:
         except ImportError as e:  # Ray without its serve packages
             raise UserError(f"--replicas needs Ray Serve ({e}): {INSTALL_CLUSTER}") from None
 
-        return run_replicas(args, sock)
+        return run_replicas(args, sock, keys)
     from .replica import build
 
-    run_http(build(args), sock, args.quiet)
+    server = build(args)
+    server.api_keys = keys
+    run_http(server, sock, args.quiet)
     return 0

@@ -8,9 +8,10 @@ any generation setting of the Python API by its keyword (`method`, `draft_cache`
 the rest (`max_tokens` for max_new_tokens, `temperature`, `top_p`, `seed`, `frequency_penalty`,
 `presence_penalty`). `response_format` (text, json_object, json_schema, and the extensions regex
 and grammar) constrains the output on both endpoints; `logprobs` / `top_logprobs` (chat) and
-`logprobs` (completions) return log-probabilities. Fields that OpenAI has but this server cannot
-honour (several choices, logit_bias, tools) are accepted only at their neutral values, so no
-request is silently answered as another one.
+`logprobs` (completions) return log-probabilities; `tools` / `tool_choice` / `parallel_tool_calls`
+(chat) are checked by toolcalls.py. Fields that OpenAI has but this server cannot honour (several
+choices, logit_bias) are accepted only at their neutral values, so no request is silently
+answered as another one.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ import uuid
 from dataclasses import MISSING, dataclass, fields, replace
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from ..errors import UserError
 from ..settings import Settings
+from ..toolcalls import ToolError, ToolSpec
 
 # Settings that the body sets through OpenAI's names, not their own.
 OPENAI_NAMED = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed",
@@ -118,15 +120,37 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Any
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Any = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
+    refusal: str | None = None
+
+    @model_validator(mode="after")
+    def _shape(self) -> Message:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (null only for an assistant's message with tool_calls)")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
-    def _content(cls, v: Any) -> str:
-        if isinstance(v, str):
+    def _content(cls, v: Any) -> str | None:
+        if v is None or isinstance(v, str):
             return v
         if isinstance(v, list):
             try:
@@ -135,9 +159,14 @@ class Message(_Strict):
                 pass
         raise ValueError("must be a string or a list of {\"type\": \"text\", \"text\": ...} parts")
 
-    def as_template(self) -> dict[str, str]:
+    def as_template(self) -> dict[str, Any]:
         # Chat templates know system, user and assistant; OpenAI's developer role is the system's.
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class ChatBody(_Common):
@@ -153,8 +182,17 @@ class ChatBody(_Common):
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise APIError(400, "tools are not supported", param="tools")
+
+    def tool_spec(self) -> ToolSpec | None:
+        """The request's tools (toolcalls.py), None when none may be called; APIError(400) otherwise."""
+        try:
+            spec = ToolSpec.parse(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except ToolError as e:
+            raise APIError(400, str(e), param=e.param, code="invalid_tools") from None
+        if spec is not None and (self.response_format or {}).get("type", "text") != "text":
+            raise APIError(400, "tools and a response_format cannot be combined (a call is already constrained to "
+                                "its schema)", param="response_format")
+        return spec
 
     def wanted_logprobs(self) -> int | None:
         """Alternatives per position when log-probabilities are asked for, else None."""
@@ -201,7 +239,7 @@ class Request:
     """A checked request, not yet tokenized."""
 
     kind: Literal["chat", "completion"]
-    messages: list[dict[str, str]] | None
+    messages: list[dict[str, Any]] | None
     prompt: str | list[int] | None
     settings: Settings
     stops: list[str]
@@ -209,6 +247,7 @@ class Request:
     include_usage: bool
     response_format: dict[str, Any] | None = None  # as sent; compiled by the server (app.py)
     logprobs: int | None = None  # alternatives per position; None: no log-probabilities
+    tools: ToolSpec | None = None  # the tools the answer may call (chat)
 
 
 def parse(kind: Literal["chat", "completion"], body: Any, defaults: Settings) -> Request:
@@ -233,7 +272,7 @@ def parse(kind: Literal["chat", "completion"], body: Any, defaults: Settings) ->
     usage_too = bool(req.stream_options and req.stream_options.include_usage)
     if isinstance(req, ChatBody):
         return Request("chat", [m.as_template() for m in req.messages], None, settings, req.stops(), req.stream,
-                       usage_too, req.response_format, req.wanted_logprobs())
+                       usage_too, req.response_format, req.wanted_logprobs(), req.tool_spec())
     return Request("completion", None, req.prompt, settings, req.stops(), req.stream, usage_too,
                    req.response_format, req.wanted_logprobs())
 
@@ -334,12 +373,15 @@ def logprobs_object(kind: str, entries: list[dict[str, Any]] | None, offset: int
             "text_offset": offsets}
 
 
-def response(kind: str, rid: str, created: int, model: str, text: str, finish: str, use: dict[str, Any],
-             logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def response(kind: str, rid: str, created: int, model: str, text: str | None, finish: str, use: dict[str, Any],
+             logprobs: list[dict[str, Any]] | None = None, tool_calls: list[dict[str, Any]] | None = None
+             ) -> dict[str, Any]:
     lp = logprobs_object(kind, logprobs)
     if kind == "chat":
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                  "finish_reason": finish, "logprobs": lp}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish, "logprobs": lp}
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": lp}
@@ -349,12 +391,13 @@ def response(kind: str, rid: str, created: int, model: str, text: str, finish: s
 
 
 def chunk(kind: str, rid: str, created: int, model: str, text: str | None, finish: str | None = None,
-          role: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+          role: bool = False, logprobs: dict[str, Any] | None = None, delta: dict[str, Any] | None = None
+          ) -> dict[str, Any]:
     """One streamed piece: new text (and its tokens' `logprobs_object`), or (text None) the
-    closing chunk with its finish reason."""
+    closing chunk with its finish reason; chat's `delta` given whole (a tool call's) instead."""
     if kind == "chat":
-        delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else (
-            {"content": text} if text is not None else {})
+        if delta is None:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
         choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         obj = "chat.completion.chunk"
     else:
