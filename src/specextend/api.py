@@ -39,7 +39,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import kernels
+from . import kernels, vocab_trim
 from .batch import Batch, Port, StepCosts
 from .detokenize import Detokenizer
 from .engine import GenerationResult, Prefilled, SpecEngine, TokensCallback, check_fits, kv_bytes
@@ -284,6 +284,7 @@ class Pair(_Prompts):
     def __init__(self, spec: ResolvedPair, target: Transformer, draft: Transformer | None) -> None:
         self.spec = spec
         self.target, self.draft = target, draft
+        vocab_trim.enable(draft, spec.eos_ids)
         self._engine = SpecEngine(target, draft, spec.eos_ids)
         self.last_result: Result | None = None
         self.prefix_cache: PrefixCache | None = None

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,9 @@ from .errors import UserError
 from .kernels import qlinear
 from .kv_cache import KVCache
 from .quant import QWeight
+
+if TYPE_CHECKING:
+    from .vocab_trim import VocabTrim
 
 SUPPORTED_ARCHS = {
     "LlamaForCausalLM": "llama",
@@ -343,6 +346,8 @@ class Transformer(nn.Module):
         # (step.py) on the quantized runtime; 0 drives every layer from Python.
         self.step_rows = step.STEP_ROWS
         self._step_plan: Any = None
+        # A draft's head over a subset of the vocabulary (vocab_trim.py), or None: all of it.
+        self.vocab_trim: VocabTrim | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -454,6 +459,8 @@ class Transformer(nn.Module):
         return [logits] if one else list(torch.split(logits, counts))
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.vocab_trim is not None:
+            return self.vocab_trim.logits(x)
         if self.lm_head.qweight is not None:  # the final norm folded into the head's quantized product
             logits = qlinear(x, self.lm_head.qweight, norm=self.norm.weight, eps=self.norm.eps)
         else:
