@@ -58,11 +58,11 @@ def trimmed_engine(tiny_dir, excluded: set[int], dtype=torch.float64, weights: s
 
 @pytest.mark.parametrize("method", [dict(method="sd"), dict(method="specextend", draft_gate=False)])
 def test_greedy_output_is_unchanged_without_the_targets_tokens(tiny_dir, method):
-    eng, target, draft = trimmed_engine(tiny_dir, set())
+    eng, _, _ = trimmed_engine(tiny_dir, set())
     ar = eng.generate(PROMPT, Settings(method="ar", max_new_tokens=30)).token_ids
     excluded = set(ar) - set(PROMPT)  # the prompt's tokens come back with the prompt (cover)
     assert len(excluded) >= 5
-    eng, target, draft = trimmed_engine(tiny_dir, excluded)
+    eng, _, draft = trimmed_engine(tiny_dir, excluded)
     r = eng.generate(PROMPT, Settings(max_new_tokens=30, **SMALL, **method))
     assert r.token_ids == ar
     kept = set(draft.vocab_trim.ids.tolist())

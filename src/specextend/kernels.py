@@ -219,6 +219,12 @@ def clocked() -> Iterator[KernelClock]:
         _clock = None
 
 
+def clocking() -> bool:
+    """Whether `clocked` is timing kernel calls now: forwards then make their per-layer calls
+    (not the whole-step call, step.py), which is what it splits."""
+    return _clock is not None
+
+
 def peak(path: str, kind: str, seconds: float, repeats: int) -> dict[str, Any] | None:
     """One register-only multiply-add loop of `path` (csrc/core/peak.h) on every thread of the pool:
     its instruction and note, and each repeat's wall seconds and multiply-adds (all threads);
