@@ -67,10 +67,11 @@ def acceptance(pair: Any, samples: list[Any], sizes: list[int], max_new: int) ->
             _trim(pair.draft, size, eos, sample.prompt_ids)
             r = pair.decode(state, s)
             ref = r.token_ids if ref is None else ref
-            rows.append({"data": sample.data, "index": sample.index, "prompt_tokens": len(sample.prompt_ids),
+            rows.append({"data": sample.data, "sample": sample.sample, "prompt_tokens": len(sample.prompt_ids),
                          "size": size, "scored": pair.draft.vocab_trim.size if size else pair.draft.cfg.vocab_size,
                          "accepted_per_step": r.accepted_per_step, "steps": r.steps, "decode_s": r.decode_s,
                          "phases": r.phases, "same_output": r.token_ids == ref})
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     pair.draft.vocab_trim = None
     return rows
 
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(v) for v in a.sizes.split(",")]
     pair = api.load()
     res: dict[str, Any] = {"step_s": step_costs(pair, sizes, a.context, a.repeats), "context": a.context}
+    print(json.dumps(res), file=sys.stderr, flush=True)
     samples = load_jsonl_inputs([a.data], a.samples) if a.data else []
     if a.code_length:
         samples += builtin_code_inputs(pair.spec.tokenizer, [a.code_length], a.samples)
