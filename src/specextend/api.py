@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 
-from . import kernels
+from . import kernels, vocab_trim
 from .batch import Batch, Port, StepCosts
 from .detokenize import Detokenizer
 from .engine import GenerationResult, Prefilled, SpecEngine, TokensCallback, check_fits, kv_bytes
@@ -308,6 +308,7 @@ class Pair(_Prompts):
     def __init__(self, spec: ResolvedPair, target: Transformer, draft: Transformer | None) -> None:
         self.spec = spec
         self.target, self.draft = target, draft
+        vocab_trim.enable(draft, spec.eos_ids)
         self._engine = SpecEngine(target, draft, spec.eos_ids)
         self.last_result: Result | None = None
         self.prefix_cache: PrefixCache | None = None

@@ -261,6 +261,8 @@ class SpecEngine:
         draft_store = draft_prompt = None
         if uses_draft:
             assert self.draft is not None
+            if self.draft.vocab_trim is not None:
+                self.draft.vocab_trim.cover(prompt_ids)  # the draft can propose the prompt's own tokens
             draft_store = self.draft.new_cache(cap)
             mask = prefix.draft_mask() if prefix is not None else None
             if prefix is not None and prefix.draft_kv is not None:

@@ -44,7 +44,7 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("torch_ops.cpp", "core/cpu.cpp", "core/qlinear.cpp", "core/qlinear_portable.cpp",
             "core/qlinear_avx2.cpp", "core/qlinear_avx512.cpp", "core/qlinear_neon.cpp", "core/attention.cpp",
             "core/attention_portable.cpp", "core/attention_avx2.cpp", "core/attention_avx512.cpp",
-            "core/attention_neon.cpp", "core/rope.cpp", "core/peak.cpp",
+            "core/attention_neon.cpp", "core/rope.cpp", "core/peak.cpp", "step_ops.cpp", "core/step.cpp",
             "core/qlinear_amx.cpp")
 _CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-std=c++17")
 _lock = threading.Lock()
@@ -66,7 +66,7 @@ def _key() -> str:
     # worktrees) sharing one directory would rebuild it over each other at every load.
     h.update(str(_CSRC.resolve()).encode())
     # Every source and header of the extension is part of the key: an edited header must build again.
-    for f in sorted([_CSRC / "torch_ops.cpp", *(_CSRC / "core").iterdir()]):
+    for f in sorted([*_CSRC.glob("*.cpp"), *(_CSRC / "core").iterdir()]):
         if f.suffix in (".cpp", ".h"):
             h.update(str(f.relative_to(_CSRC)).encode())
             h.update(f.read_bytes())
@@ -272,6 +272,12 @@ def clocked() -> Iterator[KernelClock]:
         yield _clock
     finally:
         _clock = None
+
+
+def clocking() -> bool:
+    """Whether `clocked` is timing kernel calls now: forwards then make their per-layer calls
+    (not the whole-step call, step.py), which is what it splits."""
+    return _clock is not None
 
 
 def peak(path: str, kind: str, seconds: float, repeats: int) -> dict[str, Any] | None:

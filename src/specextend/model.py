@@ -16,18 +16,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
+from . import kernels, step
 from .attention import Backend, attend
 from .errors import UserError
 from .kernels import qlinear
 from .kv_cache import KVCache
 from .quant import QWeight
+
+if TYPE_CHECKING:
+    from .vocab_trim import VocabTrim
 
 SUPPORTED_ARCHS = {
     "LlamaForCausalLM": "llama",
@@ -339,6 +342,12 @@ class Transformer(nn.Module):
         # quantized runtime runs all attention through the row-independent kernel: a token's
         # logits are then the same bits whether it is decoded alone or verified inside a tree.
         self.rowwise_attention = False
+        # Forwards of at most this many rows of one sequence run every layer in one C++ call
+        # (step.py) on the quantized runtime; 0 drives every layer from Python.
+        self.step_rows = step.STEP_ROWS
+        self._step_plan: Any = None
+        # A draft's head over a subset of the vocabulary (vocab_trim.py), or None: all of it.
+        self.vocab_trim: VocabTrim | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -431,8 +440,14 @@ class Transformer(nn.Module):
         tokens = parts[0].tokens if one else torch.cat([p.tokens for p in parts])
         cos, sin = self.rope(positions)
         x = self.embed(tokens.to(self.device))
-        for layer in self.layers:
-            x = layer.forward_rows(x, cos, sin, parts)
+        whole = one and parts[0].keep_q is None and parts[0].size <= self.step_rows and step.fits(x, parts[0].cache)
+        if whole:
+            if self._step_plan is None:
+                self._step_plan = step.plan(self)
+            x = step.run(self._step_plan, x, cos, sin, parts[0].cache, parts[0].tree_mask)
+        else:
+            for layer in self.layers:
+                x = layer.forward_rows(x, cos, sin, parts)
         picked, counts, off = [], [], 0
         for p in parts:
             rows = x[off : off + p.size]
@@ -444,6 +459,8 @@ class Transformer(nn.Module):
         return [logits] if one else list(torch.split(logits, counts))
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.vocab_trim is not None:
+            return self.vocab_trim.logits(x)
         if self.lm_head.qweight is not None:  # the final norm folded into the head's quantized product
             logits = qlinear(x, self.lm_head.qweight, norm=self.norm.weight, eps=self.norm.eps)
         else:

@@ -28,6 +28,7 @@ from tqdm import tqdm
 from .. import kernels, roofline
 from ..models.loader import QUANTIZED_WEIGHTS
 from ..options import OneLineParser, add_model_arguments, model_options
+from . import step_split
 
 
 def read_bandwidth_gbs(mb: int = 1024, repeats: int = 5) -> float:
@@ -126,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     bw = read_bandwidth_gbs()
     wb = weight_bytes_per_forward(pair.target)
     res.update(read_bandwidth_gbs=bw, weight_bytes=wb, floor_s=wb / (bw * 1e9))
+    if res["cpu_kernels"] not in (None, kernels.EMULATED_AMX) and pair.target.fused:
+        res["one_row_split"] = step_split.split_one_row(pair.target, a.context, res["floor_s"], a.repeats * 4)
     if res["cpu_kernels"] not in (None, kernels.EMULATED_AMX):  # an emulation has no peak to divide by
         res["roofline"] = measure_roofline(pair.target, res, lengths)
     print(json.dumps(res, indent=2) if a.json else report(res, a.prefill_tokens))
@@ -266,6 +269,8 @@ def report(res: dict[str, Any], prefill_tokens: int) -> str:
         lines.append(f"  {int(r):3d} new tokens: {seconds * 1e3:7.1f} ms{extra}")
     lines.append(f"floor: {res['weight_bytes'] / 1e9:.2f} GB of weights / {res['read_bandwidth_gbs']:.1f} GB/s read "
                  f"bandwidth = {res['floor_s'] * 1e3:.0f} ms")
+    if "one_row_split" in res:
+        lines.append(step_split.report(res["one_row_split"]))
     if "roofline" in res:
         lines.append(roofline_report(res["roofline"]))
     return "\n".join(lines)

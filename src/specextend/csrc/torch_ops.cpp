@@ -322,6 +322,8 @@ py::object peak(int64_t path_id, int64_t kind, double seconds, int64_t repeats) 
 
 }  // namespace
 
+void bind_step(py::module& m);  // step_ops.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear, "quantized linear over weight segments", py::arg("x"), py::arg("blobs"), py::arg("fmts"),
         py::arg("ns"), py::arg("offsets"), py::arg("sbgs"), py::arg("bias"), py::arg("norm"), py::arg("eps"),
@@ -334,4 +336,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_status", &amx_status, "why the amx path cannot run here, or None where it runs");
   m.def("has_avx512_bf16", &spx::cpu_has_avx512_bf16, "whether the avx512 path's attention uses AVX512-BF16");
   m.def("peak", &peak, "multiply-add rate of a register-only loop on every thread (kernels --peak)");
+  bind_step(m);
 }

@@ -6,6 +6,7 @@
 //   2. rows are independent: a row computed alone equals the same row inside batches of 2-16;
 //   3. the amx path's code on emulated tiles (amx-emulated, any CPU) is among the paths of 1 and 2,
 //      and its detection refuses AMX at every step a CPU, an OS or a VM can deny it.
+//   4. the whole-step forward (step.h) of a small random model, one row and a tree level.
 // Exit status 0 when every check passes; each failure is printed.
 #include <cmath>
 #include <cstdint>
@@ -20,6 +21,7 @@
 #include "../core/cpu.h"
 #include "../core/half.h"
 #include "../core/qlinear.h"
+#include "../core/step.h"
 
 namespace {
 
@@ -208,6 +210,7 @@ void amx_detection_tests() {
   const char* here = spx::amx_status();
   check(spx::cpu_supports(Path::AMX) == (here == nullptr), "amx detection: cpu_supports agrees with amx_status");
   std::printf("amx on this CPU: %s\n", here == nullptr ? "runs" : here);
+//   4. the whole-step forward (step.h) of a small random model, one row and a tree level.
 }
 
 }  // namespace
@@ -227,6 +230,7 @@ int main() {
   amx_detection_tests();
   linear_tests(paths);
   attention_tests(paths);
+  step_tests(paths);
   std::printf("%d checks, %d failed\n", checks, failures);
   return failures == 0 ? 0 : 1;
 }

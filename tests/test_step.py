@@ -1,0 +1,87 @@
+"""The whole-step C++ forward (step.py, csrc/core/step.h) gives the Python-driven forward's bits:
+logits and every K/V slot, on every kernel path this CPU runs, for one row, a draft tree's level
+and a small verification, after a prompt prefilled in chunks (chunks small enough to take the
+whole-step call themselves), on Llama, Qwen2 (a QKV bias) and Qwen3 (per-head query/key norms)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specextend import kernels, step
+from specextend.models.loader import load_model
+
+from conftest import make_tiny_hf
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")
+
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab=96,
+             layers=2)
+PROMPT = torch.randint(0, 95, (45,), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    out = {}
+    for arch in ("qwen2", "llama", "qwen3"):
+        d = tmp_path_factory.mktemp(f"step{arch}")
+        make_tiny_hf(arch, 0, dtype=torch.float32, **SHAPE).save_pretrained(d)
+        out[arch] = d
+    return out
+
+
+def tree_mask(parents: list[int]) -> tuple[torch.Tensor, list[int]]:
+    n = len(parents)
+    mask, depth = torch.zeros(n, n, dtype=torch.bool), [0] * n
+    for i in range(1, n):
+        mask[i] = mask[parents[i]]
+        depth[i] = depth[parents[i]] + 1
+    mask |= torch.eye(n, dtype=torch.bool)
+    return mask, depth
+
+
+def run(model, step_rows: int) -> list[torch.Tensor]:
+    """Prefill in chunks of 7, three one-row steps, a 9-node tree level, then a 16-row causal forward:
+    every logit row and the caches."""
+    model.step_rows = step_rows
+    cache = model.new_cache(len(PROMPT) + 40)
+    out = [model.prefill(PROMPT, cache, chunk=7)]
+    g = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        tok = torch.randint(0, 95, (1,), generator=g)
+        out.append(model(tok, torch.tensor([cache.length]), cache))
+        cache.commit()
+    mask, depth = tree_mask([-1, 0, 0, 1, 1, 2, 3, 3, 5])
+    out.append(model(torch.randint(0, 95, (9,), generator=g), cache.length + torch.tensor(depth), cache, mask))
+    cache.commit([0, 1, 3])
+    out.append(model(torch.randint(0, 95, (16,), generator=g), cache.length + torch.arange(16), cache))
+    cache.commit()
+    return [*out, cache.k[:, :, : cache.length], cache.v[:, :, : cache.length]]
+
+
+@pytest.mark.parametrize("path", kernels.cpu_paths())
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_the_whole_step_equals_the_python_driven_step(folders, monkeypatch, path, arch, weights):
+    monkeypatch.setenv(kernels.CPU_ENV, path)
+    model = load_model(folders[arch], torch.float32, weights=weights)
+    assert model.fused
+    python, whole = run(model, 0), run(model, 16)
+    assert len(python) == len(whole)
+    for i, (a, b) in enumerate(zip(python, whole, strict=True)):
+        assert torch.equal(a, b), i
+
+
+def test_the_whole_step_is_what_runs(folders, monkeypatch):
+    """A one-row forward takes the whole-step call, a prefill chunk of 20 rows and a clocked
+    forward (the runtime bench's split) the per-layer calls."""
+    model = load_model(folders["qwen2"], torch.float32, weights="int4")
+    calls = []
+    run_step = step.run
+    monkeypatch.setattr(step, "run", lambda *a: calls.append(a[1].shape[0]) or run_step(*a))
+    cache = model.new_cache(64)
+    model(PROMPT[:1], torch.tensor([0]), cache)
+    model(PROMPT[:20], torch.arange(20), cache)
+    with kernels.clocked() as clock:
+        model(PROMPT[:1], torch.tensor([0]), cache)
+    assert calls == [1] and clock.attention_calls == 2
