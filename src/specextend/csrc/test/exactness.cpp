@@ -210,7 +210,62 @@ void amx_detection_tests() {
   const char* here = spx::amx_status();
   check(spx::cpu_supports(Path::AMX) == (here == nullptr), "amx detection: cpu_supports agrees with amx_status");
   std::printf("amx on this CPU: %s\n", here == nullptr ? "runs" : here);
-//   4. the whole-step forward (step.h) of a small random model, one row and a tree level.
+}
+
+// A random weight of the step's model, kept alive in `blobs`.
+spx::StepLinear step_weight(std::vector<std::vector<uint8_t>>& blobs, int64_t n, int64_t k, int64_t fmt) {
+  const spx::Segment shape{nullptr, fmt, n, k, fmt == spx::Q8 ? 128 : 0, 8};
+  blobs.push_back(random_blob(shape));
+  spx::StepLinear w;
+  spx::Segment s = shape;
+  s.blob = blobs.back().data();
+  w.add(s);
+  return w;
+}
+
+void step_tests(const std::vector<Path>& paths) {
+  const int64_t hidden = 256, heads = 4, kv = 2, d = 64, inter = 512, cap = 64, start = 40, layers = 2;
+  std::vector<std::vector<uint8_t>> blobs;
+  std::vector<std::vector<float>> floats;
+  spx::StepModel md;
+  md.hidden = hidden, md.heads = heads, md.kv_heads = kv, md.head_dim = d, md.eps = 1e-6f;
+  for (int64_t li = 0; li < layers; ++li) {
+    spx::StepLayer l;
+    l.qkv = step_weight(blobs, (heads + 2 * kv) * d, hidden, spx::Q4K);
+    l.o = step_weight(blobs, hidden, heads * d, spx::Q8);
+    l.gate_up = step_weight(blobs, 2 * inter, hidden, spx::Q6K);
+    l.down = step_weight(blobs, hidden, inter, spx::Q4K);
+    floats.push_back(randn((heads + 2 * kv) * d, 0.1f));
+    l.qkv.bias = floats.back().data();
+    for (const float** norm : {&l.attn_norm, &l.mlp_norm}) {
+      floats.push_back(randn(hidden, 0.1f));
+      for (float& f : floats.back()) f += 1.f;
+      *norm = floats.back().data();
+    }
+    md.layers.push_back(l);
+  }
+  for (const int64_t t : {1, 5}) {
+    const std::vector<float> x0 = randn(t * hidden), cos = randn(t * d), sin = randn(t * d);
+    const std::vector<uint16_t> k0 = random_bf16(layers * kv * cap * d), v0 = random_bf16(layers * kv * cap * d);
+    std::vector<char> mask(t * t);
+    for (int64_t i = 0; i < t; ++i)
+      for (int64_t j = 0; j < t; ++j) mask[i * t + j] = j == i || j == 0;  // a root and its children
+    std::vector<float> ref_x;
+    std::vector<uint16_t> ref_k;
+    for (Path p : paths) {
+      std::vector<float> x = x0;
+      std::vector<uint16_t> k = k0, v = v0;
+      const spx::StepRows rows{x.data(), cos.data(), sin.data(), t, k.data(), v.data(), cap, start,
+                               t > 1 ? reinterpret_cast<const bool*>(mask.data()) : nullptr, t};
+      spx::forward_step(p, md, rows, 1);
+      if (p == Path::Portable) {
+        ref_x = x, ref_k = k;
+        continue;
+      }
+      check(same_bits(x.data(), ref_x.data(), x.size()) && k == ref_k,
+            "whole step t " + std::to_string(t) + ": " + spx::path_name(p) + " = portable");
+    }
+  }
 }
 
 }  // namespace
