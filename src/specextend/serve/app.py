@@ -57,7 +57,6 @@ class Server:
         self.limits = limits
         self.batching = batching or {}  # default_limits' arguments when `limits` is None
         self.scheduler: Scheduler | None = None  # made on the event loop, at startup
-        self.batched: Pair | None = None  # the pair as the batch's sequences run it
         self.started = int(time.time())
 
     def app(self) -> Starlette:
@@ -87,10 +86,10 @@ class Server:
         """The batch over the pair's models and the scheduler that runs it."""
         pair = self.pair
         batch = Batch(pair.target, pair.draft)
-        self.batched = batched = pair.in_batch(batch)  # measures the step costs once per machine (cached)
+        engine = batch.engine(pair.eos_ids, pair.step_costs())  # measures the step costs once per machine (cached)
         if self.limits is None:
             self.limits = default_limits(pair, self.max_queue, **self.batching)
-        return Scheduler(batch, lambda job: run_job(batched, job),
+        return Scheduler(batch, lambda job: run_job(pair, engine, job),
                          lambda job: pair.kv_bytes(len(job.ids), job.settings), self.limits)
 
     # ----------------------------------------------------------------- routes
