@@ -15,8 +15,8 @@ import torch
 from specextend import kernels
 from specextend.api import Pair, load
 from specextend.batch import Batch, Sequence
+from specextend.scheduler import Limits, QueueFull, Scheduler, TooLarge
 from specextend.serve.jobs import Job, run_job
-from specextend.serve.scheduler import Limits, QueueFull, Scheduler, TooLarge
 from specextend.settings import Settings
 
 from tiny_tokenizer import save_tiny_model

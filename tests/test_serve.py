@@ -22,9 +22,9 @@ import pytest
 import uvicorn
 
 from specextend.api import Pair, load, prepare
+from specextend.scheduler import Limits
 from specextend.serve.app import Server
 from specextend.serve.command import listen
-from specextend.serve.scheduler import Limits
 from specextend.settings import Settings
 
 from tiny_tokenizer import save_tiny_model

@@ -36,9 +36,10 @@ import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 from . import kernels
+from .batching import Generations
 from .engine import GenerationResult, Prefilled, SpecEngine, TokensCallback, check_fits, kv_bytes
 from .errors import UserError
 from .generation import Generation, Origin, PieceCallback, Result
@@ -221,6 +222,8 @@ class Pair(_Prompts):
         self._engine = SpecEngine(target, draft, spec.eos_ids)
         self.last_result: Result | None = None
         self.prefix_cache: PrefixCache | None = None
+        self._batch: Generations | None = None  # made at the first list of prompts
+        self._lock = threading.Lock()
 
     def origin(self, tokenizer: Any = None) -> Origin:
         """The pair as its generations see it (`tokenizer`: one for another thread than the pair's)."""
@@ -329,9 +332,19 @@ class Pair(_Prompts):
         return Generation(self.origin(tokenizer), ids, s, grammar=self.grammar(response_format), logprobs=logprobs,
                           stops=stops, on_piece=on_piece, cancel=cancel)
 
+    @overload
+    def generate(self, prompt: str | Sequence[int], *, chat: bool = False, on_text: TextCallback | None = None,
+                 settings: Settings | None = None, response_format: Any = None, logprobs: int | None = None,
+                 **overrides: Any) -> Result: ...
+
+    @overload
+    def generate(self, prompt: list[Any], *, chat: bool = False, on_text: TextCallback | None = None,
+                 settings: Settings | None = None, response_format: Any = None, logprobs: int | None = None,
+                 **overrides: Any) -> list[Result | None]: ...
+
     def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: Any,
         *,
         chat: bool = False,
         on_text: TextCallback | None = None,
@@ -339,12 +352,21 @@ class Pair(_Prompts):
         response_format: Any = None,
         logprobs: int | None = None,
         **overrides: Any,
-    ) -> Result:
+    ) -> Result | list[Result | None]:
         """Generate after `prompt` (text, or token ids). Keyword overrides are `Settings` fields
         (method, max_new_tokens, temperature, frequency_penalty, ...), applied on top of `settings`
         if given. `on_text` receives text pieces as tokens are accepted. `response_format`
         constrains the output (OpenAI's, or a regex / grammar: see the module's docstring);
-        `logprobs` (0-20) asks for each token's log-probability and that many alternatives."""
+        `logprobs` (0-20) asks for each token's log-probability and that many alternatives.
+
+        A list of prompts runs in one continuous batch (batching.py) and returns their results in
+        order, each the tokens that prompt gets alone. An item is a prompt, a dict of its `prompt`
+        and its own arguments (settings, `chat`, `response_format`, `logprobs`) over the common
+        ones, or a `Generation` from `generation` (which can be cancelled: its result is then None).
+        Calls from several threads share the batch."""
+        if _many(prompt):
+            return self._generate_many(prompt, dict(chat=chat, on_text=on_text, settings=settings,
+                                                    response_format=response_format, logprobs=logprobs, **overrides))
         on_piece = None if on_text is None else lambda text, _entries: on_text(text)
         gen = self.generation(prompt, chat=chat, settings=settings, response_format=response_format,
                               logprobs=logprobs, on_piece=on_piece, **overrides)
@@ -398,6 +420,37 @@ class Pair(_Prompts):
             assert gen.cancel is not None
             gen.cancel.set()
             worker.join()
+
+    # ----------------------------------------------------------------- many prompts at once
+
+    def _generate_many(self, requests: Sequence[Any], common: dict[str, Any]) -> list[Result | None]:
+        """Every request in one continuous batch (see `generate`); results in order."""
+        if common.get("on_text") is not None:
+            raise UserError("on_text streams one prompt; a list of prompts returns its results")
+        common = {k: v for k, v in common.items() if k != "on_text"}
+        batch = self._generations()
+        gens = [r if isinstance(r, Generation) else self._request(r, common, batch.tokenizer) for r in requests]
+        return batch.run(gens)
+
+    def _request(self, request: Any, common: dict[str, Any], tokenizer: Any) -> Generation:
+        """One item of a list of prompts: a prompt, or a dict of its `prompt` and its own arguments."""
+        if not isinstance(request, dict):
+            return self.generation(request, tokenizer=tokenizer, **common)
+        if "prompt" not in request:
+            raise UserError(f"a request given as a dict needs its 'prompt' (it has {', '.join(sorted(request))})")
+        own = {k: v for k, v in request.items() if k != "prompt"}
+        return self.generation(request["prompt"], tokenizer=tokenizer, **{**common, **own})
+
+    def _generations(self) -> Generations:
+        with self._lock:
+            if self._batch is None:
+                self._batch = Generations(self, self.spec.with_own_tokenizer().tokenizer)
+            return self._batch
+
+
+def _many(prompt: Any) -> bool:
+    """A list of prompts, not one prompt's token ids (a list whose items are not ints)."""
+    return isinstance(prompt, list | tuple) and bool(prompt) and not isinstance(prompt[0], int)
 
 
 def make_settings(settings: Settings | None = None, **overrides: Any) -> Settings:

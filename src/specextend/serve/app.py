@@ -31,11 +31,11 @@ from ..batch import Batch
 from ..errors import UserError
 from ..grammar import Grammar
 from ..jsonl import finite_json
+from ..scheduler import Limits, QueueFull, Scheduler, TooLarge, default_limits
 from ..settings import Settings
 from . import protocol
 from .jobs import Job, Outcome, run_job
 from .protocol import APIError
-from .scheduler import Limits, QueueFull, Scheduler, TooLarge, default_limits
 
 log = logging.getLogger("specextend.serve")
 

@@ -39,6 +39,7 @@ from starlette.requests import Request as HTTPRequest
 
 from ..api import Prepared
 from ..errors import UserError
+from ..scheduler import DEFAULT_MAX_BATCH
 from ..settings import Settings
 from . import protocol, router
 from .app import DISCONNECT_POLL_S, Server, generation_error, run_http
@@ -46,7 +47,6 @@ from .jobs import Job
 from .protocol import APIError
 from .replica import build
 from .routing import ROUTERS, Route
-from .scheduler import DEFAULT_MAX_BATCH
 
 log = logging.getLogger("specextend.serve")
 

@@ -10,8 +10,8 @@ import sys
 
 from ..errors import UserError
 from ..options import add_model_arguments, add_settings_arguments, settings_from_args
+from ..scheduler import DEFAULT_MAX_BATCH, KV_SHARE, STEP_S
 from .replica import CACHE_SHARE
-from .scheduler import DEFAULT_MAX_BATCH, KV_SHARE, STEP_S
 
 DEFAULT_MAX_QUEUE = 16
 INSTALL_CLUSTER = "pip install -e '.[cluster]'"

@@ -8,8 +8,8 @@ import argparse
 import logging
 from pathlib import Path
 
+from ..scheduler import available_memory_mb, default_kv_mb
 from .app import Server
-from .scheduler import available_memory_mb, default_kv_mb
 
 CACHE_SHARE = 0.4  # of the memory still available once the models are loaded
 MIN_DEFAULT_CACHE_MB = 256
