@@ -25,6 +25,7 @@ from specextend.api import Pair, load, prepare
 from specextend.scheduler import Limits
 from specextend.serve.app import Server
 from specextend.serve.command import listen
+from specextend.serve.local import LocalBackend
 from specextend.settings import Settings
 
 from tiny_tokenizer import save_tiny_model
@@ -68,7 +69,9 @@ class Throttled:
 def pair(folders):
     p = load(folders["target"], folders["draft"], dtype="float64", progress=False)
     # Random weights: no end token, so every generation runs to max_tokens.
-    return Pair(replace(p.spec, eos_ids=()), Throttled(p.target), p.draft)
+    p = Pair(replace(p.spec, eos_ids=()), Throttled(p.target), p.draft)
+    p.step_costs()  # measured here (once per machine and model), not inside a server's start-up deadline
+    return p
 
 
 def steps(pair) -> Throttled:
@@ -83,8 +86,8 @@ def running(pair, folders, *, max_queue=4, cache_mb=64.0, cache_dir=None, limits
     pair.prefix_cache = None
     if cache_mb:
         pair.enable_prefix_cache(cache_mb, cache_dir)
-    server = Server(pair, encoder, Settings(**{"max_new_tokens": 16, **SMALL, **defaults}).resolved(), max_queue,
-                    "tiny", limits=limits)
+    server = Server(LocalBackend(pair, max_queue, limits=limits), encoder,
+                    Settings(**{"max_new_tokens": 16, **SMALL, **defaults}).resolved(), "tiny")
     sock = listen("127.0.0.1", 0)
     port = sock.getsockname()[1]
     uv = uvicorn.Server(uvicorn.Config(server.app(), log_level="warning"))

@@ -11,7 +11,7 @@ import sys
 from ..errors import UserError
 from ..options import add_model_arguments, add_settings_arguments, settings_from_args
 from ..scheduler import DEFAULT_MAX_BATCH, KV_SHARE, STEP_S
-from .replica import CACHE_SHARE
+from .local import CACHE_SHARE
 
 DEFAULT_MAX_QUEUE = 16
 INSTALL_CLUSTER = "pip install -e '.[cluster]'"
@@ -113,12 +113,12 @@ def run(args: argparse.Namespace) -> int:
     sock = listen(args.host, args.port)  # before the slow part: a taken port fails at once
     if args.replicas is not None:
         try:
-            from .cluster import run_replicas  # Ray is an optional extra, imported only here
+            from .ray_serve import run_replicas  # Ray is an optional extra, imported only here
         except ImportError as e:  # Ray without its serve packages
             raise UserError(f"--replicas needs Ray Serve ({e}): {INSTALL_CLUSTER}") from None
 
         return run_replicas(args, sock)
-    from .replica import build
+    from .local import build
 
     run_http(build(args), sock, args.quiet)
     return 0

@@ -46,6 +46,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     grammar: Grammar | None = None  # compiled on the event loop, so a bad one is refused at once
     logprobs: int | None = None  # alternatives per position; None: no log-probabilities
+    request: Any = None  # the checked protocol.Request (a replica makes its own job of it)
     events: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
