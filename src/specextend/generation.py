@@ -143,16 +143,18 @@ class Origin:
         """The KV of the longest cached prefix of the prompt that this prefill would write alike."""
         if self.prefix_cache is None:
             return None
+        target_backend = kv_backend(self.target, s.attention)
         draft_backend = kv_backend(self.draft, s.attention) if s.uses_draft and self.draft is not None else None
-        return self.prefix_cache.lookup(ids, kv_backend(self.target, s.attention), draft_backend)
+        return self.prefix_cache.lookup(ids, target_backend, draft_backend)
 
     def remember(self, state: Prefilled) -> None:
         """Offer a prefilled prompt to the prefix cache (no-op without one). Valid after decoding too."""
         if self.prefix_cache is None:
             return
         snap = state.snapshot()  # the draft's slots computed so far, if any
+        target_backend = kv_backend(self.target, state.attention)
         draft_backend = kv_backend(self.draft, state.attention) if snap.draft_kv is not None else None
-        self.prefix_cache.insert(state.prompt_ids, snap, kv_backend(self.target, state.attention), draft_backend)
+        self.prefix_cache.insert(state.prompt_ids, snap, target_backend, draft_backend)
 
     # ----------------------------------------------------------------- results
 
