@@ -16,13 +16,16 @@ from .costmodel import CostModel
 from .engine import SpecEngine
 from .errors import UserError
 from .generation import Generation, Result
-from .scheduler import Limits, Scheduler, default_limits
+from .scheduler import STEP_TOKENS_RANGE, Limits, Scheduler, default_limits
 from .settings import Settings
 
 if TYPE_CHECKING:
     from .model import Transformer
 
 QUEUE_UNBOUNDED = 1 << 30  # Python callers wait for their turn: no 429s
+# Python callers wait for their whole list, so no stream's gaps are at stake: every step takes
+# prompt tokens up to the scheduler's largest budget (a step re-reads every weight once).
+OFFLINE_STEP_TOKENS = STEP_TOKENS_RANGE[1]
 
 
 class Models(Protocol):
@@ -87,7 +90,7 @@ class Generations:
 
     def __init__(self, pair: Models, tokenizer: Any, **batching: Any) -> None:
         self.tokenizer = tokenizer
-        self.batching = Batching(pair, _run_call, **batching)
+        self.batching = Batching(pair, _run_call, **{"step_tokens": OFFLINE_STEP_TOKENS, **batching})
 
     def run(self, gens: Sequence[Generation]) -> list[Result | None]:
         """Each generation's `Result`, in order (None for one cancelled through its `cancel`).
