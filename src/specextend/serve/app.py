@@ -19,7 +19,7 @@ import socket
 import sys
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -112,9 +112,9 @@ class Server:
 
     # ----------------------------------------------------------------- generation
 
-    async def _generate(self, request: HTTPRequest, kind: str) -> Response:
+    async def _generate(self, request: HTTPRequest, kind: Literal["chat", "completion"]) -> Response:
         try:
-            req = protocol.parse(kind, await _json_body(request), self.defaults)  # type: ignore[arg-type]
+            req = protocol.parse(kind, await _json_body(request), self.defaults)
             ids = self._encode(req)
             job = self.job(req, ids)
             self.backend.submit(job)
