@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random models of every supported architecture, saved as HF folders; a
-model cache of each test's own (`isolated_home`); `SpecEngine.generate` for engine-level tests."""
+model cache of each test's own (`isolated_home`); `SpecEngine.generate` for engine-level tests, and
+`WatchedEngine`, whose steps a test watches."""
 
 from __future__ import annotations
 
@@ -116,3 +117,46 @@ def tiny_dir(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+class _WatchedProposer:
+    """A proposer that tells `hook(target cache, draft policy, output so far, committed tokens the
+    draft has not been fed)` after every step that did not end the decode (its `retrieved`)."""
+
+    def __init__(self, proposer, tcache, hook) -> None:
+        self._inner, self._tcache, self._hook = proposer, tcache, hook
+        self._out: list[int] = []
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def committed(self, tokens):
+        self._out.extend(tokens)
+        return self._inner.committed(tokens)
+
+    def verified(self, tree, verdict, new, *args, **kwargs):
+        self._out.extend(new)
+        return self._inner.verified(tree, verdict, new, *args, **kwargs)
+
+    def retrieved(self, seconds):
+        self._inner.retrieved(seconds)
+        self._hook(self._tcache, self._inner.policy, self._out, self._inner.backlog)
+
+
+def _engine_class():
+    from specextend.engine import SpecEngine  # after pytest_configure: see there
+
+    return SpecEngine
+
+
+class WatchedEngine(_engine_class()):
+    """A SpecEngine whose speculative steps a test watches through `step_hook` (see
+    _WatchedProposer): a fake around the proposer, not a hook in the production engine."""
+
+    step_hook = None
+
+    def _start_proposer(self, state, s, rng, clock, proc=None):
+        proposer, layers = super()._start_proposer(state, s, rng, clock, proc)
+        if self.step_hook is None:
+            return proposer, layers
+        return _WatchedProposer(proposer, state.target_cache, self.step_hook), layers

@@ -9,7 +9,7 @@ from specextend.engine import SpecEngine
 from specextend.models.loader import load_model
 from specextend.settings import Settings
 
-from conftest import ARCHS
+from conftest import ARCHS, WatchedEngine
 
 TREES = {
     "chain": dict(tree="chain", chain_length=4),
@@ -55,7 +55,7 @@ PROMPT = prompt()
 @pytest.mark.parametrize("draft_seed", [None, 7])
 def test_greedy_sd_equals_ar(tiny_dir, arch, tree, draft_seed):
     target, draft = models(tiny_dir, arch, draft_seed)
-    eng = SpecEngine(target, draft, eos_ids=[])
+    eng = WatchedEngine(target, draft, eos_ids=[])
     ar = eng.generate(PROMPT, Settings(method="ar", max_new_tokens=30))
     assert ar.new_tokens == 30 and ar.stop_reason == "length"
     eng.step_hook = check_cache_invariants(target)

@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
 from specextend import kernels
-from specextend.api import load
+from specextend.api import Pair, load
 from specextend.batch import Batch, Sequence
+from specextend.scheduler import Limits, QueueFull, Scheduler, TooLarge
 from specextend.serve.jobs import Job, run_job
-from specextend.serve.scheduler import Limits, QueueFull, Scheduler, TooLarge
 from specextend.settings import Settings
 
 from tiny_tokenizer import save_tiny_model
@@ -35,7 +36,7 @@ def pair(tmp_path_factory):
     target = save_tiny_model(root / "target", seed=0, **SHAPE)
     draft = save_tiny_model(root / "draft", seed=1, layers=1, **SHAPE)
     p = load(target, draft, dtype="float32", weights="int8", draft_weights="int8", progress=False)
-    p._engine.eos = set()  # random weights: every generation runs to its length
+    p = Pair(replace(p.spec, eos_ids=()), p.target, p.draft)  # random weights: every generation runs to its length
     assert p.target.batches_rows and p.draft.batches_rows
     return p
 
@@ -56,11 +57,11 @@ def test_requests_in_a_batch_get_the_tokens_they_get_alone(pair, monkeypatch, pa
     requests.append((prompt(9, 50), settings(method="sd", temperature=0.8, seed=3)))
     alone = [pair.generate(ids, settings=s).token_ids for ids, s in requests]
     batch = Batch(pair.target, pair.draft)
-    batched = pair.in_batch(batch)
+    engine = batch.engine(pair.eos_ids, pair.step_costs())
     results: dict[int, list[int]] = {}
     for i, (ids, s) in enumerate(requests):
         def run(i=i, ids=ids, s=s):
-            results[i] = batched.generate(ids, settings=s).token_ids
+            results[i] = pair.generation(ids, settings=s).run(engine).token_ids
         batch.add(Sequence(run))
     steps = 0
     rows = []
@@ -83,11 +84,11 @@ def test_in_a_shared_batch_a_proposer_with_nothing_to_propose_rests(pair):
     alone = [pair.generate(ids, settings=s) for ids, s in requests]
     assert all(r.extra["rested_steps"] == 0 for r in alone)
     batch = Batch(pair.target, pair.draft)
-    batched = pair.in_batch(batch)
+    engine = batch.engine(pair.eos_ids, pair.step_costs())
     results = {}
     for i, (ids, s) in enumerate(requests):
         def run(i=i, ids=ids, s=s):
-            results[i] = batched.generate(ids, settings=s)
+            results[i] = pair.generation(ids, settings=s).run(engine)
         batch.add(Sequence(run))
     while batch.sequences:
         batch.step(64)
@@ -103,10 +104,10 @@ def serve(pair, limits: Limits, submit, poll=None, batch_cls=Batch):
     """Run a scheduler over the pair while `submit(scheduler, loop)` (a coroutine) sends jobs; `poll`
     is called on the event loop every few milliseconds (to watch the scheduler)."""
     batch = batch_cls(pair.target, pair.draft)
-    batched = pair.in_batch(batch)
+    engine = batch.engine(pair.eos_ids, pair.step_costs())
 
     async def main():
-        sched = Scheduler(batch, lambda job: run_job(batched, job),
+        sched = Scheduler(batch, lambda job: run_job(pair, engine, job),
                           lambda job: pair.kv_bytes(len(job.ids), job.settings), limits)
         try:
             task = asyncio.ensure_future(submit(sched, asyncio.get_running_loop()))

@@ -14,16 +14,18 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import replace
 
 import httpx2 as httpx
 import openai
 import pytest
 import uvicorn
 
-from specextend.api import load, prepare
+from specextend.api import Pair, load, prepare
+from specextend.scheduler import Limits
 from specextend.serve.app import Server
 from specextend.serve.command import listen
-from specextend.serve.scheduler import Limits
+from specextend.serve.local import LocalBackend
 from specextend.settings import Settings
 
 from tiny_tokenizer import save_tiny_model
@@ -43,19 +45,38 @@ def folders(tmp_path_factory):
             "draft": save_tiny_model(root / "draft", seed=1, layers=1)}
 
 
+class Throttled:
+    """The target model with something run before each of its batched forwards (a batch step):
+    tests slow the steps, hold them, or make them fail."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.before = None
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    def forward_many(self, parts):
+        if self.before is not None:
+            self.before()
+        return self.model.forward_many(parts)
+
+
 @pytest.fixture(scope="module")
 def pair(folders):
     p = load(folders["target"], folders["draft"], dtype="float64", progress=False)
-    p._engine.eos = set()  # random weights: no early end, so every generation runs to max_tokens
+    # Random weights: no end token, so every generation runs to max_tokens.
+    p = Pair(replace(p.spec, eos_ids=()), Throttled(p.target), p.draft)
+    p.step_costs()  # measured here (once per machine and model), not inside a server's start-up deadline
     return p
 
 
-SERVERS: dict[str, Server] = {}
-
-
-def engine(url: str):
-    """The decoding engine the server's batch runs (tests hook into its steps)."""
-    return SERVERS[url].batched._engine
+def steps(pair) -> Throttled:
+    """The target whose batched forwards the server's steps run (tests slow, hold or break them)."""
+    return pair.target
 
 
 @contextmanager
@@ -65,8 +86,8 @@ def running(pair, folders, *, max_queue=4, cache_mb=64.0, cache_dir=None, limits
     pair.prefix_cache = None
     if cache_mb:
         pair.enable_prefix_cache(cache_mb, cache_dir)
-    server = Server(pair, encoder, Settings(**{"max_new_tokens": 16, **SMALL, **defaults}).resolved(), max_queue,
-                    "tiny", limits=limits)
+    server = Server(LocalBackend(pair, max_queue, limits=limits), encoder,
+                    Settings(**{"max_new_tokens": 16, **SMALL, **defaults}).resolved(), "tiny")
     server.api_keys = tuple(api_keys)
     sock = listen("127.0.0.1", 0)
     port = sock.getsockname()[1]
@@ -78,11 +99,10 @@ def running(pair, folders, *, max_queue=4, cache_mb=64.0, cache_dir=None, limits
         assert time.time() < deadline, "the server did not start"
         time.sleep(0.02)
     url = f"http://127.0.0.1:{port}"
-    SERVERS[url] = server
     try:
         yield url
     finally:
-        SERVERS.pop(url)
+        steps(pair).before = None
         uv.should_exit = True
         thread.join(10)
 
@@ -288,7 +308,7 @@ def test_unknown_routes_and_internal_errors_are_json(pair, url, monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("the kernel fell over")
 
-    monkeypatch.setattr(engine(url), "decode", broken)
+    monkeypatch.setattr(steps(pair), "before", broken)
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4})
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error" and "Traceback" not in r.text
     monkeypatch.undo()
@@ -302,12 +322,12 @@ def one_at_a_time(max_queue: int) -> Limits:
     return Limits(max_batch=1, max_queue=max_queue, step_tokens=64, kv_bytes=2**30)
 
 
-def slow_steps(url: str, seconds: float = 0.05) -> None:
-    engine(url).step_hook = lambda *a: time.sleep(seconds)
+def slow_steps(pair, seconds: float = 0.05) -> None:
+    steps(pair).before = lambda: time.sleep(seconds)
 
 
-def first_content_chunk(response: httpx.Response) -> None:
-    for line in response.iter_lines():
+def first_content_chunk(lines) -> None:
+    for line in lines:
         if line.startswith("data: ") and '"content": "' in line and '"content": ""' not in line:
             return
     raise AssertionError("the stream ended without content")
@@ -316,11 +336,12 @@ def first_content_chunk(response: httpx.Response) -> None:
 def test_past_the_queue_requests_get_429_with_retry_after(pair, folders):
     with running(pair, folders, max_queue=1, limits=one_at_a_time(1)) as u:
         gate = threading.Event()
-        engine(u).step_hook = lambda *a: gate.wait(60)  # the first generation holds the slot until released
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "stream": True,
                 "method": "sd"}
         with httpx.Client(timeout=60) as h, h.stream("POST", f"{u}/v1/chat/completions", json=body) as running_:
-            first_content_chunk(running_)  # the first request holds the slot
+            lines = running_.iter_lines()  # kept: dropping it would close the connection
+            first_content_chunk(lines)
+            steps(pair).before = lambda: gate.wait(60)  # the first request holds the slot until released
             waiting = threading.Thread(target=httpx.post, args=(f"{u}/v1/completions",),
                                        kwargs={"json": {"prompt": "hi", "max_tokens": 2}, "timeout": 60})
             waiting.start()
@@ -340,7 +361,7 @@ def test_past_the_queue_requests_get_429_with_retry_after(pair, folders):
 
 def test_a_disconnecting_stream_frees_the_slot(pair, folders):
     with running(pair, folders, max_queue=0, limits=one_at_a_time(0)) as u:
-        slow_steps(u)  # 200 tokens would take many seconds
+        slow_steps(pair)  # 200 tokens would take many seconds
         body = {"prompt": "hi", "max_tokens": 200, "stream": True, "method": "sd"}
         t0 = time.time()
         with httpx.Client(timeout=60) as h, h.stream("POST", f"{u}/v1/completions", json=body) as r:

@@ -26,7 +26,7 @@ from specextend.settings import Settings
 from specextend.sizing import LOOKUP_PRIOR, Sizer, lookup_key
 from specextend.tree import LOOKUP, DynamicTreeBuilder, Pool, draft_dist
 
-from conftest import ARCHS
+from conftest import ARCHS, WatchedEngine
 
 SMALL = dict(chunk_size=4, top_k_chunks=3, retrieve_every=2)
 PROMPT = torch.randint(0, 63, (40,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -81,7 +81,7 @@ def per_step_draft_calls(eng: SpecEngine, draft: Flipped, flip_at: int | None = 
 def test_a_draft_that_never_agrees_settles_into_ar_steps(tiny_dir, arch):
     target = load_model(tiny_dir(arch, 0), torch.float64)
     draft = Flipped(target)
-    eng = SpecEngine(target, draft, eos_ids=[])
+    eng = WatchedEngine(target, draft, eos_ids=[])
     eng.costs = synthetic_costs()
     ar = eng.generate(PROMPT, Settings(method="ar", max_new_tokens=160))
     calls = per_step_draft_calls(eng, draft)
@@ -101,7 +101,7 @@ def test_drafting_resumes_when_acceptance_returns(tiny_dir, monkeypatch):
     monkeypatch.setattr(propose, "RESYNC_TOKENS", 10**6)
     target = load_model(tiny_dir("qwen2", 0), torch.float64)
     draft = Flipped(target)
-    eng = SpecEngine(target, draft, eos_ids=[])
+    eng = WatchedEngine(target, draft, eos_ids=[])
     eng.costs = synthetic_costs()
     ar = eng.generate(PROMPT, Settings(method="ar", max_new_tokens=200))
     flip = 48
@@ -124,7 +124,7 @@ def test_drafting_resumes_when_acceptance_returns(tiny_dir, monkeypatch):
 def test_wrong_lookup_candidates_never_change_the_output(tiny_dir, arch, method, monkeypatch):
     target = load_model(tiny_dir(arch, 0), torch.float64)
     draft = load_model(tiny_dir(arch, 5, layers=1), torch.float64)
-    eng = SpecEngine(target, draft, eos_ids=[])
+    eng = WatchedEngine(target, draft, eos_ids=[])
     eng.costs = synthetic_costs()
     ar = eng.generate(PROMPT, Settings(method="ar", max_new_tokens=40))
     rng = random.Random(arch + method)

@@ -11,7 +11,7 @@ from specextend.engine import SpecEngine
 from specextend.models.loader import load_model
 from specextend.settings import Settings
 
-from conftest import ARCHS
+from conftest import ARCHS, WatchedEngine
 
 SMALL = dict(chunk_size=4, top_k_chunks=3, retrieve_every=2, tree_budget=6, tree_depth=4, tree_topk=2)
 ABLATIONS = {
@@ -40,7 +40,7 @@ PROMPT = torch.randint(0, 63, (70,), generator=torch.Generator().manual_seed(3))
 def test_greedy_equals_ar(tiny_dir, arch, name):
     target = load_model(tiny_dir(arch, 0), torch.float64)
     draft = load_model(tiny_dir(arch, 5, layers=1), torch.float64)
-    eng = SpecEngine(target, draft, eos_ids=[])
+    eng = WatchedEngine(target, draft, eos_ids=[])
     ar = eng.generate(PROMPT, Settings(method="ar", max_new_tokens=40))
     seen = {"refresh": 0}
 
@@ -130,7 +130,7 @@ def test_short_context_keeps_every_token_until_it_grows(tiny_dir):
     retrieval); once a new chunk opens past it, selection starts, and output still equals ar."""
     target = load_model(tiny_dir("qwen2", 0), torch.float64)
     draft = load_model(tiny_dir("qwen2", 5, layers=1), torch.float64)
-    eng = SpecEngine(target, draft, eos_ids=[])
+    eng = WatchedEngine(target, draft, eos_ids=[])
     prompt = PROMPT[:20]  # budget 4 x 3 = 12 tokens, threshold 2 x 12 = 24
     ar = eng.generate(prompt, Settings(method="ar", max_new_tokens=40))
     seen: list[tuple[int, int, bool]] = []

@@ -29,107 +29,37 @@ use `Pair.prefill`, `Pair.decode`, `Pair.remember` (the prefix cache) and `Pair.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import queue
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 from jinja2 import TemplateError
 
 from . import kernels, vocab_trim
-from .batch import Batch, Port, StepCosts
-from .detokenize import Detokenizer
+from .batching import Generations
 from .engine import GenerationResult, Prefilled, SpecEngine, TokensCallback, check_fits, kv_bytes
 from .errors import UserError
+from .generation import Generation, Origin, PieceCallback, Result
 from .grammar import Grammar, GrammarSpec, compile_grammar, tokenizer_for
-from .jsonl import finite_json
-from .logits_process import MAX_TOP_LOGPROBS, LogitsProcessor, TokenLogprob
-from .models.loader import QUANTIZED_WEIGHTS
 from .models.resolve import LoadOptions, ResolvedPair, resolve_pair
-from .penalties import Penalties
 from .progress import say
 from .settings import Settings
-from .toolcalls import CallParser, ToolSpec, template_messages
+from .toolcalls import ToolSpec, template_messages
 
 if TYPE_CHECKING:
     from .costmodel import CostModel
+    from .logits_process import LogitsProcessor
     from .model import Transformer
     from .prefix_cache import PrefixCache
 
 __all__ = ["LoadOptions", "Pair", "Prefilled", "Prepared", "Result", "Settings", "load", "prepare"]
 
 TextCallback = Callable[[str], None]
-
-
-# --------------------------------------------------------------------------- results
-
-
-@dataclass(kw_only=True)
-class Result(GenerationResult):
-    """One generation: the engine's measurements (GenerationResult), the decoded text and what ran."""
-
-    text: str
-    method: str
-    target: str
-    draft: str | None
-    dtype: str
-    draft_dtype: str | None
-    device: str
-    weights: str = "float"
-    draft_weights: str | None = None
-    cpu_kernels: str | None = None  # the C++ kernel path that ran (kernels.PATHS), None without them
-    # Per generated token, when asked for: {token, token_id, logprob, bytes, top_logprobs: [...]}.
-    logprobs: list[dict[str, Any]] | None = None
-    # With tools: the calls the answer made (OpenAI's shape; [] when it answered with text).
-    tool_calls: list[dict[str, Any]] | None = None
-
-    @property
-    def config(self) -> dict[str, Any]:
-        """Every resolved setting, as plain JSON values, and the CPU kernel path that ran."""
-        return {**self.settings.as_dict(), "cpu_kernels": self.cpu_kernels}
-
-    def to_json(self) -> dict[str, Any]:
-        """The `generate --json` object of the contract (plus stop_reason, accept_lengths, extra)."""
-        d: dict[str, Any] = {
-            "method": self.method,
-            "target": self.target,
-            "draft": self.draft,
-            "dtype": self.dtype,
-            "draft_dtype": self.draft_dtype,
-            "weights": self.weights,
-            "draft_weights": self.draft_weights,
-            "device": self.device,
-            "config": self.config,
-            "prompt_tokens": self.prompt_tokens,
-            "new_tokens": self.new_tokens,
-            "token_ids": list(self.token_ids),
-            "text": self.text,
-            "prefill_s": self.prefill_s,
-            "decode_s": self.decode_s,
-            "total_s": self.total_s,
-            "decode_tokens_per_s": self.decode_tokens_per_s,
-            "steps": self.steps,
-            "accepted_per_step": self.accepted_per_step,
-            "phases": dict(self.phases),
-            "stop_reason": self.stop_reason,
-            "accept_lengths": list(self.accept_lengths),
-            "extra": dict(self.extra),
-            "cached_prompt_tokens": self.cached_prompt_tokens,
-        }
-        if self.logprobs is not None:
-            d["logprobs"] = self.logprobs
-        if self.tool_calls is not None:
-            d["tool_calls"] = self.tool_calls
-        return finite_json(d)
-
-
-class _Cancelled(Exception):
-    """Raised inside the engine's callback when a stream's consumer has gone away."""
 
 
 # --------------------------------------------------------------------------- the pair
@@ -298,11 +228,12 @@ class Prepared(_Prompts):
 class Pair(_Prompts):
     """A loaded target (and optional draft) with its tokenizer and decoding engine.
 
-    `generate` and `stream` are prefill + decode in one call. For more than one decode of a prompt
-    (a benchmark, a sweep), `prefill` it once and `decode` the state with each setting: decoding
-    only appends after the prompt, so every decode starts from the same caches. With a prefix
-    cache (`enable_prefix_cache`), `prefill` continues from the longest cached prefix of the
-    prompt and `remember` offers a prefilled prompt to the cache.
+    `generate` and `stream` are prefill + decode in one call: each makes a `Generation`
+    (generation.py: the request's whole life) and runs it on the pair's engine. For more than one
+    decode of a prompt (a benchmark, a sweep), `prefill` it once and `decode` the state with each
+    setting: decoding only appends after the prompt, so every decode starts from the same caches.
+    With a prefix cache (`enable_prefix_cache`), `prefill` continues from the longest cached
+    prefix of the prompt and `remember` offers a prefilled prompt to the cache.
     """
 
     def __init__(self, spec: ResolvedPair, target: Transformer, draft: Transformer | None) -> None:
@@ -312,6 +243,13 @@ class Pair(_Prompts):
         self._engine = SpecEngine(target, draft, spec.eos_ids)
         self.last_result: Result | None = None
         self.prefix_cache: PrefixCache | None = None
+        self._batch: Generations | None = None  # made at the first list of prompts
+        self._lock = threading.Lock()
+
+    def origin(self, tokenizer: Any = None) -> Origin:
+        """The pair as its generations see it (`tokenizer`: one for another thread than the pair's)."""
+        return Origin(self.spec, self.target, self.draft, tokenizer if tokenizer is not None else self.tokenizer,
+                      self.prefix_cache)
 
     # ----------------------------------------------------------------- prefix cache
 
@@ -344,26 +282,9 @@ class Pair(_Prompts):
 
     def remember(self, state: Prefilled) -> None:
         """Offer a prefilled prompt to the prefix cache (no-op without one). Valid after decoding too."""
-        if self.prefix_cache is None:
-            return
-        snap = state.snapshot()  # the draft's slots computed so far, if any
-        draft_backend = kv_backend(self.draft, state.attention) if snap.draft_kv is not None else None
-        self.prefix_cache.insert(state.prompt_ids, snap, kv_backend(self.target, state.attention), draft_backend)
+        self.origin().remember(state)
 
-    # ----------------------------------------------------------------- batching
-
-    def in_batch(self, batch: Batch) -> Pair:
-        """This pair as the sequences of `batch` run it: the same models, tokenizer and prefix
-        cache, with an engine whose forwards run in the batch's steps (`batch.Port`) and whose
-        trees are sized for the step (`batch.StepCosts`). Its `prefill`, `decode` and `remember`
-        must be called from a sequence of that batch."""
-        base = self.step_costs()
-        other = copy.copy(self)
-        other._engine = SpecEngine(Port(self.target), Port(self.draft) if self.draft is not None else None,
-                                   self.spec.eos_ids)
-        other._engine.eos = self._engine.eos
-        other._engine.costs = StepCosts(base, batch)
-        return other
+    # ----------------------------------------------------------------- costs and memory
 
     def step_costs(self) -> CostModel:
         """The measured step costs of both models (measured once per machine and cached), which
@@ -393,14 +314,8 @@ class Pair(_Prompts):
         """Both models' caches over the prompt (the draft's only if the method uses one), with room
         for `max_new_tokens`, continued from the longest cached prefix if a prefix cache is on.
         Settings as in `generate`; their attention backend writes the caches."""
-        return self._prefill(self.prompt_ids(prompt, chat), self.settings(settings, **overrides))
-
-    def _prefill(self, ids: list[int], s: Settings) -> Prefilled:
-        prefix = None
-        if self.prefix_cache is not None:
-            draft_backend = kv_backend(self.draft, s.attention) if s.uses_draft and self.draft is not None else None
-            prefix = self.prefix_cache.lookup(ids, kv_backend(self.target, s.attention), draft_backend)
-        return self._engine.prefill(ids, s, prefix)
+        ids, s = self.prompt_ids(prompt, chat), self.settings(settings, **overrides)
+        return self._engine.prefill(ids, s, self.origin().lookup(ids, s))
 
     def decode(self, state: Prefilled, settings: Settings | None = None, *, on_tokens: TokensCallback | None = None,
                response_format: Any = None, logprobs: int | None = None, processor: LogitsProcessor | None = None,
@@ -412,44 +327,50 @@ class Pair(_Prompts):
         `processor`) whose log-probabilities the caller reads as they grow."""
         s = self.settings(settings, **overrides)
         proc = processor if processor is not None else self.processor(state.prompt_ids, s, response_format, logprobs)
-        return self._result(self._engine.decode(state, s, on_tokens, proc), proc)
+        return self.origin().result(self._engine.decode(state, s, on_tokens, proc), proc)
 
     def processor(self, prompt_ids: Sequence[int], s: Settings, response_format: Any = None,
                   logprobs: int | None = None) -> LogitsProcessor | None:
         """A decode's own logits processing (grammar, penalties, log-probabilities); None if
         the request needs none."""
-        grammar = self.grammar(response_format)
-        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
-                                     or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
-            raise UserError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {logprobs!r}")
-        if grammar is None and logprobs is None and not s.penalised:
-            return None
-        vocab = int(self.spec.target.config.vocab_size)
-        penalties = Penalties(s.frequency_penalty, s.presence_penalty, s.repetition_penalty, prompt_ids, vocab)
-        return LogitsProcessor(grammar=grammar, penalties=penalties, top_logprobs=logprobs, eos_ids=self.eos_ids)
+        return self.origin().processor(prompt_ids, s, self.grammar(response_format), logprobs)
 
-    def _result(self, res: GenerationResult, proc: LogitsProcessor | None) -> Result:
-        out = self.result(res)
-        if proc is not None:
-            out.extra["processor_s"] = proc.seconds  # grammar, penalties, logprobs: within decode_s
-        if proc is not None and proc.top_logprobs is not None:
-            out.logprobs = self.logprob_entries(proc.logprobs)
-        return out
+    def result(self, res: GenerationResult) -> Result:
+        """The engine's measurements with the decoded text and what ran (models, dtypes, device)."""
+        return self.origin().result(res)
 
-    def logprob_entries(self, logprobs: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
-        """Log-probabilities as OpenAI's entries (token text, its bytes, the alternatives)."""
-        tok = tokenizer_for(self.tokenizer, int(self.spec.target.config.vocab_size))
+    # ----------------------------------------------------------------- whole generations
 
-        def one(token: int, logprob: float) -> dict[str, Any]:
-            raw = bytes(tok.decode_bytes([token]))
-            return {"token": raw.decode("utf-8", errors="replace"), "token_id": token, "logprob": logprob,
-                    "bytes": list(raw)}
+    def generation(self, prompt: str | Sequence[int], *, chat: bool = False, settings: Settings | None = None,
+                   response_format: Any = None, logprobs: int | None = None, tools: list[dict[str, Any]] | None = None,
+                   tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool | None = None,
+                   stops: Sequence[str] = (), on_piece: PieceCallback | None = None,
+                   cancel: threading.Event | None = None, tokenizer: Any = None, **overrides: Any) -> Generation:
+        """One request, checked (bad input raises UserError here) and ready to run on an engine
+        (`Generation.run`). Arguments as in `generate`; `stops`, `on_piece` and `cancel` as in
+        `Generation`; `tokenizer`: one of its own for a generation run on another thread."""
+        s = self.settings(settings, **overrides)
+        spec = ToolSpec.parse(tools, tool_choice, parallel_tool_calls)
+        ids = self.prompt_ids(prompt, chat, spec)
+        if spec is not None and response_format is not None:
+            raise UserError("tools and a response_format cannot be combined (a call is constrained to its schema)")
+        grammar = self.grammar(spec.grammar(self.tokenizer) if spec is not None else response_format)
+        return Generation(self.origin(tokenizer), ids, s, grammar=grammar, logprobs=logprobs, stops=stops,
+                          on_piece=on_piece, cancel=cancel, tool_calls=spec is not None)
 
-        return [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in logprobs]
+    @overload
+    def generate(self, prompt: str | Sequence[int], *, chat: bool = False, on_text: TextCallback | None = None,
+                 settings: Settings | None = None, response_format: Any = None, logprobs: int | None = None,
+                 **overrides: Any) -> Result: ...
+
+    @overload
+    def generate(self, prompt: list[Any], *, chat: bool = False, on_text: TextCallback | None = None,
+                 settings: Settings | None = None, response_format: Any = None, logprobs: int | None = None,
+                 **overrides: Any) -> list[Result | None]: ...
 
     def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: Any,
         *,
         chat: bool = False,
         on_text: TextCallback | None = None,
@@ -460,44 +381,30 @@ class Pair(_Prompts):
         tool_choice: str | dict[str, Any] | None = None,
         parallel_tool_calls: bool | None = None,
         **overrides: Any,
-    ) -> Result:
+    ) -> Result | list[Result | None]:
         """Generate after `prompt` (text, OpenAI's messages, or token ids). Keyword overrides are
         `Settings` fields (method, max_new_tokens, temperature, frequency_penalty, ...), applied on
         top of `settings` if given. `on_text` receives text pieces as tokens are accepted.
         `response_format` constrains the output (OpenAI's, or a regex / grammar: see the module's
         docstring); `logprobs` (0-20) asks for each token's log-probability and that many
         alternatives. `tools`, `tool_choice` and `parallel_tool_calls` are OpenAI's (toolcalls.py):
-        the result's `tool_calls` are the calls the answer made."""
-        s = self.settings(settings, **overrides)
-        spec = ToolSpec.parse(tools, tool_choice, parallel_tool_calls)
-        ids = self.prompt_ids(prompt, chat, spec)
-        if spec is not None:
-            if response_format is not None:
-                raise UserError("tools and a response_format cannot be combined (a call is constrained to its schema)")
-            response_format = self.grammar(spec.grammar(self.tokenizer))
-        res = self._generate(ids, s, on_text, proc=self.processor(ids, s, response_format, logprobs))
-        if spec is not None:
-            res.tool_calls = CallParser().answer(res.text)[1]
-        return res
+        the result's `tool_calls` are the calls the answer made.
 
-    def _generate(
-        self, ids: list[int], s: Settings, on_text: TextCallback | None, cancel: threading.Event | None = None,
-        proc: LogitsProcessor | None = None,
-    ) -> Result:
-        detok = Detokenizer(self.detokenize, on_text) if on_text is not None else None
-
-        def on_tokens(new_ids: list[int]) -> None:
-            if cancel is not None and cancel.is_set():
-                raise _Cancelled
-            if detok is not None:
-                detok.push(new_ids)
-
-        wants_tokens = detok is not None or cancel is not None
-        state = self._prefill(ids, s)
-        self.last_result = self._result(self._engine.decode(state, s, on_tokens if wants_tokens else None, proc), proc)
-        self.remember(state)
-        if detok is not None:
-            detok.finish(self.last_result.text)
+        A list of prompts runs in one continuous batch (batching.py) and returns their results in
+        order, each the tokens that prompt gets alone. An item is a prompt, a dict of its `prompt`
+        and its own arguments (settings, `chat`, `response_format`, `logprobs`) over the common
+        ones, or a `Generation` from `generation` (which can be cancelled: its result is then None).
+        Calls from several threads share the batch."""
+        tool_args = dict(tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls)
+        if _many(prompt):
+            return self._generate_many(prompt, dict(chat=chat, on_text=on_text, settings=settings,
+                                                    response_format=response_format, logprobs=logprobs,
+                                                    **tool_args, **overrides))
+        on_piece = None if on_text is None else lambda text, _entries: on_text(text)
+        gen = self.generation(prompt, chat=chat, settings=settings, response_format=response_format,
+                              logprobs=logprobs, on_piece=on_piece, **tool_args, **overrides)
+        self.last_result = gen.run(self._engine)
+        gen.remember()
         return self.last_result
 
     def stream(
@@ -512,20 +419,21 @@ class Pair(_Prompts):
     ) -> Iterator[str]:
         """Text pieces as they are accepted. The finished `Result` is then `pair.last_result`
         (and the generator's return value). Settings are checked before the first piece."""
-        s = self.settings(settings, **overrides)
-        ids = self.prompt_ids(prompt, chat)  # bad input raises here, in the caller's thread
-        return self._stream(ids, s, self.processor(ids, s, response_format, logprobs))
-
-    def _stream(self, ids: list[int], s: Settings, proc: LogitsProcessor | None = None
-                ) -> Generator[str, None, Result | None]:
         pieces: queue.Queue[tuple[str, Any]] = queue.Queue()
-        cancel = threading.Event()
+        # Bad input raises here, in the caller's thread.
+        gen = self.generation(prompt, chat=chat, settings=settings, response_format=response_format,
+                              logprobs=logprobs, on_piece=lambda text, _entries: pieces.put(("text", text)),
+                              cancel=threading.Event(), **overrides)
+        return self._stream(gen, pieces)
 
+    def _stream(self, gen: Generation, pieces: queue.Queue[tuple[str, Any]]) -> Generator[str, None, Result | None]:
         def work() -> None:
             try:
-                pieces.put(("done", self._generate(ids, s, lambda p: pieces.put(("text", p)), cancel, proc)))
-            except _Cancelled:
-                pieces.put(("done", None))
+                result = gen.run(self._engine)
+                if not gen.cancelled:
+                    self.last_result = result
+                    gen.remember()
+                pieces.put(("done", None if gen.cancelled else result))
             except BaseException as e:  # re-raised in the consumer's thread
                 pieces.put(("error", e))
 
@@ -542,36 +450,43 @@ class Pair(_Prompts):
                     return value
         finally:
             # The consumer stopped early (or finished): stop the engine at its next batch.
-            cancel.set()
+            assert gen.cancel is not None
+            gen.cancel.set()
             worker.join()
 
-    def result(self, res: GenerationResult) -> Result:
-        """The engine's measurements with the decoded text and what ran (models, dtypes, device)."""
-        s: Settings = res.settings
-        fields_ = {f.name: getattr(res, f.name) for f in fields(GenerationResult)}
-        fields_.update(token_ids=list(res.token_ids), phases=dict(res.phases), accept_lengths=list(res.accept_lengths),
-                       settings=s, extra=dict(res.extra or {}))
-        draft_weights = self.draft.weights if s.uses_draft and self.draft is not None else None
-        return Result(
-            **fields_,
-            text=self.detokenize(res.token_ids),
-            method=s.method,
-            target=str(self.target_path),
-            draft=str(self.draft_path) if s.uses_draft and self.draft_path is not None else None,
-            dtype=self.dtype,
-            draft_dtype=self.draft_dtype if s.uses_draft else None,
-            device=self.device,
-            weights=self.target.weights,
-            draft_weights=draft_weights,
-            cpu_kernels=kernels.path() if {self.target.weights, draft_weights} & set(QUANTIZED_WEIGHTS) else None,
-        )
+    # ----------------------------------------------------------------- many prompts at once
+
+    def _generate_many(self, requests: Sequence[Any], common: dict[str, Any]) -> list[Result | None]:
+        """Every request in one continuous batch (see `generate`); results in order."""
+        if common.get("on_text") is not None:
+            raise UserError("on_text streams one prompt; a list of prompts returns its results")
+        common = {k: v for k, v in common.items() if k != "on_text"}
+        batch = self._generations()
+        gens = [r if isinstance(r, Generation) else self._request(r, common, batch.tokenizer) for r in requests]
+        return batch.run(gens)
+
+    def _request(self, request: Any, common: dict[str, Any], tokenizer: Any) -> Generation:
+        """One item of a list of prompts: a prompt, or a dict of its `prompt` and its own arguments."""
+        if not isinstance(request, dict):
+            return self.generation(request, tokenizer=tokenizer, **common)
+        if "prompt" not in request:
+            raise UserError(f"a request given as a dict needs its 'prompt' (it has {', '.join(sorted(request))})")
+        own = {k: v for k, v in request.items() if k != "prompt"}
+        return self.generation(request["prompt"], tokenizer=tokenizer, **{**common, **own})
+
+    def _generations(self) -> Generations:
+        with self._lock:
+            if self._batch is None:
+                self._batch = Generations(self, self.spec.with_own_tokenizer().tokenizer)
+            return self._batch
 
 
-def kv_backend(model: Any, attention: str) -> str:
-    """The kernel that writes a prefill's KV: the row-independent one whatever the setting on the
-    quantized runtime, else the attention backend (their float K/V agree only to rounding). The
-    prefix cache reuses KV only for a prefill that the same kernel would write."""
-    return "rowwise" if model.rowwise_attention else str(attention)
+def _many(prompt: Any) -> bool:
+    """A list of prompts, not one prompt's token ids (a list whose items are not ints) nor one
+    conversation (OpenAI's messages: dicts with a `role`)."""
+    if not isinstance(prompt, list | tuple) or not prompt or isinstance(prompt[0], int):
+        return False
+    return not all(isinstance(m, dict) and "role" in m for m in prompt)
 
 
 def make_settings(settings: Settings | None = None, **overrides: Any) -> Settings:

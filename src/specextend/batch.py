@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,7 @@ import torch
 from greenlet import greenlet
 
 from .costmodel import CostModel
+from .engine import SpecEngine
 from .model import Rows, Transformer
 
 
@@ -186,6 +188,14 @@ class Batch:
         # Per decoding sequence and step, what is not a forward (its loop, sampling, lookup,
         # retrieval, streaming), averaged over recent steps: the sizer's per-step overhead.
         self.overhead_s = 0.0
+
+    def engine(self, eos_ids: Seq[int], costs: CostModel) -> SpecEngine:
+        """A decoding engine for this batch's sequences: the models' forwards run in the steps
+        (`Port`), and trees are sized for the step (`StepCosts` over the models' measured `costs`).
+        Its `prefill` and `decode` must be called from a sequence of this batch."""
+        engine = SpecEngine(Port(self.target), Port(self.draft) if self.draft is not None else None, eos_ids)
+        engine.costs = StepCosts(costs, self)
+        return engine
 
     def add(self, seq: Sequence) -> None:
         """Start a sequence: it runs until its first forward (or to its end; `reap` returns it)."""

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from .errors import UserError
-from .jsonl import text_at
+from .jsonl import read_requests, text_at
 from .options import (
     OneLineParser,
     add_method_arguments,
@@ -98,6 +98,9 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", help="read the prompt from this file ('-' for stdin)")
     src.add_argument("--jsonl", help="read the prompt from field `text` of a JSONL record (see --index)")
+    src.add_argument("--prompts-file", metavar="PATH.jsonl",
+                     help="run every prompt of this JSON Lines file (field `prompt`, optional per-line settings) "
+                          "in one continuous batch; with --json one object a line, in input order")
     prompt.add_argument("--index", type=int, default=None, help="0-based record of --jsonl (default: 0)")
     prompt.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
 
@@ -276,9 +279,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # Everything the user typed is checked before any model is fetched or loaded.
     settings = settings_from_args(args)
     check_model_options(args)
-    prompt = read_prompt(args)
     if args.logprobs is not None and not 0 <= args.logprobs <= 20:
         raise UserError(f"--logprobs must be in 0..20, got {args.logprobs}")
+    if args.prompts_file is not None:
+        if args.tools is not None:
+            raise UserError("--tools applies to one prompt; give a prompts file's lines their own settings instead")
+        return _generate_many(args, settings, read_requests(args.prompts_file))
+    prompt = read_prompt(args)
     tools = tool_options(args)
 
     if args.json:
@@ -348,6 +355,40 @@ def tool_options(args: argparse.Namespace) -> dict[str, Any]:
         choice = {"type": "function", "function": {"name": choice}}
     ToolSpec.parse(tools, choice)
     return {"tools": tools, "tool_choice": choice}
+
+
+def _generate_many(args: argparse.Namespace, settings: Settings, requests: list[dict[str, Any]]) -> int:
+    """Every request of a prompts file in one batch: one JSON object (or the text) a line, in order."""
+    from . import api
+
+    uses_draft = settings.uses_draft or any(api.make_settings(settings, **_settings_of(r)).uses_draft
+                                            for r in requests)
+    prepared = api.prepare(args.target, args.draft, **model_options(args), load_draft=uses_draft,
+                           progress=not args.quiet)
+    common = dict(chat=args.chat, settings=settings, response_format=prepared.grammar(response_format(args)),
+                  logprobs=args.logprobs)
+    for r in requests:  # bad lines fail before the weights are read
+        try:
+            prepared.check_fits(len(prepared.prompt_ids(r["prompt"], r.get("chat", args.chat))),
+                                api.make_settings(settings, **_settings_of(r)))
+        except UserError as e:
+            raise UserError(f"{args.prompts_file} line {r['_line']}: {e}") from None
+    with _stdout_to_stderr() as out:
+        results = prepared.load().generate([{k: v for k, v in r.items() if k != "_line"} for r in requests],
+                                           **common)
+    for result in results:
+        assert result is not None  # none is cancelled
+        line = json.dumps(result.to_json(), ensure_ascii=not _utf8(out)) if args.json else result.text
+        out.write(line + "\n")
+    out.flush()
+    if not args.quiet and not args.json:
+        for result in results:
+            print(summary_line(result), file=sys.stderr)
+    return 0
+
+
+def _settings_of(request: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in request.items() if k not in ("prompt", "_line", "chat", "response_format", "logprobs")}
 
 
 def response_format(args: argparse.Namespace) -> dict[str, Any] | None:

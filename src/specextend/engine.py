@@ -210,9 +210,6 @@ class SpecEngine:
     def __init__(self, target: Transformer, draft: Transformer | None, eos_ids: Sequence[int]) -> None:
         self.target, self.draft = target, draft
         self.eos = set(eos_ids)
-        # Called after every speculative step with (target cache, draft policy or None, output so
-        # far, committed tokens not yet fed to the draft); tests use it to check invariants.
-        self.step_hook: Callable[[KVCache, DraftPolicy | None, list[int], list[int]], None] | None = None
         # The measured step costs the tree sizing reads, refreshed online while decoding (one per
         # engine: the online refresh carries over between generations). Tests set a synthetic one.
         self.costs: CostModel | None = None
@@ -408,8 +405,6 @@ class SpecEngine:
             if proposer.drafted:  # a draft that sat this step out has nothing to retrieve for
                 self._retrieve(proposer.policy, tcache, queries, verdict.path)
             proposer.retrieved(clock.lap("retrieval_s"))
-            if self.step_hook is not None:
-                self.step_hook(tcache, proposer.policy, out, proposer.backlog)
         extra = {"verified_nodes_per_step": n_verified / max(1, len(accepts)), **proposer.stats(len(accepts))}
         return LoopOutput(out, accepts, stop, extra)
 

@@ -100,6 +100,28 @@ def text_at(name: str, index: int) -> str:
     raise UserError(f"--index {index} is out of range: {name} has {count} records")
 
 
+def read_requests(name: str) -> list[dict[str, Any]]:
+    """The records of a prompts file (`generate --prompts-file`): field `prompt` (text, or token
+    ids) and the line's own settings; each record also gets its line number as `_line`."""
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise UserError(f"prompts file not found: {name}")
+    out = []
+    for lineno, line in _records(path, name):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{name} line {lineno} is not valid JSON: {e.msg}") from None
+        prompt = record.get("prompt") if isinstance(record, dict) else None
+        if not (isinstance(prompt, str) and prompt.strip()) and not (
+                isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+            raise UserError(f"{name} line {lineno} has no field 'prompt' (a non-empty string or a list of token ids)")
+        out.append({**record, "_line": lineno})
+    if not out:
+        raise UserError(f"{name} holds no records")
+    return out
+
+
 def _records(path: Path, name: str) -> Iterator[tuple[int, str]]:
     """(line number, line) of each record, read lazily; errors name the file as `name`."""
     try:

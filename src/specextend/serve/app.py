@@ -1,11 +1,12 @@
-"""The HTTP side: OpenAI-compatible routes on Starlette.
+"""The HTTP side: OpenAI-compatible routes on Starlette, over a backend.
 
 `POST /v1/chat/completions`, `POST /v1/completions` (JSON, or server-sent events with
 `stream: true`), `GET /v1/models`, `GET /health`, `GET /metrics` (metrics.py; API keys: auth.py).
 A request is checked and tokenized here, on the event loop, before it is queued, so a bad
-request is refused at once whatever is running; the generations run together on the
-scheduler's thread (continuous batching, scheduler.py). Every failure is an OpenAI-shaped JSON
-error; an unexpected one is logged with its traceback on the server and answered 500 without it.
+request is refused at once whatever is running; the `Backend` runs the generations: in this
+process together on the scheduler's thread (continuous batching, local.py), or on Ray Serve
+replicas (ray_serve.py). Every failure is an OpenAI-shaped JSON error; an unexpected one is
+logged with its traceback on the server and answered 500 without it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import socket
 import sys
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal, Protocol
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -26,42 +27,51 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..api import Pair, Prepared
-from ..batch import Batch
+from ..api import Prepared
 from ..errors import UserError
 from ..grammar import Grammar
 from ..jsonl import finite_json
 from ..settings import Settings
 from ..toolcalls import CallParser, template_messages
 from . import auth, protocol
-from .jobs import Job, Outcome, run_job
+from .jobs import Job, Outcome
 from .metrics import ServerMetrics
 from .protocol import APIError
-from .scheduler import Limits, QueueFull, Scheduler, TooLarge, default_limits
 
 log = logging.getLogger("specextend.serve")
 
 DISCONNECT_POLL_S = 0.5  # how often a waiting non-streaming request checks that its client is still there
 
 
+class Backend(Protocol):
+    """Where a server's requests run: in this process (`local.LocalBackend`: the scheduler over
+    a batch of the pair's models) or on replicas (`ray_serve.RayBackend`)."""
+
+    def start(self) -> None:
+        """On the event loop, before the first request."""
+
+    def submit(self, job: Job) -> None:
+        """Queue a job (on the event loop); APIError when it cannot be taken."""
+
+    async def started(self, job: Job, request: HTTPRequest) -> dict[str, str]:
+        """Headers of a streamed response, once it may start (or the APIError that ended it)."""
+
+    def health(self) -> dict[str, Any]:
+        """The backend's part of /health."""
+
+    def shutdown(self) -> None:
+        """Stop; running and waiting requests end as cancelled."""
+
+
 class Server:
-    """The loaded pair, the tokenizer the HTTP side encodes with, the defaults and the scheduler.
-    `limits` bound the batch (None: `scheduler.default_limits(**batching)`, from this machine's memory
-    and the target's measured step costs)."""
+    """The HTTP side over a backend: the tokenizer the event loop encodes and checks requests
+    with (`encoder`, its own: the backend decodes on other threads), the defaults, the routes."""
 
     api_keys: tuple[str, ...] = ()  # with keys, every route but /health needs one (auth.py)
 
-    def __init__(self, pair: Pair, encoder: Prepared, defaults: Settings, max_queue: int, model_id: str,
-                 limits: Limits | None = None, batching: dict[str, Any] | None = None) -> None:
-        # `encoder` holds its own tokenizer: the event loop encodes prompts while the worker
-        # thread decodes with the pair's, and a tokenizer is not safe to share across threads.
-        self.pair, self.encoder, self.defaults, self.model_id = pair, encoder, defaults, model_id
+    def __init__(self, backend: Backend, encoder: Prepared, defaults: Settings, model_id: str) -> None:
+        self.backend, self.encoder, self.defaults, self.model_id = backend, encoder, defaults, model_id
         encoder.warm_grammars()  # before serving: compiling a request's grammar then takes milliseconds
-        self.max_queue = max_queue
-        self.limits = limits
-        self.batching = batching or {}  # default_limits' arguments when `limits` is None
-        self.scheduler: Scheduler | None = None  # made on the event loop, at startup
-        self.batched: Pair | None = None  # the pair as the batch's sequences run it
         self.started = int(time.time())
         self.metrics = ServerMetrics(self.health_body)
 
@@ -78,27 +88,16 @@ class Server:
                          exception_handlers={HTTPException: _http_error, Exception: _internal_error})
 
     def _lifespan(self, app: Starlette) -> Any:
-        server = self
+        backend = self.backend
 
         class _Life:
             async def __aenter__(self) -> None:
-                server.scheduler = server.start()
+                backend.start()
 
             async def __aexit__(self, *exc: object) -> None:
-                if server.scheduler is not None:
-                    server.scheduler.shutdown()
+                backend.shutdown()
 
         return _Life()
-
-    def start(self) -> Scheduler:
-        """The batch over the pair's models and the scheduler that runs it."""
-        pair = self.pair
-        batch = Batch(pair.target, pair.draft)
-        self.batched = batched = pair.in_batch(batch)  # measures the step costs once per machine (cached)
-        if self.limits is None:
-            self.limits = default_limits(pair, self.max_queue, **self.batching)
-        return Scheduler(batch, lambda job: run_job(batched, job),
-                         lambda job: pair.kv_bytes(len(job.ids), job.settings), self.limits)
 
     # ----------------------------------------------------------------- routes
 
@@ -116,35 +115,23 @@ class Server:
         return JSONResponse(finite_json(self.health_body()))
 
     def health_body(self) -> dict[str, Any]:
-        sched = self.scheduler
-        cache = self.pair.prefix_cache
-        return {
-            "status": "ok",
-            "model": self.model_id,
-            "busy": bool(sched and sched.running),
-            "running": sched.running if sched else 0,
-            "waiting": sched.waiting if sched else 0,
-            "max_queue": self.max_queue,
-            "completed": sched.completed if sched else 0,
-            "batch": sched.stats() if sched else None,
-            "prefix_cache": cache.stats() if cache is not None else None,
-        }
+        return {"status": "ok", "model": self.model_id, **self.backend.health()}
 
     # ----------------------------------------------------------------- generation
 
-    async def _generate(self, request: HTTPRequest, kind: str) -> Response:
+    async def _generate(self, request: HTTPRequest, kind: Literal["chat", "completion"]) -> Response:
         try:
-            req = protocol.parse(kind, await _json_body(request), self.defaults)  # type: ignore[arg-type]
+            req = protocol.parse(kind, await _json_body(request), self.defaults)
             ids = self._encode(req)
             job = self.job(req, ids)
-            self.submit(job)
+            self.backend.submit(job)
         except APIError as e:
             return _error(e)
         rid, created = protocol.new_id(kind), protocol.now()
         calls = CallParser() if req.tools is not None else None  # the answer parsed into tool calls
         if req.stream:
             try:
-                headers = await self._started(job, request)
+                headers = await self.backend.started(job, request)
             except APIError as e:
                 return _error(e)
             return StreamingResponse(self._events(job, kind, rid, created, req.include_usage, calls),
@@ -162,28 +149,10 @@ class Server:
         return _json(protocol.response(kind, rid, created, self.model_id, text, finish, use, outcome.result.logprobs,
                                        tool_calls), headers=protocol.replica_header(outcome.replica))
 
-    def submit(self, job: Job) -> None:
-        """Queue a job (on the event loop); APIError when it cannot be taken: 429 with Retry-After
-        while the queue is full, 400 for caches larger than the KV budget."""
-        assert self.scheduler is not None
-        try:
-            self.scheduler.submit(job)
-        except QueueFull as e:
-            raise APIError(429, f"the server is busy ({self.max_queue} requests already waiting); retry in "
-                                f"{e.retry_after} s", type="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(e.retry_after)}) from None
-        except TooLarge as e:
-            raise APIError(400, str(e), param="max_tokens", code="kv_budget_exceeded") from None
-
     def job(self, req: protocol.Request, ids: list[int]) -> Job:
         """The generation a checked, tokenized request asks for (on the running event loop)."""
-        return Job(ids, req.settings, req.stops, asyncio.get_running_loop(), self._grammar(req), req.logprobs)
-
-    async def _started(self, job: Job, request: HTTPRequest) -> dict[str, str]:
-        """Headers of a streamed response, sent before its first chunk: none here (a front end over
-        replicas waits for the replica's first event and names it, or raises the APIError that
-        ended the request before it started)."""
-        return {}
+        return Job(ids, req.settings, req.stops, asyncio.get_running_loop(), self._grammar(req), req.logprobs,
+                   request=req)
 
     def _grammar(self, req: protocol.Request) -> Grammar | None:
         """The request's response_format, or its tools' calls, compiled (cached per grammar);

@@ -10,9 +10,9 @@ import sys
 
 from ..errors import UserError
 from ..options import add_model_arguments, add_settings_arguments, settings_from_args
+from ..scheduler import DEFAULT_MAX_BATCH, KV_SHARE, STEP_S
 from . import auth
-from .replica import CACHE_SHARE
-from .scheduler import DEFAULT_MAX_BATCH, KV_SHARE, STEP_S
+from .local import CACHE_SHARE
 
 DEFAULT_MAX_QUEUE = 16
 INSTALL_CLUSTER = "pip install -e '.[cluster]'"
@@ -120,12 +120,12 @@ def run(args: argparse.Namespace) -> int:
     sock = listen(args.host, args.port)  # before the slow part: a taken port fails at once
     if args.replicas is not None:
         try:
-            from .cluster import run_replicas  # Ray is an optional extra, imported only here
+            from .ray_serve import run_replicas  # Ray is an optional extra, imported only here
         except ImportError as e:  # Ray without its serve packages
             raise UserError(f"--replicas needs Ray Serve ({e}): {INSTALL_CLUSTER}") from None
 
         return run_replicas(args, sock, keys)
-    from .replica import build
+    from .local import build
 
     server = build(args)
     server.api_keys = keys

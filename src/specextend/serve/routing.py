@@ -1,4 +1,4 @@
-"""Which replica a request goes to: the routing policies, apart from Ray (cluster.py adapts them to
+"""Which replica a request goes to: the routing policies, apart from Ray (ray_router.py adapts them to
 Ray Serve's request router), so they are plain code with plain tests.
 
 Document affinity (`Affinity`): a replica's prefix cache turns a follow-up question about a long
@@ -38,7 +38,7 @@ MIN_MATCH = HASH_TOKENS
 MAX_BLOCKS = 1 << 20  # remembered block hashes, all replicas together (least recently used go first)
 IMBALANCE = 4  # a replica this many requests above the least loaded is saturated (see Load)
 
-# The routers of this process by application name (router.py registers them), for /health.
+# The routers of this process by application name (ray_router.py registers them), for /health.
 ROUTERS: dict[str, Any] = {}
 
 

@@ -1,9 +1,11 @@
 """Continuous batching: the requests being served advance together, one batch step at a time.
 
 The scheduler owns the requests and decides; `specextend.batch.Batch` runs the steps (vLLM's
-scheduler/worker split). Each request's generation is the ordinary one (`jobs.run_job`: prefill
+scheduler/worker split). Each request's generation is the ordinary one (a `Generation`: prefill
 from the prefix cache, decode with its own settings, stream, remember), run as a sequence of the
-batch on the scheduler's thread, so the event loop keeps answering while the models compute.
+batch on the scheduler's thread, so its callers (the server's event loop, Python threads) go on
+while the models compute. A request is a `Job`: the server's (serve/jobs.py) or a Python call's
+(batching.py).
 
 - Admission: a request starts once fewer than `max_batch` run and its caches fit the KV budget
   (`kv_bytes`, estimated before anything is allocated: `engine.kv_bytes`). First come first
@@ -31,16 +33,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from ..batch import Batch, Cancelled, Sequence
-from .jobs import Job
+from .batch import Batch, Cancelled, Sequence
 
 if TYPE_CHECKING:
-    from ..api import Pair
-    from ..costmodel import ForwardCurve
+    from .costmodel import CostModel, ForwardCurve
 
 log = logging.getLogger("specextend.serve")
 
@@ -72,7 +72,20 @@ def available_memory_mb() -> float | None:
     return None
 
 
-def default_limits(pair: Pair, max_queue: int, max_batch: int | None = None, step_tokens: int | None = None,
+class Job(Protocol):
+    """A request as the scheduler sees it: withdrawn when `cancel` is set; told how it ended
+    through `post` ("cancelled", or ("error", exception)); the rest is its runner's."""
+
+    cancel: threading.Event
+
+    def post(self, kind: str, value: Any = None) -> None: ...
+
+
+class Measured(Protocol):
+    def step_costs(self) -> CostModel: ...
+
+
+def default_limits(pair: Measured, max_queue: int, max_batch: int | None = None, step_tokens: int | None = None,
                    kv_mb: float | None = None) -> Limits:
     """The batching bounds: those given, the defaults for the rest (see the constants above). A
     given `step_tokens` bounds every step, idle ones too."""

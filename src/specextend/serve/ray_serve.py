@@ -1,14 +1,14 @@
 """`specextend serve --replicas N`: the same OpenAI API, served by N replicas of the model pair on Ray
 Serve, each request routed to the replica that holds its document.
 
-- A replica (`Replica`, a Ray Serve deployment) is the one-process server (replica.py): its own
-  pair, prefix cache and batching scheduler. Ray starts the replicas, checks their health and
+- A replica (`Replica`, a Ray Serve deployment) is the one-process server's backend (local.py): its
+  own pair, prefix cache and batching scheduler. Ray starts the replicas, checks their health and
   restarts one that dies.
-- The front end (`Front`) is this process's HTTP server: it checks and tokenizes a request as the
-  one-process server does, then streams it from a replica through a Ray Serve deployment handle.
-  The handle's router is `Router`, Ray Serve's request-router interface over a policy of
-  routing.py (document affinity, or round-robin for contrast); it counts each replica's
-  requests in flight, which is what "saturated" reads.
+- The front end is this process's `Server` (app.py) over a `RayBackend`: the server checks and
+  tokenizes a request as the one-process server does, then the backend streams it from a replica
+  through a Ray Serve deployment handle. The handle's router is `ray_router.Router`, Ray Serve's
+  request-router interface over a policy of routing.py (document affinity, or round-robin for
+  contrast); it counts each replica's requests in flight, which is what "saturated" reads.
 - Faults: a request whose replica is lost (its process died, its node left) before any of its
   tokens reached the client is sent again to another replica; one that had streamed tokens ends
   with an OpenAI-shaped error in the stream. A replica's own errors are answered as the
@@ -37,16 +37,14 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
 from starlette.requests import Request as HTTPRequest
 
-from ..api import Prepared
 from ..errors import UserError
-from ..settings import Settings
-from . import protocol, router
+from ..scheduler import DEFAULT_MAX_BATCH
+from . import protocol, ray_router
 from .app import DISCONNECT_POLL_S, Server, generation_error, run_http
 from .jobs import Job
+from .local import build
 from .protocol import APIError
-from .replica import build
 from .routing import ROUTERS, Route
-from .scheduler import DEFAULT_MAX_BATCH
 
 log = logging.getLogger("specextend.serve")
 
@@ -71,7 +69,7 @@ class Replica:
         self.name = serve.get_replica_context().replica_id.unique_id
         self.node = ray.get_runtime_context().get_node_id()
         self.server = build(args, memory_share)
-        self.server.scheduler = self.server.start()
+        self.server.backend.start()
 
     async def generate(self, route: Route, req: protocol.Request) -> AsyncIterator[tuple[str, Any]]:
         """The request's events as the one-process server's job posts them, after ("replica", name);
@@ -79,7 +77,7 @@ class Replica:
         yield "replica", self.name
         try:
             job = self.server.job(req, list(route.ids))
-            self.server.submit(job)
+            self.server.backend.submit(job)
         except APIError as e:
             yield "error", _fields(e)
             return
@@ -106,8 +104,8 @@ class Replica:
         return self.health()
 
     def __del__(self) -> None:
-        if getattr(self, "server", None) is not None and self.server.scheduler is not None:
-            self.server.scheduler.shutdown()
+        if getattr(self, "server", None) is not None:
+            self.server.backend.shutdown()
 
 
 def _fields(e: APIError) -> dict[str, Any]:
@@ -124,138 +122,128 @@ def _api_error(fields: dict[str, Any]) -> APIError:
 
 
 @dataclass
-class RemoteJob(Job):
-    """A job whose events come from a replica: `started` is set at its first event for the client
-    (text, done, error, cancelled), by then `replica` names the replica serving it."""
+class _Flight:
+    """A job in flight on the replicas: `started` is set at its first event for the client (text,
+    done, error, cancelled), by then `replica` names the replica serving it."""
 
-    req: protocol.Request | None = None
+    job: Job
     replica: str | None = None
     started: asyncio.Event = field(default_factory=asyncio.Event)
     early: APIError | None = None  # the error that ended it before its first token
-    task: asyncio.Task[None] | None = None
 
 
-class _Flights:
-    """The front end's requests in flight (the lifespan's `scheduler`)."""
+class RayBackend:
+    """The front end's backend: each job generated on a replica through `handle` (its router
+    picks the replica), retried on another while none of its tokens has been sent."""
 
-    def __init__(self) -> None:
+    def __init__(self, handle: Any, routing: str, max_queue: int) -> None:
+        self.handle = handle.options(stream=True, method_name="generate")
+        self.routing, self.max_queue = routing, max_queue
+        self.flights: dict[int, _Flight] = {}  # by id(job)
         self.tasks: set[asyncio.Task[None]] = set()
         self.completed = 0
 
-    @property
-    def running(self) -> int:
-        return len(self.tasks)
+    def start(self) -> None:
+        pass  # the replicas are up before the server starts (run_replicas)
+
+    def submit(self, job: Job) -> None:
+        flight = self.flights[id(job)] = _Flight(job)
+        task = asyncio.ensure_future(self._pump(flight))
+        self.tasks.add(task)
+        task.add_done_callback(lambda t: self._landed(t, job))
+
+    def _landed(self, task: asyncio.Task[None], job: Job) -> None:
+        self.tasks.discard(task)
+        self.flights.pop(id(job), None)
+        self.completed += 1
+
+    async def started(self, job: Job, request: HTTPRequest) -> dict[str, str]:
+        """Wait for the replica's first event before the stream's headers go out, so a request
+        retried on another replica before its first token names the replica that served it."""
+        flight = self.flights.get(id(job)) or _Flight(job)
+        while not flight.started.is_set():
+            try:
+                await asyncio.wait_for(flight.started.wait(), DISCONNECT_POLL_S)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    job.cancel.set()
+                    break
+        if flight.early is not None:  # answered with its own status, as the one-process server does
+            raise flight.early
+        return protocol.replica_header(flight.replica) or {}
+
+    def health(self) -> dict[str, Any]:
+        router = ROUTERS.get(APP)
+        replicas = router.replicas() if router is not None else []
+        return {"status": "ok" if replicas else "starting", "routing": self.routing, "busy": bool(self.tasks),
+                "running": len(self.tasks), "completed": self.completed, "max_queue": self.max_queue,
+                "replicas": replicas}
 
     def shutdown(self) -> None:
         for t in self.tasks:
             t.cancel()
 
+    def _deliver(self, flight: _Flight, kind: str, value: Any = None) -> None:
+        if kind == "error" and not flight.started.is_set():
+            flight.early = value
+        flight.started.set()
+        flight.job.events.put_nowait((kind, value))
 
-class Front(Server):
-    """The HTTP server of `--replicas`: requests are checked and tokenized here, generated on the
-    replicas through `handle` (its router picks the replica)."""
-
-    def __init__(self, encoder: Prepared, defaults: Settings, max_queue: int, model_id: str,
-                 handle: Any, routing: str) -> None:
-        super().__init__(None, encoder, defaults, max_queue, model_id)  # type: ignore[arg-type]
-        self.handle = handle.options(stream=True, method_name="generate")
-        self.routing = routing
-        self.flights = _Flights()
-
-    def start(self) -> Any:
-        return self.flights
-
-    def job(self, req: protocol.Request, ids: list[int]) -> Job:
-        self._grammar(req)  # a bad response_format is refused here; each replica compiles its own (cached)
-        return RemoteJob(ids, req.settings, req.stops, asyncio.get_running_loop(), logprobs=req.logprobs, req=req)
-
-    def submit(self, job: Job) -> None:
-        assert isinstance(job, RemoteJob)
-        job.task = task = asyncio.ensure_future(self._pump(job))
-        self.flights.tasks.add(task)
-        task.add_done_callback(self._landed)
-
-    def _landed(self, task: asyncio.Task[None]) -> None:
-        self.flights.tasks.discard(task)
-        self.flights.completed += 1
-
-    async def _started(self, job: Job, request: HTTPRequest) -> dict[str, str]:
-        """Wait for the replica's first event before the stream's headers go out, so a request
-        retried on another replica before its first token names the replica that served it."""
-        assert isinstance(job, RemoteJob)
-        while not job.started.is_set():
-            try:
-                await asyncio.wait_for(job.started.wait(), DISCONNECT_POLL_S)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    job.cancel.set()
-                    break
-        if job.early is not None:  # answered with its own status, as the one-process server does
-            raise job.early
-        return protocol.replica_header(job.replica) or {}
-
-    def _deliver(self, job: RemoteJob, kind: str, value: Any = None) -> None:
-        if kind == "error" and not job.started.is_set():
-            job.early = value
-        job.started.set()
-        job.events.put_nowait((kind, value))
-
-    async def _pump(self, job: RemoteJob) -> None:
+    async def _pump(self, flight: _Flight) -> None:
         """Stream the job from a replica into its events; on a lost replica, try another while no
         token has reached the client."""
-        assert job.req is not None
+        job = flight.job
         avoid: list[str] = []
         streamed = False
         for attempt in range(ATTEMPTS):
             replica: str | None = None
-            stream = self.handle.remote(Route(tuple(job.ids), tuple(avoid)), job.req)
+            stream = self.handle.remote(Route(tuple(job.ids), tuple(avoid)), job.request)
             try:
                 async for kind, value in _until_cancelled(stream, job):
                     if kind == "replica":
-                        replica = job.replica = value
+                        replica = flight.replica = value
                         continue
                     if kind == "error":
                         value = _api_error(value)
-                    streamed = streamed or (kind == "text" and job.req.stream)
-                    self._deliver(job, kind, value)
+                    streamed = streamed or (kind == "text" and job.request.stream)
+                    self._deliver(flight, kind, value)
                     if kind != "text":
                         return
                 if job.cancel.is_set():
-                    self._deliver(job, "cancelled")
+                    self._deliver(flight, "cancelled")
                     return
                 lost: BaseException = RuntimeError("the stream ended without an answer")
             except BackPressureError:
-                self._deliver(job, "error", APIError(
+                self._deliver(flight, "error", APIError(
                     429, "every replica is busy; retry in a few seconds", type="rate_limit_error",
                     code="queue_full", headers={"Retry-After": "5"}))
                 return
             except LOST as e:
                 lost = e
             except Exception as e:  # the replica's own failure, not its loss: no retry
-                self._deliver(job, "error", generation_error(e))
+                self._deliver(flight, "error", generation_error(e))
                 return
-            where = f"replica {replica}" if replica else "its replica"
-            if streamed:
-                log.warning("%s was lost after streaming part of a request: %s", where, type(lost).__name__)
-                self._deliver(job, "error", APIError(
-                    502, f"{where} was lost while streaming this answer ({type(lost).__name__}); the text "
-                         "sent so far is incomplete: send the request again", type="server_error",
-                    code="replica_lost"))
+            if not self._retry(flight, lost, replica, streamed, attempt):
                 return
-            log.warning("%s was lost before answering (attempt %d of %d): %s", where, attempt + 1, ATTEMPTS,
-                        type(lost).__name__)
             if replica:
                 avoid.append(replica)
-        self._deliver(job, "error", APIError(
+        self._deliver(flight, "error", APIError(
             503, f"the replicas serving this request were lost {ATTEMPTS} times; retry later",
             type="server_error", code="replica_lost"))
 
-    def health_body(self) -> dict[str, Any]:
-        router = ROUTERS.get(APP)
-        replicas = router.replicas() if router is not None else []
-        return {"status": "ok" if replicas else "starting", "model": self.model_id, "routing": self.routing,
-                "busy": bool(self.flights.running), "running": self.flights.running,
-                "completed": self.flights.completed, "max_queue": self.max_queue, "replicas": replicas}
+    def _retry(self, flight: _Flight, lost: BaseException, replica: str | None, streamed: bool,
+               attempt: int) -> bool:
+        """Whether a request whose replica was lost goes to another: not once tokens were sent."""
+        where = f"replica {replica}" if replica else "its replica"
+        if streamed:
+            log.warning("%s was lost after streaming part of a request: %s", where, type(lost).__name__)
+            self._deliver(flight, "error", APIError(
+                502, f"{where} was lost while streaming this answer ({type(lost).__name__}); the text "
+                     "sent so far is incomplete: send the request again", type="server_error", code="replica_lost"))
+            return False
+        log.warning("%s was lost before answering (attempt %d of %d): %s", where, attempt + 1, ATTEMPTS,
+                    type(lost).__name__)
+        return True
 
 
 async def _until_cancelled(stream: Any, job: Job) -> AsyncIterator[tuple[str, Any]]:
@@ -337,7 +325,7 @@ def run_replicas(args: argparse.Namespace, sock: socket.socket, api_keys: tuple[
             health_check_period_s=2,
             graceful_shutdown_timeout_s=5,
             request_router_config=RequestRouterConfig(
-                request_router_class=f"{router.__name__}:Router",
+                request_router_class=f"{ray_router.__name__}:Router",
                 request_router_kwargs={"routing_policy": routing, "capacity": capacity},
                 request_routing_stats_period_s=STATS_PERIOD_S,
             ),
@@ -350,8 +338,8 @@ def run_replicas(args: argparse.Namespace, sock: socket.socket, api_keys: tuple[
         handle = serve.run(deployment.bind(keyless, share, threads), name=APP, route_prefix=None)
         handle.health.remote().result()  # the first call makes the handle's router (and checks a replica)
         _await_reports(args.replicas)
-        front = Front(encoder.with_own_tokenizer(), defaults, args.max_queue, encoder.target_path.name, handle,
-                      routing)
+        front = Server(RayBackend(handle, routing, args.max_queue), encoder.with_own_tokenizer(), defaults,
+                       encoder.target_path.name)
         front.api_keys = api_keys
         run_http(front, sock, args.quiet)
     finally:

@@ -1,6 +1,6 @@
 """Ray Serve's request router over a routing.py policy (Ray's request-router interface, alpha).
 
-Ray calls the router in the deployment handle's process, the front end's (cluster.py):
+Ray calls the router in the deployment handle's process, the front end's (ray_serve.py):
 `choose_replicas` ranks the replicas for a request (Ray sends it to the first that has room,
 else the next), and the `on_*` hooks keep the policy's memory of what went where and each
 replica's requests in flight. Ray ships this module to where the handle runs by value, so it
