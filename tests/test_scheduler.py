@@ -6,6 +6,7 @@ its caches, and the KV budget makes requests wait instead of allocating past it.
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 from typing import ClassVar
 
@@ -14,7 +15,7 @@ import torch
 
 from specextend import kernels
 from specextend.api import load
-from specextend.batch import Batch, Sequence
+from specextend.batch import Batch, Sequence, StepCosts, StepReport
 from specextend.costmodel import ForwardCurve
 from specextend.serve.budget import StepBudget
 from specextend.serve.jobs import Job, run_job
@@ -97,6 +98,21 @@ def test_in_a_shared_batch_a_proposer_with_nothing_to_propose_rests(pair):
         assert all(s.error is None for s in batch.reap())
     assert [results[i].token_ids for i in range(4)] == [r.token_ids for r in alone]
     assert sum(results[i].extra["rested_steps"] for i in range(4)) > 0
+
+
+def test_a_lone_sequence_teaches_the_pairs_cost_model_and_a_shared_one_does_not(pair):
+    base = copy.deepcopy(pair.step_costs())
+    base.refresh = True
+    batch = Batch(pair.target, pair.draft)
+    costs = StepCosts(base, batch)
+    seen = dict(base.scale)
+    for sequences, last, learns in (([1], StepReport(decoding=1), True),  # alone: as generate
+                                    ([1, 2], StepReport(decoding=2), False),  # others' work in its timings
+                                    ([1], StepReport(decoding=1, prefill_rows=8), False)):  # a chunk rode along
+        batch.sequences, batch.last = sequences, last
+        costs.observe_verify(4, 100, 10.0)  # far slower than the curve says
+        assert (base.scale["target"] > seen["target"]) is learns
+        seen = dict(base.scale)
 
 
 # --------------------------------------------------------------------------- the scheduler

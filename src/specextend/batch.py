@@ -280,9 +280,9 @@ class Batch:
 class StepCosts(CostModel):
     """The pair's cost model as a sequence inside a batch sees it.
 
-    Frozen: a sequence's phase timings include the other sequences' work, so they say nothing
-    about its own forwards. Priced against the batch decoding plainly: with `b` sequences decoding,
-    each one's share of a plain decode step is T(b) / b, so the sizer's rate to beat is the batch's
+    Frozen while others share the steps: a sequence's phase timings then include the other
+    sequences' work, so they say nothing about its own forwards (alone, it refreshes the pair's).
+    Priced against the batch decoding plainly: with `b` sequences decoding, each one's share of a plain decode step is T(b) / b, so the sizer's rate to beat is the batch's
     (b tokens per T(b)); with `p` prompt tokens in the step as well, a tree of n rows adds
     T(b + p + n - 1) - T(b + p). A tree is kept only where its expected tokens beat what its rows
     cost every sequence in the step, so speculation backs off as the step fills, and rows riding
@@ -295,6 +295,23 @@ class StepCosts(CostModel):
     def __init__(self, base: CostModel, batch: Batch) -> None:
         super().__init__(base.target_curve, base.draft_curve, refresh=False)
         self.base, self.batch = base, batch
+
+    def _alone(self) -> bool:
+        """The sequence is the batch's only one and the last step carried nothing else."""
+        last = self.batch.last
+        return len(self.batch.sequences) <= 1 and last.decoding <= 1 and last.prefill_rows == 0
+
+    # Alone, a sequence's phase timings are its own forwards', as in a generation alone: the pair's
+    # cost model learns from them (and carries the scales to the next request, as `generate`'s
+    # engine does between generations). Frozen scales were a lone request's one difference from
+    # `generate` in how it sizes trees.
+    def observe(self, model: str, predicted_raw: float, observed: float) -> None:
+        if self._alone():
+            self.base.observe(model, predicted_raw, observed)
+
+    def observe_retrieval(self, seconds: float) -> None:
+        if self._alone():
+            self.base.observe_retrieval(seconds)
 
     def _sync(self) -> None:
         b = self.base
