@@ -282,7 +282,8 @@ class StepCosts(CostModel):
 
     Frozen while others share the steps: a sequence's phase timings then include the other
     sequences' work, so they say nothing about its own forwards (alone, it refreshes the pair's).
-    Priced against the batch decoding plainly: with `b` sequences decoding, each one's share of a plain decode step is T(b) / b, so the sizer's rate to beat is the batch's
+    Priced against the batch decoding plainly: with `b` sequences decoding, each one's share of a
+    plain decode step is T(b) / b, so the sizer's rate to beat is the batch's
     (b tokens per T(b)); with `p` prompt tokens in the step as well, a tree of n rows adds
     T(b + p + n - 1) - T(b + p). A tree is kept only where its expected tokens beat what its rows
     cost every sequence in the step, so speculation backs off as the step fills, and rows riding
