@@ -31,7 +31,7 @@ from ..costmodel import PREFILL_ROWS, ForwardCurve
 
 GAP_GOAL_S = 1.0  # the running streams' gap goal (p95 of the waits between their chunks)
 STEP_SHARE = 0.5  # of the gap goal, what the step's target forward may take
-EFFICIENT_SLACK = 0.03  # the efficient chunk: cost per token within 3% of the best measured
+EFFICIENT_SLACK = 0.02  # the efficient chunk: cost per token within 2% of the best measured
 ROW_STEP = 16  # chunks beside streams are a multiple of this (the row kernels' tiles)
 REFERENCE_CONTEXT = 2048  # the context `decoding_rows` reports in /health
 REFRESH_WEIGHT = 0.2
