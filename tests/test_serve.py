@@ -72,7 +72,7 @@ def running(pair, folders, *, max_queue=4, cache_mb=64.0, cache_dir=None, limits
     uv = uvicorn.Server(uvicorn.Config(server.app(), log_level="warning"))
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.time() + 20
+    deadline = time.time() + 120  # the first start measures the step and prefill costs (once per process)
     while not uv.started:
         assert time.time() < deadline, "the server did not start"
         time.sleep(0.02)
@@ -193,6 +193,9 @@ def test_models_and_health(url):
     assert [m.id for m in models.data] == ["tiny"]
     h = httpx.get(f"{url}/health").json()
     assert h["status"] == "ok" and h["busy"] is False and h["prefix_cache"]["max_bytes"] == 64 << 20
+    budget = h["batch"]["budget"]  # the measured step budget and why (serve/budget.py)
+    assert budget["alone_rows"] == h["batch"]["idle_step_tokens"] >= h["batch"]["step_tokens"] - 1
+    assert budget["why"] and set(budget["prefill_ms_per_token"]) == {"16", "32", "64", "128", "256", "512"}
 
 
 # --------------------------------------------------------------------------- the prefix cache
