@@ -192,11 +192,11 @@ class Batch:
         seq.resume()
         self.sequences.append(seq)
 
-    def streaming(self) -> bool:
-        """Whether some sequence has started its answer: any pending forward but a target's
-        prompt prefill (a draft's prompt pass starts mid-answer)."""
-        return any(not (s.prefilling and s.call.model is self.target)  # type: ignore[union-attr]
-                   for s in self.sequences)
+    def decoders(self) -> int:
+        """Sequences waiting on a decode forward (a verification or a draft round), whose next
+        tokens wait on the step's length; not those in a prompt pass, the target's or a draft's
+        (a draft's, mid-answer, holds up only its own stream, which waits for the whole pass)."""
+        return sum(1 for s in self.sequences if s.call is not None and not s.prefilling)
 
     def reap(self) -> list[Sequence]:
         """Remove and return the sequences that have ended."""

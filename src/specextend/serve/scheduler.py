@@ -203,9 +203,8 @@ class Scheduler:
     def _step(self) -> None:
         """One batch step within the limits' rows for what is running now; its time refreshes the rule."""
         seqs = self.batch.sequences
-        decoders = sum(1 for s in seqs if s.call is not None and not s.prefilling)
         context = max((s.call.rows.cache.length for s in seqs if s.prefilling), default=0)  # type: ignore[union-attr]
-        report = self.batch.step(self.limits.rows(decoders, context), _shortest_first)
+        report = self.batch.step(self.limits.rows(self.batch.decoders(), context), _shortest_first)
         if self.limits.rule is not None and report.prefill_rows:
             self.limits.rule.observe(report.decode_rows + report.prefill_rows, context, report.seconds)
 
