@@ -465,6 +465,20 @@ def _add_replicas(sub: Any) -> None:
     r.add_argument("--out", type=Path)
 
 
+def _add_single(sub: Any) -> None:
+    one = sub.add_parser("single", help="one request alone: the server against `specextend generate`")
+    _server_options(one)
+    one.add_argument("--data", required=True, help="a JSONL file with field `text`")
+    one.add_argument("--index", type=int, default=0)
+    one.add_argument("--rounds", type=int, default=2)
+    one.add_argument("--max-tokens", type=int, default=64)
+    one.add_argument("--generate-args", default="", metavar="ARGS",
+                     help="model and setting flags for generate (the server's --start ARGS should match)")
+    one.add_argument("--request-fields", default="{}", metavar="JSON",
+                     help="settings in the request body matching --generate-args (e.g. '{\"method\": \"sd\"}')")
+    one.add_argument("--out", type=Path)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m specextend.bench.serve", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
@@ -505,17 +519,7 @@ def main(argv: list[str] | None = None) -> int:
             q.add_argument("--doc-at", type=float, default=3.0, help="seconds after the streams start")
             q.add_argument("--after", type=float, default=2.0, help="the short prompt, seconds after the document")
     _add_replicas(sub)
-    one = sub.add_parser("single", help="one request alone: the server against `specextend generate`")
-    _server_options(one)
-    one.add_argument("--data", required=True, help="a JSONL file with field `text`")
-    one.add_argument("--index", type=int, default=0)
-    one.add_argument("--rounds", type=int, default=2)
-    one.add_argument("--max-tokens", type=int, default=64)
-    one.add_argument("--generate-args", default="", metavar="ARGS",
-                     help="model and setting flags for generate (the server's --start ARGS should match)")
-    one.add_argument("--request-fields", default="{}", metavar="JSON",
-                     help="settings in the request body matching --generate-args (e.g. '{\"method\": \"sd\"}')")
-    one.add_argument("--out", type=Path)
+    _add_single(sub)
     args = p.parse_args(argv)
     if args.what in ("concurrent", "during"):
         result = _concurrent(args)
