@@ -424,6 +424,30 @@ def test_the_load_measurement_counts_every_outcome():
     assert outcomes.errors == ["RuntimeError: the server fell over"]
 
 
+def test_the_single_request_comparison_reports_ratios_and_equality(pair, url, tmp_path, monkeypatch):
+    """bench/serve.py's `single`: the real (tiny) server against a stand-in for `generate` that
+    answers what the pair answers alone, in the same number of tokens."""
+    from types import SimpleNamespace
+
+    from specextend.bench import serve as measure
+
+    data = tmp_path / "doc.jsonl"
+    data.write_text(json.dumps({"text": DOC}) + "\n")
+    settings = Settings(**{"max_new_tokens": 6, **SMALL}).resolved()
+
+    def generate_once(doc, args):
+        r = pair.generate(doc, settings=settings)
+        return {"prefill_s": 2 * r.prefill_s + 1e-3, "decode_s": 2 * r.decode_s + 1e-3, "new_tokens": r.new_tokens,
+                "prompt_tokens": r.prompt_tokens, "text": r.text}
+
+    monkeypatch.setattr(measure, "_generate_once", generate_once)
+    args = SimpleNamespace(data=str(data), index=0, rounds=2, max_tokens=6, url=url, start=None, generate_args="",
+                           request_fields="{}")
+    out = measure.single(args)
+    assert out["summary"]["rounds"] == 2 and out["summary"]["all_same_text"]
+    assert out["summary"]["prefill_ratio"] > 0 and out["summary"]["decode_ratio"] > 0
+
+
 def test_the_server_is_healthy_after_200_requests_and_abandoned_streams(pair, folders):
     """bench/serve.py's load run against the real (tiny) server: every request answered or
     abandoned, nothing left running or holding KV, and the server still answers."""
