@@ -6,15 +6,19 @@ its caches, and the KV budget makes requests wait instead of allocating past it.
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 from dataclasses import replace
+from typing import ClassVar
 
 import pytest
 import torch
 
 from specextend import kernels
 from specextend.api import Pair, load
-from specextend.batch import Batch, Sequence
+from specextend.batch import Batch, Sequence, StepCosts, StepReport
+from specextend.budget import StepBudget
+from specextend.costmodel import ForwardCurve
 from specextend.scheduler import Limits, QueueFull, Scheduler, TooLarge
 from specextend.serve.jobs import Job, run_job
 from specextend.settings import Settings
@@ -97,6 +101,21 @@ def test_in_a_shared_batch_a_proposer_with_nothing_to_propose_rests(pair):
     assert sum(results[i].extra["rested_steps"] for i in range(4)) > 0
 
 
+def test_a_lone_sequence_teaches_the_pairs_cost_model_and_a_shared_one_does_not(pair):
+    base = copy.deepcopy(pair.step_costs())
+    base.refresh = True
+    batch = Batch(pair.target, pair.draft)
+    costs = StepCosts(base, batch)
+    seen = dict(base.scale)
+    for sequences, last, learns in (([1], StepReport(decoding=1), True),  # alone: as generate
+                                    ([1, 2], StepReport(decoding=2), False),  # others' work in its timings
+                                    ([1], StepReport(decoding=1, prefill_rows=8), False)):  # a chunk rode along
+        batch.sequences, batch.last = sequences, last
+        costs.observe_verify(4, 100, 10.0)  # far slower than the curve says
+        assert (base.scale["target"] > seen["target"]) is learns
+        seen = dict(base.scale)
+
+
 # --------------------------------------------------------------------------- the scheduler
 
 
@@ -171,6 +190,90 @@ def test_steps_are_larger_only_while_no_request_decodes(pair):
     assert any(rows == 64 for _, decoding, rows in steps if not decoding)  # the long prompt alone: big chunks
     assert any(decoding for _, decoding, _ in steps)
     assert all(rows <= 8 for _, decoding, rows in steps if decoding)  # beside a stream: small ones
+
+
+# The measured rule (budget.py) on a synthetic machine: chunks of 64 prompt tokens are the
+# efficient size (cost per token flat from there), and beside a stream a step may take 0.05 s.
+RULE_PREFILL = ForwardCurve([16, 32, 64, 128], [0], [[16 * 4e-3, 32 * 2e-3, 64 * 1e-3, 128 * 1e-3]])
+RULE_STEPS = ForwardCurve([1, 32], [256, 8192], [[2e-3, 4e-3], [2e-3, 4e-3]])
+
+
+class StepLog(Batch):
+    """Records every step: its rows, how many sequences decoded, and the prompt tokens (target
+    and draft) each prefilling sequence ran in it."""
+
+    log: ClassVar[list[tuple[int, int, list[int]]]] = []
+
+    def step(self, budget, prefill_order=list):
+        before = {id(s): s.prefilled for s in self.sequences if s.prefilling}
+        decoders = sum(1 for s in self.sequences if not s.prefilling)
+        report = super().step(budget, prefill_order)
+        ran = [s.prefilled - before[id(s)] for s in self.sequences if id(s) in before]
+        type(self).log.append((budget, decoders, [n for n in ran if n]))
+        return report
+
+
+def rule_limits(gap_goal_s: float) -> Limits:
+    rule = StepBudget(RULE_PREFILL, RULE_STEPS, gap_goal_s=gap_goal_s, refresh=False)
+    return Limits(max_batch=8, max_queue=8, step_tokens=rule.rows(1, 0), kv_bytes=2**30,
+                  idle_step_tokens=rule.alone_rows, rule=rule)
+
+
+@pytest.mark.parametrize("method", ["ar", "specextend"])
+def test_a_lone_request_prefills_in_chunks_of_the_efficient_size(pair, method):
+    s = settings(method=method, max_new_tokens=12, draft_gate=False)
+    ids = prompt(3, 300)
+    alone = pair.generate(ids, settings=s).token_ids
+    StepLog.log = []
+
+    async def submit(sched, loop):
+        job = Job(ids, s, [], loop)
+        sched.submit(job)
+        return await outcome(job)
+
+    kind, out = serve(pair, rule_limits(gap_goal_s=0.1), submit, batch_cls=StepLog)
+    assert kind == "done" and out.result.token_ids == alone
+    chunks = [n for budget, decoders, ran in StepLog.log for n in ran]
+    assert all(budget == 64 for budget, decoders, ran in StepLog.log if ran)  # alone: the efficient size
+    assert chunks[:4] == [64, 64, 64, 64] and sum(chunks[:5]) == 300  # the target's prompt: 5 steps
+    if method == "specextend":
+        assert len(chunks) > 5  # the draft's prompt pass, mid-answer, had the same budget
+
+
+async def outcome(job: Job) -> tuple[str, object]:
+    while True:
+        kind, value = await job.events.get()
+        if kind in ("done", "cancelled", "error"):
+            return kind, value
+
+
+def test_beside_a_decoding_stream_chunks_shrink_and_answers_stay_the_same(pair):
+    short_s = settings(method="ar", max_new_tokens=40)
+    long_s = settings(method="sd", max_new_tokens=8)
+    short_ids, long_ids = prompt(4, 6), prompt(5, 400)
+    alone = [pair.generate(short_ids, settings=short_s).token_ids, pair.generate(long_ids, settings=long_s).token_ids]
+    limits = rule_limits(gap_goal_s=0.1)  # 0.05 s a step: 2 ms a row, so about 24 rows beside a stream
+    beside = limits.rule.rows(1, 0)
+    assert 16 < beside < 64
+    StepLog.log = []
+    results = {}
+
+    async def submit(sched, loop):
+        short = Job(short_ids, short_s, [], loop)
+        sched.submit(short)
+        while sched.batch.last.decode_rows == 0:  # the short one decodes
+            await asyncio.sleep(0.001)
+        long = Job(long_ids, long_s, [], loop)
+        sched.submit(long)
+        results["short"], results["long"] = await asyncio.gather(outcome(short), outcome(long))
+
+    serve(pair, limits, submit, batch_cls=StepLog)
+    assert results["short"][0] == results["long"][0] == "done"
+    assert [results["short"][1].result.token_ids, results["long"][1].result.token_ids] == alone
+    shared = [(budget, ran) for budget, decoders, ran in StepLog.log if decoders and ran]
+    # small chunks beside the stream: the target's within the rows the stream leaves, a draft's
+    # prompt pass (in the draft's rounds) within the step's rows
+    assert shared and all(sum(ran) <= budget < 64 for budget, ran in shared)
 
 
 def test_a_withdrawn_request_frees_its_slot_and_caches(pair):

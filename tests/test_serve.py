@@ -94,7 +94,7 @@ def running(pair, folders, *, max_queue=4, cache_mb=64.0, cache_dir=None, limits
     uv = uvicorn.Server(uvicorn.Config(server.app(), log_level="warning"))
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.time() + 20
+    deadline = time.time() + 120  # the first start measures the step and prefill costs (once per process)
     while not uv.started:
         assert time.time() < deadline, "the server did not start"
         time.sleep(0.02)
@@ -214,6 +214,9 @@ def test_models_and_health(url):
     assert [m.id for m in models.data] == ["tiny"]
     h = httpx.get(f"{url}/health").json()
     assert h["status"] == "ok" and h["busy"] is False and h["prefix_cache"]["max_bytes"] == 64 << 20
+    budget = h["batch"]["budget"]  # the measured step budget and why (budget.py)
+    assert budget["alone_rows"] == h["batch"]["idle_step_tokens"] >= h["batch"]["step_tokens"] - 1
+    assert budget["why"] and set(budget["prefill_ms_per_token"]) == {"16", "32", "64", "128", "256", "512"}
 
 
 # --------------------------------------------------------------------------- the prefix cache
@@ -441,6 +444,30 @@ def test_the_load_measurement_counts_every_outcome():
     measure._send_all(client, args, outcomes)
     assert dict(outcomes.counts) == {"ok": 7, "error": 1, "abandoned": 2}
     assert outcomes.errors == ["RuntimeError: the server fell over"]
+
+
+def test_the_single_request_comparison_reports_ratios_and_equality(pair, url, tmp_path, monkeypatch):
+    """bench/serve.py's `single`: the real (tiny) server against a stand-in for `generate` that
+    answers what the pair answers alone, in the same number of tokens."""
+    from types import SimpleNamespace
+
+    from specextend.bench import serve as measure
+
+    data = tmp_path / "doc.jsonl"
+    data.write_text(json.dumps({"text": DOC}) + "\n")
+    settings = Settings(**{"max_new_tokens": 6, **SMALL}).resolved()
+
+    def generate_once(doc, args):
+        r = pair.generate(doc, settings=settings)
+        return {"prefill_s": 2 * r.prefill_s + 1e-3, "decode_s": 2 * r.decode_s + 1e-3, "new_tokens": r.new_tokens,
+                "prompt_tokens": r.prompt_tokens, "text": r.text}
+
+    monkeypatch.setattr(measure, "_generate_once", generate_once)
+    args = SimpleNamespace(data=str(data), index=0, rounds=2, max_tokens=6, url=url, start=None, generate_args="",
+                           request_fields="{}")
+    out = measure.single(args)
+    assert out["summary"]["rounds"] == 2 and out["summary"]["all_same_text"]
+    assert out["summary"]["prefill_ratio"] > 0 and out["summary"]["decode_ratio"] > 0
 
 
 def test_the_server_is_healthy_after_200_requests_and_abandoned_streams(pair, folders):

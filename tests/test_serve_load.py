@@ -16,7 +16,7 @@ import httpx2 as httpx
 import pytest
 
 from specextend.api import load
-from specextend.serve.scheduler import Limits
+from specextend.scheduler import Limits
 from specextend.settings import Settings
 
 from test_serve import running

@@ -202,11 +202,11 @@ class Batch:
         seq.resume()
         self.sequences.append(seq)
 
-    def streaming(self) -> bool:
-        """Whether some sequence has started its answer: any pending forward but a target's
-        prompt prefill (a draft's prompt pass starts mid-answer)."""
-        return any(not (s.prefilling and s.call.model is self.target)  # type: ignore[union-attr]
-                   for s in self.sequences)
+    def decoders(self) -> int:
+        """Sequences waiting on a decode forward (a verification or a draft round), whose next
+        tokens wait on the step's length; not those in a prompt pass, the target's or a draft's
+        (a draft's, mid-answer, holds up only its own stream, which waits for the whole pass)."""
+        return sum(1 for s in self.sequences if s.call is not None and not s.prefilling)
 
     def reap(self) -> list[Sequence]:
         """Remove and return the sequences that have ended."""
@@ -290,9 +290,10 @@ class Batch:
 class StepCosts(CostModel):
     """The pair's cost model as a sequence inside a batch sees it.
 
-    Frozen: a sequence's phase timings include the other sequences' work, so they say nothing
-    about its own forwards. Priced against the batch decoding plainly: with `b` sequences decoding,
-    each one's share of a plain decode step is T(b) / b, so the sizer's rate to beat is the batch's
+    Frozen while others share the steps: a sequence's phase timings then include the other
+    sequences' work, so they say nothing about its own forwards (alone, it refreshes the pair's).
+    Priced against the batch decoding plainly: with `b` sequences decoding, each one's share of a
+    plain decode step is T(b) / b, so the sizer's rate to beat is the batch's
     (b tokens per T(b)); with `p` prompt tokens in the step as well, a tree of n rows adds
     T(b + p + n - 1) - T(b + p). A tree is kept only where its expected tokens beat what its rows
     cost every sequence in the step, so speculation backs off as the step fills, and rows riding
@@ -305,6 +306,23 @@ class StepCosts(CostModel):
     def __init__(self, base: CostModel, batch: Batch) -> None:
         super().__init__(base.target_curve, base.draft_curve, refresh=False)
         self.base, self.batch = base, batch
+
+    def _alone(self) -> bool:
+        """The sequence is the batch's only one and the last step carried nothing else."""
+        last = self.batch.last
+        return len(self.batch.sequences) <= 1 and last.decoding <= 1 and last.prefill_rows == 0
+
+    # Alone, a sequence's phase timings are its own forwards', as in a generation alone: the pair's
+    # cost model learns from them (and carries the scales to the next request, as `generate`'s
+    # engine does between generations). Frozen scales were a lone request's one difference from
+    # `generate` in how it sizes trees.
+    def observe(self, model: str, predicted_raw: float, observed: float) -> None:
+        if self._alone():
+            self.base.observe(model, predicted_raw, observed)
+
+    def observe_retrieval(self, seconds: float) -> None:
+        if self._alone():
+            self.base.observe_retrieval(seconds)
 
     def _sync(self) -> None:
         b = self.base

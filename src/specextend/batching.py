@@ -16,7 +16,7 @@ from .costmodel import CostModel
 from .engine import SpecEngine
 from .errors import UserError
 from .generation import Generation, Result
-from .scheduler import STEP_TOKENS_RANGE, Limits, Scheduler, default_limits
+from .scheduler import Limits, Scheduler, default_limits
 from .settings import Settings
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 QUEUE_UNBOUNDED = 1 << 30  # Python callers wait for their turn: no 429s
 # Python callers wait for their whole list, so no stream's gaps are at stake: every step takes
 # prompt tokens up to the scheduler's largest budget (a step re-reads every weight once).
-OFFLINE_STEP_TOKENS = STEP_TOKENS_RANGE[1]
+OFFLINE_STEP_TOKENS = 1024
 
 
 class Models(Protocol):

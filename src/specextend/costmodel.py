@@ -12,6 +12,10 @@ the tree is sized from measured costs (sizing.py), never from constants:
 - `cached_curve` keeps the result in `$SPECEXTEND_COST_CACHE` (default ~/.cache/specextend/costs),
   one file per machine, model shape, weight format, precision, attention backend and kernel
   build (`curve_key`): a new kernel build or another CPU measures again;
+- `measure_prefill` times prompt chunks of 16 to 512 tokens (what a prefill's forwards are: causal,
+  no logits), whose cost per token falls with the chunk's size until the many-row kernels are
+  busy; the server's step budget (budget.py) reads it, cached the same way
+  (`cached_curve(..., kind="prefill")`);
 - `CostModel` predicts from the two curves and refreshes itself online: each step the engine's
   phase timings are compared with the prediction and a scale follows their ratio (and a per-step
   overhead follows what the phases do not cover), so a busier machine or a faster kernel moves
@@ -44,6 +48,10 @@ FORMAT = 1  # bump when the file layout or the measurement changes
 ROWS = (1, 2, 4, 8, 16, 32)  # new tokens per forward: one decode step up to a large tree
 CONTEXTS = (256, 2048, 8192)  # cached tokens those rows attend to
 REPEATS = 3  # timed runs per point after one untimed one; the fastest counts (noise only adds)
+# Prompt tokens per prefill chunk, up to the model's own prefill chunk (model.prefill's `chunk`,
+# the bound on a chunk's working memory); fewer repeats: a 512-token chunk takes seconds on a small CPU.
+PREFILL_ROWS = (16, 32, 64, 128, 256, 512)
+PREFILL_REPEATS = 2
 # Online refresh: how far one step's observed/predicted ratio moves the scale, and how far a
 # single observation may pull (a page fault or a preempted step must not swing the model).
 REFRESH_WEIGHT = 0.1
@@ -142,6 +150,28 @@ def measure_curve(model: Any, backend: str, rows: Sequence[int] = ROWS, contexts
     return ForwardCurve(list(rows), ctxs, table)
 
 
+def measure_prefill(model: Any, backend: str, rows: Sequence[int] = PREFILL_ROWS,
+                    repeats: int = PREFILL_REPEATS) -> ForwardCurve:
+    """Time a prefill chunk of each size: `rows` prompt tokens from an empty cache, causal, no
+    logits (a chunk before the last asks for none). One context (0): the curve says how a
+    chunk's cost per token falls with its size, not how attention grows with the context (the
+    step curve's)."""
+    cache = model.new_cache(max(rows))
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+
+    def once(n: int) -> float:
+        sync()
+        t = time.perf_counter()
+        model(torch.zeros(n, dtype=torch.long), torch.arange(n), cache, None, backend, logits_rows=slice(0, 0))
+        sync()
+        cache.discard()
+        return time.perf_counter() - t
+
+    once(rows[0])  # first use (buffers, page faults); a larger chunk's first run is as fast as its next
+    line = [min(once(n) for _ in range(repeats)) for n in rows]
+    return ForwardCurve(list(rows), [0], [line])
+
+
 # --------------------------------------------------------------------------- the cache
 
 
@@ -194,10 +224,18 @@ def curve_key(model: Any, backend: str) -> str:
     return f"{cfg.arch}-{cfg.num_layers}x{cfg.hidden_size}-{model.weights}-{digest}"
 
 
-def cached_curve(model: Any, backend: str, remeasure: bool = False, quiet: bool = False) -> ForwardCurve:
-    """The model's curve from the cache, measured (and stored) if absent, unreadable or asked for."""
-    path = cache_dir() / f"{curve_key(model, backend)}.json"
-    parts = json.loads(json.dumps(curve_parts(model, backend)))  # as it reads back from JSON
+def cached_curve(model: Any, backend: str, remeasure: bool = False, quiet: bool = False,
+                 kind: str = "steps") -> ForwardCurve:
+    """The model's curve from the cache, measured (and stored) if absent, unreadable or asked for.
+    `kind`: "steps" (`measure_curve`: rows x context) or "prefill" (`measure_prefill`)."""
+    if kind not in ("steps", "prefill"):
+        raise ValueError(f"unknown cost curve kind {kind!r}")
+    suffix = "" if kind == "steps" else f"-{kind}"
+    path = cache_dir() / f"{curve_key(model, backend)}{suffix}.json"
+    parts = curve_parts(model, backend)
+    if kind != "steps":  # the steps' files keep the parts they always had
+        parts["kind"] = kind
+    parts = json.loads(json.dumps(parts))  # as it reads back from JSON
     if not remeasure:
         # Checked on read: a file for other parts (a digest collision, a hand edit), a torn or
         # malformed one, or impossible times are measured again rather than trusted.
@@ -206,9 +244,10 @@ def cached_curve(model: Any, backend: str, remeasure: bool = False, quiet: bool 
             if stored.get("parts") == parts:
                 return ForwardCurve.from_json(stored["curve"])
     if not quiet:
-        print(f"specextend: measuring the step costs of a {model.cfg.num_layers}-layer model "
+        what = "step costs" if kind == "steps" else "prefill chunk costs"
+        print(f"specextend: measuring the {what} of a {model.cfg.num_layers}-layer model "
               "(once per machine and model; about 10 s)", file=sys.stderr, flush=True)
-    curve = measure_curve(model, backend)
+    curve = measure_curve(model, backend) if kind == "steps" else measure_prefill(model, backend)
     with contextlib.suppress(OSError):  # an unwritable cache only means measuring next time again
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -13,12 +13,12 @@ while the models compute. A request is a `Job`: the server's (serve/jobs.py) or 
   until that one has waited `HEAD_WAIT_S`. A request whose caches alone exceed the budget can
   never start and is refused at once (`TooLarge`, 400); beyond `max_batch + max_queue` admitted
   requests, `QueueFull` (429 with an estimate of when to retry).
-- Each step: every running request's decode rows, then prompt tokens up to `step_tokens` rows in
-  all, the shortest remaining prompt first, so a short question's prefill finishes in the next step
-  even while a long document prefills a chunk per step (vLLM's short prompts first). While no
-  request decodes (every running one is prefilling), no stream's gaps are at stake, so the step
-  takes `idle_step_tokens`, larger: a step re-reads every weight and pays its Python once, so
-  larger chunks prefill faster, and a request arriving meanwhile waits at most one such step.
+- Each step: every running request's decode rows, then prompt tokens up to the step's rows, the
+  shortest remaining prompt first, so a short question's prefill finishes in the next step even
+  while a long document prefills a chunk per step (vLLM's short prompts first). How many rows is
+  `budget.StepBudget`'s rule (from the measured prefill and step costs and the streams' gap goal):
+  while no request decodes (one alone, or only prompts prefilling, a draft's prompt pass
+  included), chunks as large as the many-row kernels want; beside decoding streams, smaller ones.
 - A withdrawn request (its client gone) is unwound at the start of the next step, which frees its
   caches and its slot.
 """
@@ -38,24 +38,19 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from .batch import Batch, Cancelled, Sequence
+from .budget import REFERENCE_CONTEXT, StepBudget
+from .costmodel import cached_curve
 
 if TYPE_CHECKING:
-    from .costmodel import CostModel, ForwardCurve
+    from .costmodel import CostModel
 
 log = logging.getLogger("specextend.serve")
 
 # Continuous batching. The KV budget: this share of the memory available once the models are
-# loaded (the prefix cache takes its own share of what is left). The step's token budget: as many
-# target rows as the measured step costs put within STEP_S at STEP_CONTEXT cached tokens, so that
-# running streams keep a token every fraction of a second while a long prompt prefills; while
-# nothing decodes, as many as fit within IDLE_STEP_S (what a newcomer may wait for its first step).
+# loaded (the prefix cache takes its own share of what is left). The step's rows: budget.py.
 DEFAULT_MAX_BATCH = 16
 KV_SHARE = 0.3
 MIN_DEFAULT_KV_MB = 512
-STEP_S = 0.5
-IDLE_STEP_S = 1.5
-STEP_CONTEXT = 2048
-STEP_TOKENS_RANGE = (16, 1024)
 HEAD_WAIT_S = 30.0  # after this long at the head of the queue, a request waiting for memory blocks the others
 IDLE_POLL_S = 0.5
 
@@ -82,30 +77,23 @@ class Job(Protocol):
 
 
 class Measured(Protocol):
+    target: Any  # the model whose prefill costs are measured (costmodel.cached_curve)
+
     def step_costs(self) -> CostModel: ...
 
 
 def default_limits(pair: Measured, max_queue: int, max_batch: int | None = None, step_tokens: int | None = None,
                    kv_mb: float | None = None) -> Limits:
-    """The batching bounds: those given, the defaults for the rest (see the constants above). A
-    given `step_tokens` bounds every step, idle ones too."""
-    idle_tokens = step_tokens
-    if step_tokens is None:
-        curve = pair.step_costs().target_curve
-        step_tokens, idle_tokens = _tokens_within(curve, STEP_S), _tokens_within(curve, IDLE_STEP_S)
+    """The batching bounds: those given, the defaults for the rest. Without `step_tokens`, the
+    step's rows follow `StepBudget` over the target's measured prefill and step costs (measured
+    once per machine, cached); a given `step_tokens` bounds every step, idle ones too."""
     if kv_mb is None:
         kv_mb = default_kv_mb()
-    return Limits(max_batch=max_batch or DEFAULT_MAX_BATCH, max_queue=max_queue, step_tokens=step_tokens,
-                  kv_bytes=int(kv_mb * 2**20), idle_step_tokens=idle_tokens)
-
-
-def _tokens_within(curve: ForwardCurve, seconds: float) -> int:
-    """The largest power of two of rows (in STEP_TOKENS_RANGE) the curve puts within `seconds`."""
-    lo, hi = STEP_TOKENS_RANGE
-    n = lo
-    while n < hi and curve.predict(2 * n, STEP_CONTEXT) <= seconds:
-        n *= 2
-    return n
+    bounds = dict(max_batch=max_batch or DEFAULT_MAX_BATCH, max_queue=max_queue, kv_bytes=int(kv_mb * 2**20))
+    if step_tokens is not None:
+        return Limits(step_tokens=step_tokens, idle_step_tokens=step_tokens, **bounds)
+    rule = StepBudget(cached_curve(pair.target, "efficient", kind="prefill"), pair.step_costs().target_curve)
+    return Limits(step_tokens=rule.rows(1, REFERENCE_CONTEXT), idle_step_tokens=rule.alone_rows, rule=rule, **bounds)
 
 
 def default_kv_mb() -> float:
@@ -127,13 +115,21 @@ class TooLarge(Exception):
 class Limits:
     max_batch: int  # requests running at once
     max_queue: int  # requests waiting beyond those
-    step_tokens: int  # target rows per step (decode rows first, then prompt tokens)
+    step_tokens: int  # target rows per step while some request decodes (decode rows first, then prompt tokens)
     kv_bytes: int  # the running requests' caches, at most
     idle_step_tokens: int | None = None  # per step while no request decodes (None: step_tokens)
+    rule: StepBudget | None = None  # the measured rule; None: the fixed bounds above
 
     def budget(self, decoding: bool) -> int:
-        """The step's rows: `step_tokens` while some request decodes, else the idle budget."""
+        """The fixed bounds: `step_tokens` while some request decodes, else the idle budget."""
         return self.step_tokens if decoding or self.idle_step_tokens is None else self.idle_step_tokens
+
+    def rows(self, decoders: int, context: int) -> int:
+        """The step's rows with `decoders` sequences decoding beside prompt chunks that attend to
+        `context` cached tokens: the rule's, else the fixed bounds."""
+        if self.rule is not None:
+            return self.rule.rows(decoders, context)
+        return self.budget(decoders > 0)
 
 
 @dataclass
@@ -205,7 +201,7 @@ class Scheduler:
                 self._admit()
                 if self.batch.sequences:
                     try:
-                        self.batch.step(self.limits.budget(self.batch.streaming()), _shortest_first)
+                        self._step()
                     except Exception as e:  # reported to every request of the step; the server goes on
                         log.error("a batch step failed", exc_info=e)
                         for seq in self.batch.sequences:
@@ -216,6 +212,14 @@ class Scheduler:
                 if r.seq is not None:
                     r.seq.cancel()
                 r.job.post("cancelled")
+
+    def _step(self) -> None:
+        """One batch step within the limits' rows for what is running now; its time refreshes the rule."""
+        seqs = self.batch.sequences
+        context = max((s.call.rows.cache.length for s in seqs if s.prefilling), default=0)  # type: ignore[union-attr]
+        report = self.batch.step(self.limits.rows(self.batch.decoders(), context), _shortest_first)
+        if self.limits.rule is not None and report.prefill_rows:
+            self.limits.rule.observe(report.decode_rows + report.prefill_rows, context, report.seconds)
 
     def _take(self, block: bool) -> None:
         with contextlib.suppress(queue.Empty):
@@ -271,8 +275,11 @@ class Scheduler:
 
     def stats(self) -> dict[str, object]:
         last = self.batch.last
+        rule = self.limits.rule
         return {"running": self.running, "waiting": self.waiting, "max_batch": self.limits.max_batch,
-                "step_tokens": self.limits.step_tokens, "idle_step_tokens": self.limits.budget(False),
+                "step_tokens": rule.rows(1, REFERENCE_CONTEXT) if rule is not None else self.limits.step_tokens,
+                "idle_step_tokens": self.limits.rows(0, 0),
+                "budget": rule.stats() if rule is not None else {"why": "--step-tokens bounds every step"},
                 "steps": self.steps,
                 "kv_in_use_mb": round(self.kv_in_use / 2**20, 1),
                 "kv_budget_mb": round(self.limits.kv_bytes / 2**20, 1),

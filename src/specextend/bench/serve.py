@@ -11,6 +11,8 @@
     python -m specextend.bench.serve concurrent --clients 16 --max-tokens 128 --out results/serve-16short
     python -m specextend.bench.serve during --data ../shared/data/govreport/govreport_8K.jsonl \
         --out results/serve-during-8K
+    python -m specextend.bench.serve single --data ../shared/data/govreport/govreport_2K.jsonl \
+        --rounds 2 --max-tokens 64 --out results/serve-single-2K.json
     python -m specextend.bench.serve replicas --data ../shared/data/govreport/govreport_2K.jsonl \
         --replicas 2 --docs 2 --questions 3 --ar --out results/serve-replicas-2K.json
 
@@ -25,6 +27,11 @@ plus streams abandoned after their first chunk, counting every outcome by kind a
 server's resident memory (from /proc) against the prefix cache's cap. `concurrent` and `during`:
 many clients at once against our server, the same server one request at a time, and llama.cpp's
 `llama-server -np N` (bench/concurrent.py), written as JSON, a Markdown table and a plot.
+`single`: one request alone through the server against `specextend generate --json` on the same
+document (raw completion, the same method and settings, greedy), in interleaved rounds (generate,
+then the server, `--rounds` times); reports each one's prefill seconds and decode tokens per
+second, their ratios (server / generate), and whether the answers are the same tokens. The
+server runs with `--cache-mb 0` so that every round prefills the whole prompt, as generate does.
 `replicas`: `serve --replicas N` once per routing (affinity, round-robin), each time asking
 `--questions` questions about each of `--docs` documents (records 0.. of `--data`), one request
 at a time, the documents interleaved so that round-robin sends a document's questions to
@@ -160,6 +167,58 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         rows.append(row)
         print(json.dumps(row), flush=True)
     return {"rows": rows, "all_equal": all(r["same_text"] and r["same_count"] for r in rows)}
+
+
+def _generate_once(doc: str, args: argparse.Namespace) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "specextend.cli", "generate", "--json", "-q", "--prompt-file", "-",
+           "--max-new-tokens", str(args.max_tokens), *shlex.split(args.generate_args)]
+    out = subprocess.run(cmd, input=doc, capture_output=True, text=True, check=True)
+    g = json.loads(out.stdout)
+    return {"prefill_s": g["prefill_s"], "decode_s": g["decode_s"], "new_tokens": g["new_tokens"],
+            "prompt_tokens": g["prompt_tokens"], "text": g["text"], "method": g["method"],
+            "cpu_kernels": g["config"].get("cpu_kernels"), "steps": g["steps"], "phases": g["phases"],
+            "extra": g["extra"]}
+
+
+def _served_once(url: str, doc: str, args: argparse.Namespace) -> dict[str, Any]:
+    body = json.dumps({"model": "specextend", "prompt": doc, "max_tokens": args.max_tokens, "temperature": 0,
+                       **json.loads(args.request_fields)}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=3600) as r:
+        answer = json.loads(r.read())
+    use = answer["usage"]
+    spec = use["speculative"]
+    return {"prefill_s": spec["prefill_s"], "decode_s": spec["decode_s"], "new_tokens": use["completion_tokens"],
+            "prompt_tokens": use["prompt_tokens"], "text": answer["choices"][0]["text"], "method": spec["method"],
+            "steps": spec["steps"], "queue_s": spec["queue_s"]}
+
+
+def single(args: argparse.Namespace) -> dict[str, Any]:
+    """One request alone: the server against `generate`, interleaved rounds on the same document."""
+    doc = text_at(args.data, args.index)
+    rounds = []
+    for i in range(args.rounds):
+        gen = _generate_once(doc, args)
+        srv = _served_once(args.url, doc, args)
+        row = {"round": i, "generate": gen, "server": srv, "same_text": gen["text"] == srv["text"],
+               "prefill_ratio": srv["prefill_s"] / gen["prefill_s"],
+               "decode_ratio": (srv["new_tokens"] / srv["decode_s"]) / (gen["new_tokens"] / gen["decode_s"])}
+        rounds.append(row)
+        print(f"round {i}: {gen['prompt_tokens']} prompt tokens; prefill generate {gen['prefill_s']:.2f} s, server "
+              f"{srv['prefill_s']:.2f} s ({row['prefill_ratio']:.3f}x); decode generate "
+              f"{gen['new_tokens'] / gen['decode_s']:.2f} tok/s, server {srv['new_tokens'] / srv['decode_s']:.2f} "
+              f"tok/s ({row['decode_ratio']:.3f}x); same text {row['same_text']}", flush=True)
+
+    def mean(key: str) -> float:
+        return sum(r[key] for r in rounds) / len(rounds)
+
+    summary = {"prefill_ratio": mean("prefill_ratio"), "decode_ratio": mean("decode_ratio"),
+               "all_same_text": all(r["same_text"] for r in rounds), "rounds": len(rounds),
+               "prompt_tokens": rounds[0]["generate"]["prompt_tokens"] if rounds else None}
+    print(json.dumps(summary), flush=True)
+    return {"data": args.data, "index": args.index, "max_tokens": args.max_tokens, "server": args.start,
+            "generate_args": args.generate_args, "summary": summary, "rounds": rounds,
+            "health_after": _health(args.url)}
 
 
 def _rss_mb(pid: int) -> float | None:
@@ -406,6 +465,20 @@ def _add_replicas(sub: Any) -> None:
     r.add_argument("--out", type=Path)
 
 
+def _add_single(sub: Any) -> None:
+    one = sub.add_parser("single", help="one request alone: the server against `specextend generate`")
+    _server_options(one)
+    one.add_argument("--data", required=True, help="a JSONL file with field `text`")
+    one.add_argument("--index", type=int, default=0)
+    one.add_argument("--rounds", type=int, default=2)
+    one.add_argument("--max-tokens", type=int, default=64)
+    one.add_argument("--generate-args", default="", metavar="ARGS",
+                     help="model and setting flags for generate (the server's --start ARGS should match)")
+    one.add_argument("--request-fields", default="{}", metavar="JSON",
+                     help="settings in the request body matching --generate-args (e.g. '{\"method\": \"sd\"}')")
+    one.add_argument("--out", type=Path)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m specextend.bench.serve", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
@@ -446,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
             q.add_argument("--doc-at", type=float, default=3.0, help="seconds after the streams start")
             q.add_argument("--after", type=float, default=2.0, help="the short prompt, seconds after the document")
     _add_replicas(sub)
+    _add_single(sub)
     args = p.parse_args(argv)
     if args.what in ("concurrent", "during"):
         result = _concurrent(args)
@@ -455,21 +529,28 @@ def main(argv: list[str] | None = None) -> int:
         result = compare(args) if args.what == "compare" else replicas(args)
     elif args.start is not None:
         log = (args.out or Path("results/serve.json")).with_suffix(".server.log")
-        with started(args.start, log) as (url, pid):
+        start = f"--cache-mb 0 {args.start}" if args.what == "single" else args.start
+        with started(start, log) as (url, pid):
             args.url, args.pid = url, pid
-            result = ttft(args) if args.what == "ttft" else load(args)
+            result = _measure(args)
     else:
-        result = ttft(args) if args.what == "ttft" else load(args)
+        result = _measure(args)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
     return 1 if _differs(args, result) else 0
 
 
+def _measure(args: argparse.Namespace) -> dict[str, Any]:
+    return {"ttft": ttft, "load": load, "single": single}[args.what](args)
+
+
 def _differs(args: argparse.Namespace, result: dict[str, Any]) -> bool:
     """Whether an answer differed from what it is checked against (compare, replicas --ar)."""
     if args.what == "compare":
         return not result["all_equal"]
+    if args.what == "single":
+        return not result["summary"]["all_same_text"]
     return args.what == "replicas" and args.ar and not all(v["all_match_ar"] for v in result["summary"].values())
 
 

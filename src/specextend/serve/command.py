@@ -8,9 +8,10 @@ import logging
 import socket
 import sys
 
+from ..budget import GAP_GOAL_S
 from ..errors import UserError
 from ..options import add_model_arguments, add_settings_arguments, settings_from_args
-from ..scheduler import DEFAULT_MAX_BATCH, KV_SHARE, STEP_S
+from ..scheduler import DEFAULT_MAX_BATCH, KV_SHARE
 from . import auth
 from .local import CACHE_SHARE
 
@@ -31,8 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-batch", type=int, default=None,
                    help=f"requests served at once (continuous batching; default: {DEFAULT_MAX_BATCH})")
     g.add_argument("--step-tokens", type=int, default=None,
-                   help="target rows per batch step: decode rows first, then prompt tokens in chunks (default: as "
-                        f"many as the measured step costs fit in {STEP_S} s)")
+                   help="target rows per batch step: decode rows first, then prompt tokens in chunks (default: "
+                        "alone, the chunk the measured prefill costs find efficient; beside decoding streams, as "
+                        f"many as keep a step within half of their {GAP_GOAL_S:.0f} s gap goal)")
     g.add_argument("--kv-mb", type=float, default=None,
                    help="memory the running requests' KV caches may take in MB; a request that does not fit waits "
                         f"(default: {KV_SHARE * 100:.0f}%% of the memory available after loading)")

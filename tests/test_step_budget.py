@@ -1,0 +1,69 @@
+"""The server's step budget (budget.py) on synthetic curves: alone, chunks of the efficient
+size; beside decoding streams, smaller ones, smaller still at a longer context or on a slower
+machine; and the prefill curve's measurement and cache."""
+
+from __future__ import annotations
+
+import torch
+
+from specextend import costmodel
+from specextend.costmodel import ForwardCurve
+from specextend.models.loader import load_model
+from specextend.budget import StepBudget
+
+PREFILL_ROWS = [16, 32, 64, 128, 256, 512]
+
+
+def prefill_curve(ms_per_token: list[float]) -> ForwardCurve:
+    return ForwardCurve(PREFILL_ROWS, [0], [[n * ms / 1e3 for n, ms in zip(PREFILL_ROWS, ms_per_token, strict=True)]])
+
+
+# 16 rows: 4 ms a token ... from 128 on, 1 ms (the many-row kernels are busy); 512 a little slower
+PREFILL = prefill_curve([4.0, 2.5, 1.5, 1.0, 0.99, 1.01])
+# One-row to 32-row steps: attending to 8K tokens adds 0.5 ms a row over 256 tokens.
+STEPS = ForwardCurve([1, 32], [256, 8192], [[0.02, 0.05], [0.024, 0.066]])
+
+
+def test_alone_the_chunk_is_the_smallest_within_reach_of_the_best_cost_per_token():
+    b = StepBudget(PREFILL, STEPS)
+    assert b.efficient_rows == 128 and b.alone_rows == 128 and b.rows(0, 4096) == 128
+
+
+def test_beside_streams_chunks_fit_the_gap_goal_and_shrink_with_context_and_load():
+    b = StepBudget(PREFILL, STEPS, gap_goal_s=0.2, refresh=True)  # 0.1 s a step
+    near, far = b.rows(1, 256), b.rows(1, 8192)
+    assert 16 < near < b.alone_rows and far < near  # a longer context costs every row more
+    assert b.predict(near, 256) <= 0.1 < b.predict(near + 16, 256)
+    assert b.rows(4, 256) - 4 <= near - 1  # more streams' rows leave less for the prompt
+    slow = StepBudget(PREFILL, STEPS, gap_goal_s=0.2, refresh=True)
+    for _ in range(20):  # the steps take twice what was predicted: a busier machine
+        slow.observe(near, 256, 2 * slow.predict(near, 256) / slow.scale)
+    assert 1.8 < slow.scale < 2.2 and slow.rows(1, 256) < near
+    assert StepBudget(PREFILL, STEPS, gap_goal_s=1e-6).rows(1, 256) == 17  # a prompt always progresses
+    assert StepBudget(PREFILL, STEPS, gap_goal_s=100.0).rows(1, 256) == 1 + 128  # never past the efficient size
+
+
+def test_health_says_the_budgets_and_why():
+    s = StepBudget(PREFILL, STEPS).stats()
+    assert s["alone_rows"] == s["efficient_rows"] == 128 and s["decoding_rows"] <= 129
+    assert "128 prompt tokens" in s["why"] and s["prefill_ms_per_token"]["16"] == 4.0
+
+
+def test_the_prefill_curve_is_measured_without_logits_and_cached_apart(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECEXTEND_COST_CACHE", str(tmp_path))
+    model = load_model(tiny_dir("qwen2", 0), torch.float64)
+    calls = []
+    forward = type(model).__call__
+
+    def spy(self, tokens, positions, cache, tree_mask=None, backend="efficient", logits_rows=None, keep_q=None):
+        calls.append((int(tokens.shape[0]), tree_mask, logits_rows))
+        return forward(self, tokens, positions, cache, tree_mask, backend, logits_rows, keep_q)
+
+    monkeypatch.setattr(type(model), "__call__", spy)
+    curve = costmodel.cached_curve(model, "efficient", quiet=True, kind="prefill")
+    assert curve.rows == list(costmodel.PREFILL_ROWS) and curve.contexts == [0]
+    assert all(mask is None and rows == slice(0, 0) for _, mask, rows in calls)  # causal chunks, no logits
+    n = len(calls)
+    costmodel.cached_curve(model, "efficient", quiet=True, kind="prefill")
+    assert len(calls) == n  # read back
+    assert [p.name.endswith("-prefill.json") for p in tmp_path.glob("*.json")] == [True]
