@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from specextend import costmodel
+from specextend.budget import StepBudget
 from specextend.costmodel import ForwardCurve
 from specextend.models.loader import load_model
-from specextend.budget import StepBudget
 
 PREFILL_ROWS = [16, 32, 64, 128, 256, 512]
 
