@@ -30,10 +30,11 @@ def test_no_function_is_longer_than_60_lines():
 
 
 def test_only_the_api_drives_a_pairs_engine():
-    """Pair keeps its SpecEngine private: every other module goes through prefill/decode/remember."""
+    """Pair keeps its SpecEngine private and the batch module builds the batched one: every other
+    module goes through prefill/decode/remember or runs a Generation on the engine it is handed."""
     found = []
     for path in python_files():
-        if path.name == "api.py" and path.parent == SRC:
+        if path.name in ("api.py", "batching.py") and path.parent == SRC:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr in ("_engine", "engine"):

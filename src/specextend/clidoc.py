@@ -44,11 +44,13 @@ TOOLS: dict[str, list[list[str]]] = {
     "specextend.bench.costs": [[]],
     "specextend.bench.quality": [[]],
     "specextend.bench.lookup_replay": [[]],
-    "specextend.bench.serve": [[], ["ttft"], ["compare"], ["load"], ["concurrent"], ["during"], ["replicas"]],
+    "specextend.bench.serve": [[], ["ttft"], ["compare"], ["load"], ["concurrent"], ["during"], ["replicas"],
+                               ["single"]],
     "specextend.bench.report": [[]],
     "specextend.bench.memory": [[]],
     "specextend.bench.kernels": [[]],
     "specextend.bench.structured": [[]],
+    "specextend.bench.draft_vocab": [[]],
     "specextend.bench.llamacpp": [],
 }
 

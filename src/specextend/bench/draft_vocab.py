@@ -78,13 +78,14 @@ def acceptance(pair: Any, samples: list[Any], sizes: list[int], max_new: int) ->
 
 def main(argv: list[str] | None = None) -> int:
     ap = OneLineParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", default="/work/shared/data/govreport/govreport_2K.jsonl")
-    ap.add_argument("--samples", type=int, default=2)
+    ap.add_argument("--data", default="", help="JSONL prompts (field `text`), a file or a data set's name, e.g. "
+                    "../shared/data/govreport/govreport_2K.jsonl (empty: the built-in code prompts only)")
+    ap.add_argument("--samples", type=int, default=2, help="prompts per data set")
     ap.add_argument("--code-length", type=int, default=2048, help="built-in code prompts of this length (0: none)")
-    ap.add_argument("--sizes", default="0,8192,16384,32768")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--sizes", default="0,8192,16384,32768", help="draft vocabulary sizes (0: the full head)")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt and size")
+    ap.add_argument("--context", type=int, default=1024, help="cache length the draft step is timed at")
+    ap.add_argument("--repeats", type=int, default=20, help="timed draft steps per size (the best counts)")
     a: argparse.Namespace = ap.parse_args(argv)
     sizes = [int(v) for v in a.sizes.split(",")]
     pair = api.load()
