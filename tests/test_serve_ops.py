@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 
 import httpx2 as httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from specextend.api import load
+from specextend.api import Pair, load
 from specextend.errors import UserError
 from specextend.serve import auth
 
@@ -34,8 +35,8 @@ def folders(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pair(folders):
     p = load(folders["target"], folders["draft"], dtype="float64", progress=False)
+    p = Pair(replace(p.spec, eos_ids=()), p.target, p.draft)  # no end token: every answer runs to its length
     p.step_costs()  # measured here, not in the server's start (which a test waits for with a deadline)
-    p._engine.eos = set()
     return p
 
 
