@@ -1,7 +1,8 @@
 """The whole-step C++ forward (step.py, csrc/core/step.h) gives the Python-driven forward's bits:
-logits and every K/V slot, on every kernel path this CPU runs, for one row, a draft tree's level
-and a small verification, after a prompt prefilled in chunks (chunks small enough to take the
-whole-step call themselves), on Llama, Qwen2 (a QKV bias) and Qwen3 (per-head query/key norms)."""
+logits, every K/V slot and the queries kept for retrieval, on every kernel path this CPU runs,
+for one row, a draft tree's level and a small verification, after a prompt prefilled in chunks
+(chunks small enough to take the whole-step call themselves), on Llama, Qwen2 (a QKV bias) and
+Qwen3 (per-head query/key norms)."""
 
 from __future__ import annotations
 
@@ -47,12 +48,17 @@ def run(model, step_rows: int) -> list[torch.Tensor]:
     cache = model.new_cache(len(PROMPT) + 40)
     out = [model.prefill(PROMPT, cache, chunk=7)]
     g = torch.Generator().manual_seed(5)
-    for _ in range(3):
+    for i in range(3):
         tok = torch.randint(0, 95, (1,), generator=g)
-        out.append(model(tok, torch.tensor([cache.length]), cache))
+        keep = {i % 2: None}  # retrieval's layers, as the engine asks for them
+        out.append(model(tok, torch.tensor([cache.length]), cache, keep_q=keep))
+        out.append(keep[i % 2])
         cache.commit()
     mask, depth = tree_mask([-1, 0, 0, 1, 1, 2, 3, 3, 5])
-    out.append(model(torch.randint(0, 95, (9,), generator=g), cache.length + torch.tensor(depth), cache, mask))
+    keep = {0: None, 1: None}
+    out.append(model(torch.randint(0, 95, (9,), generator=g), cache.length + torch.tensor(depth), cache, mask,
+                     keep_q=keep))
+    out.extend(keep.values())
     cache.commit([0, 1, 3])
     out.append(model(torch.randint(0, 95, (16,), generator=g), cache.length + torch.arange(16), cache))
     cache.commit()
@@ -73,7 +79,8 @@ def test_the_whole_step_equals_the_python_driven_step(folders, monkeypatch, path
 
 
 def test_the_whole_step_is_what_runs(folders, monkeypatch):
-    """A one-row forward takes the whole-step call, a prefill chunk of 20 rows and a clocked
+    """A one-row forward and a small verification keeping queries take the whole-step call, a
+    prefill chunk of 20 rows and a clocked
     forward (the runtime bench's split) the per-layer calls."""
     model = load_model(folders["qwen2"], torch.float32, weights="int4")
     calls = []
@@ -81,7 +88,19 @@ def test_the_whole_step_is_what_runs(folders, monkeypatch):
     monkeypatch.setattr(step, "run", lambda *a: calls.append(a[1].shape[0]) or run_step(*a))
     cache = model.new_cache(64)
     model(PROMPT[:1], torch.tensor([0]), cache)
+    model(PROMPT[:2], torch.arange(2), cache, keep_q={1: None})  # a verification that retrieval scores
     model(PROMPT[:20], torch.arange(20), cache)
     with kernels.clocked() as clock:
         model(PROMPT[:1], torch.tensor([0]), cache)
-    assert calls == [1] and clock.attention_calls == 2
+    assert calls == [1, 2] and clock.attention_calls == 2
+
+
+def test_the_step_refuses_bad_kept_queries(folders):
+    model = load_model(folders["qwen2"], torch.float32, weights="int4")
+    plan, cache = step.plan(model), model.new_cache(8)
+    x, (cos, sin) = model.embed(PROMPT[:1]), model.rope(torch.tensor([0]))
+    ext = kernels.load()
+    with pytest.raises(RuntimeError, match="out of range"):
+        ext.forward_step(plan, x, cos, sin, cache.k, cache.v, 0, None, kernels._path_id(), [5], [torch.empty(4, 1, 64)])
+    with pytest.raises(RuntimeError, match="heads, t, head_dim"):
+        ext.forward_step(plan, x, cos, sin, cache.k, cache.v, 0, None, kernels._path_id(), [0], [torch.empty(4, 2, 64)])

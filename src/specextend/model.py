@@ -440,11 +440,12 @@ class Transformer(nn.Module):
         tokens = parts[0].tokens if one else torch.cat([p.tokens for p in parts])
         cos, sin = self.rope(positions)
         x = self.embed(tokens.to(self.device))
-        whole = one and parts[0].keep_q is None and parts[0].size <= self.step_rows and step.fits(x, parts[0].cache)
+        whole = one and parts[0].size <= self.step_rows and step.fits(x, parts[0].cache)
         if whole:
             if self._step_plan is None:
                 self._step_plan = step.plan(self)
-            x = step.run(self._step_plan, x, cos, sin, parts[0].cache, parts[0].tree_mask)
+            x = step.run(self._step_plan, x, cos, sin, parts[0].cache, parts[0].tree_mask, parts[0].keep_q,
+                         self.cfg.num_heads)
         else:
             for layer in self.layers:
                 x = layer.forward_rows(x, cos, sin, parts)

@@ -54,8 +54,15 @@ def fits(x: torch.Tensor, cache: KVCache) -> bool:
 
 
 def run(step_plan: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-        tree_mask: torch.Tensor | None) -> torch.Tensor:
+        tree_mask: torch.Tensor | None, keep_q: dict[int, torch.Tensor | None] | None = None,
+        heads: int = 0) -> torch.Tensor:
     """Every layer over the new rows x [t, hidden] (overwritten with the last layer's output, returned);
-    their K/V go to the cache's pending slots, as the per-layer forward writes them."""
-    return kernels.load().forward_step(step_plan, x.contiguous(), cos, sin, cache.k, cache.v, cache.length,
-                                       tree_mask, kernels._path_id())
+    their K/V go to the cache's pending slots, as the per-layer forward writes them. `keep_q`'s
+    layers get their rotated queries [heads, t, head_dim], as the per-layer forward keeps them."""
+    layers = sorted(keep_q) if keep_q else []
+    queries = [torch.empty(heads, x.shape[0], cache.k.shape[-1]) for _ in layers]
+    out = kernels.load().forward_step(step_plan, x.contiguous(), cos, sin, cache.k, cache.v, cache.length,
+                                      tree_mask, kernels._path_id(), layers, queries)
+    if keep_q is not None:
+        keep_q.update(zip(layers, queries, strict=True))
+    return out

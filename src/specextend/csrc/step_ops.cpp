@@ -99,9 +99,10 @@ const uint16_t* check_cache(const spx::StepModel& md, const at::Tensor& c, int64
 
 // x [t, hidden] float32 (the embeddings) becomes the last layer's output, in place; the new
 // tokens' K/V go to cache slots [start, start + t). mask: [t, m] bool or None (causal).
+// keep_q[i] [heads, t, head_dim] gets layer keep_layers[i]'s rotated queries (retrieval's).
 at::Tensor forward_step(const StepPlan& p, at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                         at::Tensor k_cache, at::Tensor v_cache, int64_t start, const c10::optional<at::Tensor>& mask,
-                        int64_t path_id) {
+                        int64_t path_id, const std::vector<int64_t>& keep_layers, std::vector<at::Tensor> keep_q) {
   TORCH_CHECK(path_id >= 0 && path_id < spx::kPaths && spx::cpu_supports(static_cast<spx::Path>(path_id)),
               "forward_step: this CPU cannot run kernel path ", path_id);
   const spx::StepModel& md = p.model;
@@ -128,6 +129,18 @@ at::Tensor forward_step(const StepPlan& p, at::Tensor x, const at::Tensor& cos, 
     r.mask = mc.data_ptr<bool>();
     r.m = mc.size(1);
   }
+  const int64_t layers = static_cast<int64_t>(md.layers.size());
+  TORCH_CHECK(keep_layers.size() == keep_q.size(), "forward_step: one query tensor per kept layer");
+  std::vector<float*> keep(keep_q.empty() ? 0 : layers, nullptr);
+  for (size_t i = 0; i < keep_q.size(); ++i) {
+    const int64_t li = keep_layers[i];
+    TORCH_CHECK(li >= 0 && li < layers && keep[li] == nullptr, "forward_step: kept layer ", li, " out of range or twice");
+    TORCH_CHECK(keep_q[i].scalar_type() == at::kFloat && keep_q[i].is_contiguous() && keep_q[i].dim() == 3 &&
+                    keep_q[i].size(0) == md.heads && keep_q[i].size(1) == t && keep_q[i].size(2) == md.head_dim,
+                "forward_step: kept queries must be contiguous float32 [heads, t, head_dim]");
+    keep[li] = keep_q[i].data_ptr<float>();
+  }
+  r.keep_q = keep.empty() ? nullptr : keep.data();
   spx::forward_step(static_cast<spx::Path>(path_id), md, r, at::get_num_threads());
   return x;
 }

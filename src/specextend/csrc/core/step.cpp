@@ -137,6 +137,12 @@ void layer_phases(Path path, const StepModel& md, const StepLayer& l, int64_t li
                   b.q.data(), r.k + li * layer_stride, r.v + li * layer_stride, r.capacity * d, r.capacity * d};
 #pragma omp for schedule(static)
   for (int64_t tok = 0; tok < t; ++tok) rope_tokens(rope, tok, tok + 1);
+  // Every thread sees the same pointer, so the team meets the work-sharing construct together;
+  // attention only reads q, so the copy needs no barrier of its own.
+  if (r.keep_q != nullptr && r.keep_q[li] != nullptr) {
+#pragma omp single nowait
+    std::memcpy(r.keep_q[li], b.q.data(), sizeof(float) * static_cast<size_t>(t * md.heads * d));
+  }
   Attention pb = ap0.pb;
   pb.k = r.k + li * layer_stride;
   pb.v = r.v + li * layer_stride;

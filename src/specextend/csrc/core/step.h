@@ -65,6 +65,9 @@ struct StepRows {
   int64_t start;      // the first pending slot: the new tokens' K/V go to [start, start + t)
   const bool* mask;   // [t, m] (what each new token sees among the last m slots) or null: causal
   int64_t m;
+  // Per layer, where that layer's rotated queries [heads, t, head_dim] are copied, or null (all
+  // null, or no array: none). Retrieval scores the cache with some layers' queries.
+  float* const* keep_q = nullptr;
 };
 
 // Runs every layer on `threads` threads (one parallel region). The caller has checked the shapes.
