@@ -1,0 +1,42 @@
+"""The Python batch bench (bench/batch.py) on tiny float64 models: both ways run, every batched
+answer is compared with the same prompt's answer alone, and bad options are refused before any
+model loads."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from specextend.api import Pair, load
+from specextend.bench import batch
+from specextend.bench.concurrent import SHORT_PROMPTS
+
+from tiny_tokenizer import save_tiny_model
+
+pytestmark = pytest.mark.usefixtures("isolated_home")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("batchbench")
+    p = load(save_tiny_model(root / "target", seed=0), save_tiny_model(root / "draft", seed=1, layers=1),
+             dtype="float64", progress=False)
+    return Pair(replace(p.spec, eos_ids=()), p.target, p.draft)  # random weights: every answer runs its length
+
+
+@pytest.mark.parametrize("method", ["ar", "specextend"])
+def test_both_ways_run_and_the_answers_are_compared(pair, method):
+    row = batch.measure(pair, list(SHORT_PROMPTS[:3]), method, max_new=6, rounds=2)
+    assert row["equal_to_alone"] == 3 and row["generated_tokens"] == 18
+    assert len(row["one_at_a_time_s"]) == len(row["batched_s"]) == 2
+    assert row["speedup"] == pytest.approx(min(row["one_at_a_time_s"]) / min(row["batched_s"]))
+    assert f"| {method} | 3 | 18 |" in batch.table([row])
+
+
+@pytest.mark.parametrize("argv", [["--prompts", "0"], ["--prompts", "99"], ["--methods", "ar,nope"],
+                                  ["--rounds", "0"]])
+def test_bad_options_are_refused_before_loading(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        batch.main(argv)
+    assert e.value.code == 2 and "error:" in capsys.readouterr().err
