@@ -51,6 +51,7 @@ TOOLS: dict[str, list[list[str]]] = {
     "specextend.bench.kernels": [[]],
     "specextend.bench.structured": [[]],
     "specextend.bench.draft_vocab": [[]],
+    "specextend.bench.tools": [[]],
     "specextend.bench.llamacpp": [],
 }
 
