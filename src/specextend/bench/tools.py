@@ -14,11 +14,13 @@ The suite (bench/tool_suite.py, >= 20 requests) goes through `client.chat.comple
 request once per method of `--methods` (the `method` extension field), streamed for the cases
 that stream (the tool-call deltas reassembled as the OpenAI SDK's docs describe). Each call's
 arguments are validated against its function's JSON schema (`jsonschema`). Then two frameworks
-run a two-step loop (the model calls a tool, the result goes back, the model answers): LangChain's
-`ChatOpenAI(...).bind_tools(...)` and the Agents SDK's `Agent` on `OpenAIChatCompletionsModel`.
+run a two-step loop (the model calls a tool, the result goes back, the model answers), with the
+last method of `--methods`: LangChain's `ChatOpenAI(...).bind_tools(...)` and the Agents SDK's
+`Agent` on `OpenAIChatCompletionsModel`.
 DIR/tools.json holds every answer; DIR/summary.md the table: forced calls schema-valid, what
 `auto` chose, finish reasons, the same calls per method, and wall seconds per method with the
-ratio to the first method (sums over the suite). The exit status is 1 when a forced call is
+ratio to the first method (sums over the suite; one untimed request per method first, and the
+method that goes first turns from request to request). The exit status is 1 when a forced call is
 invalid, the methods' calls differ, or a framework check fails.
 """
 
@@ -127,21 +129,33 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return key(a) == key(b)
 
 
+def warm_up(client: Any, model: str, args: argparse.Namespace) -> None:
+    """One short untimed request per method: first-use costs (buffers, the methods' first steps)
+    are not the suite's."""
+    for m in args.methods:
+        client.chat.completions.create(model=model, messages=[ts.user("Say hello.")], max_tokens=4, temperature=0,
+                                       extra_body={"method": m, **args.fields})
+
+
 def run_suite(client: Any, model: str, cases: tuple[ts.Case, ...], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every case once per method (methods in turn within a case), with errors recorded per answer."""
+    """Every case once per method, with errors recorded per answer. The method that goes first
+    turns from case to case: the server compiles a tool set's grammar once and serves it from a
+    cache after, which would otherwise favour the methods that come later."""
     import openai
 
     rows = []
     bar = tqdm(total=len(cases) * len(args.methods), desc="tool requests", file=sys.stderr, disable=args.quiet)
-    for case in cases:
+    for i, case in enumerate(cases):
         row: dict[str, Any] = {"case": case.name, "choice": case.choice or "(auto, unset)",
                                "parallel": case.parallel, "stream": case.stream, "forced": case.forced, "runs": {}}
-        for m in args.methods:
+        k = i % len(args.methods)
+        for m in args.methods[k:] + args.methods[:k]:
             try:
                 row["runs"][m] = ask(client, model, case, m, args)
             except openai.OpenAIError as e:
                 row["runs"][m] = {"method": m, "error": f"{type(e).__name__}: {e}"}
             bar.update()
+        row["runs"] = {m: row["runs"][m] for m in args.methods}
         ok = [r for r in row["runs"].values() if "error" not in r]
         row["same_calls"] = len(ok) == len(args.methods) and all(_same(ok[0], r) for r in ok[1:])
         rows.append(row)
@@ -288,9 +302,10 @@ def _headline(result: dict[str, Any]) -> list[str]:
              for m in methods]
     frameworks = [f"- {k}: " + ("ok" if v.get("ok") else f"FAILED {v.get('why', '')}")
                   for k, v in result["frameworks"].items()]
+    share = f" ({100 * s['forced_valid'] / s['forced_answers']:.1f}%)" if s["forced_answers"] else ""
     return [f"Tool calls through the `openai` client: {s['requests']} requests x {len(methods)} methods "
             f"({', '.join(methods)}), {s['errors']} errors.", "",
-            f"- forced calls schema-valid: {s['forced_valid']}/{s['forced_answers']} "
+            f"- forced calls schema-valid: {s['forced_valid']}/{s['forced_answers']}{share} "
             f"({s['forced_cut_by_length']} cut by max_tokens); calls invalid overall: "
             f"{s['calls_invalid']}/{s['calls_checked']}",
             f"- same answer (text, calls, finish) under every method: {s['same_calls']}/{s['requests']}",
@@ -333,6 +348,7 @@ def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
     key = args.api_key or "none"
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=args.timeout)
     model = client.models.list().data[0].id
+    warm_up(client, model, args)
     rows = run_suite(client, model, ts.pick(args.cases), args)
     frameworks = {}
     if not args.no_frameworks:
