@@ -210,7 +210,8 @@ def langchain_loop(url: str, key: str, model: str, args: argparse.Namespace) -> 
         return {**out, "ok": False, "why": "no tool call"}
     history += [first, *(ToolMessage(json.dumps(WEATHER_RESULT), tool_call_id=c["id"]) for c in first.tool_calls)]
     second = chat.bind_tools(tools).invoke(history)
-    out |= {"answer": second.content, "answer_calls": [c["name"] for c in second.tool_calls],
+    out |= {"answer": second.content, "uses_result": str(WEATHER_RESULT["high_c"]) in str(second.content),
+            "answer_calls": [c["name"] for c in second.tool_calls],
             "answer_invalid_tool_calls": len(second.invalid_tool_calls),
             "finish_reason": second.response_metadata.get("finish_reason")}
     out["why"] = ("invalid arguments" if any(c["error"] for c in calls) or first.invalid_tool_calls
@@ -236,8 +237,8 @@ def agents_loop(url: str, key: str, model: str, args: argparse.Namespace) -> dic
     def convert_units(value: Annotated[float, Field(ge=-1e9, le=1e9)], from_unit: Unit, to_unit: Unit) -> str:
         """Convert a quantity between units."""
         seen.append({"value": value, "from_unit": from_unit, "to_unit": to_unit})
-        return json.dumps({"value": 42.195, "unit": to_unit}) if from_unit == "mi" else json.dumps(
-            {"value": round(value * 1.609344, 3), "unit": to_unit})
+        # A fixed answer (what the question's conversion gives), so the final answer can be checked for it.
+        return json.dumps({"value": 42.16, "unit": to_unit})
 
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=args.timeout)
     settings = agents.ModelSettings(tool_choice="convert_units", parallel_tool_calls=False, temperature=0,
@@ -256,7 +257,8 @@ def agents_loop(url: str, key: str, model: str, args: argparse.Namespace) -> dic
     final = result.final_output
     why = ("no tool call" if not calls else "invalid arguments" if any(c["error"] for c in calls)
            else "the tool did not run" if not seen else "no final answer" if not final else None)
-    return {"method": method, "calls": calls, "tool_ran": len(seen), "answer": final, "ok": why is None, "why": why}
+    return {"method": method, "calls": calls, "tool_ran": len(seen), "answer": final,
+            "uses_result": "42.16" in str(final), "ok": why is None, "why": why}
 
 
 def _against(schema: dict[str, Any], arguments: str) -> str | None:
@@ -300,7 +302,8 @@ def _headline(result: dict[str, Any]) -> list[str]:
     walls = [f"{m} {s['wall_s'][m]:.2f}" + (f" ({s['wall_ratio'][m]:.3f}x {methods[0]})"
                                             if m != methods[0] and s["wall_ratio"][m] is not None else "")
              for m in methods]
-    frameworks = [f"- {k}: " + ("ok" if v.get("ok") else f"FAILED {v.get('why', '')}")
+    frameworks = [f"- {k} ({v.get('method', '-')}): " + (f"ok; the answer quotes the tool's result: {v['uses_result']}"
+                                                         if v.get("ok") else f"FAILED {v.get('why', '')}")
                   for k, v in result["frameworks"].items()]
     share = f" ({100 * s['forced_valid'] / s['forced_answers']:.1f}%)" if s["forced_answers"] else ""
     return [f"Tool calls through the `openai` client: {s['requests']} requests x {len(methods)} methods "
