@@ -42,7 +42,7 @@ from jinja2 import TemplateError
 
 from . import kernels, vocab_trim
 from .batching import Generations
-from .engine import GenerationResult, Prefilled, SpecEngine, TokensCallback, check_fits, kv_bytes
+from .engine import DraftAnswer, GenerationResult, Prefilled, SpecEngine, TokensCallback, check_fits, kv_bytes
 from .errors import UserError
 from .generation import Generation, Origin, PieceCallback, Result
 from .grammar import Grammar, GrammarSpec, compile_grammar, tokenizer_for
@@ -52,6 +52,8 @@ from .settings import Settings
 from .toolcalls import ToolSpec, template_messages
 
 if TYPE_CHECKING:
+    import torch
+
     from .costmodel import CostModel
     from .logits_process import LogitsProcessor
     from .model import Transformer
@@ -338,6 +340,20 @@ class Pair(_Prompts):
     def result(self, res: GenerationResult) -> Result:
         """The engine's measurements with the decoded text and what ran (models, dtypes, device)."""
         return self.origin().result(res)
+
+    # ----------------------------------------------------------------- the draft alone
+
+    def retrieval_scores(self, state: Prefilled, settings: Settings | None = None, **overrides: Any) -> torch.Tensor:
+        """What the last prompt token of a prefilled prompt attends to in the target layers CMR
+        ranks chunks with: the scores of its first retrieval (`engine.SpecEngine.retrieval`)."""
+        return self._engine.retrieval(state, self.settings(settings, **overrides))
+
+    def draft_alone(self, state: Prefilled, policy: str, scores: torch.Tensor, max_new_tokens: int,
+                    settings: Settings | None = None, **overrides: Any) -> DraftAnswer:
+        """The draft alone answering greedily from the working cache of draft cache `policy`
+        (full, streaming, cmr) started from `scores`, after a prefill that used the draft (needle
+        retrieval; `engine.SpecEngine.draft_alone`). The state can answer again, with any policy."""
+        return self._engine.draft_alone(state, policy, self.settings(settings, **overrides), scores, max_new_tokens)
 
     # ----------------------------------------------------------------- whole generations
 
