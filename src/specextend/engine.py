@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from . import vocab_trim
 from .attention import attention_probs
 from .costmodel import CostModel, cached_curve
 from .draft_policy import DRAFT_POLICIES, DraftPolicy, make_policy, retrieval_layers
@@ -226,6 +227,7 @@ class SpecEngine:
     def __init__(self, target: Transformer, draft: Transformer | None, eos_ids: Sequence[int]) -> None:
         self.target, self.draft = target, draft
         self.eos = set(eos_ids)
+        vocab_trim.enable(draft, eos_ids)  # the draft scores its frequent tokens and the prompts'
         # The measured step costs the tree sizing reads, refreshed online while decoding (one per
         # engine: the online refresh carries over between generations). Tests set a synthetic one.
         self.costs: CostModel | None = None
