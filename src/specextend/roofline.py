@@ -6,7 +6,7 @@ an extension of its own, `probes`, apart from the production kernels) on every t
 the int8 dot product of its linear layers and the bfloat16 arithmetic of its attention. Another
 process on the machine can only slow a loop down, so each figure is the best of several short
 repeats, and the best figure measured so far for this CPU, thread count and kernel build is kept
-beside the compiled kernels (`record_path`): the runtime bench divides by it.
+beside the compiled peak loops (`record_path`): the runtime bench divides by it.
 
 `forward_macs` counts a forward's multiply-adds exactly from the model's shape; `floor_s` puts
 the linear layers' at the int8 peak and attention's at the bfloat16 peak.
@@ -99,10 +99,10 @@ def peak(path: str, kind: str, seconds: float, repeats: int) -> dict[str, Any] |
 
 
 def record_path() -> Path:
-    """Where the best peaks of this CPU and thread count are kept: beside the compiled kernels, so
-    a new kernel build (or another machine sharing the cache) starts its own record."""
+    """Where the best peaks of this CPU and thread count are kept: beside the compiled peak loops,
+    so a new build of the loops (or another machine sharing the cache) starts its own record."""
     who = f"{kernels.cpu_name()}|{platform.machine()}|{torch.get_num_threads()}"
-    return kernels.build_dir() / f"peaks-{hashlib.sha256(who.encode()).hexdigest()[:12]}.json"
+    return kernels.build_dir(PROBE_SOURCES) / f"peaks-{hashlib.sha256(who.encode()).hexdigest()[:12]}.json"
 
 
 def _read_record(path: Path) -> dict[str, dict[str, Any]]:
