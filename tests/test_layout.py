@@ -57,3 +57,13 @@ def test_every_draft_cache_name_has_its_policy():
     from specextend.settings import DRAFT_CACHES
 
     assert tuple(DRAFT_POLICIES) == DRAFT_CACHES
+
+
+def test_the_production_kernels_do_not_carry_the_peak_probes():
+    """The roofline's register-only loops are an extension of their own (roofline.probes): the
+    kernels every generation loads are built without them."""
+    from specextend import kernels, roofline
+
+    assert not any("peak" in name for name in kernels._SOURCES)
+    assert {"peak_ops.cpp", "core/peak.cpp"} <= set(roofline.PROBE_SOURCES)
+    assert kernels.build_dir(roofline.PROBE_SOURCES) != kernels.build_dir()

@@ -150,8 +150,8 @@ def test_cmr_keeps_the_chunk_the_target_attends_to(pair):
     trial = needle.make_trial(govreport_text(), pair.tokenizer, 0.5, PHRASE)
     state, scores = needle.prefill_trial(pair, trial, s)
     n_chunks = (len(trial.prompt_ids) - 1) // c
-    before = needle.build_policy(pair, state, "cmr", s, scores)
-    chosen = {a // c for a, _ in before.selected}
+    before = pair.draft_alone(state, "cmr", scores, 0, s)  # the working cache only, no answer
+    chosen = {a // c for a, _ in before.kept}
     # The needle's chunks, made the target's focus: only then must CMR keep them.
     a, b = trial.needle_tokens
     planted = range(a // c, (b - 1) // c + 1)
@@ -161,15 +161,15 @@ def test_cmr_keeps_the_chunk_the_target_attends_to(pair):
     last = pair.target.cfg.num_layers - 1
     plant(state, 0, planted[0] * c, (planted[-1] + 1) * c)
     # Another layer's keys do not move the scores of the retrieval layer (the last).
-    assert torch.equal(needle.cmr_scores(pair, state, s), scores)
+    assert torch.equal(pair.retrieval_scores(state, s), scores)
     plant(state, last, planted[0] * c, (planted[-1] + 1) * c)
-    focused = needle.cmr_scores(pair, state, s)
+    focused = pair.retrieval_scores(state, s)
     assert focused[planted[0] * c : (planted[-1] + 1) * c].sum() > 0.9
 
-    policy = needle.build_policy(pair, state, "cmr", s, focused)
+    policy = pair.draft_alone(state, "cmr", focused, 0, s)
     for j in planted:
-        assert needle.covers(policy.selected, (j * c, (j + 1) * c)), (j, policy.selected)
-    assert needle.covers(policy.selected, (0, c))  # the sink chunk stays
+        assert needle.covers(policy.kept, (j * c, (j + 1) * c)), (j, policy.kept)
+    assert needle.covers(policy.kept, (0, c))  # the sink chunk stays
     assert policy.working_tokens <= s.top_k_chunks * c + c
     assert needle.chunk_rank(focused, trial.needle_tokens, c, len(trial.prompt_ids) - 1) == 1
     r = needle.run_policy(pair, state, "cmr", s, focused, trial, 4)
@@ -177,8 +177,8 @@ def test_cmr_keeps_the_chunk_the_target_attends_to(pair):
 
     # With --retrieval-layer 0 the layer-0 plant (made above) is what CMR follows.
     s0 = replace(s, retrieval_layer=0)
-    p0 = needle.build_policy(pair, state, "cmr", s0, needle.cmr_scores(pair, state, s0))
-    assert needle.covers(p0.selected, trial.needle_tokens)
+    p0 = pair.draft_alone(state, "cmr", pair.retrieval_scores(state, s0), 0, s0)
+    assert needle.covers(p0.kept, trial.needle_tokens)
 
 
 # --------------------------------------------------------------------------- the command

@@ -51,7 +51,7 @@ def test_peak_json_lists_every_path_with_positive_figures_or_why_not(capsys, rec
                 assert entry["reason"].endswith(f": {kernels.amx_refusal()}")
             continue
         loops = entry["loops"]
-        assert {"int8", "bf16"} <= set(loops) <= set(kernels.PEAK_KINDS)  # every path has a floor
+        assert {"int8", "bf16"} <= set(loops) <= set(roofline.PEAK_KINDS)  # every path has a floor
         for kind, loop in loops.items():
             assert isinstance(loop["instruction"], str) and loop["instruction"]
             assert loop["gmac_per_s"] > 0 and len(loop["repeats_gmac_per_s"]) == 2

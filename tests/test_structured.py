@@ -142,7 +142,7 @@ def test_compiled_grammars_are_cached(pair):
 def teacher_forced_logprobs(pair, prompt_ids, tokens, s, rf, k):
     """`ar`'s pass over given tokens: one target forward per token, each row processed as `ar` does."""
     eng = pair._engine
-    proc = pair.processor(prompt_ids, s, rf, k)
+    proc = pair.origin().processor(prompt_ids, s, pair.grammar(rf), k)
     state = eng.prefill(prompt_ids, s)
     cache, logits = state.target_cache, state.first_logits
     for t in tokens:

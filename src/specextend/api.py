@@ -29,33 +29,26 @@ use `Pair.prefill`, `Pair.decode`, `Pair.remember` (the prefix cache) and `Pair.
 
 from __future__ import annotations
 
-import hashlib
 import queue
 import threading
-import time
 from collections.abc import Callable, Generator, Iterator, Sequence
-from dataclasses import fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
 
-from jinja2 import TemplateError
-
-from . import kernels, vocab_trim
 from .batching import Generations
-from .engine import GenerationResult, Prefilled, SpecEngine, TokensCallback, check_fits, kv_bytes
+from .engine import DraftAnswer, Prefilled, SpecEngine, TokensCallback, kv_bytes
 from .errors import UserError
 from .generation import Generation, Origin, PieceCallback, Result
-from .grammar import Grammar, GrammarSpec, compile_grammar, tokenizer_for
 from .models.resolve import LoadOptions, ResolvedPair, resolve_pair
-from .progress import say
-from .settings import Settings
-from .toolcalls import ToolSpec, template_messages
+from .prefix_cache import PrefixCache, fingerprint
+from .prompts import Prompts
+from .settings import Settings, make_settings
 
 if TYPE_CHECKING:
+    import torch
+
     from .costmodel import CostModel
-    from .logits_process import LogitsProcessor
     from .model import Transformer
-    from .prefix_cache import PrefixCache
 
 __all__ = ["LoadOptions", "Pair", "Prefilled", "Prepared", "Result", "Settings", "load", "prepare"]
 
@@ -65,141 +58,7 @@ TextCallback = Callable[[str], None]
 # --------------------------------------------------------------------------- the pair
 
 
-class _Prompts:
-    """Prompt text <-> token ids and the context limit, shared by a prepared (not yet loaded) pair
-    and a loaded one; both hold the pair's resolved description (`spec`)."""
-
-    spec: ResolvedPair
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.spec.tokenizer
-
-    @property
-    def target_path(self) -> Path:
-        return self.spec.target.path
-
-    @property
-    def draft_path(self) -> Path | None:
-        return self.spec.draft.path if self.spec.draft is not None else None
-
-    @property
-    def dtype(self) -> str:
-        return self.spec.target.dtype
-
-    @property
-    def draft_dtype(self) -> str | None:
-        return self.spec.draft.dtype if self.spec.draft is not None else None
-
-    @property
-    def device(self) -> str:
-        return self.spec.device
-
-    @property
-    def eos_ids(self) -> list[int]:
-        return list(self.spec.eos_ids)
-
-    @property
-    def context(self) -> int:
-        """Longest sequence (prompt + generated) the target accepts."""
-        return int(self.spec.target.config.max_position)
-
-    def check_fits(self, prompt_tokens: int, settings: Settings) -> None:
-        """The engine's context limit (`engine.check_fits`), checkable before any weights are read."""
-        draft_context = int(self.spec.draft.config.max_position) if self.spec.draft is not None else None
-        check_fits(prompt_tokens, settings if settings.is_resolved else settings.resolved(), self.context,
-                   draft_context)
-
-    # ----------------------------------------------------------------- text <-> tokens
-
-    def encode(self, prompt: str, chat: bool = False) -> list[int]:
-        """Prompt token ids; with `chat`, wrapped in the tokenizer's chat template as a user turn."""
-        if not isinstance(prompt, str):
-            raise UserError(f"prompt must be a string or a list of token ids, not {type(prompt).__name__}")
-        if not prompt.strip():
-            raise UserError("the prompt is empty")
-        if chat:
-            return self.encode_chat([{"role": "user", "content": prompt}])
-        # verbose=False: our own length check below says it better than transformers' warning.
-        ids = [int(i) for i in self.tokenizer.encode(prompt, verbose=False)]
-        self._check_ids(ids)
-        return ids
-
-    def encode_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
-                    ) -> list[int]:
-        """Prompt token ids of a conversation ({"role", "content"} dicts; an assistant's
-        `tool_calls` and tool results as toolcalls.template_messages makes them) in the
-        tokenizer's chat template, ending with the assistant's turn opened; `tools` (OpenAI's
-        shape) are described as the template describes them."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise UserError(f"the tokenizer in {self.target_path} has no chat template; send a plain prompt")
-        # Render to text, then tokenize: the template already holds any special tokens.
-        extra = {"tools": list(tools)} if tools else {}
-        try:
-            text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False,
-                                                      **extra)
-        except TemplateError as e:  # a template's own raise_exception (an order of roles it refuses)
-            raise UserError(f"the chat template cannot render these messages: {str(e).strip()[:300]}") from None
-        ids = [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False, verbose=False)]
-        self._check_ids(ids)
-        return ids
-
-    def detokenize(self, token_ids: Sequence[int]) -> str:
-        """The text of token ids (special tokens skipped)."""
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True,
-                                     clean_up_tokenization_spaces=False)
-
-    def _check_ids(self, ids: list[int]) -> None:
-        if not ids:
-            raise UserError("the prompt is empty")
-        vocab = int(self.spec.target.config.vocab_size)
-        bad = [i for i in ids if not 0 <= i < vocab]
-        if bad:
-            raise UserError(f"prompt token id {bad[0]} is outside the target's vocabulary of {vocab}")
-        if len(ids) >= self.context:
-            raise UserError(
-                f"the prompt is {len(ids)} tokens, longer than the target's context of {self.context} tokens"
-            )
-
-    # ----------------------------------------------------------------- structured outputs
-
-    def grammar(self, response_format: Any) -> Grammar | None:
-        """The compiled grammar of a `response_format` (see the module's docstring) for this pair's
-        tokenizer, None for plain text; UserError (one line) for one that is malformed, does not
-        compile or admits nothing. Compiled grammars are cached per grammar and tokenizer."""
-        if isinstance(response_format, Grammar):
-            return response_format
-        spec = GrammarSpec.parse(response_format)
-        if spec is None:
-            return None
-        return compile_grammar(spec, self.tokenizer, int(self.spec.target.config.vocab_size))
-
-    def warm_grammars(self) -> None:
-        """Build the grammar engine's view of the tokenizer now (about 1.5 s at 150K tokens, once
-        per tokenizer), so that the first constrained request does not wait for it."""
-        tokenizer_for(self.tokenizer, int(self.spec.target.config.vocab_size))
-
-    def prompt_ids(self, prompt: str | Sequence[int] | Sequence[dict[str, Any]], chat: bool = False,
-                   tools: ToolSpec | None = None) -> list[int]:
-        """Checked token ids of a text prompt (in the chat template with `chat`), of a
-        conversation (OpenAI's messages, tool calls and results included) or of token ids (used
-        as they are). `tools` are described in the template (a text prompt needs `chat`)."""
-        if isinstance(prompt, list | tuple) and prompt and all(isinstance(m, dict) for m in prompt):
-            return self.encode_chat(template_messages(prompt), tools.template_tools() if tools else None)
-        if isinstance(prompt, str) and tools is not None:
-            if not chat:
-                raise UserError("tools need a chat prompt: chat=True, or a list of messages")
-            return self.encode_chat([{"role": "user", "content": prompt}], tools.template_tools())
-        if isinstance(prompt, str):
-            return self.encode(prompt, chat=chat)
-        if chat:
-            raise UserError("chat=True needs a text prompt, not token ids")
-        ids = [int(i) for i in prompt]
-        self._check_ids(ids)
-        return ids
-
-
-class Prepared(_Prompts):
+class Prepared(Prompts):
     """A checked pair whose weights are not loaded yet (see `prepare`): it can already encode
     prompts and check them against the context, so bad input fails before the slow part."""
 
@@ -212,20 +71,10 @@ class Prepared(_Prompts):
 
     def load(self) -> Pair:
         """Read both models' weights (as resolved) and make the pair."""
-        from .models.loader import build_model
-
-        # One line once loaded: a failed load then leaves only its error line on stderr.
-        t0 = time.perf_counter()
-        target = build_model(self.spec.target, self.device)
-        draft = build_model(self.spec.draft, self.device) if self.spec.draft is not None else None
-        what = f"target {self.target_path.name} ({target.weights})"
-        if draft is not None and self.draft_path is not None:
-            what += f" and draft {self.draft_path.name} ({draft.weights})"
-        say(self.progress, f"loaded {what} on {self.device} in {time.perf_counter() - t0:.1f} s")
-        return Pair(self.spec, target, draft)
+        return Pair(self.spec, *self.spec.load(self.progress))
 
 
-class Pair(_Prompts):
+class Pair(Prompts):
     """A loaded target (and optional draft) with its tokenizer and decoding engine.
 
     `generate` and `stream` are prefill + decode in one call: each makes a `Generation`
@@ -239,7 +88,6 @@ class Pair(_Prompts):
     def __init__(self, spec: ResolvedPair, target: Transformer, draft: Transformer | None) -> None:
         self.spec = spec
         self.target, self.draft = target, draft
-        vocab_trim.enable(draft, spec.eos_ids)
         self._engine = SpecEngine(target, draft, spec.eos_ids)
         self.last_result: Result | None = None
         self.prefix_cache: PrefixCache | None = None
@@ -258,27 +106,14 @@ class Pair(_Prompts):
         """Keep prompts' prefilled KV (up to `max_mb` MB; optionally also in `directory`, up to
         `max_disk_mb`, default the same): a later prompt that starts the same way prefills only
         the rest. Returns the cache (see `prefix_cache.PrefixCache.stats`)."""
-        from .prefix_cache import PrefixCache
-
         self.prefix_cache = PrefixCache(int(max_mb * 2**20), self.fingerprint(), directory,
                                         None if max_disk_mb is None else int(max_disk_mb * 2**20))
         return self.prefix_cache
 
     def fingerprint(self) -> str:
-        """What must match for KV written by another process to be used here: both models' files
-        (paths, sizes, modification times), how they were loaded, and the version of the
-        kernels' arithmetic."""
-        h = hashlib.sha256(f"kernels {kernels.ARITHMETIC_VERSION}\0".encode())
-        for path, model in ((self.target_path, self.target), (self.draft_path, self.draft)):
-            if path is None or model is None:
-                h.update(b"none\0")
-                continue
-            files = sorted(path.iterdir()) if path.is_dir() else [path]
-            for f in files:
-                st = f.stat()
-                h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}\0".encode())
-            h.update(f"{model.weights}:{model.dtype}:{model.kv_dtype}\0".encode())
-        return h.hexdigest()[:32]
+        """What must match for KV written by another process to be used here
+        (`prefix_cache.fingerprint` of both models)."""
+        return fingerprint([(self.target_path, self.target), (self.draft_path, self.draft)])
 
     def remember(self, state: Prefilled) -> None:
         """Offer a prefilled prompt to the prefix cache (no-op without one). Valid after decoding too."""
@@ -318,26 +153,30 @@ class Pair(_Prompts):
         return self._engine.prefill(ids, s, self.origin().lookup(ids, s))
 
     def decode(self, state: Prefilled, settings: Settings | None = None, *, on_tokens: TokensCallback | None = None,
-               response_format: Any = None, logprobs: int | None = None, processor: LogitsProcessor | None = None,
-               **overrides: Any) -> Result:
+               response_format: Any = None, logprobs: int | None = None, **overrides: Any) -> Result:
         """Decode after a prefilled prompt with these settings (any method the prefill's caches
         serve; `max_new_tokens` within its room). `on_tokens` receives every accepted batch of
         token ids; a true return value stops after that batch (stop reason "stopped").
-        `response_format` and `logprobs` as in `generate`; or a fresh `processor` (see
-        `processor`) whose log-probabilities the caller reads as they grow."""
+        `response_format` and `logprobs` as in `generate` (the logits processing and the `Result`
+        are the generation's: `generation.Origin.processor`, `Origin.result`)."""
         s = self.settings(settings, **overrides)
-        proc = processor if processor is not None else self.processor(state.prompt_ids, s, response_format, logprobs)
-        return self.origin().result(self._engine.decode(state, s, on_tokens, proc), proc)
+        origin = self.origin()
+        proc = origin.processor(state.prompt_ids, s, self.grammar(response_format), logprobs)
+        return origin.result(self._engine.decode(state, s, on_tokens, proc), proc)
 
-    def processor(self, prompt_ids: Sequence[int], s: Settings, response_format: Any = None,
-                  logprobs: int | None = None) -> LogitsProcessor | None:
-        """A decode's own logits processing (grammar, penalties, log-probabilities); None if
-        the request needs none."""
-        return self.origin().processor(prompt_ids, s, self.grammar(response_format), logprobs)
+    # ----------------------------------------------------------------- the draft alone
 
-    def result(self, res: GenerationResult) -> Result:
-        """The engine's measurements with the decoded text and what ran (models, dtypes, device)."""
-        return self.origin().result(res)
+    def retrieval_scores(self, state: Prefilled, settings: Settings | None = None, **overrides: Any) -> torch.Tensor:
+        """What the last prompt token of a prefilled prompt attends to in the target layers CMR
+        ranks chunks with: the scores of its first retrieval (`engine.SpecEngine.retrieval`)."""
+        return self._engine.retrieval(state, self.settings(settings, **overrides))
+
+    def draft_alone(self, state: Prefilled, policy: str, scores: torch.Tensor, max_new_tokens: int,
+                    settings: Settings | None = None, **overrides: Any) -> DraftAnswer:
+        """The draft alone answering greedily from the working cache of draft cache `policy`
+        (full, streaming, cmr) started from `scores`, after a prefill that used the draft (needle
+        retrieval; `engine.SpecEngine.draft_alone`). The state can answer again, with any policy."""
+        return self._engine.draft_alone(state, policy, self.settings(settings, **overrides), scores, max_new_tokens)
 
     # ----------------------------------------------------------------- whole generations
 
@@ -350,13 +189,9 @@ class Pair(_Prompts):
         (`Generation.run`). Arguments as in `generate`; `stops`, `on_piece` and `cancel` as in
         `Generation`; `tokenizer`: one of its own for a generation run on another thread."""
         s = self.settings(settings, **overrides)
-        spec = ToolSpec.parse(tools, tool_choice, parallel_tool_calls)
-        ids = self.prompt_ids(prompt, chat, spec)
-        if spec is not None and response_format is not None:
-            raise UserError("tools and a response_format cannot be combined (a call is constrained to its schema)")
-        grammar = self.grammar(spec.grammar(self.tokenizer) if spec is not None else response_format)
-        return Generation(self.origin(tokenizer), ids, s, grammar=grammar, logprobs=logprobs, stops=stops,
-                          on_piece=on_piece, cancel=cancel, tool_calls=spec is not None)
+        req = self.request(prompt, chat, response_format, tools, tool_choice, parallel_tool_calls)
+        return Generation(self.origin(tokenizer), req.ids, s, grammar=req.grammar, logprobs=logprobs, stops=stops,
+                          on_piece=on_piece, cancel=cancel, tool_calls=req.tool_calls)
 
     @overload
     def generate(self, prompt: str | Sequence[int], *, chat: bool = False, on_text: TextCallback | None = None,
@@ -487,18 +322,6 @@ def _many(prompt: Any) -> bool:
     if not isinstance(prompt, list | tuple) or not prompt or isinstance(prompt[0], int):
         return False
     return not all(isinstance(m, dict) and "role" in m for m in prompt)
-
-
-def make_settings(settings: Settings | None = None, **overrides: Any) -> Settings:
-    """Settings from a base and keyword overrides; unknown names and bad values raise UserError."""
-    known = {f.name for f in fields(Settings)}
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise UserError(f"unknown setting {unknown[0]!r}; known: {', '.join(sorted(known - {'labels'}))}")
-    base = settings if settings is not None else Settings()
-    if not isinstance(base, Settings):
-        raise UserError(f"settings must be a specextend.Settings, not {type(base).__name__}")
-    return (replace(base, **overrides) if overrides else base).resolved()
 
 
 # --------------------------------------------------------------------------- loading

@@ -30,7 +30,7 @@ from .options import (
     model_options,
     settings_from_args,
 )
-from .settings import Settings
+from .settings import Settings, make_settings
 
 PROG = "specextend"
 DEBUG_ENV = "SPECEXTEND_DEBUG"
@@ -361,7 +361,7 @@ def _generate_many(args: argparse.Namespace, settings: Settings, requests: list[
     """Every request of a prompts file in one batch: one JSON object (or the text) a line, in order."""
     from . import api
 
-    uses_draft = settings.uses_draft or any(api.make_settings(settings, **_settings_of(r)).uses_draft
+    uses_draft = settings.uses_draft or any(make_settings(settings, **_settings_of(r)).uses_draft
                                             for r in requests)
     prepared = api.prepare(args.target, args.draft, **model_options(args), load_draft=uses_draft,
                            progress=not args.quiet)
@@ -370,7 +370,7 @@ def _generate_many(args: argparse.Namespace, settings: Settings, requests: list[
     for r in requests:  # bad lines fail before the weights are read
         try:
             prepared.check_fits(len(prepared.prompt_ids(r["prompt"], r.get("chat", args.chat))),
-                                api.make_settings(settings, **_settings_of(r)))
+                                make_settings(settings, **_settings_of(r)))
         except UserError as e:
             raise UserError(f"{args.prompts_file} line {r['_line']}: {e}") from None
     with _stdout_to_stderr() as out:

@@ -39,9 +39,10 @@ from typing import Any, NamedTuple
 
 import torch
 
+from . import vocab_trim
 from .attention import attention_probs
 from .costmodel import CostModel, cached_curve
-from .draft_policy import DRAFT_POLICIES, DraftPolicy, make_policy
+from .draft_policy import DRAFT_POLICIES, DraftPolicy, make_policy, retrieval_layers
 from .draft_prefill import DraftPrompt
 from .errors import UserError
 from .kv_cache import KVCache, PrefixKV
@@ -142,6 +143,22 @@ class Prefilled:
             self.draft_store.truncate(n)
 
 
+@dataclass
+class DraftAnswer:
+    """The draft alone, answering greedily from one cache policy's working cache (needle
+    retrieval: needle.py): its tokens; the draft-store ranges the working cache held when it
+    started, and its size then and at its largest; the seconds (and prompt tokens) of the prompt
+    KV the policy computed, and the rest of the time."""
+
+    tokens: list[int]
+    kept: list[tuple[int, int]]
+    working_tokens: int
+    max_working_tokens: int
+    prefill_s: float
+    prefill_tokens: int
+    decode_s: float
+
+
 def check_fits(prompt_tokens: int, settings: Settings, target_context: int, draft_context: int | None) -> None:
     """The context limit: prompt + new tokens within the target's context, and within the
     draft's too when its policy attends at every true position (see `sees_every_position`).
@@ -210,6 +227,7 @@ class SpecEngine:
     def __init__(self, target: Transformer, draft: Transformer | None, eos_ids: Sequence[int]) -> None:
         self.target, self.draft = target, draft
         self.eos = set(eos_ids)
+        vocab_trim.enable(draft, eos_ids)  # the draft scores its frequent tokens and the prompts'
         # The measured step costs the tree sizing reads, refreshed online while decoding (one per
         # engine: the online refresh carries over between generations). Tests set a synthetic one.
         self.costs: CostModel | None = None
@@ -435,6 +453,45 @@ class SpecEngine:
             clock.lap("retrieval_s")
 
         return policy, layers, start
+
+    # --- the draft alone (needle retrieval) -----------------------------------------------------
+    def retrieval(self, state: Prefilled, settings: Settings) -> torch.Tensor:
+        """What the last prompt token attends to in the target layers CMR scores with
+        (`retrieval_layer`, `retrieval_layers_mean`): the scores of its first retrieval."""
+        scores = prompt_scores(state, retrieval_layers(settings, self.target.cfg.num_layers))
+        assert scores is not None
+        return scores
+
+    def draft_alone(self, state: Prefilled, policy: str, settings: Settings, scores: torch.Tensor,
+                    max_new_tokens: int) -> DraftAnswer:
+        """The draft alone, greedy, from the working cache of `policy` started with `scores` (as
+        in decoding), after a prefill that used the draft. The store is cut to the prompt less its
+        last token first, and the policy computes the prompt KV it reads from nothing: the
+        answer's first token comes from that last token through the working cache, so no answer
+        token has seen more than the policy keeps. The store is left as it found it (the prompt),
+        so each policy can answer from the same prefill."""
+        s = _as_resolved(settings)
+        store = state.draft_store
+        assert self.draft is not None and store is not None, "the prefill did not use the draft"
+        t0 = time.perf_counter()
+        n = len(state.prompt_ids) - 1
+        store.truncate(n)
+        prompt = DraftPrompt(self.draft, store, state.prompt_ids[:-1], state.attention, s.sink_tokens)
+        working = make_policy(policy, self.draft, store, state.attention, s, prompt)
+        working.start(lambda: scores)
+        kept, size = working.kept_ranges(), working.working_tokens
+        tokens: list[int] = []
+        largest, x = size, state.prompt_ids[-1]
+        while len(tokens) < max_new_tokens:
+            logits = working.extend([x])
+            largest = max(largest, working.working_tokens)
+            x = int(torch.argmax(logits[-1]))
+            tokens.append(x)
+            if x in self.eos:
+                break
+        store.truncate(n)
+        return DraftAnswer(tokens, kept, size, largest, prompt.seconds, int(prompt.computed.sum()),
+                           time.perf_counter() - t0 - prompt.seconds)
 
     def _verify(self, tree: DraftTree, tcache: KVCache, layers: list[int], s: Settings, rng: torch.Generator,
                 proc: LogitsProcessor | None = None

@@ -6,7 +6,9 @@ extension is compiled with PyTorch's `cpp_extension` into `~/.cache/specextend/k
 (see `build_dir`), where the key covers the sources, the torch and Python versions and the
 compiler flags, so an edited source or a new torch builds again while every later process
 loads the cached library in well under a second. `make setup` builds it; the first use builds
-it otherwise. OpenMP comes from torch's own runtime (same thread pool).
+it otherwise. OpenMP comes from torch's own runtime (same thread pool). `build` makes any
+extension of csrc/ this way: the multiply-add peak loops are one of their own (roofline.py),
+so the production kernels do not carry them.
 
 Kernel paths (`SPECEXTEND_CPU`): `portable` (plain C++, any CPU), `avx2` (AVX2 + FMA + F16C),
 `avx512` (AVX-512 with VNNI; its attention uses AVX512-BF16 where present), `neon` (ARMv8.2
@@ -44,8 +46,7 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("torch_ops.cpp", "core/cpu.cpp", "core/qlinear.cpp", "core/qlinear_portable.cpp",
             "core/qlinear_avx2.cpp", "core/qlinear_avx512.cpp", "core/qlinear_neon.cpp", "core/attention.cpp",
             "core/attention_portable.cpp", "core/attention_avx2.cpp", "core/attention_avx512.cpp",
-            "core/attention_neon.cpp", "core/rope.cpp", "core/peak.cpp", "step_ops.cpp", "core/step.cpp",
-            "core/qlinear_amx.cpp")
+            "core/attention_neon.cpp", "core/rope.cpp", "step_ops.cpp", "core/step.cpp", "core/qlinear_amx.cpp")
 _CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-std=c++17")
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -56,20 +57,20 @@ EMULATED_AMX = "amx-emulated"  # test switch (csrc/core/cpu.h): the amx code on 
 # by another version (the prefix cache's files) is never read back as if this one had computed
 # it. 2: an attention score is one chain over the dimension pairs.
 ARITHMETIC_VERSION = 2
-PEAK_KINDS = ("int8", "bf16", "bf16_native", "int8_pair")  # what a peak loop stands for; ids in csrc/core/peak.h
 CPU_ENV = "SPECEXTEND_CPU"
 
 
-def _key() -> str:
+def _key(sources: tuple[str, ...] = _SOURCES) -> str:
     h = hashlib.sha256()
     # The checkout's own path too: the build records absolute source paths, so two checkouts (git
     # worktrees) sharing one directory would rebuild it over each other at every load.
     h.update(str(_CSRC.resolve()).encode())
-    # Every source and header of the extension is part of the key: an edited header must build again.
-    for f in sorted([*_CSRC.glob("*.cpp"), *(_CSRC / "core").iterdir()]):
-        if f.suffix in (".cpp", ".h"):
-            h.update(str(f.relative_to(_CSRC)).encode())
-            h.update(f.read_bytes())
+    # The extension's sources and every header (any source may include any of them): an edited
+    # header must build again.
+    headers = sorted(f.relative_to(_CSRC).as_posix() for f in _CSRC.rglob("*.h") if f.parent.name != "test")
+    for name in [*sources, *headers]:
+        h.update(name.encode())
+        h.update((_CSRC / name).read_bytes())
     h.update(f"{torch.__version__}|{sys.version_info[:2]}|{platform.machine()}|{_CFLAGS}".encode())
     return h.hexdigest()[:16]
 
@@ -80,11 +81,12 @@ def source_key() -> str:
     return _key()
 
 
-def build_dir() -> Path:
-    """Where the compiled kernels live: `SPECEXTEND_KERNEL_CACHE`, else ~/.cache/specextend/kernels.
-    Not under SPECEXTEND_HOME: pointing that at another model cache should not compile again."""
+def build_dir(sources: tuple[str, ...] = _SOURCES) -> Path:
+    """Where the compiled kernels (or the extension of `sources`) live: `SPECEXTEND_KERNEL_CACHE`,
+    else ~/.cache/specextend/kernels. Not under SPECEXTEND_HOME: pointing that at another model
+    cache should not compile again."""
     root = os.environ.get("SPECEXTEND_KERNEL_CACHE", "~/.cache/specextend/kernels")
-    return Path(root).expanduser() / _key()
+    return Path(root).expanduser() / _key(sources)
 
 
 def load(verbose: bool = False) -> ModuleType:
@@ -94,14 +96,16 @@ def load(verbose: bool = False) -> ModuleType:
         return _module
     with _lock:
         if _module is None:
-            _module = _build(verbose)
+            _module = build("specextend_kernels", _SOURCES, "the CPU kernels", verbose)
     return _module
 
 
-def _build(verbose: bool) -> ModuleType:
+def build(stem: str, sources: tuple[str, ...], what: str, verbose: bool = False) -> ModuleType:
+    """The extension of `sources` (paths under csrc/), built into its own folder of the kernel
+    cache on first use (`what` names it in the one line that says so); UserError if it cannot be."""
     from torch.utils import cpp_extension
 
-    out = build_dir()
+    out = build_dir(sources)
     out.mkdir(parents=True, exist_ok=True)
     # The `ninja` that cpp_extension runs is the one installed beside this interpreter (a pinned
     # dependency), also when the virtual environment is not activated.
@@ -109,11 +113,11 @@ def _build(verbose: bool) -> ModuleType:
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     if not any(out.glob("*.so")):
-        print("specextend: building the CPU kernels (once per machine, about a minute)", file=sys.stderr, flush=True)
+        print(f"specextend: building {what} (once per machine, about a minute)", file=sys.stderr, flush=True)
     try:
         return cpp_extension.load(
-            name=f"specextend_kernels_{_key()}",
-            sources=[str(_CSRC / n) for n in _SOURCES],
+            name=f"{stem}_{out.name}",
+            sources=[str(_CSRC / n) for n in sources],
             extra_cflags=list(_CFLAGS),
             extra_ldflags=["-fopenmp"],
             build_directory=str(out),
@@ -121,7 +125,7 @@ def _build(verbose: bool) -> ModuleType:
         )
     except (RuntimeError, OSError, ImportError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"cannot build the CPU kernels in {out}: {first} (is g++ installed?)") from None
+        raise UserError(f"cannot build {what} in {out}: {first} (is g++ installed?)") from None
 
 
 def available() -> bool:
@@ -278,13 +282,6 @@ def clocking() -> bool:
     """Whether `clocked` is timing kernel calls now: forwards then make their per-layer calls
     (not the whole-step call, step.py), which is what it splits."""
     return _clock is not None
-
-
-def peak(path: str, kind: str, seconds: float, repeats: int) -> dict[str, Any] | None:
-    """One register-only multiply-add loop of `path` (csrc/core/peak.h) on every thread of the pool:
-    its instruction and note, and each repeat's wall seconds and multiply-adds (all threads);
-    None where the path has no loop of that `kind` (PEAK_KINDS)."""
-    return load().peak(path_index(path), PEAK_KINDS.index(kind), seconds, repeats)
 
 
 _resolved: tuple[str, int] | None = None

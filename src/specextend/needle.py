@@ -35,9 +35,7 @@ import torch
 
 from .bench.data import DATA_ENV, data_roots, split_list
 from .bench.report import mean
-from .draft_policy import DraftPolicy, chunk_scores, make_policy, retrieval_layers
-from .draft_prefill import DraftPrompt
-from .engine import Prefilled, prompt_scores
+from .draft_policy import chunk_scores
 from .errors import UserError
 from .jsonl import append_jsonl, read_rows, read_texts
 from .options import add_model_arguments, model_options
@@ -45,6 +43,7 @@ from .settings import DRAFT_CACHES, POSITION_MODES, Settings
 
 if TYPE_CHECKING:
     from .api import Pair
+    from .engine import Prefilled
 
 POLICIES = DRAFT_CACHES
 RESULTS_FILE = "trials.jsonl"
@@ -172,59 +171,18 @@ def _token_span(offsets: list[tuple[int, int]], start: int, end: int) -> tuple[i
 def prefill_trial(pair: Pair, trial: Trial, s: Settings) -> tuple[Prefilled, torch.Tensor]:
     """Prefill both models once; returns the state and the CMR scores over the prompt tokens.
 
-    The scores are exactly the engine's first retrieval: the chosen target layers' queries of
-    the last prompt token (`last_q`) over the target cache (`cmr_scores`).
+    The scores are exactly the engine's first retrieval (`Pair.retrieval_scores`): the chosen
+    target layers' queries of the last prompt token over the target cache.
     """
     # The full policy reads every position, so the draft's own context must fit the prompt too.
     pair.check_fits(len(trial.prompt_ids), replace(s, draft_cache="full"))
     state = pair.prefill(trial.prompt_ids, s)
-    return state, cmr_scores(pair, state, s)
-
-
-def cmr_scores(pair: Pair, state: Prefilled, s: Settings) -> torch.Tensor:
-    """Target attention of the last prompt token over the prompt: CMR's layer choice
-    (retrieval_layer, retrieval_layers_mean) and the engine's scoring, as at its first retrieval."""
-    scores = prompt_scores(state, retrieval_layers(s, pair.target.cfg.num_layers))
-    assert scores is not None
-    return scores
-
-
-def build_policy(pair: Pair, state: Prefilled, name: str, s: Settings, scores: torch.Tensor) -> DraftPolicy:
-    """The policy's working cache over the draft store, ready to be fed the last prompt token.
-
-    The store is cut to the prompt minus its last token first: the answer's first token then
-    comes from re-feeding that token through the working cache, so no answer token has seen
-    more than the policy keeps (the draft's prefill logits saw the whole prompt). The policy
-    starts as in the engine, with `scores` as the prompt's scores.
-    """
-    draft_store = state.draft_store
-    assert draft_store is not None and pair.draft is not None
-    draft_store.truncate(len(state.prompt_ids) - 1)
-    # Each policy computes its own prompt KV, from nothing, as a decode would.
-    prompt = DraftPrompt(pair.draft, draft_store, state.prompt_ids[:-1], state.attention, s.sink_tokens)
-    policy = make_policy(name, pair.draft, draft_store, state.attention, s, prompt)
-    policy.start(lambda: scores)
-    return policy
+    return state, pair.retrieval_scores(state, s)
 
 
 def covers(ranges: Iterable[tuple[int, int]], span: tuple[int, int]) -> bool:
     a, b = span
     return sum(max(0, min(b, e) - max(a, s)) for s, e in ranges) >= b - a
-
-
-def greedy_answer(policy: DraftPolicy, first: int, max_new_tokens: int, eos: set[int]) -> tuple[list[int], int]:
-    """The draft alone, greedy from its working cache; returns (tokens, largest working size)."""
-    out: list[int] = []
-    largest = policy.working_tokens
-    x = first
-    while len(out) < max_new_tokens:
-        logits = policy.extend([x])
-        largest = max(largest, policy.working_tokens)
-        x = int(torch.argmax(logits[-1]))
-        out.append(x)
-        if x in eos:
-            break
-    return out, largest
 
 
 def chunk_rank(scores: torch.Tensor, span: tuple[int, int], chunk: int, n: int) -> int | None:
@@ -238,27 +196,19 @@ def chunk_rank(scores: torch.Tensor, span: tuple[int, int], chunk: int, n: int) 
 
 def run_policy(pair: Pair, state: Prefilled, name: str, s: Settings, scores: torch.Tensor, trial: Trial,
                max_new_tokens: int) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    policy = build_policy(pair, state, name, s, scores)
-    assert policy.prompt is not None
-    draft_prefill_s, computed = policy.prompt.seconds, int(policy.prompt.computed.sum())
-    ranges = policy.kept_ranges()
-    working = policy.working_tokens
-    tokens, largest = greedy_answer(policy, trial.prompt_ids[-1], max_new_tokens, set(pair.eos_ids))
-    answer = pair.tokenizer.decode(tokens, skip_special_tokens=True)
-    # Leave the store as the next policy expects it: the prompt (the full policy appended to it).
-    assert state.draft_store is not None
-    state.draft_store.truncate(len(trial.prompt_ids) - 1)
+    """The draft alone answering from policy `name`'s working cache (`Pair.draft_alone`)."""
+    r = pair.draft_alone(state, name, scores, max_new_tokens, s)
+    answer = pair.tokenizer.decode(r.tokens, skip_special_tokens=True)
     return {
         "answer": answer,
         "correct": trial.passphrase in answer,
-        "working_tokens": working,
-        "max_working_tokens": largest,
-        "needle_in_cache": covers(ranges, trial.needle_tokens),
-        "new_tokens": len(tokens),
-        "draft_prefill_s": draft_prefill_s,
-        "draft_prompt_tokens": computed,
-        "decode_s": time.perf_counter() - t0 - draft_prefill_s,
+        "working_tokens": r.working_tokens,
+        "max_working_tokens": r.max_working_tokens,
+        "needle_in_cache": covers(r.kept, trial.needle_tokens),
+        "new_tokens": len(r.tokens),
+        "draft_prefill_s": r.prefill_s,
+        "draft_prompt_tokens": r.prefill_tokens,
+        "decode_s": r.decode_s,
     }
 
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from . import kv_file
+from . import kernels, kv_file
 from .kv_cache import PrefixKV
 
 log = logging.getLogger("specextend.prefix_cache")
@@ -127,6 +127,23 @@ class _Tier:
             key = next(iter(self.entries))
             self.evictions += 1
             yield key, self.remove(key)
+
+
+def fingerprint(models: Sequence[tuple[Path | None, Any]]) -> str:
+    """What must match for KV written by another process to be used here: each model's files
+    (`(path, model)`; paths, sizes, modification times), how it was loaded (weights, dtypes), and
+    the version of the kernels' arithmetic. A missing model (no draft) counts as such."""
+    h = hashlib.sha256(f"kernels {kernels.ARITHMETIC_VERSION}\0".encode())
+    for path, model in models:
+        if path is None or model is None:
+            h.update(b"none\0")
+            continue
+        files = sorted(path.iterdir()) if path.is_dir() else [path]
+        for f in files:
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}\0".encode())
+        h.update(f"{model.weights}:{model.dtype}:{model.kv_dtype}\0".encode())
+    return h.hexdigest()[:32]
 
 
 class PrefixCache:

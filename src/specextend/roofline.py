@@ -1,11 +1,12 @@
 """The roofline: this CPU's measured multiply-add peaks per kernel path, and the multiply-adds a
 forward needs, which together give the compute floor of a forward.
 
-`measure` times register-only loops of each path's own instructions (csrc/core/peak.h) on every
-thread at once: the int8 dot product of its linear layers and the bfloat16 arithmetic of its
-attention. Another process on the machine can only slow a loop down, so each figure is the best
-of several short repeats, and the best figure measured so far for this CPU, thread count and
-kernel build is kept beside the compiled kernels (`record_path`): the runtime bench divides by it.
+`measure` times register-only loops of each path's own instructions (csrc/core/peak.h, built as
+an extension of its own, `probes`, apart from the production kernels) on every thread at once:
+the int8 dot product of its linear layers and the bfloat16 arithmetic of its attention. Another
+process on the machine can only slow a loop down, so each figure is the best of several short
+repeats, and the best figure measured so far for this CPU, thread count and kernel build is kept
+beside the compiled peak loops (`record_path`): the runtime bench divides by it.
 
 `forward_macs` counts a forward's multiply-adds exactly from the model's shape; `floor_s` puts
 the linear layers' at the int8 peak and attention's at the bfloat16 peak.
@@ -14,6 +15,7 @@ the linear layers' at the int8 peak and attention's at the bfloat16 peak.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -21,6 +23,7 @@ import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,6 +34,9 @@ if TYPE_CHECKING:
     from .model import ModelConfig
 
 FLOOR_KINDS = ("int8", "bf16")  # the loops the compute floor divides by (the other kinds are reported only)
+PEAK_KINDS = ("int8", "bf16", "bf16_native", "int8_pair")  # what a peak loop stands for; ids in csrc/core/peak.h
+# The peak loops' extension: their binding, the loops and the CPU detection they run by.
+PROBE_SOURCES = ("peak_ops.cpp", "core/peak.cpp", "core/cpu.cpp")
 
 
 # --------------------------------------------------------------------------- multiply-adds
@@ -79,11 +85,24 @@ def floor_s(macs: Macs, int8_gmac_per_s: float, bf16_gmac_per_s: float) -> float
 # --------------------------------------------------------------------------- peaks
 
 
+@functools.cache
+def probes() -> ModuleType:
+    """The peak loops' own extension (csrc/peak_ops.cpp), built on first use beside the kernels."""
+    return kernels.build("specextend_peak", PROBE_SOURCES, "the multiply-add peak loops")
+
+
+def peak(path: str, kind: str, seconds: float, repeats: int) -> dict[str, Any] | None:
+    """One register-only multiply-add loop of `path` (csrc/core/peak.h) on every thread of the pool:
+    its instruction and note, and each repeat's wall seconds and multiply-adds (all threads);
+    None where the path has no loop of that `kind` (PEAK_KINDS)."""
+    return probes().peak(kernels.path_index(path), PEAK_KINDS.index(kind), seconds, repeats)
+
+
 def record_path() -> Path:
-    """Where the best peaks of this CPU and thread count are kept: beside the compiled kernels, so
-    a new kernel build (or another machine sharing the cache) starts its own record."""
+    """Where the best peaks of this CPU and thread count are kept: beside the compiled peak loops,
+    so a new build of the loops (or another machine sharing the cache) starts its own record."""
     who = f"{kernels.cpu_name()}|{platform.machine()}|{torch.get_num_threads()}"
-    return kernels.build_dir() / f"peaks-{hashlib.sha256(who.encode()).hexdigest()[:12]}.json"
+    return kernels.build_dir(PROBE_SOURCES) / f"peaks-{hashlib.sha256(who.encode()).hexdigest()[:12]}.json"
 
 
 def _read_record(path: Path) -> dict[str, dict[str, Any]]:
@@ -137,8 +156,8 @@ def measure(paths: list[str] | None = None, seconds: float = 0.5, repeats: int =
                                   "reason": f"this CPU cannot run the {path} kernels" + (f": {why}" if why else "")}
             continue
         loops = {}
-        for kind in kernels.PEAK_KINDS:
-            r = kernels.peak(path, kind, seconds, repeats)
+        for kind in PEAK_KINDS:
+            r = peak(path, kind, seconds, repeats)
             if r is None:
                 continue
             rates = [m / s / 1e9 for m, s in zip(r["macs"], r["seconds"], strict=True)]

@@ -197,6 +197,18 @@ _TYPED_AS = {"cost_model": False, "lookup": False}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
+def make_settings(settings: Settings | None = None, **overrides: Any) -> Settings:
+    """Settings from a base and keyword overrides; unknown names and bad values raise UserError."""
+    known = {f.name for f in fields(Settings)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise UserError(f"unknown setting {unknown[0]!r}; known: {', '.join(sorted(known - {'labels'}))}")
+    base = settings if settings is not None else Settings()
+    if not isinstance(base, Settings):
+        raise UserError(f"settings must be a specextend.Settings, not {type(base).__name__}")
+    return (replace(base, **overrides) if overrides else base).resolved()
+
+
 def parse_assignments(items: Iterable[str], where: str = "--set", *, refused: Mapping[str, str] | None = None,
                       labels: bool = False) -> dict[str, Any]:
     """KEY=VALUE items -> {key: value}; bad items raise UserError naming `where`.

@@ -5,14 +5,12 @@
 #include <ATen/Parallel.h>
 
 #include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "core/attention.h"
 #include "core/cpu.h"
-#include "core/peak.h"
 #include "core/qlinear.h"
 #include "core/rope.h"
 
@@ -274,52 +272,6 @@ at::Tensor rope_store(const at::Tensor& h, const at::Tensor& cos, const at::Tens
   return q;
 }
 
-// The multiply-add rate of one register-only loop (core/peak.h) on all of PyTorch's threads at once:
-// the loop is sized on one thread to take about seconds / repeats, then every thread runs it
-// together, `repeats` times. Returns the loop's description with each repeat's wall seconds and
-// multiply-adds (all threads), or None where the path has no loop of that kind.
-py::object peak(int64_t path_id, int64_t kind, double seconds, int64_t repeats) {
-  const spx::Path path = checked_path(path_id);
-  TORCH_CHECK(kind >= 0 && kind < spx::kPeakKinds, "peak: unknown kind ", kind);
-  TORCH_CHECK(seconds > 0 && repeats >= 1, "peak: seconds must be positive and repeats at least 1");
-  spx::PeakLoop loop{};
-  if (!spx::peak_loop(path, static_cast<spx::PeakKind>(kind), &loop)) return py::none();
-  using Clock = std::chrono::steady_clock;
-  const auto since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
-  const int threads = at::get_num_threads();
-  std::vector<uint32_t> digests(threads);  // kept, so no loop is dead code
-  const double per_repeat = seconds / static_cast<double>(repeats);
-  int64_t iters = 256;
-  double took = 0;
-  for (;;) {  // sizing, which also wakes the core up to speed
-    const auto t = Clock::now();
-    digests[0] += loop.run(iters, 1);
-    took = since(t);
-    if (took >= std::min(0.02, per_repeat / 2)) break;
-    iters *= 2;
-  }
-  iters = std::max<int64_t>(1, static_cast<int64_t>(static_cast<double>(iters) * per_repeat / took));
-  std::vector<double> secs, macs;
-  for (int64_t r = 0; r < repeats; ++r) {
-    const auto t = Clock::now();
-    at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) digests[i] += loop.run(iters, static_cast<int32_t>(1 + i));
-    });
-    secs.push_back(since(t));
-    macs.push_back(static_cast<double>(threads) * static_cast<double>(iters) * static_cast<double>(loop.macs_per_iter));
-  }
-  uint32_t all = 0;
-  for (uint32_t d : digests) all ^= d;
-  py::dict out;
-  out["instruction"] = loop.instruction;
-  out["note"] = loop.note;
-  out["threads"] = threads;
-  out["seconds"] = secs;
-  out["macs"] = macs;
-  out["digest"] = all;
-  return out;
-}
-
 }  // namespace
 
 void bind_step(py::module& m);  // step_ops.cpp
@@ -335,6 +287,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_paths", &cpu_paths, "the kernel paths this CPU runs, slowest first (amx-emulated, a test path, not listed)");
   m.def("amx_status", &amx_status, "why the amx path cannot run here, or None where it runs");
   m.def("has_avx512_bf16", &spx::cpu_has_avx512_bf16, "whether the avx512 path's attention uses AVX512-BF16");
-  m.def("peak", &peak, "multiply-add rate of a register-only loop on every thread (kernels --peak)");
   bind_step(m);
 }

@@ -12,13 +12,16 @@ through it every command build their pair this way.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import UserError
+from ..progress import say
 from .loader import (
     ResolvedModel,
+    build_model,
     check_weights,
     default_draft_dtype,
     load_tokenizer,
@@ -27,6 +30,9 @@ from .loader import (
     resolve_model,
 )
 from .registry import resolve_model_ref
+
+if TYPE_CHECKING:
+    from ..model import Transformer
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,18 @@ class ResolvedPair:
     def with_own_tokenizer(self) -> ResolvedPair:
         """The same pair with a tokenizer of its own (a tokenizer is not safe to share across threads)."""
         return replace(self, tokenizer=load_tokenizer(self.target.path))
+
+    def load(self, progress: bool = True) -> tuple[Transformer, Transformer | None]:
+        """Read both models' weights (the draft's: None without one), saying so in one line."""
+        # One line once loaded: a failed load then leaves only its error line on stderr.
+        t0 = time.perf_counter()
+        target = build_model(self.target, self.device)
+        draft = build_model(self.draft, self.device) if self.draft is not None else None
+        what = f"target {self.target.path.name} ({target.weights})"
+        if draft is not None and self.draft is not None:
+            what += f" and draft {self.draft.path.name} ({draft.weights})"
+        say(progress, f"loaded {what} on {self.device} in {time.perf_counter() - t0:.1f} s")
+        return target, draft
 
 
 def resolve_pair(target: str | Path | None, draft: str | Path | None, options: LoadOptions, *,

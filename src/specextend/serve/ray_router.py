@@ -4,13 +4,13 @@ Ray calls the router in the deployment handle's process, the front end's (ray_se
 `choose_replicas` ranks the replicas for a request (Ray sends it to the first that has room,
 else the next), and the `on_*` hooks keep the policy's memory of what went where and each
 replica's requests in flight. Ray ships this module to where the handle runs by value, so it
-holds the router class alone: what it shares with the front end (the `Route` it reads, the
-registry /health reads) lives in routing.py, which is imported, not copied.
+holds the router class alone: what it shares with the front end (the `Route` it reads) lives in
+routing.py, which is imported, not copied. /health is not the router's: the front end's backend
+counts its own requests per replica and asks the replicas for their reports (ray_serve.py).
 """
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from typing import Any
 
@@ -26,9 +26,7 @@ class Router(RequestRouter):
         self.policy = routing.POLICIES[routing_policy]()
         self.capacity, self.imbalance = capacity, imbalance
         self.flying: dict[str, str] = {}  # Ray's internal request id -> the replica serving it
-        self.served: Counter[str] = Counter()
         self.known: set[str] = set()
-        routing.ROUTERS[self.app_name] = self
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -47,7 +45,6 @@ class Router(RequestRouter):
             name = replica_id.unique_id
             self.policy.routed(route.ids, name)
             self.flying[pending_request.metadata.internal_request_id] = name
-            self.served[name] += 1
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.flying.pop(internal_request_id, None)
@@ -67,18 +64,6 @@ class Router(RequestRouter):
         """A replica that left: its cache went with it, and its requests will not complete here."""
         self.policy.forget(name)
         self.known.discard(name)
-
-    def replicas(self) -> list[dict[str, Any]]:
-        """The live replicas as this router sees them: its counts and each one's last report."""
-        in_flight = Counter(self.flying.values())
-        out = []
-        for rid, r in sorted(self.curr_replicas.items(), key=lambda kv: kv[0].unique_id):
-            name = rid.unique_id
-            stats = dict(r.routing_stats or {})
-            at = stats.pop("at", None)
-            out.append({"replica": name, "in_flight": in_flight[name], "routed": self.served[name],
-                        "reported_s_ago": round(time.time() - at, 1) if at else None, **stats})
-        return out
 
 
 def _route(pending_request: PendingRequest | None) -> routing.Route | None:

@@ -14,7 +14,9 @@ Serve, each request routed to the replica that holds its document.
   with an OpenAI-shaped error in the stream. A replica's own errors are answered as the
   one-process server answers them.
 - Each response names its replica (`x-specextend-replica`, `usage.speculative.replica`), and
-  `/health` lists the replicas with their load and cache use as they last reported them.
+  `/health` lists the replicas with their load and cache use as they last reported them: the
+  backend asks every replica for its report each STATS_PERIOD_S (the deployment's `health`,
+  broadcast) and counts its own requests per replica.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import math
 import os
 import socket
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +37,7 @@ import ray
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
-from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 from starlette.requests import Request as HTTPRequest
 
 from ..errors import UserError
@@ -44,13 +47,14 @@ from .app import DISCONNECT_POLL_S, Server, generation_error, run_http
 from .jobs import Job
 from .local import build
 from .protocol import APIError
-from .routing import ROUTERS, Route
+from .routing import Route
 
 log = logging.getLogger("specextend.serve")
 
 APP = "specextend"
 ATTEMPTS = 3  # replicas a request may be tried on when the one serving it is lost
-STATS_PERIOD_S = 1.0  # how often each replica reports its load and cache to the routers
+STATS_PERIOD_S = 1.0  # how often the front end asks the replicas for their load and cache
+REPORT_TIMEOUT_S = 5.0  # a round of reports slower than this is dropped (the last ones stay, aging)
 LOST = (RayActorError, ActorDiedError, ActorUnavailableError, ReplicaUnavailableError)
 
 
@@ -99,10 +103,6 @@ class Replica:
         return {"replica": self.name, "node": self.node, "pid": os.getpid(), "at": time.time(),
                 **{k: body[k] for k in ("running", "waiting", "completed", "batch", "prefix_cache")}}
 
-    def record_routing_stats(self) -> dict[str, Any]:
-        """Ray Serve polls this (every STATS_PERIOD_S) and hands it to the routers."""
-        return self.health()
-
     def __del__(self) -> None:
         if getattr(self, "server", None) is not None:
             self.server.backend.shutdown()
@@ -134,17 +134,37 @@ class _Flight:
 
 class RayBackend:
     """The front end's backend: each job generated on a replica through `handle` (its router
-    picks the replica), retried on another while none of its tokens has been sent."""
+    picks the replica), retried on another while none of its tokens has been sent. `reports`:
+    the replicas' first reports (their `health`); the backend asks for new ones every
+    STATS_PERIOD_S while it runs."""
 
-    def __init__(self, handle: Any, routing: str, max_queue: int) -> None:
+    def __init__(self, handle: Any, routing: str, max_queue: int, reports: list[dict[str, Any]]) -> None:
+        self.replicas = handle
         self.handle = handle.options(stream=True, method_name="generate")
         self.routing, self.max_queue = routing, max_queue
+        self.reports = {r["replica"]: r for r in reports}
+        self.routed: Counter[str] = Counter()  # requests this front end sent to each replica
         self.flights: dict[int, _Flight] = {}  # by id(job)
         self.tasks: set[asyncio.Task[None]] = set()
+        self.watcher: asyncio.Task[None] | None = None
         self.completed = 0
 
     def start(self) -> None:
-        pass  # the replicas are up before the server starts (run_replicas)
+        self.watcher = asyncio.ensure_future(self._watch())  # the replicas are up already (run_replicas)
+
+    async def _watch(self) -> None:
+        """Every STATS_PERIOD_S, the live replicas' reports; a replica that is gone drops out."""
+        while True:
+            await asyncio.sleep(STATS_PERIOD_S)
+            try:
+                answers = await self.replicas.broadcast("health").results_async(
+                    timeout_s=REPORT_TIMEOUT_S, return_exceptions=True)
+            except DeploymentUnavailableError:
+                answers = []  # no replica is up
+            except Exception as e:  # a slow round: the last reports stay, their age shows it
+                log.debug("the replicas' reports did not come: %s", e)
+                continue
+            self.reports = {r["replica"]: r for r in answers if isinstance(r, dict)}
 
     def submit(self, job: Job) -> None:
         flight = self.flights[id(job)] = _Flight(job)
@@ -173,14 +193,18 @@ class RayBackend:
         return protocol.replica_header(flight.replica) or {}
 
     def health(self) -> dict[str, Any]:
-        router = ROUTERS.get(APP)
-        replicas = router.replicas() if router is not None else []
+        in_flight = Counter(f.replica for f in self.flights.values() if f.replica is not None)
+        now = time.time()
+        replicas = [{"replica": name, "in_flight": in_flight[name], "routed": self.routed[name],
+                     "reported_s_ago": round(now - r["at"], 1),
+                     **{k: v for k, v in r.items() if k not in ("replica", "at")}}
+                    for name, r in sorted(self.reports.items())]
         return {"status": "ok" if replicas else "starting", "routing": self.routing, "busy": bool(self.tasks),
                 "running": len(self.tasks), "completed": self.completed, "max_queue": self.max_queue,
                 "replicas": replicas}
 
     def shutdown(self) -> None:
-        for t in self.tasks:
+        for t in [*self.tasks, *([self.watcher] if self.watcher else [])]:
             t.cancel()
 
     def _deliver(self, flight: _Flight, kind: str, value: Any = None) -> None:
@@ -202,6 +226,7 @@ class RayBackend:
                 async for kind, value in _until_cancelled(stream, job):
                     if kind == "replica":
                         replica = flight.replica = value
+                        self.routed[value] += 1
                         continue
                     if kind == "error":
                         value = _api_error(value)
@@ -285,16 +310,22 @@ def placement(replicas: int, replica_cpus: float | None) -> tuple[float, int, fl
     return replica_cpus, max(1, int(replica_cpus)), 1.0 / per_node
 
 
-def _await_reports(replicas: int, timeout_s: float = 10 * STATS_PERIOD_S + 20) -> None:
-    """Wait until the router knows every replica and has its first report (what /health shows)."""
+def _first_reports(handle: Any, replicas: int, timeout_s: float = 30.0) -> list[dict[str, Any]]:
+    """Every replica's first report (its `health`, what /health shows), or as many as came in
+    `timeout_s`: the handle's router knows the replicas as Ray starts them."""
     deadline = time.monotonic() + timeout_s
+    reports: list[dict[str, Any]] = []
     while time.monotonic() < deadline:
-        router = ROUTERS.get(APP)
-        seen = router.replicas() if router is not None else []
-        if len(seen) >= replicas and all(r["reported_s_ago"] is not None for r in seen):
-            return
+        try:
+            answers = handle.broadcast("health").results(timeout_s=REPORT_TIMEOUT_S, return_exceptions=True)
+        except (DeploymentUnavailableError, TimeoutError):
+            answers = []
+        reports = [r for r in answers if isinstance(r, dict)]
+        if len(reports) >= replicas:
+            return reports
         time.sleep(0.2)
     log.warning("not every replica has reported its load yet; /health shows them as they do")
+    return reports
 
 
 def run_replicas(args: argparse.Namespace, sock: socket.socket, api_keys: tuple[str, ...] = ()) -> int:
@@ -327,7 +358,6 @@ def run_replicas(args: argparse.Namespace, sock: socket.socket, api_keys: tuple[
             request_router_config=RequestRouterConfig(
                 request_router_class=f"{ray_router.__name__}:Router",
                 request_router_kwargs={"routing_policy": routing, "capacity": capacity},
-                request_routing_stats_period_s=STATS_PERIOD_S,
             ),
         )
         log.info("starting %d replicas (%s CPUs, %d threads each; routing: %s)", args.replicas, cpus, threads,
@@ -337,9 +367,9 @@ def run_replicas(args: argparse.Namespace, sock: socket.socket, api_keys: tuple[
         keyless = argparse.Namespace(**{**vars(args), "api_key": None, "api_key_file": None})
         handle = serve.run(deployment.bind(keyless, share, threads), name=APP, route_prefix=None)
         handle.health.remote().result()  # the first call makes the handle's router (and checks a replica)
-        _await_reports(args.replicas)
-        front = Server(RayBackend(handle, routing, args.max_queue), encoder.with_own_tokenizer(), defaults,
-                       encoder.target_path.name)
+        reports = _first_reports(handle, args.replicas)
+        front = Server(RayBackend(handle, routing, args.max_queue, reports), encoder.with_own_tokenizer(),
+                       defaults, encoder.target_path.name)
         front.api_keys = api_keys
         run_http(front, sock, args.quiet)
     finally:

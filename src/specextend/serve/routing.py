@@ -26,7 +26,6 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 # A block of this many tokens is the unit the router remembers prompts by. A shared run shorter
 # than MIN_MATCH (a chat template's header, a short system prompt) counts for nothing: it would
@@ -37,9 +36,6 @@ HASH_TOKENS = 256  # the leading tokens a new prompt is hashed by
 MIN_MATCH = HASH_TOKENS
 MAX_BLOCKS = 1 << 20  # remembered block hashes, all replicas together (least recently used go first)
 IMBALANCE = 4  # a replica this many requests above the least loaded is saturated (see Load)
-
-# The routers of this process by application name (ray_router.py registers them), for /health.
-ROUTERS: dict[str, Any] = {}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,183 @@
+"""A pair's prompts: text and conversations to checked token ids (the chat template, tool
+descriptions, the context limit), token ids back to text, and the grammars that constrain an
+answer (`response_format`, or a call to one of the request's tools). `api.Prepared` (a pair not
+yet loaded) and `api.Pair` both are `Prompts`, so bad input is refused before any weights are
+read; nothing here loads a model or decodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from jinja2 import TemplateError
+
+from .engine import check_fits
+from .errors import UserError
+from .grammar import Grammar, GrammarSpec, compile_grammar, tokenizer_for
+from .settings import Settings
+from .toolcalls import ToolSpec, template_messages
+
+if TYPE_CHECKING:
+    from .models.resolve import ResolvedPair
+
+
+@dataclass(frozen=True)
+class TokenRequest:
+    """What a request asks of the tokens: its prompt ids, the grammar its answer follows (None:
+    free text) and whether that answer is a tool call (parsed into `Result.tool_calls`)."""
+
+    ids: list[int]
+    grammar: Grammar | None
+    tool_calls: bool
+
+
+class Prompts:
+    """Prompt text <-> token ids and the context limit, shared by a prepared (not yet loaded) pair
+    and a loaded one; both hold the pair's resolved description (`spec`)."""
+
+    spec: ResolvedPair
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.spec.tokenizer
+
+    @property
+    def target_path(self) -> Path:
+        return self.spec.target.path
+
+    @property
+    def draft_path(self) -> Path | None:
+        return self.spec.draft.path if self.spec.draft is not None else None
+
+    @property
+    def dtype(self) -> str:
+        return self.spec.target.dtype
+
+    @property
+    def draft_dtype(self) -> str | None:
+        return self.spec.draft.dtype if self.spec.draft is not None else None
+
+    @property
+    def device(self) -> str:
+        return self.spec.device
+
+    @property
+    def eos_ids(self) -> list[int]:
+        return list(self.spec.eos_ids)
+
+    @property
+    def context(self) -> int:
+        """Longest sequence (prompt + generated) the target accepts."""
+        return int(self.spec.target.config.max_position)
+
+    def check_fits(self, prompt_tokens: int, settings: Settings) -> None:
+        """The engine's context limit (`engine.check_fits`), checkable before any weights are read."""
+        draft_context = int(self.spec.draft.config.max_position) if self.spec.draft is not None else None
+        check_fits(prompt_tokens, settings if settings.is_resolved else settings.resolved(), self.context,
+                   draft_context)
+
+    # ----------------------------------------------------------------- text <-> tokens
+
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        """Prompt token ids; with `chat`, wrapped in the tokenizer's chat template as a user turn."""
+        if not isinstance(prompt, str):
+            raise UserError(f"prompt must be a string or a list of token ids, not {type(prompt).__name__}")
+        if not prompt.strip():
+            raise UserError("the prompt is empty")
+        if chat:
+            return self.encode_chat([{"role": "user", "content": prompt}])
+        # verbose=False: our own length check below says it better than transformers' warning.
+        ids = [int(i) for i in self.tokenizer.encode(prompt, verbose=False)]
+        self._check_ids(ids)
+        return ids
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+                    ) -> list[int]:
+        """Prompt token ids of a conversation ({"role", "content"} dicts; an assistant's
+        `tool_calls` and tool results as toolcalls.template_messages makes them) in the
+        tokenizer's chat template, ending with the assistant's turn opened; `tools` (OpenAI's
+        shape) are described as the template describes them."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise UserError(f"the tokenizer in {self.target_path} has no chat template; send a plain prompt")
+        # Render to text, then tokenize: the template already holds any special tokens.
+        extra = {"tools": list(tools)} if tools else {}
+        try:
+            text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False,
+                                                      **extra)
+        except TemplateError as e:  # a template's own raise_exception (an order of roles it refuses)
+            raise UserError(f"the chat template cannot render these messages: {str(e).strip()[:300]}") from None
+        ids = [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False, verbose=False)]
+        self._check_ids(ids)
+        return ids
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of token ids (special tokens skipped)."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True,
+                                     clean_up_tokenization_spaces=False)
+
+    def _check_ids(self, ids: list[int]) -> None:
+        if not ids:
+            raise UserError("the prompt is empty")
+        vocab = int(self.spec.target.config.vocab_size)
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise UserError(f"prompt token id {bad[0]} is outside the target's vocabulary of {vocab}")
+        if len(ids) >= self.context:
+            raise UserError(
+                f"the prompt is {len(ids)} tokens, longer than the target's context of {self.context} tokens"
+            )
+
+    # ----------------------------------------------------------------- structured outputs
+
+    def grammar(self, response_format: Any) -> Grammar | None:
+        """The compiled grammar of a `response_format` (see the module's docstring) for this pair's
+        tokenizer, None for plain text; UserError (one line) for one that is malformed, does not
+        compile or admits nothing. Compiled grammars are cached per grammar and tokenizer."""
+        if isinstance(response_format, Grammar):
+            return response_format
+        spec = GrammarSpec.parse(response_format)
+        if spec is None:
+            return None
+        return compile_grammar(spec, self.tokenizer, int(self.spec.target.config.vocab_size))
+
+    def warm_grammars(self) -> None:
+        """Build the grammar engine's view of the tokenizer now (about 1.5 s at 150K tokens, once
+        per tokenizer), so that the first constrained request does not wait for it."""
+        tokenizer_for(self.tokenizer, int(self.spec.target.config.vocab_size))
+
+    def request(self, prompt: str | Sequence[int] | Sequence[dict[str, Any]], chat: bool = False,
+                response_format: Any = None, tools: list[dict[str, Any]] | None = None,
+                tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool | None = None
+                ) -> TokenRequest:
+        """A request's checked prompt ids and the constraint on its answer: the grammar of its
+        `response_format`, or of a call to one of its `tools` (OpenAI's `tools`, `tool_choice`
+        and `parallel_tool_calls`, toolcalls.py; described in the chat template). The two
+        cannot be combined: a call is constrained to its schema."""
+        spec = ToolSpec.parse(tools, tool_choice, parallel_tool_calls)
+        ids = self.prompt_ids(prompt, chat, spec)
+        if spec is not None and response_format is not None:
+            raise UserError("tools and a response_format cannot be combined (a call is constrained to its schema)")
+        grammar = self.grammar(spec.grammar(self.tokenizer) if spec is not None else response_format)
+        return TokenRequest(ids, grammar, spec is not None)
+
+    def prompt_ids(self, prompt: str | Sequence[int] | Sequence[dict[str, Any]], chat: bool = False,
+                   tools: ToolSpec | None = None) -> list[int]:
+        """Checked token ids of a text prompt (in the chat template with `chat`), of a
+        conversation (OpenAI's messages, tool calls and results included) or of token ids (used
+        as they are). `tools` are described in the template (a text prompt needs `chat`)."""
+        if isinstance(prompt, list | tuple) and prompt and all(isinstance(m, dict) for m in prompt):
+            return self.encode_chat(template_messages(prompt), tools.template_tools() if tools else None)
+        if isinstance(prompt, str) and tools is not None:
+            if not chat:
+                raise UserError("tools need a chat prompt: chat=True, or a list of messages")
+            return self.encode_chat([{"role": "user", "content": prompt}], tools.template_tools())
+        if isinstance(prompt, str):
+            return self.encode(prompt, chat=chat)
+        if chat:
+            raise UserError("chat=True needs a text prompt, not token ids")
+        ids = [int(i) for i in prompt]
+        self._check_ids(ids)
+        return ids
