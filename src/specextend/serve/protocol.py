@@ -20,7 +20,7 @@ import re
 import time
 import uuid
 from dataclasses import MISSING, dataclass, fields, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
@@ -65,7 +65,12 @@ def _setting_fields() -> dict[str, Any]:
     return out
 
 
-_Extensions = create_model("_Extensions", __base__=_Strict, **_setting_fields())
+# The extension fields are Settings' own (one rule: a setting is a request field), so the class is
+# built at run time; a type checker sees its static base.
+if TYPE_CHECKING:
+    _Extensions = _Strict
+else:
+    _Extensions = create_model("_Extensions", __base__=_Strict, **_setting_fields())
 EXTENSION_FIELDS = tuple(_setting_fields())
 
 
@@ -73,7 +78,7 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Common(_Extensions):  # type: ignore[misc, valid-type]
+class _Common(_Extensions):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
