@@ -197,6 +197,13 @@ _TYPED_AS = {"cost_model": False, "lookup": False}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
+def value_type(name: str) -> type:
+    """The type of a setting's values: its default's, the one it is parsed as where the default is
+    None (the preset's), text otherwise (the server's request fields follow it)."""
+    typical = _TYPED_AS.get(name, _DEFAULTS[name])
+    return type(typical) if isinstance(typical, bool | int | float | str) else str
+
+
 def make_settings(settings: Settings | None = None, **overrides: Any) -> Settings:
     """Settings from a base and keyword overrides; unknown names and bad values raise UserError."""
     known = {f.name for f in fields(Settings)}

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from ..errors import UserError
-from ..settings import Settings
+from ..settings import Settings, value_type
 from ..toolcalls import ToolError, ToolSpec
 
 # Settings that the body sets through OpenAI's names, not their own.
@@ -55,13 +55,12 @@ class _Strict(BaseModel):
 
 
 def _setting_fields() -> dict[str, Any]:
-    """Every Settings field not named by OpenAI, typed like its default (None default: text)."""
+    """Every Settings field not named by OpenAI, typed as its values are (settings.value_type)."""
     out: dict[str, Any] = {}
     for f in fields(Settings):
         if f.name in OPENAI_NAMED or f.name == "labels" or f.default is MISSING:
             continue
-        kind = type(f.default) if isinstance(f.default, bool | int | float | str) else str
-        out[f.name] = (kind | None, None)
+        out[f.name] = (value_type(f.name) | None, None)
     return out
 
 
