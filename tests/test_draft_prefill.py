@@ -88,6 +88,8 @@ def test_a_short_answer_never_starts_the_draft_and_a_long_one_does(tiny_dir):
         assert r.token_ids == ar.token_ids
         assert draft.calls == 0, max_new  # no draft prefill, no draft forward
         assert r.extra["draft_started_at"] == -1 and r.extra["draft_prefill_s"] == 0.0
+        # How much cheaper the draft would have had to be is reported with the refusal.
+        assert 0.0 <= r.extra.get("draft_break_even", 0.0) < 1.0 and r.extra.get("draft_cost_ratio", 1.0) > 0.0
         assert r.prefill_s == r.total_s - r.decode_s
     ar = generate(eng, prompt, Settings(method="ar", max_new_tokens=120))
     draft.calls = 0

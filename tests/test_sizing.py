@@ -369,6 +369,32 @@ def test_retrieval_after_a_drafted_step_counts_against_drafting(seed):
     assert decisions == sorted(decisions, reverse=True), decisions
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_the_break_even_factor_is_where_starting_the_draft_flips(seed):
+    """draft_break_even answers "how much cheaper would the draft have to be to start here":
+    with every draft cost scaled a little below the factor the start decision says yes, a little
+    above it no; the sizer's costs are left as they were."""
+    s = Settings(tree_budget=12, tree_depth=5, tree_topk=3).resolved()
+    sizer = random_state(Sizer(synthetic_costs(), s, has_draft=True), seed)
+    sizer.begin(context=0, draft_context=0)
+    startup_s, tokens_left = 0.5, 200
+    factor = sizer.draft_break_even(Pool(), 1, startup_s, tokens_left)
+    assert factor is not None and sizer.draft_scale == 1.0
+    before = sizer.draft_pays(Pool(), 1, startup_s, tokens_left)
+    assert before == (factor >= 1.0), (factor, before)
+
+    def pays_at(f: float) -> bool:
+        scaled = copy.deepcopy(sizer)
+        scaled.draft_scale = f
+        return scaled.draft_pays(Pool(), 1, f * startup_s, tokens_left)
+
+    if 0.0 < factor < 16.0:
+        assert pays_at(factor * 0.98) and not pays_at(factor * 1.05), factor
+    elif factor == 0.0:
+        assert not pays_at(2.0**-10)
+    assert sizer.draft_break_even(Pool(), 1, startup_s, 1) is None  # no tokens left: nothing to say
+
+
 def test_retrieval_is_observed_only_after_drafted_steps():
     costs = CostModel(ForwardCurve([1, 2], [0], [[0.01, 0.012]]), refresh=True)
     proposer = propose.Proposer(Settings().resolved(), None, None, None, costs, torch.Generator())

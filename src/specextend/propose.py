@@ -79,7 +79,7 @@ class Proposer:
         self._raw_draft_s = 0.0  # the cost curve's unscaled prediction of this step's draft forwards
         self._step_start: float | None = None
         self._phases_s = 0.0
-        self.counts = {"draft_steps": 0, "draft_forwards": 0, "ar_steps": 0, "lookup_nodes": 0,
+        self.counts: dict[str, float] = {"draft_steps": 0, "draft_forwards": 0, "ar_steps": 0, "lookup_nodes": 0,
                        "lookup_accepted": 0, "skipped_tokens": 0, "rested_steps": 0}
         if processor is not None:
             self.counts.update(forced_nodes=0, forced_accepted=0)
@@ -152,9 +152,16 @@ class Proposer:
 
     def _draft_pays(self, pool: Pool) -> bool:
         assert self.sizer is not None and self.costs is not None and self.policy is not None
+        tokens_left = self.s.max_new_tokens - self.produced
         if self._startup_s is None:  # nothing computes the prompt KV before the start: ask once
             self._startup_s = self.costs.draft_prefill_s(self.policy.start_tokens())
-        return self.sizer.draft_pays(pool, len(self.backlog), self._startup_s, self.s.max_new_tokens - self.produced)
+            # How far the first decision is from starting the draft, for reports (bench, stats).
+            factor = self.sizer.draft_break_even(pool, len(self.backlog), self._startup_s, tokens_left)
+            if factor is not None:
+                self.counts["draft_break_even"] = factor
+                draft_step = self.costs.draft_s(1, self.policy.start_tokens())
+                self.counts["draft_cost_ratio"] = draft_step / self.sizer.verify_s[1]
+        return self.sizer.draft_pays(pool, len(self.backlog), self._startup_s, tokens_left)
 
     def _ensure_started(self) -> None:
         if not self.started:

@@ -132,6 +132,7 @@ class Sizer:
         self.lam = 0.0
         self.draft_ctx = 0
         self.spent = 0.0  # predicted draft seconds of this step so far
+        self.draft_scale = 1.0  # a factor on every draft cost (draft_break_even's what-if)
         self.probing = False
 
     # ----------------------------------------------------------------- the step's constants
@@ -147,7 +148,7 @@ class Sizer:
         self.lam = max(floor, recent)
 
     def draft_s(self, rows: int) -> float:
-        return self.costs.draft_s(rows, self.draft_ctx)
+        return self.draft_scale * self.costs.draft_s(rows, self.draft_ctx)
 
     # ----------------------------------------------------------------- values
 
@@ -251,6 +252,32 @@ class Sizer:
             return False
         return tokens_left / max(1.0, tokens) * gain > self.lam * startup_s
 
+    def draft_break_even(self, pool: Pool, backlog: int, startup_s: float, tokens_left: int) -> float | None:
+        """The factor on all the draft's costs (its forwards, its retrieval and its start) up to
+        which `draft_pays` says yes in this state: >= 1 when it already does (16 at most), 0 when
+        even a free draft would not (its expected tokens add nothing over lookup's), None when
+        nothing can be said yet (no draft, no settled costs, no tokens left). The answer to "how
+        much cheaper would the draft have to be to start here"."""
+        if not self.has_draft or tokens_left <= 1 or not self.costs.settled:
+            return None
+
+        def pays(f: float) -> bool:
+            self.draft_scale = f
+            try:
+                return self.draft_pays(pool, backlog, f * startup_s, tokens_left)
+            finally:
+                self.draft_scale = 1.0
+
+        lo, hi = 2.0**-10, 16.0
+        if not pays(lo):
+            return 0.0
+        if pays(hi):
+            return hi
+        for _ in range(12):  # F falls as the draft's costs rise: bisect the factor, in log
+            mid = (lo * hi) ** 0.5
+            lo, hi = (mid, hi) if pays(mid) else (lo, mid)
+        return lo
+
     def should_draft(self, pool: Pool, backlog: int) -> bool:
         """Whether this step runs the draft (decision 1); `pool` holds the lookup candidates."""
         if not self.has_draft:
@@ -278,7 +305,7 @@ class Sizer:
             c.draft.append(True)
             scores.append(p)
         # A step that runs the draft also pays its policy's retrieval afterwards.
-        spent = self.draft_s(max(1, min(backlog, RESYNC_TOKENS))) + self.costs.retrieval_s
+        spent = self.draft_s(max(1, min(backlog, RESYNC_TOKENS))) + self.draft_scale * self.costs.retrieval_s
         f_with, kept = self.best(c, spent)
         for depth in range(2, self.max_depth + 1):
             expand = sorted(frontier, key=lambda i: (-scores[i], i))[: self.topk]
