@@ -230,14 +230,103 @@ void panel_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m
   }
 }
 
+// ---------------------------------------------------------------- one row
+//
+// One row (a decode step) has no other rows to share an unpacked group with, so its codes go
+// from the load to the multiply in registers: the tile's copy of each group into L1 and back
+// would be a third of the instructions, and one row is bound by instructions on AVX2. The
+// integer sums are exact in any order and the float epilogue is the tile's, so the bits are too.
+
+void one_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m256* acc) {
+  const int64_t sbg = s.sbg, nsb = s.k / (32 * sbg), kb = s.k / 32, sb_bytes = 64 + 288 * sbg;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int8_t* q = x.q8 + r0 * x.k;
+  const float* d8 = x.d8 + r0 * kb;
+  const float* xs = x.xs + r0 * kb;
+  for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
+    const __m256 d[2] = {cvt_f16(p), cvt_f16(p + 16)}, dmin[2] = {cvt_f16(p + 32), cvt_f16(p + 48)};
+    for (int g = 0; g < sbg; ++g) {
+      const int64_t b = sb * sbg + g;
+      const uint8_t* cb = p + 64 + 32 * sbg + 256 * g;
+      const int8_t* qb = q + 32 * b;
+      prefetch(p + (sb_bytes / sbg) * g, sb_bytes / sbg);
+      // Low nibbles are steps 0-3, high nibbles steps 4-7; two int16 sums a half keep the
+      // chains short (each at most 4 * 2 * 15 * 127, their total at most 8 * 2 * 15 * 127).
+      __m256i lo[2], hi[2];
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        const __m256i a = bcast4(qb + 4 * i), a4 = bcast4(qb + 16 + 4 * i);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = load(cb + 64 * i + 32 * h);
+          const __m256i pl = _mm256_maddubs_epi16(_mm256_and_si256(v, low), a);
+          const __m256i ph = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), a4);
+          lo[h] = i ? _mm256_add_epi16(lo[h], pl) : pl;
+          hi[h] = i ? _mm256_add_epi16(hi[h], ph) : ph;
+          in_register(lo[h]);
+          in_register(hi[h]);
+        }
+      }
+      const __m256 dd = _mm256_set1_ps(d8[b]), xb = _mm256_set1_ps(xs[b]);
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m256 scale = _mm256_mul_ps(d[h], cvt_u8(p + 64 + 16 * g + 8 * h));
+        const __m256 mins = _mm256_mul_ps(dmin[h], cvt_u8(p + 64 + 16 * sbg + 16 * g + 8 * h));
+        const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(lo[h], hi[h]), ones)), dd);
+        acc[h] = _mm256_fnmadd_ps(mins, xb, _mm256_fmadd_ps(t, scale, acc[h]));
+      }
+    }
+  }
+}
+
+void one_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m256* acc) {
+  const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16;
+  const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
+  const int8_t* q = x.q8 + r0 * x.k;
+  for (int64_t sb = 0; sb < nsb; ++sb, p += 3360) {
+    const __m256 d[2] = {cvt_f16(p), cvt_f16(p + 16)};
+#pragma GCC unroll 2
+    for (int g = 0; g < 16; ++g) {
+      const int64_t k0 = sb * 256 + g * 16;
+      const uint8_t* cb = p + 288 + 192 * g;
+      const int8_t* qb = q + k0;
+      prefetch(p + 210 * g, 210);
+      const __m256i a0 = bcast4(qb), a1 = bcast4(qb + 4), a2 = bcast4(qb + 8), a3 = bcast4(qb + 12);
+      const __m256i off = _mm256_set1_epi32(32 * x.s16[r0 * k16 + k0 / 16]);
+      const float d8 = x.d8[r0 * kb + k0 / 32];
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        // The same codes as unpack_q6k_group's, straight into the multiply.
+        const __m256i a = load(cb + 32 * h), b = load(cb + 64 + 32 * h), hb = load(cb + 128 + 32 * h);
+        const __m256i w0 = _mm256_or_si256(_mm256_and_si256(a, low), _mm256_and_si256(_mm256_slli_epi16(hb, 4), top));
+        const __m256i w1 = _mm256_or_si256(_mm256_and_si256(b, low), _mm256_and_si256(_mm256_slli_epi16(hb, 2), top));
+        const __m256i w2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low), _mm256_and_si256(hb, top));
+        const __m256i w3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low),
+                                           _mm256_and_si256(_mm256_srli_epi16(hb, 2), top));
+        __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(w0, a0), _mm256_maddubs_epi16(w1, a1));
+        __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(w2, a2), _mm256_maddubs_epi16(w3, a3));
+        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(s01, ones), _mm256_madd_epi16(s23, ones));
+        const __m256 scale = _mm256_mul_ps(d[h], cvt_i8(p + 32 + 16 * g + 8 * h));
+        acc[h] = epilogue(_mm256_sub_epi32(dot, off), d8, scale, acc[h]);
+      }
+    }
+  }
+}
+
 template <int R>
 void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const TileOut& out) {
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  switch (s.fmt) {
-    case Q4K: panel_q4k<R>(s, p, x, r0, acc); break;
-    case Q6K: panel_q6k<R>(s, p, x, r0, acc); break;
-    default: panel_q8<R>(s, p, x, r0, acc); break;
+  if constexpr (R == 1) {
+    if (s.fmt == Q4K) one_q4k(s, p, x, r0, acc[0]);
+    else if (s.fmt == Q6K) one_q6k(s, p, x, r0, acc[0]);
+    else panel_q8<1>(s, p, x, r0, acc);
+  } else {
+    switch (s.fmt) {
+      case Q4K: panel_q4k<R>(s, p, x, r0, acc); break;
+      case Q6K: panel_q6k<R>(s, p, x, r0, acc); break;
+      default: panel_q8<R>(s, p, x, r0, acc); break;
+    }
   }
   for (int h = 0; h < 2; ++h) {
     const __m256 b = out.bias ? _mm256_loadu_ps(out.bias + 8 * h) : _mm256_setzero_ps();
