@@ -52,6 +52,7 @@ TOOLS: dict[str, list[list[str]]] = {
     "specextend.bench.structured": [[]],
     "specextend.bench.draft_vocab": [[]],
     "specextend.bench.batch": [[]],
+    "specextend.bench.onerow": [[]],
     "specextend.bench.tools": [[]],
     "specextend.bench.llamacpp": [],
 }

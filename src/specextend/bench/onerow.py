@@ -1,0 +1,158 @@
+"""The one-row quantized product alone: is a decode step's linear layer bound by memory or by
+instructions on this CPU?
+
+    python -m specextend.bench.onerow [--formats q4k,q6k] [--threads 1,2] [--shape 1536x8960]
+                                      [--stream-mb 512] [--repeats 5] [--json OUT]
+
+A decode step multiplies one row of activations by every weight once, so its floor is the
+weights' bytes over the memory bandwidth (`bench.runtime`). This times the kernel path's one-row
+product (`kernels.qlinear`, the path `SPECEXTEND_CPU` or the CPU picks) of a random matrix in each
+format, two ways, best of `--repeats`:
+
+- **cold**: a different copy of the matrix each call, the copies together far larger than the
+  caches (`--stream-mb`), as a model's layers stream through a decode step;
+- **hot**: the same copy every call, so the weights come from the caches: the kernel with the
+  memory taken away, what its instructions alone allow (the matrix must fit the last-level
+  cache for this to hold: the default shape does on most CPUs; `--shape` can make it larger).
+
+Both as GB/s of weight bytes beside the read bandwidth measured in the same run with the same
+threads. Hot at or below the bandwidth means no overlap of loads and work can reach the memory
+floor on this CPU (the product is bound by instructions); hot far above cold means the loads are
+what it waits for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from .. import kernels, quant
+from ..options import OneLineParser
+from .runtime import read_bandwidth_gbs
+
+FORMATS = ("q4k", "q6k")
+
+
+def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> quant.QWeight:
+    """A random n x k matrix packed as `fmt` (q4k: 8 groups a super-block; q6k), real layout."""
+    rng = np.random.default_rng(seed)
+    if fmt == "q4k":
+        seg = quant.pack_q4k(rng.uniform(0.01, 0.1, (n, k // 256)).astype(np.float16),
+                             rng.uniform(0.01, 0.1, (n, k // 256)).astype(np.float16),
+                             rng.integers(0, 64, (n, k // 32), dtype=np.uint8),
+                             rng.integers(0, 64, (n, k // 32), dtype=np.uint8),
+                             rng.integers(0, 16, (n, k), dtype=np.uint8))
+    elif fmt == "q6k":
+        seg = quant.pack_q6k(rng.uniform(0.01, 0.1, (n, k // 256)).astype(np.float16),
+                             rng.integers(-64, 64, (n, k // 16), dtype=np.int8),
+                             rng.integers(0, 64, (n, k), dtype=np.uint8))
+    else:
+        raise ValueError(f"unknown format {fmt!r} (one of {', '.join(FORMATS)})")
+    return quant.QWeight(k, [seg])
+
+
+def _copy(w: quant.QWeight) -> quant.QWeight:
+    return quant.QWeight(w.k, [quant.Segment(s.fmt, s.n, s.blob.clone(), s.offset, s.k, s.groups)
+                               for s in w.segments])
+
+
+def best_call_s(x: torch.Tensor, weights: list[quant.QWeight], repeats: int) -> float:
+    """Best over `repeats` passes of the mean seconds of one product, cycling through `weights`."""
+    out = torch.empty(1, weights[0].n)
+    for w in weights:  # first touch and a warm-up
+        kernels.qlinear(x, w, out=out)
+    calls = max(len(weights), 64)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for i in range(calls):
+            kernels.qlinear(x, weights[i % len(weights)], out=out)
+        best = min(best, (time.perf_counter() - t) / calls)
+    return best
+
+
+def measure(fmt: str, n: int, k: int, threads: int, stream_mb: int, repeats: int) -> dict[str, Any]:
+    torch.set_num_threads(threads)
+    w = random_weight(fmt, n, k)
+    copies = [w] + [_copy(w) for _ in range(max(1, stream_mb * 2**20 // w.nbytes) - 1)]
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(1))
+    cold, hot = best_call_s(x, copies, repeats), best_call_s(x, [w], repeats)
+    del copies
+    bandwidth = read_bandwidth_gbs()
+    return {"format": fmt, "n": n, "k": k, "threads": threads, "weight_mb": w.nbytes / 1e6,
+            "cold_us": cold * 1e6, "hot_us": hot * 1e6, "cold_gbs": w.nbytes / cold / 1e9,
+            "hot_gbs": w.nbytes / hot / 1e9, "read_bandwidth_gbs": bandwidth,
+            "gmacs_cold": n * k / cold / 1e9, "gmacs_hot": n * k / hot / 1e9,
+            "cold_of_floor": bandwidth / (w.nbytes / cold / 1e9), "hot_of_floor": bandwidth / (w.nbytes / hot / 1e9)}
+
+
+def report(rows: list[dict[str, Any]]) -> str:
+    lines = ["| format | shape | threads | MB | cold GB/s | hot GB/s | read GB/s | cold / floor | hot / floor |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['format']} | {r['n']}x{r['k']} | {r['threads']} | {r['weight_mb']:.1f} | "
+                     f"{r['cold_gbs']:.1f} | {r['hot_gbs']:.1f} | {r['read_bandwidth_gbs']:.1f} | "
+                     f"{r['cold_of_floor']:.2f}x | {r['hot_of_floor']:.2f}x |")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = OneLineParser(prog="python -m specextend.bench.onerow", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--formats", default=",".join(FORMATS), help="any of q4k, q6k")
+    ap.add_argument("--threads", default=None, help="thread counts (default: 1 and all of torch's)")
+    ap.add_argument("--shape", default="2048x1536", help="N x K: output channels x inputs (default: 1.8 MB "
+                    "in q4k, 2.5 in q6k: inside most CPUs' last-level cache, so that hot means hot)")
+    ap.add_argument("--stream-mb", type=int, default=512, help="the cold copies together (far above the caches)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    return ap
+
+
+def _ints(ap: argparse.ArgumentParser, flag: str, text: str, sep: str = ",") -> list[int]:
+    try:
+        vals = [int(v) for v in text.lower().split(sep)]
+    except ValueError:
+        ap.error(f"{flag}: expected integers separated by {sep!r}, got {text!r}")
+    if any(v < 1 for v in vals):
+        ap.error(f"{flag}: every value must be at least 1, got {text!r}")
+    return vals
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
+    a = ap.parse_args(argv)
+    formats = [f.strip() for f in a.formats.split(",")]
+    if bad := [f for f in formats if f not in FORMATS]:
+        ap.error(f"--formats: unknown {', '.join(bad)} (any of {', '.join(FORMATS)})")
+    shape = _ints(ap, "--shape", a.shape, "x")
+    if len(shape) != 2:
+        ap.error(f"--shape: N x K, e.g. 8960x1536, got {a.shape!r}")
+    n, k = shape
+    if n % 16 or k % 256:
+        ap.error(f"--shape: N must be a multiple of 16 and K of 256, got {n}x{k}")
+    threads = _ints(ap, "--threads", a.threads) if a.threads else sorted({1, torch.get_num_threads()})
+    if not kernels.has_fast_path():
+        print("specextend: the one-row product needs the quantized kernels on a vector path "
+              f"(here: {kernels.describe()})", file=sys.stderr)
+        return 1
+    rows = [measure(f, n, k, t, a.stream_mb, a.repeats)
+            for f in tqdm(formats, desc="formats", unit="format", file=sys.stderr) for t in threads]
+    print(f"one-row product, kernel path {kernels.path()}, CPU {kernels.cpu_name()}\n")
+    print(report(rows))
+    if a.json:
+        tmp = a.json.with_suffix(a.json.suffix + ".tmp")
+        tmp.write_text(json.dumps({"path": kernels.path(), "cpu": kernels.cpu_name(), "rows": rows}, indent=1))
+        tmp.replace(a.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""The one-row product bench (bench/onerow.py): its random weights are real packed matrices (the
+kernel's product equals the dequantized matrix's), both ways are timed and reported, and bad
+options are refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specextend import kernels
+from specextend.bench import onerow
+
+fast = pytest.mark.skipif(not kernels.has_fast_path(), reason="needs the quantized kernels on a vector path")
+
+
+@fast
+@pytest.mark.parametrize("fmt", onerow.FORMATS)
+def test_the_random_weight_is_a_real_matrix_in_its_format(fmt):
+    w = onerow.random_weight(fmt, 32, 512)
+    x = torch.randn(1, 512, dtype=torch.float32, generator=torch.Generator().manual_seed(0))
+    ref = x.double() @ w.dequantize().double().T
+    got = kernels.qlinear(x, w)
+    # The kernel quantizes the row to int8 (per 32 values): close to the float product, not equal.
+    assert torch.allclose(got.double(), ref, rtol=0.05, atol=0.05 * ref.abs().max().item())
+
+
+@fast
+def test_cold_and_hot_are_timed_and_reported(tmp_path, capsys):
+    out = tmp_path / "onerow.json"
+    assert onerow.main(["--shape", "64x512", "--threads", "1", "--stream-mb", "2", "--repeats", "1",
+                        "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["format"] for r in rows] == list(onerow.FORMATS)
+    for r in rows:
+        assert r["cold_us"] > 0 and r["hot_us"] > 0 and r["read_bandwidth_gbs"] > 0
+        assert r["hot_of_floor"] == pytest.approx(r["read_bandwidth_gbs"] / r["hot_gbs"])
+    assert "| q4k | 64x512 | 1 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["--formats", "q4k,q5"], ["--shape", "100x512"], ["--shape", "64"],
+                                  ["--shape", "64xabc"], ["--threads", "0"]])
+def test_bad_options_are_refused_in_one_line(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        onerow.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error:" in err
