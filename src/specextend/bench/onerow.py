@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from .. import kernels, quant
 from ..options import OneLineParser
-from .runtime import read_bandwidth_gbs
+from .runtime import parse_counts, read_bandwidth_gbs
 
 FORMATS = ("q4k", "q6k")
 
@@ -116,29 +116,19 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _ints(ap: argparse.ArgumentParser, flag: str, text: str, sep: str = ",") -> list[int]:
-    try:
-        vals = [int(v) for v in text.lower().split(sep)]
-    except ValueError:
-        ap.error(f"{flag}: expected integers separated by {sep!r}, got {text!r}")
-    if any(v < 1 for v in vals):
-        ap.error(f"{flag}: every value must be at least 1, got {text!r}")
-    return vals
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     a = ap.parse_args(argv)
     formats = [f.strip() for f in a.formats.split(",")]
     if bad := [f for f in formats if f not in FORMATS]:
         ap.error(f"--formats: unknown {', '.join(bad)} (any of {', '.join(FORMATS)})")
-    shape = _ints(ap, "--shape", a.shape, "x")
+    shape = parse_counts(ap, "--shape", a.shape, sep="x")
     if len(shape) != 2:
         ap.error(f"--shape: N x K, e.g. 8960x1536, got {a.shape!r}")
     n, k = shape
     if n % 16 or k % 256:
         ap.error(f"--shape: N must be a multiple of 16 and K of 256, got {n}x{k}")
-    threads = _ints(ap, "--threads", a.threads) if a.threads else sorted({1, torch.get_num_threads()})
+    threads = parse_counts(ap, "--threads", a.threads) if a.threads else sorted({1, torch.get_num_threads()})
     if not kernels.has_fast_path():
         print("specextend: the one-row product needs the quantized kernels on a vector path "
               f"(here: {kernels.describe()})", file=sys.stderr)

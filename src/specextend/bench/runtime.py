@@ -85,14 +85,16 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _counts(ap: argparse.ArgumentParser, flag: str, text: str, allow_empty: bool = False) -> list[int]:
-    """Comma-separated whole numbers of at least 1 (exit 2 with one line otherwise)."""
+def parse_counts(ap: argparse.ArgumentParser, flag: str, text: str, allow_empty: bool = False, sep: str = ","
+                 ) -> list[int]:
+    """Whole numbers of at least 1 separated by `sep` (exit 2 with one line otherwise)."""
     if allow_empty and not text.strip():
         return []
     try:
-        values = [int(v) for v in text.split(",")]
+        values = [int(v) for v in text.lower().split(sep)]
     except ValueError:
-        ap.error(f"{flag}: comma-separated whole numbers, not {text!r}")
+        what = "comma-separated" if sep == "," else f"{sep!r}-separated"
+        ap.error(f"{flag}: {what} whole numbers, not {text!r}")
     if min(values) < 1:
         ap.error(f"{flag}: every number must be at least 1")
     return values
@@ -103,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = _parser()
     a = ap.parse_args(argv)
-    rows = _counts(ap, "--rows", a.rows)
-    lengths = _counts(ap, "--prefill-lengths", a.prefill_lengths, allow_empty=True)
+    rows = parse_counts(ap, "--rows", a.rows)
+    lengths = parse_counts(ap, "--prefill-lengths", a.prefill_lengths, allow_empty=True)
     if min([a.context, a.prefill_tokens, a.repeats, *rows]) < 1:
         ap.error("--context, --prefill-tokens, --repeats and --rows must be at least 1")
     if a.device != "cpu":

@@ -57,6 +57,17 @@ inline __m256 cvt_i8(const uint8_t* p) {
 inline __m256 cvt_f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline __m256i load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
+// A Q6K group half's four steps of 6-bit codes from its two nibble planes and its high-bit plane:
+// step s's high bits sit at bits 2s..2s+1 of hb; shifted to bits 4..5 they join the nibble.
+inline void q6k_codes(const uint8_t* cb, int h, __m256i* w) {
+  const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+  const __m256i a = load(cb + 32 * h), b = load(cb + 64 + 32 * h), hb = load(cb + 128 + 32 * h);
+  w[0] = _mm256_or_si256(_mm256_and_si256(a, low), _mm256_and_si256(_mm256_slli_epi16(hb, 4), top));
+  w[1] = _mm256_or_si256(_mm256_and_si256(b, low), _mm256_and_si256(_mm256_slli_epi16(hb, 2), top));
+  w[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low), _mm256_and_si256(hb, top));
+  w[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low), _mm256_and_si256(_mm256_srli_epi16(hb, 2), top));
+}
+
 // acc = fma(float(dot) * d8, scale, acc): the reference epilogue of one group, 8 channels.
 inline __m256 epilogue(__m256i dot, float d8, __m256 scale, __m256 acc) {
   return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d8)), scale, acc);
@@ -148,7 +159,6 @@ inline void q6k_dots(const __m256i (*w)[2], const int8_t* const* q, __m256i (*do
 template <int R>
 void panel_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m256 (*acc)[2]) {
   const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16;
-  const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
   alignas(32) __m256i w[4][2];  // [step][half]
   for (int64_t sb = 0; sb < nsb; ++sb, p += 3360) {
     const __m256 d[2] = {cvt_f16(p), cvt_f16(p + 16)};
@@ -157,13 +167,9 @@ void panel_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __
       const uint8_t* cb = p + 288 + 192 * g;
       prefetch(p + 210 * g, 210);
       for (int h = 0; h < 2; ++h) {
-        // Step s's high bits sit at bits 2s..2s+1 of hb; shifted to bits 4..5 they join the nibble.
-        const __m256i a = load(cb + 32 * h), b = load(cb + 64 + 32 * h), hb = load(cb + 128 + 32 * h);
-        w[0][h] = _mm256_or_si256(_mm256_and_si256(a, low), _mm256_and_si256(_mm256_slli_epi16(hb, 4), top));
-        w[1][h] = _mm256_or_si256(_mm256_and_si256(b, low), _mm256_and_si256(_mm256_slli_epi16(hb, 2), top));
-        w[2][h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low), _mm256_and_si256(hb, top));
-        w[3][h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low),
-                                  _mm256_and_si256(_mm256_srli_epi16(hb, 2), top));
+        __m256i c[4];
+        q6k_codes(cb, h, c);
+        for (int st = 0; st < 4; ++st) w[st][h] = c[st];
       }
       const __m256 scale[2] = {_mm256_mul_ps(d[0], cvt_i8(p + 32 + 16 * g)), _mm256_mul_ps(d[1], cvt_i8(p + 40 + 16 * g))};
       for (int r = 0; r < R; r += 2) {
@@ -281,7 +287,7 @@ void one_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m2
 
 void one_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m256* acc) {
   const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16;
-  const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* q = x.q8 + r0 * x.k;
   for (int64_t sb = 0; sb < nsb; ++sb, p += 3360) {
     const __m256 d[2] = {cvt_f16(p), cvt_f16(p + 16)};
@@ -296,15 +302,10 @@ void one_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m2
       const float d8 = x.d8[r0 * kb + k0 / 32];
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
-        // The same codes as unpack_q6k_group's, straight into the multiply.
-        const __m256i a = load(cb + 32 * h), b = load(cb + 64 + 32 * h), hb = load(cb + 128 + 32 * h);
-        const __m256i w0 = _mm256_or_si256(_mm256_and_si256(a, low), _mm256_and_si256(_mm256_slli_epi16(hb, 4), top));
-        const __m256i w1 = _mm256_or_si256(_mm256_and_si256(b, low), _mm256_and_si256(_mm256_slli_epi16(hb, 2), top));
-        const __m256i w2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low), _mm256_and_si256(hb, top));
-        const __m256i w3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low),
-                                           _mm256_and_si256(_mm256_srli_epi16(hb, 2), top));
-        __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(w0, a0), _mm256_maddubs_epi16(w1, a1));
-        __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(w2, a2), _mm256_maddubs_epi16(w3, a3));
+        __m256i w[4];  // the codes go straight into the multiply
+        q6k_codes(cb, h, w);
+        __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], a0), _mm256_maddubs_epi16(w[1], a1));
+        __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], a2), _mm256_maddubs_epi16(w[3], a3));
         const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(s01, ones), _mm256_madd_epi16(s23, ones));
         const __m256 scale = _mm256_mul_ps(d[h], cvt_i8(p + 32 + 16 * g + 8 * h));
         acc[h] = epilogue(_mm256_sub_epi32(dot, off), d8, scale, acc[h]);
@@ -458,17 +459,11 @@ struct alignas(32) Q6Group {
 };
 
 inline void unpack_q6k_group(const uint8_t* p, int g, const __m256* d, Q6Group& o) {
-  const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
   const uint8_t* cb = p + 288 + 192 * g;
   for (int h = 0; h < 2; ++h) {
-    // Step s's high bits sit at bits 2s..2s+1 of hb; shifted to bits 4..5 they join the nibble.
-    const __m256i a = load(cb + 32 * h), b = load(cb + 64 + 32 * h), hb = load(cb + 128 + 32 * h);
-    _mm256_store_si256(&o.w[0][h], _mm256_or_si256(_mm256_and_si256(a, low), _mm256_and_si256(_mm256_slli_epi16(hb, 4), top)));
-    _mm256_store_si256(&o.w[1][h], _mm256_or_si256(_mm256_and_si256(b, low), _mm256_and_si256(_mm256_slli_epi16(hb, 2), top)));
-    _mm256_store_si256(&o.w[2][h],
-                       _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low), _mm256_and_si256(hb, top)));
-    _mm256_store_si256(&o.w[3][h], _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low),
-                                                   _mm256_and_si256(_mm256_srli_epi16(hb, 2), top)));
+    __m256i c[4];
+    q6k_codes(cb, h, c);
+    for (int st = 0; st < 4; ++st) _mm256_store_si256(&o.w[st][h], c[st]);
     o.scale[h] = _mm256_mul_ps(d[h], cvt_i8(p + 32 + 16 * g + 8 * h));
   }
 }
