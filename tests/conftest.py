@@ -28,6 +28,8 @@ def pytest_configure(config: pytest.Config) -> None:
     threads = max(1, len(os.sched_getaffinity(0)) // workers)
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)
+    # A crash in a child process (the CLI and server tests') prints where each thread was.
+    os.environ["PYTHONFAULTHANDLER"] = "1"
     # Step costs the tests measure (tiny models) stay out of the user's cache.
     os.environ["SPECEXTEND_COST_CACHE"] = tempfile.mkdtemp(prefix="specextend-costs-")
     SpecEngine.generate = generate  # type: ignore[attr-defined]

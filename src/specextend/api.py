@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
@@ -313,7 +314,24 @@ class Pair(Prompts):
         with self._lock:
             if self._batch is None:
                 self._batch = Generations(self, self.spec.with_own_tokenizer().tokenizer)
+                # Collected without close(): its batch's thread is stopped and joined all the same.
+                weakref.finalize(self, self._batch.shutdown)
             return self._batch
+
+    def close(self) -> None:
+        """Stop the thread that runs lists of prompts (started by the first list), waiting for
+        the step it is in. The pair stays usable: a later list starts a new batch. Also done when
+        the pair is collected and at interpreter exit; `with specextend.load() as pair:` closes it."""
+        with self._lock:
+            batch, self._batch = self._batch, None
+        if batch is not None:
+            batch.shutdown()
+
+    def __enter__(self) -> Pair:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _many(prompt: Any) -> bool:

@@ -7,6 +7,7 @@ steps on a thread of its own. The server's local backend runs its requests here,
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol
@@ -52,12 +53,22 @@ class Batching:
         self.batch = Batch(pair.target, pair.draft)
         engine = self.batch.engine(pair.eos_ids, pair.step_costs())  # measures the costs once per machine (cached)
         self.limits = limits if limits is not None else default_limits(pair, max_queue, **batching)
+        # The scheduler's thread must not keep the pair alive (a Pair collected by Python stops its
+        # batch: Pair.close), so the estimate reaches the pair through a weak reference.
+        kv_bytes = weakref.WeakMethod(pair.kv_bytes)
         self.scheduler = Scheduler(self.batch, lambda job: run(engine, job),
-                                   lambda job: pair.kv_bytes(len(job.ids), job.settings), self.limits)
+                                   lambda job: _call(kv_bytes)(len(job.ids), job.settings), self.limits)
 
     def shutdown(self) -> None:
         """Stop the steps; running and waiting requests end as cancelled."""
         self.scheduler.shutdown()
+
+
+def _call(ref: weakref.WeakMethod[Callable[[int, Settings], int]]) -> Callable[[int, Settings], int]:
+    method = ref()
+    if method is None:
+        raise RuntimeError("the pair of this batch has been closed")
+    return method
 
 
 class _Call:

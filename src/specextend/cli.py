@@ -373,9 +373,8 @@ def _generate_many(args: argparse.Namespace, settings: Settings, requests: list[
                                 make_settings(settings, **_settings_of(r)))
         except UserError as e:
             raise UserError(f"{args.prompts_file} line {r['_line']}: {e}") from None
-    with _stdout_to_stderr() as out:
-        results = prepared.load().generate([{k: v for k, v in r.items() if k != "_line"} for r in requests],
-                                           **common)
+    with _stdout_to_stderr() as out, prepared.load() as pair:  # closing the pair joins the batch's thread
+        results = pair.generate([{k: v for k, v in r.items() if k != "_line"} for r in requests], **common)
     for result in results:
         assert result is not None  # none is cancelled
         line = json.dumps(result.to_json(), ensure_ascii=not _utf8(out)) if args.json else result.text

@@ -25,12 +25,14 @@ while the models compute. A request is a `Job`: the server's (serve/jobs.py) or 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import math
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -53,6 +55,20 @@ KV_SHARE = 0.3
 MIN_DEFAULT_KV_MB = 512
 HEAD_WAIT_S = 30.0  # after this long at the head of the queue, a request waiting for memory blocks the others
 IDLE_POLL_S = 0.5
+
+
+# Every scheduler whose thread may still run. Its thread is a daemon (a forgotten scheduler must not
+# keep the interpreter alive), so it is stopped and joined at exit: a daemon thread left inside a C++
+# call while the interpreter finalizes is ended by the runtime mid-call, which aborts the process
+# ("terminate called without an active exception") after all its output was written.
+_LIVE: weakref.WeakSet[Scheduler] = weakref.WeakSet()
+
+
+@atexit.register
+def shutdown_all() -> None:
+    """Stop and join every live scheduler's thread (at interpreter exit; safe to call any time)."""
+    for sched in list(_LIVE):
+        sched.shutdown()
 
 
 def available_memory_mb() -> float | None:
@@ -107,6 +123,10 @@ class QueueFull(Exception):
         self.retry_after = retry_after
 
 
+class Stopped(Exception):
+    """A job submitted after `Scheduler.shutdown`."""
+
+
 class TooLarge(Exception):
     """A request whose caches alone exceed the KV budget."""
 
@@ -156,6 +176,7 @@ class Scheduler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="specextend-batch", daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     # ----------------------------------------------------------------- the event loop's side
 
@@ -172,7 +193,10 @@ class Scheduler:
         return max(0, self.admitted - self.running)
 
     def submit(self, job: Job) -> None:
-        """Queue a job (from the event loop); QueueFull or TooLarge when it cannot be taken."""
+        """Queue a job (from the event loop); QueueFull or TooLarge when it cannot be taken,
+        Stopped once the scheduler is shut down."""
+        if self._stop.is_set():
+            raise Stopped("the batch has been shut down")
         need = self.kv_bytes(job)
         if need > self.limits.kv_bytes:
             raise TooLarge(f"this request's caches need {need / 2**20:.0f} MB, more than the server's KV budget of "
@@ -186,10 +210,18 @@ class Scheduler:
         self._inbox.put(_Request(job, need, time.perf_counter()))
 
     def shutdown(self) -> None:
-        """Stop the steps; running and waiting requests end as cancelled."""
+        """Stop the steps and join the thread (it ends after the step it is in); running and
+        waiting requests end as cancelled. Idempotent; a no-op on the scheduler's own thread."""
         self._stop.set()
         self._inbox.put(None)
-        self._thread.join(30)
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+        _LIVE.discard(self)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the scheduler's thread still runs."""
+        return self._thread.is_alive()
 
     # ----------------------------------------------------------------- the scheduler's thread
 

@@ -87,12 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     methods = a.methods.split(",")
     if unknown := [m for m in methods if m not in METHODS]:
         ap.error(f"unknown method {unknown[0]!r}: choose from {', '.join(METHODS)}")
-    pair = api.load()
     prompts = list(SHORT_PROMPTS[:a.prompts])
-    rows = [measure(pair, prompts, m, a.max_new_tokens, a.rounds) for m in methods]
+    with api.load() as pair:
+        rows = [measure(pair, prompts, m, a.max_new_tokens, a.rounds) for m in methods]
+        kernels = pair.last_result.cpu_kernels
     print(table(rows))
     if a.out is not None:
-        write_text_atomic(a.out, json.dumps({"cpu_kernels": pair.last_result.cpu_kernels, "rows": rows}, indent=1))
+        write_text_atomic(a.out, json.dumps({"cpu_kernels": kernels, "rows": rows}, indent=1))
     return 0
 
 
