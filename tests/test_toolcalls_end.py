@@ -70,7 +70,7 @@ NOT_CALLS = {
     "arguments missing": '{"name": "find_flights", "arguments": {"from": "Lisbon"}}',
     "an unknown key": '{"name": "forecast", "arguments": {"city": "Oslo"}, "why": "cold"}',
     "a list of numbers": "[1, 2, 3]",
-    "unclosed": '```json\n{"name": "forecast", "arguments": {"city": "Os',
+    "unclosed, not yet a function's call": '```json\n{"name": "for',
     "an empty list": "[]",
     "text that starts like markup": "<tool is what I would use",
 }
@@ -152,6 +152,48 @@ def test_anything_else_stays_text(text):
     for size in (1, 3):
         content, calls, _ = streamed(SPEC.parser(), text, size)
         assert (content, calls) == (text, [])
+
+
+def test_a_bare_call_cut_by_max_tokens_is_dropped():
+    # Past {"name": "<a function>" the grammar holds the answer to the call (below): cut, it is no text.
+    for text in ('```json\n{"name": "forecast", "arguments": {"city": "Os', '{ "name" :"forecast"'):
+        p = SPEC.parser()
+        assert p.answer(text) == (None, []) and p.finish_reason("length") == "length"
+        assert streamed(SPEC.parser(), text, 3)[:2] == (None, [])
+
+
+def test_the_auto_grammar_holds_a_bare_call_to_its_schema(folders):
+    from specextend.api import prepare
+
+    prepared = prepare(folders["target"], folders["draft"], dtype="float64", progress=False)
+
+    def valid_prefix(spec: ToolSpec, text: str) -> str:
+        ids = prepared.tokenizer.encode(text, add_special_tokens=False)
+        state = prepared.grammar(spec.grammar(prepared.tokenizer)).start()
+        n = state.valid_prefix(ids)
+        if n < len(ids):
+            return prepared.tokenizer.decode(ids[:n])
+        for t in ids:
+            state.consume(t)
+        return text if state.accepting else f"{text} (not an end)"
+
+    # Every bare call, the markup, and free text are said whole; a bare call's start binds the rest.
+    refused = {"arguments not valid", "arguments missing", "an unknown key", "a call then prose"}
+    for key, text in [*BARE.items(), *NOT_CALLS.items(), ("markup", A)]:
+        got = valid_prefix(SPEC, text)
+        if key in refused:
+            assert len(got) < len(text), key
+        else:
+            assert got == text, key
+    bad = '```json\n{\n  "name": "forecast",\n  "arguments": {"city": "Oslo", "days": 9}}\n```'
+    assert valid_prefix(SPEC, bad) == bad[:bad.index("9")]  # the schema's maximum is 7
+    then_prose = '{"name": "forecast", "arguments": {"city": "Oslo"}} Done.'
+    assert valid_prefix(SPEC, then_prose) == then_prose[:-len("Done.")]
+    cut = '{"name": "forecast", "arguments": {"city": "Os'
+    assert valid_prefix(SPEC, cut) == f"{cut} (not an end)"
+    # Recovery off: that is free text again.
+    off = ToolSpec.parse(TOOLS, tool_call_recovery=False)
+    assert valid_prefix(off, bad) == bad and valid_prefix(off, then_prose) == then_prose
 
 
 def test_text_is_held_only_while_it_can_still_be_a_call():

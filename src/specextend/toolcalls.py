@@ -40,6 +40,15 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 CHOICES = ("auto", "none", "required")
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 MAX_TOOLS = 128
+# The start of a bare JSON call under `auto`: an optional ```json fence, then {"name": "<function>"
+# with any spacing. Past it the grammar holds the answer to that call (`ToolSpec.grammar`).
+BARE_HEAD = r'\s*(```(json|JSON)?[ \t]*\n)?\s*\{{\s*"name"\s*:\s*"({names})"'
+
+
+def bare_head(names: Sequence[str]) -> str:
+    """The regular expression (Python's and llguidance's alike) of the start of a bare JSON call
+    of one of `names`."""
+    return BARE_HEAD.format(names="|".join(re.escape(n) for n in names))
 
 
 class ToolError(UserError):
@@ -112,14 +121,31 @@ class ToolSpec:
         opener, closer = (_literal(tokenizer, t) for t in (OPEN, CLOSE))
         fns = [f"fn{i}" for i in range(len(self.called))]
         several = self.parallel and self.choice in CHOICES  # a named function: one call of it
+        bare = self.choice == "auto" and self.recover
+        # Free text never holds the opener (once it is written, the answer is calls), nor a bare call's start.
+        text = f"/(.|\\n)+/ & ~/(.|\\n)*{re.escape(OPEN)}(.|\\n)*/"
+        if bare:
+            text += f" & ~/{bare_head([t.name for t in self.called])}(.|\\n)*/"
         lines = [
-            "start: TEXT | calls" if self.choice == "auto" else "start: calls",
+            {"auto": "start: TEXT | calls | bare" if bare else "start: TEXT | calls"}.get(self.choice, "start: calls"),
             'calls: call ("\\n" call)*' if several else "calls: call",
             f'call: {opener} "\\n" ({" | ".join(fns)}) "\\n" {closer}',
             *(f"{fn}: %json {json.dumps(t.call_schema())}" for fn, t in zip(fns, self.called, strict=True)),
-            # Free text never holds the opener: once it is written, the answer is calls.
-            f"TEXT: /(.|\\n)+/ & ~/(.|\\n)*{re.escape(OPEN)}(.|\\n)*/",
+            f"TEXT: {text}",
         ]
+        if bare:
+            # Once free text has begun a bare JSON call of a function (BARE_HEAD), it is free text no
+            # more: the rest is that call, its arguments valid for the schema, and nothing after it.
+            heads = [f"bare{i}: BARE{i} BARE_ARGS {fn}_args BARE_END" for i, fn in enumerate(fns)]
+            lines += [
+                f"bare: {' | '.join(f'bare{i}' for i in range(len(fns)))}",
+                *heads,
+                *(f"BARE{i}: /{bare_head([t.name])}/" for i, t in enumerate(self.called)),
+                *(f"{fn}_args: %json {json.dumps({**t.parameters, 'x-guidance': {'whitespace_flexible': True}})}"
+                  for fn, t in zip(fns, self.called, strict=True)),
+                'BARE_ARGS: /\\s*,\\s*"(arguments|parameters)"\\s*:\\s*/',
+                "BARE_END: /\\s*\\}\\s*(```\\s*)?/",
+            ]
         return GrammarSpec("grammar", "\n".join(lines))
 
 
@@ -300,6 +326,9 @@ class CallParser:
         if self.mode != "undecided":
             return []
         verdict, found = self._bare(self.buf)
+        if verdict == "maybe" and self.tools and re.match(bare_head([t.name for t in self.tools]), self.buf):
+            self.mode, self.buf = "calls", ""  # a bare call the grammar held to, cut by max_tokens: dropped
+            return []
         if verdict != "calls":
             self.mode = "text"
             return self.push("")
@@ -373,13 +402,13 @@ class CallParser:
         ```json fence): "calls" (with them), "maybe" (a prefix of one) or "no"."""
         if not self.tools:
             return "no", []
-        s, fenced = text.lstrip(), False
+        s = text.lstrip()
         if s.startswith("```"):
             m = FENCE.match(s)
             if m is None:
                 head = s[3:]
                 return ("maybe" if "\n" not in head and "json".startswith(head.strip(" \t").lower()) else "no"), []
-            s, fenced = s[m.end():].lstrip(), True
+            s = s[m.end():].lstrip()
         elif "```".startswith(s):
             return "maybe", []
         if not s:
@@ -389,8 +418,7 @@ class CallParser:
         end = json_end(s)
         if end is None:
             return ("maybe" if self._may_be_call(s) else "no"), []
-        rest = s[end:].strip()
-        if rest and not (fenced and "```".startswith(rest)):
+        if not "```".startswith(s[end:].strip()):  # a closing fence (or, as the grammar allows, a stray one)
             return "no", []
         try:
             value = json.loads(s[:end])
