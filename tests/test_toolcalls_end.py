@@ -65,7 +65,7 @@ NOT_CALLS = {
     "a JSON example": '```json\n{"name": "John", "age": 30, "city": "Oslo"}\n```',
     "a JSON example with a form's keys": '{"name": "Ada", "arguments": {"city": "Oslo"}}',
     "prose around a call": 'Here is a call:\n```json\n{"name": "forecast", "arguments": {"city": "Oslo"}}\n```',
-    "a call then prose": '```json\n{"name": "forecast", "arguments": {"city": "Oslo"}}\n```\nThat gives the forecast.',
+    "a call then prose": '```json\n{"function": "forecast", "arguments": {"city": "Oslo"}}\n```\nThat is the call.',
     "arguments not valid": '{"name": "forecast", "arguments": {"city": "Oslo", "days": 9}}',
     "arguments missing": '{"name": "find_flights", "arguments": {"from": "Lisbon"}}',
     "an unknown key": '{"name": "forecast", "arguments": {"city": "Oslo"}, "why": "cold"}',
@@ -178,7 +178,7 @@ def test_the_auto_grammar_holds_a_bare_call_to_its_schema(folders):
         return text if state.accepting else f"{text} (not an end)"
 
     # Every bare call, the markup, and free text are said whole; a bare call's start binds the rest.
-    refused = {"arguments not valid", "arguments missing", "an unknown key", "a call then prose"}
+    refused = {"arguments not valid", "arguments missing", "an unknown key"}
     for key, text in [*BARE.items(), *NOT_CALLS.items(), ("markup", A)]:
         got = valid_prefix(SPEC, text)
         if key in refused:
@@ -207,9 +207,20 @@ def test_text_is_held_only_while_it_can_still_be_a_call():
     assert p.push('hn", ') == [{"content": '```json\n{"name": "John", '}]
     p = SPEC.parser()
     assert p.push('{"age"') == [{"content": '{"age"'}]
+    # A call in a form the grammar does not hold is sent when the answer ends: prose may follow.
     p = SPEC.parser()
-    assert p.push('{"name": "forecast", "arguments": {"city": "Oslo"}}') == []
-    assert p.push("\nIt will") == [{"content": '{"name": "forecast", "arguments": {"city": "Oslo"}}\nIt will'}]
+    assert p.push('{"function": "forecast", "arguments": {"city": "Oslo"}}') == []
+    assert p.push("\nIt will") == [{"content": '{"function": "forecast", "arguments": {"city": "Oslo"}}\nIt will'}]
+    # One the grammar holds ({"name": "<a function>" first) is sent the moment its JSON closes.
+    p = SPEC.parser()
+    assert p.push('```json\n{"name": "forecast", "arguments": {"city": "Oslo"') == []
+    (delta,) = p.push("}}")
+    assert delta["tool_calls"][0]["function"] == {"name": "forecast", "arguments": '{"city": "Oslo"}'}
+    assert p.push("\n```\n") == [] and p.answer("") == (None, p.tool_calls())
+    # (The grammar lets nothing follow it; a scripted answer's rest is not read, whole or streamed.)
+    then = '{"name": "forecast", "arguments": {"city": "Oslo"}} Done.'
+    expect = (None, [("forecast", {"city": "Oslo"})])
+    assert whole(SPEC.parser(), then) == streamed(SPEC.parser(), then, 2)[:2] == expect
 
 
 def test_an_unreadable_schema_recovers_no_call():

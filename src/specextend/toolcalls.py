@@ -308,9 +308,12 @@ class CallParser:
             return []
         self.buf += text
         if self.mode == "undecided":
+            verdict, found = self._bare(self.buf)
             if self.buf.startswith(OPEN):
                 self.mode = "calls"
-            elif OPEN.startswith(self.buf) or self._bare(self.buf)[0] != "no":
+            elif verdict == "calls" and self._held():
+                return self._take(found)  # the grammar allows nothing after it but spaces and a fence
+            elif OPEN.startswith(self.buf) or verdict != "no":
                 return []  # it may still be a call: held back
             else:
                 self.mode = "text"
@@ -326,14 +329,23 @@ class CallParser:
         if self.mode != "undecided":
             return []
         verdict, found = self._bare(self.buf)
-        if verdict == "maybe" and self.tools and re.match(bare_head([t.name for t in self.tools]), self.buf):
+        if verdict == "maybe" and self._held():
             self.mode, self.buf = "calls", ""  # a bare call the grammar held to, cut by max_tokens: dropped
             return []
         if verdict != "calls":
             self.mode = "text"
             return self.push("")
+        return self._take(found)
+
+    def _take(self, found: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+        """A bare answer's calls, given out (a call repeated in it given once)."""
         self.mode, self.buf = "calls", ""
         return [d for d in (self._record(name, args) for name, args in found) if d is not None]
+
+    def _held(self, text: str | None = None) -> bool:
+        """The text (so far) begins a bare call of a function: the grammar holds the rest to it."""
+        text = self.buf if text is None else text
+        return bool(self.tools) and re.match(bare_head([t.name for t in self.tools]), text) is not None
 
     def tool_calls(self) -> list[dict[str, Any]]:
         """The complete calls, in OpenAI's message shape."""
@@ -418,7 +430,9 @@ class CallParser:
         end = json_end(s)
         if end is None:
             return ("maybe" if self._may_be_call(s) else "no"), []
-        if not "```".startswith(s[end:].strip()):  # a closing fence (or, as the grammar allows, a stray one)
+        # After it: a closing fence (or, as the grammar allows, a stray one); after a call the grammar
+        # holds, nothing else can come (a scripted answer's rest is not read, as a stream's is not).
+        if not "```".startswith(s[end:].strip()) and not self._held(text):
             return "no", []
         try:
             value = json.loads(s[:end])
