@@ -1,4 +1,4 @@
-"""Issue 47's tool-call goals against a running server, through the `openai` client:
+"""Issue 47's tool-call goals against a running server, through the `openai` client.
 
     python -m specextend.bench.tool_goals --url http://127.0.0.1:8000 --out results/tool-goals
 
@@ -88,9 +88,9 @@ def invalid(call: dict[str, Any], tools: list[dict[str, Any]]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m specextend.bench.tool_goals", description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", required=True, help="the server's base URL (without /v1)")
-    ap.add_argument("--api-key", default="none")
+    ap.add_argument("--api-key", default="none", help="the key the server asks for, if any")
     ap.add_argument("--out", type=Path, default=None, help="folder for tool_goals.json and summary.md")
     args = ap.parse_args(argv)
     import openai
