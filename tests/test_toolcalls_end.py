@@ -223,6 +223,13 @@ def test_text_is_held_only_while_it_can_still_be_a_call():
     assert whole(SPEC.parser(), then) == streamed(SPEC.parser(), then, 2)[:2] == expect
 
 
+def test_one_call_only_without_parallel_tool_calls():
+    one = ToolSpec.parse(TOOLS, parallel_tool_calls=False).parser()
+    assert one.answer(BARE["a list"]) == (BARE["a list"], [])
+    assert whole(ToolSpec.parse(TOOLS, parallel_tool_calls=False).parser(), BARE["plain"])[1] == \
+        [("forecast", {"city": "Oslo"})]
+
+
 def test_an_unreadable_schema_recovers_no_call():
     spec = ToolSpec.parse([{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": 12}}}}}])
@@ -370,3 +377,18 @@ def test_a_bad_tool_call_recovery_is_a_400(url):
     r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                        "tools": TOOLS, "tool_call_recovery": "no", "max_tokens": 4})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_call_recovery"
+
+
+def test_the_goals_bench_counts_calls_and_misses(url, says, tmp_path):
+    from specextend.bench import tool_goals
+
+    # Every answer the same valid call of get_weather: the forced cases and the weather questions
+    # pass, and so the two questions that need no call miss their goal.
+    says(f'{OPEN}\n{{"name": "get_weather", "arguments": {{"city": "Oslo"}}}}\n{CLOSE}')
+    assert tool_goals.main(["--url", url, "--out", str(tmp_path)]) == 1
+    rows = json.loads((tmp_path / "tool_goals.json").read_text())
+    assert len(rows) == 14 and all(r["tool_calls"] == [{"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
+                                   for r in rows)
+    assert [r["ok"] for r in rows] == [True] * 12 + [False] * 2
+    assert "8/8 with valid calls and no markup; auto: calls on 4/4 weather questions, none on 0/2" in \
+        (tmp_path / "summary.md").read_text()

@@ -106,7 +106,7 @@ class ToolSpec:
     def parser(self) -> CallParser:
         """A parser of an answer under this spec: bare JSON calls recognised where the choice is
         the model's (`auto`) and recovery is on."""
-        return CallParser(self.tools if self.choice == "auto" and self.recover else ())
+        return CallParser(self.tools if self.choice == "auto" and self.recover else (), several=self.parallel)
 
     @property
     def called(self) -> tuple[Tool, ...]:
@@ -290,6 +290,7 @@ class CallParser:
     calls on in a loop has said what it had to say."""
 
     tools: tuple[Tool, ...] = ()  # tools whose bare JSON calls are recognised; (): markup only
+    several: bool = True  # a bare answer may make several calls (parallel_tool_calls)
     buf: str = ""  # text received and not yet given out
     mode: str = "undecided"  # "text", "calls" (markup or a bare call), "ended" (by a repeated call)
     content: str = ""
@@ -459,7 +460,9 @@ class CallParser:
             value = value["tool_calls"]
         items = value if isinstance(value, list) else [value]
         found = [self._form(item) for item in items]
-        return [c for c in found if c is not None] if items and None not in found else []
+        if not items or None in found or (len(found) > 1 and not self.several):
+            return []
+        return [c for c in found if c is not None]
 
     def _form(self, item: Any) -> tuple[str, dict[str, Any]] | None:
         """{"name": f, "arguments": {...}}, with "parameters" for "arguments", or the same inside
