@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 
     from .costmodel import CostModel
     from .model import Transformer
+    from .toolcalls import ToolSpec
 
 __all__ = ["LoadOptions", "Pair", "Prefilled", "Prepared", "Result", "Settings", "load", "prepare"]
 
@@ -184,15 +185,17 @@ class Pair(Prompts):
     def generation(self, prompt: str | Sequence[int], *, chat: bool = False, settings: Settings | None = None,
                    response_format: Any = None, logprobs: int | None = None, tools: list[dict[str, Any]] | None = None,
                    tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool | None = None,
+                   tool_call_recovery: bool | None = None, tool_spec: ToolSpec | None = None,
                    stops: Sequence[str] = (), on_piece: PieceCallback | None = None,
                    cancel: threading.Event | None = None, tokenizer: Any = None, **overrides: Any) -> Generation:
         """One request, checked (bad input raises UserError here) and ready to run on an engine
         (`Generation.run`). Arguments as in `generate`; `stops`, `on_piece` and `cancel` as in
-        `Generation`; `tokenizer`: one of its own for a generation run on another thread."""
+        `Generation`; `tokenizer`: one of its own for a generation run on another thread;
+        `tool_spec`: tools already checked (a server's request, whose grammar is `response_format`)."""
         s = self.settings(settings, **overrides)
-        req = self.request(prompt, chat, response_format, tools, tool_choice, parallel_tool_calls)
+        req = self.request(prompt, chat, response_format, tools, tool_choice, parallel_tool_calls, tool_call_recovery)
         return Generation(self.origin(tokenizer), req.ids, s, grammar=req.grammar, logprobs=logprobs, stops=stops,
-                          on_piece=on_piece, cancel=cancel, tool_calls=req.tool_calls)
+                          on_piece=on_piece, cancel=cancel, tools=req.tools or tool_spec)
 
     @overload
     def generate(self, prompt: str | Sequence[int], *, chat: bool = False, on_text: TextCallback | None = None,
@@ -216,6 +219,7 @@ class Pair(Prompts):
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
         parallel_tool_calls: bool | None = None,
+        tool_call_recovery: bool | None = None,
         **overrides: Any,
     ) -> Result | list[Result | None]:
         """Generate after `prompt` (text, OpenAI's messages, or token ids). Keyword overrides are
@@ -224,14 +228,16 @@ class Pair(Prompts):
         `response_format` constrains the output (OpenAI's, or a regex / grammar: see the module's
         docstring); `logprobs` (0-20) asks for each token's log-probability and that many
         alternatives. `tools`, `tool_choice` and `parallel_tool_calls` are OpenAI's (toolcalls.py):
-        the result's `tool_calls` are the calls the answer made.
+        the result's `tool_calls` are the calls the answer made (under `auto`, an answer that is
+        nothing but a call written as bare JSON too, unless `tool_call_recovery` is False).
 
         A list of prompts runs in one continuous batch (batching.py) and returns their results in
         order, each the tokens that prompt gets alone. An item is a prompt, a dict of its `prompt`
         and its own arguments (settings, `chat`, `response_format`, `logprobs`) over the common
         ones, or a `Generation` from `generation` (which can be cancelled: its result is then None).
         Calls from several threads share the batch."""
-        tool_args = dict(tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls)
+        tool_args = dict(tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
+                         tool_call_recovery=tool_call_recovery)
         if _many(prompt):
             return self._generate_many(prompt, dict(chat=chat, on_text=on_text, settings=settings,
                                                     response_format=response_format, logprobs=logprobs,

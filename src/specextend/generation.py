@@ -32,7 +32,7 @@ from .models.loader import QUANTIZED_WEIGHTS
 from .penalties import Penalties
 from .settings import Settings
 from .stops import StopStrings
-from .toolcalls import CallParser
+from .toolcalls import ToolSpec
 
 if TYPE_CHECKING:
     from .model import Transformer
@@ -216,13 +216,14 @@ class Generation:
     `on_piece(text, entries)` receives each accepted batch's text (cut before the first stop
     string; `sent` is all of it) and its log-probability entries when `logprobs` asked for them.
     A set `cancel` stops the decode at its next accepted batch (`cancelled` then says so). With
-    `tool_calls` the result's `tool_calls` are the calls its text makes (the grammar made them valid)."""
+    `tools` the result's `tool_calls` are the calls its text makes (toolcalls.CallParser, as the
+    text streams), and a call that repeats an earlier one ends the decode as a stop string does."""
 
     def __init__(self, origin: Origin, ids: list[int], settings: Settings, *, grammar: Grammar | None = None,
                  logprobs: int | None = None, stops: Sequence[str] = (), on_piece: PieceCallback | None = None,
-                 cancel: threading.Event | None = None, tool_calls: bool = False) -> None:
+                 cancel: threading.Event | None = None, tools: ToolSpec | None = None) -> None:
         check_logprobs(logprobs)
-        self.tool_calls = tool_calls  # the answer is parsed into tool calls (toolcalls.py)
+        self.calls = tools.parser() if tools is not None else None  # the answer parsed into calls
         self.origin, self.ids, self.settings = origin, ids, settings
         self.grammar, self.logprobs = grammar, logprobs
         self.stops = StopStrings(stops)
@@ -236,20 +237,26 @@ class Generation:
 
     @property
     def streams(self) -> bool:
-        return self.on_piece is not None or bool(self.stops.stops)
+        return self.on_piece is not None or bool(self.stops.stops) or self.calls is not None
 
     @property
     def cancelled(self) -> bool:
         """Stopped early because `cancel` was set (not by a stop string, its length or an end token)."""
         r = self.result
         return (r is not None and r.stop_reason == "stopped" and self.cancel is not None and self.cancel.is_set()
-                and not self.stops.hit)
+                and not self.stopped)
 
     @property
     def finish_reason(self) -> str:
-        """OpenAI's: "length" when max_new_tokens ended it, else "stop" (an end token, a stop string)."""
+        """OpenAI's: "length" when max_new_tokens ended it, else "stop" (an end token, a stop
+        string, a repeated tool call)."""
         assert self.result is not None
-        return "length" if self.result.stop_reason == "length" and not self.stops.hit else "stop"
+        return "length" if self.result.stop_reason == "length" and not self.stopped else "stop"
+
+    @property
+    def stopped(self) -> bool:
+        """Its text ended it: a stop string, or a tool call that repeats an earlier one."""
+        return self.stops.hit or (self.calls is not None and self.calls.ended)
 
     def run(self, engine: Engine) -> Result:
         """Prefill (from the longest cached prefix), decode and stream; the `Result`."""
@@ -263,17 +270,18 @@ class Generation:
             if detok is not None:
                 detok.push(new_ids)
                 self._post(proc)
-            return self.stops.hit
+            return self.stopped
 
         listens = detok is not None or self.cancel is not None
         self._state = engine.prefill(self.ids, s, self.origin.lookup(self.ids, s))
         self.result = self.origin.result(engine.decode(self._state, s, on_tokens if listens else None, proc), proc)
-        if self.tool_calls:
-            self.result.tool_calls = CallParser().answer(self.result.text)[1]
-        if detok is not None and not self.stops.hit:
+        if detok is not None and not self.stopped:
             detok.finish(self.result.text)
             self._send(self.stops.flush(), held=True)
             self._post(proc)
+        if self.calls is not None:
+            self.calls.finish()
+            self.result.tool_calls = self.calls.tool_calls()
         return self.result
 
     def remember(self) -> None:
@@ -286,6 +294,8 @@ class Generation:
         if safe:
             self.sent.append(safe)
             self._pending.append(safe)
+            if self.calls is not None:
+                self.calls.push(safe)
 
     def _post(self, proc: LogitsProcessor | None) -> None:
         # One piece per batch of tokens: its text and its tokens' log-probabilities together.

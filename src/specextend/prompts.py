@@ -27,11 +27,11 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class TokenRequest:
     """What a request asks of the tokens: its prompt ids, the grammar its answer follows (None:
-    free text) and whether that answer is a tool call (parsed into `Result.tool_calls`)."""
+    free text) and the tools it may call (its calls are parsed into `Result.tool_calls`)."""
 
     ids: list[int]
     grammar: Grammar | None
-    tool_calls: bool
+    tools: ToolSpec | None
 
 
 class Prompts:
@@ -150,18 +150,19 @@ class Prompts:
 
     def request(self, prompt: str | Sequence[int] | Sequence[dict[str, Any]], chat: bool = False,
                 response_format: Any = None, tools: list[dict[str, Any]] | None = None,
-                tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool | None = None
-                ) -> TokenRequest:
+                tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool | None = None,
+                tool_call_recovery: bool | None = None) -> TokenRequest:
         """A request's checked prompt ids and the constraint on its answer: the grammar of its
         `response_format`, or of a call to one of its `tools` (OpenAI's `tools`, `tool_choice`
-        and `parallel_tool_calls`, toolcalls.py; described in the chat template). The two
+        and `parallel_tool_calls`, toolcalls.py; described in the chat template;
+        `tool_call_recovery` false: no bare JSON answer taken for a call). The two
         cannot be combined: a call is constrained to its schema."""
-        spec = ToolSpec.parse(tools, tool_choice, parallel_tool_calls)
+        spec = ToolSpec.parse(tools, tool_choice, parallel_tool_calls, tool_call_recovery)
         ids = self.prompt_ids(prompt, chat, spec)
         if spec is not None and response_format is not None:
             raise UserError("tools and a response_format cannot be combined (a call is constrained to its schema)")
         grammar = self.grammar(spec.grammar(self.tokenizer) if spec is not None else response_format)
-        return TokenRequest(ids, grammar, spec is not None)
+        return TokenRequest(ids, grammar, spec)
 
     def prompt_ids(self, prompt: str | Sequence[int] | Sequence[dict[str, Any]], chat: bool = False,
                    tools: ToolSpec | None = None) -> list[int]:

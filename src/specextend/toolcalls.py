@@ -16,6 +16,12 @@ no tools and constrains nothing. `<tool_call>` is the tokenizer's own token wher
 Qwen2.5's has), else its text. The JSON has the fixed separators of structured outputs, so the
 grammar forces the name, the keys and the punctuation, and a speculative method's calls equal
 `ar`'s as its text does.
+
+`CallParser` reads an answer back into content and calls, streamed or whole: each call is given
+out once complete, a call that repeats an earlier one ends the answer (the generation stops
+there), a call cut by max_tokens is dropped, and the markup never becomes content. Under `auto`
+it also takes an answer that is nothing but a call written as bare JSON (the forms small models
+write instead of the markup, checked against the function's schema) for that call.
 """
 
 from __future__ import annotations
@@ -34,6 +40,15 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 CHOICES = ("auto", "none", "required")
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 MAX_TOOLS = 128
+# The start of a bare JSON call under `auto`: an optional ```json fence, then {"name": "<function>"
+# with any spacing. Past it the grammar holds the answer to that call (`ToolSpec.grammar`).
+BARE_HEAD = r'\s*(```(json|JSON)?[ \t]*\n)?\s*\{{\s*"name"\s*:\s*"({names})"'
+
+
+def bare_head(names: Sequence[str]) -> str:
+    """The regular expression (Python's and llguidance's alike) of the start of a bare JSON call
+    of one of `names`."""
+    return BARE_HEAD.format(names="|".join(re.escape(n) for n in names))
 
 
 class ToolError(UserError):
@@ -72,17 +87,26 @@ class ToolSpec:
     tools: tuple[Tool, ...]
     choice: str = "auto"
     parallel: bool = True
+    recover: bool = True  # `auto`: an answer that is nothing but a bare JSON call is a call (CallParser)
 
     @classmethod
-    def parse(cls, tools: Any, tool_choice: Any = None, parallel_tool_calls: Any = None) -> ToolSpec | None:
-        """The spec of OpenAI's fields, None when no tool may be called; ToolError otherwise."""
-        if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
-            raise ToolError("parallel_tool_calls must be true or false", "parallel_tool_calls")
+    def parse(cls, tools: Any, tool_choice: Any = None, parallel_tool_calls: Any = None,
+              tool_call_recovery: Any = None) -> ToolSpec | None:
+        """The spec of OpenAI's fields (and this server's `tool_call_recovery`), None when no tool
+        may be called; ToolError otherwise."""
+        for name, value in (("parallel_tool_calls", parallel_tool_calls), ("tool_call_recovery", tool_call_recovery)):
+            if value is not None and not isinstance(value, bool):
+                raise ToolError(f"{name} must be true or false", name)
         parsed = _tools(tools)
         choice = _choice(tool_choice, parsed)
         if not parsed or choice == "none":
             return None
-        return cls(parsed, choice, parallel_tool_calls is not False)
+        return cls(parsed, choice, parallel_tool_calls is not False, tool_call_recovery is not False)
+
+    def parser(self) -> CallParser:
+        """A parser of an answer under this spec: bare JSON calls recognised where the choice is
+        the model's (`auto`) and recovery is on."""
+        return CallParser(self.tools if self.choice == "auto" and self.recover else (), several=self.parallel)
 
     @property
     def called(self) -> tuple[Tool, ...]:
@@ -97,14 +121,31 @@ class ToolSpec:
         opener, closer = (_literal(tokenizer, t) for t in (OPEN, CLOSE))
         fns = [f"fn{i}" for i in range(len(self.called))]
         several = self.parallel and self.choice in CHOICES  # a named function: one call of it
+        bare = self.choice == "auto" and self.recover
+        # Free text never holds the opener (once it is written, the answer is calls), nor a bare call's start.
+        text = f"/(.|\\n)+/ & ~/(.|\\n)*{re.escape(OPEN)}(.|\\n)*/"
+        if bare:
+            text += f" & ~/{bare_head([t.name for t in self.called])}(.|\\n)*/"
         lines = [
-            "start: TEXT | calls" if self.choice == "auto" else "start: calls",
+            {"auto": "start: TEXT | calls | bare" if bare else "start: TEXT | calls"}.get(self.choice, "start: calls"),
             'calls: call ("\\n" call)*' if several else "calls: call",
             f'call: {opener} "\\n" ({" | ".join(fns)}) "\\n" {closer}',
             *(f"{fn}: %json {json.dumps(t.call_schema())}" for fn, t in zip(fns, self.called, strict=True)),
-            # Free text never holds the opener: once it is written, the answer is calls.
-            f"TEXT: /(.|\\n)+/ & ~/(.|\\n)*{re.escape(OPEN)}(.|\\n)*/",
+            f"TEXT: {text}",
         ]
+        if bare:
+            # Once free text has begun a bare JSON call of a function (BARE_HEAD), it is free text no
+            # more: the rest is that call, its arguments valid for the schema, and nothing after it.
+            heads = [f"bare{i}: BARE{i} BARE_ARGS {fn}_args BARE_END" for i, fn in enumerate(fns)]
+            lines += [
+                f"bare: {' | '.join(f'bare{i}' for i in range(len(fns)))}",
+                *heads,
+                *(f"BARE{i}: /{bare_head([t.name])}/" for i, t in enumerate(self.called)),
+                *(f"{fn}_args: %json {json.dumps({**t.parameters, 'x-guidance': {'whitespace_flexible': True}})}"
+                  for fn, t in zip(fns, self.called, strict=True)),
+                'BARE_ARGS: /\\s*,\\s*"(arguments|parameters)"\\s*:\\s*/',
+                "BARE_END: /\\s*\\}\\s*(```\\s*)?/",
+            ]
         return GrammarSpec("grammar", "\n".join(lines))
 
 
@@ -204,116 +245,276 @@ def template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]
 # --------------------------------------------------------------------------- the answer
 
 
-HEADER = re.compile(r'\n\{"name": "([A-Za-z0-9_-]{1,64})", "arguments": ')
+FENCE = re.compile(r"```[ \t]*(?:json)?[ \t]*\n", re.IGNORECASE)  # a Markdown code fence's opening line
+# The keys a bare call's object may begin with, in any of the recognised forms (`CallParser._form`).
+FORM_KEYS = frozenset({"name", "arguments", "parameters", "function", "type", "id", "tool_calls"})
+FIRST_KEY = re.compile(r'\[?\s*\{\s*"((?:[^"\\]|\\.)*)"')
+FIRST_NAME = re.compile(r'\[?\s*\{\s*"(?:name|function)"\s*:\s*"((?:[^"\\]|\\.)*)"')
 
 
-@dataclass
-class _Call:
-    id: str
-    name: str
-    arguments: str = ""
-    closed: bool = False  # its block ended with CLOSE
+def json_end(text: str) -> int | None:
+    """The index just past the JSON object or array that `text` opens with (its brackets counted
+    outside strings); None while it is not closed."""
+    depth, string, escape = 0, False, False
+    for i, ch in enumerate(text):
+        if string:
+            if escape:
+                escape = False
+            elif ch == "\\":
+                escape = True
+            elif ch == '"':
+                string = False
+        elif ch == '"':
+            string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
 
 
 @dataclass
 class CallParser:
     """An answer's text, as it arrives, parsed into content and calls. `push` returns the new
     deltas in OpenAI's streaming shape ({"content": ...} or {"tool_calls": [...]}); the whole
-    answer's content and calls are then `content` and `tool_calls()` (one parser for a stream
-    and for a whole answer, so both give the same calls)."""
+    answer's content and calls are then `answer` / `tool_calls()` (one parser for a stream and
+    for a whole answer, so both give the same calls).
 
-    buf: str = ""
-    mode: str = "undecided"  # "text" or "calls" once the first characters tell
-    calls: list[_Call] = field(default_factory=list)
+    An answer is text, or calls in the template's markup, or (with `tools`: `auto`'s recovery) a
+    bare JSON call as small models write one instead. Every call is given out whole, once it is
+    complete: a call cut by max_tokens is never half sent, and the markup never reaches the
+    content. A call identical to an earlier one of the answer (same name, same arguments) ends
+    it (`ended`: the generation stops there, generation.py) and is not given out: a model that
+    calls on in a loop has said what it had to say."""
+
+    tools: tuple[Tool, ...] = ()  # tools whose bare JSON calls are recognised; (): markup only
+    several: bool = True  # a bare answer may make several calls (parallel_tool_calls)
+    buf: str = ""  # text received and not yet given out
+    mode: str = "undecided"  # "text", "calls" (markup or a bare call), "ended" (by a repeated call)
     content: str = ""
-    _depth: int = 0  # the arguments' JSON: nesting, and whether inside a string (after an escape)
-    _string: bool = False
-    _escape: bool = False
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    _seen: set[tuple[str, str]] = field(default_factory=set)
+    _block_open: bool = False  # a markup block's JSON is read, its CLOSE not yet
+    _validators: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ended(self) -> bool:
+        """A repeated call ended the answer: what follows is not read."""
+        return self.mode == "ended"
 
     def push(self, text: str) -> list[dict[str, Any]]:
+        if self.mode == "ended":
+            return []
         self.buf += text
         if self.mode == "undecided":
-            if OPEN.startswith(self.buf):
-                return []
-            self.mode = "calls" if self.buf.startswith(OPEN) else "text"
+            verdict, found = self._bare(self.buf)
+            if self.buf.startswith(OPEN):
+                self.mode = "calls"
+            elif verdict == "calls" and self._held():
+                return self._take(found)  # the grammar allows nothing after it but spaces and a fence
+            elif OPEN.startswith(self.buf) or verdict != "no":
+                return []  # it may still be a call: held back
+            else:
+                self.mode = "text"
         if self.mode == "text":
             piece, self.buf = self.buf, ""
             self.content += piece
             return [{"content": piece}] if piece else []
-        return self._calls()
+        return self._blocks()
 
     def finish(self) -> list[dict[str, Any]]:
-        """Deltas of what was held back (text that began like a call but was not)."""
-        if self.mode == "undecided" and self.buf:
+        """Deltas of what was held back: a bare call's calls, or text that began like a call but
+        was not. A markup call left incomplete is dropped."""
+        if self.mode != "undecided":
+            return []
+        verdict, found = self._bare(self.buf)
+        if verdict == "maybe" and self._held():
+            self.mode, self.buf = "calls", ""  # a bare call the grammar held to, cut by max_tokens: dropped
+            return []
+        if verdict != "calls":
             self.mode = "text"
             return self.push("")
-        return []
+        return self._take(found)
+
+    def _take(self, found: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+        """A bare answer's calls, given out (a call repeated in it given once)."""
+        self.mode, self.buf = "calls", ""
+        return [d for d in (self._record(name, args) for name, args in found) if d is not None]
+
+    def _held(self, text: str | None = None) -> bool:
+        """The text (so far) begins a bare call of a function: the grammar holds the rest to it."""
+        text = self.buf if text is None else text
+        return bool(self.tools) and re.match(bare_head([t.name for t in self.tools]), text) is not None
 
     def tool_calls(self) -> list[dict[str, Any]]:
-        """The complete calls, in OpenAI's message shape; [] if any is incomplete (an answer cut
-        by max_tokens: then its text is the content)."""
-        if not self.calls or not all(c.closed for c in self.calls):
-            return []
-        return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                for c in self.calls]
+        """The complete calls, in OpenAI's message shape."""
+        return list(self.calls)
 
     def answer(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """A whole answer (after any pushes of its start): its content and calls."""
+        """A whole answer (after any pushes of its start): its content (None when it was calls)
+        and its calls."""
         if self.mode == "undecided" and not self.buf:  # nothing pushed yet
             self.push(text)
         self.finish()
-        calls = self.tool_calls()
-        return (None if calls else text), calls
+        return (self.content if self.mode == "text" else None), self.tool_calls()
 
     def finish_reason(self, reason: str) -> str:
-        return "tool_calls" if reason == "stop" and self.tool_calls() else reason
+        return "tool_calls" if reason == "stop" and self.calls else reason
 
-    def _calls(self) -> list[dict[str, Any]]:
+    # ----------------------------------------------------------------- the template's markup
+
+    def _blocks(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        while True:
-            current = self.calls[-1] if self.calls else None
-            if current is None or current.closed:
-                start = OPEN if current is None else "\n" + OPEN
-                m = HEADER.match(self.buf, len(start)) if self.buf.startswith(start) else None
-                if m is None:
+        while self.mode == "calls":
+            s = self.buf.lstrip()  # blocks are separated by newlines
+            if self._block_open:
+                if CLOSE.startswith(s):
+                    self.buf = s
                     return out
-                call = _Call(f"call_{uuid.uuid4().hex[:24]}", m.group(1))
-                self.calls.append(call)
-                self.buf = self.buf[m.end():]
-                self._depth, self._string, self._escape = 0, False, False
-                out.append({"tool_calls": [{"index": len(self.calls) - 1, "id": call.id, "type": "function",
-                                            "function": {"name": call.name, "arguments": ""}}]})
-                continue
-            if self._depth > 0 or not current.arguments:
-                n = self._scan()
-                if n:
-                    piece, self.buf = self.buf[:n], self.buf[n:]
-                    current.arguments += piece
-                    out.append({"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": piece}}]})
-                if self._depth > 0 or not current.arguments:
-                    return out
-            tail = "}\n" + CLOSE
-            if not self.buf.startswith(tail):
+                self._block_open = False
+                if s.startswith(CLOSE):
+                    self.buf = s[len(CLOSE):]
+                    continue
+            if OPEN.startswith(s):
+                self.buf = s
                 return out
-            current.closed = True
-            self.buf = self.buf[len(tail):]
+            body = s[len(OPEN):].lstrip()
+            if not s.startswith(OPEN) or body[:1] not in ("", "{"):
+                self.buf = ""  # text after calls (no grammar admits it): not content, not a call
+                return out
+            end = json_end(body)
+            if end is None:
+                self.buf = s
+                return out
+            self.buf, self._block_open = body[end:], True
+            call = _markup_call(body[:end])
+            delta = self._record(*call) if call is not None else {}
+            if delta is None:
+                self.mode, self.buf = "ended", ""
+            elif delta:
+                out.append(delta)
+        return out
 
-    def _scan(self) -> int:
-        """How many characters of `buf` belong to the arguments' JSON (up to its closing brace)."""
-        for i, ch in enumerate(self.buf):
-            if self._string:
-                if self._escape:
-                    self._escape = False
-                elif ch == "\\":
-                    self._escape = True
-                elif ch == '"':
-                    self._string = False
-            elif ch == '"':
-                self._string = True
-            elif ch in "{[":
-                self._depth += 1
-            elif ch in "}]":
-                self._depth -= 1
-                if self._depth == 0:
-                    return i + 1
-        return len(self.buf)
+    def _record(self, name: str, args: dict[str, Any]) -> dict[str, Any] | None:
+        """A new call's delta; None if the answer made the same call before."""
+        key = (name, json.dumps(args, sort_keys=True))
+        if key in self._seen:
+            return None
+        self._seen.add(key)
+        call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+        self.calls.append(call)
+        return {"tool_calls": [{"index": len(self.calls) - 1, **call}]}
+
+    # ----------------------------------------------------------------- bare JSON calls (auto's recovery)
+
+    def _bare(self, text: str) -> tuple[str, list[tuple[str, dict[str, Any]]]]:
+        """Whether `text` is an answer that is nothing but calls written as JSON (optionally in a
+        ```json fence): "calls" (with them), "maybe" (a prefix of one) or "no"."""
+        if not self.tools:
+            return "no", []
+        s = text.lstrip()
+        if s.startswith("```"):
+            m = FENCE.match(s)
+            if m is None:
+                head = s[3:]
+                return ("maybe" if "\n" not in head and "json".startswith(head.strip(" \t").lower()) else "no"), []
+            s = s[m.end():].lstrip()
+        elif "```".startswith(s):
+            return "maybe", []
+        if not s:
+            return "maybe", []
+        if s[0] not in "{[":
+            return "no", []
+        end = json_end(s)
+        if end is None:
+            return ("maybe" if self._may_be_call(s) else "no"), []
+        # After it: a closing fence (or, as the grammar allows, a stray one); after a call the grammar
+        # holds, nothing else can come (a scripted answer's rest is not read, as a stream's is not).
+        if not "```".startswith(s[end:].strip()) and not self._held(text):
+            return "no", []
+        try:
+            value = json.loads(s[:end])
+        except ValueError:
+            return "no", []
+        found = self._calls_of(value)
+        return ("calls", found) if found else ("no", [])
+
+    def _may_be_call(self, s: str) -> bool:
+        """An unfinished JSON value that can still become a call (its first key and, once
+        written, the function's name tell early when it cannot)."""
+        if re.match(r"\[\s*[^\s{]", s):
+            return False
+        key = FIRST_KEY.match(s)
+        if key is not None and key.group(1) not in FORM_KEYS:
+            return False
+        name = FIRST_NAME.match(s)
+        return name is None or any(t.name == name.group(1) for t in self.tools)
+
+    def _calls_of(self, value: Any) -> list[tuple[str, dict[str, Any]]]:
+        """The calls a JSON value makes in one of the recognised forms ([] if it is not one, or any
+        call's arguments are not valid for its function's schema)."""
+        if isinstance(value, dict) and set(value) == {"tool_calls"}:
+            value = value["tool_calls"]
+        items = value if isinstance(value, list) else [value]
+        found = [self._form(item) for item in items]
+        if not items or None in found or (len(found) > 1 and not self.several):
+            return []
+        return [c for c in found if c is not None]
+
+    def _form(self, item: Any) -> tuple[str, dict[str, Any]] | None:
+        """{"name": f, "arguments": {...}}, with "parameters" for "arguments", or the same inside
+        {"function": {...}} (OpenAI's shape, with its "type" and "id"), or {"function": f,
+        "arguments": {...}}; arguments may be given as JSON text."""
+        if not isinstance(item, dict):
+            return None
+        item = dict(item)
+        if item.pop("type", "function") != "function":
+            return None
+        item.pop("id", None)
+        fn = item.pop("function", None)
+        if isinstance(fn, dict) and not item:
+            item = dict(fn)
+        elif isinstance(fn, str) and "name" not in item:
+            item["name"] = fn
+        elif fn is not None:
+            return None
+        name = item.pop("name", None)
+        if len(item) > 1 or not set(item) <= {"arguments", "parameters"}:
+            return None
+        args = next(iter(item.values()), {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                return None
+        tool = next((t for t in self.tools if t.name == name), None)
+        if tool is None or not isinstance(args, dict) or not self._valid(tool, args):
+            return None
+        return tool.name, args
+
+    def _valid(self, tool: Tool, args: dict[str, Any]) -> bool:
+        import jsonschema  # only a recovered call needs it
+
+        if tool.name not in self._validators:
+            try:
+                cls = jsonschema.validators.validator_for(tool.parameters)
+                cls.check_schema(tool.parameters)
+                self._validators[tool.name] = cls(tool.parameters)
+            except jsonschema.SchemaError:
+                self._validators[tool.name] = None  # a schema it cannot read: no call recovered for it
+        validator = self._validators[tool.name]
+        return validator is not None and bool(validator.is_valid(args))
+
+
+def _markup_call(text: str) -> tuple[str, dict[str, Any]] | None:
+    """The name and arguments of a markup block's JSON; None if it is not a call."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("arguments"), dict):
+        return None
+    return obj["name"], obj["arguments"]

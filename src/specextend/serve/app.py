@@ -128,7 +128,7 @@ class Server:
         except APIError as e:
             return _error(e)
         rid, created = protocol.new_id(kind), protocol.now()
-        calls = CallParser() if req.tools is not None else None  # the answer parsed into tool calls
+        calls = req.tools.parser() if req.tools is not None else None  # the answer parsed into tool calls
         if req.stream:
             try:
                 headers = await self.backend.started(job, request)

@@ -65,9 +65,10 @@ def run_job(pair: Pair, engine: Engine, job: Job) -> None:
         job.post("cancelled")
         return
     queue_s = time.perf_counter() - job.submitted
+    tools = job.request.tools if job.request is not None else None  # its calls end the answer (toolcalls.py)
     gen = pair.generation(job.ids, settings=job.settings, response_format=job.grammar, logprobs=job.logprobs,
-                          stops=job.stops, on_piece=lambda text, entries: job.post("text", (text, entries)),
-                          cancel=job.cancel)
+                          tool_spec=tools, stops=job.stops, cancel=job.cancel,
+                          on_piece=lambda text, entries: job.post("text", (text, entries)))
     result = gen.run(engine)
     if gen.cancelled:
         job.post("cancelled")

@@ -181,6 +181,7 @@ class ChatBody(_Common):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    tool_call_recovery: bool | None = None  # false: a bare JSON answer under `auto` stays text (toolcalls.py)
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -190,7 +191,7 @@ class ChatBody(_Common):
     def tool_spec(self) -> ToolSpec | None:
         """The request's tools (toolcalls.py), None when none may be called; APIError(400) otherwise."""
         try:
-            spec = ToolSpec.parse(self.tools, self.tool_choice, self.parallel_tool_calls)
+            spec = ToolSpec.parse(self.tools, self.tool_choice, self.parallel_tool_calls, self.tool_call_recovery)
         except ToolError as e:
             raise APIError(400, str(e), param=e.param, code="invalid_tools") from None
         if spec is not None and (self.response_format or {}).get("type", "text") != "text":
