@@ -15,13 +15,18 @@ from typing import TYPE_CHECKING, Any
 from jinja2 import TemplateError
 
 from .engine import check_fits
-from .errors import UserError
+from .errors import ContextLengthExceeded, UserError
 from .grammar import Grammar, GrammarSpec, compile_grammar, tokenizer_for
 from .settings import Settings
 from .toolcalls import ToolSpec, template_messages
 
 if TYPE_CHECKING:
     from .models.resolve import ResolvedPair
+
+# A Unicode normalizer (NFC, NFKC) can compose several code points into one before tokenizing
+# (a Greek letter with three diacritics: four into one), so a text's characters over-count its
+# normalized ones by up to this factor.
+NORMALIZER_SHRINK = 4
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,7 @@ class Prompts:
             raise UserError("the prompt is empty")
         if chat:
             return self.encode_chat([{"role": "user", "content": prompt}])
+        self._check_chars(prompt)
         # verbose=False: our own length check below says it better than transformers' warning.
         ids = [int(i) for i in self.tokenizer.encode(prompt, verbose=False)]
         self._check_ids(ids)
@@ -109,9 +115,34 @@ class Prompts:
                                                       **extra)
         except TemplateError as e:  # a template's own raise_exception (an order of roles it refuses)
             raise UserError(f"the chat template cannot render these messages: {str(e).strip()[:300]}") from None
+        self._check_chars(text)
         ids = [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False, verbose=False)]
         self._check_ids(ids)
         return ids
+
+    def max_prompt_chars(self) -> int:
+        """The most characters a text may have and still fit the context: a token stands for at
+        most as many characters as its longest vocabulary entry spells (a byte-level entry spells
+        one character per byte, a special token its own text), so a longer text is certainly
+        more tokens than the context. Read once per tokenizer (a pass over its vocabulary)."""
+        bound = getattr(self, "_max_prompt_chars", None)
+        if bound is None or bound[0] is not self.tokenizer:
+            tok = self.tokenizer
+            longest = max((len(t) for t in tok.get_vocab()), default=1)
+            normalizer = getattr(getattr(tok, "backend_tokenizer", None), "normalizer", True)
+            shrink = NORMALIZER_SHRINK if normalizer is not None else 1
+            bound = (tok, self.context * max(1, longest) * shrink)
+            self._max_prompt_chars = bound
+        return bound[1]
+
+    def _check_chars(self, text: str) -> None:
+        """Refuse, before tokenizing it, a text too long to fit the context whatever its tokens
+        (`max_prompt_chars`): tokenizing megabytes would hold the caller for seconds and memory."""
+        limit = self.max_prompt_chars()
+        if len(text) > limit:
+            raise ContextLengthExceeded(
+                f"the prompt is {len(text)} characters, more than the {limit} that the target's context of "
+                f"{self.context} tokens could hold")
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         """The text of token ids (special tokens skipped)."""
@@ -126,7 +157,7 @@ class Prompts:
         if bad:
             raise UserError(f"prompt token id {bad[0]} is outside the target's vocabulary of {vocab}")
         if len(ids) >= self.context:
-            raise UserError(
+            raise ContextLengthExceeded(
                 f"the prompt is {len(ids)} tokens, longer than the target's context of {self.context} tokens"
             )
 
