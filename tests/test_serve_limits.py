@@ -228,20 +228,37 @@ def test_sigterm_during_requests_lets_them_finish_and_exits_0(folders, tmp_path)
         assert m
         u = f"http://127.0.0.1:{m.group(1)}"
         assert httpx.get(f"{u}/health", timeout=300).status_code == 200  # it measures its step costs first
-        body = {"prompt": "hi", "max_tokens": 400}
+        body = {"prompt": "hi", "max_tokens": 480}
         with ThreadPoolExecutor(4) as pool:
             answers = [pool.submit(httpx.post, f"{u}/v1/completions", json=body, timeout=300) for _ in range(4)]
-            wait_for(lambda: sum(httpx.get(f"{u}/health").json()[k] for k in ("running", "waiting", "completed")) == 4)
+            health = lambda: httpx.get(f"{u}/health", timeout=60)  # noqa: E731
+            wait_for(lambda: sum(health().json()[k] for k in ("running", "waiting", "completed")) == 4, 60)
             proc.send_signal(signal.SIGTERM)
-            wait_for(lambda: httpx.get(f"{u}/health").status_code == 503)
-            refused = httpx.post(f"{u}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            wait_for(lambda: health().status_code == 503, 60)
+            refused = httpx.post(f"{u}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
             done = [a.result() for a in answers]
         assert refused.status_code == 503 and "Retry-After" in refused.headers
         assert [r.status_code for r in done] == [200] * 4
-        assert all(r.json()["usage"]["completion_tokens"] == 400 for r in done)
+        assert all(r.json()["usage"]["completion_tokens"] == 480 for r in done)
         proc.wait(60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
     assert proc.returncode == 0, proc.stderr.read()
+
+
+# --------------------------------------------------------------------------- the soak
+
+
+def test_a_short_soak_of_mixed_clients_finds_the_server_whole(pair, folders):
+    """bench/soak.py for 30 s on the tiny models: short and long prompts, streams read and hung up
+    on, bad JSON, tools, json_schema, wrong keys, prompts too long; every check of the soak holds."""
+    from specextend.bench import soak
+
+    with running(pair, folders, max_queue=64, api_keys=(soak.KEY,)) as u:
+        result = soak.run(u, os.getpid(), seconds=30, clients=3, max_requests=5000, max_tokens=4, long_words=40)
+    print(soak.table(result))
+    assert result["sent"] >= 30 and set(result["by_kind"]) == set(soak.KINDS), result["by_kind"]
+    assert result["checks"] == dict.fromkeys(result["checks"], True), (result["checks"], result["errors"],
+                                                                       result["metrics"])

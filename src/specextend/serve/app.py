@@ -125,7 +125,7 @@ class Server:
         return JSONResponse(finite_json(body), status_code=503 if self.drain.draining else 200)
 
     def health_body(self) -> dict[str, Any]:
-        body = {"status": "ok", "model": self.model_id, **self.backend.health()}
+        body = {"status": "ok", "model": self.model_id, "context": self.encoder.context, **self.backend.health()}
         if self.drain.draining:
             body["status"] = "draining"
         return body

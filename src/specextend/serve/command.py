@@ -55,11 +55,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"{auth.ENV}, comma-separated, which keeps keys out of the process list)")
     g.add_argument("--api-key-file", default=None, metavar="FILE",
                    help="also accept the keys in FILE (one a line; # comments)")
-    g.add_argument("--max-body-mb", type=float, default=None,
+    g.add_argument("--max-body-mb", type=float, default=None, metavar="MB",
                    help="largest request body in MB; a larger one is refused with 413 before it is read (default: "
                         f"the context in tokens x {BODY_BYTES_PER_TOKEN} bytes, at least "
                         f"{MIN_BODY_BYTES // 2**20} MB)")
-    g.add_argument("--drain-s", type=float, default=DEFAULT_DRAIN_S,
+    g.add_argument("--drain-s", type=float, default=DEFAULT_DRAIN_S, metavar="S",
                    help="on SIGTERM or Ctrl-C, seconds the requests already taken may run on while new ones get "
                         "503; those still running then are cancelled, and the server exits with status 0 (default: "
                         f"{DEFAULT_DRAIN_S:g})")
