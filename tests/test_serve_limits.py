@@ -221,7 +221,7 @@ def test_sigterm_during_requests_lets_them_finish_and_exits_0(folders, tmp_path)
     env = {**os.environ, "SPECEXTEND_HOME": str(tmp_path / "home")}
     cmd = [sys.executable, "-m", "specextend.cli", "serve", "--target", str(folders["target"]), "--draft",
            str(folders["draft"]), "--dtype", "float64", "--port", "0", "--cache-mb", "0", "--max-batch", "1",
-           "--method", "ar", "-q"]
+           "--method", "ar", "--drain-s", "600", "-q"]
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     try:
         m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", proc.stderr.readline())
@@ -229,16 +229,16 @@ def test_sigterm_during_requests_lets_them_finish_and_exits_0(folders, tmp_path)
         u = f"http://127.0.0.1:{m.group(1)}"
         assert httpx.get(f"{u}/health", timeout=300).status_code == 200  # it measures its step costs first
         body = {"prompt": "hi", "max_tokens": 480}
-        with ThreadPoolExecutor(4) as pool:
-            answers = [pool.submit(httpx.post, f"{u}/v1/completions", json=body, timeout=300) for _ in range(4)]
+        with ThreadPoolExecutor(3) as pool:
+            answers = [pool.submit(httpx.post, f"{u}/v1/completions", json=body, timeout=600) for _ in range(3)]
             health = lambda: httpx.get(f"{u}/health", timeout=60)  # noqa: E731
-            wait_for(lambda: sum(health().json()[k] for k in ("running", "waiting", "completed")) == 4, 60)
+            wait_for(lambda: sum(health().json()[k] for k in ("running", "waiting", "completed")) == 3, 60)
             proc.send_signal(signal.SIGTERM)
             wait_for(lambda: health().status_code == 503, 60)
             refused = httpx.post(f"{u}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
             done = [a.result() for a in answers]
         assert refused.status_code == 503 and "Retry-After" in refused.headers
-        assert [r.status_code for r in done] == [200] * 4
+        assert [r.status_code for r in done] == [200] * 3
         assert all(r.json()["usage"]["completion_tokens"] == 480 for r in done)
         proc.wait(60)
     finally:
