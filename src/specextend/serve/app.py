@@ -140,27 +140,20 @@ class Server:
             self.backend.submit(job)
         except APIError as e:
             return _error(e)
-        self.drain.track(job)  # the streamed answer untracks it when it ends (_events)
-        streaming = False
-        try:
-            rid, created = protocol.new_id(kind), protocol.now()
-            calls = CallParser() if req.tools is not None else None  # the answer parsed into tool calls
-            if req.stream:
-                try:
-                    headers = await self.backend.started(job, request)
-                except APIError as e:
-                    return _error(e)
-                streaming = True
-                return StreamingResponse(self._events(job, kind, rid, created, req.include_usage, calls),
-                                         media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+        rid, created = protocol.new_id(kind), protocol.now()
+        calls = CallParser() if req.tools is not None else None  # the answer parsed into tool calls
+        if req.stream:
             try:
-                outcome = await self._wait(job, request)
+                headers = await self.backend.started(job, request)
             except APIError as e:
                 return _error(e)
-        finally:
-            if not streaming:
-                self.drain.untrack(job)
+            return StreamingResponse(self._events(job, kind, rid, created, req.include_usage, calls),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+        try:
+            outcome = await self._wait(job, request)
+        except APIError as e:
+            return _error(e)
         if outcome is None:  # the client is gone; nobody reads this
             return Response(status_code=499)
         use = protocol.usage(outcome.result, outcome.queue_s, outcome.replica)
@@ -211,6 +204,7 @@ class Server:
         """The job's outcome for a non-streaming request; None if its client disconnected."""
         text_parts: list[str] = []
         getter: asyncio.Task[tuple[str, Any]] | None = None
+        self.drain.track(job)  # a drain past its time cancels it
         try:
             while True:
                 getter = getter or asyncio.ensure_future(job.events.get())
@@ -235,6 +229,7 @@ class Server:
                 else:
                     raise generation_error(value)
         finally:
+            self.drain.untrack(job)
             if getter is not None:
                 getter.cancel()
 
@@ -245,6 +240,7 @@ class Server:
         If the client goes away this generator is closed, and the generation stops at its next step."""
         model = self.model_id
         ended = False  # an event that ends the job was read (else the client hung up first)
+        self.drain.track(job)  # a drain past its time cancels it
         try:
             if kind == "chat":
                 yield _sse(protocol.chunk(kind, rid, created, model, None, role=True))

@@ -66,6 +66,8 @@ class Drain:
 
     def track(self, job: Any) -> None:
         self._jobs[id(job)] = job
+        if self.cut:  # it reached its answer after the drain's time was up
+            job.cancel.set()
 
     def untrack(self, job: Any) -> None:
         self._jobs.pop(id(job), None)
