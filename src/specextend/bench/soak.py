@@ -276,11 +276,14 @@ def table(result: dict[str, Any]) -> str:
     for kind, answers in result["by_kind"].items():
         rows.append(f"| {kind} | {sum(answers.values())} | "
                     + ", ".join(f"{s or 'none'}: {n}" for s, n in answers.items()) + " |")
-    rss = result["rss_mb"]
+    rss, idle, m = result["rss_mb"], result["idle"], result["metrics"]
+    idle_s = "never" if idle["after_s"] is None else f"after {idle['after_s']:.1f} s"
+    ends = ", ".join(f"{k} {v:.0f}" for k, v in m["generations"].items())
     rows += ["", f"{result['sent']} sent in {result['wall_s']} s: {result['served']} served, {result['refused']} "
                  f"refused, {result['failed']} failed (5xx or no answer); RSS {_mb(rss['early'])} at a fifth of the "
-                 f"run, {_mb(rss['last'])} at the end; idle after {result['idle']['after_s']} s with "
-                 f"{result['idle']['kv_in_use_mb']} MB of KV in use", "", "| check | |", "|---|---|"]
+                 f"run, {_mb(rss['last'])} at the end; idle {idle_s} with {idle['kv_in_use_mb']} MB of KV in use; "
+                 f"/metrics' generations: {ends} ({m['generations_expected']} served, {m['hangups']} hung up on)",
+             "", "| check | |", "|---|---|"]
     rows += [f"| {name} | {'ok' if v else ('n/a' if v is None else 'FAILED')} |"
              for name, v in result["checks"].items()]
     return "\n".join(rows)
