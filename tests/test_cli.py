@@ -367,3 +367,14 @@ def test_console_script(tiny, tmp_path):
     )  # fmt: skip
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.strip().splitlines() == ["specextend: error: --top-p must be in (0, 1], got 7.0"]
+
+
+def test_the_summary_line_counts_in_the_singular_for_one():
+    from types import SimpleNamespace
+
+    from specextend.cli import summary_line
+
+    r = SimpleNamespace(new_tokens=1, prompt_tokens=5, method="sd", stop_reason="length", prefill_s=0.1, decode_s=0.1,
+                        decode_tokens_per_s=10.0, accepted_per_step=1.0, steps=1)
+    line = summary_line(r)
+    assert "1 token after" in line and "over 1 step" in line and "tokens after" not in line
