@@ -264,7 +264,9 @@ def report(soak: Soak, before: dict[Any, float], after: dict[Any, float], sample
             "rss_mb": {"early": early, "last": last, "max": max((v for _, v in samples), default=None),
                        "samples": samples},
             "idle": {"after_s": idle_after_s, "running": idle.get("running"), "waiting": idle.get("waiting"),
-                     "kv_in_use_mb": (idle.get("batch") or {}).get("kv_in_use_mb")},
+                     "kv_in_use_mb": (idle.get("batch") or {}).get("kv_in_use_mb"),
+                     # the prefix cache's part of the memory's growth (it fills up to its cap, then evicts)
+                     "prefix_cache_mb": round((idle.get("prefix_cache") or {}).get("bytes", 0) / 2**20, 1)},
             "metrics": {"answers": metrics_routes, "clients": clients_routes, "generations": generations,
                         "generations_expected": generated, "hangups": hangups},
             "checks": checks, "ok": all(v is not False for v in checks.values())}
@@ -281,7 +283,8 @@ def table(result: dict[str, Any]) -> str:
     ends = ", ".join(f"{k} {v:.0f}" for k, v in m["generations"].items())
     rows += ["", f"{result['sent']} sent in {result['wall_s']} s: {result['served']} served, {result['refused']} "
                  f"refused, {result['failed']} failed (5xx or no answer); RSS {_mb(rss['early'])} at a fifth of the "
-                 f"run, {_mb(rss['last'])} at the end; idle {idle_s} with {idle['kv_in_use_mb']} MB of KV in use; "
+                 f"run, {_mb(rss['last'])} at the end (the prefix cache: {idle['prefix_cache_mb']} MB); idle "
+                 f"{idle_s} with {idle['kv_in_use_mb']} MB of KV in use; "
                  f"/metrics' generations: {ends} ({m['generations_expected']} served, {m['hangups']} hung up on)",
              "", "| check | |", "|---|---|"]
     rows += [f"| {name} | {'ok' if v else ('n/a' if v is None else 'FAILED')} |"
