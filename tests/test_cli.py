@@ -111,7 +111,7 @@ def _prompt_files(tmp: Path) -> dict[str, Path]:
 BAD_INPUTS = [
     (["--prompt", ""], "the prompt is empty"),
     (["--prompt", " \n\t"], "the prompt is empty"),
-    ([], "no prompt"),
+    ([], "or --prompts-file PATH"),
     (["--prompt-file", "{tmp}/nope.txt"], "prompt file not found"),
     (["--prompt-file", "{tmp}"], "not a file"),
     (["--prompt-file", "{tmp}/blank.txt"], "the prompt is empty"),
@@ -145,7 +145,7 @@ BAD_INPUTS = [
     (["--prompt", "x", "--attention", "flash"], "invalid choice: 'flash'"),
     (["--prompt", "x", "--set", "novalue"], "--set wants KEY=VALUE"),
     (["--prompt", "x", "--set", "chunk_size=3"], "use the --chunk-size option"),
-    (["--prompt", "x", "--no-such-option"], "unrecognized arguments"),
+    (["--prompt", "x", "--no-such-option"], "--no-such-option (see specextend generate --help)"),
 ]
 
 
@@ -161,6 +161,12 @@ def test_bad_input_exits_2_with_one_line(capsys, tmp_path, args, needle):
 def test_cuda_without_a_device(capsys, tmp_path):
     r = run(capsys, "generate", "--target", tmp_path / "no-model", "--prompt", "x", "--device", "cuda")
     assert_user_error(r, "no CUDA device")
+
+
+@pytest.mark.parametrize("argv, where", [(["models", "pull", "--bogus"], "specextend models pull --help"),
+                                         (["kernels", "--bogus"], "specextend kernels --help")])
+def test_an_unknown_flag_points_at_its_commands_help(capsys, argv, where):
+    assert_user_error(run(capsys, *argv), f"(see {where})")
 
 
 def test_prompt_longer_than_context(capsys, tiny):
@@ -361,3 +367,14 @@ def test_console_script(tiny, tmp_path):
     )  # fmt: skip
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.strip().splitlines() == ["specextend: error: --top-p must be in (0, 1], got 7.0"]
+
+
+def test_the_summary_line_counts_in_the_singular_for_one():
+    from types import SimpleNamespace
+
+    from specextend.cli import summary_line
+
+    r = SimpleNamespace(new_tokens=1, prompt_tokens=5, method="sd", stop_reason="length", prefill_s=0.1, decode_s=0.1,
+                        decode_tokens_per_s=10.0, accepted_per_step=1.0, steps=1)
+    line = summary_line(r)
+    assert "1 token after" in line and "over 1 step" in line and "tokens after" not in line

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -42,13 +43,15 @@ def folders(tmp_path_factory):
 
 
 @contextmanager
-def replicas(folders, tmp_path, *flags: str):
-    """`specextend serve --replicas 2` in a subprocess; yields its base URL."""
+def replicas(folders, tmp_path, *flags: str, held: list | None = None):
+    """`specextend serve --replicas 2` in a subprocess; yields its base URL (`held` receives the process)."""
     env = {**os.environ, "SPECEXTEND_HOME": str(tmp_path / "home"), "RAY_ADDRESS": ""}
     cmd = [sys.executable, "-m", "specextend.cli", "serve", "--replicas", "2", "--target", str(folders["target"]),
            "--draft", str(folders["draft"]), "--dtype", "float64", "--port", "0", "--cache-mb", "64",
            "--max-new-tokens", "4", "-q", *flags]
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    if held is not None:
+        held.append(proc)
     lines: list[str] = []
     found = threading.Event()
 
@@ -179,8 +182,10 @@ def test_affinity_keeps_each_document_on_its_replica_and_a_killed_replica_loses_
 
 
 def test_round_robin_sends_some_follow_up_questions_where_their_document_is_not(folders, tmp_path):
+    """Also the front end's bounds and draining: a body over the limit and a prompt too long are
+    refused there; on SIGTERM a running stream finishes, a new request gets 503, the exit is 0."""
     n_doc = doc_tokens(folders)
-    with replicas(folders, tmp_path, "--routing", "round-robin") as url:
+    with replicas(folders, tmp_path, "--routing", "round-robin", held=(held := [])) as url:
         assert httpx.get(f"{url}/health").json()["routing"] == "round-robin"
         misses = []
         for d, q in ORDER:
@@ -188,3 +193,26 @@ def test_round_robin_sends_some_follow_up_questions_where_their_document_is_not(
             if q > 0:
                 misses.append(cached < 0.9 * n_doc[d])
         assert any(misses), misses
+
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:  # the headers alone: 120 MB
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 125829120\r\n\r\n")
+            assert sock.recv(65536).startswith(b"HTTP/1.1 413 ")
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "a" * 100_000})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+        body = {"prompt": "Once upon a time", "max_tokens": 480, "stream": True, "method": "ar"}
+        with httpx.Client(timeout=120) as h, h.stream("POST", f"{url}/v1/completions", json=body) as stream:
+            lines = stream.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            held[0].send_signal(signal.SIGTERM)
+            deadline = time.time() + 30
+            while (health := httpx.get(f"{url}/health")).status_code != 503:
+                assert time.time() < deadline
+                time.sleep(0.05)
+            assert health.json()["status"] == "draining"
+            refused = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert refused.status_code == 503 and "Retry-After" in refused.headers
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in rest[-2]
+        held[0].wait(120)  # the drain ends once nothing is in flight; `replicas` checks the exit status

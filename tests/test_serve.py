@@ -25,6 +25,7 @@ from specextend.api import Pair, load, prepare
 from specextend.scheduler import Limits
 from specextend.serve.app import Server
 from specextend.serve.command import listen
+from specextend.serve.drain import DrainingServer
 from specextend.serve.local import LocalBackend
 from specextend.settings import Settings
 
@@ -80,8 +81,10 @@ def steps(pair) -> Throttled:
 
 
 @contextmanager
-def running(pair, folders, *, max_queue=4, cache_mb=64.0, cache_dir=None, limits=None, api_keys=(), **defaults):
-    """The server's app on a free port, in a thread; yields its base URL."""
+def running(pair, folders, *, max_queue=4, cache_mb=64.0, cache_dir=None, limits=None, api_keys=(), held=None,
+            max_body_bytes=None, **defaults):
+    """The server's app on a free port, in a thread; yields its base URL. `held`, a list, receives
+    the `Server`, its uvicorn server (tests of draining call its signal handler) and its thread."""
     encoder = prepare(folders["target"], folders["draft"], dtype="float64", progress=False)
     pair.prefix_cache = None
     if cache_mb:
@@ -89,11 +92,16 @@ def running(pair, folders, *, max_queue=4, cache_mb=64.0, cache_dir=None, limits
     server = Server(LocalBackend(pair, max_queue, limits=limits), encoder,
                     Settings(**{"max_new_tokens": 16, **SMALL, **defaults}).resolved(), "tiny")
     server.api_keys = tuple(api_keys)
+    server.max_body_bytes = max_body_bytes
     sock = listen("127.0.0.1", 0)
     port = sock.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(server.app(), log_level="warning"))
+    uv = DrainingServer(uvicorn.Config(server.app(), log_level="warning"), server.drain)
+    if held is not None:
+        held += [server, uv]
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
+    if held is not None:
+        held.append(thread)
     deadline = time.time() + 120  # the first start measures the step and prefill costs (once per process)
     while not uv.started:
         assert time.time() < deadline, "the server did not start"
@@ -281,6 +289,9 @@ BAD = [
     ("completion", {"prompt": [1, "a"]}, "prompt"),
     ("completion", {"prompt": [99999]}, "prompt"),
     ("completion", {"prompt": "hi " * 300, "max_tokens": 300}, "prompt"),
+    ("completion", {"prompt": "hi " * 600}, "prompt"),  # longer than the context by itself
+    ("completion", {"prompt": "x" * 100_000}, "prompt"),  # refused from its characters, untokenized
+    ("chat", {"messages": [{"role": "user", "content": "hi " * 600}]}, "messages"),
 ]
 
 
@@ -293,8 +304,8 @@ def test_bad_requests_get_openai_shaped_400s(url, endpoint, body, param):
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
     assert err["param"] == param and err["message"] and "Traceback" not in r.text
-    if isinstance(body, dict) and body.get("max_tokens") == 600:
-        assert err["code"] == "context_length_exceeded"
+    if isinstance(body, dict) and (body.get("max_tokens") in (300, 600) or len(json.dumps(body)) > 1000):
+        assert err["code"] == "context_length_exceeded"  # the prompt alone, or with max_tokens: one code
 
 
 def test_the_openai_client_sees_a_bad_request_error(url):

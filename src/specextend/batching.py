@@ -19,6 +19,7 @@ from .errors import UserError
 from .generation import Generation, Result
 from .scheduler import Limits, Scheduler, default_limits
 from .settings import Settings
+from .wording import count
 
 if TYPE_CHECKING:
     from .model import Transformer
@@ -110,8 +111,9 @@ class Generations:
         budget = self.batching.limits.kv_bytes
         for c in calls:  # before any runs: one that can never fit refuses the whole list
             if self.batching.scheduler.kv_bytes(c) > budget:
-                raise UserError(f"a prompt of {len(c.ids)} tokens with max_new_tokens={c.settings.max_new_tokens} "
-                                f"needs more KV memory than the batch's budget of {budget / 2**20:.0f} MB")
+                raise UserError(f"a prompt of {count(len(c.ids), 'token')} with max_new_tokens="
+                                f"{c.settings.max_new_tokens} needs more KV memory than the batch's budget of "
+                                f"{budget / 2**20:.0f} MB")
         for c in calls:
             self.batching.scheduler.submit(c)
         out: list[Result | None] = []

@@ -31,6 +31,7 @@ from .options import (
     settings_from_args,
 )
 from .settings import Settings, make_settings
+from .wording import count
 
 PROG = "specextend"
 DEBUG_ENV = "SPECEXTEND_DEBUG"
@@ -135,6 +136,7 @@ def build_parser(command: str | None = None) -> _Parser:
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parser.subcommands = sub.choices
     own = {"generate": _add_generate, "models": _add_models, "kernels": _add_kernels}
     for name in [*ORDER, *(n for n in DELEGATED if n not in ORDER)]:
         if name in own:
@@ -156,6 +158,7 @@ def _add_models(sub: Any) -> None:
                             description="List the known models, or pull one (no NAME: the default pair) into the "
                                         "model cache ($SPECEXTEND_HOME, default ~/.cache/specextend).")
     msub = models.add_subparsers(dest="models_command", metavar="ACTION", required=True)
+    models.subcommands = msub.choices
     mlist = msub.add_parser("list", help="known models: name, role, installed, size, path")
     mlist.add_argument("--json", action="store_true", help="one JSON list on stdout")
     mlist.set_defaults(func=cmd_models_list)
@@ -226,7 +229,8 @@ def read_prompt(args: argparse.Namespace) -> str:
     elif args.jsonl is not None:
         text = text_at(args.jsonl, 0 if args.index is None else args.index)
     else:
-        raise UserError("no prompt: give --prompt TEXT, --prompt-file PATH or --jsonl PATH --index I")
+        raise UserError("no prompt: give --prompt TEXT, --prompt-file PATH, --jsonl PATH --index I, or --prompts-file "
+                        "PATH for several")
     if not text.strip():
         raise UserError("the prompt is empty")
     return text
@@ -409,12 +413,12 @@ def response_format(args: argparse.Namespace) -> dict[str, Any] | None:
 
 def summary_line(r: Any) -> str:
     parts = [
-        f"{r.new_tokens} tokens after a {r.prompt_tokens}-token prompt ({r.method}, stop: {r.stop_reason})",
+        f"{count(r.new_tokens, 'token')} after a {r.prompt_tokens}-token prompt ({r.method}, stop: {r.stop_reason})",
         f"prefill {r.prefill_s:.2f} s",
         f"decode {r.decode_s:.2f} s = {r.decode_tokens_per_s:.2f} tok/s",
     ]
     if r.method != "ar":  # a speculative method, with or without a draft
-        parts.append(f"τ {r.accepted_per_step:.2f} over {r.steps} steps")
+        parts.append(f"τ {r.accepted_per_step:.2f} over {count(r.steps, 'step')}")
     return f"{PROG}: " + " | ".join(parts)
 
 
@@ -486,7 +490,12 @@ def _one_line(message: str) -> str:
 
 def _main(argv: list[str]) -> int:
     parser = build_parser(_command_of(argv))
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the command's own parser, so the message points at its --help
+        own: argparse.ArgumentParser = parser
+        while isinstance(own, OneLineParser) and (name := next((a for a in argv if a in own.subcommands), None)):
+            own = own.subcommands[name]
+        own.error(f"unrecognized arguments: {' '.join(unknown)}")
     return int(args.func(args) or 0)
 
 

@@ -55,6 +55,7 @@ TOOLS: dict[str, list[list[str]]] = {
     "specextend.bench.onerow": [[]],
     "specextend.bench.tools": [[]],
     "specextend.bench.tool_goals": [[]],
+    "specextend.bench.soak": [[]],
     "specextend.bench.llamacpp": [],
 }
 

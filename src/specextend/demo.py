@@ -29,6 +29,7 @@ from .detokenize import Detokenizer
 from .errors import UserError
 from .options import add_model_arguments, model_options
 from .settings import Settings
+from .wording import count
 
 DEFAULT_LENGTH = "2K"
 DEFAULT_NEW_TOKENS = 96
@@ -158,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         t = time.perf_counter()
         state.forget_draft()  # each method computes the draft's prompt KV it reads, as alone
         results[name] = pair.decode(state, settings[name])
-        print(f"{results[name].new_tokens} tokens in {time.perf_counter() - t:.1f} s", file=out, flush=True)
+        print(f"{count(results[name].new_tokens, 'token')} in {time.perf_counter() - t:.1f} s", file=out, flush=True)
 
     color = use_color(args, out)
     legend = f"{GREEN}green{RESET}" if color else "[brackets]"

@@ -44,7 +44,7 @@ from .attention import attention_probs
 from .costmodel import CostModel, cached_curve
 from .draft_policy import DRAFT_POLICIES, DraftPolicy, make_policy, retrieval_layers
 from .draft_prefill import DraftPrompt
-from .errors import UserError
+from .errors import ContextLengthExceeded, UserError
 from .kv_cache import KVCache, PrefixKV
 from .logits_process import LogitsProcessor
 from .lookup import ContextIndex
@@ -53,6 +53,7 @@ from .propose import Proposer
 from .settings import Settings
 from .tree import DraftTree, make_builder
 from .verify import Verdict, sample, target_dist, verify_greedy, verify_sampling
+from .wording import count
 
 TokensCallback = Callable[[list[int]], bool | None]  # True: stop after this batch
 TREE_HEADROOM = 256  # cache slots beyond prompt + new tokens, for tree nodes in flight
@@ -171,9 +172,9 @@ def check_fits(prompt_tokens: int, settings: Settings, target_context: int, draf
             and DRAFT_POLICIES[s.draft_cache].sees_every_position(s)):
         limit, whose = draft_context, "the draft's, which sees every position"
     if prompt_tokens + s.max_new_tokens > limit:
-        raise UserError(
-            f"a prompt of {prompt_tokens} tokens + {s.max_new_tokens} new tokens exceeds the model's context of "
-            f"{limit} tokens ({whose})"
+        raise ContextLengthExceeded(
+            f"a prompt of {count(prompt_tokens, 'token')} + {count(s.max_new_tokens, 'new token')} exceeds the "
+            f"model's context of {limit} tokens ({whose})"
         )
 
 

@@ -10,7 +10,9 @@ by `settings_from_args`), so a flag means the same everywhere. Nothing heavy is 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from dataclasses import MISSING, fields
+from types import MappingProxyType
 from typing import Any
 
 from .settings import (
@@ -35,7 +37,10 @@ DRAFT_DTYPE_HELP = ("the draft's dtype (default: float32 with quantized draft we
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (the contract's 'one clear line'), exit 2."""
+    """argparse, but a usage error is one line (the contract's 'one clear line'), exit 2.
+    `subcommands`: the subcommands' parsers by name, where the CLI has made them."""
+
+    subcommands: Mapping[str, argparse.ArgumentParser] = MappingProxyType({})
 
     def error(self, message: str) -> Any:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

@@ -7,6 +7,7 @@ read; nothing here loads a model or decodes.
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,13 +16,18 @@ from typing import TYPE_CHECKING, Any
 from jinja2 import TemplateError
 
 from .engine import check_fits
-from .errors import UserError
+from .errors import ContextLengthExceeded, UserError
 from .grammar import Grammar, GrammarSpec, compile_grammar, tokenizer_for
 from .settings import Settings
 from .toolcalls import ToolSpec, template_messages
 
 if TYPE_CHECKING:
     from .models.resolve import ResolvedPair
+
+# A Unicode normalizer (NFC, NFKC) can compose several code points into one before tokenizing
+# (a Greek letter with three diacritics: four into one), so the characters of a text it changes
+# over-count the normalized ones by up to this factor.
+NORMALIZER_SHRINK = 4
 
 
 @dataclass(frozen=True)
@@ -89,6 +95,7 @@ class Prompts:
             raise UserError("the prompt is empty")
         if chat:
             return self.encode_chat([{"role": "user", "content": prompt}])
+        self._check_chars(prompt)
         # verbose=False: our own length check below says it better than transformers' warning.
         ids = [int(i) for i in self.tokenizer.encode(prompt, verbose=False)]
         self._check_ids(ids)
@@ -109,9 +116,35 @@ class Prompts:
                                                       **extra)
         except TemplateError as e:  # a template's own raise_exception (an order of roles it refuses)
             raise UserError(f"the chat template cannot render these messages: {str(e).strip()[:300]}") from None
+        self._check_chars(text)
         ids = [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False, verbose=False)]
         self._check_ids(ids)
         return ids
+
+    def max_prompt_chars(self) -> int:
+        """The most characters a text may have and still fit the context (as the tokenizer's
+        normalizer, if any, leaves it): a token stands for at most as many characters as its
+        longest vocabulary entry spells (a byte-level entry spells one character per byte, a
+        special token its own text), so a longer text is more tokens than the context. Read once
+        per tokenizer (a pass over its vocabulary)."""
+        bound = getattr(self, "_max_prompt_chars", None)
+        if bound is None or bound[0] is not self.tokenizer:
+            longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+            bound = (self.tokenizer, self.context * max(1, longest))
+            self._max_prompt_chars = bound
+        return bound[1]
+
+    def _check_chars(self, text: str) -> None:
+        """Refuse, before tokenizing it, a text too long to fit the context whatever its tokens
+        (`max_prompt_chars`): tokenizing megabytes would hold the caller for seconds and memory."""
+        shrink = _normalized_shrink(self.tokenizer, text)
+        if shrink is None:
+            return  # a normalizer that may drop characters: only the tokens can tell
+        limit = self.max_prompt_chars() * shrink
+        if len(text) > limit:
+            raise ContextLengthExceeded(
+                f"the prompt is {len(text)} characters, more than the {limit} that the target's context of "
+                f"{self.context} tokens could hold")
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         """The text of token ids (special tokens skipped)."""
@@ -126,7 +159,7 @@ class Prompts:
         if bad:
             raise UserError(f"prompt token id {bad[0]} is outside the target's vocabulary of {vocab}")
         if len(ids) >= self.context:
-            raise UserError(
+            raise ContextLengthExceeded(
                 f"the prompt is {len(ids)} tokens, longer than the target's context of {self.context} tokens"
             )
 
@@ -182,3 +215,19 @@ class Prompts:
         ids = [int(i) for i in prompt]
         self._check_ids(ids)
         return ids
+
+
+def _normalized_shrink(tokenizer: Any, text: str) -> int | None:
+    """By how much the tokenizer's normalizer may shorten `text`: 1 without one, or with a Unicode
+    normal form (NFC, NFKC) that leaves the text as it is; NORMALIZER_SHRINK where such a form
+    changes it; None for any other normalizer (one that strips accents may drop any number)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None  # a slow tokenizer: its normalization is its own code
+    normalizer = backend.normalizer
+    if normalizer is None:
+        return 1
+    form = type(normalizer).__name__
+    if form not in ("NFC", "NFKC"):
+        return None
+    return 1 if unicodedata.is_normalized(form, text) else NORMALIZER_SHRINK

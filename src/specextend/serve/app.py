@@ -12,7 +12,6 @@ logged with its traceback on the server and answered 500 without it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import socket
@@ -23,17 +22,19 @@ from typing import Any, Literal, Protocol
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..api import Prepared
-from ..errors import UserError
+from ..errors import ContextLengthExceeded, UserError
 from ..grammar import Grammar
 from ..jsonl import finite_json
 from ..settings import Settings
 from ..toolcalls import CallParser, template_messages
-from . import auth, protocol
+from . import auth, limits, protocol
+from .drain import Drain, DrainingServer, Gate
 from .jobs import Job, Outcome
 from .metrics import ServerMetrics
 from .protocol import APIError
@@ -68,10 +69,13 @@ class Server:
     with (`encoder`, its own: the backend decodes on other threads), the defaults, the routes."""
 
     api_keys: tuple[str, ...] = ()  # with keys, every route but /health needs one (auth.py)
+    max_body_bytes: int | None = None  # None: limits.default_max_body_bytes of the context
 
     def __init__(self, backend: Backend, encoder: Prepared, defaults: Settings, model_id: str) -> None:
         self.backend, self.encoder, self.defaults, self.model_id = backend, encoder, defaults, model_id
         encoder.warm_grammars()  # before serving: compiling a request's grammar then takes milliseconds
+        encoder.max_prompt_chars()  # read once, before the first request
+        self.drain = Drain()  # its `seconds`: --drain-s
         self.started = int(time.time())
         self.metrics = ServerMetrics(self.health_body)
 
@@ -83,7 +87,11 @@ class Server:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics.endpoint, methods=["GET"]),
         ]
-        middleware = [*self.metrics.middleware(), *auth.middleware(self.api_keys)]  # 401s are counted too
+        max_body = self.max_body_bytes or limits.default_max_body_bytes(self.encoder.context)
+        # Outermost first: every answer is counted (401, 413 and 503 too); a draining server refuses
+        # before the key is checked; a body is bounded only once its key is good.
+        middleware = [*self.metrics.middleware(), Middleware(Gate, drain=self.drain), *auth.middleware(self.api_keys),
+                      *limits.middleware(max_body)]
         return Starlette(routes=routes, middleware=middleware, lifespan=self._lifespan,
                          exception_handlers={HTTPException: _http_error, Exception: _internal_error})
 
@@ -112,10 +120,15 @@ class Server:
             {"id": self.model_id, "object": "model", "created": self.started, "owned_by": "specextend"}]})
 
     async def health(self, request: HTTPRequest) -> Response:
-        return JSONResponse(finite_json(self.health_body()))
+        body = self.health_body()
+        # 503 while draining: a load balancer that reads only the status takes the server out too.
+        return JSONResponse(finite_json(body), status_code=503 if self.drain.draining else 200)
 
     def health_body(self) -> dict[str, Any]:
-        return {"status": "ok", "model": self.model_id, **self.backend.health()}
+        body = {"status": "ok", "model": self.model_id, "context": self.encoder.context, **self.backend.health()}
+        if self.drain.draining:
+            body["status"] = "draining"
+        return body
 
     # ----------------------------------------------------------------- generation
 
@@ -177,12 +190,11 @@ class Server:
             else:
                 assert req.prompt is not None
                 ids = self.encoder.prompt_ids(req.prompt, chat=False)
+            self.encoder.check_fits(len(ids), req.settings)
+        except ContextLengthExceeded as e:  # the prompt alone, or with max_tokens: one code for both
+            raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
         except UserError as e:
             raise APIError(400, str(e), param=param) from None
-        try:
-            self.encoder.check_fits(len(ids), req.settings)
-        except UserError as e:
-            raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
         if req.settings.uses_draft and self.encoder.draft_path is None:
             raise APIError(400, f"method {req.settings.method!r} needs a draft model; this server has none",
                            param="method")
@@ -192,6 +204,7 @@ class Server:
         """The job's outcome for a non-streaming request; None if its client disconnected."""
         text_parts: list[str] = []
         getter: asyncio.Task[tuple[str, Any]] | None = None
+        self.drain.track(job)  # a drain past its time cancels it
         try:
             while True:
                 getter = getter or asyncio.ensure_future(job.events.get())
@@ -199,6 +212,7 @@ class Server:
                 if not done:
                     if await request.is_disconnected():
                         job.cancel.set()
+                        self.metrics.observe(job, "cancelled", None)  # its own event is never read
                         return None
                     continue
                 kind, value = getter.result()
@@ -209,10 +223,13 @@ class Server:
                 elif kind == "done":
                     return value
                 elif kind == "cancelled":
+                    if self.drain.cut:
+                        raise APIError(503, **_fields(self.drain.shutdown_error()))
                     return None
                 else:
                     raise generation_error(value)
         finally:
+            self.drain.untrack(job)
             if getter is not None:
                 getter.cancel()
 
@@ -222,6 +239,8 @@ class Server:
         With `calls`, the text goes out as content or tool-call deltas (toolcalls.py).
         If the client goes away this generator is closed, and the generation stops at its next step."""
         model = self.model_id
+        ended = False  # an event that ends the job was read (else the client hung up first)
+        self.drain.track(job)  # a drain past its time cancels it
         try:
             if kind == "chat":
                 yield _sse(protocol.chunk(kind, rid, created, model, None, role=True))
@@ -229,6 +248,7 @@ class Server:
             while True:
                 event, value = await job.events.get()
                 self.metrics.observe(job, event, value)
+                ended = event != "text"
                 if event == "text":
                     text, entries = value
                     lp = protocol.logprobs_object(kind, entries, offset)
@@ -252,6 +272,9 @@ class Server:
                     yield "data: [DONE]\n\n"
                     return
                 elif event == "cancelled":
+                    if self.drain.cut:  # cancelled by a drain past its time: say so, and end the stream
+                        yield _sse(self.drain.shutdown_error())
+                        yield "data: [DONE]\n\n"
                     return
                 else:
                     yield _sse(generation_error(value).body())
@@ -259,6 +282,9 @@ class Server:
                     return
         finally:
             job.cancel.set()  # a no-op once the job has finished
+            self.drain.untrack(job)
+            if not ended:  # the client hung up: its job's own "cancelled" event is never read
+                self.metrics.observe(job, "cancelled", None)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -272,6 +298,12 @@ async def _json_body(request: HTTPRequest) -> Any:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
 
 
+def _fields(body: dict[str, Any]) -> dict[str, Any]:
+    """An APIError's keyword arguments from an error body (OpenAI's shape)."""
+    err = body["error"]
+    return {"message": err["message"], "type": err["type"], "param": err["param"], "code": err["code"]}
+
+
 def generation_error(e: BaseException) -> APIError:
     """The OpenAI-shaped error a failed generation is answered with (an unexpected one is logged)."""
     if isinstance(e, APIError):
@@ -283,7 +315,8 @@ def generation_error(e: BaseException) -> APIError:
 
 
 def run_http(server: Server, sock: socket.socket, quiet: bool) -> None:
-    """Announce the address and serve `server`'s routes on `sock` until Ctrl-C."""
+    """Announce the address and serve `server`'s routes on `sock` until SIGTERM or Ctrl-C, which
+    drain it first (drain.py)."""
     import uvicorn
 
     host, port = sock.getsockname()[:2]
@@ -292,9 +325,7 @@ def run_http(server: Server, sock: socket.socket, quiet: bool) -> None:
           file=sys.stderr, flush=True)
     config = uvicorn.Config(server.app(), log_level="warning" if quiet else "info", access_log=not quiet,
                             timeout_graceful_shutdown=5)
-    # uvicorn shuts down gracefully on Ctrl-C, then re-raises it: a normal stop for a server.
-    with contextlib.suppress(KeyboardInterrupt):
-        uvicorn.Server(config).run(sockets=[sock])
+    DrainingServer(config, server.drain).run(sockets=[sock])
     print("specextend: server stopped", file=sys.stderr, flush=True)
 
 

@@ -7,13 +7,19 @@ import importlib.util
 import logging
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 from ..budget import GAP_GOAL_S
 from ..errors import UserError
 from ..options import add_model_arguments, add_settings_arguments, settings_from_args
 from ..scheduler import DEFAULT_MAX_BATCH, KV_SHARE
 from . import auth
+from .drain import DEFAULT_DRAIN_S
+from .limits import BODY_BYTES_PER_TOKEN, MIN_BODY_BYTES
 from .local import CACHE_SHARE
+
+if TYPE_CHECKING:
+    from .app import Server
 
 DEFAULT_MAX_QUEUE = 16
 INSTALL_CLUSTER = "pip install -e '.[cluster]'"
@@ -49,6 +55,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"{auth.ENV}, comma-separated, which keeps keys out of the process list)")
     g.add_argument("--api-key-file", default=None, metavar="FILE",
                    help="also accept the keys in FILE (one a line; # comments)")
+    g.add_argument("--max-body-mb", type=float, default=None, metavar="MB",
+                   help="largest request body in MB; a larger one is refused with 413 before it is read (default: "
+                        f"the context in tokens x {BODY_BYTES_PER_TOKEN} bytes, at least "
+                        f"{MIN_BODY_BYTES // 2**20} MB)")
+    g.add_argument("--drain-s", type=float, default=DEFAULT_DRAIN_S, metavar="S",
+                   help="on SIGTERM or Ctrl-C, seconds the requests already taken may run on while new ones get "
+                        "503; those still running then are cancelled, and the server exits with status 0 (default: "
+                        f"{DEFAULT_DRAIN_S:g})")
     g.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
     c = p.add_argument_group("replicas (Ray Serve; needs the cluster extra: " + INSTALL_CLUSTER + ")")
     c.add_argument("--replicas", type=int, default=None,
@@ -93,6 +107,10 @@ def _check(args: argparse.Namespace) -> None:
         v = getattr(args, name)
         if v is not None and v < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if args.max_body_mb is not None and not 0 < args.max_body_mb < float("inf"):
+        raise UserError(f"--max-body-mb must be a number > 0, got {args.max_body_mb}")
+    if not 0 <= args.drain_s < float("inf"):
+        raise UserError(f"--drain-s must be a number >= 0, got {args.drain_s}")
     if args.kv_mb is not None and not 0 < args.kv_mb < float("inf"):
         raise UserError(f"--kv-mb must be a number > 0, got {args.kv_mb}")
     if args.cache_disk_mb is not None and args.cache_dir is None:
@@ -130,6 +148,14 @@ def run(args: argparse.Namespace) -> int:
     from .local import build
 
     server = build(args)
-    server.api_keys = keys
+    configure(server, args, keys)
     run_http(server, sock, args.quiet)
     return 0
+
+
+def configure(server: Server, args: argparse.Namespace, keys: tuple[str, ...]) -> None:
+    """The HTTP side's flags on a server (the one-process one, or the replicas' front end)."""
+    server.api_keys = keys
+    if args.max_body_mb is not None:
+        server.max_body_bytes = max(1, int(args.max_body_mb * 2**20))
+    server.drain.seconds = args.drain_s

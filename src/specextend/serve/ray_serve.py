@@ -44,6 +44,7 @@ from ..errors import UserError
 from ..scheduler import DEFAULT_MAX_BATCH
 from . import protocol, ray_router
 from .app import DISCONNECT_POLL_S, Server, generation_error, run_http
+from .command import configure
 from .jobs import Job
 from .local import build
 from .protocol import APIError
@@ -370,7 +371,7 @@ def run_replicas(args: argparse.Namespace, sock: socket.socket, api_keys: tuple[
         reports = _first_reports(handle, args.replicas)
         front = Server(RayBackend(handle, routing, args.max_queue, reports), encoder.with_own_tokenizer(),
                        defaults, encoder.target_path.name)
-        front.api_keys = api_keys
+        configure(front, args, api_keys)
         run_http(front, sock, args.quiet)
     finally:
         serve.shutdown()
