@@ -100,7 +100,14 @@ def test_the_step_refuses_bad_kept_queries(folders):
     plan, cache = step.plan(model), model.new_cache(8)
     x, (cos, sin) = model.embed(PROMPT[:1]), model.rope(torch.tensor([0]))
     ext = kernels.load()
+
+    def part(layers, queries):
+        return [(cache.k, cache.v, 1, 0, None, layers, queries)]
+
     with pytest.raises(RuntimeError, match="out of range"):
-        ext.forward_step(plan, x, cos, sin, cache.k, cache.v, 0, None, kernels._path_id(), [5], [torch.empty(4, 1, 64)])
+        ext.forward_batch(plan, x, cos, sin, part([5], [torch.empty(4, 1, 64)]), kernels._path_id())
     with pytest.raises(RuntimeError, match="heads, t, head_dim"):
-        ext.forward_step(plan, x, cos, sin, cache.k, cache.v, 0, None, kernels._path_id(), [0], [torch.empty(4, 2, 64)])
+        ext.forward_batch(plan, x, cos, sin, part([0], [torch.empty(4, 2, 64)]), kernels._path_id())
+    with pytest.raises(RuntimeError, match="add up"):
+        ext.forward_batch(plan, torch.cat([x, x]), model.rope(torch.arange(2))[0], model.rope(torch.arange(2))[1],
+                          part([], []), kernels._path_id())
