@@ -5,9 +5,10 @@ position ids and (optionally) a [T, T] mask of which new tokens see which. That 
 serves prefill, one-token decoding, a draft tree and the target's verification of that tree.
 
 `forward_many` runs the new tokens of several sequences (`Rows`, each with its own positions,
-cache and mask) in one forward: on the quantized runtime the linear layers read each weight once
-for all rows and attention runs per sequence over its own cache, and since every kernel there is
-row-independent each sequence's logits and KV are the bits it gets alone (`batches_rows`).
+cache and mask) in one forward: on the quantized runtime one C++ call (step.py) whose linear
+layers read each weight once for all rows and whose attention runs per sequence over its own
+cache, and since every kernel there is row-independent each sequence's logits and KV are the
+bits it gets alone (`batches_rows`).
 Elsewhere (float weights, whose GEMMs may block differently by row count) it runs them one after
 the other, which keeps the bits too.
 """
