@@ -463,7 +463,7 @@ class Transformer(nn.Module):
             return False
         if self.vocab_trim is not None and not isinstance(self.vocab_trim.head, QWeight):
             return False
-        return self.lm_head.qweight is not None and all(step.fits(x, p.cache) for p in parts)
+        return self.lm_head.qweight is not None and all(p.size > 0 and step.fits(x, p.cache) for p in parts)
 
     def _forward_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, parts: list[Rows]
                       ) -> list[torch.Tensor]:
