@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol
 
-from . import kernels
 from .batch import Batch, Cancelled
 from .costmodel import CostModel
 from .engine import SpecEngine
@@ -59,7 +58,6 @@ class Batching:
         kv_bytes = weakref.WeakMethod(pair.kv_bytes)
         self.scheduler = Scheduler(self.batch, lambda job: run(engine, job),
                                    lambda job: _call(kv_bytes)(len(job.ids), job.settings), self.limits)
-        kernels.release_threads()  # the steps run on the scheduler's thread from now on
 
     def shutdown(self) -> None:
         """Stop the steps; running and waiting requests end as cancelled."""
@@ -116,7 +114,6 @@ class Generations:
                                 f"needs more KV memory than the batch's budget of {budget / 2**20:.0f} MB")
         for c in calls:
             self.batching.scheduler.submit(c)
-        kernels.release_threads()  # this thread waits while the batch's computes
         out: list[Result | None] = []
         error: BaseException | None = None
         for c in calls:

@@ -296,17 +296,6 @@ def _path_id() -> int:
     return _resolved[1]
 
 
-def release_threads() -> None:
-    """Let the calling thread's OpenMP team go (its idle threads exit; the next parallel region
-    starts a new one): for a thread that hands its compute to another thread (the batch's).
-    libgomp counts the threads of every thread's team, and once they outnumber the CPUs every
-    team waits at its barriers with a short spin then a sleep instead of spinning, so each of a
-    step's hundreds of barriers costs a wake-up (docs/benchmarks.md). A no-op before the kernels
-    are loaded (no team of theirs, and nothing is built for it)."""
-    if _module is not None:
-        _module.release_threads()
-
-
 def cpu_name() -> str:
     """The CPU's model name (measured costs and peaks are kept per machine)."""
     with contextlib.suppress(OSError):

@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from . import kernels
 from .batch import Batch, Cancelled, Sequence
 from .budget import REFERENCE_CONTEXT, StepBudget
 from .costmodel import cached_curve
@@ -229,10 +228,7 @@ class Scheduler:
     def _loop(self) -> None:
         with torch.inference_mode():
             while not self._stop.is_set():
-                idle = not self.running_list and not self.waiting_list
-                if idle:  # its thread team must not slow another thread's (kernels.release_threads)
-                    kernels.release_threads()
-                self._take(block=idle)
+                self._take(block=not self.running_list and not self.waiting_list)
                 self._withdraw()
                 self._admit()
                 if self.batch.sequences:

@@ -6,9 +6,6 @@
 
 #include <memory>
 #include <mutex>
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
 #include <vector>
 
 #include "core/cpu.h"
@@ -213,22 +210,12 @@ c10::optional<at::Tensor> forward_batch(StepPlan& p, at::Tensor x, const at::Ten
   return logits;
 }
 
-// The calling thread's OpenMP thread pool released (kernels.release_threads); false where there is none to release.
-bool release_threads() {
-#if defined(_OPENMP)
-  return omp_pause_resource_all(omp_pause_soft) == 0;
-#else
-  return false;
-#endif
-}
-
 }  // namespace
 
 void bind_step(py::module& m) {
   py::class_<StepPlan, std::shared_ptr<StepPlan>>(m, "StepPlan").def("add_layer", &add_layer);
   py::class_<HeadPlan, std::shared_ptr<HeadPlan>>(m, "StepHead");
   m.def("step_plan", &step_plan, "a quantized model's layers for forward_batch (add_layer once per layer)");
-  m.def("release_threads", &release_threads, "the calling thread's OpenMP thread pool released");
   m.def("step_head", &step_head, "the final norm and an LM head for forward_batch");
   m.def("forward_batch", &forward_batch, "every layer of several sequences' new tokens in one parallel region",
         py::arg("plan"), py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("parts"), py::arg("path_id"),
