@@ -6,8 +6,6 @@ Qwen3 (per-head query/key norms)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -102,22 +100,14 @@ def test_the_step_refuses_bad_kept_queries(folders):
     plan, cache = step.plan(model), model.new_cache(8)
     x, (cos, sin) = model.embed(PROMPT[:1]), model.rope(torch.tensor([0]))
     ext = kernels.load()
+
+    def part(layers, queries):
+        return [(cache.k, cache.v, 1, 0, None, layers, queries)]
+
     with pytest.raises(RuntimeError, match="out of range"):
-        ext.forward_step(plan, x, cos, sin, cache.k, cache.v, 0, None, kernels._path_id(), [5], [torch.empty(4, 1, 64)])
+        ext.forward_batch(plan, x, cos, sin, part([5], [torch.empty(4, 1, 64)]), kernels._path_id())
     with pytest.raises(RuntimeError, match="heads, t, head_dim"):
-        ext.forward_step(plan, x, cos, sin, cache.k, cache.v, 0, None, kernels._path_id(), [0], [torch.empty(4, 2, 64)])
-
-
-@pytest.mark.skipif(torch.get_num_threads() < 2 or not os.path.isdir("/proc/self/task"),
-                    reason="needs a team of two threads or more, and Linux's /proc")
-def test_a_thread_lets_its_team_go(folders):
-    """kernels.release_threads (for a thread handing its compute to the batch's): the calling
-    thread's idle team threads exit, and the next forward starts a team again with the same bits."""
-    model = load_model(folders["qwen2"], torch.float32, weights="int4")
-    cache = model.new_cache(8)
-    first = model(PROMPT[:1], torch.tensor([0]), cache)
-    cache.discard()
-    before = len(os.listdir("/proc/self/task"))
-    kernels.release_threads()
-    assert len(os.listdir("/proc/self/task")) <= before - (torch.get_num_threads() - 1)
-    assert torch.equal(model(PROMPT[:1], torch.tensor([0]), cache), first)
+        ext.forward_batch(plan, x, cos, sin, part([0], [torch.empty(4, 2, 64)]), kernels._path_id())
+    with pytest.raises(RuntimeError, match="add up"):
+        ext.forward_batch(plan, torch.cat([x, x]), model.rope(torch.arange(2))[0], model.rope(torch.arange(2))[1],
+                          part([], []), kernels._path_id())

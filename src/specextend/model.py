@@ -5,9 +5,10 @@ position ids and (optionally) a [T, T] mask of which new tokens see which. That 
 serves prefill, one-token decoding, a draft tree and the target's verification of that tree.
 
 `forward_many` runs the new tokens of several sequences (`Rows`, each with its own positions,
-cache and mask) in one forward: on the quantized runtime the linear layers read each weight once
-for all rows and attention runs per sequence over its own cache, and since every kernel there is
-row-independent each sequence's logits and KV are the bits it gets alone (`batches_rows`).
+cache and mask) in one forward: on the quantized runtime one C++ call (step.py) whose linear
+layers read each weight once for all rows and whose attention runs per sequence over its own
+cache, and since every kernel there is row-independent each sequence's logits and KV are the
+bits it gets alone (`batches_rows`).
 Elsewhere (float weights, whose GEMMs may block differently by row count) it runs them one after
 the other, which keeps the bits too.
 """
@@ -346,6 +347,7 @@ class Transformer(nn.Module):
         # (step.py) on the quantized runtime; 0 drives every layer from Python.
         self.step_rows = step.STEP_ROWS
         self._step_plan: Any = None
+        self._step_head: tuple[QWeight, Any] | None = None  # the head the step computes, as it takes it
         # A draft's head over a subset of the vocabulary (vocab_trim.py), or None: all of it.
         self.vocab_trim: VocabTrim | None = None
 
@@ -440,15 +442,10 @@ class Transformer(nn.Module):
         tokens = parts[0].tokens if one else torch.cat([p.tokens for p in parts])
         cos, sin = self.rope(positions)
         x = self.embed(tokens.to(self.device))
-        whole = one and parts[0].size <= self.step_rows and step.fits(x, parts[0].cache)
-        if whole:
-            if self._step_plan is None:
-                self._step_plan = step.plan(self)
-            x = step.run(self._step_plan, x, cos, sin, parts[0].cache, parts[0].tree_mask, parts[0].keep_q,
-                         self.cfg.num_heads)
-        else:
-            for layer in self.layers:
-                x = layer.forward_rows(x, cos, sin, parts)
+        if self._takes_step(x, parts):
+            return self._forward_step(x, cos, sin, parts)
+        for layer in self.layers:
+            x = layer.forward_rows(x, cos, sin, parts)
         picked, counts, off = [], [], 0
         for p in parts:
             rows = x[off : off + p.size]
@@ -458,6 +455,30 @@ class Transformer(nn.Module):
             off += p.size
         logits = self._logits(picked[0] if one else torch.cat(picked))
         return [logits] if one else list(torch.split(logits, counts))
+
+    def _takes_step(self, x: torch.Tensor, parts: list[Rows]) -> bool:
+        """Whether a fused forward runs as one C++ call (step.py): a lone sequence's few rows, or
+        a batch's sequences whatever their rows."""
+        if self.step_rows <= 0 or (len(parts) == 1 and parts[0].size > self.step_rows):
+            return False
+        if self.vocab_trim is not None and not isinstance(self.vocab_trim.head, QWeight):
+            return False
+        return self.lm_head.qweight is not None and all(p.size > 0 and step.fits(x, p.cache) for p in parts)
+
+    def _forward_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, parts: list[Rows]
+                      ) -> list[torch.Tensor]:
+        """Every layer and the head in one C++ call; each part's logits."""
+        if self._step_plan is None:
+            self._step_plan = step.plan(self)
+        weight = self.lm_head.qweight if self.vocab_trim is None else self.vocab_trim.head
+        if self._step_head is None or self._step_head[0] is not weight:
+            self._step_head = (weight, step.head(self._step_plan, self, weight))
+        rows, counts = step.logit_rows(parts)
+        logits = step.run(self._step_plan, x.contiguous(), cos, sin, parts, self.cfg.num_heads, self._step_head[1],
+                          rows)
+        if self.vocab_trim is not None:
+            logits = self.vocab_trim.widen(logits)
+        return [logits] if len(parts) == 1 else list(torch.split(logits, counts))
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.vocab_trim is not None:

@@ -1,11 +1,15 @@
-"""The quantized runtime's whole-step forward: every layer of a few new tokens in one C++ call.
+"""The quantized runtime's whole-step forward: every layer of a few new tokens, of one sequence or
+of several (a batch step), and the LM head in one C++ call.
 
 A one-row decode step driven from Python (`model.Block.forward_rows`) makes six kernel calls a
 layer, each a crossing into C++ and a hand-over to the thread team; for a small draft that is a
 visible share of a step whose floor is a dozen milliseconds (docs/benchmarks.md). The C++ core
 (csrc/core/step.h) runs the same kernels with the same arguments for every layer in one
-parallel region, so its outputs are the Python-driven step's bits. This module describes a
-model's layers to it once (`plan`) and runs a forward (`run`).
+parallel region, so its outputs are the Python-driven step's bits. A batch's sequences share the
+call: every product takes all their rows at once (a weight is read once for all), attention runs
+per sequence over its own cache, and since every kernel is row-independent each sequence's
+logits and K/V are the bits it gets alone. This module describes a model's layers (`plan`) and
+its head (`head`) to it once and runs a forward (`run`).
 """
 
 from __future__ import annotations
@@ -18,11 +22,14 @@ from . import kernels
 
 if TYPE_CHECKING:
     from .kv_cache import KVCache
-    from .model import Linear, Transformer
+    from .model import Linear, Rows, Transformer
+    from .quant import QWeight
 
 # Forwards of at most this many rows of one sequence take the whole-step call (a decode step, a
 # draft's tree level, a small verification); larger ones (prefill chunks) keep the per-layer
-# kernels, where the Python between calls is a small share.
+# kernels, where the Python between calls is a small share. A batch's forward of several
+# sequences takes it whatever its rows: driven from Python, its attention calls grow with the
+# sequences.
 STEP_ROWS = 16
 
 
@@ -46,6 +53,14 @@ def plan(model: Transformer) -> Any:
     return p
 
 
+def head(step_plan: Any, model: Transformer, weight: QWeight) -> Any:
+    """The final norm and the head `weight` (the model's, or its draft's trimmed one) as the C++
+    step takes them."""
+    norm = model.norm.weight.detach().contiguous()
+    args = (weight.blobs, weight.formats, weight.widths, weight.offsets, weight.groups, None)
+    return kernels.load().step_head(step_plan, args, norm, float(model.norm.eps))
+
+
 def fits(x: torch.Tensor, cache: KVCache) -> bool:
     """Whether a forward of rows `x` over `cache` can take the whole-step call (the kernels'
     clock, which times per-layer calls, turns it off)."""
@@ -53,16 +68,33 @@ def fits(x: torch.Tensor, cache: KVCache) -> bool:
             and cache.k.is_contiguous() and cache.v.is_contiguous() and cache.k.device.type == "cpu")
 
 
-def run(step_plan: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-        tree_mask: torch.Tensor | None, keep_q: dict[int, torch.Tensor | None] | None = None,
-        heads: int = 0) -> torch.Tensor:
-    """Every layer over the new rows x [t, hidden] (overwritten with the last layer's output, returned);
-    their K/V go to the cache's pending slots, as the per-layer forward writes them. `keep_q`'s
-    layers get their rotated queries [heads, t, head_dim], as the per-layer forward keeps them."""
-    layers = sorted(keep_q) if keep_q else []
-    queries = [torch.empty(heads, x.shape[0], cache.k.shape[-1]) for _ in layers]
-    out = kernels.load().forward_step(step_plan, x.contiguous(), cos, sin, cache.k, cache.v, cache.length,
-                                      tree_mask, kernels._path_id(), layers, queries)
-    if keep_q is not None:
-        keep_q.update(zip(layers, queries, strict=True))
-    return out
+def logit_rows(parts: list[Rows]) -> tuple[torch.Tensor, list[int]]:
+    """The rows of the parts' rows together that need logits (each part's `logits_rows`, None: all),
+    and how many each part has."""
+    picked, counts, off = [], [], 0
+    for p in parts:
+        rows = torch.arange(off, off + p.size)
+        rows = rows if p.logits_rows is None else rows[p.logits_rows]
+        picked.append(rows)
+        counts.append(int(rows.shape[0]))
+        off += p.size
+    return (picked[0] if len(picked) == 1 else torch.cat(picked)), counts
+
+
+def run(step_plan: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, parts: list[Rows], heads: int,
+        step_head: Any = None, rows: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Every layer over the parts' new rows x [T, hidden] (one part after another; overwritten with
+    the last layer's output); each part's K/V go to its cache's pending slots and its `keep_q`'s
+    layers get their rotated queries [heads, rows, head_dim], as the per-layer forward writes and
+    keeps them. With a head: the logits of x's rows `rows`, else None."""
+    args, kept = [], []
+    for p in parts:
+        layers = sorted(p.keep_q) if p.keep_q else []
+        queries = [torch.empty(heads, p.size, p.cache.k.shape[-1]) for _ in layers]
+        args.append((p.cache.k, p.cache.v, p.size, p.cache.length, p.tree_mask, layers, queries))
+        kept.append((layers, queries))
+    logits = kernels.load().forward_batch(step_plan, x, cos, sin, args, kernels._path_id(), step_head, rows)
+    for p, (layers, queries) in zip(parts, kept, strict=True):
+        if p.keep_q is not None:
+            p.keep_q.update(zip(layers, queries, strict=True))
+    return logits

@@ -125,8 +125,16 @@ class VocabTrim:
             sub = qlinear(x, self._head, norm=m.norm.weight, eps=m.norm.eps)
         else:
             sub = F.linear(m.norm(x), self._head)
-        sub = sub.float() if sub.dtype in (torch.bfloat16, torch.float16) else sub
-        out = torch.full((x.shape[0], self.vocab), float("-inf"), dtype=sub.dtype)
+        return self.widen(sub.float() if sub.dtype in (torch.bfloat16, torch.float16) else sub)
+
+    @property
+    def head(self) -> QWeight | torch.Tensor:
+        """The head's rows of the subset (`ids`' order): a quantized weight, or a float one."""
+        return self._head
+
+    def widen(self, sub: torch.Tensor) -> torch.Tensor:
+        """The subset's logits [rows, size] as the whole vocabulary's: -inf outside the subset."""
+        out = torch.full((sub.shape[0], self.vocab), float("-inf"), dtype=sub.dtype)
         out[:, self.ids] = sub
         return out
 

@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "core/cpu.h"
@@ -16,6 +17,8 @@ namespace {
 struct StepPlan {
   spx::StepModel model;
   std::vector<at::Tensor> keep;  // the weights and norms the model's pointers point into
+  spx::StepWorkspace workspace;  // the steps' buffers, reused
+  std::mutex busy;
 };
 
 const float* kept_float(StepPlan& p, const at::Tensor& t, int64_t numel, const char* what) {
@@ -89,66 +92,132 @@ void add_layer(StepPlan& p, const py::tuple& qkv, const py::tuple& o, const py::
   md.layers.push_back(std::move(l));
 }
 
-const uint16_t* check_cache(const spx::StepModel& md, const at::Tensor& c, int64_t capacity) {
+// The final norm and an LM head (the whole one, or a draft's trimmed one) for forward_batch.
+struct HeadPlan {
+  spx::StepHead head;
+  std::vector<at::Tensor> keep;
+};
+
+std::shared_ptr<HeadPlan> step_head(const StepPlan& p, const py::tuple& w, const at::Tensor& norm, double eps) {
+  auto h = std::make_shared<HeadPlan>();
+  StepPlan kept;  // step_linear's checks and the tensors it keeps alive
+  h->head.w = step_linear(kept, w, p.model.hidden, "head");
+  h->head.norm = kept_float(kept, norm, p.model.hidden, "norm");
+  h->head.eps = static_cast<float>(eps);
+  h->keep = std::move(kept.keep);
+  return h;
+}
+
+void check_cache(const spx::StepModel& md, const at::Tensor& c, int64_t capacity) {
   TORCH_CHECK(c.scalar_type() == at::kBFloat16 && c.is_contiguous() && c.dim() == 4 &&
                   c.size(0) == static_cast<int64_t>(md.layers.size()) && c.size(1) == md.kv_heads &&
                   c.size(2) == capacity && c.size(3) == md.head_dim,
-              "forward_step: caches must be contiguous bfloat16 [layers, kv_heads, capacity, head_dim]");
-  return reinterpret_cast<const uint16_t*>(c.data_ptr<at::BFloat16>());
+              "forward_batch: caches must be contiguous bfloat16 [layers, kv_heads, capacity, head_dim]");
 }
 
-// x [t, hidden] float32 (the embeddings) becomes the last layer's output, in place; the new
-// tokens' K/V go to cache slots [start, start + t). mask: [t, m] bool or None (causal).
-// keep_q[i] [heads, t, head_dim] gets layer keep_layers[i]'s rotated queries (retrieval's).
-at::Tensor forward_step(const StepPlan& p, at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
-                        at::Tensor k_cache, at::Tensor v_cache, int64_t start, const c10::optional<at::Tensor>& mask,
-                        int64_t path_id, const std::vector<int64_t>& keep_layers, std::vector<at::Tensor> keep_q) {
-  TORCH_CHECK(path_id >= 0 && path_id < spx::kPaths && spx::cpu_supports(static_cast<spx::Path>(path_id)),
-              "forward_step: this CPU cannot run kernel path ", path_id);
-  const spx::StepModel& md = p.model;
-  TORCH_CHECK(!md.layers.empty(), "forward_step: the plan has no layers");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2 && x.size(1) == md.hidden &&
-                  x.size(0) > 0,
-              "forward_step: x must be contiguous float32 [t, hidden]");
-  const int64_t t = x.size(0), capacity = k_cache.dim() == 4 ? k_cache.size(2) : -1;
+// One sequence's part, checked, with what its pointers point into.
+struct SeqArgs {
+  spx::StepSeq seq{};
+  at::Tensor mask;
+  std::vector<float*> keep;
+};
+
+// part: (k_cache, v_cache, rows, start, mask or None, keep_layers, keep_q).
+void sequence(const spx::StepModel& md, const py::tuple& part, SeqArgs& out) {
+  TORCH_CHECK(part.size() == 7, "forward_batch: a part is (k, v, rows, start, mask, keep_layers, keep_q)");
+  auto k_cache = part[0].cast<at::Tensor>(), v_cache = part[1].cast<at::Tensor>();
+  const int64_t t = part[2].cast<int64_t>(), start = part[3].cast<int64_t>();
+  const int64_t capacity = k_cache.dim() == 4 ? k_cache.size(2) : -1;
   check_cache(md, k_cache, capacity);
   check_cache(md, v_cache, capacity);
-  TORCH_CHECK(start >= 0 && start + t <= capacity, "forward_step: slots past the cache's capacity");
+  TORCH_CHECK(t > 0 && start >= 0 && start + t <= capacity, "forward_batch: slots past the cache's capacity");
+  spx::StepSeq& s = out.seq;
+  s = spx::StepSeq{t, reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+                   reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::BFloat16>()), capacity, start, nullptr, t};
+  if (!part[4].is_none()) {
+    out.mask = part[4].cast<at::Tensor>().to(at::kBool).contiguous();
+    TORCH_CHECK(out.mask.dim() == 2 && out.mask.size(0) == t && out.mask.size(1) >= t && out.mask.size(1) <= start + t,
+                "forward_batch: mask [t, m] with t <= m <= start + t");
+    s.mask = out.mask.data_ptr<bool>();
+    s.m = out.mask.size(1);
+  }
+  const auto layers_kept = part[5].cast<std::vector<int64_t>>();
+  const auto queries = part[6].cast<std::vector<at::Tensor>>();
+  const int64_t layers = static_cast<int64_t>(md.layers.size());
+  TORCH_CHECK(layers_kept.size() == queries.size(), "forward_batch: one query tensor per kept layer");
+  if (!queries.empty()) out.keep.assign(layers, nullptr);
+  for (size_t i = 0; i < queries.size(); ++i) {
+    const int64_t li = layers_kept[i];
+    TORCH_CHECK(li >= 0 && li < layers && out.keep[li] == nullptr, "forward_batch: kept layer ", li,
+                " out of range or twice");
+    TORCH_CHECK(queries[i].scalar_type() == at::kFloat && queries[i].is_contiguous() && queries[i].dim() == 3 &&
+                    queries[i].size(0) == md.heads && queries[i].size(1) == t && queries[i].size(2) == md.head_dim,
+                "forward_batch: kept queries must be contiguous float32 [heads, t, head_dim]");
+    out.keep[li] = queries[i].data_ptr<float>();
+  }
+}
+
+// x [T, hidden] float32 (every part's embeddings, part after part) becomes the last layer's
+// output, in place; each part's new K/V go to its cache's slots [start, start + rows); cos/sin
+// [T, head_dim]. With a head: the logits [len(logit_rows), head width] of x's rows `logit_rows`.
+c10::optional<at::Tensor> forward_batch(StepPlan& p, at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                                        const std::vector<py::tuple>& parts, int64_t path_id,
+                                        const std::shared_ptr<HeadPlan>& head,
+                                        const c10::optional<at::Tensor>& logit_rows) {
+  TORCH_CHECK(path_id >= 0 && path_id < spx::kPaths && spx::cpu_supports(static_cast<spx::Path>(path_id)),
+              "forward_batch: this CPU cannot run kernel path ", path_id);
+  const spx::StepModel& md = p.model;
+  TORCH_CHECK(!md.layers.empty(), "forward_batch: the plan has no layers");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2 && x.size(1) == md.hidden &&
+                  x.size(0) > 0,
+              "forward_batch: x must be contiguous float32 [T, hidden]");
+  TORCH_CHECK(!parts.empty(), "forward_batch: no parts");
+  std::vector<SeqArgs> args(parts.size());
+  std::vector<spx::StepSeq> seqs(parts.size());
+  int64_t t = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    sequence(md, parts[i], args[i]);
+    args[i].seq.keep_q = args[i].keep.empty() ? nullptr : args[i].keep.data();
+    seqs[i] = args[i].seq;
+    t += seqs[i].t;
+  }
+  TORCH_CHECK(t == x.size(0), "forward_batch: the parts' rows must add up to x's");
   const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
   TORCH_CHECK(cc.scalar_type() == at::kFloat && sc.scalar_type() == at::kFloat && cc.numel() == t * md.head_dim &&
                   sc.numel() == t * md.head_dim,
-              "forward_step: cos/sin float32 [t, head_dim]");
-  at::Tensor mc;
-  spx::StepRows r{x.data_ptr<float>(), cc.data_ptr<float>(), sc.data_ptr<float>(), t,
-                  reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
-                  reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::BFloat16>()), capacity, start, nullptr, t};
-  if (mask.has_value() && mask->defined()) {
-    mc = mask->to(at::kBool).contiguous();
-    TORCH_CHECK(mc.dim() == 2 && mc.size(0) == t && mc.size(1) >= t && mc.size(1) <= start + t,
-                "forward_step: mask [t, m] with t <= m <= start + t");
-    r.mask = mc.data_ptr<bool>();
-    r.m = mc.size(1);
+              "forward_batch: cos/sin float32 [T, head_dim]");
+  spx::StepBatch bt{x.data_ptr<float>(), cc.data_ptr<float>(), sc.data_ptr<float>(), seqs.data(),
+                    static_cast<int64_t>(seqs.size())};
+  c10::optional<at::Tensor> logits;
+  at::Tensor rows;
+  if (head) {
+    TORCH_CHECK(logit_rows.has_value(), "forward_batch: a head needs logit_rows");
+    rows = logit_rows->to(at::kLong).contiguous();
+    TORCH_CHECK(rows.dim() == 1, "forward_batch: logit_rows [n]");
+    const int64_t n = rows.numel();
+    const int64_t* r = rows.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) TORCH_CHECK(r[i] >= 0 && r[i] < t, "forward_batch: logit row out of range");
+    logits = at::empty({n, head->head.w.n}, x.options());
+    bt.head = &head->head;
+    bt.logit_rows = r;
+    bt.n_logits = n;
+    bt.logits = logits->data_ptr<float>();
   }
-  const int64_t layers = static_cast<int64_t>(md.layers.size());
-  TORCH_CHECK(keep_layers.size() == keep_q.size(), "forward_step: one query tensor per kept layer");
-  std::vector<float*> keep(keep_q.empty() ? 0 : layers, nullptr);
-  for (size_t i = 0; i < keep_q.size(); ++i) {
-    const int64_t li = keep_layers[i];
-    TORCH_CHECK(li >= 0 && li < layers && keep[li] == nullptr, "forward_step: kept layer ", li, " out of range or twice");
-    TORCH_CHECK(keep_q[i].scalar_type() == at::kFloat && keep_q[i].is_contiguous() && keep_q[i].dim() == 3 &&
-                    keep_q[i].size(0) == md.heads && keep_q[i].size(1) == t && keep_q[i].size(2) == md.head_dim,
-                "forward_step: kept queries must be contiguous float32 [heads, t, head_dim]");
-    keep[li] = keep_q[i].data_ptr<float>();
-  }
-  r.keep_q = keep.empty() ? nullptr : keep.data();
-  spx::forward_step(static_cast<spx::Path>(path_id), md, r, at::get_num_threads());
-  return x;
+  // The plan's buffers, unless another call is using them (the same model stepped from two threads).
+  std::unique_lock<std::mutex> lock(p.busy, std::try_to_lock);
+  spx::forward_batch(static_cast<spx::Path>(path_id), md, bt, at::get_num_threads(),
+                     lock.owns_lock() ? &p.workspace : nullptr);
+  return logits;
 }
 
 }  // namespace
 
 void bind_step(py::module& m) {
   py::class_<StepPlan, std::shared_ptr<StepPlan>>(m, "StepPlan").def("add_layer", &add_layer);
-  m.def("step_plan", &step_plan, "a quantized model's layers for forward_step (add_layer once per layer)");
-  m.def("forward_step", &forward_step, "every layer of a few new tokens in one parallel region");
+  py::class_<HeadPlan, std::shared_ptr<HeadPlan>>(m, "StepHead");
+  m.def("step_plan", &step_plan, "a quantized model's layers for forward_batch (add_layer once per layer)");
+  m.def("step_head", &step_head, "the final norm and an LM head for forward_batch");
+  m.def("forward_batch", &forward_batch, "every layer of several sequences' new tokens in one parallel region",
+        py::arg("plan"), py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("parts"), py::arg("path_id"),
+        py::arg("head") = nullptr, py::arg("logit_rows") = py::none());
 }

@@ -25,43 +25,45 @@ int thread_num() {
 #endif
 }
 
-// The whole step's buffers, allocated before the parallel region (nothing is allocated in it
-// but attention's per-item scratch, as in the Python-driven step).
-struct Buffers {
-  std::vector<float> x2, qkv, q, att, att_rows, gu, pre, acc;
-  std::vector<int8_t> q8;
-  std::vector<float> d8, xs;
-  std::vector<int32_t> s16, s32;
-  float* acc_base = nullptr;
-  int64_t acc_stride = 0;
+template <class V>
+void grow(V& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+}
 
-  Buffers(const StepModel& md, const StepRows& r, int threads) {
+// The step's buffers in a workspace, sized for T rows (nothing is allocated in the parallel
+// region but attention's per-item scratch, as in the Python-driven step).
+struct Buffers {
+  StepWorkspace& w;
+  float* acc_base = nullptr;
+  int64_t acc_stride = 0, pre_stride = 0;
+
+  Buffers(StepWorkspace& ws, const StepModel& md, const StepBatch& bt, int64_t t, int threads) : w(ws) {
     const StepLayer& l = md.layers[0];
-    const int64_t t = r.t, hd = md.heads * md.head_dim, inter = l.down.segs[0].k;
+    const int64_t hd = md.heads * md.head_dim, inter = l.down.segs[0].k;
     const int64_t kmax = std::max({md.hidden, hd, inter});
-    x2.resize(t * md.hidden);
-    qkv.resize(t * l.qkv.n);
-    q.resize(t * hd);
-    att.resize(t * hd);
-    att_rows.resize(t * hd);
-    gu.resize(t * l.gate_up.n);
+    grow(w.x2, t * md.hidden);
+    grow(w.qkv, t * l.qkv.n);
+    grow(w.q, t * hd);
+    grow(w.att, t * hd);
+    grow(w.att_rows, t * hd);
+    grow(w.gu, t * l.gate_up.n);
+    grow(w.hx, bt.n_logits * md.hidden);
     pre_stride = kmax;
-    pre.resize(static_cast<size_t>(threads) * kmax);
-    q8.resize(t * kmax);
-    d8.resize(t * kmax / 32);
-    xs.resize(t * kmax / 32);
-    s16.resize(t * kmax / 16);
-    s32.resize(t * kmax / 32);
+    grow(w.pre, static_cast<size_t>(threads) * kmax);
+    grow(w.q8, t * kmax);
+    grow(w.d8, t * kmax / 32);
+    grow(w.xs, t * kmax / 32);
+    grow(w.s16, t * kmax / 16);
+    grow(w.s32, t * kmax / 32);
     // Each thread's accumulators 64-byte aligned, on their own 4 KB page (as torch_ops.cpp's run_linear).
     constexpr int64_t kPage = 1024;
     acc_stride = kRowBlock * kPanel + kPage + 16;
-    acc.resize(static_cast<size_t>(threads) * acc_stride + kPage);
-    acc_base = acc.data() + ((kPage - (reinterpret_cast<uintptr_t>(acc.data()) / 4) % kPage) % kPage);
+    grow(w.acc, static_cast<size_t>(threads) * acc_stride + kPage);
+    acc_base = w.acc.data() + ((kPage - (reinterpret_cast<uintptr_t>(w.acc.data()) / 4) % kPage) % kPage);
   }
-  Rows act(int64_t k) { return {q8.data(), d8.data(), s16.data(), s32.data(), xs.data(), k}; }
-  float* scratch(int tid) { return pre.data() + static_cast<size_t>(tid) * pre_stride; }
+  Rows act(int64_t k) { return {w.q8.data(), w.d8.data(), w.s16.data(), w.s32.data(), w.xs.data(), k}; }
+  float* scratch(int tid) { return w.pre.data() + static_cast<size_t>(tid) * pre_stride; }
   float* accumulators(int tid) { return acc_base + tid * acc_stride + 16 * tid; }
-  int64_t pre_stride = 0;
 };
 
 // pre(x) of every row quantized into `a`, rows split over the team (implicit barrier at the end).
@@ -80,100 +82,180 @@ void linear_phase(Path path, const StepLinear& w, const Rows& a, int64_t t, floa
   for (int64_t u = 0; u < work.units(); ++u) linear_unit(path, lin, work, u, acc);
 }
 
-// Rows of the attention output [heads, t, d] as the o-projection's input rows [t, heads * d],
-// quantized (rows split over the team).
-void gather_quantize_phase(Path path, const StepModel& md, int64_t t, const float* att, float* att_rows,
+// What every layer does per sequence, set up before the parallel region: the sequence's first
+// row, its RoPE (cache pointers set per layer) and its attention problem and items.
+struct SeqPlan {
+  int64_t row0;
+  Rope rope;
+  Attention pb;
+  std::vector<AttentionItem> items;
+};
+
+// Every sequence's attention items in one list, the most work first, so threads taking them in
+// order finish together (which thread computes an item never changes a bit).
+struct ItemRef {
+  int64_t seq, item, cost;
+};
+
+struct BatchPlan {
+  std::vector<SeqPlan> seqs;
+  std::vector<int64_t> seq_of_row;  // [T]
+  std::vector<ItemRef> items;
+  int64_t t = 0;
+};
+
+BatchPlan batch_plan(const StepModel& md, const StepBatch& bt, Buffers& b, int threads) {
+  BatchPlan bp;
+  const int64_t d = md.head_dim, hd = md.heads * d;
+  for (int64_t s = 0; s < bt.nseqs; ++s) bp.t += bt.seqs[s].t;
+  bp.seq_of_row.resize(bp.t);
+  bp.seqs.resize(bt.nseqs);
+  int64_t row0 = 0;
+  for (int64_t s = 0; s < bt.nseqs; ++s) {
+    const StepSeq& r = bt.seqs[s];
+    SeqPlan& sp = bp.seqs[s];
+    sp.row0 = row0;
+    std::fill(bp.seq_of_row.begin() + row0, bp.seq_of_row.begin() + row0 + r.t, s);
+    const StepLayer& l0 = md.layers[0];
+    sp.rope = Rope{b.w.qkv.data() + row0 * l0.qkv.n, bt.cos + row0 * d, bt.sin + row0 * d, nullptr, nullptr, md.eps,
+                   r.t, md.heads, md.kv_heads, d, r.start, b.w.q.data() + row0 * hd, nullptr, nullptr,
+                   r.capacity * d, r.capacity * d};
+    Attention& pb = sp.pb;
+    pb.heads = md.heads;
+    pb.kv_heads = md.kv_heads;
+    pb.t = r.t;
+    pb.d = d;
+    pb.s = r.start + r.t;
+    pb.m = r.mask != nullptr ? r.m : r.t;
+    pb.mask = r.mask;
+    pb.q = b.w.q.data() + row0 * hd;
+    pb.out = b.w.att.data() + row0 * hd;
+    pb.k_head_stride = r.capacity * d;
+    pb.v_head_stride = r.capacity * d;
+    pb.scale = 1.f / std::sqrt(static_cast<float>(d));
+    sp.items = attention_items(pb, threads);
+    for (size_t i = 0; i < sp.items.size(); ++i) {
+      const AttentionItem& it = sp.items[i];
+      bp.items.push_back({s, static_cast<int64_t>(i), (it.t1 - it.t0) * pb.s});
+    }
+    row0 += r.t;
+  }
+  std::stable_sort(bp.items.begin(), bp.items.end(),
+                   [](const ItemRef& a, const ItemRef& c) { return a.cost > c.cost; });
+  return bp;
+}
+
+// Rows of each sequence's attention output [heads, t, d] as the o-projection's input rows
+// [T, heads * d], quantized (rows split over the team).
+void gather_quantize_phase(Path path, const StepModel& md, const BatchPlan& bp, const float* att, float* att_rows,
                            const Rows& a, float* scratch) {
   const int64_t d = md.head_dim, width = md.heads * d;
 #pragma omp for schedule(static)
-  for (int64_t r = 0; r < t; ++r) {
+  for (int64_t r = 0; r < bp.t; ++r) {
     const float* src = att;
-    if (t > 1) {
+    if (bp.t > 1) {
+      const SeqPlan& sp = bp.seqs[bp.seq_of_row[r]];
+      const int64_t t = sp.pb.t, row = r - sp.row0;
+      const float* seq_att = att + sp.row0 * width;
       for (int64_t h = 0; h < md.heads; ++h)
-        std::memcpy(att_rows + r * width + h * d, att + (h * t + r) * d, d * sizeof(float));
+        std::memcpy(att_rows + r * width + h * d, seq_att + (h * t + row) * d, d * sizeof(float));
       src = att_rows;
     }
     quantize_rows(path, src, width, PreOp{}, a, r, r + 1, scratch);
   }
 }
 
-struct AttentionPhase {
-  Attention pb{};
-  std::vector<AttentionItem> items;
-};
-
-AttentionPhase attention_setup(const StepModel& md, const StepRows& r, float* q, float* out, int threads) {
-  AttentionPhase ap;
-  Attention& pb = ap.pb;
-  pb.heads = md.heads;
-  pb.kv_heads = md.kv_heads;
-  pb.t = r.t;
-  pb.d = md.head_dim;
-  pb.s = r.start + r.t;
-  pb.m = r.mask != nullptr ? r.m : r.t;
-  pb.mask = r.mask;
-  pb.q = q;
-  pb.out = out;
-  pb.k_head_stride = r.capacity * md.head_dim;
-  pb.v_head_stride = r.capacity * md.head_dim;
-  pb.scale = 1.f / std::sqrt(static_cast<float>(pb.d));
-  ap.items = attention_items(pb, threads);
-  return ap;
-}
-
 // One layer, run by every thread of the team; x holds the layer's input and gets its output.
-void layer_phases(Path path, const StepModel& md, const StepLayer& l, int64_t li, const StepRows& r,
-                  const AttentionPhase& ap0, Buffers& b, int threads) {
+void layer_phases(Path path, const StepModel& md, const StepLayer& l, int64_t li, const StepBatch& bt,
+                  const BatchPlan& bp, Buffers& b, int threads) {
   const int tid = thread_num();
   float* scratch = b.scratch(tid);
   float* acc = b.accumulators(tid);
-  const int64_t t = r.t, d = md.head_dim, layer_stride = md.kv_heads * r.capacity * d;
+  const int64_t t = bp.t, d = md.head_dim;
   PreOp norm;
   norm.norm = l.attn_norm;
   norm.eps = md.eps;
-  quantize_phase(path, r.x, md.hidden, norm, b.act(md.hidden), t, scratch);
-  linear_phase(path, l.qkv, b.act(md.hidden), t, b.qkv.data(), nullptr, threads, acc);
-  const Rope rope{b.qkv.data(), r.cos, r.sin, l.q_norm, l.k_norm, md.eps, t, md.heads, md.kv_heads, d, r.start,
-                  b.q.data(), r.k + li * layer_stride, r.v + li * layer_stride, r.capacity * d, r.capacity * d};
+  quantize_phase(path, bt.x, md.hidden, norm, b.act(md.hidden), t, scratch);
+  linear_phase(path, l.qkv, b.act(md.hidden), t, b.w.qkv.data(), nullptr, threads, acc);
 #pragma omp for schedule(static)
-  for (int64_t tok = 0; tok < t; ++tok) rope_tokens(rope, tok, tok + 1);
-  // Every thread sees the same pointer, so the team meets the work-sharing construct together;
-  // attention only reads q, so the copy needs no barrier of its own.
-  if (r.keep_q != nullptr && r.keep_q[li] != nullptr) {
-#pragma omp single nowait
-    std::memcpy(r.keep_q[li], b.q.data(), sizeof(float) * static_cast<size_t>(t * md.heads * d));
+  for (int64_t row = 0; row < t; ++row) {
+    const int64_t s = bp.seq_of_row[row];
+    const StepSeq& r = bt.seqs[s];
+    const int64_t layer_stride = md.kv_heads * r.capacity * d, tok = row - bp.seqs[s].row0;
+    Rope rope = bp.seqs[s].rope;
+    rope.q_norm = l.q_norm;
+    rope.k_norm = l.k_norm;
+    rope.k = r.k + li * layer_stride;
+    rope.v = r.v + li * layer_stride;
+    rope_tokens(rope, tok, tok + 1);
   }
-  Attention pb = ap0.pb;
-  pb.k = r.k + li * layer_stride;
-  pb.v = r.v + li * layer_stride;
-  const int64_t items = static_cast<int64_t>(ap0.items.size());
+  // Attention only reads q, so the copies need no barrier of their own.
+#pragma omp for schedule(static) nowait
+  for (int64_t s = 0; s < bt.nseqs; ++s) {
+    const StepSeq& r = bt.seqs[s];
+    if (r.keep_q != nullptr && r.keep_q[li] != nullptr)
+      std::memcpy(r.keep_q[li], bp.seqs[s].pb.q, sizeof(float) * static_cast<size_t>(r.t * md.heads * d));
+  }
+  const int64_t items = static_cast<int64_t>(bp.items.size());
 #pragma omp for schedule(dynamic, 1)
-  for (int64_t i = 0; i < items; ++i) attend_items(path, pb, ap0.items.data(), i, i + 1);
+  for (int64_t i = 0; i < items; ++i) {
+    const ItemRef& ref = bp.items[i];
+    const StepSeq& r = bt.seqs[ref.seq];
+    const int64_t layer_stride = md.kv_heads * r.capacity * d;
+    Attention pb = bp.seqs[ref.seq].pb;
+    pb.k = r.k + li * layer_stride;
+    pb.v = r.v + li * layer_stride;
+    attend_items(path, pb, bp.seqs[ref.seq].items.data(), ref.item, ref.item + 1);
+  }
   const int64_t hd = md.heads * d;
-  gather_quantize_phase(path, md, t, b.att.data(), b.att_rows.data(), b.act(hd), scratch);
-  linear_phase(path, l.o, b.act(hd), t, b.x2.data(), r.x, threads, acc);
+  gather_quantize_phase(path, md, bp, b.w.att.data(), b.w.att_rows.data(), b.act(hd), scratch);
+  linear_phase(path, l.o, b.act(hd), t, b.w.x2.data(), bt.x, threads, acc);
   norm.norm = l.mlp_norm;
-  quantize_phase(path, b.x2.data(), md.hidden, norm, b.act(md.hidden), t, scratch);
-  linear_phase(path, l.gate_up, b.act(md.hidden), t, b.gu.data(), nullptr, threads, acc);
+  quantize_phase(path, b.w.x2.data(), md.hidden, norm, b.act(md.hidden), t, scratch);
+  linear_phase(path, l.gate_up, b.act(md.hidden), t, b.w.gu.data(), nullptr, threads, acc);
   PreOp silu;
   silu.silu_mul = true;
   const int64_t inter = l.gate_up.n / 2;
-  quantize_phase(path, b.gu.data(), 2 * inter, silu, b.act(inter), t, scratch);
-  linear_phase(path, l.down, b.act(inter), t, r.x, b.x2.data(), threads, acc);
+  quantize_phase(path, b.w.gu.data(), 2 * inter, silu, b.act(inter), t, scratch);
+  linear_phase(path, l.down, b.act(inter), t, bt.x, b.w.x2.data(), threads, acc);
+}
+
+// The picked rows through the final norm and the head (the team's last phases).
+void head_phases(Path path, const StepModel& md, const StepBatch& bt, Buffers& b, int threads) {
+  const int tid = thread_num();
+  const int64_t n = bt.n_logits, h = md.hidden;
+#pragma omp for schedule(static)
+  for (int64_t i = 0; i < n; ++i) std::memcpy(b.w.hx.data() + i * h, bt.x + bt.logit_rows[i] * h, h * sizeof(float));
+  PreOp norm;
+  norm.norm = bt.head->norm;
+  norm.eps = bt.head->eps;
+  quantize_phase(path, b.w.hx.data(), h, norm, b.act(h), n, b.scratch(tid));
+  linear_phase(path, bt.head->w, b.act(h), n, bt.logits, nullptr, threads, b.accumulators(tid));
 }
 
 }  // namespace
 
-void forward_step(Path path, const StepModel& md, const StepRows& r, int threads) {
-  if (md.layers.empty() || r.t <= 0) return;
+void forward_batch(Path path, const StepModel& md, const StepBatch& bt, int threads, StepWorkspace* ws) {
+  int64_t t = 0;
+  for (int64_t s = 0; s < bt.nseqs; ++s) t += bt.seqs[s].t;
+  if (md.layers.empty() || t <= 0) return;
   threads = std::max(1, threads);
-  Buffers b(md, r, threads);
-  const AttentionPhase ap = attention_setup(md, r, b.q.data(), b.att.data(), threads);
+  StepWorkspace local;
+  Buffers b(ws != nullptr ? *ws : local, md, bt, t, threads);
+  const BatchPlan bp = batch_plan(md, bt, b, threads);
+  const bool head = bt.head != nullptr && bt.n_logits > 0;
 #pragma omp parallel num_threads(threads)
   {
     for (size_t li = 0; li < md.layers.size(); ++li)
-      layer_phases(path, md, md.layers[li], static_cast<int64_t>(li), r, ap, b, threads);
+      layer_phases(path, md, md.layers[li], static_cast<int64_t>(li), bt, bp, b, threads);
+    if (head) head_phases(path, md, bt, b, threads);
   }
+}
+
+void forward_step(Path path, const StepModel& md, const StepRows& r, int threads) {
+  const StepSeq seq{r.t, r.k, r.v, r.capacity, r.start, r.mask, r.m, r.keep_q};
+  StepBatch bt{r.x, r.cos, r.sin, &seq, 1};
+  forward_batch(path, md, bt, threads);
 }
 
 }  // namespace spx

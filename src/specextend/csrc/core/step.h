@@ -70,7 +70,56 @@ struct StepRows {
   float* const* keep_q = nullptr;
 };
 
+// One sequence's part of a batched step: its rows are `t` consecutive rows of the batch's x,
+// cos and sin; the rest is StepRows' (its own cache, mask and kept queries).
+struct StepSeq {
+  int64_t t;
+  uint16_t* k;
+  uint16_t* v;
+  int64_t capacity, start;
+  const bool* mask;
+  int64_t m;
+  float* const* keep_q = nullptr;
+};
+
+// The final norm and the LM head (a draft's trimmed head, or the whole one).
+struct StepHead {
+  StepLinear w;  // k = hidden
+  const float* norm = nullptr;
+  float eps = 0.f;
+};
+
+// Several sequences' new tokens in one forward: the products take every row at once (each weight
+// is read once for all of them), RoPE, the cache writes and attention run per sequence over its
+// own cache. Rows `logit_rows` of the last layer's output then go through the head into
+// `logits` [n_logits, head->w.n] (no head, or no rows: no logits).
+struct StepBatch {
+  float* x;  // [T, hidden], T the sequences' rows together
+  const float* cos;
+  const float* sin;
+  const StepSeq* seqs;
+  int64_t nseqs;
+  const StepHead* head = nullptr;
+  const int64_t* logit_rows = nullptr;
+  int64_t n_logits = 0;
+  float* logits = nullptr;
+};
+
+// A step's buffers, kept by the caller between steps so that a prefill chunk's (tens of MB) are
+// not mapped anew each time: they only grow. One step at a time uses one.
+struct StepWorkspace {
+  std::vector<float> x2, qkv, q, att, att_rows, gu, pre, acc, hx, d8, xs;
+  std::vector<int8_t> q8;
+  std::vector<int32_t> s16, s32;
+};
+
 // Runs every layer on `threads` threads (one parallel region). The caller has checked the shapes.
 void forward_step(Path path, const StepModel& model, const StepRows& rows, int threads);
+
+// The batch in one parallel region; a sequence's outputs (its rows of x, its K/V, kept queries
+// and logits) are the bits forward_step gives it alone, whatever shares the batch: every kernel
+// is row-independent. ws: null allocates the buffers for this call.
+void forward_batch(Path path, const StepModel& model, const StepBatch& batch, int threads,
+                   StepWorkspace* ws = nullptr);
 
 }  // namespace spx

@@ -8,6 +8,7 @@
 //      and its detection refuses AMX at every step a CPU, an OS or a VM can deny it.
 //   4. the whole-step forward (step.h) of a small random model, one row and a tree level.
 // Exit status 0 when every check passes; each failure is printed.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -223,6 +224,65 @@ spx::StepLinear step_weight(std::vector<std::vector<uint8_t>>& blobs, int64_t n,
   return w;
 }
 
+// Sequences of 1, 6 (a tree), 1 and 21 (a prompt chunk) rows over caches of their own in one
+// batched step, with the head on some rows: each sequence's rows, K/V and logits are the bits
+// of its step alone, and of the head applied to its rows alone.
+void step_batch_tests(const std::vector<Path>& paths, const spx::StepModel& md) {
+  const int64_t hidden = md.hidden, d = md.head_dim, kv = md.kv_heads, layers = md.layers.size(), cap = 96;
+  std::vector<std::vector<uint8_t>> blobs;
+  spx::StepHead head;
+  head.w = step_weight(blobs, 80, hidden, spx::Q6K);
+  const std::vector<float> head_norm = randn(hidden, 0.1f);
+  head.norm = head_norm.data();
+  head.eps = 1e-6f;
+  const std::vector<int64_t> ts{1, 6, 1, 21}, starts{40, 17, 0, 60};
+  const int64_t total = 29;
+  const std::vector<float> x0 = randn(total * hidden), cos = randn(total * d), sin = randn(total * d);
+  std::vector<std::vector<uint16_t>> k0, v0;
+  for (size_t s = 0; s < ts.size(); ++s) {
+    k0.push_back(random_bf16(layers * kv * cap * d));
+    v0.push_back(random_bf16(layers * kv * cap * d));
+  }
+  std::vector<char> tree(6 * 6, 0);
+  const int parent[6] = {-1, 0, 0, 1, 1, 2};
+  for (int i = 0; i < 6; ++i) {
+    if (i > 0) std::memcpy(&tree[i * 6], &tree[parent[i] * 6], 6);
+    tree[i * 6 + i] = 1;
+  }
+  const std::vector<int64_t> picked{0, 2, 5, 7, 27, 28};  // rows of sequences 0, 1, 1, 2, 3, 3
+  for (Path p : paths) {
+    std::vector<float> x = x0, logits(picked.size() * 80);
+    std::vector<std::vector<uint16_t>> k = k0, v = v0;
+    std::vector<spx::StepSeq> seqs;
+    for (size_t s = 0; s < ts.size(); ++s)
+      seqs.push_back({ts[s], k[s].data(), v[s].data(), cap, starts[s],
+                      s == 1 ? reinterpret_cast<const bool*>(tree.data()) : nullptr, ts[s]});
+    spx::StepBatch bt{x.data(), cos.data(), sin.data(), seqs.data(), static_cast<int64_t>(seqs.size()), &head,
+                      picked.data(), static_cast<int64_t>(picked.size()), logits.data()};
+    spx::StepWorkspace ws;
+    spx::forward_batch(p, md, bt, 2, &ws);
+    int64_t row0 = 0;
+    bool same = true;
+    for (size_t s = 0; s < ts.size(); ++s) {
+      std::vector<float> xs(x0.begin() + row0 * hidden, x0.begin() + (row0 + ts[s]) * hidden);
+      std::vector<uint16_t> ks = k0[s], vs = v0[s];
+      std::vector<int64_t> rows;
+      for (int64_t r : picked)
+        if (r >= row0 && r < row0 + ts[s]) rows.push_back(r - row0);
+      std::vector<float> ls(rows.size() * 80);
+      const spx::StepSeq one{ts[s], ks.data(), vs.data(), cap, starts[s], seqs[s].mask, ts[s]};
+      const spx::StepBatch alone{xs.data(), cos.data() + row0 * d, sin.data() + row0 * d, &one, 1, &head,
+                                 rows.data(), static_cast<int64_t>(rows.size()), ls.data()};
+      spx::forward_batch(p, md, alone, 1);
+      const int64_t first = std::lower_bound(picked.begin(), picked.end(), row0) - picked.begin();
+      same = same && same_bits(xs.data(), x.data() + row0 * hidden, xs.size()) && ks == k[s] && vs == v[s] &&
+             same_bits(ls.data(), logits.data() + first * 80, ls.size());
+      row0 += ts[s];
+    }
+    check(same, std::string("batched step: each sequence alone, ") + spx::path_name(p));
+  }
+}
+
 void step_tests(const std::vector<Path>& paths) {
   const int64_t hidden = 256, heads = 4, kv = 2, d = 64, inter = 512, cap = 64, start = 40, layers = 2;
   std::vector<std::vector<uint8_t>> blobs;
@@ -266,6 +326,7 @@ void step_tests(const std::vector<Path>& paths) {
             "whole step t " + std::to_string(t) + ": " + spx::path_name(p) + " = portable");
     }
   }
+  step_batch_tests(paths, md);
 }
 
 }  // namespace
