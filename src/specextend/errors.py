@@ -3,3 +3,11 @@
 
 class UserError(Exception):
     """Bad input or settings: the CLI prints one line and exits with status 2."""
+
+
+class PromptTooLong(UserError):
+    """A prompt longer than the model's context; `tokens` says how long (the page shows it)."""
+
+    def __init__(self, message: str, tokens: int) -> None:
+        super().__init__(message)
+        self.tokens = tokens

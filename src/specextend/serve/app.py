@@ -28,12 +28,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..api import Prepared
-from ..errors import UserError
+from ..errors import PromptTooLong, UserError
 from ..grammar import Grammar
 from ..jsonl import finite_json
 from ..settings import Settings
 from ..toolcalls import CallParser, template_messages
-from . import auth, protocol
+from . import auth, page, protocol
 from .jobs import Job, Outcome
 from .metrics import ServerMetrics
 from .protocol import APIError
@@ -82,6 +82,7 @@ class Server:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics.endpoint, methods=["GET"]),
+            *page.routes(self),  # the page at / and the routes it uses (page.py)
         ]
         middleware = [*self.metrics.middleware(), *auth.middleware(self.api_keys)]  # 401s are counted too
         return Starlette(routes=routes, middleware=middleware, lifespan=self._lifespan,
@@ -171,12 +172,9 @@ class Server:
         """Prompt token ids, checked against the context; APIError(400) otherwise."""
         param = "messages" if req.kind == "chat" else "prompt"
         try:
-            if req.messages is not None:
-                tools = req.tools.template_tools() if req.tools is not None else None
-                ids = self.encoder.encode_chat(template_messages(req.messages), tools)
-            else:
-                assert req.prompt is not None
-                ids = self.encoder.prompt_ids(req.prompt, chat=False)
+            ids = self.tokens(req)
+        except PromptTooLong as e:
+            raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
         except UserError as e:
             raise APIError(400, str(e), param=param) from None
         try:
@@ -187,6 +185,15 @@ class Server:
             raise APIError(400, f"method {req.settings.method!r} needs a draft model; this server has none",
                            param="method")
         return ids
+
+    def tokens(self, req: protocol.Request) -> list[int]:
+        """A request's prompt token ids (UserError for a prompt that cannot be encoded, PromptTooLong
+        past the context), not yet checked against prompt + max_tokens."""
+        if req.messages is not None:
+            tools = req.tools.template_tools() if req.tools is not None else None
+            return self.encoder.encode_chat(template_messages(req.messages), tools)
+        assert req.prompt is not None
+        return self.encoder.prompt_ids(req.prompt, chat=False)
 
     async def _wait(self, job: Job, request: HTTPRequest) -> Outcome | None:
         """The job's outcome for a non-streaming request; None if its client disconnected."""
@@ -203,6 +210,8 @@ class Server:
                     continue
                 kind, value = getter.result()
                 getter = None
+                if kind == "progress":  # a streamed answer's; nobody sees it here
+                    continue
                 self.metrics.observe(job, kind, value)
                 if kind == "text":
                     text_parts.append(value[0])
@@ -218,7 +227,8 @@ class Server:
 
     async def _events(self, job: Job, kind: str, rid: str, created: int, include_usage: bool,
                       calls: CallParser | None = None) -> AsyncIterator[str]:
-        """Server-sent events: a chunk per accepted batch of tokens, the closing chunk, [DONE].
+        """Server-sent events: `: prefill DONE/TOTAL` comment lines while the prompt prefills (its
+        tokens in the cache after each chunk), a chunk per accepted batch of tokens, the closing chunk, [DONE].
         With `calls`, the text goes out as content or tool-call deltas (toolcalls.py).
         If the client goes away this generator is closed, and the generation stops at its next step."""
         model = self.model_id
@@ -228,6 +238,9 @@ class Server:
             offset = 0  # text sent so far (completions' logprobs count offsets in it)
             while True:
                 event, value = await job.events.get()
+                if event == "progress":  # a comment line, which OpenAI's clients skip; the page draws a bar
+                    yield f": prefill {value[0]}/{value[1]}\n\n"
+                    continue
                 self.metrics.observe(job, event, value)
                 if event == "text":
                     text, entries = value

@@ -26,6 +26,9 @@ from ..settings import Settings
 
 log = logging.getLogger("specextend.serve")
 
+# The events that a job may post before its last ("done", "error" or "cancelled" end it).
+STREAM_EVENTS = frozenset({"text", "progress"})
+
 
 @dataclass
 class Outcome:
@@ -52,8 +55,9 @@ class Job:
     submitted: float = field(default_factory=time.perf_counter)
 
     def post(self, kind: str, value: Any = None) -> None:
-        """Hand an event to the event loop: ("text", (piece, logprob entries or None)), ("done",
-        Outcome), ("error", exc), ("cancelled", None). Safe from any thread; a loop already closed drops it."""
+        """Hand an event to the event loop: ("progress", (prompt tokens prefilled, of all)), ("text",
+        (piece, logprob entries or None)), ("done", Outcome), ("error", exc), ("cancelled", None).
+        Safe from any thread; a loop already closed drops it."""
         with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
 
@@ -67,7 +71,7 @@ def run_job(pair: Pair, engine: Engine, job: Job) -> None:
     queue_s = time.perf_counter() - job.submitted
     gen = pair.generation(job.ids, settings=job.settings, response_format=job.grammar, logprobs=job.logprobs,
                           stops=job.stops, on_piece=lambda text, entries: job.post("text", (text, entries)),
-                          cancel=job.cancel)
+                          cancel=job.cancel, on_progress=lambda done, total: job.post("progress", (done, total)))
     result = gen.run(engine)
     if gen.cancelled:
         job.post("cancelled")
