@@ -123,7 +123,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                      help="record each token's log-probability and N alternatives (0-20; in the JSON output)")
 
     out = p.add_argument_group("output")
-    out.add_argument("--json", action="store_true", help="print one JSON object (the contract's fields) to stdout")
+    out.add_argument("--json", action="store_true", help="print one JSON object (its fields: docs/cli.md) to stdout")
     out.add_argument("-q", "--quiet", action="store_true", help="no loading messages or summary on stderr")
 
     add_model_arguments(p, draft_note=" (unused with --method ar or lookup)")
