@@ -166,7 +166,7 @@ def test_the_default_pair_answers_on_the_page(browser):
     """The real pair where it is in the user's model cache (skips otherwise): two questions, the second cached."""
     if not all(is_current(HOME / "models" / name) for name in (DEFAULT_TARGET, DEFAULT_DRAFT)):
         pytest.skip("the default pair is not in the model cache (specextend models pull)")
-    cmd = [sys.executable, "-m", "specextend.cli", "serve", "--port", "0", "--max-new-tokens", "24", "-q"]
+    cmd = [sys.executable, "-m", "specextend.cli", "serve", "--port", "0", "--max-new-tokens", "48", "-q"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "SPECEXTEND_HOME": str(HOME)})
     try:
         m = None
@@ -174,11 +174,14 @@ def test_the_default_pair_answers_on_the_page(browser):
             line = proc.stderr.readline()
             assert line, "the server ended before it served"
             m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
+        serving = (Path(__file__).parents[1] / "docs" / "serving.md").read_text()
+        section = serving[serving.index("## The prefix cache"):]
         with page_at(browser, f"http://127.0.0.1:{m.group(1)}") as page:
-            paste(page, Path(__file__).read_text()[:3000])
-            ask(page, "What does this file test?")
+            page.get_by_label("Name").fill("serving.md: the prefix cache")
+            paste(page, section[:section.index("\n## ", 5)])
+            ask(page, "How does the prefix cache decide what to reuse?")
             wait_done(page, 1, timeout_s=300)
-            ask(page, "Which browser does it use?")
+            ask(page, "What happens when it is full?")
             wait_done(page, 2, timeout_s=300)
             assert cached_tokens(page, 2) > 0
             if SCREENSHOT:  # docs/page.png: SPECEXTEND_PAGE_SCREENSHOT=docs/page.png pytest -k default_pair

@@ -193,7 +193,7 @@ function showCount() {
   if (c.fits) {
     info.textContent = `${fits}: fits, with ${c.max_tokens.toLocaleString()} tokens for the answer.`;
   } else {
-    info.textContent = `${fits}: too long. ${c.message}`;
+    info.textContent = `${fits}: too long (${c.message}).`;
     info.classList.add("bad");
   }
 }
