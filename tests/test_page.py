@@ -129,6 +129,19 @@ def test_stop_cancels_the_answer_on_the_server(browser, pair, folders):  # noqa:
         assert page.get_by_role("button", name="Send").is_enabled()
 
 
+def test_a_long_prefill_shows_a_bar(browser, pair, folders):  # noqa: F811
+    with running(pair, folders, limits=one_at_a_time(4)) as url, page_at(browser, url) as page:
+        slow_steps(pair, 0.2)  # 64 prompt tokens a step: the document takes several steps
+        paste(page, "word " * 50)
+        ask(page, "Summarize it.")
+        bar = page.locator(".msg.assistant .progress progress")
+        bar.wait_for(timeout=30_000)
+        assert "Reading the document" in page.locator(".msg.assistant .progress").inner_text()
+        assert 0 < float(bar.get_attribute("max"))
+        wait_done(page, 1)
+        assert page.locator(".msg.assistant .progress").count() == 0  # gone once the answer came
+
+
 def test_a_document_too_long_is_a_message(browser, pair, folders):  # noqa: F811
     with running(pair, folders) as url, page_at(browser, url) as page:
         paste(page, "word " * 2000)  # the tiny models' context is 512
@@ -151,6 +164,20 @@ def test_a_wrong_key_is_a_message_and_the_right_one_answers(browser, pair, folde
         ask(page, "What does the report cover?")
         wait_done(page, 1)
         assert page.evaluate("sessionStorage.getItem('specextend-api-key')") == "right-key"
+
+
+def test_a_file_opens_as_a_document_and_documents_switch(browser, pair, folders, tmp_path):  # noqa: F811
+    notes = tmp_path / "notes.md"
+    notes.write_text("# Notes\n\nThe hearings were held in May.\n")
+    with running(pair, folders) as url, page_at(browser, url) as page:
+        page.set_input_files("#file", str(notes))  # the empty first document takes it
+        page.get_by_role("tab", name="notes.md").wait_for(timeout=10_000)
+        assert "hearings were held" in page.get_by_role("textbox", name=re.compile("^Document")).input_value()
+        page.get_by_role("button", name="New document").click()
+        paste(page, DOC)
+        assert page.get_by_role("tab").count() == 2
+        page.get_by_role("tab", name="notes.md").click()
+        assert "hearings were held" in page.get_by_role("textbox", name=re.compile("^Document")).input_value()
 
 
 def test_the_page_fits_a_phone(browser, pair, folders):  # noqa: F811

@@ -301,8 +301,8 @@ def run_http(server: Server, sock: socket.socket, quiet: bool) -> None:
 
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    print(f"specextend: serving {server.model_id} ({server.defaults.method}) on http://{shown}:{port}/v1",
-          file=sys.stderr, flush=True)
+    print(f"specextend: serving {server.model_id} ({server.defaults.method}) on http://{shown}:{port}/v1 "
+          f"(a page for questions about documents: http://{shown}:{port}/)", file=sys.stderr, flush=True)
     config = uvicorn.Config(server.app(), log_level="warning" if quiet else "info", access_log=not quiet,
                             timeout_graceful_shutdown=5)
     # uvicorn shuts down gracefully on Ctrl-C, then re-raises it: a normal stop for a server.
