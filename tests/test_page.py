@@ -129,6 +129,22 @@ def test_stop_cancels_the_answer_on_the_server(browser, pair, folders):  # noqa:
         assert page.get_by_role("button", name="Send").is_enabled()
 
 
+def test_a_busy_server_is_a_message_with_its_wait(browser, pair, folders):  # noqa: F811
+    with (running(pair, folders, max_queue=0, limits=one_at_a_time(0)) as url, page_at(browser, url) as first,
+          page_at(browser, url) as second):
+        slow_steps(pair, 0.1)
+        for page in (first, second):
+            paste(page, DOC)
+            page.get_by_label("Max tokens").fill("200")
+        ask(first, "Tell me everything.")
+        answers(first).first.locator(".body").filter(has_text=re.compile(r"\w")).wait_for(timeout=30_000)
+        ask(second, "And now?")  # the one slot is taken and no request may wait
+        error = second.locator(".msg.error").filter(has_text="busy")
+        error.wait_for(timeout=30_000)
+        assert re.search(r"try again in \d+ s", error.inner_text())
+        first.keyboard.press("Escape")
+
+
 def test_a_long_prefill_shows_a_bar(browser, pair, folders):  # noqa: F811
     with running(pair, folders, limits=one_at_a_time(4)) as url, page_at(browser, url) as page:
         slow_steps(pair, 0.2)  # 64 prompt tokens a step: the document takes several steps
