@@ -210,6 +210,7 @@ def test_the_default_pair_answers_on_the_page(browser):
     if not all(is_current(HOME / "models" / name) for name in (DEFAULT_TARGET, DEFAULT_DRAFT)):
         pytest.skip("the default pair is not in the model cache (specextend models pull)")
     cmd = [sys.executable, "-m", "specextend.cli", "serve", "--port", "0", "--max-new-tokens", "48", "-q"]
+    # Only its first lines are read: -q keeps the rest short enough for the pipe.
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "SPECEXTEND_HOME": str(HOME)})
     try:
         m = None
@@ -217,9 +218,14 @@ def test_the_default_pair_answers_on_the_page(browser):
             line = proc.stderr.readline()
             assert line, "the server ended before it served"
             m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
+        url = f"http://127.0.0.1:{m.group(1)}"
+        deadline = time.time() + 600  # the address comes before the start-up (the batch, its measured costs)
+        while not _answers(f"{url}/health"):
+            assert time.time() < deadline and proc.poll() is None, "the server did not start"
+            time.sleep(0.5)
         serving = (Path(__file__).parents[1] / "docs" / "serving.md").read_text()
         section = serving[serving.index("## The prefix cache"):]
-        with page_at(browser, f"http://127.0.0.1:{m.group(1)}") as page:
+        with page_at(browser, url) as page:
             page.get_by_label("Name").fill("serving.md: the prefix cache")
             paste(page, section[:section.index("\n## ", 5)])
             ask(page, "How does the prefix cache decide what to reuse?")
@@ -231,7 +237,18 @@ def test_the_default_pair_answers_on_the_page(browser):
                 page.screenshot(path=SCREENSHOT)
     finally:
         proc.terminate()
-        proc.wait(30)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 # --------------------------------------------------------------------------- over HTTP
