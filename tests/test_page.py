@@ -234,7 +234,7 @@ def test_the_default_pair_answers_on_the_page(browser):
             wait_done(page, 2, timeout_s=300)
             assert cached_tokens(page, 2) > 0
             if SCREENSHOT:  # docs/page.png: SPECEXTEND_PAGE_SCREENSHOT=docs/page.png pytest -k default_pair
-                page.screenshot(path=SCREENSHOT)
+                save_small_png(page.screenshot(), SCREENSHOT)
     finally:
         proc.terminate()
         try:
@@ -242,6 +242,14 @@ def test_the_default_pair_answers_on_the_page(browser):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+
+
+def save_small_png(png: bytes, path: str) -> None:
+    """A screenshot in 64 colours (text and flat panels lose nothing visible; the file stays small)."""
+    from PIL import Image  # matplotlib's dependency
+
+    image = Image.open(io.BytesIO(png)).convert("RGB")
+    image.quantize(colors=64, method=Image.Quantize.MEDIANCUT).save(path, optimize=True)
 
 
 def _answers(url: str) -> bool:
