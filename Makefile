@@ -1,4 +1,4 @@
-# The contract's set-up targets (see CONTRACT.md in the shared folder).
+# Set-up, tests and tools: `make setup` (the venv and the kernels), `make test`, `make demo`; README.md says more.
 PYTHON ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.installed
@@ -72,16 +72,21 @@ $(PEERS_STAMP): | $(STAMP)
 ARM_CXX := aarch64-linux-gnu-g++
 ARM_EXE := build/exactness-aarch64
 
-# Debian packages the kernel exactness tests use when present (tests/test_kernel_paths.py skips
-# without them): the aarch64 cross compiler and qemu-user (NEON under emulation), SIMDe (the avx512
-# path's code emulated on a CPU without AVX-512). CI installs them before `make test`.
-TEST_TOOLS := g++-aarch64-linux-gnu qemu-user libsimde-dev
+# Debian packages tests use when present (they skip without them): the aarch64 cross compiler and
+# qemu-user (NEON under emulation) and SIMDe (the avx512 path's code emulated on a CPU without
+# AVX-512) for tests/test_kernel_paths.py; Chromium and its driver for the page's browser tests
+# (tests/test_page.py: Playwright drives this Chromium, it downloads no browser of its own).
+# CI installs them before `make test`; the package lists are refreshed when an install finds nothing.
+TEST_TOOLS := g++-aarch64-linux-gnu qemu-user libsimde-dev chromium chromium-driver
+APT := $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get
 
 test-tools:
 	@command -v $(ARM_CXX) >/dev/null && command -v qemu-aarch64 >/dev/null && \
-		test -f /usr/include/simde/x86/avx512.h || { \
+		test -f /usr/include/simde/x86/avx512.h && command -v chromium >/dev/null && \
+		command -v chromedriver >/dev/null || { \
 		echo "installing $(TEST_TOOLS) (Debian packages)"; \
-		$$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get install -y -q $(TEST_TOOLS) >/dev/null; }
+		$(APT) install -y -q $(TEST_TOOLS) >/dev/null 2>&1 || \
+		{ $(APT) update -q >/dev/null && $(APT) install -y -q $(TEST_TOOLS) >/dev/null; }; }
 
 test-arm: test-tools
 	@mkdir -p build

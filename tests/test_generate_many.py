@@ -119,6 +119,25 @@ def test_the_prompts_file_runs_in_one_batch(pair, folders, tmp_path):
     assert [r["method"] for r in rows] == ["sd", "ar", "sd"]
 
 
+def test_the_prompts_file_without_json_labels_each_answer(pair, folders, tmp_path):
+    lines = [{"prompt": PROMPTS[0]}, {"prompt": PROMPTS[1], "id": "q7", "method": "ar"}]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    cmd = [sys.executable, "-m", "specextend.cli", "generate", "--target", str(folders["target"]), "--draft",
+           str(folders["draft"]), "--dtype", "float64", "--method", "sd", "--max-new-tokens", "6",
+           "--prompts-file", str(path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    base = load(folders["target"], folders["draft"], dtype="float64", progress=False)
+    texts = [base.generate(PROMPTS[0], method="sd", max_new_tokens=6).text,
+             base.generate(PROMPTS[1], method="ar", max_new_tokens=6).text]
+    assert out.stdout == f"=== line 1 ===\n{texts[0]}\n\n=== line 2 (id q7) ===\n{texts[1]}\n"
+    summaries = [x for x in out.stderr.splitlines() if "tokens after" in x]
+    assert [x.split(":")[0] for x in summaries] == ["line 1", "line 2 (id q7)"]
+    json_out = subprocess.run([*cmd, "--json", "-q"], capture_output=True, text=True, timeout=300)
+    assert [json.loads(x).get("id") for x in json_out.stdout.splitlines()] == [None, "q7"]
+
+
 def test_a_bad_prompts_file_is_one_line(folders, tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "fine"}\n{"text": "no prompt"}\n')

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
 
 from .batching import Generations
-from .engine import DraftAnswer, Prefilled, SpecEngine, TokensCallback, kv_bytes
+from .engine import DraftAnswer, Prefilled, ProgressCallback, SpecEngine, TokensCallback, kv_bytes
 from .errors import UserError
 from .generation import Generation, Origin, PieceCallback, Result
 from .models.resolve import LoadOptions, ResolvedPair, resolve_pair
@@ -187,15 +187,16 @@ class Pair(Prompts):
                    tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool | None = None,
                    tool_call_recovery: bool | None = None, tool_spec: ToolSpec | None = None,
                    stops: Sequence[str] = (), on_piece: PieceCallback | None = None,
-                   cancel: threading.Event | None = None, tokenizer: Any = None, **overrides: Any) -> Generation:
+                   cancel: threading.Event | None = None, tokenizer: Any = None,
+                   on_progress: ProgressCallback | None = None, **overrides: Any) -> Generation:
         """One request, checked (bad input raises UserError here) and ready to run on an engine
-        (`Generation.run`). Arguments as in `generate`; `stops`, `on_piece` and `cancel` as in
-        `Generation`; `tokenizer`: one of its own for a generation run on another thread;
-        `tool_spec`: tools already checked (a server's request, whose grammar is `response_format`)."""
+        (`Generation.run`). Arguments as in `generate`; `stops`, `on_piece`, `cancel` and
+        `on_progress` as in `Generation`; `tokenizer`: one of its own for a generation run on another
+        thread; `tool_spec`: tools already checked (a server's request, whose grammar is `response_format`)."""
         s = self.settings(settings, **overrides)
         req = self.request(prompt, chat, response_format, tools, tool_choice, parallel_tool_calls, tool_call_recovery)
         return Generation(self.origin(tokenizer), req.ids, s, grammar=req.grammar, logprobs=logprobs, stops=stops,
-                          on_piece=on_piece, cancel=cancel, tools=req.tools or tool_spec)
+                          on_piece=on_piece, cancel=cancel, tools=req.tools or tool_spec, on_progress=on_progress)
 
     @overload
     def generate(self, prompt: str | Sequence[int], *, chat: bool = False, on_text: TextCallback | None = None,
@@ -220,6 +221,7 @@ class Pair(Prompts):
         tool_choice: str | dict[str, Any] | None = None,
         parallel_tool_calls: bool | None = None,
         tool_call_recovery: bool | None = None,
+        on_progress: ProgressCallback | None = None,
         **overrides: Any,
     ) -> Result | list[Result | None]:
         """Generate after `prompt` (text, OpenAI's messages, or token ids). Keyword overrides are
@@ -230,6 +232,7 @@ class Pair(Prompts):
         alternatives. `tools`, `tool_choice` and `parallel_tool_calls` are OpenAI's (toolcalls.py):
         the result's `tool_calls` are the calls the answer made (under `auto`, an answer that is
         nothing but a call written as bare JSON too, unless `tool_call_recovery` is False).
+        `on_progress(done, total)` hears the prefill's prompt tokens after each chunk (a progress bar's).
 
         A list of prompts runs in one continuous batch (batching.py) and returns their results in
         order, each the tokens that prompt gets alone. An item is a prompt, a dict of its `prompt`
@@ -241,10 +244,11 @@ class Pair(Prompts):
         if _many(prompt):
             return self._generate_many(prompt, dict(chat=chat, on_text=on_text, settings=settings,
                                                     response_format=response_format, logprobs=logprobs,
-                                                    **tool_args, **overrides))
+                                                    on_progress=on_progress, **tool_args, **overrides))
         on_piece = None if on_text is None else lambda text, _entries: on_text(text)
         gen = self.generation(prompt, chat=chat, settings=settings, response_format=response_format,
-                              logprobs=logprobs, on_piece=on_piece, **tool_args, **overrides)
+                              logprobs=logprobs, on_piece=on_piece, on_progress=on_progress, **tool_args,
+                              **overrides)
         self.last_result = gen.run(self._engine)
         gen.remember()
         return self.last_result

@@ -94,7 +94,8 @@ class Port:
             cache.commit()
 
     def prefill(self, tokens: torch.Tensor, cache: Any, backend: Any = "efficient", chunk: int = 512,
-                last_q: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+                last_q: dict[int, torch.Tensor] | None = None,
+                on_chunk: Callable[[int], None] | None = None) -> torch.Tensor:
         """`Transformer.prefill`, in the chunks the steps grant (`chunk` is the step's to choose)."""
         start, n, done = cache.length, int(tokens.shape[0]), 0
         while True:
@@ -104,6 +105,8 @@ class Port:
             logits, taken = _suspend(Call(self.model, rows, prefill=True))
             cache.commit()
             done += taken
+            if on_chunk is not None:
+                on_chunk(done)
             if done == n:
                 if keep is not None and last_q is not None:
                     last_q.update({i: q[:, -1:].clone() for i, q in keep.items()})

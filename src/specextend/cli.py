@@ -30,6 +30,7 @@ from .options import (
     model_options,
     settings_from_args,
 )
+from .progress import Bar
 from .settings import Settings, make_settings
 from .wording import count
 
@@ -100,8 +101,9 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--prompt-file", help="read the prompt from this file ('-' for stdin)")
     src.add_argument("--jsonl", help="read the prompt from field `text` of a JSONL record (see --index)")
     src.add_argument("--prompts-file", metavar="PATH.jsonl",
-                     help="run every prompt of this JSON Lines file (field `prompt`, optional per-line settings) "
-                          "in one continuous batch; with --json one object a line, in input order")
+                     help="run every prompt of this JSON Lines file (field `prompt`, optional `id` and per-line "
+                          "settings) in one continuous batch; each answer under its label (`=== line N (id ID) "
+                          "===`), or with --json one object a line, in input order")
     prompt.add_argument("--index", type=int, default=None, help="0-based record of --jsonl (default: 0)")
     prompt.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
 
@@ -122,7 +124,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                      help="record each token's log-probability and N alternatives (0-20; in the JSON output)")
 
     out = p.add_argument_group("output")
-    out.add_argument("--json", action="store_true", help="print one JSON object (the contract's fields) to stdout")
+    out.add_argument("--json", action="store_true", help="print one JSON object (its fields: docs/cli.md) to stdout")
     out.add_argument("-q", "--quiet", action="store_true", help="no loading messages or summary on stderr")
 
     add_model_arguments(p, draft_note=" (unused with --method ar or lookup)")
@@ -337,8 +339,12 @@ def _run_generate(args: argparse.Namespace, settings: Settings, prompt: str,
         ids = prepared.encode(prompt, chat=args.chat)
     prepared.check_fits(len(ids), settings)
     grammar = prepared.grammar(response_format(args))
-    return prepared.load().generate(ids, settings=settings, on_text=on_text, response_format=grammar,
-                                    logprobs=args.logprobs, **tools)
+    bar = Bar("prefill", progress=not args.quiet)  # drawn only for a prefill that takes a while
+    try:
+        return prepared.load().generate(ids, settings=settings, on_text=on_text, response_format=grammar,
+                                        logprobs=args.logprobs, on_progress=bar, **tools)
+    finally:
+        bar.close()
 
 
 def tool_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -378,20 +384,30 @@ def _generate_many(args: argparse.Namespace, settings: Settings, requests: list[
         except UserError as e:
             raise UserError(f"{args.prompts_file} line {r['_line']}: {e}") from None
     with _stdout_to_stderr() as out, prepared.load() as pair:  # closing the pair joins the batch's thread
-        results = pair.generate([{k: v for k, v in r.items() if k != "_line"} for r in requests], **common)
-    for result in results:
+        results = pair.generate([{k: v for k, v in r.items() if k not in ("_line", "id")} for r in requests],
+                                **common)
+    for i, (r, result) in enumerate(zip(requests, results, strict=True)):
         assert result is not None  # none is cancelled
-        line = json.dumps(result.to_json(), ensure_ascii=not _utf8(out)) if args.json else result.text
-        out.write(line + "\n")
+        if args.json:
+            obj = result.to_json() if "id" not in r else {"id": r["id"], **result.to_json()}
+            out.write(json.dumps(obj, ensure_ascii=not _utf8(out)) + "\n")
+        else:  # a person reads these: each answer under its label, a blank line between them
+            out.write(("\n" if i else "") + f"=== {_label(r)} ===\n{result.text}\n")
     out.flush()
     if not args.quiet and not args.json:
-        for result in results:
-            print(summary_line(result), file=sys.stderr)
+        for r, result in zip(requests, results, strict=True):
+            print(f"{_label(r)}: {summary_line(result)}", file=sys.stderr)
     return 0
 
 
+def _label(request: dict[str, Any]) -> str:
+    """A prompts file's record as its answer is labelled: its `id` if it has one, else its line."""
+    return f"line {request['_line']}" + (f" (id {request['id']})" if "id" in request else "")
+
+
 def _settings_of(request: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in request.items() if k not in ("prompt", "_line", "chat", "response_format", "logprobs")}
+    return {k: v for k, v in request.items()
+            if k not in ("prompt", "_line", "id", "chat", "response_format", "logprobs")}
 
 
 def response_format(args: argparse.Namespace) -> dict[str, Any] | None:

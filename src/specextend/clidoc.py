@@ -197,7 +197,7 @@ def tool_help(module: str, argv: list[str]) -> str:
 
 def tools() -> list[str]:
     out = ["", "## Tools", "",
-           "Measurement tools beside the contract's commands, run as `python -m MODULE` from the venv."]
+           "Measurement tools beside the commands, run as `python -m MODULE` from the venv."]
     for module, argvs in TOOLS.items():
         out += ["", f"### python -m {module}", ""]
         if not argvs:

@@ -56,6 +56,7 @@ from .verify import Verdict, sample, target_dist, verify_greedy, verify_sampling
 from .wording import count
 
 TokensCallback = Callable[[list[int]], bool | None]  # True: stop after this batch
+ProgressCallback = Callable[[int, int], None]  # a prefill's prompt tokens done so far, of all
 TREE_HEADROOM = 256  # cache slots beyond prompt + new tokens, for tree nodes in flight
 
 
@@ -252,11 +253,13 @@ class SpecEngine:
         check_fits(prompt_len, s, self.target.cfg.max_position,
                    self.draft.cfg.max_position if self.draft is not None else None)
 
-    def prefill(self, prompt_ids: list[int], settings: Settings, prefix: PrefixKV | None = None) -> Prefilled:
+    def prefill(self, prompt_ids: list[int], settings: Settings, prefix: PrefixKV | None = None,
+                on_progress: ProgressCallback | None = None) -> Prefilled:
         """Both models' caches over the prompt, with room for `settings.max_new_tokens`. With
         `prefix` (the KV of the prompt's first tokens, at least one token short of the whole
         prompt so the last token's logits and queries are computed here), only the remaining
-        tokens are prefilled. `settings` are resolved."""
+        tokens are prefilled. `settings` are resolved. `on_progress(done, total)` hears the
+        target's prompt tokens in the cache (the cached prefix's included) after each chunk."""
         s = _as_resolved(settings)
         self.check_fits(len(prompt_ids), s)
         uses_draft = s.uses_draft and self.draft is not None
@@ -272,7 +275,9 @@ class SpecEngine:
         if prefix is not None:
             tcache.load(prefix.target_kv)
         last_q: dict[int, torch.Tensor] = {}
-        first = self.target.prefill(rest, tcache, s.attention, last_q=last_q)
+        total = len(prompt_ids)
+        on_chunk = (lambda done: on_progress(n + done, total)) if on_progress is not None else None
+        first = self.target.prefill(rest, tcache, s.attention, last_q=last_q, on_chunk=on_chunk)
         t1 = time.perf_counter()
         draft_store = draft_prompt = None
         if uses_draft:

@@ -8,3 +8,11 @@ class UserError(Exception):
 class ContextLengthExceeded(UserError):
     """A prompt (or prompt + the tokens asked for) that cannot fit the model's context; the server
     answers it 400 with OpenAI's code `context_length_exceeded`, whichever of the two it is."""
+
+
+class PromptTooLong(ContextLengthExceeded):
+    """A prompt longer than the model's context; `tokens` says how long (the page shows it)."""
+
+    def __init__(self, message: str, tokens: int) -> None:
+        super().__init__(message)
+        self.tokens = tokens

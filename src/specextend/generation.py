@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from . import kernels
 from .detokenize import Detokenizer
-from .engine import GenerationResult, Prefilled, TokensCallback
+from .engine import GenerationResult, Prefilled, ProgressCallback, TokensCallback
 from .errors import UserError
 from .grammar import Grammar, tokenizer_for
 from .jsonl import finite_json
@@ -46,7 +46,8 @@ PieceCallback = Callable[[str, "list[dict[str, Any]] | None"], None]
 class Engine(Protocol):
     """What a generation runs on: `engine.SpecEngine`, alone or over a batch's ports."""
 
-    def prefill(self, prompt_ids: list[int], settings: Settings, prefix: PrefixKV | None = None) -> Prefilled: ...
+    def prefill(self, prompt_ids: list[int], settings: Settings, prefix: PrefixKV | None = None,
+                on_progress: ProgressCallback | None = None) -> Prefilled: ...
 
     def decode(self, state: Prefilled, settings: Settings, on_tokens: TokensCallback | None = None,
                processor: LogitsProcessor | None = None) -> GenerationResult: ...
@@ -217,11 +218,13 @@ class Generation:
     string; `sent` is all of it) and its log-probability entries when `logprobs` asked for them.
     A set `cancel` stops the decode at its next accepted batch (`cancelled` then says so). With
     `tools` the result's `tool_calls` are the calls its text makes (toolcalls.CallParser, as the
-    text streams), and a call that repeats an earlier one ends the decode as a stop string does."""
+    text streams), and a call that repeats an earlier one ends the decode as a stop string does.
+    `on_progress(done, total)` hears the prefill's progress, chunk by chunk."""
 
     def __init__(self, origin: Origin, ids: list[int], settings: Settings, *, grammar: Grammar | None = None,
                  logprobs: int | None = None, stops: Sequence[str] = (), on_piece: PieceCallback | None = None,
-                 cancel: threading.Event | None = None, tools: ToolSpec | None = None) -> None:
+                 cancel: threading.Event | None = None, tools: ToolSpec | None = None,
+                 on_progress: ProgressCallback | None = None) -> None:
         check_logprobs(logprobs)
         self.calls = tools.parser() if tools is not None else None  # the answer parsed into calls
         self.origin, self.ids, self.settings = origin, ids, settings
@@ -229,6 +232,7 @@ class Generation:
         self.stops = StopStrings(stops)
         self.on_piece = on_piece
         self.cancel = cancel
+        self.on_progress = on_progress  # the prefill's (done, total) prompt tokens after each chunk
         self.sent: list[str] = []  # the text streamed, cut at a stop string
         self.result: Result | None = None
         self._state: Prefilled | None = None
@@ -273,7 +277,7 @@ class Generation:
             return self.stopped
 
         listens = detok is not None or self.cancel is not None
-        self._state = engine.prefill(self.ids, s, self.origin.lookup(self.ids, s))
+        self._state = engine.prefill(self.ids, s, self.origin.lookup(self.ids, s), self.on_progress)
         self.result = self.origin.result(engine.decode(self._state, s, on_tokens if listens else None, proc), proc)
         if detok is not None and not self.stopped:
             detok.finish(self.result.text)

@@ -16,6 +16,7 @@ the other, which keeps the bits too.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -498,11 +499,13 @@ class Transformer(nn.Module):
         backend: Backend = "efficient",
         chunk: int = 512,
         last_q: dict[int, torch.Tensor] | None = None,
+        on_chunk: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Feed a prompt in chunks (bounded memory at any length); returns the last token's logits.
 
         last_q: if given, filled with every layer's query of the last prompt token ([H, 1, D]),
         so retrieval can score the prompt by what its last token attends to.
+        on_chunk: called with the prompt tokens prefilled so far after each chunk (progress).
         """
         start = cache.length
         n = tokens.shape[0]
@@ -515,6 +518,8 @@ class Transformer(nn.Module):
             out = self(piece, pos, cache, None, backend, logits_rows=slice(-1, None) if last else slice(0, 0),
                        keep_q=keep)
             cache.commit()
+            if on_chunk is not None:
+                on_chunk(s + piece.shape[0])
             if last:
                 logits = out[-1]
                 if keep is not None:

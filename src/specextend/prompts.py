@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from jinja2 import TemplateError
 
 from .engine import check_fits
-from .errors import ContextLengthExceeded, UserError
+from .errors import ContextLengthExceeded, PromptTooLong, UserError
 from .grammar import Grammar, GrammarSpec, compile_grammar, tokenizer_for
 from .settings import Settings
 from .toolcalls import ToolSpec, template_messages
@@ -159,9 +159,9 @@ class Prompts:
         if bad:
             raise UserError(f"prompt token id {bad[0]} is outside the target's vocabulary of {vocab}")
         if len(ids) >= self.context:
-            raise ContextLengthExceeded(
-                f"the prompt is {len(ids)} tokens, longer than the target's context of {self.context} tokens"
-            )
+            raise PromptTooLong(
+                f"the prompt is {len(ids)} tokens, longer than the target's context of {self.context} tokens",
+                len(ids))
 
     # ----------------------------------------------------------------- structured outputs
 

@@ -13,7 +13,7 @@ through it every command build their pair this way.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +64,9 @@ class ResolvedPair:
     device: str
     tokenizer: Any
     eos_ids: tuple[int, ...]  # the target's files' and its tokenizer's
+    # When resolving began (perf_counter): the "loaded" line counts the whole wait from there
+    # (a first run's pull, conversion and tokenizer), not only the reading of the weights.
+    asked_at: float = field(default_factory=time.perf_counter, compare=False)
 
     def with_own_tokenizer(self) -> ResolvedPair:
         """The same pair with a tokenizer of its own (a tokenizer is not safe to share across threads)."""
@@ -78,7 +81,9 @@ class ResolvedPair:
         what = f"target {self.target.path.name} ({target.weights})"
         if draft is not None and self.draft is not None:
             what += f" and draft {self.draft.path.name} ({draft.weights})"
-        say(progress, f"loaded {what} on {self.device} in {time.perf_counter() - t0:.1f} s")
+        now = time.perf_counter()
+        waited = now - min(self.asked_at, t0)
+        say(progress, f"loaded {what} on {self.device} in {waited:.1f} s (reading the weights: {now - t0:.1f} s)")
         return target, draft
 
 
@@ -86,6 +91,7 @@ def resolve_pair(target: str | Path | None, draft: str | Path | None, options: L
                  load_draft: bool = True, progress: bool = True) -> ResolvedPair:
     """Resolve (and on first use pull or convert) both references, read their configs and the
     target's tokenizer, and check that the two fit together. Without `load_draft`, no draft."""
+    asked_at = time.perf_counter()
     target_path = resolve_model_ref(_ref(target), "target", progress=progress)
     draft_path = resolve_model_ref(_ref(draft), "draft", progress=progress) if load_draft else None
     t = resolve_model(target_path, options.dtype, options.device, options.weights)
@@ -99,7 +105,7 @@ def resolve_pair(target: str | Path | None, draft: str | Path | None, options: L
     eos = set(t.eos_ids)
     if isinstance(getattr(tokenizer, "eos_token_id", None), int):
         eos.add(tokenizer.eos_token_id)
-    return ResolvedPair(t, d, options.device, tokenizer, tuple(sorted(eos)))
+    return ResolvedPair(t, d, options.device, tokenizer, tuple(sorted(eos)), asked_at)
 
 
 def _ref(ref: str | Path | None) -> str | None:

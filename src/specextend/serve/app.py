@@ -33,7 +33,7 @@ from ..grammar import Grammar
 from ..jsonl import finite_json
 from ..settings import Settings
 from ..toolcalls import CallParser, template_messages
-from . import auth, limits, protocol
+from . import auth, limits, page, protocol
 from .drain import Drain, DrainingServer, Gate
 from .jobs import Job, Outcome
 from .metrics import ServerMetrics
@@ -86,6 +86,7 @@ class Server:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics.endpoint, methods=["GET"]),
+            *page.routes(self),  # the page at / and the routes it uses (page.py)
         ]
         max_body = self.max_body_bytes or limits.default_max_body_bytes(self.encoder.context)
         # Outermost first: every answer is counted (401, 413 and 503 too); a draining server refuses
@@ -184,12 +185,7 @@ class Server:
         """Prompt token ids, checked against the context; APIError(400) otherwise."""
         param = "messages" if req.kind == "chat" else "prompt"
         try:
-            if req.messages is not None:
-                tools = req.tools.template_tools() if req.tools is not None else None
-                ids = self.encoder.encode_chat(template_messages(req.messages), tools)
-            else:
-                assert req.prompt is not None
-                ids = self.encoder.prompt_ids(req.prompt, chat=False)
+            ids = self.tokens(req)
             self.encoder.check_fits(len(ids), req.settings)
         except ContextLengthExceeded as e:  # the prompt alone, or with max_tokens: one code for both
             raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
@@ -199,6 +195,15 @@ class Server:
             raise APIError(400, f"method {req.settings.method!r} needs a draft model; this server has none",
                            param="method")
         return ids
+
+    def tokens(self, req: protocol.Request) -> list[int]:
+        """A request's prompt token ids (UserError for a prompt that cannot be encoded, PromptTooLong
+        past the context), not yet checked against prompt + max_tokens."""
+        if req.messages is not None:
+            tools = req.tools.template_tools() if req.tools is not None else None
+            return self.encoder.encode_chat(template_messages(req.messages), tools)
+        assert req.prompt is not None
+        return self.encoder.prompt_ids(req.prompt, chat=False)
 
     async def _wait(self, job: Job, request: HTTPRequest) -> Outcome | None:
         """The job's outcome for a non-streaming request; None if its client disconnected."""
@@ -217,6 +222,8 @@ class Server:
                     continue
                 kind, value = getter.result()
                 getter = None
+                if kind == "progress":  # a streamed answer's; nobody sees it here
+                    continue
                 self.metrics.observe(job, kind, value)
                 if kind == "text":
                     text_parts.append(value[0])
@@ -235,7 +242,8 @@ class Server:
 
     async def _events(self, job: Job, kind: str, rid: str, created: int, include_usage: bool,
                       calls: CallParser | None = None) -> AsyncIterator[str]:
-        """Server-sent events: a chunk per accepted batch of tokens, the closing chunk, [DONE].
+        """Server-sent events: `: prefill DONE/TOTAL` comment lines while the prompt prefills (its
+        tokens in the cache after each chunk), a chunk per accepted batch of tokens, the closing chunk, [DONE].
         With `calls`, the text goes out as content or tool-call deltas (toolcalls.py).
         If the client goes away this generator is closed, and the generation stops at its next step."""
         model = self.model_id
@@ -247,6 +255,9 @@ class Server:
             offset = 0  # text sent so far (completions' logprobs count offsets in it)
             while True:
                 event, value = await job.events.get()
+                if event == "progress":  # a comment line, which OpenAI's clients skip; the page draws a bar
+                    yield f": prefill {value[0]}/{value[1]}\n\n"
+                    continue
                 self.metrics.observe(job, event, value)
                 ended = event != "text"
                 if event == "text":
@@ -321,8 +332,8 @@ def run_http(server: Server, sock: socket.socket, quiet: bool) -> None:
 
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    print(f"specextend: serving {server.model_id} ({server.defaults.method}) on http://{shown}:{port}/v1",
-          file=sys.stderr, flush=True)
+    print(f"specextend: serving {server.model_id} ({server.defaults.method}) on http://{shown}:{port}/v1 "
+          f"(a page for questions about documents: http://{shown}:{port}/)", file=sys.stderr, flush=True)
     config = uvicorn.Config(server.app(), log_level="warning" if quiet else "info", access_log=not quiet,
                             timeout_graceful_shutdown=5)
     DrainingServer(config, server.drain).run(sockets=[sock])

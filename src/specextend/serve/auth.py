@@ -1,5 +1,5 @@
 """API keys: with `--api-key` (or SPECEXTEND_API_KEY, or `--api-key-file`), every route but `/health`
-needs `Authorization: Bearer KEY`.
+and the page (`/` and its files, where the user types the key in) needs `Authorization: Bearer KEY`.
 
 The check is an ASGI middleware in front of the routes, so a request without a valid key is
 answered 401 before its body is read: it costs no tokenizing, no queue slot and no model time.
@@ -21,9 +21,10 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..errors import UserError
+from .page import is_open
 
 ENV = "SPECEXTEND_API_KEY"  # one key, or several separated by commas
-OPEN_PATHS = frozenset({"/health"})  # a load balancer's health check carries no key
+OPEN_PATHS = frozenset({"/health"})  # a load balancer's health check carries no key (and the page: page.is_open)
 
 
 def load_keys(flags: Sequence[str] | None, file: str | None, environ: dict[str, str] | None = None) -> tuple[str, ...]:
@@ -66,7 +67,7 @@ class RequireKey:
         self._keys = [k.encode() for k in keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or is_open(scope["path"]):
             await self.app(scope, receive, send)
             return
         token = bearer(scope)

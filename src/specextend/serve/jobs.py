@@ -26,6 +26,9 @@ from ..settings import Settings
 
 log = logging.getLogger("specextend.serve")
 
+# The events that a job may post before its last ("done", "error" or "cancelled" end it).
+STREAM_EVENTS = frozenset({"text", "progress"})
+
 
 @dataclass
 class Outcome:
@@ -52,8 +55,9 @@ class Job:
     submitted: float = field(default_factory=time.perf_counter)
 
     def post(self, kind: str, value: Any = None) -> None:
-        """Hand an event to the event loop: ("text", (piece, logprob entries or None)), ("done",
-        Outcome), ("error", exc), ("cancelled", None). Safe from any thread; a loop already closed drops it."""
+        """Hand an event to the event loop: ("progress", (prompt tokens prefilled, of all)), ("text",
+        (piece, logprob entries or None)), ("done", Outcome), ("error", exc), ("cancelled", None).
+        Safe from any thread; a loop already closed drops it."""
         with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
 
@@ -68,7 +72,8 @@ def run_job(pair: Pair, engine: Engine, job: Job) -> None:
     tools = job.request.tools if job.request is not None else None  # its calls end the answer (toolcalls.py)
     gen = pair.generation(job.ids, settings=job.settings, response_format=job.grammar, logprobs=job.logprobs,
                           tool_spec=tools, stops=job.stops, cancel=job.cancel,
-                          on_piece=lambda text, entries: job.post("text", (text, entries)))
+                          on_piece=lambda text, entries: job.post("text", (text, entries)),
+                          on_progress=lambda done, total: job.post("progress", (done, total)))
     result = gen.run(engine)
     if gen.cancelled:
         job.post("cancelled")

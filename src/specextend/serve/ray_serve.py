@@ -45,7 +45,7 @@ from ..scheduler import DEFAULT_MAX_BATCH
 from . import protocol, ray_router
 from .app import DISCONNECT_POLL_S, Server, generation_error, run_http
 from .command import configure
-from .jobs import Job
+from .jobs import STREAM_EVENTS, Job
 from .local import build
 from .protocol import APIError
 from .routing import Route
@@ -94,7 +94,7 @@ class Replica:
                 elif kind == "error":
                     value = _fields(generation_error(value))
                 yield kind, value
-                if kind != "text":
+                if kind not in STREAM_EVENTS:
                     return
         finally:
             job.cancel.set()  # the client or the front end is gone: free the batch slot
@@ -233,7 +233,7 @@ class RayBackend:
                         value = _api_error(value)
                     streamed = streamed or (kind == "text" and job.request.stream)
                     self._deliver(flight, kind, value)
-                    if kind != "text":
+                    if kind not in STREAM_EVENTS:
                         return
                 if job.cancel.is_set():
                     self._deliver(flight, "cancelled")
