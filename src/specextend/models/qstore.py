@@ -9,6 +9,7 @@ refused when it is opened, never read back half-written.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -23,18 +24,61 @@ from ..quant import FORMATS, Segment, blob_bytes
 _KEY = "specextend.quantized"
 
 
+# safetensors' names for the dtypes we write.
+_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+           torch.uint8: "U8"}
+
+
 def save_tensors(path: Path, floats: dict[str, torch.Tensor], segments: dict[str, Segment]) -> None:
     """Write float tensors and quantized segments into one safetensors file at `path`, atomically
     (a temporary file renamed into place: readers see the old file or the whole new one)."""
-    from safetensors.torch import save_file
+    planned = {name: (t.dtype, tuple(t.shape)) for name, t in floats.items()}
+    stream_tensors(path, planned, segments, lambda name: floats[name] if name in floats else segments[name])
 
+
+def stream_tensors(path: Path, floats: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                   segments: dict[str, Segment], produce: Callable[[str], torch.Tensor | Segment]) -> None:
+    """`save_tensors`, one tensor in memory at a time: `floats` gives each float tensor's dtype and
+    shape, `segments` each quantized one's format (its blob may be a stand-in: only its format, n, k,
+    offset and groups are read), and `produce(name)` the real tensor or segment when it is written.
+
+    The safetensors library writes only from a dict of every tensor, which held a whole expanded
+    model in memory while converting; the format is simple enough to write in order: the same
+    header (metadata, then tensors by decreasing element size, then name) and the same bytes.
+    """
     meta = {name: {"format": s.fmt, "n": s.n, "k": s.k, "offset": s.offset, "groups": s.groups}
             for name, s in segments.items()}
-    tensors = {**floats, **{name: s.blob for name, s in segments.items()}}
+    entries = {**floats, **{name: (torch.uint8, (blob_bytes(s.fmt, s.n, s.k, s.groups),))
+                            for name, s in segments.items()}}
+    order = sorted(entries, key=lambda name: (-entries[name][0].itemsize, name))
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", _KEY: json.dumps(meta)}}
+    start = 0
+    for name in order:
+        dtype, shape = entries[name]
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [start, start + size]}
+        start += size
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as the library pads it
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        save_file(tensors, str(tmp), metadata={"format": "pt", _KEY: json.dumps(meta)})
-        os.chmod(tmp, 0o644)  # safetensors creates files owner-only; match the others
+        with open(tmp, "wb") as f:
+            f.write(len(text).to_bytes(8, "little"))
+            f.write(text)
+            for name in order:
+                dtype, shape = entries[name]
+                got = produce(name)
+                if isinstance(got, Segment):
+                    if (got.fmt, got.n, got.k, got.offset, got.groups) != (
+                            segments[name].fmt, segments[name].n, segments[name].k, segments[name].offset,
+                            segments[name].groups):
+                        raise ValueError(f"{name}: the segment's format differs from the one planned")
+                    got = got.blob
+                if got.dtype != dtype or tuple(got.shape) != shape:
+                    raise ValueError(f"{name}: {got.dtype} {tuple(got.shape)} written, {dtype} {shape} planned")
+                f.write(got.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+                del got
+        os.chmod(tmp, 0o644)  # match the other files of a model folder
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

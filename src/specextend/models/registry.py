@@ -13,8 +13,17 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
+from specextend import meminfo
 from specextend.errors import UserError
-from specextend.models.gguf import COMPLETE_MARKER, convert_gguf, is_complete, is_current
+from specextend.models.footprint import check_fits
+from specextend.models.gguf import (
+    COMPLETE_MARKER,
+    announce,
+    convert_gguf,
+    is_complete,
+    is_current,
+    recorded_footprint,
+)
 from specextend.models.pull import (
     DEFAULT_DRAFT,
     DEFAULT_TARGET,
@@ -99,6 +108,10 @@ def converted_gguf(path: Path, progress: bool = True) -> Path:
     """
     folder = converted_folder(path)
     if is_current(folder):
+        recorded = recorded_footprint(folder)
+        if recorded is not None:  # converted earlier: say again what it expanded, check it still fits
+            check_fits(recorded, meminfo.available_memory_mb)
+            announce(recorded)
         return folder
     with file_lock(specextend_home() / f".lock-converted-{folder.name}", progress):
         if not is_current(folder):
