@@ -54,6 +54,7 @@ TOOLS: dict[str, list[list[str]]] = {
     "specextend.bench.batch": [[]],
     "specextend.bench.onerow": [[]],
     "specextend.bench.tools": [[]],
+    "specextend.bench.gguf_files": [[], ["quantize"], ["random"]],
     "specextend.bench.llamacpp": [],
 }
 

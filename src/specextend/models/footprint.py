@@ -75,6 +75,7 @@ class Footprint:
     config: dict[str, Any] | None = None  # the model's shape; None for an unsupported architecture
     unsupported: str | None = None  # why it cannot be converted, if it cannot
     largest_float_bytes: int = 0  # the largest matrix in float32 (the transient at load)
+    random_weights: bool = False  # made by `bench.gguf_files random`
 
     @property
     def parameters(self) -> int:
@@ -120,6 +121,7 @@ class Footprint:
             "types": [asdict(r) for r in self.types],
             "expanded": [r.type for r in self.expanded],
             "largest_float_bytes": self.largest_float_bytes,
+            "random_weights": self.random_weights,
             "memory": {
                 "loaded_bytes": self.loaded_bytes,
                 "first_load_peak_bytes": self.first_load_bytes,
@@ -135,7 +137,8 @@ class Footprint:
         return Footprint(file=data["file"], file_bytes=int(data["file_bytes"]), architecture=data["architecture"],
                          kernel_path=data["kernel_path"], types=[TypeRow(**r) for r in data["types"]],
                          config=None, unsupported=data.get("unsupported"),
-                         largest_float_bytes=int(data.get("largest_float_bytes", 0)))
+                         largest_float_bytes=int(data.get("largest_float_bytes", 0)),
+                         random_weights=bool(data.get("random_weights", False)))
 
 
 def active_kernel_path() -> str | None:
@@ -184,7 +187,9 @@ def footprint(file: str | os.PathLike[str], architecture: str, tensors: list[Ten
 
 
 def gb(n: float, sign: bool = False) -> str:
-    return f"{n / 1e9:{'+' if sign else ''}.1f} GB"
+    """Bytes for people: GB with one decimal, MB below 1 GB (`sign`: with + or -)."""
+    scale, unit = (1e9, "GB") if abs(n) >= 1e9 else (1e6, "MB")
+    return f"{n / scale:{'+' if sign else ''}.1f} {unit}"
 
 
 def _types_phrase(rows: list[TypeRow]) -> str:
@@ -203,6 +208,14 @@ def notice(fp: Footprint) -> str | None:
     return (f"{Path(fp.file).name}: {_types_phrase(rows)} {verb} expanded to float32 ({gb(disk, True)} on disk) "
             f"and run requantized to 8 bits ({gb(memory, True)} in memory), not as the file's own weights; "
             f"see specextend models inspect")
+
+
+def random_notice(fp: Footprint) -> str | None:
+    """One line for a file of random weights: what it is good for."""
+    if not fp.random_weights:
+        return None
+    return (f"{Path(fp.file).name} holds random weights: its text and the tokens accepted from it mean "
+            f"nothing; it measures formats, memory and speed only")
 
 
 def check_fits(fp: Footprint, available_mb: Callable[[], float | None]) -> None:

@@ -28,12 +28,14 @@ import numpy as np
 from specextend import meminfo
 from specextend.errors import UserError
 
-from .footprint import Footprint, TensorInfo, check_fits, footprint, is_kept, notice
+from .footprint import Footprint, TensorInfo, check_fits, footprint, is_kept, notice, random_notice
 
 COMPLETE_MARKER = ".complete"
 WEIGHTS_FILE = "model.safetensors"
 # The source file's footprint (types and memory, `footprint.py`), so later loads can say it again.
 FOOTPRINT_FILE = "gguf-footprint.json"
+# Set (true) in files of random weights (`python -m specextend.bench.gguf_files random`): loading one says so.
+RANDOM_WEIGHTS_KEY = "specextend.random_weights"
 # Written into the completion marker; a folder converted by an older version is converted again.
 FORMAT = "specextend-quantized-2"
 
@@ -424,6 +426,7 @@ def file_footprint(reader: Any, path: str | os.PathLike[str], kernel_path: str |
             pass  # counted all the same: inspect describes what the file holds
         tensors.append(TensorInfo(type_name(t), tuple(int(d) for d in t.shape), int(t.n_bytes)))
     fp = footprint(path, str(field(reader, "general.architecture")), tensors, kernel_path)
+    fp.random_weights = bool(field(reader, RANDOM_WEIGHTS_KEY, False))
     try:
         fp.config = gguf_to_hf_config(reader)
     except UserError as e:
@@ -440,10 +443,11 @@ def recorded_footprint(folder: str | os.PathLike[str]) -> Footprint | None:
 
 
 def announce(fp: Footprint) -> None:
-    """Say at load what is expanded (never silent, even with -q: the model that runs is not the file's)."""
-    line = notice(fp)
-    if line:
-        print(f"specextend: {line}", file=sys.stderr, flush=True)
+    """Say at load what is expanded, and that random weights are random (never silent, even with -q:
+    the model that runs is not the file's own, or means nothing)."""
+    for line in (notice(fp), random_notice(fp)):
+        if line:
+            print(f"specextend: {line}", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -530,7 +534,7 @@ def is_current(folder: str | os.PathLike[str]) -> bool:
     return marker.is_file() and FORMAT in marker.read_text().split()
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -547,7 +551,7 @@ def remove_stale_temps(out_dir: Path) -> None:
     """
     for tmp in out_dir.parent.glob(f"{out_dir.name}.tmp-*"):
         suffix = tmp.name.rsplit(".tmp-", 1)[-1]
-        if suffix.isdigit() and int(suffix) != os.getpid() and not _pid_alive(int(suffix)):
+        if suffix.isdigit() and int(suffix) != os.getpid() and not pid_alive(int(suffix)):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
