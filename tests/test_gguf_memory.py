@@ -248,3 +248,20 @@ def test_quantize_without_llama_quantize_says_make_peers(tmp_path, tokenizer_ggu
     assert gguf_files.main(["quantize", "Q4_0", "--source", str(tokenizer_gguf), "--out", out]) == 2
     err = capsys.readouterr().err
     assert "no llama-quantize beside" in err and "make peers" in err and len(err.strip().splitlines()) == 1
+
+
+def test_derived_weights_keep_what_was_stored_when_more_is_added(tmp_path: Path) -> None:
+    from specextend.models.qstore import DerivedWeights
+
+    a, b = torch.randn(16, 64), torch.randn(32, 64)
+    first = DerivedWeights(tmp_path / "d.safetensors")
+    first.get("a", lambda: quant.quantize_int8(a))
+    first.save()
+    second = DerivedWeights(tmp_path / "d.safetensors")
+    second.get("a", lambda: pytest.fail("stored already"))
+    second.get("b", lambda: quant.quantize_int4(b))
+    second.save()
+    stored = QuantizedFile(tmp_path / "d.safetensors")
+    assert set(stored.formats) == {"a", "b"}
+    assert torch.equal(stored.segment("a").blob, quant.quantize_int8(a).blob)
+    assert torch.equal(stored.segment("b").blob, quant.quantize_int4(b).blob)

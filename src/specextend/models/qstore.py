@@ -112,10 +112,15 @@ class DerivedWeights:
         """Write what was computed (with what was already stored); a read-only cache is skipped."""
         if not self.new:
             return
-        old = {n: s for n in (self.stored.formats if self.stored else {}) if (s := self.stored.segment(n))}
+        stored = self.stored
+        # What was stored before is read back one segment at a time as it is written, not all at once.
+        old = {n: Segment(f["format"], int(f["n"]), torch.empty(0, dtype=torch.uint8), int(f["offset"]), int(f["k"]),
+                          int(f.get("groups", 8)))
+               for n, f in (stored.formats if stored else {}).items() if n not in self.new}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            save_tensors(self.path, {}, {**old, **self.new})
+            stream_tensors(self.path, {}, {**old, **self.new},
+                           lambda n: self.new[n] if n in self.new else stored.segment(n))
         except OSError as e:
             print(f"specextend: could not cache {self.path}: {e.strerror}", file=sys.stderr)
 
