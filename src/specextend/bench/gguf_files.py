@@ -37,7 +37,7 @@ from ..errors import UserError
 from ..models.gguf import RANDOM_WEIGHTS_KEY, open_gguf
 from ..models.pull import DEFAULT_TARGET, gguf_file
 
-RANDOM_NOTE = "tokens accepted from random weights mean nothing: this file measures formats, memory and speed only"
+RANDOM_NOTE = "tokens accepted from random weights mean nothing: such a file measures formats, memory and speed only"
 
 # Hugging Face config fields of the presets (the default target's, and two common bigger shapes).
 PRESETS: dict[str, dict[str, Any]] = {

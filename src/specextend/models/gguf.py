@@ -4,7 +4,10 @@ The weights keep the file's own quantization grids in the layout the CPU kernels
 `quant.py` and `qstore.py`): a Q4_K_M model stays about the size of its GGUF and loads with a
 plain read, and any other precision (`--weights float32`, `int8`, ...) is derived from it at load
 time without a second copy on disk. Tensor types the kernels do not compute with as they are
-(F32 norms and biases, other quantization types) are stored as float32 under their HF names.
+(F32 norms and biases, other quantization types) are stored as float32 under their HF names;
+each load of a file with such types says so in one line, and one whose first load would not fit
+in memory is refused before anything is written (`footprint.py`). Tensors are converted and
+written one at a time, so converting takes about the memory of the largest one.
 
 The folder is written atomically: everything goes into a temporary sibling, the marker file
 `.complete` is written last, and only then is the folder renamed into place. A folder without
