@@ -16,6 +16,7 @@ The folder is written atomically: everything goes into a temporary sibling, the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -410,12 +411,31 @@ def write_weights(reader: Any, config: dict[str, Any], out: Path, progress: bool
         def produce(name: str) -> Any:
             bar.update(1)
             tensor = tensors[name]
-            if name in segments:
-                return kept_segment(tensor, config)
-            return torch.from_numpy(hf_tensor(tensor, config))
+            try:
+                if name in segments:
+                    return kept_segment(tensor, config)
+                return torch.from_numpy(hf_tensor(tensor, config))
+            finally:
+                _release(reader, tensor)
 
         stream_tensors(out / WEIGHTS_FILE, floats, segments, produce)
     return [WEIGHTS_FILE]
+
+
+def _release(reader: Any, tensor: Any) -> None:
+    """Drop a converted tensor's pages of the memory-mapped file from this process (they are read
+    again from the file if ever needed): else every page read stays resident until the end, and
+    the conversion's peak would grow to the whole file."""
+    import mmap
+
+    region = getattr(reader.data, "base", None)
+    if not isinstance(region, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    page = mmap.PAGESIZE
+    start = int(tensor.data_offset) // page * page
+    end = min(-(-(int(tensor.data_offset) + int(tensor.n_bytes)) // page) * page, len(region))
+    with contextlib.suppress(OSError, ValueError):
+        region.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def file_footprint(reader: Any, path: str | os.PathLike[str], kernel_path: str | None) -> Footprint:
