@@ -125,7 +125,8 @@ def test_kept_types_say_nothing(tmp_path, capsys) -> None:
 def test_a_load_that_would_not_fit_is_refused_before_writing(tmp_path, tokenizer_gguf) -> None:
     src = random_gguf(tmp_path, tokenizer_gguf, EXPANDED)
     with pytest.raises(UserError, match=rf"would need about .* of memory to load \(16 tensors of {EXPANDED} "
-                                        r"expanded to float32, then requantized to 8 bits\); 1.0 MB is available"):
+                                        r"expanded to float32, run (requantized to 8 bits|in float32)\); "
+                                        r"1.0 MB is available"):
         conv.convert_gguf(src, tmp_path / "hf", progress=False, available_mb=lambda: 1.0)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("hf")]
     conv.convert_gguf(src, tmp_path / "hf", progress=False, available_mb=lambda: None)  # unknown: no check
@@ -265,3 +266,20 @@ def test_derived_weights_keep_what_was_stored_when_more_is_added(tmp_path: Path)
     assert set(stored.formats) == {"a", "b"}
     assert torch.equal(stored.segment("a").blob, quant.quantize_int8(a).blob)
     assert torch.equal(stored.segment("b").blob, quant.quantize_int4(b).blob)
+
+
+def test_the_estimate_follows_the_scheme_auto_picks(tmp_path: Path) -> None:
+    """With a vector kernel path a kept type costs its bytes and an expanded matrix 8.5 bits a weight;
+    without one (no kernels, or only the portable path) `--weights auto` runs everything in float32."""
+    from specextend.models.footprint import TensorInfo, footprint
+
+    (tmp_path / "f.gguf").write_bytes(b"x")
+    kept = TensorInfo("Q8_0", (64, 32), 32 * 2 * 34)
+    expanded = TensorInfo(EXPANDED, (256, 32), 32 * 66)
+    norm = TensorInfo("F32", (64,), 256)
+    fast = footprint(tmp_path / "f.gguf", "qwen2", [kept, expanded, norm], "avx2")
+    assert fast.loaded_bytes == 32 * 2 * 34 + 256 * 32 * 34 // 32 + 256
+    assert [r.type for r in fast.expanded] == [EXPANDED] and fast.largest_float_bytes == 256 * 32 * 4
+    for path in ("portable", None):
+        slow = footprint(tmp_path / "f.gguf", "qwen2", [kept, expanded, norm], path)
+        assert slow.loaded_bytes == (64 * 32 + 256 * 32 + 64) * 4 and slow.converted_bytes == fast.converted_bytes

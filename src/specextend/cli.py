@@ -471,7 +471,7 @@ def cmd_models_list(args: argparse.Namespace) -> int:
 
 
 def cmd_models_inspect(args: argparse.Namespace) -> int:
-    from .models.footprint import gb, notice
+    from .models.footprint import gb, notice, runs_float
     from .models.registry import inspect_model
 
     fp = inspect_model(args.file)
@@ -487,7 +487,8 @@ def cmd_models_inspect(args: argparse.Namespace) -> int:
               f"{c['hidden_size']}, FFN {c['intermediate_size']}, {c['num_attention_heads']} heads "
               f"({c['num_key_value_heads']} KV) of {c['head_dim']}, vocabulary {c['vocab_size']}; "
               f"{fp.parameters / 1e6:,.0f} M parameters")
-    print(f"kernels       {fp.kernel_path or 'none (PyTorch in float32)'}")
+    note = " (--weights auto runs float32 through PyTorch)" if runs_float(fp.kernel_path) else ""
+    print(f"kernels       {fp.kernel_path or 'none'}{note}")
     table = [("TYPE", "TENSORS", "PARAMETERS", "FILE", "LOADED", "RUNS AS")]
     table += [(r.type, str(r.tensors), f"{r.parameters / 1e6:.1f} M", gb(r.file_bytes), gb(r.loaded_bytes),
                r.runs_as) for r in fp.types]

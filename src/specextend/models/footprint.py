@@ -148,16 +148,25 @@ def active_kernel_path() -> str | None:
     return kernels.path() if kernels.available() else None
 
 
+def runs_float(kernel_path: str | None) -> bool:
+    """Whether `--weights auto` runs the whole model in float32 through PyTorch: no kernels, or
+    only their portable path (`loader.resolve_weights`)."""
+    return kernel_path in (None, "portable")
+
+
 def _runs_as(kind: str, dims: int, path: str | None) -> tuple[str, bool, bool]:
     """(how the loaded model computes with a tensor, kept, expanded)."""
-    on = f"{path} kernels" if path else "PyTorch"
-    if is_kept(kind, dims):
-        return f"{kind} as it is ({on})", True, False
+    kept = is_kept(kind, dims)
+    expanded = not kept and kind != "F32"
+    if runs_float(path) and dims == 2:
+        return f"{kind} on disk, float32 in memory (PyTorch: no vector kernel path)", kept, expanded
+    if kept:
+        return f"{kind} as it is ({path} kernels)", True, False
     if dims != 2:
-        return ("float32" if kind == "F32" else "expanded to float32"), False, kind != "F32"
+        return ("float32" if kind == "F32" else "expanded to float32"), False, expanded
     if kind == "F32":
-        return f"float32, requantized to 8 bits ({on})", False, False
-    return f"expanded to float32, then requantized to 8 bits ({on})", False, True
+        return f"float32, requantized to 8 bits ({path} kernels)", False, False
+    return f"expanded to float32, then requantized to 8 bits ({path} kernels)", False, True
 
 
 def footprint(file: str | os.PathLike[str], architecture: str, tensors: list[TensorInfo],
@@ -173,14 +182,15 @@ def footprint(file: str | os.PathLike[str], architecture: str, tensors: list[Ten
         row.tensors += 1
         row.parameters += count
         row.file_bytes += t.file_bytes
-        if kept:
-            row.converted_bytes += t.file_bytes
+        row.converted_bytes += t.file_bytes if kept else count * F32_BYTES
+        if runs_float(kernel_path):
+            row.loaded_bytes += count * F32_BYTES
+        elif kept:
             row.loaded_bytes += t.file_bytes
-            continue
-        row.converted_bytes += count * F32_BYTES
-        requantized = dims == 2 and kernel_path is not None and t.shape[0] % 32 == 0
-        row.loaded_bytes += round(count * Q8_BYTES) if requantized else count * F32_BYTES
-        if dims == 2:
+        else:
+            requantized = dims == 2 and t.shape[0] % 32 == 0
+            row.loaded_bytes += round(count * Q8_BYTES) if requantized else count * F32_BYTES
+        if dims == 2 and not kept:
             fp.largest_float_bytes = max(fp.largest_float_bytes, count * F32_BYTES)
     fp.types = sorted(rows.values(), key=lambda r: -r.file_bytes)
     return fp
@@ -197,6 +207,10 @@ def _types_phrase(rows: list[TypeRow]) -> str:
     return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
 
 
+def _how(fp: Footprint) -> str:
+    return "in float32" if runs_float(fp.kernel_path) else "requantized to 8 bits"
+
+
 def notice(fp: Footprint) -> str | None:
     """One line naming the types the kernels do not compute with and what expanding them costs."""
     rows = fp.expanded
@@ -206,7 +220,7 @@ def notice(fp: Footprint) -> str | None:
     memory = sum(r.loaded_bytes - r.file_bytes for r in rows)
     verb = "is" if len(rows) == 1 and rows[0].tensors == 1 else "are"
     return (f"{Path(fp.file).name}: {_types_phrase(rows)} {verb} expanded to float32 ({gb(disk, True)} on disk) "
-            f"and run requantized to 8 bits ({gb(memory, True)} in memory), not as the file's own weights; "
+            f"and run {_how(fp)} ({gb(memory, True)} in memory), not as the file's own weights; "
             f"see specextend models inspect")
 
 
@@ -228,6 +242,6 @@ def check_fits(fp: Footprint, available_mb: Callable[[], float | None]) -> None:
     if need <= avail * 2**20:
         return
     rows = fp.expanded
-    why = f" ({_types_phrase(rows)} expanded to float32, then requantized to 8 bits)" if rows else ""
+    why = f" ({_types_phrase(rows)} expanded to float32, run {_how(fp)})" if rows else ""
     raise UserError(f"{Path(fp.file).name} would need about {gb(need)} of memory to load{why}; "
                     f"{gb(avail * 2**20)} is available (see specextend models inspect)")
