@@ -27,6 +27,7 @@ _KEY = "specextend.quantized"
 # safetensors' names for the dtypes we write.
 _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
            torch.uint8: "U8"}
+_TORCH_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
 
 
 def save_tensors(path: Path, floats: dict[str, torch.Tensor], segments: dict[str, Segment]) -> None:
@@ -158,6 +159,9 @@ class QuantizedFile:
         except (SafetensorError, OSError, ValueError) as e:
             raise UserError(f"{path} is corrupt or truncated: {e}") from None
         self.path = path
+        self.header = header
+        with open(path, "rb") as f:
+            self.data_start = 8 + int.from_bytes(f.read(8), "little")
         for name, f in self.formats.items():
             shape = header.get(name, {}).get("shape")
             size = blob_bytes(f["format"], f["n"], f["k"], f.get("groups", 8)) if f.get("format") in FORMATS else -1
@@ -183,10 +187,32 @@ class QuantizedFile:
         return self._read(name).to(dtype)
 
     def _read(self, name: str) -> torch.Tensor:
-        from safetensors import SafetensorError
-
+        """The stored tensor, read into memory of its own. A plain read, not the library's memory
+        map: pages of a map stay resident once touched, so reading a file through one held the
+        whole file in the process's memory beside the tensors made from it (a converted float32
+        file: several GB at a first load)."""
         if name not in self.names:
             raise UserError(f"{self.path} is missing tensor {name}")
+        entry = self.header[name]
+        dtype = _TORCH_DTYPES.get(entry["dtype"])
+        if dtype is None:  # a dtype we never write: the library reads it
+            return self._read_mapped(name)
+        start, end = (int(x) for x in entry["data_offsets"])
+        out = torch.empty([int(d) for d in entry["shape"]], dtype=dtype)
+        raw = out.reshape(-1).view(torch.uint8).numpy()
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.data_start + start)
+                got = f.readinto(memoryview(raw))
+        except OSError as e:
+            raise UserError(f"{self.path} is corrupt or truncated: {e}") from None
+        if got != end - start or raw.nbytes != end - start:
+            raise UserError(f"{self.path} is corrupt or truncated: tensor {name} is short")
+        return out
+
+    def _read_mapped(self, name: str) -> torch.Tensor:
+        from safetensors import SafetensorError
+
         try:
             return self.handle.get_tensor(name)
         except (SafetensorError, OSError, RuntimeError) as e:
