@@ -176,7 +176,8 @@ class QuantizedFile:
         f = self.formats.get(name)
         if f is None:
             return None
-        return Segment(f["format"], int(f["n"]), self._read(name), int(f["offset"]), int(f["k"]),
+        # Kept as it is stored, so read through the library's map: the blob is the file's pages.
+        return Segment(f["format"], int(f["n"]), self._read_mapped(name), int(f["offset"]), int(f["k"]),
                        int(f.get("groups", 8)))
 
     def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -187,10 +188,10 @@ class QuantizedFile:
         return self._read(name).to(dtype)
 
     def _read(self, name: str) -> torch.Tensor:
-        """The stored tensor, read into memory of its own. A plain read, not the library's memory
-        map: pages of a map stay resident once touched, so reading a file through one held the
-        whole file in the process's memory beside the tensors made from it (a converted float32
-        file: several GB at a first load)."""
+        """A float tensor, read into memory of its own. A plain read, not the library's memory map:
+        pages of a map stay resident once touched, so reading float tensors that are then quantized
+        through one held the whole file in the process's memory beside the model made from it (a
+        converted float32 file: several GB at a first load)."""
         if name not in self.names:
             raise UserError(f"{self.path} is missing tensor {name}")
         entry = self.header[name]
@@ -213,6 +214,8 @@ class QuantizedFile:
     def _read_mapped(self, name: str) -> torch.Tensor:
         from safetensors import SafetensorError
 
+        if name not in self.names:
+            raise UserError(f"{self.path} is missing tensor {name}")
         try:
             return self.handle.get_tensor(name)
         except (SafetensorError, OSError, RuntimeError) as e:
