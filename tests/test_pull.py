@@ -275,7 +275,7 @@ def test_resolve_gguf_converts_once(home: Path, tmp_path: Path, monkeypatch: pyt
     monkeypatch.setattr(registry, "convert_gguf", fail)
     assert registry.resolve_model_ref(str(src), "draft", progress=False) == folder
     rows = registry.list_models()
-    assert any(r["path"] == str(folder) and r["installed"] and r["size_bytes"] > 0 for r in rows)
+    assert all(r["path"] != str(folder) for r in rows)  # the list is of models, not of the conversion cache
 
 
 def test_unreachable_hub_is_a_user_error(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -292,6 +292,8 @@ def test_unreachable_hub_is_a_user_error(home: Path, monkeypatch: pytest.MonkeyP
 def test_list_models_reports_install_state(home: Path) -> None:
     rows = {r["name"]: r for r in registry.list_models()}
     target = rows[pull_mod.DEFAULT_TARGET]
-    assert target["role"] == "target" and target["installed"] is False and target["size_bytes"] == 0
+    assert target["role"] == "target" and target["installed"] is False and target["pulled"] is False
+    assert target["size_bytes"] == pull_mod.SPECS[pull_mod.DEFAULT_TARGET].size  # the published file's, pulled or not
     assert target["path"] == str(home / "models" / pull_mod.DEFAULT_TARGET)
+    assert target["gguf"] == str(pull_mod.gguf_file(pull_mod.DEFAULT_TARGET)) and target["converted_bytes"] == 0
     assert rows[pull_mod.DEFAULT_DRAFT]["role"] == "draft"

@@ -156,18 +156,36 @@ def _add_generate(sub: Any) -> None:
 
 
 def _add_models(sub: Any) -> None:
-    models = sub.add_parser("models", help="list or pull the known models (the default pair)",
-                            description="List the known models, or pull one (no NAME: the default pair) into the "
-                                        "model cache ($SPECEXTEND_HOME, default ~/.cache/specextend).")
+    models = sub.add_parser("models", help="list, pull and inspect models; clear the cache of converted copies",
+                            description="List the known models, pull one (no NAME: the default pair) into the "
+                                        "model cache ($SPECEXTEND_HOME, default ~/.cache/specextend), inspect a "
+                                        "GGUF file's types and memory, or clear the converted copies.")
     msub = models.add_subparsers(dest="models_command", metavar="ACTION", required=True)
     models.subcommands = msub.choices
-    mlist = msub.add_parser("list", help="known models: name, role, installed, size, path")
+    mlist = msub.add_parser("list", help="known models: name, role, pulled, GGUF size, description")
     mlist.add_argument("--json", action="store_true", help="one JSON list on stdout")
     mlist.set_defaults(func=cmd_models_list)
     mpull = msub.add_parser("pull", help="fetch a known model (no NAME: both defaults)")
     mpull.add_argument("name", nargs="?", help="a known short name (see `models list`)")
     mpull.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     mpull.set_defaults(func=cmd_models_pull)
+    minspect = msub.add_parser(
+        "inspect", help="a GGUF file's architecture, tensor types, memory and kernel paths (nothing converted)",
+        description="What a GGUF file holds and what it costs once loaded, read from its header (memory-mapped, "
+                    "nothing converted): the architecture and shape, each tensor type with its count and bytes, how "
+                    "the loaded model computes with it (its own grid on this CPU's kernel path, or expanded to "
+                    "float32 and requantized to 8 bits), and the memory once loaded.")
+    minspect.add_argument("file", metavar="FILE", help="a .gguf file or a pulled known model's name")
+    minspect.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    minspect.set_defaults(func=cmd_models_inspect)
+    mclear = msub.add_parser(
+        "clear-cache", help="delete the converted copies (the pulled GGUF files stay unless --pulled)",
+        description="Delete the converted copies in the model cache: the known models' converted folders, "
+                    "conversions of your .gguf files and weights derived for other schemes (the next load "
+                    "converts again). The pulled GGUF files stay unless --pulled. Prints the bytes freed.")
+    mclear.add_argument("--pulled", action="store_true",
+                        help="also delete the pulled GGUF files (the next use pulls them again)")
+    mclear.set_defaults(func=cmd_models_clear_cache)
 
 
 def _add_kernels(sub: Any) -> None:
@@ -451,6 +469,13 @@ def _size(n: int) -> str:
     return f"{n:.1f} GB"
 
 
+def _table(rows: list[tuple[str, ...]]) -> str:
+    """Left-aligned columns, the last one unpadded."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1]
+                     for row in rows)
+
+
 def cmd_models_list(args: argparse.Namespace) -> int:
     from .models.registry import list_models
 
@@ -458,15 +483,50 @@ def cmd_models_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows))
         return 0
-    table = [("NAME", "ROLE", "INSTALLED", "SIZE", "PATH")]
-    table += [
-        (str(r["name"]), str(r.get("role") or "-"), "yes" if r["installed"] else "no",
-         _size(int(r.get("size_bytes") or 0)), str(r["path"]))
-        for r in rows
-    ]
-    widths = [max(len(row[i]) for row in table) for i in range(4)]
-    for row in table:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[4])
+    table = [("NAME", "ROLE", "PULLED", "SIZE", "DESCRIPTION")]
+    table += [(str(r["name"]), str(r["role"]), "yes" if r["pulled"] else "no", _size(int(r["size_bytes"])),
+               str(r["description"])) for r in rows]
+    print(_table(table))
+    return 0
+
+
+def cmd_models_inspect(args: argparse.Namespace) -> int:
+    from .models.footprint import gb, notice, runs_float
+    from .models.registry import inspect_model
+
+    fp = inspect_model(args.file)
+    if args.json:
+        print(json.dumps(fp.as_json()))
+        return 0
+    print(f"file          {fp.file} ({gb(fp.file_bytes)})")
+    c = fp.config
+    if c is None:
+        print(f"architecture  {fp.architecture}: {fp.unsupported}")
+    else:
+        print(f"architecture  {fp.architecture} ({c['architectures'][0]}): {c['num_hidden_layers']} layers, hidden "
+              f"{c['hidden_size']}, FFN {c['intermediate_size']}, {c['num_attention_heads']} heads "
+              f"({c['num_key_value_heads']} KV) of {c['head_dim']}, vocabulary {c['vocab_size']}; "
+              f"{fp.parameters / 1e6:,.0f} M parameters")
+    note = " (--weights auto runs float32 through PyTorch)" if runs_float(fp.kernel_path) else ""
+    print(f"kernels       {fp.kernel_path or 'none'}{note}")
+    table = [("TYPE", "TENSORS", "PARAMETERS", "FILE", "LOADED", "RUNS AS")]
+    table += [(r.type, str(r.tensors), f"{r.parameters / 1e6:.1f} M", gb(r.file_bytes), gb(r.loaded_bytes),
+               r.runs_as) for r in fp.types]
+    print(_table(table))
+    print(f"memory        {gb(fp.loaded_bytes)} once loaded (the first load peaks near {gb(fp.first_load_bytes)}); "
+          f"converted copy on disk {gb(fp.converted_bytes)}; all in float32 {gb(fp.float32_bytes)}")
+    print(f"expanded      {notice(fp) or 'nothing: every matrix keeps its own grid or is float32 in the file'}")
+    return 0
+
+
+def cmd_models_clear_cache(args: argparse.Namespace) -> int:
+    from .models.pull import specextend_home
+    from .models.registry import clear_cache
+
+    freed, removed = clear_cache(pulled=args.pulled)
+    for path in removed:
+        print(f"removed {path}")
+    print(f"freed {_size(freed) if freed else '0 B'} in {specextend_home()}")
     return 0
 
 

@@ -56,6 +56,7 @@ TOOLS: dict[str, list[list[str]]] = {
     "specextend.bench.tools": [[]],
     "specextend.bench.tool_goals": [[]],
     "specextend.bench.soak": [[]],
+    "specextend.bench.gguf_files": [[], ["quantize"], ["random"]],
     "specextend.bench.llamacpp": [],
 }
 

@@ -42,6 +42,7 @@ import torch
 from .batch import Batch, Cancelled, Sequence
 from .budget import REFERENCE_CONTEXT, StepBudget
 from .costmodel import cached_curve
+from .meminfo import available_memory_mb
 
 if TYPE_CHECKING:
     from .costmodel import CostModel
@@ -69,18 +70,6 @@ def shutdown_all() -> None:
     """Stop and join every live scheduler's thread (at interpreter exit; safe to call any time)."""
     for sched in list(_LIVE):
         sched.shutdown()
-
-
-def available_memory_mb() -> float | None:
-    """MemAvailable from /proc/meminfo (Linux), else None."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) / 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 class Job(Protocol):

@@ -4,7 +4,10 @@ The weights keep the file's own quantization grids in the layout the CPU kernels
 `quant.py` and `qstore.py`): a Q4_K_M model stays about the size of its GGUF and loads with a
 plain read, and any other precision (`--weights float32`, `int8`, ...) is derived from it at load
 time without a second copy on disk. Tensor types the kernels do not compute with as they are
-(F32 norms and biases, other quantization types) are stored as float32 under their HF names.
+(F32 norms and biases, other quantization types) are stored as float32 under their HF names;
+each load of a file with such types says so in one line, and one whose first load would not fit
+in memory is refused before anything is written (`footprint.py`). Tensors are converted and
+written one at a time, so converting takes about the memory of the largest one.
 
 The folder is written atomically: everything goes into a temporary sibling, the marker file
 `.complete` is written last, and only then is the folder renamed into place. A folder without
@@ -13,21 +16,30 @@ The folder is written atomically: everything goes into a temporary sibling, the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from specextend import meminfo
 from specextend.errors import UserError
+
+from .footprint import Footprint, TensorInfo, check_fits, footprint, is_kept, notice, random_notice
 
 COMPLETE_MARKER = ".complete"
 WEIGHTS_FILE = "model.safetensors"
+# The source file's footprint (types and memory, `footprint.py`), so later loads can say it again.
+FOOTPRINT_FILE = "gguf-footprint.json"
+# Set (true) in files of random weights (`python -m specextend.bench.gguf_files random`): loading one says so.
+RANDOM_WEIGHTS_KEY = "specextend.random_weights"
 # Written into the completion marker; a folder converted by an older version is converted again.
 FORMAT = "specextend-quantized-2"
 
@@ -313,8 +325,7 @@ def _dequantize(tensor: Any) -> np.ndarray:
         out = np.array(tensor.data, dtype=np.float32)  # copy: leave the memory map read-only
     else:
         out = dequantize(tensor.data, qtype).astype(np.float32, copy=False)
-    torch_shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    return np.ascontiguousarray(out.reshape(torch_shape))
+    return np.ascontiguousarray(out.reshape(torch_shape(tensor)))
 
 
 def _qk_heads(name: str, config: dict[str, Any]) -> int | None:
@@ -338,22 +349,35 @@ def hf_tensor(tensor: Any, config: dict[str, Any]) -> np.ndarray:
     return np.ascontiguousarray(out)
 
 
-def kept_segment(tensor: Any, config: dict[str, Any]) -> Any:
-    """The tensor in the kernels' layout with its own quantization grid (`quant.Segment`), or None
-    when its type is not one the kernels compute with as it is (it is then stored as float32)."""
+def type_name(tensor: Any) -> str:
+    """The tensor's GGUF type name (`Q4_K`, `F32`, `IQ2_XXS`, ...)."""
     from gguf import GGMLQuantizationType
 
+    return GGMLQuantizationType(tensor.tensor_type).name
+
+
+def kept_segment(tensor: Any, config: dict[str, Any], rows: int | None = None) -> Any:
+    """The tensor in the kernels' layout with its own quantization grid (`quant.Segment`), or None
+    when its type is not one the kernels compute with as it is (it is then stored as float32).
+    `rows` repacks only the first rows (the format of the whole, cheaply)."""
     from .. import quant
 
-    kind = GGMLQuantizationType(tensor.tensor_type).name
-    if kind not in quant.GGUF_BLOCKS or len(tensor.shape) != 2:
+    kind = type_name(tensor)
+    if not is_kept(kind, len(tensor.shape)):
         return None
     n, k = int(tensor.shape[1]), int(tensor.shape[0])
     raw = np.asarray(tensor.data)
     heads = _qk_heads(tensor.name, config)
-    if heads is not None:  # rows are output channels; each row's blocks move as a whole
+    if rows is not None:
+        n, raw = min(rows, n), raw[:rows]
+    elif heads is not None:  # rows are output channels; each row's blocks move as a whole
         raw = unpermute_qk(raw, heads)
     return quant.from_gguf_blocks(kind, raw, n, k)
+
+
+def torch_shape(tensor: Any) -> tuple[int, ...]:
+    """The tensor's shape as torch (and Hugging Face) orders it: GGUF lists dimensions fastest first."""
+    return tuple(int(d) for d in reversed(tensor.shape.tolist()))
 
 
 def write_weights(reader: Any, config: dict[str, Any], out: Path, progress: bool = True) -> list[str]:
@@ -361,28 +385,92 @@ def write_weights(reader: Any, config: dict[str, Any], out: Path, progress: bool
     unchanged (see `quant.py`), every other tensor as float32; returns the file names.
 
     A 4-bit model stays about the size of its GGUF file (the default target: 1.2 GB, where
-    float32 would take 7 GB), and loading it is a plain read.
+    float32 would take 7 GB), and loading it is a plain read. Tensors are converted one at a time
+    as they are written, so converting takes about the memory of the largest tensor in float32,
+    whatever the model's size: each kept tensor's format is planned from its first row.
     """
     import torch
     from tqdm import tqdm
 
-    from .qstore import save_tensors
+    from .. import quant
+    from .qstore import stream_tensors
 
-    plan = [(hf_tensor_name(t.name), t) for t in reader.tensors]
-    floats: dict[str, torch.Tensor] = {}
-    segments: dict[str, Any] = {}
-    with tqdm(total=len(plan), unit="tensor", desc="convert", file=sys.stderr, disable=not progress) as bar:
-        for hf_name, tensor in plan:
+    tensors = {name: t for t in reader.tensors if (name := hf_tensor_name(t.name)) is not None}
+    floats: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    segments: dict[str, quant.Segment] = {}
+    for name, tensor in tensors.items():
+        probe = kept_segment(tensor, config, rows=1)
+        if probe is None:
+            floats[name] = (torch.float32, torch_shape(tensor))
+        else:
+            segments[name] = quant.Segment(probe.fmt, int(tensor.shape[1]), probe.blob, probe.offset, probe.k,
+                                           probe.groups)
+
+    with tqdm(total=len(tensors), unit="tensor", desc="convert", file=sys.stderr, disable=not progress) as bar:
+
+        def produce(name: str) -> Any:
             bar.update(1)
-            if hf_name is None:
-                continue
-            seg = kept_segment(tensor, config)
-            if seg is None:
-                floats[hf_name] = torch.from_numpy(hf_tensor(tensor, config))
-            else:
-                segments[hf_name] = seg
-    save_tensors(out / WEIGHTS_FILE, floats, segments)
+            tensor = tensors[name]
+            try:
+                if name in segments:
+                    return kept_segment(tensor, config)
+                return torch.from_numpy(hf_tensor(tensor, config))
+            finally:
+                _release(reader, tensor)
+
+        stream_tensors(out / WEIGHTS_FILE, floats, segments, produce)
     return [WEIGHTS_FILE]
+
+
+def _release(reader: Any, tensor: Any) -> None:
+    """Drop a converted tensor's pages of the memory-mapped file from this process (they are read
+    again from the file if ever needed): else every page read stays resident until the end, and
+    the conversion's peak would grow to the whole file."""
+    import mmap
+
+    region = getattr(reader.data, "base", None)
+    if not isinstance(region, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    page = mmap.PAGESIZE
+    start = int(tensor.data_offset) // page * page
+    end = min(-(-(int(tensor.data_offset) + int(tensor.n_bytes)) // page) * page, len(region))
+    with contextlib.suppress(OSError, ValueError):
+        region.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
+def file_footprint(reader: Any, path: str | os.PathLike[str], kernel_path: str | None) -> Footprint:
+    """The footprint (types, counts, bytes, memory once loaded) of the GGUF file open in `reader`."""
+    tensors = []
+    for t in reader.tensors:
+        try:
+            if hf_tensor_name(t.name) is None:
+                continue
+        except UserError:
+            pass  # counted all the same: inspect describes what the file holds
+        tensors.append(TensorInfo(type_name(t), tuple(int(d) for d in t.shape), int(t.n_bytes)))
+    fp = footprint(path, str(field(reader, "general.architecture")), tensors, kernel_path)
+    fp.random_weights = bool(field(reader, RANDOM_WEIGHTS_KEY, False))
+    try:
+        fp.config = gguf_to_hf_config(reader)
+    except UserError as e:
+        fp.unsupported = str(e)
+    return fp
+
+
+def recorded_footprint(folder: str | os.PathLike[str]) -> Footprint | None:
+    """The footprint a conversion recorded in `folder`, or None (none recorded, or unreadable)."""
+    try:
+        return Footprint.from_json(json.loads((Path(folder) / FOOTPRINT_FILE).read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def announce(fp: Footprint) -> None:
+    """Say at load what is expanded, and that random weights are random (never silent, even with -q:
+    the model that runs is not the file's own, or means nothing)."""
+    for line in (notice(fp), random_notice(fp)):
+        if line:
+            print(f"specextend: {line}", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -469,7 +557,7 @@ def is_current(folder: str | os.PathLike[str]) -> bool:
     return marker.is_file() and FORMAT in marker.read_text().split()
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -486,7 +574,7 @@ def remove_stale_temps(out_dir: Path) -> None:
     """
     for tmp in out_dir.parent.glob(f"{out_dir.name}.tmp-*"):
         suffix = tmp.name.rsplit(".tmp-", 1)[-1]
-        if suffix.isdigit() and int(suffix) != os.getpid() and not _pid_alive(int(suffix)):
+        if suffix.isdigit() and int(suffix) != os.getpid() and not pid_alive(int(suffix)):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -507,15 +595,24 @@ def convert_gguf(
     out_dir: str | os.PathLike[str],
     progress: bool = True,
     tokenizer: bool = True,
+    available_mb: Callable[[], float | None] | None = None,
 ) -> Path:
     """Convert `gguf_path` into an HF model folder at `out_dir`, atomically; returns `out_dir`.
 
     `tokenizer=False` skips the tokenizer files (for files without tokenizer metadata, e.g. tests).
+    Before anything is written, a model whose first load would not fit in `available_mb()` MB
+    (default: the host's MemAvailable) is refused (UserError), and types the kernels do not compute
+    with are named (`footprint.py`).
     """
+    from .footprint import active_kernel_path
+
     gguf_path = Path(gguf_path).resolve()
     out_dir = Path(out_dir)
     reader = open_gguf(gguf_path)
     config = gguf_to_hf_config(reader)
+    fp = file_footprint(reader, gguf_path, active_kernel_path())
+    check_fits(fp, available_mb or meminfo.available_memory_mb)
+    announce(fp)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out_dir)
@@ -525,6 +622,7 @@ def convert_gguf(
     try:
         write_weights(reader, config, tmp, progress=progress)
         _write_json(tmp / "config.json", config)
+        _write_json(tmp / FOOTPRINT_FILE, fp.as_json())
         if tokenizer and "tokenizer.ggml.tokens" in reader.fields:
             write_tokenizer(gguf_path, tmp, field(reader, "tokenizer.chat_template"))
         elif tokenizer:

@@ -9,6 +9,7 @@ refused when it is opened, never read back half-written.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -23,18 +24,62 @@ from ..quant import FORMATS, Segment, blob_bytes
 _KEY = "specextend.quantized"
 
 
+# safetensors' names for the dtypes we write.
+_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+           torch.uint8: "U8"}
+_TORCH_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
+
+
 def save_tensors(path: Path, floats: dict[str, torch.Tensor], segments: dict[str, Segment]) -> None:
     """Write float tensors and quantized segments into one safetensors file at `path`, atomically
     (a temporary file renamed into place: readers see the old file or the whole new one)."""
-    from safetensors.torch import save_file
+    planned = {name: (t.dtype, tuple(t.shape)) for name, t in floats.items()}
+    stream_tensors(path, planned, segments, lambda name: floats[name] if name in floats else segments[name])
 
+
+def stream_tensors(path: Path, floats: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                   segments: dict[str, Segment], produce: Callable[[str], torch.Tensor | Segment]) -> None:
+    """`save_tensors`, one tensor in memory at a time: `floats` gives each float tensor's dtype and
+    shape, `segments` each quantized one's format (its blob may be a stand-in: only its format, n, k,
+    offset and groups are read), and `produce(name)` the real tensor or segment when it is written.
+
+    The safetensors library writes only from a dict of every tensor, which held a whole expanded
+    model in memory while converting; the format is simple enough to write in order: the same
+    header (metadata, then tensors by decreasing element size, then name) and the same bytes.
+    """
     meta = {name: {"format": s.fmt, "n": s.n, "k": s.k, "offset": s.offset, "groups": s.groups}
             for name, s in segments.items()}
-    tensors = {**floats, **{name: s.blob for name, s in segments.items()}}
+    entries = {**floats, **{name: (torch.uint8, (blob_bytes(s.fmt, s.n, s.k, s.groups),))
+                            for name, s in segments.items()}}
+    order = sorted(entries, key=lambda name: (-entries[name][0].itemsize, name))
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", _KEY: json.dumps(meta)}}
+    start = 0
+    for name in order:
+        dtype, shape = entries[name]
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [start, start + size]}
+        start += size
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as the library pads it
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        save_file(tensors, str(tmp), metadata={"format": "pt", _KEY: json.dumps(meta)})
-        os.chmod(tmp, 0o644)  # safetensors creates files owner-only; match the others
+        with open(tmp, "wb") as f:
+            f.write(len(text).to_bytes(8, "little"))
+            f.write(text)
+            for name in order:
+                dtype, shape = entries[name]
+                got = produce(name)
+                if isinstance(got, Segment):
+                    if (got.fmt, got.n, got.k, got.offset, got.groups) != (
+                            segments[name].fmt, segments[name].n, segments[name].k, segments[name].offset,
+                            segments[name].groups):
+                        raise ValueError(f"{name}: the segment's format differs from the one planned")
+                    got = got.blob
+                if got.dtype != dtype or tuple(got.shape) != shape:
+                    raise ValueError(f"{name}: {got.dtype} {tuple(got.shape)} written, {dtype} {shape} planned")
+                f.write(got.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+                del got
+        os.chmod(tmp, 0o644)  # match the other files of a model folder
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -68,10 +113,15 @@ class DerivedWeights:
         """Write what was computed (with what was already stored); a read-only cache is skipped."""
         if not self.new:
             return
-        old = {n: s for n in (self.stored.formats if self.stored else {}) if (s := self.stored.segment(n))}
+        stored = self.stored
+        # What was stored before is read back one segment at a time as it is written, not all at once.
+        old = {n: Segment(f["format"], int(f["n"]), torch.empty(0, dtype=torch.uint8), int(f["offset"]), int(f["k"]),
+                          int(f.get("groups", 8)))
+               for n, f in (stored.formats if stored else {}).items() if n not in self.new}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            save_tensors(self.path, {}, {**old, **self.new})
+            stream_tensors(self.path, {}, {**old, **self.new},
+                           lambda n: self.new[n] if n in self.new else stored.segment(n))
         except OSError as e:
             print(f"specextend: could not cache {self.path}: {e.strerror}", file=sys.stderr)
 
@@ -109,6 +159,9 @@ class QuantizedFile:
         except (SafetensorError, OSError, ValueError) as e:
             raise UserError(f"{path} is corrupt or truncated: {e}") from None
         self.path = path
+        self.header = header
+        with open(path, "rb") as f:
+            self.data_start = 8 + int.from_bytes(f.read(8), "little")
         for name, f in self.formats.items():
             shape = header.get(name, {}).get("shape")
             size = blob_bytes(f["format"], f["n"], f["k"], f.get("groups", 8)) if f.get("format") in FORMATS else -1
@@ -123,7 +176,8 @@ class QuantizedFile:
         f = self.formats.get(name)
         if f is None:
             return None
-        return Segment(f["format"], int(f["n"]), self._read(name), int(f["offset"]), int(f["k"]),
+        # Kept as it is stored, so read through the library's map: the blob is the file's pages.
+        return Segment(f["format"], int(f["n"]), self._read_mapped(name), int(f["offset"]), int(f["k"]),
                        int(f.get("groups", 8)))
 
     def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -134,6 +188,30 @@ class QuantizedFile:
         return self._read(name).to(dtype)
 
     def _read(self, name: str) -> torch.Tensor:
+        """A float tensor, read into memory of its own. A plain read, not the library's memory map:
+        pages of a map stay resident once touched, so reading float tensors that are then quantized
+        through one held the whole file in the process's memory beside the model made from it (a
+        converted float32 file: several GB at a first load)."""
+        if name not in self.names:
+            raise UserError(f"{self.path} is missing tensor {name}")
+        entry = self.header[name]
+        dtype = _TORCH_DTYPES.get(entry["dtype"])
+        if dtype is None:  # a dtype we never write: the library reads it
+            return self._read_mapped(name)
+        start, end = (int(x) for x in entry["data_offsets"])
+        out = torch.empty([int(d) for d in entry["shape"]], dtype=dtype)
+        raw = out.reshape(-1).view(torch.uint8).numpy()
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.data_start + start)
+                got = f.readinto(memoryview(raw))
+        except OSError as e:
+            raise UserError(f"{self.path} is corrupt or truncated: {e}") from None
+        if got != end - start or raw.nbytes != end - start:
+            raise UserError(f"{self.path} is corrupt or truncated: tensor {name} is short")
+        return out
+
+    def _read_mapped(self, name: str) -> torch.Tensor:
         from safetensors import SafetensorError
 
         if name not in self.names:

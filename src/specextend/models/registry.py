@@ -10,17 +10,31 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any, Literal
 
+from specextend import meminfo
 from specextend.errors import UserError
-from specextend.models.gguf import COMPLETE_MARKER, convert_gguf, is_complete, is_current
+from specextend.models.footprint import Footprint, active_kernel_path, check_fits
+from specextend.models.gguf import (
+    COMPLETE_MARKER,
+    announce,
+    convert_gguf,
+    file_footprint,
+    is_complete,
+    is_current,
+    open_gguf,
+    pid_alive,
+    recorded_footprint,
+)
 from specextend.models.pull import (
     DEFAULT_DRAFT,
     DEFAULT_TARGET,
     SPECS,
     ModelSpec,
     file_lock,
+    gguf_file,
     model_dir,
     pull,
     specextend_home,
@@ -99,6 +113,10 @@ def converted_gguf(path: Path, progress: bool = True) -> Path:
     """
     folder = converted_folder(path)
     if is_current(folder):
+        recorded = recorded_footprint(folder)
+        if recorded is not None:  # converted earlier: say again what it expanded, check it still fits
+            check_fits(recorded, meminfo.available_memory_mb)
+            announce(recorded)
         return folder
     with file_lock(specextend_home() / f".lock-converted-{folder.name}", progress):
         if not is_current(folder):
@@ -135,33 +153,84 @@ def folder_size(folder: Path) -> int:
 
 
 def list_models() -> list[dict[str, Any]]:
-    """Known models and GGUF conversions, for `specextend models list`."""
+    """The known models, for `specextend models list`: whether each is pulled, its GGUF file (the
+    size is the published file's, pulled or not) and its converted folder."""
     rows: list[dict[str, Any]] = []
     for name, spec in KNOWN_MODELS.items():
-        folder = model_dir(name)
+        folder, source = model_dir(name), gguf_file(name)
+        pulled = source.is_file() and source.stat().st_size == spec.size
         installed = is_current(folder)
         rows.append(
             {
                 "name": name,
                 "role": spec.role,
                 "description": spec.description,
+                "pulled": pulled,
                 "installed": installed,
+                "size_bytes": spec.size,
+                "gguf": str(source),
                 "path": str(folder),
-                "size_bytes": folder_size(folder) if installed else 0,
+                "converted_bytes": folder_size(folder) if installed else 0,
             }
         )
-    converted = specextend_home() / "converted"
-    if converted.is_dir():
-        for folder in sorted(converted.iterdir()):
-            if is_complete(folder):
-                rows.append(
-                    {
-                        "name": folder.name,
-                        "role": None,
-                        "description": (folder / COMPLETE_MARKER).read_text().strip(),
-                        "installed": True,
-                        "path": str(folder),
-                        "size_bytes": folder_size(folder),
-                    }
-                )
     return rows
+
+
+def inspected_file(ref: str) -> Path:
+    """The GGUF file `models inspect` reads for `ref`: a .gguf path, or a known model's pulled file."""
+    path = Path(ref).expanduser()
+    if path.is_file():
+        if path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
+            return path
+        raise UserError(f"{ref} is not a .gguf file")
+    if ref in KNOWN_MODELS:
+        source = gguf_file(ref)
+        if not source.is_file():
+            raise UserError(f"{ref} is not pulled yet: run specextend models pull {ref}")
+        return source
+    if path.is_dir():
+        raise UserError(f"{ref} is a folder; models inspect reads a .gguf file or a known model name")
+    raise UserError(f"no such .gguf file or known model: {ref} (known: {', '.join(sorted(KNOWN_MODELS))})")
+
+
+def inspect_model(ref: str) -> Footprint:
+    """Types, counts, bytes and memory of a GGUF file (memory-mapped; nothing is converted)."""
+    path = inspected_file(ref)
+    reader = open_gguf(path)
+    try:
+        return file_footprint(reader, path.resolve(), active_kernel_path())
+    finally:
+        del reader
+
+
+def _in_progress(entry: Path) -> bool:
+    """A temporary folder of a conversion that is still running (named `<folder>.tmp-<pid>`)."""
+    suffix = entry.name.rsplit(".tmp-", 1)[-1] if ".tmp-" in entry.name else ""
+    return suffix.isdigit() and pid_alive(int(suffix))
+
+
+def clear_cache(pulled: bool = False) -> tuple[int, list[Path]]:
+    """Delete the converted copies in the model cache (known models' folders, converted .gguf files,
+    weights derived for other schemes, temporary folders of killed runs); with `pulled`, also the
+    pulled GGUF files and their downloads. Returns (bytes freed, paths removed). The next load
+    converts again (and `pulled`: pulls again)."""
+    home = specextend_home()
+    parents = ["models", "converted", "derived"] + (["gguf", "downloads"] if pulled else [])
+    removed: list[Path] = []
+    freed = 0
+    for parent in parents:
+        folder = home / parent
+        if not folder.is_dir():
+            continue
+        for entry in sorted(folder.iterdir()):
+            if _in_progress(entry):
+                continue
+            size = folder_size(entry) if entry.is_dir() else entry.stat().st_size
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+            if not entry.exists():
+                freed += size
+                removed.append(entry)
+    return freed, removed

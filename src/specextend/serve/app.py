@@ -79,6 +79,13 @@ class Server:
         self.started = int(time.time())
         self.metrics = ServerMetrics(self.health_body)
 
+    def configure(self, api_keys: tuple[str, ...], max_body_mb: float | None, drain_s: float) -> None:
+        """The HTTP side's flags (`serve`'s; the one-process server's or the replicas' front end's)."""
+        self.api_keys = api_keys
+        if max_body_mb is not None:
+            self.max_body_bytes = max(1, int(max_body_mb * 2**20))
+        self.drain.seconds = drain_s
+
     def app(self) -> Starlette:
         routes = [
             Route("/v1/chat/completions", self.chat, methods=["POST"]),

@@ -19,7 +19,7 @@ from .limits import BODY_BYTES_PER_TOKEN, MIN_BODY_BYTES
 from .local import CACHE_SHARE
 
 if TYPE_CHECKING:
-    from .app import Server
+    pass
 
 DEFAULT_MAX_QUEUE = 16
 INSTALL_CLUSTER = "pip install -e '.[cluster]'"
@@ -148,14 +148,6 @@ def run(args: argparse.Namespace) -> int:
     from .local import build
 
     server = build(args)
-    configure(server, args, keys)
+    server.configure(keys, args.max_body_mb, args.drain_s)
     run_http(server, sock, args.quiet)
     return 0
-
-
-def configure(server: Server, args: argparse.Namespace, keys: tuple[str, ...]) -> None:
-    """The HTTP side's flags on a server (the one-process one, or the replicas' front end)."""
-    server.api_keys = keys
-    if args.max_body_mb is not None:
-        server.max_body_bytes = max(1, int(args.max_body_mb * 2**20))
-    server.drain.seconds = args.drain_s

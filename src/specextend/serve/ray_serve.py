@@ -44,7 +44,6 @@ from ..errors import UserError
 from ..scheduler import DEFAULT_MAX_BATCH
 from . import protocol, ray_router
 from .app import DISCONNECT_POLL_S, Server, generation_error, run_http
-from .command import configure
 from .jobs import STREAM_EVENTS, Job
 from .local import build
 from .protocol import APIError
@@ -371,7 +370,7 @@ def run_replicas(args: argparse.Namespace, sock: socket.socket, api_keys: tuple[
         reports = _first_reports(handle, args.replicas)
         front = Server(RayBackend(handle, routing, args.max_queue, reports), encoder.with_own_tokenizer(),
                        defaults, encoder.target_path.name)
-        configure(front, args, api_keys)
+        front.configure(api_keys, args.max_body_mb, args.drain_s)
         run_http(front, sock, args.quiet)
     finally:
         serve.shutdown()

@@ -1,0 +1,327 @@
+"""GGUF files of any type and size without a model hub, to time and size what users run.
+
+    python -m specextend.bench.gguf_files quantize TYPE [--source FILE] [--out FILE]
+    python -m specextend.bench.gguf_files random --shape qwen2.5-7b --type Q4_K_M [--out FILE]
+
+`quantize` makes TYPE (Q5_K_M, Q4_0, IQ4_XS, Q3_K_M, Q2_K, Q8_0, F16, ...) from the default GGUF
+with llama.cpp's own `llama-quantize` (built by `make peers` beside `llama-server`). A requantized
+file is of lower quality than one quantized from the original weights: it tests formats, memory
+and speed, not text.
+
+`random` writes a random-weight GGUF of a Hugging Face config's shape (a preset: the default
+1.5B, qwen2.5-7b, llama-3-8b; or a config.json) with the default pair's tokenizer copied from the
+default GGUF (its vocabulary sets the embedding's rows, so the default draft pairs with it), one
+tensor at a time (a 7B file never holds more than one matrix in memory). Types gguf-py quantizes
+(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16, BF16) are quantized from random floats; K-quants and IQ4 are
+random bytes with their float16 scales set so the weights have a small spread: any bytes are a
+valid block. `_M` names (Q3_K_M, Q4_K_M, Q5_K_M) use a higher type for some tensors as llama.cpp
+does (the output and V and down projections of some layers). The file says in its metadata that
+its weights are random, and loading it says so: tokens accepted from random weights mean nothing
+(the draft agrees with nothing); such a file measures formats, memory and speed only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import UserError
+from ..models.gguf import RANDOM_WEIGHTS_KEY, open_gguf
+from ..models.pull import DEFAULT_TARGET, gguf_file
+
+RANDOM_NOTE = "tokens accepted from random weights mean nothing: such a file measures formats, memory and speed only"
+
+# Hugging Face config fields of the presets (the default target's, and two common bigger shapes).
+PRESETS: dict[str, dict[str, Any]] = {
+    "qwen2.5-1.5b": {"model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+                     "num_attention_heads": 12, "num_key_value_heads": 2, "rope_theta": 1000000.0,
+                     "rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "tie_word_embeddings": True},
+    "qwen2.5-7b": {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+                   "num_attention_heads": 28, "num_key_value_heads": 4, "rope_theta": 1000000.0,
+                   "rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "tie_word_embeddings": False},
+    "llama-3-8b": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 500000.0,
+                   "rms_norm_eps": 1e-5, "max_position_embeddings": 8192, "tie_word_embeddings": False},
+}
+
+# Types written as random blocks: the byte offsets of each block's float16 scale (d) and, for the
+# types with one, its float16 min scale (dmin). Every other byte of a block is codes or small
+# scales, valid whatever their value.
+RANDOM_BLOCKS: dict[str, tuple[int, int | None]] = {
+    "Q2_K": (80, 82), "Q3_K": (108, None), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None),
+    "IQ4_NL": (0, None), "IQ4_XS": (0, None),
+}
+QUANTIZED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "BF16", "F32", "TQ1_0", "TQ2_0")
+# A mix's main type, and the type of llama.cpp's "more bits" tensors (output, some V and down projections).
+MIXES = {"Q3_K_M": ("Q3_K", "Q5_K"), "Q4_K_M": ("Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q6_K")}
+TYPES = (*MIXES, *RANDOM_BLOCKS, *QUANTIZED)
+WEIGHT_STD = 0.02  # the spread of the random weights (Hugging Face's usual initializer range)
+
+
+# --------------------------------------------------------------------------- quantize
+
+
+def llama_quantize() -> Path:
+    """llama.cpp's `llama-quantize` beside the `llama-server` that `make peers` built."""
+    from .llamacpp import find_peer
+
+    binary = Path(find_peer("quantize").binary).parent / "llama-quantize"
+    if not (binary.is_file() and os.access(binary, os.X_OK)):
+        raise UserError(f"no llama-quantize beside {binary.parent / 'llama-server'}: run `make peers`")
+    return binary
+
+
+def quantize(kind: str, source: Path, out: Path) -> Path:
+    """`llama-quantize --allow-requantize source out kind`, written atomically; returns `out`."""
+    binary = llama_quantize()
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        done = subprocess.run([str(binary), "--allow-requantize", str(source), str(tmp), kind],
+                              capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise UserError(f"llama-quantize {kind} failed (exit {done.returncode}): {last[0]}")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+# --------------------------------------------------------------------------- random
+
+
+def load_shape(shape: str) -> dict[str, Any]:
+    """A preset's config, or the fields of a Hugging Face config.json."""
+    if shape in PRESETS:
+        return dict(PRESETS[shape])
+    path = Path(shape).expanduser()
+    if not path.is_file():
+        raise UserError(f"--shape {shape}: neither a preset ({', '.join(PRESETS)}) nor a config.json file")
+    try:
+        config = json.loads(path.read_text())
+        keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        missing = [k for k in keys if k not in config]
+    except (ValueError, UnicodeDecodeError, AttributeError) as e:
+        raise UserError(f"--shape {shape}: not a JSON config: {e}") from None
+    if missing:
+        raise UserError(f"--shape {shape}: the config lacks {', '.join(missing)}")
+    if config.get("model_type", "llama") not in ("llama", "qwen2"):
+        raise UserError(f"--shape {shape}: model_type {config.get('model_type')!r}; random files are llama or qwen2")
+    return config
+
+
+def tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """(GGUF name, shape in torch order, GGUF type) of every tensor, in llama.cpp's order."""
+    main, more = MIXES.get(kind, (kind, kind))
+    h, f, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads", heads)
+    hd = config.get("head_dim") or h // heads
+    qwen = config.get("model_type") == "qwen2"
+
+    def more_bits(i: int) -> bool:  # llama.cpp's use_more_bits: the first and last eighth, every third between
+        return i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
+
+    yield "token_embd.weight", (vocab, h), main
+    for i in range(layers):
+        b = f"blk.{i}."
+        yield b + "attn_norm.weight", (h,), "F32"
+        yield b + "attn_q.weight", (heads * hd, h), main
+        yield b + "attn_k.weight", (kv * hd, h), main
+        yield b + "attn_v.weight", (kv * hd, h), more if more_bits(i) else main
+        if qwen:
+            yield b + "attn_q.bias", (heads * hd,), "F32"
+            yield b + "attn_k.bias", (kv * hd,), "F32"
+            yield b + "attn_v.bias", (kv * hd,), "F32"
+        yield b + "attn_output.weight", (h, heads * hd), main
+        yield b + "ffn_norm.weight", (h,), "F32"
+        yield b + "ffn_gate.weight", (f, h), main
+        yield b + "ffn_up.weight", (f, h), main
+        yield b + "ffn_down.weight", (h, f), more if more_bits(i) else main
+    yield "output_norm.weight", (h,), "F32"
+    if not config.get("tie_word_embeddings", False):
+        yield "output.weight", (vocab, h), more
+
+
+def _block_scales(kind: str, rng: np.random.Generator) -> tuple[float, float]:
+    """(d, dmin) that give random blocks of `kind` mean 0 and spread WEIGHT_STD, measured on a sample
+    through gguf's dequantizer (so every type's block layout is gguf's, not ours)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    qtype = GGMLQuantizationType[kind]
+    _, size = GGML_QUANT_SIZES[qtype]
+    sample = rng.integers(0, 256, size=(64, size), dtype=np.uint8)
+
+    def values(d: float, dmin: float) -> np.ndarray:
+        _set_scales(sample, kind, d, dmin)
+        return dequantize(sample.reshape(-1), qtype).astype(np.float64)
+
+    ratio = 0.0
+    if RANDOM_BLOCKS[kind][1] is not None:  # w = d * (...) - dmin * (...): balance the two means
+        ratio = -values(1.0, 0.0).mean() / values(0.0, 1.0).mean()
+    std = values(1.0, ratio).std()
+    return WEIGHT_STD / std, WEIGHT_STD * ratio / std
+
+
+def _set_scales(blocks: np.ndarray, kind: str, d: float, dmin: float) -> None:
+    """Write the float16 scales into every block of `blocks` ([..., block bytes] uint8)."""
+    d_at, dmin_at = RANDOM_BLOCKS[kind]
+    blocks[..., d_at:d_at + 2] = np.frombuffer(np.float16(d).tobytes(), dtype=np.uint8)
+    if dmin_at is not None:
+        blocks[..., dmin_at:dmin_at + 2] = np.frombuffer(np.float16(dmin).tobytes(), dtype=np.uint8)
+
+
+def random_tensor(shape: tuple[int, ...], kind: str, rng: np.random.Generator,
+                  scales: dict[str, tuple[float, float]]) -> np.ndarray:
+    """Random data of one tensor in GGUF type `kind` (float32 values, or the quantized bytes)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quantize as gguf_quantize
+
+    if kind == "F32":
+        if len(shape) == 1:  # norms near 1, biases near 0: a random model that stays in range
+            return (1.0 + WEIGHT_STD * rng.standard_normal(shape)).astype(np.float32)
+        return (WEIGHT_STD * rng.standard_normal(shape)).astype(np.float32)
+    qtype = GGMLQuantizationType[kind]
+    block, size = GGML_QUANT_SIZES[qtype]
+    if shape[-1] % block:
+        raise UserError(f"{kind} needs rows of a multiple of {block} values; this shape has {shape[-1]}")
+    if kind in RANDOM_BLOCKS:
+        if kind not in scales:
+            scales[kind] = _block_scales(kind, rng)
+        blocks = rng.integers(0, 256, size=(shape[0], shape[-1] // block, size), dtype=np.uint8)
+        _set_scales(blocks, kind, *scales[kind])
+        return blocks.reshape(shape[0], -1)
+    values = (WEIGHT_STD * rng.standard_normal(shape)).astype(np.float32)
+    return gguf_quantize(values, qtype)
+
+
+def _copy_tokenizer(writer: Any, reader: Any) -> None:
+    """Every `tokenizer.*` key of `reader` into `writer`, with its own value types."""
+    from gguf import GGUFValueType
+
+    for key, f in reader.fields.items():
+        if not key.startswith("tokenizer.") or not f.types:
+            continue
+        sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+
+
+def write_random(out: Path, config: dict[str, Any], kind: str, tokenizer_from: Path, seed: int = 0,
+                 progress: bool = True) -> Path:
+    """Write a random-weight GGUF of `config`'s shape in `kind`, atomically, one tensor at a time."""
+    import gguf
+    from tqdm import tqdm
+
+    if kind not in TYPES:
+        raise UserError(f"--type {kind}: choose one of {', '.join(TYPES)}")
+    source = open_gguf(tokenizer_from)
+    if "tokenizer.ggml.tokens" not in source.fields:
+        raise UserError(f"{tokenizer_from} has no tokenizer to copy")
+    embd = next((t for t in source.tensors if t.name == "token_embd.weight"), None)
+    vocab = int(embd.shape[-1]) if embd is not None else len(source.fields["tokenizer.ggml.tokens"].data)
+    arch = config.get("model_type", "llama")
+    heads = config["num_attention_heads"]
+    plan = list(tensor_plan(config, vocab, kind))
+    w = gguf.GGUFWriter(None, arch)
+    w.add_name(f"random {kind} {arch} {config['hidden_size']}x{config['num_hidden_layers']}")
+    w.add_bool(RANDOM_WEIGHTS_KEY, True)
+    w.add_description(RANDOM_NOTE)
+    w.add_context_length(int(config.get("max_position_embeddings", 4096)))
+    w.add_embedding_length(config["hidden_size"])
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(config.get("num_key_value_heads", heads))
+    if config.get("head_dim"):
+        w.add_key_length(config["head_dim"])
+        w.add_value_length(config["head_dim"])
+    w.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
+    w.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
+    _copy_tokenizer(w, source)
+    del source
+    for name, shape, t in plan:
+        qtype = gguf.GGMLQuantizationType[t]
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        if t == "F32":
+            w.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
+        else:
+            rows = int(np.prod(shape[:-1]))
+            w.add_tensor_info(name, (*shape[:-1], shape[-1] // block * size), np.dtype(np.uint8),
+                              rows * (shape[-1] // block) * size, raw_dtype=qtype)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    rng = np.random.default_rng(seed)
+    scales: dict[str, tuple[float, float]] = {}
+    try:
+        w.open_output_file(tmp)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for _name, shape, t in tqdm(plan, unit="tensor", desc="write", file=sys.stderr, disable=not progress):
+            w.write_tensor_data(random_tensor(shape, t, rng, scales))
+        w.close()
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+# --------------------------------------------------------------------------- command
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m specextend.bench.gguf_files", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="action", metavar="ACTION", required=True)
+    q = sub.add_parser("quantize", help="make TYPE from the default GGUF with llama.cpp's llama-quantize")
+    q.add_argument("type", metavar="TYPE", help="llama-quantize's type name: Q5_K_M, Q4_0, IQ4_XS, Q3_K_M, Q2_K, ...")
+    q.add_argument("--source", default=None, help=f"the file to requantize (default: the pulled {DEFAULT_TARGET})")
+    q.add_argument("--out", default=None, help="the output file (default: SOURCE-STEM-TYPE.gguf here)")
+    r = sub.add_parser("random", help=f"a random-weight GGUF of a config's shape ({RANDOM_NOTE})")
+    r.add_argument("--shape", default="qwen2.5-1.5b",
+                   help=f"a preset ({', '.join(PRESETS)}) or a Hugging Face config.json (default: qwen2.5-1.5b)")
+    r.add_argument("--type", default="Q4_K_M", dest="kind", help=f"one of {', '.join(TYPES)} (default: Q4_K_M)")
+    r.add_argument("--layers", type=int, default=None, help="override the number of layers (smaller files)")
+    r.add_argument("--tokenizer-from", default=None,
+                   help=f"the GGUF whose tokenizer is copied (default: the pulled {DEFAULT_TARGET})")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--out", default=None, help="the output file (default: random-SHAPE-TYPE.gguf here)")
+    r.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    args = ap.parse_args(argv)
+    try:
+        if args.action == "quantize":
+            source = Path(args.source) if args.source else gguf_file(DEFAULT_TARGET)
+            if not source.is_file():
+                raise UserError(f"{source} not found (run specextend models pull, or pass --source)")
+            out = Path(args.out) if args.out else Path(f"{source.stem}-{args.type}.gguf")
+            print(quantize(args.type, source, out))
+            print(f"gguf_files: requantized from {source.name}: lower quality than a file quantized from the "
+                  f"original weights (it tests formats and speed, not text)", file=sys.stderr)
+            return 0
+        config = load_shape(args.shape)
+        if args.layers is not None:
+            if args.layers < 1:
+                raise UserError("--layers must be at least 1")
+            config["num_hidden_layers"] = args.layers
+        tokenizer_from = Path(args.tokenizer_from) if args.tokenizer_from else gguf_file(DEFAULT_TARGET)
+        stem = Path(args.shape).stem if args.shape not in PRESETS else args.shape
+        out = Path(args.out) if args.out else Path(f"random-{stem}-{args.kind}.gguf")
+        print(write_random(out, config, args.kind, tokenizer_from, args.seed, progress=not args.quiet))
+        print(f"gguf_files: {RANDOM_NOTE}", file=sys.stderr)
+        return 0
+    except UserError as e:
+        print(f"gguf_files: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,285 @@
+"""A GGUF file's types and memory: streaming conversion (same file as the safetensors library writes),
+the one-line notice of expanded types, the refusal of a load that would not fit, `models inspect`,
+`models list` / `clear-cache`, and random-weight files without a hub (bench/gguf_files.py)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+from specextend import quant
+from specextend.bench import gguf_files
+from specextend.cli import main
+from specextend.errors import UserError
+from specextend.models import gguf as conv
+from specextend.models import registry
+from specextend.models.qstore import QuantizedFile, stream_tensors
+from test_gguf import write_tiny_gguf
+
+pytestmark = pytest.mark.usefixtures("isolated_home")  # conftest.py: a model cache of its own
+
+# A type the kernels will never compute with as it is (ternary): always expanded.
+EXPANDED = "TQ2_0"
+TINY = {"model_type": "qwen2", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_gguf(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tok") / "tok.gguf"
+    write_tiny_gguf(path)
+    return path
+
+
+def random_gguf(tmp_path: Path, tokenizer_gguf: Path, kind: str) -> Path:
+    return gguf_files.write_random(tmp_path / f"r-{kind}.gguf", dict(TINY), kind, tokenizer_gguf, progress=False)
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# --------------------------------------------------------------------------- streaming conversion
+
+
+def test_streaming_conversion_writes_what_the_safetensors_library_writes(tmp_path: Path) -> None:
+    """The converter writes one tensor at a time; the file is the one `safetensors.torch.save_file`
+    writes from the same tensors (its metadata map aside, which the library orders at random)."""
+    from safetensors.torch import save_file
+
+    src = tmp_path / "tiny.gguf"
+    write_tiny_gguf(src, "qwen2", tokenizer=False,
+                    quantized=("model.layers.0.mlp.gate_proj.weight", "lm_head.weight"))
+    out = conv.convert_gguf(src, tmp_path / "hf", progress=False, tokenizer=False)
+    ours = (out / conv.WEIGHTS_FILE).read_bytes()
+    stored = QuantizedFile(out / conv.WEIGHTS_FILE)
+    tensors = {name: stored._read(name) for name in stored.names}
+    save_file(tensors, str(tmp_path / "lib.safetensors"), metadata=stored.handle.metadata())
+    lib = (tmp_path / "lib.safetensors").read_bytes()
+
+    def split(raw: bytes) -> tuple[dict, bytes]:
+        n = int.from_bytes(raw[:8], "little")
+        return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+    (our_header, our_data), (lib_header, lib_data) = split(ours), split(lib)
+    assert len(ours) == len(lib) and our_header == lib_header and our_data == lib_data
+    assert list(our_header)[1:] == list(lib_header)[1:]  # tensors in the same order
+    assert set(stored.formats) == {"model.layers.0.mlp.gate_proj.weight", "lm_head.weight"}
+
+
+def test_stream_tensors_holds_one_tensor_at_a_time(tmp_path: Path) -> None:
+    shapes = {f"t{i}": (torch.float32, (64, 32)) for i in range(4)}
+    alive: list[weakref.ref] = []
+
+    def produce(name: str) -> torch.Tensor:
+        gc.collect()
+        assert all(r() is None for r in alive), "an earlier tensor is still held"
+        t = torch.full((64, 32), float(name[1:]))
+        alive.append(weakref.ref(t))
+        return t
+
+    stream_tensors(tmp_path / "x.safetensors", shapes, {}, produce)
+    stored = QuantizedFile(tmp_path / "x.safetensors")
+    assert torch.equal(stored.get("t3", torch.float32), torch.full((64, 32), 3.0))
+
+
+def test_a_planned_shape_that_differs_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="planned"):
+        stream_tensors(tmp_path / "x.safetensors", {"a": (torch.float32, (2, 2))}, {}, lambda _: torch.zeros(3))
+    assert not list(tmp_path.iterdir())  # nothing left behind
+
+
+# --------------------------------------------------------------------------- never silent
+
+
+def test_an_expanded_type_is_named_in_one_line_at_every_load(tmp_path, tokenizer_gguf, capsys) -> None:
+    assert EXPANDED not in quant.GGUF_BLOCKS
+    src = random_gguf(tmp_path, tokenizer_gguf, EXPANDED)
+    capsys.readouterr()
+    registry.converted_gguf(src, progress=False)
+    first = [line for line in capsys.readouterr().err.splitlines() if "expanded" in line]
+    assert len(first) == 1
+    assert f"{src.name}: 16 tensors of {EXPANDED} are expanded to float32 (+" in first[0]
+    assert "see specextend models inspect" in first[0]
+    registry.converted_gguf(src, progress=False)  # converted already: said again
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if "expanded" in line] == first
+    assert "random weights" in err  # a random-weight file says so at every load
+
+
+def test_kept_types_say_nothing(tmp_path, capsys) -> None:
+    src = tmp_path / "tiny.gguf"
+    write_tiny_gguf(src, tokenizer=False, quantized=("lm_head.weight",))
+    conv.convert_gguf(src, tmp_path / "hf", progress=False, tokenizer=False)
+    assert "expanded" not in capsys.readouterr().err
+
+
+def test_a_load_that_would_not_fit_is_refused_before_writing(tmp_path, tokenizer_gguf) -> None:
+    src = random_gguf(tmp_path, tokenizer_gguf, EXPANDED)
+    with pytest.raises(UserError, match=rf"would need about .* of memory to load \(16 tensors of {EXPANDED} "
+                                        r"expanded to float32, run (requantized to 8 bits|in float32)\); "
+                                        r"1.0 MB is available"):
+        conv.convert_gguf(src, tmp_path / "hf", progress=False, available_mb=lambda: 1.0)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("hf")]
+    conv.convert_gguf(src, tmp_path / "hf", progress=False, available_mb=lambda: None)  # unknown: no check
+
+
+def test_the_refusal_exits_2_with_one_line(tmp_path, tokenizer_gguf, capsys, monkeypatch) -> None:
+    from specextend import meminfo
+
+    src = random_gguf(tmp_path, tokenizer_gguf, EXPANDED)
+    monkeypatch.setattr(meminfo, "available_memory_mb", lambda: 1.0)
+    code, out, err = run(capsys, "generate", "--target", str(src), "--method", "ar", "--prompt", "hi", "-q")
+    lines = err.strip().splitlines()
+    assert code == 2 and out == "" and lines[-1].startswith("specextend: error: r-TQ2_0.gguf would need about")
+    assert EXPANDED in lines[-1] and len([line for line in lines if "error" in line]) == 1
+
+
+# --------------------------------------------------------------------------- inspect
+
+
+def test_inspect_json(tmp_path, tokenizer_gguf, capsys) -> None:
+    src = random_gguf(tmp_path, tokenizer_gguf, "Q4_K_M")
+    code, out, _ = run(capsys, "models", "inspect", str(src), "--json")
+    assert code == 0
+    info = json.loads(out)
+    assert info["architecture"] == "qwen2" and info["supported"] and info["random_weights"]
+    assert info["shape"]["hidden_size"] == 256 and info["shape"]["num_hidden_layers"] == 2
+    assert info["file_bytes"] == src.stat().st_size
+    types = {r["type"]: r for r in info["types"]}
+    assert set(types) == {"Q4_K", "Q6_K", "F32"} and info["expanded"] == []
+    assert types["Q4_K"]["kept"] and types["Q4_K"]["loaded_bytes"] == types["Q4_K"]["file_bytes"]
+    assert types["Q6_K"]["tensors"] == 3  # the output and both layers' V and down projections of 2 layers
+    assert sum(r["file_bytes"] for r in info["types"]) < info["file_bytes"]
+    assert info["memory"]["loaded_bytes"] <= info["memory"]["first_load_peak_bytes"]
+    assert info["kernel_path"] in (None, "portable", "avx2", "avx512", "neon", "amx")
+    assert not (Path(os.environ["SPECEXTEND_HOME"]) / "converted").exists()  # nothing converted
+
+
+def test_inspect_names_what_is_expanded(tmp_path, tokenizer_gguf, capsys) -> None:
+    src = random_gguf(tmp_path, tokenizer_gguf, EXPANDED)
+    code, out, _ = run(capsys, "models", "inspect", str(src))
+    assert code == 0 and "expanded to float32, then requantized to 8 bits" in out
+    info = json.loads(run(capsys, "models", "inspect", str(src), "--json")[1])
+    row = next(r for r in info["types"] if r["type"] == EXPANDED)
+    assert info["expanded"] == [EXPANDED] and row["converted_bytes"] == row["parameters"] * 4
+
+
+def test_inspect_refusals(tmp_path, capsys) -> None:
+    for ref, why in ((str(tmp_path / "nope.gguf"), "no such .gguf file"), (str(tmp_path), "is a folder"),
+                     ("qwen2.5-coder-1.5b", "not pulled yet")):
+        code, _, err = run(capsys, "models", "inspect", ref)
+        assert code == 2 and why in err and len(err.strip().splitlines()) == 1
+
+
+# --------------------------------------------------------------------------- list and clear-cache
+
+
+def test_list_shows_known_models_not_the_conversion_cache(tmp_path, tokenizer_gguf, capsys) -> None:
+    registry.converted_gguf(random_gguf(tmp_path, tokenizer_gguf, "Q8_0"), progress=False)
+    rows = json.loads(run(capsys, "models", "list", "--json")[1])
+    assert [r["name"] for r in rows] == list(registry.KNOWN_MODELS)
+    assert all(not r["pulled"] and r["size_bytes"] == registry.KNOWN_MODELS[r["name"]].size for r in rows)
+
+
+def test_clear_cache_keeps_pulled_files_unless_asked(tmp_path, tokenizer_gguf, capsys) -> None:
+    home = Path(os.environ["SPECEXTEND_HOME"])
+    converted = registry.converted_gguf(random_gguf(tmp_path, tokenizer_gguf, "Q8_0"), progress=False)
+    (home / "models" / "m").mkdir(parents=True)
+    (home / "models" / "m" / "w").write_bytes(b"x" * 1000)
+    (home / "gguf").mkdir()
+    (home / "gguf" / "m.gguf").write_bytes(b"y" * 500)
+    size = registry.folder_size(converted) + 1000
+    code, out, _ = run(capsys, "models", "clear-cache")
+    assert code == 0 and not converted.exists() and not (home / "models" / "m").exists()
+    assert (home / "gguf" / "m.gguf").is_file()
+    assert out.splitlines()[-1] == f"freed {size / 1e6:.1f} MB in {home}"
+    code, out, _ = run(capsys, "models", "clear-cache", "--pulled")
+    assert code == 0 and not (home / "gguf" / "m.gguf").exists() and out.splitlines()[-1].startswith("freed 500 B")
+
+
+# --------------------------------------------------------------------------- files without a hub
+
+
+def test_random_gguf_loads_and_generates(tmp_path, tokenizer_gguf, capsys) -> None:
+    from specextend import api
+
+    src = random_gguf(tmp_path, tokenizer_gguf, "Q4_K_M")
+    with api.load(str(src), load_draft=False, progress=False) as pair:
+        result = pair.generate("hello", method="ar", max_new_tokens=4)
+    assert result.new_tokens == 4
+    assert "random weights" in capsys.readouterr().err
+
+
+def test_random_blocks_have_the_spread_asked(tokenizer_gguf) -> None:
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(0)
+    for kind in gguf_files.RANDOM_BLOCKS:
+        raw = gguf_files.random_tensor((64, 512), kind, rng, {})
+        w = dequantize(raw, GGMLQuantizationType[kind])
+        assert np.isfinite(w).all() and abs(w.mean()) < 0.01 and 0.01 < w.std() < 0.04, kind
+
+
+def test_random_tool_refusals(tmp_path, tokenizer_gguf, capsys) -> None:
+    assert gguf_files.main(["random", "--shape", "nope", "--tokenizer-from", str(tokenizer_gguf)]) == 2
+    assert "neither a preset" in capsys.readouterr().err
+    assert gguf_files.main(["random", "--shape", "qwen2.5-7b", "--type", "Q7_X",
+                            "--tokenizer-from", str(tokenizer_gguf)]) == 2
+    assert "--type Q7_X" in capsys.readouterr().err
+
+
+def test_quantize_without_llama_quantize_says_make_peers(tmp_path, tokenizer_gguf, capsys, monkeypatch) -> None:
+    server = tmp_path / "bin" / "llama-server"
+    server.parent.mkdir()
+    server.write_text("#!/bin/sh\necho 'version: 11434 (test)'\n")
+    server.chmod(0o755)
+    monkeypatch.setenv("SPECEXTEND_LLAMA_SERVER", str(server))
+    out = str(tmp_path / "o.gguf")
+    assert gguf_files.main(["quantize", "Q4_0", "--source", str(tokenizer_gguf), "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert "no llama-quantize beside" in err and "make peers" in err and len(err.strip().splitlines()) == 1
+
+
+def test_derived_weights_keep_what_was_stored_when_more_is_added(tmp_path: Path) -> None:
+    from specextend.models.qstore import DerivedWeights
+
+    a, b = torch.randn(16, 64), torch.randn(32, 64)
+    first = DerivedWeights(tmp_path / "d.safetensors")
+    first.get("a", lambda: quant.quantize_int8(a))
+    first.save()
+    second = DerivedWeights(tmp_path / "d.safetensors")
+    second.get("a", lambda: pytest.fail("stored already"))
+    second.get("b", lambda: quant.quantize_int4(b))
+    second.save()
+    stored = QuantizedFile(tmp_path / "d.safetensors")
+    assert set(stored.formats) == {"a", "b"}
+    assert torch.equal(stored.segment("a").blob, quant.quantize_int8(a).blob)
+    assert torch.equal(stored.segment("b").blob, quant.quantize_int4(b).blob)
+
+
+def test_the_estimate_follows_the_scheme_auto_picks(tmp_path: Path) -> None:
+    """With a vector kernel path a kept type costs its bytes and an expanded matrix 8.5 bits a weight;
+    without one (no kernels, or only the portable path) `--weights auto` runs everything in float32."""
+    from specextend.models.footprint import TensorInfo, footprint
+
+    (tmp_path / "f.gguf").write_bytes(b"x")
+    kept = TensorInfo("Q8_0", (64, 32), 32 * 2 * 34)
+    expanded = TensorInfo(EXPANDED, (256, 32), 32 * 66)
+    norm = TensorInfo("F32", (64,), 256)
+    fast = footprint(tmp_path / "f.gguf", "qwen2", [kept, expanded, norm], "avx2")
+    assert fast.loaded_bytes == 32 * 2 * 34 + 256 * 32 * 34 // 32 + 256
+    assert [r.type for r in fast.expanded] == [EXPANDED] and fast.largest_float_bytes == 256 * 32 * 4
+    for path in ("portable", None):
+        slow = footprint(tmp_path / "f.gguf", "qwen2", [kept, expanded, norm], path)
+        assert slow.loaded_bytes == (64 * 32 + 256 * 32 + 64) * 4 and slow.converted_bytes == fast.converted_bytes
