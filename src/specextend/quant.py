@@ -4,12 +4,14 @@ A `QWeight` is a [n, k] matrix stored in one or more row *segments*, each in one
 `csrc/qlinear.cpp` (see its header for the byte layout):
 
 - ``q4k``: asymmetric 4-bit codes in groups of 32 with 6-bit scales and mins under a float16
-  super-block scale: exactly GGUF's Q4_K grid (8 groups per super-block), and our own 4-bit
-  format for float weights (up to 8 groups per super-block, so any width divisible by 32 fits).
+  super-block scale: exactly GGUF's Q4_K grid (8 groups per super-block), Q4_0's and Q4_1's (one
+  group a super-block: scale code 1, the minimum 8 * d or -m), and our own 4-bit format for float
+  weights (up to 8 groups per super-block, so any width divisible by 32 fits).
 - ``q6k``: 6-bit codes (a nibble plane and a 2-bit plane) in groups of 16 with signed 8-bit
-  scales: exactly GGUF's Q6_K grid.
+  scales: exactly GGUF's Q6_K grid, and Q3_K's (its 3-bit codes widened to six).
 - ``q8``: byte codes in groups of 32 with one float16 scale and a fixed offset:
-  GGUF's Q8_0 (offset 128) and Q5_0 (offset 16) grids, and our 8-bit format for float weights.
+  GGUF's Q8_0 (offset 128), Q5_0 (offset 16) and IQ4_NL (its table's values + 128) grids, and
+  our 8-bit format for float weights.
 
 Segments exist because one fused projection can mix formats (a GGUF file may store a layer's
 V projection in Q6_K and its Q and K in Q4_K); the kernel quantizes the input once and writes
@@ -188,12 +190,65 @@ def pack_q8(d: np.ndarray, codes: np.ndarray, offset: int) -> Segment:
 
 # --------------------------------------------------------------------------- GGUF blocks
 
-# Bytes per block and values per block of the GGUF types we keep as they are.
-GGUF_BLOCKS = {"Q4_K": (144, 256), "Q6_K": (210, 256), "Q8_0": (34, 32), "Q5_0": (22, 32)}
+# Bytes per block and values per block of the GGUF types the kernels compute with as they are
+# (each repacked by `from_gguf_blocks` into the format of its family; see docs/design.md).
+GGUF_BLOCKS = {
+    "Q4_K": (144, 256), "Q6_K": (210, 256), "Q8_0": (34, 32), "Q5_0": (22, 32),
+    "Q4_0": (18, 32), "Q4_1": (20, 32), "Q3_K": (110, 256), "IQ4_NL": (18, 32),
+}
+
+# IQ4_NL's and IQ4_XS's 16 code values (ggml's kvalues_iq4nl): int8, so they fit byte lanes.
+IQ4_TABLE = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int16)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(b).view(np.float16)[..., 0]
+
+
+def _nibbles32(qs: np.ndarray) -> np.ndarray:
+    """The 16 code bytes of a legacy 32-weight block -> 32 codes (low nibbles first)."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _bits(b: np.ndarray, count: int, width: int = 1) -> np.ndarray:
+    """Fields of `width` bits packed little-endian in the bytes b[..., :] -> [..., bytes, count] planes."""
+    shifts = (np.arange(count, dtype=np.uint8) * width).reshape(*([1] * b.ndim), count)
+    return (b[..., None] >> shifts) & ((1 << width) - 1)
+
+
+def _legacy(kind: str, b: np.ndarray, n: int, k: int) -> Segment:
+    """The 32-weight types: Q8_0, Q5_0 and IQ4_NL as byte codes (offset 128, 16, 128); Q4_0 and
+    Q4_1 as q4k super-blocks of one group (scale code 1, the offset or -m as the minimum)."""
+    d = _f16(b[..., 0:2])
+    ones = np.ones(d.shape, dtype=np.uint8)
+    if kind == "Q8_0":
+        return pack_q8(d, (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8).reshape(n, k), 128)
+    if kind == "IQ4_NL":
+        return pack_q8(d, (IQ4_TABLE[_nibbles32(b[..., 2:18])] + 128).astype(np.uint8).reshape(n, k), 128)
+    if kind == "Q5_0":
+        qh = np.ascontiguousarray(b[..., 2:6]).view(np.uint32)  # [n, blocks, 1]
+        bits = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [n, blocks, 32]
+        return pack_q8(d, (_nibbles32(b[..., 6:22]) | (bits << 4)).reshape(n, k), 16)
+    if kind == "Q4_0":  # d * (q - 8) = d * 1 * q - d * 8
+        return pack_q4k(d, d, ones, ones * 8, _nibbles32(b[..., 2:18]).reshape(n, k), groups=1)
+    # Q4_1: d * q + m = d * 1 * q - (-m) * 1
+    return pack_q4k(d, -_f16(b[..., 2:4]), ones, ones, _nibbles32(b[..., 4:20]).reshape(n, k), groups=1)
+
+
+def _q3k(b: np.ndarray, n: int, k: int) -> Segment:
+    """Q3_K as q6k: the same super-block scale and signed per-16 scales (six bits - 32), codes
+    -4..3 stored as 28..35 (q6k's zero is 32)."""
+    nb = b.shape[1]
+    hmask, qs, s, d = b[..., 0:32], b[..., 32:96], b[..., 96:108], _f16(b[..., 108:110])
+    low = _bits(s[..., 0:8], 2, 4).transpose(0, 1, 3, 2).reshape(n, nb, 16)  # byte i: scales i, i + 8
+    high = _bits(s[..., 8:12], 4, 2).transpose(0, 1, 3, 2).reshape(n, nb, 16)  # byte j, bits 2s: scale 4s + j
+    sc = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8)
+    # 2-bit codes: weights 128h + 32s + i at bits 2s of byte 32h + i; their third bit at bit
+    # 32h + s... of hmask: weight 32t + i's high bit is bit t of hmask[i] (set: no -4).
+    lo2 = _bits(qs.reshape(n, nb, 2, 32), 4, 2).transpose(0, 1, 2, 4, 3).reshape(n, nb, 256)
+    hi = _bits(hmask, 8).transpose(0, 1, 3, 2).reshape(n, nb, 256)
+    codes = lo2.astype(np.int16) - 4 * (1 - hi.astype(np.int16)) + 32
+    return pack_q6k(d, sc.reshape(n, -1), codes.astype(np.uint8).reshape(n, k))
 
 
 def from_gguf_blocks(kind: str, raw: np.ndarray, n: int, k: int) -> Segment:
@@ -219,17 +274,10 @@ def from_gguf_blocks(kind: str, raw: np.ndarray, n: int, k: int) -> Segment:
         high = (high & 3).reshape(n, -1, 2, 128)
         codes = (low | (high << 4)).reshape(n, k)
         return pack_q6k(d, sc.reshape(n, -1), codes)
-    if kind == "Q8_0":
-        d = _f16(b[..., 0:2])
-        codes = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8).reshape(n, k)
-        return pack_q8(d, codes, 128)
-    if kind == "Q5_0":
-        d = _f16(b[..., 0:2])
-        qh = np.ascontiguousarray(b[..., 2:6]).view(np.uint32)  # [n, blocks, 1]
-        bits = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [n, blocks, 32]
-        qs = b[..., 6:22]
-        low = np.concatenate([qs & 15, qs >> 4], axis=-1)
-        return pack_q8(d, (low | (bits << 4)).reshape(n, k), 16)
+    if kind == "Q3_K":
+        return _q3k(b, n, k)
+    if per == 32:
+        return _legacy(kind, b, n, k)
     raise ValueError(f"GGUF type {kind} is not kept as is")
 
 

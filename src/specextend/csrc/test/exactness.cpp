@@ -109,6 +109,7 @@ void linear_tests(const std::vector<Path>& paths) {
   const LinearCase cases[] = {
       {spx::Q4K, 48, 512, 0, 8, false, false, true, false},  {spx::Q4K, 64, 1536, 0, 8, true, false, false, true},
       {spx::Q4K, 40, 896, 0, 7, false, true, false, false},  {spx::Q4K, 35, 96, 0, 3, false, false, true, true},
+      {spx::Q4K, 33, 160, 0, 1, true, false, true, false},  // one group a super-block: GGUF's Q4_0 and Q4_1
       {spx::Q6K, 40, 256, 0, 8, true, false, true, false},   {spx::Q6K, 32, 1536, 0, 8, false, true, false, true},
       {spx::Q8, 35, 96, 128, 1, false, false, false, false}, {spx::Q8, 33, 64, 16, 1, true, false, true, true},
       {spx::Q8, 48, 896, 128, 1, false, true, false, false}, {spx::Q8, 32, 640, 16, 1, true, false, true, true},
