@@ -17,8 +17,8 @@ ext = kernels.load()
 # Where each type's float16 scales sit in its block (the rest of a block is any bytes: every
 # code and sub-scale is valid), and whether they may be negative (ggml's quantizers make negative
 # d for the symmetric legacy types and m of either sign).
-F16_FIELDS = {"Q4_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q4_1": (0, 2)}
-SIGNED = {"Q4_0", "Q4_1", "Q8_0", "Q5_0", "IQ4_NL", "Q3_K"}
+F16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q4_1": (0, 2), "Q5_1": (0, 2)}
+SIGNED = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "IQ4_XS", "Q3_K"}
 
 
 def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -26,9 +26,9 @@ def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     size, per = quant.GGUF_BLOCKS[kind]
     raw = rng.integers(0, 256, (n, k // per, size), dtype=np.uint8)
-    for i, lo in enumerate(F16_FIELDS.get(kind, (0,))):
+    for lo in F16_FIELDS.get(kind, (0,)):
         vals = rng.random((n, k // per)) * 0.01 + 0.001
-        if kind in SIGNED and (i == 1 or kind != "Q4_1"):
+        if kind in SIGNED:
             vals *= rng.choice([-1.0, 1.0], vals.shape)
         raw[..., lo : lo + 2] = vals.astype(np.float16).view(np.uint8).reshape(n, k // per, 2)
     return raw.reshape(n, -1)
@@ -50,7 +50,8 @@ def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 KINDS = [("Q4_K", 48, 512), ("Q6_K", 40, 256), ("Q8_0", 35, 96), ("Q5_0", 33, 64), ("Q4_0", 35, 96),
-         ("Q4_1", 33, 160), ("Q3_K", 40, 512), ("IQ4_NL", 17, 64)]
+         ("Q4_1", 33, 160), ("Q3_K", 40, 512), ("IQ4_NL", 17, 64), ("Q5_K", 40, 512), ("IQ4_XS", 33, 256),
+         ("Q5_1", 35, 96)]
 
 
 @pytest.mark.parametrize(("kind", "n", "k"), KINDS)
@@ -72,7 +73,7 @@ def assert_same_weights(kind: str, ours: np.ndarray, ref: np.ndarray) -> None:
     assert not differ.any() or (kind == "Q4_0" and (ref[differ] == 0).all())
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_1"])
 def test_blocks_from_ggufs_quantizer_are_kept_exactly(kind: str) -> None:
     """Real blocks from `gguf`'s own quantizer, edge rows included (zeros, a single spike, constants)."""
     n, k = 20, 256

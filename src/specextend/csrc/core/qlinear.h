@@ -29,6 +29,11 @@
 //       high 2 bits of steps 0..3 at bits 0,2,4,6 (64 bytes)       w = d*sc[g] * (q - 32)
 //   Q8 (codes in bytes, groups of 32 = super-block, one f16 scale per group; Q8_0, Q5_0, int8):
 //       d[16] f16, codes[8][64] u8                              w = d * (q - offset)
+//   Q8K (codes in bytes under Q4K's header, its scale codes signed; G = 1..8 groups of 32 a
+//       super-block; GGUF's Q5_K and IQ4_XS with G = 8, Q5_1 with G = 1):
+//       d[16] f16, dmin[16] f16, sc[G][16] i8, mn[G][16] u8, codes[G][8][64] u8
+//       w = d*sc[g] * (q - offset) - dmin*mn[g]
+//       Its arithmetic is Q8's dot product (dot - offset * s32) with Q4K's epilogue.
 // Codes of one group are stored in steps of 4 inputs: byte 4*c + j of a 64-byte step holds
 // input 4*s + j of channel c (one 32-bit lane per channel: the operand layout of VPDPBUSD, of
 // AVX2's VPMADDUBSW pairs and of NEON's SDOT). Q4K packs two steps per 64 bytes: step i in the
@@ -41,7 +46,7 @@
 
 namespace spx {
 
-enum Format : int64_t { Q4K = 0, Q6K = 1, Q8 = 2 };
+enum Format : int64_t { Q4K = 0, Q6K = 1, Q8 = 2, Q8K = 3 };
 
 constexpr int kPanel = 16;
 constexpr int kActBlock = 32;  // activation quantization block
@@ -54,12 +59,18 @@ struct FormatInfo {
   int64_t bytes;   // blob bytes per (panel, super-block)
 };
 
-// False for an unknown format or a Q4K super-block size outside 1..8 groups.
+// False for an unknown format or a Q4K/Q8K super-block size outside 1..8 groups.
 bool format_info(int64_t fmt, int64_t sbg, FormatInfo* out);
+
+// The byte-code formats (Q8, Q8K): where group g of the super-block at `sb` keeps its codes
+// (step st, channel c, input j at byte 64 * st + 4 * c + j), and whether it has Q4K's minimums.
+inline const uint8_t* byte_codes(int64_t fmt, int64_t sbg, const uint8_t* sb, int g) {
+  return fmt == Q8 ? sb + 32 : sb + 64 + 32 * sbg + 512 * g;
+}
 
 struct Segment {
   const uint8_t* blob;
-  int64_t fmt, n, k, offset, sbg;  // sbg: Q4K groups per super-block (the others: fixed layouts)
+  int64_t fmt, n, k, offset, sbg;  // sbg: Q4K/Q8K groups per super-block (the others: fixed layouts)
   FormatInfo fi() const {
     FormatInfo f{};
     format_info(fmt, sbg, &f);

@@ -33,7 +33,7 @@ namespace spx {
 
 namespace {
 
-// One weight group as the epilogue needs it: float channel scales (and Q4K's minimums).
+// One weight group as the epilogue needs it: float channel scales (and Q4K's and Q8K's minimums).
 struct alignas(64) GroupScales {
   float scale[kPanel];
   float mins[kPanel];
@@ -48,7 +48,7 @@ struct GroupRows {
   const int32_t* sums;
   int64_t kb, sum_stride;
   int32_t offset;
-  bool q4k;
+  bool has_mins;  // Q4K and Q8K
 };
 
 // --------------------------------------------------------------- vector backends
@@ -94,7 +94,7 @@ struct ScalarVec {
         const int32_t dot = static_cast<int32_t>(static_cast<uint32_t>(sums[16 * i + c]) - corr);
         const float t = static_cast<float>(dot) * d8;
         float a = std::fma(t, gs.scale[c], acc[16 * i + c]);
-        if (g.q4k) a = std::fma(-gs.mins[c], g.xs[i * g.kb], a);
+        if (g.has_mins) a = std::fma(-gs.mins[c], g.xs[i * g.kb], a);
         acc[16 * i + c] = a;
       }
     }
@@ -160,7 +160,7 @@ struct Avx512Vec {
       const __m512i c = _mm512_sub_epi32(_mm512_load_si512(sums + 16 * i), _mm512_set1_epi32(corr));
       const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(g.d8[i * g.kb]));
       __m512 a = _mm512_fmadd_ps(t, scale, _mm512_load_ps(acc + 16 * i));
-      if (g.q4k) a = _mm512_fnmadd_ps(mins, _mm512_set1_ps(g.xs[i * g.kb]), a);
+      if (g.has_mins) a = _mm512_fnmadd_ps(mins, _mm512_set1_ps(g.xs[i * g.kb]), a);
       _mm512_store_ps(acc + 16 * i, a);
     }
   }
@@ -245,6 +245,13 @@ const uint8_t* prepare_group(const Segment& s, const uint8_t* p, int64_t gi, uin
     V::unpack_q6k(sb + 288 + 192 * g, buf);
     return buf;
   }
+  if (s.fmt == Q8K) {  // Q4K's header over byte codes, which are B's layout already
+    const int64_t sbg = s.sbg, g = gi % sbg;
+    const uint8_t* sb = p + (gi / sbg) * (64 + 544 * sbg);
+    V::scales(sb, sb + 64 + 16 * g, true, gs.scale);
+    V::scales(sb + 32, sb + 64 + 16 * sbg + 16 * g, false, gs.mins);
+    return byte_codes(s.fmt, sbg, sb, static_cast<int>(g));
+  }
   const uint8_t* grp = p + gi * 544;
   V::halves(grp, gs.scale);
   return grp + 32;  // Q8's codes are B's layout already
@@ -261,13 +268,13 @@ template <class V>
 void finish_item(const Segment& s, const Rows& x, const Pending& it, float* acc) {
   const int64_t kb = x.k / 32, k16 = x.k / 16;
   const int64_t b = it.row * kb + it.k0 / 32;
-  GroupRows g{x.d8 + b, x.xs + b, x.s32 + b, kb, kb, 0, s.fmt == Q4K};  // Q4K: no correction
+  GroupRows g{x.d8 + b, x.xs + b, x.s32 + b, kb, kb, 0, s.fmt == Q4K || s.fmt == Q8K};  // Q4K: no correction
   if (s.fmt == Q6K) {
     g.sums = x.s16 + it.row * k16 + it.k0 / 16;
     g.sum_stride = k16;
     g.offset = 32;
   }
-  if (s.fmt == Q8) g.offset = static_cast<int32_t>(s.offset);
+  if (s.fmt == Q8 || s.fmt == Q8K) g.offset = static_cast<int32_t>(s.offset);
   V::epilogue(it.sums, it.rows, g, *it.gs, acc);
 }
 

@@ -206,31 +206,55 @@ inline void q8_dots(const __m256i (*w)[2][2], const int8_t* const* q, __m256i (*
     }
 }
 
+// A byte-code group's float scales and minimums [half] (qlinear.h): Q8's float16 scales, or
+// Q8K's Q4K-style header (mins: false for Q8, which has no minimum term).
+inline bool byte_scales(const Segment& s, const uint8_t* p, int g, __m256* scale, __m256* mins) {
+  if (s.fmt == Q8) {
+    scale[0] = cvt_f16(p);
+    scale[1] = cvt_f16(p + 16);
+    return false;
+  }
+  for (int h = 0; h < 2; ++h) {
+    scale[h] = _mm256_mul_ps(cvt_f16(p + 16 * h), cvt_i8(p + 64 + 16 * g + 8 * h));
+    mins[h] = _mm256_mul_ps(cvt_f16(p + 32 + 16 * h), cvt_u8(p + 64 + 16 * s.sbg + 16 * g + 8 * h));
+  }
+  return true;
+}
+
 template <int R>
 void panel_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m256 (*acc)[2]) {
-  const int64_t nsb = s.k / 32, kb = s.k / 32;
+  const FormatInfo fi = s.fi();
+  const int groups = fi.superblock / 32;
+  const int64_t nsb = s.k / fi.superblock, kb = s.k / 32;
   const int32_t off = static_cast<int32_t>(s.offset);
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   alignas(32) __m256i w[8][2][2];  // [step][half][code - 128, its magnitude]
-  for (int64_t sb = 0; sb < nsb; ++sb, p += 544) {
-    prefetch(p, 544);
-    for (int st = 0; st < 8; ++st)
-      for (int h = 0; h < 2; ++h) {
-        w[st][h][0] = _mm256_xor_si256(load(p + 32 + 64 * st + 32 * h), flip);
-        w[st][h][1] = _mm256_abs_epi8(w[st][h][0]);
-      }
-    const __m256 scale[2] = {cvt_f16(p), cvt_f16(p + 16)};
-    for (int r = 0; r < R; r += 2) {
-      const int8_t* q[2] = {x.q8 + (r0 + r) * x.k + sb * 32, x.q8 + (r0 + r + 1) * x.k + sb * 32};
-      __m256i dot[2][2];
-      if (R - r >= 2) q8_dots<2>(w, q, dot);
-      else q8_dots<1>(w, q, dot);
-      for (int j = 0; j < 2 && r + j < R; ++j) {
-        const int64_t b = (r0 + r + j) * kb + sb;
-        // sum(code * q) - offset * sum(q) = sum((code - 128) * q) + (128 - offset) * sum(q)
-        const __m256i fix = _mm256_set1_epi32((128 - off) * x.s32[b]);
-        for (int h = 0; h < 2; ++h)
-          acc[r + j][h] = epilogue(_mm256_add_epi32(dot[j][h], fix), x.d8[b], scale[h], acc[r + j][h]);
+  for (int64_t sb = 0; sb < nsb; ++sb, p += fi.bytes) {
+    prefetch(p, fi.bytes);
+    for (int g = 0; g < groups; ++g) {
+      const uint8_t* cb = byte_codes(s.fmt, s.sbg, p, g);
+      for (int st = 0; st < 8; ++st)
+        for (int h = 0; h < 2; ++h) {
+          w[st][h][0] = _mm256_xor_si256(load(cb + 64 * st + 32 * h), flip);
+          w[st][h][1] = _mm256_abs_epi8(w[st][h][0]);
+        }
+      __m256 scale[2], mins[2];
+      const bool has_mins = byte_scales(s, p, g, scale, mins);
+      const int64_t k0 = sb * fi.superblock + 32 * g;
+      for (int r = 0; r < R; r += 2) {
+        const int8_t* q[2] = {x.q8 + (r0 + r) * x.k + k0, x.q8 + (r0 + r + 1) * x.k + k0};
+        __m256i dot[2][2];
+        if (R - r >= 2) q8_dots<2>(w, q, dot);
+        else q8_dots<1>(w, q, dot);
+        for (int j = 0; j < 2 && r + j < R; ++j) {
+          const int64_t b = (r0 + r + j) * kb + k0 / 32;
+          // sum(code * q) - offset * sum(q) = sum((code - 128) * q) + (128 - offset) * sum(q)
+          const __m256i fix = _mm256_set1_epi32((128 - off) * x.s32[b]);
+          for (int h = 0; h < 2; ++h) {
+            acc[r + j][h] = epilogue(_mm256_add_epi32(dot[j][h], fix), x.d8[b], scale[h], acc[r + j][h]);
+            if (has_mins) acc[r + j][h] = _mm256_fnmadd_ps(mins[h], _mm256_set1_ps(x.xs[b]), acc[r + j][h]);
+          }
+        }
       }
     }
   }
@@ -522,24 +546,26 @@ void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int
   }
 }
 
-// A Q8 group [step][half]: codes - 128 (signed, for their sign) and their magnitudes, as the
-// tile's; `small` when every code is below 32 (Q5_0's grid), whose products then keep 4 steps in
-// one int16 sum (2 * 31 * 127 per pair) and the codes serve as they are (in `mag`).
+// A byte-code group [step][half]: codes - 128 (signed, for their sign) and their magnitudes, as
+// the tile's; `small` when every code is below 32 (Q5_0's and Q5_K's grids), whose products
+// then keep 4 steps in one int16 sum (2 * 31 * 127 per pair) and the codes serve as they are (in
+// `mag`). Float scales and (Q8K) minimums [half].
 struct alignas(32) Q8Group {
   __m256i sgn[8][2], mag[8][2];
-  __m256 scale[2];
-  bool small;
+  __m256 scale[2], mins[2];
+  bool small, has_mins;
 };
 
-inline void unpack_q8_group(const uint8_t* p, Q8Group& o) {
+inline void unpack_q8_group(const Segment& s, const uint8_t* p, int g, Q8Group& o) {
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const uint8_t* cb = byte_codes(s.fmt, s.sbg, p, g);
   __m256i any = _mm256_setzero_si256();
   for (int st = 0; st < 8; ++st)
-    for (int h = 0; h < 2; ++h) any = _mm256_or_si256(any, load(p + 32 + 64 * st + 32 * h));
+    for (int h = 0; h < 2; ++h) any = _mm256_or_si256(any, load(cb + 64 * st + 32 * h));
   o.small = _mm256_testz_si256(any, _mm256_set1_epi8(static_cast<char>(0xE0))) != 0;
   for (int st = 0; st < 8; ++st)
     for (int h = 0; h < 2; ++h) {
-      const __m256i v = load(p + 32 + 64 * st + 32 * h);
+      const __m256i v = load(cb + 64 * st + 32 * h);
       if (o.small) {
         _mm256_store_si256(&o.mag[st][h], v);
       } else {
@@ -548,8 +574,7 @@ inline void unpack_q8_group(const uint8_t* p, Q8Group& o) {
         _mm256_store_si256(&o.mag[st][h], _mm256_abs_epi8(c));
       }
     }
-  o.scale[0] = cvt_f16(p);
-  o.scale[1] = cvt_f16(p + 16);
+  o.has_mins = byte_scales(s, p, g, o.scale, o.mins);
 }
 
 // R rows' exact int32 dot products of one Q8 group (any byte codes): dot(code - 128, q), the
@@ -590,35 +615,48 @@ inline void q8_dots_small(const Q8Group& g, const int8_t* q, int64_t xk, __m256i
   }
 }
 
+// R rows of one byte-code group: q, s32, d8, xs at the tile's first row (row strides xk, kb).
 template <int R>
 inline void q8_tile_rows(const Q8Group& g, int32_t off, const int8_t* q, int64_t xk, const int32_t* s32,
-                         const float* d8, int64_t kb, float* acc) {
+                         const float* d8, const float* xs, int64_t kb, float* acc) {
   __m256i dot[R][2];
   // sum(code * q) - offset * sum(q) = sum((code - 128) * q) + (128 - offset) * sum(q)
   const int32_t fix = g.small ? -off : 128 - off;
   if (g.small) q8_dots_small<R>(g, q, xk, dot);
   else q8_dots_any<R>(g, q, xk, dot);
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) epilogue_row(acc + 16 * r, dot[r], _mm256_set1_epi32(fix * s32[r * kb]), d8[r * kb], g.scale);
+  for (int r = 0; r < R; ++r) {
+    epilogue_row(acc + 16 * r, dot[r], _mm256_set1_epi32(fix * s32[r * kb]), d8[r * kb], g.scale);
+    if (g.has_mins)
+      for (int h = 0; h < 2; ++h)
+        _mm256_store_ps(acc + 16 * r + 8 * h,
+                        _mm256_fnmadd_ps(g.mins[h], _mm256_set1_ps(xs[r * kb]), _mm256_load_ps(acc + 16 * r + 8 * h)));
+  }
 }
 
 void rows_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
-  const int64_t nsb = s.k / 32, kb = x.k / 32, xk = x.k;
+  const FormatInfo fi = s.fi();
+  const int groups = fi.superblock / 32;
+  const int64_t nsb = s.k / fi.superblock, kb = x.k / 32, xk = x.k;
   const int32_t off = static_cast<int32_t>(s.offset);
   Q8Group grp;
-  for (int64_t sb = 0; sb < nsb; ++sb, p += 544) {
-    prefetch(p, 544);
-    unpack_q8_group(p, grp);
-    const int8_t* q = x.q8 + r0 * xk + sb * 32;
-    const int32_t* s32 = x.s32 + r0 * kb + sb;
-    const float* d8 = x.d8 + r0 * kb + sb;
-    for_tiles<kQ8RowTile>(n, [&](int r, int rows) {
-      switch (rows) {
-        case 1: q8_tile_rows<1>(grp, off, q + r * xk, xk, s32 + r * kb, d8 + r * kb, kb, acc + 16 * r); break;
-        case 2: q8_tile_rows<2>(grp, off, q + r * xk, xk, s32 + r * kb, d8 + r * kb, kb, acc + 16 * r); break;
-        default: q8_tile_rows<kQ8RowTile>(grp, off, q + r * xk, xk, s32 + r * kb, d8 + r * kb, kb, acc + 16 * r); break;
-      }
-    });
+  for (int64_t sb = 0; sb < nsb; ++sb, p += fi.bytes) {
+    prefetch(p, fi.bytes);
+    for (int g = 0; g < groups; ++g) {
+      unpack_q8_group(s, p, g, grp);
+      const int64_t b0 = r0 * kb + sb * groups + g;
+      const int8_t* q = x.q8 + r0 * xk + 32 * (sb * groups + g);
+      const int32_t* s32 = x.s32 + b0;
+      const float *d8 = x.d8 + b0, *xs = x.xs + b0;
+      for_tiles<kQ8RowTile>(n, [&](int r, int rows) {
+        const int64_t o = r * kb;
+        switch (rows) {
+          case 1: q8_tile_rows<1>(grp, off, q + r * xk, xk, s32 + o, d8 + o, xs + o, kb, acc + 16 * r); break;
+          case 2: q8_tile_rows<2>(grp, off, q + r * xk, xk, s32 + o, d8 + o, xs + o, kb, acc + 16 * r); break;
+          default: q8_tile_rows<kQ8RowTile>(grp, off, q + r * xk, xk, s32 + o, d8 + o, xs + o, kb, acc + 16 * r); break;
+        }
+      });
+    }
   }
 }
 

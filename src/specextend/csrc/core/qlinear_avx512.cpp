@@ -139,35 +139,48 @@ void panel_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __
   }
 }
 
-// One Q8 group of a panel (544 bytes: 16 float16 scales, then 8 steps of 16 channels x 4 codes)
-// into registers; returns the channels' scales. The next groups are prefetched.
-inline __m512 load_q8_group(const uint8_t* p, __m512i* w) {
-  prefetch_group(p, 544);
+// One byte-code group of a panel (qlinear.h: Q8, or Q8K's group g) into registers: its codes,
+// its channels' scales and (Q8K; returns whether) minimums. The next groups are prefetched.
+inline bool load_q8_group(const Segment& s, const uint8_t* p, int g, __m512i* w, __m512* scale, __m512* mins) {
+  const uint8_t* cb = byte_codes(s.fmt, s.sbg, p, g);
+  prefetch_group(cb, 512);
 #pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) w[i] = _mm512_loadu_si512(p + 32 + 64 * i);
-  return cvt_f16(p);
+  for (int i = 0; i < 8; ++i) w[i] = _mm512_loadu_si512(cb + 64 * i);
+  if (s.fmt == Q8) {
+    *scale = cvt_f16(p);
+    return false;
+  }
+  *scale = _mm512_mul_ps(cvt_f16(p), cvt_i8(p + 64 + 16 * g));
+  *mins = _mm512_mul_ps(cvt_f16(p + 32), cvt_u8(p + 64 + 16 * s.sbg + 16 * g));
+  return true;
 }
 
 template <int R>
 void panel_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m512* acc) {
-  const int64_t nsb = s.k / 32, kb = s.k / 32;
+  const FormatInfo fi = s.fi();
+  const int groups = fi.superblock / 32;
+  const int64_t nsb = s.k / fi.superblock, kb = s.k / 32;
   const int32_t off = static_cast<int32_t>(s.offset);
-  for (int64_t sb = 0; sb < nsb; ++sb, p += 544) {
-    __m512i w[8];
-    const __m512 scale = load_q8_group(p, w);
-    const int8_t* q[R];
+  for (int64_t sb = 0; sb < nsb; ++sb, p += fi.bytes)
+    for (int g = 0; g < groups; ++g) {
+      const int64_t blk = sb * groups + g;
+      __m512i w[8];
+      __m512 scale, mins;
+      const bool has_mins = load_q8_group(s, p, g, w, &scale, &mins);
+      const int8_t* q[R];
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) q[r] = x.q8 + (r0 + r) * x.k + sb * 32;
-    __m512i dot[R];
-    dots<R, 8>(w, q, dot);
+      for (int r = 0; r < R; ++r) q[r] = x.q8 + (r0 + r) * x.k + blk * 32;
+      __m512i dot[R];
+      dots<R, 8>(w, q, dot);
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const int64_t b = (r0 + r) * kb + sb;
-      const __m512i c = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(off * x.s32[b]));
-      const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(x.d8[b]));
-      acc[r] = _mm512_fmadd_ps(t, scale, acc[r]);
+      for (int r = 0; r < R; ++r) {
+        const int64_t b = (r0 + r) * kb + blk;
+        const __m512i c = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(off * x.s32[b]));
+        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(x.d8[b]));
+        acc[r] = _mm512_fmadd_ps(t, scale, acc[r]);
+        if (has_mins) acc[r] = _mm512_fnmadd_ps(mins, _mm512_set1_ps(x.xs[b]), acc[r]);
+      }
     }
-  }
 }
 
 template <int R>
@@ -322,21 +335,28 @@ void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int
 }
 
 void rows_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
-  const int64_t nsb = s.k / 32, kb = s.k / 32, xk = x.k;
+  const FormatInfo fi = s.fi();
+  const int groups = fi.superblock / 32;
+  const int64_t nsb = s.k / fi.superblock, kb = s.k / 32, xk = x.k;
   const int32_t off = static_cast<int32_t>(s.offset);
-  for (int64_t sb = 0; sb < nsb; ++sb, p += 544) {
-    __m512i w[8];
-    const __m512 scale = load_q8_group(p, w);
-    const int8_t* q = x.q8 + r0 * xk + sb * 32;
-    const int32_t* s32 = x.s32 + r0 * kb + sb;
-    const float* d8 = x.d8 + r0 * kb + sb;
+  for (int64_t sb = 0; sb < nsb; ++sb, p += fi.bytes)
+    for (int g = 0; g < groups; ++g) {
+      const int64_t blk = sb * groups + g;
+      __m512i w[8];
+      __m512 scale, mins;
+      const bool has_mins = load_q8_group(s, p, g, w, &scale, &mins);
+      const int8_t* q = x.q8 + r0 * xk + blk * 32;
+      const int32_t* s32 = x.s32 + r0 * kb + blk;
+      const float *d8 = x.d8 + r0 * kb + blk, *xs = x.xs + r0 * kb + blk;
 #pragma GCC unroll 4
-    for (int r = 0; r < n; ++r) {
-      const __m512i c = _mm512_sub_epi32(row_dot<8>(w, q + r * xk), _mm512_set1_epi32(off * s32[r * kb]));
-      const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(d8[r * kb]));
-      _mm512_store_ps(acc + 16 * r, _mm512_fmadd_ps(t, scale, _mm512_load_ps(acc + 16 * r)));
+      for (int r = 0; r < n; ++r) {
+        const __m512i c = _mm512_sub_epi32(row_dot<8>(w, q + r * xk), _mm512_set1_epi32(off * s32[r * kb]));
+        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(d8[r * kb]));
+        __m512 a = _mm512_fmadd_ps(t, scale, _mm512_load_ps(acc + 16 * r));
+        if (has_mins) a = _mm512_fnmadd_ps(mins, _mm512_set1_ps(xs[r * kb]), a);
+        _mm512_store_ps(acc + 16 * r, a);
+      }
     }
-  }
 }
 
 using Fn = void (*)(const Segment&, const uint8_t*, const Rows&, int64_t, const TileOut&);

@@ -131,38 +131,60 @@ void panel_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, fl
   }
 }
 
+// Quad c (channels 4c..4c+3) of a byte-code group's float scales and (Q8K; returns whether)
+// minimums: Q8's float16 scales or Q8K's Q4K-style header (qlinear.h).
+inline bool byte_scales(const Segment& s, const uint8_t* p, int g, int c, float32x4_t* scale, float32x4_t* mins) {
+  if (s.fmt == Q8) {
+    *scale = load_f16x4(p + 8 * c);
+    return false;
+  }
+  *scale = vmulq_f32(load_f16x4(p + 8 * c), cvt_i8x4(p + 64 + 16 * g + 4 * c));
+  *mins = vmulq_f32(load_f16x4(p + 32 + 8 * c), cvt_u8x4(p + 64 + 16 * s.sbg + 16 * g + 4 * c));
+  return true;
+}
+
 template <int R>
 void panel_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, float32x4_t (*acc)[4]) {
-  const int64_t nsb = s.k / 32, kb = s.k / 32;
+  const FormatInfo fi = s.fi();
+  const int groups = fi.superblock / 32;
+  const int64_t nsb = s.k / fi.superblock, kb = s.k / 32;
   const int32_t off = static_cast<int32_t>(s.offset);
   const uint8x16_t flip = vdupq_n_u8(0x80);
-  for (int64_t sb = 0; sb < nsb; ++sb, p += 544) {
-    int32x4_t dot[R][4];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 4; ++c) dot[r][c] = vdupq_n_s32(0);
-    for (int half = 0; half < 2; ++half) {  // steps 4*half .. 4*half + 3
-      int8x16_t a[R];
-      for (int r = 0; r < R; ++r) a[r] = vld1q_s8(x.q8 + (r0 + r) * x.k + sb * 32 + 16 * half);
+  for (int64_t sb = 0; sb < nsb; ++sb, p += fi.bytes)
+    for (int g = 0; g < groups; ++g) {
+      const int64_t blk = sb * groups + g;
+      const uint8_t* cb = byte_codes(s.fmt, s.sbg, p, g);
+      int32x4_t dot[R][4];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < 4; ++c) dot[r][c] = vdupq_n_s32(0);
+      for (int half = 0; half < 2; ++half) {  // steps 4*half .. 4*half + 3
+        int8x16_t a[R];
+        for (int r = 0; r < R; ++r) a[r] = vld1q_s8(x.q8 + (r0 + r) * x.k + blk * 32 + 16 * half);
 #define SPX_Q8_STEP(i)                                                                            \
   {                                                                                               \
     int8x16_t w[4];                                                                               \
     for (int c = 0; c < 4; ++c)                                                                   \
-      w[c] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(p + 32 + 64 * (4 * half + (i)) + 16 * c), flip)); \
+      w[c] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(cb + 64 * (4 * half + (i)) + 16 * c), flip));   \
     for (int r = 0; r < R; ++r) SPX_SDOT4(dot[r], w, a[r], i);                                    \
   }
-      SPX_Q8_STEP(0)
-      SPX_Q8_STEP(1)
-      SPX_Q8_STEP(2)
-      SPX_Q8_STEP(3)
+        SPX_Q8_STEP(0)
+        SPX_Q8_STEP(1)
+        SPX_Q8_STEP(2)
+        SPX_Q8_STEP(3)
 #undef SPX_Q8_STEP
+      }
+      for (int c = 0; c < 4; ++c) {
+        float32x4_t scale, mins;
+        const bool has_mins = byte_scales(s, p, g, c, &scale, &mins);
+        for (int r = 0; r < R; ++r) {
+          const int64_t b = (r0 + r) * kb + blk;
+          // sum(code * q) - offset * sum(q) = sum((code - 128) * q) + (128 - offset) * sum(q)
+          const int32x4_t fix = vdupq_n_s32((128 - off) * x.s32[b]);
+          acc[r][c] = epilogue(vaddq_s32(dot[r][c], fix), x.d8[b], scale, acc[r][c]);
+          if (has_mins) acc[r][c] = vfmsq_f32(acc[r][c], mins, vdupq_n_f32(x.xs[b]));  // acc - mins * xs, fused
+        }
+      }
     }
-    for (int r = 0; r < R; ++r) {
-      const int64_t b = (r0 + r) * kb + sb;
-      // sum(code * q) - offset * sum(q) = sum((code - 128) * q) + (128 - offset) * sum(q)
-      const int32x4_t fix = vdupq_n_s32((128 - off) * x.s32[b]);
-      for (int c = 0; c < 4; ++c) acc[r][c] = epilogue(vaddq_s32(dot[r][c], fix), x.d8[b], load_f16x4(p + 8 * c), acc[r][c]);
-    }
-  }
 }
 
 #undef SPX_SDOT4
@@ -304,26 +326,37 @@ void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int
 }
 
 void rows_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
-  const int64_t nsb = s.k / 32, kb = x.k / 32, xk = x.k;
+  const FormatInfo fi = s.fi();
+  const int groups = fi.superblock / 32;
+  const int64_t nsb = s.k / fi.superblock, kb = x.k / 32, xk = x.k;
   const int32_t off = static_cast<int32_t>(s.offset);
   const uint8x16_t flip = vdupq_n_u8(0x80);
-  for (int64_t sb = 0; sb < nsb; ++sb, p += 544)
-    for (int h = 0; h < 2; ++h) {
-      int8x16_t w[8][2];
-      float32x4_t scale[2];
-      for (int c = 0; c < 2; ++c) {
-        const int quad = 2 * h + c;
-        for (int st = 0; st < 8; ++st) w[st][c] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(p + 32 + 64 * st + 16 * quad), flip));
-        scale[c] = load_f16x4(p + 8 * quad);
-      }
-      for (int r = 0; r < n; ++r) {
-        int32x4_t dot[2];
-        row_dots8(w, x.q8 + (r0 + r) * xk + sb * 32, dot);
-        const int64_t b = (r0 + r) * kb + sb;
-        // sum(code * q) - offset * sum(q) = sum((code - 128) * q) + (128 - offset) * sum(q)
-        const int32x4_t fix = vdupq_n_s32((128 - off) * x.s32[b]);
-        float* a = acc + 16 * r + 8 * h;
-        for (int c = 0; c < 2; ++c) vst1q_f32(a + 4 * c, epilogue(vaddq_s32(dot[c], fix), x.d8[b], scale[c], vld1q_f32(a + 4 * c)));
+  for (int64_t sb = 0; sb < nsb; ++sb, p += fi.bytes)
+    for (int g = 0; g < groups; ++g) {
+      const int64_t blk = sb * groups + g;
+      const uint8_t* cb = byte_codes(s.fmt, s.sbg, p, g);
+      for (int h = 0; h < 2; ++h) {
+        int8x16_t w[8][2];
+        float32x4_t scale[2], mins[2];
+        bool has_mins = false;
+        for (int c = 0; c < 2; ++c) {
+          const int quad = 2 * h + c;
+          for (int st = 0; st < 8; ++st) w[st][c] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(cb + 64 * st + 16 * quad), flip));
+          has_mins = byte_scales(s, p, g, quad, &scale[c], &mins[c]);
+        }
+        for (int r = 0; r < n; ++r) {
+          int32x4_t dot[2];
+          row_dots8(w, x.q8 + (r0 + r) * xk + blk * 32, dot);
+          const int64_t b = (r0 + r) * kb + blk;
+          // sum(code * q) - offset * sum(q) = sum((code - 128) * q) + (128 - offset) * sum(q)
+          const int32x4_t fix = vdupq_n_s32((128 - off) * x.s32[b]);
+          float* a = acc + 16 * r + 8 * h;
+          for (int c = 0; c < 2; ++c) {
+            float32x4_t v = epilogue(vaddq_s32(dot[c], fix), x.d8[b], scale[c], vld1q_f32(a + 4 * c));
+            if (has_mins) v = vfmsq_f32(v, mins[c], vdupq_n_f32(x.xs[b]));
+            vst1q_f32(a + 4 * c, v);
+          }
+        }
       }
     }
 }
