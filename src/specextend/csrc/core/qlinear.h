@@ -29,11 +29,15 @@
 //       high 2 bits of steps 0..3 at bits 0,2,4,6 (64 bytes)       w = d*sc[g] * (q - 32)
 //   Q8 (codes in bytes, groups of 32 = super-block, one f16 scale per group; Q8_0, Q5_0, int8):
 //       d[16] f16, codes[8][64] u8                              w = d * (q - offset)
-//   Q8K (codes in bytes under Q4K's header, its scale codes signed; G = 1..8 groups of 32 a
-//       super-block; GGUF's Q5_K and IQ4_XS with G = 8, Q5_1 with G = 1):
-//       d[16] f16, dmin[16] f16, sc[G][16] i8, mn[G][16] u8, codes[G][8][64] u8
-//       w = d*sc[g] * (q - offset) - dmin*mn[g]
-//       Its arithmetic is Q8's dot product (dot - offset * s32) with Q4K's epilogue.
+//   Q5K and IQ4 (Q4K's header with signed scale codes over 4-bit codes that the kernels unpack
+//       into Q8's byte codes; G = 1..8 groups of 32 a super-block):
+//       d[16] f16, dmin[16] f16, sc[G][16] i8, mn[G][16] u8, then per group: Q4K's nibbles
+//       (4 x 64 bytes) and for Q5K a plane of fifth bits (64 bytes: bit st of byte b is the fifth
+//       bit of step st's nibble at byte b)           w = d*sc[g] * (byte - offset) - dmin*mn[g]
+//       Q5K's byte is the 5-bit code (GGUF's Q5_K, G = 8; Q5_1, G = 1, sc = 1, dmin*mn = -m);
+//       IQ4's is kIq4Bytes[nibble], the IQ4 table + 128 (offset 128; GGUF's IQ4_XS, G = 8, and
+//       IQ4_NL, G = 1, sc = 1, no minimum). Their arithmetic is Q8's dot product of the bytes
+//       (dot - offset * s32) with Q4K's epilogue (both fmas).
 // Codes of one group are stored in steps of 4 inputs: byte 4*c + j of a 64-byte step holds
 // input 4*s + j of channel c (one 32-bit lane per channel: the operand layout of VPDPBUSD, of
 // AVX2's VPMADDUBSW pairs and of NEON's SDOT). Q4K packs two steps per 64 bytes: step i in the
@@ -46,7 +50,7 @@
 
 namespace spx {
 
-enum Format : int64_t { Q4K = 0, Q6K = 1, Q8 = 2, Q8K = 3 };
+enum Format : int64_t { Q4K = 0, Q6K = 1, Q8 = 2, Q5K = 3, IQ4 = 4 };
 
 constexpr int kPanel = 16;
 constexpr int kActBlock = 32;  // activation quantization block
@@ -59,18 +63,34 @@ struct FormatInfo {
   int64_t bytes;   // blob bytes per (panel, super-block)
 };
 
-// False for an unknown format or a Q4K/Q8K super-block size outside 1..8 groups.
+// False for an unknown format or a Q4K/Q5K/IQ4 super-block size outside 1..8 groups.
 bool format_info(int64_t fmt, int64_t sbg, FormatInfo* out);
 
-// The byte-code formats (Q8, Q8K): where group g of the super-block at `sb` keeps its codes
-// (step st, channel c, input j at byte 64 * st + 4 * c + j), and whether it has Q4K's minimums.
+// The byte-code formats: Q8, and Q5K and IQ4 (Q4K's header, codes unpacked into bytes).
+inline bool k_header(int64_t fmt) { return fmt == Q5K || fmt == IQ4; }
+inline int code_bytes(int64_t fmt) { return fmt == Q5K ? 320 : fmt == IQ4 ? 256 : 512; }  // a group's
+
+// Where group g of the byte-code super-block at `sb` keeps its codes.
 inline const uint8_t* byte_codes(int64_t fmt, int64_t sbg, const uint8_t* sb, int g) {
-  return fmt == Q8 ? sb + 32 : sb + 64 + 32 * sbg + 512 * g;
+  return fmt == Q8 ? sb + 32 : sb + 64 + 32 * sbg + code_bytes(fmt) * g;
+}
+
+// IQ4_NL's 16 values (ggml's kvalues_iq4nl) + 128: IQ4's byte codes.
+alignas(16) constexpr uint8_t kIq4Bytes[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+
+// The byte code of step st (0..7), lane byte b (4 * channel + input) of a byte-code group at cb:
+// the reference unpacking, which each path's vector unpacking reproduces.
+inline int byte_code(int64_t fmt, const uint8_t* cb, int st, int b) {
+  if (fmt == Q8) return cb[64 * st + b];
+  const uint8_t v = cb[64 * (st % 4) + b];
+  const int nib = st < 4 ? v & 15 : v >> 4;
+  if (fmt == IQ4) return kIq4Bytes[nib];
+  return nib | (((cb[256 + b] >> st) & 1) << 4);
 }
 
 struct Segment {
   const uint8_t* blob;
-  int64_t fmt, n, k, offset, sbg;  // sbg: Q4K/Q8K groups per super-block (the others: fixed layouts)
+  int64_t fmt, n, k, offset, sbg;  // sbg: Q4K/Q5K/IQ4 groups per super-block (the others: fixed layouts)
   FormatInfo fi() const {
     FormatInfo f{};
     format_info(fmt, sbg, &f);

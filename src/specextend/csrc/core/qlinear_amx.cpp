@@ -33,7 +33,7 @@ namespace spx {
 
 namespace {
 
-// One weight group as the epilogue needs it: float channel scales (and Q4K's and Q8K's minimums).
+// One weight group as the epilogue needs it: float channel scales (and the minimums of Q4K and Q4K's header).
 struct alignas(64) GroupScales {
   float scale[kPanel];
   float mins[kPanel];
@@ -48,7 +48,7 @@ struct GroupRows {
   const int32_t* sums;
   int64_t kb, sum_stride;
   int32_t offset;
-  bool has_mins;  // Q4K and Q8K
+  bool has_mins;  // Q4K, Q5K, IQ4
 };
 
 // --------------------------------------------------------------- vector backends
@@ -69,6 +69,11 @@ struct ScalarVec {
         const uint8_t lo = cb[64 * (st % 2) + b];
         w[64 * st + b] = static_cast<uint8_t>(((st < 2 ? lo : lo >> 4) & 15) | (((cb[128 + b] >> (2 * st)) & 3) << 4));
       }
+  }
+
+  static void unpack_bytes(int64_t fmt, const uint8_t* cb, uint8_t* w) {
+    for (int st = 0; st < 8; ++st)
+      for (int b = 0; b < 64; ++b) w[64 * st + b] = static_cast<uint8_t>(byte_code(fmt, cb, st, b));
   }
 
   // scale[c] = f16 d[c] x q[c] (q: u8, or i8 when `is_signed`); into out[16].
@@ -115,6 +120,7 @@ struct ScalarVec {
 
 #if defined(__x86_64__)
 SPX_BEGIN_AVX512
+#include "bytes_avx512.h"
 namespace spx {
 namespace {
 
@@ -140,6 +146,10 @@ struct Avx512Vec {
                         _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), low), _mm512_and_si512(h, top)));
     _mm512_storeu_si512(w + 192, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), low),
                                                  _mm512_and_si512(_mm512_srli_epi16(h, 2), top)));
+  }
+
+  static void unpack_bytes(int64_t fmt, const uint8_t* cb, uint8_t* w) {
+    for (int st = 0; st < 8; ++st) _mm512_storeu_si512(w + 64 * st, step_bytes(fmt, cb, st));
   }
 
   static __m512 cvt_f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
@@ -245,12 +255,13 @@ const uint8_t* prepare_group(const Segment& s, const uint8_t* p, int64_t gi, uin
     V::unpack_q6k(sb + 288 + 192 * g, buf);
     return buf;
   }
-  if (s.fmt == Q8K) {  // Q4K's header over byte codes, which are B's layout already
+  if (k_header(s.fmt)) {  // Q4K's header over codes unpacked into Q8's bytes
     const int64_t sbg = s.sbg, g = gi % sbg;
-    const uint8_t* sb = p + (gi / sbg) * (64 + 544 * sbg);
+    const uint8_t* sb = p + (gi / sbg) * s.fi().bytes;
     V::scales(sb, sb + 64 + 16 * g, true, gs.scale);
     V::scales(sb + 32, sb + 64 + 16 * sbg + 16 * g, false, gs.mins);
-    return byte_codes(s.fmt, sbg, sb, static_cast<int>(g));
+    V::unpack_bytes(s.fmt, byte_codes(s.fmt, sbg, sb, static_cast<int>(g)), buf);
+    return buf;
   }
   const uint8_t* grp = p + gi * 544;
   V::halves(grp, gs.scale);
@@ -268,13 +279,13 @@ template <class V>
 void finish_item(const Segment& s, const Rows& x, const Pending& it, float* acc) {
   const int64_t kb = x.k / 32, k16 = x.k / 16;
   const int64_t b = it.row * kb + it.k0 / 32;
-  GroupRows g{x.d8 + b, x.xs + b, x.s32 + b, kb, kb, 0, s.fmt == Q4K || s.fmt == Q8K};  // Q4K: no correction
+  GroupRows g{x.d8 + b, x.xs + b, x.s32 + b, kb, kb, 0, s.fmt == Q4K || k_header(s.fmt)};  // Q4K: no correction
   if (s.fmt == Q6K) {
     g.sums = x.s16 + it.row * k16 + it.k0 / 16;
     g.sum_stride = k16;
     g.offset = 32;
   }
-  if (s.fmt == Q8 || s.fmt == Q8K) g.offset = static_cast<int32_t>(s.offset);
+  if (s.fmt == Q8 || k_header(s.fmt)) g.offset = static_cast<int32_t>(s.offset);
   V::epilogue(it.sums, it.rows, g, *it.gs, acc);
 }
 

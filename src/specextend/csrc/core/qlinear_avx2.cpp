@@ -206,8 +206,22 @@ inline void q8_dots(const __m256i (*w)[2][2], const int8_t* const* q, __m256i (*
     }
 }
 
+// Step st's byte codes of a byte-code group at cb, half h (8 channels): byte_code (qlinear.h) on
+// 32 lanes. 16-bit shifts move the fifth bit within its byte (st <= 4 left by 4 - st, else
+// right): the bits crossing from the other byte of the pair miss the mask.
+inline __m256i step_bytes(int64_t fmt, const uint8_t* cb, int st, int h) {
+  if (fmt == Q8) return load(cb + 64 * st + 32 * h);
+  const __m256i v = load(cb + 64 * (st % 4) + 32 * h);
+  const __m256i nib = _mm256_and_si256(st < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
+  if (fmt == IQ4)
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4Bytes))), nib);
+  const __m256i plane = load(cb + 256 + 32 * h);
+  const __m256i bit = st <= 4 ? _mm256_sll_epi16(plane, _mm_cvtsi32_si128(4 - st)) : _mm256_srl_epi16(plane, _mm_cvtsi32_si128(st - 4));
+  return _mm256_or_si256(nib, _mm256_and_si256(bit, _mm256_set1_epi8(0x10)));
+}
+
 // A byte-code group's float scales and minimums [half] (qlinear.h): Q8's float16 scales, or
-// Q8K's Q4K-style header (mins: false for Q8, which has no minimum term).
+// Q4K's header (Q5K, IQ4; mins: false for Q8, which has no minimum term).
 inline bool byte_scales(const Segment& s, const uint8_t* p, int g, __m256* scale, __m256* mins) {
   if (s.fmt == Q8) {
     scale[0] = cvt_f16(p);
@@ -235,7 +249,7 @@ void panel_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m
       const uint8_t* cb = byte_codes(s.fmt, s.sbg, p, g);
       for (int st = 0; st < 8; ++st)
         for (int h = 0; h < 2; ++h) {
-          w[st][h][0] = _mm256_xor_si256(load(cb + 64 * st + 32 * h), flip);
+          w[st][h][0] = _mm256_xor_si256(step_bytes(s.fmt, cb, st, h), flip);
           w[st][h][1] = _mm256_abs_epi8(w[st][h][0]);
         }
       __m256 scale[2], mins[2];
@@ -549,7 +563,7 @@ void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int
 // A byte-code group [step][half]: codes - 128 (signed, for their sign) and their magnitudes, as
 // the tile's; `small` when every code is below 32 (Q5_0's and Q5_K's grids), whose products
 // then keep 4 steps in one int16 sum (2 * 31 * 127 per pair) and the codes serve as they are (in
-// `mag`). Float scales and (Q8K) minimums [half].
+// `mag`). Float scales and (Q4K's header) minimums [half].
 struct alignas(32) Q8Group {
   __m256i sgn[8][2], mag[8][2];
   __m256 scale[2], mins[2];
@@ -561,19 +575,19 @@ inline void unpack_q8_group(const Segment& s, const uint8_t* p, int g, Q8Group& 
   const uint8_t* cb = byte_codes(s.fmt, s.sbg, p, g);
   __m256i any = _mm256_setzero_si256();
   for (int st = 0; st < 8; ++st)
-    for (int h = 0; h < 2; ++h) any = _mm256_or_si256(any, load(cb + 64 * st + 32 * h));
-  o.small = _mm256_testz_si256(any, _mm256_set1_epi8(static_cast<char>(0xE0))) != 0;
-  for (int st = 0; st < 8; ++st)
     for (int h = 0; h < 2; ++h) {
-      const __m256i v = load(cb + 64 * st + 32 * h);
-      if (o.small) {
-        _mm256_store_si256(&o.mag[st][h], v);
-      } else {
-        const __m256i c = _mm256_xor_si256(v, flip);
+      const __m256i v = step_bytes(s.fmt, cb, st, h);
+      _mm256_store_si256(&o.mag[st][h], v);
+      any = _mm256_or_si256(any, v);
+    }
+  o.small = _mm256_testz_si256(any, _mm256_set1_epi8(static_cast<char>(0xE0))) != 0;
+  if (!o.small)
+    for (int st = 0; st < 8; ++st)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i c = _mm256_xor_si256(_mm256_load_si256(&o.mag[st][h]), flip);
         _mm256_store_si256(&o.sgn[st][h], c);
         _mm256_store_si256(&o.mag[st][h], _mm256_abs_epi8(c));
       }
-    }
   o.has_mins = byte_scales(s, p, g, o.scale, o.mins);
 }
 

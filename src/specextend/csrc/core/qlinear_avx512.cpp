@@ -15,6 +15,7 @@
 
 SPX_BEGIN_AVX512
 #include "simd_avx512.h"
+#include "bytes_avx512.h"
 
 namespace spx {
 
@@ -139,13 +140,14 @@ void panel_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __
   }
 }
 
-// One byte-code group of a panel (qlinear.h: Q8, or Q8K's group g) into registers: its codes,
-// its channels' scales and (Q8K; returns whether) minimums. The next groups are prefetched.
+// One byte-code group of a panel (qlinear.h: Q8, or group g of Q5K or IQ4) into registers: its
+// byte codes, its channels' scales and (Q4K's header; returns whether) minimums. The next groups
+// are prefetched.
 inline bool load_q8_group(const Segment& s, const uint8_t* p, int g, __m512i* w, __m512* scale, __m512* mins) {
   const uint8_t* cb = byte_codes(s.fmt, s.sbg, p, g);
-  prefetch_group(cb, 512);
+  prefetch_group(cb, code_bytes(s.fmt));
 #pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) w[i] = _mm512_loadu_si512(cb + 64 * i);
+  for (int i = 0; i < 8; ++i) w[i] = step_bytes(s.fmt, cb, i);
   if (s.fmt == Q8) {
     *scale = cvt_f16(p);
     return false;

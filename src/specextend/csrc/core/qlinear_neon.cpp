@@ -131,8 +131,19 @@ void panel_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, fl
   }
 }
 
-// Quad c (channels 4c..4c+3) of a byte-code group's float scales and (Q8K; returns whether)
-// minimums: Q8's float16 scales or Q8K's Q4K-style header (qlinear.h).
+// Step st's byte codes of a byte-code group at cb, quad c (channels 4c..4c+3): byte_code
+// (qlinear.h) on 16 lanes.
+inline uint8x16_t step_bytes(int64_t fmt, const uint8_t* cb, int st, int c) {
+  if (fmt == Q8) return vld1q_u8(cb + 64 * st + 16 * c);
+  const uint8x16_t v = vld1q_u8(cb + 64 * (st % 4) + 16 * c);
+  const uint8x16_t nib = st < 4 ? vandq_u8(v, vdupq_n_u8(0x0F)) : vshrq_n_u8(v, 4);
+  if (fmt == IQ4) return vqtbl1q_u8(vld1q_u8(kIq4Bytes), nib);
+  const uint8x16_t bit = vshlq_u8(vld1q_u8(cb + 256 + 16 * c), vdupq_n_s8(static_cast<int8_t>(4 - st)));
+  return vorrq_u8(nib, vandq_u8(bit, vdupq_n_u8(0x10)));
+}
+
+// Quad c (channels 4c..4c+3) of a byte-code group's float scales and (Q4K's header; returns
+// whether) minimums: Q8's float16 scales, or Q5K's and IQ4's Q4K header (qlinear.h).
 inline bool byte_scales(const Segment& s, const uint8_t* p, int g, int c, float32x4_t* scale, float32x4_t* mins) {
   if (s.fmt == Q8) {
     *scale = load_f16x4(p + 8 * c);
@@ -164,7 +175,7 @@ void panel_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, flo
   {                                                                                               \
     int8x16_t w[4];                                                                               \
     for (int c = 0; c < 4; ++c)                                                                   \
-      w[c] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(cb + 64 * (4 * half + (i)) + 16 * c), flip));   \
+      w[c] = vreinterpretq_s8_u8(veorq_u8(step_bytes(s.fmt, cb, 4 * half + (i), c), flip));       \
     for (int r = 0; r < R; ++r) SPX_SDOT4(dot[r], w, a[r], i);                                    \
   }
         SPX_Q8_STEP(0)
@@ -341,7 +352,7 @@ void rows_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int 
         bool has_mins = false;
         for (int c = 0; c < 2; ++c) {
           const int quad = 2 * h + c;
-          for (int st = 0; st < 8; ++st) w[st][c] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(cb + 64 * st + 16 * quad), flip));
+          for (int st = 0; st < 8; ++st) w[st][c] = vreinterpretq_s8_u8(veorq_u8(step_bytes(s.fmt, cb, st, quad), flip));
           has_mins = byte_scales(s, p, g, quad, &scale[c], &mins[c]);
         }
         for (int r = 0; r < n; ++r) {

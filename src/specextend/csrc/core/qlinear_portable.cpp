@@ -82,13 +82,13 @@ void unpack_group(const Segment& s, const uint8_t* p, int g, Group& out) {
         for (int j = 0; j < 4; ++j) out.codes[c][4 * st + j] = q6_code(cb, st, 4 * c + j);
     } else {
       out.scale[c] = d;
-      if (s.fmt == Q8K) {
+      if (k_header(s.fmt)) {
         out.scale[c] = d * static_cast<float>(reinterpret_cast<const int8_t*>(p + 64)[16 * g + c]);
         out.mins[c] = half_to_float(dh[16 + c]) * static_cast<float>(p[64 + 16 * s.sbg + 16 * g + c]);
       }
       const uint8_t* cb = byte_codes(s.fmt, s.sbg, p, g);
       for (int st = 0; st < 8; ++st)
-        for (int j = 0; j < 4; ++j) out.codes[c][4 * st + j] = cb[64 * st + 4 * c + j];
+        for (int j = 0; j < 4; ++j) out.codes[c][4 * st + j] = byte_code(s.fmt, cb, st, 4 * c + j);
     }
   }
 }
@@ -103,10 +103,10 @@ void group_row(const Segment& s, const Group& grp, const Rows& x, int64_t row, i
     int32_t dot = 0;
     for (int i = 0; i < fi.group; ++i) dot += grp.codes[c][i] * static_cast<int32_t>(q[i]);
     if (s.fmt == Q6K) dot -= 32 * x.s16[row * (x.k / 16) + k0 / 16];
-    if (s.fmt == Q8 || s.fmt == Q8K) dot -= static_cast<int32_t>(s.offset) * x.s32[row * kb + k0 / 32];
+    if (s.fmt == Q8 || k_header(s.fmt)) dot -= static_cast<int32_t>(s.offset) * x.s32[row * kb + k0 / 32];
     const float t = static_cast<float>(dot) * d8;
     acc[c] = std::fma(t, grp.scale[c], acc[c]);
-    if (s.fmt == Q4K || s.fmt == Q8K) acc[c] = std::fma(-grp.mins[c], x.xs[row * kb + k0 / 32], acc[c]);
+    if (s.fmt == Q4K || k_header(s.fmt)) acc[c] = std::fma(-grp.mins[c], x.xs[row * kb + k0 / 32], acc[c]);
   }
 }
 
@@ -145,7 +145,7 @@ void dequantize_row(const Segment& s, int64_t row, float* o) {
       for (int i = 0; i < fi.group; ++i) {
         if (s.fmt == Q4K) og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i]) - grp.mins[c];
         else if (s.fmt == Q6K) og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i] - 32);
-        else if (s.fmt == Q8K) og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i] - s.offset) - grp.mins[c];
+        else if (k_header(s.fmt)) og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i] - s.offset) - grp.mins[c];
         else og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i] - s.offset);
       }
     }

@@ -62,7 +62,7 @@ std::vector<uint8_t> random_blob(const spx::Segment& shape) {
   std::uniform_int_distribution<int> byte(0, 255);
   std::uniform_real_distribution<float> scale(0.001f, 0.02f);
   for (uint8_t& b : blob) b = static_cast<uint8_t>(byte(rng));
-  const int halves = shape.fmt == spx::Q4K || shape.fmt == spx::Q8K ? 32 : 16;
+  const int halves = shape.fmt == spx::Q4K || spx::k_header(shape.fmt) ? 32 : 16;
   for (size_t off = 0; off < blob.size(); off += fi.bytes) {
     for (int i = 0; i < halves; ++i) {
       const uint16_t h = half_bits(scale(rng));
@@ -72,8 +72,6 @@ std::vector<uint8_t> random_blob(const spx::Segment& shape) {
       for (int i = 0; i < 32 * shape.sbg; ++i) blob[off + 64 + i] &= 63;
     if (shape.fmt == spx::Q8 && shape.offset == 16)  // Q5_0's grid: codes 0..31 (kernels may use the range)
       for (int i = 32; i < fi.bytes; ++i) blob[off + i] &= 31;
-    if (shape.fmt == spx::Q8K && shape.offset == 0)  // Q5_K's and Q5_1's grids: codes 0..31, as above
-      for (int64_t i = 64 + 32 * shape.sbg; i < fi.bytes; ++i) blob[off + i] &= 31;
   }
   return blob;
 }
@@ -115,8 +113,8 @@ void linear_tests(const std::vector<Path>& paths) {
       {spx::Q6K, 40, 256, 0, 8, true, false, true, false},   {spx::Q6K, 32, 1536, 0, 8, false, true, false, true},
       {spx::Q8, 35, 96, 128, 1, false, false, false, false}, {spx::Q8, 33, 64, 16, 1, true, false, true, true},
       {spx::Q8, 48, 896, 128, 1, false, true, false, false}, {spx::Q8, 32, 640, 16, 1, true, false, true, true},
-      {spx::Q8K, 48, 512, 0, 8, true, false, true, false},   {spx::Q8K, 32, 768, 128, 8, false, true, false, true},
-      {spx::Q8K, 35, 96, 0, 1, false, false, true, true},
+      {spx::Q5K, 48, 512, 0, 8, true, false, true, false},   {spx::IQ4, 32, 768, 128, 8, false, true, false, true},
+      {spx::Q5K, 35, 96, 0, 1, false, false, true, true},    {spx::IQ4, 33, 64, 128, 1, true, false, false, false},
   };
   for (const LinearCase& c : cases) {
     const spx::Segment shape{nullptr, c.fmt, c.n, c.k, c.offset, c.sbg};
