@@ -8,7 +8,7 @@ A `QWeight` is a [n, k] matrix stored in one or more row *segments*, each in one
   group a super-block: scale code 1, the minimum 8 * d or -m), and our own 4-bit format for float
   weights (up to 8 groups per super-block, so any width divisible by 32 fits).
 - ``q6k``: 6-bit codes (a nibble plane and a 2-bit plane) in groups of 16 with signed 8-bit
-  scales: exactly GGUF's Q6_K grid, and Q3_K's (its 3-bit codes widened to six).
+  scales: exactly GGUF's Q6_K grid; ``q3k``, the same at three bits a code: GGUF's Q3_K.
 - ``q8``: byte codes in groups of 32 with one float16 scale and a fixed offset:
   GGUF's Q8_0 (offset 128) and Q5_0 (offset 16) grids, and our 8-bit format for float weights.
 - ``q5k`` and ``iq4``: q4k's header (signed scale codes) over 5-bit codes (nibbles and a bit
@@ -31,7 +31,7 @@ import torch
 from .errors import UserError
 
 PANEL = 16
-FORMATS = {"q4k": 0, "q6k": 1, "q8": 2, "q5k": 3, "iq4": 4}
+FORMATS = {"q4k": 0, "q6k": 1, "q8": 2, "q5k": 3, "iq4": 4, "q3k": 5}
 # Code bytes per group of 16 channels x 32 inputs of the formats with q4k's header (`pack_kgroups`).
 K_CODE_BYTES = {"q5k": 320, "iq4": 256}
 
@@ -42,7 +42,7 @@ def _superblock(fmt: str, groups: int) -> tuple[int, int]:
         return 32 * groups, 64 + 288 * groups
     if fmt in K_CODE_BYTES:
         return 32 * groups, 64 + (32 + K_CODE_BYTES[fmt]) * groups
-    return {"q6k": (256, 3360), "q8": (32, 544)}[fmt]
+    return {"q6k": (256, 3360), "q3k": (256, 1824), "q8": (32, 544)}[fmt]
 
 
 def blob_bytes(fmt: str, n: int, k: int, groups: int = 8) -> int:
@@ -185,6 +185,23 @@ def pack_q6k(d: np.ndarray, sc: np.ndarray, codes: np.ndarray) -> Segment:
     return Segment("q6k", n, _blob(parts), 0, codes.shape[1])
 
 
+def pack_q3k(d: np.ndarray, sc: np.ndarray, codes: np.ndarray) -> Segment:
+    """d: [n, k/256] float16; sc: [n, k/16] int8; codes [n, k] uint8 (0..7, 4 means zero; w = d * sc * (code - 4)).
+
+    q6k's grid at three bits a code: per pair of groups of 16, each group's low two bits of its 4
+    steps (a 64-byte plane, step s at bits 2s), then both groups' third bits (one plane: the first
+    group's step s at bit s, the second's at bit 4 + s). The kernels unpack a code as 28 + code, a
+    q6k code."""
+    n = codes.shape[0]
+    st = _steps(_panels(codes), 16)  # [P, k/16, 4, 64]
+    low = sum((st[:, :, i] & 3) << (2 * i) for i in range(4)).astype(np.uint8)  # [P, k/16, 64]
+    third = sum(((st[:, :, i] >> 2) & 1) << i for i in range(4)).astype(np.uint8)
+    p, g = st.shape[:2]
+    pairs = np.concatenate([low.reshape(p, g // 2, 128), third[:, 0::2] | (third[:, 1::2] << 4)], axis=2)
+    parts = [_by_panel(_panels(d), 1), _by_panel(_panels(sc), 16), pairs.reshape(p, g // 16, 8 * 192)]
+    return Segment("q3k", n, _blob(parts), 0, codes.shape[1])
+
+
 def pack_q8(d: np.ndarray, codes: np.ndarray, offset: int) -> Segment:
     """d: [n, k/32] float16; codes [n, k] uint8; w = d * (code - offset)."""
     n = codes.shape[0]
@@ -275,8 +292,8 @@ def _legacy(kind: str, b: np.ndarray, n: int, k: int) -> Segment:
 
 
 def _q3k(b: np.ndarray, n: int, k: int) -> Segment:
-    """Q3_K as q6k: the same super-block scale and signed per-16 scales (six bits - 32), codes
-    -4..3 stored as 28..35 (q6k's zero is 32)."""
+    """Q3_K as q3k: the same super-block scale and signed per-16 scales (six bits - 32) over its
+    3-bit codes (the low two bits, and the bit ggml keeps in hmask: set means no -4)."""
     nb = b.shape[1]
     hmask, qs, s, d = b[..., 0:32], b[..., 32:96], b[..., 96:108], _f16(b[..., 108:110])
     low = _bits(s[..., 0:8], 2, 4).transpose(0, 1, 3, 2).reshape(n, nb, 16)  # byte i: scales i, i + 8
@@ -286,8 +303,7 @@ def _q3k(b: np.ndarray, n: int, k: int) -> Segment:
     # 32h + s... of hmask: weight 32t + i's high bit is bit t of hmask[i] (set: no -4).
     lo2 = _bits(qs.reshape(n, nb, 2, 32), 4, 2).transpose(0, 1, 2, 4, 3).reshape(n, nb, 256)
     hi = _bits(hmask, 8).transpose(0, 1, 3, 2).reshape(n, nb, 256)
-    codes = lo2.astype(np.int16) - 4 * (1 - hi.astype(np.int16)) + 32
-    return pack_q6k(d, sc.reshape(n, -1), codes.astype(np.uint8).reshape(n, k))
+    return pack_q3k(d, sc.reshape(n, -1), (lo2 | (hi << 2)).reshape(n, k))
 
 
 def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

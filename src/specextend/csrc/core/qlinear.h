@@ -27,6 +27,10 @@
 //   Q6K (symmetric 6-bit codes, groups of 16, super-block 256; the Q6_K grid):
 //       d[16] f16, sc[16][16] i8, then per group: low nibbles of steps 0|2 and 1|3 (2 x 64 bytes),
 //       high 2 bits of steps 0..3 at bits 0,2,4,6 (64 bytes)       w = d*sc[g] * (q - 32)
+//   Q3K (GGUF's Q3_K in the Q6K family: Q6K's d and per-16 scales (Q3_K's six bits - 32); per
+//       pair of groups 2i, 2i + 1: each one's low 2 bits of steps 0..3 at bits 2st (64 bytes
+//       each), then their third bits (64 bytes: group 2i's step st at bit st, 2i + 1's at 4 + st)):
+//       d[16] f16, sc[16][16] i8, pairs[8][3][64]       q = 28 + (low | third << 2), then as Q6K
 //   Q8 (codes in bytes, groups of 32 = super-block, one f16 scale per group; Q8_0, Q5_0, int8):
 //       d[16] f16, codes[8][64] u8                              w = d * (q - offset)
 //   Q5K and IQ4 (Q4K's header with signed scale codes over 4-bit codes that the kernels unpack
@@ -50,7 +54,7 @@
 
 namespace spx {
 
-enum Format : int64_t { Q4K = 0, Q6K = 1, Q8 = 2, Q5K = 3, IQ4 = 4 };
+enum Format : int64_t { Q4K = 0, Q6K = 1, Q8 = 2, Q5K = 3, IQ4 = 4, Q3K = 5 };
 
 constexpr int kPanel = 16;
 constexpr int kActBlock = 32;  // activation quantization block
@@ -73,6 +77,22 @@ inline int code_bytes(int64_t fmt) { return fmt == Q5K ? 320 : fmt == IQ4 ? 256 
 // Where group g of the byte-code super-block at `sb` keeps its codes.
 inline const uint8_t* byte_codes(int64_t fmt, int64_t sbg, const uint8_t* sb, int g) {
   return fmt == Q8 ? sb + 32 : sb + 64 + 32 * sbg + code_bytes(fmt) * g;
+}
+
+// The 6-bit formats (Q6K, Q3K), groups of 16: a group's bytes in the blob (a Q3K pair's 192 shared).
+inline bool six_bit(int64_t fmt) { return fmt == Q6K || fmt == Q3K; }
+inline int group16_bytes(int64_t fmt) { return fmt == Q3K ? 96 : 192; }
+
+// The 6-bit code of step st (0..3), lane byte b of group g (0..15) of the super-block at sb: the
+// reference unpacking of Q6K and Q3K, which each path's vector unpacking reproduces.
+inline int q6_code(int64_t fmt, const uint8_t* sb, int g, int st, int b) {
+  if (fmt == Q3K) {
+    const uint8_t* pair = sb + 288 + 192 * (g / 2);
+    return 28 + (((pair[64 * (g % 2) + b] >> (2 * st)) & 3) | (((pair[128 + b] >> (4 * (g % 2) + st)) & 1) << 2));
+  }
+  const uint8_t* cb = sb + 288 + 192 * g;
+  const uint8_t lo = cb[64 * (st % 2) + b];
+  return ((st < 2 ? lo : lo >> 4) & 15) | (((cb[128 + b] >> (2 * st)) & 3) << 4);
 }
 
 // IQ4_NL's 16 values (ggml's kvalues_iq4nl) + 128: IQ4's byte codes.

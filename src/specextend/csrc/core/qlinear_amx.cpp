@@ -63,12 +63,9 @@ struct ScalarVec {
       }
   }
 
-  static void unpack_q6k(const uint8_t* cb, uint8_t* w) {
+  static void unpack_q6(int64_t fmt, const uint8_t* sb, int g, uint8_t* w) {
     for (int st = 0; st < 4; ++st)
-      for (int b = 0; b < 64; ++b) {
-        const uint8_t lo = cb[64 * (st % 2) + b];
-        w[64 * st + b] = static_cast<uint8_t>(((st < 2 ? lo : lo >> 4) & 15) | (((cb[128 + b] >> (2 * st)) & 3) << 4));
-      }
+      for (int b = 0; b < 64; ++b) w[64 * st + b] = static_cast<uint8_t>(q6_code(fmt, sb, g, st, b));
   }
 
   static void unpack_bytes(int64_t fmt, const uint8_t* cb, uint8_t* w) {
@@ -120,7 +117,7 @@ struct ScalarVec {
 
 #if defined(__x86_64__)
 SPX_BEGIN_AVX512
-#include "bytes_avx512.h"
+#include "unpack_avx512.h"
 namespace spx {
 namespace {
 
@@ -135,17 +132,10 @@ struct Avx512Vec {
     }
   }
 
-  static void unpack_q6k(const uint8_t* cb, uint8_t* w) {
-    const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
-    const __m512i a = _mm512_loadu_si512(cb), b = _mm512_loadu_si512(cb + 64), h = _mm512_loadu_si512(cb + 128);
-    // Step s's high bits sit at bits 2s..2s+1 of h; shifted to bits 4..5 they join the nibble.
-    _mm512_storeu_si512(w, _mm512_or_si512(_mm512_and_si512(a, low), _mm512_and_si512(_mm512_slli_epi16(h, 4), top)));
-    _mm512_storeu_si512(w + 64,
-                        _mm512_or_si512(_mm512_and_si512(b, low), _mm512_and_si512(_mm512_slli_epi16(h, 2), top)));
-    _mm512_storeu_si512(w + 128,
-                        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), low), _mm512_and_si512(h, top)));
-    _mm512_storeu_si512(w + 192, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), low),
-                                                 _mm512_and_si512(_mm512_srli_epi16(h, 2), top)));
+  static void unpack_q6(int64_t fmt, const uint8_t* sb, int g, uint8_t* w) {
+    __m512i v[4];
+    spx::unpack_q6(fmt, sb, g, v);
+    for (int st = 0; st < 4; ++st) _mm512_storeu_si512(w + 64 * st, v[st]);
   }
 
   static void unpack_bytes(int64_t fmt, const uint8_t* cb, uint8_t* w) {
@@ -248,11 +238,11 @@ const uint8_t* prepare_group(const Segment& s, const uint8_t* p, int64_t gi, uin
     V::unpack_q4k(sb + 64 + 32 * sbg + 256 * g, buf);
     return buf;
   }
-  if (s.fmt == Q6K) {
+  if (six_bit(s.fmt)) {
     const int64_t g = gi % 16;
-    const uint8_t* sb = p + (gi / 16) * 3360;
+    const uint8_t* sb = p + (gi / 16) * s.fi().bytes;
     V::scales(sb, sb + 32 + 16 * g, true, gs.scale);
-    V::unpack_q6k(sb + 288 + 192 * g, buf);
+    V::unpack_q6(s.fmt, sb, static_cast<int>(g), buf);
     return buf;
   }
   if (k_header(s.fmt)) {  // Q4K's header over codes unpacked into Q8's bytes
@@ -280,7 +270,7 @@ void finish_item(const Segment& s, const Rows& x, const Pending& it, float* acc)
   const int64_t kb = x.k / 32, k16 = x.k / 16;
   const int64_t b = it.row * kb + it.k0 / 32;
   GroupRows g{x.d8 + b, x.xs + b, x.s32 + b, kb, kb, 0, s.fmt == Q4K || k_header(s.fmt)};  // Q4K: no correction
-  if (s.fmt == Q6K) {
+  if (six_bit(s.fmt)) {
     g.sums = x.s16 + it.row * k16 + it.k0 / 16;
     g.sum_stride = k16;
     g.offset = 32;

@@ -57,9 +57,23 @@ inline __m256 cvt_i8(const uint8_t* p) {
 inline __m256 cvt_f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline __m256i load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-// A Q6K group half's four steps of 6-bit codes from its two nibble planes and its high-bit plane:
-// step s's high bits sit at bits 2s..2s+1 of hb; shifted to bits 4..5 they join the nibble.
-inline void q6k_codes(const uint8_t* cb, int h, __m256i* w) {
+// Group g's four steps of 6-bit codes, half h, of the Q6K or Q3K super-block at sb (q6_code in
+// qlinear.h). Q6K: step s's high bits sit at bits 2s..2s+1 of hb; shifted to bits 4..5 they join
+// the nibble. Q3K: 16-bit shifts bring a field to the bottom of its byte, where bits from the
+// other byte of the pair miss the mask.
+inline void q6k_codes(int64_t fmt, const uint8_t* sb, int g, int h, __m256i* w) {
+  if (fmt == Q3K) {
+    const uint8_t* pair = sb + 288 + 192 * (g / 2);
+    const __m256i lo = load(pair + 64 * (g % 2) + 32 * h), hi = load(pair + 128 + 32 * h);
+    const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1), base = _mm256_set1_epi8(28);
+    for (int st = 0; st < 4; ++st) {
+      const __m256i l = _mm256_and_si256(_mm256_srl_epi16(lo, _mm_cvtsi32_si128(2 * st)), three);
+      const __m256i t = _mm256_and_si256(_mm256_srl_epi16(hi, _mm_cvtsi32_si128(4 * (g % 2) + st)), one);
+      w[st] = _mm256_add_epi8(_mm256_or_si256(l, _mm256_slli_epi16(t, 2)), base);
+    }
+    return;
+  }
+  const uint8_t* cb = sb + 288 + 192 * g;
   const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
   const __m256i a = load(cb + 32 * h), b = load(cb + 64 + 32 * h), hb = load(cb + 128 + 32 * h);
   w[0] = _mm256_or_si256(_mm256_and_si256(a, low), _mm256_and_si256(_mm256_slli_epi16(hb, 4), top));
@@ -158,17 +172,16 @@ inline void q6k_dots(const __m256i (*w)[2], const int8_t* const* q, __m256i (*do
 
 template <int R>
 void panel_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m256 (*acc)[2]) {
-  const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16;
+  const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16, sb_bytes = s.fi().bytes, gb = sb_bytes / 16;
   alignas(32) __m256i w[4][2];  // [step][half]
-  for (int64_t sb = 0; sb < nsb; ++sb, p += 3360) {
+  for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
     const __m256 d[2] = {cvt_f16(p), cvt_f16(p + 16)};
     for (int g = 0; g < 16; ++g) {
       const int64_t k0 = sb * 256 + g * 16;
-      const uint8_t* cb = p + 288 + 192 * g;
-      prefetch(p + 210 * g, 210);
+      prefetch(p + gb * g, gb);
       for (int h = 0; h < 2; ++h) {
         __m256i c[4];
-        q6k_codes(cb, h, c);
+        q6k_codes(s.fmt, p, g, h, c);
         for (int st = 0; st < 4; ++st) w[st][h] = c[st];
       }
       const __m256 scale[2] = {_mm256_mul_ps(d[0], cvt_i8(p + 32 + 16 * g)), _mm256_mul_ps(d[1], cvt_i8(p + 40 + 16 * g))};
@@ -324,24 +337,23 @@ void one_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m2
 }
 
 void one_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m256* acc) {
-  const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16;
+  const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16, sb_bytes = s.fi().bytes, gb = sb_bytes / 16;
   const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* q = x.q8 + r0 * x.k;
-  for (int64_t sb = 0; sb < nsb; ++sb, p += 3360) {
+  for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
     const __m256 d[2] = {cvt_f16(p), cvt_f16(p + 16)};
 #pragma GCC unroll 2
     for (int g = 0; g < 16; ++g) {
       const int64_t k0 = sb * 256 + g * 16;
-      const uint8_t* cb = p + 288 + 192 * g;
       const int8_t* qb = q + k0;
-      prefetch(p + 210 * g, 210);
+      prefetch(p + gb * g, gb);
       const __m256i a0 = bcast4(qb), a1 = bcast4(qb + 4), a2 = bcast4(qb + 8), a3 = bcast4(qb + 12);
       const __m256i off = _mm256_set1_epi32(32 * x.s16[r0 * k16 + k0 / 16]);
       const float d8 = x.d8[r0 * kb + k0 / 32];
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         __m256i w[4];  // the codes go straight into the multiply
-        q6k_codes(cb, h, w);
+        q6k_codes(s.fmt, p, g, h, w);
         __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], a0), _mm256_maddubs_epi16(w[1], a1));
         __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], a2), _mm256_maddubs_epi16(w[3], a3));
         const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(s01, ones), _mm256_madd_epi16(s23, ones));
@@ -358,12 +370,13 @@ void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const T
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   if constexpr (R == 1) {
     if (s.fmt == Q4K) one_q4k(s, p, x, r0, acc[0]);
-    else if (s.fmt == Q6K) one_q6k(s, p, x, r0, acc[0]);
+    else if (six_bit(s.fmt)) one_q6k(s, p, x, r0, acc[0]);
     else panel_q8<1>(s, p, x, r0, acc);
   } else {
     switch (s.fmt) {
       case Q4K: panel_q4k<R>(s, p, x, r0, acc); break;
-      case Q6K: panel_q6k<R>(s, p, x, r0, acc); break;
+      case Q6K:
+      case Q3K: panel_q6k<R>(s, p, x, r0, acc); break;
       default: panel_q8<R>(s, p, x, r0, acc); break;
     }
   }
@@ -496,11 +509,10 @@ struct alignas(32) Q6Group {
   __m256 scale[2];
 };
 
-inline void unpack_q6k_group(const uint8_t* p, int g, const __m256* d, Q6Group& o) {
-  const uint8_t* cb = p + 288 + 192 * g;
+inline void unpack_q6k_group(int64_t fmt, const uint8_t* p, int g, const __m256* d, Q6Group& o) {
   for (int h = 0; h < 2; ++h) {
     __m256i c[4];
-    q6k_codes(cb, h, c);
+    q6k_codes(fmt, p, g, h, c);
     for (int st = 0; st < 4; ++st) _mm256_store_si256(&o.w[st][h], c[st]);
     o.scale[h] = _mm256_mul_ps(d[h], cvt_i8(p + 32 + 16 * g + 8 * h));
   }
@@ -535,14 +547,14 @@ inline void q6k_tile_rows(const Q6Group& g, const int8_t* q, int64_t xk, const i
 }
 
 void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
-  const int64_t nsb = s.k / 256, kb = x.k / 32, k16 = x.k / 16, xk = x.k;
+  const int64_t nsb = s.k / 256, kb = x.k / 32, k16 = x.k / 16, xk = x.k, sb_bytes = s.fi().bytes, gb = sb_bytes / 16;
   Q6Group grp;
-  for (int64_t sb = 0; sb < nsb; ++sb, p += 3360) {
+  for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
     const __m256 d[2] = {cvt_f16(p), cvt_f16(p + 16)};
     for (int g = 0; g < 16; ++g) {
       const int64_t k0 = sb * 256 + g * 16;
-      if (g % 4 == 0) prefetch(p + 210 * g, 840);
-      unpack_q6k_group(p, g, d, grp);
+      if (g % 4 == 0) prefetch(p + gb * g, 4 * gb);
+      unpack_q6k_group(s.fmt, p, g, d, grp);
       const int8_t* q = x.q8 + r0 * xk + k0;
       const int32_t* s16 = x.s16 + r0 * k16 + k0 / 16;
       const float* d8 = x.d8 + r0 * kb + k0 / 32;
@@ -700,7 +712,8 @@ void rows_avx2(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, in
   for (int r = 0; r < 2 * n; ++r) _mm256_store_ps(acc + 8 * r, _mm256_setzero_ps());
   switch (s.fmt) {
     case Q4K: rows_q4k(s, p, x, r0, n, acc); break;
-    case Q6K: rows_q6k(s, p, x, r0, n, acc); break;
+    case Q6K:
+    case Q3K: rows_q6k(s, p, x, r0, n, acc); break;
     default: rows_q8(s, p, x, r0, n, acc); break;
   }
   for (int h = 0; h < 2; ++h) {

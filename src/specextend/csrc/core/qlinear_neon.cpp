@@ -96,21 +96,39 @@ void panel_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, fl
   }
 }
 
+// Group g's four steps of 6-bit codes, quad c (channels 4c..4c+3), of the Q6K or Q3K super-block
+// at sb: q6_code (qlinear.h) on 16 lanes.
+inline void q6_quad(int64_t fmt, const uint8_t* sb, int g, int c, int8x16_t* w) {
+  if (fmt == Q3K) {
+    const uint8_t* pair = sb + 288 + 192 * (g / 2);
+    const uint8x16_t lo = vld1q_u8(pair + 64 * (g % 2) + 16 * c), hi = vld1q_u8(pair + 128 + 16 * c);
+    for (int st = 0; st < 4; ++st) {
+      const uint8x16_t l = vandq_u8(vshlq_u8(lo, vdupq_n_s8(static_cast<int8_t>(-2 * st))), vdupq_n_u8(3));
+      const uint8x16_t t = vandq_u8(vshlq_u8(hi, vdupq_n_s8(static_cast<int8_t>(-(4 * (g % 2) + st)))), vdupq_n_u8(1));
+      w[st] = vreinterpretq_s8_u8(vaddq_u8(vorrq_u8(l, vshlq_n_u8(t, 2)), vdupq_n_u8(28)));
+    }
+    return;
+  }
+  const uint8_t* cb = sb + 288 + 192 * g;
+  const uint8x16_t low = vdupq_n_u8(0x0F), top = vdupq_n_u8(0x30);
+  const uint8x16_t a = vld1q_u8(cb + 16 * c), b = vld1q_u8(cb + 64 + 16 * c), hb = vld1q_u8(cb + 128 + 16 * c);
+  w[0] = vreinterpretq_s8_u8(vorrq_u8(vandq_u8(a, low), vandq_u8(vshlq_n_u8(hb, 4), top)));
+  w[1] = vreinterpretq_s8_u8(vorrq_u8(vandq_u8(b, low), vandq_u8(vshlq_n_u8(hb, 2), top)));
+  w[2] = vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(a, 4), vandq_u8(hb, top)));
+  w[3] = vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(b, 4), vandq_u8(vshrq_n_u8(hb, 2), top)));
+}
+
 template <int R>
 void panel_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, float32x4_t (*acc)[4]) {
   const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16;
-  const uint8x16_t low = vdupq_n_u8(0x0F), top = vdupq_n_u8(0x30);
-  for (int64_t sb = 0; sb < nsb; ++sb, p += 3360) {
+  for (int64_t sb = 0; sb < nsb; ++sb, p += s.fi().bytes) {
     for (int g = 0; g < 16; ++g) {
       const int64_t k0 = sb * 256 + g * 16;
-      const uint8_t* cb = p + 288 + 192 * g;
       int8x16_t w[4][4];  // [step][channel quad]
       for (int c = 0; c < 4; ++c) {
-        const uint8x16_t a = vld1q_u8(cb + 16 * c), b = vld1q_u8(cb + 64 + 16 * c), hb = vld1q_u8(cb + 128 + 16 * c);
-        w[0][c] = vreinterpretq_s8_u8(vorrq_u8(vandq_u8(a, low), vandq_u8(vshlq_n_u8(hb, 4), top)));
-        w[1][c] = vreinterpretq_s8_u8(vorrq_u8(vandq_u8(b, low), vandq_u8(vshlq_n_u8(hb, 2), top)));
-        w[2][c] = vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(a, 4), vandq_u8(hb, top)));
-        w[3][c] = vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(b, 4), vandq_u8(vshrq_n_u8(hb, 2), top)));
+        int8x16_t v[4];
+        q6_quad(s.fmt, p, g, c, v);
+        for (int st = 0; st < 4; ++st) w[st][c] = v[st];
       }
       for (int r = 0; r < R; ++r) {
         const int64_t row = r0 + r;
@@ -207,7 +225,8 @@ void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const T
     for (int c = 0; c < 4; ++c) acc[r][c] = vdupq_n_f32(0.f);
   switch (s.fmt) {
     case Q4K: panel_q4k<R>(s, p, x, r0, acc); break;
-    case Q6K: panel_q6k<R>(s, p, x, r0, acc); break;
+    case Q6K:
+    case Q3K: panel_q6k<R>(s, p, x, r0, acc); break;
     default: panel_q8<R>(s, p, x, r0, acc); break;
   }
   for (int c = 0; c < 4; ++c) {
@@ -289,23 +308,18 @@ void rows_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int
 // row's accumulators are loaded and stored once for the two, updated in group order.
 void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
   const int64_t nsb = s.k / 256, kb = x.k / 32, k16 = x.k / 16, xk = x.k;
-  const uint8x16_t low = vdupq_n_u8(0x0F), top = vdupq_n_u8(0x30);
-  for (int64_t sb = 0; sb < nsb; ++sb, p += 3360)
+  for (int64_t sb = 0; sb < nsb; ++sb, p += s.fi().bytes)
     for (int g = 0; g < 16; g += 2) {
       const int64_t k0 = sb * 256 + g * 16;
       for (int h = 0; h < 2; ++h) {
         int8x16_t w[2][4][2];  // [group][step][quad]
         float32x4_t scale[2][2];
         for (int j = 0; j < 2; ++j) {
-          const uint8_t* cb = p + 288 + 192 * (g + j);
           for (int c = 0; c < 2; ++c) {
             const int quad = 2 * h + c;
-            const uint8x16_t a = vld1q_u8(cb + 16 * quad), b = vld1q_u8(cb + 64 + 16 * quad),
-                             hb = vld1q_u8(cb + 128 + 16 * quad);
-            w[j][0][c] = vreinterpretq_s8_u8(vorrq_u8(vandq_u8(a, low), vandq_u8(vshlq_n_u8(hb, 4), top)));
-            w[j][1][c] = vreinterpretq_s8_u8(vorrq_u8(vandq_u8(b, low), vandq_u8(vshlq_n_u8(hb, 2), top)));
-            w[j][2][c] = vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(a, 4), vandq_u8(hb, top)));
-            w[j][3][c] = vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(b, 4), vandq_u8(vshrq_n_u8(hb, 2), top)));
+            int8x16_t v[4];
+            q6_quad(s.fmt, p, g + j, quad, v);
+            for (int st = 0; st < 4; ++st) w[j][st][c] = v[st];
             scale[j][c] = vmulq_f32(load_f16x4(p + 8 * quad), cvt_i8x4(p + 32 + 16 * (g + j) + 4 * quad));
           }
         }
@@ -400,7 +414,8 @@ void rows_neon(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, in
   for (int i = 0; i < 4 * n; ++i) vst1q_f32(acc + 4 * i, vdupq_n_f32(0.f));
   switch (s.fmt) {
     case Q4K: rows_q4k(s, p, x, r0, n, acc); break;
-    case Q6K: rows_q6k(s, p, x, r0, n, acc); break;
+    case Q6K:
+    case Q3K: rows_q6k(s, p, x, r0, n, acc); break;
     default: rows_q8(s, p, x, r0, n, acc); break;
   }
   for (int c = 0; c < 4; ++c) {

@@ -115,6 +115,7 @@ void linear_tests(const std::vector<Path>& paths) {
       {spx::Q8, 48, 896, 128, 1, false, true, false, false}, {spx::Q8, 32, 640, 16, 1, true, false, true, true},
       {spx::Q5K, 48, 512, 0, 8, true, false, true, false},   {spx::IQ4, 32, 768, 128, 8, false, true, false, true},
       {spx::Q5K, 35, 96, 0, 1, false, false, true, true},    {spx::IQ4, 33, 64, 128, 1, true, false, false, false},
+      {spx::Q3K, 40, 512, 0, 8, true, false, true, true},
   };
   for (const LinearCase& c : cases) {
     const spx::Segment shape{nullptr, c.fmt, c.n, c.k, c.offset, c.sbg};
