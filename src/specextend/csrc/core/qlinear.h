@@ -120,6 +120,16 @@ struct Segment {
   int64_t panel_bytes() const { return fi().bytes * (k / fi().superblock); }
 };
 
+// The byte-code formats' groups of a panel in input order: f(activation block, the group's
+// super-block, its index g there, its codes).
+template <class F>
+inline void for_q8_groups(const Segment& s, const uint8_t* p, F&& f) {
+  const FormatInfo fi = s.fi();
+  const int groups = fi.superblock / 32;
+  for (int64_t sb = 0; sb < s.k / fi.superblock; ++sb, p += fi.bytes)
+    for (int g = 0; g < groups; ++g) f(sb * groups + g, p, g, byte_codes(s.fmt, s.sbg, p, g));
+}
+
 // Quantized activations of m rows of width k: q8 [m, k] int8, d8 [m, k/32] (scale per block),
 // s16 [m, k/16] and s32 [m, k/32] (sums of 16 and 32 codes), xs [m, k/32] = d8 * s32.
 struct Rows {

@@ -142,25 +142,12 @@ inline bool load_q8_group(const Segment& s, const uint8_t* p, int g, __m512i* w,
   for (int i = 0; i < 8; ++i) w[i] = step_bytes(s.fmt, cb, i);
   if (s.fmt == Q8) {
     *scale = cvt_f16(p);
+    *mins = _mm512_setzero_ps();  // unused
     return false;
   }
   *scale = _mm512_mul_ps(cvt_f16(p), cvt_i8(p + 64 + 16 * g));
   *mins = _mm512_mul_ps(cvt_f16(p + 32), cvt_u8(p + 64 + 16 * s.sbg + 16 * g));
   return true;
-}
-
-// The byte-code formats' groups in input order: f(activation block, codes, scale, mins, has_mins).
-template <class F>
-inline void for_q8_groups(const Segment& s, const uint8_t* p, F&& f) {
-  const FormatInfo fi = s.fi();
-  const int groups = fi.superblock / 32;
-  for (int64_t sb = 0; sb < s.k / fi.superblock; ++sb, p += fi.bytes)
-    for (int g = 0; g < groups; ++g) {
-      __m512i w[8];
-      __m512 scale, mins;
-      const bool has_mins = load_q8_group(s, p, g, w, &scale, &mins);
-      f(sb * groups + g, w, scale, mins, has_mins);
-    }
 }
 
 // One row's group into acc: the reference epilogue of the byte-code formats.
@@ -175,7 +162,10 @@ template <int R>
 void panel_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m512* acc) {
   const int64_t kb = s.k / 32;
   const int32_t off = static_cast<int32_t>(s.offset);
-  for_q8_groups(s, p, [&](int64_t blk, const __m512i* w, __m512 scale, __m512 mins, bool has_mins) {
+  for_q8_groups(s, p, [&](int64_t blk, const uint8_t* sb, int g, const uint8_t*) {
+    __m512i w[8];
+    __m512 scale, mins;
+    const bool has_mins = load_q8_group(s, sb, g, w, &scale, &mins);
     const int8_t* q[R];
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) q[r] = x.q8 + (r0 + r) * x.k + blk * 32;
@@ -334,7 +324,10 @@ void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int
 void rows_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
   const int64_t kb = s.k / 32, xk = x.k;
   const int32_t off = static_cast<int32_t>(s.offset);
-  for_q8_groups(s, p, [&](int64_t blk, const __m512i* w, __m512 scale, __m512 mins, bool has_mins) {
+  for_q8_groups(s, p, [&](int64_t blk, const uint8_t* sb, int g, const uint8_t*) {
+    __m512i w[8];
+    __m512 scale, mins;
+    const bool has_mins = load_q8_group(s, sb, g, w, &scale, &mins);
     const int64_t b0 = r0 * kb + blk;
 #pragma GCC unroll 4
     for (int r = 0; r < n; ++r) {

@@ -165,6 +165,7 @@ inline uint8x16_t step_bytes(int64_t fmt, const uint8_t* cb, int st, int c) {
 inline bool byte_scales(const Segment& s, const uint8_t* p, int g, int c, float32x4_t* scale, float32x4_t* mins) {
   if (s.fmt == Q8) {
     *scale = load_f16x4(p + 8 * c);
+    *mins = vdupq_n_f32(0.f);  // unused
     return false;
   }
   *scale = vmulq_f32(load_f16x4(p + 8 * c), cvt_i8x4(p + 64 + 16 * g + 4 * c));
@@ -172,23 +173,26 @@ inline bool byte_scales(const Segment& s, const uint8_t* p, int g, int c, float3
   return true;
 }
 
+// acc + one row's group, 4 channels: the byte-code formats' reference epilogue, the codes having
+// run signed (code - 128), so the correction is (128 - offset) * sum(q).
+inline float32x4_t q8_epilogue(int32x4_t dot, int32_t fix, float d8, float xs, float32x4_t scale, float32x4_t mins,
+                               bool has_mins, float32x4_t acc) {
+  acc = epilogue(vaddq_s32(dot, vdupq_n_s32(fix)), d8, scale, acc);
+  return has_mins ? vfmsq_f32(acc, mins, vdupq_n_f32(xs)) : acc;  // acc - mins * xs, fused
+}
+
 template <int R>
 void panel_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, float32x4_t (*acc)[4]) {
-  const FormatInfo fi = s.fi();
-  const int groups = fi.superblock / 32;
-  const int64_t nsb = s.k / fi.superblock, kb = s.k / 32;
-  const int32_t off = static_cast<int32_t>(s.offset);
+  const int64_t kb = s.k / 32;
+  const int32_t fix = 128 - static_cast<int32_t>(s.offset);
   const uint8x16_t flip = vdupq_n_u8(0x80);
-  for (int64_t sb = 0; sb < nsb; ++sb, p += fi.bytes)
-    for (int g = 0; g < groups; ++g) {
-      const int64_t blk = sb * groups + g;
-      const uint8_t* cb = byte_codes(s.fmt, s.sbg, p, g);
-      int32x4_t dot[R][4];
-      for (int r = 0; r < R; ++r)
-        for (int c = 0; c < 4; ++c) dot[r][c] = vdupq_n_s32(0);
-      for (int half = 0; half < 2; ++half) {  // steps 4*half .. 4*half + 3
-        int8x16_t a[R];
-        for (int r = 0; r < R; ++r) a[r] = vld1q_s8(x.q8 + (r0 + r) * x.k + blk * 32 + 16 * half);
+  for_q8_groups(s, p, [&](int64_t blk, const uint8_t* sb, int g, const uint8_t* cb) {
+    int32x4_t dot[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) dot[r][c] = vdupq_n_s32(0);
+    for (int half = 0; half < 2; ++half) {  // steps 4*half .. 4*half + 3
+      int8x16_t a[R];
+      for (int r = 0; r < R; ++r) a[r] = vld1q_s8(x.q8 + (r0 + r) * x.k + blk * 32 + 16 * half);
 #define SPX_Q8_STEP(i)                                                                            \
   {                                                                                               \
     int8x16_t w[4];                                                                               \
@@ -196,24 +200,21 @@ void panel_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, flo
       w[c] = vreinterpretq_s8_u8(veorq_u8(step_bytes(s.fmt, cb, 4 * half + (i), c), flip));       \
     for (int r = 0; r < R; ++r) SPX_SDOT4(dot[r], w, a[r], i);                                    \
   }
-        SPX_Q8_STEP(0)
-        SPX_Q8_STEP(1)
-        SPX_Q8_STEP(2)
-        SPX_Q8_STEP(3)
+      SPX_Q8_STEP(0)
+      SPX_Q8_STEP(1)
+      SPX_Q8_STEP(2)
+      SPX_Q8_STEP(3)
 #undef SPX_Q8_STEP
-      }
-      for (int c = 0; c < 4; ++c) {
-        float32x4_t scale, mins;
-        const bool has_mins = byte_scales(s, p, g, c, &scale, &mins);
-        for (int r = 0; r < R; ++r) {
-          const int64_t b = (r0 + r) * kb + blk;
-          // sum(code * q) - offset * sum(q) = sum((code - 128) * q) + (128 - offset) * sum(q)
-          const int32x4_t fix = vdupq_n_s32((128 - off) * x.s32[b]);
-          acc[r][c] = epilogue(vaddq_s32(dot[r][c], fix), x.d8[b], scale, acc[r][c]);
-          if (has_mins) acc[r][c] = vfmsq_f32(acc[r][c], mins, vdupq_n_f32(x.xs[b]));  // acc - mins * xs, fused
-        }
+    }
+    for (int c = 0; c < 4; ++c) {
+      float32x4_t scale, mins;
+      const bool has_mins = byte_scales(s, sb, g, c, &scale, &mins);
+      for (int r = 0; r < R; ++r) {
+        const int64_t b = (r0 + r) * kb + blk;
+        acc[r][c] = q8_epilogue(dot[r][c], fix * x.s32[b], x.d8[b], x.xs[b], scale, mins, has_mins, acc[r][c]);
       }
     }
+  });
 }
 
 #undef SPX_SDOT4
@@ -351,39 +352,30 @@ void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int
 }
 
 void rows_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
-  const FormatInfo fi = s.fi();
-  const int groups = fi.superblock / 32;
-  const int64_t nsb = s.k / fi.superblock, kb = x.k / 32, xk = x.k;
-  const int32_t off = static_cast<int32_t>(s.offset);
+  const int64_t kb = x.k / 32, xk = x.k;
+  const int32_t fix = 128 - static_cast<int32_t>(s.offset);
   const uint8x16_t flip = vdupq_n_u8(0x80);
-  for (int64_t sb = 0; sb < nsb; ++sb, p += fi.bytes)
-    for (int g = 0; g < groups; ++g) {
-      const int64_t blk = sb * groups + g;
-      const uint8_t* cb = byte_codes(s.fmt, s.sbg, p, g);
-      for (int h = 0; h < 2; ++h) {
-        int8x16_t w[8][2];
-        float32x4_t scale[2], mins[2];
-        bool has_mins = false;
-        for (int c = 0; c < 2; ++c) {
-          const int quad = 2 * h + c;
-          for (int st = 0; st < 8; ++st) w[st][c] = vreinterpretq_s8_u8(veorq_u8(step_bytes(s.fmt, cb, st, quad), flip));
-          has_mins = byte_scales(s, p, g, quad, &scale[c], &mins[c]);
-        }
-        for (int r = 0; r < n; ++r) {
-          int32x4_t dot[2];
-          row_dots8(w, x.q8 + (r0 + r) * xk + blk * 32, dot);
-          const int64_t b = (r0 + r) * kb + blk;
-          // sum(code * q) - offset * sum(q) = sum((code - 128) * q) + (128 - offset) * sum(q)
-          const int32x4_t fix = vdupq_n_s32((128 - off) * x.s32[b]);
-          float* a = acc + 16 * r + 8 * h;
-          for (int c = 0; c < 2; ++c) {
-            float32x4_t v = epilogue(vaddq_s32(dot[c], fix), x.d8[b], scale[c], vld1q_f32(a + 4 * c));
-            if (has_mins) v = vfmsq_f32(v, mins[c], vdupq_n_f32(x.xs[b]));
-            vst1q_f32(a + 4 * c, v);
-          }
-        }
+  for_q8_groups(s, p, [&](int64_t blk, const uint8_t* sb, int g, const uint8_t* cb) {
+    for (int h = 0; h < 2; ++h) {
+      int8x16_t w[8][2];
+      float32x4_t scale[2], mins[2];
+      bool has_mins = false;
+      for (int c = 0; c < 2; ++c) {
+        const int quad = 2 * h + c;
+        for (int st = 0; st < 8; ++st) w[st][c] = vreinterpretq_s8_u8(veorq_u8(step_bytes(s.fmt, cb, st, quad), flip));
+        has_mins = byte_scales(s, sb, g, quad, &scale[c], &mins[c]);
+      }
+      for (int r = 0; r < n; ++r) {
+        int32x4_t dot[2];
+        row_dots8(w, x.q8 + (r0 + r) * xk + blk * 32, dot);
+        const int64_t b = (r0 + r) * kb + blk;
+        float* a = acc + 16 * r + 8 * h;
+        for (int c = 0; c < 2; ++c)
+          vst1q_f32(a + 4 * c, q8_epilogue(dot[c], fix * x.s32[b], x.d8[b], x.xs[b], scale[c], mins[c], has_mins,
+                                           vld1q_f32(a + 4 * c)));
       }
     }
+  });
 }
 
 #undef SPX_SDOT2
