@@ -119,7 +119,7 @@ def write_tiny_gguf(
     *,
     tied: bool = False,
     tokenizer: bool = True,
-    quantized: tuple[str, ...] = (),
+    quantized: tuple[str, ...] | dict[str, str] = (),
     vocab_rows: int | None = None,
     rope_freqs: np.ndarray | None = None,
     name: str | None = None,
@@ -127,9 +127,11 @@ def write_tiny_gguf(
 ) -> dict[str, np.ndarray]:
     """Write a tiny model as llama.cpp would; returns the original HF-named fp32 weights.
 
-    Tensors whose HF name is in `quantized` are stored as Q8_0; the returned dict then holds what
-    dequantising that Q8_0 gives, which is what the converter can at best reproduce.
+    Tensors whose HF name is in `quantized` are stored as Q8_0 (or, for a dict, as the GGUF type it
+    names: quantized by `gguf` where it can, else random valid blocks); the returned dict then holds
+    what dequantising them gives, which is what the converter can at best reproduce.
     """
+    kinds = quantized if isinstance(quantized, dict) else dict.fromkeys(quantized, "Q8_0")
     tokens = tiny_vocab()
     vocab = vocab_rows or len(tokens)
     sd = hf_state_dict(arch, vocab, tied, seed)
@@ -163,12 +165,19 @@ def write_tiny_gguf(
             data = llama_cpp_permute(value, HEADS)
         elif arch == "llama" and hf.endswith("k_proj.weight"):
             data = llama_cpp_permute(value, KV_HEADS)
-        if hf in quantized:
-            q8 = gguf.GGMLQuantizationType.Q8_0
-            packed = gguf.quants.quantize(data, q8)
-            w.add_tensor(gguf_name(hf), packed, raw_dtype=q8)
-            # Q8_0 blocks run along rows, and the permutation moves whole rows, so this commutes.
-            sd[hf] = gguf.quants.dequantize(gguf.quants.quantize(value, q8), q8).astype(np.float32)
+        if hf in kinds:
+            qt = gguf.GGMLQuantizationType[kinds[hf]]
+            try:
+                packed = gguf.quants.quantize(data, qt)
+                # Blocks run along rows, and the permutation moves whole rows, so this commutes.
+                sd[hf] = gguf.quants.dequantize(gguf.quants.quantize(value, qt), qt).astype(np.float32)
+            except NotImplementedError:  # gguf has no quantizer for this type
+                from test_quant import random_blocks
+
+                assert data is value, "random blocks only for tensors llama.cpp does not permute"
+                packed = random_blocks(kinds[hf], *value.shape, seed=value.shape[0])
+                sd[hf] = gguf.quants.dequantize(packed, qt).astype(np.float32).reshape(value.shape)
+            w.add_tensor(gguf_name(hf), packed, raw_dtype=qt)
         else:
             w.add_tensor(gguf_name(hf), data)
     if rope_freqs is not None:

@@ -14,23 +14,23 @@ from specextend import kernels, quant
 ext = kernels.load()
 
 
+# Where each type's float16 scales sit in its block (the rest of a block is any bytes: every
+# code and sub-scale is valid), and whether they may be negative (ggml's quantizers make negative
+# d for the symmetric legacy types and m of either sign).
+F16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q4_1": (0, 2), "Q5_1": (0, 2)}
+SIGNED = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "IQ4_XS", "Q3_K"}
+
+
 def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     """Random raw GGUF blocks of `kind` for an [n, k] tensor, with sane float16 scales."""
     rng = np.random.default_rng(seed)
     size, per = quant.GGUF_BLOCKS[kind]
     raw = rng.integers(0, 256, (n, k // per, size), dtype=np.uint8)
-
-    def put_f16(lo: int, scale: float) -> None:
-        vals = (rng.random((n, k // per)) * scale + scale / 10).astype(np.float16)
-        raw[..., lo : lo + 2] = vals.view(np.uint8).reshape(n, k // per, 2)
-
-    if kind == "Q4_K":
-        put_f16(0, 0.01)
-        put_f16(2, 0.01)
-    elif kind == "Q6_K":
-        put_f16(208, 0.01)
-    else:  # Q8_0, Q5_0: d first
-        put_f16(0, 0.01)
+    for lo in F16_FIELDS.get(kind, (0,)):
+        vals = rng.random((n, k // per)) * 0.01 + 0.001
+        if kind in SIGNED:
+            vals *= rng.choice([-1.0, 1.0], vals.shape)
+        raw[..., lo : lo + 2] = vals.astype(np.float16).view(np.uint8).reshape(n, k // per, 2)
     return raw.reshape(n, -1)
 
 
@@ -49,17 +49,42 @@ def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return xq.view(x.shape) @ w.double().T
 
 
-KINDS = [("Q4_K", 48, 512), ("Q6_K", 40, 256), ("Q8_0", 35, 96), ("Q5_0", 33, 64)]
+KINDS = [("Q4_K", 48, 512), ("Q6_K", 40, 256), ("Q8_0", 35, 96), ("Q5_0", 33, 64), ("Q4_0", 35, 96),
+         ("Q4_1", 33, 160), ("Q3_K", 40, 512), ("IQ4_NL", 17, 64), ("Q5_K", 40, 512), ("IQ4_XS", 33, 256),
+         ("Q5_1", 35, 96)]
 
 
 @pytest.mark.parametrize(("kind", "n", "k"), KINDS)
 def test_gguf_blocks_are_kept_exactly(kind: str, n: int, k: int) -> None:
     raw = random_blocks(kind, n, k)
     seg = quant.from_gguf_blocks(kind, raw, n, k)
-    assert seg.blob.numel() == quant.blob_bytes(seg.fmt, n, k)
-    assert np.array_equal(seg.dequantize().numpy(), gguf_dequant(kind, raw, n, k))
+    assert seg.blob.numel() == quant.blob_bytes(seg.fmt, n, k, seg.groups)
+    assert_same_weights(kind, seg.dequantize().numpy(), gguf_dequant(kind, raw, n, k))
     rows = torch.tensor([n - 1, 0, 7])
     assert np.array_equal(seg.dequantize(rows).numpy(), gguf_dequant(kind, raw, n, k)[rows.numpy()])
+
+
+def assert_same_weights(kind: str, ours: np.ndarray, ref: np.ndarray) -> None:
+    """Bit for bit in float32, but for Q4_0's zero weights under a negative scale: gguf gives
+    d * 0 = -0.0, our d * q - 8 * d gives +0.0 (the same value; the kernels' integer dot products
+    never see the sign of a zero weight)."""
+    assert np.array_equal(ours, ref)
+    differ = ours.view(np.uint32) != ref.view(np.uint32)
+    assert not differ.any() or (kind == "Q4_0" and (ref[differ] == 0).all())
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_1"])
+def test_blocks_from_ggufs_quantizer_are_kept_exactly(kind: str) -> None:
+    """Real blocks from `gguf`'s own quantizer, edge rows included (zeros, a single spike, constants)."""
+    n, k = 20, 256
+    w = np.random.default_rng(5).standard_normal((n, k)).astype(np.float32)
+    w[0] = 0
+    w[1, 3] = 1e3
+    w[2] = -1.5
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    raw = gguf.quants.quantize(w, qtype)
+    seg = quant.from_gguf_blocks(kind, raw, n, k)
+    assert_same_weights(kind, seg.dequantize().numpy(), gguf_dequant(kind, raw, n, k))
 
 
 @pytest.mark.parametrize(("kind", "n", "k"), KINDS)

@@ -214,3 +214,38 @@ def test_derived_weights_are_computed_once_and_read_back(folders, tmp_path, monk
     path.write_bytes(path.read_bytes()[:1000])  # damaged: computed again, not used
     third = load_model(folders[("qwen2", 5)], torch.float32, weights="int4")
     assert torch.equal(blob(third), blob(first))
+
+
+# A file of the 32-weight types (the tiny model's widths are not multiples of 256; the K-quant
+# and IQ4_XS grids are checked per tensor in test_quant.py and test_kernel_paths.py).
+MIXED = {
+    "model.layers.0.self_attn.q_proj.weight": "Q4_0", "model.layers.0.self_attn.k_proj.weight": "Q4_1",
+    "model.layers.0.self_attn.v_proj.weight": "Q5_1", "model.layers.0.self_attn.o_proj.weight": "IQ4_NL",
+    "model.layers.0.mlp.gate_proj.weight": "Q5_0", "model.layers.0.mlp.up_proj.weight": "Q4_1",
+    "model.layers.0.mlp.down_proj.weight": "Q4_0", "model.layers.1.mlp.down_proj.weight": "Q5_1",
+    "lm_head.weight": "IQ4_NL",
+}
+
+
+def test_a_file_of_mixed_types_keeps_each_grid_and_every_path_decodes_alike(tmp_path, monkeypatch):
+    from specextend.models.qstore import QuantizedFile
+    from test_gguf import write_tiny_gguf
+
+    src = tmp_path / "mixed.gguf"
+    expected = write_tiny_gguf(src, "qwen2", tokenizer=False, quantized=MIXED)
+    out = conv.convert_gguf(src, tmp_path / "model", progress=False, tokenizer=False)
+    stored = QuantizedFile(out / conv.WEIGHTS_FILE)
+    assert set(stored.formats) == set(MIXED)  # every one kept, none expanded to float32
+    for name in MIXED:
+        assert torch.equal(stored.segment(name).dequantize(), torch.from_numpy(expected[name])), name
+    model = load_model(out, torch.float32, weights="gguf")
+    prompt = torch.randint(0, 250, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    tokens = {}
+    for path in kernels.cpu_paths():
+        monkeypatch.setenv(kernels.CPU_ENV, path)
+        eng = SpecEngine(model, model, eos_ids=[])
+        ar = eng.generate(prompt, Settings(method="ar", max_new_tokens=24))
+        sd = eng.generate(prompt, Settings(max_new_tokens=24, **SMALL, method="sd"))
+        assert sd.token_ids == ar.token_ids, path
+        tokens[path] = ar.token_ids
+    assert all(t == tokens["portable"] for t in tokens.values())

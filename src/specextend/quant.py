@@ -4,12 +4,16 @@ A `QWeight` is a [n, k] matrix stored in one or more row *segments*, each in one
 `csrc/qlinear.cpp` (see its header for the byte layout):
 
 - ``q4k``: asymmetric 4-bit codes in groups of 32 with 6-bit scales and mins under a float16
-  super-block scale: exactly GGUF's Q4_K grid (8 groups per super-block), and our own 4-bit
-  format for float weights (up to 8 groups per super-block, so any width divisible by 32 fits).
+  super-block scale: exactly GGUF's Q4_K grid (8 groups per super-block), Q4_0's and Q4_1's (one
+  group a super-block: scale code 1, the minimum 8 * d or -m), and our own 4-bit format for float
+  weights (up to 8 groups per super-block, so any width divisible by 32 fits).
 - ``q6k``: 6-bit codes (a nibble plane and a 2-bit plane) in groups of 16 with signed 8-bit
-  scales: exactly GGUF's Q6_K grid.
+  scales: exactly GGUF's Q6_K grid; ``q3k``, the same at three bits a code: GGUF's Q3_K.
 - ``q8``: byte codes in groups of 32 with one float16 scale and a fixed offset:
   GGUF's Q8_0 (offset 128) and Q5_0 (offset 16) grids, and our 8-bit format for float weights.
+- ``q5k`` and ``iq4``: q4k's header (signed scale codes) over 5-bit codes (nibbles and a bit
+  plane) or IQ4's 4-bit table indices, unpacked by the kernels into q8's byte codes: GGUF's Q5_K
+  and IQ4_XS (8 groups a super-block), Q5_1 and IQ4_NL (one group).
 
 Segments exist because one fused projection can mix formats (a GGUF file may store a layer's
 V projection in Q6_K and its Q and K in Q4_K); the kernel quantizes the input once and writes
@@ -27,14 +31,18 @@ import torch
 from .errors import UserError
 
 PANEL = 16
-FORMATS = {"q4k": 0, "q6k": 1, "q8": 2}
+FORMATS = {"q4k": 0, "q6k": 1, "q8": 2, "q5k": 3, "iq4": 4, "q3k": 5}
+# Code bytes per group of 16 channels x 32 inputs of the formats with q4k's header (`pack_kgroups`).
+K_CODE_BYTES = {"q5k": 320, "iq4": 256}
 
 
 def _superblock(fmt: str, groups: int) -> tuple[int, int]:
-    """(inputs, bytes per panel) of one super-block; `groups` counts q4k's groups of 32."""
+    """(inputs, bytes per panel) of one super-block; `groups` counts q4k's and q8k's groups of 32."""
     if fmt == "q4k":
         return 32 * groups, 64 + 288 * groups
-    return {"q6k": (256, 3360), "q8": (32, 544)}[fmt]
+    if fmt in K_CODE_BYTES:
+        return 32 * groups, 64 + (32 + K_CODE_BYTES[fmt]) * groups
+    return {"q6k": (256, 3360), "q3k": (256, 1824), "q8": (32, 544)}[fmt]
 
 
 def blob_bytes(fmt: str, n: int, k: int, groups: int = 8) -> int:
@@ -55,7 +63,7 @@ class Segment:
     blob: torch.Tensor  # uint8, the kernel layout
     offset: int  # q8: the code that means zero
     k: int  # input width
-    groups: int = 8  # q4k: groups of 32 per super-block
+    groups: int = 8  # q4k, q8k: groups of 32 per super-block
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         from . import kernels
@@ -177,6 +185,23 @@ def pack_q6k(d: np.ndarray, sc: np.ndarray, codes: np.ndarray) -> Segment:
     return Segment("q6k", n, _blob(parts), 0, codes.shape[1])
 
 
+def pack_q3k(d: np.ndarray, sc: np.ndarray, codes: np.ndarray) -> Segment:
+    """d: [n, k/256] float16; sc: [n, k/16] int8; codes [n, k] uint8 (0..7, 4 means zero; w = d * sc * (code - 4)).
+
+    q6k's grid at three bits a code: per pair of groups of 16, each group's low two bits of its 4
+    steps (a 64-byte plane, step s at bits 2s), then both groups' third bits (one plane: the first
+    group's step s at bit s, the second's at bit 4 + s). The kernels unpack a code as 28 + code, a
+    q6k code."""
+    n = codes.shape[0]
+    st = _steps(_panels(codes), 16)  # [P, k/16, 4, 64]
+    low = sum((st[:, :, i] & 3) << (2 * i) for i in range(4)).astype(np.uint8)  # [P, k/16, 64]
+    third = sum(((st[:, :, i] >> 2) & 1) << i for i in range(4)).astype(np.uint8)
+    p, g = st.shape[:2]
+    pairs = np.concatenate([low.reshape(p, g // 2, 128), third[:, 0::2] | (third[:, 1::2] << 4)], axis=2)
+    parts = [_by_panel(_panels(d), 1), _by_panel(_panels(sc), 16), pairs.reshape(p, g // 16, 8 * 192)]
+    return Segment("q3k", n, _blob(parts), 0, codes.shape[1])
+
+
 def pack_q8(d: np.ndarray, codes: np.ndarray, offset: int) -> Segment:
     """d: [n, k/32] float16; codes [n, k] uint8; w = d * (code - offset)."""
     n = codes.shape[0]
@@ -186,14 +211,130 @@ def pack_q8(d: np.ndarray, codes: np.ndarray, offset: int) -> Segment:
     return Segment("q8", n, _blob(parts), offset, codes.shape[1])
 
 
+def pack_kgroups(fmt: str, d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, mn: np.ndarray, codes: np.ndarray,
+                 offset: int, groups: int) -> Segment:
+    """q4k's header (signed scale codes) over codes in groups of 32 that the kernels unpack into bytes:
+    d, dmin [n, k/(32*groups)] float16; sc [n, k/32] int8; mn [n, k/32] uint8; codes [n, k] uint8;
+    w = d * sc * (byte - offset) - dmin * mn, where the byte is
+
+    - ``q5k``: the code 0..31, held as q4k's nibbles plus a plane of fifth bits (bit s of a plane
+      byte belongs to step s of the nibble byte at the same place);
+    - ``iq4``: IQ4's table value + 128 for the code 0..15, held as q4k's nibbles (offset 128).
+    """
+    n = codes.shape[0]
+    st = _steps(_panels(codes), 32)  # [P, k/32, 8, 64]
+    p, g = st.shape[:2]
+    nib = (st[:, :, :4] & 15) | ((st[:, :, 4:] & 15) << 4)  # step i low, step i + 4 high
+    body = nib.reshape(p, g, 256)
+    if fmt == "q5k":
+        plane = sum(((st[:, :, i] >> 4) & 1) << i for i in range(8)).astype(np.uint8)
+        body = np.concatenate([body, plane], axis=2)
+    parts = [
+        _by_panel(_panels(d), 1),
+        _by_panel(_panels(dmin), 1),
+        _by_panel(_panels(sc), groups),
+        _by_panel(_panels(mn), groups),
+        body.reshape(p, g // groups, groups * K_CODE_BYTES[fmt]),
+    ]
+    return Segment(fmt, n, _blob(parts), offset, codes.shape[1], groups)
+
+
 # --------------------------------------------------------------------------- GGUF blocks
 
-# Bytes per block and values per block of the GGUF types we keep as they are.
-GGUF_BLOCKS = {"Q4_K": (144, 256), "Q6_K": (210, 256), "Q8_0": (34, 32), "Q5_0": (22, 32)}
+# Bytes per block and values per block of the GGUF types the kernels compute with as they are
+# (each repacked by `from_gguf_blocks` into the format of its family; see docs/design.md).
+GGUF_BLOCKS = {
+    "Q4_K": (144, 256), "Q6_K": (210, 256), "Q8_0": (34, 32), "Q5_0": (22, 32),
+    "Q4_0": (18, 32), "Q4_1": (20, 32), "Q3_K": (110, 256), "IQ4_NL": (18, 32),
+    "Q5_K": (176, 256), "IQ4_XS": (136, 256), "Q5_1": (24, 32),
+}
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(b).view(np.float16)[..., 0]
+
+
+def _nibbles32(qs: np.ndarray) -> np.ndarray:
+    """The 16 code bytes of a legacy 32-weight block -> 32 codes (low nibbles first)."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _bits(b: np.ndarray, count: int, width: int = 1) -> np.ndarray:
+    """Fields of `width` bits packed little-endian in the bytes b[..., :] -> [..., bytes, count] planes."""
+    shifts = (np.arange(count, dtype=np.uint8) * width).reshape(*([1] * b.ndim), count)
+    return (b[..., None] >> shifts) & ((1 << width) - 1)
+
+
+def _legacy(kind: str, b: np.ndarray, n: int, k: int) -> Segment:
+    """The 32-weight types: Q8_0 and Q5_0 as q8 byte codes (offset 128, 16); Q4_0 and Q4_1 as q4k,
+    Q5_1 as q5k and IQ4_NL as iq4 super-blocks of one group (scale code 1; the minimum 8d, -m, -m, 0)."""
+    d = _f16(b[..., 0:2])
+    ones = np.ones(d.shape, dtype=np.uint8)
+    if kind == "Q8_0":
+        return pack_q8(d, (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8).reshape(n, k), 128)
+    if kind == "IQ4_NL":  # d * table[q] = d * 1 * (byte - 128) - 0
+        zero = np.zeros(d.shape, np.float16)
+        return pack_kgroups("iq4", d, zero, ones.view(np.int8), ones * 0, _nibbles32(b[..., 2:18]).reshape(n, k), 128,
+                            groups=1)
+    if kind in ("Q5_0", "Q5_1"):
+        at = 2 if kind == "Q5_0" else 4
+        qh = np.ascontiguousarray(b[..., at : at + 4]).view(np.uint32)  # [n, blocks, 1]
+        bits = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [n, blocks, 32]
+        codes = (_nibbles32(b[..., at + 4 : at + 20]) | (bits << 4)).reshape(n, k)
+        if kind == "Q5_0":
+            return pack_q8(d, codes, 16)
+        # Q5_1: d * q + m = d * 1 * q - (-m) * 1
+        return pack_kgroups("q5k", d, -_f16(b[..., 2:4]), ones.view(np.int8), ones, codes, 0, groups=1)
+    if kind == "Q4_0":  # d * (q - 8) = d * 1 * q - d * 8
+        return pack_q4k(d, d, ones, ones * 8, _nibbles32(b[..., 2:18]).reshape(n, k), groups=1)
+    # Q4_1: d * q + m = d * 1 * q - (-m) * 1
+    return pack_q4k(d, -_f16(b[..., 2:4]), ones, ones, _nibbles32(b[..., 4:20]).reshape(n, k), groups=1)
+
+
+def _q3k(b: np.ndarray, n: int, k: int) -> Segment:
+    """Q3_K as q3k: the same super-block scale and signed per-16 scales (six bits - 32) over its
+    3-bit codes (the low two bits, and the bit ggml keeps in hmask: set means no -4)."""
+    nb = b.shape[1]
+    hmask, qs, s, d = b[..., 0:32], b[..., 32:96], b[..., 96:108], _f16(b[..., 108:110])
+    low = _bits(s[..., 0:8], 2, 4).transpose(0, 1, 3, 2).reshape(n, nb, 16)  # byte i: scales i, i + 8
+    high = _bits(s[..., 8:12], 4, 2).transpose(0, 1, 3, 2).reshape(n, nb, 16)  # byte j, bits 2s: scale 4s + j
+    sc = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8)
+    # 2-bit codes: weights 128h + 32s + i at bits 2s of byte 32h + i; their third bit at bit
+    # 32h + s... of hmask: weight 32t + i's high bit is bit t of hmask[i] (set: no -4).
+    lo2 = _bits(qs.reshape(n, nb, 2, 32), 4, 2).transpose(0, 1, 2, 4, 3).reshape(n, nb, 256)
+    hi = _bits(hmask, 8).transpose(0, 1, 3, 2).reshape(n, nb, 256)
+    return pack_q3k(d, sc.reshape(n, -1), (lo2 | (hi << 2)).reshape(n, k))
+
+
+def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Eight 6-bit scales and mins packed into 12 bytes (Q4_K, Q5_K; llama.cpp's get_scale_min_k4)."""
+    lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate([lo & 63, (hi & 15) | ((lo >> 6) << 4)], axis=-1)
+    mn = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=-1)
+    return sc, mn
+
+
+def _q5k(b: np.ndarray, n: int, k: int) -> Segment:
+    """Q5_K as q5k: Q4_K's scales over its 5-bit codes (a nibble and a bit of qh)."""
+    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    sc, mn = _k_scales(b[..., 4:16])
+    qh, qs = b[..., 16:48], b[..., 48:176].reshape(n, -1, 4, 32)  # 4 chunks of 64: low nibbles, then high
+    low = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, -1, 8, 32)
+    high = _bits(qh, 8).transpose(0, 1, 3, 2)  # group t's fifth bits: bit t of qh[i]
+    codes = (low | (high << 4)).reshape(n, k)
+    return pack_kgroups("q5k", d, dmin, sc.reshape(n, -1).view(np.int8), mn.reshape(n, -1), codes, 0, groups=8)
+
+
+def _iq4xs(b: np.ndarray, n: int, k: int) -> Segment:
+    """IQ4_XS as iq4: its per-32 scales (six bits - 32) under d, its 4-bit indices as they are."""
+    nb = b.shape[1]
+    d = _f16(b[..., 0:2])
+    high = _bits(np.ascontiguousarray(b[..., 2:4]).view(np.uint16)[..., 0], 8, 2).astype(np.uint8)  # [n, nb, 8]
+    low = _bits(b[..., 4:8], 2, 4).reshape(n, nb, 8)  # byte i: groups 2i, 2i + 1
+    sc = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8)
+    codes = _nibbles32(b[..., 8:136].reshape(n, nb, 8, 16)).reshape(n, k)
+    return pack_kgroups("iq4", d, np.zeros(d.shape, np.float16), sc.reshape(n, -1), np.zeros((n, k // 32), np.uint8),
+                        codes, 128, groups=8)
 
 
 def from_gguf_blocks(kind: str, raw: np.ndarray, n: int, k: int) -> Segment:
@@ -201,11 +342,8 @@ def from_gguf_blocks(kind: str, raw: np.ndarray, n: int, k: int) -> Segment:
     size, per = GGUF_BLOCKS[kind]
     b = np.asarray(raw, dtype=np.uint8).reshape(n, k // per, size)
     if kind == "Q4_K":
-        d, dmin, s = _f16(b[..., 0:2]), _f16(b[..., 2:4]), b[..., 4:16]
-        # Eight 6-bit scales and mins packed into 12 bytes (llama.cpp's get_scale_min_k4).
-        lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
-        sc = np.concatenate([lo & 63, (hi & 15) | ((lo >> 6) << 4)], axis=-1)
-        mn = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=-1)
+        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+        sc, mn = _k_scales(b[..., 4:16])
         qs = b[..., 16:].reshape(n, k // 256, 4, 32)  # 4 chunks of 64 values: low nibbles, then high
         codes = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, k)
         return pack_q4k(d, dmin, sc.reshape(n, -1), mn.reshape(n, -1), codes)
@@ -219,17 +357,14 @@ def from_gguf_blocks(kind: str, raw: np.ndarray, n: int, k: int) -> Segment:
         high = (high & 3).reshape(n, -1, 2, 128)
         codes = (low | (high << 4)).reshape(n, k)
         return pack_q6k(d, sc.reshape(n, -1), codes)
-    if kind == "Q8_0":
-        d = _f16(b[..., 0:2])
-        codes = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8).reshape(n, k)
-        return pack_q8(d, codes, 128)
-    if kind == "Q5_0":
-        d = _f16(b[..., 0:2])
-        qh = np.ascontiguousarray(b[..., 2:6]).view(np.uint32)  # [n, blocks, 1]
-        bits = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [n, blocks, 32]
-        qs = b[..., 6:22]
-        low = np.concatenate([qs & 15, qs >> 4], axis=-1)
-        return pack_q8(d, (low | (bits << 4)).reshape(n, k), 16)
+    if kind == "Q3_K":
+        return _q3k(b, n, k)
+    if kind == "Q5_K":
+        return _q5k(b, n, k)
+    if kind == "IQ4_XS":
+        return _iq4xs(b, n, k)
+    if per == 32:
+        return _legacy(kind, b, n, k)
     raise ValueError(f"GGUF type {kind} is not kept as is")
 
 

@@ -42,10 +42,13 @@ MAX_EXTRA = 16384
 def _sections(fmt: str, groups: int) -> list[tuple[int, int]]:
     """A super-block of a panel as sections of (count, bytes per channel), each laid out
     [count][16 channels][bytes] (csrc/core/qlinear.h)."""
-    if fmt == "q4k":  # d, dmin (f16), scales, mins (u8), codes in 64-byte steps of 4 bytes a channel
-        return [(1, 2), (1, 2), (groups, 1), (groups, 1), (4 * groups, 4)]
+    if fmt in ("q4k", "q5k", "iq4"):  # d, dmin (f16), scales, mins (1 byte), codes in 64-byte rows of 4 bytes a channel
+        rows = 5 if fmt == "q5k" else 4  # q5k: a fifth row, the bit plane
+        return [(1, 2), (1, 2), (groups, 1), (groups, 1), (rows * groups, 4)]
     if fmt == "q6k":  # d (f16), scales (i8), per group of 16: three 64-byte planes
         return [(1, 2), (16, 1), (48, 4)]
+    if fmt == "q3k":  # the same with three 64-byte planes per pair of groups
+        return [(1, 2), (16, 1), (24, 4)]
     return [(1, 2), (8, 4)]  # q8: d (f16), codes
 
 
@@ -75,7 +78,7 @@ def gather_rows(seg: Segment, ids: np.ndarray) -> Segment:
 
 
 def _inputs(seg: Segment) -> int:
-    return 32 * seg.groups if seg.fmt == "q4k" else {"q6k": 256, "q8": 32}[seg.fmt]
+    return {"q6k": 256, "q3k": 256, "q8": 32}.get(seg.fmt, 32 * seg.groups)
 
 
 def _padded(ids: np.ndarray) -> np.ndarray:

@@ -38,11 +38,11 @@ from .. import kernels, quant
 from ..options import OneLineParser
 from .runtime import parse_counts, read_bandwidth_gbs
 
-FORMATS = ("q4k", "q6k")
+FORMATS = ("q4k", "q6k", "q5k", "iq4", "q3k")
 
 
 def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> quant.QWeight:
-    """A random n x k matrix packed as `fmt` (q4k: 8 groups a super-block; q6k), real layout."""
+    """A random n x k matrix packed as `fmt` (q4k, q5k, iq4: 8 groups a super-block; q6k, q3k), real layout."""
     rng = np.random.default_rng(seed)
     if fmt == "q4k":
         seg = quant.pack_q4k(rng.uniform(0.01, 0.1, (n, k // 256)).astype(np.float16),
@@ -54,6 +54,17 @@ def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> quant.QWeight:
         seg = quant.pack_q6k(rng.uniform(0.01, 0.1, (n, k // 256)).astype(np.float16),
                              rng.integers(-64, 64, (n, k // 16), dtype=np.int8),
                              rng.integers(0, 64, (n, k), dtype=np.uint8))
+    elif fmt == "q3k":
+        seg = quant.pack_q3k(rng.uniform(0.01, 0.1, (n, k // 256)).astype(np.float16),
+                             rng.integers(-32, 32, (n, k // 16), dtype=np.int8),
+                             rng.integers(0, 8, (n, k), dtype=np.uint8))
+    elif fmt in quant.K_CODE_BYTES:  # Q5_K's grid, or IQ4_XS's (no minimums)
+        q5 = fmt == "q5k"
+        seg = quant.pack_kgroups(fmt, rng.uniform(0.01, 0.1, (n, k // 256)).astype(np.float16),
+                                 rng.uniform(0.01, 0.1, (n, k // 256)).astype(np.float16) * q5,
+                                 rng.integers(0 if q5 else -32, 64 if q5 else 32, (n, k // 32), dtype=np.int8),
+                                 rng.integers(0, 64, (n, k // 32), dtype=np.uint8) * q5,
+                                 rng.integers(0, 32 if q5 else 16, (n, k), dtype=np.uint8), 0 if q5 else 128, 8)
     else:
         raise ValueError(f"unknown format {fmt!r} (one of {', '.join(FORMATS)})")
     return quant.QWeight(k, [seg])
@@ -106,7 +117,7 @@ def report(rows: list[dict[str, Any]]) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     ap = OneLineParser(prog="python -m specextend.bench.onerow", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--formats", default=",".join(FORMATS), help="any of q4k, q6k")
+    ap.add_argument("--formats", default=",".join(FORMATS), help="any of " + ", ".join(FORMATS))
     ap.add_argument("--threads", default=None, help="thread counts (default: 1 and all of torch's)")
     ap.add_argument("--shape", default="2048x1536", help="N x K: output channels x inputs (default: 1.8 MB "
                     "in q4k, 2.5 in q6k: inside most CPUs' last-level cache, so that hot means hot)")

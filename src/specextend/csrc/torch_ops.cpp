@@ -128,7 +128,7 @@ at::Tensor qlinear(const at::Tensor& x, const std::vector<at::Tensor>& blobs, co
   for (size_t i = 0; i < blobs.size(); ++i) {
     spx::FormatInfo fi{};
     TORCH_CHECK(spx::format_info(fmts[i], sbgs[i], &fi), "qlinear: unknown weight format ", fmts[i],
-                " (Q4K takes 1 to 8 groups per super-block)");
+                " (Q4K, Q5K and IQ4 take 1 to 8 groups per super-block)");
     TORCH_CHECK(k % fi.superblock == 0, "qlinear: input width ", k, " is not a multiple of the format's ",
                 fi.superblock);
     TORCH_CHECK(ns[i] > 0 && blobs[i].scalar_type() == at::kByte && blobs[i].is_contiguous(),
@@ -163,7 +163,7 @@ at::Tensor qlinear(const at::Tensor& x, const std::vector<at::Tensor>& blobs, co
 at::Tensor dequantize(const at::Tensor& blob, int64_t fmt, int64_t n, int64_t k, int64_t offset, int64_t sbg,
                       const at::Tensor& row_ids) {
   spx::FormatInfo fi{};
-  TORCH_CHECK(spx::format_info(fmt, sbg, &fi), "dequantize: unknown format (Q4K takes 1 to 8 groups per super-block)");
+  TORCH_CHECK(spx::format_info(fmt, sbg, &fi), "dequantize: unknown format (Q4K, Q5K and IQ4 take 1 to 8 groups per super-block)");
   TORCH_CHECK(k > 0 && k % fi.superblock == 0 && n > 0, "dequantize: bad input width");
   TORCH_CHECK(blob.scalar_type() == at::kByte && blob.is_contiguous(), "dequantize: blob must be contiguous uint8");
   spx::Segment s{blob.data_ptr<uint8_t>(), fmt, n, k, offset, sbg};

@@ -27,8 +27,21 @@
 //   Q6K (symmetric 6-bit codes, groups of 16, super-block 256; the Q6_K grid):
 //       d[16] f16, sc[16][16] i8, then per group: low nibbles of steps 0|2 and 1|3 (2 x 64 bytes),
 //       high 2 bits of steps 0..3 at bits 0,2,4,6 (64 bytes)       w = d*sc[g] * (q - 32)
+//   Q3K (GGUF's Q3_K in the Q6K family: Q6K's d and per-16 scales (Q3_K's six bits - 32); per
+//       pair of groups 2i, 2i + 1: each one's low 2 bits of steps 0..3 at bits 2st (64 bytes
+//       each), then their third bits (64 bytes: group 2i's step st at bit st, 2i + 1's at 4 + st)):
+//       d[16] f16, sc[16][16] i8, pairs[8][3][64]       q = 28 + (low | third << 2), then as Q6K
 //   Q8 (codes in bytes, groups of 32 = super-block, one f16 scale per group; Q8_0, Q5_0, int8):
 //       d[16] f16, codes[8][64] u8                              w = d * (q - offset)
+//   Q5K and IQ4 (Q4K's header with signed scale codes over 4-bit codes that the kernels unpack
+//       into Q8's byte codes; G = 1..8 groups of 32 a super-block):
+//       d[16] f16, dmin[16] f16, sc[G][16] i8, mn[G][16] u8, then per group: Q4K's nibbles
+//       (4 x 64 bytes) and for Q5K a plane of fifth bits (64 bytes: bit st of byte b is the fifth
+//       bit of step st's nibble at byte b)           w = d*sc[g] * (byte - offset) - dmin*mn[g]
+//       Q5K's byte is the 5-bit code (GGUF's Q5_K, G = 8; Q5_1, G = 1, sc = 1, dmin*mn = -m);
+//       IQ4's is kIq4Bytes[nibble], the IQ4 table + 128 (offset 128; GGUF's IQ4_XS, G = 8, and
+//       IQ4_NL, G = 1, sc = 1, no minimum). Their arithmetic is Q8's dot product of the bytes
+//       (dot - offset * s32) with Q4K's epilogue (both fmas).
 // Codes of one group are stored in steps of 4 inputs: byte 4*c + j of a 64-byte step holds
 // input 4*s + j of channel c (one 32-bit lane per channel: the operand layout of VPDPBUSD, of
 // AVX2's VPMADDUBSW pairs and of NEON's SDOT). Q4K packs two steps per 64 bytes: step i in the
@@ -41,7 +54,7 @@
 
 namespace spx {
 
-enum Format : int64_t { Q4K = 0, Q6K = 1, Q8 = 2 };
+enum Format : int64_t { Q4K = 0, Q6K = 1, Q8 = 2, Q5K = 3, IQ4 = 4, Q3K = 5 };
 
 constexpr int kPanel = 16;
 constexpr int kActBlock = 32;  // activation quantization block
@@ -54,12 +67,50 @@ struct FormatInfo {
   int64_t bytes;   // blob bytes per (panel, super-block)
 };
 
-// False for an unknown format or a Q4K super-block size outside 1..8 groups.
+// False for an unknown format or a Q4K/Q5K/IQ4 super-block size outside 1..8 groups.
 bool format_info(int64_t fmt, int64_t sbg, FormatInfo* out);
+
+// The byte-code formats: Q8, and Q5K and IQ4 (Q4K's header, codes unpacked into bytes).
+inline bool k_header(int64_t fmt) { return fmt == Q5K || fmt == IQ4; }
+inline int code_bytes(int64_t fmt) { return fmt == Q5K ? 320 : fmt == IQ4 ? 256 : 512; }  // a group's
+
+// Where group g of the byte-code super-block at `sb` keeps its codes.
+inline const uint8_t* byte_codes(int64_t fmt, int64_t sbg, const uint8_t* sb, int g) {
+  return fmt == Q8 ? sb + 32 : sb + 64 + 32 * sbg + code_bytes(fmt) * g;
+}
+
+// The 6-bit formats (Q6K, Q3K), groups of 16: a group's bytes in the blob (a Q3K pair's 192 shared).
+inline bool six_bit(int64_t fmt) { return fmt == Q6K || fmt == Q3K; }
+inline int group16_bytes(int64_t fmt) { return fmt == Q3K ? 96 : 192; }
+
+// The 6-bit code of step st (0..3), lane byte b of group g (0..15) of the super-block at sb: the
+// reference unpacking of Q6K and Q3K, which each path's vector unpacking reproduces.
+inline int q6_code(int64_t fmt, const uint8_t* sb, int g, int st, int b) {
+  if (fmt == Q3K) {
+    const uint8_t* pair = sb + 288 + 192 * (g / 2);
+    return 28 + (((pair[64 * (g % 2) + b] >> (2 * st)) & 3) | (((pair[128 + b] >> (4 * (g % 2) + st)) & 1) << 2));
+  }
+  const uint8_t* cb = sb + 288 + 192 * g;
+  const uint8_t lo = cb[64 * (st % 2) + b];
+  return ((st < 2 ? lo : lo >> 4) & 15) | (((cb[128 + b] >> (2 * st)) & 3) << 4);
+}
+
+// IQ4_NL's 16 values (ggml's kvalues_iq4nl) + 128: IQ4's byte codes.
+alignas(16) constexpr uint8_t kIq4Bytes[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+
+// The byte code of step st (0..7), lane byte b (4 * channel + input) of a byte-code group at cb:
+// the reference unpacking, which each path's vector unpacking reproduces.
+inline int byte_code(int64_t fmt, const uint8_t* cb, int st, int b) {
+  if (fmt == Q8) return cb[64 * st + b];
+  const uint8_t v = cb[64 * (st % 4) + b];
+  const int nib = st < 4 ? v & 15 : v >> 4;
+  if (fmt == IQ4) return kIq4Bytes[nib];
+  return nib | (((cb[256 + b] >> st) & 1) << 4);
+}
 
 struct Segment {
   const uint8_t* blob;
-  int64_t fmt, n, k, offset, sbg;  // sbg: Q4K groups per super-block (the others: fixed layouts)
+  int64_t fmt, n, k, offset, sbg;  // sbg: Q4K/Q5K/IQ4 groups per super-block (the others: fixed layouts)
   FormatInfo fi() const {
     FormatInfo f{};
     format_info(fmt, sbg, &f);
@@ -68,6 +119,16 @@ struct Segment {
   int64_t panels() const { return (n + kPanel - 1) / kPanel; }
   int64_t panel_bytes() const { return fi().bytes * (k / fi().superblock); }
 };
+
+// The byte-code formats' groups of a panel in input order: f(activation block, the group's
+// super-block, its index g there, its codes).
+template <class F>
+inline void for_q8_groups(const Segment& s, const uint8_t* p, F&& f) {
+  const FormatInfo fi = s.fi();
+  const int groups = fi.superblock / 32;
+  for (int64_t sb = 0; sb < s.k / fi.superblock; ++sb, p += fi.bytes)
+    for (int g = 0; g < groups; ++g) f(sb * groups + g, p, g, byte_codes(s.fmt, s.sbg, p, g));
+}
 
 // Quantized activations of m rows of width k: q8 [m, k] int8, d8 [m, k/32] (scale per block),
 // s16 [m, k/16] and s32 [m, k/32] (sums of 16 and 32 codes), xs [m, k/32] = d8 * s32.

@@ -33,7 +33,7 @@ namespace spx {
 
 namespace {
 
-// One weight group as the epilogue needs it: float channel scales (and Q4K's minimums).
+// One weight group as the epilogue needs it: float channel scales (and the minimums of Q4K and Q4K's header).
 struct alignas(64) GroupScales {
   float scale[kPanel];
   float mins[kPanel];
@@ -48,7 +48,7 @@ struct GroupRows {
   const int32_t* sums;
   int64_t kb, sum_stride;
   int32_t offset;
-  bool q4k;
+  bool has_mins;  // Q4K, Q5K, IQ4
 };
 
 // --------------------------------------------------------------- vector backends
@@ -63,12 +63,14 @@ struct ScalarVec {
       }
   }
 
-  static void unpack_q6k(const uint8_t* cb, uint8_t* w) {
+  static void unpack_q6(int64_t fmt, const uint8_t* sb, int g, uint8_t* w) {
     for (int st = 0; st < 4; ++st)
-      for (int b = 0; b < 64; ++b) {
-        const uint8_t lo = cb[64 * (st % 2) + b];
-        w[64 * st + b] = static_cast<uint8_t>(((st < 2 ? lo : lo >> 4) & 15) | (((cb[128 + b] >> (2 * st)) & 3) << 4));
-      }
+      for (int b = 0; b < 64; ++b) w[64 * st + b] = static_cast<uint8_t>(q6_code(fmt, sb, g, st, b));
+  }
+
+  static void unpack_bytes(int64_t fmt, const uint8_t* cb, uint8_t* w) {
+    for (int st = 0; st < 8; ++st)
+      for (int b = 0; b < 64; ++b) w[64 * st + b] = static_cast<uint8_t>(byte_code(fmt, cb, st, b));
   }
 
   // scale[c] = f16 d[c] x q[c] (q: u8, or i8 when `is_signed`); into out[16].
@@ -94,7 +96,7 @@ struct ScalarVec {
         const int32_t dot = static_cast<int32_t>(static_cast<uint32_t>(sums[16 * i + c]) - corr);
         const float t = static_cast<float>(dot) * d8;
         float a = std::fma(t, gs.scale[c], acc[16 * i + c]);
-        if (g.q4k) a = std::fma(-gs.mins[c], g.xs[i * g.kb], a);
+        if (g.has_mins) a = std::fma(-gs.mins[c], g.xs[i * g.kb], a);
         acc[16 * i + c] = a;
       }
     }
@@ -115,6 +117,7 @@ struct ScalarVec {
 
 #if defined(__x86_64__)
 SPX_BEGIN_AVX512
+#include "unpack_avx512.h"
 namespace spx {
 namespace {
 
@@ -129,17 +132,14 @@ struct Avx512Vec {
     }
   }
 
-  static void unpack_q6k(const uint8_t* cb, uint8_t* w) {
-    const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
-    const __m512i a = _mm512_loadu_si512(cb), b = _mm512_loadu_si512(cb + 64), h = _mm512_loadu_si512(cb + 128);
-    // Step s's high bits sit at bits 2s..2s+1 of h; shifted to bits 4..5 they join the nibble.
-    _mm512_storeu_si512(w, _mm512_or_si512(_mm512_and_si512(a, low), _mm512_and_si512(_mm512_slli_epi16(h, 4), top)));
-    _mm512_storeu_si512(w + 64,
-                        _mm512_or_si512(_mm512_and_si512(b, low), _mm512_and_si512(_mm512_slli_epi16(h, 2), top)));
-    _mm512_storeu_si512(w + 128,
-                        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), low), _mm512_and_si512(h, top)));
-    _mm512_storeu_si512(w + 192, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), low),
-                                                 _mm512_and_si512(_mm512_srli_epi16(h, 2), top)));
+  static void unpack_q6(int64_t fmt, const uint8_t* sb, int g, uint8_t* w) {
+    __m512i v[4];
+    spx::unpack_q6(fmt, sb, g, v);
+    for (int st = 0; st < 4; ++st) _mm512_storeu_si512(w + 64 * st, v[st]);
+  }
+
+  static void unpack_bytes(int64_t fmt, const uint8_t* cb, uint8_t* w) {
+    for (int st = 0; st < 8; ++st) _mm512_storeu_si512(w + 64 * st, step_bytes(fmt, cb, st));
   }
 
   static __m512 cvt_f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
@@ -160,7 +160,7 @@ struct Avx512Vec {
       const __m512i c = _mm512_sub_epi32(_mm512_load_si512(sums + 16 * i), _mm512_set1_epi32(corr));
       const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(g.d8[i * g.kb]));
       __m512 a = _mm512_fmadd_ps(t, scale, _mm512_load_ps(acc + 16 * i));
-      if (g.q4k) a = _mm512_fnmadd_ps(mins, _mm512_set1_ps(g.xs[i * g.kb]), a);
+      if (g.has_mins) a = _mm512_fnmadd_ps(mins, _mm512_set1_ps(g.xs[i * g.kb]), a);
       _mm512_store_ps(acc + 16 * i, a);
     }
   }
@@ -238,11 +238,19 @@ const uint8_t* prepare_group(const Segment& s, const uint8_t* p, int64_t gi, uin
     V::unpack_q4k(sb + 64 + 32 * sbg + 256 * g, buf);
     return buf;
   }
-  if (s.fmt == Q6K) {
+  if (six_bit(s.fmt)) {
     const int64_t g = gi % 16;
-    const uint8_t* sb = p + (gi / 16) * 3360;
+    const uint8_t* sb = p + (gi / 16) * s.fi().bytes;
     V::scales(sb, sb + 32 + 16 * g, true, gs.scale);
-    V::unpack_q6k(sb + 288 + 192 * g, buf);
+    V::unpack_q6(s.fmt, sb, static_cast<int>(g), buf);
+    return buf;
+  }
+  if (k_header(s.fmt)) {  // Q4K's header over codes unpacked into Q8's bytes
+    const int64_t sbg = s.sbg, g = gi % sbg;
+    const uint8_t* sb = p + (gi / sbg) * s.fi().bytes;
+    V::scales(sb, sb + 64 + 16 * g, true, gs.scale);
+    V::scales(sb + 32, sb + 64 + 16 * sbg + 16 * g, false, gs.mins);
+    V::unpack_bytes(s.fmt, byte_codes(s.fmt, sbg, sb, static_cast<int>(g)), buf);
     return buf;
   }
   const uint8_t* grp = p + gi * 544;
@@ -261,13 +269,13 @@ template <class V>
 void finish_item(const Segment& s, const Rows& x, const Pending& it, float* acc) {
   const int64_t kb = x.k / 32, k16 = x.k / 16;
   const int64_t b = it.row * kb + it.k0 / 32;
-  GroupRows g{x.d8 + b, x.xs + b, x.s32 + b, kb, kb, 0, s.fmt == Q4K};  // Q4K: no correction
-  if (s.fmt == Q6K) {
+  GroupRows g{x.d8 + b, x.xs + b, x.s32 + b, kb, kb, 0, s.fmt == Q4K || k_header(s.fmt)};  // Q4K: no correction
+  if (six_bit(s.fmt)) {
     g.sums = x.s16 + it.row * k16 + it.k0 / 16;
     g.sum_stride = k16;
     g.offset = 32;
   }
-  if (s.fmt == Q8) g.offset = static_cast<int32_t>(s.offset);
+  if (s.fmt == Q8 || k_header(s.fmt)) g.offset = static_cast<int32_t>(s.offset);
   V::epilogue(it.sums, it.rows, g, *it.gs, acc);
 }
 

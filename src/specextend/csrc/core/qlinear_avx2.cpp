@@ -57,9 +57,23 @@ inline __m256 cvt_i8(const uint8_t* p) {
 inline __m256 cvt_f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline __m256i load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-// A Q6K group half's four steps of 6-bit codes from its two nibble planes and its high-bit plane:
-// step s's high bits sit at bits 2s..2s+1 of hb; shifted to bits 4..5 they join the nibble.
-inline void q6k_codes(const uint8_t* cb, int h, __m256i* w) {
+// Group g's four steps of 6-bit codes, half h, of the Q6K or Q3K super-block at sb (q6_code in
+// qlinear.h). Q6K: step s's high bits sit at bits 2s..2s+1 of hb; shifted to bits 4..5 they join
+// the nibble. Q3K: 16-bit shifts bring a field to the bottom of its byte, where bits from the
+// other byte of the pair miss the mask.
+inline void q6k_codes(int64_t fmt, const uint8_t* sb, int g, int h, __m256i* w) {
+  if (fmt == Q3K) {
+    const uint8_t* pair = sb + 288 + 192 * (g / 2);
+    const __m256i lo = load(pair + 64 * (g % 2) + 32 * h), hi = load(pair + 128 + 32 * h);
+    const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1), base = _mm256_set1_epi8(28);
+    for (int st = 0; st < 4; ++st) {
+      const __m256i l = _mm256_and_si256(_mm256_srl_epi16(lo, _mm_cvtsi32_si128(2 * st)), three);
+      const __m256i t = _mm256_and_si256(_mm256_srl_epi16(hi, _mm_cvtsi32_si128(4 * (g % 2) + st)), one);
+      w[st] = _mm256_add_epi8(_mm256_or_si256(l, _mm256_slli_epi16(t, 2)), base);
+    }
+    return;
+  }
+  const uint8_t* cb = sb + 288 + 192 * g;
   const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
   const __m256i a = load(cb + 32 * h), b = load(cb + 64 + 32 * h), hb = load(cb + 128 + 32 * h);
   w[0] = _mm256_or_si256(_mm256_and_si256(a, low), _mm256_and_si256(_mm256_slli_epi16(hb, 4), top));
@@ -158,17 +172,16 @@ inline void q6k_dots(const __m256i (*w)[2], const int8_t* const* q, __m256i (*do
 
 template <int R>
 void panel_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m256 (*acc)[2]) {
-  const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16;
+  const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16, sb_bytes = s.fi().bytes, gb = sb_bytes / 16;
   alignas(32) __m256i w[4][2];  // [step][half]
-  for (int64_t sb = 0; sb < nsb; ++sb, p += 3360) {
+  for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
     const __m256 d[2] = {cvt_f16(p), cvt_f16(p + 16)};
     for (int g = 0; g < 16; ++g) {
       const int64_t k0 = sb * 256 + g * 16;
-      const uint8_t* cb = p + 288 + 192 * g;
-      prefetch(p + 210 * g, 210);
+      prefetch(p + gb * g, gb);
       for (int h = 0; h < 2; ++h) {
         __m256i c[4];
-        q6k_codes(cb, h, c);
+        q6k_codes(s.fmt, p, g, h, c);
         for (int st = 0; st < 4; ++st) w[st][h] = c[st];
       }
       const __m256 scale[2] = {_mm256_mul_ps(d[0], cvt_i8(p + 32 + 16 * g)), _mm256_mul_ps(d[1], cvt_i8(p + 40 + 16 * g))};
@@ -206,31 +219,69 @@ inline void q8_dots(const __m256i (*w)[2][2], const int8_t* const* q, __m256i (*
     }
 }
 
+// Step st's byte codes of a byte-code group at cb, half h (8 channels): byte_code (qlinear.h) on
+// 32 lanes. 16-bit shifts move the fifth bit within its byte (st <= 4 left by 4 - st, else
+// right): the bits crossing from the other byte of the pair miss the mask.
+inline __m256i step_bytes(int64_t fmt, const uint8_t* cb, int st, int h) {
+  if (fmt == Q8) return load(cb + 64 * st + 32 * h);
+  const __m256i v = load(cb + 64 * (st % 4) + 32 * h);
+  const __m256i nib = _mm256_and_si256(st < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
+  if (fmt == IQ4)
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4Bytes))), nib);
+  const __m256i plane = load(cb + 256 + 32 * h);
+  const __m256i bit = st <= 4 ? _mm256_sll_epi16(plane, _mm_cvtsi32_si128(4 - st)) : _mm256_srl_epi16(plane, _mm_cvtsi32_si128(st - 4));
+  return _mm256_or_si256(nib, _mm256_and_si256(bit, _mm256_set1_epi8(0x10)));
+}
+
+// A byte-code group's float scales and minimums [half] (qlinear.h): Q8's float16 scales, or
+// Q4K's header (Q5K, IQ4; mins: false for Q8, which has no minimum term).
+inline bool byte_scales(const Segment& s, const uint8_t* p, int g, __m256* scale, __m256* mins) {
+  if (s.fmt == Q8) {
+    scale[0] = cvt_f16(p);
+    scale[1] = cvt_f16(p + 16);
+    return false;
+  }
+  for (int h = 0; h < 2; ++h) {
+    scale[h] = _mm256_mul_ps(cvt_f16(p + 16 * h), cvt_i8(p + 64 + 16 * g + 8 * h));
+    mins[h] = _mm256_mul_ps(cvt_f16(p + 32 + 16 * h), cvt_u8(p + 64 + 16 * s.sbg + 16 * g + 8 * h));
+  }
+  return true;
+}
+
 template <int R>
 void panel_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m256 (*acc)[2]) {
-  const int64_t nsb = s.k / 32, kb = s.k / 32;
+  const FormatInfo fi = s.fi();
+  const int groups = fi.superblock / 32;
+  const int64_t nsb = s.k / fi.superblock, kb = s.k / 32;
   const int32_t off = static_cast<int32_t>(s.offset);
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   alignas(32) __m256i w[8][2][2];  // [step][half][code - 128, its magnitude]
-  for (int64_t sb = 0; sb < nsb; ++sb, p += 544) {
-    prefetch(p, 544);
-    for (int st = 0; st < 8; ++st)
-      for (int h = 0; h < 2; ++h) {
-        w[st][h][0] = _mm256_xor_si256(load(p + 32 + 64 * st + 32 * h), flip);
-        w[st][h][1] = _mm256_abs_epi8(w[st][h][0]);
-      }
-    const __m256 scale[2] = {cvt_f16(p), cvt_f16(p + 16)};
-    for (int r = 0; r < R; r += 2) {
-      const int8_t* q[2] = {x.q8 + (r0 + r) * x.k + sb * 32, x.q8 + (r0 + r + 1) * x.k + sb * 32};
-      __m256i dot[2][2];
-      if (R - r >= 2) q8_dots<2>(w, q, dot);
-      else q8_dots<1>(w, q, dot);
-      for (int j = 0; j < 2 && r + j < R; ++j) {
-        const int64_t b = (r0 + r + j) * kb + sb;
-        // sum(code * q) - offset * sum(q) = sum((code - 128) * q) + (128 - offset) * sum(q)
-        const __m256i fix = _mm256_set1_epi32((128 - off) * x.s32[b]);
-        for (int h = 0; h < 2; ++h)
-          acc[r + j][h] = epilogue(_mm256_add_epi32(dot[j][h], fix), x.d8[b], scale[h], acc[r + j][h]);
+  for (int64_t sb = 0; sb < nsb; ++sb, p += fi.bytes) {
+    prefetch(p, fi.bytes);
+    for (int g = 0; g < groups; ++g) {
+      const uint8_t* cb = byte_codes(s.fmt, s.sbg, p, g);
+      for (int st = 0; st < 8; ++st)
+        for (int h = 0; h < 2; ++h) {
+          w[st][h][0] = _mm256_xor_si256(step_bytes(s.fmt, cb, st, h), flip);
+          w[st][h][1] = _mm256_abs_epi8(w[st][h][0]);
+        }
+      __m256 scale[2], mins[2];
+      const bool has_mins = byte_scales(s, p, g, scale, mins);
+      const int64_t k0 = sb * fi.superblock + 32 * g;
+      for (int r = 0; r < R; r += 2) {
+        const int8_t* q[2] = {x.q8 + (r0 + r) * x.k + k0, x.q8 + (r0 + r + 1) * x.k + k0};
+        __m256i dot[2][2];
+        if (R - r >= 2) q8_dots<2>(w, q, dot);
+        else q8_dots<1>(w, q, dot);
+        for (int j = 0; j < 2 && r + j < R; ++j) {
+          const int64_t b = (r0 + r + j) * kb + k0 / 32;
+          // sum(code * q) - offset * sum(q) = sum((code - 128) * q) + (128 - offset) * sum(q)
+          const __m256i fix = _mm256_set1_epi32((128 - off) * x.s32[b]);
+          for (int h = 0; h < 2; ++h) {
+            acc[r + j][h] = epilogue(_mm256_add_epi32(dot[j][h], fix), x.d8[b], scale[h], acc[r + j][h]);
+            if (has_mins) acc[r + j][h] = _mm256_fnmadd_ps(mins[h], _mm256_set1_ps(x.xs[b]), acc[r + j][h]);
+          }
+        }
       }
     }
   }
@@ -286,24 +337,23 @@ void one_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m2
 }
 
 void one_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m256* acc) {
-  const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16;
+  const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16, sb_bytes = s.fi().bytes, gb = sb_bytes / 16;
   const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* q = x.q8 + r0 * x.k;
-  for (int64_t sb = 0; sb < nsb; ++sb, p += 3360) {
+  for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
     const __m256 d[2] = {cvt_f16(p), cvt_f16(p + 16)};
 #pragma GCC unroll 2
     for (int g = 0; g < 16; ++g) {
       const int64_t k0 = sb * 256 + g * 16;
-      const uint8_t* cb = p + 288 + 192 * g;
       const int8_t* qb = q + k0;
-      prefetch(p + 210 * g, 210);
+      prefetch(p + gb * g, gb);
       const __m256i a0 = bcast4(qb), a1 = bcast4(qb + 4), a2 = bcast4(qb + 8), a3 = bcast4(qb + 12);
       const __m256i off = _mm256_set1_epi32(32 * x.s16[r0 * k16 + k0 / 16]);
       const float d8 = x.d8[r0 * kb + k0 / 32];
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         __m256i w[4];  // the codes go straight into the multiply
-        q6k_codes(cb, h, w);
+        q6k_codes(s.fmt, p, g, h, w);
         __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], a0), _mm256_maddubs_epi16(w[1], a1));
         __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], a2), _mm256_maddubs_epi16(w[3], a3));
         const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(s01, ones), _mm256_madd_epi16(s23, ones));
@@ -320,12 +370,13 @@ void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const T
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   if constexpr (R == 1) {
     if (s.fmt == Q4K) one_q4k(s, p, x, r0, acc[0]);
-    else if (s.fmt == Q6K) one_q6k(s, p, x, r0, acc[0]);
+    else if (six_bit(s.fmt)) one_q6k(s, p, x, r0, acc[0]);
     else panel_q8<1>(s, p, x, r0, acc);
   } else {
     switch (s.fmt) {
       case Q4K: panel_q4k<R>(s, p, x, r0, acc); break;
-      case Q6K: panel_q6k<R>(s, p, x, r0, acc); break;
+      case Q6K:
+      case Q3K: panel_q6k<R>(s, p, x, r0, acc); break;
       default: panel_q8<R>(s, p, x, r0, acc); break;
     }
   }
@@ -458,11 +509,10 @@ struct alignas(32) Q6Group {
   __m256 scale[2];
 };
 
-inline void unpack_q6k_group(const uint8_t* p, int g, const __m256* d, Q6Group& o) {
-  const uint8_t* cb = p + 288 + 192 * g;
+inline void unpack_q6k_group(int64_t fmt, const uint8_t* p, int g, const __m256* d, Q6Group& o) {
   for (int h = 0; h < 2; ++h) {
     __m256i c[4];
-    q6k_codes(cb, h, c);
+    q6k_codes(fmt, p, g, h, c);
     for (int st = 0; st < 4; ++st) _mm256_store_si256(&o.w[st][h], c[st]);
     o.scale[h] = _mm256_mul_ps(d[h], cvt_i8(p + 32 + 16 * g + 8 * h));
   }
@@ -497,14 +547,14 @@ inline void q6k_tile_rows(const Q6Group& g, const int8_t* q, int64_t xk, const i
 }
 
 void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
-  const int64_t nsb = s.k / 256, kb = x.k / 32, k16 = x.k / 16, xk = x.k;
+  const int64_t nsb = s.k / 256, kb = x.k / 32, k16 = x.k / 16, xk = x.k, sb_bytes = s.fi().bytes, gb = sb_bytes / 16;
   Q6Group grp;
-  for (int64_t sb = 0; sb < nsb; ++sb, p += 3360) {
+  for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
     const __m256 d[2] = {cvt_f16(p), cvt_f16(p + 16)};
     for (int g = 0; g < 16; ++g) {
       const int64_t k0 = sb * 256 + g * 16;
-      if (g % 4 == 0) prefetch(p + 210 * g, 840);
-      unpack_q6k_group(p, g, d, grp);
+      if (g % 4 == 0) prefetch(p + gb * g, 4 * gb);
+      unpack_q6k_group(s.fmt, p, g, d, grp);
       const int8_t* q = x.q8 + r0 * xk + k0;
       const int32_t* s16 = x.s16 + r0 * k16 + k0 / 16;
       const float* d8 = x.d8 + r0 * kb + k0 / 32;
@@ -522,34 +572,35 @@ void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int
   }
 }
 
-// A Q8 group [step][half]: codes - 128 (signed, for their sign) and their magnitudes, as the
-// tile's; `small` when every code is below 32 (Q5_0's grid), whose products then keep 4 steps in
-// one int16 sum (2 * 31 * 127 per pair) and the codes serve as they are (in `mag`).
+// A byte-code group [step][half]: codes - 128 (signed, for their sign) and their magnitudes, as
+// the tile's; `small` when every code is below 32 (Q5_0's and Q5_K's grids), whose products
+// then keep 4 steps in one int16 sum (2 * 31 * 127 per pair) and the codes serve as they are (in
+// `mag`). Float scales and (Q4K's header) minimums [half].
 struct alignas(32) Q8Group {
   __m256i sgn[8][2], mag[8][2];
-  __m256 scale[2];
-  bool small;
+  __m256 scale[2], mins[2];
+  bool small, has_mins;
 };
 
-inline void unpack_q8_group(const uint8_t* p, Q8Group& o) {
+inline void unpack_q8_group(const Segment& s, const uint8_t* p, int g, Q8Group& o) {
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const uint8_t* cb = byte_codes(s.fmt, s.sbg, p, g);
   __m256i any = _mm256_setzero_si256();
   for (int st = 0; st < 8; ++st)
-    for (int h = 0; h < 2; ++h) any = _mm256_or_si256(any, load(p + 32 + 64 * st + 32 * h));
-  o.small = _mm256_testz_si256(any, _mm256_set1_epi8(static_cast<char>(0xE0))) != 0;
-  for (int st = 0; st < 8; ++st)
     for (int h = 0; h < 2; ++h) {
-      const __m256i v = load(p + 32 + 64 * st + 32 * h);
-      if (o.small) {
-        _mm256_store_si256(&o.mag[st][h], v);
-      } else {
-        const __m256i c = _mm256_xor_si256(v, flip);
+      const __m256i v = step_bytes(s.fmt, cb, st, h);
+      _mm256_store_si256(&o.mag[st][h], v);
+      any = _mm256_or_si256(any, v);
+    }
+  o.small = _mm256_testz_si256(any, _mm256_set1_epi8(static_cast<char>(0xE0))) != 0;
+  if (!o.small)
+    for (int st = 0; st < 8; ++st)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i c = _mm256_xor_si256(_mm256_load_si256(&o.mag[st][h]), flip);
         _mm256_store_si256(&o.sgn[st][h], c);
         _mm256_store_si256(&o.mag[st][h], _mm256_abs_epi8(c));
       }
-    }
-  o.scale[0] = cvt_f16(p);
-  o.scale[1] = cvt_f16(p + 16);
+  o.has_mins = byte_scales(s, p, g, o.scale, o.mins);
 }
 
 // R rows' exact int32 dot products of one Q8 group (any byte codes): dot(code - 128, q), the
@@ -590,35 +641,48 @@ inline void q8_dots_small(const Q8Group& g, const int8_t* q, int64_t xk, __m256i
   }
 }
 
+// R rows of one byte-code group: q, s32, d8, xs at the tile's first row (row strides xk, kb).
 template <int R>
 inline void q8_tile_rows(const Q8Group& g, int32_t off, const int8_t* q, int64_t xk, const int32_t* s32,
-                         const float* d8, int64_t kb, float* acc) {
+                         const float* d8, const float* xs, int64_t kb, float* acc) {
   __m256i dot[R][2];
   // sum(code * q) - offset * sum(q) = sum((code - 128) * q) + (128 - offset) * sum(q)
   const int32_t fix = g.small ? -off : 128 - off;
   if (g.small) q8_dots_small<R>(g, q, xk, dot);
   else q8_dots_any<R>(g, q, xk, dot);
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) epilogue_row(acc + 16 * r, dot[r], _mm256_set1_epi32(fix * s32[r * kb]), d8[r * kb], g.scale);
+  for (int r = 0; r < R; ++r) {
+    epilogue_row(acc + 16 * r, dot[r], _mm256_set1_epi32(fix * s32[r * kb]), d8[r * kb], g.scale);
+    if (g.has_mins)
+      for (int h = 0; h < 2; ++h)
+        _mm256_store_ps(acc + 16 * r + 8 * h,
+                        _mm256_fnmadd_ps(g.mins[h], _mm256_set1_ps(xs[r * kb]), _mm256_load_ps(acc + 16 * r + 8 * h)));
+  }
 }
 
 void rows_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
-  const int64_t nsb = s.k / 32, kb = x.k / 32, xk = x.k;
+  const FormatInfo fi = s.fi();
+  const int groups = fi.superblock / 32;
+  const int64_t nsb = s.k / fi.superblock, kb = x.k / 32, xk = x.k;
   const int32_t off = static_cast<int32_t>(s.offset);
   Q8Group grp;
-  for (int64_t sb = 0; sb < nsb; ++sb, p += 544) {
-    prefetch(p, 544);
-    unpack_q8_group(p, grp);
-    const int8_t* q = x.q8 + r0 * xk + sb * 32;
-    const int32_t* s32 = x.s32 + r0 * kb + sb;
-    const float* d8 = x.d8 + r0 * kb + sb;
-    for_tiles<kQ8RowTile>(n, [&](int r, int rows) {
-      switch (rows) {
-        case 1: q8_tile_rows<1>(grp, off, q + r * xk, xk, s32 + r * kb, d8 + r * kb, kb, acc + 16 * r); break;
-        case 2: q8_tile_rows<2>(grp, off, q + r * xk, xk, s32 + r * kb, d8 + r * kb, kb, acc + 16 * r); break;
-        default: q8_tile_rows<kQ8RowTile>(grp, off, q + r * xk, xk, s32 + r * kb, d8 + r * kb, kb, acc + 16 * r); break;
-      }
-    });
+  for (int64_t sb = 0; sb < nsb; ++sb, p += fi.bytes) {
+    prefetch(p, fi.bytes);
+    for (int g = 0; g < groups; ++g) {
+      unpack_q8_group(s, p, g, grp);
+      const int64_t b0 = r0 * kb + sb * groups + g;
+      const int8_t* q = x.q8 + r0 * xk + 32 * (sb * groups + g);
+      const int32_t* s32 = x.s32 + b0;
+      const float *d8 = x.d8 + b0, *xs = x.xs + b0;
+      for_tiles<kQ8RowTile>(n, [&](int r, int rows) {
+        const int64_t o = r * kb;
+        switch (rows) {
+          case 1: q8_tile_rows<1>(grp, off, q + r * xk, xk, s32 + o, d8 + o, xs + o, kb, acc + 16 * r); break;
+          case 2: q8_tile_rows<2>(grp, off, q + r * xk, xk, s32 + o, d8 + o, xs + o, kb, acc + 16 * r); break;
+          default: q8_tile_rows<kQ8RowTile>(grp, off, q + r * xk, xk, s32 + o, d8 + o, xs + o, kb, acc + 16 * r); break;
+        }
+      });
+    }
   }
 }
 
@@ -648,7 +712,8 @@ void rows_avx2(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, in
   for (int r = 0; r < 2 * n; ++r) _mm256_store_ps(acc + 8 * r, _mm256_setzero_ps());
   switch (s.fmt) {
     case Q4K: rows_q4k(s, p, x, r0, n, acc); break;
-    case Q6K: rows_q6k(s, p, x, r0, n, acc); break;
+    case Q6K:
+    case Q3K: rows_q6k(s, p, x, r0, n, acc); break;
     default: rows_q8(s, p, x, r0, n, acc); break;
   }
   for (int h = 0; h < 2; ++h) {

@@ -15,6 +15,7 @@
 
 SPX_BEGIN_AVX512
 #include "simd_avx512.h"
+#include "unpack_avx512.h"
 
 namespace spx {
 
@@ -106,23 +107,15 @@ void panel_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __
 
 template <int R>
 void panel_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m512* acc) {
-  const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16;
-  const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
-  for (int64_t sb = 0; sb < nsb; ++sb, p += 3360) {
+  const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16, sb_bytes = s.fi().bytes, gb = sb_bytes / 16;
+  for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
     const __m512 d = cvt_f16(p);
     for (int g = 0; g < 16; ++g) {
       const int64_t k0 = sb * 256 + g * 16;
       const __m512 scale = _mm512_mul_ps(d, cvt_i8(p + 32 + 16 * g));
-      const uint8_t* cb = p + 288 + 192 * g;
-      prefetch_group(p + 210 * g, 210);
-      const __m512i a = _mm512_loadu_si512(cb), b = _mm512_loadu_si512(cb + 64), h = _mm512_loadu_si512(cb + 128);
-      // Step s's high bits sit at bits 2s..2s+1 of h; shifted to bits 4..5 they join the nibble.
+      prefetch_group(p + gb * g, static_cast<int>(gb));
       __m512i w[4];
-      w[0] = _mm512_or_si512(_mm512_and_si512(a, low), _mm512_and_si512(_mm512_slli_epi16(h, 4), top));
-      w[1] = _mm512_or_si512(_mm512_and_si512(b, low), _mm512_and_si512(_mm512_slli_epi16(h, 2), top));
-      w[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), low), _mm512_and_si512(h, top));
-      w[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), low),
-                             _mm512_and_si512(_mm512_srli_epi16(h, 2), top));
+      unpack_q6(s.fmt, p, g, w);
       const int8_t* q[R];
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) q[r] = x.q8 + (r0 + r) * x.k + k0;
@@ -139,35 +132,51 @@ void panel_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __
   }
 }
 
-// One Q8 group of a panel (544 bytes: 16 float16 scales, then 8 steps of 16 channels x 4 codes)
-// into registers; returns the channels' scales. The next groups are prefetched.
-inline __m512 load_q8_group(const uint8_t* p, __m512i* w) {
-  prefetch_group(p, 544);
+// One byte-code group of a panel (qlinear.h: Q8, or group g of Q5K or IQ4) into registers: its
+// byte codes, its channels' scales and (Q4K's header; returns whether) minimums. The next groups
+// are prefetched.
+inline bool load_q8_group(const Segment& s, const uint8_t* p, int g, __m512i* w, __m512* scale, __m512* mins) {
+  const uint8_t* cb = byte_codes(s.fmt, s.sbg, p, g);
+  prefetch_group(cb, code_bytes(s.fmt));
 #pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) w[i] = _mm512_loadu_si512(p + 32 + 64 * i);
-  return cvt_f16(p);
+  for (int i = 0; i < 8; ++i) w[i] = step_bytes(s.fmt, cb, i);
+  if (s.fmt == Q8) {
+    *scale = cvt_f16(p);
+    *mins = _mm512_setzero_ps();  // unused
+    return false;
+  }
+  *scale = _mm512_mul_ps(cvt_f16(p), cvt_i8(p + 64 + 16 * g));
+  *mins = _mm512_mul_ps(cvt_f16(p + 32), cvt_u8(p + 64 + 16 * s.sbg + 16 * g));
+  return true;
+}
+
+// One row's group into acc: the reference epilogue of the byte-code formats.
+inline __m512 q8_epilogue(__m512i dot, int32_t correction, float d8, float xs, __m512 scale, __m512 mins,
+                          bool has_mins, __m512 acc) {
+  const __m512i c = _mm512_sub_epi32(dot, _mm512_set1_epi32(correction));
+  acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(d8)), scale, acc);
+  return has_mins ? _mm512_fnmadd_ps(mins, _mm512_set1_ps(xs), acc) : acc;
 }
 
 template <int R>
 void panel_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m512* acc) {
-  const int64_t nsb = s.k / 32, kb = s.k / 32;
+  const int64_t kb = s.k / 32;
   const int32_t off = static_cast<int32_t>(s.offset);
-  for (int64_t sb = 0; sb < nsb; ++sb, p += 544) {
+  for_q8_groups(s, p, [&](int64_t blk, const uint8_t* sb, int g, const uint8_t*) {
     __m512i w[8];
-    const __m512 scale = load_q8_group(p, w);
+    __m512 scale, mins;
+    const bool has_mins = load_q8_group(s, sb, g, w, &scale, &mins);
     const int8_t* q[R];
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) q[r] = x.q8 + (r0 + r) * x.k + sb * 32;
+    for (int r = 0; r < R; ++r) q[r] = x.q8 + (r0 + r) * x.k + blk * 32;
     __m512i dot[R];
     dots<R, 8>(w, q, dot);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const int64_t b = (r0 + r) * kb + sb;
-      const __m512i c = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(off * x.s32[b]));
-      const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(x.d8[b]));
-      acc[r] = _mm512_fmadd_ps(t, scale, acc[r]);
+      const int64_t b = (r0 + r) * kb + blk;
+      acc[r] = q8_epilogue(dot[r], off * x.s32[b], x.d8[b], x.xs[b], scale, mins, has_mins, acc[r]);
     }
-  }
+  });
 }
 
 template <int R>
@@ -176,7 +185,8 @@ void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const T
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   switch (s.fmt) {
     case Q4K: panel_q4k<R>(s, p, x, r0, acc); break;
-    case Q6K: panel_q6k<R>(s, p, x, r0, acc); break;
+    case Q6K:
+    case Q3K: panel_q6k<R>(s, p, x, r0, acc); break;
     default: panel_q8<R>(s, p, x, r0, acc); break;
   }
   const __m512 b = out.bias ? _mm512_loadu_ps(out.bias) : _mm512_setzero_ps();
@@ -259,16 +269,6 @@ void rows_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int
 
 // Q6K's groups of 16 go in pairs: both halves of one activation block share its scale, and
 // each row's accumulator is loaded and stored once for the two groups (same order of operations).
-inline void unpack_q6k(const uint8_t* cb, __m512i* w) {
-  const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
-  const __m512i a = _mm512_loadu_si512(cb), b = _mm512_loadu_si512(cb + 64), h = _mm512_loadu_si512(cb + 128);
-  // Step s's high bits sit at bits 2s..2s+1 of h; shifted to bits 4..5 they join the nibble.
-  w[0] = _mm512_or_si512(_mm512_and_si512(a, low), _mm512_and_si512(_mm512_slli_epi16(h, 4), top));
-  w[1] = _mm512_or_si512(_mm512_and_si512(b, low), _mm512_and_si512(_mm512_slli_epi16(h, 2), top));
-  w[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), low), _mm512_and_si512(h, top));
-  w[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), low), _mm512_and_si512(_mm512_srli_epi16(h, 2), top));
-}
-
 // A pair's activations, sums and scales of 64 rows sit on as many pages (rows are k bytes apart),
 // more than the L1 TLB holds for wide inputs; slices of 32 rows keep one pass within it (the
 // second slice rereads the panel's weights from cache and unpacks them again).
@@ -281,17 +281,17 @@ inline __m512i q6k_start(const int32_t* s16) {
 }
 
 void rows_q6k_slice(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
-  const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16, xk = x.k;
-  for (int64_t sb = 0; sb < nsb; ++sb, p += 3360) {
+  const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16, xk = x.k, sb_bytes = s.fi().bytes, gb = sb_bytes / 16;
+  for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
     const __m512 d = cvt_f16(p);
     for (int g = 0; g < 16; g += 2) {
       const int64_t k0 = sb * 256 + g * 16;
       const __m512 scale0 = _mm512_mul_ps(d, cvt_i8(p + 32 + 16 * g));
       const __m512 scale1 = _mm512_mul_ps(d, cvt_i8(p + 48 + 16 * g));
-      prefetch_group(p + 210 * g, 420);
+      prefetch_group(p + gb * g, static_cast<int>(2 * gb));
       __m512i w0[4], w1[4];
-      unpack_q6k(p + 288 + 192 * g, w0);
-      unpack_q6k(p + 480 + 192 * g, w1);
+      unpack_q6(s.fmt, p, g, w0);
+      unpack_q6(s.fmt, p, g + 1, w1);
       const int8_t* q = x.q8 + r0 * xk + k0;
       const int32_t* s16 = x.s16 + r0 * k16 + k0 / 16;
       const float* d8 = x.d8 + r0 * kb + k0 / 32;
@@ -322,21 +322,21 @@ void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int
 }
 
 void rows_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
-  const int64_t nsb = s.k / 32, kb = s.k / 32, xk = x.k;
+  const int64_t kb = s.k / 32, xk = x.k;
   const int32_t off = static_cast<int32_t>(s.offset);
-  for (int64_t sb = 0; sb < nsb; ++sb, p += 544) {
+  for_q8_groups(s, p, [&](int64_t blk, const uint8_t* sb, int g, const uint8_t*) {
     __m512i w[8];
-    const __m512 scale = load_q8_group(p, w);
-    const int8_t* q = x.q8 + r0 * xk + sb * 32;
-    const int32_t* s32 = x.s32 + r0 * kb + sb;
-    const float* d8 = x.d8 + r0 * kb + sb;
+    __m512 scale, mins;
+    const bool has_mins = load_q8_group(s, sb, g, w, &scale, &mins);
+    const int64_t b0 = r0 * kb + blk;
 #pragma GCC unroll 4
     for (int r = 0; r < n; ++r) {
-      const __m512i c = _mm512_sub_epi32(row_dot<8>(w, q + r * xk), _mm512_set1_epi32(off * s32[r * kb]));
-      const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(d8[r * kb]));
-      _mm512_store_ps(acc + 16 * r, _mm512_fmadd_ps(t, scale, _mm512_load_ps(acc + 16 * r)));
+      const int64_t b = b0 + r * kb;
+      const __m512 a = q8_epilogue(row_dot<8>(w, x.q8 + (r0 + r) * xk + blk * 32), off * x.s32[b], x.d8[b], x.xs[b],
+                                   scale, mins, has_mins, _mm512_load_ps(acc + 16 * r));
+      _mm512_store_ps(acc + 16 * r, a);
     }
-  }
+  });
 }
 
 using Fn = void (*)(const Segment&, const uint8_t*, const Rows&, int64_t, const TileOut&);
@@ -365,7 +365,8 @@ void rows_avx512(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, 
   for (int r = 0; r < n; ++r) _mm512_store_ps(acc + 16 * r, _mm512_setzero_ps());
   switch (s.fmt) {
     case Q4K: rows_q4k(s, p, x, r0, n, acc); break;
-    case Q6K: rows_q6k(s, p, x, r0, n, acc); break;
+    case Q6K:
+    case Q3K: rows_q6k(s, p, x, r0, n, acc); break;
     default: rows_q8(s, p, x, r0, n, acc); break;
   }
   const __m512 b = out.bias ? _mm512_loadu_ps(out.bias) : _mm512_setzero_ps();

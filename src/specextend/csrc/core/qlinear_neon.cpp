@@ -96,21 +96,39 @@ void panel_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, fl
   }
 }
 
+// Group g's four steps of 6-bit codes, quad c (channels 4c..4c+3), of the Q6K or Q3K super-block
+// at sb: q6_code (qlinear.h) on 16 lanes.
+inline void q6_quad(int64_t fmt, const uint8_t* sb, int g, int c, int8x16_t* w) {
+  if (fmt == Q3K) {
+    const uint8_t* pair = sb + 288 + 192 * (g / 2);
+    const uint8x16_t lo = vld1q_u8(pair + 64 * (g % 2) + 16 * c), hi = vld1q_u8(pair + 128 + 16 * c);
+    for (int st = 0; st < 4; ++st) {
+      const uint8x16_t l = vandq_u8(vshlq_u8(lo, vdupq_n_s8(static_cast<int8_t>(-2 * st))), vdupq_n_u8(3));
+      const uint8x16_t t = vandq_u8(vshlq_u8(hi, vdupq_n_s8(static_cast<int8_t>(-(4 * (g % 2) + st)))), vdupq_n_u8(1));
+      w[st] = vreinterpretq_s8_u8(vaddq_u8(vorrq_u8(l, vshlq_n_u8(t, 2)), vdupq_n_u8(28)));
+    }
+    return;
+  }
+  const uint8_t* cb = sb + 288 + 192 * g;
+  const uint8x16_t low = vdupq_n_u8(0x0F), top = vdupq_n_u8(0x30);
+  const uint8x16_t a = vld1q_u8(cb + 16 * c), b = vld1q_u8(cb + 64 + 16 * c), hb = vld1q_u8(cb + 128 + 16 * c);
+  w[0] = vreinterpretq_s8_u8(vorrq_u8(vandq_u8(a, low), vandq_u8(vshlq_n_u8(hb, 4), top)));
+  w[1] = vreinterpretq_s8_u8(vorrq_u8(vandq_u8(b, low), vandq_u8(vshlq_n_u8(hb, 2), top)));
+  w[2] = vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(a, 4), vandq_u8(hb, top)));
+  w[3] = vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(b, 4), vandq_u8(vshrq_n_u8(hb, 2), top)));
+}
+
 template <int R>
 void panel_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, float32x4_t (*acc)[4]) {
   const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16;
-  const uint8x16_t low = vdupq_n_u8(0x0F), top = vdupq_n_u8(0x30);
-  for (int64_t sb = 0; sb < nsb; ++sb, p += 3360) {
+  for (int64_t sb = 0; sb < nsb; ++sb, p += s.fi().bytes) {
     for (int g = 0; g < 16; ++g) {
       const int64_t k0 = sb * 256 + g * 16;
-      const uint8_t* cb = p + 288 + 192 * g;
       int8x16_t w[4][4];  // [step][channel quad]
       for (int c = 0; c < 4; ++c) {
-        const uint8x16_t a = vld1q_u8(cb + 16 * c), b = vld1q_u8(cb + 64 + 16 * c), hb = vld1q_u8(cb + 128 + 16 * c);
-        w[0][c] = vreinterpretq_s8_u8(vorrq_u8(vandq_u8(a, low), vandq_u8(vshlq_n_u8(hb, 4), top)));
-        w[1][c] = vreinterpretq_s8_u8(vorrq_u8(vandq_u8(b, low), vandq_u8(vshlq_n_u8(hb, 2), top)));
-        w[2][c] = vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(a, 4), vandq_u8(hb, top)));
-        w[3][c] = vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(b, 4), vandq_u8(vshrq_n_u8(hb, 2), top)));
+        int8x16_t v[4];
+        q6_quad(s.fmt, p, g, c, v);
+        for (int st = 0; st < 4; ++st) w[st][c] = v[st];
       }
       for (int r = 0; r < R; ++r) {
         const int64_t row = r0 + r;
@@ -131,23 +149,55 @@ void panel_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, fl
   }
 }
 
+// Step st's byte codes of a byte-code group at cb, quad c (channels 4c..4c+3): byte_code
+// (qlinear.h) on 16 lanes.
+inline uint8x16_t step_bytes(int64_t fmt, const uint8_t* cb, int st, int c) {
+  if (fmt == Q8) return vld1q_u8(cb + 64 * st + 16 * c);
+  const uint8x16_t v = vld1q_u8(cb + 64 * (st % 4) + 16 * c);
+  const uint8x16_t nib = st < 4 ? vandq_u8(v, vdupq_n_u8(0x0F)) : vshrq_n_u8(v, 4);
+  if (fmt == IQ4) return vqtbl1q_u8(vld1q_u8(kIq4Bytes), nib);
+  const uint8x16_t bit = vshlq_u8(vld1q_u8(cb + 256 + 16 * c), vdupq_n_s8(static_cast<int8_t>(4 - st)));
+  return vorrq_u8(nib, vandq_u8(bit, vdupq_n_u8(0x10)));
+}
+
+// Quad c (channels 4c..4c+3) of a byte-code group's float scales and (Q4K's header; returns
+// whether) minimums: Q8's float16 scales, or Q5K's and IQ4's Q4K header (qlinear.h).
+inline bool byte_scales(const Segment& s, const uint8_t* p, int g, int c, float32x4_t* scale, float32x4_t* mins) {
+  if (s.fmt == Q8) {
+    *scale = load_f16x4(p + 8 * c);
+    *mins = vdupq_n_f32(0.f);  // unused
+    return false;
+  }
+  *scale = vmulq_f32(load_f16x4(p + 8 * c), cvt_i8x4(p + 64 + 16 * g + 4 * c));
+  *mins = vmulq_f32(load_f16x4(p + 32 + 8 * c), cvt_u8x4(p + 64 + 16 * s.sbg + 16 * g + 4 * c));
+  return true;
+}
+
+// acc + one row's group, 4 channels: the byte-code formats' reference epilogue, the codes having
+// run signed (code - 128), so the correction is (128 - offset) * sum(q).
+inline float32x4_t q8_epilogue(int32x4_t dot, int32_t fix, float d8, float xs, float32x4_t scale, float32x4_t mins,
+                               bool has_mins, float32x4_t acc) {
+  acc = epilogue(vaddq_s32(dot, vdupq_n_s32(fix)), d8, scale, acc);
+  return has_mins ? vfmsq_f32(acc, mins, vdupq_n_f32(xs)) : acc;  // acc - mins * xs, fused
+}
+
 template <int R>
 void panel_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, float32x4_t (*acc)[4]) {
-  const int64_t nsb = s.k / 32, kb = s.k / 32;
-  const int32_t off = static_cast<int32_t>(s.offset);
+  const int64_t kb = s.k / 32;
+  const int32_t fix = 128 - static_cast<int32_t>(s.offset);
   const uint8x16_t flip = vdupq_n_u8(0x80);
-  for (int64_t sb = 0; sb < nsb; ++sb, p += 544) {
+  for_q8_groups(s, p, [&](int64_t blk, const uint8_t* sb, int g, const uint8_t* cb) {
     int32x4_t dot[R][4];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 4; ++c) dot[r][c] = vdupq_n_s32(0);
     for (int half = 0; half < 2; ++half) {  // steps 4*half .. 4*half + 3
       int8x16_t a[R];
-      for (int r = 0; r < R; ++r) a[r] = vld1q_s8(x.q8 + (r0 + r) * x.k + sb * 32 + 16 * half);
+      for (int r = 0; r < R; ++r) a[r] = vld1q_s8(x.q8 + (r0 + r) * x.k + blk * 32 + 16 * half);
 #define SPX_Q8_STEP(i)                                                                            \
   {                                                                                               \
     int8x16_t w[4];                                                                               \
     for (int c = 0; c < 4; ++c)                                                                   \
-      w[c] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(p + 32 + 64 * (4 * half + (i)) + 16 * c), flip)); \
+      w[c] = vreinterpretq_s8_u8(veorq_u8(step_bytes(s.fmt, cb, 4 * half + (i), c), flip));       \
     for (int r = 0; r < R; ++r) SPX_SDOT4(dot[r], w, a[r], i);                                    \
   }
       SPX_Q8_STEP(0)
@@ -156,13 +206,15 @@ void panel_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, flo
       SPX_Q8_STEP(3)
 #undef SPX_Q8_STEP
     }
-    for (int r = 0; r < R; ++r) {
-      const int64_t b = (r0 + r) * kb + sb;
-      // sum(code * q) - offset * sum(q) = sum((code - 128) * q) + (128 - offset) * sum(q)
-      const int32x4_t fix = vdupq_n_s32((128 - off) * x.s32[b]);
-      for (int c = 0; c < 4; ++c) acc[r][c] = epilogue(vaddq_s32(dot[r][c], fix), x.d8[b], load_f16x4(p + 8 * c), acc[r][c]);
+    for (int c = 0; c < 4; ++c) {
+      float32x4_t scale, mins;
+      const bool has_mins = byte_scales(s, sb, g, c, &scale, &mins);
+      for (int r = 0; r < R; ++r) {
+        const int64_t b = (r0 + r) * kb + blk;
+        acc[r][c] = q8_epilogue(dot[r][c], fix * x.s32[b], x.d8[b], x.xs[b], scale, mins, has_mins, acc[r][c]);
+      }
     }
-  }
+  });
 }
 
 #undef SPX_SDOT4
@@ -174,7 +226,8 @@ void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const T
     for (int c = 0; c < 4; ++c) acc[r][c] = vdupq_n_f32(0.f);
   switch (s.fmt) {
     case Q4K: panel_q4k<R>(s, p, x, r0, acc); break;
-    case Q6K: panel_q6k<R>(s, p, x, r0, acc); break;
+    case Q6K:
+    case Q3K: panel_q6k<R>(s, p, x, r0, acc); break;
     default: panel_q8<R>(s, p, x, r0, acc); break;
   }
   for (int c = 0; c < 4; ++c) {
@@ -256,23 +309,18 @@ void rows_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int
 // row's accumulators are loaded and stored once for the two, updated in group order.
 void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
   const int64_t nsb = s.k / 256, kb = x.k / 32, k16 = x.k / 16, xk = x.k;
-  const uint8x16_t low = vdupq_n_u8(0x0F), top = vdupq_n_u8(0x30);
-  for (int64_t sb = 0; sb < nsb; ++sb, p += 3360)
+  for (int64_t sb = 0; sb < nsb; ++sb, p += s.fi().bytes)
     for (int g = 0; g < 16; g += 2) {
       const int64_t k0 = sb * 256 + g * 16;
       for (int h = 0; h < 2; ++h) {
         int8x16_t w[2][4][2];  // [group][step][quad]
         float32x4_t scale[2][2];
         for (int j = 0; j < 2; ++j) {
-          const uint8_t* cb = p + 288 + 192 * (g + j);
           for (int c = 0; c < 2; ++c) {
             const int quad = 2 * h + c;
-            const uint8x16_t a = vld1q_u8(cb + 16 * quad), b = vld1q_u8(cb + 64 + 16 * quad),
-                             hb = vld1q_u8(cb + 128 + 16 * quad);
-            w[j][0][c] = vreinterpretq_s8_u8(vorrq_u8(vandq_u8(a, low), vandq_u8(vshlq_n_u8(hb, 4), top)));
-            w[j][1][c] = vreinterpretq_s8_u8(vorrq_u8(vandq_u8(b, low), vandq_u8(vshlq_n_u8(hb, 2), top)));
-            w[j][2][c] = vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(a, 4), vandq_u8(hb, top)));
-            w[j][3][c] = vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(b, 4), vandq_u8(vshrq_n_u8(hb, 2), top)));
+            int8x16_t v[4];
+            q6_quad(s.fmt, p, g + j, quad, v);
+            for (int st = 0; st < 4; ++st) w[j][st][c] = v[st];
             scale[j][c] = vmulq_f32(load_f16x4(p + 8 * quad), cvt_i8x4(p + 32 + 16 * (g + j) + 4 * quad));
           }
         }
@@ -304,28 +352,30 @@ void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int
 }
 
 void rows_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
-  const int64_t nsb = s.k / 32, kb = x.k / 32, xk = x.k;
-  const int32_t off = static_cast<int32_t>(s.offset);
+  const int64_t kb = x.k / 32, xk = x.k;
+  const int32_t fix = 128 - static_cast<int32_t>(s.offset);
   const uint8x16_t flip = vdupq_n_u8(0x80);
-  for (int64_t sb = 0; sb < nsb; ++sb, p += 544)
+  for_q8_groups(s, p, [&](int64_t blk, const uint8_t* sb, int g, const uint8_t* cb) {
     for (int h = 0; h < 2; ++h) {
       int8x16_t w[8][2];
-      float32x4_t scale[2];
+      float32x4_t scale[2], mins[2];
+      bool has_mins = false;
       for (int c = 0; c < 2; ++c) {
         const int quad = 2 * h + c;
-        for (int st = 0; st < 8; ++st) w[st][c] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(p + 32 + 64 * st + 16 * quad), flip));
-        scale[c] = load_f16x4(p + 8 * quad);
+        for (int st = 0; st < 8; ++st) w[st][c] = vreinterpretq_s8_u8(veorq_u8(step_bytes(s.fmt, cb, st, quad), flip));
+        has_mins = byte_scales(s, sb, g, quad, &scale[c], &mins[c]);
       }
       for (int r = 0; r < n; ++r) {
         int32x4_t dot[2];
-        row_dots8(w, x.q8 + (r0 + r) * xk + sb * 32, dot);
-        const int64_t b = (r0 + r) * kb + sb;
-        // sum(code * q) - offset * sum(q) = sum((code - 128) * q) + (128 - offset) * sum(q)
-        const int32x4_t fix = vdupq_n_s32((128 - off) * x.s32[b]);
+        row_dots8(w, x.q8 + (r0 + r) * xk + blk * 32, dot);
+        const int64_t b = (r0 + r) * kb + blk;
         float* a = acc + 16 * r + 8 * h;
-        for (int c = 0; c < 2; ++c) vst1q_f32(a + 4 * c, epilogue(vaddq_s32(dot[c], fix), x.d8[b], scale[c], vld1q_f32(a + 4 * c)));
+        for (int c = 0; c < 2; ++c)
+          vst1q_f32(a + 4 * c, q8_epilogue(dot[c], fix * x.s32[b], x.d8[b], x.xs[b], scale[c], mins[c], has_mins,
+                                           vld1q_f32(a + 4 * c)));
       }
     }
+  });
 }
 
 #undef SPX_SDOT2
@@ -356,7 +406,8 @@ void rows_neon(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, in
   for (int i = 0; i < 4 * n; ++i) vst1q_f32(acc + 4 * i, vdupq_n_f32(0.f));
   switch (s.fmt) {
     case Q4K: rows_q4k(s, p, x, r0, n, acc); break;
-    case Q6K: rows_q6k(s, p, x, r0, n, acc); break;
+    case Q6K:
+    case Q3K: rows_q6k(s, p, x, r0, n, acc); break;
     default: rows_q8(s, p, x, r0, n, acc); break;
   }
   for (int c = 0; c < 4; ++c) {

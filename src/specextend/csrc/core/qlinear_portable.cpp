@@ -48,12 +48,6 @@ void pre_op_row_portable(const float* x, int64_t k, const PreOp& op, float* out)
 
 namespace {
 
-// Code of lane byte b in step st of a packed Q6K group (see the layout in qlinear.h).
-inline int q6_code(const uint8_t* g, int st, int b) {
-  const uint8_t lo = g[64 * (st % 2) + b];
-  return ((st < 2 ? lo : lo >> 4) & 15) | (((g[128 + b] >> (2 * st)) & 3) << 4);
-}
-
 // One group's codes [16 channels][group] and float scales (and Q4K mins).
 struct Group {
   float scale[kPanel], mins[kPanel];
@@ -75,15 +69,19 @@ void unpack_group(const Segment& s, const uint8_t* p, int g, Group& out) {
           const uint8_t byte = cb[64 * (st % 4) + 4 * c + j];
           out.codes[c][4 * st + j] = st < 4 ? (byte & 15) : (byte >> 4);
         }
-    } else if (s.fmt == Q6K) {
+    } else if (six_bit(s.fmt)) {
       out.scale[c] = d * static_cast<float>(reinterpret_cast<const int8_t*>(p + 32)[16 * g + c]);
-      const uint8_t* cb = p + 288 + 192 * g;
       for (int st = 0; st < 4; ++st)
-        for (int j = 0; j < 4; ++j) out.codes[c][4 * st + j] = q6_code(cb, st, 4 * c + j);
+        for (int j = 0; j < 4; ++j) out.codes[c][4 * st + j] = q6_code(s.fmt, p, g, st, 4 * c + j);
     } else {
       out.scale[c] = d;
+      if (k_header(s.fmt)) {
+        out.scale[c] = d * static_cast<float>(reinterpret_cast<const int8_t*>(p + 64)[16 * g + c]);
+        out.mins[c] = half_to_float(dh[16 + c]) * static_cast<float>(p[64 + 16 * s.sbg + 16 * g + c]);
+      }
+      const uint8_t* cb = byte_codes(s.fmt, s.sbg, p, g);
       for (int st = 0; st < 8; ++st)
-        for (int j = 0; j < 4; ++j) out.codes[c][4 * st + j] = p[32 + 64 * st + 4 * c + j];
+        for (int j = 0; j < 4; ++j) out.codes[c][4 * st + j] = byte_code(s.fmt, cb, st, 4 * c + j);
     }
   }
 }
@@ -97,11 +95,11 @@ void group_row(const Segment& s, const Group& grp, const Rows& x, int64_t row, i
   for (int c = 0; c < kPanel; ++c) {
     int32_t dot = 0;
     for (int i = 0; i < fi.group; ++i) dot += grp.codes[c][i] * static_cast<int32_t>(q[i]);
-    if (s.fmt == Q6K) dot -= 32 * x.s16[row * (x.k / 16) + k0 / 16];
-    if (s.fmt == Q8) dot -= static_cast<int32_t>(s.offset) * x.s32[row * kb + k0 / 32];
+    if (six_bit(s.fmt)) dot -= 32 * x.s16[row * (x.k / 16) + k0 / 16];
+    if (s.fmt == Q8 || k_header(s.fmt)) dot -= static_cast<int32_t>(s.offset) * x.s32[row * kb + k0 / 32];
     const float t = static_cast<float>(dot) * d8;
     acc[c] = std::fma(t, grp.scale[c], acc[c]);
-    if (s.fmt == Q4K) acc[c] = std::fma(-grp.mins[c], x.xs[row * kb + k0 / 32], acc[c]);
+    if (s.fmt == Q4K || k_header(s.fmt)) acc[c] = std::fma(-grp.mins[c], x.xs[row * kb + k0 / 32], acc[c]);
   }
 }
 
@@ -139,7 +137,8 @@ void dequantize_row(const Segment& s, int64_t row, float* o) {
       float* og = o + sb * fi.superblock + g * fi.group;
       for (int i = 0; i < fi.group; ++i) {
         if (s.fmt == Q4K) og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i]) - grp.mins[c];
-        else if (s.fmt == Q6K) og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i] - 32);
+        else if (six_bit(s.fmt)) og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i] - 32);
+        else if (k_header(s.fmt)) og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i] - s.offset) - grp.mins[c];
         else og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i] - s.offset);
       }
     }

@@ -1,0 +1,49 @@
+// The code unpacking shared by the avx512 and amx paths (the 6-bit and byte-code formats);
+// include inside an SPX_BEGIN_AVX512 region after qlinear.h.
+#pragma once
+
+#include "x86.h"
+
+#include "qlinear.h"
+
+namespace spx {
+
+// Step st's 64 byte codes (16 channels x 4 inputs) of a byte-code group at cb: byte_code
+// (qlinear.h) on 64 lanes. 16-bit shifts move the fifth bit within its byte (st <= 4 left by
+// 4 - st, else right): the bits crossing from the other byte of the pair miss the mask.
+inline __m512i step_bytes(int64_t fmt, const uint8_t* cb, int st) {
+  if (fmt == Q8) return _mm512_loadu_si512(cb + 64 * st);
+  const __m512i v = _mm512_loadu_si512(cb + 64 * (st % 4));
+  const __m512i nib = _mm512_and_si512(st < 4 ? v : _mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+  if (fmt == IQ4)
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4Bytes))), nib);
+  const __m512i plane = _mm512_loadu_si512(cb + 256);
+  const __m512i bit = st <= 4 ? _mm512_sll_epi16(plane, _mm_cvtsi32_si128(4 - st)) : _mm512_srl_epi16(plane, _mm_cvtsi32_si128(st - 4));
+  return _mm512_or_si512(nib, _mm512_and_si512(bit, _mm512_set1_epi8(0x10)));
+}
+
+// Group g's four steps of 6-bit codes of the Q6K or Q3K super-block at sb: q6_code (qlinear.h) on
+// 64 lanes. Q6K: step s's high bits sit at bits 2s..2s+1 of h; shifted to bits 4..5 they join the
+// nibble. Q3K: 16-bit shifts bring a field to the bottom of its byte, where bits from the other
+// byte of the pair miss the mask.
+inline void unpack_q6(int64_t fmt, const uint8_t* sb, int g, __m512i* w) {
+  if (fmt == Q3K) {
+    const uint8_t* pair = sb + 288 + 192 * (g / 2);
+    const __m512i lo = _mm512_loadu_si512(pair + 64 * (g % 2)), hi = _mm512_loadu_si512(pair + 128);
+    for (int st = 0; st < 4; ++st) {
+      const __m512i l = _mm512_and_si512(_mm512_srl_epi16(lo, _mm_cvtsi32_si128(2 * st)), _mm512_set1_epi8(3));
+      const __m512i t = _mm512_and_si512(_mm512_srl_epi16(hi, _mm_cvtsi32_si128(4 * (g % 2) + st)), _mm512_set1_epi8(1));
+      w[st] = _mm512_add_epi8(_mm512_or_si512(l, _mm512_slli_epi16(t, 2)), _mm512_set1_epi8(28));
+    }
+    return;
+  }
+  const uint8_t* cb = sb + 288 + 192 * g;
+  const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+  const __m512i a = _mm512_loadu_si512(cb), b = _mm512_loadu_si512(cb + 64), h = _mm512_loadu_si512(cb + 128);
+  w[0] = _mm512_or_si512(_mm512_and_si512(a, low), _mm512_and_si512(_mm512_slli_epi16(h, 4), top));
+  w[1] = _mm512_or_si512(_mm512_and_si512(b, low), _mm512_and_si512(_mm512_slli_epi16(h, 2), top));
+  w[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), low), _mm512_and_si512(h, top));
+  w[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), low), _mm512_and_si512(_mm512_srli_epi16(h, 2), top));
+}
+
+}  // namespace spx
