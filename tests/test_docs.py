@@ -160,8 +160,8 @@ def test_documented_command_lines_parse(doc, line):
 def long_models(tmp_path_factory) -> list[str]:
     """Tiny models whose context holds docs/serving.md, and the flags that select them."""
     root = tmp_path_factory.mktemp("readme")
-    target = save_tiny_model(root / "target", seed=0, max_position_embeddings=32768)
-    draft = save_tiny_model(root / "draft", seed=1, layers=1, max_position_embeddings=32768)
+    target = save_tiny_model(root / "target", seed=0, max_position_embeddings=65536)
+    draft = save_tiny_model(root / "draft", seed=1, layers=1, max_position_embeddings=65536)
     return ["--target", str(target), "--draft", str(draft), "--dtype", "float64"]
 
 

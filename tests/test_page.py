@@ -132,7 +132,7 @@ def test_stop_cancels_the_answer_on_the_server(browser, pair, folders):  # noqa:
 def test_a_busy_server_is_a_message_with_its_wait(browser, pair, folders):  # noqa: F811
     with (running(pair, folders, max_queue=0, limits=one_at_a_time(0)) as url, page_at(browser, url) as first,
           page_at(browser, url) as second):
-        slow_steps(pair, 0.1)
+        slow_steps(pair, 0.5)  # the first answer holds the one slot well past the second question
         for page in (first, second):
             paste(page, DOC)
             page.get_by_label("Max tokens").fill("200")

@@ -87,26 +87,29 @@ class Prompts:
 
     # ----------------------------------------------------------------- text <-> tokens
 
-    def encode(self, prompt: str, chat: bool = False) -> list[int]:
-        """Prompt token ids; with `chat`, wrapped in the tokenizer's chat template as a user turn."""
+    def encode(self, prompt: str, chat: bool = False, whole: bool = False) -> list[int]:
+        """Prompt token ids; with `chat`, wrapped in the tokenizer's chat template as a user turn.
+        `whole`: tokenize a text past the character bound too (a caller that bounds it itself and
+        wants the count, such as the page's /v1/tokenize)."""
         if not isinstance(prompt, str):
             raise UserError(f"prompt must be a string or a list of token ids, not {type(prompt).__name__}")
         if not prompt.strip():
             raise UserError("the prompt is empty")
         if chat:
-            return self.encode_chat([{"role": "user", "content": prompt}])
-        self._check_chars(prompt)
+            return self.encode_chat([{"role": "user", "content": prompt}], whole=whole)
+        if not whole:
+            self._check_chars(prompt)
         # verbose=False: our own length check below says it better than transformers' warning.
         ids = [int(i) for i in self.tokenizer.encode(prompt, verbose=False)]
         self._check_ids(ids)
         return ids
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
-                    ) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
+                    whole: bool = False) -> list[int]:
         """Prompt token ids of a conversation ({"role", "content"} dicts; an assistant's
         `tool_calls` and tool results as toolcalls.template_messages makes them) in the
         tokenizer's chat template, ending with the assistant's turn opened; `tools` (OpenAI's
-        shape) are described as the template describes them."""
+        shape) are described as the template describes them; `whole` as in `encode`."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise UserError(f"the tokenizer in {self.target_path} has no chat template; send a plain prompt")
         # Render to text, then tokenize: the template already holds any special tokens.
@@ -116,7 +119,8 @@ class Prompts:
                                                       **extra)
         except TemplateError as e:  # a template's own raise_exception (an order of roles it refuses)
             raise UserError(f"the chat template cannot render these messages: {str(e).strip()[:300]}") from None
-        self._check_chars(text)
+        if not whole:
+            self._check_chars(text)
         ids = [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False, verbose=False)]
         self._check_ids(ids)
         return ids

@@ -203,13 +203,17 @@ class Server:
                            param="method")
         return ids
 
-    def tokens(self, req: protocol.Request) -> list[int]:
-        """A request's prompt token ids (UserError for a prompt that cannot be encoded, PromptTooLong
-        past the context), not yet checked against prompt + max_tokens."""
+    def tokens(self, req: protocol.Request, whole: bool = False) -> list[int]:
+        """A request's prompt token ids (UserError for a prompt that cannot be encoded, a
+        ContextLengthExceeded past the context), not yet checked against prompt + max_tokens.
+        `whole`: count a text past the character bound too (Prompts.encode), for a caller that
+        bounds the body itself."""
         if req.messages is not None:
             tools = req.tools.template_tools() if req.tools is not None else None
-            return self.encoder.encode_chat(template_messages(req.messages), tools)
+            return self.encoder.encode_chat(template_messages(req.messages), tools, whole=whole)
         assert req.prompt is not None
+        if isinstance(req.prompt, str):
+            return self.encoder.encode(req.prompt, whole=whole)
         return self.encoder.prompt_ids(req.prompt, chat=False)
 
     async def _wait(self, job: Job, request: HTTPRequest) -> Outcome | None:

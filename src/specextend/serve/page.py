@@ -90,7 +90,7 @@ def count(server: Server, raw: bytes) -> dict[str, Any]:
     req = protocol.parse(kind, body, server.defaults)
     message = None
     try:
-        tokens = len(server.tokens(req))
+        tokens = len(server.tokens(req, whole=True))  # its body is bounded here: count past the character bound
     except PromptTooLong as e:
         tokens, message = e.tokens, str(e)
     except UserError as e:
