@@ -12,6 +12,7 @@
 
 #include "attention.h"
 #include "rope.h"
+#include "team_barrier.h"
 
 namespace spx {
 
@@ -24,6 +25,22 @@ int thread_num() {
   return 0;
 #endif
 }
+
+int team_size() {
+#if defined(_OPENMP)
+  return omp_get_num_threads();
+#else
+  return 1;
+#endif
+}
+
+// The region's threads and the barrier that ends each phase: every work-sharing loop here is
+// `nowait` and ends in sync() instead of libgomp's implicit barrier (team_barrier.h says why).
+struct Team {
+  TeamBarrier& barrier;
+  int size;
+  void sync() const { barrier.wait(size); }
+};
 
 template <class V>
 void grow(V& v, size_t n) {
@@ -66,20 +83,23 @@ struct Buffers {
   float* accumulators(int tid) { return acc_base + tid * acc_stride + 16 * tid; }
 };
 
-// pre(x) of every row quantized into `a`, rows split over the team (implicit barrier at the end).
-void quantize_phase(Path path, const float* x, int64_t ldx, const PreOp& op, const Rows& a, int64_t t, float* scratch) {
-#pragma omp for schedule(static)
+// pre(x) of every row quantized into `a`, rows split over the team.
+void quantize_phase(const Team& team, Path path, const float* x, int64_t ldx, const PreOp& op, const Rows& a,
+                    int64_t t, float* scratch) {
+#pragma omp for schedule(static) nowait
   for (int64_t r = 0; r < t; ++r) quantize_rows(path, x, ldx, op, a, r, r + 1, scratch);
+  team.sync();
 }
 
 // y [t, w.n] = a . W (+ bias) (+ residual): plan_linear's units from a shared counter.
-void linear_phase(Path path, const StepLinear& w, const Rows& a, int64_t t, float* y, const float* residual,
-                  int threads, float* acc) {
+void linear_phase(const Team& team, Path path, const StepLinear& w, const Rows& a, int64_t t, float* y,
+                  const float* residual, int threads, float* acc) {
   const Linear lin{w.segs.data(), w.first_panel.data(), static_cast<int64_t>(w.segs.size()), a, t, y, w.n, w.bias,
                    residual};
   const LinearWork work = plan_linear(lin, w.panels(), threads);
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
   for (int64_t u = 0; u < work.units(); ++u) linear_unit(path, lin, work, u, acc);
+  team.sync();
 }
 
 // What every layer does per sequence, set up before the parallel region: the sequence's first
@@ -147,10 +167,10 @@ BatchPlan batch_plan(const StepModel& md, const StepBatch& bt, Buffers& b, int t
 
 // Rows of each sequence's attention output [heads, t, d] as the o-projection's input rows
 // [T, heads * d], quantized (rows split over the team).
-void gather_quantize_phase(Path path, const StepModel& md, const BatchPlan& bp, const float* att, float* att_rows,
-                           const Rows& a, float* scratch) {
+void gather_quantize_phase(const Team& team, Path path, const StepModel& md, const BatchPlan& bp, const float* att,
+                           float* att_rows, const Rows& a, float* scratch) {
   const int64_t d = md.head_dim, width = md.heads * d;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
   for (int64_t r = 0; r < bp.t; ++r) {
     const float* src = att;
     if (bp.t > 1) {
@@ -163,11 +183,12 @@ void gather_quantize_phase(Path path, const StepModel& md, const BatchPlan& bp, 
     }
     quantize_rows(path, src, width, PreOp{}, a, r, r + 1, scratch);
   }
+  team.sync();
 }
 
 // One layer, run by every thread of the team; x holds the layer's input and gets its output.
-void layer_phases(Path path, const StepModel& md, const StepLayer& l, int64_t li, const StepBatch& bt,
-                  const BatchPlan& bp, Buffers& b, int threads) {
+void layer_phases(const Team& team, Path path, const StepModel& md, const StepLayer& l, int64_t li,
+                  const StepBatch& bt, const BatchPlan& bp, Buffers& b, int threads) {
   const int tid = thread_num();
   float* scratch = b.scratch(tid);
   float* acc = b.accumulators(tid);
@@ -175,9 +196,9 @@ void layer_phases(Path path, const StepModel& md, const StepLayer& l, int64_t li
   PreOp norm;
   norm.norm = l.attn_norm;
   norm.eps = md.eps;
-  quantize_phase(path, bt.x, md.hidden, norm, b.act(md.hidden), t, scratch);
-  linear_phase(path, l.qkv, b.act(md.hidden), t, b.w.qkv.data(), nullptr, threads, acc);
-#pragma omp for schedule(static)
+  quantize_phase(team, path, bt.x, md.hidden, norm, b.act(md.hidden), t, scratch);
+  linear_phase(team, path, l.qkv, b.act(md.hidden), t, b.w.qkv.data(), nullptr, threads, acc);
+#pragma omp for schedule(static) nowait
   for (int64_t row = 0; row < t; ++row) {
     const int64_t s = bp.seq_of_row[row];
     const StepSeq& r = bt.seqs[s];
@@ -189,6 +210,7 @@ void layer_phases(Path path, const StepModel& md, const StepLayer& l, int64_t li
     rope.v = r.v + li * layer_stride;
     rope_tokens(rope, tok, tok + 1);
   }
+  team.sync();
   // Attention only reads q, so the copies need no barrier of their own.
 #pragma omp for schedule(static) nowait
   for (int64_t s = 0; s < bt.nseqs; ++s) {
@@ -197,7 +219,7 @@ void layer_phases(Path path, const StepModel& md, const StepLayer& l, int64_t li
       std::memcpy(r.keep_q[li], bp.seqs[s].pb.q, sizeof(float) * static_cast<size_t>(r.t * md.heads * d));
   }
   const int64_t items = static_cast<int64_t>(bp.items.size());
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
   for (int64_t i = 0; i < items; ++i) {
     const ItemRef& ref = bp.items[i];
     const StepSeq& r = bt.seqs[ref.seq];
@@ -207,30 +229,32 @@ void layer_phases(Path path, const StepModel& md, const StepLayer& l, int64_t li
     pb.v = r.v + li * layer_stride;
     attend_items(path, pb, bp.seqs[ref.seq].items.data(), ref.item, ref.item + 1);
   }
+  team.sync();
   const int64_t hd = md.heads * d;
-  gather_quantize_phase(path, md, bp, b.w.att.data(), b.w.att_rows.data(), b.act(hd), scratch);
-  linear_phase(path, l.o, b.act(hd), t, b.w.x2.data(), bt.x, threads, acc);
+  gather_quantize_phase(team, path, md, bp, b.w.att.data(), b.w.att_rows.data(), b.act(hd), scratch);
+  linear_phase(team, path, l.o, b.act(hd), t, b.w.x2.data(), bt.x, threads, acc);
   norm.norm = l.mlp_norm;
-  quantize_phase(path, b.w.x2.data(), md.hidden, norm, b.act(md.hidden), t, scratch);
-  linear_phase(path, l.gate_up, b.act(md.hidden), t, b.w.gu.data(), nullptr, threads, acc);
+  quantize_phase(team, path, b.w.x2.data(), md.hidden, norm, b.act(md.hidden), t, scratch);
+  linear_phase(team, path, l.gate_up, b.act(md.hidden), t, b.w.gu.data(), nullptr, threads, acc);
   PreOp silu;
   silu.silu_mul = true;
   const int64_t inter = l.gate_up.n / 2;
-  quantize_phase(path, b.w.gu.data(), 2 * inter, silu, b.act(inter), t, scratch);
-  linear_phase(path, l.down, b.act(inter), t, bt.x, b.w.x2.data(), threads, acc);
+  quantize_phase(team, path, b.w.gu.data(), 2 * inter, silu, b.act(inter), t, scratch);
+  linear_phase(team, path, l.down, b.act(inter), t, bt.x, b.w.x2.data(), threads, acc);
 }
 
 // The picked rows through the final norm and the head (the team's last phases).
-void head_phases(Path path, const StepModel& md, const StepBatch& bt, Buffers& b, int threads) {
+void head_phases(const Team& team, Path path, const StepModel& md, const StepBatch& bt, Buffers& b, int threads) {
   const int tid = thread_num();
   const int64_t n = bt.n_logits, h = md.hidden;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
   for (int64_t i = 0; i < n; ++i) std::memcpy(b.w.hx.data() + i * h, bt.x + bt.logit_rows[i] * h, h * sizeof(float));
+  team.sync();
   PreOp norm;
   norm.norm = bt.head->norm;
   norm.eps = bt.head->eps;
-  quantize_phase(path, b.w.hx.data(), h, norm, b.act(h), n, b.scratch(tid));
-  linear_phase(path, bt.head->w, b.act(h), n, bt.logits, nullptr, threads, b.accumulators(tid));
+  quantize_phase(team, path, b.w.hx.data(), h, norm, b.act(h), n, b.scratch(tid));
+  linear_phase(team, path, bt.head->w, b.act(h), n, bt.logits, nullptr, threads, b.accumulators(tid));
 }
 
 }  // namespace
@@ -244,11 +268,13 @@ void forward_batch(Path path, const StepModel& md, const StepBatch& bt, int thre
   Buffers b(ws != nullptr ? *ws : local, md, bt, t, threads);
   const BatchPlan bp = batch_plan(md, bt, b, threads);
   const bool head = bt.head != nullptr && bt.n_logits > 0;
+  TeamBarrier barrier;
 #pragma omp parallel num_threads(threads)
   {
+    const Team team{barrier, team_size()};
     for (size_t li = 0; li < md.layers.size(); ++li)
-      layer_phases(path, md, md.layers[li], static_cast<int64_t>(li), bt, bp, b, threads);
-    if (head) head_phases(path, md, bt, b, threads);
+      layer_phases(team, path, md, md.layers[li], static_cast<int64_t>(li), bt, bp, b, threads);
+    if (head) head_phases(team, path, md, bt, b, threads);
   }
 }
 
