@@ -205,3 +205,15 @@ def test_a_path_this_cpu_cannot_run_is_refused_in_one_line(tmp_path: Path) -> No
     # one line, after the kernels' one-time build notice when this run had to build them
     lines = [x for x in out.stderr.strip().splitlines() if "building the CPU kernels" not in x]
     assert len(lines) == 1 and f"this CPU cannot run the {missing} kernels" in lines[0], out.stderr
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ for the standalone build")
+def test_the_step_barrier_publishes_every_write_with_more_threads_than_cpus(tmp_path: Path) -> None:
+    """The whole-step forward's own barrier (core/team_barrier.h), 4 and 7 threads on this machine's
+    CPUs: every thread sees every write of the round it waited for, and none runs ahead."""
+    exe = tmp_path / "team_barrier"
+    subprocess.run(["g++", "-O2", "-std=c++17", "-fopenmp", str(CSRC / "test" / "team_barrier_test.cpp"), "-o",
+                    str(exe)], check=True)
+    for threads in (4, 7):
+        out = subprocess.run([str(exe), str(threads), "5000"], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0 and " 0 failed" in out.stdout, out.stdout + out.stderr
