@@ -392,3 +392,27 @@ def test_the_goals_bench_counts_calls_and_misses(url, says, tmp_path):
     assert [r["ok"] for r in rows] == [True] * 12 + [False] * 2
     assert "8/8 with valid calls and no markup; auto: calls on 4/4 weather questions, none on 0/2" in \
         (tmp_path / "summary.md").read_text()
+
+
+def test_the_server_default_for_tool_call_recovery_applies_where_a_request_is_silent():
+    """`serve --no-tool-call-recovery` (the server's default, passed to protocol.parse): a request
+    without the field gets it; one that sets it keeps its own."""
+    from specextend.serve import protocol
+    from specextend.settings import Settings
+
+    body = {"messages": [{"role": "user", "content": "Oslo?"}], "tools": TOOLS}
+    assert protocol.parse("chat", body, Settings()).tools.recover
+    assert not protocol.parse("chat", body, Settings(), tool_call_recovery=False).tools.recover
+    own = {**body, "tool_call_recovery": True}
+    assert protocol.parse("chat", own, Settings(), tool_call_recovery=False).tools.recover
+
+
+def test_serve_has_a_flag_for_the_default():
+    import argparse
+
+    from specextend.serve.command import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert p.parse_args([]).tool_call_recovery is True
+    assert p.parse_args(["--no-tool-call-recovery"]).tool_call_recovery is False

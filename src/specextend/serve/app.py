@@ -69,6 +69,7 @@ class Server:
     with (`encoder`, its own: the backend decodes on other threads), the defaults, the routes."""
 
     api_keys: tuple[str, ...] = ()  # with keys, every route but /health needs one (auth.py)
+    tool_call_recovery = True  # a request's default for its tool_call_recovery field (toolcalls.py)
     max_body_bytes: int | None = None  # None: limits.default_max_body_bytes of the context
 
     def __init__(self, backend: Backend, encoder: Prepared, defaults: Settings, model_id: str) -> None:
@@ -79,9 +80,11 @@ class Server:
         self.started = int(time.time())
         self.metrics = ServerMetrics(self.health_body)
 
-    def configure(self, api_keys: tuple[str, ...], max_body_mb: float | None, drain_s: float) -> None:
+    def configure(self, api_keys: tuple[str, ...], max_body_mb: float | None, drain_s: float,
+                  tool_call_recovery: bool = True) -> None:
         """The HTTP side's flags (`serve`'s; the one-process server's or the replicas' front end's)."""
         self.api_keys = api_keys
+        self.tool_call_recovery = tool_call_recovery
         if max_body_mb is not None:
             self.max_body_bytes = max(1, int(max_body_mb * 2**20))
         self.drain.seconds = drain_s
@@ -142,7 +145,7 @@ class Server:
 
     async def _generate(self, request: HTTPRequest, kind: Literal["chat", "completion"]) -> Response:
         try:
-            req = protocol.parse(kind, await _json_body(request), self.defaults)
+            req = protocol.parse(kind, await _json_body(request), self.defaults, self.tool_call_recovery)
             ids = self._encode(req)
             job = self.job(req, ids)
             self.backend.submit(job)

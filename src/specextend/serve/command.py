@@ -63,6 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM or Ctrl-C, seconds the requests already taken may run on while new ones get "
                         "503; those still running then are cancelled, and the server exits with status 0 (default: "
                         f"{DEFAULT_DRAIN_S:g})")
+    g.add_argument("--no-tool-call-recovery", dest="tool_call_recovery", action="store_false",
+                   help="under tool_choice auto, an answer that is a bare JSON call stays text unless the request "
+                        "sets tool_call_recovery: true (default: such an answer, valid against a declared tool's "
+                        "schema, becomes tool_calls)")
     g.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
     c = p.add_argument_group("replicas (Ray Serve; needs the cluster extra: " + INSTALL_CLUSTER + ")")
     c.add_argument("--replicas", type=int, default=None,
@@ -148,6 +152,6 @@ def run(args: argparse.Namespace) -> int:
     from .local import build
 
     server = build(args)
-    server.configure(keys, args.max_body_mb, args.drain_s)
+    server.configure(keys, args.max_body_mb, args.drain_s, args.tool_call_recovery)
     run_http(server, sock, args.quiet)
     return 0

@@ -87,7 +87,7 @@ def count(server: Server, raw: bytes) -> dict[str, Any]:
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
     kind = "completion" if isinstance(body, dict) and "prompt" in body else "chat"
-    req = protocol.parse(kind, body, server.defaults)
+    req = protocol.parse(kind, body, server.defaults, server.tool_call_recovery)
     message = None
     try:
         tokens = len(server.tokens(req, whole=True))  # its body is bounded here: count past the character bound

@@ -255,9 +255,11 @@ class Request:
     tools: ToolSpec | None = None  # the tools the answer may call (chat)
 
 
-def parse(kind: Literal["chat", "completion"], body: Any, defaults: Settings) -> Request:
+def parse(kind: Literal["chat", "completion"], body: Any, defaults: Settings, tool_call_recovery: bool = True
+          ) -> Request:
     """Check a decoded JSON body against the endpoint's schema and the generation settings; raises
-    APIError(400) naming the offending field."""
+    APIError(400) naming the offending field. `tool_call_recovery`: the server's default for a
+    request that does not set the field (`serve --no-tool-call-recovery`)."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     model = ChatBody if kind == "chat" else CompletionBody
@@ -266,6 +268,8 @@ def parse(kind: Literal["chat", "completion"], body: Any, defaults: Settings) ->
     except ValidationError as e:
         raise _validation_error(e) from None
     req.check_supported()
+    if isinstance(req, ChatBody) and req.tool_call_recovery is None:
+        req.tool_call_recovery = tool_call_recovery
     overrides = {name: getattr(req, name) for name in EXTENSION_FIELDS if getattr(req, name) is not None}
     max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
     for name, value in (("max_new_tokens", max_tokens), ("temperature", req.temperature), ("top_p", req.top_p),

@@ -370,7 +370,7 @@ def run_replicas(args: argparse.Namespace, sock: socket.socket, api_keys: tuple[
         reports = _first_reports(handle, args.replicas)
         front = Server(RayBackend(handle, routing, args.max_queue, reports), encoder.with_own_tokenizer(),
                        defaults, encoder.target_path.name)
-        front.configure(api_keys, args.max_body_mb, args.drain_s)
+        front.configure(api_keys, args.max_body_mb, args.drain_s, args.tool_call_recovery)
         run_http(front, sock, args.quiet)
     finally:
         serve.shutdown()
