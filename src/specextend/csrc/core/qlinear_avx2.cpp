@@ -63,11 +63,9 @@ inline __m256i load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_ca
 // from the other byte of the pair miss the mask.
 inline void q6k_codes(int64_t fmt, const uint8_t* sb, int g, int h, __m256i* w) {
   if (fmt == Q2K) {
-    const __m256i v = load(sb + 320 + 64 * g + 32 * h), three = _mm256_set1_epi8(3);
-    w[0] = _mm256_and_si256(v, three);
-    w[1] = _mm256_and_si256(_mm256_srli_epi16(v, 2), three);
-    w[2] = _mm256_and_si256(_mm256_srli_epi16(v, 4), three);
-    w[3] = _mm256_and_si256(_mm256_srli_epi16(v, 6), three);
+    const __m256i v = load(sb + 320 + 64 * g + 32 * h);
+#pragma GCC unroll 4
+    for (int st = 0; st < 4; ++st) w[st] = _mm256_and_si256(_mm256_srli_epi16(v, 2 * st), _mm256_set1_epi8(3));
     return;
   }
   if (fmt == Q3K) {
@@ -386,7 +384,9 @@ void one_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m2
         q6k_codes(fmt, p, g, h, w);
         __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], a0), _mm256_maddubs_epi16(w[1], a1));
         __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], a2), _mm256_maddubs_epi16(w[3], a3));
-        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(s01, ones), _mm256_madd_epi16(s23, ones));
+        // Q2K's 2-bit codes keep all 4 steps in one int16 sum (4 * 2 * 3 * 127), widened once
+        const __m256i dot = kQ2 ? _mm256_madd_epi16(_mm256_add_epi16(s01, s23), ones)
+                                : _mm256_add_epi32(_mm256_madd_epi16(s01, ones), _mm256_madd_epi16(s23, ones));
         __m256 scale, mins;
         q6k_scales(fmt, p, g, h, d[h], dmin[h], &scale, &mins);
         acc[h] = epilogue(_mm256_sub_epi32(dot, off), d8, scale, acc[h]);

@@ -28,11 +28,9 @@ inline __m512i step_bytes(int64_t fmt, const uint8_t* cb, int st) {
 // from the other byte of the pair miss the mask.
 inline void unpack_q6(int64_t fmt, const uint8_t* sb, int g, __m512i* w) {
   if (fmt == Q2K) {
-    const __m512i v = _mm512_loadu_si512(sb + 320 + 64 * g), three = _mm512_set1_epi8(3);
-    w[0] = _mm512_and_si512(v, three);
-    w[1] = _mm512_and_si512(_mm512_srli_epi16(v, 2), three);
-    w[2] = _mm512_and_si512(_mm512_srli_epi16(v, 4), three);
-    w[3] = _mm512_and_si512(_mm512_srli_epi16(v, 6), three);
+    const __m512i v = _mm512_loadu_si512(sb + 320 + 64 * g);
+#pragma GCC unroll 4
+    for (int st = 0; st < 4; ++st) w[st] = _mm512_and_si512(_mm512_srli_epi16(v, 2 * st), _mm512_set1_epi8(3));
     return;
   }
   if (fmt == Q3K) {
