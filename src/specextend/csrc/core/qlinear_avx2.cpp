@@ -16,6 +16,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 #include "qlinear.h"
@@ -558,11 +559,11 @@ inline void unpack_q6k_group(int64_t fmt, const uint8_t* p, int g, const __m256*
 }
 
 // R rows of one Q6K group: pairs of steps share an int16 sum (2 * 2 * 63 * 127 fits), widened
-// to int32 before the next pair.
-template <int R>
+// to int32 before the next pair; Q2K's 2-bit codes (kQ2) keep all 4 steps in one (4 * 2 * 3 * 127).
+template <int R, bool kQ2>
 inline void q6k_tile_rows(const Q6Group& g, const int8_t* q, int64_t xk, const int32_t* s16, int64_t k16,
                           const float* d8, int64_t kb, float* acc) {
-  __m256i dot[R][2];
+  __m256i dot[R][2], sum[R][2];
 #pragma GCC unroll 2
   for (int pr = 0; pr < 2; ++pr) {
     const __m256i c00 = _mm256_load_si256(&g.w[2 * pr][0]), c01 = _mm256_load_si256(&g.w[2 * pr][1]);
@@ -574,6 +575,11 @@ inline void q6k_tile_rows(const Q6Group& g, const int8_t* q, int64_t xk, const i
       __m256i s1 = _mm256_add_epi16(_mm256_maddubs_epi16(c01, a0), _mm256_maddubs_epi16(c11, a1));
       in_register(s0);
       in_register(s1);
+      if (kQ2) {
+        sum[r][0] = pr ? _mm256_add_epi16(sum[r][0], s0) : s0;
+        sum[r][1] = pr ? _mm256_add_epi16(sum[r][1], s1) : s1;
+        continue;
+      }
       dot[r][0] = pr ? _mm256_add_epi32(dot[r][0], widen(s0)) : widen(s0);
       dot[r][1] = pr ? _mm256_add_epi32(dot[r][1], widen(s1)) : widen(s1);
       in_register(dot[r][0]);
@@ -582,11 +588,16 @@ inline void q6k_tile_rows(const Q6Group& g, const int8_t* q, int64_t xk, const i
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    epilogue_row(acc + 16 * r, dot[r], _mm256_set1_epi32(-g.zero * s16[r * k16]), d8[r * kb], g.scale);
-    if (g.has_mins) {  // q16_xs: d8 x the group's code sum
-      const __m256 xs = _mm256_set1_ps(d8[r * kb] * static_cast<float>(s16[r * k16]));
-      for (int h = 0; h < 2; ++h)
-        _mm256_store_ps(acc + 16 * r + 8 * h, _mm256_fnmadd_ps(g.mins[h], xs, _mm256_load_ps(acc + 16 * r + 8 * h)));
+    if (!kQ2) {
+      epilogue_row(acc + 16 * r, dot[r], _mm256_set1_epi32(-g.zero * s16[r * k16]), d8[r * kb], g.scale);
+      continue;
+    }
+    // no zero point; then the minimum term with q16_xs, d8 x the group's code sum
+    const __m256 xs = _mm256_set1_ps(d8[r * kb] * static_cast<float>(s16[r * k16]));
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m256 a = epilogue(widen(sum[r][h]), d8[r * kb], g.scale[h], _mm256_load_ps(acc + 16 * r + 8 * h));
+      _mm256_store_ps(acc + 16 * r + 8 * h, _mm256_fnmadd_ps(g.mins[h], xs, a));
     }
   }
 }
@@ -603,16 +614,20 @@ void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int
       const int8_t* q = x.q8 + r0 * xk + k0;
       const int32_t* s16 = x.s16 + r0 * k16 + k0 / 16;
       const float* d8 = x.d8 + r0 * kb + k0 / 32;
-      for_tiles<kRowTile>(n, [&](int r, int rows) {
-        switch (rows) {
-          case 1: q6k_tile_rows<1>(grp, q + r * xk, xk, s16 + r * k16, k16, d8 + r * kb, kb, acc + 16 * r); break;
-          case 2: q6k_tile_rows<2>(grp, q + r * xk, xk, s16 + r * k16, k16, d8 + r * kb, kb, acc + 16 * r); break;
-          case 3: q6k_tile_rows<3>(grp, q + r * xk, xk, s16 + r * k16, k16, d8 + r * kb, kb, acc + 16 * r); break;
-          default:
-            q6k_tile_rows<kRowTile>(grp, q + r * xk, xk, s16 + r * k16, k16, d8 + r * kb, kb, acc + 16 * r);
-            break;
-        }
-      });
+      auto tiles = [&](auto q2) {  // Q2K (q2: true) compiled apart
+        constexpr bool kQ2 = decltype(q2)::value;
+        for_tiles<kRowTile>(n, [&](int r, int rows) {
+          const int64_t o = r * kb, o16 = r * k16;
+          switch (rows) {
+            case 1: q6k_tile_rows<1, kQ2>(grp, q + r * xk, xk, s16 + o16, k16, d8 + o, kb, acc + 16 * r); break;
+            case 2: q6k_tile_rows<2, kQ2>(grp, q + r * xk, xk, s16 + o16, k16, d8 + o, kb, acc + 16 * r); break;
+            case 3: q6k_tile_rows<3, kQ2>(grp, q + r * xk, xk, s16 + o16, k16, d8 + o, kb, acc + 16 * r); break;
+            default: q6k_tile_rows<kRowTile, kQ2>(grp, q + r * xk, xk, s16 + o16, k16, d8 + o, kb, acc + 16 * r); break;
+          }
+        });
+      };
+      if (grp.has_mins) tiles(std::true_type{});
+      else tiles(std::false_type{});
     }
   }
 }
