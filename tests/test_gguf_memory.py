@@ -13,13 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from specextend import quant
+from specextend import kernels, quant
 from specextend.bench import gguf_files
 from specextend.cli import main
+from specextend.engine import SpecEngine
 from specextend.errors import UserError
 from specextend.models import gguf as conv
 from specextend.models import registry
+from specextend.models.loader import load_model
 from specextend.models.qstore import QuantizedFile, stream_tensors
+from specextend.settings import Settings
 from test_gguf import write_tiny_gguf
 
 pytestmark = pytest.mark.usefixtures("isolated_home")  # conftest.py: a model cache of its own
@@ -171,6 +174,39 @@ def test_inspect_names_what_is_expanded(tmp_path, tokenizer_gguf, capsys) -> Non
     info = json.loads(run(capsys, "models", "inspect", str(src), "--json")[1])
     row = next(r for r in info["types"] if r["type"] == EXPANDED)
     assert info["expanded"] == [EXPANDED] and row["converted_bytes"] == row["parameters"] * 4
+
+
+def test_a_q2_k_file_keeps_its_grid(tmp_path, tokenizer_gguf, capsys, monkeypatch) -> None:
+    """Q2_K, once expanded, is kept: inspect and the load say nothing is expanded, the converted copy
+    holds the file's bytes, and a folder converted while Q2_K was expanded is converted again."""
+    from specextend.models.gguf import FOOTPRINT_FILE, is_current
+
+    src = random_gguf(tmp_path, tokenizer_gguf, "Q2_K")
+    info = json.loads(run(capsys, "models", "inspect", str(src), "--json")[1])
+    row = next(r for r in info["types"] if r["type"] == "Q2_K")
+    assert info["expanded"] == [] and row["kept"] and row["loaded_bytes"] == row["file_bytes"]
+    folder = registry.converted_gguf(src, progress=False)
+    assert "expanded" not in capsys.readouterr().err
+    stored = QuantizedFile(folder / conv.WEIGHTS_FILE)
+    kept = {name: stored.segment(name) for name in stored.formats}
+    assert {s.fmt for s in kept.values()} == {"q2k"} and len(kept) == row["tensors"]
+    assert sum(s.nbytes for s in kept.values()) <= row["file_bytes"] * 1.01  # rows padded to panels of 16 only
+    model = load_model(folder, torch.float32, weights="gguf")
+    tokens = {}
+    for path in kernels.cpu_paths():  # random weights: the tokens mean nothing, but every path agrees
+        monkeypatch.setenv(kernels.CPU_ENV, path)
+        eng = SpecEngine(model, model, eos_ids=[])
+        tokens[path] = eng.generate([1, 2, 3, 4], Settings(method="ar", max_new_tokens=8)).token_ids
+    assert all(t == tokens["portable"] for t in tokens.values())
+    # as a conversion from before Q2_K was kept records it: expanded, so converted again
+    recorded = json.loads((folder / FOOTPRINT_FILE).read_text())
+    for r in recorded["types"]:
+        if r["type"] == "Q2_K":
+            r.update(kept=False, expanded=True)
+    (folder / FOOTPRINT_FILE).write_text(json.dumps(recorded))
+    assert not is_current(folder)
+    registry.converted_gguf(src, progress=False)
+    assert is_current(folder)
 
 
 def test_inspect_refusals(tmp_path, capsys) -> None:

@@ -17,8 +17,9 @@ ext = kernels.load()
 # Where each type's float16 scales sit in its block (the rest of a block is any bytes: every
 # code and sub-scale is valid), and whether they may be negative (ggml's quantizers make negative
 # d for the symmetric legacy types and m of either sign).
-F16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q4_1": (0, 2), "Q5_1": (0, 2)}
-SIGNED = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "IQ4_XS", "Q3_K"}
+F16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q4_1": (0, 2), "Q5_1": (0, 2),
+              "Q2_K": (80, 82)}
+SIGNED = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K"}
 
 
 def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -51,7 +52,7 @@ def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 KINDS = [("Q4_K", 48, 512), ("Q6_K", 40, 256), ("Q8_0", 35, 96), ("Q5_0", 33, 64), ("Q4_0", 35, 96),
          ("Q4_1", 33, 160), ("Q3_K", 40, 512), ("IQ4_NL", 17, 64), ("Q5_K", 40, 512), ("IQ4_XS", 33, 256),
-         ("Q5_1", 35, 96)]
+         ("Q5_1", 35, 96), ("Q2_K", 35, 768)]
 
 
 @pytest.mark.parametrize(("kind", "n", "k"), KINDS)

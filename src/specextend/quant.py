@@ -8,7 +8,8 @@ A `QWeight` is a [n, k] matrix stored in one or more row *segments*, each in one
   group a super-block: scale code 1, the minimum 8 * d or -m), and our own 4-bit format for float
   weights (up to 8 groups per super-block, so any width divisible by 32 fits).
 - ``q6k``: 6-bit codes (a nibble plane and a 2-bit plane) in groups of 16 with signed 8-bit
-  scales: exactly GGUF's Q6_K grid; ``q3k``, the same at three bits a code: GGUF's Q3_K.
+  scales: exactly GGUF's Q6_K grid; ``q3k``, the same at three bits a code: GGUF's Q3_K;
+  ``q2k``, 2-bit codes under a 4-bit scale and a 4-bit minimum per group of 16: GGUF's Q2_K.
 - ``q8``: byte codes in groups of 32 with one float16 scale and a fixed offset:
   GGUF's Q8_0 (offset 128) and Q5_0 (offset 16) grids, and our 8-bit format for float weights.
 - ``q5k`` and ``iq4``: q4k's header (signed scale codes) over 5-bit codes (nibbles and a bit
@@ -31,7 +32,7 @@ import torch
 from .errors import UserError
 
 PANEL = 16
-FORMATS = {"q4k": 0, "q6k": 1, "q8": 2, "q5k": 3, "iq4": 4, "q3k": 5}
+FORMATS = {"q4k": 0, "q6k": 1, "q8": 2, "q5k": 3, "iq4": 4, "q3k": 5, "q2k": 6}
 # Code bytes per group of 16 channels x 32 inputs of the formats with q4k's header (`pack_kgroups`).
 K_CODE_BYTES = {"q5k": 320, "iq4": 256}
 
@@ -42,7 +43,7 @@ def _superblock(fmt: str, groups: int) -> tuple[int, int]:
         return 32 * groups, 64 + 288 * groups
     if fmt in K_CODE_BYTES:
         return 32 * groups, 64 + (32 + K_CODE_BYTES[fmt]) * groups
-    return {"q6k": (256, 3360), "q3k": (256, 1824), "q8": (32, 544)}[fmt]
+    return {"q6k": (256, 3360), "q3k": (256, 1824), "q2k": (256, 1344), "q8": (32, 544)}[fmt]
 
 
 def blob_bytes(fmt: str, n: int, k: int, groups: int = 8) -> int:
@@ -202,6 +203,21 @@ def pack_q3k(d: np.ndarray, sc: np.ndarray, codes: np.ndarray) -> Segment:
     return Segment("q3k", n, _blob(parts), 0, codes.shape[1])
 
 
+def pack_q2k(d: np.ndarray, dmin: np.ndarray, sm: np.ndarray, codes: np.ndarray) -> Segment:
+    """d, dmin: [n, k/256] float16; sm: [n, k/16] uint8 (scale | min << 4); codes [n, k] uint8 (0..3);
+    w = d * (sm & 15) * code - dmin * (sm >> 4).
+
+    GGUF's Q2_K bytes as they are, in q6k's family: per group of 16, one 64-byte plane holds the
+    4 steps' codes (step s at bits 2s)."""
+    n = codes.shape[0]
+    st = _steps(_panels(codes), 16)  # [P, k/16, 4, 64]
+    plane = sum((st[:, :, i] & 3) << (2 * i) for i in range(4)).astype(np.uint8)  # [P, k/16, 64]
+    p, g = st.shape[:2]
+    parts = [_by_panel(_panels(d), 1), _by_panel(_panels(dmin), 1), _by_panel(_panels(sm), 16),
+             plane.reshape(p, g // 16, 16 * 64)]
+    return Segment("q2k", n, _blob(parts), 0, codes.shape[1])
+
+
 def pack_q8(d: np.ndarray, codes: np.ndarray, offset: int) -> Segment:
     """d: [n, k/32] float16; codes [n, k] uint8; w = d * (code - offset)."""
     n = codes.shape[0]
@@ -246,7 +262,7 @@ def pack_kgroups(fmt: str, d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, mn: 
 GGUF_BLOCKS = {
     "Q4_K": (144, 256), "Q6_K": (210, 256), "Q8_0": (34, 32), "Q5_0": (22, 32),
     "Q4_0": (18, 32), "Q4_1": (20, 32), "Q3_K": (110, 256), "IQ4_NL": (18, 32),
-    "Q5_K": (176, 256), "IQ4_XS": (136, 256), "Q5_1": (24, 32),
+    "Q5_K": (176, 256), "IQ4_XS": (136, 256), "Q5_1": (24, 32), "Q2_K": (84, 256),
 }
 
 
@@ -306,6 +322,15 @@ def _q3k(b: np.ndarray, n: int, k: int) -> Segment:
     return pack_q3k(d, sc.reshape(n, -1), (lo2 | (hi << 2)).reshape(n, k))
 
 
+def _q2k(b: np.ndarray, n: int, k: int) -> Segment:
+    """Q2_K as q2k: its per-16 scale/minimum bytes, 2-bit codes and d, dmin as they are."""
+    nb = b.shape[1]
+    sm, qs, d, dmin = b[..., 0:16], b[..., 16:80], _f16(b[..., 80:82]), _f16(b[..., 82:84])
+    # weights 128h + 32s + i at bits 2s of byte 32h + i (as Q3_K's low bits)
+    codes = _bits(qs.reshape(n, nb, 2, 32), 4, 2).transpose(0, 1, 2, 4, 3).reshape(n, k)
+    return pack_q2k(d, dmin, sm.reshape(n, -1), codes)
+
+
 def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Eight 6-bit scales and mins packed into 12 bytes (Q4_K, Q5_K; llama.cpp's get_scale_min_k4)."""
     lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
@@ -359,6 +384,8 @@ def from_gguf_blocks(kind: str, raw: np.ndarray, n: int, k: int) -> Segment:
         return pack_q6k(d, sc.reshape(n, -1), codes)
     if kind == "Q3_K":
         return _q3k(b, n, k)
+    if kind == "Q2_K":
+        return _q2k(b, n, k)
     if kind == "Q5_K":
         return _q5k(b, n, k)
     if kind == "IQ4_XS":

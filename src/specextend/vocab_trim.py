@@ -49,6 +49,8 @@ def _sections(fmt: str, groups: int) -> list[tuple[int, int]]:
         return [(1, 2), (16, 1), (48, 4)]
     if fmt == "q3k":  # the same with three 64-byte planes per pair of groups
         return [(1, 2), (16, 1), (24, 4)]
+    if fmt == "q2k":  # d, dmin (f16), scale/min bytes, one 64-byte plane per group
+        return [(1, 2), (1, 2), (16, 1), (16, 4)]
     return [(1, 2), (8, 4)]  # q8: d (f16), codes
 
 
@@ -78,7 +80,7 @@ def gather_rows(seg: Segment, ids: np.ndarray) -> Segment:
 
 
 def _inputs(seg: Segment) -> int:
-    return {"q6k": 256, "q3k": 256, "q8": 32}.get(seg.fmt, 32 * seg.groups)
+    return {"q6k": 256, "q3k": 256, "q2k": 256, "q8": 32}.get(seg.fmt, 32 * seg.groups)
 
 
 def _padded(ids: np.ndarray) -> np.ndarray:

@@ -38,11 +38,12 @@ from .. import kernels, quant
 from ..options import OneLineParser
 from .runtime import parse_counts, read_bandwidth_gbs
 
-FORMATS = ("q4k", "q6k", "q5k", "iq4", "q3k")
+FORMATS = ("q4k", "q6k", "q5k", "iq4", "q3k", "q2k")
 
 
 def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> quant.QWeight:
-    """A random n x k matrix packed as `fmt` (q4k, q5k, iq4: 8 groups a super-block; q6k, q3k), real layout."""
+    """A random n x k matrix packed as `fmt` (q4k, q5k, iq4: 8 groups a super-block; q6k, q3k, q2k), real
+    layout."""
     rng = np.random.default_rng(seed)
     if fmt == "q4k":
         seg = quant.pack_q4k(rng.uniform(0.01, 0.1, (n, k // 256)).astype(np.float16),
@@ -58,6 +59,11 @@ def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> quant.QWeight:
         seg = quant.pack_q3k(rng.uniform(0.01, 0.1, (n, k // 256)).astype(np.float16),
                              rng.integers(-32, 32, (n, k // 16), dtype=np.int8),
                              rng.integers(0, 8, (n, k), dtype=np.uint8))
+    elif fmt == "q2k":
+        seg = quant.pack_q2k(rng.uniform(0.01, 0.1, (n, k // 256)).astype(np.float16),
+                             rng.uniform(0.01, 0.1, (n, k // 256)).astype(np.float16),
+                             rng.integers(0, 256, (n, k // 16), dtype=np.uint8),
+                             rng.integers(0, 4, (n, k), dtype=np.uint8))
     elif fmt in quant.K_CODE_BYTES:  # Q5_K's grid, or IQ4_XS's (no minimums)
         q5 = fmt == "q5k"
         seg = quant.pack_kgroups(fmt, rng.uniform(0.01, 0.1, (n, k // 256)).astype(np.float16),

@@ -552,9 +552,13 @@ def is_complete(folder: str | os.PathLike[str]) -> bool:
 
 
 def is_current(folder: str | os.PathLike[str]) -> bool:
-    """A finished conversion in this version's format (older ones hold float32 shards)."""
+    """A finished conversion in this version's format (older ones hold float32 shards) that expanded
+    no type this version keeps (a file converted before its type was kept is converted again)."""
     marker = Path(folder) / COMPLETE_MARKER
-    return marker.is_file() and FORMAT in marker.read_text().split()
+    if not (marker.is_file() and FORMAT in marker.read_text().split()):
+        return False
+    recorded = recorded_footprint(folder)
+    return recorded is None or not any(t.expanded and is_kept(t.type, 2) for t in recorded.types)
 
 
 def pid_alive(pid: int) -> bool:

@@ -14,7 +14,8 @@ bool format_info(int64_t fmt, int64_t sbg, FormatInfo* out) {
       *out = {32, static_cast<int>(32 * sbg), 64 + 288 * sbg};
       return true;
     case Q6K:
-    case Q3K: *out = {16, 256, 32 + 256 + 16 * group16_bytes(fmt)}; return true;
+    case Q3K:
+    case Q2K: *out = {16, 256, q6_header(fmt) + 16 * group16_bytes(fmt)}; return true;
     case Q8: *out = {32, 32, 32 + 512}; return true;
     case Q5K:
     case IQ4:

@@ -11,7 +11,8 @@
 // The arithmetic, the same on every path (qlinear_portable.cpp is its reference): per row,
 // channel and weight group, the integer dot product of codes and int8 activations (exact), then
 // t = float(dot) * d8 (the activation block's scale), acc = fma(t, scale, acc) with the group's
-// float scale, and for Q4K acc = fma(-min, xs, acc) with xs = d8 * (sum of the block's codes);
+// float scale, and for Q4K acc = fma(-min, xs, acc) with xs = d8 * (sum of the block's codes)
+// (Q2K: of the group's 16 codes);
 // groups in input order. Integer sums are exact in any order, so paths may split and pair them
 // as their instructions like; the float steps are the same operations in the same order.
 // Row independence: each row's activation scales are its own and its sums run in the same
@@ -31,6 +32,12 @@
 //       pair of groups 2i, 2i + 1: each one's low 2 bits of steps 0..3 at bits 2st (64 bytes
 //       each), then their third bits (64 bytes: group 2i's step st at bit st, 2i + 1's at 4 + st)):
 //       d[16] f16, sc[16][16] i8, pairs[8][3][64]       q = 28 + (low | third << 2), then as Q6K
+//   Q2K (GGUF's Q2_K in the Q6K family: 2-bit codes with no zero point, a 4-bit scale and a 4-bit
+//       minimum per group of 16 under f16 d and dmin; each group's codes of steps 0..3 at bits 2st
+//       of one 64-byte plane):
+//       d[16] f16, dmin[16] f16, sc[16][16] u8 (Q2_K's bytes: scale | min << 4), codes[16][64]
+//       w = d*(sc & 15) * q - dmin*(sc >> 4); the Q6K epilogue (zero point 0) and then Q4K's
+//       minimum term per group of 16: acc = fma(-min, xs16, acc), xs16 = d8 * s16 (q16_xs).
 //   Q8 (codes in bytes, groups of 32 = super-block, one f16 scale per group; Q8_0, Q5_0, int8):
 //       d[16] f16, codes[8][64] u8                              w = d * (q - offset)
 //   Q5K and IQ4 (Q4K's header with signed scale codes over 4-bit codes that the kernels unpack
@@ -54,7 +61,7 @@
 
 namespace spx {
 
-enum Format : int64_t { Q4K = 0, Q6K = 1, Q8 = 2, Q5K = 3, IQ4 = 4, Q3K = 5 };
+enum Format : int64_t { Q4K = 0, Q6K = 1, Q8 = 2, Q5K = 3, IQ4 = 4, Q3K = 5, Q2K = 6 };
 
 constexpr int kPanel = 16;
 constexpr int kActBlock = 32;  // activation quantization block
@@ -79,13 +86,18 @@ inline const uint8_t* byte_codes(int64_t fmt, int64_t sbg, const uint8_t* sb, in
   return fmt == Q8 ? sb + 32 : sb + 64 + 32 * sbg + code_bytes(fmt) * g;
 }
 
-// The 6-bit formats (Q6K, Q3K), groups of 16: a group's bytes in the blob (a Q3K pair's 192 shared).
-inline bool six_bit(int64_t fmt) { return fmt == Q6K || fmt == Q3K; }
-inline int group16_bytes(int64_t fmt) { return fmt == Q3K ? 96 : 192; }
+// The 6-bit formats (Q6K, Q3K, Q2K: codes of at most 6 bits in groups of 16): a group's bytes in
+// the blob (a Q3K pair's 192 shared), the header before the codes, the zero point the kernels
+// subtract (zero x the group's activation sum) and whether a minimum term follows (Q2K).
+inline bool six_bit(int64_t fmt) { return fmt == Q6K || fmt == Q3K || fmt == Q2K; }
+inline int group16_bytes(int64_t fmt) { return fmt == Q2K ? 64 : fmt == Q3K ? 96 : 192; }
+inline int q6_header(int64_t fmt) { return fmt == Q2K ? 320 : 288; }
+inline int q6_zero(int64_t fmt) { return fmt == Q2K ? 0 : 32; }
 
 // The 6-bit code of step st (0..3), lane byte b of group g (0..15) of the super-block at sb: the
-// reference unpacking of Q6K and Q3K, which each path's vector unpacking reproduces.
+// reference unpacking of Q6K, Q3K and Q2K, which each path's vector unpacking reproduces.
 inline int q6_code(int64_t fmt, const uint8_t* sb, int g, int st, int b) {
+  if (fmt == Q2K) return (sb[320 + 64 * g + b] >> (2 * st)) & 3;
   if (fmt == Q3K) {
     const uint8_t* pair = sb + 288 + 192 * (g / 2);
     return 28 + (((pair[64 * (g % 2) + b] >> (2 * st)) & 3) | (((pair[128 + b] >> (4 * (g % 2) + st)) & 1) << 2));
@@ -140,6 +152,12 @@ struct Rows {
   float* xs;
   int64_t k;
 };
+
+// Q2K's minimum term's activation factor for group k0 (16 inputs) of a row: the block's scale
+// times the group's code sum, one float multiply the same on every path.
+inline float q16_xs(const Rows& x, int64_t row, int64_t k0) {
+  return x.d8[row * (x.k / 32) + k0 / 32] * static_cast<float>(x.s16[row * (x.k / 16) + k0 / 16]);
+}
 
 // What is applied to each input row before it is quantized (fused into the same pass).
 struct PreOp {

@@ -48,7 +48,12 @@ struct GroupRows {
   const int32_t* sums;
   int64_t kb, sum_stride;
   int32_t offset;
-  bool has_mins;  // Q4K, Q5K, IQ4
+  bool has_mins;  // Q4K, Q5K, IQ4, Q2K
+  bool mins16;    // Q2K: the minimum term's xs is d8 x the group's 16-code sum (q16_xs), not xs
+
+  float row_xs(int i) const {
+    return mins16 ? d8[i * kb] * static_cast<float>(sums[i * sum_stride]) : xs[i * kb];
+  }
 };
 
 // --------------------------------------------------------------- vector backends
@@ -87,6 +92,16 @@ struct ScalarVec {
     for (int c = 0; c < kPanel; ++c) out[c] = half_to_float(dh[c]);
   }
 
+  // Q2K's group g: scales d x (byte & 15), minimums dmin x (byte >> 4).
+  static void q2k_scales(const uint8_t* sb, int g, GroupScales& gs) {
+    const uint16_t* dh = reinterpret_cast<const uint16_t*>(sb);
+    for (int c = 0; c < kPanel; ++c) {
+      const uint8_t sm = sb[64 + 16 * g + c];
+      gs.scale[c] = half_to_float(dh[c]) * static_cast<float>(sm & 15);
+      gs.mins[c] = half_to_float(dh[16 + c]) * static_cast<float>(sm >> 4);
+    }
+  }
+
   // rows x 16 int32 sums (row stride 16) into the rows' accumulators (row stride 16).
   static void epilogue(const int32_t* sums, int rows, const GroupRows& g, const GroupScales& gs, float* acc) {
     for (int i = 0; i < rows; ++i) {
@@ -96,7 +111,7 @@ struct ScalarVec {
         const int32_t dot = static_cast<int32_t>(static_cast<uint32_t>(sums[16 * i + c]) - corr);
         const float t = static_cast<float>(dot) * d8;
         float a = std::fma(t, gs.scale[c], acc[16 * i + c]);
-        if (g.has_mins) a = std::fma(-gs.mins[c], g.xs[i * g.kb], a);
+        if (g.has_mins) a = std::fma(-gs.mins[c], g.row_xs(i), a);
         acc[16 * i + c] = a;
       }
     }
@@ -152,6 +167,13 @@ struct Avx512Vec {
 
   static void halves(const uint8_t* d, float* out) { _mm512_store_ps(out, cvt_f16(d)); }
 
+  static void q2k_scales(const uint8_t* sb, int g, GroupScales& gs) {
+    __m512 scale, mins;
+    q6_scales(Q2K, sb, g, cvt_f16(sb), cvt_f16(sb + 32), &scale, &mins);
+    _mm512_store_ps(gs.scale, scale);
+    _mm512_store_ps(gs.mins, mins);
+  }
+
   static void epilogue(const int32_t* sums, int rows, const GroupRows& g, const GroupScales& gs, float* acc) {
     const __m512 scale = _mm512_load_ps(gs.scale), mins = _mm512_load_ps(gs.mins);
     for (int i = 0; i < rows; ++i) {
@@ -160,7 +182,7 @@ struct Avx512Vec {
       const __m512i c = _mm512_sub_epi32(_mm512_load_si512(sums + 16 * i), _mm512_set1_epi32(corr));
       const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(g.d8[i * g.kb]));
       __m512 a = _mm512_fmadd_ps(t, scale, _mm512_load_ps(acc + 16 * i));
-      if (g.has_mins) a = _mm512_fnmadd_ps(mins, _mm512_set1_ps(g.xs[i * g.kb]), a);
+      if (g.has_mins) a = _mm512_fnmadd_ps(mins, _mm512_set1_ps(g.row_xs(i)), a);
       _mm512_store_ps(acc + 16 * i, a);
     }
   }
@@ -241,7 +263,8 @@ const uint8_t* prepare_group(const Segment& s, const uint8_t* p, int64_t gi, uin
   if (six_bit(s.fmt)) {
     const int64_t g = gi % 16;
     const uint8_t* sb = p + (gi / 16) * s.fi().bytes;
-    V::scales(sb, sb + 32 + 16 * g, true, gs.scale);
+    if (s.fmt == Q2K) V::q2k_scales(sb, static_cast<int>(g), gs);
+    else V::scales(sb, sb + 32 + 16 * g, true, gs.scale);
     V::unpack_q6(s.fmt, sb, static_cast<int>(g), buf);
     return buf;
   }
@@ -269,11 +292,12 @@ template <class V>
 void finish_item(const Segment& s, const Rows& x, const Pending& it, float* acc) {
   const int64_t kb = x.k / 32, k16 = x.k / 16;
   const int64_t b = it.row * kb + it.k0 / 32;
-  GroupRows g{x.d8 + b, x.xs + b, x.s32 + b, kb, kb, 0, s.fmt == Q4K || k_header(s.fmt)};  // Q4K: no correction
+  GroupRows g{x.d8 + b, x.xs + b, x.s32 + b, kb, kb, 0, s.fmt == Q4K || k_header(s.fmt), false};  // Q4K: no correction
   if (six_bit(s.fmt)) {
     g.sums = x.s16 + it.row * k16 + it.k0 / 16;
     g.sum_stride = k16;
-    g.offset = 32;
+    g.offset = q6_zero(s.fmt);
+    g.has_mins = g.mins16 = s.fmt == Q2K;
   }
   if (s.fmt == Q8 || k_header(s.fmt)) g.offset = static_cast<int32_t>(s.offset);
   V::epilogue(it.sums, it.rows, g, *it.gs, acc);

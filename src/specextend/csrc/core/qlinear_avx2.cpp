@@ -16,6 +16,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 #include "qlinear.h"
@@ -57,11 +58,17 @@ inline __m256 cvt_i8(const uint8_t* p) {
 inline __m256 cvt_f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline __m256i load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-// Group g's four steps of 6-bit codes, half h, of the Q6K or Q3K super-block at sb (q6_code in
-// qlinear.h). Q6K: step s's high bits sit at bits 2s..2s+1 of hb; shifted to bits 4..5 they join
-// the nibble. Q3K: 16-bit shifts bring a field to the bottom of its byte, where bits from the
-// other byte of the pair miss the mask.
+// Group g's four steps of 6-bit codes, half h, of the Q6K, Q3K or Q2K super-block at sb (q6_code
+// in qlinear.h). Q6K: step s's high bits sit at bits 2s..2s+1 of hb; shifted to bits 4..5 they
+// join the nibble. Q3K, Q2K: 16-bit shifts bring a field to the bottom of its byte, where bits
+// from the other byte of the pair miss the mask.
 inline void q6k_codes(int64_t fmt, const uint8_t* sb, int g, int h, __m256i* w) {
+  if (fmt == Q2K) {
+    const __m256i v = load(sb + 320 + 64 * g + 32 * h);
+#pragma GCC unroll 4
+    for (int st = 0; st < 4; ++st) w[st] = _mm256_and_si256(_mm256_srli_epi16(v, 2 * st), _mm256_set1_epi8(3));
+    return;
+  }
   if (fmt == Q3K) {
     const uint8_t* pair = sb + 288 + 192 * (g / 2);
     const __m256i lo = load(pair + 64 * (g % 2) + 32 * h), hi = load(pair + 128 + 32 * h);
@@ -80,6 +87,18 @@ inline void q6k_codes(int64_t fmt, const uint8_t* sb, int g, int h, __m256i* w) 
   w[1] = _mm256_or_si256(_mm256_and_si256(b, low), _mm256_and_si256(_mm256_slli_epi16(hb, 2), top));
   w[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low), _mm256_and_si256(hb, top));
   w[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low), _mm256_and_si256(_mm256_srli_epi16(hb, 2), top));
+}
+
+// Group g's float scales and (Q2K) minimums, half h (d, dmin: the super-block's halves h).
+inline void q6k_scales(int64_t fmt, const uint8_t* sb, int g, int h, __m256 d, __m256 dmin, __m256* scale,
+                       __m256* mins) {
+  if (fmt != Q2K) {
+    *scale = _mm256_mul_ps(d, cvt_i8(sb + 32 + 16 * g + 8 * h));
+    return;
+  }
+  const __m256i sm = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + 64 + 16 * g + 8 * h)));
+  *scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(sm, _mm256_set1_epi32(15))));
+  *mins = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_srli_epi32(sm, 4)));
 }
 
 // acc = fma(float(dot) * d8, scale, acc): the reference epilogue of one group, 8 channels.
@@ -173,18 +192,20 @@ inline void q6k_dots(const __m256i (*w)[2], const int8_t* const* q, __m256i (*do
 template <int R>
 void panel_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m256 (*acc)[2]) {
   const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16, sb_bytes = s.fi().bytes, gb = sb_bytes / 16;
+  const int32_t zero = q6_zero(s.fmt);
   alignas(32) __m256i w[4][2];  // [step][half]
   for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
-    const __m256 d[2] = {cvt_f16(p), cvt_f16(p + 16)};
+    const __m256 d[2] = {cvt_f16(p), cvt_f16(p + 16)}, dmin[2] = {cvt_f16(p + 32), cvt_f16(p + 48)};
     for (int g = 0; g < 16; ++g) {
       const int64_t k0 = sb * 256 + g * 16;
       prefetch(p + gb * g, gb);
+      __m256 scale[2], mins[2];
       for (int h = 0; h < 2; ++h) {
         __m256i c[4];
         q6k_codes(s.fmt, p, g, h, c);
         for (int st = 0; st < 4; ++st) w[st][h] = c[st];
+        q6k_scales(s.fmt, p, g, h, d[h], dmin[h], &scale[h], &mins[h]);
       }
-      const __m256 scale[2] = {_mm256_mul_ps(d[0], cvt_i8(p + 32 + 16 * g)), _mm256_mul_ps(d[1], cvt_i8(p + 40 + 16 * g))};
       for (int r = 0; r < R; r += 2) {
         const int8_t* q[2] = {x.q8 + (r0 + r) * x.k + k0, x.q8 + (r0 + r + 1) * x.k + k0};
         __m256i dot[2][2];
@@ -192,9 +213,11 @@ void panel_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __
         else q6k_dots<1>(w, q, dot);
         for (int j = 0; j < 2 && r + j < R; ++j) {
           const int64_t row = r0 + r + j;
-          const __m256i off = _mm256_set1_epi32(32 * x.s16[row * k16 + k0 / 16]);
+          const __m256i off = _mm256_set1_epi32(zero * x.s16[row * k16 + k0 / 16]);
           const float d8 = x.d8[row * kb + k0 / 32];
           for (int h = 0; h < 2; ++h) acc[r + j][h] = epilogue(_mm256_sub_epi32(dot[j][h], off), d8, scale[h], acc[r + j][h]);
+          if (s.fmt == Q2K)
+            for (int h = 0; h < 2; ++h) acc[r + j][h] = _mm256_fnmadd_ps(mins[h], _mm256_set1_ps(q16_xs(x, row, k0)), acc[r + j][h]);
         }
       }
     }
@@ -336,29 +359,39 @@ void one_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m2
   }
 }
 
+// Q2K (kQ2) compiled apart, its format's branches folded away; the others branch on s.fmt.
+template <bool kQ2>
 void one_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m256* acc) {
+  const int64_t fmt = kQ2 ? int64_t{Q2K} : s.fmt;
   const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16, sb_bytes = s.fi().bytes, gb = sb_bytes / 16;
+  const int32_t zero = q6_zero(fmt);
   const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* q = x.q8 + r0 * x.k;
   for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
     const __m256 d[2] = {cvt_f16(p), cvt_f16(p + 16)};
+    __m256 dmin[2] = {d[0], d[1]};
+    if (kQ2) dmin[0] = cvt_f16(p + 32), dmin[1] = cvt_f16(p + 48);
 #pragma GCC unroll 2
     for (int g = 0; g < 16; ++g) {
       const int64_t k0 = sb * 256 + g * 16;
       const int8_t* qb = q + k0;
       prefetch(p + gb * g, gb);
       const __m256i a0 = bcast4(qb), a1 = bcast4(qb + 4), a2 = bcast4(qb + 8), a3 = bcast4(qb + 12);
-      const __m256i off = _mm256_set1_epi32(32 * x.s16[r0 * k16 + k0 / 16]);
+      const __m256i off = _mm256_set1_epi32(zero * x.s16[r0 * k16 + k0 / 16]);
       const float d8 = x.d8[r0 * kb + k0 / 32];
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         __m256i w[4];  // the codes go straight into the multiply
-        q6k_codes(s.fmt, p, g, h, w);
+        q6k_codes(fmt, p, g, h, w);
         __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], a0), _mm256_maddubs_epi16(w[1], a1));
         __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], a2), _mm256_maddubs_epi16(w[3], a3));
-        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(s01, ones), _mm256_madd_epi16(s23, ones));
-        const __m256 scale = _mm256_mul_ps(d[h], cvt_i8(p + 32 + 16 * g + 8 * h));
+        // Q2K's 2-bit codes keep all 4 steps in one int16 sum (4 * 2 * 3 * 127), widened once
+        const __m256i dot = kQ2 ? _mm256_madd_epi16(_mm256_add_epi16(s01, s23), ones)
+                                : _mm256_add_epi32(_mm256_madd_epi16(s01, ones), _mm256_madd_epi16(s23, ones));
+        __m256 scale, mins;
+        q6k_scales(fmt, p, g, h, d[h], dmin[h], &scale, &mins);
         acc[h] = epilogue(_mm256_sub_epi32(dot, off), d8, scale, acc[h]);
+        if (kQ2) acc[h] = _mm256_fnmadd_ps(mins, _mm256_set1_ps(q16_xs(x, r0, k0)), acc[h]);
       }
     }
   }
@@ -370,13 +403,15 @@ void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const T
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   if constexpr (R == 1) {
     if (s.fmt == Q4K) one_q4k(s, p, x, r0, acc[0]);
-    else if (six_bit(s.fmt)) one_q6k(s, p, x, r0, acc[0]);
+    else if (s.fmt == Q2K) one_q6k<true>(s, p, x, r0, acc[0]);
+    else if (six_bit(s.fmt)) one_q6k<false>(s, p, x, r0, acc[0]);
     else panel_q8<1>(s, p, x, r0, acc);
   } else {
     switch (s.fmt) {
       case Q4K: panel_q4k<R>(s, p, x, r0, acc); break;
       case Q6K:
-      case Q3K: panel_q6k<R>(s, p, x, r0, acc); break;
+      case Q3K:
+      case Q2K: panel_q6k<R>(s, p, x, r0, acc); break;
       default: panel_q8<R>(s, p, x, r0, acc); break;
     }
   }
@@ -503,27 +538,32 @@ void rows_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int
   }
 }
 
-// A Q6K group of 16 inputs: codes [step][half] (6 bits, unsigned), float scales [half].
+// A Q6K group of 16 inputs: codes [step][half] (6 bits, unsigned), float scales and (Q2K)
+// minimums [half], the zero point.
 struct alignas(32) Q6Group {
   __m256i w[4][2];
-  __m256 scale[2];
+  __m256 scale[2], mins[2];
+  int32_t zero;
+  bool has_mins;
 };
 
-inline void unpack_q6k_group(int64_t fmt, const uint8_t* p, int g, const __m256* d, Q6Group& o) {
+inline void unpack_q6k_group(int64_t fmt, const uint8_t* p, int g, const __m256* d, const __m256* dmin, Q6Group& o) {
   for (int h = 0; h < 2; ++h) {
     __m256i c[4];
     q6k_codes(fmt, p, g, h, c);
     for (int st = 0; st < 4; ++st) _mm256_store_si256(&o.w[st][h], c[st]);
-    o.scale[h] = _mm256_mul_ps(d[h], cvt_i8(p + 32 + 16 * g + 8 * h));
+    q6k_scales(fmt, p, g, h, d[h], dmin[h], &o.scale[h], &o.mins[h]);
   }
+  o.zero = q6_zero(fmt);
+  o.has_mins = fmt == Q2K;
 }
 
 // R rows of one Q6K group: pairs of steps share an int16 sum (2 * 2 * 63 * 127 fits), widened
-// to int32 before the next pair.
-template <int R>
+// to int32 before the next pair; Q2K's 2-bit codes (kQ2) keep all 4 steps in one (4 * 2 * 3 * 127).
+template <int R, bool kQ2>
 inline void q6k_tile_rows(const Q6Group& g, const int8_t* q, int64_t xk, const int32_t* s16, int64_t k16,
                           const float* d8, int64_t kb, float* acc) {
-  __m256i dot[R][2];
+  __m256i dot[R][2], sum[R][2];
 #pragma GCC unroll 2
   for (int pr = 0; pr < 2; ++pr) {
     const __m256i c00 = _mm256_load_si256(&g.w[2 * pr][0]), c01 = _mm256_load_si256(&g.w[2 * pr][1]);
@@ -535,6 +575,11 @@ inline void q6k_tile_rows(const Q6Group& g, const int8_t* q, int64_t xk, const i
       __m256i s1 = _mm256_add_epi16(_mm256_maddubs_epi16(c01, a0), _mm256_maddubs_epi16(c11, a1));
       in_register(s0);
       in_register(s1);
+      if (kQ2) {
+        sum[r][0] = pr ? _mm256_add_epi16(sum[r][0], s0) : s0;
+        sum[r][1] = pr ? _mm256_add_epi16(sum[r][1], s1) : s1;
+        continue;
+      }
       dot[r][0] = pr ? _mm256_add_epi32(dot[r][0], widen(s0)) : widen(s0);
       dot[r][1] = pr ? _mm256_add_epi32(dot[r][1], widen(s1)) : widen(s1);
       in_register(dot[r][0]);
@@ -542,32 +587,47 @@ inline void q6k_tile_rows(const Q6Group& g, const int8_t* q, int64_t xk, const i
     }
   }
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-    epilogue_row(acc + 16 * r, dot[r], _mm256_set1_epi32(-32 * s16[r * k16]), d8[r * kb], g.scale);
+  for (int r = 0; r < R; ++r) {
+    if (!kQ2) {
+      epilogue_row(acc + 16 * r, dot[r], _mm256_set1_epi32(-g.zero * s16[r * k16]), d8[r * kb], g.scale);
+      continue;
+    }
+    // no zero point; then the minimum term with q16_xs, d8 x the group's code sum
+    const __m256 xs = _mm256_set1_ps(d8[r * kb] * static_cast<float>(s16[r * k16]));
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m256 a = epilogue(widen(sum[r][h]), d8[r * kb], g.scale[h], _mm256_load_ps(acc + 16 * r + 8 * h));
+      _mm256_store_ps(acc + 16 * r + 8 * h, _mm256_fnmadd_ps(g.mins[h], xs, a));
+    }
+  }
 }
 
 void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
   const int64_t nsb = s.k / 256, kb = x.k / 32, k16 = x.k / 16, xk = x.k, sb_bytes = s.fi().bytes, gb = sb_bytes / 16;
   Q6Group grp;
   for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
-    const __m256 d[2] = {cvt_f16(p), cvt_f16(p + 16)};
+    const __m256 d[2] = {cvt_f16(p), cvt_f16(p + 16)}, dmin[2] = {cvt_f16(p + 32), cvt_f16(p + 48)};
     for (int g = 0; g < 16; ++g) {
       const int64_t k0 = sb * 256 + g * 16;
       if (g % 4 == 0) prefetch(p + gb * g, 4 * gb);
-      unpack_q6k_group(s.fmt, p, g, d, grp);
+      unpack_q6k_group(s.fmt, p, g, d, dmin, grp);
       const int8_t* q = x.q8 + r0 * xk + k0;
       const int32_t* s16 = x.s16 + r0 * k16 + k0 / 16;
       const float* d8 = x.d8 + r0 * kb + k0 / 32;
-      for_tiles<kRowTile>(n, [&](int r, int rows) {
-        switch (rows) {
-          case 1: q6k_tile_rows<1>(grp, q + r * xk, xk, s16 + r * k16, k16, d8 + r * kb, kb, acc + 16 * r); break;
-          case 2: q6k_tile_rows<2>(grp, q + r * xk, xk, s16 + r * k16, k16, d8 + r * kb, kb, acc + 16 * r); break;
-          case 3: q6k_tile_rows<3>(grp, q + r * xk, xk, s16 + r * k16, k16, d8 + r * kb, kb, acc + 16 * r); break;
-          default:
-            q6k_tile_rows<kRowTile>(grp, q + r * xk, xk, s16 + r * k16, k16, d8 + r * kb, kb, acc + 16 * r);
-            break;
-        }
-      });
+      auto tiles = [&](auto q2) {  // Q2K (q2: true) compiled apart
+        constexpr bool kQ2 = decltype(q2)::value;
+        for_tiles<kRowTile>(n, [&](int r, int rows) {
+          const int64_t o = r * kb, o16 = r * k16;
+          switch (rows) {
+            case 1: q6k_tile_rows<1, kQ2>(grp, q + r * xk, xk, s16 + o16, k16, d8 + o, kb, acc + 16 * r); break;
+            case 2: q6k_tile_rows<2, kQ2>(grp, q + r * xk, xk, s16 + o16, k16, d8 + o, kb, acc + 16 * r); break;
+            case 3: q6k_tile_rows<3, kQ2>(grp, q + r * xk, xk, s16 + o16, k16, d8 + o, kb, acc + 16 * r); break;
+            default: q6k_tile_rows<kRowTile, kQ2>(grp, q + r * xk, xk, s16 + o16, k16, d8 + o, kb, acc + 16 * r); break;
+          }
+        });
+      };
+      if (grp.has_mins) tiles(std::true_type{});
+      else tiles(std::false_type{});
     }
   }
 }
@@ -713,7 +773,8 @@ void rows_avx2(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, in
   switch (s.fmt) {
     case Q4K: rows_q4k(s, p, x, r0, n, acc); break;
     case Q6K:
-    case Q3K: rows_q6k(s, p, x, r0, n, acc); break;
+    case Q3K:
+    case Q2K: rows_q6k(s, p, x, r0, n, acc); break;
     default: rows_q8(s, p, x, r0, n, acc); break;
   }
   for (int h = 0; h < 2; ++h) {

@@ -108,11 +108,13 @@ void panel_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __
 template <int R>
 void panel_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m512* acc) {
   const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16, sb_bytes = s.fi().bytes, gb = sb_bytes / 16;
+  const int32_t zero = q6_zero(s.fmt);
   for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
-    const __m512 d = cvt_f16(p);
+    const __m512 d = cvt_f16(p), dmin = cvt_f16(p + 32);
     for (int g = 0; g < 16; ++g) {
       const int64_t k0 = sb * 256 + g * 16;
-      const __m512 scale = _mm512_mul_ps(d, cvt_i8(p + 32 + 16 * g));
+      __m512 scale, mins;
+      q6_scales(s.fmt, p, g, d, dmin, &scale, &mins);
       prefetch_group(p + gb * g, static_cast<int>(gb));
       __m512i w[4];
       unpack_q6(s.fmt, p, g, w);
@@ -124,9 +126,10 @@ void panel_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         const int64_t row = r0 + r;
-        const __m512i c = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(32 * x.s16[row * k16 + k0 / 16]));
+        const __m512i c = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(zero * x.s16[row * k16 + k0 / 16]));
         const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(x.d8[row * kb + k0 / 32]));
         acc[r] = _mm512_fmadd_ps(t, scale, acc[r]);
+        if (s.fmt == Q2K) acc[r] = _mm512_fnmadd_ps(mins, _mm512_set1_ps(q16_xs(x, row, k0)), acc[r]);
       }
     }
   }
@@ -186,7 +189,8 @@ void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const T
   switch (s.fmt) {
     case Q4K: panel_q4k<R>(s, p, x, r0, acc); break;
     case Q6K:
-    case Q3K: panel_q6k<R>(s, p, x, r0, acc); break;
+    case Q3K:
+    case Q2K: panel_q6k<R>(s, p, x, r0, acc); break;
     default: panel_q8<R>(s, p, x, r0, acc); break;
   }
   const __m512 b = out.bias ? _mm512_loadu_ps(out.bias) : _mm512_setzero_ps();
@@ -276,18 +280,22 @@ constexpr int kQ6Slice = 32;
 
 // Q6K's correction -32 * (sum of a group's 16 activation codes) in every lane: each group's
 // VPDPBUSD chain starts from it, so nothing is subtracted after (int32 sums: exact in any order).
-inline __m512i q6k_start(const int32_t* s16) {
+// Q2K has no zero point: its chains start from 0.
+inline __m512i q6k_start(int64_t fmt, const int32_t* s16) {
+  if (fmt == Q2K) return _mm512_setzero_si512();
   return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(bcast_i32(s16), 5));
 }
 
 void rows_q6k_slice(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
   const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16, xk = x.k, sb_bytes = s.fi().bytes, gb = sb_bytes / 16;
+  const bool has_mins = s.fmt == Q2K;
   for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
-    const __m512 d = cvt_f16(p);
+    const __m512 d = cvt_f16(p), dmin = cvt_f16(p + 32);
     for (int g = 0; g < 16; g += 2) {
       const int64_t k0 = sb * 256 + g * 16;
-      const __m512 scale0 = _mm512_mul_ps(d, cvt_i8(p + 32 + 16 * g));
-      const __m512 scale1 = _mm512_mul_ps(d, cvt_i8(p + 48 + 16 * g));
+      __m512 scale0, scale1, mins0, mins1;
+      q6_scales(s.fmt, p, g, d, dmin, &scale0, &mins0);
+      q6_scales(s.fmt, p, g + 1, d, dmin, &scale1, &mins1);
       prefetch_group(p + gb * g, static_cast<int>(2 * gb));
       __m512i w0[4], w1[4];
       unpack_q6(s.fmt, p, g, w0);
@@ -300,7 +308,7 @@ void rows_q6k_slice(const Segment& s, const uint8_t* p, const Rows& x, int64_t r
         // The row's codes two pairs on: its lines are far apart, which the hardware prefetcher
         // does not follow.
         _mm_prefetch(reinterpret_cast<const char*>(qr + 64), _MM_HINT_T0);
-        __m512i c0 = q6k_start(s16 + r * k16), c1 = q6k_start(s16 + r * k16 + 1);
+        __m512i c0 = q6k_start(s.fmt, s16 + r * k16), c1 = q6k_start(s.fmt, s16 + r * k16 + 1);
 #pragma GCC unroll 4
         for (int st = 0; st < 4; ++st) {
           c0 = _mm512_dpbusd_epi32(c0, w0[st], bcast4(qr + 4 * st));
@@ -309,7 +317,9 @@ void rows_q6k_slice(const Segment& s, const uint8_t* p, const Rows& x, int64_t r
         const __m512 dd = _mm512_set1_ps(d8[r * kb]);
         __m512 a = _mm512_load_ps(acc + 16 * r);
         a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(c0), dd), scale0, a);
+        if (has_mins) a = _mm512_fnmadd_ps(mins0, _mm512_set1_ps(d8[r * kb] * static_cast<float>(s16[r * k16])), a);
         a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(c1), dd), scale1, a);
+        if (has_mins) a = _mm512_fnmadd_ps(mins1, _mm512_set1_ps(d8[r * kb] * static_cast<float>(s16[r * k16 + 1])), a);
         _mm512_store_ps(acc + 16 * r, a);
       }
     }
@@ -366,7 +376,8 @@ void rows_avx512(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, 
   switch (s.fmt) {
     case Q4K: rows_q4k(s, p, x, r0, n, acc); break;
     case Q6K:
-    case Q3K: rows_q6k(s, p, x, r0, n, acc); break;
+    case Q3K:
+    case Q2K: rows_q6k(s, p, x, r0, n, acc); break;
     default: rows_q8(s, p, x, r0, n, acc); break;
   }
   const __m512 b = out.bias ? _mm512_loadu_ps(out.bias) : _mm512_setzero_ps();

@@ -96,9 +96,17 @@ void panel_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, fl
   }
 }
 
-// Group g's four steps of 6-bit codes, quad c (channels 4c..4c+3), of the Q6K or Q3K super-block
-// at sb: q6_code (qlinear.h) on 16 lanes.
+// Group g's four steps of 6-bit codes, quad c (channels 4c..4c+3), of the Q6K, Q3K or Q2K
+// super-block at sb: q6_code (qlinear.h) on 16 lanes.
 inline void q6_quad(int64_t fmt, const uint8_t* sb, int g, int c, int8x16_t* w) {
+  if (fmt == Q2K) {
+    const uint8x16_t v = vld1q_u8(sb + 320 + 64 * g + 16 * c), three = vdupq_n_u8(3);
+    w[0] = vreinterpretq_s8_u8(vandq_u8(v, three));
+    w[1] = vreinterpretq_s8_u8(vandq_u8(vshrq_n_u8(v, 2), three));
+    w[2] = vreinterpretq_s8_u8(vandq_u8(vshrq_n_u8(v, 4), three));
+    w[3] = vreinterpretq_s8_u8(vshrq_n_u8(v, 6));
+    return;
+  }
   if (fmt == Q3K) {
     const uint8_t* pair = sb + 288 + 192 * (g / 2);
     const uint8x16_t lo = vld1q_u8(pair + 64 * (g % 2) + 16 * c), hi = vld1q_u8(pair + 128 + 16 * c);
@@ -118,17 +126,34 @@ inline void q6_quad(int64_t fmt, const uint8_t* sb, int g, int c, int8x16_t* w) 
   w[3] = vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(b, 4), vandq_u8(vshrq_n_u8(hb, 2), top)));
 }
 
+// Group g's float scales and (Q2K: a 4-bit scale and minimum a byte) minimums, quad c, of the
+// 6-bit super-block at sb.
+inline void q6_scales(int64_t fmt, const uint8_t* sb, int g, int c, float32x4_t* scale, float32x4_t* mins) {
+  if (fmt != Q2K) {
+    *scale = vmulq_f32(load_f16x4(sb + 8 * c), cvt_i8x4(sb + 32 + 16 * g + 4 * c));
+    return;
+  }
+  const uint8_t* sm = sb + 64 + 16 * g + 4 * c;
+  const uint8_t b[8] = {sm[0], sm[1], sm[2], sm[3], 0, 0, 0, 0};
+  const uint32x4_t v = vmovl_u16(vget_low_u16(vmovl_u8(vld1_u8(b))));
+  *scale = vmulq_f32(load_f16x4(sb + 8 * c), vcvtq_f32_u32(vandq_u32(v, vdupq_n_u32(15))));
+  *mins = vmulq_f32(load_f16x4(sb + 32 + 8 * c), vcvtq_f32_u32(vshrq_n_u32(v, 4)));
+}
+
 template <int R>
 void panel_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, float32x4_t (*acc)[4]) {
   const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16;
+  const int32_t zero = q6_zero(s.fmt);
   for (int64_t sb = 0; sb < nsb; ++sb, p += s.fi().bytes) {
     for (int g = 0; g < 16; ++g) {
       const int64_t k0 = sb * 256 + g * 16;
       int8x16_t w[4][4];  // [step][channel quad]
+      float32x4_t scale[4], mins[4];
       for (int c = 0; c < 4; ++c) {
         int8x16_t v[4];
         q6_quad(s.fmt, p, g, c, v);
         for (int st = 0; st < 4; ++st) w[st][c] = v[st];
+        q6_scales(s.fmt, p, g, c, &scale[c], &mins[c]);
       }
       for (int r = 0; r < R; ++r) {
         const int64_t row = r0 + r;
@@ -138,11 +163,11 @@ void panel_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, fl
         SPX_SDOT4(dot, w[1], a, 1);
         SPX_SDOT4(dot, w[2], a, 2);
         SPX_SDOT4(dot, w[3], a, 3);
-        const int32x4_t off = vdupq_n_s32(32 * x.s16[row * k16 + k0 / 16]);
+        const int32x4_t off = vdupq_n_s32(zero * x.s16[row * k16 + k0 / 16]);
         const float d8 = x.d8[row * kb + k0 / 32];
         for (int c = 0; c < 4; ++c) {
-          const float32x4_t scale = vmulq_f32(load_f16x4(p + 8 * c), cvt_i8x4(p + 32 + 16 * g + 4 * c));
-          acc[r][c] = epilogue(vsubq_s32(dot[c], off), d8, scale, acc[r][c]);
+          acc[r][c] = epilogue(vsubq_s32(dot[c], off), d8, scale[c], acc[r][c]);
+          if (s.fmt == Q2K) acc[r][c] = vfmsq_f32(acc[r][c], mins[c], vdupq_n_f32(q16_xs(x, row, k0)));  // fused
         }
       }
     }
@@ -227,7 +252,8 @@ void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const T
   switch (s.fmt) {
     case Q4K: panel_q4k<R>(s, p, x, r0, acc); break;
     case Q6K:
-    case Q3K: panel_q6k<R>(s, p, x, r0, acc); break;
+    case Q3K:
+    case Q2K: panel_q6k<R>(s, p, x, r0, acc); break;
     default: panel_q8<R>(s, p, x, r0, acc); break;
   }
   for (int c = 0; c < 4; ++c) {
@@ -309,19 +335,20 @@ void rows_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int
 // row's accumulators are loaded and stored once for the two, updated in group order.
 void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
   const int64_t nsb = s.k / 256, kb = x.k / 32, k16 = x.k / 16, xk = x.k;
+  const int32_t zero = q6_zero(s.fmt);
   for (int64_t sb = 0; sb < nsb; ++sb, p += s.fi().bytes)
     for (int g = 0; g < 16; g += 2) {
       const int64_t k0 = sb * 256 + g * 16;
       for (int h = 0; h < 2; ++h) {
         int8x16_t w[2][4][2];  // [group][step][quad]
-        float32x4_t scale[2][2];
+        float32x4_t scale[2][2], mins[2][2];
         for (int j = 0; j < 2; ++j) {
           for (int c = 0; c < 2; ++c) {
             const int quad = 2 * h + c;
             int8x16_t v[4];
             q6_quad(s.fmt, p, g + j, quad, v);
             for (int st = 0; st < 4; ++st) w[j][st][c] = v[st];
-            scale[j][c] = vmulq_f32(load_f16x4(p + 8 * quad), cvt_i8x4(p + 32 + 16 * (g + j) + 4 * quad));
+            q6_scales(s.fmt, p, g + j, quad, &scale[j][c], &mins[j][c]);
           }
         }
         for (int r = 0; r < n; ++r) {
@@ -337,13 +364,15 @@ void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int
           SPX_SDOT2(d1, w[1], 2, a1, 2);
           SPX_SDOT2(d0, w[0], 3, a0, 3);
           SPX_SDOT2(d1, w[1], 3, a1, 3);
-          const int32x4_t off0 = vdupq_n_s32(32 * x.s16[row * k16 + k0 / 16]);
-          const int32x4_t off1 = vdupq_n_s32(32 * x.s16[row * k16 + k0 / 16 + 1]);
+          const int32x4_t off0 = vdupq_n_s32(zero * x.s16[row * k16 + k0 / 16]);
+          const int32x4_t off1 = vdupq_n_s32(zero * x.s16[row * k16 + k0 / 16 + 1]);
           const float d8 = x.d8[row * kb + k0 / 32];
           float* a = acc + 16 * r + 8 * h;
           for (int c = 0; c < 2; ++c) {
             float32x4_t v = epilogue(vsubq_s32(d0[c], off0), d8, scale[0][c], vld1q_f32(a + 4 * c));
+            if (s.fmt == Q2K) v = vfmsq_f32(v, mins[0][c], vdupq_n_f32(q16_xs(x, row, k0)));
             v = epilogue(vsubq_s32(d1[c], off1), d8, scale[1][c], v);
+            if (s.fmt == Q2K) v = vfmsq_f32(v, mins[1][c], vdupq_n_f32(q16_xs(x, row, k0 + 16)));
             vst1q_f32(a + 4 * c, v);
           }
         }
@@ -407,7 +436,8 @@ void rows_neon(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, in
   switch (s.fmt) {
     case Q4K: rows_q4k(s, p, x, r0, n, acc); break;
     case Q6K:
-    case Q3K: rows_q6k(s, p, x, r0, n, acc); break;
+    case Q3K:
+    case Q2K: rows_q6k(s, p, x, r0, n, acc); break;
     default: rows_q8(s, p, x, r0, n, acc); break;
   }
   for (int c = 0; c < 4; ++c) {

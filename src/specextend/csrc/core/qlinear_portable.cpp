@@ -69,6 +69,12 @@ void unpack_group(const Segment& s, const uint8_t* p, int g, Group& out) {
           const uint8_t byte = cb[64 * (st % 4) + 4 * c + j];
           out.codes[c][4 * st + j] = st < 4 ? (byte & 15) : (byte >> 4);
         }
+    } else if (s.fmt == Q2K) {  // a byte of a 4-bit scale and a 4-bit minimum
+      const uint8_t sm = p[64 + 16 * g + c];
+      out.scale[c] = d * static_cast<float>(sm & 15);
+      out.mins[c] = half_to_float(dh[16 + c]) * static_cast<float>(sm >> 4);
+      for (int st = 0; st < 4; ++st)
+        for (int j = 0; j < 4; ++j) out.codes[c][4 * st + j] = q6_code(s.fmt, p, g, st, 4 * c + j);
     } else if (six_bit(s.fmt)) {
       out.scale[c] = d * static_cast<float>(reinterpret_cast<const int8_t*>(p + 32)[16 * g + c]);
       for (int st = 0; st < 4; ++st)
@@ -95,11 +101,12 @@ void group_row(const Segment& s, const Group& grp, const Rows& x, int64_t row, i
   for (int c = 0; c < kPanel; ++c) {
     int32_t dot = 0;
     for (int i = 0; i < fi.group; ++i) dot += grp.codes[c][i] * static_cast<int32_t>(q[i]);
-    if (six_bit(s.fmt)) dot -= 32 * x.s16[row * (x.k / 16) + k0 / 16];
+    if (six_bit(s.fmt)) dot -= q6_zero(s.fmt) * x.s16[row * (x.k / 16) + k0 / 16];
     if (s.fmt == Q8 || k_header(s.fmt)) dot -= static_cast<int32_t>(s.offset) * x.s32[row * kb + k0 / 32];
     const float t = static_cast<float>(dot) * d8;
     acc[c] = std::fma(t, grp.scale[c], acc[c]);
     if (s.fmt == Q4K || k_header(s.fmt)) acc[c] = std::fma(-grp.mins[c], x.xs[row * kb + k0 / 32], acc[c]);
+    if (s.fmt == Q2K) acc[c] = std::fma(-grp.mins[c], q16_xs(x, row, k0), acc[c]);
   }
 }
 
@@ -136,7 +143,7 @@ void dequantize_row(const Segment& s, int64_t row, float* o) {
       unpack_group(s, p, g, grp);
       float* og = o + sb * fi.superblock + g * fi.group;
       for (int i = 0; i < fi.group; ++i) {
-        if (s.fmt == Q4K) og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i]) - grp.mins[c];
+        if (s.fmt == Q4K || s.fmt == Q2K) og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i]) - grp.mins[c];
         else if (six_bit(s.fmt)) og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i] - 32);
         else if (k_header(s.fmt)) og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i] - s.offset) - grp.mins[c];
         else og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i] - s.offset);

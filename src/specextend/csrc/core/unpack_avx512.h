@@ -22,11 +22,17 @@ inline __m512i step_bytes(int64_t fmt, const uint8_t* cb, int st) {
   return _mm512_or_si512(nib, _mm512_and_si512(bit, _mm512_set1_epi8(0x10)));
 }
 
-// Group g's four steps of 6-bit codes of the Q6K or Q3K super-block at sb: q6_code (qlinear.h) on
-// 64 lanes. Q6K: step s's high bits sit at bits 2s..2s+1 of h; shifted to bits 4..5 they join the
-// nibble. Q3K: 16-bit shifts bring a field to the bottom of its byte, where bits from the other
-// byte of the pair miss the mask.
+// Group g's four steps of 6-bit codes of the Q6K, Q3K or Q2K super-block at sb: q6_code
+// (qlinear.h) on 64 lanes. Q6K: step s's high bits sit at bits 2s..2s+1 of h; shifted to bits 4..5
+// they join the nibble. Q3K, Q2K: 16-bit shifts bring a field to the bottom of its byte, where bits
+// from the other byte of the pair miss the mask.
 inline void unpack_q6(int64_t fmt, const uint8_t* sb, int g, __m512i* w) {
+  if (fmt == Q2K) {
+    const __m512i v = _mm512_loadu_si512(sb + 320 + 64 * g);
+#pragma GCC unroll 4
+    for (int st = 0; st < 4; ++st) w[st] = _mm512_and_si512(_mm512_srli_epi16(v, 2 * st), _mm512_set1_epi8(3));
+    return;
+  }
   if (fmt == Q3K) {
     const uint8_t* pair = sb + 288 + 192 * (g / 2);
     const __m512i lo = _mm512_loadu_si512(pair + 64 * (g % 2)), hi = _mm512_loadu_si512(pair + 128);
@@ -44,6 +50,19 @@ inline void unpack_q6(int64_t fmt, const uint8_t* sb, int g, __m512i* w) {
   w[1] = _mm512_or_si512(_mm512_and_si512(b, low), _mm512_and_si512(_mm512_slli_epi16(h, 2), top));
   w[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), low), _mm512_and_si512(h, top));
   w[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), low), _mm512_and_si512(_mm512_srli_epi16(h, 2), top));
+}
+
+// Group g's float scales and (Q2K: a 4-bit scale and minimum a byte) minimums of the 6-bit
+// super-block at sb; d, dmin: the super-block's f16 halves as floats (dmin: Q2K's only).
+inline void q6_scales(int64_t fmt, const uint8_t* sb, int g, __m512 d, __m512 dmin, __m512* scale, __m512* mins) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + (fmt == Q2K ? 64 : 32) + 16 * g));
+  if (fmt != Q2K) {
+    *scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)));
+    return;
+  }
+  const __m512i sm = _mm512_cvtepu8_epi32(v);
+  *scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(sm, _mm512_set1_epi32(15))));
+  *mins = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_srli_epi32(sm, 4)));
 }
 
 }  // namespace spx

@@ -63,7 +63,7 @@ std::vector<uint8_t> random_blob(const spx::Segment& shape) {
   std::uniform_int_distribution<int> byte(0, 255);
   std::uniform_real_distribution<float> scale(0.001f, 0.02f);
   for (uint8_t& b : blob) b = static_cast<uint8_t>(byte(rng));
-  const int halves = shape.fmt == spx::Q4K || spx::k_header(shape.fmt) ? 32 : 16;
+  const int halves = shape.fmt == spx::Q4K || spx::k_header(shape.fmt) || shape.fmt == spx::Q2K ? 32 : 16;
   for (size_t off = 0; off < blob.size(); off += fi.bytes) {
     for (int i = 0; i < halves; ++i) {
       const uint16_t h = half_bits(scale(rng));
@@ -116,7 +116,7 @@ void linear_tests(const std::vector<Path>& paths) {
       {spx::Q8, 48, 896, 128, 1, false, true, false, false}, {spx::Q8, 32, 640, 16, 1, true, false, true, true},
       {spx::Q5K, 48, 512, 0, 8, true, false, true, false},   {spx::IQ4, 32, 768, 128, 8, false, true, false, true},
       {spx::Q5K, 35, 96, 0, 1, false, false, true, true},    {spx::IQ4, 33, 64, 128, 1, true, false, false, false},
-      {spx::Q3K, 40, 512, 0, 8, true, false, true, true},
+      {spx::Q3K, 40, 512, 0, 8, true, false, true, true},    {spx::Q2K, 48, 768, 0, 8, false, true, true, false},
   };
   for (const LinearCase& c : cases) {
     const spx::Segment shape{nullptr, c.fmt, c.n, c.k, c.offset, c.sbg};
