@@ -35,7 +35,8 @@ CSRC = Path(kernels.__file__).parent / "csrc"
 # (GGUF kind or float bits, rows, width): widths not multiples of 256 and a partial panel of 16
 WEIGHTS = [("Q4_K", 48, 512), ("Q4_K", 64, 1536), ("Q6_K", 40, 256), ("Q6_K", 35, 768), ("Q8_0", 35, 96),
            ("Q5_0", 33, 64), (4, 48, 896), (4, 40, 96), (8, 32, 160), ("Q4_0", 33, 96), ("Q3_K", 40, 512),
-           ("Q4_1", 48, 160), ("IQ4_NL", 32, 64), ("Q5_K", 48, 512), ("IQ4_XS", 35, 768), ("Q5_1", 40, 96)]
+           ("Q4_1", 48, 160), ("IQ4_NL", 32, 64), ("Q5_K", 48, 512), ("IQ4_XS", 35, 768), ("Q5_1", 40, 96),
+           ("F16", 48, 416), ("BF16", 35, 160), ("F16", 33, 96), ("BF16", 64, 768)]
 
 
 def weight(kind: str | int, n: int, k: int) -> quant.QWeight:

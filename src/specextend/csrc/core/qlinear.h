@@ -42,6 +42,19 @@
 //       IQ4's is kIq4Bytes[nibble], the IQ4 table + 128 (offset 128; GGUF's IQ4_XS, G = 8, and
 //       IQ4_NL, G = 1, sc = 1, no minimum). Their arithmetic is Q8's dot product of the bytes
 //       (dot - offset * s32) with Q4K's epilogue (both fmas).
+//   F16 and BF16 (the file's own 16-bit float weights, kept as they are): per input, the panel's
+//       16 channels' values (32 bytes), super-blocks of 32 inputs (1 KB)       w = float(value), exact
+//       These are products of floats, not of codes: the activations are not quantized (Rows::xf,
+//       the pre-op's float32 output). Per row and channel, two partial sums, the even inputs' and
+//       the odd inputs', each a chain of fused multiply-adds fma(w, x, sum) in input order from
+//       0.f, then y = even + odd (and bias, residual as the other formats). Two chains give a
+//       single row's loop two independent fma latencies a channel; fixed, they keep every path's
+//       bits (vector lanes are channels, so no path ever adds across inputs in another order) and
+//       a row's sums never meet another row's. Paths convert each weight to float32 once per
+//       block of inputs for all the rows they compute (F16C / VCVTPH2PS, a 16-bit shift for
+//       BF16, NEON's FCVTL); bfloat16 dot-product instructions (AVX512-BF16, AMX-BF16) are not
+//       used: they would round the activations to bfloat16 and add their pairs of products in
+//       an order of their own, and so would change the bits.
 // Codes of one group are stored in steps of 4 inputs: byte 4*c + j of a 64-byte step holds
 // input 4*s + j of channel c (one 32-bit lane per channel: the operand layout of VPDPBUSD, of
 // AVX2's VPMADDUBSW pairs and of NEON's SDOT). Q4K packs two steps per 64 bytes: step i in the
@@ -54,7 +67,11 @@
 
 namespace spx {
 
-enum Format : int64_t { Q4K = 0, Q6K = 1, Q8 = 2, Q5K = 3, IQ4 = 4, Q3K = 5 };
+enum Format : int64_t { Q4K = 0, Q6K = 1, Q8 = 2, Q5K = 3, IQ4 = 4, Q3K = 5, F16 = 7, BF16 = 8 };
+
+// The float formats (F16, BF16): products of float32 activations, not of int8 codes.
+inline bool float_format(int64_t fmt) { return fmt == F16 || fmt == BF16; }
+constexpr int kFloatBlock = 128;  // inputs a vector path converts to float32 at once for all its rows
 
 constexpr int kPanel = 16;
 constexpr int kActBlock = 32;  // activation quantization block
@@ -139,6 +156,7 @@ struct Rows {
   int32_t* s32;
   float* xs;
   int64_t k;
+  float* xf = nullptr;  // [m, k]: pre(x) in float32, for the float formats (null when no segment is one)
 };
 
 // What is applied to each input row before it is quantized (fused into the same pass).
@@ -148,7 +166,8 @@ struct PreOp {
   bool silu_mul = false;  // the row holds [gate | up] (2k values): silu(gate) * up
 };
 
-// pre(x) of rows [r0, r1) quantized into `a` (x: row stride ldx; scratch: k floats).
+// pre(x) of rows [r0, r1) quantized into `a`, and kept in float32 in a.xf where it is set (x: row
+// stride ldx; scratch: k floats).
 void quantize_rows(Path path, const float* x, int64_t ldx, const PreOp& op, const Rows& a, int64_t r0, int64_t r1,
                    float* scratch);
 
@@ -199,6 +218,8 @@ struct TileOut {
 };
 
 void tile_portable(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int rows, const TileOut& out);
+// The float formats' weight: input i, channel c of the panel at p (exact).
+float float_weight(int64_t fmt, const uint8_t* p, int64_t i, int c);
 void quantize_row_portable(const float* x, int64_t k, int8_t* q, float* d8, int32_t* s16, int32_t* s32, float* xs);
 void pre_op_row_portable(const float* x, int64_t k, const PreOp& op, float* out);
 
