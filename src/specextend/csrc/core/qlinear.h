@@ -61,7 +61,9 @@
 // low nibbles, step i + 4 in the high ones.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "cpu.h"
 
@@ -204,6 +206,27 @@ void linear_unit(Path path, const Linear& op, const LinearWork& w, int64_t unit,
 
 // Weight row `row` of a segment in float32 (embedding lookups, float conversions, tests).
 void dequantize_row(const Segment& s, int64_t row, float* out);
+
+// The float formats' sums of one full panel for rows [r0, r0 + n), n <= kRowBlock, into sum [n][16]
+// (the bias and residual not yet added): the vector paths' shared loop over their pieces V::
+//   one(p, x, sum): one row (x: its floats), converting each weight as it streams;
+//   convert(p, len, w): a block of len inputs' weights into w [len][16] float32;
+//   tiles(w, len, x, xk, part, n): n rows' even and odd chains part [n][2][16] over that block
+//   (x: the first row's floats at the block, xk: the row stride).
+template <class V>
+void float_sums(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* sum) {
+  if (n == 1) return V::one(s, p, x.xf + r0 * x.k, sum);
+  alignas(64) float w[kFloatBlock * kPanel];
+  alignas(64) float part[kRowBlock][2][kPanel];
+  std::memset(part, 0, sizeof(float) * 2 * kPanel * n);
+  for (int64_t k0 = 0; k0 < s.k; k0 += kFloatBlock) {
+    const int len = static_cast<int>(std::min<int64_t>(kFloatBlock, s.k - k0));
+    V::convert(p + 32 * k0, len, w);
+    V::tiles(w, len, x.xf + r0 * x.k + k0, x.k, part, n);
+  }
+  for (int r = 0; r < n; ++r)
+    for (int c = 0; c < kPanel; ++c) sum[kPanel * r + c] = part[r][0][c] + part[r][1][c];
+}
 
 // ------------------------------------------------------------------ per path
 

@@ -715,7 +715,7 @@ inline __m256 float_w(const uint8_t* p) {
 }
 
 template <int64_t FMT>
-void one_float(const Segment& s, const uint8_t* p, const float* x, float* sum) {
+void one_float(const Segment& s, const uint8_t* p, const float* x, float* sum) {  // float_sums' V::one
   __m256 e[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, o[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t i = 0; i < s.k; i += 2, p += 64) {
     if (i % 32 == 0) prefetch(p, 1024);
@@ -752,38 +752,31 @@ inline void float_tile_rows(const float* w, int len, const float* x, int64_t xk,
       for (int h = 0; h < 2; ++h) _mm256_store_ps(part[r][j] + 8 * h, c[r][j][h]);
 }
 
+// float_sums' pieces (qlinear.h) for format FMT.
 template <int64_t FMT>
-void rows_float(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* sum) {
-  alignas(32) float w[kFloatBlock * 16];
-  alignas(32) float part[kRowBlock][2][16];
-  std::memset(part, 0, sizeof(float) * 32 * n);
-  const float* xr = x.xf + r0 * x.k;
-  for (int64_t k0 = 0; k0 < s.k; k0 += kFloatBlock) {
-    const int len = static_cast<int>(std::min<int64_t>(kFloatBlock, s.k - k0));
+struct FloatAvx2 {
+  static void one(const Segment& s, const uint8_t* p, const float* x, float* sum) { one_float<FMT>(s, p, x, sum); }
+  static void convert(const uint8_t* p, int len, float* w) {
     for (int i = 0; i < len; ++i, p += 32) {
       _mm256_store_ps(w + 16 * i, float_w<FMT>(p));
       _mm256_store_ps(w + 16 * i + 8, float_w<FMT>(p + 16));
     }
+  }
+  static void tiles(const float* w, int len, const float* x, int64_t xk, float (*part)[2][16], int n) {
     for_tiles<3>(n, [&](int r, int rows) {
-      const float* xt = xr + r * x.k + k0;
       switch (rows) {
-        case 1: float_tile_rows<1>(w, len, xt, x.k, part + r); break;
-        case 2: float_tile_rows<2>(w, len, xt, x.k, part + r); break;
-        default: float_tile_rows<3>(w, len, xt, x.k, part + r); break;
+        case 1: float_tile_rows<1>(w, len, x + r * xk, xk, part + r); break;
+        case 2: float_tile_rows<2>(w, len, x + r * xk, xk, part + r); break;
+        default: float_tile_rows<3>(w, len, x + r * xk, xk, part + r); break;
       }
     });
   }
-  for (int r = 0; r < n; ++r)
-    for (int h = 0; h < 2; ++h)
-      _mm256_store_ps(sum + 16 * r + 8 * h, _mm256_add_ps(_mm256_load_ps(part[r][0] + 8 * h), _mm256_load_ps(part[r][1] + 8 * h)));
-}
+};
 
 // A full panel of a float format times rows [r0, r0 + n), n <= kRowBlock, written to out.
 void float_panel(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, const TileOut& out) {
   alignas(32) float sum[kRowBlock * 16];
-  const bool bf = s.fmt == BF16;
-  if (n == 1) (bf ? one_float<BF16> : one_float<F16>)(s, p, x.xf + r0 * x.k, sum);
-  else (bf ? rows_float<BF16> : rows_float<F16>)(s, p, x, r0, n, sum);
+  (s.fmt == BF16 ? float_sums<FloatAvx2<BF16>> : float_sums<FloatAvx2<F16>>)(s, p, x, r0, n, sum);
   store_rows(sum, r0, n, out);
 }
 

@@ -444,27 +444,23 @@ inline void float_tile_rows(const float* w, int len, const float* x, int64_t xk,
       for (int q = 0; q < 4; ++q) vst1q_f32(part[r][j] + 4 * q, c[r][j][q]);
 }
 
+// float_sums' pieces (qlinear.h) for format FMT.
 template <int64_t FMT>
-void rows_float(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* sum) {
-  alignas(16) float w[kFloatBlock * 16];
-  alignas(16) float part[kRowBlock][2][16];
-  std::memset(part, 0, sizeof(float) * 32 * n);
-  const float* xr = x.xf + r0 * x.k;
-  for (int64_t k0 = 0; k0 < s.k; k0 += kFloatBlock) {
-    const int len = static_cast<int>(std::min<int64_t>(kFloatBlock, s.k - k0));
+struct FloatNeon {
+  static void one(const Segment& s, const uint8_t* p, const float* x, float* sum) { one_float<FMT>(s, p, x, sum); }
+  static void convert(const uint8_t* p, int len, float* w) {
     for (int i = 0; i < len; ++i, p += 32) {
       float32x4_t v[4];
       float_w<FMT>(p, v);
       for (int q = 0; q < 4; ++q) vst1q_f32(w + 16 * i + 4 * q, v[q]);
     }
-    int r = 0;
-    for (; r + 3 <= n; r += 3) float_tile_rows<3>(w, len, xr + r * x.k + k0, x.k, part + r);
-    for (; r < n; ++r) float_tile_rows<1>(w, len, xr + r * x.k + k0, x.k, part + r);
   }
-  for (int r = 0; r < n; ++r)
-    for (int q = 0; q < 4; ++q)
-      vst1q_f32(sum + 16 * r + 4 * q, vaddq_f32(vld1q_f32(part[r][0] + 4 * q), vld1q_f32(part[r][1] + 4 * q)));
-}
+  static void tiles(const float* w, int len, const float* x, int64_t xk, float (*part)[2][16], int n) {
+    int r = 0;
+    for (; r + 3 <= n; r += 3) float_tile_rows<3>(w, len, x + r * xk, xk, part + r);
+    for (; r < n; ++r) float_tile_rows<1>(w, len, x + r * xk, xk, part + r);
+  }
+};
 
 // Rows [r0, r0 + n) of a panel's sums (16 floats a row) + bias (+ residual) into out.
 inline void store_rows(const float* acc, int64_t r0, int n, const TileOut& out) {
@@ -481,9 +477,7 @@ inline void store_rows(const float* acc, int64_t r0, int n, const TileOut& out) 
 // A full panel of a float format times rows [r0, r0 + n), n <= kRowBlock, written to out.
 void float_panel(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, const TileOut& out) {
   alignas(16) float sum[kRowBlock * 16];
-  const bool bf = s.fmt == BF16;
-  if (n == 1) (bf ? one_float<BF16> : one_float<F16>)(s, p, x.xf + r0 * x.k, sum);
-  else (bf ? rows_float<BF16> : rows_float<F16>)(s, p, x, r0, n, sum);
+  (s.fmt == BF16 ? float_sums<FloatNeon<BF16>> : float_sums<FloatNeon<F16>>)(s, p, x, r0, n, sum);
   store_rows(sum, r0, n, out);
 }
 
