@@ -1,7 +1,8 @@
 """What a GGUF file holds and what it costs once loaded, read from its header alone (no conversion).
 
-Each tensor either keeps its own quantization grid (`gguf.is_kept`: the types the kernels compute
-with, `quant.GGUF_BLOCKS`) or is stored as float32 by the converter; under the kernels' scheme
+Each tensor either keeps its own quantization grid (`is_kept`: the types the kernels compute
+with, `quant.GGUF_BLOCKS`, F16 and BF16 matrices as their 16-bit floats) or is stored as float32
+by the converter; under the kernels' scheme
 (`--weights auto` on a CPU) the loader then requantizes each float32 matrix to 8 bits (`loader._quantized`)
 and keeps vectors (norms, biases) in float32. A type the kernels do not compute with is therefore
 *expanded*: the converted copy holds it in float32 and the model that runs holds it in 8 bits,
