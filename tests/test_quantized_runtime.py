@@ -216,6 +216,21 @@ def test_derived_weights_are_computed_once_and_read_back(folders, tmp_path, monk
     assert torch.equal(blob(third), blob(first))
 
 
+def decodes_alike_on_every_path(model, monkeypatch) -> None:
+    """Greedy speculative decoding equals target-only on every kernel path, and every path gives
+    the portable path's tokens."""
+    prompt = torch.randint(0, 250, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    tokens = {}
+    for path in kernels.cpu_paths():
+        monkeypatch.setenv(kernels.CPU_ENV, path)
+        eng = SpecEngine(model, model, eos_ids=[])
+        ar = eng.generate(prompt, Settings(method="ar", max_new_tokens=24))
+        sd = eng.generate(prompt, Settings(max_new_tokens=24, **SMALL, method="sd"))
+        assert sd.token_ids == ar.token_ids, path
+        tokens[path] = ar.token_ids
+    assert all(t == tokens["portable"] for t in tokens.values())
+
+
 # A file of the 32-weight types (the tiny model's widths are not multiples of 256; the K-quant
 # and IQ4_XS grids are checked per tensor in test_quant.py and test_kernel_paths.py).
 MIXED = {
@@ -239,16 +254,7 @@ def test_a_file_of_mixed_types_keeps_each_grid_and_every_path_decodes_alike(tmp_
     for name in MIXED:
         assert torch.equal(stored.segment(name).dequantize(), torch.from_numpy(expected[name])), name
     model = load_model(out, torch.float32, weights="gguf")
-    prompt = torch.randint(0, 250, (40,), generator=torch.Generator().manual_seed(4)).tolist()
-    tokens = {}
-    for path in kernels.cpu_paths():
-        monkeypatch.setenv(kernels.CPU_ENV, path)
-        eng = SpecEngine(model, model, eos_ids=[])
-        ar = eng.generate(prompt, Settings(method="ar", max_new_tokens=24))
-        sd = eng.generate(prompt, Settings(max_new_tokens=24, **SMALL, method="sd"))
-        assert sd.token_ids == ar.token_ids, path
-        tokens[path] = ar.token_ids
-    assert all(t == tokens["portable"] for t in tokens.values())
+    decodes_alike_on_every_path(model, monkeypatch)
 
 
 # A file of 16-bit float weights (as an F16 or BF16 download holds them, norms in F32).
@@ -283,13 +289,4 @@ def test_a_file_of_float16_weights_keeps_them_and_every_path_decodes_alike(tmp_p
     model = load_model(out, torch.float32, weights="gguf")
     assert model.embed.qweight.segments[0].fmt == "f16"
     assert [s.fmt for s in model.layers[0].qkv.qweight.segments] == ["f16", "bf16", "f16"]
-    prompt = torch.randint(0, 250, (40,), generator=torch.Generator().manual_seed(4)).tolist()
-    tokens = {}
-    for path in kernels.cpu_paths():
-        monkeypatch.setenv(kernels.CPU_ENV, path)
-        eng = SpecEngine(model, model, eos_ids=[])
-        ar = eng.generate(prompt, Settings(method="ar", max_new_tokens=24))
-        sd = eng.generate(prompt, Settings(max_new_tokens=24, **SMALL, method="sd"))
-        assert sd.token_ids == ar.token_ids, path
-        tokens[path] = ar.token_ids
-    assert all(t == tokens["portable"] for t in tokens.values())
+    decodes_alike_on_every_path(model, monkeypatch)

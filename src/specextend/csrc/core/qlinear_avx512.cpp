@@ -398,16 +398,6 @@ struct FloatAvx512 {
   }
 };
 
-// Rows [r0, r0 + n) of a panel's sums (16 floats a row) + bias (+ residual) into out.
-inline void store_rows(const float* acc, int64_t r0, int n, const TileOut& out) {
-  const __m512 b = out.bias ? _mm512_loadu_ps(out.bias) : _mm512_setzero_ps();
-  for (int r = 0; r < n; ++r) {
-    __m512 y = _mm512_add_ps(_mm512_load_ps(acc + 16 * r), b);
-    if (out.residual) y = _mm512_add_ps(_mm512_loadu_ps(out.residual + (r0 + r) * out.ldo), y);
-    _mm512_storeu_ps(out.y + (r0 + r) * out.ldo, y);
-  }
-}
-
 // A full panel of a float format times rows [r0, r0 + n), n <= kRowBlock, written to out.
 void float_panel(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, const TileOut& out) {
   alignas(64) float sum[kRowBlock * 16];
