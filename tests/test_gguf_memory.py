@@ -209,6 +209,24 @@ def test_a_q2_k_file_keeps_its_grid(tmp_path, tokenizer_gguf, capsys, monkeypatc
     assert is_current(folder)
 
 
+def test_float16_and_bfloat16_matrices_are_kept_not_expanded(tmp_path, capsys) -> None:
+    """F16 and BF16 matrices run as they are: inspect and the load say nothing is expanded, and
+    each costs its file bytes in memory and on disk."""
+    src = tmp_path / "f16.gguf"
+    kinds = {"lm_head.weight": "F16", "model.layers.0.mlp.down_proj.weight": "BF16", "model.embed_tokens.weight": "F16"}
+    write_tiny_gguf(src, tokenizer=False, quantized=kinds)
+    info = json.loads(run(capsys, "models", "inspect", str(src), "--json")[1])
+    types = {r["type"]: r for r in info["types"]}
+    assert info["expanded"] == [] and {"F16", "BF16"} <= set(types)
+    for kind in ("F16", "BF16"):
+        row = types[kind]
+        assert row["kept"] and not row["expanded"] and row["file_bytes"] == 2 * row["parameters"]
+        assert row["loaded_bytes"] == row["converted_bytes"] == row["file_bytes"]
+        assert "as it is" in row["runs_as"] or "PyTorch" in row["runs_as"]
+    conv.convert_gguf(src, tmp_path / "hf", progress=False, tokenizer=False)
+    assert "expanded" not in capsys.readouterr().err
+
+
 def test_inspect_refusals(tmp_path, capsys) -> None:
     for ref, why in ((str(tmp_path / "nope.gguf"), "no such .gguf file"), (str(tmp_path), "is a folder"),
                      ("qwen2.5-coder-1.5b", "not pulled yet")):

@@ -23,8 +23,13 @@ SIGNED = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "IQ4_XS", "Q3_K", "Q
 
 
 def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """Random raw GGUF blocks of `kind` for an [n, k] tensor, with sane float16 scales."""
+    """Random raw GGUF blocks of `kind` for an [n, k] tensor, with sane float16 scales (F16 and
+    BF16: the bytes of normal weights of either sign, some exact zeros)."""
     rng = np.random.default_rng(seed)
+    if kind in quant.FLOAT_KINDS:
+        w = torch.from_numpy((rng.standard_normal((n, k)) * 0.05).astype(np.float32))
+        w[rng.random((n, k)) < 0.01] = 0
+        return w.to(torch.float16 if kind == "F16" else torch.bfloat16).view(torch.int16).numpy().view(np.uint8)
     size, per = quant.GGUF_BLOCKS[kind]
     raw = rng.integers(0, 256, (n, k // per, size), dtype=np.uint8)
     for lo in F16_FIELDS.get(kind, (0,)):
@@ -43,8 +48,11 @@ def qw(seg: quant.Segment) -> quant.QWeight:
     return quant.QWeight(seg.k, [seg])
 
 
-def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """float64 product of the int8-quantized activations (as the kernel sees them) with w."""
+def reference(x: torch.Tensor, w: torch.Tensor, kind: str = "Q8_0") -> torch.Tensor:
+    """float64 product of the activations as the kernel sees them (int8-quantized; F16 and BF16
+    weights: float32 as they are) with w."""
+    if kind in quant.FLOAT_KINDS:
+        return x.double() @ w.double().T
     q8, d8, _ = ext.quantize_activations(x, kernels.PATHS.index("portable"))
     xq = q8.double().view(x.shape[0], -1, 32) * d8.double().unsqueeze(-1)
     return xq.view(x.shape) @ w.double().T
@@ -52,7 +60,7 @@ def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 KINDS = [("Q4_K", 48, 512), ("Q6_K", 40, 256), ("Q8_0", 35, 96), ("Q5_0", 33, 64), ("Q4_0", 35, 96),
          ("Q4_1", 33, 160), ("Q3_K", 40, 512), ("IQ4_NL", 17, 64), ("Q5_K", 40, 512), ("IQ4_XS", 33, 256),
-         ("Q5_1", 35, 96), ("Q2_K", 35, 768)]
+         ("Q5_1", 35, 96), ("Q2_K", 35, 768), ("F16", 40, 512), ("BF16", 35, 160)]
 
 
 @pytest.mark.parametrize(("kind", "n", "k"), KINDS)
@@ -95,9 +103,25 @@ def test_product_matches_float64_reference(kind: str, n: int, k: int) -> None:
     bias = torch.randn(n)
     x = torch.randn(5, k)
     y = kernels.qlinear(x, w, bias)
-    ref = reference(x, torch.from_numpy(gguf_dequant(kind, raw, n, k))) + bias.double()
+    ref = reference(x, torch.from_numpy(gguf_dequant(kind, raw, n, k)), kind) + bias.double()
     assert y.shape == (5, n)
     assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("kind", ["F16", "BF16"])
+def test_float_weights_are_multiplied_within_float32_rounding(kind: str) -> None:
+    """F16 and BF16: the file's weights exactly (their float32 values), float32 activations as they
+    are; each output within float32 rounding of two chains of k/2 products of the float64 sum."""
+    n, k = 35, 1536
+    raw = random_blocks(kind, n, k, seed=4)
+    w = qw(quant.from_gguf_blocks(kind, raw, n, k))
+    exact = torch.from_numpy(gguf_dequant(kind, raw, n, k))
+    assert torch.equal(w.dequantize(), exact) and w.nbytes == 2 * 48 * k  # 16 bits a weight, 3 panels
+    x = torch.randn(9, k) * 3
+    y = kernels.qlinear(x, w).double()
+    ref = x.double() @ exact.double().T
+    bound = (k / 2 + 1) * 2.0**-24 * (x.double().abs() @ exact.double().abs().T)  # |error| of a chain of fmas
+    assert ((y - ref).abs() <= bound).all()
 
 
 @pytest.mark.parametrize(("kind", "n", "k"), KINDS)

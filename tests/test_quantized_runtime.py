@@ -216,6 +216,21 @@ def test_derived_weights_are_computed_once_and_read_back(folders, tmp_path, monk
     assert torch.equal(blob(third), blob(first))
 
 
+def decodes_alike_on_every_path(model, monkeypatch) -> None:
+    """Greedy speculative decoding equals target-only on every kernel path, and every path gives
+    the portable path's tokens."""
+    prompt = torch.randint(0, 250, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    tokens = {}
+    for path in kernels.cpu_paths():
+        monkeypatch.setenv(kernels.CPU_ENV, path)
+        eng = SpecEngine(model, model, eos_ids=[])
+        ar = eng.generate(prompt, Settings(method="ar", max_new_tokens=24))
+        sd = eng.generate(prompt, Settings(max_new_tokens=24, **SMALL, method="sd"))
+        assert sd.token_ids == ar.token_ids, path
+        tokens[path] = ar.token_ids
+    assert all(t == tokens["portable"] for t in tokens.values())
+
+
 # A file of the 32-weight types (the tiny model's widths are not multiples of 256; the K-quant
 # and IQ4_XS grids are checked per tensor in test_quant.py and test_kernel_paths.py).
 MIXED = {
@@ -239,13 +254,39 @@ def test_a_file_of_mixed_types_keeps_each_grid_and_every_path_decodes_alike(tmp_
     for name in MIXED:
         assert torch.equal(stored.segment(name).dequantize(), torch.from_numpy(expected[name])), name
     model = load_model(out, torch.float32, weights="gguf")
-    prompt = torch.randint(0, 250, (40,), generator=torch.Generator().manual_seed(4)).tolist()
-    tokens = {}
-    for path in kernels.cpu_paths():
-        monkeypatch.setenv(kernels.CPU_ENV, path)
-        eng = SpecEngine(model, model, eos_ids=[])
-        ar = eng.generate(prompt, Settings(method="ar", max_new_tokens=24))
-        sd = eng.generate(prompt, Settings(max_new_tokens=24, **SMALL, method="sd"))
-        assert sd.token_ids == ar.token_ids, path
-        tokens[path] = ar.token_ids
-    assert all(t == tokens["portable"] for t in tokens.values())
+    decodes_alike_on_every_path(model, monkeypatch)
+
+
+# A file of 16-bit float weights (as an F16 or BF16 download holds them, norms in F32).
+FLOATS = {
+    "model.embed_tokens.weight": "F16", "model.layers.0.self_attn.q_proj.weight": "F16",
+    "model.layers.0.self_attn.k_proj.weight": "BF16", "model.layers.0.self_attn.v_proj.weight": "F16",
+    "model.layers.0.self_attn.o_proj.weight": "BF16", "model.layers.0.mlp.gate_proj.weight": "F16",
+    "model.layers.0.mlp.up_proj.weight": "F16", "model.layers.0.mlp.down_proj.weight": "BF16",
+    "model.layers.1.self_attn.q_proj.weight": "BF16", "model.layers.1.self_attn.k_proj.weight": "BF16",
+    "model.layers.1.self_attn.v_proj.weight": "BF16", "model.layers.1.self_attn.o_proj.weight": "F16",
+    "model.layers.1.mlp.gate_proj.weight": "BF16", "model.layers.1.mlp.up_proj.weight": "BF16",
+    "model.layers.1.mlp.down_proj.weight": "F16", "lm_head.weight": "F16",
+}
+
+
+def test_a_file_of_float16_weights_keeps_them_and_every_path_decodes_alike(tmp_path, monkeypatch, capsys):
+    """F16 and BF16 matrices stay 16-bit (on disk: 2 bytes a weight), are the file's values exactly,
+    are not named as expanded, and greedy speculative decoding equals target-only on every path."""
+    from specextend.models.qstore import QuantizedFile
+    from test_gguf import write_tiny_gguf
+
+    src = tmp_path / "f16.gguf"
+    expected = write_tiny_gguf(src, "qwen2", tokenizer=False, quantized=FLOATS)
+    out = conv.convert_gguf(src, tmp_path / "model", progress=False, tokenizer=False)
+    assert "expanded" not in capsys.readouterr().err
+    stored = QuantizedFile(out / conv.WEIGHTS_FILE)
+    assert set(stored.formats) == set(FLOATS)
+    for name, kind in FLOATS.items():
+        seg = stored.segment(name)
+        assert seg.fmt == kind.lower() and seg.nbytes == 2 * -(-seg.n // 16) * 16 * seg.k, name
+        assert torch.equal(seg.dequantize(), torch.from_numpy(expected[name])), name
+    model = load_model(out, torch.float32, weights="gguf")
+    assert model.embed.qweight.segments[0].fmt == "f16"
+    assert [s.fmt for s in model.layers[0].qkv.qweight.segments] == ["f16", "bf16", "f16"]
+    decodes_alike_on_every_path(model, monkeypatch)

@@ -15,6 +15,8 @@ A `QWeight` is a [n, k] matrix stored in one or more row *segments*, each in one
 - ``q5k`` and ``iq4``: q4k's header (signed scale codes) over 5-bit codes (nibbles and a bit
   plane) or IQ4's 4-bit table indices, unpacked by the kernels into q8's byte codes: GGUF's Q5_K
   and IQ4_XS (8 groups a super-block), Q5_1 and IQ4_NL (one group).
+- ``f16`` and ``bf16``: GGUF's F16 and BF16 weights as they are, 16 bits each (per input, a
+  panel's 16 values); the kernels multiply them in float32 with float32 activations.
 
 Segments exist because one fused projection can mix formats (a GGUF file may store a layer's
 V projection in Q6_K and its Q and K in Q4_K); the kernel quantizes the input once and writes
@@ -32,7 +34,9 @@ import torch
 from .errors import UserError
 
 PANEL = 16
-FORMATS = {"q4k": 0, "q6k": 1, "q8": 2, "q5k": 3, "iq4": 4, "q3k": 5, "q2k": 6}
+FORMATS = {"q4k": 0, "q6k": 1, "q8": 2, "q5k": 3, "iq4": 4, "q3k": 5, "q2k": 6, "f16": 7, "bf16": 8}
+# The 16-bit float formats: GGUF type -> format (super-blocks of 32 inputs, 2 bytes a weight).
+FLOAT_KINDS = {"F16": "f16", "BF16": "bf16"}
 # Code bytes per group of 16 channels x 32 inputs of the formats with q4k's header (`pack_kgroups`).
 K_CODE_BYTES = {"q5k": 320, "iq4": 256}
 
@@ -43,7 +47,8 @@ def _superblock(fmt: str, groups: int) -> tuple[int, int]:
         return 32 * groups, 64 + 288 * groups
     if fmt in K_CODE_BYTES:
         return 32 * groups, 64 + (32 + K_CODE_BYTES[fmt]) * groups
-    return {"q6k": (256, 3360), "q3k": (256, 1824), "q2k": (256, 1344), "q8": (32, 544)}[fmt]
+    return {"q6k": (256, 3360), "q3k": (256, 1824), "q2k": (256, 1344), "q8": (32, 544), "f16": (32, 1024),
+            "bf16": (32, 1024)}[fmt]
 
 
 def blob_bytes(fmt: str, n: int, k: int, groups: int = 8) -> int:
@@ -263,6 +268,9 @@ GGUF_BLOCKS = {
     "Q4_K": (144, 256), "Q6_K": (210, 256), "Q8_0": (34, 32), "Q5_0": (22, 32),
     "Q4_0": (18, 32), "Q4_1": (20, 32), "Q3_K": (110, 256), "IQ4_NL": (18, 32),
     "Q5_K": (176, 256), "IQ4_XS": (136, 256), "Q5_1": (24, 32), "Q2_K": (84, 256),
+    # 16-bit floats have no blocks; kept in runs of 32 (the kernels' super-block), so the width
+    # must be a multiple of 32.
+    "F16": (64, 32), "BF16": (64, 32),
 }
 
 
@@ -362,8 +370,18 @@ def _iq4xs(b: np.ndarray, n: int, k: int) -> Segment:
                         codes, 128, groups=8)
 
 
+def pack_float(kind: str, raw: np.ndarray, n: int, k: int) -> Segment:
+    """F16 or BF16 values ([n, k] of 16-bit values, any dtype of that width, or their bytes) as the
+    kernels' f16/bf16 layout: per panel, per input, the 16 channels' values."""
+    bits = _panels(np.ascontiguousarray(raw).view(np.uint16).reshape(n, k))
+    blob = np.ascontiguousarray(bits.reshape(-1, PANEL, k).transpose(0, 2, 1))
+    return Segment(FLOAT_KINDS[kind], n, torch.from_numpy(blob.reshape(-1).view(np.uint8)), 0, k, groups=1)
+
+
 def from_gguf_blocks(kind: str, raw: np.ndarray, n: int, k: int) -> Segment:
     """Repack a GGUF tensor's raw blocks ([n, k/values*bytes] uint8) without changing a weight."""
+    if kind in FLOAT_KINDS:
+        return pack_float(kind, raw, n, k)
     size, per = GGUF_BLOCKS[kind]
     b = np.asarray(raw, dtype=np.uint8).reshape(n, k // per, size)
     if kind == "Q4_K":

@@ -51,6 +51,8 @@ def _sections(fmt: str, groups: int) -> list[tuple[int, int]]:
         return [(1, 2), (16, 1), (24, 4)]
     if fmt == "q2k":  # d, dmin (f16), scale/min bytes, one 64-byte plane per group
         return [(1, 2), (1, 2), (16, 1), (16, 4)]
+    if fmt in ("f16", "bf16"):  # per input, 16 channels' 16-bit values
+        return [(32, 2)]
     return [(1, 2), (8, 4)]  # q8: d (f16), codes
 
 

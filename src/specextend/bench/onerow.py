@@ -38,12 +38,12 @@ from .. import kernels, quant
 from ..options import OneLineParser
 from .runtime import parse_counts, read_bandwidth_gbs
 
-FORMATS = ("q4k", "q6k", "q5k", "iq4", "q3k", "q2k")
+FORMATS = ("q4k", "q6k", "q5k", "iq4", "q3k", "q2k", "f16", "bf16")
 
 
 def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> quant.QWeight:
-    """A random n x k matrix packed as `fmt` (q4k, q5k, iq4: 8 groups a super-block; q6k, q3k, q2k), real
-    layout."""
+    """A random n x k matrix packed as `fmt` (q4k, q5k, iq4: 8 groups a super-block; q6k, q3k, q2k;
+    f16, bf16), real layout."""
     rng = np.random.default_rng(seed)
     if fmt == "q4k":
         seg = quant.pack_q4k(rng.uniform(0.01, 0.1, (n, k // 256)).astype(np.float16),
@@ -71,6 +71,10 @@ def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> quant.QWeight:
                                  rng.integers(0 if q5 else -32, 64 if q5 else 32, (n, k // 32), dtype=np.int8),
                                  rng.integers(0, 64, (n, k // 32), dtype=np.uint8) * q5,
                                  rng.integers(0, 32 if q5 else 16, (n, k), dtype=np.uint8), 0 if q5 else 128, 8)
+    elif fmt in ("f16", "bf16"):  # the file's 16-bit floats
+        w = torch.from_numpy((rng.standard_normal((n, k)) * 0.05).astype(np.float32))
+        seg = quant.pack_float(fmt.upper(), w.to(torch.float16 if fmt == "f16" else torch.bfloat16).view(torch.int16)
+                               .numpy(), n, k)
     else:
         raise ValueError(f"unknown format {fmt!r} (one of {', '.join(FORMATS)})")
     return quant.QWeight(k, [seg])

@@ -38,21 +38,23 @@ py::object amx_status() {
   return why == nullptr ? py::object(py::none()) : py::object(py::str(why));
 }
 
-// The int8 activations of rows x [m, k], with their scales and sums (buffers kept alive by `keep`).
+// The int8 activations of rows x [m, k], with their scales and sums, and (`floats`: for the float
+// formats) pre(x) in float32.
 struct QuantizedRows {
-  at::Tensor q8, d8, s16, s32, xs;
+  at::Tensor q8, d8, s16, s32, xs, xf;
   spx::Rows rows() {
     return {q8.data_ptr<int8_t>(), d8.data_ptr<float>(), s16.data_ptr<int32_t>(), s32.data_ptr<int32_t>(),
-            xs.data_ptr<float>(), q8.size(1)};
+            xs.data_ptr<float>(), q8.size(1), xf.defined() ? xf.data_ptr<float>() : nullptr};
   }
 };
 
-QuantizedRows quantize(spx::Path path, const at::Tensor& x, int64_t k, const spx::PreOp& op) {
+QuantizedRows quantize(spx::Path path, const at::Tensor& x, int64_t k, const spx::PreOp& op, bool floats = false) {
   const int64_t m = x.size(0);
   auto opt = x.options();
   QuantizedRows a{at::empty({m, k}, opt.dtype(at::kChar)), at::empty({m, k / 32}, opt.dtype(at::kFloat)),
                   at::empty({m, k / 16}, opt.dtype(at::kInt)), at::empty({m, k / 32}, opt.dtype(at::kInt)),
-                  at::empty({m, k / 32}, opt.dtype(at::kFloat))};
+                  at::empty({m, k / 32}, opt.dtype(at::kFloat)),
+                  floats ? at::empty({m, k}, opt.dtype(at::kFloat)) : at::Tensor()};
   const spx::Rows rows = a.rows();
   const float* xp = x.data_ptr<float>();
   const int64_t ldx = x.size(1);
@@ -143,7 +145,9 @@ at::Tensor qlinear(const at::Tensor& x, const std::vector<at::Tensor>& blobs, co
   const float* bp = optional_float(bias, bias_keep, n_total, "bias");
   const float* rp = optional_float(residual, res_keep, m * n_total, "residual");
   TORCH_CHECK(!rp || (res_keep.dim() == 2 && res_keep.size(0) == m), "qlinear: residual must be [m, n]");
-  QuantizedRows a = quantize(path, xc, k, op);
+  bool floats = false;
+  for (const spx::Segment& s : segs) floats = floats || spx::float_format(s.fmt);
+  QuantizedRows a = quantize(path, xc, k, op, floats);
   at::Tensor y;
   if (out.has_value() && out->defined()) {
     y = *out;

@@ -1,7 +1,8 @@
 """What a GGUF file holds and what it costs once loaded, read from its header alone (no conversion).
 
-Each tensor either keeps its own quantization grid (`gguf.is_kept`: the types the kernels compute
-with, `quant.GGUF_BLOCKS`) or is stored as float32 by the converter; under the kernels' scheme
+Each tensor either keeps its own quantization grid (`is_kept`: the types the kernels compute
+with, `quant.GGUF_BLOCKS`, F16 and BF16 matrices as their 16-bit floats) or is stored as float32
+by the converter; under the kernels' scheme
 (`--weights auto` on a CPU) the loader then requantizes each float32 matrix to 8 bits (`loader._quantized`)
 and keeps vectors (norms, biases) in float32. A type the kernels do not compute with is therefore
 *expanded*: the converted copy holds it in float32 and the model that runs holds it in 8 bits,
@@ -30,13 +31,18 @@ Q8_BYTES = 34 / 32  # the 8-bit format: 32 one-byte codes and a float16 scale pe
 TRANSIENT_COPIES = 3
 
 
-def is_kept(kind: str, dims: int) -> bool:
-    """Whether a tensor of GGUF type `kind` with `dims` dimensions keeps its own quantization grid
-    (the kernels compute with it as it is); every other tensor is stored as float32. The one rule:
-    the types `quant.GGUF_BLOCKS` lists, as matrices."""
+# Float types whose float32 form holds every value exactly: stored as float32 they lose nothing.
+EXACT_IN_FLOAT32 = ("F32", "F16", "BF16")
+
+
+def is_kept(kind: str, shape: tuple[int, ...]) -> bool:
+    """Whether a tensor of GGUF type `kind` and `shape` (GGUF order: the input width first) keeps
+    its own quantization grid or 16-bit floats (the kernels compute with it as it is); every other
+    tensor is stored as float32. The one rule: the types `quant.GGUF_BLOCKS` lists, as matrices of
+    whole blocks (F16 and BF16: widths that are multiples of 32)."""
     from .. import quant
 
-    return kind in quant.GGUF_BLOCKS and dims == 2
+    return kind in quant.GGUF_BLOCKS and len(shape) == 2 and shape[0] % quant.GGUF_BLOCKS[kind][1] == 0
 
 
 @dataclass(frozen=True)
@@ -154,17 +160,18 @@ def runs_float(kernel_path: str | None) -> bool:
     return kernel_path in (None, "portable")
 
 
-def _runs_as(kind: str, dims: int, path: str | None) -> tuple[str, bool, bool]:
+def _runs_as(kind: str, shape: tuple[int, ...], path: str | None) -> tuple[str, bool, bool]:
     """(how the loaded model computes with a tensor, kept, expanded)."""
-    kept = is_kept(kind, dims)
-    expanded = not kept and kind != "F32"
+    dims = len(shape)
+    kept = is_kept(kind, shape)
+    expanded = not kept and kind not in EXACT_IN_FLOAT32
     if runs_float(path) and dims == 2:
         return f"{kind} on disk, float32 in memory (PyTorch: no vector kernel path)", kept, expanded
     if kept:
         return f"{kind} as it is ({path} kernels)", True, False
     if dims != 2:
-        return ("float32" if kind == "F32" else "expanded to float32"), False, expanded
-    if kind == "F32":
+        return ("float32" if kind in EXACT_IN_FLOAT32 else "expanded to float32"), False, expanded
+    if kind in EXACT_IN_FLOAT32:
         return f"float32, requantized to 8 bits ({path} kernels)", False, False
     return f"expanded to float32, then requantized to 8 bits ({path} kernels)", False, True
 
@@ -177,7 +184,7 @@ def footprint(file: str | os.PathLike[str], architecture: str, tensors: list[Ten
     rows: dict[tuple[str, str], TypeRow] = {}
     for t in tensors:
         dims, count = len(t.shape), math.prod(t.shape)
-        runs_as, kept, expanded = _runs_as(t.kind, dims, kernel_path)
+        runs_as, kept, expanded = _runs_as(t.kind, t.shape, kernel_path)
         row = rows.setdefault((t.kind, runs_as), TypeRow(t.kind, runs_as, kept, expanded))
         row.tensors += 1
         row.parameters += count

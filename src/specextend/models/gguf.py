@@ -4,7 +4,8 @@ The weights keep the file's own quantization grids in the layout the CPU kernels
 `quant.py` and `qstore.py`): a Q4_K_M model stays about the size of its GGUF and loads with a
 plain read, and any other precision (`--weights float32`, `int8`, ...) is derived from it at load
 time without a second copy on disk. Tensor types the kernels do not compute with as they are
-(F32 norms and biases, other quantization types) are stored as float32 under their HF names;
+(F32 norms and biases, other quantization types) are stored as float32 under their HF names
+(F16 and BF16 matrices are kept as their 16-bit values, which the kernels compute with);
 each load of a file with such types says so in one line, and one whose first load would not fit
 in memory is refused before anything is written (`footprint.py`). Tensors are converted and
 written one at a time, so converting takes about the memory of the largest one.
@@ -363,7 +364,7 @@ def kept_segment(tensor: Any, config: dict[str, Any], rows: int | None = None) -
     from .. import quant
 
     kind = type_name(tensor)
-    if not is_kept(kind, len(tensor.shape)):
+    if not is_kept(kind, tuple(int(d) for d in tensor.shape)):
         return None
     n, k = int(tensor.shape[1]), int(tensor.shape[0])
     raw = np.asarray(tensor.data)

@@ -184,7 +184,7 @@ class _Tensors:
     def has(self, name: str) -> bool:
         return name in self.where
 
-    def segment(self, name: str) -> None:
+    def segment(self, name: str, mapped: bool = True) -> None:
         return None  # a Hugging Face checkpoint holds float tensors only
 
 
@@ -326,7 +326,7 @@ def _quantized(ts: Any, names: list[str], scheme: str, derived: DerivedWeights) 
         parts = []
         for name in names:
             # Stored in float in the GGUF too: the 8-bit format stands in.
-            seg = ts.segment(name) or derived.get(name, lambda name=name: from_float([name], 8))
+            seg = ts.segment(name, mapped=len(names) == 1) or derived.get(name, lambda name=name: from_float([name], 8))
             if seg is None:
                 return None
             parts.append(quant.QWeight(seg.k, [seg]))

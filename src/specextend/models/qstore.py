@@ -171,14 +171,16 @@ class QuantizedFile:
     def has(self, name: str) -> bool:
         return name in self.names
 
-    def segment(self, name: str) -> Segment | None:
-        """The quantized tensor `name`, or None when it is stored as float."""
+    def segment(self, name: str, mapped: bool = True) -> Segment | None:
+        """The quantized tensor `name`, or None when it is stored as float. `mapped` False reads it
+        into memory of its own: for a segment about to be stacked with others (copied again)."""
         f = self.formats.get(name)
         if f is None:
             return None
-        # Kept as it is stored, so read through the library's map: the blob is the file's pages.
-        return Segment(f["format"], int(f["n"]), self._read_mapped(name), int(f["offset"]), int(f["k"]),
-                       int(f.get("groups", 8)))
+        # Kept as it is stored, read through the library's map: the blob is the file's pages. A
+        # stacked one is not: the pages its copy was read from would stay resident beside the copy.
+        return Segment(f["format"], int(f["n"]), self._read_mapped(name) if mapped else self._read(name),
+                       int(f["offset"]), int(f["k"]), int(f.get("groups", 8)))
 
     def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """The tensor as float `dtype` (quantized ones are dequantized exactly, then cast)."""

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace spx {
@@ -22,6 +23,8 @@ bool format_info(int64_t fmt, int64_t sbg, FormatInfo* out) {
       if (sbg < 1 || sbg > 8) return false;
       *out = {32, static_cast<int>(32 * sbg), 64 + (32 + code_bytes(fmt)) * sbg};
       return true;
+    case F16:
+    case BF16: *out = {32, 32, 32 * 32}; return true;
     default: return false;
   }
 }
@@ -81,19 +84,22 @@ void quantize_rows(Path path, const float* x, int64_t ldx, const PreOp& op, cons
       src = scratch;
     }
     kn.quantize(src, k, a.q8 + r * k, a.d8 + r * kb, a.s16 + r * (k / 16), a.s32 + r * kb, a.xs + r * kb);
+    if (a.xf != nullptr) std::memcpy(a.xf + r * k, src, sizeof(float) * k);
   }
 }
 
 void linear_block(Path path, const Linear& op, int64_t p0, int64_t p1, int64_t r0, int64_t r1, float* scratch) {
-  const Kernels kn = kernels_for(path);
+  // The float formats have no tile-unit code: on the amx paths they run their vector path's kernels.
+  const Kernels kq = kernels_for(path), kf = kernels_for(vector_path(path));
   const bool vector = vector_path(path) != Path::Portable;
   const int64_t m = r1 - r0;
-  const bool by_rows = kn.rows != nullptr && m >= kn.rows_from;
   int64_t si = 0, col0 = 0;
-  const int64_t tiles = (m + kn.tile_rows - 1) / kn.tile_rows;
   for (int64_t gp = p0; gp < p1; ++gp) {
     while (gp >= op.first_panel[si + 1]) col0 += op.segs[si++].n;
     const Segment& s = op.segs[si];
+    const Kernels& kn = float_format(s.fmt) ? kf : kq;
+    const bool by_rows = kn.rows != nullptr && m >= kn.rows_from;
+    const int64_t tiles = (m + kn.tile_rows - 1) / kn.tile_rows;
     const int64_t p = gp - op.first_panel[si];
     const uint8_t* pb = s.blob + p * s.panel_bytes();
     const int64_t c0 = col0 + p * kPanel;

@@ -49,19 +49,38 @@
 //       IQ4's is kIq4Bytes[nibble], the IQ4 table + 128 (offset 128; GGUF's IQ4_XS, G = 8, and
 //       IQ4_NL, G = 1, sc = 1, no minimum). Their arithmetic is Q8's dot product of the bytes
 //       (dot - offset * s32) with Q4K's epilogue (both fmas).
+//   F16 and BF16 (the file's own 16-bit float weights, kept as they are): per input, the panel's
+//       16 channels' values (32 bytes), super-blocks of 32 inputs (1 KB)       w = float(value), exact
+//       These are products of floats, not of codes: the activations are not quantized (Rows::xf,
+//       the pre-op's float32 output). Per row and channel, two partial sums, the even inputs' and
+//       the odd inputs', each a chain of fused multiply-adds fma(w, x, sum) in input order from
+//       0.f, then y = even + odd (and bias, residual as the other formats). Two chains give a
+//       single row's loop two independent fma latencies a channel; fixed, they keep every path's
+//       bits (vector lanes are channels, so no path ever adds across inputs in another order) and
+//       a row's sums never meet another row's. Paths convert each weight to float32 once per
+//       block of inputs for all the rows they compute (F16C / VCVTPH2PS, a 16-bit shift for
+//       BF16, NEON's FCVTL); bfloat16 dot-product instructions (AVX512-BF16, AMX-BF16) are not
+//       used: they would round the activations to bfloat16 and add their pairs of products in
+//       an order of their own, and so would change the bits.
 // Codes of one group are stored in steps of 4 inputs: byte 4*c + j of a 64-byte step holds
 // input 4*s + j of channel c (one 32-bit lane per channel: the operand layout of VPDPBUSD, of
 // AVX2's VPMADDUBSW pairs and of NEON's SDOT). Q4K packs two steps per 64 bytes: step i in the
 // low nibbles, step i + 4 in the high ones.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "cpu.h"
 
 namespace spx {
 
-enum Format : int64_t { Q4K = 0, Q6K = 1, Q8 = 2, Q5K = 3, IQ4 = 4, Q3K = 5, Q2K = 6 };
+enum Format : int64_t { Q4K = 0, Q6K = 1, Q8 = 2, Q5K = 3, IQ4 = 4, Q3K = 5, Q2K = 6, F16 = 7, BF16 = 8 };
+
+// The float formats (F16, BF16): products of float32 activations, not of int8 codes.
+inline bool float_format(int64_t fmt) { return fmt == F16 || fmt == BF16; }
+constexpr int kFloatBlock = 128;  // inputs a vector path converts to float32 at once for all its rows
 
 constexpr int kPanel = 16;
 constexpr int kActBlock = 32;  // activation quantization block
@@ -151,6 +170,7 @@ struct Rows {
   int32_t* s32;
   float* xs;
   int64_t k;
+  float* xf = nullptr;  // [m, k]: pre(x) in float32, for the float formats (null when no segment is one)
 };
 
 // Q2K's minimum term's activation factor for group k0 (16 inputs) of a row: the block's scale
@@ -166,7 +186,8 @@ struct PreOp {
   bool silu_mul = false;  // the row holds [gate | up] (2k values): silu(gate) * up
 };
 
-// pre(x) of rows [r0, r1) quantized into `a` (x: row stride ldx; scratch: k floats).
+// pre(x) of rows [r0, r1) quantized into `a`, and kept in float32 in a.xf where it is set (x: row
+// stride ldx; scratch: k floats).
 void quantize_rows(Path path, const float* x, int64_t ldx, const PreOp& op, const Rows& a, int64_t r0, int64_t r1,
                    float* scratch);
 
@@ -204,6 +225,27 @@ void linear_unit(Path path, const Linear& op, const LinearWork& w, int64_t unit,
 // Weight row `row` of a segment in float32 (embedding lookups, float conversions, tests).
 void dequantize_row(const Segment& s, int64_t row, float* out);
 
+// The float formats' sums of one full panel for rows [r0, r0 + n), n <= kRowBlock, into sum [n][16]
+// (the bias and residual not yet added): the vector paths' shared loop over their pieces V::
+//   one(p, x, sum): one row (x: its floats), converting each weight as it streams;
+//   convert(p, len, w): a block of len inputs' weights into w [len][16] float32;
+//   tiles(w, len, x, xk, part, n): n rows' even and odd chains part [n][2][16] over that block
+//   (x: the first row's floats at the block, xk: the row stride).
+template <class V>
+void float_sums(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* sum) {
+  if (n == 1) return V::one(s, p, x.xf + r0 * x.k, sum);
+  alignas(64) float w[kFloatBlock * kPanel];
+  alignas(64) float part[kRowBlock][2][kPanel];
+  std::memset(part, 0, sizeof(float) * 2 * kPanel * n);
+  for (int64_t k0 = 0; k0 < s.k; k0 += kFloatBlock) {
+    const int len = static_cast<int>(std::min<int64_t>(kFloatBlock, s.k - k0));
+    V::convert(p + 32 * k0, len, w);
+    V::tiles(w, len, x.xf + r0 * x.k + k0, x.k, part, n);
+  }
+  for (int r = 0; r < n; ++r)
+    for (int c = 0; c < kPanel; ++c) sum[kPanel * r + c] = part[r][0][c] + part[r][1][c];
+}
+
 // ------------------------------------------------------------------ per path
 
 // One tile: panel `p` (16 channels, `valid` of them real) times rows [r0, r0 + rows), written
@@ -217,6 +259,8 @@ struct TileOut {
 };
 
 void tile_portable(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int rows, const TileOut& out);
+// The float formats' weight: input i, channel c of the panel at p (exact).
+float float_weight(int64_t fmt, const uint8_t* p, int64_t i, int c);
 void quantize_row_portable(const float* x, int64_t k, int8_t* q, float* d8, int32_t* s16, int32_t* s32, float* xs);
 void pre_op_row_portable(const float* x, int64_t k, const PreOp& op, float* out);
 

@@ -187,14 +187,7 @@ struct Avx512Vec {
     }
   }
 
-  static void finish(const float* acc, int64_t r0, int n, const TileOut& out) {
-    const __m512 b = out.bias ? _mm512_loadu_ps(out.bias) : _mm512_setzero_ps();
-    for (int r = 0; r < n; ++r) {
-      __m512 y = _mm512_add_ps(_mm512_load_ps(acc + 16 * r), b);
-      if (out.residual) y = _mm512_add_ps(_mm512_loadu_ps(out.residual + (r0 + r) * out.ldo), y);
-      _mm512_storeu_ps(out.y + (r0 + r) * out.ldo, y);
-    }
-  }
+  static void finish(const float* acc, int64_t r0, int n, const TileOut& out) { store_rows(acc, r0, n, out); }
 };
 
 }  // namespace

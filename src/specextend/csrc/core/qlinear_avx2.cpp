@@ -13,6 +13,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstring>
@@ -454,6 +455,18 @@ inline void for_tiles(int n, F&& f) {
   }
 }
 
+// Rows [r0, r0 + n) of a panel's sums (acc: 16 floats a row) + bias (+ residual) into out.
+inline void store_rows(const float* acc, int64_t r0, int n, const TileOut& out) {
+  for (int h = 0; h < 2; ++h) {
+    const __m256 b = out.bias ? _mm256_loadu_ps(out.bias + 8 * h) : _mm256_setzero_ps();
+    for (int r = 0; r < n; ++r) {
+      __m256 y = _mm256_add_ps(_mm256_load_ps(acc + 16 * r + 8 * h), b);
+      if (out.residual) y = _mm256_add_ps(_mm256_loadu_ps(out.residual + (r0 + r) * out.ldo + 8 * h), y);
+      _mm256_storeu_ps(out.y + (r0 + r) * out.ldo + 8 * h, y);
+    }
+  }
+}
+
 // A Q4K group's unpacked codes [step][half], its float scales and mins [half].
 struct alignas(32) Q4Group {
   __m256i w[8][2];
@@ -746,6 +759,87 @@ void rows_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int 
   }
 }
 
+// ---------------------------------------------------------------- float weights
+//
+// F16 and BF16 (qlinear.h): lanes are channels, so each fma is one step of 8 channels' chains and
+// no sum ever crosses lanes. One row converts each weight as it streams it into its four chains
+// (even and odd inputs, two halves); more rows convert a block of inputs once into an L1 buffer
+// and run tiles of rows over it, each weight load serving every row of the tile.
+
+// 8 channels of one input as float32 (exact): F16C, or BF16's bits moved to the top of a float.
+template <int64_t FMT>
+inline __m256 float_w(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (FMT == F16) return _mm256_cvtph_ps(v);
+  else return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+template <int64_t FMT>
+void one_float(const Segment& s, const uint8_t* p, const float* x, float* sum) {  // float_sums' V::one
+  __m256 e[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, o[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t i = 0; i < s.k; i += 2, p += 64) {
+    if (i % 32 == 0) prefetch(p, 1024);
+    const __m256 a = _mm256_broadcast_ss(x + i), b = _mm256_broadcast_ss(x + i + 1);
+    e[0] = _mm256_fmadd_ps(float_w<FMT>(p), a, e[0]);
+    e[1] = _mm256_fmadd_ps(float_w<FMT>(p + 16), a, e[1]);
+    o[0] = _mm256_fmadd_ps(float_w<FMT>(p + 32), b, o[0]);
+    o[1] = _mm256_fmadd_ps(float_w<FMT>(p + 48), b, o[1]);
+  }
+  for (int h = 0; h < 2; ++h) _mm256_store_ps(sum + 8 * h, _mm256_add_ps(e[h], o[h]));
+}
+
+// R rows of one converted block (w: [len][16] floats): part[r] holds row r's even and odd chains.
+template <int R>
+inline void float_tile_rows(const float* w, int len, const float* x, int64_t xk, float (*part)[2][16]) {
+  __m256 c[R][2][2];  // [row][even, odd][half]
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 2; ++j)
+      for (int h = 0; h < 2; ++h) c[r][j][h] = _mm256_load_ps(part[r][j] + 8 * h);
+  for (int i = 0; i < len; i += 2) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+      for (int j = 0; j < 2; ++j) {
+        const __m256 a = _mm256_broadcast_ss(x + r * xk + i + j);
+        c[r][j][0] = _mm256_fmadd_ps(_mm256_load_ps(w + 16 * (i + j)), a, c[r][j][0]);
+        c[r][j][1] = _mm256_fmadd_ps(_mm256_load_ps(w + 16 * (i + j) + 8), a, c[r][j][1]);
+      }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 2; ++j)
+      for (int h = 0; h < 2; ++h) _mm256_store_ps(part[r][j] + 8 * h, c[r][j][h]);
+}
+
+// float_sums' pieces (qlinear.h) for format FMT.
+template <int64_t FMT>
+struct FloatAvx2 {
+  static void one(const Segment& s, const uint8_t* p, const float* x, float* sum) { one_float<FMT>(s, p, x, sum); }
+  static void convert(const uint8_t* p, int len, float* w) {
+    for (int i = 0; i < len; ++i, p += 32) {
+      _mm256_store_ps(w + 16 * i, float_w<FMT>(p));
+      _mm256_store_ps(w + 16 * i + 8, float_w<FMT>(p + 16));
+    }
+  }
+  static void tiles(const float* w, int len, const float* x, int64_t xk, float (*part)[2][16], int n) {
+    for_tiles<3>(n, [&](int r, int rows) {
+      switch (rows) {
+        case 1: float_tile_rows<1>(w, len, x + r * xk, xk, part + r); break;
+        case 2: float_tile_rows<2>(w, len, x + r * xk, xk, part + r); break;
+        default: float_tile_rows<3>(w, len, x + r * xk, xk, part + r); break;
+      }
+    });
+  }
+};
+
+// A full panel of a float format times rows [r0, r0 + n), n <= kRowBlock, written to out.
+void float_panel(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, const TileOut& out) {
+  alignas(32) float sum[kRowBlock * 16];
+  (s.fmt == BF16 ? float_sums<FloatAvx2<BF16>> : float_sums<FloatAvx2<F16>>)(s, p, x, r0, n, sum);
+  store_rows(sum, r0, n, out);
+}
+
 using Fn = void (*)(const Segment&, const uint8_t*, const Rows&, int64_t, const TileOut&);
 
 template <int... Rs>
@@ -760,6 +854,7 @@ int tile_rows_avx2() { return kTile; }
 
 // Full panels only (the driver runs a partial one portable).
 void tile_avx2(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int rows, const TileOut& out) {
+  if (float_format(s.fmt)) return float_panel(s, p, x, r0, rows, out);
   kTiles[rows - 1](s, p, x, r0, out);
 }
 
@@ -769,6 +864,7 @@ int rows_from_avx2() { return 9; }
 
 // Full panels only, n <= kRowBlock rows; acc: kRowBlock * 16 floats, 32-byte aligned.
 void rows_avx2(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, const TileOut& out, float* acc) {
+  if (float_format(s.fmt)) return float_panel(s, p, x, r0, n, out);
   for (int r = 0; r < 2 * n; ++r) _mm256_store_ps(acc + 8 * r, _mm256_setzero_ps());
   switch (s.fmt) {
     case Q4K: rows_q4k(s, p, x, r0, n, acc); break;
@@ -777,14 +873,7 @@ void rows_avx2(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, in
     case Q2K: rows_q6k(s, p, x, r0, n, acc); break;
     default: rows_q8(s, p, x, r0, n, acc); break;
   }
-  for (int h = 0; h < 2; ++h) {
-    const __m256 b = out.bias ? _mm256_loadu_ps(out.bias + 8 * h) : _mm256_setzero_ps();
-    for (int r = 0; r < n; ++r) {
-      __m256 y = _mm256_add_ps(_mm256_load_ps(acc + 16 * r + 8 * h), b);
-      if (out.residual) y = _mm256_add_ps(_mm256_loadu_ps(out.residual + (r0 + r) * out.ldo + 8 * h), y);
-      _mm256_storeu_ps(out.y + (r0 + r) * out.ldo + 8 * h, y);
-    }
-  }
+  store_rows(acc, r0, n, out);
 }
 
 void quantize_row_avx2(const float* x, int64_t k, int8_t* q, float* d8, int32_t* s16, int32_t* s32, float* xs) {

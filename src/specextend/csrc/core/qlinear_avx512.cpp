@@ -349,6 +349,72 @@ void rows_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int 
   });
 }
 
+// ---------------------------------------------------------------- float weights
+//
+// F16 and BF16 (qlinear.h), 16 channels a register: the avx2 path's scheme (one row converts as
+// it streams into its even and odd chains; more rows share a block converted once into L1).
+
+// 16 channels of one input as float32 (exact): VCVTPH2PS, or BF16's bits moved to the top of a float.
+template <int64_t FMT>
+inline __m512 float_w(const uint8_t* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  if constexpr (FMT == F16) return _mm512_cvtph_ps(v);
+  else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+template <int64_t FMT>
+void one_float(const Segment& s, const uint8_t* p, const float* x, float* sum) {
+  __m512 e = _mm512_setzero_ps(), o = _mm512_setzero_ps();
+  for (int64_t i = 0; i < s.k; i += 2, p += 64) {
+    if (i % 32 == 0) prefetch_group(p, 1024);
+    e = _mm512_fmadd_ps(float_w<FMT>(p), _mm512_set1_ps(x[i]), e);
+    o = _mm512_fmadd_ps(float_w<FMT>(p + 32), _mm512_set1_ps(x[i + 1]), o);
+  }
+  _mm512_store_ps(sum, _mm512_add_ps(e, o));
+}
+
+// R rows of one converted block (w: [len][16] floats): part[r] holds row r's even and odd chains.
+template <int R>
+inline void float_tile_rows(const float* w, int len, const float* x, int64_t xk, float (*part)[2][16]) {
+  __m512 c[R][2];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 2; ++j) c[r][j] = _mm512_load_ps(part[r][j]);
+  for (int i = 0; i < len; i += 2) {
+    const __m512 w0 = _mm512_load_ps(w + 16 * i), w1 = _mm512_load_ps(w + 16 * i + 16);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      c[r][0] = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[r * xk + i]), c[r][0]);
+      c[r][1] = _mm512_fmadd_ps(w1, _mm512_set1_ps(x[r * xk + i + 1]), c[r][1]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 2; ++j) _mm512_store_ps(part[r][j], c[r][j]);
+}
+
+// float_sums' pieces (qlinear.h) for format FMT.
+template <int64_t FMT>
+struct FloatAvx512 {
+  static void one(const Segment& s, const uint8_t* p, const float* x, float* sum) { one_float<FMT>(s, p, x, sum); }
+  static void convert(const uint8_t* p, int len, float* w) {
+    for (int i = 0; i < len; ++i, p += 32) _mm512_store_ps(w + 16 * i, float_w<FMT>(p));
+  }
+  static void tiles(const float* w, int len, const float* x, int64_t xk, float (*part)[2][16], int n) {
+    int r = 0;
+    for (; r + 8 <= n; r += 8) float_tile_rows<8>(w, len, x + r * xk, xk, part + r);
+    for (; r + 2 <= n; r += 2) float_tile_rows<2>(w, len, x + r * xk, xk, part + r);
+    if (r < n) float_tile_rows<1>(w, len, x + r * xk, xk, part + r);
+  }
+};
+
+// A full panel of a float format times rows [r0, r0 + n), n <= kRowBlock, written to out.
+void float_panel(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, const TileOut& out) {
+  alignas(64) float sum[kRowBlock * 16];
+  (s.fmt == BF16 ? float_sums<FloatAvx512<BF16>> : float_sums<FloatAvx512<F16>>)(s, p, x, r0, n, sum);
+  store_rows(sum, r0, n, out);
+}
+
 using Fn = void (*)(const Segment&, const uint8_t*, const Rows&, int64_t, const TileOut&);
 
 template <int... Rs>
@@ -367,11 +433,13 @@ int rows_from_avx512() { return 12; }
 
 // Full panels only (the driver runs a partial one portable).
 void tile_avx512(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int rows, const TileOut& out) {
+  if (float_format(s.fmt)) return float_panel(s, p, x, r0, rows, out);
   kTiles[rows - 1](s, p, x, r0, out);
 }
 
 // Full panels only, n <= kRowBlock rows; acc: kRowBlock * 16 floats, 64-byte aligned.
 void rows_avx512(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, const TileOut& out, float* acc) {
+  if (float_format(s.fmt)) return float_panel(s, p, x, r0, n, out);
   for (int r = 0; r < n; ++r) _mm512_store_ps(acc + 16 * r, _mm512_setzero_ps());
   switch (s.fmt) {
     case Q4K: rows_q4k(s, p, x, r0, n, acc); break;
@@ -380,12 +448,7 @@ void rows_avx512(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, 
     case Q2K: rows_q6k(s, p, x, r0, n, acc); break;
     default: rows_q8(s, p, x, r0, n, acc); break;
   }
-  const __m512 b = out.bias ? _mm512_loadu_ps(out.bias) : _mm512_setzero_ps();
-  for (int r = 0; r < n; ++r) {
-    __m512 y = _mm512_add_ps(_mm512_load_ps(acc + 16 * r), b);
-    if (out.residual) y = _mm512_add_ps(_mm512_loadu_ps(out.residual + (r0 + r) * out.ldo), y);
-    _mm512_storeu_ps(out.y + (r0 + r) * out.ldo, y);
-  }
+  store_rows(acc, r0, n, out);
 }
 
 void quantize_row_avx512(const float* x, int64_t k, int8_t* q, float* d8, int32_t* s16, int32_t* s32, float* xs) {

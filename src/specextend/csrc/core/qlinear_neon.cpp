@@ -8,6 +8,7 @@
 
 #include <arm_neon.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstring>
@@ -409,6 +410,106 @@ void rows_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int 
 
 #undef SPX_SDOT2
 
+// ---------------------------------------------------------------- float weights
+//
+// F16 and BF16 (qlinear.h), 4 channels a register: the avx2 path's scheme (one row converts as it
+// streams into its even and odd chains; more rows share a block converted once into L1). FMLA by
+// element (vfmaq_lane_f32) takes the activation from a lane, fused as the reference's fma.
+
+// The 16 channels of one input as float32 (exact): FCVTL, or BF16's bits shifted to the top.
+template <int64_t FMT>
+inline void float_w(const uint8_t* p, float32x4_t* w) {
+  const uint16x8_t a = vld1q_u16(reinterpret_cast<const uint16_t*>(p)), b = vld1q_u16(reinterpret_cast<const uint16_t*>(p + 16));
+  if constexpr (FMT == F16) {
+    w[0] = vcvt_f32_f16(vreinterpret_f16_u16(vget_low_u16(a)));
+    w[1] = vcvt_f32_f16(vreinterpret_f16_u16(vget_high_u16(a)));
+    w[2] = vcvt_f32_f16(vreinterpret_f16_u16(vget_low_u16(b)));
+    w[3] = vcvt_f32_f16(vreinterpret_f16_u16(vget_high_u16(b)));
+  } else {
+    w[0] = vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(a), 16));
+    w[1] = vreinterpretq_f32_u32(vshll_n_u16(vget_high_u16(a), 16));
+    w[2] = vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(b), 16));
+    w[3] = vreinterpretq_f32_u32(vshll_n_u16(vget_high_u16(b), 16));
+  }
+}
+
+template <int64_t FMT>
+void one_float(const Segment& s, const uint8_t* p, const float* x, float* sum) {
+  float32x4_t e[4], o[4];
+  for (int c = 0; c < 4; ++c) e[c] = o[c] = vdupq_n_f32(0.f);
+  for (int64_t i = 0; i < s.k; i += 2, p += 64) {
+    const float32x2_t a = vld1_f32(x + i);
+    float32x4_t w[4], v[4];
+    float_w<FMT>(p, w);
+    float_w<FMT>(p + 32, v);
+    for (int c = 0; c < 4; ++c) {
+      e[c] = vfmaq_lane_f32(e[c], w[c], a, 0);
+      o[c] = vfmaq_lane_f32(o[c], v[c], a, 1);
+    }
+  }
+  for (int c = 0; c < 4; ++c) vst1q_f32(sum + 4 * c, vaddq_f32(e[c], o[c]));
+}
+
+// R rows of one converted block (w: [len][16] floats): part[r] holds row r's even and odd chains.
+template <int R>
+inline void float_tile_rows(const float* w, int len, const float* x, int64_t xk, float (*part)[2][16]) {
+  float32x4_t c[R][2][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 2; ++j)
+      for (int q = 0; q < 4; ++q) c[r][j][q] = vld1q_f32(part[r][j] + 4 * q);
+  for (int i = 0; i < len; i += 2) {
+    float32x2_t a[R];
+    for (int r = 0; r < R; ++r) a[r] = vld1_f32(x + r * xk + i);
+    for (int q = 0; q < 4; ++q) {
+      const float32x4_t we = vld1q_f32(w + 16 * i + 4 * q), wo = vld1q_f32(w + 16 * i + 16 + 4 * q);
+      for (int r = 0; r < R; ++r) {
+        c[r][0][q] = vfmaq_lane_f32(c[r][0][q], we, a[r], 0);
+        c[r][1][q] = vfmaq_lane_f32(c[r][1][q], wo, a[r], 1);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 2; ++j)
+      for (int q = 0; q < 4; ++q) vst1q_f32(part[r][j] + 4 * q, c[r][j][q]);
+}
+
+// float_sums' pieces (qlinear.h) for format FMT.
+template <int64_t FMT>
+struct FloatNeon {
+  static void one(const Segment& s, const uint8_t* p, const float* x, float* sum) { one_float<FMT>(s, p, x, sum); }
+  static void convert(const uint8_t* p, int len, float* w) {
+    for (int i = 0; i < len; ++i, p += 32) {
+      float32x4_t v[4];
+      float_w<FMT>(p, v);
+      for (int q = 0; q < 4; ++q) vst1q_f32(w + 16 * i + 4 * q, v[q]);
+    }
+  }
+  static void tiles(const float* w, int len, const float* x, int64_t xk, float (*part)[2][16], int n) {
+    int r = 0;
+    for (; r + 3 <= n; r += 3) float_tile_rows<3>(w, len, x + r * xk, xk, part + r);
+    for (; r < n; ++r) float_tile_rows<1>(w, len, x + r * xk, xk, part + r);
+  }
+};
+
+// Rows [r0, r0 + n) of a panel's sums (16 floats a row) + bias (+ residual) into out.
+inline void store_rows(const float* acc, int64_t r0, int n, const TileOut& out) {
+  for (int c = 0; c < 4; ++c) {
+    const float32x4_t b = out.bias ? vld1q_f32(out.bias + 4 * c) : vdupq_n_f32(0.f);
+    for (int r = 0; r < n; ++r) {
+      float32x4_t y = vaddq_f32(vld1q_f32(acc + 16 * r + 4 * c), b);
+      if (out.residual) y = vaddq_f32(vld1q_f32(out.residual + (r0 + r) * out.ldo + 4 * c), y);
+      vst1q_f32(out.y + (r0 + r) * out.ldo + 4 * c, y);
+    }
+  }
+}
+
+// A full panel of a float format times rows [r0, r0 + n), n <= kRowBlock, written to out.
+void float_panel(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, const TileOut& out) {
+  alignas(16) float sum[kRowBlock * 16];
+  (s.fmt == BF16 ? float_sums<FloatNeon<BF16>> : float_sums<FloatNeon<F16>>)(s, p, x, r0, n, sum);
+  store_rows(sum, r0, n, out);
+}
+
 using Fn = void (*)(const Segment&, const uint8_t*, const Rows&, int64_t, const TileOut&);
 
 template <int... Rs>
@@ -422,6 +523,7 @@ const auto kTiles = make_tiles(std::make_integer_sequence<int, kTile>{});
 int tile_rows_neon() { return kTile; }
 
 void tile_neon(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int rows, const TileOut& out) {
+  if (float_format(s.fmt)) return float_panel(s, p, x, r0, rows, out);
   kTiles[rows - 1](s, p, x, r0, out);
 }
 
@@ -432,6 +534,7 @@ int rows_from_neon() { return 5; }
 
 // Full panels only, n <= kRowBlock rows; acc: kRowBlock * 16 floats.
 void rows_neon(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, const TileOut& out, float* acc) {
+  if (float_format(s.fmt)) return float_panel(s, p, x, r0, n, out);
   for (int i = 0; i < 4 * n; ++i) vst1q_f32(acc + 4 * i, vdupq_n_f32(0.f));
   switch (s.fmt) {
     case Q4K: rows_q4k(s, p, x, r0, n, acc); break;
@@ -440,14 +543,7 @@ void rows_neon(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, in
     case Q2K: rows_q6k(s, p, x, r0, n, acc); break;
     default: rows_q8(s, p, x, r0, n, acc); break;
   }
-  for (int c = 0; c < 4; ++c) {
-    const float32x4_t b = out.bias ? vld1q_f32(out.bias + 4 * c) : vdupq_n_f32(0.f);
-    for (int r = 0; r < n; ++r) {
-      float32x4_t y = vaddq_f32(vld1q_f32(acc + 16 * r + 4 * c), b);
-      if (out.residual) y = vaddq_f32(vld1q_f32(out.residual + (r0 + r) * out.ldo + 4 * c), y);
-      vst1q_f32(out.y + (r0 + r) * out.ldo + 4 * c, y);
-    }
-  }
+  store_rows(acc, r0, n, out);
 }
 
 void quantize_row_neon(const float* x, int64_t k, int8_t* q, float* d8, int32_t* s16, int32_t* s32, float* xs) {

@@ -110,19 +110,39 @@ void group_row(const Segment& s, const Group& grp, const Rows& x, int64_t row, i
   }
 }
 
+// The float formats' reference (qlinear.h): two fma chains a row and channel, even and odd inputs.
+void float_tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int rows, float* acc) {
+  for (int r = 0; r < rows; ++r) {
+    const float* xr = x.xf + (r0 + r) * x.k;
+    for (int c = 0; c < kPanel; ++c) {
+      float sum[2] = {0.f, 0.f};
+      for (int64_t i = 0; i < s.k; ++i) sum[i % 2] = std::fma(float_weight(s.fmt, p, i, c), xr[i], sum[i % 2]);
+      acc[r * kPanel + c] = sum[0] + sum[1];
+    }
+  }
+}
+
 }  // namespace
+
+float float_weight(int64_t fmt, const uint8_t* p, int64_t i, int c) {
+  uint16_t h;
+  std::memcpy(&h, p + 32 * i + 2 * c, 2);
+  return fmt == F16 ? half_to_float(h) : bf16_to_float(h);
+}
 
 void tile_portable(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int rows, const TileOut& out) {
   float acc[kMaxTile * kPanel] = {0.f};
   const FormatInfo fi = s.fi();
   const int groups = fi.superblock / fi.group;
   Group grp;
-  for (int64_t sb = 0; sb < s.k / fi.superblock; ++sb, p += fi.bytes)
-    for (int g = 0; g < groups; ++g) {
-      unpack_group(s, p, g, grp);
-      const int64_t k0 = sb * fi.superblock + static_cast<int64_t>(g) * fi.group;
-      for (int r = 0; r < rows; ++r) group_row(s, grp, x, r0 + r, k0, acc + r * kPanel);
-    }
+  if (float_format(s.fmt)) float_tile(s, p, x, r0, rows, acc);
+  else
+    for (int64_t sb = 0; sb < s.k / fi.superblock; ++sb, p += fi.bytes)
+      for (int g = 0; g < groups; ++g) {
+        unpack_group(s, p, g, grp);
+        const int64_t k0 = sb * fi.superblock + static_cast<int64_t>(g) * fi.group;
+        for (int r = 0; r < rows; ++r) group_row(s, grp, x, r0 + r, k0, acc + r * kPanel);
+      }
   for (int r = 0; r < rows; ++r)
     for (int c = 0; c < out.valid; ++c) {
       float v = acc[r * kPanel + c] + (out.bias ? out.bias[c] : 0.f);
@@ -136,6 +156,10 @@ void dequantize_row(const Segment& s, int64_t row, float* o) {
   const int64_t panel = row / kPanel;
   const int c = static_cast<int>(row % kPanel);
   const uint8_t* p = s.blob + panel * s.panel_bytes();
+  if (float_format(s.fmt)) {
+    for (int64_t i = 0; i < s.k; ++i) o[i] = float_weight(s.fmt, p, i, c);
+    return;
+  }
   const int groups = fi.superblock / fi.group;
   Group grp;
   for (int64_t sb = 0; sb < s.k / fi.superblock; ++sb, p += fi.bytes)

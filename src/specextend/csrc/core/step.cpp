@@ -47,12 +47,25 @@ void grow(V& v, size_t n) {
   if (v.size() < n) v.resize(n);
 }
 
+bool has_float(const StepLinear& w) {
+  return std::any_of(w.segs.begin(), w.segs.end(), [](const Segment& s) { return float_format(s.fmt); });
+}
+
+// Whether any product of the step has a float-format segment (its rows then keep pre(x) in float32).
+bool has_float(const StepModel& md, const StepBatch& bt) {
+  const bool head = bt.head != nullptr && has_float(bt.head->w);
+  return head || std::any_of(md.layers.begin(), md.layers.end(), [](const StepLayer& l) {
+           return has_float(l.qkv) || has_float(l.o) || has_float(l.gate_up) || has_float(l.down);
+         });
+}
+
 // The step's buffers in a workspace, sized for T rows (nothing is allocated in the parallel
 // region but attention's per-item scratch, as in the Python-driven step).
 struct Buffers {
   StepWorkspace& w;
   float* acc_base = nullptr;
   int64_t acc_stride = 0, pre_stride = 0;
+  bool floats = false;
 
   Buffers(StepWorkspace& ws, const StepModel& md, const StepBatch& bt, int64_t t, int threads) : w(ws) {
     const StepLayer& l = md.layers[0];
@@ -72,13 +85,17 @@ struct Buffers {
     grow(w.xs, t * kmax / 32);
     grow(w.s16, t * kmax / 16);
     grow(w.s32, t * kmax / 32);
+    floats = has_float(md, bt);
+    if (floats) grow(w.xf, std::max<int64_t>(t, bt.n_logits) * kmax);
     // Each thread's accumulators 64-byte aligned, on their own 4 KB page (as torch_ops.cpp's run_linear).
     constexpr int64_t kPage = 1024;
     acc_stride = kRowBlock * kPanel + kPage + 16;
     grow(w.acc, static_cast<size_t>(threads) * acc_stride + kPage);
     acc_base = w.acc.data() + ((kPage - (reinterpret_cast<uintptr_t>(w.acc.data()) / 4) % kPage) % kPage);
   }
-  Rows act(int64_t k) { return {w.q8.data(), w.d8.data(), w.s16.data(), w.s32.data(), w.xs.data(), k}; }
+  Rows act(int64_t k) {
+    return {w.q8.data(), w.d8.data(), w.s16.data(), w.s32.data(), w.xs.data(), k, floats ? w.xf.data() : nullptr};
+  }
   float* scratch(int tid) { return w.pre.data() + static_cast<size_t>(tid) * pre_stride; }
   float* accumulators(int tid) { return acc_base + tid * acc_stride + 16 * tid; }
 };

@@ -108,7 +108,7 @@ struct StepBatch {
 // A step's buffers, kept by the caller between steps so that a prefill chunk's (tens of MB) are
 // not mapped anew each time: they only grow. One step at a time uses one.
 struct StepWorkspace {
-  std::vector<float> x2, qkv, q, att, att_rows, gu, pre, acc, hx, d8, xs;
+  std::vector<float> x2, qkv, q, att, att_rows, gu, pre, acc, hx, d8, xs, xf;
   std::vector<int8_t> q8;
   std::vector<int32_t> s16, s32;
 };

@@ -1,5 +1,5 @@
-// The code unpacking shared by the avx512 and amx paths (the 6-bit and byte-code formats);
-// include inside an SPX_BEGIN_AVX512 region after qlinear.h.
+// The code unpacking shared by the avx512 and amx paths (the 6-bit and byte-code formats) and
+// their output epilogue; include inside an SPX_BEGIN_AVX512 region after qlinear.h.
 #pragma once
 
 #include "x86.h"
@@ -63,6 +63,17 @@ inline void q6_scales(int64_t fmt, const uint8_t* sb, int g, __m512 d, __m512 dm
   const __m512i sm = _mm512_cvtepu8_epi32(v);
   *scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(sm, _mm512_set1_epi32(15))));
   *mins = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_srli_epi32(sm, 4)));
+}
+
+// Rows [r0, r0 + n) of a panel's sums (acc: 16 floats a row, 64-byte aligned) + bias (+ residual)
+// into out.
+inline void store_rows(const float* acc, int64_t r0, int n, const TileOut& out) {
+  const __m512 b = out.bias ? _mm512_loadu_ps(out.bias) : _mm512_setzero_ps();
+  for (int r = 0; r < n; ++r) {
+    __m512 y = _mm512_add_ps(_mm512_load_ps(acc + 16 * r), b);
+    if (out.residual) y = _mm512_add_ps(_mm512_loadu_ps(out.residual + (r0 + r) * out.ldo), y);
+    _mm512_storeu_ps(out.y + (r0 + r) * out.ldo, y);
+  }
 }
 
 }  // namespace spx

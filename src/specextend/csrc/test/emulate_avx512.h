@@ -26,6 +26,14 @@ static inline simde__m512i emu_cvtepi8_epi32(simde__m128i a) {
   for (int i = 0; i < 16; ++i) r.i32[i] = p.i8[i];
   return simde__m512i_from_private(r);
 }
+static inline simde__m512i emu_cvtepu16_epi32(simde__m256i a) {
+  simde__m256i_private p = simde__m256i_to_private(a);
+  simde__m512i_private r;
+  for (int i = 0; i < 16; ++i) r.i32[i] = p.u16[i];
+  return simde__m512i_from_private(r);
+}
+#undef _mm512_cvtepu16_epi32
+#define _mm512_cvtepu16_epi32 emu_cvtepu16_epi32
 #undef _mm512_cvtepi32_ps
 #define _mm512_cvtepi32_ps emu_cvtepi32_ps
 #undef _mm512_cvtepu8_epi32

@@ -56,10 +56,21 @@ uint16_t half_bits(float f) {  // a positive normal float as binary16, rounded d
   return static_cast<uint16_t>((he << 10) | man);
 }
 
-// A random blob in the kernel layout (qlinear.h): random codes and signed scales, sane halves.
+// A random blob in the kernel layout (qlinear.h): random codes and signed scales, sane halves;
+// the float formats: normal weights of either sign, a few zeros.
 std::vector<uint8_t> random_blob(const spx::Segment& shape) {
   const spx::FormatInfo fi = shape.fi();
   std::vector<uint8_t> blob(shape.panels() * shape.panel_bytes());
+  if (spx::float_format(shape.fmt)) {
+    const std::vector<float> w = randn(blob.size() / 2, 0.05f);
+    for (size_t i = 0; i < w.size(); ++i) {
+      uint16_t h = shape.fmt == spx::BF16 ? spx::float_to_bf16(w[i]) : half_bits(std::fabs(w[i]) + 1e-4f);
+      if (shape.fmt == spx::F16 && w[i] < 0) h |= 0x8000;
+      if (i % 97 == 0) h = 0;
+      std::memcpy(&blob[2 * i], &h, 2);
+    }
+    return blob;
+  }
   std::uniform_int_distribution<int> byte(0, 255);
   std::uniform_real_distribution<float> scale(0.001f, 0.02f);
   for (uint8_t& b : blob) b = static_cast<uint8_t>(byte(rng));
@@ -89,7 +100,8 @@ std::vector<float> run_linear(Path path, const LinearCase& c, const spx::Segment
   std::vector<int8_t> q8(m * k);
   std::vector<float> d8(m * k / 32), xs(m * k / 32), scratch(k), y(m * c.n);
   std::vector<int32_t> s16(m * k / 16), s32(m * k / 32);
-  const spx::Rows rows{q8.data(), d8.data(), s16.data(), s32.data(), xs.data(), k};
+  std::vector<float> xf(spx::float_format(c.fmt) ? m * k : 0);
+  const spx::Rows rows{q8.data(), d8.data(), s16.data(), s32.data(), xs.data(), k, xf.empty() ? nullptr : xf.data()};
   spx::PreOp op;
   op.norm = c.norm ? norm.data() : nullptr;
   op.eps = 1e-6f;
@@ -117,6 +129,8 @@ void linear_tests(const std::vector<Path>& paths) {
       {spx::Q5K, 48, 512, 0, 8, true, false, true, false},   {spx::IQ4, 32, 768, 128, 8, false, true, false, true},
       {spx::Q5K, 35, 96, 0, 1, false, false, true, true},    {spx::IQ4, 33, 64, 128, 1, true, false, false, false},
       {spx::Q3K, 40, 512, 0, 8, true, false, true, true},    {spx::Q2K, 48, 768, 0, 8, false, true, true, false},
+      {spx::F16, 48, 512, 0, 1, false, false, true, false},  {spx::BF16, 35, 96, 0, 1, true, false, true, true},
+      {spx::F16, 33, 160, 0, 1, false, true, false, true},   {spx::BF16, 64, 1536, 0, 1, true, false, false, false},
   };
   for (const LinearCase& c : cases) {
     const spx::Segment shape{nullptr, c.fmt, c.n, c.k, c.offset, c.sbg};
@@ -296,9 +310,9 @@ void step_tests(const std::vector<Path>& paths) {
   for (int64_t li = 0; li < layers; ++li) {
     spx::StepLayer l;
     l.qkv = step_weight(blobs, (heads + 2 * kv) * d, hidden, spx::Q4K);
-    l.o = step_weight(blobs, hidden, heads * d, spx::Q8);
+    l.o = step_weight(blobs, hidden, heads * d, li == 0 ? spx::Q8 : spx::F16);  // layer 1: the float formats
     l.gate_up = step_weight(blobs, 2 * inter, hidden, spx::Q6K);
-    l.down = step_weight(blobs, hidden, inter, spx::Q4K);
+    l.down = step_weight(blobs, hidden, inter, li == 0 ? spx::Q4K : spx::BF16);
     floats.push_back(randn((heads + 2 * kv) * d, 0.1f));
     l.qkv.bias = floats.back().data();
     for (const float** norm : {&l.attn_norm, &l.mlp_norm}) {
