@@ -203,6 +203,12 @@ def test_a_q2_k_file_keeps_its_grid(tmp_path, tokenizer_gguf, capsys, monkeypatc
     for r in recorded["types"]:
         if r["type"] == "Q2_K":
             r.update(kept=False, expanded=True)
+    (folder / FOOTPRINT_FILE).write_text(json.dumps({**recorded, "kept_types": ["Q4_K"]}))
+    assert not is_current(folder)
+    # the same record by this version (a Q2_K matrix it could not keep) is not converted again and again
+    (folder / FOOTPRINT_FILE).write_text(json.dumps({**recorded, "kept_types": sorted(quant.GGUF_BLOCKS)}))
+    assert is_current(folder)
+    recorded.pop("kept_types")  # as a version before the record was written
     (folder / FOOTPRINT_FILE).write_text(json.dumps(recorded))
     assert not is_current(folder)
     registry.converted_gguf(src, progress=False)

@@ -39,6 +39,7 @@ COMPLETE_MARKER = ".complete"
 WEIGHTS_FILE = "model.safetensors"
 # The source file's footprint (types and memory, `footprint.py`), so later loads can say it again.
 FOOTPRINT_FILE = "gguf-footprint.json"
+KEPT_KEY = "kept_types"  # in FOOTPRINT_FILE: the types the converting version kept (is_current)
 # Set (true) in files of random weights (`python -m specextend.bench.gguf_files random`): loading one says so.
 RANDOM_WEIGHTS_KEY = "specextend.random_weights"
 # Written into the completion marker; a folder converted by an older version is converted again.
@@ -559,7 +560,22 @@ def is_current(folder: str | os.PathLike[str]) -> bool:
     if not (marker.is_file() and FORMAT in marker.read_text().split()):
         return False
     recorded = recorded_footprint(folder)
-    return recorded is None or not any(t.expanded and is_kept(t.type, 2) for t in recorded.types)
+    if recorded is None or not recorded.expanded:
+        return True
+    try:
+        kept_then = json.loads((Path(folder) / FOOTPRINT_FILE).read_text()).get(KEPT_KEY)
+    except (OSError, ValueError):
+        kept_then = None
+    # Converted by this version's kernels (whatever it expanded, it expands still), or nothing it
+    # expanded is a type kept now.
+    return kept_then == kept_types() or not any(t.type in kept_types() for t in recorded.expanded)
+
+
+def kept_types() -> list[str]:
+    """The GGUF types this version computes with as they are (recorded in each conversion)."""
+    from .. import quant
+
+    return sorted(quant.GGUF_BLOCKS)
 
 
 def pid_alive(pid: int) -> bool:
@@ -627,7 +643,7 @@ def convert_gguf(
     try:
         write_weights(reader, config, tmp, progress=progress)
         _write_json(tmp / "config.json", config)
-        _write_json(tmp / FOOTPRINT_FILE, fp.as_json())
+        _write_json(tmp / FOOTPRINT_FILE, {**fp.as_json(), KEPT_KEY: kept_types()})
         if tokenizer and "tokenizer.ggml.tokens" in reader.fields:
             write_tokenizer(gguf_path, tmp, field(reader, "tokenizer.chat_template"))
         elif tokenizer:
