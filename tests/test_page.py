@@ -117,8 +117,10 @@ def test_stop_cancels_the_answer_on_the_server(browser, pair, folders):  # noqa:
         paste(page, DOC)
         page.get_by_label("Max tokens").fill("200")
         ask(page, "Tell me everything.")
+        # The document prefills in steps that each sleep too; on a loaded CI machine the first words
+        # can take a while, and the 200 tokens after them many seconds more.
         answers(page).first.locator(".body").filter(has_text=re.compile(r"\w")).wait_for(
-            timeout=30_000)
+            timeout=120_000)
         assert httpx.get(f"{url}/health").json()["running"] == 1
         page.keyboard.press("Escape")
         answers(page).first.filter(has_text="(stopped)").wait_for(timeout=10_000)
