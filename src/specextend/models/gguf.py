@@ -559,16 +559,15 @@ def is_current(folder: str | os.PathLike[str]) -> bool:
     marker = Path(folder) / COMPLETE_MARKER
     if not (marker.is_file() and FORMAT in marker.read_text().split()):
         return False
-    recorded = recorded_footprint(folder)
-    if recorded is None or not recorded.expanded:
-        return True
     try:
-        kept_then = json.loads((Path(folder) / FOOTPRINT_FILE).read_text()).get(KEPT_KEY)
-    except (OSError, ValueError):
-        kept_then = None
+        data = json.loads((Path(folder) / FOOTPRINT_FILE).read_text())
+        expanded = {r["type"] for r in data["types"] if r["expanded"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return True  # no footprint recorded: nothing to compare
     # Converted by this version's kernels (whatever it expanded, it expands still), or nothing it
     # expanded is a type kept now.
-    return kept_then == kept_types() or not any(t.type in kept_types() for t in recorded.expanded)
+    kept = kept_types()
+    return data.get(KEPT_KEY) == kept or not expanded & set(kept)
 
 
 def kept_types() -> list[str]:
