@@ -176,6 +176,11 @@ def ask(url: str, method: str, stream: bool = False, **fields) -> dict:
 
 def _accumulate(events: list[dict]) -> dict:
     """The message that streamed chunks add up to (as the openai client's helpers do)."""
+    # The first delta carries the role, as OpenAI's: a call's with content null, never "".
+    first = events[0]["choices"][0]["delta"]
+    assert first["role"] == "assistant" and all(e["choices"][0]["delta"].get("role") is None for e in events[1:])
+    if first.get("tool_calls"):
+        assert first["content"] is None
     content, calls, finish = "", {}, None
     for e in events:
         choice = e["choices"][0]

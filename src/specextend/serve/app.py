@@ -264,8 +264,12 @@ class Server:
         ended = False  # an event that ends the job was read (else the client hung up first)
         self.drain.track(job)  # a drain past its time cancels it
         try:
-            if kind == "chat":
+            # The role goes first. With tools it rides on the first delta, as OpenAI's does: on a
+            # call's, with `content` null (the message has no text), on text's, as its own chunk.
+            role_due = kind == "chat"
+            if role_due and calls is None:
                 yield _sse(protocol.chunk(kind, rid, created, model, None, role=True))
+                role_due = False
             offset = 0  # text sent so far (completions' logprobs count offsets in it)
             while True:
                 event, value = await job.events.get()
@@ -279,6 +283,8 @@ class Server:
                     lp = protocol.logprobs_object(kind, entries, offset)
                     if calls is not None:
                         for delta in calls.push(text) or ([{}] if lp else []):
+                            if role_due:
+                                delta, role_due = _with_role(delta), False
                             yield _sse(protocol.chunk(kind, rid, created, model, None, logprobs=lp, delta=delta))
                             lp = None
                     else:
@@ -288,8 +294,12 @@ class Server:
                     finish = value.finish_reason
                     if calls is not None:
                         for delta in calls.finish():
+                            if role_due:
+                                delta, role_due = _with_role(delta), False
                             yield _sse(protocol.chunk(kind, rid, created, model, None, delta=delta))
                         finish = calls.finish_reason(finish)
+                    if role_due:  # an answer with no text and no call still says whose it is
+                        yield _sse(protocol.chunk(kind, rid, created, model, None, role=True))
                     yield _sse(protocol.chunk(kind, rid, created, model, None, finish=finish))
                     if include_usage:
                         use = protocol.usage(value.result, value.queue_s, value.replica)
@@ -321,6 +331,13 @@ async def _json_body(request: HTTPRequest) -> Any:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+
+def _with_role(delta: dict[str, Any]) -> dict[str, Any]:
+    """A chat stream's first delta with the role: a call's with `content` null, as OpenAI's."""
+    if "tool_calls" in delta:
+        return {"role": "assistant", "content": None, **delta}
+    return {"role": "assistant", **({"content": ""} | delta)}
 
 
 def _fields(body: dict[str, Any]) -> dict[str, Any]:
