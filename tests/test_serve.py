@@ -153,6 +153,7 @@ def test_chat_completion_equals_generate(pair, url):
     assert set(spec) >= {"method", "steps", "accepted_per_step", "prefill_s", "decode_s", "total_s", "draft_s",
                          "verify_s", "retrieval_s", "cached_prompt_tokens"}
     assert spec["method"] == "specextend" and spec["steps"] >= 1
+    assert "verified_nodes_per_step" in spec["stats"]  # what the sizing chose, as generate --json's extra
     assert spec["total_s"] == pytest.approx(spec["prefill_s"] + spec["decode_s"])
 
 

@@ -190,7 +190,8 @@ def _served_once(url: str, doc: str, args: argparse.Namespace) -> dict[str, Any]
     spec = use["speculative"]
     return {"prefill_s": spec["prefill_s"], "decode_s": spec["decode_s"], "new_tokens": use["completion_tokens"],
             "prompt_tokens": use["prompt_tokens"], "text": answer["choices"][0]["text"], "method": spec["method"],
-            "steps": spec["steps"], "queue_s": spec["queue_s"]}
+            "steps": spec["steps"], "queue_s": spec["queue_s"],
+            "phases": {k: spec[k] for k in ("draft_s", "verify_s", "retrieval_s")}, "extra": spec.get("stats", {})}
 
 
 def single(args: argparse.Namespace) -> dict[str, Any]:

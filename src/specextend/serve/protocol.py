@@ -349,6 +349,8 @@ def usage(result: Any, queue_s: float, replica: str | None = None) -> dict[str, 
             "retrieval_s": phases.get("retrieval_s", 0.0),
             "cached_prompt_tokens": result.cached_prompt_tokens,
             "queue_s": queue_s,
+            # What the step sizing saw and chose (generate --json's `extra`): why a request's steps cost what they did.
+            "stats": dict(result.extra or {}),
         },
     }
     if replica is not None:
