@@ -680,11 +680,17 @@ def convert_gguf(
         write_weights(reader, config, tmp, progress=progress)
         _write_json(tmp / "config.json", config)
         _write_json(tmp / FOOTPRINT_FILE, {**fp.as_json(), KEPT_KEY: kept_types()})
-        if tokenizer and "tokenizer.ggml.tokens" in reader.fields:
-            write_tokenizer(gguf_path, tmp, field(reader, "tokenizer.chat_template"))
+        _write_json(tmp / "generation_config.json", generation_config(reader, config))
+        has_tokens = "tokenizer.ggml.tokens" in reader.fields
+        chat_template = field(reader, "tokenizer.chat_template")
+        # Dropped (with its memory map) before transformers reads the file again for the tokenizer:
+        # the reader's metadata holds a few Python objects per token (hundreds of MB for a 150K-token
+        # vocabulary), and both at once made the tokenizer the conversion's peak.
+        reader = None
+        if tokenizer and has_tokens:
+            write_tokenizer(gguf_path, tmp, chat_template)
         elif tokenizer:
             print(f"specextend: {gguf_path.name} has no tokenizer; folder has weights only", file=sys.stderr)
-        _write_json(tmp / "generation_config.json", generation_config(reader, config))
         _fsync_dir_files(tmp)
         (tmp / COMPLETE_MARKER).write_text(f"converted from {gguf_path.name}\n{FORMAT}\n")
         _install(tmp, out_dir)
@@ -692,7 +698,7 @@ def convert_gguf(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
-        del reader  # drop the memory map before returning
+        reader = None  # drop the memory map before returning
     return out_dir
 
 
