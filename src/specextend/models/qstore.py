@@ -92,10 +92,14 @@ def _write_parts(f: Any, name: str, parts: Iterable[torch.Tensor | Segment],
     for part in parts:
         if isinstance(part, Segment):
             if segment is None or (part.fmt, part.k, part.offset, part.groups) != (
-                    segment.fmt, segment.k, segment.offset, segment.groups) or rows % PANEL:
+                    segment.fmt, segment.k, segment.offset, segment.groups):
                 raise ValueError(f"{name}: the segment's format differs from the one planned")
-            rows += part.n
+            if rows % PANEL:  # the blobs would not join: the earlier run's last panel is padded
+                raise ValueError(f"{name}: a run of {rows} rows, not whole panels, before the last of those planned")
             data = part.blob
+            if data.dtype != torch.uint8 or data.numel() != blob_bytes(part.fmt, part.n, part.k, part.groups):
+                raise ValueError(f"{name}: a blob of {data.numel()} bytes written for {part.n} rows as planned")
+            rows += part.n
         else:
             if (segment is not None or part.dtype != dtype or part.dim() != len(shape)
                     or tuple(part.shape[1:]) != shape[1:]):
