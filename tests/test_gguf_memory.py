@@ -94,6 +94,65 @@ def test_stream_tensors_holds_one_tensor_at_a_time(tmp_path: Path) -> None:
     assert torch.equal(stored.get("t3", torch.float32), torch.full((64, 32), 3.0))
 
 
+def test_stream_tensors_writes_runs_of_rows_as_they_come(tmp_path: Path) -> None:
+    """A tensor given as runs of rows is written one run at a time (the earlier ones freed), and a
+    quantized tensor's runs of whole 16-row panels join into the blob of the whole."""
+    alive: list[weakref.ref] = []
+
+    def runs(name: str):
+        for start in range(0, 64, 16):
+            gc.collect()
+            assert all(r() is None for r in alive), "an earlier run is still held"
+            t = torch.arange(start * 32, (start + 16) * 32, dtype=torch.float32).reshape(16, 32)
+            alive.append(weakref.ref(t))
+            yield t
+            del t
+
+    path = tmp_path / "x.safetensors"
+    stream_tensors(path, {"a": (torch.float32, (64, 32))}, {}, runs)
+    assert torch.equal(QuantizedFile(path).get("a", torch.float32), torch.arange(64 * 32.0).reshape(64, 32))
+    w = torch.randn(40, 64)
+    whole = quant.quantize_int8(w)
+    stream_tensors(path, {}, {"w": whole}, lambda _: iter([quant.quantize_int8(w[:16]), quant.quantize_int8(w[16:])]))
+    assert torch.equal(QuantizedFile(path).segment("w").blob, whole.blob)
+    for parts in ([quant.quantize_int8(w[:8]), quant.quantize_int8(w[8:])],  # a run ends inside a panel
+                  [quant.quantize_int8(w[:16])]):  # rows missing
+        with pytest.raises(ValueError, match="planned"):
+            stream_tensors(path, {}, {"w": whole}, lambda _, parts=parts: iter(parts))
+
+
+def test_conversion_in_runs_of_rows_writes_the_same_bytes(tmp_path: Path, monkeypatch) -> None:
+    """Tensors are repacked and expanded one run of 16-row panels at a time (the memory of a run,
+    not of copies of the largest tensor), and the runs are byte for byte the tensor converted
+    whole: rows that end inside a panel, Q/K rows llama.cpp permuted, kept and expanded types."""
+    src = tmp_path / "tiny.gguf"
+    kinds = {"model.embed_tokens.weight": "Q4_0", "lm_head.weight": "Q5_1",
+             "model.layers.0.self_attn.q_proj.weight": "Q8_0", "model.layers.0.mlp.up_proj.weight": "F16",
+             "model.layers.1.mlp.down_proj.weight": "BF16"}  # the rest F32, expanded (layer 1's Q and K permuted)
+    write_tiny_gguf(src, "llama", tokenizer=False, quantized=kinds, vocab_rows=300)
+    whole = conv.convert_gguf(src, tmp_path / "whole", progress=False, tokenizer=False)  # tiny: one run each
+
+    repacked: list[int] = []
+    expanded: list[tuple[int, ...]] = []
+    real_repack, real_expand = quant.from_gguf_blocks, conv._float32
+
+    def repack(kind, raw, n, k):
+        repacked.append(n)
+        return real_repack(kind, raw, n, k)
+
+    def expand(data, tensor_type, shape):
+        expanded.append(shape)
+        return real_expand(data, tensor_type, shape)
+
+    monkeypatch.setattr(quant, "from_gguf_blocks", repack)
+    monkeypatch.setattr(conv, "_float32", expand)
+    monkeypatch.setattr(conv, "CHUNK_WEIGHTS", 1)  # the shortest run: one panel
+    runs = conv.convert_gguf(src, tmp_path / "runs", progress=False, tokenizer=False)
+    assert max(repacked) == 16 and repacked.count(16) >= 300 // 16 * 2
+    assert max(shape[0] for shape in expanded if len(shape) == 2) == 16  # norms and biases: whole
+    assert (runs / conv.WEIGHTS_FILE).read_bytes() == (whole / conv.WEIGHTS_FILE).read_bytes()
+
+
 def test_a_planned_shape_that_differs_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="planned"):
         stream_tensors(tmp_path / "x.safetensors", {"a": (torch.float32, (2, 2))}, {}, lambda _: torch.zeros(3))

@@ -8,7 +8,8 @@ time without a second copy on disk. Tensor types the kernels do not compute with
 (F16 and BF16 matrices are kept as their 16-bit values, which the kernels compute with);
 each load of a file with such types says so in one line, and one whose first load would not fit
 in memory is refused before anything is written (`footprint.py`). Tensors are converted and
-written one at a time, so converting takes about the memory of the largest one.
+written a run of rows at a time, so converting takes a few runs' memory beside the file's metadata,
+whatever the model's size.
 
 The folder is written atomically: everything goes into a temporary sibling, the marker file
 `.complete` is written last, and only then is the folder renamed into place. A folder without
@@ -24,7 +25,7 @@ import os
 import re
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,10 @@ _LAYER_TENSORS = {
 _SKIPPED_TENSORS = frozenset({"rope_freqs.weight"})
 
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+# Weights converted at a time (`tensor_parts`): a few runs of this size are all the converting
+# holds beside the reader, whatever the model's size.
+CHUNK_WEIGHTS = 1 << 22
 
 
 # --------------------------------------------------------------------------- reading
@@ -319,15 +324,20 @@ def unpermute_qk(weights: np.ndarray, n_heads: int) -> np.ndarray:
 
 def _dequantize(tensor: Any) -> np.ndarray:
     """The tensor as float32 in torch (row-major, HF) shape; `ReaderTensor.data` is already reversed."""
+    return _float32(tensor.data, tensor.tensor_type, torch_shape(tensor))
+
+
+def _float32(data: np.ndarray, tensor_type: int, shape: tuple[int, ...]) -> np.ndarray:
+    """GGUF values of `tensor_type` (a tensor's data, or some of its rows) as float32 of `shape`."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    qtype = GGMLQuantizationType(tensor.tensor_type)
+    qtype = GGMLQuantizationType(tensor_type)
     if qtype == GGMLQuantizationType.F32:
-        out = np.array(tensor.data, dtype=np.float32)  # copy: leave the memory map read-only
+        out = np.array(data, dtype=np.float32)  # copy: leave the memory map read-only
     else:
-        out = dequantize(tensor.data, qtype).astype(np.float32, copy=False)
-    return np.ascontiguousarray(out.reshape(torch_shape(tensor)))
+        out = dequantize(data, qtype).astype(np.float32, copy=False)
+    return np.ascontiguousarray(out.reshape(shape))
 
 
 def _qk_heads(name: str, config: dict[str, Any]) -> int | None:
@@ -358,23 +368,57 @@ def type_name(tensor: Any) -> str:
     return GGMLQuantizationType(tensor.tensor_type).name
 
 
-def kept_segment(tensor: Any, config: dict[str, Any], rows: int | None = None) -> Any:
-    """The tensor in the kernels' layout with its own quantization grid (`quant.Segment`), or None
-    when its type is not one the kernels compute with as it is (it is then stored as float32).
-    `rows` repacks only the first rows (the format of the whole, cheaply)."""
+def kept_format(tensor: Any) -> Any:
+    """The format the kernels keep the tensor in with its own quantization grid (a `quant.Segment`
+    of the whole tensor's n and k, its blob a stand-in: its first row repacked), or None when its
+    type is not one the kernels compute with as it is (it is then stored as float32)."""
     from .. import quant
 
     kind = type_name(tensor)
     if not is_kept(kind, tuple(int(d) for d in tensor.shape)):
         return None
     n, k = int(tensor.shape[1]), int(tensor.shape[0])
-    raw = np.asarray(tensor.data)
+    first = quant.from_gguf_blocks(kind, np.asarray(tensor.data[:1]), 1, k)
+    return quant.Segment(first.fmt, n, first.blob, first.offset, first.k, first.groups)
+
+
+def tensor_parts(reader: Any, tensor: Any, config: dict[str, Any], kept: bool) -> Iterator[Any]:
+    """The tensor converted in runs of rows, in order: kept ones in the kernels' layout
+    (`quant.Segment`s), others as float32 torch tensors; llama.cpp's Q/K permutation undone.
+
+    A run is a whole number of the kernels' 16-row panels, so the runs' blobs joined are the
+    whole tensor's blob; converting one run at a time keeps the repacking's or expansion's
+    temporaries to a few runs' worth, not a few copies of the largest tensor (the token
+    embedding of a 150K-token vocabulary: hundreds of MB a copy). Each run's pages of the mapped
+    file are released once it is converted."""
+    import torch
+
+    from .. import quant
+
     heads = _qk_heads(tensor.name, config)
-    if rows is not None:
-        n, raw = min(rows, n), raw[:rows]
-    elif heads is not None:  # rows are output channels; each row's blocks move as a whole
-        raw = unpermute_qk(raw, heads)
-    return quant.from_gguf_blocks(kind, raw, n, k)
+    if len(tensor.shape) != 2:  # norms and biases: small, whole
+        yield torch.from_numpy(hf_tensor(tensor, config))
+        _release(reader, int(tensor.data_offset), int(tensor.n_bytes))
+        return
+    n, k = int(tensor.shape[1]), int(tensor.shape[0])
+    kind = type_name(tensor)
+    # Rows are output channels; unpermuting moves each row's blocks as a whole.
+    order = None if heads is None else unpermute_qk(np.arange(n), heads)
+    step = max(quant.PANEL, CHUNK_WEIGHTS // k // quant.PANEL * quant.PANEL)
+    row_bytes = int(tensor.n_bytes) // n
+    for start in range(0, n, step):
+        rows = slice(start, min(n, start + step))
+        raw = tensor.data[rows] if order is None else tensor.data[order[rows]]
+        count = rows.stop - start
+        if kept:
+            yield quant.from_gguf_blocks(kind, np.asarray(raw), count, k)
+        else:
+            yield torch.from_numpy(_float32(raw, tensor.tensor_type, (count, k)))
+        del raw
+        if order is None:
+            _release(reader, int(tensor.data_offset) + start * row_bytes, count * row_bytes)
+    if order is not None:
+        _release(reader, int(tensor.data_offset), int(tensor.n_bytes))
 
 
 def torch_shape(tensor: Any) -> tuple[int, ...]:
@@ -387,9 +431,9 @@ def write_weights(reader: Any, config: dict[str, Any], out: Path, progress: bool
     unchanged (see `quant.py`), every other tensor as float32; returns the file names.
 
     A 4-bit model stays about the size of its GGUF file (the default target: 1.2 GB, where
-    float32 would take 7 GB), and loading it is a plain read. Tensors are converted one at a time
-    as they are written, so converting takes about the memory of the largest tensor in float32,
-    whatever the model's size: each kept tensor's format is planned from its first row.
+    float32 would take 7 GB), and loading it is a plain read. Tensors are converted a run of rows
+    at a time as they are written (`tensor_parts`), so converting holds a few runs, whatever the
+    model's size: each kept tensor's format is planned from its first row.
     """
     import torch
     from tqdm import tqdm
@@ -401,41 +445,34 @@ def write_weights(reader: Any, config: dict[str, Any], out: Path, progress: bool
     floats: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     segments: dict[str, quant.Segment] = {}
     for name, tensor in tensors.items():
-        probe = kept_segment(tensor, config, rows=1)
-        if probe is None:
+        planned = kept_format(tensor)
+        if planned is None:
             floats[name] = (torch.float32, torch_shape(tensor))
         else:
-            segments[name] = quant.Segment(probe.fmt, int(tensor.shape[1]), probe.blob, probe.offset, probe.k,
-                                           probe.groups)
+            segments[name] = planned
 
     with tqdm(total=len(tensors), unit="tensor", desc="convert", file=sys.stderr, disable=not progress) as bar:
 
-        def produce(name: str) -> Any:
+        def produce(name: str) -> Iterator[Any]:
             bar.update(1)
-            tensor = tensors[name]
-            try:
-                if name in segments:
-                    return kept_segment(tensor, config)
-                return torch.from_numpy(hf_tensor(tensor, config))
-            finally:
-                _release(reader, tensor)
+            return tensor_parts(reader, tensors[name], config, name in segments)
 
         stream_tensors(out / WEIGHTS_FILE, floats, segments, produce)
     return [WEIGHTS_FILE]
 
 
-def _release(reader: Any, tensor: Any) -> None:
-    """Drop a converted tensor's pages of the memory-mapped file from this process (they are read
-    again from the file if ever needed): else every page read stays resident until the end, and
-    the conversion's peak would grow to the whole file."""
+def _release(reader: Any, offset: int, size: int) -> None:
+    """Drop the pages of the memory-mapped file under bytes [offset, offset + size) from this
+    process (they are read again from the file if ever needed): else every page read stays
+    resident until the end, and the conversion's peak would grow to the whole file."""
     import mmap
 
     region = getattr(reader.data, "base", None)
     if not isinstance(region, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED"):
         return
     page = mmap.PAGESIZE
-    start = int(tensor.data_offset) // page * page
-    end = min(-(-(int(tensor.data_offset) + int(tensor.n_bytes)) // page) * page, len(region))
+    start = offset // page * page
+    end = min(-(-(offset + size) // page) * page, len(region))
     with contextlib.suppress(OSError, ValueError):
         region.madvise(mmap.MADV_DONTNEED, start, end - start)
 
@@ -643,11 +680,17 @@ def convert_gguf(
         write_weights(reader, config, tmp, progress=progress)
         _write_json(tmp / "config.json", config)
         _write_json(tmp / FOOTPRINT_FILE, {**fp.as_json(), KEPT_KEY: kept_types()})
-        if tokenizer and "tokenizer.ggml.tokens" in reader.fields:
-            write_tokenizer(gguf_path, tmp, field(reader, "tokenizer.chat_template"))
+        _write_json(tmp / "generation_config.json", generation_config(reader, config))
+        has_tokens = "tokenizer.ggml.tokens" in reader.fields
+        chat_template = field(reader, "tokenizer.chat_template")
+        # Dropped (with its memory map) before transformers reads the file again for the tokenizer:
+        # the reader's metadata holds a few Python objects per token (hundreds of MB for a 150K-token
+        # vocabulary), and both at once made the tokenizer the conversion's peak.
+        reader = None
+        if tokenizer and has_tokens:
+            write_tokenizer(gguf_path, tmp, chat_template)
         elif tokenizer:
             print(f"specextend: {gguf_path.name} has no tokenizer; folder has weights only", file=sys.stderr)
-        _write_json(tmp / "generation_config.json", generation_config(reader, config))
         _fsync_dir_files(tmp)
         (tmp / COMPLETE_MARKER).write_text(f"converted from {gguf_path.name}\n{FORMAT}\n")
         _install(tmp, out_dir)
@@ -655,7 +698,7 @@ def convert_gguf(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
-        del reader  # drop the memory map before returning
+        reader = None  # drop the memory map before returning
     return out_dir
 
 

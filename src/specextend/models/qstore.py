@@ -12,16 +12,19 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..errors import UserError
-from ..quant import FORMATS, Segment, blob_bytes
+from ..quant import FORMATS, PANEL, Segment, blob_bytes
 
 _KEY = "specextend.quantized"
+
+# What `stream_tensors` is given for one tensor: the whole, or its runs of rows in order.
+Produced = torch.Tensor | Segment | Iterable[torch.Tensor | Segment]
 
 
 # safetensors' names for the dtypes we write.
@@ -38,10 +41,12 @@ def save_tensors(path: Path, floats: dict[str, torch.Tensor], segments: dict[str
 
 
 def stream_tensors(path: Path, floats: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-                   segments: dict[str, Segment], produce: Callable[[str], torch.Tensor | Segment]) -> None:
-    """`save_tensors`, one tensor in memory at a time: `floats` gives each float tensor's dtype and
-    shape, `segments` each quantized one's format (its blob may be a stand-in: only its format, n, k,
-    offset and groups are read), and `produce(name)` the real tensor or segment when it is written.
+                   segments: dict[str, Segment], produce: Callable[[str], Produced]) -> None:
+    """`save_tensors`, one tensor (or less) in memory at a time: `floats` gives each float tensor's
+    dtype and shape, `segments` each quantized one's format (its blob may be a stand-in: only its
+    format, n, k, offset and groups are read), and `produce(name)` the real tensor or segment when
+    it is written, or an iterable of its runs of rows in order (each segment's but the last a
+    whole number of panels), written as they come.
 
     The safetensors library writes only from a dict of every tensor, which held a whole expanded
     model in memory while converting; the format is simple enough to write in order: the same
@@ -67,17 +72,9 @@ def stream_tensors(path: Path, floats: dict[str, tuple[torch.dtype, tuple[int, .
             f.write(len(text).to_bytes(8, "little"))
             f.write(text)
             for name in order:
-                dtype, shape = entries[name]
                 got = produce(name)
-                if isinstance(got, Segment):
-                    if (got.fmt, got.n, got.k, got.offset, got.groups) != (
-                            segments[name].fmt, segments[name].n, segments[name].k, segments[name].offset,
-                            segments[name].groups):
-                        raise ValueError(f"{name}: the segment's format differs from the one planned")
-                    got = got.blob
-                if got.dtype != dtype or tuple(got.shape) != shape:
-                    raise ValueError(f"{name}: {got.dtype} {tuple(got.shape)} written, {dtype} {shape} planned")
-                f.write(got.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+                _write_parts(f, name, [got] if isinstance(got, (torch.Tensor, Segment)) else got,
+                             entries[name], segments.get(name))
                 del got
         os.chmod(tmp, 0o644)  # match the other files of a model folder
         with open(tmp, "rb") as f:
@@ -85,6 +82,35 @@ def stream_tensors(path: Path, floats: dict[str, tuple[torch.dtype, tuple[int, .
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _write_parts(f: Any, name: str, parts: Iterable[torch.Tensor | Segment],
+                 planned: tuple[torch.dtype, tuple[int, ...]], segment: Segment | None) -> None:
+    """Write one tensor's runs of rows as they come, checking that they make up the tensor planned."""
+    dtype, shape = planned
+    rows = 0
+    for part in parts:
+        if isinstance(part, Segment):
+            if segment is None or (part.fmt, part.k, part.offset, part.groups) != (
+                    segment.fmt, segment.k, segment.offset, segment.groups):
+                raise ValueError(f"{name}: the segment's format differs from the one planned")
+            if rows % PANEL:  # the blobs would not join: the earlier run's last panel is padded
+                raise ValueError(f"{name}: a run of {rows} rows, not whole panels, before the last of those planned")
+            data = part.blob
+            if data.dtype != torch.uint8 or data.numel() != blob_bytes(part.fmt, part.n, part.k, part.groups):
+                raise ValueError(f"{name}: a blob of {data.numel()} bytes written for {part.n} rows as planned")
+            rows += part.n
+        else:
+            if (segment is not None or part.dtype != dtype or part.dim() != len(shape)
+                    or tuple(part.shape[1:]) != shape[1:]):
+                raise ValueError(f"{name}: {part.dtype} {tuple(part.shape)} written, {dtype} {shape} planned")
+            rows += part.shape[0] if shape else 1
+            data = part
+        f.write(data.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        del part, data
+    expected = segment.n if segment is not None else shape[0] if shape else 1
+    if rows != expected:
+        raise ValueError(f"{name}: {rows} rows written, {expected} planned")
 
 
 class DerivedWeights:
