@@ -360,6 +360,56 @@ void one_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m2
   }
 }
 
+// Q5K: codes below 32, so (as in the rows kernel's small groups) they go into VPMADDUBSW as they
+// are, no sign trick, and 4 steps share one int16 sum (4 * 2 * 31 * 128); the low-nibble and
+// high-nibble steps are widened apart (together they would not fit in int16).
+void one_q5k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m256* acc) {
+  const int64_t sbg = s.sbg, nsb = s.k / (32 * sbg), kb = s.k / 32, sb_bytes = s.fi().bytes;
+  const __m256i low = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10), ones = _mm256_set1_epi16(1);
+  const int32_t off = static_cast<int32_t>(s.offset);
+  const int8_t* q = x.q8 + r0 * x.k;
+  for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
+    prefetch(p, sb_bytes);
+    for (int g = 0; g < sbg; ++g) {
+      const int64_t b = r0 * kb + sb * sbg + g;
+      const uint8_t* cb = byte_codes(Q5K, sbg, p, g);
+      const int8_t* qb = q + 32 * (sb * sbg + g);
+      const __m256i plane[2] = {load(cb + 256), load(cb + 288)};
+      __m256i lo[2], hi[2];
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        const __m256i a = bcast4(qb + 4 * i), a4 = bcast4(qb + 16 + 4 * i);
+        const __m128i up = _mm_cvtsi32_si128(4 - i), down = _mm_cvtsi32_si128(i);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = load(cb + 64 * i + 32 * h);
+          // step i's fifth bit is bit i of the plane's byte, step i + 4's bit i + 4 (byte_code);
+          // 16-bit shifts: the bits crossing from the pair's other byte miss the mask
+          const __m256i b_lo = _mm256_and_si256(_mm256_sll_epi16(plane[h], up), fifth);
+          const __m256i b_hi = _mm256_and_si256(_mm256_srl_epi16(plane[h], down), fifth);
+          const __m256i pl = _mm256_maddubs_epi16(_mm256_or_si256(_mm256_and_si256(v, low), b_lo), a);
+          const __m256i ph = _mm256_maddubs_epi16(
+              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), b_hi), a4);
+          lo[h] = i ? _mm256_add_epi16(lo[h], pl) : pl;
+          hi[h] = i ? _mm256_add_epi16(hi[h], ph) : ph;
+          in_register(lo[h]);
+          in_register(hi[h]);
+        }
+      }
+      __m256 scale[2], mins[2];
+      byte_scales(s, p, g, scale, mins);
+      // sum(code * q) - offset * sum(q)
+      const __m256i fix = _mm256_set1_epi32(-off * x.s32[b]);
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(lo[h], ones), _mm256_madd_epi16(hi[h], ones));
+        acc[h] = epilogue(_mm256_add_epi32(dot, fix), x.d8[b], scale[h], acc[h]);
+        acc[h] = _mm256_fnmadd_ps(mins[h], _mm256_set1_ps(x.xs[b]), acc[h]);
+      }
+    }
+  }
+}
+
 // Q2K (kQ2) compiled apart, its format's branches folded away; the others branch on s.fmt.
 template <bool kQ2>
 void one_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m256* acc) {
@@ -404,6 +454,7 @@ void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const T
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   if constexpr (R == 1) {
     if (s.fmt == Q4K) one_q4k(s, p, x, r0, acc[0]);
+    else if (s.fmt == Q5K) one_q5k(s, p, x, r0, acc[0]);
     else if (s.fmt == Q2K) one_q6k<true>(s, p, x, r0, acc[0]);
     else if (six_bit(s.fmt)) one_q6k<false>(s, p, x, r0, acc[0]);
     else panel_q8<1>(s, p, x, r0, acc);
