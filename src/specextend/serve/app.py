@@ -291,20 +291,8 @@ class Server:
                         yield _sse(protocol.chunk(kind, rid, created, model, text, logprobs=lp))
                     offset += len(text)
                 elif event == "done":
-                    finish = value.finish_reason
-                    if calls is not None:
-                        for delta in calls.finish():
-                            if role_due:
-                                delta, role_due = _with_role(delta), False
-                            yield _sse(protocol.chunk(kind, rid, created, model, None, delta=delta))
-                        finish = calls.finish_reason(finish)
-                    if role_due:  # an answer with no text and no call still says whose it is
-                        yield _sse(protocol.chunk(kind, rid, created, model, None, role=True))
-                    yield _sse(protocol.chunk(kind, rid, created, model, None, finish=finish))
-                    if include_usage:
-                        use = protocol.usage(value.result, value.queue_s, value.replica)
-                        yield _sse(protocol.usage_chunk(kind, rid, created, model, use))
-                    yield "data: [DONE]\n\n"
+                    for line in _closing(kind, rid, created, model, value, calls, role_due, include_usage):
+                        yield line
                     return
                 elif event == "cancelled":
                     if self.drain.cut:  # cancelled by a drain past its time: say so, and end the stream
@@ -331,6 +319,28 @@ async def _json_body(request: HTTPRequest) -> Any:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+
+def _closing(kind: str, rid: str, created: int, model: str, done: Any, calls: CallParser | None, role_due: bool,
+             include_usage: bool) -> list[str]:
+    """A stream's last events: the deltas the call parser held back, the role if nothing has
+    carried it yet (an answer with no text and no call still says whose it is), the finish
+    reason, the usage when asked for, [DONE]."""
+    out, finish = [], done.finish_reason
+    if calls is not None:
+        for delta in calls.finish():
+            if role_due:
+                delta, role_due = _with_role(delta), False
+            out.append(_sse(protocol.chunk(kind, rid, created, model, None, delta=delta)))
+        finish = calls.finish_reason(finish)
+    if role_due:
+        out.append(_sse(protocol.chunk(kind, rid, created, model, None, role=True)))
+    out.append(_sse(protocol.chunk(kind, rid, created, model, None, finish=finish)))
+    if include_usage:
+        use = protocol.usage(done.result, done.queue_s, done.replica)
+        out.append(_sse(protocol.usage_chunk(kind, rid, created, model, use)))
+    out.append("data: [DONE]\n\n")
+    return out
 
 
 def _with_role(delta: dict[str, Any]) -> dict[str, Any]:
