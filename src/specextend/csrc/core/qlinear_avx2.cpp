@@ -410,6 +410,47 @@ void one_q5k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m2
   }
 }
 
+// Q8 and IQ4 (any byte codes): the tile's arithmetic (codes - 128 with the sign trick, widened
+// every step) with each step's codes multiplied as they are unpacked, never copied to L1.
+template <int64_t FMT>
+void one_bytes(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m256* acc) {
+  const FormatInfo fi = s.fi();
+  const int groups = fi.superblock / 32;
+  const int64_t nsb = s.k / fi.superblock, kb = s.k / 32;
+  const int32_t off = static_cast<int32_t>(s.offset);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  const int8_t* q = x.q8 + r0 * x.k;
+  for (int64_t sb = 0; sb < nsb; ++sb, p += fi.bytes) {
+    prefetch(p, fi.bytes);
+    for (int g = 0; g < groups; ++g) {
+      const int64_t b = r0 * kb + sb * groups + g;
+      const uint8_t* cb = byte_codes(FMT, s.sbg, p, g);
+      const int8_t* qb = q + 32 * (sb * groups + g);
+      __m256i dot[2];
+#pragma GCC unroll 8
+      for (int st = 0; st < 8; ++st) {
+        const __m256i a = bcast4(qb + 4 * st);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const __m256i c = _mm256_xor_si256(step_bytes(FMT, cb, st, h), flip);
+          const __m256i pr = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(a, c)), ones);
+          dot[h] = st ? _mm256_add_epi32(dot[h], pr) : pr;
+          in_register(dot[h]);
+        }
+      }
+      __m256 scale[2], mins[2];
+      const bool has_mins = byte_scales(s, p, g, scale, mins);
+      // sum(code * q) - offset * sum(q) = sum((code - 128) * q) + (128 - offset) * sum(q)
+      const __m256i fix = _mm256_set1_epi32((128 - off) * x.s32[b]);
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        acc[h] = epilogue(_mm256_add_epi32(dot[h], fix), x.d8[b], scale[h], acc[h]);
+        if (has_mins) acc[h] = _mm256_fnmadd_ps(mins[h], _mm256_set1_ps(x.xs[b]), acc[h]);
+      }
+    }
+  }
+}
+
 // Q2K (kQ2) compiled apart, its format's branches folded away; the others branch on s.fmt.
 template <bool kQ2>
 void one_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m256* acc) {
@@ -455,6 +496,8 @@ void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const T
   if constexpr (R == 1) {
     if (s.fmt == Q4K) one_q4k(s, p, x, r0, acc[0]);
     else if (s.fmt == Q5K) one_q5k(s, p, x, r0, acc[0]);
+    else if (s.fmt == Q8) one_bytes<Q8>(s, p, x, r0, acc[0]);
+    else if (s.fmt == IQ4) one_bytes<IQ4>(s, p, x, r0, acc[0]);
     else if (s.fmt == Q2K) one_q6k<true>(s, p, x, r0, acc[0]);
     else if (six_bit(s.fmt)) one_q6k<false>(s, p, x, r0, acc[0]);
     else panel_q8<1>(s, p, x, r0, acc);
