@@ -102,6 +102,10 @@ inline void q6k_scales(int64_t fmt, const uint8_t* sb, int g, int h, __m256 d, _
   *mins = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_srli_epi32(sm, 4)));
 }
 
+
+// int16 pairs summed into int32 lanes (exact).
+inline __m256i widen(__m256i s) { return _mm256_madd_epi16(s, _mm256_set1_epi16(1)); }
+
 // acc = fma(float(dot) * d8, scale, acc): the reference epilogue of one group, 8 channels.
 inline __m256 epilogue(__m256i dot, float d8, __m256 scale, __m256 acc) {
   return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d8)), scale, acc);
@@ -361,11 +365,10 @@ void one_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m2
 }
 
 // Q5K: codes below 32, so (as in the rows kernel's small groups) they go into VPMADDUBSW as they
-// are, no sign trick, and 4 steps share one int16 sum (4 * 2 * 31 * 128); the low-nibble and
-// high-nibble steps are widened apart (together they would not fit in int16).
+// are, no sign trick, and 4 steps share one int16 sum (4 * 2 * 31 * 128); the two halves of the
+// steps are widened apart (together they would not fit in int16).
 void one_q5k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m256* acc) {
   const int64_t sbg = s.sbg, nsb = s.k / (32 * sbg), kb = s.k / 32, sb_bytes = s.fi().bytes;
-  const __m256i low = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10), ones = _mm256_set1_epi16(1);
   const int32_t off = static_cast<int32_t>(s.offset);
   const int8_t* q = x.q8 + r0 * x.k;
   for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
@@ -374,27 +377,22 @@ void one_q5k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m2
       const int64_t b = r0 * kb + sb * sbg + g;
       const uint8_t* cb = byte_codes(Q5K, sbg, p, g);
       const int8_t* qb = q + 32 * (sb * sbg + g);
-      const __m256i plane[2] = {load(cb + 256), load(cb + 288)};
-      __m256i lo[2], hi[2];
-#pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) {
-        const __m256i a = bcast4(qb + 4 * i), a4 = bcast4(qb + 16 + 4 * i);
-        const __m128i up = _mm_cvtsi32_si128(4 - i), down = _mm_cvtsi32_si128(i);
+      __m256i dot[2];
 #pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) {
-          const __m256i v = load(cb + 64 * i + 32 * h);
-          // step i's fifth bit is bit i of the plane's byte, step i + 4's bit i + 4 (byte_code);
-          // 16-bit shifts: the bits crossing from the pair's other byte miss the mask
-          const __m256i b_lo = _mm256_and_si256(_mm256_sll_epi16(plane[h], up), fifth);
-          const __m256i b_hi = _mm256_and_si256(_mm256_srl_epi16(plane[h], down), fifth);
-          const __m256i pl = _mm256_maddubs_epi16(_mm256_or_si256(_mm256_and_si256(v, low), b_lo), a);
-          const __m256i ph = _mm256_maddubs_epi16(
-              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), b_hi), a4);
-          lo[h] = i ? _mm256_add_epi16(lo[h], pl) : pl;
-          hi[h] = i ? _mm256_add_epi16(hi[h], ph) : ph;
-          in_register(lo[h]);
-          in_register(hi[h]);
+      for (int half = 0; half < 2; ++half) {  // steps 4 * half .. 4 * half + 3
+        __m256i sum[2];
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) {
+          const int st = 4 * half + i;
+          const __m256i a = bcast4(qb + 4 * st);
+#pragma GCC unroll 2
+          for (int h = 0; h < 2; ++h) {
+            const __m256i pr = _mm256_maddubs_epi16(step_bytes(Q5K, cb, st, h), a);
+            sum[h] = i ? _mm256_add_epi16(sum[h], pr) : pr;
+            in_register(sum[h]);
+          }
         }
+        for (int h = 0; h < 2; ++h) dot[h] = half ? _mm256_add_epi32(dot[h], widen(sum[h])) : widen(sum[h]);
       }
       __m256 scale[2], mins[2];
       byte_scales(s, p, g, scale, mins);
@@ -402,8 +400,7 @@ void one_q5k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m2
       const __m256i fix = _mm256_set1_epi32(-off * x.s32[b]);
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
-        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(lo[h], ones), _mm256_madd_epi16(hi[h], ones));
-        acc[h] = epilogue(_mm256_add_epi32(dot, fix), x.d8[b], scale[h], acc[h]);
+        acc[h] = epilogue(_mm256_add_epi32(dot[h], fix), x.d8[b], scale[h], acc[h]);
         acc[h] = _mm256_fnmadd_ps(mins[h], _mm256_set1_ps(x.xs[b]), acc[h]);
       }
     }
@@ -534,9 +531,6 @@ void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const T
 // Q8's magnitudes and signs take 4 registers a step, so its tiles have 3 rows.
 constexpr int kRowTile = 4;
 constexpr int kQ8RowTile = 3;
-
-// int16 pairs summed into int32 lanes (exact).
-inline __m256i widen(__m256i s) { return _mm256_madd_epi16(s, _mm256_set1_epi16(1)); }
 
 // Tiles of at most T rows, as even as possible (9 rows, T = 4: 3 + 3 + 3): calls f(row, rows).
 template <int T, class F>
