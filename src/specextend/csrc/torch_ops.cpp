@@ -41,10 +41,11 @@ py::object amx_status() {
 // The int8 activations of rows x [m, k], with their scales and sums, and (`floats`: for the float
 // formats) pre(x) in float32.
 struct QuantizedRows {
-  at::Tensor q8, d8, s16, s32, xs, xf;
+  at::Tensor q8, d8, s16, s32, xs, xf, q8g;
   spx::Rows rows() {
     return {q8.data_ptr<int8_t>(), d8.data_ptr<float>(), s16.data_ptr<int32_t>(), s32.data_ptr<int32_t>(),
-            xs.data_ptr<float>(), q8.size(1), xf.defined() ? xf.data_ptr<float>() : nullptr};
+            xs.data_ptr<float>(), q8.size(1), xf.defined() ? xf.data_ptr<float>() : nullptr,
+            q8g.defined() ? q8g.data_ptr<int8_t>() : nullptr, q8.size(0)};
   }
 };
 
@@ -54,7 +55,8 @@ QuantizedRows quantize(spx::Path path, const at::Tensor& x, int64_t k, const spx
   QuantizedRows a{at::empty({m, k}, opt.dtype(at::kChar)), at::empty({m, k / 32}, opt.dtype(at::kFloat)),
                   at::empty({m, k / 16}, opt.dtype(at::kInt)), at::empty({m, k / 32}, opt.dtype(at::kInt)),
                   at::empty({m, k / 32}, opt.dtype(at::kFloat)),
-                  floats ? at::empty({m, k}, opt.dtype(at::kFloat)) : at::Tensor()};
+                  floats ? at::empty({m, k}, opt.dtype(at::kFloat)) : at::Tensor(),
+                  m > 1 ? at::empty({k / 32, m, 32}, opt.dtype(at::kChar)) : at::Tensor()};  // one row: no rows kernel
   const spx::Rows rows = a.rows();
   const float* xp = x.data_ptr<float>();
   const int64_t ldx = x.size(1);

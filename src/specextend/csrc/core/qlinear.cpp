@@ -84,6 +84,8 @@ void quantize_rows(Path path, const float* x, int64_t ldx, const PreOp& op, cons
       src = scratch;
     }
     kn.quantize(src, k, a.q8 + r * k, a.d8 + r * kb, a.s16 + r * (k / 16), a.s32 + r * kb, a.xs + r * kb);
+    if (a.q8g != nullptr)
+      for (int64_t b = 0; b < kb; ++b) std::memcpy(a.q8g + (b * a.gm + r) * 32, a.q8 + r * k + 32 * b, 32);
     if (a.xf != nullptr) std::memcpy(a.xf + r * k, src, sizeof(float) * k);
   }
 }
@@ -98,7 +100,7 @@ void linear_block(Path path, const Linear& op, int64_t p0, int64_t p1, int64_t r
     while (gp >= op.first_panel[si + 1]) col0 += op.segs[si++].n;
     const Segment& s = op.segs[si];
     const Kernels& kn = float_format(s.fmt) ? kf : kq;
-    const bool by_rows = kn.rows != nullptr && m >= kn.rows_from;
+    const bool by_rows = kn.rows != nullptr && m >= kn.rows_from && (op.x.q8g != nullptr || float_format(s.fmt));
     const int64_t tiles = (m + kn.tile_rows - 1) / kn.tile_rows;
     const int64_t p = gp - op.first_panel[si];
     const uint8_t* pb = s.blob + p * s.panel_bytes();

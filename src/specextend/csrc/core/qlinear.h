@@ -171,7 +171,17 @@ struct Rows {
   float* xs;
   int64_t k;
   float* xf = nullptr;  // [m, k]: pre(x) in float32, for the float formats (null when no segment is one)
+  // The same codes group-major, [k/32][gm][32] (gm >= m): each block of 32 inputs of every row side
+  // by side, for the rows kernels, whose tile of rows then sits at one pointer plus constant
+  // offsets (row r at 32 r) and streams one contiguous run a group; null: none kept.
+  int8_t* q8g = nullptr;
+  int64_t gm = 0;
 };
+
+// Row `row`'s codes from input k0 in the group-major copy (the next rows follow 32 bytes apart).
+inline const int8_t* group_rows(const Rows& x, int64_t row, int64_t k0) {
+  return x.q8g + ((k0 / 32) * x.gm + row) * 32 + k0 % 32;
+}
 
 // Q2K's minimum term's activation factor for group k0 (16 inputs) of a row: the block's scale
 // times the group's code sum, one float multiply the same on every path.

@@ -616,7 +616,8 @@ inline void q4k_tile_rows(const Q4Group& g, const int8_t* q, int64_t xk, const f
 }
 
 void rows_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
-  const int64_t sbg = s.sbg, nsb = s.k / (32 * sbg), sb_bytes = 64 + 288 * sbg, kb = x.k / 32, xk = x.k;
+  const int64_t sbg = s.sbg, nsb = s.k / (32 * sbg), sb_bytes = 64 + 288 * sbg, kb = x.k / 32;
+  constexpr int64_t xk = 32;  // the group-major rows' stride
   Q4Group grp;
   for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
     const __m256 d[2] = {cvt_f16(p), cvt_f16(p + 16)}, dmin[2] = {cvt_f16(p + 32), cvt_f16(p + 48)};
@@ -624,7 +625,7 @@ void rows_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int
     for (int g = 0; g < sbg; ++g) {
       const int64_t k0 = (sb * sbg + g) * 32;
       unpack_q4k_group(p, sbg, g, d, dmin, grp);
-      const int8_t* q = x.q8 + r0 * xk + k0;
+      const int8_t* q = group_rows(x, r0, k0);
       const float* d8 = x.d8 + r0 * kb + k0 / 32;
       const float* xs = x.xs + r0 * kb + k0 / 32;
       for_tiles<kRowTile>(n, [&](int r, int rows) {
@@ -704,7 +705,8 @@ inline void q6k_tile_rows(const Q6Group& g, const int8_t* q, int64_t xk, const i
 }
 
 void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
-  const int64_t nsb = s.k / 256, kb = x.k / 32, k16 = x.k / 16, xk = x.k, sb_bytes = s.fi().bytes, gb = sb_bytes / 16;
+  const int64_t nsb = s.k / 256, kb = x.k / 32, k16 = x.k / 16, sb_bytes = s.fi().bytes, gb = sb_bytes / 16;
+  constexpr int64_t xk = 32;  // the group-major rows' stride
   Q6Group grp;
   for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
     const __m256 d[2] = {cvt_f16(p), cvt_f16(p + 16)}, dmin[2] = {cvt_f16(p + 32), cvt_f16(p + 48)};
@@ -712,7 +714,7 @@ void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int
       const int64_t k0 = sb * 256 + g * 16;
       if (g % 4 == 0) prefetch(p + gb * g, 4 * gb);
       unpack_q6k_group(s.fmt, p, g, d, dmin, grp);
-      const int8_t* q = x.q8 + r0 * xk + k0;
+      const int8_t* q = group_rows(x, r0, k0);
       const int32_t* s16 = x.s16 + r0 * k16 + k0 / 16;
       const float* d8 = x.d8 + r0 * kb + k0 / 32;
       auto tiles = [&](auto q2) {  // Q2K (q2: true) compiled apart
@@ -824,7 +826,8 @@ inline void q8_tile_rows(const Q8Group& g, int32_t off, const int8_t* q, int64_t
 void rows_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
   const FormatInfo fi = s.fi();
   const int groups = fi.superblock / 32;
-  const int64_t nsb = s.k / fi.superblock, kb = x.k / 32, xk = x.k;
+  const int64_t nsb = s.k / fi.superblock, kb = x.k / 32;
+  constexpr int64_t xk = 32;  // the group-major rows' stride
   const int32_t off = static_cast<int32_t>(s.offset);
   Q8Group grp;
   for (int64_t sb = 0; sb < nsb; ++sb, p += fi.bytes) {
@@ -832,7 +835,7 @@ void rows_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int 
     for (int g = 0; g < groups; ++g) {
       unpack_q8_group(s, p, g, grp);
       const int64_t b0 = r0 * kb + sb * groups + g;
-      const int8_t* q = x.q8 + r0 * xk + 32 * (sb * groups + g);
+      const int8_t* q = group_rows(x, r0, 32 * (sb * groups + g));
       const int32_t* s32 = x.s32 + b0;
       const float *d8 = x.d8 + b0, *xs = x.xs + b0;
       for_tiles<kQ8RowTile>(n, [&](int r, int rows) {

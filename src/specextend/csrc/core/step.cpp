@@ -64,7 +64,7 @@ bool has_float(const StepModel& md, const StepBatch& bt) {
 struct Buffers {
   StepWorkspace& w;
   float* acc_base = nullptr;
-  int64_t acc_stride = 0, pre_stride = 0;
+  int64_t acc_stride = 0, pre_stride = 0, gm = 0;
   bool floats = false;
 
   Buffers(StepWorkspace& ws, const StepModel& md, const StepBatch& bt, int64_t t, int threads) : w(ws) {
@@ -81,6 +81,8 @@ struct Buffers {
     pre_stride = kmax;
     grow(w.pre, static_cast<size_t>(threads) * kmax);
     grow(w.q8, t * kmax);
+    gm = std::max<int64_t>(t, bt.n_logits);
+    if (gm > 1) grow(w.q8g, gm * kmax);
     grow(w.d8, t * kmax / 32);
     grow(w.xs, t * kmax / 32);
     grow(w.s16, t * kmax / 16);
@@ -94,7 +96,8 @@ struct Buffers {
     acc_base = w.acc.data() + ((kPage - (reinterpret_cast<uintptr_t>(w.acc.data()) / 4) % kPage) % kPage);
   }
   Rows act(int64_t k) {
-    return {w.q8.data(), w.d8.data(), w.s16.data(), w.s32.data(), w.xs.data(), k, floats ? w.xf.data() : nullptr};
+    return {w.q8.data(), w.d8.data(), w.s16.data(), w.s32.data(), w.xs.data(), k, floats ? w.xf.data() : nullptr,
+            gm > 1 ? w.q8g.data() : nullptr, gm};
   }
   float* scratch(int tid) { return w.pre.data() + static_cast<size_t>(tid) * pre_stride; }
   float* accumulators(int tid) { return acc_base + tid * acc_stride + 16 * tid; }

@@ -109,7 +109,7 @@ struct StepBatch {
 // not mapped anew each time: they only grow. One step at a time uses one.
 struct StepWorkspace {
   std::vector<float> x2, qkv, q, att, att_rows, gu, pre, acc, hx, d8, xs, xf;
-  std::vector<int8_t> q8;
+  std::vector<int8_t> q8, q8g;
   std::vector<int32_t> s16, s32;
 };
 

@@ -101,7 +101,9 @@ std::vector<float> run_linear(Path path, const LinearCase& c, const spx::Segment
   std::vector<float> d8(m * k / 32), xs(m * k / 32), scratch(k), y(m * c.n);
   std::vector<int32_t> s16(m * k / 16), s32(m * k / 32);
   std::vector<float> xf(spx::float_format(c.fmt) ? m * k : 0);
-  const spx::Rows rows{q8.data(), d8.data(), s16.data(), s32.data(), xs.data(), k, xf.empty() ? nullptr : xf.data()};
+  std::vector<int8_t> q8g(m * k);
+  const spx::Rows rows{q8.data(), d8.data(), s16.data(), s32.data(), xs.data(), k, xf.empty() ? nullptr : xf.data(),
+                       q8g.data(), m};
   spx::PreOp op;
   op.norm = c.norm ? norm.data() : nullptr;
   op.eps = 1e-6f;
