@@ -53,6 +53,7 @@ TOOLS: dict[str, list[list[str]]] = {
     "specextend.bench.draft_vocab": [[]],
     "specextend.bench.batch": [[]],
     "specextend.bench.onerow": [[]],
+    "specextend.bench.manyrow": [[]],
     "specextend.bench.tools": [[]],
     "specextend.bench.tool_goals": [[]],
     "specextend.bench.soak": [[]],
