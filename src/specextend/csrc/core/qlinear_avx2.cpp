@@ -838,6 +838,18 @@ void rows_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int 
       const int8_t* q = group_rows(x, r0, 32 * (sb * groups + g));
       const int32_t* s32 = x.s32 + b0;
       const float *d8 = x.d8 + b0, *xs = x.xs + b0;
+      if (grp.small) {  // codes below 32: no sign trick, room for a 4th row
+        for_tiles<kRowTile>(n, [&](int r, int rows) {
+          const int64_t o = r * kb;
+          switch (rows) {
+            case 1: q8_tile_rows<1>(grp, off, q + r * xk, xk, s32 + o, d8 + o, xs + o, kb, acc + 16 * r); break;
+            case 2: q8_tile_rows<2>(grp, off, q + r * xk, xk, s32 + o, d8 + o, xs + o, kb, acc + 16 * r); break;
+            case 3: q8_tile_rows<3>(grp, off, q + r * xk, xk, s32 + o, d8 + o, xs + o, kb, acc + 16 * r); break;
+            default: q8_tile_rows<kRowTile>(grp, off, q + r * xk, xk, s32 + o, d8 + o, xs + o, kb, acc + 16 * r); break;
+          }
+        });
+        continue;
+      }
       for_tiles<kQ8RowTile>(n, [&](int r, int rows) {
         const int64_t o = r * kb;
         switch (rows) {
