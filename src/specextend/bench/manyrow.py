@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from .. import kernels, roofline
 from ..options import OneLineParser
-from .onerow import FORMATS, random_weight
+from .onerow import FORMATS, parse_formats, random_weight
 from .runtime import parse_counts
 
 FLOAT_FORMATS = ("f16", "bf16")
@@ -80,9 +80,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     a = ap.parse_args(argv)
-    formats = [f.strip() for f in a.formats.split(",")]
-    if bad := [f for f in formats if f not in FORMATS]:
-        ap.error(f"--formats: unknown {', '.join(bad)} (any of {', '.join(FORMATS)})")
+    formats = parse_formats(ap, a.formats)
     shapes = []
     for s in a.shapes.split(","):
         nk = parse_counts(ap, "--shapes", s, sep="x")

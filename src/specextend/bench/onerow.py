@@ -80,6 +80,14 @@ def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> quant.QWeight:
     return quant.QWeight(k, [seg])
 
 
+def parse_formats(ap: argparse.ArgumentParser, value: str) -> list[str]:
+    """--formats: a comma-separated list of FORMATS (one-line error otherwise)."""
+    formats = [f.strip() for f in value.split(",")]
+    if bad := [f for f in formats if f not in FORMATS]:
+        ap.error(f"--formats: unknown {', '.join(bad)} (any of {', '.join(FORMATS)})")
+    return formats
+
+
 def _copy(w: quant.QWeight) -> quant.QWeight:
     return quant.QWeight(w.k, [quant.Segment(s.fmt, s.n, s.blob.clone(), s.offset, s.k, s.groups)
                                for s in w.segments])
@@ -140,9 +148,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     a = ap.parse_args(argv)
-    formats = [f.strip() for f in a.formats.split(",")]
-    if bad := [f for f in formats if f not in FORMATS]:
-        ap.error(f"--formats: unknown {', '.join(bad)} (any of {', '.join(FORMATS)})")
+    formats = parse_formats(ap, a.formats)
     shape = parse_counts(ap, "--shape", a.shape, sep="x")
     if len(shape) != 2:
         ap.error(f"--shape: N x K, e.g. 8960x1536, got {a.shape!r}")

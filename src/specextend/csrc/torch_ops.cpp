@@ -56,7 +56,7 @@ QuantizedRows quantize(spx::Path path, const at::Tensor& x, int64_t k, const spx
                   at::empty({m, k / 16}, opt.dtype(at::kInt)), at::empty({m, k / 32}, opt.dtype(at::kInt)),
                   at::empty({m, k / 32}, opt.dtype(at::kFloat)),
                   floats ? at::empty({m, k}, opt.dtype(at::kFloat)) : at::Tensor(),
-                  m > 1 ? at::empty({k / 32, m, 32}, opt.dtype(at::kChar)) : at::Tensor()};  // one row: no rows kernel
+                  spx::wants_group_rows(path, m) ? at::empty({k / 32, m, 32}, opt.dtype(at::kChar)) : at::Tensor()};
   const spx::Rows rows = a.rows();
   const float* xp = x.data_ptr<float>();
   const int64_t ldx = x.size(1);

@@ -43,6 +43,7 @@ struct Kernels {
   int rows_from;  // from this many rows `rows` beats tiles (below it, tiles keep the accumulators in registers)
   QuantFn quantize;
   PreFn pre_op;
+  bool group_rows = false;  // `rows` reads the group-major codes (Rows::q8g)
 };
 
 Kernels kernels_for(Path path) {
@@ -55,11 +56,13 @@ Kernels kernels_for(Path path) {
     k.rows = rows_amx_emulated;
 #endif
     k.rows_from = 2;
+    k.group_rows = false;
     return k;
   }
   switch (path) {
 #if defined(__x86_64__)
-    case Path::AVX2: return {tile_avx2, tile_rows_avx2(), rows_avx2, rows_from_avx2(), quantize_row_avx2, pre_op_row_avx2};
+    case Path::AVX2:
+      return {tile_avx2, tile_rows_avx2(), rows_avx2, rows_from_avx2(), quantize_row_avx2, pre_op_row_avx2, true};
     case Path::AVX512:
       return {tile_avx512, tile_rows_avx512(), rows_avx512, rows_from_avx512(), quantize_row_avx512, pre_op_row_avx512};
 #endif
@@ -71,6 +74,11 @@ Kernels kernels_for(Path path) {
 }
 
 }  // namespace
+
+bool wants_group_rows(Path path, int64_t m) {
+  const Kernels kn = kernels_for(path);
+  return kn.group_rows && m >= kn.rows_from;
+}
 
 void quantize_rows(Path path, const float* x, int64_t ldx, const PreOp& op, const Rows& a, int64_t r0, int64_t r1,
                    float* scratch) {
@@ -100,7 +108,7 @@ void linear_block(Path path, const Linear& op, int64_t p0, int64_t p1, int64_t r
     while (gp >= op.first_panel[si + 1]) col0 += op.segs[si++].n;
     const Segment& s = op.segs[si];
     const Kernels& kn = float_format(s.fmt) ? kf : kq;
-    const bool by_rows = kn.rows != nullptr && m >= kn.rows_from && (op.x.q8g != nullptr || float_format(s.fmt));
+    const bool by_rows = kn.rows != nullptr && m >= kn.rows_from && (!kn.group_rows || op.x.q8g != nullptr);
     const int64_t tiles = (m + kn.tile_rows - 1) / kn.tile_rows;
     const int64_t p = gp - op.first_panel[si];
     const uint8_t* pb = s.blob + p * s.panel_bytes();

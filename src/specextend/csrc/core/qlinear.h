@@ -196,6 +196,10 @@ struct PreOp {
   bool silu_mul = false;  // the row holds [gate | up] (2k values): silu(gate) * up
 };
 
+// Whether `path`'s products of m rows read the group-major codes (Rows::q8g): the caller keeps
+// them only then (without them such a product runs its tiles).
+bool wants_group_rows(Path path, int64_t m);
+
 // pre(x) of rows [r0, r1) quantized into `a`, and kept in float32 in a.xf where it is set (x: row
 // stride ldx; scratch: k floats).
 void quantize_rows(Path path, const float* x, int64_t ldx, const PreOp& op, const Rows& a, int64_t r0, int64_t r1,

@@ -65,9 +65,10 @@ struct Buffers {
   StepWorkspace& w;
   float* acc_base = nullptr;
   int64_t acc_stride = 0, pre_stride = 0, gm = 0;
+  bool keep_group_rows = false;
   bool floats = false;
 
-  Buffers(StepWorkspace& ws, const StepModel& md, const StepBatch& bt, int64_t t, int threads) : w(ws) {
+  Buffers(Path path, StepWorkspace& ws, const StepModel& md, const StepBatch& bt, int64_t t, int threads) : w(ws) {
     const StepLayer& l = md.layers[0];
     const int64_t hd = md.heads * md.head_dim, inter = l.down.segs[0].k;
     const int64_t kmax = std::max({md.hidden, hd, inter});
@@ -82,7 +83,8 @@ struct Buffers {
     grow(w.pre, static_cast<size_t>(threads) * kmax);
     grow(w.q8, t * kmax);
     gm = std::max<int64_t>(t, bt.n_logits);
-    if (gm > 1) grow(w.q8g, gm * kmax);
+    keep_group_rows = wants_group_rows(path, gm);
+    if (keep_group_rows) grow(w.q8g, gm * kmax);
     grow(w.d8, t * kmax / 32);
     grow(w.xs, t * kmax / 32);
     grow(w.s16, t * kmax / 16);
@@ -97,7 +99,7 @@ struct Buffers {
   }
   Rows act(int64_t k) {
     return {w.q8.data(), w.d8.data(), w.s16.data(), w.s32.data(), w.xs.data(), k, floats ? w.xf.data() : nullptr,
-            gm > 1 ? w.q8g.data() : nullptr, gm};
+            keep_group_rows ? w.q8g.data() : nullptr, gm};
   }
   float* scratch(int tid) { return w.pre.data() + static_cast<size_t>(tid) * pre_stride; }
   float* accumulators(int tid) { return acc_base + tid * acc_stride + 16 * tid; }
@@ -285,7 +287,7 @@ void forward_batch(Path path, const StepModel& md, const StepBatch& bt, int thre
   if (md.layers.empty() || t <= 0) return;
   threads = std::max(1, threads);
   StepWorkspace local;
-  Buffers b(ws != nullptr ? *ws : local, md, bt, t, threads);
+  Buffers b(path, ws != nullptr ? *ws : local, md, bt, t, threads);
   const BatchPlan bp = batch_plan(md, bt, b, threads);
   const bool head = bt.head != nullptr && bt.n_logits > 0;
   TeamBarrier barrier;
