@@ -37,7 +37,9 @@ constexpr int kTile = 8;  // rows that share one unpacked weight group
 inline void in_register(__m256i& v) { __asm__("" : "+x"(v)); }
 
 // Weights stream from memory once per call; while a group's rows are computed the hardware
-// prefetcher falls behind, so each group also asks for the bytes kPrefetch ahead into L2.
+// prefetcher falls behind, so each group also asks for the bytes kPrefetch ahead into L2. A few
+// lines at a time, spread over the loop: a burst of dozens (a whole Q5_K super-block at once)
+// stalled one decode row behind its own prefetches.
 constexpr int64_t kPrefetch = 9472;
 
 inline void prefetch(const uint8_t* p, int64_t bytes) {
@@ -284,9 +286,10 @@ void panel_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m
   const int32_t off = static_cast<int32_t>(s.offset);
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   alignas(32) __m256i w[8][2][2];  // [step][half][code - 128, its magnitude]
+  const int64_t pf = (fi.bytes + groups - 1) / groups;  // each group asks for its share of the prefetch
   for (int64_t sb = 0; sb < nsb; ++sb, p += fi.bytes) {
-    prefetch(p, fi.bytes);
     for (int g = 0; g < groups; ++g) {
+      prefetch(p + pf * g, pf);
       const uint8_t* cb = byte_codes(s.fmt, s.sbg, p, g);
       for (int st = 0; st < 8; ++st)
         for (int h = 0; h < 2; ++h) {
@@ -371,9 +374,10 @@ void one_q5k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m2
   const int64_t sbg = s.sbg, nsb = s.k / (32 * sbg), kb = s.k / 32, sb_bytes = s.fi().bytes;
   const int32_t off = static_cast<int32_t>(s.offset);
   const int8_t* q = x.q8 + r0 * x.k;
+  const int64_t pf = (sb_bytes + sbg - 1) / sbg;  // each group asks for its share of the prefetch
   for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
-    prefetch(p, sb_bytes);
     for (int g = 0; g < sbg; ++g) {
+      prefetch(p + pf * g, pf);
       const int64_t b = r0 * kb + sb * sbg + g;
       const uint8_t* cb = byte_codes(Q5K, sbg, p, g);
       const int8_t* qb = q + 32 * (sb * sbg + g);
@@ -396,11 +400,12 @@ void one_q5k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m2
       }
       __m256 scale[2], mins[2];
       byte_scales(s, p, g, scale, mins);
-      // sum(code * q) - offset * sum(q)
-      const __m256i fix = _mm256_set1_epi32(-off * x.s32[b]);
+      // sum(code * q) - offset * sum(q); Q5_K's and Q5_1's offset is 0
+      if (off != 0)
+        for (int h = 0; h < 2; ++h) dot[h] = _mm256_add_epi32(dot[h], _mm256_set1_epi32(-off * x.s32[b]));
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
-        acc[h] = epilogue(_mm256_add_epi32(dot[h], fix), x.d8[b], scale[h], acc[h]);
+        acc[h] = epilogue(dot[h], x.d8[b], scale[h], acc[h]);
         acc[h] = _mm256_fnmadd_ps(mins[h], _mm256_set1_ps(x.xs[b]), acc[h]);
       }
     }
@@ -417,9 +422,10 @@ void one_bytes(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __
   const int32_t off = static_cast<int32_t>(s.offset);
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
   const int8_t* q = x.q8 + r0 * x.k;
+  const int64_t pf = (fi.bytes + groups - 1) / groups;  // each group asks for its share of the prefetch
   for (int64_t sb = 0; sb < nsb; ++sb, p += fi.bytes) {
-    prefetch(p, fi.bytes);
     for (int g = 0; g < groups; ++g) {
+      prefetch(p + pf * g, pf);
       const int64_t b = r0 * kb + sb * groups + g;
       const uint8_t* cb = byte_codes(FMT, s.sbg, p, g);
       const int8_t* qb = q + 32 * (sb * groups + g);
@@ -882,7 +888,7 @@ template <int64_t FMT>
 void one_float(const Segment& s, const uint8_t* p, const float* x, float* sum) {  // float_sums' V::one
   __m256 e[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, o[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t i = 0; i < s.k; i += 2, p += 64) {
-    if (i % 32 == 0) prefetch(p, 1024);
+    if (i % 8 == 0) prefetch(p, 256);
     const __m256 a = _mm256_broadcast_ss(x + i), b = _mm256_broadcast_ss(x + i + 1);
     e[0] = _mm256_fmadd_ps(float_w<FMT>(p), a, e[0]);
     e[1] = _mm256_fmadd_ps(float_w<FMT>(p + 16), a, e[1]);
