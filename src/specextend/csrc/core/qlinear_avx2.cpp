@@ -75,11 +75,13 @@ inline void q6k_codes(int64_t fmt, const uint8_t* sb, int g, int h, __m256i* w) 
   if (fmt == Q3K) {
     const uint8_t* pair = sb + 288 + 192 * (g / 2);
     const __m256i lo = load(pair + 64 * (g % 2) + 32 * h), hi = load(pair + 128 + 32 * h);
-    const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1), base = _mm256_set1_epi8(28);
+    const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4), base = _mm256_set1_epi8(28);
     for (int st = 0; st < 4; ++st) {
       const __m256i l = _mm256_and_si256(_mm256_srl_epi16(lo, _mm_cvtsi32_si128(2 * st)), three);
-      const __m256i t = _mm256_and_si256(_mm256_srl_epi16(hi, _mm_cvtsi32_si128(4 * (g % 2) + st)), one);
-      w[st] = _mm256_add_epi8(_mm256_or_si256(l, _mm256_slli_epi16(t, 2)), base);
+      // the high bit (bit hb of hi) shifted straight to bit 2: one shift and one mask
+      const int hb = 4 * (g % 2) + st;
+      const __m256i t = hb >= 2 ? _mm256_srl_epi16(hi, _mm_cvtsi32_si128(hb - 2)) : _mm256_sll_epi16(hi, _mm_cvtsi32_si128(2 - hb));
+      w[st] = _mm256_add_epi8(_mm256_or_si256(l, _mm256_and_si256(t, four)), base);
     }
     return;
   }
