@@ -46,6 +46,14 @@ inline void prefetch(const uint8_t* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch + off), _MM_HINT_T1);
 }
 
+// A group's share of its super-block's prefetch: sized once per call (a division per group would
+// sit on the decode row's path), asked for as each group starts.
+struct PrefetchShare {
+  int64_t bytes;
+  PrefetchShare(int64_t block_bytes, int64_t groups) : bytes((block_bytes + groups - 1) / groups) {}
+  void operator()(const uint8_t* block, int64_t g) const { prefetch(block + bytes * g, bytes); }
+};
+
 inline __m256i bcast4(const int8_t* q) {
   int32_t v;
   std::memcpy(&v, q, 4);
@@ -146,12 +154,13 @@ void panel_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __
   const int64_t sbg = s.sbg, nsb = s.k / (32 * sbg), kb = s.k / 32, sb_bytes = 64 + 288 * sbg;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   alignas(32) __m256i w[8][2];  // [step][half]
+  const PrefetchShare share(sb_bytes, sbg);
   for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
     const __m256 d[2] = {cvt_f16(p), cvt_f16(p + 16)}, dmin[2] = {cvt_f16(p + 32), cvt_f16(p + 48)};
     for (int g = 0; g < sbg; ++g) {
       const int64_t k0 = (sb * sbg + g) * 32;
       const uint8_t* cb = p + 64 + 32 * sbg + 256 * g;
-      prefetch(p + (sb_bytes / sbg) * g, sb_bytes / sbg);
+      share(p, g);
       for (int i = 0; i < 4; ++i)
         for (int h = 0; h < 2; ++h) {
           const __m256i v = load(cb + 64 * i + 32 * h);
@@ -200,14 +209,15 @@ inline void q6k_dots(const __m256i (*w)[2], const int8_t* const* q, __m256i (*do
 
 template <int R>
 void panel_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m256 (*acc)[2]) {
-  const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16, sb_bytes = s.fi().bytes, gb = sb_bytes / 16;
+  const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16, sb_bytes = s.fi().bytes;
   const int32_t zero = q6_zero(s.fmt);
   alignas(32) __m256i w[4][2];  // [step][half]
+  const PrefetchShare share(sb_bytes, 16);
   for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
     const __m256 d[2] = {cvt_f16(p), cvt_f16(p + 16)}, dmin[2] = {cvt_f16(p + 32), cvt_f16(p + 48)};
     for (int g = 0; g < 16; ++g) {
       const int64_t k0 = sb * 256 + g * 16;
-      prefetch(p + gb * g, gb);
+      share(p, g);
       __m256 scale[2], mins[2];
       for (int h = 0; h < 2; ++h) {
         __m256i c[4];
@@ -288,10 +298,10 @@ void panel_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m
   const int32_t off = static_cast<int32_t>(s.offset);
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   alignas(32) __m256i w[8][2][2];  // [step][half][code - 128, its magnitude]
-  const int64_t pf = (fi.bytes + groups - 1) / groups;  // each group asks for its share of the prefetch
+  const PrefetchShare share(fi.bytes, groups);
   for (int64_t sb = 0; sb < nsb; ++sb, p += fi.bytes) {
     for (int g = 0; g < groups; ++g) {
-      prefetch(p + pf * g, pf);
+      share(p, g);
       const uint8_t* cb = byte_codes(s.fmt, s.sbg, p, g);
       for (int st = 0; st < 8; ++st)
         for (int h = 0; h < 2; ++h) {
@@ -333,13 +343,14 @@ void one_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m2
   const int8_t* q = x.q8 + r0 * x.k;
   const float* d8 = x.d8 + r0 * kb;
   const float* xs = x.xs + r0 * kb;
+  const PrefetchShare share(sb_bytes, sbg);
   for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
     const __m256 d[2] = {cvt_f16(p), cvt_f16(p + 16)}, dmin[2] = {cvt_f16(p + 32), cvt_f16(p + 48)};
     for (int g = 0; g < sbg; ++g) {
       const int64_t b = sb * sbg + g;
       const uint8_t* cb = p + 64 + 32 * sbg + 256 * g;
       const int8_t* qb = q + 32 * b;
-      prefetch(p + (sb_bytes / sbg) * g, sb_bytes / sbg);
+      share(p, g);
       // Low nibbles are steps 0-3, high nibbles steps 4-7; two int16 sums a half keep the
       // chains short (each at most 4 * 2 * 15 * 127, their total at most 8 * 2 * 15 * 127).
       __m256i lo[2], hi[2];
@@ -376,10 +387,10 @@ void one_q5k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m2
   const int64_t sbg = s.sbg, nsb = s.k / (32 * sbg), kb = s.k / 32, sb_bytes = s.fi().bytes;
   const int32_t off = static_cast<int32_t>(s.offset);
   const int8_t* q = x.q8 + r0 * x.k;
-  const int64_t pf = (sb_bytes + sbg - 1) / sbg;  // each group asks for its share of the prefetch
+  const PrefetchShare share(sb_bytes, sbg);
   for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
     for (int g = 0; g < sbg; ++g) {
-      prefetch(p + pf * g, pf);
+      share(p, g);
       const int64_t b = r0 * kb + sb * sbg + g;
       const uint8_t* cb = byte_codes(Q5K, sbg, p, g);
       const int8_t* qb = q + 32 * (sb * sbg + g);
@@ -424,10 +435,10 @@ void one_bytes(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __
   const int32_t off = static_cast<int32_t>(s.offset);
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
   const int8_t* q = x.q8 + r0 * x.k;
-  const int64_t pf = (fi.bytes + groups - 1) / groups;  // each group asks for its share of the prefetch
+  const PrefetchShare share(fi.bytes, groups);
   for (int64_t sb = 0; sb < nsb; ++sb, p += fi.bytes) {
     for (int g = 0; g < groups; ++g) {
-      prefetch(p + pf * g, pf);
+      share(p, g);
       const int64_t b = r0 * kb + sb * groups + g;
       const uint8_t* cb = byte_codes(FMT, s.sbg, p, g);
       const int8_t* qb = q + 32 * (sb * groups + g);
@@ -460,10 +471,11 @@ void one_bytes(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __
 template <bool kQ2>
 void one_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m256* acc) {
   const int64_t fmt = kQ2 ? int64_t{Q2K} : s.fmt;
-  const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16, sb_bytes = s.fi().bytes, gb = sb_bytes / 16;
+  const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16, sb_bytes = s.fi().bytes;
   const int32_t zero = q6_zero(fmt);
   const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* q = x.q8 + r0 * x.k;
+  const PrefetchShare share(sb_bytes, 16);
   for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
     const __m256 d[2] = {cvt_f16(p), cvt_f16(p + 16)};
     __m256 dmin[2] = {d[0], d[1]};
@@ -472,7 +484,7 @@ void one_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m2
     for (int g = 0; g < 16; ++g) {
       const int64_t k0 = sb * 256 + g * 16;
       const int8_t* qb = q + k0;
-      prefetch(p + gb * g, gb);
+      share(p, g);
       const __m256i a0 = bcast4(qb), a1 = bcast4(qb + 4), a2 = bcast4(qb + 8), a3 = bcast4(qb + 12);
       const __m256i off = _mm256_set1_epi32(zero * x.s16[r0 * k16 + k0 / 16]);
       const float d8 = x.d8[r0 * kb + k0 / 32];
