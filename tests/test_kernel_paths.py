@@ -67,6 +67,24 @@ def test_products_equal_the_portable_bits(path: str, kind, n: int, k: int) -> No
         assert torch.equal(product(w, gate_up, path, silu=True), product(w, gate_up, "portable", silu=True)), m
 
 
+@pytest.mark.skipif(not VECTOR, reason="this CPU has only the portable path")
+@pytest.mark.parametrize("path", VECTOR)
+def test_one_row_over_segments_of_odd_panel_counts(path: str) -> None:
+    """One row takes full panels in pairs on some paths: a pair never spans two segments (three
+    panels of F16, then BF16, then a partial panel of Q8_0 and one of F16), at any thread count."""
+    k = 256
+    parts = [("F16", 48), ("BF16", 80), ("Q8_0", 40), ("F16", 24)]
+    w = quant.QWeight(k, [quant.from_gguf_blocks(kind, random_blocks(kind, n, k, seed=n), n, k) for kind, n in parts])
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(5))
+    threads = torch.get_num_threads()
+    try:
+        for t in {1, threads}:
+            torch.set_num_threads(t)
+            assert torch.equal(product(w, x, path), product(w, x, "portable")), t
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize(("kind", "n", "k"), WEIGHTS[::2])
 def test_a_row_alone_equals_the_row_in_any_batch(path: str, kind, n: int, k: int) -> None:

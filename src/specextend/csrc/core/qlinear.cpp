@@ -35,6 +35,7 @@ using TileFn = void (*)(const Segment&, const uint8_t*, const Rows&, int64_t, in
 using RowsFn = void (*)(const Segment&, const uint8_t*, const Rows&, int64_t, int, const TileOut&, float*);
 using QuantFn = void (*)(const float*, int64_t, int8_t*, float*, int32_t*, int32_t*, float*);
 using PreFn = void (*)(const float*, int64_t, const PreOp&, float*);
+using PairFn = bool (*)(const Segment&, const uint8_t*, const Rows&, int64_t, const TileOut&, const TileOut&);
 
 struct Kernels {
   TileFn tile;
@@ -44,6 +45,7 @@ struct Kernels {
   QuantFn quantize;
   PreFn pre_op;
   bool group_rows = false;  // `rows` reads the group-major codes (Rows::q8g)
+  PairFn pair = nullptr;    // one row over two adjacent full panels (null: one panel at a time)
 };
 
 Kernels kernels_for(Path path) {
@@ -62,7 +64,8 @@ Kernels kernels_for(Path path) {
   switch (path) {
 #if defined(__x86_64__)
     case Path::AVX2:
-      return {tile_avx2, tile_rows_avx2(), rows_avx2, rows_from_avx2(), quantize_row_avx2, pre_op_row_avx2, true};
+      return {tile_avx2, tile_rows_avx2(), rows_avx2, rows_from_avx2(), quantize_row_avx2, pre_op_row_avx2, true,
+              pair_avx2};
     case Path::AVX512:
       return {tile_avx512, tile_rows_avx512(), rows_avx512, rows_from_avx512(), quantize_row_avx512, pre_op_row_avx512};
 #endif
@@ -112,9 +115,20 @@ void linear_block(Path path, const Linear& op, int64_t p0, int64_t p1, int64_t r
     const int64_t tiles = (m + kn.tile_rows - 1) / kn.tile_rows;
     const int64_t p = gp - op.first_panel[si];
     const uint8_t* pb = s.blob + p * s.panel_bytes();
-    const int64_t c0 = col0 + p * kPanel;
-    const TileOut out{op.y + c0, op.ldy, op.bias ? op.bias + c0 : nullptr, op.residual ? op.residual + c0 : nullptr,
-                      static_cast<int>(std::min<int64_t>(kPanel, s.n - p * kPanel))};
+    const auto out_at = [&](int64_t panel) {
+      const int64_t c = col0 + panel * kPanel;
+      return TileOut{op.y + c, op.ldy, op.bias ? op.bias + c : nullptr, op.residual ? op.residual + c : nullptr,
+                     static_cast<int>(std::min<int64_t>(kPanel, s.n - panel * kPanel))};
+    };
+    const TileOut out = out_at(p);
+    // One row takes full panels two at a time where the path has a kernel for the pair.
+    if (m == 1 && vector && kn.pair != nullptr && gp + 1 < std::min(p1, op.first_panel[si + 1])) {
+      const TileOut next = out_at(p + 1);
+      if (next.valid == kPanel && kn.pair(s, pb, op.x, r0, out, next)) {
+        ++gp;
+        continue;
+      }
+    }
     if (by_rows && out.valid == kPanel) {
       for (int64_t r = r0; r < r1; r += kRowBlock)
         kn.rows(s, pb, op.x, r, static_cast<int>(std::min<int64_t>(kRowBlock, r1 - r)), out, scratch);

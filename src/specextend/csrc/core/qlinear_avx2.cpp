@@ -912,6 +912,34 @@ void one_float(const Segment& s, const uint8_t* p, const float* x, float* sum) {
   for (int h = 0; h < 2; ++h) _mm256_store_ps(sum + 8 * h, _mm256_add_ps(e[h], o[h]));
 }
 
+// One row over two adjacent panels at once: each panel's chains and order exactly as one_float's
+// (the same bits), but two weight streams in flight per core. One stream, even with software
+// prefetches ahead of it, reads below the core's share of the memory bandwidth; the hardware
+// prefetchers run two streams side by side, and a software prefetch beside them only competes
+// for the same miss buffers, so this loop asks for none.
+template <int64_t FMT>
+void pair_float(const Segment& s, const uint8_t* p, const float* x, float* sum_a, float* sum_b) {
+  const uint8_t* q = p + s.panel_bytes();
+  __m256 e[2][2], o[2][2];  // [panel][half]
+  for (int j = 0; j < 2; ++j)
+    for (int h = 0; h < 2; ++h) e[j][h] = o[j][h] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < s.k; i += 2, p += 64, q += 64) {
+    const __m256 a = _mm256_broadcast_ss(x + i), b = _mm256_broadcast_ss(x + i + 1);
+    e[0][0] = _mm256_fmadd_ps(float_w<FMT>(p), a, e[0][0]);
+    e[0][1] = _mm256_fmadd_ps(float_w<FMT>(p + 16), a, e[0][1]);
+    o[0][0] = _mm256_fmadd_ps(float_w<FMT>(p + 32), b, o[0][0]);
+    o[0][1] = _mm256_fmadd_ps(float_w<FMT>(p + 48), b, o[0][1]);
+    e[1][0] = _mm256_fmadd_ps(float_w<FMT>(q), a, e[1][0]);
+    e[1][1] = _mm256_fmadd_ps(float_w<FMT>(q + 16), a, e[1][1]);
+    o[1][0] = _mm256_fmadd_ps(float_w<FMT>(q + 32), b, o[1][0]);
+    o[1][1] = _mm256_fmadd_ps(float_w<FMT>(q + 48), b, o[1][1]);
+  }
+  for (int h = 0; h < 2; ++h) {
+    _mm256_store_ps(sum_a + 8 * h, _mm256_add_ps(e[0][h], o[0][h]));
+    _mm256_store_ps(sum_b + 8 * h, _mm256_add_ps(e[1][h], o[1][h]));
+  }
+}
+
 // R rows of one converted block (w: [len][16] floats): part[r] holds row r's even and odd chains.
 template <int R>
 inline void float_tile_rows(const float* w, int len, const float* x, int64_t xk, float (*part)[2][16]) {
@@ -980,6 +1008,15 @@ int tile_rows_avx2() { return kTile; }
 void tile_avx2(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int rows, const TileOut& out) {
   if (float_format(s.fmt)) return float_panel(s, p, x, r0, rows, out);
   kTiles[rows - 1](s, p, x, r0, out);
+}
+
+bool pair_avx2(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const TileOut& a, const TileOut& b) {
+  if (!float_format(s.fmt)) return false;
+  alignas(32) float sum_a[16], sum_b[16];
+  (s.fmt == BF16 ? pair_float<BF16> : pair_float<F16>)(s, p, x.xf + r0 * x.k, sum_a, sum_b);
+  store_rows(sum_a, r0, 1, a);
+  store_rows(sum_b, r0, 1, b);
+  return true;
 }
 
 // Up to 8 rows one tile decodes each group once and keeps the accumulators in registers (in the
