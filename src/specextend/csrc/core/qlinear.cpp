@@ -35,7 +35,7 @@ using TileFn = void (*)(const Segment&, const uint8_t*, const Rows&, int64_t, in
 using RowsFn = void (*)(const Segment&, const uint8_t*, const Rows&, int64_t, int, const TileOut&, float*);
 using QuantFn = void (*)(const float*, int64_t, int8_t*, float*, int32_t*, int32_t*, float*);
 using PreFn = void (*)(const float*, int64_t, const PreOp&, float*);
-using PairFn = bool (*)(const Segment&, const uint8_t*, const Rows&, int64_t, const TileOut&, const TileOut&);
+using PairFn = void (*)(const Segment&, const uint8_t*, const Rows&, int64_t, const TileOut&, const TileOut&);
 
 struct Kernels {
   TileFn tile;
@@ -45,7 +45,7 @@ struct Kernels {
   QuantFn quantize;
   PreFn pre_op;
   bool group_rows = false;  // `rows` reads the group-major codes (Rows::q8g)
-  PairFn pair = nullptr;    // one row over two adjacent full panels (null: one panel at a time)
+  PairFn float_pair = nullptr;  // one row over two adjacent full float panels (null: one at a time)
 };
 
 Kernels kernels_for(Path path) {
@@ -65,7 +65,7 @@ Kernels kernels_for(Path path) {
 #if defined(__x86_64__)
     case Path::AVX2:
       return {tile_avx2, tile_rows_avx2(), rows_avx2, rows_from_avx2(), quantize_row_avx2, pre_op_row_avx2, true,
-              pair_avx2};
+              float_pair_avx2};
     case Path::AVX512:
       return {tile_avx512, tile_rows_avx512(), rows_avx512, rows_from_avx512(), quantize_row_avx512, pre_op_row_avx512};
 #endif
@@ -121,10 +121,12 @@ void linear_block(Path path, const Linear& op, int64_t p0, int64_t p1, int64_t r
                      static_cast<int>(std::min<int64_t>(kPanel, s.n - panel * kPanel))};
     };
     const TileOut out = out_at(p);
-    // One row takes full panels two at a time where the path has a kernel for the pair.
-    if (m == 1 && vector && kn.pair != nullptr && gp + 1 < std::min(p1, op.first_panel[si + 1])) {
+    // One row takes a float segment's full panels two at a time where the path has a kernel for it.
+    if (m == 1 && vector && kn.float_pair != nullptr && float_format(s.fmt) &&
+        gp + 1 < std::min(p1, op.first_panel[si + 1])) {
       const TileOut next = out_at(p + 1);
-      if (next.valid == kPanel && kn.pair(s, pb, op.x, r0, out, next)) {
+      if (next.valid == kPanel) {
+        kn.float_pair(s, pb, op.x, r0, out, next);
         ++gp;
         continue;
       }

@@ -288,9 +288,9 @@ void pre_op_row_portable(const float* x, int64_t k, const PreOp& op, float* out)
   void pre_op_row_##isa(const float* x, int64_t k, const PreOp& op, float* out);
 
 #if defined(__x86_64__)
-// One row over two adjacent full panels (p and the next), written to a and b: false (nothing
-// written) for a format the path has no such kernel for.
-bool pair_avx2(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const TileOut& a, const TileOut& b);
+// One row over two adjacent full panels of a float format (p and the next), written to a and b.
+void float_pair_avx2(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const TileOut& a,
+                     const TileOut& b);
 SPX_DECLARE_PATH(avx2)
 SPX_DECLARE_PATH(avx512)
 #endif

@@ -1010,13 +1010,12 @@ void tile_avx2(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, in
   kTiles[rows - 1](s, p, x, r0, out);
 }
 
-bool pair_avx2(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const TileOut& a, const TileOut& b) {
-  if (!float_format(s.fmt)) return false;
+void float_pair_avx2(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const TileOut& a,
+                     const TileOut& b) {
   alignas(32) float sum_a[16], sum_b[16];
   (s.fmt == BF16 ? pair_float<BF16> : pair_float<F16>)(s, p, x.xf + r0 * x.k, sum_a, sum_b);
   store_rows(sum_a, r0, 1, a);
   store_rows(sum_b, r0, 1, b);
-  return true;
 }
 
 // Up to 8 rows one tile decodes each group once and keeps the accumulators in registers (in the
