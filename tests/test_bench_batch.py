@@ -34,6 +34,26 @@ def test_both_ways_run_and_the_answers_are_compared(pair, method):
     assert f"| {method} | 3 | 18 |" in batch.table([row])
 
 
+class _Recording:
+    """A pair that records each generate call (a prompt or a list) and when it came."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def generate(self, prompts, **_):
+        self.calls.append("list" if isinstance(prompts, list) else "one")
+        out = type("R", (), {"token_ids": [1, 2]})
+        return [out() for _ in prompts] if isinstance(prompts, list) else out()
+
+
+def test_each_way_is_used_once_before_the_timed_rounds():
+    # the batch's first use measures the step costs (tens of seconds on a fresh machine): a timed
+    # round must not pay it
+    fake = _Recording()
+    batch.measure(fake, list(SHORT_PROMPTS[:2]), "ar", max_new=2, rounds=1)
+    assert fake.calls == ["one", "list", "one", "one", "list"]
+
+
 @pytest.mark.parametrize("argv", [["--prompts", "0"], ["--prompts", "99"], ["--methods", "ar,nope"],
                                   ["--rounds", "0"]])
 def test_bad_options_are_refused_before_loading(argv, capsys):
