@@ -111,7 +111,7 @@ inline const uint8_t* byte_codes(int64_t fmt, int64_t sbg, const uint8_t* sb, in
 inline bool six_bit(int64_t fmt) { return fmt == Q6K || fmt == Q3K || fmt == Q2K; }
 inline int group16_bytes(int64_t fmt) { return fmt == Q2K ? 64 : fmt == Q3K ? 96 : 192; }
 inline int q6_header(int64_t fmt) { return fmt == Q2K ? 320 : 288; }
-inline int q6_zero(int64_t fmt) { return fmt == Q2K ? 0 : 32; }
+constexpr int q6_zero(int64_t fmt) { return fmt == Q2K ? 0 : 32; }
 
 // The 6-bit code of step st (0..3), lane byte b of group g (0..15) of the super-block at sb: the
 // reference unpacking of Q6K, Q3K and Q2K, which each path's vector unpacking reproduces.

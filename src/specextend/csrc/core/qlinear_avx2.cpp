@@ -69,10 +69,10 @@ inline __m256 cvt_i8(const uint8_t* p) {
 inline __m256 cvt_f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline __m256i load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-// Group g's four steps of 6-bit codes, half h, of the Q6K, Q3K or Q2K super-block at sb (q6_code
-// in qlinear.h). Q6K: step s's high bits sit at bits 2s..2s+1 of hb; shifted to bits 4..5 they
-// join the nibble. Q3K, Q2K: 16-bit shifts bring a field to the bottom of its byte, where bits
-// from the other byte of the pair miss the mask.
+// Group g's four steps of codes, half h, of the Q6K, Q3K or Q2K super-block at sb (q6_code in
+// qlinear.h, less codes_zero's difference). Q6K: step s's high bits sit at bits 2s..2s+1 of hb;
+// shifted to bits 4..5 they join the nibble. Q3K, Q2K: 16-bit shifts bring a field to the bottom
+// of its byte, where bits from the other byte of the pair miss the mask.
 inline void q6k_codes(int64_t fmt, const uint8_t* sb, int g, int h, __m256i* w) {
   if (fmt == Q2K) {
     const __m256i v = load(sb + 320 + 64 * g + 32 * h);
@@ -83,13 +83,13 @@ inline void q6k_codes(int64_t fmt, const uint8_t* sb, int g, int h, __m256i* w) 
   if (fmt == Q3K) {
     const uint8_t* pair = sb + 288 + 192 * (g / 2);
     const __m256i lo = load(pair + 64 * (g % 2) + 32 * h), hi = load(pair + 128 + 32 * h);
-    const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4), base = _mm256_set1_epi8(28);
+    const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
     for (int st = 0; st < 4; ++st) {
       const __m256i l = _mm256_and_si256(_mm256_srl_epi16(lo, _mm_cvtsi32_si128(2 * st)), three);
       // the high bit (bit hb of hi) shifted straight to bit 2: one shift and one mask
       const int hb = 4 * (g % 2) + st;
       const __m256i t = hb >= 2 ? _mm256_srl_epi16(hi, _mm_cvtsi32_si128(hb - 2)) : _mm256_sll_epi16(hi, _mm_cvtsi32_si128(2 - hb));
-      w[st] = _mm256_add_epi8(_mm256_or_si256(l, _mm256_and_si256(t, four)), base);
+      w[st] = _mm256_or_si256(l, _mm256_and_si256(t, four));
     }
     return;
   }
@@ -101,6 +101,15 @@ inline void q6k_codes(int64_t fmt, const uint8_t* sb, int g, int h, __m256i* w) 
   w[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low), _mm256_and_si256(hb, top));
   w[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low), _mm256_and_si256(_mm256_srli_epi16(hb, 2), top));
 }
+
+// The zero point q6k_codes' codes are read against: Q3K's come as their 3 bits (0-7) with zero
+// point 4, not shifted by 28 into q6_zero's Q6K grid (an add a step saved; the integer sums, and so
+// the bits, are the same).
+constexpr int32_t codes_zero(int64_t fmt) { return fmt == Q3K ? 4 : q6_zero(fmt); }
+
+// Codes small enough that a group's four steps share one int16 sum: Q3K's 4 * 2 * 7 * 127 and
+// Q2K's 4 * 2 * 3 * 127 fit, Q6K's 63s only in pairs.
+constexpr bool one_int16_sum(int64_t fmt) { return fmt != Q6K; }
 
 // Group g's float scales and (Q2K) minimums, half h (d, dmin: the super-block's halves h).
 inline void q6k_scales(int64_t fmt, const uint8_t* sb, int g, int h, __m256 d, __m256 dmin, __m256* scale,
@@ -210,7 +219,7 @@ inline void q6k_dots(const __m256i (*w)[2], const int8_t* const* q, __m256i (*do
 template <int R>
 void panel_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m256 (*acc)[2]) {
   const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16, sb_bytes = s.fi().bytes;
-  const int32_t zero = q6_zero(s.fmt);
+  const int32_t zero = codes_zero(s.fmt);
   alignas(32) __m256i w[4][2];  // [step][half]
   const PrefetchShare share(sb_bytes, 16);
   for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
@@ -467,12 +476,12 @@ void one_bytes(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __
   }
 }
 
-// Q2K (kQ2) compiled apart, its format's branches folded away; the others branch on s.fmt.
-template <bool kQ2>
+// Each format compiled apart, its branches folded away.
+template <int64_t FMT>
 void one_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m256* acc) {
-  const int64_t fmt = kQ2 ? int64_t{Q2K} : s.fmt;
+  constexpr bool kQ2 = FMT == Q2K;
+  constexpr int32_t zero = codes_zero(FMT);
   const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16, sb_bytes = s.fi().bytes;
-  const int32_t zero = q6_zero(fmt);
   const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* q = x.q8 + r0 * x.k;
   const PrefetchShare share(sb_bytes, 16);
@@ -491,15 +500,15 @@ void one_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m2
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         __m256i w[4];  // the codes go straight into the multiply
-        q6k_codes(fmt, p, g, h, w);
+        q6k_codes(FMT, p, g, h, w);
         __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], a0), _mm256_maddubs_epi16(w[1], a1));
         __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], a2), _mm256_maddubs_epi16(w[3], a3));
-        // Q2K's 2-bit codes keep all 4 steps in one int16 sum (4 * 2 * 3 * 127), widened once
-        const __m256i dot = kQ2 ? _mm256_madd_epi16(_mm256_add_epi16(s01, s23), ones)
-                                : _mm256_add_epi32(_mm256_madd_epi16(s01, ones), _mm256_madd_epi16(s23, ones));
+        __m256i dot = one_int16_sum(FMT) ? _mm256_madd_epi16(_mm256_add_epi16(s01, s23), ones)
+                                         : _mm256_add_epi32(_mm256_madd_epi16(s01, ones), _mm256_madd_epi16(s23, ones));
+        if (zero != 0) dot = _mm256_sub_epi32(dot, off);
         __m256 scale, mins;
-        q6k_scales(fmt, p, g, h, d[h], dmin[h], &scale, &mins);
-        acc[h] = epilogue(_mm256_sub_epi32(dot, off), d8, scale, acc[h]);
+        q6k_scales(FMT, p, g, h, d[h], dmin[h], &scale, &mins);
+        acc[h] = epilogue(dot, d8, scale, acc[h]);
         if (kQ2) acc[h] = _mm256_fnmadd_ps(mins, _mm256_set1_ps(q16_xs(x, r0, k0)), acc[h]);
       }
     }
@@ -515,8 +524,9 @@ void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const T
     else if (s.fmt == Q5K) one_q5k(s, p, x, r0, acc[0]);
     else if (s.fmt == Q8) one_bytes<Q8>(s, p, x, r0, acc[0]);
     else if (s.fmt == IQ4) one_bytes<IQ4>(s, p, x, r0, acc[0]);
-    else if (s.fmt == Q2K) one_q6k<true>(s, p, x, r0, acc[0]);
-    else if (six_bit(s.fmt)) one_q6k<false>(s, p, x, r0, acc[0]);
+    else if (s.fmt == Q6K) one_q6k<Q6K>(s, p, x, r0, acc[0]);
+    else if (s.fmt == Q3K) one_q6k<Q3K>(s, p, x, r0, acc[0]);
+    else if (s.fmt == Q2K) one_q6k<Q2K>(s, p, x, r0, acc[0]);
     else panel_q8<1>(s, p, x, r0, acc);
   } else {
     switch (s.fmt) {
@@ -677,7 +687,7 @@ inline void unpack_q6k_group(int64_t fmt, const uint8_t* p, int g, const __m256*
     for (int st = 0; st < 4; ++st) _mm256_store_si256(&o.w[st][h], c[st]);
     q6k_scales(fmt, p, g, h, d[h], dmin[h], &o.scale[h], &o.mins[h]);
   }
-  o.zero = q6_zero(fmt);
+  o.zero = codes_zero(fmt);
   o.has_mins = fmt == Q2K;
 }
 
