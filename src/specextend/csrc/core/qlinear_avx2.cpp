@@ -200,8 +200,9 @@ void panel_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __
 }
 
 // NR rows' exact int32 dot products of one Q6K group of 16 inputs (its 4 steps): 6-bit codes
-// make pairs of up to 2 * 63 * 127, so two steps share an int16 sum before VPMADDWD widens it.
-template <int NR>
+// make pairs of up to 2 * 63 * 127, so two steps share an int16 sum before VPMADDWD widens it;
+// smaller codes (kOne: one_int16_sum) all four.
+template <int NR, bool kOne>
 inline void q6k_dots(const __m256i (*w)[2], const int8_t* const* q, __m256i (*dot)[2]) {
   const __m256i ones = _mm256_set1_epi16(1);
   for (int j = 0; j < NR; ++j) {
@@ -211,7 +212,8 @@ inline void q6k_dots(const __m256i (*w)[2], const int8_t* const* q, __m256i (*do
       __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2][h], a2), _mm256_maddubs_epi16(w[3][h], a3));
       in_register(s01);
       in_register(s23);
-      dot[j][h] = _mm256_add_epi32(_mm256_madd_epi16(s01, ones), _mm256_madd_epi16(s23, ones));
+      dot[j][h] = kOne ? _mm256_madd_epi16(_mm256_add_epi16(s01, s23), ones)
+                       : _mm256_add_epi32(_mm256_madd_epi16(s01, ones), _mm256_madd_epi16(s23, ones));
     }
   }
 }
@@ -220,6 +222,7 @@ template <int R>
 void panel_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m256 (*acc)[2]) {
   const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16, sb_bytes = s.fi().bytes;
   const int32_t zero = codes_zero(s.fmt);
+  const bool one = one_int16_sum(s.fmt);
   alignas(32) __m256i w[4][2];  // [step][half]
   const PrefetchShare share(sb_bytes, 16);
   for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
@@ -237,8 +240,8 @@ void panel_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __
       for (int r = 0; r < R; r += 2) {
         const int8_t* q[2] = {x.q8 + (r0 + r) * x.k + k0, x.q8 + (r0 + r + 1) * x.k + k0};
         __m256i dot[2][2];
-        if (R - r >= 2) q6k_dots<2>(w, q, dot);
-        else q6k_dots<1>(w, q, dot);
+        if (R - r >= 2) one ? q6k_dots<2, true>(w, q, dot) : q6k_dots<2, false>(w, q, dot);
+        else one ? q6k_dots<1, true>(w, q, dot) : q6k_dots<1, false>(w, q, dot);
         for (int j = 0; j < 2 && r + j < R; ++j) {
           const int64_t row = r0 + r + j;
           const __m256i off = _mm256_set1_epi32(zero * x.s16[row * k16 + k0 / 16]);
@@ -677,7 +680,6 @@ struct alignas(32) Q6Group {
   __m256i w[4][2];
   __m256 scale[2], mins[2];
   int32_t zero;
-  bool has_mins;
 };
 
 inline void unpack_q6k_group(int64_t fmt, const uint8_t* p, int g, const __m256* d, const __m256* dmin, Q6Group& o) {
@@ -688,14 +690,15 @@ inline void unpack_q6k_group(int64_t fmt, const uint8_t* p, int g, const __m256*
     q6k_scales(fmt, p, g, h, d[h], dmin[h], &o.scale[h], &o.mins[h]);
   }
   o.zero = codes_zero(fmt);
-  o.has_mins = fmt == Q2K;
 }
 
-// R rows of one Q6K group: pairs of steps share an int16 sum (2 * 2 * 63 * 127 fits), widened
-// to int32 before the next pair; Q2K's 2-bit codes (kQ2) keep all 4 steps in one (4 * 2 * 3 * 127).
-template <int R, bool kQ2>
+// R rows of one group of format FMT: Q6K's pairs of steps share an int16 sum (2 * 2 * 63 * 127
+// fits), widened to int32 before the next pair; Q3K's and Q2K's smaller codes keep all 4 steps in
+// one (one_int16_sum).
+template <int R, int64_t FMT>
 inline void q6k_tile_rows(const Q6Group& g, const int8_t* q, int64_t xk, const int32_t* s16, int64_t k16,
                           const float* d8, int64_t kb, float* acc) {
+  constexpr bool kQ2 = FMT == Q2K, kOne = one_int16_sum(FMT);
   __m256i dot[R][2], sum[R][2];
 #pragma GCC unroll 2
   for (int pr = 0; pr < 2; ++pr) {
@@ -708,7 +711,7 @@ inline void q6k_tile_rows(const Q6Group& g, const int8_t* q, int64_t xk, const i
       __m256i s1 = _mm256_add_epi16(_mm256_maddubs_epi16(c01, a0), _mm256_maddubs_epi16(c11, a1));
       in_register(s0);
       in_register(s1);
-      if (kQ2) {
+      if (kOne) {
         sum[r][0] = pr ? _mm256_add_epi16(sum[r][0], s0) : s0;
         sum[r][1] = pr ? _mm256_add_epi16(sum[r][1], s1) : s1;
         continue;
@@ -722,6 +725,7 @@ inline void q6k_tile_rows(const Q6Group& g, const int8_t* q, int64_t xk, const i
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     if (!kQ2) {
+      if (kOne) dot[r][0] = widen(sum[r][0]), dot[r][1] = widen(sum[r][1]);
       epilogue_row(acc + 16 * r, dot[r], _mm256_set1_epi32(-g.zero * s16[r * k16]), d8[r * kb], g.scale);
       continue;
     }
@@ -748,20 +752,21 @@ void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int
       const int8_t* q = group_rows(x, r0, k0);
       const int32_t* s16 = x.s16 + r0 * k16 + k0 / 16;
       const float* d8 = x.d8 + r0 * kb + k0 / 32;
-      auto tiles = [&](auto q2) {  // Q2K (q2: true) compiled apart
-        constexpr bool kQ2 = decltype(q2)::value;
+      auto tiles = [&](auto fmt) {  // each format compiled apart
+        constexpr int64_t F = decltype(fmt)::value;
         for_tiles<kRowTile>(n, [&](int r, int rows) {
           const int64_t o = r * kb, o16 = r * k16;
           switch (rows) {
-            case 1: q6k_tile_rows<1, kQ2>(grp, q + r * xk, xk, s16 + o16, k16, d8 + o, kb, acc + 16 * r); break;
-            case 2: q6k_tile_rows<2, kQ2>(grp, q + r * xk, xk, s16 + o16, k16, d8 + o, kb, acc + 16 * r); break;
-            case 3: q6k_tile_rows<3, kQ2>(grp, q + r * xk, xk, s16 + o16, k16, d8 + o, kb, acc + 16 * r); break;
-            default: q6k_tile_rows<kRowTile, kQ2>(grp, q + r * xk, xk, s16 + o16, k16, d8 + o, kb, acc + 16 * r); break;
+            case 1: q6k_tile_rows<1, F>(grp, q + r * xk, xk, s16 + o16, k16, d8 + o, kb, acc + 16 * r); break;
+            case 2: q6k_tile_rows<2, F>(grp, q + r * xk, xk, s16 + o16, k16, d8 + o, kb, acc + 16 * r); break;
+            case 3: q6k_tile_rows<3, F>(grp, q + r * xk, xk, s16 + o16, k16, d8 + o, kb, acc + 16 * r); break;
+            default: q6k_tile_rows<kRowTile, F>(grp, q + r * xk, xk, s16 + o16, k16, d8 + o, kb, acc + 16 * r); break;
           }
         });
       };
-      if (grp.has_mins) tiles(std::true_type{});
-      else tiles(std::false_type{});
+      if (s.fmt == Q2K) tiles(std::integral_constant<int64_t, Q2K>{});
+      else if (s.fmt == Q3K) tiles(std::integral_constant<int64_t, Q3K>{});
+      else tiles(std::integral_constant<int64_t, Q6K>{});
     }
   }
 }
