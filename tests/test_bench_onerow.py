@@ -1,16 +1,17 @@
 """The one-row product bench (bench/onerow.py): its random weights are real packed matrices (the
 kernel's product equals the dequantized matrix's), both ways are timed and reported, and bad
-options are refused in one line."""
+options are refused in one line; and the side-by-side A/B of two builds (bench/kernel_ab.py)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from specextend import kernels
-from specextend.bench import onerow
+from specextend.bench import kernel_ab, onerow
 
 fast = pytest.mark.skipif(not kernels.has_fast_path(), reason="needs the quantized kernels on a vector path")
 
@@ -44,6 +45,39 @@ def test_cold_and_hot_are_timed_and_reported(tmp_path, capsys):
 def test_bad_options_are_refused_in_one_line(argv, capsys):
     with pytest.raises(SystemExit) as e:
         onerow.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error:" in err
+
+
+@fast
+def test_kernel_ab_compares_two_builds_bit_for_bit(tmp_path, capsys):
+    # this checkout against itself: the same build on both sides, its bits equal, both sides timed
+    src = Path(kernel_ab.__file__).resolve().parents[2]
+    out = tmp_path / "ab.json"
+    assert kernel_ab.main(["--against", str(src), "--formats", "q4k,f16", "--rows", "1,4", "--shapes", "64x512",
+                           "--rounds", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["format"], r["rows"]) for r in rows] == [("q4k", 1), ("q4k", 4), ("f16", 1), ("f16", 4)]
+    for r in rows:
+        assert r["bits_equal"] and r["before_gmacs_best"] > 0 and r["after_gmacs_best"] > 0
+        assert r["speedup_min"] <= r["speedup_median"] <= r["speedup_max"]
+    assert "| q4k | 1 | 64x512 | 1 |" in capsys.readouterr().out
+
+
+def test_kernel_ab_refuses_a_folder_that_is_no_checkout(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        kernel_ab.main(["--against", str(tmp_path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a checkout's src folder" in err
+
+
+@pytest.mark.parametrize("argv", [[], ["--against", ".", "--shapes", "100x512"], ["--against", ".", "--rounds", "0"],
+                                  ["--against", ".", "--formats", "q9"]])
+def test_kernel_ab_bad_options_are_refused_in_one_line(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        kernel_ab.main(argv)
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "error:" in err

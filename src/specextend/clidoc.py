@@ -54,6 +54,7 @@ TOOLS: dict[str, list[list[str]]] = {
     "specextend.bench.batch": [[]],
     "specextend.bench.onerow": [[]],
     "specextend.bench.manyrow": [[]],
+    "specextend.bench.kernel_ab": [[]],
     "specextend.bench.tools": [[]],
     "specextend.bench.tool_goals": [[]],
     "specextend.bench.soak": [[]],
