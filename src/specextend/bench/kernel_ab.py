@@ -120,7 +120,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--shapes", default="8960x1536,1536x8960", help="N x K products (N a multiple of 16, K of 256)")
     ap.add_argument("--threads", default="1", help="thread counts, comma-separated")
     ap.add_argument("--rounds", type=int, default=21, help="alternated timings a side")
-    ap.add_argument("--cold-mb", type=int, default=0, help="copies of the weights cycled (0: the same copy, hot)")
+    ap.add_argument("--cold-mb", type=int, default=0,
+                    help="MB of weight copies cycled, as a decode streams them (0: one copy, hot)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     return ap
 
