@@ -36,7 +36,9 @@ from tqdm import tqdm
 from .. import kernels
 from ..errors import UserError
 from ..options import OneLineParser
+from .manyrow import parse_shapes
 from .onerow import FORMATS, _copy, parse_formats, random_weight
+from .report import write_text_atomic
 from .runtime import parse_counts
 
 _BUILD_DIR = "from specextend import kernels; kernels.load(); print(kernels.build_dir())"
@@ -132,12 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     formats = parse_formats(ap, a.formats)
     rows = parse_counts(ap, "--rows", a.rows)
     threads = parse_counts(ap, "--threads", a.threads)
-    shapes = []
-    for s in a.shapes.split(","):
-        shape = parse_counts(ap, "--shapes", s, sep="x")
-        if len(shape) != 2 or shape[0] % 16 or shape[1] % 256:
-            ap.error(f"--shapes: N x K with N a multiple of 16 and K of 256, got {s!r}")
-        shapes.append(shape)
+    shapes = parse_shapes(ap, a.shapes)
     if a.rounds < 1 or a.cold_mb < 0:
         ap.error("--rounds must be at least 1 and --cold-mb at least 0")
     if not (a.against / "specextend" / "kernels.py").is_file():
@@ -157,10 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"before: {a.against}; after: this checkout; kernel path {kernels.path()}, CPU {kernels.cpu_name()}\n")
     print(report(out))
     if a.json:
-        tmp = a.json.with_suffix(a.json.suffix + ".tmp")
-        tmp.write_text(json.dumps({"path": kernels.path(), "cpu": kernels.cpu_name(), "against": str(a.against),
-                                   "rows": out}, indent=1))
-        tmp.replace(a.json)
+        write_text_atomic(a.json, json.dumps({"path": kernels.path(), "cpu": kernels.cpu_name(),
+                                              "against": str(a.against), "rows": out}, indent=1))
     return 0
 
 

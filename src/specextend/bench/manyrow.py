@@ -65,6 +65,17 @@ def report(rows: list[dict[str, Any]], peaks: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
+def parse_shapes(ap: argparse.ArgumentParser, value: str) -> list[tuple[int, int]]:
+    """--shapes: comma-separated N x K, N a multiple of 16 and K of 256 (one-line error otherwise)."""
+    shapes = []
+    for s in value.split(","):
+        nk = parse_counts(ap, "--shapes", s, sep="x")
+        if len(nk) != 2 or nk[0] % 16 or nk[1] % 256:
+            ap.error(f"--shapes: N x K with N a multiple of 16 and K of 256, got {s!r}")
+        shapes.append((nk[0], nk[1]))
+    return shapes
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = OneLineParser(prog="python -m specextend.bench.manyrow", description=__doc__.split("\n\n")[0])
     ap.add_argument("--formats", default=",".join(FORMATS), help="any of " + ", ".join(FORMATS))
@@ -81,12 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     a = ap.parse_args(argv)
     formats = parse_formats(ap, a.formats)
-    shapes = []
-    for s in a.shapes.split(","):
-        nk = parse_counts(ap, "--shapes", s, sep="x")
-        if len(nk) != 2 or nk[0] % 16 or nk[1] % 256:
-            ap.error(f"--shapes: N x K with N a multiple of 16 and K of 256, got {s!r}")
-        shapes.append(tuple(nk))
+    shapes = parse_shapes(ap, a.shapes)
     if a.rows < 1 or a.repeats < 1 or (a.threads is not None and a.threads < 1):
         ap.error("--rows, --repeats and --threads must be positive")
     if not kernels.has_fast_path():
