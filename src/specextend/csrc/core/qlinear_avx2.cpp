@@ -276,6 +276,44 @@ inline void q8_dots(const __m256i (*w)[2][2], const int8_t* const* q, __m256i (*
     }
 }
 
+// R rows' int16 sums of N steps from `st0` over one group's register-held unsigned codes (two
+// registers a step, 8 channels each): one VPMADDUBSW per step, row and register, added in int16
+// (the caller bounds the codes so N steps cannot overflow).
+template <int R, int N>
+inline void int16_sums(const __m256i (*w)[2], int st0, const int8_t* q, int64_t xk, __m256i (*sum)[2]) {
+#pragma GCC unroll 8
+  for (int i = 0; i < N; ++i) {
+    const int st = st0 + i;
+    const __m256i c0 = _mm256_load_si256(&w[st][0]), c1 = _mm256_load_si256(&w[st][1]);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256i a = bcast4(q + r * xk + 4 * st);
+      const __m256i p0 = _mm256_maddubs_epi16(c0, a), p1 = _mm256_maddubs_epi16(c1, a);
+      sum[r][0] = i ? _mm256_add_epi16(sum[r][0], p0) : p0;
+      sum[r][1] = i ? _mm256_add_epi16(sum[r][1], p1) : p1;
+      in_register(sum[r][0]);
+      in_register(sum[r][1]);
+    }
+  }
+}
+
+// R rows' exact int32 dot products of one byte-code group whose codes ([step][half]) are below 32:
+// dot(code, q), 4 steps a int16 sum (4 * 2 * 31 * 127 fits).
+template <int R>
+inline void q8_dots_small(const __m256i (*codes)[2], const int8_t* q, int64_t xk, __m256i (*dot)[2]) {
+#pragma GCC unroll 2
+  for (int half = 0; half < 2; ++half) {  // steps 4 * half .. 4 * half + 3
+    __m256i sum[R][2];
+    int16_sums<R, 4>(codes, 4 * half, q, xk, sum);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) {
+        dot[r][h] = half ? _mm256_add_epi32(dot[r][h], widen(sum[r][h])) : widen(sum[r][h]);
+        in_register(dot[r][h]);
+      }
+  }
+}
+
 // Step st's byte codes of a byte-code group at cb, half h (8 channels): byte_code (qlinear.h) on
 // 32 lanes. 16-bit shifts move the fifth bit within its byte (st <= 4 left by 4 - st, else
 // right): the bits crossing from the other byte of the pair miss the mask.
@@ -305,7 +343,10 @@ inline bool byte_scales(const Segment& s, const uint8_t* p, int g, __m256* scale
   return true;
 }
 
-template <int R>
+// kSmall: Q5K, whose codes (a nibble and a fifth bit) are below 32 by their layout, so they go
+// into VPMADDUBSW as they are, 4 steps an int16 sum, as in the rows kernel's small groups; other
+// byte codes take the sign trick.
+template <int R, bool kSmall>
 void panel_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m256 (*acc)[2]) {
   const FormatInfo fi = s.fi();
   const int groups = fi.superblock / 32;
@@ -313,6 +354,7 @@ void panel_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m
   const int32_t off = static_cast<int32_t>(s.offset);
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   alignas(32) __m256i w[8][2][2];  // [step][half][code - 128, its magnitude]
+  alignas(32) __m256i codes[8][2];  // [step][half]
   const PrefetchShare share(fi.bytes, groups);
   for (int64_t sb = 0; sb < nsb; ++sb, p += fi.bytes) {
     for (int g = 0; g < groups; ++g) {
@@ -320,21 +362,32 @@ void panel_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m
       const uint8_t* cb = byte_codes(s.fmt, s.sbg, p, g);
       for (int st = 0; st < 8; ++st)
         for (int h = 0; h < 2; ++h) {
-          w[st][h][0] = _mm256_xor_si256(step_bytes(s.fmt, cb, st, h), flip);
-          w[st][h][1] = _mm256_abs_epi8(w[st][h][0]);
+          if (kSmall) {
+            codes[st][h] = step_bytes(s.fmt, cb, st, h);
+          } else {
+            w[st][h][0] = _mm256_xor_si256(step_bytes(s.fmt, cb, st, h), flip);
+            w[st][h][1] = _mm256_abs_epi8(w[st][h][0]);
+          }
         }
       __m256 scale[2], mins[2];
       const bool has_mins = byte_scales(s, p, g, scale, mins);
       const int64_t k0 = sb * fi.superblock + 32 * g;
+      // sum(code * q) - offset * sum(q) = sum((code - 128) * q) + (128 - offset) * sum(q)
+      const int32_t fix_q = kSmall ? -off : 128 - off;
       for (int r = 0; r < R; r += 2) {
         const int8_t* q[2] = {x.q8 + (r0 + r) * x.k + k0, x.q8 + (r0 + r + 1) * x.k + k0};
         __m256i dot[2][2];
-        if (R - r >= 2) q8_dots<2>(w, q, dot);
-        else q8_dots<1>(w, q, dot);
+        if (kSmall) {
+          if (R - r >= 2) q8_dots_small<2>(codes, q[0], x.k, dot);
+          else q8_dots_small<1>(codes, q[0], x.k, dot);
+        } else if (R - r >= 2) {
+          q8_dots<2>(w, q, dot);
+        } else {
+          q8_dots<1>(w, q, dot);
+        }
         for (int j = 0; j < 2 && r + j < R; ++j) {
           const int64_t b = (r0 + r + j) * kb + k0 / 32;
-          // sum(code * q) - offset * sum(q) = sum((code - 128) * q) + (128 - offset) * sum(q)
-          const __m256i fix = _mm256_set1_epi32((128 - off) * x.s32[b]);
+          const __m256i fix = _mm256_set1_epi32(fix_q * x.s32[b]);
           for (int h = 0; h < 2; ++h) {
             acc[r + j][h] = epilogue(_mm256_add_epi32(dot[j][h], fix), x.d8[b], scale[h], acc[r + j][h]);
             if (has_mins) acc[r + j][h] = _mm256_fnmadd_ps(mins[h], _mm256_set1_ps(x.xs[b]), acc[r + j][h]);
@@ -533,14 +586,15 @@ void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const T
     else if (s.fmt == Q6K) one_q6k<Q6K>(s, p, x, r0, acc[0]);
     else if (s.fmt == Q3K) one_q6k<Q3K>(s, p, x, r0, acc[0]);
     else if (s.fmt == Q2K) one_q6k<Q2K>(s, p, x, r0, acc[0]);
-    else panel_q8<1>(s, p, x, r0, acc);
+    else panel_q8<1, false>(s, p, x, r0, acc);
   } else {
     switch (s.fmt) {
       case Q4K: panel_q4k<R>(s, p, x, r0, acc); break;
       case Q6K:
       case Q3K:
       case Q2K: panel_q6k<R>(s, p, x, r0, acc); break;
-      default: panel_q8<R>(s, p, x, r0, acc); break;
+      case Q5K: panel_q8<R, true>(s, p, x, r0, acc); break;
+      default: panel_q8<R, false>(s, p, x, r0, acc); break;
     }
   }
   for (int h = 0; h < 2; ++h) {
@@ -569,12 +623,14 @@ void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const T
 constexpr int kRowTile = 4;
 constexpr int kQ8RowTile = 3;
 
-// Tiles of at most T rows, as even as possible (9 rows, T = 4: 3 + 3 + 3): calls f(row, rows).
+// Tiles of at most T rows, as even as possible (9 rows, T = 4: 3 + 3 + 3; 10 rows: 3 + 3 + 4):
+// calls f(row, rows). One division a call, not one a tile: the rows kernels call this for every
+// weight group.
 template <int T, class F>
 inline void for_tiles(int n, F&& f) {
-  const int tiles = (n + T - 1) / T;
+  const int tiles = (n + T - 1) / T, base = n / tiles, first_larger = tiles - (n - base * tiles);
   for (int t = 0, r = 0; t < tiles; ++t) {
-    const int rows = (n - r) / (tiles - t);
+    const int rows = base + (t >= first_larger);
     f(r, rows);
     r += rows;
   }
@@ -614,27 +670,6 @@ inline void unpack_q4k_group(const uint8_t* p, int64_t sbg, int g, const __m256*
 }
 
 // R rows of one Q4K group: q, d8, xs at the tile's first row (row strides xk, kb).
-// R rows' int16 sums of N steps from `st0` over one group's register-held unsigned codes (two
-// registers a step, 8 channels each): one VPMADDUBSW per step, row and register, added in int16
-// (the caller bounds the codes so N steps cannot overflow).
-template <int R, int N>
-inline void int16_sums(const __m256i (*w)[2], int st0, const int8_t* q, int64_t xk, __m256i (*sum)[2]) {
-#pragma GCC unroll 8
-  for (int i = 0; i < N; ++i) {
-    const int st = st0 + i;
-    const __m256i c0 = _mm256_load_si256(&w[st][0]), c1 = _mm256_load_si256(&w[st][1]);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m256i a = bcast4(q + r * xk + 4 * st);
-      const __m256i p0 = _mm256_maddubs_epi16(c0, a), p1 = _mm256_maddubs_epi16(c1, a);
-      sum[r][0] = i ? _mm256_add_epi16(sum[r][0], p0) : p0;
-      sum[r][1] = i ? _mm256_add_epi16(sum[r][1], p1) : p1;
-      in_register(sum[r][0]);
-      in_register(sum[r][1]);
-    }
-  }
-}
-
 template <int R>
 inline void q4k_tile_rows(const Q4Group& g, const int8_t* q, int64_t xk, const float* d8, const float* xs, int64_t kb,
                           float* acc) {
@@ -827,19 +862,23 @@ inline void q8_dots_any(const Q8Group& g, const int8_t* q, int64_t xk, __m256i (
   }
 }
 
-// The same for codes below 32: dot(code, q), 4 steps a int16 sum.
-template <int R>
-inline void q8_dots_small(const Q8Group& g, const int8_t* q, int64_t xk, __m256i (*dot)[2]) {
-#pragma GCC unroll 2
-  for (int half = 0; half < 2; ++half) {  // steps 4 * half .. 4 * half + 3
-    __m256i sum[R][2];
-    int16_sums<R, 4>(g.mag, 4 * half, q, xk, sum);
+// R rows' epilogues of one byte-code group, each accumulator loaded and stored once: the dot
+// products plus the integer correction fix * s32 (kFix), the reference epilogue, and the minimum
+// term (kMins). The same operations in the same order as epilogue_row and a second pass for the
+// minimums, so the same bits; a correction of zero added nothing.
+template <int R, bool kFix, bool kMins>
+inline void q8_epilogue_rows(const __m256i (*dot)[2], int32_t fix, const int32_t* s32, const float* d8,
+                             const float* xs, int64_t kb, const Q8Group& g, float* acc) {
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-      for (int h = 0; h < 2; ++h) {
-        dot[r][h] = half ? _mm256_add_epi32(dot[r][h], widen(sum[r][h])) : widen(sum[r][h]);
-        in_register(dot[r][h]);
-      }
+  for (int r = 0; r < R; ++r) {
+    const __m256i c = _mm256_set1_epi32(kFix ? fix * s32[r * kb] : 0);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m256 a = epilogue(kFix ? _mm256_add_epi32(dot[r][h], c) : dot[r][h], d8[r * kb], g.scale[h],
+                          _mm256_load_ps(acc + 16 * r + 8 * h));
+      if (kMins) a = _mm256_fnmadd_ps(g.mins[h], _mm256_set1_ps(xs[r * kb]), a);
+      _mm256_store_ps(acc + 16 * r + 8 * h, a);
+    }
   }
 }
 
@@ -850,15 +889,14 @@ inline void q8_tile_rows(const Q8Group& g, int32_t off, const int8_t* q, int64_t
   __m256i dot[R][2];
   // sum(code * q) - offset * sum(q) = sum((code - 128) * q) + (128 - offset) * sum(q)
   const int32_t fix = g.small ? -off : 128 - off;
-  if (g.small) q8_dots_small<R>(g, q, xk, dot);
+  if (g.small) q8_dots_small<R>(g.mag, q, xk, dot);
   else q8_dots_any<R>(g, q, xk, dot);
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    epilogue_row(acc + 16 * r, dot[r], _mm256_set1_epi32(fix * s32[r * kb]), d8[r * kb], g.scale);
-    if (g.has_mins)
-      for (int h = 0; h < 2; ++h)
-        _mm256_store_ps(acc + 16 * r + 8 * h,
-                        _mm256_fnmadd_ps(g.mins[h], _mm256_set1_ps(xs[r * kb]), _mm256_load_ps(acc + 16 * r + 8 * h)));
+  if (fix == 0) {  // Q5K, and codes offset by 128 (Q8_0, IQ4): no correction to add
+    if (g.has_mins) q8_epilogue_rows<R, false, true>(dot, 0, s32, d8, xs, kb, g, acc);
+    else q8_epilogue_rows<R, false, false>(dot, 0, s32, d8, xs, kb, g, acc);
+  } else {
+    if (g.has_mins) q8_epilogue_rows<R, true, true>(dot, fix, s32, d8, xs, kb, g, acc);
+    else q8_epilogue_rows<R, true, false>(dot, fix, s32, d8, xs, kb, g, acc);
   }
 }
 
