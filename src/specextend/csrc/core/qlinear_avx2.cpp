@@ -52,6 +52,11 @@ struct PrefetchShare {
   int64_t bytes;
   PrefetchShare(int64_t block_bytes, int64_t groups) : bytes((block_bytes + groups - 1) / groups) {}
   void operator()(const uint8_t* block, int64_t g) const { prefetch(block + bytes * g, bytes); }
+  // The same share of `block` itself into L1 (block: the next super-block).
+  void near(const uint8_t* block, int64_t g) const {
+    for (int64_t off = bytes * g; off < bytes * (g + 1); off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(block + off), _MM_HINT_T0);
+  }
 };
 
 inline __m256i bcast4(const int8_t* q) {
@@ -418,7 +423,10 @@ void one_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m2
       const int64_t b = sb * sbg + g;
       const uint8_t* cb = p + 64 + 32 * sbg + 256 * g;
       const int8_t* qb = q + 32 * b;
-      share(p, g);
+      // The next super-block's share into L1, not 9.5 KB ahead into L2: this loop streams its
+      // weights near the memory's speed, and the near prefetch kept it there more often
+      // (docs/benchmarks.md, the one-row Q4_K prefetch).
+      share.near(p + sb_bytes, g);
       // Low nibbles are steps 0-3, high nibbles steps 4-7; two int16 sums a half keep the
       // chains short (each at most 4 * 2 * 15 * 127, their total at most 8 * 2 * 15 * 127).
       __m256i lo[2], hi[2];
