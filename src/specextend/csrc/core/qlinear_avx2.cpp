@@ -560,7 +560,10 @@ void one_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m2
     for (int g = 0; g < 16; ++g) {
       const int64_t k0 = sb * 256 + g * 16;
       const int8_t* qb = q + k0;
-      share(p, g);
+      // Q6K reads the next super-block's share into L1, as one_q4k; Q3K and Q2K measured no
+      // better with it and keep the far prefetch (docs/benchmarks.md).
+      if constexpr (FMT == Q6K) share.near(p + sb_bytes, g);
+      else share(p, g);
       const __m256i a0 = bcast4(qb), a1 = bcast4(qb + 4), a2 = bcast4(qb + 8), a3 = bcast4(qb + 12);
       const __m256i off = _mm256_set1_epi32(zero * x.s16[r0 * k16 + k0 / 16]);
       const float d8 = x.d8[r0 * kb + k0 / 32];
