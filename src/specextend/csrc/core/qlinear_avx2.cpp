@@ -423,10 +423,12 @@ void one_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m2
       const int64_t b = sb * sbg + g;
       const uint8_t* cb = p + 64 + 32 * sbg + 256 * g;
       const int8_t* qb = q + 32 * b;
-      // The next super-block's share into L1, not 9.5 KB ahead into L2: this loop streams its
-      // weights near the memory's speed, and the near prefetch kept it there more often
-      // (docs/benchmarks.md, the one-row Q4_K prefetch).
-      share.near(p + sb_bytes, g);
+      // Q4_K's 8-group super-blocks: the next one's share into L1, not 9.5 KB ahead into L2 (this
+      // loop streams its weights near the memory's speed, and the near prefetch kept it there more
+      // often: docs/benchmarks.md). The next one-group super-block (Q4_0, Q4_1) is only 352 bytes
+      // ahead, and that was not what was measured: those keep the far prefetch.
+      if (sbg > 1) share.near(p + sb_bytes, g);
+      else share(p, g);
       // Low nibbles are steps 0-3, high nibbles steps 4-7; two int16 sums a half keep the
       // chains short (each at most 4 * 2 * 15 * 127, their total at most 8 * 2 * 15 * 127).
       __m256i lo[2], hi[2];
