@@ -97,8 +97,8 @@ struct FormatInfo {
 bool format_info(int64_t fmt, int64_t sbg, FormatInfo* out);
 
 // The byte-code formats: Q8, and Q5K and IQ4 (Q4K's header, codes unpacked into bytes).
-inline bool k_header(int64_t fmt) { return fmt == Q5K || fmt == IQ4; }
-inline int code_bytes(int64_t fmt) { return fmt == Q5K ? 320 : fmt == IQ4 ? 256 : 512; }  // a group's
+constexpr bool k_header(int64_t fmt) { return fmt == Q5K || fmt == IQ4; }
+constexpr int code_bytes(int64_t fmt) { return fmt == Q5K ? 320 : fmt == IQ4 ? 256 : 512; }  // a group's
 
 // Where group g of the byte-code super-block at `sb` keeps its codes.
 inline const uint8_t* byte_codes(int64_t fmt, int64_t sbg, const uint8_t* sb, int g) {
@@ -108,10 +108,14 @@ inline const uint8_t* byte_codes(int64_t fmt, int64_t sbg, const uint8_t* sb, in
 // The 6-bit formats (Q6K, Q3K, Q2K: codes of at most 6 bits in groups of 16): a group's bytes in
 // the blob (a Q3K pair's 192 shared), the header before the codes, the zero point the kernels
 // subtract (zero x the group's activation sum) and whether a minimum term follows (Q2K).
-inline bool six_bit(int64_t fmt) { return fmt == Q6K || fmt == Q3K || fmt == Q2K; }
-inline int group16_bytes(int64_t fmt) { return fmt == Q2K ? 64 : fmt == Q3K ? 96 : 192; }
-inline int q6_header(int64_t fmt) { return fmt == Q2K ? 320 : 288; }
+constexpr bool six_bit(int64_t fmt) { return fmt == Q6K || fmt == Q3K || fmt == Q2K; }
+constexpr int group16_bytes(int64_t fmt) { return fmt == Q2K ? 64 : fmt == Q3K ? 96 : 192; }
+constexpr int q6_header(int64_t fmt) { return fmt == Q2K ? 320 : 288; }
 constexpr int q6_zero(int64_t fmt) { return fmt == Q2K ? 0 : 32; }
+// The zero point of the codes a vector path unpacks straight from the bits: Q3K's as their 3 bits
+// (0-7) with zero point 4, not shifted by 28 into q6_zero's grid (an add a step saved; the integer
+// sums, and so the bits, are the same).
+constexpr int32_t codes_zero(int64_t fmt) { return fmt == Q3K ? 4 : q6_zero(fmt); }
 
 // The 6-bit code of step st (0..3), lane byte b of group g (0..15) of the super-block at sb: the
 // reference unpacking of Q6K, Q3K and Q2K, which each path's vector unpacking reproduces.

@@ -107,11 +107,6 @@ inline void q6k_codes(int64_t fmt, const uint8_t* sb, int g, int h, __m256i* w) 
   w[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low), _mm256_and_si256(_mm256_srli_epi16(hb, 2), top));
 }
 
-// The zero point q6k_codes' codes are read against: Q3K's come as their 3 bits (0-7) with zero
-// point 4, not shifted by 28 into q6_zero's Q6K grid (an add a step saved; the integer sums, and so
-// the bits, are the same).
-constexpr int32_t codes_zero(int64_t fmt) { return fmt == Q3K ? 4 : q6_zero(fmt); }
-
 // Codes small enough that a group's four steps share one int16 sum: Q3K's 4 * 2 * 7 * 127 and
 // Q2K's 4 * 2 * 3 * 127 fit, Q6K's 63s only in pairs.
 constexpr bool one_int16_sum(int64_t fmt) { return fmt != Q6K; }

@@ -105,19 +105,41 @@ void panel_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __
   }
 }
 
-template <int R>
+// A 6-bit group's correction -zero * (sum of its 16 activation codes) in every lane (codes_zero:
+// the zero point of the codes unpack_q6<FMT, true> gives), where its chains start, so nothing is
+// subtracted after (int32 sums: exact in any order); 0 for Q2K, which has none.
+template <int64_t FMT>
+inline __m512i q6k_start(const int32_t* s16) {
+  constexpr int32_t zero = codes_zero(FMT);
+  if constexpr (zero == 0) {
+    return _mm512_setzero_si512();
+  } else {
+    constexpr int shift = zero == 32 ? 5 : 2;
+    static_assert(zero == 1 << shift);
+    return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(bcast_i32(s16), shift));
+  }
+}
+
+// A 6-bit super-block's bytes a group asks to have prefetched (its share of the panel's blob).
+template <int64_t FMT>
+constexpr int q6_group_bytes() {
+  return (q6_header(FMT) + 16 * group16_bytes(FMT)) / 16;
+}
+
+template <int R, int64_t FMT>
 void panel_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m512* acc) {
-  const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16, sb_bytes = s.fi().bytes, gb = sb_bytes / 16;
-  const int32_t zero = q6_zero(s.fmt);
+  constexpr int gb = q6_group_bytes<FMT>();
+  const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16, sb_bytes = s.fi().bytes;
   for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
     const __m512 d = cvt_f16(p), dmin = cvt_f16(p + 32);
+#pragma GCC unroll 1  // a loop, not 16 copies (Q2K's one row measured faster so)
     for (int g = 0; g < 16; ++g) {
       const int64_t k0 = sb * 256 + g * 16;
       __m512 scale, mins;
-      q6_scales(s.fmt, p, g, d, dmin, &scale, &mins);
-      prefetch_group(p + gb * g, static_cast<int>(gb));
+      q6_scales(FMT, p, g, d, dmin, &scale, &mins);
+      prefetch_group(p + gb * g, gb);
       __m512i w[4];
-      unpack_q6(s.fmt, p, g, w);
+      unpack_q6<FMT, true>(p, g, w);
       const int8_t* q[R];
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) q[r] = x.q8 + (r0 + r) * x.k + k0;
@@ -126,72 +148,82 @@ void panel_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         const int64_t row = r0 + r;
-        const __m512i c = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(zero * x.s16[row * k16 + k0 / 16]));
-        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(x.d8[row * kb + k0 / 32]));
+        // the zero point's correction after the chains (started from it, one row read 0.9x cold)
+        if constexpr (codes_zero(FMT) != 0)
+          dot[r] = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(codes_zero(FMT) * x.s16[row * k16 + k0 / 16]));
+        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(x.d8[row * kb + k0 / 32]));
         acc[r] = _mm512_fmadd_ps(t, scale, acc[r]);
-        if (s.fmt == Q2K) acc[r] = _mm512_fnmadd_ps(mins, _mm512_set1_ps(q16_xs(x, row, k0)), acc[r]);
+        if constexpr (FMT == Q2K) acc[r] = _mm512_fnmadd_ps(mins, _mm512_set1_ps(q16_xs(x, row, k0)), acc[r]);
       }
     }
   }
 }
 
 // One byte-code group of a panel (qlinear.h: Q8, or group g of Q5K or IQ4) into registers: its
-// byte codes, its channels' scales and (Q4K's header; returns whether) minimums. The next groups
-// are prefetched.
-inline bool load_q8_group(const Segment& s, const uint8_t* p, int g, __m512i* w, __m512* scale, __m512* mins) {
-  const uint8_t* cb = byte_codes(s.fmt, s.sbg, p, g);
-  prefetch_group(cb, code_bytes(s.fmt));
+// byte codes, its channels' scales and (Q4K's header) minimums. Each group asks for its share of
+// the super-block ahead (share: the super-block's bytes over its groups).
+template <int64_t FMT>
+inline void load_q8_group(const uint8_t* p, int64_t sbg, int g, int share, __m512i* w, __m512* scale, __m512* mins) {
+  const uint8_t* cb = byte_codes(FMT, sbg, p, g);
+  prefetch_group(p + share * g, share);
 #pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) w[i] = step_bytes(s.fmt, cb, i);
-  if (s.fmt == Q8) {
+  for (int i = 0; i < 8; ++i) w[i] = step_bytes(FMT, cb, i);
+  if constexpr (FMT == Q8) {
     *scale = cvt_f16(p);
     *mins = _mm512_setzero_ps();  // unused
-    return false;
+  } else {
+    *scale = _mm512_mul_ps(cvt_f16(p), cvt_i8(p + 64 + 16 * g));
+    *mins = _mm512_mul_ps(cvt_f16(p + 32), cvt_u8(p + 64 + 16 * sbg + 16 * g));
   }
-  *scale = _mm512_mul_ps(cvt_f16(p), cvt_i8(p + 64 + 16 * g));
-  *mins = _mm512_mul_ps(cvt_f16(p + 32), cvt_u8(p + 64 + 16 * s.sbg + 16 * g));
-  return true;
 }
 
-// One row's group into acc: the reference epilogue of the byte-code formats.
-inline __m512 q8_epilogue(__m512i dot, int32_t correction, float d8, float xs, __m512 scale, __m512 mins,
-                          bool has_mins, __m512 acc) {
+// One row's group into acc: the reference epilogue of the byte-code formats (Q8 has no minimum).
+template <int64_t FMT>
+inline __m512 q8_epilogue(__m512i dot, int32_t correction, float d8, float xs, __m512 scale, __m512 mins, __m512 acc) {
   const __m512i c = _mm512_sub_epi32(dot, _mm512_set1_epi32(correction));
   acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(d8)), scale, acc);
-  return has_mins ? _mm512_fnmadd_ps(mins, _mm512_set1_ps(xs), acc) : acc;
+  if constexpr (FMT != Q8) acc = _mm512_fnmadd_ps(mins, _mm512_set1_ps(xs), acc);
+  return acc;
 }
 
-template <int R>
+template <int R, int64_t FMT>
 void panel_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m512* acc) {
-  const int64_t kb = s.k / 32;
+  const int64_t kb = s.k / 32, sbg = s.sbg;
   const int32_t off = static_cast<int32_t>(s.offset);
-  for_q8_groups(s, p, [&](int64_t blk, const uint8_t* sb, int g, const uint8_t*) {
-    __m512i w[8];
-    __m512 scale, mins;
-    const bool has_mins = load_q8_group(s, sb, g, w, &scale, &mins);
-    const int8_t* q[R];
+  const FormatInfo fi = s.fi();
+  const int groups = fi.superblock / 32, share = static_cast<int>(fi.bytes / groups);
+  for (int64_t sb = 0; sb < s.k / fi.superblock; ++sb, p += fi.bytes) {
+    for (int g = 0; g < groups; ++g) {
+      const int64_t blk = sb * groups + g;
+      __m512i w[8];
+      __m512 scale, mins;
+      load_q8_group<FMT>(p, sbg, g, share, w, &scale, &mins);
+      const int8_t* q[R];
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) q[r] = x.q8 + (r0 + r) * x.k + blk * 32;
-    __m512i dot[R];
-    dots<R, 8>(w, q, dot);
+      for (int r = 0; r < R; ++r) q[r] = x.q8 + (r0 + r) * x.k + blk * 32;
+      __m512i dot[R];
+      dots<R, 8>(w, q, dot);
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const int64_t b = (r0 + r) * kb + blk;
-      acc[r] = q8_epilogue(dot[r], off * x.s32[b], x.d8[b], x.xs[b], scale, mins, has_mins, acc[r]);
+      for (int r = 0; r < R; ++r) {
+        const int64_t b = (r0 + r) * kb + blk;
+        acc[r] = q8_epilogue<FMT>(dot[r], off * x.s32[b], x.d8[b], x.xs[b], scale, mins, acc[r]);
+      }
     }
-  });
+  }
 }
 
 template <int R>
 void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const TileOut& out) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  switch (s.fmt) {
+  switch (s.fmt) {  // each format compiled apart, its branches folded away
     case Q4K: panel_q4k<R>(s, p, x, r0, acc); break;
-    case Q6K:
-    case Q3K:
-    case Q2K: panel_q6k<R>(s, p, x, r0, acc); break;
-    default: panel_q8<R>(s, p, x, r0, acc); break;
+    case Q6K: panel_q6k<R, Q6K>(s, p, x, r0, acc); break;
+    case Q3K: panel_q6k<R, Q3K>(s, p, x, r0, acc); break;
+    case Q2K: panel_q6k<R, Q2K>(s, p, x, r0, acc); break;
+    case Q5K: panel_q8<R, Q5K>(s, p, x, r0, acc); break;
+    case IQ4: panel_q8<R, IQ4>(s, p, x, r0, acc); break;
+    default: panel_q8<R, Q8>(s, p, x, r0, acc); break;
   }
   const __m512 b = out.bias ? _mm512_loadu_ps(out.bias) : _mm512_setzero_ps();
   for (int r = 0; r < R; ++r) {
@@ -278,28 +310,21 @@ void rows_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int
 // second slice rereads the panel's weights from cache and unpacks them again).
 constexpr int kQ6Slice = 32;
 
-// Q6K's correction -32 * (sum of a group's 16 activation codes) in every lane: each group's
-// VPDPBUSD chain starts from it, so nothing is subtracted after (int32 sums: exact in any order).
-// Q2K has no zero point: its chains start from 0.
-inline __m512i q6k_start(int64_t fmt, const int32_t* s16) {
-  if (fmt == Q2K) return _mm512_setzero_si512();
-  return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(bcast_i32(s16), 5));
-}
-
+template <int64_t FMT>
 void rows_q6k_slice(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
-  const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16, xk = x.k, sb_bytes = s.fi().bytes, gb = sb_bytes / 16;
-  const bool has_mins = s.fmt == Q2K;
+  constexpr int gb = q6_group_bytes<FMT>();
+  const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16, xk = x.k, sb_bytes = s.fi().bytes;
   for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
     const __m512 d = cvt_f16(p), dmin = cvt_f16(p + 32);
     for (int g = 0; g < 16; g += 2) {
       const int64_t k0 = sb * 256 + g * 16;
       __m512 scale0, scale1, mins0, mins1;
-      q6_scales(s.fmt, p, g, d, dmin, &scale0, &mins0);
-      q6_scales(s.fmt, p, g + 1, d, dmin, &scale1, &mins1);
-      prefetch_group(p + gb * g, static_cast<int>(2 * gb));
+      q6_scales(FMT, p, g, d, dmin, &scale0, &mins0);
+      q6_scales(FMT, p, g + 1, d, dmin, &scale1, &mins1);
+      prefetch_group(p + gb * g, 2 * gb);
       __m512i w0[4], w1[4];
-      unpack_q6(s.fmt, p, g, w0);
-      unpack_q6(s.fmt, p, g + 1, w1);
+      unpack_q6<FMT, true>(p, g, w0);
+      unpack_q6<FMT, true>(p, g + 1, w1);
       const int8_t* q = x.q8 + r0 * xk + k0;
       const int32_t* s16 = x.s16 + r0 * k16 + k0 / 16;
       const float* d8 = x.d8 + r0 * kb + k0 / 32;
@@ -308,7 +333,7 @@ void rows_q6k_slice(const Segment& s, const uint8_t* p, const Rows& x, int64_t r
         // The row's codes two pairs on: its lines are far apart, which the hardware prefetcher
         // does not follow.
         _mm_prefetch(reinterpret_cast<const char*>(qr + 64), _MM_HINT_T0);
-        __m512i c0 = q6k_start(s.fmt, s16 + r * k16), c1 = q6k_start(s.fmt, s16 + r * k16 + 1);
+        __m512i c0 = q6k_start<FMT>(s16 + r * k16), c1 = q6k_start<FMT>(s16 + r * k16 + 1);
 #pragma GCC unroll 4
         for (int st = 0; st < 4; ++st) {
           c0 = _mm512_dpbusd_epi32(c0, w0[st], bcast4(qr + 4 * st));
@@ -317,36 +342,43 @@ void rows_q6k_slice(const Segment& s, const uint8_t* p, const Rows& x, int64_t r
         const __m512 dd = _mm512_set1_ps(d8[r * kb]);
         __m512 a = _mm512_load_ps(acc + 16 * r);
         a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(c0), dd), scale0, a);
-        if (has_mins) a = _mm512_fnmadd_ps(mins0, _mm512_set1_ps(d8[r * kb] * static_cast<float>(s16[r * k16])), a);
+        if constexpr (FMT == Q2K) a = _mm512_fnmadd_ps(mins0, _mm512_set1_ps(d8[r * kb] * static_cast<float>(s16[r * k16])), a);
         a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(c1), dd), scale1, a);
-        if (has_mins) a = _mm512_fnmadd_ps(mins1, _mm512_set1_ps(d8[r * kb] * static_cast<float>(s16[r * k16 + 1])), a);
+        if constexpr (FMT == Q2K) a = _mm512_fnmadd_ps(mins1, _mm512_set1_ps(d8[r * kb] * static_cast<float>(s16[r * k16 + 1])), a);
         _mm512_store_ps(acc + 16 * r, a);
       }
     }
   }
 }
 
+template <int64_t FMT>
 void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
   for (int h = 0; h < n; h += kQ6Slice)
-    rows_q6k_slice(s, p, x, r0 + h, std::min(kQ6Slice, n - h), acc + 16 * h);
+    rows_q6k_slice<FMT>(s, p, x, r0 + h, std::min(kQ6Slice, n - h), acc + 16 * h);
 }
 
+template <int64_t FMT>
 void rows_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
-  const int64_t kb = s.k / 32, xk = x.k;
+  const int64_t kb = s.k / 32, xk = x.k, sbg = s.sbg;
   const int32_t off = static_cast<int32_t>(s.offset);
-  for_q8_groups(s, p, [&](int64_t blk, const uint8_t* sb, int g, const uint8_t*) {
-    __m512i w[8];
-    __m512 scale, mins;
-    const bool has_mins = load_q8_group(s, sb, g, w, &scale, &mins);
-    const int64_t b0 = r0 * kb + blk;
+  const FormatInfo fi = s.fi();
+  const int groups = fi.superblock / 32, share = static_cast<int>(fi.bytes / groups);
+  for (int64_t sb = 0; sb < s.k / fi.superblock; ++sb, p += fi.bytes) {
+    for (int g = 0; g < groups; ++g) {
+      const int64_t blk = sb * groups + g;
+      __m512i w[8];
+      __m512 scale, mins;
+      load_q8_group<FMT>(p, sbg, g, share, w, &scale, &mins);
+      const int64_t b0 = r0 * kb + blk;
 #pragma GCC unroll 4
-    for (int r = 0; r < n; ++r) {
-      const int64_t b = b0 + r * kb;
-      const __m512 a = q8_epilogue(row_dot<8>(w, x.q8 + (r0 + r) * xk + blk * 32), off * x.s32[b], x.d8[b], x.xs[b],
-                                   scale, mins, has_mins, _mm512_load_ps(acc + 16 * r));
-      _mm512_store_ps(acc + 16 * r, a);
+      for (int r = 0; r < n; ++r) {
+        const int64_t b = b0 + r * kb;
+        const __m512 a = q8_epilogue<FMT>(row_dot<8>(w, x.q8 + (r0 + r) * xk + blk * 32), off * x.s32[b], x.d8[b],
+                                          x.xs[b], scale, mins, _mm512_load_ps(acc + 16 * r));
+        _mm512_store_ps(acc + 16 * r, a);
+      }
     }
-  });
+  }
 }
 
 // ---------------------------------------------------------------- float weights
@@ -443,10 +475,12 @@ void rows_avx512(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, 
   for (int r = 0; r < n; ++r) _mm512_store_ps(acc + 16 * r, _mm512_setzero_ps());
   switch (s.fmt) {
     case Q4K: rows_q4k(s, p, x, r0, n, acc); break;
-    case Q6K:
-    case Q3K:
-    case Q2K: rows_q6k(s, p, x, r0, n, acc); break;
-    default: rows_q8(s, p, x, r0, n, acc); break;
+    case Q6K: rows_q6k<Q6K>(s, p, x, r0, n, acc); break;
+    case Q3K: rows_q6k<Q3K>(s, p, x, r0, n, acc); break;
+    case Q2K: rows_q6k<Q2K>(s, p, x, r0, n, acc); break;
+    case Q5K: rows_q8<Q5K>(s, p, x, r0, n, acc); break;
+    case IQ4: rows_q8<IQ4>(s, p, x, r0, n, acc); break;
+    default: rows_q8<Q8>(s, p, x, r0, n, acc); break;
   }
   store_rows(acc, r0, n, out);
 }

@@ -23,33 +23,44 @@ inline __m512i step_bytes(int64_t fmt, const uint8_t* cb, int st) {
 }
 
 // Group g's four steps of 6-bit codes of the Q6K, Q3K or Q2K super-block at sb: q6_code
-// (qlinear.h) on 64 lanes. Q6K: step s's high bits sit at bits 2s..2s+1 of h; shifted to bits 4..5
-// they join the nibble. Q3K, Q2K: 16-bit shifts bring a field to the bottom of its byte, where bits
-// from the other byte of the pair miss the mask.
-inline void unpack_q6(int64_t fmt, const uint8_t* sb, int g, __m512i* w) {
-  if (fmt == Q2K) {
+// (qlinear.h) on 64 lanes, each format compiled apart. Q6K: step s's high bits sit at bits
+// 2s..2s+1 of h; shifted to bits 4..5 they join the nibble. Q3K, Q2K: 16-bit shifts bring a field
+// to the bottom of its byte, where bits from the other byte of the pair miss the mask; Q3K's high
+// bit goes straight to bit 2 (one shift, one mask). kRaw: Q3K's codes as their 3 bits (zero point
+// codes_zero), not moved into q6_zero's grid.
+template <int64_t FMT, bool kRaw = false>
+inline void unpack_q6(const uint8_t* sb, int g, __m512i* w) {
+  if constexpr (FMT == Q2K) {
     const __m512i v = _mm512_loadu_si512(sb + 320 + 64 * g);
 #pragma GCC unroll 4
     for (int st = 0; st < 4; ++st) w[st] = _mm512_and_si512(_mm512_srli_epi16(v, 2 * st), _mm512_set1_epi8(3));
-    return;
-  }
-  if (fmt == Q3K) {
+  } else if constexpr (FMT == Q3K) {
     const uint8_t* pair = sb + 288 + 192 * (g / 2);
     const __m512i lo = _mm512_loadu_si512(pair + 64 * (g % 2)), hi = _mm512_loadu_si512(pair + 128);
+#pragma GCC unroll 4
     for (int st = 0; st < 4; ++st) {
       const __m512i l = _mm512_and_si512(_mm512_srl_epi16(lo, _mm_cvtsi32_si128(2 * st)), _mm512_set1_epi8(3));
-      const __m512i t = _mm512_and_si512(_mm512_srl_epi16(hi, _mm_cvtsi32_si128(4 * (g % 2) + st)), _mm512_set1_epi8(1));
-      w[st] = _mm512_add_epi8(_mm512_or_si512(l, _mm512_slli_epi16(t, 2)), _mm512_set1_epi8(28));
+      const int hb = 4 * (g % 2) + st;
+      const __m512i t = hb >= 2 ? _mm512_srl_epi16(hi, _mm_cvtsi32_si128(hb - 2)) : _mm512_sll_epi16(hi, _mm_cvtsi32_si128(2 - hb));
+      w[st] = _mm512_or_si512(l, _mm512_and_si512(t, _mm512_set1_epi8(4)));
+      if constexpr (!kRaw) w[st] = _mm512_add_epi8(w[st], _mm512_set1_epi8(static_cast<char>(q6_zero(Q3K) - codes_zero(Q3K))));
     }
-    return;
+  } else {
+    const uint8_t* cb = sb + 288 + 192 * g;
+    const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+    const __m512i a = _mm512_loadu_si512(cb), b = _mm512_loadu_si512(cb + 64), h = _mm512_loadu_si512(cb + 128);
+    w[0] = _mm512_or_si512(_mm512_and_si512(a, low), _mm512_and_si512(_mm512_slli_epi16(h, 4), top));
+    w[1] = _mm512_or_si512(_mm512_and_si512(b, low), _mm512_and_si512(_mm512_slli_epi16(h, 2), top));
+    w[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), low), _mm512_and_si512(h, top));
+    w[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), low), _mm512_and_si512(_mm512_srli_epi16(h, 2), top));
   }
-  const uint8_t* cb = sb + 288 + 192 * g;
-  const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
-  const __m512i a = _mm512_loadu_si512(cb), b = _mm512_loadu_si512(cb + 64), h = _mm512_loadu_si512(cb + 128);
-  w[0] = _mm512_or_si512(_mm512_and_si512(a, low), _mm512_and_si512(_mm512_slli_epi16(h, 4), top));
-  w[1] = _mm512_or_si512(_mm512_and_si512(b, low), _mm512_and_si512(_mm512_slli_epi16(h, 2), top));
-  w[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), low), _mm512_and_si512(h, top));
-  w[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), low), _mm512_and_si512(_mm512_srli_epi16(h, 2), top));
+}
+
+// The same in q6_zero's grid for a format known only at run time (the amx path's unpacking).
+inline void unpack_q6(int64_t fmt, const uint8_t* sb, int g, __m512i* w) {
+  if (fmt == Q2K) unpack_q6<Q2K>(sb, g, w);
+  else if (fmt == Q3K) unpack_q6<Q3K>(sb, g, w);
+  else unpack_q6<Q6K>(sb, g, w);
 }
 
 // Group g's float scales and (Q2K: a 4-bit scale and minimum a byte) minimums of the 6-bit
