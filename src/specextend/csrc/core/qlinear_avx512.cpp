@@ -394,8 +394,36 @@ inline __m512 float_w(const uint8_t* p) {
   else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
+// BF16's one row: a 64-byte load holds inputs i and i + 1 of the 16 channels, and interleaving
+// it with zeros (VPUNPCKLWD/HWD, within 128-bit lanes) puts each value at the top of a float
+// lane: the low half holds channels 0-3 and 8-11, the high half 4-7 and 12-15, of input i in
+// lanes 0-7 and of input i + 1 in lanes 8-15, so lanes 0-7 are even-input chains and 8-15 odd
+// ones, each the reference's FMAs in input order (one load and two interleaves where the
+// widening takes two loads, two widenings and two shifts).
+void one_bf16(const Segment& s, const uint8_t* p, const float* x, float* sum) {
+  __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t i = 0; i < s.k; i += 2, p += 64) {
+    if (i % 8 == 0) prefetch_group(p, 256);
+    const __m512i v = _mm512_loadu_si512(p);
+    const __m512 xx = _mm512_mask_broadcastss_ps(_mm512_set1_ps(x[i]), 0xFF00, _mm_load_ss(x + i + 1));
+    lo = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, v)), xx, lo);
+    hi = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, v)), xx, hi);
+  }
+  alignas(64) float l[16], h[16];
+  _mm512_store_ps(l, lo);
+  _mm512_store_ps(h, hi);
+  for (int j = 0; j < 4; ++j) {
+    sum[j] = l[j] + l[8 + j];
+    sum[4 + j] = h[j] + h[8 + j];
+    sum[8 + j] = l[4 + j] + l[12 + j];
+    sum[12 + j] = h[4 + j] + h[12 + j];
+  }
+}
+
 template <int64_t FMT>
 void one_float(const Segment& s, const uint8_t* p, const float* x, float* sum) {
+  if constexpr (FMT == BF16) return one_bf16(s, p, x, sum);
   __m512 e = _mm512_setzero_ps(), o = _mm512_setzero_ps();
   for (int64_t i = 0; i < s.k; i += 2, p += 64) {
     if (i % 32 == 0) prefetch_group(p, 1024);
