@@ -178,9 +178,10 @@ inline void load_q8_group(const uint8_t* p, int64_t sbg, int g, int share, __m51
 }
 
 // One row's group into acc: the reference epilogue of the byte-code formats (Q8 has no minimum).
-template <int64_t FMT>
+// kFix: false where the offset is 0 (Q5_K, Q5_1), whose correction is 0.
+template <int64_t FMT, bool kFix = true>
 inline __m512 q8_epilogue(__m512i dot, int32_t correction, float d8, float xs, __m512 scale, __m512 mins, __m512 acc) {
-  const __m512i c = _mm512_sub_epi32(dot, _mm512_set1_epi32(correction));
+  const __m512i c = kFix ? _mm512_sub_epi32(dot, _mm512_set1_epi32(correction)) : dot;
   acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(d8)), scale, acc);
   if constexpr (FMT != Q8) acc = _mm512_fnmadd_ps(mins, _mm512_set1_ps(xs), acc);
   return acc;
@@ -357,28 +358,48 @@ void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int
     rows_q6k_slice<FMT>(s, p, x, r0 + h, std::min(kQ6Slice, n - h), acc + 16 * h);
 }
 
-template <int64_t FMT>
-void rows_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
-  const int64_t kb = s.k / 32, xk = x.k, sbg = s.sbg;
+// G byte-code groups (activation blocks blk..blk + G - 1) a pass over the rows, as rows_q4k's
+// pairs: each row's accumulator is loaded and stored once for both, its updates in input order.
+template <int64_t FMT, int G, bool kFix>
+void rows_q8_groups(const Segment& s, const uint8_t* p, const Rows& x, int64_t blk, int64_t r0, int n, float* acc) {
+  const int64_t kb = s.k / 32, xk = x.k;
   const int32_t off = static_cast<int32_t>(s.offset);
   const FormatInfo fi = s.fi();
   const int groups = fi.superblock / 32, share = static_cast<int>(fi.bytes / groups);
-  for (int64_t sb = 0; sb < s.k / fi.superblock; ++sb, p += fi.bytes) {
-    for (int g = 0; g < groups; ++g) {
-      const int64_t blk = sb * groups + g;
-      __m512i w[8];
-      __m512 scale, mins;
-      load_q8_group<FMT>(p, sbg, g, share, w, &scale, &mins);
-      const int64_t b0 = r0 * kb + blk;
-#pragma GCC unroll 4
-      for (int r = 0; r < n; ++r) {
-        const int64_t b = b0 + r * kb;
-        const __m512 a = q8_epilogue<FMT>(row_dot<8>(w, x.q8 + (r0 + r) * xk + blk * 32), off * x.s32[b], x.d8[b],
-                                          x.xs[b], scale, mins, _mm512_load_ps(acc + 16 * r));
-        _mm512_store_ps(acc + 16 * r, a);
-      }
-    }
+  __m512i w[G][8];
+  __m512 scale[G], mins[G];
+#pragma GCC unroll 2
+  for (int j = 0; j < G; ++j) {
+    const int64_t b = blk + j;
+    load_q8_group<FMT>(p + (b / groups) * fi.bytes, s.sbg, static_cast<int>(b % groups), share, w[j], &scale[j],
+                       &mins[j]);
   }
+  const int8_t* q = x.q8 + r0 * xk + blk * 32;
+  const int64_t b0 = r0 * kb + blk;
+#pragma GCC unroll 2
+  for (int r = 0; r < n; ++r) {
+    const int64_t b = b0 + r * kb;
+    __m512 a = _mm512_load_ps(acc + 16 * r);
+#pragma GCC unroll 2
+    for (int j = 0; j < G; ++j)
+      a = q8_epilogue<FMT, kFix>(row_dot<8>(w[j], q + r * xk + 32 * j), kFix ? off * x.s32[b + j] : 0, x.d8[b + j],
+                                 x.xs[b + j], scale[j], mins[j], a);
+    _mm512_store_ps(acc + 16 * r, a);
+  }
+}
+
+template <int64_t FMT, bool kFix>
+void rows_q8_fix(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
+  const int64_t kb = s.k / 32;
+  int64_t blk = 0;
+  for (; blk + 1 < kb; blk += 2) rows_q8_groups<FMT, 2, kFix>(s, p, x, blk, r0, n, acc);
+  if (blk < kb) rows_q8_groups<FMT, 1, kFix>(s, p, x, blk, r0, n, acc);
+}
+
+template <int64_t FMT>
+void rows_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
+  if (FMT == Q5K && s.offset == 0) rows_q8_fix<FMT, false>(s, p, x, r0, n, acc);
+  else rows_q8_fix<FMT, true>(s, p, x, r0, n, acc);
 }
 
 // ---------------------------------------------------------------- float weights
