@@ -20,6 +20,7 @@ from specextend.engine import SpecEngine
 from specextend.errors import UserError
 from specextend.models import gguf as conv
 from specextend.models import registry
+from specextend.models.footprint import runs_float
 from specextend.models.loader import load_model
 from specextend.models.qstore import QuantizedFile, stream_tensors
 from specextend.settings import Settings
@@ -42,6 +43,17 @@ def tokenizer_gguf(tmp_path_factory) -> Path:
 
 def random_gguf(tmp_path: Path, tokenizer_gguf: Path, kind: str) -> Path:
     return gguf_files.write_random(tmp_path / f"r-{kind}.gguf", dict(TINY), kind, tokenizer_gguf, progress=False)
+
+
+def loaded_as_file(info: dict) -> bool:
+    """Whether inspect's kernel path keeps kept types at their file bytes in memory: the portable
+    path (a CPU without vector kernels, or SPECEXTEND_CPU=portable) runs the model in float32."""
+    return not runs_float(info["kernel_path"])
+
+
+def memory_of(row: dict, info: dict) -> int:
+    """What a kept type's row costs in memory under inspect's kernel path."""
+    return row["file_bytes"] if loaded_as_file(info) else row["parameters"] * 4
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -218,7 +230,7 @@ def test_inspect_json(tmp_path, tokenizer_gguf, capsys) -> None:
     assert info["file_bytes"] == src.stat().st_size
     types = {r["type"]: r for r in info["types"]}
     assert set(types) == {"Q4_K", "Q6_K", "F32"} and info["expanded"] == []
-    assert types["Q4_K"]["kept"] and types["Q4_K"]["loaded_bytes"] == types["Q4_K"]["file_bytes"]
+    assert types["Q4_K"]["kept"] and types["Q4_K"]["loaded_bytes"] == memory_of(types["Q4_K"], info)
     assert types["Q6_K"]["tensors"] == 3  # the output and both layers' V and down projections of 2 layers
     assert sum(r["file_bytes"] for r in info["types"]) < info["file_bytes"]
     assert info["memory"]["loaded_bytes"] <= info["memory"]["first_load_peak_bytes"]
@@ -229,8 +241,9 @@ def test_inspect_json(tmp_path, tokenizer_gguf, capsys) -> None:
 def test_inspect_names_what_is_expanded(tmp_path, tokenizer_gguf, capsys) -> None:
     src = random_gguf(tmp_path, tokenizer_gguf, EXPANDED)
     code, out, _ = run(capsys, "models", "inspect", str(src))
-    assert code == 0 and "expanded to float32, then requantized to 8 bits" in out
     info = json.loads(run(capsys, "models", "inspect", str(src), "--json")[1])
+    said = "expanded to float32, then requantized to 8 bits" if loaded_as_file(info) else "float32 in memory"
+    assert code == 0 and said in out
     row = next(r for r in info["types"] if r["type"] == EXPANDED)
     assert info["expanded"] == [EXPANDED] and row["converted_bytes"] == row["parameters"] * 4
 
@@ -243,7 +256,7 @@ def test_a_q2_k_file_keeps_its_grid(tmp_path, tokenizer_gguf, capsys, monkeypatc
     src = random_gguf(tmp_path, tokenizer_gguf, "Q2_K")
     info = json.loads(run(capsys, "models", "inspect", str(src), "--json")[1])
     row = next(r for r in info["types"] if r["type"] == "Q2_K")
-    assert info["expanded"] == [] and row["kept"] and row["loaded_bytes"] == row["file_bytes"]
+    assert info["expanded"] == [] and row["kept"] and row["loaded_bytes"] == memory_of(row, info)
     folder = registry.converted_gguf(src, progress=False)
     assert "expanded" not in capsys.readouterr().err
     stored = QuantizedFile(folder / conv.WEIGHTS_FILE)
@@ -286,7 +299,7 @@ def test_float16_and_bfloat16_matrices_are_kept_not_expanded(tmp_path, capsys) -
     for kind in ("F16", "BF16"):
         row = types[kind]
         assert row["kept"] and not row["expanded"] and row["file_bytes"] == 2 * row["parameters"]
-        assert row["loaded_bytes"] == row["converted_bytes"] == row["file_bytes"]
+        assert row["converted_bytes"] == row["file_bytes"] and row["loaded_bytes"] == memory_of(row, info)
         assert "as it is" in row["runs_as"] or "PyTorch" in row["runs_as"]
     conv.convert_gguf(src, tmp_path / "hf", progress=False, tokenizer=False)
     assert "expanded" not in capsys.readouterr().err
