@@ -26,7 +26,24 @@ STEPS = ForwardCurve([1, 32], [256, 8192], [[0.02, 0.05], [0.024, 0.066]])
 
 def test_alone_the_chunk_is_the_smallest_within_reach_of_the_best_cost_per_token():
     b = StepBudget(PREFILL, STEPS)
-    assert b.efficient_rows == 128 and b.alone_rows == 128 and b.rows(0, 4096) == 128
+    assert b.efficient_rows() == 128 and b.alone_rows == 128 and b.rows(0, 4096) == 128
+
+
+# The same chunks after 4K cached tokens: attention's per-chunk work makes small chunks dearer
+# (512 rows still the best there, 256 within 2% of it).
+LONG = ForwardCurve(PREFILL_ROWS, [0, 4096], [PREFILL.seconds[0], [n * ms / 1e3 for n, ms in zip(
+    PREFILL_ROWS, [9.0, 6.0, 4.0, 3.0, 2.5, 2.46], strict=True)]])
+
+
+def test_alone_the_chunk_grows_with_the_context_within_a_newcomer_s_wait():
+    b = StepBudget(LONG, STEPS)
+    assert b.alone_rows == 128 and b.rows(0, 0) == 128  # an empty cache: as before
+    assert b.rows(0, 4096) == 256 and b.efficient_rows(4096) == 256  # 2.5 ms within 2% of 2.46
+    assert b.rows(0, 2048) == 256  # halfway: 512 is 2% under 256 there too
+    slow = StepBudget(LONG, STEPS)
+    slow.scale = 20.0  # a step of 256 rows now predicted past NEWCOMER_WAIT_S: back to smaller chunks
+    assert slow.predict(256, 4096) > 2.0 and slow.rows(0, 4096) == 128
+    assert StepBudget(LONG, STEPS, gap_goal_s=100.0).rows(1, 4096) == 1 + 256  # beside a stream: at most it
 
 
 def test_beside_streams_chunks_fit_the_gap_goal_and_shrink_with_context_and_load():
@@ -46,6 +63,8 @@ def test_beside_streams_chunks_fit_the_gap_goal_and_shrink_with_context_and_load
 def test_health_says_the_budgets_and_why():
     s = StepBudget(PREFILL, STEPS).stats()
     assert s["alone_rows"] == s["efficient_rows"] == 128 and s["decoding_rows"] <= 129
+    assert s["alone_rows_by_context"]["0"] == 128
+    assert StepBudget(LONG, STEPS).stats()["alone_rows_by_context"]["4096"] == 256
     assert "128 prompt tokens" in s["why"] and s["prefill_ms_per_token"]["16"] == 4.0
 
 
@@ -61,7 +80,9 @@ def test_the_prefill_curve_is_measured_without_logits_and_cached_apart(tiny_dir,
 
     monkeypatch.setattr(type(model), "__call__", spy)
     curve = costmodel.cached_curve(model, "efficient", quiet=True, kind="prefill")
-    assert curve.rows == list(costmodel.PREFILL_ROWS) and curve.contexts == [0]
+    room = int(model.cfg.max_position) - max(costmodel.PREFILL_ROWS)  # contexts cut to fit the model
+    assert curve.rows == list(costmodel.PREFILL_ROWS)
+    assert curve.contexts == sorted({max(0, min(c, room)) for c in costmodel.PREFILL_CONTEXTS})
     assert all(mask is None and rows == slice(0, 0) for _, mask, rows in calls)  # causal chunks, no logits
     n = len(calls)
     costmodel.cached_curve(model, "efficient", quiet=True, kind="prefill")

@@ -4,10 +4,12 @@ A step carries every decoding stream's rows, then prompt tokens (scheduler.py). 
 tokens is the trade between two measured things, and this module is the one place that decides:
 
 - A prefill chunk's cost per token falls with its size (`costmodel.measure_prefill`, measured
-  once per machine): a step re-reads every weight however few rows it carries, and the many-row
-  kernels need enough rows to keep their tiles busy. The *efficient* chunk is the smallest whose
-  cost per token is within EFFICIENT_SLACK of the best measured, up to the model's own prefill
-  chunk (the memory bound). Below it a prompt prefills slower than `generate` would.
+  once per machine, from an empty cache and at a long context): a step re-reads every weight
+  however few rows it carries, the many-row kernels need enough rows to keep their tiles busy,
+  and at a long context each chunk pays attention's per-chunk work. The *efficient* chunk at a
+  context is the smallest whose cost per token there is within EFFICIENT_SLACK of the best
+  measured there, up to the model's own prefill chunk (the memory bound). Below it a prompt
+  prefills slower than `generate` would; it grows with the context a document has reached.
 - The running streams' gap goal: while a stream decodes, each step is a wait between two of its
   chunks, so the prompt tokens beside it are as many as keep the step's predicted forward within
   STEP_SHARE of GAP_GOAL_S (the rest of the gap is the step's draft rounds, verification trees
@@ -30,6 +32,9 @@ from typing import Any
 from .costmodel import PREFILL_ROWS, ForwardCurve
 
 GAP_GOAL_S = 1.0  # the running streams' gap goal (p95 of the waits between their chunks)
+# A request that arrives while a document prefills alone waits for the chunk in flight: a chunk
+# alone grows with the context only while its step is predicted within this.
+NEWCOMER_WAIT_S = 2.0
 STEP_SHARE = 0.5  # of the gap goal, what the step's target forward may take
 EFFICIENT_SLACK = 0.02  # the efficient chunk: cost per token within 2% of the best measured
 ROW_STEP = 16  # chunks beside streams are a multiple of this (the row kernels' tiles)
@@ -52,16 +57,17 @@ class StepBudget:
 
     # ----------------------------------------------------------------- the rule
 
-    @property
-    def efficient_rows(self) -> int:
-        """The smallest measured chunk within EFFICIENT_SLACK of the best cost per token."""
-        per = [self.prefill.predict(n, 0) / n for n in self.prefill.rows]
+    def efficient_rows(self, context: int = 0) -> int:
+        """The smallest measured chunk within EFFICIENT_SLACK of the best cost per token, for a
+        chunk attending to `context` cached tokens."""
+        per = [self.prefill.predict(n, context) / n for n in self.prefill.rows]
         best = min(per)
         return next(n for n, c in zip(self.prefill.rows, per, strict=True) if c <= best * (1 + EFFICIENT_SLACK))
 
     @property
     def alone_rows(self) -> int:
-        return self.efficient_rows
+        """The chunk alone from an empty cache (it grows with the context: `rows(0, context)`)."""
+        return self.efficient_rows(0)
 
     def predict(self, rows: int, context: int) -> float:
         """Seconds of a target forward of `rows` rows (a chunk and decode rows) attending to
@@ -74,14 +80,20 @@ class StepBudget:
         return max(0.0, self.steps.predict(n, max(lo, context)) - self.steps.predict(n, lo)) / n
 
     def rows(self, decoders: int, context: int) -> int:
-        """The step's rows: the efficient chunk while nothing decodes; beside `decoders` streams,
-        the largest multiple of ROW_STEP (at most the efficient chunk, at least ROW_STEP) whose step
-        at `context` is predicted within the gap goal's share, plus the streams' own rows."""
-        alone = self.alone_rows
-        if decoders <= 0:
-            return alone
+        """The step's rows: the efficient chunk at `context` while nothing decodes (no larger than
+        the empty cache's where its step would keep a newcomer past NEWCOMER_WAIT_S); beside
+        `decoders` streams, the largest multiple of ROW_STEP (at most that chunk, at least
+        ROW_STEP) whose step at `context` is predicted within the gap goal's share, plus the
+        streams' own rows."""
         key = (decoders, context // 256)
-        if key not in self._memo:
+        if key in self._memo:
+            return self._memo[key]
+        alone, base = self.efficient_rows(context), self.efficient_rows(0)
+        while alone > base and self.predict(alone, context) > NEWCOMER_WAIT_S:
+            alone = max(n for n in self.prefill.rows if n < alone)
+        if decoders <= 0:
+            self._memo[key] = alone
+        else:
             goal = self.gap_goal_s * STEP_SHARE
             n = ROW_STEP
             while n + ROW_STEP <= alone and self.predict(decoders + n + ROW_STEP, context) <= goal:
@@ -106,14 +118,17 @@ class StepBudget:
 
     def stats(self) -> dict[str, Any]:
         """For /health: the budgets chosen and what chose them."""
-        eff, per = self.efficient_rows, {n: self.prefill.predict(n, 0) / n for n in self.prefill.rows}
+        eff, per = self.alone_rows, {n: self.prefill.predict(n, 0) / n for n in self.prefill.rows}
         beside = self.rows(1, REFERENCE_CONTEXT)
+        far = self.prefill.contexts[-1]
         return {
             "alone_rows": eff, "decoding_rows": beside, "efficient_rows": eff,
+            "alone_rows_by_context": {str(c): self.rows(0, c) for c in sorted({0, REFERENCE_CONTEXT, far, 2 * far})},
             "gap_goal_s": self.gap_goal_s, "step_goal_s": self.gap_goal_s * STEP_SHARE, "scale": round(self.scale, 3),
             "prefill_ms_per_token": {str(n): round(1e3 * c, 3) for n, c in per.items()},
             "why": (f"alone: chunks of {eff} prompt tokens, the smallest measured within "
-                    f"{EFFICIENT_SLACK:.0%} of the best cost per token ({1e3 * min(per.values()):.2f} ms); "
+                    f"{EFFICIENT_SLACK:.0%} of the best cost per token ({1e3 * min(per.values()):.2f} ms), "
+                    f"larger where the document's context makes small chunks dearer; "
                     f"beside a decoding stream at a {REFERENCE_CONTEXT}-token context: {beside} rows, the "
                     f"most whose step is predicted within {self.gap_goal_s * STEP_SHARE:.2f} s "
                     f"({STEP_SHARE:.0%} of the {self.gap_goal_s:.1f} s gap goal)"),

@@ -13,8 +13,9 @@ the tree is sized from measured costs (sizing.py), never from constants:
   one file per machine, model shape, weight format, precision, attention backend and kernel
   build (`curve_key`): a new kernel build or another CPU measures again;
 - `measure_prefill` times prompt chunks of 16 to 512 tokens (what a prefill's forwards are: causal,
-  no logits), whose cost per token falls with the chunk's size until the many-row kernels are
-  busy; the server's step budget (budget.py) reads it, cached the same way
+  no logits) from an empty cache and after 4K cached tokens: the cost per token falls with the
+  chunk's size until the many-row kernels are busy, and at a long context until attention's
+  per-chunk work is spread; the server's step budget (budget.py) reads it, cached the same way
   (`cached_curve(..., kind="prefill")`);
 - `CostModel` predicts from the two curves and refreshes itself online: each step the engine's
   phase timings are compared with the prediction and a scale follows their ratio (and a per-step
@@ -51,6 +52,9 @@ REPEATS = 3  # timed runs per point after one untimed one; the fastest counts (n
 # Prompt tokens per prefill chunk, up to the model's own prefill chunk (model.prefill's `chunk`,
 # the bound on a chunk's working memory); fewer repeats: a 512-token chunk takes seconds on a small CPU.
 PREFILL_ROWS = (16, 32, 64, 128, 256, 512)
+# Cached tokens those chunks attend to: at a long context a small chunk pays attention's
+# per-chunk work again and again, so the chunk that is efficient there can be larger.
+PREFILL_CONTEXTS = (0, 4096)
 PREFILL_REPEATS = 2
 # Online refresh: how far one step's observed/predicted ratio moves the scale, and how far a
 # single observation may pull (a page fault or a preempted step must not swing the model).
@@ -151,25 +155,32 @@ def measure_curve(model: Any, backend: str, rows: Sequence[int] = ROWS, contexts
 
 
 def measure_prefill(model: Any, backend: str, rows: Sequence[int] = PREFILL_ROWS,
-                    repeats: int = PREFILL_REPEATS) -> ForwardCurve:
-    """Time a prefill chunk of each size: `rows` prompt tokens from an empty cache, causal, no
-    logits (a chunk before the last asks for none). One context (0): the curve says how a
-    chunk's cost per token falls with its size, not how attention grows with the context (the
-    step curve's)."""
-    cache = model.new_cache(max(rows))
+                    contexts: Sequence[int] = PREFILL_CONTEXTS, repeats: int = PREFILL_REPEATS) -> ForwardCurve:
+    """Time a prefill chunk of each size: `rows` prompt tokens after each cached length (the cache
+    only *set* to it, as in `measure_curve`), causal, no logits (a chunk before the last asks for
+    none). The curve says how a chunk's cost per token falls with its size, and how much more
+    that matters at a long context. Contexts beyond the model's own are cut to fit."""
+    limit = int(model.cfg.max_position) - max(rows)
+    ctxs = sorted({max(0, min(c, limit)) for c in contexts})
+    cache = model.new_cache(ctxs[-1] + max(rows))
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
 
-    def once(n: int) -> float:
+    def once(n: int, ctx: int) -> float:
+        cache.length = ctx
         sync()
         t = time.perf_counter()
-        model(torch.zeros(n, dtype=torch.long), torch.arange(n), cache, None, backend, logits_rows=slice(0, 0))
+        model(torch.zeros(n, dtype=torch.long), torch.arange(ctx, ctx + n), cache, None, backend,
+              logits_rows=slice(0, 0))
         sync()
         cache.discard()
         return time.perf_counter() - t
 
-    once(rows[0])  # first use (buffers, page faults); a larger chunk's first run is as fast as its next
-    line = [min(once(n) for _ in range(repeats)) for n in rows]
-    return ForwardCurve(list(rows), [0], [line])
+    table = []
+    for ctx in ctxs:
+        once(rows[0], ctx)  # first use (buffers, page faults); a larger chunk's first run is as fast as its next
+        table.append([min(once(n, ctx) for _ in range(repeats)) for n in rows])
+    cache.length = 0
+    return ForwardCurve(list(rows), ctxs, table)
 
 
 # --------------------------------------------------------------------------- the cache
@@ -235,6 +246,7 @@ def cached_curve(model: Any, backend: str, remeasure: bool = False, quiet: bool 
     parts = curve_parts(model, backend)
     if kind != "steps":  # the steps' files keep the parts they always had
         parts["kind"] = kind
+        parts["contexts"] = list(PREFILL_CONTEXTS)  # a curve of one context (before them) is measured again
     parts = json.loads(json.dumps(parts))  # as it reads back from JSON
     if not remeasure:
         # Checked on read: a file for other parts (a digest collision, a hand edit), a torn or
@@ -244,9 +256,9 @@ def cached_curve(model: Any, backend: str, remeasure: bool = False, quiet: bool 
             if stored.get("parts") == parts:
                 return ForwardCurve.from_json(stored["curve"])
     if not quiet:
-        what = "step costs" if kind == "steps" else "prefill chunk costs"
+        what, how_long = ("step costs", "10 s") if kind == "steps" else ("prefill chunk costs", "half a minute")
         print(f"specextend: measuring the {what} of a {model.cfg.num_layers}-layer model "
-              "(once per machine and model; about 10 s)", file=sys.stderr, flush=True)
+              f"(once per machine and model; about {how_long})", file=sys.stderr, flush=True)
     curve = measure_curve(model, backend) if kind == "steps" else measure_prefill(model, backend)
     with contextlib.suppress(OSError):  # an unwritable cache only means measuring next time again
         path.parent.mkdir(parents=True, exist_ok=True)
