@@ -6,6 +6,9 @@ Qwen3 (per-head query/key norms)."""
 
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 import torch
 
@@ -111,3 +114,34 @@ def test_the_step_refuses_bad_kept_queries(folders):
     with pytest.raises(RuntimeError, match="add up"):
         ext.forward_batch(plan, torch.cat([x, x]), model.rope(torch.arange(2))[0], model.rope(torch.arange(2))[1],
                           part([], []), kernels._path_id())
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc (Linux)")
+def test_a_thread_frees_its_idle_openmp_team_and_a_later_region_makes_a_new_one():
+    """step.release_thread_team: the calling thread's idle team goes (a thread fewer), the next
+    parallel region on it starts one again, and a thread with no team has nothing to free."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread: no team to free")
+    out: dict[str, int | bool] = {}
+
+    def on_a_thread() -> None:  # a thread of its own: the test runner's main thread is left as it is
+        out["none"] = step.release_thread_team()  # nothing opened here yet
+        out["before"] = _threads()
+        torch.ones(1 << 24).sum()  # a parallel region: this thread's team
+        out["with"] = _threads()
+        out["freed"] = step.release_thread_team()
+        out["after"] = _threads()
+        torch.ones(1 << 24).sum()
+        out["again"] = _threads()
+
+    th = threading.Thread(target=on_a_thread)
+    th.start()
+    th.join()
+    if out["with"] == out["before"]:
+        pytest.skip("PyTorch ran the sum on one thread here: no team to free")
+    assert out["freed"] is True and out["none"] is True
+    assert out["after"] < out["with"] and out["again"] == out["with"]

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol
 
+from . import step
 from .batch import Batch, Cancelled
 from .costmodel import CostModel
 from .engine import SpecEngine
@@ -59,6 +60,7 @@ class Batching:
         kv_bytes = weakref.WeakMethod(pair.kv_bytes)
         self.scheduler = Scheduler(self.batch, lambda job: run(engine, job),
                                    lambda job: _call(kv_bytes)(len(job.ids), job.settings), self.limits)
+        step.release_thread_team()  # this thread loaded and measured; the scheduler's runs the steps
 
     def shutdown(self) -> None:
         """Stop the steps; running and waiting requests end as cancelled."""
@@ -114,6 +116,7 @@ class Generations:
                 raise UserError(f"a prompt of {count(len(c.ids), 'token')} with max_new_tokens="
                                 f"{c.settings.max_new_tokens} needs more KV memory than the batch's budget of "
                                 f"{budget / 2**20:.0f} MB")
+        step.release_thread_team()  # the caller's team (a `generate` before, say) would slow the steps
         for c in calls:
             self.batching.scheduler.submit(c)
         out: list[Result | None] = []

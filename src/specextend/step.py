@@ -98,3 +98,19 @@ def run(step_plan: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
         if p.keep_q is not None:
             p.keep_q.update(zip(layers, queries, strict=True))
     return logits
+
+
+def release_thread_team() -> bool:
+    """Free the calling thread's idle OpenMP team, before other threads run the steps.
+
+    libgomp keeps a team for every thread that has opened a parallel region (ours, or PyTorch's)
+    until that thread exits, and counts their threads against the CPUs: once they outnumber them,
+    every team's waits at the regions' ends and starts spin briefly and then sleep. A thread that
+    loaded the models, measured their costs or ran `generate` and then hands the steps to a batch's
+    thread leaves its team behind; with it, the batch thread's steps over an 8K document measured
+    ~15% slower than the same forwards in `generate` (docs/benchmarks.md, "A lone 8K document
+    through the server"). The team comes back if this thread opens a region again. Whether one was
+    freed (False: no OpenMP 5.0 pause in this runtime, or the kernels are not built)."""
+    if not kernels.available():
+        return False
+    return bool(kernels.load().release_thread_team())

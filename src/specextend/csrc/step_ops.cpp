@@ -7,6 +7,9 @@
 #include <memory>
 #include <mutex>
 #include <vector>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 #include "core/cpu.h"
 #include "core/rope.h"
@@ -210,9 +213,21 @@ c10::optional<at::Tensor> forward_batch(StepPlan& p, at::Tensor x, const at::Ten
   return logits;
 }
 
+// Frees the calling thread's idle OpenMP team (step.release_thread_team says why); false where the
+// runtime cannot (no OpenMP 5.0 pause, or the thread is inside a parallel region). GCC declares
+// the pause from 9 on while its _OPENMP still says 4.5.
+bool release_thread_team() {
+#if defined(_OPENMP) && (defined(__clang__) || !defined(__GNUC__) || __GNUC__ >= 9)
+  return omp_pause_resource(omp_pause_soft, omp_get_initial_device()) == 0;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 void bind_step(py::module& m) {
+  m.def("release_thread_team", &release_thread_team, "free the calling thread's idle OpenMP team");
   py::class_<StepPlan, std::shared_ptr<StepPlan>>(m, "StepPlan").def("add_layer", &add_layer);
   py::class_<HeadPlan, std::shared_ptr<HeadPlan>>(m, "StepHead");
   m.def("step_plan", &step_plan, "a quantized model's layers for forward_batch (add_layer once per layer)");
