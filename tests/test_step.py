@@ -124,8 +124,6 @@ def _threads() -> int:
 def test_a_thread_frees_its_idle_openmp_team_and_a_later_region_makes_a_new_one():
     """step.release_thread_team: the calling thread's idle team goes (a thread fewer), the next
     parallel region on it starts one again, and a thread with no team has nothing to free."""
-    if torch.get_num_threads() < 2:
-        pytest.skip("one thread: no team to free")
     out: dict[str, int | bool] = {}
 
     def on_a_thread() -> None:  # a thread of its own: the test runner's main thread is left as it is
@@ -138,9 +136,14 @@ def test_a_thread_frees_its_idle_openmp_team_and_a_later_region_makes_a_new_one(
         torch.ones(1 << 24).sum()
         out["again"] = _threads()
 
-    th = threading.Thread(target=on_a_thread)
-    th.start()
-    th.join()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # a team of two whatever the test run set (its workers run one thread each)
+    try:
+        th = threading.Thread(target=on_a_thread)
+        th.start()
+        th.join()
+    finally:
+        torch.set_num_threads(threads)
     if out["with"] == out["before"]:
         pytest.skip("PyTorch ran the sum on one thread here: no team to free")
     assert out["freed"] is True and out["none"] is True
