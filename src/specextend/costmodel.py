@@ -123,12 +123,18 @@ def _interp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
     return max(y0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
+def fitted_contexts(model: Any, rows: Sequence[int], contexts: Sequence[int]) -> list[int]:
+    """The cached lengths a curve is measured over, cut so that the most rows still fit the model's
+    own context (distinct, ascending)."""
+    limit = int(model.cfg.max_position) - max(rows)
+    return sorted({max(0, min(c, limit)) for c in contexts})
+
+
 def measure_curve(model: Any, backend: str, rows: Sequence[int] = ROWS, contexts: Sequence[int] = CONTEXTS,
                   repeats: int = REPEATS) -> ForwardCurve:
     """Time `model`'s forward of each row count (a causal block, as a chain of draft tokens is)
     over each cached length. Contexts beyond the model's own are cut to fit."""
-    limit = int(model.cfg.max_position) - max(rows)
-    ctxs = sorted({max(0, min(c, limit)) for c in contexts})
+    ctxs = fitted_contexts(model, rows, contexts)
     cache = model.new_cache(ctxs[-1] + max(rows))
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
 
@@ -160,8 +166,7 @@ def measure_prefill(model: Any, backend: str, rows: Sequence[int] = PREFILL_ROWS
     only *set* to it, as in `measure_curve`), causal, no logits (a chunk before the last asks for
     none). The curve says how a chunk's cost per token falls with its size, and how much more
     that matters at a long context. Contexts beyond the model's own are cut to fit."""
-    limit = int(model.cfg.max_position) - max(rows)
-    ctxs = sorted({max(0, min(c, limit)) for c in contexts})
+    ctxs = fitted_contexts(model, rows, contexts)
     cache = model.new_cache(ctxs[-1] + max(rows))
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
 
