@@ -116,6 +116,39 @@ def test_a_lone_sequence_teaches_the_pairs_cost_model_and_a_shared_one_does_not(
         seen = dict(base.scale)
 
 
+def test_a_prompts_last_chunk_does_not_price_its_first_tree(pair):
+    """The step that ran a prompt's last chunk is not what its first tree rides on: with nothing
+    left to prefill the next step is the sequence's alone (priced as generate prices it); with
+    another prompt still prefilling, the tree rides on a chunk as large as the one just run."""
+    base = copy.deepcopy(pair.step_costs())
+    batch = Batch(pair.target, pair.draft)
+    costs = StepCosts(base, batch)
+    alone = base.verify_costs(300, 8)
+    batch.sequences, batch.last = [1], StepReport(decoding=0, prefill_rows=64, prompt_left=0)
+    assert batch.last.next_prefill_rows == 0 and costs.settled
+    assert costs.verify_costs(300, 8) == pytest.approx(alone)
+    batch.sequences, batch.last = [1, 2], StepReport(decoding=0, prefill_rows=64, prompt_left=500)
+    assert batch.last.next_prefill_rows == 64 and not costs.settled
+    riding = costs.verify_costs(300, 8)
+    ahead = base.verify_costs(300, 64 + 8)
+    assert riding[3] == pytest.approx(alone[1] + ahead[64 + 3] - ahead[65])
+
+
+def test_a_step_reports_the_prompt_tokens_left(pair):
+    """A 20-token prompt prefilled 8 tokens a step: 12, then 4, then none left (its decode steps
+    carry none either)."""
+    batch = Batch(pair.target, pair.draft)
+    engine = batch.engine(pair.eos_ids, pair.step_costs())
+    s = settings(method="ar", max_new_tokens=3)
+    batch.add(Sequence(lambda: pair.generation(prompt(3, 20), settings=s).run(engine)))
+    left = []
+    while batch.sequences:
+        report = batch.step(8)
+        left.append((report.prefill_rows, report.prompt_left))
+        batch.reap()
+    assert left[:3] == [(8, 12), (8, 4), (4, 0)] and all(r == (0, 0) for r in left[3:])
+
+
 # --------------------------------------------------------------------------- the scheduler
 
 

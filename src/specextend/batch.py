@@ -175,10 +175,17 @@ class StepReport:
     decode_rows: int = 0  # rows of decoding sequences in the target forward
     decoding: int = 0  # sequences with decode rows in it
     prefill_rows: int = 0  # prompt tokens prefilled
+    prompt_left: int = 0  # prompt tokens still to prefill after it (target prompts)
     draft_rounds: int = 0
     drafting: int = 0  # sequences that ran the draft
     seconds: float = 0.0  # the step's wall time
     forward_s: float = 0.0  # of which in the models' forwards (the rest: the sequences' own work)
+
+    @property
+    def next_prefill_rows(self) -> int:
+        """The prompt tokens the next step is expected to carry: as many as this one, unless fewer
+        are left (a prompt whose last chunk ran here does not ride on the next step)."""
+        return min(self.prefill_rows, self.prompt_left)
 
 
 class Batch:
@@ -280,6 +287,8 @@ class Batch:
         report.forward_s += time.perf_counter() - t0
         if current:
             report.prefill_rows = taken
+            report.prompt_left = sum(s.waiting_tokens for s in self.sequences
+                                     if s.prefilling and s.call.model is model) - taken  # type: ignore[union-attr]
             self.last = report
         for (s, take), out in zip(runs, outs, strict=True):
             if take is None:
@@ -297,7 +306,8 @@ class StepCosts(CostModel):
     sequences' work, so they say nothing about its own forwards (alone, it refreshes the pair's).
     Priced against the batch decoding plainly: with `b` sequences decoding, each one's share of a
     plain decode step is T(b) / b, so the sizer's rate to beat is the batch's
-    (b tokens per T(b)); with `p` prompt tokens in the step as well, a tree of n rows adds
+    (b tokens per T(b)); with `p` prompt tokens in the step as well (as many as the last step
+    carried, unless fewer are left: `StepReport.next_prefill_rows`), a tree of n rows adds
     T(b + p + n - 1) - T(b + p). A tree is kept only where its expected tokens beat what its rows
     cost every sequence in the step, so speculation backs off as the step fills, and rows riding
     on a prefill chunk pay only their own rows (never the prefill's), while a draft round, which
@@ -341,14 +351,14 @@ class StepCosts(CostModel):
 
     @property  # type: ignore[override]
     def settled(self) -> bool:
-        """No prompt chunk shares the step: its costs are what the coming steps will cost."""
-        return self.batch.last.prefill_rows == 0
+        """No prompt chunk will share the next step: its costs are what the coming steps will cost."""
+        return self.batch.last.next_prefill_rows == 0
 
     def verify_costs(self, context: int, max_rows: int) -> list[float]:
         self._sync()
         last = self.batch.last
         b = max(1, last.decoding)
-        r = b + last.prefill_rows
+        r = b + last.next_prefill_rows
         if r == 1:
             return super().verify_costs(context, max_rows)
         own = super().verify_costs(context, r + max_rows)
@@ -361,5 +371,5 @@ class StepCosts(CostModel):
         drafting = max(1, last.drafting)
         # A draft round holds up the whole step, prompt chunks included: priced per row the step
         # carries, not only per decoding sequence (so it rarely runs while prompts prefill).
-        held = (max(1, last.decoding) + last.prefill_rows) / max(1, last.decoding)
+        held = (max(1, last.decoding) + last.next_prefill_rows) / max(1, last.decoding)
         return super().draft_s(rows * drafting, context) / drafting * held
