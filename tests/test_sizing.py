@@ -421,6 +421,26 @@ def test_lookup_priors_follow_how_this_requests_lookup_fares():
     assert rate(0.0, 0.6) > 0.85 * prior and rate(1.0, 0.6) < 1.15 * prior
 
 
+def test_a_lookup_depth_never_verified_is_expected_to_fare_as_the_depth_above():
+    """Before any lookup token is verified every depth is the flat prior; once the depths a
+    request has verified are accepted (or rejected) far from it, a deeper kind never verified
+    yet starts at the deepest verified depth's rate, not at the flat prior: a request whose
+    three-token lookup chains were all accepted otherwise never tried a fourth token."""
+    sizer = Sizer(synthetic_costs(), Settings(method="lookup").resolved(), has_draft=False)
+    flat = LOOKUP_PRIOR[lookup_key(3, 1, False)]
+    assert all(sizer.lookup_rate(3, d, False) == pytest.approx(flat) for d in range(1, 6))
+    for d in (1, 2, 3):
+        sizer.lookup_stats[lookup_key(3, d, False)] = [9.5, 10.0]  # nearly always accepted
+    sizer.lookup_seen = [28.5, 30 * flat]
+    deep = sizer.lookup_rate(3, 4, False)
+    assert deep == pytest.approx(sizer.lookup_rate(3, 3, False)) and deep > 0.9
+    for d in (1, 2, 3):
+        sizer.lookup_stats[lookup_key(3, d, False)] = [0.5, 10.0]  # nearly never
+    sizer.lookup_seen = [1.5, 30 * flat]
+    assert sizer.lookup_rate(3, 4, False) < 0.2
+    assert sizer.lookup_rate(1, 4, False) < LOOKUP_PRIOR[lookup_key(1, 4, False)]  # untried: scaled down
+
+
 def test_every_kind_of_lookup_token_has_a_prior_that_is_a_probability():
     """Any match length and depth the proposer can offer (`--lookup-ngram` and `--lookup-length`
     have no upper bound) maps to a kind with a prior: a missing one would fail a decode with a

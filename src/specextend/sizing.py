@@ -12,8 +12,11 @@ path):
 - a lookup candidate: its parent's value times the running rate at which lookup tokens of its
   depth, match length and rank were accepted when their parent was; for the first token also
   the draft's calibrated probability of it when the draft ran (whichever says more). A bucket
-  seen little leans on its prior, scaled by how this request's lookup tokens fare against their
-  priors overall (text that repeats its context rarely gets low priors everywhere, code high).
+  seen little leans on its prior: at the first depth a flat prior per match length, scaled by
+  how this request's lookup tokens fare against their priors overall (text that repeats its
+  context rarely gets low priors everywhere, code high); deeper, the rate of the depth above
+  (so a depth never verified is expected to fare as the deepest one verified: a request whose
+  chains of three lookup tokens were nearly always accepted tries a fourth).
 
 Values never increase along a path, so every prefix of the candidates ordered by value is a tree.
 
@@ -73,7 +76,10 @@ RANK_WEIGHT = 0.1  # EMA weight of the draft's rank probabilities
 # by matched suffix length 1, 2, 3+, until observations take over; an alternative continuation
 # (not its parent's first lookup child) starts at half. Flat in depth on purpose: priors set to
 # the replayed rates by depth (bench/lookup_replay.py; higher deeper down) verified more rows for
-# the same accepted tokens (docs/benchmarks.md, "Measured choices").
+# the same accepted tokens (docs/benchmarks.md, "Measured choices"). A depth below the first
+# leans on the rate of the depth above instead (`Sizer.lookup_rate`), which is this table's
+# value until the request has verified tokens there; these values still set what the request's
+# verified tokens are expected to score (`lookup_seen`).
 # Lookup tokens are counted by match length and depth up to these; longer ones count as these.
 LOOKUP_KIND_NGRAM = 3
 LOOKUP_KIND_DEPTH = 4
@@ -165,9 +171,12 @@ class Sizer:
     def lookup_rate(self, ngram: int, depth: int, alt: bool) -> float:
         key = lookup_key(ngram, depth, alt)
         acc, tries = self.lookup_stats.get(key, (0.0, 0.0))
-        accepted, expected = self.lookup_seen
-        scale = (accepted + LOOKUP_SCALE_WEIGHT) / (expected + LOOKUP_SCALE_WEIGHT)
-        prior = min(1.0, LOOKUP_PRIOR[key] * scale)
+        if key[1] > 1:
+            prior = self.lookup_rate(ngram, key[1] - 1, alt)
+        else:
+            accepted, expected = self.lookup_seen
+            scale = (accepted + LOOKUP_SCALE_WEIGHT) / (expected + LOOKUP_SCALE_WEIGHT)
+            prior = min(1.0, LOOKUP_PRIOR[key] * scale)
         return (acc + prior * LOOKUP_PRIOR_WEIGHT) / (tries + LOOKUP_PRIOR_WEIGHT)
 
     def values(self, pool: Pool) -> Candidates:
