@@ -125,10 +125,10 @@ def test_a_prompts_last_chunk_does_not_price_its_first_tree(pair):
     costs = StepCosts(base, batch)
     alone = base.verify_costs(300, 8)
     batch.sequences, batch.last = [1], StepReport(decoding=0, prefill_rows=64, prompt_left=0)
-    assert batch.last.next_prefill_rows == 0 and costs.settled
+    assert batch.last.next_prefill_rows == 0
     assert costs.verify_costs(300, 8) == pytest.approx(alone)
     batch.sequences, batch.last = [1, 2], StepReport(decoding=0, prefill_rows=64, prompt_left=500)
-    assert batch.last.next_prefill_rows == 64 and not costs.settled
+    assert batch.last.next_prefill_rows == 64
     riding = costs.verify_costs(300, 8)
     ahead = base.verify_costs(300, 64 + 8)
     assert riding[3] == pytest.approx(alone[1] + ahead[64 + 3] - ahead[65])

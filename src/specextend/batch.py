@@ -351,8 +351,10 @@ class StepCosts(CostModel):
 
     @property  # type: ignore[override]
     def settled(self) -> bool:
-        """No prompt chunk will share the next step: its costs are what the coming steps will cost."""
-        return self.batch.last.next_prefill_rows == 0
+        """No prompt chunk shared the last step: the next one's costs are what the coming steps
+        will cost. (Not the next step's expected chunk: a prompt's first decode step would then
+        start the draft and its prompt pass, and hold back the first token.)"""
+        return self.batch.last.prefill_rows == 0
 
     def verify_costs(self, context: int, max_rows: int) -> list[float]:
         self._sync()
