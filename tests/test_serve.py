@@ -224,7 +224,10 @@ def test_models_and_health(url):
     h = httpx.get(f"{url}/health").json()
     assert h["status"] == "ok" and h["busy"] is False and h["prefix_cache"]["max_bytes"] == 64 << 20
     budget = h["batch"]["budget"]  # the measured step budget and why (budget.py)
-    assert budget["alone_rows"] == h["batch"]["idle_step_tokens"] >= h["batch"]["step_tokens"] - 1
+    # Beside a stream the chunk is at most the chunk alone at the same context (step_tokens is
+    # reported at a 2,048-token context, where the chunk alone may have grown past the empty cache's).
+    assert budget["alone_rows"] == h["batch"]["idle_step_tokens"]
+    assert budget["alone_rows_by_context"]["2048"] >= h["batch"]["step_tokens"] - 1
     assert budget["why"] and set(budget["prefill_ms_per_token"]) == {"16", "32", "64", "128", "256", "512"}
 
 
