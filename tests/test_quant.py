@@ -67,19 +67,17 @@ KINDS = [("Q4_K", 48, 512), ("Q6_K", 40, 256), ("Q8_0", 35, 96), ("Q5_0", 33, 64
 def test_gguf_blocks_are_kept_exactly(kind: str, n: int, k: int) -> None:
     raw = random_blocks(kind, n, k)
     seg = quant.from_gguf_blocks(kind, raw, n, k)
-    assert seg.blob.numel() == quant.blob_bytes(seg.fmt, n, k, seg.groups)
+    assert seg.blob.numel() == quant.blob_bytes(seg.fmt, n, k, seg.groups) == quant.kept_bytes(kind, n, k)
+    assert (seg.fmt, seg.groups) == quant.KEPT_AS[kind]
     assert_same_weights(kind, seg.dequantize().numpy(), gguf_dequant(kind, raw, n, k))
     rows = torch.tensor([n - 1, 0, 7])
     assert np.array_equal(seg.dequantize(rows).numpy(), gguf_dequant(kind, raw, n, k)[rows.numpy()])
 
 
 def assert_same_weights(kind: str, ours: np.ndarray, ref: np.ndarray) -> None:
-    """Bit for bit in float32, but for Q4_0's zero weights under a negative scale: gguf gives
-    d * 0 = -0.0, our d * q - 8 * d gives +0.0 (the same value; the kernels' integer dot products
-    never see the sign of a zero weight)."""
+    """Bit for bit in float32, the sign of a zero weight included (Q4_0's d * (q - 8) as gguf's)."""
     assert np.array_equal(ours, ref)
-    differ = ours.view(np.uint32) != ref.view(np.uint32)
-    assert not differ.any() or (kind == "Q4_0" and (ref[differ] == 0).all())
+    assert np.array_equal(ours.view(np.uint32), ref.view(np.uint32)), kind
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_1"])

@@ -29,7 +29,8 @@ SEGMENTS = {
                                                                 100, 512)]),
     **{kind: (lambda kind=kind, k=k: quant.QWeight(k, [quant.from_gguf_blocks(kind, random_blocks(kind, 100, k, seed=5),
                                                                            100, k)]))
-       for kind, k in (("Q5_K", 512), ("IQ4_XS", 256), ("Q5_1", 64), ("IQ4_NL", 96), ("Q3_K", 512), ("Q2_K", 512),
+       for kind, k in (("Q5_K", 512), ("IQ4_XS", 256), ("Q5_1", 64), ("IQ4_NL", 96), ("Q4_0", 96),
+                       ("Q5_0", 64), ("Q3_K", 512), ("Q2_K", 512),
                        ("F16", 160), ("BF16", 96))},
 }
 

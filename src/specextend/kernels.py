@@ -55,8 +55,9 @@ PATHS = ("portable", "avx2", "avx512", "neon", "amx")  # the kernel paths; ids i
 EMULATED_AMX = "amx-emulated"  # test switch (csrc/core/cpu.h): the amx code on emulated tiles
 # The kernels' arithmetic, versioned: raised whenever an output's bits change, so that KV written
 # by another version (the prefix cache's files) is never read back as if this one had computed
-# it. 2: an attention score is one chain over the dimension pairs.
-ARITHMETIC_VERSION = 2
+# it. 2: an attention score is one chain over the dimension pairs. 3: Q4_0's weights as d * (q - 8)
+# under q8's epilogue (the offset in the integer sum), not a one-group q4k's minimum term.
+ARITHMETIC_VERSION = 3
 CPU_ENV = "SPECEXTEND_CPU"
 
 

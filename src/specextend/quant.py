@@ -11,10 +11,13 @@ A `QWeight` is a [n, k] matrix stored in one or more row *segments*, each in one
   scales: exactly GGUF's Q6_K grid; ``q3k``, the same at three bits a code: GGUF's Q3_K;
   ``q2k``, 2-bit codes under a 4-bit scale and a 4-bit minimum per group of 16: GGUF's Q2_K.
 - ``q8``: byte codes in groups of 32 with one float16 scale and a fixed offset:
-  GGUF's Q8_0 (offset 128) and Q5_0 (offset 16) grids, and our 8-bit format for float weights.
+  GGUF's Q8_0 (offset 128) grid, and our 8-bit format for float weights.
 - ``q5k`` and ``iq4``: q4k's header (signed scale codes) over 5-bit codes (nibbles and a bit
   plane) or IQ4's 4-bit table indices, unpacked by the kernels into q8's byte codes: GGUF's Q5_K
-  and IQ4_XS (8 groups a super-block), Q5_1 and IQ4_NL (one group).
+  and IQ4_XS (8 groups a super-block), Q5_1 (one group).
+- ``q40``, ``q50`` and ``iq4nl``: q8's header (one float16 scale a group of 32) over q4k's
+  nibbles (Q4_0, offset 8), q5k's nibbles and bit plane (Q5_0, offset 16) or IQ4's table indices
+  (IQ4_NL, offset 128): each at its file's bits a weight.
 - ``f16`` and ``bf16``: GGUF's F16 and BF16 weights as they are, 16 bits each (per input, a
   panel's 16 values); the kernels multiply them in float32 with float32 activations.
 
@@ -34,11 +37,14 @@ import torch
 from .errors import UserError
 
 PANEL = 16
-FORMATS = {"q4k": 0, "q6k": 1, "q8": 2, "q5k": 3, "iq4": 4, "q3k": 5, "q2k": 6, "f16": 7, "bf16": 8}
+FORMATS = {"q4k": 0, "q6k": 1, "q8": 2, "q5k": 3, "iq4": 4, "q3k": 5, "q2k": 6, "f16": 7, "bf16": 8, "q40": 9,
+           "q50": 10, "iq4nl": 11}
 # The 16-bit float formats: GGUF type -> format (super-blocks of 32 inputs, 2 bytes a weight).
 FLOAT_KINDS = {"F16": "f16", "BF16": "bf16"}
 # Code bytes per group of 16 channels x 32 inputs of the formats with q4k's header (`pack_kgroups`).
 K_CODE_BYTES = {"q5k": 320, "iq4": 256}
+# The same for the formats with q8's header (`pack_q8`): one group of 32 inputs a super-block.
+Q8_CODE_BYTES = {"q8": 512, "q40": 256, "q50": 320, "iq4nl": 256}
 
 
 def _superblock(fmt: str, groups: int) -> tuple[int, int]:
@@ -47,8 +53,9 @@ def _superblock(fmt: str, groups: int) -> tuple[int, int]:
         return 32 * groups, 64 + 288 * groups
     if fmt in K_CODE_BYTES:
         return 32 * groups, 64 + (32 + K_CODE_BYTES[fmt]) * groups
-    return {"q6k": (256, 3360), "q3k": (256, 1824), "q2k": (256, 1344), "q8": (32, 544), "f16": (32, 1024),
-            "bf16": (32, 1024)}[fmt]
+    if fmt in Q8_CODE_BYTES:
+        return 32, 32 + Q8_CODE_BYTES[fmt]
+    return {"q6k": (256, 3360), "q3k": (256, 1824), "q2k": (256, 1344), "f16": (32, 1024), "bf16": (32, 1024)}[fmt]
 
 
 def blob_bytes(fmt: str, n: int, k: int, groups: int = 8) -> int:
@@ -223,13 +230,29 @@ def pack_q2k(d: np.ndarray, dmin: np.ndarray, sm: np.ndarray, codes: np.ndarray)
     return Segment("q2k", n, _blob(parts), 0, codes.shape[1])
 
 
-def pack_q8(d: np.ndarray, codes: np.ndarray, offset: int) -> Segment:
-    """d: [n, k/32] float16; codes [n, k] uint8; w = d * (code - offset)."""
+def _code_body(fmt: str, st: np.ndarray) -> np.ndarray:
+    """A byte-code format's groups of steps [P, k/32, 8, 64] as the bytes the kernels unpack,
+    [P, k/32, code bytes]: q8's bytes as they are; 4-bit codes as q4k's nibbles (step i low, step
+    i + 4 high), and for q5k and q50 a plane of fifth bits (bit s of a plane byte belongs to step s
+    of the nibble byte at the same place)."""
+    p, g = st.shape[:2]
+    if fmt == "q8":
+        return st.reshape(p, g, 8 * 64)
+    nib = ((st[:, :, :4] & 15) | ((st[:, :, 4:] & 15) << 4)).reshape(p, g, 256)
+    if fmt not in ("q5k", "q50"):
+        return nib
+    plane = sum(((st[:, :, i] >> 4) & 1) << i for i in range(8)).astype(np.uint8)
+    return np.concatenate([nib, plane], axis=2)
+
+
+def pack_q8(d: np.ndarray, codes: np.ndarray, offset: int, fmt: str = "q8") -> Segment:
+    """q8's header over codes in groups of 32: d [n, k/32] float16; codes [n, k] uint8;
+    w = d * (byte - offset), where the byte is the code (``q8``, ``q40``: codes 0..15, ``q50``:
+    0..31) or, for ``iq4nl``, IQ4's table value + 128 of the code 0..15 (offset 128)."""
     n = codes.shape[0]
     st = _steps(_panels(codes), 32)  # [P, k/32, 8, 64]
-    p, g = st.shape[:2]
-    parts = [_by_panel(_panels(d), 1), st.reshape(p, g, 8 * 64)]
-    return Segment("q8", n, _blob(parts), offset, codes.shape[1])
+    parts = [_by_panel(_panels(d), 1), _code_body(fmt, st)]
+    return Segment(fmt, n, _blob(parts), offset, codes.shape[1])
 
 
 def pack_kgroups(fmt: str, d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, mn: np.ndarray, codes: np.ndarray,
@@ -245,11 +268,7 @@ def pack_kgroups(fmt: str, d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, mn: 
     n = codes.shape[0]
     st = _steps(_panels(codes), 32)  # [P, k/32, 8, 64]
     p, g = st.shape[:2]
-    nib = (st[:, :, :4] & 15) | ((st[:, :, 4:] & 15) << 4)  # step i low, step i + 4 high
-    body = nib.reshape(p, g, 256)
-    if fmt == "q5k":
-        plane = sum(((st[:, :, i] >> 4) & 1) << i for i in range(8)).astype(np.uint8)
-        body = np.concatenate([body, plane], axis=2)
+    body = _code_body(fmt, st)
     parts = [
         _by_panel(_panels(d), 1),
         _by_panel(_panels(dmin), 1),
@@ -274,6 +293,20 @@ GGUF_BLOCKS = {
 }
 
 
+# The kernel format and groups a super-block (`Segment.groups`) each of them is kept in.
+KEPT_AS = {
+    "Q4_K": ("q4k", 8), "Q6_K": ("q6k", 8), "Q8_0": ("q8", 8), "Q5_0": ("q50", 8), "Q4_0": ("q40", 8),
+    "Q4_1": ("q4k", 1), "Q3_K": ("q3k", 8), "IQ4_NL": ("iq4nl", 8), "Q5_K": ("q5k", 8), "IQ4_XS": ("iq4", 8),
+    "Q5_1": ("q5k", 1), "Q2_K": ("q2k", 8), "F16": ("f16", 1), "BF16": ("bf16", 1),
+}
+
+
+def kept_bytes(kind: str, n: int, k: int) -> int:
+    """Bytes of an [n, k] GGUF tensor of a kept type once repacked (`from_gguf_blocks`)."""
+    fmt, groups = KEPT_AS[kind]
+    return blob_bytes(fmt, n, k, groups)
+
+
 def _f16(b: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(b).view(np.float16)[..., 0]
 
@@ -290,27 +323,26 @@ def _bits(b: np.ndarray, count: int, width: int = 1) -> np.ndarray:
 
 
 def _legacy(kind: str, b: np.ndarray, n: int, k: int) -> Segment:
-    """The 32-weight types: Q8_0 and Q5_0 as q8 byte codes (offset 128, 16); Q4_0 and Q4_1 as q4k,
-    Q5_1 as q5k and IQ4_NL as iq4 super-blocks of one group (scale code 1; the minimum 8d, -m, -m, 0)."""
+    """The 32-weight types under q8's header (a float16 scale a block, no minimum): Q8_0 as q8
+    (offset 128), Q5_0 as q50 (16), Q4_0 as q40 (8), IQ4_NL as iq4nl (128); the two with a minimum
+    as q4k's header's super-blocks of one group: Q4_1 as q4k, Q5_1 as q5k (scale code 1, minimum -m)."""
     d = _f16(b[..., 0:2])
     ones = np.ones(d.shape, dtype=np.uint8)
     if kind == "Q8_0":
         return pack_q8(d, (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8).reshape(n, k), 128)
-    if kind == "IQ4_NL":  # d * table[q] = d * 1 * (byte - 128) - 0
-        zero = np.zeros(d.shape, np.float16)
-        return pack_kgroups("iq4", d, zero, ones.view(np.int8), ones * 0, _nibbles32(b[..., 2:18]).reshape(n, k), 128,
-                            groups=1)
+    if kind == "IQ4_NL":  # d * table[q] = d * (byte - 128)
+        return pack_q8(d, _nibbles32(b[..., 2:18]).reshape(n, k), 128, "iq4nl")
     if kind in ("Q5_0", "Q5_1"):
         at = 2 if kind == "Q5_0" else 4
         qh = np.ascontiguousarray(b[..., at : at + 4]).view(np.uint32)  # [n, blocks, 1]
         bits = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [n, blocks, 32]
         codes = (_nibbles32(b[..., at + 4 : at + 20]) | (bits << 4)).reshape(n, k)
         if kind == "Q5_0":
-            return pack_q8(d, codes, 16)
+            return pack_q8(d, codes, 16, "q50")
         # Q5_1: d * q + m = d * 1 * q - (-m) * 1
         return pack_kgroups("q5k", d, -_f16(b[..., 2:4]), ones.view(np.int8), ones, codes, 0, groups=1)
-    if kind == "Q4_0":  # d * (q - 8) = d * 1 * q - d * 8
-        return pack_q4k(d, d, ones, ones * 8, _nibbles32(b[..., 2:18]).reshape(n, k), groups=1)
+    if kind == "Q4_0":  # d * (q - 8)
+        return pack_q8(d, _nibbles32(b[..., 2:18]).reshape(n, k), 8, "q40")
     # Q4_1: d * q + m = d * 1 * q - (-m) * 1
     return pack_q4k(d, -_f16(b[..., 2:4]), ones, ones, _nibbles32(b[..., 4:20]).reshape(n, k), groups=1)
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .quant import PANEL, QWeight, Segment
+from .quant import PANEL, Q8_CODE_BYTES, QWeight, Segment
 
 if TYPE_CHECKING:
     from .model import Transformer
@@ -53,7 +53,7 @@ def _sections(fmt: str, groups: int) -> list[tuple[int, int]]:
         return [(1, 2), (1, 2), (16, 1), (16, 4)]
     if fmt in ("f16", "bf16"):  # per input, 16 channels' 16-bit values
         return [(32, 2)]
-    return [(1, 2), (8, 4)]  # q8: d (f16), codes
+    return [(1, 2), (Q8_CODE_BYTES[fmt] // 64, 4)]  # q8's header: d (f16), codes in 64-byte rows
 
 
 def _lane_map(fmt: str, groups: int) -> tuple[np.ndarray, np.ndarray]:
@@ -82,7 +82,9 @@ def gather_rows(seg: Segment, ids: np.ndarray) -> Segment:
 
 
 def _inputs(seg: Segment) -> int:
-    return {"q6k": 256, "q3k": 256, "q2k": 256, "q8": 32}.get(seg.fmt, 32 * seg.groups)
+    if seg.fmt in Q8_CODE_BYTES:
+        return 32
+    return {"q6k": 256, "q3k": 256, "q2k": 256}.get(seg.fmt, 32 * seg.groups)
 
 
 def _padded(ids: np.ndarray) -> np.ndarray:

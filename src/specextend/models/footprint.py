@@ -9,8 +9,10 @@ and keeps vectors (norms, biases) in float32. A type the kernels do not compute 
 not the file's own weights. `notice` says so in one line at load, and `check_fits` refuses a
 model whose first load would not fit in the memory available.
 
-The figures are estimates from shapes (panel padding and file headers aside), good to a few
-percent. This module does arithmetic on tensor descriptions only; `gguf.file_footprint` reads them.
+The figures are computed from shapes: a kept tensor's bytes are its kernel layout's
+(`quant.kept_bytes`, panels of 16 rows included): the file's bytes, or up to 10% more for the
+types kept under q4k's header (IQ4_XS, Q4_1, Q5_1; docs/benchmarks.md). This module does
+arithmetic on tensor descriptions only; `gguf.file_footprint` reads them.
 """
 
 from __future__ import annotations
@@ -179,6 +181,8 @@ def _runs_as(kind: str, shape: tuple[int, ...], path: str | None) -> tuple[str, 
 def footprint(file: str | os.PathLike[str], architecture: str, tensors: list[TensorInfo],
               kernel_path: str | None) -> Footprint:
     """The footprint of the GGUF file `file` holding `tensors` (those the model loads)."""
+    from .. import quant
+
     fp = Footprint(file=str(file), file_bytes=Path(file).stat().st_size, architecture=architecture,
                    kernel_path=kernel_path)
     rows: dict[tuple[str, str], TypeRow] = {}
@@ -189,11 +193,12 @@ def footprint(file: str | os.PathLike[str], architecture: str, tensors: list[Ten
         row.tensors += 1
         row.parameters += count
         row.file_bytes += t.file_bytes
-        row.converted_bytes += t.file_bytes if kept else count * F32_BYTES
+        repacked = quant.kept_bytes(t.kind, math.prod(t.shape[1:]), t.shape[0]) if kept else 0
+        row.converted_bytes += repacked if kept else count * F32_BYTES
         if runs_float(kernel_path):
             row.loaded_bytes += count * F32_BYTES
         elif kept:
-            row.loaded_bytes += t.file_bytes
+            row.loaded_bytes += repacked
         else:
             requantized = dims == 2 and t.shape[0] % 32 == 0
             row.loaded_bytes += round(count * Q8_BYTES) if requantized else count * F32_BYTES

@@ -17,7 +17,10 @@ bool format_info(int64_t fmt, int64_t sbg, FormatInfo* out) {
     case Q6K:
     case Q3K:
     case Q2K: *out = {16, 256, q6_header(fmt) + 16 * group16_bytes(fmt)}; return true;
-    case Q8: *out = {32, 32, 32 + 512}; return true;
+    case Q8:
+    case Q40:
+    case Q50:
+    case IQ4NL: *out = {32, 32, 32 + code_bytes(fmt)}; return true;
     case Q5K:
     case IQ4:
       if (sbg < 1 || sbg > 8) return false;

@@ -38,8 +38,14 @@
 //       d[16] f16, dmin[16] f16, sc[16][16] u8 (Q2_K's bytes: scale | min << 4), codes[16][64]
 //       w = d*(sc & 15) * q - dmin*(sc >> 4); the Q6K epilogue (zero point 0) and then Q4K's
 //       minimum term per group of 16: acc = fma(-min, xs16, acc), xs16 = d8 * s16 (q16_xs).
-//   Q8 (codes in bytes, groups of 32 = super-block, one f16 scale per group; Q8_0, Q5_0, int8):
+//   Q8 (codes in bytes, groups of 32 = super-block, one f16 scale per group; Q8_0, int8):
 //       d[16] f16, codes[8][64] u8                              w = d * (q - offset)
+//   Q40, Q50 and IQ4NL (Q8's header over the 4-bit codes of Q5K and IQ4, unpacked the same way
+//       into Q8's byte codes; one group a super-block, so a weight costs its file's bits):
+//       d[16] f16, then Q4K's nibbles (4 x 64 bytes) and for Q50 Q5K's plane of fifth bits
+//       (64 bytes)                                          w = d * (byte - offset)
+//       Q40's byte is the nibble (GGUF's Q4_0, offset 8), Q50's the 5-bit code (Q5_0, offset 16),
+//       IQ4NL's kIq4Bytes[nibble] (IQ4_NL, offset 128). Their arithmetic is Q8's.
 //   Q5K and IQ4 (Q4K's header with signed scale codes over 4-bit codes that the kernels unpack
 //       into Q8's byte codes; G = 1..8 groups of 32 a super-block):
 //       d[16] f16, dmin[16] f16, sc[G][16] i8, mn[G][16] u8, then per group: Q4K's nibbles
@@ -76,7 +82,9 @@
 
 namespace spx {
 
-enum Format : int64_t { Q4K = 0, Q6K = 1, Q8 = 2, Q5K = 3, IQ4 = 4, Q3K = 5, Q2K = 6, F16 = 7, BF16 = 8 };
+enum Format : int64_t {
+  Q4K = 0, Q6K = 1, Q8 = 2, Q5K = 3, IQ4 = 4, Q3K = 5, Q2K = 6, F16 = 7, BF16 = 8, Q40 = 9, Q50 = 10, IQ4NL = 11
+};
 
 // The float formats (F16, BF16): products of float32 activations, not of int8 codes.
 inline bool float_format(int64_t fmt) { return fmt == F16 || fmt == BF16; }
@@ -96,13 +104,24 @@ struct FormatInfo {
 // False for an unknown format or a Q4K/Q5K/IQ4 super-block size outside 1..8 groups.
 bool format_info(int64_t fmt, int64_t sbg, FormatInfo* out);
 
-// The byte-code formats: Q8, and Q5K and IQ4 (Q4K's header, codes unpacked into bytes).
+// The byte-code formats: those with Q8's header (one f16 scale a channel and group, no minimum:
+// Q8, Q40, Q50, IQ4NL) and those with Q4K's (Q5K, IQ4), codes unpacked into bytes.
 constexpr bool k_header(int64_t fmt) { return fmt == Q5K || fmt == IQ4; }
-constexpr int code_bytes(int64_t fmt) { return fmt == Q5K ? 320 : fmt == IQ4 ? 256 : 512; }  // a group's
+constexpr bool q8_header(int64_t fmt) { return fmt == Q8 || fmt == Q40 || fmt == Q50 || fmt == IQ4NL; }
+constexpr bool byte_format(int64_t fmt) { return k_header(fmt) || q8_header(fmt); }
+// How a byte-code format's codes unpack: Q8 (bytes), Q5K (nibble and fifth bit), IQ4 (table) or
+// Q40 (the nibble).
+constexpr int64_t code_kind(int64_t fmt) { return fmt == Q50 ? Q5K : fmt == IQ4NL ? IQ4 : fmt; }
+constexpr int code_bytes(int64_t fmt) {  // a group's
+  return code_kind(fmt) == Q5K ? 320 : code_kind(fmt) == Q8 ? 512 : 256;
+}
+// Codes below 32 by their layout (a nibble, or a nibble and a fifth bit): paths may multiply
+// them as unsigned bytes without the sign trick.
+constexpr bool small_codes(int64_t fmt) { return code_kind(fmt) == Q5K || fmt == Q40; }
 
 // Where group g of the byte-code super-block at `sb` keeps its codes.
 inline const uint8_t* byte_codes(int64_t fmt, int64_t sbg, const uint8_t* sb, int g) {
-  return fmt == Q8 ? sb + 32 : sb + 64 + 32 * sbg + code_bytes(fmt) * g;
+  return q8_header(fmt) ? sb + 32 : sb + 64 + 32 * sbg + code_bytes(fmt) * g;
 }
 
 // The 6-bit formats (Q6K, Q3K, Q2K: codes of at most 6 bits in groups of 16): a group's bytes in
@@ -139,7 +158,8 @@ inline int byte_code(int64_t fmt, const uint8_t* cb, int st, int b) {
   if (fmt == Q8) return cb[64 * st + b];
   const uint8_t v = cb[64 * (st % 4) + b];
   const int nib = st < 4 ? v & 15 : v >> 4;
-  if (fmt == IQ4) return kIq4Bytes[nib];
+  if (code_kind(fmt) == IQ4) return kIq4Bytes[nib];
+  if (fmt == Q40) return nib;
   return nib | (((cb[256 + b] >> st) & 1) << 4);
 }
 

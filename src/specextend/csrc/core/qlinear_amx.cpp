@@ -41,7 +41,7 @@ struct alignas(64) GroupScales {
 
 // A group's per-row inputs, from the activation block of the group's inputs: the row's scale d8,
 // xs (Q4K's minimum term) and the int32 correction offset x sums (Q6K: 32 x the sum of the
-// group's 16 codes; Q8: the format's offset x the block's sum; Q4K none).
+// group's 16 codes; the byte-code formats: the format's offset x the block's sum; Q4K none).
 struct GroupRows {
   const float* d8;
   const float* xs;
@@ -269,9 +269,11 @@ const uint8_t* prepare_group(const Segment& s, const uint8_t* p, int64_t gi, uin
     V::unpack_bytes(s.fmt, byte_codes(s.fmt, sbg, sb, static_cast<int>(g)), buf);
     return buf;
   }
-  const uint8_t* grp = p + gi * 544;
+  const uint8_t* grp = p + gi * s.fi().bytes;  // Q8's header: one group a super-block
   V::halves(grp, gs.scale);
-  return grp + 32;  // Q8's codes are B's layout already
+  if (s.fmt == Q8) return grp + 32;  // Q8's codes are B's layout already
+  V::unpack_bytes(s.fmt, grp + 32, buf);
+  return buf;
 }
 
 struct Pending {  // an item whose sums wait for the epilogue
@@ -292,7 +294,7 @@ void finish_item(const Segment& s, const Rows& x, const Pending& it, float* acc)
     g.offset = q6_zero(s.fmt);
     g.has_mins = g.mins16 = s.fmt == Q2K;
   }
-  if (s.fmt == Q8 || k_header(s.fmt)) g.offset = static_cast<int32_t>(s.offset);
+  if (byte_format(s.fmt)) g.offset = static_cast<int32_t>(s.offset);
   V::epilogue(it.sums, it.rows, g, *it.gs, acc);
 }
 

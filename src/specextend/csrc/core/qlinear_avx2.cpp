@@ -321,17 +321,18 @@ inline __m256i step_bytes(int64_t fmt, const uint8_t* cb, int st, int h) {
   if (fmt == Q8) return load(cb + 64 * st + 32 * h);
   const __m256i v = load(cb + 64 * (st % 4) + 32 * h);
   const __m256i nib = _mm256_and_si256(st < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
-  if (fmt == IQ4)
+  if (fmt == Q40) return nib;
+  if (code_kind(fmt) == IQ4)
     return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4Bytes))), nib);
   const __m256i plane = load(cb + 256 + 32 * h);
   const __m256i bit = st <= 4 ? _mm256_sll_epi16(plane, _mm_cvtsi32_si128(4 - st)) : _mm256_srl_epi16(plane, _mm_cvtsi32_si128(st - 4));
   return _mm256_or_si256(nib, _mm256_and_si256(bit, _mm256_set1_epi8(0x10)));
 }
 
-// A byte-code group's float scales and minimums [half] (qlinear.h): Q8's float16 scales, or
-// Q4K's header (Q5K, IQ4; mins: false for Q8, which has no minimum term).
+// A byte-code group's float scales and minimums [half] (qlinear.h): Q8's header's float16 scales,
+// or Q4K's header (Q5K, IQ4; mins: false for Q8's header, which has no minimum term).
 inline bool byte_scales(const Segment& s, const uint8_t* p, int g, __m256* scale, __m256* mins) {
-  if (s.fmt == Q8) {
+  if (q8_header(s.fmt)) {
     scale[0] = cvt_f16(p);
     scale[1] = cvt_f16(p + 16);
     return false;
@@ -343,7 +344,7 @@ inline bool byte_scales(const Segment& s, const uint8_t* p, int g, __m256* scale
   return true;
 }
 
-// kSmall: Q5K, whose codes (a nibble and a fifth bit) are below 32 by their layout, so they go
+// kSmall: Q5K, Q50 and Q40, whose codes are below 32 by their layout (small_codes), so they go
 // into VPMADDUBSW as they are, 4 steps an int16 sum, as in the rows kernel's small groups; other
 // byte codes take the sign trick.
 template <int R, bool kSmall>
@@ -453,20 +454,23 @@ void one_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m2
   }
 }
 
-// Q5K: codes below 32, so (as in the rows kernel's small groups) they go into VPMADDUBSW as they
-// are, no sign trick, and 4 steps share one int16 sum (4 * 2 * 31 * 128); the two halves of the
-// steps are widened apart (together they would not fit in int16).
-void one_q5k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m256* acc) {
-  const int64_t sbg = s.sbg, nsb = s.k / (32 * sbg), kb = s.k / 32, sb_bytes = s.fi().bytes;
+// Codes below 32 (small_codes: Q5K, Q50, Q40), so (as in the rows kernel's small groups) they go
+// into VPMADDUBSW as they are, no sign trick, and 4 steps share one int16 sum (4 * 2 * 31 * 128);
+// the two halves of the steps are widened apart (together they would not fit in int16).
+template <int64_t FMT>
+void one_small(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m256* acc) {
+  const FormatInfo fi = s.fi();
+  const int groups = fi.superblock / 32;
+  const int64_t nsb = s.k / fi.superblock, kb = s.k / 32, sb_bytes = fi.bytes;
   const int32_t off = static_cast<int32_t>(s.offset);
   const int8_t* q = x.q8 + r0 * x.k;
-  const PrefetchShare share(sb_bytes, sbg);
+  const PrefetchShare share(sb_bytes, groups);
   for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
-    for (int g = 0; g < sbg; ++g) {
+    for (int g = 0; g < groups; ++g) {
       share(p, g);
-      const int64_t b = r0 * kb + sb * sbg + g;
-      const uint8_t* cb = byte_codes(Q5K, sbg, p, g);
-      const int8_t* qb = q + 32 * (sb * sbg + g);
+      const int64_t b = r0 * kb + sb * groups + g;
+      const uint8_t* cb = byte_codes(FMT, s.sbg, p, g);
+      const int8_t* qb = q + 32 * (sb * groups + g);
       __m256i dot[2];
 #pragma GCC unroll 2
       for (int half = 0; half < 2; ++half) {  // steps 4 * half .. 4 * half + 3
@@ -477,7 +481,7 @@ void one_q5k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m2
           const __m256i a = bcast4(qb + 4 * st);
 #pragma GCC unroll 2
           for (int h = 0; h < 2; ++h) {
-            const __m256i pr = _mm256_maddubs_epi16(step_bytes(Q5K, cb, st, h), a);
+            const __m256i pr = _mm256_maddubs_epi16(step_bytes(FMT, cb, st, h), a);
             sum[h] = i ? _mm256_add_epi16(sum[h], pr) : pr;
             in_register(sum[h]);
           }
@@ -492,7 +496,7 @@ void one_q5k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m2
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         acc[h] = epilogue(dot[h], x.d8[b], scale[h], acc[h]);
-        acc[h] = _mm256_fnmadd_ps(mins[h], _mm256_set1_ps(x.xs[b]), acc[h]);
+        if constexpr (k_header(FMT)) acc[h] = _mm256_fnmadd_ps(mins[h], _mm256_set1_ps(x.xs[b]), acc[h]);
       }
     }
   }
@@ -588,9 +592,12 @@ void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const T
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   if constexpr (R == 1) {
     if (s.fmt == Q4K) one_q4k(s, p, x, r0, acc[0]);
-    else if (s.fmt == Q5K) one_q5k(s, p, x, r0, acc[0]);
+    else if (s.fmt == Q5K) one_small<Q5K>(s, p, x, r0, acc[0]);
+    else if (s.fmt == Q50) one_small<Q50>(s, p, x, r0, acc[0]);
+    else if (s.fmt == Q40) one_small<Q40>(s, p, x, r0, acc[0]);
     else if (s.fmt == Q8) one_bytes<Q8>(s, p, x, r0, acc[0]);
     else if (s.fmt == IQ4) one_bytes<IQ4>(s, p, x, r0, acc[0]);
+    else if (s.fmt == IQ4NL) one_bytes<IQ4NL>(s, p, x, r0, acc[0]);
     else if (s.fmt == Q6K) one_q6k<Q6K>(s, p, x, r0, acc[0]);
     else if (s.fmt == Q3K) one_q6k<Q3K>(s, p, x, r0, acc[0]);
     else if (s.fmt == Q2K) one_q6k<Q2K>(s, p, x, r0, acc[0]);
@@ -601,7 +608,9 @@ void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const T
       case Q6K:
       case Q3K:
       case Q2K: panel_q6k<R>(s, p, x, r0, acc); break;
-      case Q5K: panel_q8<R, true>(s, p, x, r0, acc); break;
+      case Q5K:
+      case Q50:
+      case Q40: panel_q8<R, true>(s, p, x, r0, acc); break;
       default: panel_q8<R, false>(s, p, x, r0, acc); break;
     }
   }

@@ -181,7 +181,7 @@ inline void load_q8_group(const uint8_t* p, int64_t sbg, int g, int share, __m51
   prefetch_group(p + share * g, share);
 #pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) w[i] = step_bytes(FMT, cb, i);
-  if constexpr (FMT == Q8) {
+  if constexpr (q8_header(FMT)) {
     *scale = cvt_f16(p);
     *mins = _mm512_setzero_ps();  // unused
   } else {
@@ -190,13 +190,13 @@ inline void load_q8_group(const uint8_t* p, int64_t sbg, int g, int share, __m51
   }
 }
 
-// One row's group into acc: the reference epilogue of the byte-code formats (Q8 has no minimum).
-// kFix: false where the offset is 0 (Q5_K, Q5_1), whose correction is 0.
+// One row's group into acc: the reference epilogue of the byte-code formats (Q8's header has no
+// minimum). kFix: false where the offset is 0 (Q5_K, Q5_1), whose correction is 0.
 template <int64_t FMT, bool kFix = true>
 inline __m512 q8_epilogue(__m512i dot, int32_t correction, float d8, float xs, __m512 scale, __m512 mins, __m512 acc) {
   const __m512i c = kFix ? _mm512_sub_epi32(dot, _mm512_set1_epi32(correction)) : dot;
   acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(d8)), scale, acc);
-  if constexpr (FMT != Q8) acc = _mm512_fnmadd_ps(mins, _mm512_set1_ps(xs), acc);
+  if constexpr (k_header(FMT)) acc = _mm512_fnmadd_ps(mins, _mm512_set1_ps(xs), acc);
   return acc;
 }
 
@@ -238,6 +238,9 @@ void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const T
     case Q2K: panel_q6k<R, Q2K>(s, p, x, r0, acc); break;
     case Q5K: panel_q8<R, Q5K>(s, p, x, r0, acc); break;
     case IQ4: panel_q8<R, IQ4>(s, p, x, r0, acc); break;
+    case Q40: panel_q8<R, Q40>(s, p, x, r0, acc); break;
+    case Q50: panel_q8<R, Q50>(s, p, x, r0, acc); break;
+    case IQ4NL: panel_q8<R, IQ4NL>(s, p, x, r0, acc); break;
     default: panel_q8<R, Q8>(s, p, x, r0, acc); break;
   }
   const __m512 b = out.bias ? _mm512_loadu_ps(out.bias) : _mm512_setzero_ps();
@@ -543,6 +546,9 @@ void rows_avx512(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, 
     case Q2K: rows_q6k<Q2K>(s, p, x, r0, n, acc); break;
     case Q5K: rows_q8<Q5K>(s, p, x, r0, n, acc); break;
     case IQ4: rows_q8<IQ4>(s, p, x, r0, n, acc); break;
+    case Q40: rows_q8<Q40>(s, p, x, r0, n, acc); break;
+    case Q50: rows_q8<Q50>(s, p, x, r0, n, acc); break;
+    case IQ4NL: rows_q8<IQ4NL>(s, p, x, r0, n, acc); break;
     default: rows_q8<Q8>(s, p, x, r0, n, acc); break;
   }
   store_rows(acc, r0, n, out);

@@ -102,7 +102,7 @@ void group_row(const Segment& s, const Group& grp, const Rows& x, int64_t row, i
     int32_t dot = 0;
     for (int i = 0; i < fi.group; ++i) dot += grp.codes[c][i] * static_cast<int32_t>(q[i]);
     if (six_bit(s.fmt)) dot -= q6_zero(s.fmt) * x.s16[row * (x.k / 16) + k0 / 16];
-    if (s.fmt == Q8 || k_header(s.fmt)) dot -= static_cast<int32_t>(s.offset) * x.s32[row * kb + k0 / 32];
+    if (byte_format(s.fmt)) dot -= static_cast<int32_t>(s.offset) * x.s32[row * kb + k0 / 32];
     const float t = static_cast<float>(dot) * d8;
     acc[c] = std::fma(t, grp.scale[c], acc[c]);
     if (s.fmt == Q4K || k_header(s.fmt)) acc[c] = std::fma(-grp.mins[c], x.xs[row * kb + k0 / 32], acc[c]);

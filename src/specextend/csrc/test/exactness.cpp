@@ -82,8 +82,6 @@ std::vector<uint8_t> random_blob(const spx::Segment& shape) {
     }
     if (shape.fmt == spx::Q4K)  // 6-bit scales and mins
       for (int i = 0; i < 32 * shape.sbg; ++i) blob[off + 64 + i] &= 63;
-    if (shape.fmt == spx::Q8 && shape.offset == 16)  // Q5_0's grid: codes 0..31 (kernels may use the range)
-      for (int i = 32; i < fi.bytes; ++i) blob[off + i] &= 31;
   }
   return blob;
 }
@@ -126,8 +124,10 @@ void linear_tests(const std::vector<Path>& paths) {
       {spx::Q4K, 40, 896, 0, 7, false, true, false, false},  {spx::Q4K, 35, 96, 0, 3, false, false, true, true},
       {spx::Q4K, 33, 160, 0, 1, true, false, true, false},  // one group a super-block: GGUF's Q4_0 and Q4_1
       {spx::Q6K, 40, 256, 0, 8, true, false, true, false},   {spx::Q6K, 32, 1536, 0, 8, false, true, false, true},
-      {spx::Q8, 35, 96, 128, 1, false, false, false, false}, {spx::Q8, 33, 64, 16, 1, true, false, true, true},
-      {spx::Q8, 48, 896, 128, 1, false, true, false, false}, {spx::Q8, 32, 640, 16, 1, true, false, true, true},
+      {spx::Q8, 35, 96, 128, 1, false, false, false, false}, {spx::Q50, 33, 64, 16, 1, true, false, true, true},
+      {spx::Q8, 48, 896, 128, 1, false, true, false, false}, {spx::Q50, 32, 640, 16, 1, true, false, true, true},
+      {spx::Q40, 35, 96, 8, 1, false, false, true, false},   {spx::Q40, 48, 1536, 8, 1, true, false, false, true},
+      {spx::IQ4NL, 33, 64, 128, 1, false, true, true, true}, {spx::IQ4NL, 40, 896, 128, 1, true, false, false, false},
       {spx::Q5K, 48, 512, 0, 8, true, false, true, false},   {spx::IQ4, 32, 768, 128, 8, false, true, false, true},
       {spx::Q5K, 35, 96, 0, 1, false, false, true, true},    {spx::IQ4, 33, 64, 128, 1, true, false, false, false},
       {spx::Q3K, 40, 512, 0, 8, true, false, true, true},    {spx::Q2K, 48, 768, 0, 8, false, true, true, false},
