@@ -12,9 +12,9 @@ A `QWeight` is a [n, k] matrix stored in one or more row *segments*, each in one
   ``q2k``, 2-bit codes under a 4-bit scale and a 4-bit minimum per group of 16: GGUF's Q2_K.
 - ``q8``: byte codes in groups of 32 with one float16 scale and a fixed offset:
   GGUF's Q8_0 (offset 128) grid, and our 8-bit format for float weights.
-- ``q5k`` and ``iq4``: q4k's header (signed scale codes) over 5-bit codes (nibbles and a bit
-  plane) or IQ4's 4-bit table indices, unpacked by the kernels into q8's byte codes: GGUF's Q5_K
-  and IQ4_XS (8 groups a super-block), Q5_1 (one group).
+- ``q5k`` and ``iq4``: q4k's header (signed scale codes; ``iq4`` without the minimum) over 5-bit
+  codes (nibbles and a bit plane) or IQ4's 4-bit table indices, unpacked by the kernels into q8's
+  byte codes: GGUF's Q5_K and IQ4_XS (8 groups a super-block), Q5_1 (one group).
 - ``q40``, ``q50`` and ``iq4nl``: q8's header (one float16 scale a group of 32) over q4k's
   nibbles (Q4_0, offset 8), q5k's nibbles and bit plane (Q5_0, offset 16) or IQ4's table indices
   (IQ4_NL, offset 128): each at its file's bits a weight.
@@ -52,7 +52,8 @@ def _superblock(fmt: str, groups: int) -> tuple[int, int]:
     if fmt == "q4k":
         return 32 * groups, 64 + 288 * groups
     if fmt in K_CODE_BYTES:
-        return 32 * groups, 64 + (32 + K_CODE_BYTES[fmt]) * groups
+        header = 64 + 32 * groups if fmt == "q5k" else 32 + 16 * groups  # iq4: no minimum
+        return 32 * groups, header + K_CODE_BYTES[fmt] * groups
     if fmt in Q8_CODE_BYTES:
         return 32, 32 + Q8_CODE_BYTES[fmt]
     return {"q6k": (256, 3360), "q3k": (256, 1824), "q2k": (256, 1344), "f16": (32, 1024), "bf16": (32, 1024)}[fmt]
@@ -255,27 +256,28 @@ def pack_q8(d: np.ndarray, codes: np.ndarray, offset: int, fmt: str = "q8") -> S
     return Segment(fmt, n, _blob(parts), offset, codes.shape[1])
 
 
-def pack_kgroups(fmt: str, d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, mn: np.ndarray, codes: np.ndarray,
-                 offset: int, groups: int) -> Segment:
+def pack_kgroups(fmt: str, d: np.ndarray, dmin: np.ndarray | None, sc: np.ndarray, mn: np.ndarray | None,
+                 codes: np.ndarray, offset: int, groups: int) -> Segment:
     """q4k's header (signed scale codes) over codes in groups of 32 that the kernels unpack into bytes:
     d, dmin [n, k/(32*groups)] float16; sc [n, k/32] int8; mn [n, k/32] uint8; codes [n, k] uint8;
     w = d * sc * (byte - offset) - dmin * mn, where the byte is
 
     - ``q5k``: the code 0..31, held as q4k's nibbles plus a plane of fifth bits (bit s of a plane
       byte belongs to step s of the nibble byte at the same place);
-    - ``iq4``: IQ4's table value + 128 for the code 0..15, held as q4k's nibbles (offset 128).
+    - ``iq4``: IQ4's table value + 128 for the code 0..15, held as q4k's nibbles (offset 128), with
+      no minimum (dmin and mn None: the header keeps d and the scale codes only).
     """
+    if (fmt == "iq4") != (dmin is None and mn is None):
+        raise ValueError("iq4 has no minimum; q5k has one")
     n = codes.shape[0]
     st = _steps(_panels(codes), 32)  # [P, k/32, 8, 64]
     p, g = st.shape[:2]
-    body = _code_body(fmt, st)
-    parts = [
-        _by_panel(_panels(d), 1),
-        _by_panel(_panels(dmin), 1),
-        _by_panel(_panels(sc), groups),
-        _by_panel(_panels(mn), groups),
-        body.reshape(p, g // groups, groups * K_CODE_BYTES[fmt]),
-    ]
+    body = _code_body(fmt, st).reshape(p, g // groups, groups * K_CODE_BYTES[fmt])
+    if dmin is None or mn is None:
+        parts = [_by_panel(_panels(d), 1), _by_panel(_panels(sc), groups), body]
+    else:
+        parts = [_by_panel(_panels(d), 1), _by_panel(_panels(dmin), 1), _by_panel(_panels(sc), groups),
+                 _by_panel(_panels(mn), groups), body]
     return Segment(fmt, n, _blob(parts), offset, codes.shape[1], groups)
 
 
@@ -398,7 +400,7 @@ def _iq4xs(b: np.ndarray, n: int, k: int) -> Segment:
     low = _bits(b[..., 4:8], 2, 4).reshape(n, nb, 8)  # byte i: groups 2i, 2i + 1
     sc = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8)
     codes = _nibbles32(b[..., 8:136].reshape(n, nb, 8, 16)).reshape(n, k)
-    return pack_kgroups("iq4", d, np.zeros(d.shape, np.float16), sc.reshape(n, -1), np.zeros((n, k // 32), np.uint8),
+    return pack_kgroups("iq4", d, None, sc.reshape(n, -1), None,
                         codes, 128, groups=8)
 
 

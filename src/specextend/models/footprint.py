@@ -11,7 +11,7 @@ model whose first load would not fit in the memory available.
 
 The figures are computed from shapes: a kept tensor's bytes are its kernel layout's
 (`quant.kept_bytes`, panels of 16 rows included): the file's bytes, or up to 10% more for the
-types kept under q4k's header (IQ4_XS, Q4_1, Q5_1; docs/benchmarks.md). This module does
+types kept under q4k's header (Q4_1, Q5_1; docs/design.md), 1.5% for IQ4_XS. This module does
 arithmetic on tensor descriptions only; `gguf.file_footprint` reads them.
 """
 

@@ -24,7 +24,7 @@ bool format_info(int64_t fmt, int64_t sbg, FormatInfo* out) {
     case Q5K:
     case IQ4:
       if (sbg < 1 || sbg > 8) return false;
-      *out = {32, static_cast<int>(32 * sbg), 64 + (32 + code_bytes(fmt)) * sbg};
+      *out = {32, static_cast<int>(32 * sbg), byte_header(fmt, sbg) + code_bytes(fmt) * sbg};
       return true;
     case F16:
     case BF16: *out = {32, 32, 32 * 32}; return true;

@@ -46,15 +46,18 @@
 //       (64 bytes)                                          w = d * (byte - offset)
 //       Q40's byte is the nibble (GGUF's Q4_0, offset 8), Q50's the 5-bit code (Q5_0, offset 16),
 //       IQ4NL's kIq4Bytes[nibble] (IQ4_NL, offset 128). Their arithmetic is Q8's.
-//   Q5K and IQ4 (Q4K's header with signed scale codes over 4-bit codes that the kernels unpack
-//       into Q8's byte codes; G = 1..8 groups of 32 a super-block):
+//   Q5K (Q4K's header with signed scale codes over 5-bit codes that the kernels unpack into Q8's
+//       byte codes; G = 1..8 groups of 32 a super-block):
 //       d[16] f16, dmin[16] f16, sc[G][16] i8, mn[G][16] u8, then per group: Q4K's nibbles
-//       (4 x 64 bytes) and for Q5K a plane of fifth bits (64 bytes: bit st of byte b is the fifth
-//       bit of step st's nibble at byte b)           w = d*sc[g] * (byte - offset) - dmin*mn[g]
-//       Q5K's byte is the 5-bit code (GGUF's Q5_K, G = 8; Q5_1, G = 1, sc = 1, dmin*mn = -m);
-//       IQ4's is kIq4Bytes[nibble], the IQ4 table + 128 (offset 128; GGUF's IQ4_XS, G = 8, and
-//       IQ4_NL, G = 1, sc = 1, no minimum). Their arithmetic is Q8's dot product of the bytes
-//       (dot - offset * s32) with Q4K's epilogue (both fmas).
+//       (4 x 64 bytes) and a plane of fifth bits (64 bytes: bit st of byte b is the fifth bit of
+//       step st's nibble at byte b)           w = d*sc[g] * (byte - offset) - dmin*mn[g]
+//       The byte is the 5-bit code (GGUF's Q5_K, G = 8; Q5_1, G = 1, sc = 1, dmin*mn = -m). The
+//       arithmetic is Q8's dot product of the bytes (dot - offset * s32) with Q4K's epilogue
+//       (both fmas).
+//   IQ4 (the same without the minimum: GGUF's IQ4_XS, G = 8, has none):
+//       d[16] f16, sc[G][16] i8, then per group Q4K's nibbles (4 x 64 bytes), IQ4 table indices
+//       w = d*sc[g] * (byte - 128), the byte kIq4Bytes[nibble] (the IQ4 table + 128); Q8's
+//       arithmetic with the scale d*sc[g].
 //   F16 and BF16 (the file's own 16-bit float weights, kept as they are): per input, the panel's
 //       16 channels' values (32 bytes), super-blocks of 32 inputs (1 KB)       w = float(value), exact
 //       These are products of floats, not of codes: the activations are not quantized (Rows::xf,
@@ -104,11 +107,13 @@ struct FormatInfo {
 // False for an unknown format or a Q4K/Q5K/IQ4 super-block size outside 1..8 groups.
 bool format_info(int64_t fmt, int64_t sbg, FormatInfo* out);
 
-// The byte-code formats: those with Q8's header (one f16 scale a channel and group, no minimum:
-// Q8, Q40, Q50, IQ4NL) and those with Q4K's (Q5K, IQ4), codes unpacked into bytes.
-constexpr bool k_header(int64_t fmt) { return fmt == Q5K || fmt == IQ4; }
+// The byte-code formats, codes unpacked into bytes under one of three headers: Q8's (one f16
+// scale a channel and group, no minimum: Q8, Q40, Q50, IQ4NL), Q4K's (d, dmin, scale and minimum
+// codes a group: Q5K) or IQ4's (Q4K's without the minimum: d and scale codes).
+constexpr bool k_header(int64_t fmt) { return fmt == Q5K; }
 constexpr bool q8_header(int64_t fmt) { return fmt == Q8 || fmt == Q40 || fmt == Q50 || fmt == IQ4NL; }
-constexpr bool byte_format(int64_t fmt) { return k_header(fmt) || q8_header(fmt); }
+constexpr bool scale_codes(int64_t fmt) { return fmt == Q5K || fmt == IQ4; }  // a signed scale code a group
+constexpr bool byte_format(int64_t fmt) { return scale_codes(fmt) || q8_header(fmt); }
 // How a byte-code format's codes unpack: Q8 (bytes), Q5K (nibble and fifth bit), IQ4 (table) or
 // Q40 (the nibble).
 constexpr int64_t code_kind(int64_t fmt) { return fmt == Q50 ? Q5K : fmt == IQ4NL ? IQ4 : fmt; }
@@ -119,9 +124,15 @@ constexpr int code_bytes(int64_t fmt) {  // a group's
 // them as unsigned bytes without the sign trick.
 constexpr bool small_codes(int64_t fmt) { return code_kind(fmt) == Q5K || fmt == Q40; }
 
-// Where group g of the byte-code super-block at `sb` keeps its codes.
+// A byte-code super-block's header bytes, and where it keeps group g's signed scale codes (Q5K,
+// IQ4: [16] i8), minimum codes (Q5K: [16] u8) and codes.
+constexpr int64_t byte_header(int64_t fmt, int64_t sbg) {
+  return q8_header(fmt) ? 32 : k_header(fmt) ? 64 + 32 * sbg : 32 + 16 * sbg;
+}
+inline const uint8_t* group_scales(int64_t fmt, const uint8_t* sb, int g) { return sb + (k_header(fmt) ? 64 : 32) + 16 * g; }
+inline const uint8_t* group_mins(int64_t sbg, const uint8_t* sb, int g) { return sb + 64 + 16 * sbg + 16 * g; }
 inline const uint8_t* byte_codes(int64_t fmt, int64_t sbg, const uint8_t* sb, int g) {
-  return q8_header(fmt) ? sb + 32 : sb + 64 + 32 * sbg + code_bytes(fmt) * g;
+  return sb + byte_header(fmt, sbg) + code_bytes(fmt) * g;
 }
 
 // The 6-bit formats (Q6K, Q3K, Q2K: codes of at most 6 bits in groups of 16): a group's bytes in

@@ -261,11 +261,12 @@ const uint8_t* prepare_group(const Segment& s, const uint8_t* p, int64_t gi, uin
     V::unpack_q6(s.fmt, sb, static_cast<int>(g), buf);
     return buf;
   }
-  if (k_header(s.fmt)) {  // Q4K's header over codes unpacked into Q8's bytes
-    const int64_t sbg = s.sbg, g = gi % sbg;
+  if (scale_codes(s.fmt)) {  // Q5K's and IQ4's scale codes (and Q5K's minimums) over codes unpacked into Q8's bytes
+    const int64_t sbg = s.sbg;
+    const int g = static_cast<int>(gi % sbg);
     const uint8_t* sb = p + (gi / sbg) * s.fi().bytes;
-    V::scales(sb, sb + 64 + 16 * g, true, gs.scale);
-    V::scales(sb + 32, sb + 64 + 16 * sbg + 16 * g, false, gs.mins);
+    V::scales(sb, group_scales(s.fmt, sb, g), true, gs.scale);
+    if (k_header(s.fmt)) V::scales(sb + 32, group_mins(sbg, sb, g), false, gs.mins);
     V::unpack_bytes(s.fmt, byte_codes(s.fmt, sbg, sb, static_cast<int>(g)), buf);
     return buf;
   }

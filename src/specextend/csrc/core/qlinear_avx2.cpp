@@ -330,7 +330,7 @@ inline __m256i step_bytes(int64_t fmt, const uint8_t* cb, int st, int h) {
 }
 
 // A byte-code group's float scales and minimums [half] (qlinear.h): Q8's header's float16 scales,
-// or Q4K's header (Q5K, IQ4; mins: false for Q8's header, which has no minimum term).
+// or the scale codes of Q5K and IQ4 and Q5K's minimums (returns whether there are minimums).
 inline bool byte_scales(const Segment& s, const uint8_t* p, int g, __m256* scale, __m256* mins) {
   if (q8_header(s.fmt)) {
     scale[0] = cvt_f16(p);
@@ -338,10 +338,10 @@ inline bool byte_scales(const Segment& s, const uint8_t* p, int g, __m256* scale
     return false;
   }
   for (int h = 0; h < 2; ++h) {
-    scale[h] = _mm256_mul_ps(cvt_f16(p + 16 * h), cvt_i8(p + 64 + 16 * g + 8 * h));
-    mins[h] = _mm256_mul_ps(cvt_f16(p + 32 + 16 * h), cvt_u8(p + 64 + 16 * s.sbg + 16 * g + 8 * h));
+    scale[h] = _mm256_mul_ps(cvt_f16(p + 16 * h), cvt_i8(group_scales(s.fmt, p, g) + 8 * h));
+    if (k_header(s.fmt)) mins[h] = _mm256_mul_ps(cvt_f16(p + 32 + 16 * h), cvt_u8(group_mins(s.sbg, p, g) + 8 * h));
   }
-  return true;
+  return k_header(s.fmt);
 }
 
 // kSmall: Q5K, Q50 and Q40, whose codes are below 32 by their layout (small_codes), so they go

@@ -172,8 +172,8 @@ struct ByteBlocks {
   }
 };
 
-// One byte-code group of a panel (qlinear.h: Q8, or group g of Q5K or IQ4) into registers: its
-// byte codes, its channels' scales and (Q4K's header) minimums. Each group asks for its share of
+// One byte-code group of a panel (qlinear.h: Q8's header, or group g of Q5K or IQ4) into
+// registers: its byte codes, its channels' scales and (Q4K's header) minimums. Each group asks for its share of
 // the super-block ahead (share: the super-block's bytes over its groups).
 template <int64_t FMT>
 inline void load_q8_group(const uint8_t* p, int64_t sbg, int g, int share, __m512i* w, __m512* scale, __m512* mins) {
@@ -185,8 +185,8 @@ inline void load_q8_group(const uint8_t* p, int64_t sbg, int g, int share, __m51
     *scale = cvt_f16(p);
     *mins = _mm512_setzero_ps();  // unused
   } else {
-    *scale = _mm512_mul_ps(cvt_f16(p), cvt_i8(p + 64 + 16 * g));
-    *mins = _mm512_mul_ps(cvt_f16(p + 32), cvt_u8(p + 64 + 16 * sbg + 16 * g));
+    *scale = _mm512_mul_ps(cvt_f16(p), cvt_i8(group_scales(FMT, p, g)));
+    *mins = k_header(FMT) ? _mm512_mul_ps(cvt_f16(p + 32), cvt_u8(group_mins(sbg, p, g))) : _mm512_setzero_ps();
   }
 }
 
