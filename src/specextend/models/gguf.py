@@ -44,8 +44,9 @@ KEPT_KEY = "kept_types"  # in FOOTPRINT_FILE: the types the converting version k
 # Set (true) in files of random weights (`python -m specextend.bench.gguf_files random`): loading one says so.
 RANDOM_WEIGHTS_KEY = "specextend.random_weights"
 # Written into the completion marker; a folder converted by an older version is converted again.
-# 3: Q4_0, Q5_0 and IQ4_NL under q8's header (quant.py), at their files' bits a weight.
-FORMAT = "specextend-quantized-3"
+# 3: Q4_0, Q5_0 and IQ4_NL under q8's header (quant.py), at their files' bits a weight; 4: IQ4_XS
+# without the minimum's header bytes.
+FORMAT = "specextend-quantized-4"
 
 # GGUF `general.architecture` -> (HF model_type, HF architectures entry).
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
