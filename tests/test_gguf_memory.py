@@ -54,7 +54,7 @@ def loaded_as_file(info: dict) -> bool:
 def memory_of(row: dict, info: dict) -> int:
     """What a kept type's row costs in memory under inspect's kernel path: its kernel layout's
     bytes (the converted copy's), close to the file's, or float32."""
-    assert row["file_bytes"] <= row["converted_bytes"] <= 1.11 * row["file_bytes"]
+    assert row["file_bytes"] <= row["converted_bytes"] <= 1.05 * row["file_bytes"]
     return row["converted_bytes"] if loaded_as_file(info) else row["parameters"] * 4
 
 

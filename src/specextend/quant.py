@@ -17,7 +17,8 @@ A `QWeight` is a [n, k] matrix stored in one or more row *segments*, each in one
   byte codes: GGUF's Q5_K and IQ4_XS (8 groups a super-block), Q5_1 (one group).
 - ``q40``, ``q50`` and ``iq4nl``: q8's header (one float16 scale a group of 32) over q4k's
   nibbles (Q4_0, offset 8), q5k's nibbles and bit plane (Q5_0, offset 16) or IQ4's table indices
-  (IQ4_NL, offset 128): each at its file's bits a weight.
+  (IQ4_NL, offset 128): each at its file's bits a weight; ``q41`` and ``q51``, the same with a
+  float16 minimum a group (Q4_1, Q5_1).
 - ``f16`` and ``bf16``: GGUF's F16 and BF16 weights as they are, 16 bits each (per input, a
   panel's 16 values); the kernels multiply them in float32 with float32 activations.
 
@@ -38,13 +39,14 @@ from .errors import UserError
 
 PANEL = 16
 FORMATS = {"q4k": 0, "q6k": 1, "q8": 2, "q5k": 3, "iq4": 4, "q3k": 5, "q2k": 6, "f16": 7, "bf16": 8, "q40": 9,
-           "q50": 10, "iq4nl": 11}
+           "q50": 10, "iq4nl": 11, "q41": 12, "q51": 13}
 # The 16-bit float formats: GGUF type -> format (super-blocks of 32 inputs, 2 bytes a weight).
 FLOAT_KINDS = {"F16": "f16", "BF16": "bf16"}
 # Code bytes per group of 16 channels x 32 inputs of the formats with q4k's header (`pack_kgroups`).
 K_CODE_BYTES = {"q5k": 320, "iq4": 256}
 # The same for the formats with q8's header (`pack_q8`): one group of 32 inputs a super-block.
-Q8_CODE_BYTES = {"q8": 512, "q40": 256, "q50": 320, "iq4nl": 256}
+Q8_CODE_BYTES = {"q8": 512, "q40": 256, "q50": 320, "iq4nl": 256, "q41": 256, "q51": 320}
+MIN_FORMATS = ("q41", "q51")  # q8's header with a float16 minimum a group
 
 
 def _superblock(fmt: str, groups: int) -> tuple[int, int]:
@@ -55,7 +57,7 @@ def _superblock(fmt: str, groups: int) -> tuple[int, int]:
         header = 64 + 32 * groups if fmt == "q5k" else 32 + 16 * groups  # iq4: no minimum
         return 32 * groups, header + K_CODE_BYTES[fmt] * groups
     if fmt in Q8_CODE_BYTES:
-        return 32, 32 + Q8_CODE_BYTES[fmt]
+        return 32, (64 if fmt in MIN_FORMATS else 32) + Q8_CODE_BYTES[fmt]
     return {"q6k": (256, 3360), "q3k": (256, 1824), "q2k": (256, 1344), "f16": (32, 1024), "bf16": (32, 1024)}[fmt]
 
 
@@ -240,19 +242,23 @@ def _code_body(fmt: str, st: np.ndarray) -> np.ndarray:
     if fmt == "q8":
         return st.reshape(p, g, 8 * 64)
     nib = ((st[:, :, :4] & 15) | ((st[:, :, 4:] & 15) << 4)).reshape(p, g, 256)
-    if fmt not in ("q5k", "q50"):
+    if fmt not in ("q5k", "q50", "q51"):
         return nib
     plane = sum(((st[:, :, i] >> 4) & 1) << i for i in range(8)).astype(np.uint8)
     return np.concatenate([nib, plane], axis=2)
 
 
-def pack_q8(d: np.ndarray, codes: np.ndarray, offset: int, fmt: str = "q8") -> Segment:
+def pack_q8(d: np.ndarray, codes: np.ndarray, offset: int, fmt: str = "q8", dmin: np.ndarray | None = None) -> Segment:
     """q8's header over codes in groups of 32: d [n, k/32] float16; codes [n, k] uint8;
-    w = d * (byte - offset), where the byte is the code (``q8``, ``q40``: codes 0..15, ``q50``:
-    0..31) or, for ``iq4nl``, IQ4's table value + 128 of the code 0..15 (offset 128)."""
+    w = d * (byte - offset), where the byte is the code (``q8``; ``q40``, ``q41``: codes 0..15;
+    ``q50``, ``q51``: 0..31) or, for ``iq4nl``, IQ4's table value + 128 of the code 0..15 (offset
+    128); ``q41`` and ``q51`` (dmin [n, k/32] float16) subtract dmin: w = d * byte - dmin."""
+    if (fmt in MIN_FORMATS) != (dmin is not None):
+        raise ValueError(f"{fmt}: a minimum is for q41 and q51 only, and they need one")
     n = codes.shape[0]
     st = _steps(_panels(codes), 32)  # [P, k/32, 8, 64]
-    parts = [_by_panel(_panels(d), 1), _code_body(fmt, st)]
+    head = [_by_panel(_panels(d), 1)] + ([] if dmin is None else [_by_panel(_panels(dmin), 1)])
+    parts = [*head, _code_body(fmt, st)]
     return Segment(fmt, n, _blob(parts), offset, codes.shape[1])
 
 
@@ -298,8 +304,8 @@ GGUF_BLOCKS = {
 # The kernel format and groups a super-block (`Segment.groups`) each of them is kept in.
 KEPT_AS = {
     "Q4_K": ("q4k", 8), "Q6_K": ("q6k", 8), "Q8_0": ("q8", 8), "Q5_0": ("q50", 8), "Q4_0": ("q40", 8),
-    "Q4_1": ("q4k", 1), "Q3_K": ("q3k", 8), "IQ4_NL": ("iq4nl", 8), "Q5_K": ("q5k", 8), "IQ4_XS": ("iq4", 8),
-    "Q5_1": ("q5k", 1), "Q2_K": ("q2k", 8), "F16": ("f16", 1), "BF16": ("bf16", 1),
+    "Q4_1": ("q41", 8), "Q3_K": ("q3k", 8), "IQ4_NL": ("iq4nl", 8), "Q5_K": ("q5k", 8), "IQ4_XS": ("iq4", 8),
+    "Q5_1": ("q51", 8), "Q2_K": ("q2k", 8), "F16": ("f16", 1), "BF16": ("bf16", 1),
 }
 
 
@@ -325,11 +331,10 @@ def _bits(b: np.ndarray, count: int, width: int = 1) -> np.ndarray:
 
 
 def _legacy(kind: str, b: np.ndarray, n: int, k: int) -> Segment:
-    """The 32-weight types under q8's header (a float16 scale a block, no minimum): Q8_0 as q8
-    (offset 128), Q5_0 as q50 (16), Q4_0 as q40 (8), IQ4_NL as iq4nl (128); the two with a minimum
-    as q4k's header's super-blocks of one group: Q4_1 as q4k, Q5_1 as q5k (scale code 1, minimum -m)."""
+    """The 32-weight types under q8's header (a float16 scale a block): Q8_0 as q8 (offset 128),
+    Q5_0 as q50 (16), Q4_0 as q40 (8), IQ4_NL as iq4nl (128); with a float16 minimum a block, Q4_1
+    as q41 and Q5_1 as q51 (d * q + m = d * q - (-m))."""
     d = _f16(b[..., 0:2])
-    ones = np.ones(d.shape, dtype=np.uint8)
     if kind == "Q8_0":
         return pack_q8(d, (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8).reshape(n, k), 128)
     if kind == "IQ4_NL":  # d * table[q] = d * (byte - 128)
@@ -341,12 +346,10 @@ def _legacy(kind: str, b: np.ndarray, n: int, k: int) -> Segment:
         codes = (_nibbles32(b[..., at + 4 : at + 20]) | (bits << 4)).reshape(n, k)
         if kind == "Q5_0":
             return pack_q8(d, codes, 16, "q50")
-        # Q5_1: d * q + m = d * 1 * q - (-m) * 1
-        return pack_kgroups("q5k", d, -_f16(b[..., 2:4]), ones.view(np.int8), ones, codes, 0, groups=1)
+        return pack_q8(d, codes, 0, "q51", dmin=-_f16(b[..., 2:4]))
     if kind == "Q4_0":  # d * (q - 8)
         return pack_q8(d, _nibbles32(b[..., 2:18]).reshape(n, k), 8, "q40")
-    # Q4_1: d * q + m = d * 1 * q - (-m) * 1
-    return pack_q4k(d, -_f16(b[..., 2:4]), ones, ones, _nibbles32(b[..., 4:20]).reshape(n, k), groups=1)
+    return pack_q8(d, _nibbles32(b[..., 4:20]).reshape(n, k), 0, "q41", dmin=-_f16(b[..., 2:4]))  # Q4_1
 
 
 def _q3k(b: np.ndarray, n: int, k: int) -> Segment:

@@ -10,8 +10,8 @@ not the file's own weights. `notice` says so in one line at load, and `check_fit
 model whose first load would not fit in the memory available.
 
 The figures are computed from shapes: a kept tensor's bytes are its kernel layout's
-(`quant.kept_bytes`, panels of 16 rows included): the file's bytes, or up to 10% more for the
-types kept under q4k's header (Q4_1, Q5_1; docs/design.md), 1.5% for IQ4_XS. This module does
+(`quant.kept_bytes`, panels of 16 rows included): the file's bytes, or up to 4% more (the
+K-quants' and IQ4_XS's 6-bit scale codes kept as whole bytes; docs/design.md). This module does
 arithmetic on tensor descriptions only; `gguf.file_footprint` reads them.
 """
 

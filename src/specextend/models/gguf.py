@@ -45,8 +45,8 @@ KEPT_KEY = "kept_types"  # in FOOTPRINT_FILE: the types the converting version k
 RANDOM_WEIGHTS_KEY = "specextend.random_weights"
 # Written into the completion marker; a folder converted by an older version is converted again.
 # 3: Q4_0, Q5_0 and IQ4_NL under q8's header (quant.py), at their files' bits a weight; 4: IQ4_XS
-# without the minimum's header bytes.
-FORMAT = "specextend-quantized-4"
+# without the minimum's header bytes; 5: Q4_1 and Q5_1 under q8's header with a minimum.
+FORMAT = "specextend-quantized-5"
 
 # GGUF `general.architecture` -> (HF model_type, HF architectures entry).
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {

@@ -20,7 +20,9 @@ bool format_info(int64_t fmt, int64_t sbg, FormatInfo* out) {
     case Q8:
     case Q40:
     case Q50:
-    case IQ4NL: *out = {32, 32, 32 + code_bytes(fmt)}; return true;
+    case IQ4NL:
+    case Q41:
+    case Q51: *out = {32, 32, byte_header(fmt, 1) + code_bytes(fmt)}; return true;
     case Q5K:
     case IQ4:
       if (sbg < 1 || sbg > 8) return false;

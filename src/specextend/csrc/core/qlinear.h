@@ -46,6 +46,9 @@
 //       (64 bytes)                                          w = d * (byte - offset)
 //       Q40's byte is the nibble (GGUF's Q4_0, offset 8), Q50's the 5-bit code (Q5_0, offset 16),
 //       IQ4NL's kIq4Bytes[nibble] (IQ4_NL, offset 128). Their arithmetic is Q8's.
+//   Q41 and Q51 (the same with a minimum: d[16] f16, dmin[16] f16, then Q40's or Q50's codes):
+//       w = d * q - dmin, offset 0 (GGUF's Q4_1 and Q5_1, dmin = -m); Q4K's epilogue with the
+//       scale d and the minimum dmin, exactly as a one-group Q4K of scale and minimum codes 1.
 //   Q5K (Q4K's header with signed scale codes over 5-bit codes that the kernels unpack into Q8's
 //       byte codes; G = 1..8 groups of 32 a super-block):
 //       d[16] f16, dmin[16] f16, sc[G][16] i8, mn[G][16] u8, then per group: Q4K's nibbles
@@ -86,7 +89,8 @@
 namespace spx {
 
 enum Format : int64_t {
-  Q4K = 0, Q6K = 1, Q8 = 2, Q5K = 3, IQ4 = 4, Q3K = 5, Q2K = 6, F16 = 7, BF16 = 8, Q40 = 9, Q50 = 10, IQ4NL = 11
+  Q4K = 0, Q6K = 1, Q8 = 2, Q5K = 3, IQ4 = 4, Q3K = 5, Q2K = 6, F16 = 7, BF16 = 8, Q40 = 9, Q50 = 10, IQ4NL = 11,
+  Q41 = 12, Q51 = 13
 };
 
 // The float formats (F16, BF16): products of float32 activations, not of int8 codes.
@@ -107,27 +111,31 @@ struct FormatInfo {
 // False for an unknown format or a Q4K/Q5K/IQ4 super-block size outside 1..8 groups.
 bool format_info(int64_t fmt, int64_t sbg, FormatInfo* out);
 
-// The byte-code formats, codes unpacked into bytes under one of three headers: Q8's (one f16
-// scale a channel and group, no minimum: Q8, Q40, Q50, IQ4NL), Q4K's (d, dmin, scale and minimum
-// codes a group: Q5K) or IQ4's (Q4K's without the minimum: d and scale codes).
-constexpr bool k_header(int64_t fmt) { return fmt == Q5K; }
+// The byte-code formats, codes unpacked into bytes under one of four headers: Q8's (one f16
+// scale a channel and group, no minimum: Q8, Q40, Q50, IQ4NL), the same with an f16 minimum (Q41,
+// Q51), Q4K's (d, dmin, scale and minimum codes a group: Q5K) or IQ4's (d and scale codes).
+constexpr bool k_header(int64_t fmt) { return fmt == Q5K; }  // minimum codes a group
 constexpr bool q8_header(int64_t fmt) { return fmt == Q8 || fmt == Q40 || fmt == Q50 || fmt == IQ4NL; }
+constexpr bool min_header(int64_t fmt) { return fmt == Q41 || fmt == Q51; }
 constexpr bool scale_codes(int64_t fmt) { return fmt == Q5K || fmt == IQ4; }  // a signed scale code a group
-constexpr bool byte_format(int64_t fmt) { return scale_codes(fmt) || q8_header(fmt); }
+constexpr bool has_minimum(int64_t fmt) { return k_header(fmt) || min_header(fmt); }
+constexpr bool byte_format(int64_t fmt) { return scale_codes(fmt) || q8_header(fmt) || min_header(fmt); }
 // How a byte-code format's codes unpack: Q8 (bytes), Q5K (nibble and fifth bit), IQ4 (table) or
 // Q40 (the nibble).
-constexpr int64_t code_kind(int64_t fmt) { return fmt == Q50 ? Q5K : fmt == IQ4NL ? IQ4 : fmt; }
+constexpr int64_t code_kind(int64_t fmt) {
+  return fmt == Q50 || fmt == Q51 ? Q5K : fmt == IQ4NL ? IQ4 : fmt == Q41 ? Q40 : fmt;
+}
 constexpr int code_bytes(int64_t fmt) {  // a group's
   return code_kind(fmt) == Q5K ? 320 : code_kind(fmt) == Q8 ? 512 : 256;
 }
 // Codes below 32 by their layout (a nibble, or a nibble and a fifth bit): paths may multiply
 // them as unsigned bytes without the sign trick.
-constexpr bool small_codes(int64_t fmt) { return code_kind(fmt) == Q5K || fmt == Q40; }
+constexpr bool small_codes(int64_t fmt) { return code_kind(fmt) == Q5K || code_kind(fmt) == Q40; }
 
 // A byte-code super-block's header bytes, and where it keeps group g's signed scale codes (Q5K,
 // IQ4: [16] i8), minimum codes (Q5K: [16] u8) and codes.
 constexpr int64_t byte_header(int64_t fmt, int64_t sbg) {
-  return q8_header(fmt) ? 32 : k_header(fmt) ? 64 + 32 * sbg : 32 + 16 * sbg;
+  return q8_header(fmt) ? 32 : min_header(fmt) ? 64 : k_header(fmt) ? 64 + 32 * sbg : 32 + 16 * sbg;
 }
 inline const uint8_t* group_scales(int64_t fmt, const uint8_t* sb, int g) { return sb + (k_header(fmt) ? 64 : 32) + 16 * g; }
 inline const uint8_t* group_mins(int64_t sbg, const uint8_t* sb, int g) { return sb + 64 + 16 * sbg + 16 * g; }
@@ -170,7 +178,7 @@ inline int byte_code(int64_t fmt, const uint8_t* cb, int st, int b) {
   const uint8_t v = cb[64 * (st % 4) + b];
   const int nib = st < 4 ? v & 15 : v >> 4;
   if (code_kind(fmt) == IQ4) return kIq4Bytes[nib];
-  if (fmt == Q40) return nib;
+  if (code_kind(fmt) == Q40) return nib;
   return nib | (((cb[256 + b] >> st) & 1) << 4);
 }
 

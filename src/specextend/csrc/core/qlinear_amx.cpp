@@ -270,10 +270,11 @@ const uint8_t* prepare_group(const Segment& s, const uint8_t* p, int64_t gi, uin
     V::unpack_bytes(s.fmt, byte_codes(s.fmt, sbg, sb, static_cast<int>(g)), buf);
     return buf;
   }
-  const uint8_t* grp = p + gi * s.fi().bytes;  // Q8's header: one group a super-block
+  const uint8_t* grp = p + gi * s.fi().bytes;  // Q8's header (and Q41's, Q51's minimum): one group a super-block
   V::halves(grp, gs.scale);
+  if (min_header(s.fmt)) V::halves(grp + 32, gs.mins);
   if (s.fmt == Q8) return grp + 32;  // Q8's codes are B's layout already
-  V::unpack_bytes(s.fmt, grp + 32, buf);
+  V::unpack_bytes(s.fmt, byte_codes(s.fmt, 1, grp, 0), buf);
   return buf;
 }
 
@@ -288,7 +289,7 @@ template <class V>
 void finish_item(const Segment& s, const Rows& x, const Pending& it, float* acc) {
   const int64_t kb = x.k / 32, k16 = x.k / 16;
   const int64_t b = it.row * kb + it.k0 / 32;
-  GroupRows g{x.d8 + b, x.xs + b, x.s32 + b, kb, kb, 0, s.fmt == Q4K || k_header(s.fmt), false};  // Q4K: no correction
+  GroupRows g{x.d8 + b, x.xs + b, x.s32 + b, kb, kb, 0, s.fmt == Q4K || has_minimum(s.fmt), false};  // Q4K: no correction
   if (six_bit(s.fmt)) {
     g.sums = x.s16 + it.row * k16 + it.k0 / 16;
     g.sum_stride = k16;

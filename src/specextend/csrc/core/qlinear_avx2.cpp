@@ -321,7 +321,7 @@ inline __m256i step_bytes(int64_t fmt, const uint8_t* cb, int st, int h) {
   if (fmt == Q8) return load(cb + 64 * st + 32 * h);
   const __m256i v = load(cb + 64 * (st % 4) + 32 * h);
   const __m256i nib = _mm256_and_si256(st < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
-  if (fmt == Q40) return nib;
+  if (code_kind(fmt) == Q40) return nib;
   if (code_kind(fmt) == IQ4)
     return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4Bytes))), nib);
   const __m256i plane = load(cb + 256 + 32 * h);
@@ -332,10 +332,13 @@ inline __m256i step_bytes(int64_t fmt, const uint8_t* cb, int st, int h) {
 // A byte-code group's float scales and minimums [half] (qlinear.h): Q8's header's float16 scales,
 // or the scale codes of Q5K and IQ4 and Q5K's minimums (returns whether there are minimums).
 inline bool byte_scales(const Segment& s, const uint8_t* p, int g, __m256* scale, __m256* mins) {
-  if (q8_header(s.fmt)) {
+  if (q8_header(s.fmt) || min_header(s.fmt)) {
     scale[0] = cvt_f16(p);
     scale[1] = cvt_f16(p + 16);
-    return false;
+    if (!min_header(s.fmt)) return false;
+    mins[0] = cvt_f16(p + 32);
+    mins[1] = cvt_f16(p + 48);
+    return true;
   }
   for (int h = 0; h < 2; ++h) {
     scale[h] = _mm256_mul_ps(cvt_f16(p + 16 * h), cvt_i8(group_scales(s.fmt, p, g) + 8 * h));
@@ -496,7 +499,7 @@ void one_small(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         acc[h] = epilogue(dot[h], x.d8[b], scale[h], acc[h]);
-        if constexpr (k_header(FMT)) acc[h] = _mm256_fnmadd_ps(mins[h], _mm256_set1_ps(x.xs[b]), acc[h]);
+        if constexpr (has_minimum(FMT)) acc[h] = _mm256_fnmadd_ps(mins[h], _mm256_set1_ps(x.xs[b]), acc[h]);
       }
     }
   }
@@ -595,6 +598,8 @@ void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const T
     else if (s.fmt == Q5K) one_small<Q5K>(s, p, x, r0, acc[0]);
     else if (s.fmt == Q50) one_small<Q50>(s, p, x, r0, acc[0]);
     else if (s.fmt == Q40) one_small<Q40>(s, p, x, r0, acc[0]);
+    else if (s.fmt == Q41) one_small<Q41>(s, p, x, r0, acc[0]);
+    else if (s.fmt == Q51) one_small<Q51>(s, p, x, r0, acc[0]);
     else if (s.fmt == Q8) one_bytes<Q8>(s, p, x, r0, acc[0]);
     else if (s.fmt == IQ4) one_bytes<IQ4>(s, p, x, r0, acc[0]);
     else if (s.fmt == IQ4NL) one_bytes<IQ4NL>(s, p, x, r0, acc[0]);
@@ -610,7 +615,9 @@ void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const T
       case Q2K: panel_q6k<R>(s, p, x, r0, acc); break;
       case Q5K:
       case Q50:
-      case Q40: panel_q8<R, true>(s, p, x, r0, acc); break;
+      case Q51:
+      case Q40:
+      case Q41: panel_q8<R, true>(s, p, x, r0, acc); break;
       default: panel_q8<R, false>(s, p, x, r0, acc); break;
     }
   }

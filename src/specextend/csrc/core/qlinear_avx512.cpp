@@ -184,6 +184,9 @@ inline void load_q8_group(const uint8_t* p, int64_t sbg, int g, int share, __m51
   if constexpr (q8_header(FMT)) {
     *scale = cvt_f16(p);
     *mins = _mm512_setzero_ps();  // unused
+  } else if constexpr (min_header(FMT)) {
+    *scale = cvt_f16(p);
+    *mins = cvt_f16(p + 32);
   } else {
     *scale = _mm512_mul_ps(cvt_f16(p), cvt_i8(group_scales(FMT, p, g)));
     *mins = k_header(FMT) ? _mm512_mul_ps(cvt_f16(p + 32), cvt_u8(group_mins(sbg, p, g))) : _mm512_setzero_ps();
@@ -196,7 +199,7 @@ template <int64_t FMT, bool kFix = true>
 inline __m512 q8_epilogue(__m512i dot, int32_t correction, float d8, float xs, __m512 scale, __m512 mins, __m512 acc) {
   const __m512i c = kFix ? _mm512_sub_epi32(dot, _mm512_set1_epi32(correction)) : dot;
   acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(d8)), scale, acc);
-  if constexpr (k_header(FMT)) acc = _mm512_fnmadd_ps(mins, _mm512_set1_ps(xs), acc);
+  if constexpr (has_minimum(FMT)) acc = _mm512_fnmadd_ps(mins, _mm512_set1_ps(xs), acc);
   return acc;
 }
 
@@ -241,6 +244,8 @@ void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const T
     case Q40: panel_q8<R, Q40>(s, p, x, r0, acc); break;
     case Q50: panel_q8<R, Q50>(s, p, x, r0, acc); break;
     case IQ4NL: panel_q8<R, IQ4NL>(s, p, x, r0, acc); break;
+    case Q41: panel_q8<R, Q41>(s, p, x, r0, acc); break;
+    case Q51: panel_q8<R, Q51>(s, p, x, r0, acc); break;
     default: panel_q8<R, Q8>(s, p, x, r0, acc); break;
   }
   const __m512 b = out.bias ? _mm512_loadu_ps(out.bias) : _mm512_setzero_ps();
@@ -415,7 +420,7 @@ void rows_q8_pairs(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0
 
 template <int64_t FMT>
 void rows_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
-  if (FMT == Q5K && s.offset == 0) rows_q8_pairs<FMT, false>(s, p, x, r0, n, acc);
+  if (s.offset == 0) rows_q8_pairs<FMT, false>(s, p, x, r0, n, acc);
   else rows_q8_pairs<FMT, true>(s, p, x, r0, n, acc);
 }
 
@@ -549,6 +554,8 @@ void rows_avx512(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, 
     case Q40: rows_q8<Q40>(s, p, x, r0, n, acc); break;
     case Q50: rows_q8<Q50>(s, p, x, r0, n, acc); break;
     case IQ4NL: rows_q8<IQ4NL>(s, p, x, r0, n, acc); break;
+    case Q41: rows_q8<Q41>(s, p, x, r0, n, acc); break;
+    case Q51: rows_q8<Q51>(s, p, x, r0, n, acc); break;
     default: rows_q8<Q8>(s, p, x, r0, n, acc); break;
   }
   store_rows(acc, r0, n, out);

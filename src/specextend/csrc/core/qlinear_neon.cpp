@@ -181,7 +181,7 @@ inline uint8x16_t step_bytes(int64_t fmt, const uint8_t* cb, int st, int c) {
   if (fmt == Q8) return vld1q_u8(cb + 64 * st + 16 * c);
   const uint8x16_t v = vld1q_u8(cb + 64 * (st % 4) + 16 * c);
   const uint8x16_t nib = st < 4 ? vandq_u8(v, vdupq_n_u8(0x0F)) : vshrq_n_u8(v, 4);
-  if (fmt == Q40) return nib;
+  if (code_kind(fmt) == Q40) return nib;
   if (code_kind(fmt) == IQ4) return vqtbl1q_u8(vld1q_u8(kIq4Bytes), nib);
   const uint8x16_t bit = vshlq_u8(vld1q_u8(cb + 256 + 16 * c), vdupq_n_s8(static_cast<int8_t>(4 - st)));
   return vorrq_u8(nib, vandq_u8(bit, vdupq_n_u8(0x10)));
@@ -191,6 +191,11 @@ inline uint8x16_t step_bytes(int64_t fmt, const uint8_t* cb, int st, int c) {
 // whether) minimums: Q8's header's float16 scales, or Q5K's and IQ4's scale codes and Q5K's
 // minimums (qlinear.h).
 inline bool byte_scales(const Segment& s, const uint8_t* p, int g, int c, float32x4_t* scale, float32x4_t* mins) {
+  if (min_header(s.fmt)) {
+    *scale = load_f16x4(p + 8 * c);
+    *mins = load_f16x4(p + 32 + 8 * c);
+    return true;
+  }
   if (q8_header(s.fmt)) {
     *scale = load_f16x4(p + 8 * c);
     *mins = vdupq_n_f32(0.f);  // unused

@@ -84,6 +84,7 @@ void unpack_group(const Segment& s, const uint8_t* p, int g, Group& out) {
       if (scale_codes(s.fmt))
         out.scale[c] = d * static_cast<float>(reinterpret_cast<const int8_t*>(group_scales(s.fmt, p, g))[c]);
       if (k_header(s.fmt)) out.mins[c] = half_to_float(dh[16 + c]) * static_cast<float>(group_mins(s.sbg, p, g)[c]);
+      if (min_header(s.fmt)) out.mins[c] = half_to_float(dh[16 + c]);
       const uint8_t* cb = byte_codes(s.fmt, s.sbg, p, g);
       for (int st = 0; st < 8; ++st)
         for (int j = 0; j < 4; ++j) out.codes[c][4 * st + j] = byte_code(s.fmt, cb, st, 4 * c + j);
@@ -104,7 +105,7 @@ void group_row(const Segment& s, const Group& grp, const Rows& x, int64_t row, i
     if (byte_format(s.fmt)) dot -= static_cast<int32_t>(s.offset) * x.s32[row * kb + k0 / 32];
     const float t = static_cast<float>(dot) * d8;
     acc[c] = std::fma(t, grp.scale[c], acc[c]);
-    if (s.fmt == Q4K || k_header(s.fmt)) acc[c] = std::fma(-grp.mins[c], x.xs[row * kb + k0 / 32], acc[c]);
+    if (s.fmt == Q4K || has_minimum(s.fmt)) acc[c] = std::fma(-grp.mins[c], x.xs[row * kb + k0 / 32], acc[c]);
     if (s.fmt == Q2K) acc[c] = std::fma(-grp.mins[c], q16_xs(x, row, k0), acc[c]);
   }
 }
@@ -168,7 +169,7 @@ void dequantize_row(const Segment& s, int64_t row, float* o) {
       for (int i = 0; i < fi.group; ++i) {
         if (s.fmt == Q4K || s.fmt == Q2K) og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i]) - grp.mins[c];
         else if (six_bit(s.fmt)) og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i] - 32);
-        else if (k_header(s.fmt)) og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i] - s.offset) - grp.mins[c];
+        else if (has_minimum(s.fmt)) og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i] - s.offset) - grp.mins[c];
         else og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i] - s.offset);
       }
     }

@@ -15,7 +15,7 @@ inline __m512i step_bytes(int64_t fmt, const uint8_t* cb, int st) {
   if (fmt == Q8) return _mm512_loadu_si512(cb + 64 * st);
   const __m512i v = _mm512_loadu_si512(cb + 64 * (st % 4));
   const __m512i nib = _mm512_and_si512(st < 4 ? v : _mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
-  if (fmt == Q40) return nib;
+  if (code_kind(fmt) == Q40) return nib;
   if (code_kind(fmt) == IQ4)
     return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4Bytes))), nib);
   const __m512i plane = _mm512_loadu_si512(cb + 256);

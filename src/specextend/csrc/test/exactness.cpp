@@ -74,7 +74,7 @@ std::vector<uint8_t> random_blob(const spx::Segment& shape) {
   std::uniform_int_distribution<int> byte(0, 255);
   std::uniform_real_distribution<float> scale(0.001f, 0.02f);
   for (uint8_t& b : blob) b = static_cast<uint8_t>(byte(rng));
-  const int halves = shape.fmt == spx::Q4K || spx::k_header(shape.fmt) || shape.fmt == spx::Q2K ? 32 : 16;
+  const int halves = shape.fmt == spx::Q4K || spx::has_minimum(shape.fmt) || shape.fmt == spx::Q2K ? 32 : 16;
   for (size_t off = 0; off < blob.size(); off += fi.bytes) {
     for (int i = 0; i < halves; ++i) {
       const uint16_t h = half_bits(scale(rng));
@@ -122,12 +122,13 @@ void linear_tests(const std::vector<Path>& paths) {
   const LinearCase cases[] = {
       {spx::Q4K, 48, 512, 0, 8, false, false, true, false},  {spx::Q4K, 64, 1536, 0, 8, true, false, false, true},
       {spx::Q4K, 40, 896, 0, 7, false, true, false, false},  {spx::Q4K, 35, 96, 0, 3, false, false, true, true},
-      {spx::Q4K, 33, 160, 0, 1, true, false, true, false},  // one group a super-block: GGUF's Q4_0 and Q4_1
+      {spx::Q4K, 33, 160, 0, 1, true, false, true, false},  // one group a super-block (widths of 32)
       {spx::Q6K, 40, 256, 0, 8, true, false, true, false},   {spx::Q6K, 32, 1536, 0, 8, false, true, false, true},
       {spx::Q8, 35, 96, 128, 1, false, false, false, false}, {spx::Q50, 33, 64, 16, 1, true, false, true, true},
       {spx::Q8, 48, 896, 128, 1, false, true, false, false}, {spx::Q50, 32, 640, 16, 1, true, false, true, true},
       {spx::Q40, 35, 96, 8, 1, false, false, true, false},   {spx::Q40, 48, 1536, 8, 1, true, false, false, true},
       {spx::IQ4NL, 33, 64, 128, 1, false, true, true, true}, {spx::IQ4NL, 40, 896, 128, 1, true, false, false, false},
+      {spx::Q41, 35, 96, 0, 1, true, false, true, false},    {spx::Q51, 48, 896, 0, 1, false, true, false, true},
       {spx::Q5K, 48, 512, 0, 8, true, false, true, false},   {spx::IQ4, 32, 768, 128, 8, false, true, false, true},
       {spx::Q5K, 35, 96, 0, 1, false, false, true, true},    {spx::IQ4, 33, 64, 128, 1, true, false, false, false},
       {spx::Q3K, 40, 512, 0, 8, true, false, true, true},    {spx::Q2K, 48, 768, 0, 8, false, true, true, false},
