@@ -54,7 +54,7 @@
 //       d[16] f16, dmin[16] f16, sc[G][16] i8, mn[G][16] u8, then per group: Q4K's nibbles
 //       (4 x 64 bytes) and a plane of fifth bits (64 bytes: bit st of byte b is the fifth bit of
 //       step st's nibble at byte b)           w = d*sc[g] * (byte - offset) - dmin*mn[g]
-//       The byte is the 5-bit code (GGUF's Q5_K, G = 8; Q5_1, G = 1, sc = 1, dmin*mn = -m). The
+//       The byte is the 5-bit code (GGUF's Q5_K, G = 8; our layout accepts any G). The
 //       arithmetic is Q8's dot product of the bytes (dot - offset * s32) with Q4K's epilogue
 //       (both fmas).
 //   IQ4 (the same without the minimum: GGUF's IQ4_XS, G = 8, has none):

@@ -347,7 +347,7 @@ inline bool byte_scales(const Segment& s, const uint8_t* p, int g, __m256* scale
   return k_header(s.fmt);
 }
 
-// kSmall: Q5K, Q50 and Q40, whose codes are below 32 by their layout (small_codes), so they go
+// kSmall: Q5K, Q50, Q51, Q40 and Q41, whose codes are below 32 by their layout (small_codes), so they go
 // into VPMADDUBSW as they are, 4 steps an int16 sum, as in the rows kernel's small groups; other
 // byte codes take the sign trick.
 template <int R, bool kSmall>
@@ -457,7 +457,7 @@ void one_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m2
   }
 }
 
-// Codes below 32 (small_codes: Q5K, Q50, Q40), so (as in the rows kernel's small groups) they go
+// Codes below 32 (small_codes: Q5K, Q50, Q51, Q40, Q41), so (as in the rows kernel's small groups) they go
 // into VPMADDUBSW as they are, no sign trick, and 4 steps share one int16 sum (4 * 2 * 31 * 128);
 // the two halves of the steps are widened apart (together they would not fit in int16).
 template <int64_t FMT>
@@ -613,12 +613,10 @@ void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const T
       case Q6K:
       case Q3K:
       case Q2K: panel_q6k<R>(s, p, x, r0, acc); break;
-      case Q5K:
-      case Q50:
-      case Q51:
-      case Q40:
-      case Q41: panel_q8<R, true>(s, p, x, r0, acc); break;
-      default: panel_q8<R, false>(s, p, x, r0, acc); break;
+      default:
+        if (small_codes(s.fmt)) panel_q8<R, true>(s, p, x, r0, acc);
+        else panel_q8<R, false>(s, p, x, r0, acc);
+        break;
     }
   }
   for (int h = 0; h < 2; ++h) {
