@@ -61,6 +61,11 @@ def _superblock(fmt: str, groups: int) -> tuple[int, int]:
     return {"q6k": (256, 3360), "q3k": (256, 1824), "q2k": (256, 1344), "f16": (32, 1024), "bf16": (32, 1024)}[fmt]
 
 
+def superblock_inputs(fmt: str, groups: int) -> int:
+    """Inputs of one super-block of format `fmt` (`groups`: q4k's, q5k's and iq4's groups of 32)."""
+    return _superblock(fmt, groups)[0]
+
+
 def blob_bytes(fmt: str, n: int, k: int, groups: int = 8) -> int:
     """Bytes of an [n, k] weight in format `fmt` (rows padded to whole panels)."""
     inputs, size = _superblock(fmt, groups)
@@ -403,8 +408,7 @@ def _iq4xs(b: np.ndarray, n: int, k: int) -> Segment:
     low = _bits(b[..., 4:8], 2, 4).reshape(n, nb, 8)  # byte i: groups 2i, 2i + 1
     sc = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8)
     codes = _nibbles32(b[..., 8:136].reshape(n, nb, 8, 16)).reshape(n, k)
-    return pack_kgroups("iq4", d, None, sc.reshape(n, -1), None,
-                        codes, 128, groups=8)
+    return pack_kgroups("iq4", d, None, sc.reshape(n, -1), None, codes, 128, groups=8)
 
 
 def pack_float(kind: str, raw: np.ndarray, n: int, k: int) -> Segment:

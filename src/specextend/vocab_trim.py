@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .quant import MIN_FORMATS, PANEL, Q8_CODE_BYTES, QWeight, Segment
+from .quant import MIN_FORMATS, PANEL, Q8_CODE_BYTES, QWeight, Segment, superblock_inputs
 
 if TYPE_CHECKING:
     from .model import Transformer
@@ -76,19 +76,13 @@ def gather_rows(seg: Segment, ids: np.ndarray) -> Segment:
         raise ValueError("gather_rows takes whole panels of 16 rows")
     lane, width = _lane_map(seg.fmt, seg.groups)
     sb = lane.size
-    blob = seg.blob.numpy().reshape(-1, seg.k // _inputs(seg), sb)
+    blob = seg.blob.numpy().reshape(-1, seg.k // superblock_inputs(seg.fmt, seg.groups), sb)
     pos = np.arange(sb)
     src = ids.reshape(-1, PANEL)[:, lane]  # [new panels, byte]: the source row of each byte
     src_panel, src_pos = src // PANEL, pos + (src % PANEL - lane) * width
     out = blob[src_panel[:, None, :], np.arange(blob.shape[1])[None, :, None], src_pos[:, None, :]]
     return Segment(seg.fmt, len(ids), torch.from_numpy(np.ascontiguousarray(out).reshape(-1)), seg.offset, seg.k,
                    seg.groups)
-
-
-def _inputs(seg: Segment) -> int:
-    if seg.fmt in Q8_CODE_BYTES:
-        return 32
-    return {"q6k": 256, "q3k": 256, "q2k": 256}.get(seg.fmt, 32 * seg.groups)
 
 
 def _padded(ids: np.ndarray) -> np.ndarray:

@@ -68,12 +68,10 @@ def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> quant.QWeight:
                              rng.integers(0, 4, (n, k), dtype=np.uint8))
     elif fmt in quant.K_CODE_BYTES:  # Q5_K's grid, or IQ4_XS's (no minimums)
         q5 = fmt == "q5k"
-        dmin = rng.uniform(0.01, 0.1, (n, k // 256)).astype(np.float16)
-        mn = rng.integers(0, 64, (n, k // 32), dtype=np.uint8)
-        seg = quant.pack_kgroups(fmt, rng.uniform(0.01, 0.1, (n, k // 256)).astype(np.float16),
-                                 dmin if q5 else None,
-                                 rng.integers(0 if q5 else -32, 64 if q5 else 32, (n, k // 32), dtype=np.int8),
-                                 mn if q5 else None,
+        dmin = rng.uniform(0.01, 0.1, (n, k // 256)).astype(np.float16) if q5 else None
+        mn = rng.integers(0, 64, (n, k // 32), dtype=np.uint8) if q5 else None
+        seg = quant.pack_kgroups(fmt, rng.uniform(0.01, 0.1, (n, k // 256)).astype(np.float16), dmin,
+                                 rng.integers(0 if q5 else -32, 64 if q5 else 32, (n, k // 32), dtype=np.int8), mn,
                                  rng.integers(0, 32 if q5 else 16, (n, k), dtype=np.uint8), 0 if q5 else 128, 8)
     elif fmt == "q8":  # Q8_0's blocks: a float16 scale, 32 int8 codes
         scales = rng.uniform(0.01, 0.1, (n, k // 32, 1)).astype(np.float16).view(np.uint8)

@@ -193,12 +193,12 @@ def footprint(file: str | os.PathLike[str], architecture: str, tensors: list[Ten
         row.tensors += 1
         row.parameters += count
         row.file_bytes += t.file_bytes
-        repacked = quant.kept_bytes(t.kind, math.prod(t.shape[1:]), t.shape[0]) if kept else 0
-        row.converted_bytes += repacked if kept else count * F32_BYTES
+        stored = quant.kept_bytes(t.kind, math.prod(t.shape[1:]), t.shape[0]) if kept else count * F32_BYTES
+        row.converted_bytes += stored
         if runs_float(kernel_path):
             row.loaded_bytes += count * F32_BYTES
         elif kept:
-            row.loaded_bytes += repacked
+            row.loaded_bytes += stored
         else:
             requantized = dims == 2 and t.shape[0] % 32 == 0
             row.loaded_bytes += round(count * Q8_BYTES) if requantized else count * F32_BYTES

@@ -132,12 +132,15 @@ constexpr int code_bytes(int64_t fmt) {  // a group's
 // them as unsigned bytes without the sign trick.
 constexpr bool small_codes(int64_t fmt) { return code_kind(fmt) == Q5K || code_kind(fmt) == Q40; }
 
-// A byte-code super-block's header bytes, and where it keeps group g's signed scale codes (Q5K,
-// IQ4: [16] i8), minimum codes (Q5K: [16] u8) and codes.
+// A byte-code super-block's header: d[16] f16 first; then the minimum's dmin[16] f16 (Q5K, Q41,
+// Q51); then group g's signed scale codes (Q5K, IQ4: [16] i8) and minimum codes (Q5K: [16] u8);
+// then the codes. A group's scale is d (x its scale code), its minimum dmin (x its minimum code).
 constexpr int64_t byte_header(int64_t fmt, int64_t sbg) {
   return q8_header(fmt) ? 32 : min_header(fmt) ? 64 : k_header(fmt) ? 64 + 32 * sbg : 32 + 16 * sbg;
 }
-inline const uint8_t* group_scales(int64_t fmt, const uint8_t* sb, int g) { return sb + (k_header(fmt) ? 64 : 32) + 16 * g; }
+inline const uint8_t* group_scales(int64_t fmt, const uint8_t* sb, int g) {
+  return sb + (k_header(fmt) ? 64 : 32) + 16 * g;
+}
 inline const uint8_t* group_mins(int64_t sbg, const uint8_t* sb, int g) { return sb + 64 + 16 * sbg + 16 * g; }
 inline const uint8_t* byte_codes(int64_t fmt, int64_t sbg, const uint8_t* sb, int g) {
   return sb + byte_header(fmt, sbg) + code_bytes(fmt) * g;

@@ -261,20 +261,18 @@ const uint8_t* prepare_group(const Segment& s, const uint8_t* p, int64_t gi, uin
     V::unpack_q6(s.fmt, sb, static_cast<int>(g), buf);
     return buf;
   }
-  if (scale_codes(s.fmt)) {  // Q5K's and IQ4's scale codes (and Q5K's minimums) over codes unpacked into Q8's bytes
-    const int64_t sbg = s.sbg;
-    const int g = static_cast<int>(gi % sbg);
-    const uint8_t* sb = p + (gi / sbg) * s.fi().bytes;
-    V::scales(sb, group_scales(s.fmt, sb, g), true, gs.scale);
-    if (k_header(s.fmt)) V::scales(sb + 32, group_mins(sbg, sb, g), false, gs.mins);
-    V::unpack_bytes(s.fmt, byte_codes(s.fmt, sbg, sb, static_cast<int>(g)), buf);
-    return buf;
-  }
-  const uint8_t* grp = p + gi * s.fi().bytes;  // Q8's header (and Q41's, Q51's minimum): one group a super-block
-  V::halves(grp, gs.scale);
-  if (min_header(s.fmt)) V::halves(grp + 32, gs.mins);
-  if (s.fmt == Q8) return grp + 32;  // Q8's codes are B's layout already
-  V::unpack_bytes(s.fmt, byte_codes(s.fmt, 1, grp, 0), buf);
+  // The byte-code formats: d and dmin, each times its code where the format has codes (qlinear.h).
+  const FormatInfo fi = s.fi();
+  const int64_t groups = fi.superblock / 32;
+  const int g = static_cast<int>(gi % groups);
+  const uint8_t* sb = p + (gi / groups) * fi.bytes;
+  if (scale_codes(s.fmt)) V::scales(sb, group_scales(s.fmt, sb, g), true, gs.scale);
+  else V::halves(sb, gs.scale);
+  if (k_header(s.fmt)) V::scales(sb + 32, group_mins(s.sbg, sb, g), false, gs.mins);
+  else if (min_header(s.fmt)) V::halves(sb + 32, gs.mins);
+  const uint8_t* cb = byte_codes(s.fmt, s.sbg, sb, g);
+  if (s.fmt == Q8) return cb;  // Q8's codes are B's layout already
+  V::unpack_bytes(s.fmt, cb, buf);
   return buf;
 }
 

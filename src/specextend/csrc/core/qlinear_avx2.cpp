@@ -329,22 +329,17 @@ inline __m256i step_bytes(int64_t fmt, const uint8_t* cb, int st, int h) {
   return _mm256_or_si256(nib, _mm256_and_si256(bit, _mm256_set1_epi8(0x10)));
 }
 
-// A byte-code group's float scales and minimums [half] (qlinear.h): Q8's header's float16 scales,
-// or the scale codes of Q5K and IQ4 and Q5K's minimums (returns whether there are minimums).
+// A byte-code group's float scales and minimums [half] (qlinear.h: d and dmin, each times its
+// code where the format has codes); returns whether the format has minimums.
 inline bool byte_scales(const Segment& s, const uint8_t* p, int g, __m256* scale, __m256* mins) {
-  if (q8_header(s.fmt) || min_header(s.fmt)) {
-    scale[0] = cvt_f16(p);
-    scale[1] = cvt_f16(p + 16);
-    if (!min_header(s.fmt)) return false;
-    mins[0] = cvt_f16(p + 32);
-    mins[1] = cvt_f16(p + 48);
-    return true;
-  }
   for (int h = 0; h < 2; ++h) {
-    scale[h] = _mm256_mul_ps(cvt_f16(p + 16 * h), cvt_i8(group_scales(s.fmt, p, g) + 8 * h));
-    if (k_header(s.fmt)) mins[h] = _mm256_mul_ps(cvt_f16(p + 32 + 16 * h), cvt_u8(group_mins(s.sbg, p, g) + 8 * h));
+    scale[h] = cvt_f16(p + 16 * h);
+    if (scale_codes(s.fmt)) scale[h] = _mm256_mul_ps(scale[h], cvt_i8(group_scales(s.fmt, p, g) + 8 * h));
+    if (!has_minimum(s.fmt)) continue;
+    mins[h] = cvt_f16(p + 32 + 16 * h);
+    if (k_header(s.fmt)) mins[h] = _mm256_mul_ps(mins[h], cvt_u8(group_mins(s.sbg, p, g) + 8 * h));
   }
-  return k_header(s.fmt);
+  return has_minimum(s.fmt);
 }
 
 // kSmall: Q5K, Q50, Q51, Q40 and Q41, whose codes are below 32 by their layout (small_codes), so they go

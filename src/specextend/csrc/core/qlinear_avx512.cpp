@@ -172,25 +172,19 @@ struct ByteBlocks {
   }
 };
 
-// One byte-code group of a panel (qlinear.h: Q8's header, or group g of Q5K or IQ4) into
-// registers: its byte codes, its channels' scales and (Q4K's header) minimums. Each group asks for its share of
-// the super-block ahead (share: the super-block's bytes over its groups).
+// One byte-code group of a panel (qlinear.h: a one-group super-block, or group g of Q5K or IQ4)
+// into registers: its byte codes, its channels' scales and minimums (zero where it has none). Each
+// group asks for its share of the super-block ahead (share: the super-block's bytes over its groups).
 template <int64_t FMT>
 inline void load_q8_group(const uint8_t* p, int64_t sbg, int g, int share, __m512i* w, __m512* scale, __m512* mins) {
   const uint8_t* cb = byte_codes(FMT, sbg, p, g);
   prefetch_group(p + share * g, share);
 #pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) w[i] = step_bytes(FMT, cb, i);
-  if constexpr (q8_header(FMT)) {
-    *scale = cvt_f16(p);
-    *mins = _mm512_setzero_ps();  // unused
-  } else if constexpr (min_header(FMT)) {
-    *scale = cvt_f16(p);
-    *mins = cvt_f16(p + 32);
-  } else {
-    *scale = _mm512_mul_ps(cvt_f16(p), cvt_i8(group_scales(FMT, p, g)));
-    *mins = k_header(FMT) ? _mm512_mul_ps(cvt_f16(p + 32), cvt_u8(group_mins(sbg, p, g))) : _mm512_setzero_ps();
-  }
+  *scale = cvt_f16(p);
+  if constexpr (scale_codes(FMT)) *scale = _mm512_mul_ps(*scale, cvt_i8(group_scales(FMT, p, g)));
+  *mins = has_minimum(FMT) ? cvt_f16(p + 32) : _mm512_setzero_ps();
+  if constexpr (k_header(FMT)) *mins = _mm512_mul_ps(*mins, cvt_u8(group_mins(sbg, p, g)));
 }
 
 // One row's group into acc: the reference epilogue of the byte-code formats (Q8's header has no

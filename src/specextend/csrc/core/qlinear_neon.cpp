@@ -187,27 +187,14 @@ inline uint8x16_t step_bytes(int64_t fmt, const uint8_t* cb, int st, int c) {
   return vorrq_u8(nib, vandq_u8(bit, vdupq_n_u8(0x10)));
 }
 
-// Quad c (channels 4c..4c+3) of a byte-code group's float scales and (Q4K's header; returns
-// whether) minimums: Q8's header's float16 scales, or Q5K's and IQ4's scale codes and Q5K's
-// minimums (qlinear.h).
+// Quad c (channels 4c..4c+3) of a byte-code group's float scales and minimums (qlinear.h: d and
+// dmin, each times its code where the format has codes); returns whether the format has minimums.
 inline bool byte_scales(const Segment& s, const uint8_t* p, int g, int c, float32x4_t* scale, float32x4_t* mins) {
-  if (min_header(s.fmt)) {
-    *scale = load_f16x4(p + 8 * c);
-    *mins = load_f16x4(p + 32 + 8 * c);
-    return true;
-  }
-  if (q8_header(s.fmt)) {
-    *scale = load_f16x4(p + 8 * c);
-    *mins = vdupq_n_f32(0.f);  // unused
-    return false;
-  }
-  *scale = vmulq_f32(load_f16x4(p + 8 * c), cvt_i8x4(group_scales(s.fmt, p, g) + 4 * c));
-  if (!k_header(s.fmt)) {
-    *mins = vdupq_n_f32(0.f);  // unused
-    return false;
-  }
-  *mins = vmulq_f32(load_f16x4(p + 32 + 8 * c), cvt_u8x4(group_mins(s.sbg, p, g) + 4 * c));
-  return true;
+  *scale = load_f16x4(p + 8 * c);
+  if (scale_codes(s.fmt)) *scale = vmulq_f32(*scale, cvt_i8x4(group_scales(s.fmt, p, g) + 4 * c));
+  *mins = has_minimum(s.fmt) ? load_f16x4(p + 32 + 8 * c) : vdupq_n_f32(0.f);
+  if (k_header(s.fmt)) *mins = vmulq_f32(*mins, cvt_u8x4(group_mins(s.sbg, p, g) + 4 * c));
+  return has_minimum(s.fmt);
 }
 
 // acc + one row's group, 4 channels: the byte-code formats' reference epilogue, the codes having

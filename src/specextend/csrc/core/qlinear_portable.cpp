@@ -83,8 +83,8 @@ void unpack_group(const Segment& s, const uint8_t* p, int g, Group& out) {
       out.scale[c] = d;
       if (scale_codes(s.fmt))
         out.scale[c] = d * static_cast<float>(reinterpret_cast<const int8_t*>(group_scales(s.fmt, p, g))[c]);
-      if (k_header(s.fmt)) out.mins[c] = half_to_float(dh[16 + c]) * static_cast<float>(group_mins(s.sbg, p, g)[c]);
-      if (min_header(s.fmt)) out.mins[c] = half_to_float(dh[16 + c]);
+      if (has_minimum(s.fmt)) out.mins[c] = half_to_float(dh[16 + c]);
+      if (k_header(s.fmt)) out.mins[c] = out.mins[c] * static_cast<float>(group_mins(s.sbg, p, g)[c]);
       const uint8_t* cb = byte_codes(s.fmt, s.sbg, p, g);
       for (int st = 0; st < 8; ++st)
         for (int j = 0; j < 4; ++j) out.codes[c][4 * st + j] = byte_code(s.fmt, cb, st, 4 * c + j);
