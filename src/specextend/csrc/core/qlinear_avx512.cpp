@@ -31,10 +31,18 @@ inline void prefetch_group(const uint8_t* p, int bytes) {
   for (int off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch + off), _MM_HINT_T1);
 }
 
-inline __m512i bcast4(const int8_t* q) {
+// acc + VPDPBUSD(w, the 4 activation codes at q in every lane), the codes read by the
+// instruction's own broadcast ({1to16}): a separate broadcast load costs an operation a product
+// on the vector ports the products need, and the compiler does not fold it.
+inline __m512i dp4(__m512i acc, __m512i w, const int8_t* q) {
+#if defined(SPECEXTEND_EMULATE_AVX512)
   int32_t v;
   std::memcpy(&v, q, 4);
-  return _mm512_set1_epi32(v);
+  return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(v));
+#else
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(q)));
+  return acc;
+#endif
 }
 
 // An int32 from memory in every lane, read by a broadcast load: an integer first loaded into a
@@ -59,7 +67,7 @@ inline void dots(const __m512i* w, const int8_t* const* q, __m512i* dot) {
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const int c = R == 1 ? st % kSplit : r;
-      part[c] = _mm512_dpbusd_epi32(part[c], w[st], bcast4(q[r] + 4 * st));
+      part[c] = dp4(part[c], w[st], q[r] + 4 * st);
     }
   }
   if constexpr (R == 1) {
@@ -116,7 +124,7 @@ inline __m512i q6k_start(const int32_t* s16) {
   } else {
     constexpr int shift = zero == 32 ? 5 : 2;
     static_assert(zero == 1 << shift);
-    return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(bcast_i32(s16), shift));
+    return _mm512_set1_epi32(-(*s16 << shift));
   }
 }
 
@@ -264,8 +272,8 @@ inline __m512i row_dot(const __m512i* w, const int8_t* q) {
   __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
 #pragma GCC unroll 8
   for (int st = 0; st < STEPS; st += 2) {
-    a = _mm512_dpbusd_epi32(a, w[st], bcast4(q + 4 * st));
-    b = _mm512_dpbusd_epi32(b, w[st + 1], bcast4(q + 4 * st + 4));
+    a = dp4(a, w[st], q + 4 * st);
+    b = dp4(b, w[st + 1], q + 4 * st + 4);
   }
   return _mm512_add_epi32(a, b);
 }
@@ -353,8 +361,8 @@ void rows_q6k_slice(const Segment& s, const uint8_t* p, const Rows& x, int64_t r
         __m512i c0 = q6k_start<FMT>(s16 + r * k16), c1 = q6k_start<FMT>(s16 + r * k16 + 1);
 #pragma GCC unroll 4
         for (int st = 0; st < 4; ++st) {
-          c0 = _mm512_dpbusd_epi32(c0, w0[st], bcast4(qr + 4 * st));
-          c1 = _mm512_dpbusd_epi32(c1, w1[st], bcast4(qr + 16 + 4 * st));
+          c0 = dp4(c0, w0[st], qr + 4 * st);
+          c1 = dp4(c1, w1[st], qr + 16 + 4 * st);
         }
         const __m512 dd = _mm512_set1_ps(d8[r * kb]);
         __m512 a = _mm512_load_ps(acc + 16 * r);
