@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from greenlet import greenlet
 
+from . import prompt_share
 from .costmodel import CostModel
 from .engine import SpecEngine
 from .model import Rows, Transformer
@@ -125,6 +126,8 @@ class Sequence:
         self.result: Any = None
         self.error: BaseException | None = None
         self.prefilled = 0  # prompt tokens prefilled in steps (a call's first tokens count as they run)
+        self.shared = 0  # prompt tokens copied from another sequence's cache, not yet told its prefill
+        self.target_cache: Any = None  # its target KV cache, once a target call showed it
 
     @property
     def prefilling(self) -> bool:
@@ -195,6 +198,7 @@ class Batch:
         self.target, self.draft = target, draft
         self.sequences: list[Sequence] = []
         self.last = StepReport()
+        self.ended: list[Any] = []  # target caches of the sequences reaped since the last step
         # Per decoding sequence and step, what is not a forward (its loop, sampling, lookup,
         # retrieval, streaming), averaged over recent steps: the sizer's per-step overhead.
         self.overhead_s = 0.0
@@ -222,6 +226,9 @@ class Batch:
         """Remove and return the sequences that have ended."""
         done = [s for s in self.sequences if s.done]
         self.sequences = [s for s in self.sequences if not s.done]
+        # Their prompts' KV, for the next step's sequences to copy from (prompt_share.py): a request
+        # that ended with its prefill (one token asked) may have led others waiting on its prompt.
+        self.ended += [s.target_cache for s in done if s.target_cache is not None]
         return done
 
     def step(self, budget: int, prefill_order: Callable[[list[Sequence]], list[Sequence]] = list) -> StepReport:
@@ -244,13 +251,20 @@ class Batch:
             draft_left -= self._run(waiting[0].call.model, waiting, draft_left, report)  # type: ignore[union-attr]
             report.draft_rounds += 1
         report.drafting = len(drafted)
+        ended, self.ended = self.ended, []
         ready = [s for s in self.sequences if s.call is not None and s.call.model is self.target]
+        for s in ready:
+            s.target_cache = s.call.rows.cache  # type: ignore[union-attr]
         decode = [s for s in ready if not s.call.prefill]  # type: ignore[union-attr]
         report.decoding = len(decode)
         report.decode_rows = sum(s.call.rows.size for s in decode)  # type: ignore[union-attr]
-        if ready:  # sets report.prefill_rows (before the sequences resume: see _run)
-            self._run(self.target, decode + prefill_order([s for s in ready if s.prefilling]),
-                      max(1, budget - report.decoding), report, current=True)
+        prefilling = [s for s in ready if s.prefilling]
+        if prefilling and self.target.batches_rows:  # row-independent: another cache's prompt slots are ours
+            holders = [s.target_cache for s in self.sequences if s.target_cache is not None] + ended
+            prefilling = prompt_share.share(prefilling, holders, {id(s): i for i, s in enumerate(self.sequences)})
+        if decode or prefilling:  # sets report.prefill_rows (before the sequences resume: see _run)
+            self._run(self.target, decode + prefill_order(prefilling), max(1, budget - report.decoding), report,
+                      current=True)
         report.seconds = time.perf_counter() - t0
         if report.decoding:
             own = max(0.0, report.seconds - report.forward_s) / report.decoding
@@ -295,7 +309,8 @@ class Batch:
                 s.resume(out)
             else:
                 s.prefilled += take
-                s.resume((out, take))
+                shared, s.shared = s.shared, 0
+                s.resume((out, take + shared))
         return taken
 
 

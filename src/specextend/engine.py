@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from . import vocab_trim
@@ -272,6 +273,7 @@ class SpecEngine:
         rest = torch.tensor(prompt_ids[n:], dtype=torch.long)
         t0 = time.perf_counter()
         tcache = self.target.new_cache(cap)
+        tcache.prompt = np.asarray(prompt_ids, dtype=np.int64)
         if prefix is not None:
             tcache.load(prefix.target_kv)
         last_q: dict[int, torch.Tensor] = {}

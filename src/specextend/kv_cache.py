@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -117,6 +118,10 @@ class KVCache:
         self.capacity = capacity
         self.length = 0
         self.pending = 0
+        # The token ids of the prompt whose KV the first slots hold (set by the prefill that fills
+        # the cache; None: unknown), so a batch can hand one sequence's prompt KV to another whose
+        # prompt starts the same way (prompt_share.py).
+        self.prompt: np.ndarray | None = None
 
     # --- used by the model -------------------------------------------------------------------
     def begin(self, t: int) -> None:
