@@ -61,7 +61,8 @@ from typing import Any
 
 from ..jsonl import text_at
 
-QUESTIONS = ("In one sentence, what is this report about?", "List two numbers that the report mentions.")
+QUESTIONS = ("In one sentence, what is this report about?", "List two numbers that the report mentions.",
+             "Who wrote this report, and for whom?", "What does the report recommend?")
 
 
 @contextlib.contextmanager
@@ -367,7 +368,12 @@ def _concurrent(args: argparse.Namespace) -> dict[str, Any]:
         return enc.prompt_ids(text)
 
     if args.what == "concurrent":
-        if args.data:
+        if args.data and args.same_document:
+            doc = text_at(args.data, 0)
+            prompts = [encode(f"{doc}\n\nQuestion {i + 1}: {QUESTIONS[i % len(QUESTIONS)]}")
+                       for i in range(args.clients)]
+            name = f"{args.clients} questions at once about one {Path(args.data).stem} document"
+        elif args.data:
             prompts = [encode(text_at(args.data, i)) for i in range(args.clients)]
             name = f"{args.clients} clients x {Path(args.data).stem}"
         else:
@@ -512,6 +518,9 @@ def main(argv: list[str] | None = None) -> int:
         if name == "concurrent":
             q.add_argument("--data", help="a JSONL file: client i sends record i's text (default: short prompts)")
             q.add_argument("--clients", type=int, default=4)
+            q.add_argument("--same-document", action="store_true",
+                           help="every client asks its own question about --data's first record (one document, "
+                                "questions at once)")
         else:
             q.add_argument("--data", required=True, help="a JSONL file with the long document")
             q.add_argument("--index", type=int, default=0)
@@ -522,6 +531,8 @@ def main(argv: list[str] | None = None) -> int:
     _add_replicas(sub)
     _add_single(sub)
     args = p.parse_args(argv)
+    if args.what == "concurrent" and args.same_document and not args.data:
+        p.error("--same-document needs --data (the document's JSONL file)")
     if args.what in ("concurrent", "during"):
         result = _concurrent(args)
         (args.out / "result.json").write_text(json.dumps(result, indent=1))
