@@ -125,3 +125,22 @@ def test_common_prefix():
     assert common_prefix(a, np.array([1, 2, 9])) == 2
     assert common_prefix(a, a[:3]) == 3
     assert common_prefix(a, np.array([5])) == 0
+
+
+def test_a_finished_request_leaves_nothing_for_later_ones(pair):
+    """Sharing is between requests in flight: once a request has ended and nobody prefilling wants its
+    slots, its cache is gone (its memory is back in the KV budget; the prefix cache is the one that
+    remembers), so the same prompt later computes all of it."""
+    batch = Batch(pair.target, pair.draft)
+    engine = batch.engine(pair.eos_ids, pair.step_costs())
+    s = settings(method="ar", max_new_tokens=3)
+    computed = []
+    for _ in range(2):
+        batch.add(Sequence(lambda: pair.generation(PROMPTS[0], settings=s).run(engine)))
+        n = 0
+        while batch.sequences:
+            n += batch.step(256).prefill_rows
+            batch.reap()
+        computed.append(n)
+    assert computed == [len(PROMPTS[0])] * 2
+    assert batch.ended == []

@@ -226,9 +226,13 @@ class Batch:
         """Remove and return the sequences that have ended."""
         done = [s for s in self.sequences if s.done]
         self.sequences = [s for s in self.sequences if not s.done]
-        # Their prompts' KV, for the next step's sequences to copy from (prompt_share.py): a request
-        # that ended with its prefill (one token asked) may have led others waiting on its prompt.
-        self.ended += [s.target_cache for s in done if s.target_cache is not None]
+        # Their prompts' KV for the next step, if a sequence still prefilling would copy from it
+        # (prompt_share.py): a request that ended with its prefill (one token asked) may have led
+        # others waiting on its prompt. No longer than that: the scheduler has already given the
+        # caches' memory back to the KV budget.
+        prefilling = [s.call.rows.cache for s in self.sequences if s.prefilling]  # type: ignore[union-attr]
+        self.ended += [s.target_cache for s in done
+                       if s.target_cache is not None and prompt_share.wanted(s.target_cache, prefilling)]
         return done
 
     def step(self, budget: int, prefill_order: Callable[[list[Sequence]], list[Sequence]] = list) -> StepReport:

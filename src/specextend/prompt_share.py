@@ -46,6 +46,16 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if diff.size else n
 
 
+def wanted(cache: KVCache, prefilling: list[KVCache]) -> bool:
+    """Whether one of the `prefilling` caches would copy slots of `cache`'s prompt (it holds more
+    of their shared start than they do)."""
+    ids = getattr(cache, "prompt", None)
+    if ids is None:
+        return False
+    return any(c is not cache and getattr(c, "prompt", None) is not None
+               and min(common_prefix(ids, c.prompt), cache.length) > c.length for c in prefilling)
+
+
 def _prompt(rows: Rows) -> np.ndarray | None:
     """The prompt of a prefill call's cache, if the call's rows are that prompt's next tokens."""
     c = rows.cache

@@ -28,10 +28,11 @@ server's resident memory (from /proc) against the prefix cache's cap. `concurren
 many clients at once against our server, the same server one request at a time, and llama.cpp's
 `llama-server -np N` (bench/concurrent.py), written as JSON, a Markdown table and a plot.
 `single`: one request alone through the server against `specextend generate --json` on the same
-document (raw completion, the same method and settings, greedy), in interleaved rounds (generate,
-then the server, `--rounds` times); reports each one's prefill seconds and decode tokens per
-second, their ratios (server / generate), and whether the answers are the same tokens. The
-server runs with `--cache-mb 0` so that every round prefills the whole prompt, as generate does.
+document (raw completion, the same method and settings, greedy), in interleaved rounds (`--rounds`
+of them, generate first in even rounds and the server first in odd ones); reports each one's
+prefill seconds and decode tokens per second, their ratios (server / generate), and whether the
+answers are the same tokens. The server runs with `--cache-mb 0` so that every round prefills the
+whole prompt, as generate does.
 `replicas`: `serve --replicas N` once per routing (affinity, round-robin), each time asking
 `--questions` questions about each of `--docs` documents (records 0.. of `--data`), one request
 at a time, the documents interleaved so that round-robin sends a document's questions to
@@ -200,9 +201,16 @@ def single(args: argparse.Namespace) -> dict[str, Any]:
     doc = text_at(args.data, args.index)
     rounds = []
     for i in range(args.rounds):
-        gen = _generate_once(doc, args)
-        srv = _served_once(args.url, doc, args)
-        row = {"round": i, "generate": gen, "server": srv, "same_text": gen["text"] == srv["text"],
+        # Odd rounds serve first: a side that always ran second would meet whatever state of the
+        # host the other side left behind.
+        if i % 2 == 0:
+            gen = _generate_once(doc, args)
+            srv = _served_once(args.url, doc, args)
+        else:
+            srv = _served_once(args.url, doc, args)
+            gen = _generate_once(doc, args)
+        row = {"round": i, "first": "generate" if i % 2 == 0 else "server", "generate": gen, "server": srv,
+               "same_text": gen["text"] == srv["text"],
                "prefill_ratio": srv["prefill_s"] / gen["prefill_s"],
                "decode_ratio": (srv["new_tokens"] / srv["decode_s"]) / (gen["new_tokens"] / gen["decode_s"])}
         rounds.append(row)
