@@ -36,7 +36,11 @@ GAP_GOAL_S = 1.0  # the running streams' gap goal (p95 of the waits between thei
 # alone grows with the context only while its step is predicted within this.
 NEWCOMER_WAIT_S = 2.0
 STEP_SHARE = 0.5  # of the gap goal, what the step's target forward may take
-EFFICIENT_SLACK = 0.02  # the efficient chunk: cost per token within 2% of the best measured
+# The efficient chunk: cost per token within this of the best measured, about the curve's own noise.
+# A looser slack buys a newcomer a shorter wait for a dearer prefill, and a step costs more than the
+# curve says by what it does outside the forward: at 2% the server prefilled an 8K document
+# 1.05x slower than `generate` (docs/benchmarks.md, "A lone 8K document through the server").
+EFFICIENT_SLACK = 0.005
 ROW_STEP = 16  # chunks beside streams are a multiple of this (the row kernels' tiles)
 REFERENCE_CONTEXT = 2048  # the context `decoding_rows` reports in /health
 REFRESH_WEIGHT = 0.2
