@@ -88,3 +88,11 @@ def test_the_prefill_curve_is_measured_without_logits_and_cached_apart(tiny_dir,
     costmodel.cached_curve(model, "efficient", quiet=True, kind="prefill")
     assert len(calls) == n  # read back
     assert [p.name.endswith("-prefill.json") for p in tmp_path.glob("*.json")] == [True]
+
+
+def test_a_context_bucket_has_one_chunk_whichever_context_asks_first():
+    """Contexts are bucketed by 256 tokens; a bucket's rows are its start's, so /health's chunk alone
+    (the empty cache's) is the one the steps use, even when a cached prefix asked first."""
+    b = StepBudget(LONG, STEPS)
+    assert b.efficient_rows(200) != b.efficient_rows(0)  # inside the bucket another chunk would win
+    assert b.rows(0, 200) == b.rows(0, 0) == b.alone_rows == b.stats()["alone_rows"]

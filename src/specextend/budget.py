@@ -89,9 +89,12 @@ class StepBudget:
         `decoders` streams, the largest multiple of ROW_STEP (at most that chunk, at least
         ROW_STEP) whose step at `context` is predicted within the gap goal's share, plus the
         streams' own rows."""
+        # Contexts in 256-token buckets, each computed at its start: whichever context asks first,
+        # a bucket's rows are the same (a context inside it could pick another chunk).
         key = (decoders, context // 256)
         if key in self._memo:
             return self._memo[key]
+        context = key[1] * 256
         alone, base = self.efficient_rows(context), self.efficient_rows(0)
         while alone > base and self.predict(alone, context) > NEWCOMER_WAIT_S:
             alone = max(n for n in self.prefill.rows if n < alone)
@@ -131,7 +134,7 @@ class StepBudget:
             "gap_goal_s": self.gap_goal_s, "step_goal_s": self.gap_goal_s * STEP_SHARE, "scale": round(self.scale, 3),
             "prefill_ms_per_token": {str(n): round(1e3 * c, 3) for n, c in per.items()},
             "why": (f"alone: chunks of {eff} prompt tokens, the smallest measured within "
-                    f"{EFFICIENT_SLACK:.0%} of the best cost per token ({1e3 * min(per.values()):.2f} ms), "
+                    f"{EFFICIENT_SLACK:.1%} of the best cost per token ({1e3 * min(per.values()):.2f} ms), "
                     f"larger where the document's context makes small chunks dearer; "
                     f"beside a decoding stream at a {REFERENCE_CONTEXT}-token context: {beside} rows, the "
                     f"most whose step is predicted within {self.gap_goal_s * STEP_SHARE:.2f} s "

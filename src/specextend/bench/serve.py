@@ -480,6 +480,29 @@ def _add_replicas(sub: Any) -> None:
     r.add_argument("--out", type=Path)
 
 
+def _add_concurrent(sub: Any) -> None:
+    for name in ("concurrent", "during"):
+        q = sub.add_parser(name, help="many clients at once: ours, ours one at a time, llama-server -np N" if
+                           name == "concurrent" else "a short prompt (and running streams) during a long prefill")
+        q.add_argument("--servers", default="ours,ours-one,llama", help="any of ours, ours-one, llama")
+        q.add_argument("--serve-args", default="", metavar="ARGS", help="flags for `specextend serve` (ours)")
+        q.add_argument("--max-tokens", type=int, default=64)
+        q.add_argument("--out", type=Path, required=True, help="folder for the JSON, summary.md and the plot")
+        if name == "concurrent":
+            q.add_argument("--data", help="a JSONL file: client i sends record i's text (default: short prompts)")
+            q.add_argument("--clients", type=int, default=4)
+            q.add_argument("--same-document", action="store_true",
+                           help="every client asks its own question about --data's first record (one document, "
+                                "questions at once)")
+        else:
+            q.add_argument("--data", required=True, help="a JSONL file with the long document")
+            q.add_argument("--index", type=int, default=0)
+            q.add_argument("--running", type=int, default=2, help="streams already running")
+            q.add_argument("--running-tokens", type=int, default=256)
+            q.add_argument("--doc-at", type=float, default=3.0, help="seconds after the streams start")
+            q.add_argument("--after", type=float, default=2.0, help="the short prompt, seconds after the document")
+
+
 def _add_single(sub: Any) -> None:
     one = sub.add_parser("single", help="one request alone: the server against `specextend generate`")
     _server_options(one)
@@ -516,26 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--generate-args", default="", metavar="ARGS",
                    help="model and setting flags the server was started with, for generate too")
     c.add_argument("--out", type=Path)
-    for name in ("concurrent", "during"):
-        q = sub.add_parser(name, help="many clients at once: ours, ours one at a time, llama-server -np N" if
-                           name == "concurrent" else "a short prompt (and running streams) during a long prefill")
-        q.add_argument("--servers", default="ours,ours-one,llama", help="any of ours, ours-one, llama")
-        q.add_argument("--serve-args", default="", metavar="ARGS", help="flags for `specextend serve` (ours)")
-        q.add_argument("--max-tokens", type=int, default=64)
-        q.add_argument("--out", type=Path, required=True, help="folder for the JSON, summary.md and the plot")
-        if name == "concurrent":
-            q.add_argument("--data", help="a JSONL file: client i sends record i's text (default: short prompts)")
-            q.add_argument("--clients", type=int, default=4)
-            q.add_argument("--same-document", action="store_true",
-                           help="every client asks its own question about --data's first record (one document, "
-                                "questions at once)")
-        else:
-            q.add_argument("--data", required=True, help="a JSONL file with the long document")
-            q.add_argument("--index", type=int, default=0)
-            q.add_argument("--running", type=int, default=2, help="streams already running")
-            q.add_argument("--running-tokens", type=int, default=256)
-            q.add_argument("--doc-at", type=float, default=3.0, help="seconds after the streams start")
-            q.add_argument("--after", type=float, default=2.0, help="the short prompt, seconds after the document")
+    _add_concurrent(sub)
     _add_replicas(sub)
     _add_single(sub)
     args = p.parse_args(argv)
