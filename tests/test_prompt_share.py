@@ -14,7 +14,7 @@ from specextend.batch import Batch, Sequence
 from specextend.prompt_share import MIN_WAIT, common_prefix
 from specextend.settings import Settings
 
-from tiny_tokenizer import save_tiny_model
+from tiny_tokenizer import quantized_pair, save_tiny_model
 
 pytestmark = [pytest.mark.usefixtures("isolated_home"),
               pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")]
@@ -25,13 +25,7 @@ SMALL = dict(chunk_size=4, top_k_chunks=2, cmr_min_ratio=0.0, tree_budget=6, tre
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("share")
-    target = save_tiny_model(root / "target", seed=0, **SHAPE)
-    draft = save_tiny_model(root / "draft", seed=1, layers=1, **SHAPE)
-    p = load(target, draft, dtype="float32", weights="int8", draft_weights="int8", progress=False)
-    p = Pair(replace(p.spec, eos_ids=()), p.target, p.draft)
-    assert p.target.batches_rows
-    return p
+    return quantized_pair(tmp_path_factory.mktemp("share"), **SHAPE)
 
 
 def ids(seed: int, n: int) -> list[int]:

@@ -8,14 +8,12 @@ from __future__ import annotations
 import asyncio
 import copy
 import time
-from dataclasses import replace
 from typing import ClassVar
 
 import pytest
 import torch
 
 from specextend import kernels
-from specextend.api import Pair, load
 from specextend.batch import Batch, Sequence, StepCosts, StepReport
 from specextend.budget import StepBudget
 from specextend.costmodel import ForwardCurve
@@ -23,7 +21,7 @@ from specextend.scheduler import Limits, QueueFull, Scheduler, TooLarge
 from specextend.serve.jobs import Job, run_job
 from specextend.settings import Settings
 
-from tiny_tokenizer import save_tiny_model
+from tiny_tokenizer import quantized_pair
 
 pytestmark = [pytest.mark.usefixtures("isolated_home"),
               pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")]
@@ -36,13 +34,7 @@ METHODS = [dict(method="ar"), dict(method="lookup"), dict(method="sd"), dict(met
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sched")
-    target = save_tiny_model(root / "target", seed=0, **SHAPE)
-    draft = save_tiny_model(root / "draft", seed=1, layers=1, **SHAPE)
-    p = load(target, draft, dtype="float32", weights="int8", draft_weights="int8", progress=False)
-    p = Pair(replace(p.spec, eos_ids=()), p.target, p.draft)  # random weights: every generation runs to its length
-    assert p.target.batches_rows and p.draft.batches_rows
-    return p
+    return quantized_pair(tmp_path_factory.mktemp("sched"), **SHAPE)
 
 
 def prompt(i: int, n: int) -> list[int]:

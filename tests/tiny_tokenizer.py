@@ -58,6 +58,22 @@ def save_tiny_model(folder: Path, arch: str = "qwen2", seed: int = 0, vocab: int
     return folder
 
 
+def quantized_pair(root: Path, **shape):
+    """A tiny target and one-layer draft on the row-independent runtime (int8 weights, so a batch
+    stacks their rows), without end-of-sequence ids: random weights, every generation runs to its
+    length."""
+    from dataclasses import replace
+
+    from specextend.api import Pair, load
+
+    target = save_tiny_model(root / "target", seed=0, **shape)
+    draft = save_tiny_model(root / "draft", seed=1, layers=1, **shape)
+    p = load(target, draft, dtype="float32", weights="int8", draft_weights="int8", progress=False)
+    p = Pair(replace(p.spec, eos_ids=()), p.target, p.draft)
+    assert p.target.batches_rows and p.draft.batches_rows
+    return p
+
+
 def copy_model(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst

@@ -102,6 +102,13 @@ class PrefixKV:
         return 0 if mask is None else int(mask.sum())
 
 
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the common leading run of two token arrays (their prompts' KV agrees that far)."""
+    m = min(len(a), len(b))
+    diff = np.flatnonzero(a[:m] != b[:m])
+    return int(diff[0]) if diff.size else m
+
+
 class KVCache:
     def __init__(
         self,

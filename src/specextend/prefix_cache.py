@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from . import kernels, kv_file
-from .kv_cache import PrefixKV
+from .kv_cache import PrefixKV, common_prefix
 
 log = logging.getLogger("specextend.prefix_cache")
 
@@ -66,13 +66,6 @@ class _Entry:
                 and self.draft_slots >= other.draft_slots)
 
 
-def _common(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the common leading run of two token arrays."""
-    m = min(len(a), len(b))
-    diff = np.flatnonzero(a[:m] != b[:m])
-    return int(diff[0]) if diff.size else m
-
-
 class _Tier:
     """Entries in least- to most-recently-used order under a byte cap (memory, or the folder)."""
 
@@ -90,7 +83,7 @@ class _Tier:
         best_key, best_n, best_draft = None, 0, -1
         for key, e in self.entries.items():
             if e.serves(target_kind, draft_kind):
-                n = _common(e.tokens, tokens)
+                n = common_prefix(e.tokens, tokens)
                 draft = e.draft_slots if draft_kind is not None and e.draft_kind is not None else 0
                 if (n, draft) > (best_n, best_draft):  # the longest run; with the draft's KV on a tie
                     best_key, best_n, best_draft = key, n, draft
@@ -99,7 +92,8 @@ class _Tier:
     def covering(self, new: _Entry) -> str | None:
         """An entry that already holds all of `new`'s tokens and KV."""
         for key, e in self.entries.items():
-            if e.holds(new) and len(e.tokens) >= len(new.tokens) and _common(e.tokens, new.tokens) == len(new.tokens):
+            if (e.holds(new) and len(e.tokens) >= len(new.tokens)
+                    and common_prefix(e.tokens, new.tokens) == len(new.tokens)):
                 return key
         return None
 
@@ -107,7 +101,7 @@ class _Tier:
         """Entries that `new` makes redundant: their tokens start `new`'s, and `new` holds their KV."""
         return [key for key, e in self.entries.items()
                 if new.holds(e) and len(e.tokens) <= len(new.tokens)
-                and _common(e.tokens, new.tokens) == len(e.tokens)]
+                and common_prefix(e.tokens, new.tokens) == len(e.tokens)]
 
     def add(self, key: str, e: _Entry) -> None:
         self.entries[key] = e

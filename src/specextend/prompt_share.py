@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .kv_cache import common_prefix
 from .model import Rows
 
 if TYPE_CHECKING:
@@ -39,27 +40,24 @@ if TYPE_CHECKING:
 MIN_WAIT = 16
 
 
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """How many leading token ids a and b share."""
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
+def _reach(holder: KVCache, c: KVCache) -> int:
+    """How far into c's prompt the holder's computed slots are c's too (its prompt's last token is
+    always c's own to compute; 0: nothing shared)."""
+    if holder is c or holder.prompt is None or c.prompt is None or holder.k.shape[:2] != c.k.shape[:2] \
+            or holder.k.dtype != c.k.dtype:
+        return 0
+    return min(common_prefix(c.prompt, holder.prompt), holder.length, len(c.prompt) - 1)
 
 
 def wanted(cache: KVCache, prefilling: list[KVCache]) -> bool:
-    """Whether one of the `prefilling` caches would copy slots of `cache`'s prompt (it holds more
-    of their shared start than they do)."""
-    ids = getattr(cache, "prompt", None)
-    if ids is None:
-        return False
-    return any(c is not cache and getattr(c, "prompt", None) is not None
-               and min(common_prefix(ids, c.prompt), cache.length) > c.length for c in prefilling)
+    """Whether one of the `prefilling` caches would copy slots from `cache`."""
+    return any(_reach(cache, c) > c.length for c in prefilling)
 
 
 def _prompt(rows: Rows) -> np.ndarray | None:
     """The prompt of a prefill call's cache, if the call's rows are that prompt's next tokens."""
     c = rows.cache
-    ids = getattr(c, "prompt", None)
+    ids = c.prompt
     if ids is None or rows.tree_mask is not None or c.pending or rows.size < 1:
         return None
     start = c.length
@@ -70,21 +68,16 @@ def _prompt(rows: Rows) -> np.ndarray | None:
     return ids
 
 
-def _copy_held(seq: Sequence, ids: np.ndarray, holders: list[KVCache]) -> None:
+def _copy_held(seq: Sequence, holders: list[KVCache]) -> None:
     """Copy into the sequence's cache the longest run of its next prompt slots that one of the
     holders has computed, and take those tokens off its pending prefill call."""
     assert seq.call is not None
     rows = seq.call.rows
-    c, start, last = rows.cache, rows.cache.length, len(ids) - 1
-    best, reach = None, start
-    for d in holders:
-        other = getattr(d, "prompt", None)
-        if d is c or other is None or d.k.shape[:2] != c.k.shape[:2] or d.k.dtype != c.k.dtype:
-            continue
-        r = min(common_prefix(ids, other), d.length, last)
-        if r > reach:
-            best, reach = d, r
-    if best is None:
+    c = rows.cache
+    start = c.length
+    best = max(holders, key=lambda d: _reach(d, c), default=None)
+    reach = _reach(best, c) if best is not None else 0
+    if best is None or reach <= start:
         return
     c.k[:, :, start:reach] = best.k[:, :, start:reach]
     c.v[:, :, start:reach] = best.v[:, :, start:reach]
@@ -114,7 +107,7 @@ def share(prefilling: list[Sequence], holders: list[KVCache], admitted: dict[int
     waiting: set[int] = set()
     for s in sorted((s for s in prefilling if id(s) in prompts), key=lead):
         ids = prompts[id(s)]
-        _copy_held(s, ids, holders)
+        _copy_held(s, holders)
         assert s.call is not None
         start, last = s.call.rows.cache.length, len(ids) - 1
         if any(min(common_prefix(ids, prompts[id(e)]), last) - start >= MIN_WAIT for e in running):
