@@ -53,7 +53,7 @@ from .model import Transformer
 from .propose import Proposer
 from .settings import Settings
 from .tree import DraftTree, make_builder
-from .verify import Verdict, sample, target_dist, verify_greedy, verify_sampling
+from .verify import Verdict, best_token, sample, target_dist, verify_greedy, verify_sampling
 from .wording import count
 
 TokensCallback = Callable[[list[int]], bool | None]  # True: stop after this batch
@@ -358,7 +358,7 @@ class SpecEngine:
 
     def _choose(self, logits: torch.Tensor, s: Settings, rng: torch.Generator) -> int:
         if s.greedy:
-            return int(torch.argmax(logits))
+            return best_token(logits)
         return sample(target_dist(logits, s.temperature, s.top_p), rng)
 
     def _emit(self, out: list[int], new: list[int], s: Settings, cb: TokensCallback | None,
@@ -493,7 +493,7 @@ class SpecEngine:
         while len(tokens) < max_new_tokens:
             logits = working.extend([x])
             largest = max(largest, working.working_tokens)
-            x = int(torch.argmax(logits[-1]))
+            x = best_token(logits[-1])
             tokens.append(x)
             if x in self.eos:
                 break

