@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from . import handoff
 from .batch import Batch, Cancelled, Sequence
 from .budget import REFERENCE_CONTEXT, StepBudget
 from .costmodel import cached_curve
@@ -238,7 +239,8 @@ class Scheduler:
         """One batch step within the limits' rows for what is running now; its time refreshes the rule."""
         seqs = self.batch.sequences
         context = max((s.call.rows.cache.length for s in seqs if s.prefilling), default=0)  # type: ignore[union-attr]
-        report = self.batch.step(self.limits.rows(self.batch.decoders(), context), _shortest_first)
+        with handoff.held():  # the step's events reach the event loops at once, as the next forward starts
+            report = self.batch.step(self.limits.rows(self.batch.decoders(), context), _shortest_first)
         if self.limits.rule is not None and report.prefill_rows:
             self.limits.rule.observe(report.decode_rows + report.prefill_rows, context, report.seconds)
 

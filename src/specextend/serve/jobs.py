@@ -12,13 +12,13 @@ accepted batch of tokens.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import handoff
 from ..api import Pair
 from ..generation import Engine, Result
 from ..grammar import Grammar
@@ -57,9 +57,9 @@ class Job:
     def post(self, kind: str, value: Any = None) -> None:
         """Hand an event to the event loop: ("progress", (prompt tokens prefilled, of all)), ("text",
         (piece, logprob entries or None)), ("done", Outcome), ("error", exc), ("cancelled", None).
-        Safe from any thread; a loop already closed drops it."""
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        Safe from any thread; a loop already closed drops it. From a batch step, the step's events
+        reach the loop together when it ends (handoff.py)."""
+        handoff.call_soon(self.loop, self.events.put_nowait, (kind, value))
 
 
 def run_job(pair: Pair, engine: Engine, job: Job) -> None:

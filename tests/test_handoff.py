@@ -1,0 +1,114 @@
+"""Calls into event loops from a batch step reach each loop in one hand-over at the step's end, in
+order with calls made outside a step; a closed loop drops them; the caller never makes the
+hand-over itself."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from specextend import handoff
+
+
+class FakeLoop:
+    """Records each `call_soon_threadsafe` (a hand-over) and which thread made it; runs them when told."""
+
+    def __init__(self, closed: bool = False) -> None:
+        self.handovers: list[tuple] = []
+        self.threads: set[threading.Thread] = set()
+        self.closed = closed
+
+    def call_soon_threadsafe(self, fn, *args) -> None:
+        if self.closed:
+            raise RuntimeError("Event loop is closed")
+        self.handovers.append((fn, args))
+        self.threads.add(threading.current_thread())
+
+    def run(self) -> None:
+        assert handoff.settled(10)
+        for fn, args in self.handovers:
+            fn(*args)
+        self.handovers.clear()
+
+
+def test_a_step_hands_each_loop_its_calls_once_at_its_end_in_order():
+    a, b, seen = FakeLoop(), FakeLoop(), []
+    with handoff.held():
+        for i in range(16):
+            handoff.call_soon(a, seen.append, ("a", i))
+            handoff.call_soon(b, seen.append, ("b", i))
+        assert handoff.settled(10)
+        assert a.handovers == [] and b.handovers == []  # nothing reaches a loop mid-step
+    assert handoff.settled(10)
+    assert len(a.handovers) == 1 and len(b.handovers) == 1
+    assert threading.current_thread() not in a.threads | b.threads  # the hand-over thread made them
+    a.run()
+    b.run()
+    assert seen == [("a", i) for i in range(16)] + [("b", i) for i in range(16)]
+
+
+def test_calls_inside_and_outside_a_step_keep_their_order():
+    loop, seen = FakeLoop(), []
+    handoff.call_soon(loop, seen.append, 1)
+    with handoff.held():
+        handoff.call_soon(loop, seen.append, 2)
+        handoff.call_soon(loop, seen.append, 3)
+    handoff.call_soon(loop, seen.append, 4)  # e.g. the scheduler's "error" after the step's text
+    loop.run()
+    assert seen == [1, 2, 3, 4]
+
+
+def test_nested_blocks_hand_over_at_the_outermost_end():
+    loop, seen = FakeLoop(), []
+    with handoff.held():
+        with handoff.held():
+            handoff.call_soon(loop, seen.append, 1)
+        assert handoff.settled(10) and loop.handovers == []
+        handoff.call_soon(loop, seen.append, 2)
+    loop.run()
+    assert seen == [1, 2]
+
+
+def test_an_exception_still_hands_the_calls_over():
+    loop, seen = FakeLoop(), []
+    with pytest.raises(ValueError), handoff.held():
+        handoff.call_soon(loop, seen.append, "error event")
+        raise ValueError("the step failed")
+    loop.run()
+    assert seen == ["error event"]
+
+
+def test_a_closed_loop_drops_the_calls_and_the_others_still_get_theirs():
+    closed, open_, seen = FakeLoop(closed=True), FakeLoop(), []
+    handoff.call_soon(closed, seen.append, 0)
+    with handoff.held():
+        handoff.call_soon(closed, seen.append, 1)
+        handoff.call_soon(open_, seen.append, 2)
+    open_.run()
+    assert seen == [2]
+
+
+def test_another_threads_calls_are_not_held():
+    loop = FakeLoop()
+    with handoff.held():
+        t = threading.Thread(target=lambda: handoff.call_soon(loop, print))
+        t.start()
+        t.join()
+        assert handoff.settled(10) and len(loop.handovers) == 1
+
+
+def test_a_real_loop_runs_the_calls_it_was_handed():
+    async def main() -> list[int]:
+        loop, q = asyncio.get_running_loop(), asyncio.Queue()
+
+        def step() -> None:
+            with handoff.held():
+                for i in range(5):
+                    handoff.call_soon(loop, q.put_nowait, i)
+
+        await asyncio.to_thread(step)
+        return [await asyncio.wait_for(q.get(), 10) for _ in range(5)]
+
+    assert asyncio.run(main()) == [0, 1, 2, 3, 4]
