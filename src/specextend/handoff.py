@@ -31,9 +31,9 @@ def call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: An
     one, else handed over now. Safe from any thread; a closed loop drops the call."""
     pending: dict[asyncio.AbstractEventLoop, list[Call]] | None = getattr(_local, "pending", None)
     if pending is None:
-        _hand_over(loop, [(fn, (*args,))])
+        _hand_over(loop, [(fn, args)])
     else:
-        pending.setdefault(loop, []).append((fn, (*args,)))
+        pending.setdefault(loop, []).append((fn, args))
 
 
 @contextlib.contextmanager

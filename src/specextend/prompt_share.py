@@ -75,8 +75,7 @@ def _copy_held(seq: Sequence, holders: list[KVCache]) -> None:
     rows = seq.call.rows
     c = rows.cache
     start = c.length
-    best = max(holders, key=lambda d: _reach(d, c), default=None)
-    reach = _reach(best, c) if best is not None else 0
+    reach, best = max(((_reach(d, c), d) for d in holders), key=lambda p: p[0], default=(0, None))
     if best is None or reach <= start:
         return
     c.k[:, :, start:reach] = best.k[:, :, start:reach]
