@@ -12,12 +12,14 @@ through it every command build their pair this way.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import UserError
+from ..gc_pause import collector_paused
 from ..progress import say
 from .loader import (
     ResolvedModel,
@@ -70,14 +72,16 @@ class ResolvedPair:
 
     def with_own_tokenizer(self) -> ResolvedPair:
         """The same pair with a tokenizer of its own (a tokenizer is not safe to share across threads)."""
-        return replace(self, tokenizer=load_tokenizer(self.target.path))
+        with collector_paused():
+            return replace(self, tokenizer=load_tokenizer(self.target.path))
 
     def load(self, progress: bool = True) -> tuple[Transformer, Transformer | None]:
         """Read both models' weights (the draft's: None without one), saying so in one line."""
         # One line once loaded: a failed load then leaves only its error line on stderr.
         t0 = time.perf_counter()
-        target = build_model(self.target, self.device)
-        draft = build_model(self.draft, self.device) if self.draft is not None else None
+        with collector_paused():
+            target = build_model(self.target, self.device)
+            draft = build_model(self.draft, self.device) if self.draft is not None else None
         what = f"target {self.target.path.name} ({target.weights})"
         if draft is not None and self.draft is not None:
             what += f" and draft {self.draft.path.name} ({draft.weights})"
@@ -94,14 +98,16 @@ def resolve_pair(target: str | Path | None, draft: str | Path | None, options: L
     asked_at = time.perf_counter()
     target_path = resolve_model_ref(_ref(target), "target", progress=progress)
     draft_path = resolve_model_ref(_ref(draft), "draft", progress=progress) if load_draft else None
-    t = resolve_model(target_path, options.dtype, options.device, options.weights)
-    d = None
-    if draft_path is not None:
-        draft_dtype = options.draft_dtype or default_draft_dtype(options.dtype, options.device, options.draft_weights)
-        d = resolve_model(draft_path, draft_dtype, options.device, options.draft_weights, draft=True)
-    tokenizer = load_tokenizer(target_path)
-    if d is not None:
-        check_same_vocabulary(tokenizer, d.path, t.config.vocab_size, d.config.vocab_size)
+    with collector_paused():
+        t = resolve_model(target_path, options.dtype, options.device, options.weights)
+        d = None
+        if draft_path is not None:
+            draft_dtype = options.draft_dtype or default_draft_dtype(options.dtype, options.device,
+                                                                     options.draft_weights)
+            d = resolve_model(draft_path, draft_dtype, options.device, options.draft_weights, draft=True)
+        tokenizer = load_tokenizer(target_path)
+        if d is not None:
+            check_same_vocabulary(tokenizer, target_path, d.path, t.config.vocab_size, d.config.vocab_size)
     eos = set(t.eos_ids)
     if isinstance(getattr(tokenizer, "eos_token_id", None), int):
         eos.add(tokenizer.eos_token_id)
@@ -112,11 +118,13 @@ def _ref(ref: str | Path | None) -> str | None:
     return None if ref is None else str(ref)
 
 
-def check_same_vocabulary(target_tok: Any, draft_path: Path, target_vocab: int, draft_vocab: int) -> None:
+def check_same_vocabulary(target_tok: Any, target_path: Path, draft_path: Path, target_vocab: int,
+                          draft_vocab: int) -> None:
     """Refuse a draft that speaks another vocabulary: its proposals would be other tokens.
 
     The embedding sizes must agree (draft and target logits are compared index by index), and
-    when the draft folder has its own tokenizer, every token string must agree too.
+    when the draft folder has its own tokenizer, every token string must agree too (a draft whose
+    tokenizer files are the target's agrees without being loaded: a second second of start-up).
     """
     if target_vocab != draft_vocab:
         raise UserError(
@@ -125,6 +133,8 @@ def check_same_vocabulary(target_tok: Any, draft_path: Path, target_vocab: int, 
         )
     if not ((draft_path / "tokenizer.json").is_file() or (draft_path / "tokenizer.model").is_file()):
         return  # nothing to compare against; the sizes agree
+    if same_tokenizer_files(target_path, draft_path):
+        return
     draft_tok = load_tokenizer(draft_path)
     if len(target_tok) != len(draft_tok):
         raise UserError(
@@ -141,3 +151,33 @@ def check_same_vocabulary(target_tok: Any, draft_path: Path, target_vocab: int, 
                     f"{d_by_id.get(i)!r} in the draft's"
                 )
         raise UserError("draft and target tokenizers differ")
+
+
+# The files a tokenizer's vocabulary is read from (tokenizer_config.json too, apart from its chat
+# template: that changes how chats are written, not which string each id stands for).
+_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                "special_tokens_map.json")
+
+
+def same_tokenizer_files(a: Path, b: Path) -> bool:
+    """Whether two model folders build their tokenizers from the same bytes (same vocabulary)."""
+    for name in _VOCAB_FILES:
+        fa, fb = a / name, b / name
+        if fa.is_file() != fb.is_file():
+            return False
+        if fa.is_file() and (fa.stat().st_size != fb.stat().st_size or fa.read_bytes() != fb.read_bytes()):
+            return False
+    return _config_sans_template(a) == _config_sans_template(b)
+
+
+def _config_sans_template(folder: Path) -> Any:
+    path = folder / "tokenizer_config.json"
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return object()  # equal to nothing: the full comparison (and its error) decides
+    if isinstance(config, dict):
+        config.pop("chat_template", None)
+    return config
