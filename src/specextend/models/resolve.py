@@ -124,7 +124,8 @@ def check_same_vocabulary(target_tok: Any, target_path: Path, draft_path: Path, 
 
     The embedding sizes must agree (draft and target logits are compared index by index), and
     when the draft folder has its own tokenizer, every token string must agree too (a draft whose
-    tokenizer files are the target's agrees without being loaded: a second second of start-up).
+    tokenizer files are the target's agrees without its tokenizer being read: reading one is a
+    visible share of a command's start).
     """
     if target_vocab != draft_vocab:
         raise UserError(
