@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -12,6 +13,8 @@ import specextend
 from specextend.api import load
 from specextend.detokenize import Detokenizer
 from specextend.errors import UserError
+from specextend.models import resolve
+from specextend.models.resolve import same_tokenizer_files
 
 from tiny_tokenizer import TINY_VOCAB, save_tiny_model, tiny_tokenizer
 
@@ -138,6 +141,74 @@ def test_mismatched_tokenizer_refused(folders, which, needle):
 def test_other_draft_with_same_vocabulary_is_accepted(folders):
     p = load(folders["target"], folders["other"], dtype="float64", progress=False)
     assert p.draft is not None and p.draft_path == folders["other"].resolve()
+
+
+# A draft whose tokenizer files are the target's is accepted without its tokenizer being read;
+# any other draft is compared token by token.
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _count_tokenizer_loads(monkeypatch):
+    loaded = []
+    real = resolve.load_tokenizer
+
+    def counting(folder):
+        loaded.append(folder)
+        return real(folder)
+
+    monkeypatch.setattr(resolve, "load_tokenizer", counting)
+    return loaded
+
+
+def test_same_files_are_the_same_tokenizer(folders, tmp_path):
+    assert same_tokenizer_files(folders["target"], folders["other"])
+    assert not same_tokenizer_files(folders["target"], folders["swapped"])
+
+
+def test_a_chat_template_alone_does_not_count(folders, tmp_path):
+    other = _copy(folders["other"], tmp_path / "other")
+    path = other / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["chat_template"] = "{{ messages[0]['content'] }}"
+    path.write_text(json.dumps(config))
+    assert same_tokenizer_files(folders["target"], other)
+    config["model_max_length"] = 7
+    path.write_text(json.dumps(config))
+    assert not same_tokenizer_files(folders["target"], other)
+
+
+@pytest.mark.parametrize("change", ["missing", "extra", "bytes", "config"])
+def test_any_other_file_difference_counts(folders, tmp_path, change):
+    other = _copy(folders["other"], tmp_path / "other")
+    if change == "missing":
+        (other / "tokenizer_config.json").unlink()
+    elif change == "extra":
+        (other / "added_tokens.json").write_text("{}")
+    elif change == "bytes":
+        tok = other / "tokenizer.json"
+        tok.write_text(json.dumps(json.loads(tok.read_text()), indent=3))
+    else:
+        (other / "tokenizer_config.json").write_text("{not json")
+    assert not same_tokenizer_files(folders["target"], other)
+
+
+def test_a_draft_with_the_targets_files_is_not_loaded_twice(folders, monkeypatch):
+    loaded = _count_tokenizer_loads(monkeypatch)
+    p = load(folders["target"], folders["other"], dtype="float64", progress=False)
+    assert p.draft is not None and loaded == [folders["target"].resolve()]
+
+
+def test_other_files_with_the_same_vocabulary_are_compared_and_accepted(folders, tmp_path, monkeypatch):
+    other = _copy(folders["other"], tmp_path / "other")
+    tok = other / "tokenizer.json"
+    tok.write_text(json.dumps(json.loads(tok.read_text()), indent=3))  # other bytes, the same tokens
+    loaded = _count_tokenizer_loads(monkeypatch)
+    p = load(folders["target"], other, dtype="float64", progress=False)
+    assert p.draft is not None and len(loaded) == 2
 
 
 def test_without_draft(folders):
