@@ -485,6 +485,24 @@ def test_the_single_request_comparison_reports_ratios_and_equality(pair, url, tm
     assert out["summary"]["prefill_ratio"] > 0 and out["summary"]["decode_ratio"] > 0
 
 
+def test_the_warm_single_request_comparison_decodes_both_sides_from_their_caches(pair, url, folders, monkeypatch):
+    """bench/serve.py's `single --warm-rounds`: the real (tiny) server and a library pair of the
+    same models, each answering from its own prefix cache after a first request fills it, the same
+    text on both sides in every round."""
+    from types import SimpleNamespace
+
+    from specextend.bench import serve as measure
+
+    own = load(folders["target"], folders["draft"], dtype="float64", progress=False)
+    own = Pair(replace(own.spec, eos_ids=()), own.target, own.draft)
+    monkeypatch.setattr(measure, "_library", lambda args: (own, Settings(**{"max_new_tokens": 6, **SMALL}).resolved()))
+    args = SimpleNamespace(max_tokens=6, start=None, url=url, request_fields="{}", warm_rounds=3)
+    out = measure._warm_with_server(DOC, args)
+    assert [r["round"] for r in out["rounds"]] == [0, 1, 2]
+    assert out["summary"]["all_same_text"] and out["summary"]["all_cached"]
+    assert out["summary"]["decode_ratio"] > 0 and own.prefix_cache is not None
+
+
 def test_the_server_is_healthy_after_200_requests_and_abandoned_streams(pair, folders):
     """bench/serve.py's load run against the real (tiny) server: every request answered or
     abandoned, nothing left running or holding KV, and the server still answers."""

@@ -32,7 +32,12 @@ document (raw completion, the same method and settings, greedy), in interleaved 
 of them, generate first in even rounds and the server first in odd ones); reports each one's
 prefill seconds and decode tokens per second, their ratios (server / generate), and whether the
 answers are the same tokens. The server runs with `--cache-mb 0` so that every round prefills the
-whole prompt, as generate does.
+whole prompt, as generate does. A memory-bound decode follows the host's memory bandwidth, which on
+a shared host can shift by a third between one minute and the next, so `--warm-rounds N` adds a
+comparison at the same moments: a second server with its prefix cache on against the library
+(`specextend generate`'s code and settings, loaded in this process with its own prefix cache), both
+answering the document from their prompt's cached KV, alternated request by request N times after
+one request each fills the caches; it reports both sides' median decode and their ratio.
 `replicas`: `serve --replicas N` once per routing (affinity, round-robin), each time asking
 `--questions` questions about each of `--docs` documents (records 0.. of `--data`), one request
 at a time, the documents interleaved so that round-robin sends a document's questions to
@@ -49,6 +54,7 @@ import json
 import re
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -192,7 +198,7 @@ def _served_once(url: str, doc: str, args: argparse.Namespace) -> dict[str, Any]
     spec = use["speculative"]
     return {"prefill_s": spec["prefill_s"], "decode_s": spec["decode_s"], "new_tokens": use["completion_tokens"],
             "prompt_tokens": use["prompt_tokens"], "text": answer["choices"][0]["text"], "method": spec["method"],
-            "steps": spec["steps"], "queue_s": spec["queue_s"],
+            "steps": spec["steps"], "queue_s": spec["queue_s"], "cached_prompt_tokens": spec["cached_prompt_tokens"],
             "phases": {k: spec[k] for k in ("draft_s", "verify_s", "retrieval_s")}, "extra": spec.get("stats", {})}
 
 
@@ -226,9 +232,85 @@ def single(args: argparse.Namespace) -> dict[str, Any]:
                "all_same_text": all(r["same_text"] for r in rounds), "rounds": len(rounds),
                "prompt_tokens": rounds[0]["generate"]["prompt_tokens"] if rounds else None}
     print(json.dumps(summary), flush=True)
-    return {"data": args.data, "index": args.index, "max_tokens": args.max_tokens, "server": args.start,
-            "generate_args": args.generate_args, "summary": summary, "rounds": rounds,
-            "health_after": _health(args.url)}
+    out = {"data": args.data, "index": args.index, "max_tokens": args.max_tokens, "server": args.start,
+           "generate_args": args.generate_args, "summary": summary, "rounds": rounds,
+           "health_after": _health(args.url)}
+    if getattr(args, "warm_rounds", 0):
+        out["warm"] = _warm_with_server(doc, args)
+    return out
+
+
+def _library(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The pair and settings that `specextend generate --max-new-tokens N ARGS` runs, loaded here."""
+    from .. import api
+    from ..options import (
+        add_method_arguments,
+        add_model_arguments,
+        add_tuning_arguments,
+        model_options,
+        settings_from_args,
+    )
+
+    p = argparse.ArgumentParser(prog="--generate-args")
+    add_method_arguments(p)
+    add_model_arguments(p)
+    add_tuning_arguments(p)
+    ns = p.parse_args(["--max-new-tokens", str(args.max_tokens), *shlex.split(args.generate_args)])
+    settings = settings_from_args(ns)
+    return api.load(ns.target, ns.draft, **model_options(ns), load_draft=settings.uses_draft), settings
+
+
+def _warm_with_server(doc: str, args: argparse.Namespace) -> dict[str, Any]:
+    """`warm` against a server of its own with the prefix cache on (--start), or the --url one."""
+    if args.start is None:
+        return warm(doc, args, args.url)
+    log = (args.out or Path("results/serve.json")).with_suffix(".warm-server.log")
+    with started(args.start, log) as (url, _pid):
+        return warm(doc, args, url)
+
+
+def warm(doc: str, args: argparse.Namespace, url: str) -> dict[str, Any]:
+    """The decode alone at the same moments: the server at `url` against the library, both from
+    their prompt's cached KV (one request each fills the caches first), alternated request by
+    request `args.warm_rounds` times (the library first in even rounds)."""
+    pair, settings = _library(args)
+    with pair:
+        pair.enable_prefix_cache(2 * pair.kv_bytes(len(pair.encode(doc)), settings) / 2**20)
+
+        def library() -> dict[str, Any]:
+            r = pair.generate(doc, settings=settings)
+            return {"decode_s": r.decode_s, "new_tokens": r.new_tokens, "steps": r.steps, "text": r.text,
+                    "verify_s": r.phases["verify_s"], "cached_prompt_tokens": r.cached_prompt_tokens}
+
+        library(), _served_once(url, doc, args)
+        rows = []
+        for i in range(args.warm_rounds):
+            if i % 2 == 0:
+                lib = library()
+                srv = _served_once(url, doc, args)
+            else:
+                srv = _served_once(url, doc, args)
+                lib = library()
+            srv = {k: srv[k] for k in ("decode_s", "new_tokens", "steps", "text", "cached_prompt_tokens")} | \
+                {"verify_s": srv["phases"]["verify_s"]}
+            rows.append({"round": i, "library": lib, "server": srv, "same_text": lib["text"] == srv["text"]})
+            print(f"warm round {i}: decode library {lib['new_tokens'] / lib['decode_s']:.2f} tok/s ({lib['steps']} "
+                  f"steps), server {srv['new_tokens'] / srv['decode_s']:.2f} tok/s ({srv['steps']} steps); cached "
+                  f"prompt tokens {lib['cached_prompt_tokens']} / {srv['cached_prompt_tokens']}; same text "
+                  f"{rows[-1]['same_text']}", flush=True)
+    return {"rounds": rows, "summary": _warm_summary(rows)}
+
+
+def _warm_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    def median_rate(side: str) -> float:
+        return statistics.median(r[side]["new_tokens"] / r[side]["decode_s"] for r in rows)
+
+    lib, srv = median_rate("library"), median_rate("server")
+    summary = {"rounds": len(rows), "library_decode_tok_s": lib, "server_decode_tok_s": srv,
+               "decode_ratio": srv / lib, "all_same_text": all(r["same_text"] for r in rows),
+               "all_cached": all(r[s]["cached_prompt_tokens"] > 0 for r in rows for s in ("library", "server"))}
+    print(json.dumps({"warm": summary}), flush=True)
+    return summary
 
 
 def _rss_mb(pid: int) -> float | None:
@@ -514,6 +596,9 @@ def _add_single(sub: Any) -> None:
                      help="model and setting flags for generate (the server's --start ARGS should match)")
     one.add_argument("--request-fields", default="{}", metavar="JSON",
                      help="settings in the request body matching --generate-args (e.g. '{\"method\": \"sd\"}')")
+    one.add_argument("--warm-rounds", type=int, default=0, metavar="N",
+                     help="then N request-by-request rounds of the decode alone, both sides from their prompt's "
+                          "cached KV (a second server with its prefix cache on, against the library in this process)")
     one.add_argument("--out", type=Path)
 
 
@@ -543,6 +628,8 @@ def main(argv: list[str] | None = None) -> int:
     _add_replicas(sub)
     _add_single(sub)
     args = p.parse_args(argv)
+    if args.what == "single" and args.warm_rounds < 0:
+        p.error(f"--warm-rounds must be 0 or more, got {args.warm_rounds}")
     if args.what == "concurrent" and args.same_document and not args.data:
         p.error("--same-document needs --data (the document's JSONL file)")
     if args.what in ("concurrent", "during"):
@@ -574,7 +661,8 @@ def _differs(args: argparse.Namespace, result: dict[str, Any]) -> bool:
     if args.what == "compare":
         return not result["all_equal"]
     if args.what == "single":
-        return not result["summary"]["all_same_text"]
+        return not result["summary"]["all_same_text"] or not result.get("warm", {}).get("summary", {}).get(
+            "all_same_text", True)
     return args.what == "replicas" and args.ar and not all(v["all_match_ar"] for v in result["summary"].values())
 
 
