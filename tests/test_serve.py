@@ -479,7 +479,7 @@ def test_the_single_request_comparison_reports_ratios_and_equality(pair, url, tm
 
     monkeypatch.setattr(measure, "_generate_once", generate_once)
     args = SimpleNamespace(data=str(data), index=0, rounds=2, max_tokens=6, url=url, start=None, generate_args="",
-                           request_fields="{}")
+                           request_fields="{}", warm_rounds=0)
     out = measure.single(args)
     assert out["summary"]["rounds"] == 2 and out["summary"]["all_same_text"]
     assert out["summary"]["prefill_ratio"] > 0 and out["summary"]["decode_ratio"] > 0

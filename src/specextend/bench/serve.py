@@ -181,11 +181,15 @@ def _generate_once(doc: str, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "specextend.cli", "generate", "--json", "-q", "--prompt-file", "-",
            "--max-new-tokens", str(args.max_tokens), *shlex.split(args.generate_args)]
     out = subprocess.run(cmd, input=doc, capture_output=True, text=True, check=True)
-    g = json.loads(out.stdout)
+    return _generated(json.loads(out.stdout))
+
+
+def _generated(g: dict[str, Any]) -> dict[str, Any]:
+    """What `single` keeps of a `generate --json` object (`Result.to_json`)."""
     return {"prefill_s": g["prefill_s"], "decode_s": g["decode_s"], "new_tokens": g["new_tokens"],
             "prompt_tokens": g["prompt_tokens"], "text": g["text"], "method": g["method"],
             "cpu_kernels": g["config"].get("cpu_kernels"), "steps": g["steps"], "phases": g["phases"],
-            "extra": g["extra"]}
+            "extra": g["extra"], "cached_prompt_tokens": g["cached_prompt_tokens"]}
 
 
 def _served_once(url: str, doc: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -235,7 +239,7 @@ def single(args: argparse.Namespace) -> dict[str, Any]:
     out = {"data": args.data, "index": args.index, "max_tokens": args.max_tokens, "server": args.start,
            "generate_args": args.generate_args, "summary": summary, "rounds": rounds,
            "health_after": _health(args.url)}
-    if getattr(args, "warm_rounds", 0):
+    if args.warm_rounds:
         out["warm"] = _warm_with_server(doc, args)
     return out
 
@@ -278,11 +282,10 @@ def warm(doc: str, args: argparse.Namespace, url: str) -> dict[str, Any]:
         pair.enable_prefix_cache(2 * pair.kv_bytes(len(pair.encode(doc)), settings) / 2**20)
 
         def library() -> dict[str, Any]:
-            r = pair.generate(doc, settings=settings)
-            return {"decode_s": r.decode_s, "new_tokens": r.new_tokens, "steps": r.steps, "text": r.text,
-                    "verify_s": r.phases["verify_s"], "cached_prompt_tokens": r.cached_prompt_tokens}
+            return _generated(pair.generate(doc, settings=settings).to_json())
 
-        library(), _served_once(url, doc, args)
+        library()  # each side's first answer fills its cache
+        _served_once(url, doc, args)
         rows = []
         for i in range(args.warm_rounds):
             if i % 2 == 0:
@@ -291,8 +294,6 @@ def warm(doc: str, args: argparse.Namespace, url: str) -> dict[str, Any]:
             else:
                 srv = _served_once(url, doc, args)
                 lib = library()
-            srv = {k: srv[k] for k in ("decode_s", "new_tokens", "steps", "text", "cached_prompt_tokens")} | \
-                {"verify_s": srv["phases"]["verify_s"]}
             rows.append({"round": i, "library": lib, "server": srv, "same_text": lib["text"] == srv["text"]})
             print(f"warm round {i}: decode library {lib['new_tokens'] / lib['decode_s']:.2f} tok/s ({lib['steps']} "
                   f"steps), server {srv['new_tokens'] / srv['decode_s']:.2f} tok/s ({srv['steps']} steps); cached "
@@ -661,8 +662,8 @@ def _differs(args: argparse.Namespace, result: dict[str, Any]) -> bool:
     if args.what == "compare":
         return not result["all_equal"]
     if args.what == "single":
-        return not result["summary"]["all_same_text"] or not result.get("warm", {}).get("summary", {}).get(
-            "all_same_text", True)
+        summaries = [result["summary"]] + ([result["warm"]["summary"]] if "warm" in result else [])
+        return not all(summary["all_same_text"] for summary in summaries)
     return args.what == "replicas" and args.ar and not all(v["all_match_ar"] for v in result["summary"].values())
 
 
