@@ -91,7 +91,7 @@ test-tools:
 test-arm: test-tools
 	@mkdir -p build
 	$(ARM_CXX) -O2 -std=c++17 -ffp-contract=off -static -o $(ARM_EXE) \
-		src/specextend/csrc/core/*.cpp src/specextend/csrc/test/exactness.cpp
+		src/specextend/runtime/csrc/core/*.cpp src/specextend/runtime/csrc/test/exactness.cpp
 	qemu-aarch64 -cpu max $(ARM_EXE)
 	qemu-aarch64 -cpu cortex-a53 $(ARM_EXE)
 
@@ -111,7 +111,7 @@ lint: setup
 # docs/cli.md's generated part, written from the argparse parsers (tests/test_docs.py fails while
 # it is stale): run after adding or changing a flag or its help, and commit the file.
 docs: setup
-	$(VENV)/bin/python -m specextend.clidoc docs/cli.md
+	$(VENV)/bin/python -m specextend.cli.doc docs/cli.md
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache .import_linter_cache

@@ -23,7 +23,7 @@ import json
 import sys
 from pathlib import Path
 
-from specextend.cli import main as specextend
+from specextend.cli.main import main as specextend
 
 METHODS = "ar,specextend,llamacpp-ar,llamacpp-sd,llamacpp-lookup"
 REFERENCE = "llamacpp-ar"

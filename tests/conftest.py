@@ -17,8 +17,8 @@ ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 def pytest_configure(config: pytest.Config) -> None:
     """Load the C++ kernels once, from the user's cache (where `make setup` built them), before
     any test points SPECEXTEND_HOME at a temporary folder, which would build them again there."""
-    from specextend import kernels
-    from specextend.engine import SpecEngine
+    from specextend.runtime import kernels
+    from specextend.speculation.decoder import SpecEngine
 
     kernels.available()  # tests of the kernels skip where they cannot be built
     # One thread per core per xdist worker: workers share the cores, and threads that spin while
@@ -146,7 +146,7 @@ class _WatchedProposer:
 
 
 def _engine_class():
-    from specextend.engine import SpecEngine  # after pytest_configure: see there
+    from specextend.speculation.decoder import SpecEngine  # after pytest_configure: see there
 
     return SpecEngine
 

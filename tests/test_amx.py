@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from specextend import kernels
-from specextend.engine import SpecEngine
-from specextend.errors import UserError
+from specextend.common.errors import UserError
+from specextend.common.settings import Settings
 from specextend.models.loader import load_model
-from specextend.settings import Settings
+from specextend.runtime import kernels
+from specextend.speculation.decoder import SpecEngine
 
 from conftest import make_tiny_hf
 from tiny_tokenizer import save_tiny_model

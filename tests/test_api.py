@@ -11,10 +11,10 @@ import pytest
 
 import specextend
 from specextend.api import load
-from specextend.detokenize import Detokenizer
-from specextend.errors import UserError
+from specextend.common.errors import UserError
 from specextend.models import resolve
 from specextend.models.resolve import same_tokenizer_files
+from specextend.requests.detokenize import Detokenizer
 
 from tiny_tokenizer import TINY_VOCAB, save_tiny_model, tiny_tokenizer
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specextend.attention import (
+from specextend.runtime.attention import (
     _blocked_attention_with_lse,
     attention_probs,
     eager_attention,
@@ -120,7 +120,7 @@ def test_cuda_hybrid_matches_reference(dtype):
 @pytest.mark.parametrize("t", [1, 7])
 def test_efficient_backend_dispatch_equals_reference(prefix, t):
     """Whichever kernel the efficient backend picks for a length, the result is the same."""
-    from specextend.attention import attend
+    from specextend.runtime.attention import attend
 
     gen = torch.Generator().manual_seed(prefix + t)
     q = torch.randn(6, t, 8, dtype=torch.float64, generator=gen)

@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specextend import kernels, step, vocab_trim
-from specextend.model import Rows
 from specextend.models.loader import load_model
+from specextend.runtime import fused_step, kernels
+from specextend.runtime.layers import Rows
+from specextend.speculation import draft_vocab
 
 from conftest import make_tiny_hf
 
@@ -165,8 +166,8 @@ def test_random_mixes_in_one_step_are_each_sequence_alone(model, monkeypatch, pa
     lone step (up to 16 rows) or the per-layer kernels (a longer chunk)."""
     monkeypatch.setenv(kernels.CPU_ENV, path)
     calls = []
-    run = step.run
-    monkeypatch.setattr(step, "run", lambda *a: calls.append(len(a[4])) or run(*a))
+    run = fused_step.run
+    monkeypatch.setattr(fused_step, "run", lambda *a: calls.append(len(a[4])) or run(*a))
     _alone_and_batched(model, seed=len(path))
     assert any(n > 1 for n in calls)
 
@@ -174,11 +175,11 @@ def test_random_mixes_in_one_step_are_each_sequence_alone(model, monkeypatch, pa
 def test_random_mixes_with_a_trimmed_head(model, monkeypatch):
     """The same with a draft's trimmed head (logits -inf outside its subset), which the step
     computes in place of the whole head."""
-    monkeypatch.setattr(model, "vocab_trim", vocab_trim.VocabTrim(model, range(0, 90, 3)))
-    model.vocab_trim.cover([1, 2, 4])
+    monkeypatch.setattr(model, "output_head", draft_vocab.VocabTrim(model, range(0, 90, 3)))
+    model.output_head.cover([1, 2, 4])
     _alone_and_batched(model, seed=11)
     monkeypatch.undo()
-    assert model.vocab_trim is None
+    assert model.output_head is None
 
 
 def test_the_python_driven_batch_gives_the_same_bits(model, monkeypatch):

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from specextend import cli
 from specextend.bench import data as bench_data
 from specextend.bench import report
-from specextend.engine import SpecEngine
-from specextend.errors import UserError
+from specextend.cli import main as cli
+from specextend.common.errors import UserError
+from specextend.speculation.decoder import SpecEngine
 
 from tiny_tokenizer import save_tiny_model, tiny_tokenizer
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from specextend import kernels
 from specextend.bench import manyrow, onerow
+from specextend.runtime import kernels
 
 
 @pytest.mark.skipif(not kernels.has_fast_path(), reason="needs the quantized kernels on a vector path")

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specextend import kernels
 from specextend.bench import kernel_ab, onerow
+from specextend.runtime import kernels, quant
 
 fast = pytest.mark.skipif(not kernels.has_fast_path(), reason="needs the quantized kernels on a vector path")
 
@@ -22,7 +22,7 @@ def test_the_random_weight_is_a_real_matrix_in_its_format(fmt):
     w = onerow.random_weight(fmt, 32, 512)
     x = torch.randn(1, 512, dtype=torch.float32, generator=torch.Generator().manual_seed(0))
     ref = x.double() @ w.dequantize().double().T
-    got = kernels.qlinear(x, w)
+    got = quant.qlinear(x, w)
     # The kernel quantizes the row to int8 (per 32 values): close to the float product, not equal.
     assert torch.allclose(got.double(), ref, rtol=0.05, atol=0.05 * ref.abs().max().item())
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specextend.verify import best_token, best_tokens
+from specextend.speculation.verify import best_token, best_tokens
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])

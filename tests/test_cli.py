@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from specextend import cli
-from specextend.cli import main
-from specextend.settings import Settings
+from specextend.cli import main as cli
+from specextend.cli.main import main
+from specextend.common.settings import Settings
 
 from conftest import make_tiny_hf
 from tiny_tokenizer import TINY_VOCAB, copy_model, save_tiny_model, tiny_tokenizer
@@ -374,7 +374,7 @@ def test_console_script(tiny, tmp_path):
 def test_the_summary_line_counts_in_the_singular_for_one():
     from types import SimpleNamespace
 
-    from specextend.cli import summary_line
+    from specextend.cli.main import summary_line
 
     r = SimpleNamespace(new_tokens=1, prompt_tokens=5, method="sd", stop_reason="length", prefill_s=0.1, decode_s=0.1,
                         decode_tokens_per_s=10.0, accepted_per_step=1.0, steps=1)

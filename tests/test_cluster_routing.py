@@ -113,7 +113,7 @@ def test_round_robin_takes_each_replica_in_turn_whatever_the_prompt():
 ])
 def test_replica_flags_without_ray_or_replicas_are_refused_in_one_line(args, needle, tmp_path):
     """Ray is hidden from the command (as where the extra is not installed)."""
-    code = ("import sys; sys.modules['ray'] = None; from specextend.cli import main; "
+    code = ("import sys; sys.modules['ray'] = None; from specextend.cli.main import main; "
             f"sys.exit(main(['serve', *{args!r}]))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        env={"SPECEXTEND_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})

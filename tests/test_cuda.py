@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specextend.attention import _prefix_attention, attend, hybrid_tree_attention
-from specextend.engine import SpecEngine
+from specextend.common.settings import Settings
 from specextend.models.loader import load_model
-from specextend.settings import Settings
+from specextend.runtime.attention import _prefix_attention, attend, hybrid_tree_attention
+from specextend.speculation.decoder import SpecEngine
 
 from test_attention import random_tree_mask, sdpa_reference
 

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from specextend import demo
-from specextend.errors import UserError
+from specextend.cli import demo
+from specextend.common.errors import UserError
 
 from tiny_tokenizer import save_tiny_model
 

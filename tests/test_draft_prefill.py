@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from specextend.draft_policy import make_policy
-from specextend.draft_prefill import DraftPrompt
-from specextend.engine import SpecEngine
+from specextend.common.settings import Settings
 from specextend.models.loader import load_model
-from specextend.settings import Settings
+from specextend.speculation.decoder import SpecEngine
+from specextend.speculation.draft_policy import make_policy
+from specextend.speculation.draft_prefill import DraftPrompt
 from test_sizing import Flipped, synthetic_costs
 
 from conftest import generate

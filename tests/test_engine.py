@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specextend.engine import SpecEngine
+from specextend.common.settings import Settings
 from specextend.models.loader import load_model
-from specextend.settings import Settings
+from specextend.speculation.decoder import SpecEngine
 
 from conftest import ARCHS, WatchedEngine
 
@@ -87,7 +87,7 @@ def test_eos_and_length_inside_an_accepted_run(tiny_dir, arch):
 
 
 def test_context_limit_is_a_clear_error(tiny_dir):
-    from specextend.errors import UserError
+    from specextend.common.errors import UserError
 
     target, _ = models(tiny_dir, "qwen2", None)
     eng = SpecEngine(target, target, eos_ids=[])

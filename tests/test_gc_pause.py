@@ -7,7 +7,7 @@ import gc
 
 import pytest
 
-from specextend.gc_pause import collector_paused
+from specextend.common.gc_pause import collector_paused
 
 
 @pytest.fixture(autouse=True)

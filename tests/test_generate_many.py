@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 
 from specextend.api import Pair, load
-from specextend.errors import UserError
+from specextend.common.errors import UserError
 
 from tiny_tokenizer import save_tiny_model
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from specextend.errors import UserError
+from specextend.common.errors import UserError
 from specextend.models import gguf as conv
 from specextend.models.qstore import QuantizedFile
 

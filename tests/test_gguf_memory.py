@@ -13,17 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from specextend import kernels, quant
 from specextend.bench import gguf_files
-from specextend.cli import main
-from specextend.engine import SpecEngine
-from specextend.errors import UserError
+from specextend.cli.main import main
+from specextend.common.errors import UserError
+from specextend.common.settings import Settings
 from specextend.models import gguf as conv
 from specextend.models import registry
 from specextend.models.footprint import runs_float
 from specextend.models.loader import load_model
 from specextend.models.qstore import QuantizedFile, stream_tensors
-from specextend.settings import Settings
+from specextend.runtime import kernels, quant
+from specextend.speculation.decoder import SpecEngine
 from test_gguf import write_tiny_gguf
 
 pytestmark = pytest.mark.usefixtures("isolated_home")  # conftest.py: a model cache of its own
@@ -209,7 +209,7 @@ def test_a_load_that_would_not_fit_is_refused_before_writing(tmp_path, tokenizer
 
 
 def test_the_refusal_exits_2_with_one_line(tmp_path, tokenizer_gguf, capsys, monkeypatch) -> None:
-    from specextend import meminfo
+    from specextend.common import meminfo
 
     src = random_gguf(tmp_path, tokenizer_gguf, EXPANDED)
     monkeypatch.setattr(meminfo, "available_memory_mb", lambda: 1.0)

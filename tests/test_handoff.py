@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from specextend import handoff
+from specextend.batching import loop_handoff
 
 
 class FakeLoop:
@@ -31,10 +31,10 @@ class FakeLoop:
 
 def test_a_step_hands_each_loop_its_calls_once_at_its_end_in_order():
     a, b, seen = FakeLoop(), FakeLoop(), []
-    with handoff.held():
+    with loop_handoff.held():
         for i in range(16):
-            handoff.call_soon(a, seen.append, ("a", i))
-            handoff.call_soon(b, seen.append, ("b", i))
+            loop_handoff.call_soon(a, seen.append, ("a", i))
+            loop_handoff.call_soon(b, seen.append, ("b", i))
         assert a.handovers == [] and b.handovers == []  # nothing reaches a loop mid-step
     assert len(a.handovers) == 1 and len(b.handovers) == 1
     a.run()
@@ -44,30 +44,30 @@ def test_a_step_hands_each_loop_its_calls_once_at_its_end_in_order():
 
 def test_calls_inside_and_outside_a_step_keep_their_order():
     loop, seen = FakeLoop(), []
-    handoff.call_soon(loop, seen.append, 1)
-    with handoff.held():
-        handoff.call_soon(loop, seen.append, 2)
-        handoff.call_soon(loop, seen.append, 3)
-    handoff.call_soon(loop, seen.append, 4)  # e.g. the scheduler's "error" after the step's text
+    loop_handoff.call_soon(loop, seen.append, 1)
+    with loop_handoff.held():
+        loop_handoff.call_soon(loop, seen.append, 2)
+        loop_handoff.call_soon(loop, seen.append, 3)
+    loop_handoff.call_soon(loop, seen.append, 4)  # e.g. the scheduler's "error" after the step's text
     loop.run()
     assert seen == [1, 2, 3, 4]
 
 
 def test_nested_blocks_hand_over_at_the_outermost_end():
     loop, seen = FakeLoop(), []
-    with handoff.held():
-        with handoff.held():
-            handoff.call_soon(loop, seen.append, 1)
+    with loop_handoff.held():
+        with loop_handoff.held():
+            loop_handoff.call_soon(loop, seen.append, 1)
         assert loop.handovers == []
-        handoff.call_soon(loop, seen.append, 2)
+        loop_handoff.call_soon(loop, seen.append, 2)
     loop.run()
     assert seen == [1, 2]
 
 
 def test_an_exception_still_hands_the_calls_over():
     loop, seen = FakeLoop(), []
-    with pytest.raises(ValueError), handoff.held():
-        handoff.call_soon(loop, seen.append, "error event")
+    with pytest.raises(ValueError), loop_handoff.held():
+        loop_handoff.call_soon(loop, seen.append, "error event")
         raise ValueError("the step failed")
     loop.run()
     assert seen == ["error event"]
@@ -75,18 +75,18 @@ def test_an_exception_still_hands_the_calls_over():
 
 def test_a_closed_loop_drops_the_calls_and_the_others_still_get_theirs():
     closed, open_, seen = FakeLoop(closed=True), FakeLoop(), []
-    handoff.call_soon(closed, seen.append, 0)
-    with handoff.held():
-        handoff.call_soon(closed, seen.append, 1)
-        handoff.call_soon(open_, seen.append, 2)
+    loop_handoff.call_soon(closed, seen.append, 0)
+    with loop_handoff.held():
+        loop_handoff.call_soon(closed, seen.append, 1)
+        loop_handoff.call_soon(open_, seen.append, 2)
     open_.run()
     assert seen == [2]
 
 
 def test_another_threads_calls_are_not_held():
     loop = FakeLoop()
-    with handoff.held():
-        t = threading.Thread(target=lambda: handoff.call_soon(loop, print))
+    with loop_handoff.held():
+        t = threading.Thread(target=lambda: loop_handoff.call_soon(loop, print))
         t.start()
         t.join()
         assert len(loop.handovers) == 1
@@ -97,9 +97,9 @@ def test_a_real_loop_runs_the_calls_it_was_handed():
         loop, q = asyncio.get_running_loop(), asyncio.Queue()
 
         def step() -> None:
-            with handoff.held():
+            with loop_handoff.held():
                 for i in range(5):
-                    handoff.call_soon(loop, q.put_nowait, i)
+                    loop_handoff.call_soon(loop, q.put_nowait, i)
 
         await asyncio.to_thread(step)
         return [await asyncio.wait_for(q.get(), 10) for _ in range(5)]

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specextend import kernels, quant
-from specextend.errors import UserError
+from specextend.common.errors import UserError
+from specextend.runtime import kernels, quant
 from test_quant import random_blocks
 
 from tiny_tokenizer import save_tiny_model

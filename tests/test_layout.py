@@ -18,6 +18,27 @@ def python_files() -> list[Path]:
     return sorted(SRC.rglob("*.py"))
 
 
+def test_the_package_root_holds_the_api_and_the_layers():
+    """At most six modules at the root (the API, the options, the package's face); everything else
+    lives in its layer's folder, each folder a package that says what it holds."""
+    root = sorted(p.name for p in SRC.glob("*.py"))
+    assert len(root) <= 6, root
+    for folder in (p for p in SRC.iterdir() if p.is_dir() and not p.name.startswith("__")):
+        if any(folder.glob("*.py")):
+            init = folder / "__init__.py"
+            assert init.is_file() and ast.get_docstring(ast.parse(init.read_text())), f"{folder.name}/ says nothing"
+
+
+def test_no_two_modules_of_a_layer_differ_by_a_suffix():
+    """`batch.py` beside `batching.py` read as one job told twice: names say what differs."""
+    clashes = []
+    for folder in {p.parent for p in python_files()}:
+        stems = sorted(p.stem for p in folder.glob("*.py") if not p.stem.startswith("__"))
+        clashes += [f"{folder.name}/{a} ~ {b}" for a in stems for b in stems if a != b and b.startswith(a)
+                    and b[len(a):] in ("s", "es", "ing", "er", "ed")]
+    assert clashes == []
+
+
 def test_no_function_is_longer_than_60_lines():
     long = []
     for path in python_files():
@@ -30,11 +51,11 @@ def test_no_function_is_longer_than_60_lines():
 
 
 def test_only_the_api_drives_a_pairs_engine():
-    """Pair keeps its SpecEngine private and the batch module builds the batched one: every other
+    """Pair keeps its SpecEngine private and the batch runner builds the batched one: every other
     module goes through prefill/decode/remember or runs a Generation on the engine it is handed."""
     found = []
     for path in python_files():
-        if path.name in ("api.py", "batching.py") and path.parent == SRC:
+        if path.relative_to(SRC).as_posix() in ("api.py", "batching/runner.py"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr in ("_engine", "engine"):
@@ -43,8 +64,8 @@ def test_only_the_api_drives_a_pairs_engine():
 
 
 @pytest.mark.parametrize("code", [
-    "import specextend.cli",
-    "from specextend.cli import build_parser; build_parser('generate').parse_args(['generate', '--prompt', 'x'])",
+    "import specextend.cli.main",
+    "from specextend.cli.main import build_parser; build_parser('generate').parse_args(['generate', '--prompt', 'x'])",
 ])
 def test_the_command_line_parser_needs_no_torch(code):
     """`specextend --help` and argument parsing answer without importing torch or transformers."""
@@ -53,8 +74,8 @@ def test_the_command_line_parser_needs_no_torch(code):
 
 
 def test_every_draft_cache_name_has_its_policy():
-    from specextend.draft_policy import DRAFT_POLICIES
-    from specextend.settings import DRAFT_CACHES
+    from specextend.common.settings import DRAFT_CACHES
+    from specextend.speculation.draft_policy import DRAFT_POLICIES
 
     assert tuple(DRAFT_POLICIES) == DRAFT_CACHES
 
@@ -62,7 +83,8 @@ def test_every_draft_cache_name_has_its_policy():
 def test_the_production_kernels_do_not_carry_the_peak_probes():
     """The roofline's register-only loops are an extension of their own (roofline.probes): the
     kernels every generation loads are built without them."""
-    from specextend import kernels, roofline
+    from specextend.bench import roofline
+    from specextend.runtime import kernels
 
     assert not any("peak" in name for name in kernels._SOURCES)
     assert {"peak_ops.cpp", "core/peak.cpp"} <= set(roofline.PROBE_SOURCES)

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from specextend import cli
 from specextend.bench import llamacpp, report
 from specextend.bench.llamacpp import PeerError, parse_llamacpp_method
-from specextend.errors import UserError
+from specextend.cli import main as cli
+from specextend.common.errors import UserError
 
 from tiny_tokenizer import save_tiny_model
 

@@ -7,8 +7,8 @@ from collections import defaultdict
 
 import pytest
 
-from specextend import cli
 from specextend.bench import lookup_replay
+from specextend.cli import main as cli
 
 from tiny_tokenizer import save_tiny_model
 

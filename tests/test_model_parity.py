@@ -135,7 +135,7 @@ def test_compaction_equals_fresh_forward(tiny_dir, arch):
 def test_unsupported_architecture_is_refused(tmp_path):
     import json
 
-    from specextend.errors import UserError
+    from specextend.common.errors import UserError
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     (tmp_path / "model.safetensors").write_bytes(b"")

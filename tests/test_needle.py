@@ -10,10 +10,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from specextend import needle
 from specextend.api import load
-from specextend.errors import UserError
-from specextend.settings import Settings
+from specextend.bench import needle
+from specextend.common.errors import UserError
+from specextend.common.settings import Settings
 
 from tiny_tokenizer import save_tiny_model, tiny_tokenizer
 
@@ -217,7 +217,7 @@ def test_sweep_resumes(folders, tmp_path, monkeypatch, capsys):
               "--data", str(data), "--lengths", "t", "--out", str(out), "--chunk-size", "16", "--top-k-chunks", "2",
               "--max-new-tokens", "3", "-q"]
 
-    from specextend import cli
+    from specextend.cli import main as cli
 
     assert cli.main(["needle", *common, "--trials", "2", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
@@ -253,7 +253,7 @@ def test_bad_length_is_a_user_error(tmp_path):
 
 def test_bad_draft_dtype_exits_2(folders, tmp_path, capsys):
     (tmp_path / "govreport_T.jsonl").write_text(json.dumps({"text": govreport_text(12, seed=0)}) + "\n")
-    from specextend import cli
+    from specextend.cli import main as cli
 
     rc = cli.main(["needle", "--target", str(folders["target"]), "--draft", str(folders["draft"]), "--data",
                    str(tmp_path), "--lengths", "t", "--draft-dtype", "float8", "--out", str(tmp_path / "o"), "-q"])

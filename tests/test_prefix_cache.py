@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specextend import kernels, kv_file
-from specextend.engine import SpecEngine
-from specextend.kv_cache import KVSnapshot, PrefixKV
+from specextend.common.settings import Settings
 from specextend.models.loader import load_model
-from specextend.prefix_cache import PrefixCache
-from specextend.settings import Settings
+from specextend.requests import kv_file
+from specextend.requests.prefix_cache import PrefixCache
+from specextend.runtime import kernels
+from specextend.runtime.kv_cache import KVSnapshot, PrefixKV
+from specextend.speculation.decoder import SpecEngine
 
 from conftest import make_tiny_hf
 

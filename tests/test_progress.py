@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from specextend import progress
 from specextend.api import Pair, prepare
+from specextend.common import progress
 
 from tiny_tokenizer import save_tiny_model
 

@@ -1,4 +1,4 @@
-"""Prompt KV shared inside a batch (prompt_share.py): sequences whose prompts start alike compute
+"""Prompt KV shared inside a batch (batching/prompt_share.py): sequences whose prompts start alike compute
 the shared start once, and each still gets the bits it gets alone (its KV slots, its tokens)."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from specextend import kernels
 from specextend.api import Pair, load
-from specextend.batch import Batch, Sequence
-from specextend.prompt_share import MIN_WAIT, common_prefix
-from specextend.settings import Settings
+from specextend.batching.batch import Batch, Sequence
+from specextend.batching.prompt_share import MIN_WAIT, common_prefix
+from specextend.common.settings import Settings
+from specextend.runtime import kernels
 
 from tiny_tokenizer import quantized_pair, save_tiny_model
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from specextend.errors import UserError
+from specextend.common.errors import UserError
 from specextend.models import pull as pull_mod
 from specextend.models import registry
 from specextend.models.gguf import is_complete

@@ -9,7 +9,7 @@ import pytest
 import torch
 from gguf.quants import dequantize
 
-from specextend import kernels, quant
+from specextend.runtime import kernels, quant
 
 ext = kernels.load()
 
@@ -100,7 +100,7 @@ def test_product_matches_float64_reference(kind: str, n: int, k: int) -> None:
     w = qw(quant.from_gguf_blocks(kind, raw, n, k))
     bias = torch.randn(n)
     x = torch.randn(5, k)
-    y = kernels.qlinear(x, w, bias)
+    y = quant.qlinear(x, w, bias)
     ref = reference(x, torch.from_numpy(gguf_dequant(kind, raw, n, k)), kind) + bias.double()
     assert y.shape == (5, n)
     assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
@@ -116,7 +116,7 @@ def test_float_weights_are_multiplied_within_float32_rounding(kind: str) -> None
     exact = torch.from_numpy(gguf_dequant(kind, raw, n, k))
     assert torch.equal(w.dequantize(), exact) and w.nbytes == 2 * 48 * k  # 16 bits a weight, 3 panels
     x = torch.randn(9, k) * 3
-    y = kernels.qlinear(x, w).double()
+    y = quant.qlinear(x, w).double()
     ref = x.double() @ exact.double().T
     bound = (k / 2 + 1) * 2.0**-24 * (x.double().abs() @ exact.double().abs().T)  # |error| of a chain of fmas
     assert ((y - ref).abs() <= bound).all()
@@ -126,12 +126,12 @@ def test_float_weights_are_multiplied_within_float32_rounding(kind: str) -> None
 def test_a_row_alone_equals_the_same_row_in_a_batch(kind: str, n: int, k: int) -> None:
     w = qw(quant.from_gguf_blocks(kind, random_blocks(kind, n, k, seed=2), n, k))
     x = torch.randn(33, k)  # more than one tile of 16 rows
-    batch = kernels.qlinear(x, w)
+    batch = quant.qlinear(x, w)
     for rows in (1, 4, 9, 16, 17):
-        part = kernels.qlinear(x[:rows], w)
+        part = quant.qlinear(x[:rows], w)
         assert torch.equal(part, batch[:rows]), rows
     for i in (0, 8, 16, 32):
-        assert torch.equal(kernels.qlinear(x[i : i + 1], w)[0], batch[i])
+        assert torch.equal(quant.qlinear(x[i : i + 1], w)[0], batch[i])
 
 
 def test_activation_quantization_rounds_half_to_even_per_block() -> None:
@@ -153,7 +153,7 @@ def test_zero_block_has_zero_scale() -> None:
     assert d8[0, 0] == 0 and not q8[0, :32].any() and s16[0, :2].eq(0).all()  # no 0/0 scale for the zero block
     assert d8[0, 1] == torch.tensor(2.0) / 127 and q8[0, 40] == 127
     w = qw(quant.quantize(torch.randn(16, 64), 8).segments[0])
-    y = kernels.qlinear(x, w)
+    y = quant.qlinear(x, w)
     ref = reference(x, w.dequantize())
     assert torch.allclose(y.double(), ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
 
@@ -170,7 +170,7 @@ def test_stacked_segments_of_different_formats() -> None:
     assert np.array_equal(w.dequantize().numpy(), full)
     x = torch.randn(3, k)
     ref = reference(x, torch.from_numpy(full))
-    assert torch.allclose(kernels.qlinear(x, w).double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    assert torch.allclose(quant.qlinear(x, w).double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -188,7 +188,7 @@ def test_float_weights_quantize_within_their_grid(bits: int, width: int) -> None
     assert (err <= step * (0.75 if bits == 4 else 0.51) + 1e-6).all()
     x = torch.randn(2, width)
     ref = reference(x, deq)
-    assert torch.allclose(kernels.qlinear(x, q).double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    assert torch.allclose(quant.qlinear(x, q).double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
 def test_fused_norm_silu_and_residual_match_the_unfused_product() -> None:
@@ -197,12 +197,12 @@ def test_fused_norm_silu_and_residual_match_the_unfused_product() -> None:
     w = quant.quantize(torch.randn(48, 256), 8)
     x, norm, res = torch.randn(5, 256) * 3, torch.rand(256) + 0.5, torch.randn(5, 48)
     normed = norm * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
-    got = kernels.qlinear(x, w, norm=norm, eps=1e-6, residual=res)
-    assert torch.allclose(got, kernels.qlinear(normed, w) + res, atol=2e-2 * got.abs().max().item())
+    got = quant.qlinear(x, w, norm=norm, eps=1e-6, residual=res)
+    assert torch.allclose(got, quant.qlinear(normed, w) + res, atol=2e-2 * got.abs().max().item())
     gu = torch.randn(5, 512)
     gated = torch.nn.functional.silu(gu[:, :256]) * gu[:, 256:]
-    got = kernels.qlinear(gu, w, silu_mul=True)
-    assert torch.allclose(got, kernels.qlinear(gated, w), atol=2e-2 * got.abs().max().item())
+    got = quant.qlinear(gu, w, silu_mul=True)
+    assert torch.allclose(got, quant.qlinear(gated, w), atol=2e-2 * got.abs().max().item())
 
 
 def test_bad_blob_size_is_refused() -> None:

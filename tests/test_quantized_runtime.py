@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from specextend import kernels
-from specextend.engine import SpecEngine
-from specextend.errors import UserError
+from specextend.common.errors import UserError
+from specextend.common.settings import Settings
 from specextend.models import gguf as conv
 from specextend.models.loader import load_model, resolve_weights
-from specextend.settings import Settings
+from specextend.runtime import kernels
+from specextend.speculation.decoder import SpecEngine
 
 from conftest import make_tiny_hf
 
@@ -191,8 +191,8 @@ def test_a_damaged_cached_model_is_refused(converted: Path, damage: str) -> None
 
 
 def test_derived_weights_are_computed_once_and_read_back(folders, tmp_path, monkeypatch):
-    from specextend import quant
     from specextend.models.loader import derived_path
+    from specextend.runtime import quant
 
     monkeypatch.setenv("SPECEXTEND_HOME", str(tmp_path))
     first = load_model(folders[("qwen2", 5)], torch.float32, weights="int4")

@@ -10,9 +10,10 @@ import json
 import pytest
 import torch
 
-from specextend import cli, kernels, roofline
-from specextend.bench import runtime
-from specextend.model import ModelConfig
+from specextend.bench import roofline, runtime
+from specextend.cli import main as cli
+from specextend.runtime import kernels
+from specextend.runtime.config import ModelConfig
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")
 
@@ -142,8 +143,8 @@ def test_prefill_count_is_the_sum_of_its_chunks(tokens, chunk):
 
 
 def test_linear_count_matches_the_models_own_layers(tiny_dir):
-    from specextend.model import Linear
     from specextend.models.loader import load_model
+    from specextend.runtime.layers import Linear
 
     for arch in ("qwen2", "llama", "qwen3"):
         model = load_model(tiny_dir(arch, 0), torch.float64)

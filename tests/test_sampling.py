@@ -13,9 +13,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specextend import verify
-from specextend.tree import ChainBuilder, DynamicTreeBuilder, draft_dist
-from specextend.verify import target_dist, verify_sampling
+from specextend.speculation import verify
+from specextend.speculation.tree import ChainBuilder, DynamicTreeBuilder, draft_dist
+from specextend.speculation.verify import target_dist, verify_sampling
 
 V = 6
 N = 10_000  # the broken-rule tests below reject at p < 1e-6 with this many draws
@@ -116,9 +116,9 @@ def test_engine_sampling_matches_target_distribution(tiny_dir):
     two generated tokens of `sd` follow the target's own sampling distribution (temperature and
     top-p applied), checked over 8 000 generations against the exact marginals (the rule itself
     is checked with more draws above; this is the wiring: seeds, temperature, top-p)."""
-    from specextend.engine import SpecEngine
+    from specextend.common.settings import Settings
     from specextend.models.loader import load_model
-    from specextend.settings import Settings
+    from specextend.speculation.decoder import SpecEngine
 
     target = load_model(tiny_dir("qwen2", 0, vocab=8, layers=1), torch.float64)
     draft = load_model(tiny_dir("qwen2", 3, vocab=8, layers=1), torch.float64)
@@ -142,7 +142,7 @@ def test_engine_sampling_matches_target_distribution(tiny_dir):
 def simulate_with_lookup(p_logits, q_logits, root: int, temperature: float, seed: int, n: int = N):
     """As `simulate`, with deterministic lookup branches (a function of the root, mostly wrong,
     often equal to a draft child: one merged node) fused into each tree."""
-    from specextend.tree import LOOKUP, Pool, assemble
+    from specextend.speculation.tree import LOOKUP, Pool, assemble
 
     gen = torch.Generator().manual_seed(seed)
     counts = torch.zeros(POSITIONS, V)
@@ -190,11 +190,11 @@ def test_engine_sampling_with_wrong_lookup_candidates(tiny_dir, monkeypatch, met
     samples (3 000 generations: fewer than the test above, the engine step being slower)."""
     import random
 
-    from specextend.costmodel import CostModel, ForwardCurve
-    from specextend.engine import SpecEngine
-    from specextend.lookup import ContextIndex, Continuation
+    from specextend.common.settings import Settings
     from specextend.models.loader import load_model
-    from specextend.settings import Settings
+    from specextend.runtime.costmodel import CostModel, ForwardCurve
+    from specextend.speculation.decoder import SpecEngine
+    from specextend.speculation.prompt_lookup import ContextIndex, Continuation
 
     target = load_model(tiny_dir("qwen2", 0, vocab=8, layers=1), torch.float64)
     draft = load_model(tiny_dir("qwen2", 3, vocab=8, layers=1), torch.float64)

@@ -13,13 +13,13 @@ from typing import ClassVar
 import pytest
 import torch
 
-from specextend import kernels
-from specextend.batch import Batch, Sequence, StepCosts, StepReport
-from specextend.budget import StepBudget
-from specextend.costmodel import ForwardCurve
-from specextend.scheduler import Limits, QueueFull, Scheduler, TooLarge
+from specextend.batching.batch import Batch, Sequence, StepCosts, StepReport
+from specextend.batching.budget import StepBudget
+from specextend.batching.scheduler import Limits, QueueFull, Scheduler, TooLarge
+from specextend.common.settings import Settings
+from specextend.runtime import kernels
+from specextend.runtime.costmodel import ForwardCurve
 from specextend.serve.jobs import Job, run_job
-from specextend.settings import Settings
 
 from tiny_tokenizer import quantized_pair
 
@@ -217,7 +217,7 @@ def test_steps_are_larger_only_while_no_request_decodes(pair):
     assert all(rows <= 8 for _, decoding, rows in steps if decoding)  # beside a stream: small ones
 
 
-# The measured rule (budget.py) on a synthetic machine: chunks of 64 prompt tokens are the
+# The measured rule (batching/budget.py) on a synthetic machine: chunks of 64 prompt tokens are the
 # efficient size (cost per token flat from there), and beside a stream a step may take 0.05 s.
 RULE_PREFILL = ForwardCurve([16, 32, 64, 128], [0], [[16 * 4e-3, 32 * 2e-3, 64 * 1e-3, 128 * 1e-3]])
 RULE_STEPS = ForwardCurve([1, 32], [256, 8192], [[2e-3, 4e-3], [2e-3, 4e-3]])

@@ -22,12 +22,12 @@ import pytest
 import uvicorn
 
 from specextend.api import Pair, load, prepare
-from specextend.scheduler import Limits
+from specextend.batching.scheduler import Limits
+from specextend.common.settings import Settings
 from specextend.serve.app import Server
 from specextend.serve.command import listen
 from specextend.serve.drain import DrainingServer
 from specextend.serve.local import LocalBackend
-from specextend.settings import Settings
 
 from tiny_tokenizer import save_tiny_model
 
@@ -223,7 +223,7 @@ def test_models_and_health(url):
     assert [m.id for m in models.data] == ["tiny"]
     h = httpx.get(f"{url}/health").json()
     assert h["status"] == "ok" and h["busy"] is False and h["prefix_cache"]["max_bytes"] == 64 << 20
-    budget = h["batch"]["budget"]  # the measured step budget and why (budget.py)
+    budget = h["batch"]["budget"]  # the measured step budget and why (batching/budget.py)
     # Beside a stream the chunk is at most the chunk alone at the same context (step_tokens is
     # reported at a 2,048-token context, where the chunk alone may have grown past the empty cache's).
     assert budget["alone_rows"] == h["batch"]["idle_step_tokens"]

@@ -16,8 +16,8 @@ import httpx2 as httpx
 import pytest
 
 from specextend.api import load
-from specextend.scheduler import Limits
-from specextend.settings import Settings
+from specextend.batching.scheduler import Limits
+from specextend.common.settings import Settings
 
 from test_serve import running
 from tiny_tokenizer import save_tiny_model

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from specextend.api import Pair, load
-from specextend.errors import UserError
+from specextend.common.errors import UserError
 from specextend.serve import auth
 
 from test_serve import SMALL, client, running

@@ -17,14 +17,14 @@ import random
 import pytest
 import torch
 
-from specextend import propose
-from specextend.costmodel import CostModel, ForwardCurve
-from specextend.engine import SpecEngine
-from specextend.lookup import ContextIndex, Continuation
+from specextend.common.settings import Settings
 from specextend.models.loader import load_model
-from specextend.settings import Settings
-from specextend.sizing import LOOKUP_PRIOR, Sizer, lookup_key
-from specextend.tree import LOOKUP, DynamicTreeBuilder, Pool, draft_dist
+from specextend.runtime.costmodel import CostModel, ForwardCurve
+from specextend.speculation import propose
+from specextend.speculation.decoder import SpecEngine
+from specextend.speculation.prompt_lookup import ContextIndex, Continuation
+from specextend.speculation.sizing import LOOKUP_PRIOR, Sizer, lookup_key
+from specextend.speculation.tree import LOOKUP, DynamicTreeBuilder, Pool, draft_dist
 
 from conftest import ARCHS, WatchedEngine
 
@@ -270,7 +270,7 @@ def test_cheaper_rows_never_grow_fewer_levels(seed):
 
 
 def test_cost_curves_are_cached_and_checked_on_read(tiny_dir, tmp_path, monkeypatch):
-    from specextend import costmodel
+    from specextend.runtime import costmodel
 
     monkeypatch.setenv("SPECEXTEND_COST_CACHE", str(tmp_path))
     model = load_model(tiny_dir("qwen2", 0), torch.float64)

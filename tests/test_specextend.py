@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specextend.draft_policy import CMRPolicy, StreamingPolicy, make_policy
-from specextend.engine import SpecEngine
+from specextend.common.settings import Settings
 from specextend.models.loader import load_model
-from specextend.settings import Settings
+from specextend.speculation.decoder import SpecEngine
+from specextend.speculation.draft_policy import CMRPolicy, StreamingPolicy, make_policy
 
 from conftest import ARCHS, WatchedEngine
 

@@ -1,4 +1,4 @@
-"""The whole-step C++ forward (step.py, csrc/core/step.h) gives the Python-driven forward's bits:
+"""The whole-step C++ forward (runtime/fused_step.py, csrc/core/step.h) gives the Python-driven forward's bits:
 logits, every K/V slot and the queries kept for retrieval, on every kernel path this CPU runs,
 for one row, a draft tree's level and a small verification, after a prompt prefilled in chunks
 (chunks small enough to take the whole-step call themselves), on Llama, Qwen2 (a QKV bias) and
@@ -12,8 +12,8 @@ import threading
 import pytest
 import torch
 
-from specextend import kernels, step
 from specextend.models.loader import load_model
+from specextend.runtime import fused_step, kernels
 
 from conftest import make_tiny_hf
 
@@ -87,8 +87,8 @@ def test_the_whole_step_is_what_runs(folders, monkeypatch):
     forward (the runtime bench's split) the per-layer calls."""
     model = load_model(folders["qwen2"], torch.float32, weights="int4")
     calls = []
-    run_step = step.run
-    monkeypatch.setattr(step, "run", lambda *a: calls.append(a[1].shape[0]) or run_step(*a))
+    run_step = fused_step.run
+    monkeypatch.setattr(fused_step, "run", lambda *a: calls.append(a[1].shape[0]) or run_step(*a))
     cache = model.new_cache(64)
     model(PROMPT[:1], torch.tensor([0]), cache)
     model(PROMPT[:2], torch.arange(2), cache, keep_q={1: None})  # a verification that retrieval scores
@@ -100,7 +100,7 @@ def test_the_whole_step_is_what_runs(folders, monkeypatch):
 
 def test_the_step_refuses_bad_kept_queries(folders):
     model = load_model(folders["qwen2"], torch.float32, weights="int4")
-    plan, cache = step.plan(model), model.new_cache(8)
+    plan, cache = fused_step.plan(model.cfg, model.layers), model.new_cache(8)
     x, (cos, sin) = model.embed(PROMPT[:1]), model.rope(torch.tensor([0]))
     ext = kernels.load()
 
@@ -108,12 +108,12 @@ def test_the_step_refuses_bad_kept_queries(folders):
         return [(cache.k, cache.v, 1, 0, None, layers, queries)]
 
     with pytest.raises(RuntimeError, match="out of range"):
-        ext.forward_batch(plan, x, cos, sin, part([5], [torch.empty(4, 1, 64)]), kernels._path_id())
+        ext.forward_batch(plan, x, cos, sin, part([5], [torch.empty(4, 1, 64)]), kernels.path_id())
     with pytest.raises(RuntimeError, match="heads, t, head_dim"):
-        ext.forward_batch(plan, x, cos, sin, part([0], [torch.empty(4, 2, 64)]), kernels._path_id())
+        ext.forward_batch(plan, x, cos, sin, part([0], [torch.empty(4, 2, 64)]), kernels.path_id())
     with pytest.raises(RuntimeError, match="add up"):
         ext.forward_batch(plan, torch.cat([x, x]), model.rope(torch.arange(2))[0], model.rope(torch.arange(2))[1],
-                          part([], []), kernels._path_id())
+                          part([], []), kernels.path_id())
 
 
 def _threads() -> int:
@@ -122,16 +122,16 @@ def _threads() -> int:
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc (Linux)")
 def test_a_thread_frees_its_idle_openmp_team_and_a_later_region_makes_a_new_one():
-    """step.release_thread_team: the calling thread's idle team goes (a thread fewer), the next
+    """fused_step.release_thread_team: the calling thread's idle team goes (a thread fewer), the next
     parallel region on it starts one again, and a thread with no team has nothing to free."""
     out: dict[str, int | bool] = {}
 
     def on_a_thread() -> None:  # a thread of its own: the test runner's main thread is left as it is
-        out["none"] = step.release_thread_team()  # nothing opened here yet
+        out["none"] = fused_step.release_thread_team()  # nothing opened here yet
         out["before"] = _threads()
         torch.ones(1 << 24).sum()  # a parallel region: this thread's team
         out["with"] = _threads()
-        out["freed"] = step.release_thread_team()
+        out["freed"] = fused_step.release_thread_team()
         out["after"] = _threads()
         torch.ones(1 << 24).sum()
         out["again"] = _threads()

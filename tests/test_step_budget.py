@@ -1,4 +1,4 @@
-"""The server's step budget (budget.py) on synthetic curves: alone, chunks of the efficient
+"""The server's step budget (batching/budget.py) on synthetic curves: alone, chunks of the efficient
 size; beside decoding streams, smaller ones, smaller still at a longer context or on a slower
 machine; and the prefill curve's measurement and cache."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from specextend import costmodel
-from specextend.budget import StepBudget
-from specextend.costmodel import ForwardCurve
+from specextend.batching.budget import StepBudget
 from specextend.models.loader import load_model
+from specextend.runtime import costmodel
+from specextend.runtime.costmodel import ForwardCurve
 
 PREFILL_ROWS = [16, 32, 64, 128, 256, 512]
 

@@ -17,13 +17,13 @@ import torch
 from scipy.stats import chisquare
 
 from specextend.api import load
-from specextend.engine import SpecEngine
-from specextend.errors import UserError
-from specextend.logits_process import LogitsProcessor
+from specextend.common.errors import UserError
+from specextend.common.settings import Settings
 from specextend.models.loader import load_model
-from specextend.penalties import Penalties
-from specextend.settings import Settings
-from specextend.verify import target_dist
+from specextend.sampling.logits_process import LogitsProcessor
+from specextend.sampling.penalties import Penalties
+from specextend.speculation.decoder import SpecEngine
+from specextend.speculation.verify import target_dist
 
 from tiny_tokenizer import save_tiny_model
 
@@ -156,7 +156,7 @@ def teacher_forced_logprobs(pair, prompt_ids, tokens, s, rf, k):
 @pytest.fixture(scope="module")
 def int8_pair(pair):
     """The same models on the quantized runtime, whose rows are independent of each other."""
-    from specextend import kernels
+    from specextend.runtime import kernels
 
     if not kernels.available():
         pytest.skip("the C++ kernels are not built here")
@@ -276,7 +276,7 @@ def test_bad_penalties_are_refused(bad):
 
 
 def test_generate_takes_a_schema_and_logprobs(capsys, pair, tmp_path):
-    from specextend.cli import main
+    from specextend.cli.main import main
 
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps(SCHEMA))
@@ -300,7 +300,7 @@ def test_generate_takes_a_schema_and_logprobs(capsys, pair, tmp_path):
     (["--frequency-penalty", "5"], "frequency-penalty"),
 ])
 def test_generate_refuses_bad_structured_options_in_one_line(capsys, pair, args, needle):
-    from specextend.cli import main
+    from specextend.cli.main import main
 
     code = main(["generate", "--target", str(pair.target_path), "--method", "ar", "--prompt", "hi", *args])
     out, err = capsys.readouterr()

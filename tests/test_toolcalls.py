@@ -12,8 +12,8 @@ import httpx2 as httpx
 import pytest
 
 from specextend.api import load
-from specextend.errors import UserError
-from specextend.toolcalls import CLOSE, OPEN, CallParser, ToolError, ToolSpec, template_messages
+from specextend.common.errors import UserError
+from specextend.requests.toolcalls import CLOSE, OPEN, CallParser, ToolError, ToolSpec, template_messages
 
 from test_serve import SMALL, client, running
 from tiny_tokenizer import save_tiny_model
@@ -306,7 +306,7 @@ def test_the_python_api_takes_messages_and_tools(pair):
 
 
 def test_generate_takes_a_tools_file(folders, tmp_path, capsys):
-    from specextend.cli import main
+    from specextend.cli.main import main
 
     tools = tmp_path / "tools.json"
     tools.write_text(json.dumps(TOOLS))

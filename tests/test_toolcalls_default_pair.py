@@ -10,7 +10,7 @@ import json
 import pytest
 
 from specextend.api import prepare
-from specextend.toolcalls import OPEN, CallParser, ToolSpec, template_messages
+from specextend.requests.toolcalls import OPEN, CallParser, ToolSpec, template_messages
 from test_toolcalls import ASK, TOOLS, valid
 
 pytestmark = pytest.mark.slow

@@ -12,9 +12,9 @@ import httpx2 as httpx
 import pytest
 
 from specextend.api import load
-from specextend.grammar import GrammarSpec
+from specextend.requests.toolcalls import CLOSE, OPEN, CallParser, ToolSpec
+from specextend.sampling.grammar import GrammarSpec
 from specextend.serve.app import Server
-from specextend.toolcalls import CLOSE, OPEN, CallParser, ToolSpec
 
 from test_serve import SMALL, client, running
 from tiny_tokenizer import save_tiny_model
@@ -238,7 +238,7 @@ def test_an_unreadable_schema_recovers_no_call():
 
 
 def test_tool_call_recovery_must_be_a_boolean():
-    from specextend.toolcalls import ToolError
+    from specextend.requests.toolcalls import ToolError
 
     with pytest.raises(ToolError) as e:
         ToolSpec.parse(TOOLS, tool_call_recovery="no")
@@ -397,8 +397,8 @@ def test_the_goals_bench_counts_calls_and_misses(url, says, tmp_path):
 def test_the_server_default_for_tool_call_recovery_applies_where_a_request_is_silent():
     """`serve --no-tool-call-recovery` (the server's default, passed to protocol.parse): a request
     without the field gets it; one that sets it keeps its own."""
+    from specextend.common.settings import Settings
     from specextend.serve import protocol
-    from specextend.settings import Settings
 
     body = {"messages": [{"role": "user", "content": "Oslo?"}], "tools": TOOLS}
     assert protocol.parse("chat", body, Settings()).tools.recover

@@ -1,4 +1,4 @@
-"""The trimmed draft vocabulary (vocab_trim.py): a kept token's draft logit is the full head's bits
+"""The trimmed draft vocabulary (speculation/draft_vocab.py): a kept token's draft logit is the full head's bits
 (the rows are regathered byte for byte), the others are -inf, and whatever the subset the output
 is unchanged: greedy equals `ar` and sampling keeps the target's distribution, also when the
 subset excludes exactly the tokens the target emits."""
@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from specextend import kernels, quant, vocab_trim
-from specextend.engine import SpecEngine
+from specextend.common.settings import Settings
 from specextend.models.loader import load_model
-from specextend.settings import Settings
+from specextend.runtime import kernels, quant
+from specextend.speculation import draft_vocab
+from specextend.speculation.decoder import SpecEngine
 from test_quant import random_blocks
 from test_sampling import assert_counts_follow, two_token_marginals
 
@@ -41,11 +42,11 @@ def test_gathered_rows_are_the_same_bytes(kind):
     w = SEGMENTS[kind]()
     ids = np.array([99, 0, 5, 17, 16, 33, 34, 35, 80, 81, 2, 3, 64, 65, 66, 98, 7, 7, 50, 51, 52, 53, 54, 55, 56, 57,
                     58, 59, 60, 61, 62, 63])
-    sub = vocab_trim.gather_rows(w.segments[0], ids)
+    sub = draft_vocab.gather_rows(w.segments[0], ids)
     assert torch.equal(sub.dequantize(), w.segments[0].dequantize(torch.from_numpy(ids)))
     x = torch.randn(3, w.k)
-    full = kernels.qlinear(x, w)
-    assert torch.equal(kernels.qlinear(x, quant.QWeight(w.k, [sub])), full[:, ids])
+    full = quant.qlinear(x, w)
+    assert torch.equal(quant.qlinear(x, quant.QWeight(w.k, [sub])), full[:, ids])
 
 
 PROMPT = [5, 9, 14, 3, 3, 9, 5, 21, 40, 2, 9, 14]
@@ -57,7 +58,7 @@ def trimmed_engine(tiny_dir, excluded: set[int], dtype=torch.float64, weights: s
     kw = {} if weights is None else {"weights": weights}
     target = load_model(tiny_dir("qwen2", 0, vocab=vocab, layers=2), dtype, **kw)
     draft = load_model(tiny_dir("qwen2", 3, vocab=vocab, layers=1), dtype, **kw)
-    draft.vocab_trim = vocab_trim.VocabTrim(draft, [i for i in range(vocab) if i not in excluded])
+    draft.output_head = draft_vocab.VocabTrim(draft, [i for i in range(vocab) if i not in excluded])
     return SpecEngine(target, draft, eos_ids=[]), target, draft
 
 
@@ -70,7 +71,7 @@ def test_greedy_output_is_unchanged_without_the_targets_tokens(tiny_dir, method)
     eng, _, draft = trimmed_engine(tiny_dir, excluded)
     r = eng.generate(PROMPT, Settings(max_new_tokens=30, **SMALL, **method))
     assert r.token_ids == ar
-    kept = set(draft.vocab_trim.ids.tolist())
+    kept = set(draft.output_head.ids.tolist())
     assert len(kept) < 96 and not kept & excluded
     logits = draft(torch.tensor([5]), torch.tensor([0]), draft.new_cache(4))
     assert torch.isinf(logits[0, sorted(excluded)]).all() and torch.isfinite(logits[0, PROMPT]).all()
@@ -81,8 +82,8 @@ def test_kept_draft_logits_are_the_full_heads_bits(tiny_dir):
     _, _, draft = trimmed_engine(tiny_dir, set(range(40, 70)), dtype=torch.float32, weights="int4")
     ids = torch.tensor(PROMPT)
     trimmed = draft(ids, torch.arange(len(ids)), draft.new_cache(len(ids)))
-    keep = draft.vocab_trim.ids
-    draft.vocab_trim = None
+    keep = draft.output_head.ids
+    draft.output_head = None
     full = draft(ids, torch.arange(len(ids)), draft.new_cache(len(ids)))
     assert torch.equal(trimmed[:, keep], full[:, keep])
     assert torch.isinf(trimmed[:, 40:70]).all()
@@ -96,7 +97,7 @@ def test_sampling_keeps_the_targets_distribution_without_its_likeliest_tokens(ti
     p1, p2 = two_token_marginals(target, prompt, temperature, top_p)
     likely = [int(i) for i in torch.argsort(p1, descending=True) if int(i) not in prompt][:2]
     draft = load_model(tiny_dir("qwen2", 3, vocab=8, layers=1), torch.float64)
-    draft.vocab_trim = vocab_trim.VocabTrim(draft, [i for i in range(8) if i not in likely])
+    draft.output_head = draft_vocab.VocabTrim(draft, [i for i in range(8) if i not in likely])
     eng = SpecEngine(target, draft, eos_ids=[])
     s = Settings(method="sd", max_new_tokens=2, temperature=temperature, top_p=top_p, tree_budget=4,
                  tree_depth=3, tree_topk=2).resolved()
@@ -113,9 +114,9 @@ def test_sampling_keeps_the_targets_distribution_without_its_likeliest_tokens(ti
 
 def test_enable_keeps_the_frequent_tokens_and_skips_small_vocabularies(tiny_dir):
     draft = load_model(tiny_dir("qwen2", 3, vocab=96, layers=1), torch.float64)
-    vocab_trim.enable(draft, [95], size=64)
-    assert draft.vocab_trim is None  # 96 < 2 x 64: nothing worth trimming
-    vocab_trim.enable(draft, [95], size=16)
-    assert draft.vocab_trim.ids.tolist() == [*range(16), 95, *[95] * 15]
-    draft.vocab_trim.cover([3, 40, 41, 40])
-    assert set(draft.vocab_trim.ids.tolist()) == {*range(16), 95, 40, 41}
+    draft_vocab.enable(draft, [95], size=64)
+    assert draft.output_head is None  # 96 < 2 x 64: nothing worth trimming
+    draft_vocab.enable(draft, [95], size=16)
+    assert draft.output_head.ids.tolist() == [*range(16), 95, *[95] * 15]
+    draft.output_head.cover([3, 40, 41, 40])
+    assert set(draft.output_head.ids.tolist()) == {*range(16), 95, 40, 41}

@@ -2,6 +2,10 @@
 
 `import specextend` stays cheap (no torch, no transformers): `load`, `Pair`, `Result` and
 `Settings` are imported on first use.
+
+The package by layer, each importing only from those below it (pyproject.toml's import contracts):
+`cli` > `serve`, `bench` > `api`, `options` > `batching` > `requests` > `speculation`, `models` >
+`runtime`, `sampling` > `common`.
 """
 
 from __future__ import annotations
@@ -13,15 +17,15 @@ __all__ = ["Pair", "Result", "Settings", "UserError", "load"]
 
 if TYPE_CHECKING:
     from .api import Pair, Result, load
-    from .errors import UserError
-    from .settings import Settings
+    from .common.errors import UserError
+    from .common.settings import Settings
 
 _LAZY = {
     "load": "api",
     "Pair": "api",
     "Result": "api",
-    "Settings": "settings",
-    "UserError": "errors",
+    "Settings": "common.settings",
+    "UserError": "common.errors",
 }
 
 

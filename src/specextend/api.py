@@ -36,21 +36,21 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
 
-from .batching import Generations
-from .engine import DraftAnswer, Prefilled, ProgressCallback, SpecEngine, TokensCallback, kv_bytes
-from .errors import UserError
-from .generation import Generation, Origin, PieceCallback, Result
+from .batching.runner import Generations
+from .common.errors import UserError
+from .common.settings import Settings, make_settings
 from .models.resolve import LoadOptions, ResolvedPair, resolve_pair
-from .prefix_cache import PrefixCache, fingerprint
-from .prompts import Prompts
-from .settings import Settings, make_settings
+from .requests.generation import Generation, Origin, PieceCallback, Result
+from .requests.prefix_cache import PrefixCache, fingerprint
+from .requests.prompts import Prompts
+from .speculation.decoder import DraftAnswer, Prefilled, ProgressCallback, SpecEngine, TokensCallback, kv_bytes
 
 if TYPE_CHECKING:
     import torch
 
-    from .costmodel import CostModel
-    from .model import Transformer
-    from .toolcalls import ToolSpec
+    from .requests.toolcalls import ToolSpec
+    from .runtime.costmodel import CostModel
+    from .runtime.transformer import Transformer
 
 __all__ = ["LoadOptions", "Pair", "Prefilled", "Prepared", "Result", "Settings", "load", "prepare"]
 
@@ -80,7 +80,7 @@ class Pair(Prompts):
     """A loaded target (and optional draft) with its tokenizer and decoding engine.
 
     `generate` and `stream` are prefill + decode in one call: each makes a `Generation`
-    (generation.py: the request's whole life) and runs it on the pair's engine. For more than one
+    (requests/generation.py: the request's whole life) and runs it on the pair's engine. For more than one
     decode of a prompt (a benchmark, a sweep), `prefill` it once and `decode` the state with each
     setting: decoding only appends after the prompt, so every decode starts from the same caches.
     With a prefix cache (`enable_prefix_cache`), `prefill` continues from the longest cached
@@ -229,12 +229,12 @@ class Pair(Prompts):
         top of `settings` if given. `on_text` receives text pieces as tokens are accepted.
         `response_format` constrains the output (OpenAI's, or a regex / grammar: see the module's
         docstring); `logprobs` (0-20) asks for each token's log-probability and that many
-        alternatives. `tools`, `tool_choice` and `parallel_tool_calls` are OpenAI's (toolcalls.py):
+        alternatives. `tools`, `tool_choice` and `parallel_tool_calls` are OpenAI's (requests/toolcalls.py):
         the result's `tool_calls` are the calls the answer made (under `auto`, an answer that is
         nothing but a call written as bare JSON too, unless `tool_call_recovery` is False).
         `on_progress(done, total)` hears the prefill's prompt tokens after each chunk (a progress bar's).
 
-        A list of prompts runs in one continuous batch (batching.py) and returns their results in
+        A list of prompts runs in one continuous batch (batching/runner.py) and returns their results in
         order, each the tokens that prompt gets alone. An item is a prompt, a dict of its `prompt`
         and its own arguments (settings, `chat`, `response_format`, `logprobs`) over the common
         ones, or a `Generation` from `generation` (which can be cancelled: its result is then None).

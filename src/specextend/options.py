@@ -15,7 +15,7 @@ from dataclasses import MISSING, fields
 from types import MappingProxyType
 from typing import Any
 
-from .settings import (
+from .common.settings import (
     ATTENTIONS,
     DRAFT_CACHES,
     DRAFT_PREFILLS,

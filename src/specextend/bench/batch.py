@@ -1,6 +1,6 @@
 """Batching from Python measured: a list of prompts in one `generate` call against one call each.
 
-A list through `pair.generate([...])` runs in one continuous batch (batching.py).
+A list through `pair.generate([...])` runs in one continuous batch (batching/runner.py).
 
     python -m specextend.bench.batch [--prompts 16] [--max-new-tokens 128] [--methods ar,specextend]
                                      [--rounds 1] [--out FILE.json]
@@ -24,8 +24,8 @@ from typing import Any
 from tqdm import tqdm
 
 from .. import api
+from ..common.settings import METHODS
 from ..options import OneLineParser
-from ..settings import METHODS
 from .concurrent import SHORT_PROMPTS
 from .report import write_text_atomic
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..costmodel import cache_dir, cached_curve, curve_key
-from ..errors import UserError
+from ..common.errors import UserError
 from ..options import add_model_arguments, model_options
+from ..runtime.costmodel import cache_dir, cached_curve, curve_key
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import UserError
-from ..jsonl import read_texts
+from ..common.errors import UserError
+from ..common.jsonl import read_texts
 
 DATA_ENV = "SPECEXTEND_DATA"
 BUILTIN_NAMES = ("stdlib", "builtin")  # --data words that mean the built-in long-code set

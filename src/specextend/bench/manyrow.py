@@ -6,7 +6,7 @@ in each format on this CPU?
 
 A prefill chunk multiplies hundreds of rows by every weight, so its linear layers are bound by
 the kernel's arithmetic, not by memory (`bench.onerow` is the one-row, memory-side question).
-This times the kernel path's product (`kernels.qlinear`: the rows' quantization and the product,
+This times the kernel path's product (`quant.qlinear`: the rows' quantization and the product,
 as the model calls it) of `--rows` random rows by a random matrix in each format and shape (the
 default shapes are the default target's: q/o and gate|up with 1,536 inputs, down with 8,960),
 best of `--repeats`, as G MAC/s beside the peak loop of the instructions it is made of
@@ -28,8 +28,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from .. import kernels, roofline
 from ..options import OneLineParser
+from ..runtime import kernels, quant
+from . import roofline
 from .onerow import FORMATS, parse_formats, random_weight
 from .runtime import parse_counts
 
@@ -40,11 +41,11 @@ DEFAULT_SHAPES = "1536x1536,17920x1536,1536x8960"
 def best_call_s(x: torch.Tensor, w: Any, repeats: int) -> float:
     """Best seconds of one product of the rows x by w over `repeats` calls (after a warm-up)."""
     out = torch.empty(x.shape[0], w.n)
-    kernels.qlinear(x, w, out=out)
+    quant.qlinear(x, w, out=out)
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
-        kernels.qlinear(x, w, out=out)
+        quant.qlinear(x, w, out=out)
         best = min(best, time.perf_counter() - t)
     return best
 

@@ -50,7 +50,7 @@ def _child(model_ref: str | None, length: int, backend: str, layers: int) -> dic
     import torch
 
     from .. import api
-    from ..kv_cache import KVCache
+    from ..runtime.kv_cache import KVCache
 
     model = api.load(model_ref, load_draft=False, progress=False).target
     full_layers = model.cfg.num_layers

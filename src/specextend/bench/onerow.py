@@ -6,7 +6,7 @@ instructions on this CPU?
 
 A decode step multiplies one row of activations by every weight once, so its floor is the
 weights' bytes over the memory bandwidth (`bench.runtime`). This times the kernel path's one-row
-product (`kernels.qlinear`, the path `SPECEXTEND_CPU` or the CPU picks) of a random matrix in each
+product (`quant.qlinear`, the path `SPECEXTEND_CPU` or the CPU picks) of a random matrix in each
 format, two ways, best of `--repeats`:
 
 - **cold**: a different copy of the matrix each call, the copies together far larger than the
@@ -34,8 +34,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .. import kernels, quant
 from ..options import OneLineParser
+from ..runtime import kernels, quant
 from .runtime import parse_counts, read_bandwidth_gbs
 
 FORMATS = ("q4k", "q6k", "q5k", "iq4", "q3k", "q2k", "q8", "q40", "q50", "iq4nl", "q41", "q51", "f16", "bf16")
@@ -108,13 +108,13 @@ def best_call_s(x: torch.Tensor, weights: list[quant.QWeight], repeats: int) -> 
     """Best over `repeats` passes of the mean seconds of one product, cycling through `weights`."""
     out = torch.empty(1, weights[0].n)
     for w in weights:  # first touch and a warm-up
-        kernels.qlinear(x, w, out=out)
+        quant.qlinear(x, w, out=out)
     calls = max(len(weights), 64)
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
         for i in range(calls):
-            kernels.qlinear(x, weights[i % len(weights)], out=out)
+            quant.qlinear(x, weights[i % len(weights)], out=out)
         best = min(best, (time.perf_counter() - t) / calls)
     return best
 

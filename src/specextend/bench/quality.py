@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from ..errors import UserError
-from ..jsonl import read_texts
+from ..common.errors import UserError
+from ..common.jsonl import read_texts
 from .report import write_text_atomic
 
 DEFAULT_WEIGHTS = "float32,bfloat16,gguf,int8,int4"

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..jsonl import read_rows
+from ..common.jsonl import read_rows
 from .data import data_family, data_length
 
 RESULTS = "results.jsonl"

@@ -40,10 +40,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ..errors import UserError
-from ..jsonl import append_jsonl, read_rows
+from ..common.errors import UserError
+from ..common.jsonl import append_jsonl, read_rows
+from ..common.settings import DRAFT_CACHES, METHODS, Settings, parse_assignments
 from ..options import add_model_arguments, check_model_options, model_options
-from ..settings import DRAFT_CACHES, METHODS, Settings, parse_assignments
 from .data import (
     BUILTIN_LENGTHS,
     Sample,

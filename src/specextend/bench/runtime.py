@@ -25,10 +25,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from .. import kernels, roofline
 from ..models.loader import QUANTIZED_WEIGHTS
 from ..options import OneLineParser, add_model_arguments, model_options
-from . import step_split
+from ..runtime import kernels
+from . import roofline, step_split
 
 
 def read_bandwidth_gbs(mb: int = 1024, repeats: int = 5) -> float:
@@ -44,7 +44,7 @@ def read_bandwidth_gbs(mb: int = 1024, repeats: int = 5) -> float:
 
 def cpu_kernels(model) -> str | None:
     """The kernel path the model's quantized weights run on (None for float weights)."""
-    from .. import kernels
+    from ..runtime import kernels
 
     return kernels.path() if model.weights in QUANTIZED_WEIGHTS else None
 

@@ -66,7 +66,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ..jsonl import text_at
+from ..common.jsonl import text_at
 
 QUESTIONS = ("In one sentence, what is this report about?", "List two numbers that the report mentions.",
              "Who wrote this report, and for whom?", "What does the report recommend?")

@@ -2,7 +2,7 @@
 the memory floor (weight bytes read / measured read bandwidth).
 
 The step is timed two ways over the same cache: driven from Python one layer at a time (six
-kernel calls a layer) and as the whole-step C++ call (step.py). The Python-driven step is split
+kernel calls a layer) and as the whole-step C++ call (runtime/fused_step.py). The Python-driven step is split
 with the kernels' clock (`kernels.clocked`): the linear layers (the weight stream; the head
 included), attention, the other operators (RoPE and the cache write, the embedding lookup and
 the rotation angles, timed alone here) and the rest (Python and the hand-overs to the thread
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .. import kernels
+from ..runtime import kernels
 
 
 def _best(fn, repeats: int) -> float:

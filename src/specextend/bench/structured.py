@@ -27,9 +27,9 @@ from pydantic import BaseModel, Field, ValidationError
 from tqdm import tqdm
 
 from ..api import Pair, load
-from ..errors import UserError
-from ..jsonl import finite_json
-from ..kernels import path as kernel_path
+from ..common.errors import UserError
+from ..common.jsonl import finite_json
+from ..runtime.kernels import path as kernel_path
 from .data import data_name, load_jsonl_inputs, resolve_data_path
 
 INSTRUCTION = ("Read the report below and extract its key facts as one JSON object with the fields title, "

@@ -14,7 +14,7 @@ reference for speedups and exactness. Values are parsed as `bench --set` parses 
 `Pair.decode` per configuration). The table gives, per configuration, the mean rate, the mean
 and the smallest per-prompt ratio to `ar` and to the better of `ar` and `sd` (when `method=sd` is
 one of the points), tau and how many outputs equal `ar`'s. Used to choose the defaults in
-settings.py; the tables in docs/benchmarks.md come from this script.
+common/settings.py; the tables in docs/benchmarks.md come from this script.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ..errors import UserError
-from ..jsonl import append_jsonl, read_rows
+from ..common.errors import UserError
+from ..common.jsonl import append_jsonl, read_rows
+from ..common.settings import Settings, parse_assignments
 from ..options import add_model_arguments, model_options
-from ..settings import Settings, parse_assignments
 from .data import builtin_code_inputs, encode_samples, is_builtin, load_jsonl_inputs, parse_lengths
 from .report import mean
 

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import UserError
+from ..common.errors import UserError
 
 F32_BYTES = 4
 Q8_BYTES = 34 / 32  # the 8-bit format: 32 one-byte codes and a float16 scale per group of 32
@@ -42,7 +42,7 @@ def is_kept(kind: str, shape: tuple[int, ...]) -> bool:
     its own quantization grid or 16-bit floats (the kernels compute with it as it is); every other
     tensor is stored as float32. The one rule: the types `quant.GGUF_BLOCKS` lists, as matrices of
     whole blocks (F16 and BF16: widths that are multiples of 32)."""
-    from .. import quant
+    from ..runtime import quant
 
     return kind in quant.GGUF_BLOCKS and len(shape) == 2 and shape[0] % quant.GGUF_BLOCKS[kind][1] == 0
 
@@ -151,7 +151,7 @@ class Footprint:
 
 def active_kernel_path() -> str | None:
     """The kernels' path on this CPU (`SPECEXTEND_CPU` honoured), or None where they cannot run."""
-    from .. import kernels
+    from ..runtime import kernels
 
     return kernels.path() if kernels.available() else None
 
@@ -181,7 +181,7 @@ def _runs_as(kind: str, shape: tuple[int, ...], path: str | None) -> tuple[str, 
 def footprint(file: str | os.PathLike[str], architecture: str, tensors: list[TensorInfo],
               kernel_path: str | None) -> Footprint:
     """The footprint of the GGUF file `file` holding `tensors` (those the model loads)."""
-    from .. import quant
+    from ..runtime import quant
 
     fp = Footprint(file=str(file), file_bytes=Path(file).stat().st_size, architecture=architecture,
                    kernel_path=kernel_path)

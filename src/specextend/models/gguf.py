@@ -1,7 +1,7 @@
 """Convert a `.gguf` file into a model folder: config.json, tokenizer and `model.safetensors`.
 
 The weights keep the file's own quantization grids in the layout the CPU kernels read (see
-`quant.py` and `qstore.py`): a Q4_K_M model stays about the size of its GGUF and loads with a
+`runtime/quant.py` and `qstore.py`): a Q4_K_M model stays about the size of its GGUF and loads with a
 plain read, and any other precision (`--weights float32`, `int8`, ...) is derived from it at load
 time without a second copy on disk. Tensor types the kernels do not compute with as they are
 (F32 norms and biases, other quantization types) are stored as float32 under their HF names
@@ -31,9 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from specextend import meminfo
-from specextend.errors import UserError
-
+from ..common import meminfo
+from ..common.errors import UserError
 from .footprint import Footprint, TensorInfo, check_fits, footprint, is_kept, notice, random_notice
 
 COMPLETE_MARKER = ".complete"
@@ -44,7 +43,7 @@ KEPT_KEY = "kept_types"  # in FOOTPRINT_FILE: the types the converting version k
 # Set (true) in files of random weights (`python -m specextend.bench.gguf_files random`): loading one says so.
 RANDOM_WEIGHTS_KEY = "specextend.random_weights"
 # Written into the completion marker; a folder converted by an older version is converted again.
-# 3: Q4_0, Q5_0 and IQ4_NL under q8's header (quant.py), at their files' bits a weight; 4: IQ4_XS
+# 3: Q4_0, Q5_0 and IQ4_NL under q8's header (runtime/quant.py), at their files' bits a weight; 4: IQ4_XS
 # without the minimum's header bytes; 5: Q4_1 and Q5_1 under q8's header with a minimum.
 FORMAT = "specextend-quantized-5"
 
@@ -374,7 +373,7 @@ def kept_format(tensor: Any) -> Any:
     """The format the kernels keep the tensor in with its own quantization grid (a `quant.Segment`
     of the whole tensor's n and k, its blob a stand-in: its first row repacked), or None when its
     type is not one the kernels compute with as it is (it is then stored as float32)."""
-    from .. import quant
+    from ..runtime import quant
 
     kind = type_name(tensor)
     if not is_kept(kind, tuple(int(d) for d in tensor.shape)):
@@ -395,7 +394,7 @@ def tensor_parts(reader: Any, tensor: Any, config: dict[str, Any], kept: bool) -
     file are released once it is converted."""
     import torch
 
-    from .. import quant
+    from ..runtime import quant
 
     heads = _qk_heads(tensor.name, config)
     if len(tensor.shape) != 2:  # norms and biases: small, whole
@@ -430,7 +429,7 @@ def torch_shape(tensor: Any) -> tuple[int, ...]:
 
 def write_weights(reader: Any, config: dict[str, Any], out: Path, progress: bool = True) -> list[str]:
     """Write `model.safetensors`: quantized tensors in the kernels' layout with their GGUF grid
-    unchanged (see `quant.py`), every other tensor as float32; returns the file names.
+    unchanged (see `runtime/quant.py`), every other tensor as float32; returns the file names.
 
     A 4-bit model stays about the size of its GGUF file (the default target: 1.2 GB, where
     float32 would take 7 GB), and loading it is a plain read. Tensors are converted a run of rows
@@ -440,7 +439,7 @@ def write_weights(reader: Any, config: dict[str, Any], out: Path, progress: bool
     import torch
     from tqdm import tqdm
 
-    from .. import quant
+    from ..runtime import quant
     from .qstore import stream_tensors
 
     tensors = {name: t for t in reader.tensors if (name := hf_tensor_name(t.name)) is not None}
@@ -611,7 +610,7 @@ def is_current(folder: str | os.PathLike[str]) -> bool:
 
 def kept_types() -> list[str]:
     """The GGUF types this version computes with as they are (recorded in each conversion)."""
-    from .. import quant
+    from ..runtime import quant
 
     return sorted(quant.GGUF_BLOCKS)
 

@@ -1,4 +1,4 @@
-"""Load a model folder into `specextend.model`: a Hugging Face checkpoint (config.json +
+"""Load a model folder into `runtime.transformer.Transformer`: a Hugging Face checkpoint (config.json +
 safetensors) or our converted GGUF folder (`qstore`: kept quantization grids).
 
 Loading is two steps: `resolve_model` reads the folder's config.json (once) and settles the
@@ -25,10 +25,12 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .. import quant
-from ..errors import UserError
-from ..model import Embedding, Linear, ModelConfig, Transformer, rope_inv_freq
-from ..quant import QWeight
+from ..common.errors import UserError
+from ..runtime import quant
+from ..runtime.config import ModelConfig
+from ..runtime.layers import Embedding, Linear, rope_inv_freq
+from ..runtime.quant import QWeight
+from ..runtime.transformer import Transformer
 from .qstore import DerivedWeights, QuantizedFile, is_quantized_file
 
 DTYPES = {
@@ -53,7 +55,7 @@ def check_weights(weights: str) -> str:
 
 def fast_kernels() -> bool:
     """Whether the quantized kernels build here and run a vector path (AVX-512, AVX2 or NEON)."""
-    from .. import kernels
+    from ..runtime import kernels
 
     return kernels.has_fast_path()
 
@@ -79,7 +81,7 @@ def resolve_weights(weights: str, dtype: torch.dtype, device: torch.device | str
         if weights == "gguf" and not quantized_source:
             raise UserError("--weights gguf keeps a GGUF file's quantization; this model is stored in float "
                             "(use int8 or int4)")
-        from .. import kernels
+        from ..runtime import kernels
 
         kernels.path()  # a forced kernel path this CPU cannot run is refused here, before any weight is read
     return weights

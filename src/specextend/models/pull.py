@@ -27,9 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from specextend.errors import UserError
-from specextend.models.gguf import convert_gguf, is_current
-from specextend.progress import say
+from ..common.errors import UserError
+from ..common.progress import say
+from .gguf import convert_gguf, is_current
 
 _CHUNK = 8 * 1024 * 1024
 _DOWNLOAD_WORKERS = 4

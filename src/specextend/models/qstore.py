@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from ..errors import UserError
-from ..quant import FORMATS, PANEL, Segment, blob_bytes
+from ..common.errors import UserError
+from ..runtime.quant import FORMATS, PANEL, Segment, blob_bytes
 
 _KEY = "specextend.quantized"
 

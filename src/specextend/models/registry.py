@@ -14,10 +14,10 @@ import shutil
 from pathlib import Path
 from typing import Any, Literal
 
-from specextend import meminfo
-from specextend.errors import UserError
-from specextend.models.footprint import Footprint, active_kernel_path, check_fits
-from specextend.models.gguf import (
+from ..common import meminfo
+from ..common.errors import UserError
+from .footprint import Footprint, active_kernel_path, check_fits
+from .gguf import (
     COMPLETE_MARKER,
     announce,
     convert_gguf,
@@ -28,7 +28,7 @@ from specextend.models.gguf import (
     pid_alive,
     recorded_footprint,
 )
-from specextend.models.pull import (
+from .pull import (
     DEFAULT_DRAFT,
     DEFAULT_TARGET,
     SPECS,

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import UserError
-from ..gc_pause import collector_paused
-from ..progress import say
+from ..common.errors import UserError
+from ..common.gc_pause import collector_paused
+from ..common.progress import say
 from .loader import (
     ResolvedModel,
     build_model,
@@ -34,7 +34,7 @@ from .loader import (
 from .registry import resolve_model_ref
 
 if TYPE_CHECKING:
-    from ..model import Transformer
+    from ..runtime.transformer import Transformer
 
 
 @dataclass(frozen=True)

@@ -28,11 +28,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..api import Prepared
-from ..errors import ContextLengthExceeded, UserError
-from ..grammar import Grammar
-from ..jsonl import finite_json
-from ..settings import Settings
-from ..toolcalls import CallParser, template_messages
+from ..common.errors import ContextLengthExceeded, UserError
+from ..common.jsonl import finite_json
+from ..common.settings import Settings
+from ..requests.toolcalls import CallParser, template_messages
+from ..sampling.grammar import Grammar
 from . import auth, limits, page, protocol
 from .drain import Drain, DrainingServer, Gate
 from .jobs import Job, Outcome
@@ -69,7 +69,7 @@ class Server:
     with (`encoder`, its own: the backend decodes on other threads), the defaults, the routes."""
 
     api_keys: tuple[str, ...] = ()  # with keys, every route but /health needs one (auth.py)
-    tool_call_recovery = True  # a request's default for its tool_call_recovery field (toolcalls.py)
+    tool_call_recovery = True  # a request's default for its tool_call_recovery field (requests/toolcalls.py)
     max_body_bytes: int | None = None  # None: limits.default_max_body_bytes of the context
 
     def __init__(self, backend: Backend, encoder: Prepared, defaults: Settings, model_id: str) -> None:
@@ -258,7 +258,7 @@ class Server:
                       calls: CallParser | None = None) -> AsyncIterator[str]:
         """Server-sent events: `: prefill DONE/TOTAL` comment lines while the prompt prefills (its
         tokens in the cache after each chunk), a chunk per accepted batch of tokens, the closing chunk, [DONE].
-        With `calls`, the text goes out as content or tool-call deltas (toolcalls.py).
+        With `calls`, the text goes out as content or tool-call deltas (requests/toolcalls.py).
         If the client goes away this generator is closed, and the generation stops at its next step."""
         model = self.model_id
         ended = False  # an event that ends the job was read (else the client hung up first)

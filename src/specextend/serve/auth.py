@@ -20,7 +20,7 @@ from starlette.middleware import Middleware
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..errors import UserError
+from ..common.errors import UserError
 from .page import is_open
 
 ENV = "SPECEXTEND_API_KEY"  # one key, or several separated by commas

@@ -9,14 +9,14 @@ import socket
 import sys
 from typing import TYPE_CHECKING
 
-from ..budget import GAP_GOAL_S
-from ..errors import UserError
+from ..batching.budget import GAP_GOAL_S
+from ..batching.scheduler import DEFAULT_MAX_BATCH, KV_SHARE
+from ..common.errors import UserError
 from ..options import add_model_arguments, add_settings_arguments, settings_from_args
-from ..scheduler import DEFAULT_MAX_BATCH, KV_SHARE
 from . import auth
+from .assemble import CACHE_SHARE
 from .drain import DEFAULT_DRAIN_S
 from .limits import BODY_BYTES_PER_TOKEN, MIN_BODY_BYTES
-from .local import CACHE_SHARE
 
 if TYPE_CHECKING:
     pass
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--replicas needs Ray Serve ({e}): {INSTALL_CLUSTER}") from None
 
         return run_replicas(args, sock, keys)
-    from .local import build
+    from .assemble import build
 
     server = build(args)
     server.configure(keys, args.max_body_mb, args.drain_s, args.tool_call_recovery)

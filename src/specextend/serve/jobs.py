@@ -1,6 +1,6 @@
 """A server request's generation, run on the scheduler's thread: the job (what the event loop
 checked and tokenized, and the queue of events it reads) and `run_job`, which drives the
-request's `Generation` (generation.py: prefix cache, decode, streaming, stop strings, cancel) on
+request's `Generation` (requests/generation.py: prefix cache, decode, streaming, stop strings, cancel) on
 the batch's engine and posts its pieces and outcome, then lets it remember its prompt once the
 answer is out, so storing it delays only the next request.
 
@@ -18,11 +18,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import handoff
 from ..api import Pair
-from ..generation import Engine, Result
-from ..grammar import Grammar
-from ..settings import Settings
+from ..batching import loop_handoff
+from ..common.settings import Settings
+from ..requests.generation import Engine, Result
+from ..sampling.grammar import Grammar
 
 log = logging.getLogger("specextend.serve")
 
@@ -58,8 +58,8 @@ class Job:
         """Hand an event to the event loop: ("progress", (prompt tokens prefilled, of all)), ("text",
         (piece, logprob entries or None)), ("done", Outcome), ("error", exc), ("cancelled", None).
         Safe from any thread; a loop already closed drops it. From a batch step, the step's events
-        reach the loop together when it ends (handoff.py)."""
-        handoff.call_soon(self.loop, self.events.put_nowait, (kind, value))
+        reach the loop together when it ends (loop_handoff.py)."""
+        loop_handoff.call_soon(self.loop, self.events.put_nowait, (kind, value))
 
 
 def run_job(pair: Pair, engine: Engine, job: Job) -> None:
@@ -69,7 +69,7 @@ def run_job(pair: Pair, engine: Engine, job: Job) -> None:
         job.post("cancelled")
         return
     queue_s = time.perf_counter() - job.submitted
-    tools = job.request.tools if job.request is not None else None  # its calls end the answer (toolcalls.py)
+    tools = job.request.tools if job.request is not None else None  # its calls end the answer (requests/toolcalls.py)
     gen = pair.generation(job.ids, settings=job.settings, response_format=job.grammar, logprobs=job.logprobs,
                           tool_spec=tools, stops=job.stops, cancel=job.cancel,
                           on_piece=lambda text, entries: job.post("text", (text, entries)),

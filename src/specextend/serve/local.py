@@ -1,29 +1,18 @@
-"""The server's backend in this process: the pair's models in one continuous batch (batching.py:
-the batch and its scheduler), each request a job run by `jobs.run_job`; and `build`, which loads
-the pair from `serve`'s flags, sizes its prefix cache and makes the `Server` over this backend.
-`specextend serve` runs one in its own process; with `--replicas` each Ray replica runs one
-(ray_serve.py)."""
+"""The server's backend in this process: the pair's models in one continuous batch (batching/: the
+batch and its scheduler), each request a job run by `jobs.run_job`. `specextend serve` runs one in
+its own process; with `--replicas` each Ray replica runs one (ray_serve.py); assemble.py makes it."""
 
 from __future__ import annotations
 
-import argparse
-import logging
-from pathlib import Path
 from typing import Any
 
 from starlette.requests import Request as HTTPRequest
 
 from ..api import Pair
-from ..batching import Batching
-from ..scheduler import Limits, QueueFull, TooLarge, available_memory_mb, default_kv_mb
-from .app import Server
+from ..batching.runner import Batching
+from ..batching.scheduler import Limits, QueueFull, TooLarge
 from .jobs import Job, run_job
 from .protocol import APIError
-
-CACHE_SHARE = 0.4  # of the memory still available once the models are loaded
-MIN_DEFAULT_CACHE_MB = 256
-
-log = logging.getLogger("specextend.serve")
 
 
 class LocalBackend:
@@ -73,33 +62,3 @@ class LocalBackend:
     def shutdown(self) -> None:
         if self.batching is not None:
             self.batching.shutdown()
-
-
-def default_cache_mb(reserved_mb: float = 0.0) -> float:
-    """The prefix cache's share of the memory available, less `reserved_mb` (the KV budget)."""
-    avail = available_memory_mb()
-    return 2048.0 if avail is None else max(MIN_DEFAULT_CACHE_MB, CACHE_SHARE * (avail - reserved_mb))
-
-
-def build(args: argparse.Namespace, memory_share: float = 1.0) -> Server:
-    """Load the pair `args` names and make its server. The default KV budget and prefix cache take
-    `memory_share` of their usual shares (replicas that share a machine split its memory)."""
-    from .. import api
-    from ..options import model_options, settings_from_args
-
-    defaults = settings_from_args(args)
-    prepared = api.prepare(args.target, args.draft, **model_options(args), progress=not args.quiet)
-    encoder = prepared.with_own_tokenizer()
-    pair = prepared.load()
-    # The KV budget's default share is of the memory available now; the prefix cache's of what is left.
-    kv_mb = args.kv_mb if args.kv_mb is not None else default_kv_mb() * memory_share
-    cache_mb = default_cache_mb(kv_mb) * memory_share if args.cache_mb is None else args.cache_mb
-    if cache_mb > 0 or args.cache_dir is not None:
-        cache = pair.enable_prefix_cache(cache_mb, Path(args.cache_dir) if args.cache_dir else None,
-                                         args.cache_disk_mb)
-        where = f", mirrored in {args.cache_dir}" if args.cache_dir else ""
-        log.info("prefix cache: up to %.0f MB%s (%d entries on disk)", cache_mb, where,
-                 cache.stats().get("disk_entries", 0))
-    backend = LocalBackend(pair, args.max_queue,
-                           batching=dict(max_batch=args.max_batch, step_tokens=args.step_tokens, kv_mb=kv_mb))
-    return Server(backend, encoder, defaults, prepared.target_path.name)

@@ -16,7 +16,7 @@ import html
 import io
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HTTPRequest
@@ -24,13 +24,27 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from ..errors import PromptTooLong, UserError
-from ..settings import METHODS
+from ..common.errors import PromptTooLong, UserError
+from ..common.settings import METHODS
 from . import protocol
 from .protocol import APIError
 
 if TYPE_CHECKING:
-    from .app import Server
+    from ..api import Prepared
+    from ..common.settings import Settings
+
+
+class Served(Protocol):
+    """What the page reads of its server (app.Server): the model's name, the request defaults, the
+    encoder (the context and its fit check), whether keys are asked, and a request's prompt tokens."""
+
+    model_id: str
+    defaults: Settings
+    encoder: Prepared
+    api_keys: tuple[str, ...]
+    tool_call_recovery: bool
+
+    def tokens(self, req: protocol.Request, whole: bool = False) -> list[int]: ...
 
 STATIC = Path(__file__).parent / "static"
 STATIC_PREFIX = "/static/"
@@ -39,7 +53,7 @@ MAX_PDF_BYTES = 32 << 20
 MAX_PDF_PAGES = 2000
 
 
-def routes(server: Server) -> list[BaseRoute]:
+def routes(server: Served) -> list[BaseRoute]:
     """The page, its files and its two routes, over `server` (its encoder and defaults)."""
 
     async def index(request: HTTPRequest) -> Response:
@@ -68,7 +82,7 @@ def is_open(path: str) -> bool:
     return path == "/" or path.startswith(STATIC_PREFIX)
 
 
-def index_html(server: Server) -> str:
+def index_html(server: Served) -> str:
     """index.html with the server's settings in it: the model, the methods, the defaults, whether a key is needed."""
     d = server.defaults
     config = {"model": server.model_id, "methods": list(METHODS), "method": d.method,
@@ -80,7 +94,7 @@ def index_html(server: Server) -> str:
     return page.replace("{{CONFIG}}", blob).replace("{{MODEL}}", html.escape(server.model_id))
 
 
-def count(server: Server, raw: bytes) -> dict[str, Any]:
+def count(server: Served, raw: bytes) -> dict[str, Any]:
     """The token count of a chat body's messages (or a completions body's prompt) and whether it fits."""
     try:
         body = json.loads(raw)

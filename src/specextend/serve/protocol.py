@@ -9,7 +9,7 @@ the rest (`max_tokens` for max_new_tokens, `temperature`, `top_p`, `seed`, `freq
 `presence_penalty`). `response_format` (text, json_object, json_schema, and the extensions regex
 and grammar) constrains the output on both endpoints; `logprobs` / `top_logprobs` (chat) and
 `logprobs` (completions) return log-probabilities; `tools` / `tool_choice` / `parallel_tool_calls`
-(chat) are checked by toolcalls.py. Fields that OpenAI has but this server cannot honour (several
+(chat) are checked by requests/toolcalls.py. Fields that OpenAI has but this server cannot honour (several
 choices, logit_bias) are accepted only at their neutral values, so no request is silently
 answered as another one.
 """
@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
-from ..errors import UserError
-from ..settings import Settings, value_type
-from ..toolcalls import ToolError, ToolSpec
+from ..common.errors import UserError
+from ..common.settings import Settings, value_type
+from ..requests.toolcalls import ToolError, ToolSpec
 
 # Settings that the body sets through OpenAI's names, not their own.
 OPENAI_NAMED = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed",
@@ -181,7 +181,7 @@ class ChatBody(_Common):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    tool_call_recovery: bool | None = None  # false: a bare JSON answer under `auto` stays text (toolcalls.py)
+    tool_call_recovery: bool | None = None  # false: a bare JSON answer under `auto` stays text (requests/toolcalls.py)
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -189,7 +189,7 @@ class ChatBody(_Common):
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
     def tool_spec(self) -> ToolSpec | None:
-        """The request's tools (toolcalls.py), None when none may be called; APIError(400) otherwise."""
+        """The request's tools (requests/toolcalls.py), None when none may be called; APIError(400) otherwise."""
         try:
             spec = ToolSpec.parse(self.tools, self.tool_choice, self.parallel_tool_calls, self.tool_call_recovery)
         except ToolError as e:

@@ -40,12 +40,12 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 from starlette.requests import Request as HTTPRequest
 
-from ..errors import UserError
-from ..scheduler import DEFAULT_MAX_BATCH
+from ..batching.scheduler import DEFAULT_MAX_BATCH
+from ..common.errors import UserError
 from . import protocol, ray_router
 from .app import DISCONNECT_POLL_S, Server, generation_error, run_http
+from .assemble import build
 from .jobs import STREAM_EVENTS, Job
-from .local import build
 from .protocol import APIError
 from .routing import Route
 

@@ -1,0 +1,520 @@
+"""Tool calls (OpenAI's function calling): a request's `tools` / `tool_choice` /
+`parallel_tool_calls` checked, the conversation's calls and results made ready for the model's own
+chat template, the grammar that constrains a call, and the answer parsed back into calls.
+
+The calls are written as the default pair's chat template (Qwen2.5, the Hermes format) asks:
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+one block per call, blocks separated by a newline. Under a grammar (sampling/grammar.py) every call is
+exact: `required` and a named function force an answer of calls only, each's JSON the
+function's name and an `arguments` object matching its `parameters` schema; `auto` lets the
+model choose between free text (which may not contain `<tool_call>`) and calls; `none` renders
+no tools and constrains nothing. `<tool_call>` is the tokenizer's own token where it has one (as
+Qwen2.5's has), else its text. The JSON has the fixed separators of structured outputs, so the
+grammar forces the name, the keys and the punctuation, and a speculative method's calls equal
+`ar`'s as its text does.
+
+`CallParser` reads an answer back into content and calls, streamed or whole: each call is given
+out once complete, a call that repeats an earlier one ends the answer (the generation stops
+there), a call cut by max_tokens is dropped, and the markup never becomes content. Under `auto`
+it also takes an answer that is nothing but a call written as bare JSON (the forms small models
+write instead of the markup, checked against the function's schema) for that call.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..common.errors import UserError
+from ..sampling.grammar import JSON_OPTIONS, GrammarSpec
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+CHOICES = ("auto", "none", "required")
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
+MAX_TOOLS = 128
+# The start of a bare JSON call under `auto`: an optional ```json fence, then {"name": "<function>"
+# with any spacing. Past it the grammar holds the answer to that call (`ToolSpec.grammar`).
+BARE_HEAD = r'\s*(```(json|JSON)?[ \t]*\n)?\s*\{{\s*"name"\s*:\s*"({names})"'
+
+
+def bare_head(names: Sequence[str]) -> str:
+    """The regular expression (Python's and llguidance's alike) of the start of a bare JSON call
+    of one of `names`."""
+    return BARE_HEAD.format(names="|".join(re.escape(n) for n in names))
+
+
+class ToolError(UserError):
+    """A bad `tools` or `tool_choice`: the message and the request field it names."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    parameters: dict[str, Any]  # a JSON schema of type object
+    description: str | None = None
+
+    def as_template(self) -> dict[str, Any]:
+        """The tool as chat templates take it (OpenAI's shape)."""
+        fn: dict[str, Any] = {"name": self.name}
+        if self.description:
+            fn["description"] = self.description
+        fn["parameters"] = self.parameters
+        return {"type": "function", "function": fn}
+
+    def call_schema(self) -> dict[str, Any]:
+        """The JSON of one call of this tool: its name, then arguments matching its schema."""
+        return {"type": "object", "properties": {"name": {"const": self.name}, "arguments": self.parameters},
+                "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": JSON_OPTIONS}
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A request's tools and how they may be called: `choice` is auto, none, required or the
+    name of the one function to call; `parallel`: several calls in one answer."""
+
+    tools: tuple[Tool, ...]
+    choice: str = "auto"
+    parallel: bool = True
+    recover: bool = True  # `auto`: an answer that is nothing but a bare JSON call is a call (CallParser)
+
+    @classmethod
+    def parse(cls, tools: Any, tool_choice: Any = None, parallel_tool_calls: Any = None,
+              tool_call_recovery: Any = None) -> ToolSpec | None:
+        """The spec of OpenAI's fields (and this server's `tool_call_recovery`), None when no tool
+        may be called; ToolError otherwise."""
+        for name, value in (("parallel_tool_calls", parallel_tool_calls), ("tool_call_recovery", tool_call_recovery)):
+            if value is not None and not isinstance(value, bool):
+                raise ToolError(f"{name} must be true or false", name)
+        parsed = _tools(tools)
+        choice = _choice(tool_choice, parsed)
+        if not parsed or choice == "none":
+            return None
+        return cls(parsed, choice, parallel_tool_calls is not False, tool_call_recovery is not False)
+
+    def parser(self) -> CallParser:
+        """A parser of an answer under this spec: bare JSON calls recognised where the choice is
+        the model's (`auto`) and recovery is on."""
+        return CallParser(self.tools if self.choice == "auto" and self.recover else (), several=self.parallel)
+
+    @property
+    def called(self) -> tuple[Tool, ...]:
+        """The tools the answer may call."""
+        return tuple(t for t in self.tools if self.choice in CHOICES or t.name == self.choice)
+
+    def template_tools(self) -> list[dict[str, Any]]:
+        return [t.as_template() for t in self.tools]
+
+    def grammar(self, tokenizer: Any) -> GrammarSpec:
+        """The Lark grammar (llguidance's, with %json) of an answer under this spec."""
+        opener, closer = (_literal(tokenizer, t) for t in (OPEN, CLOSE))
+        fns = [f"fn{i}" for i in range(len(self.called))]
+        several = self.parallel and self.choice in CHOICES  # a named function: one call of it
+        bare = self.choice == "auto" and self.recover
+        # Free text never holds the opener (once it is written, the answer is calls), nor a bare call's start.
+        text = f"/(.|\\n)+/ & ~/(.|\\n)*{re.escape(OPEN)}(.|\\n)*/"
+        if bare:
+            text += f" & ~/{bare_head([t.name for t in self.called])}(.|\\n)*/"
+        lines = [
+            {"auto": "start: TEXT | calls | bare" if bare else "start: TEXT | calls"}.get(self.choice, "start: calls"),
+            'calls: call ("\\n" call)*' if several else "calls: call",
+            f'call: {opener} "\\n" ({" | ".join(fns)}) "\\n" {closer}',
+            *(f"{fn}: %json {json.dumps(t.call_schema())}" for fn, t in zip(fns, self.called, strict=True)),
+            f"TEXT: {text}",
+        ]
+        if bare:
+            # Once free text has begun a bare JSON call of a function (BARE_HEAD), it is free text no
+            # more: the rest is that call, its arguments valid for the schema, and nothing after it.
+            heads = [f"bare{i}: BARE{i} BARE_ARGS {fn}_args BARE_END" for i, fn in enumerate(fns)]
+            lines += [
+                f"bare: {' | '.join(f'bare{i}' for i in range(len(fns)))}",
+                *heads,
+                *(f"BARE{i}: /{bare_head([t.name])}/" for i, t in enumerate(self.called)),
+                *(f"{fn}_args: %json {json.dumps({**t.parameters, 'x-guidance': {'whitespace_flexible': True}})}"
+                  for fn, t in zip(fns, self.called, strict=True)),
+                'BARE_ARGS: /\\s*,\\s*"(arguments|parameters)"\\s*:\\s*/',
+                "BARE_END: /\\s*\\}\\s*(```\\s*)?/",
+            ]
+        return GrammarSpec("grammar", "\n".join(lines))
+
+
+def _tools(tools: Any) -> tuple[Tool, ...]:
+    if tools is None:
+        return ()
+    if not isinstance(tools, list):
+        raise ToolError("tools must be a list of {\"type\": \"function\", \"function\": {...}}", "tools")
+    if len(tools) > MAX_TOOLS:
+        raise ToolError(f"at most {MAX_TOOLS} tools per request, got {len(tools)}", "tools")
+    out: list[Tool] = []
+    for i, t in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
+            raise ToolError(f'{where} must be {{"type": "function", "function": {{"name": ..., "parameters": '
+                            '{...}}}}', where)
+        unknown = set(t) - {"type", "function"}
+        fn = t["function"]
+        unknown |= {f"function.{k}" for k in set(fn) - {"name", "description", "parameters", "strict"}}
+        if unknown:
+            raise ToolError(f"{where} has an unknown field {sorted(unknown)[0]!r}", where)
+        name = fn.get("name")
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise ToolError(f"{where}.function.name is required: 1 to 64 letters, digits, _ or -",
+                            f"{where}.function.name")
+        if any(o.name == name for o in out):
+            raise ToolError(f"{where}.function.name {name!r} is the name of an earlier tool", f"{where}.function.name")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict) or params.get("type", "object") != "object":
+            raise ToolError(f"{where}.function.parameters must be a JSON schema of type object",
+                            f"{where}.function.parameters")
+        desc = fn.get("description")
+        if desc is not None and not isinstance(desc, str):
+            raise ToolError(f"{where}.function.description must be a string", f"{where}.function.description")
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+            raise ToolError(f"{where}.function.strict must be true or false", f"{where}.function.strict")
+        out.append(Tool(name, {"type": "object", **params}, desc))
+    return tuple(out)
+
+
+def _choice(tool_choice: Any, tools: tuple[Tool, ...]) -> str:
+    if tool_choice is None:
+        return "auto"
+    if isinstance(tool_choice, str):
+        if tool_choice not in CHOICES:
+            raise ToolError(f"tool_choice must be one of {', '.join(CHOICES)} or {{\"type\": \"function\", "
+                            f"\"function\": {{\"name\": ...}}}}, got {tool_choice!r}", "tool_choice")
+        if tool_choice != "none" and not tools:
+            raise ToolError(f"tool_choice {tool_choice!r} needs tools", "tool_choice")
+        return tool_choice
+    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(fn, dict) \
+            or not isinstance(fn.get("name"), str):
+        raise ToolError('tool_choice must be "auto", "none", "required" or {"type": "function", "function": '
+                        '{"name": ...}}', "tool_choice")
+    if fn["name"] not in {t.name for t in tools}:
+        raise ToolError(f"tool_choice names the function {fn['name']!r}, which is not among the tools",
+                        "tool_choice")
+    return str(fn["name"])
+
+
+def _literal(tokenizer: Any, text: str) -> str:
+    """`text` in the Lark grammar: the tokenizer's own token for it (`<[id]>`, as the model
+    writes it) where it has one, else the quoted text."""
+    added = getattr(tokenizer, "get_added_vocab", dict)()
+    return f"<[{added[text]}]>" if text in added else json.dumps(text)
+
+
+# --------------------------------------------------------------------------- the conversation
+
+
+def template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI's messages as chat templates take them: an assistant's `tool_calls` with their
+    arguments as objects (OpenAI sends them as JSON text; templates write them with `tojson`),
+    and a tool result's `tool_call_id` kept. UserError for arguments that are not JSON."""
+    out = []
+    for i, m in enumerate(messages):
+        calls = m.get("tool_calls")
+        if not calls:
+            out.append(dict(m))
+            continue
+        rendered = []
+        for j, c in enumerate(calls):
+            fn = c["function"]
+            args = fn["arguments"]
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args) if args.strip() else {}
+                except ValueError:
+                    raise UserError(f"messages[{i}].tool_calls[{j}].function.arguments is not JSON") from None
+            rendered.append({"id": c.get("id"), "type": "function",
+                             "function": {"name": fn["name"], "arguments": args}})
+        out.append({**m, "content": m.get("content") or "", "tool_calls": rendered})
+    return out
+
+
+# --------------------------------------------------------------------------- the answer
+
+
+FENCE = re.compile(r"```[ \t]*(?:json)?[ \t]*\n", re.IGNORECASE)  # a Markdown code fence's opening line
+# The keys a bare call's object may begin with, in any of the recognised forms (`CallParser._form`).
+FORM_KEYS = frozenset({"name", "arguments", "parameters", "function", "type", "id", "tool_calls"})
+FIRST_KEY = re.compile(r'\[?\s*\{\s*"((?:[^"\\]|\\.)*)"')
+FIRST_NAME = re.compile(r'\[?\s*\{\s*"(?:name|function)"\s*:\s*"((?:[^"\\]|\\.)*)"')
+
+
+def json_end(text: str) -> int | None:
+    """The index just past the JSON object or array that `text` opens with (its brackets counted
+    outside strings); None while it is not closed."""
+    depth, string, escape = 0, False, False
+    for i, ch in enumerate(text):
+        if string:
+            if escape:
+                escape = False
+            elif ch == "\\":
+                escape = True
+            elif ch == '"':
+                string = False
+        elif ch == '"':
+            string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+@dataclass
+class CallParser:
+    """An answer's text, as it arrives, parsed into content and calls. `push` returns the new
+    deltas in OpenAI's streaming shape ({"content": ...} or {"tool_calls": [...]}); the whole
+    answer's content and calls are then `answer` / `tool_calls()` (one parser for a stream and
+    for a whole answer, so both give the same calls).
+
+    An answer is text, or calls in the template's markup, or (with `tools`: `auto`'s recovery) a
+    bare JSON call as small models write one instead. Every call is given out whole, once it is
+    complete: a call cut by max_tokens is never half sent, and the markup never reaches the
+    content. A call identical to an earlier one of the answer (same name, same arguments) ends
+    it (`ended`: the generation stops there, generation.py) and is not given out: a model that
+    calls on in a loop has said what it had to say."""
+
+    tools: tuple[Tool, ...] = ()  # tools whose bare JSON calls are recognised; (): markup only
+    several: bool = True  # a bare answer may make several calls (parallel_tool_calls)
+    buf: str = ""  # text received and not yet given out
+    mode: str = "undecided"  # "text", "calls" (markup or a bare call), "ended" (by a repeated call)
+    content: str = ""
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    _seen: set[tuple[str, str]] = field(default_factory=set)
+    _block_open: bool = False  # a markup block's JSON is read, its CLOSE not yet
+    _validators: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ended(self) -> bool:
+        """A repeated call ended the answer: what follows is not read."""
+        return self.mode == "ended"
+
+    def push(self, text: str) -> list[dict[str, Any]]:
+        if self.mode == "ended":
+            return []
+        self.buf += text
+        if self.mode == "undecided":
+            verdict, found = self._bare(self.buf)
+            if self.buf.startswith(OPEN):
+                self.mode = "calls"
+            elif verdict == "calls" and self._held():
+                return self._take(found)  # the grammar allows nothing after it but spaces and a fence
+            elif OPEN.startswith(self.buf) or verdict != "no":
+                return []  # it may still be a call: held back
+            else:
+                self.mode = "text"
+        if self.mode == "text":
+            piece, self.buf = self.buf, ""
+            self.content += piece
+            return [{"content": piece}] if piece else []
+        return self._blocks()
+
+    def finish(self) -> list[dict[str, Any]]:
+        """Deltas of what was held back: a bare call's calls, or text that began like a call but
+        was not. A markup call left incomplete is dropped."""
+        if self.mode != "undecided":
+            return []
+        verdict, found = self._bare(self.buf)
+        if verdict == "maybe" and self._held():
+            self.mode, self.buf = "calls", ""  # a bare call the grammar held to, cut by max_tokens: dropped
+            return []
+        if verdict != "calls":
+            self.mode = "text"
+            return self.push("")
+        return self._take(found)
+
+    def _take(self, found: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+        """A bare answer's calls, given out (a call repeated in it given once)."""
+        self.mode, self.buf = "calls", ""
+        return [d for d in (self._record(name, args) for name, args in found) if d is not None]
+
+    def _held(self, text: str | None = None) -> bool:
+        """The text (so far) begins a bare call of a function: the grammar holds the rest to it."""
+        text = self.buf if text is None else text
+        return bool(self.tools) and re.match(bare_head([t.name for t in self.tools]), text) is not None
+
+    def tool_calls(self) -> list[dict[str, Any]]:
+        """The complete calls, in OpenAI's message shape."""
+        return list(self.calls)
+
+    def answer(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """A whole answer (after any pushes of its start): its content (None when it was calls)
+        and its calls."""
+        if self.mode == "undecided" and not self.buf:  # nothing pushed yet
+            self.push(text)
+        self.finish()
+        return (self.content if self.mode == "text" else None), self.tool_calls()
+
+    def finish_reason(self, reason: str) -> str:
+        return "tool_calls" if reason == "stop" and self.calls else reason
+
+    # ----------------------------------------------------------------- the template's markup
+
+    def _blocks(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        while self.mode == "calls":
+            s = self.buf.lstrip()  # blocks are separated by newlines
+            if self._block_open:
+                if CLOSE.startswith(s):
+                    self.buf = s
+                    return out
+                self._block_open = False
+                if s.startswith(CLOSE):
+                    self.buf = s[len(CLOSE):]
+                    continue
+            if OPEN.startswith(s):
+                self.buf = s
+                return out
+            body = s[len(OPEN):].lstrip()
+            if not s.startswith(OPEN) or body[:1] not in ("", "{"):
+                self.buf = ""  # text after calls (no grammar admits it): not content, not a call
+                return out
+            end = json_end(body)
+            if end is None:
+                self.buf = s
+                return out
+            self.buf, self._block_open = body[end:], True
+            call = _markup_call(body[:end])
+            delta = self._record(*call) if call is not None else {}
+            if delta is None:
+                self.mode, self.buf = "ended", ""
+            elif delta:
+                out.append(delta)
+        return out
+
+    def _record(self, name: str, args: dict[str, Any]) -> dict[str, Any] | None:
+        """A new call's delta; None if the answer made the same call before."""
+        key = (name, json.dumps(args, sort_keys=True))
+        if key in self._seen:
+            return None
+        self._seen.add(key)
+        call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+        self.calls.append(call)
+        return {"tool_calls": [{"index": len(self.calls) - 1, **call}]}
+
+    # ----------------------------------------------------------------- bare JSON calls (auto's recovery)
+
+    def _bare(self, text: str) -> tuple[str, list[tuple[str, dict[str, Any]]]]:
+        """Whether `text` is an answer that is nothing but calls written as JSON (optionally in a
+        ```json fence): "calls" (with them), "maybe" (a prefix of one) or "no"."""
+        if not self.tools:
+            return "no", []
+        s = text.lstrip()
+        if s.startswith("```"):
+            m = FENCE.match(s)
+            if m is None:
+                head = s[3:]
+                return ("maybe" if "\n" not in head and "json".startswith(head.strip(" \t").lower()) else "no"), []
+            s = s[m.end():].lstrip()
+        elif "```".startswith(s):
+            return "maybe", []
+        if not s:
+            return "maybe", []
+        if s[0] not in "{[":
+            return "no", []
+        end = json_end(s)
+        if end is None:
+            return ("maybe" if self._may_be_call(s) else "no"), []
+        # After it: a closing fence (or, as the grammar allows, a stray one); after a call the grammar
+        # holds, nothing else can come (a scripted answer's rest is not read, as a stream's is not).
+        if not "```".startswith(s[end:].strip()) and not self._held(text):
+            return "no", []
+        try:
+            value = json.loads(s[:end])
+        except ValueError:
+            return "no", []
+        found = self._calls_of(value)
+        return ("calls", found) if found else ("no", [])
+
+    def _may_be_call(self, s: str) -> bool:
+        """An unfinished JSON value that can still become a call (its first key and, once
+        written, the function's name tell early when it cannot)."""
+        if re.match(r"\[\s*[^\s{]", s):
+            return False
+        key = FIRST_KEY.match(s)
+        if key is not None and key.group(1) not in FORM_KEYS:
+            return False
+        name = FIRST_NAME.match(s)
+        return name is None or any(t.name == name.group(1) for t in self.tools)
+
+    def _calls_of(self, value: Any) -> list[tuple[str, dict[str, Any]]]:
+        """The calls a JSON value makes in one of the recognised forms ([] if it is not one, or any
+        call's arguments are not valid for its function's schema)."""
+        if isinstance(value, dict) and set(value) == {"tool_calls"}:
+            value = value["tool_calls"]
+        items = value if isinstance(value, list) else [value]
+        found = [self._form(item) for item in items]
+        if not items or None in found or (len(found) > 1 and not self.several):
+            return []
+        return [c for c in found if c is not None]
+
+    def _form(self, item: Any) -> tuple[str, dict[str, Any]] | None:
+        """{"name": f, "arguments": {...}}, with "parameters" for "arguments", or the same inside
+        {"function": {...}} (OpenAI's shape, with its "type" and "id"), or {"function": f,
+        "arguments": {...}}; arguments may be given as JSON text."""
+        if not isinstance(item, dict):
+            return None
+        item = dict(item)
+        if item.pop("type", "function") != "function":
+            return None
+        item.pop("id", None)
+        fn = item.pop("function", None)
+        if isinstance(fn, dict) and not item:
+            item = dict(fn)
+        elif isinstance(fn, str) and "name" not in item:
+            item["name"] = fn
+        elif fn is not None:
+            return None
+        name = item.pop("name", None)
+        if len(item) > 1 or not set(item) <= {"arguments", "parameters"}:
+            return None
+        args = next(iter(item.values()), {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                return None
+        tool = next((t for t in self.tools if t.name == name), None)
+        if tool is None or not isinstance(args, dict) or not self._valid(tool, args):
+            return None
+        return tool.name, args
+
+    def _valid(self, tool: Tool, args: dict[str, Any]) -> bool:
+        import jsonschema  # only a recovered call needs it
+
+        if tool.name not in self._validators:
+            try:
+                cls = jsonschema.validators.validator_for(tool.parameters)
+                cls.check_schema(tool.parameters)
+                self._validators[tool.name] = cls(tool.parameters)
+            except jsonschema.SchemaError:
+                self._validators[tool.name] = None  # a schema it cannot read: no call recovered for it
+        validator = self._validators[tool.name]
+        return validator is not None and bool(validator.is_valid(args))
+
+
+def _markup_call(text: str) -> tuple[str, dict[str, Any]] | None:
+    """The name and arguments of a markup block's JSON; None if it is not a call."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("arguments"), dict):
+        return None
+    return obj["name"], obj["arguments"]

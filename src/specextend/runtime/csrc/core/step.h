@@ -1,0 +1,125 @@
+// A whole forward of a few new tokens through every layer of a quantized model, in one call.
+//
+// Why: a one-row decode step of a 0.5B draft streams ~0.3 GB of weights in ~12 ms, and driving it
+// from Python costs six kernel calls a layer, each a Python-to-C++ crossing and a wake-up of the
+// thread team (docs/benchmarks.md measures that share). Here one parallel region runs every
+// layer; the threads meet at a barrier between the layer's phases instead of being handed work
+// anew for each operator.
+//
+// The bits are the Python-driven layer's (transformer.py, Block.forward_rows): every phase calls the
+// same core functions with the same arguments (quantize_rows with the fused pre-op, linear_unit
+// of plan_linear's units, rope_tokens, attend_items of attention_items), and none of them
+// depends on which thread computes which unit.
+//
+// One layer, for t rows x [t, hidden]:
+//   qkv = quantize(rmsnorm(x)) . Wqkv (+ bias); q = rope(q), k = rope(k) (Qwen3: per-head norms
+//   first); k, v stored in bfloat16 at the pending cache slots; a = attend(q, cache[:end], mask);
+//   x2 = x + a . Wo; gu = quantize(rmsnorm(x2)) . Wgu; x = x2 + quantize(silu(g) * u) . Wdown.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "cpu.h"
+#include "qlinear.h"
+
+namespace spx {
+
+// One product's weight: its segments side by side (qlinear.h's Linear without its rows).
+struct StepLinear {
+  std::vector<Segment> segs;
+  std::vector<int64_t> first_panel{0};  // [segs + 1]
+  int64_t n = 0;                        // output width
+  const float* bias = nullptr;          // [n] or null
+  void add(const Segment& s) {
+    segs.push_back(s);
+    first_panel.push_back(first_panel.back() + s.panels());
+    n += s.n;
+  }
+  int64_t panels() const { return first_panel.back(); }
+};
+
+struct StepLayer {
+  StepLinear qkv, o, gate_up, down;
+  const float* attn_norm = nullptr;  // [hidden]
+  const float* mlp_norm = nullptr;   // [hidden]
+  const float* q_norm = nullptr;     // [head_dim] or null (Qwen3)
+  const float* k_norm = nullptr;
+};
+
+struct StepModel {
+  int64_t hidden = 0, heads = 0, kv_heads = 0, head_dim = 0;
+  float eps = 0.f;
+  std::vector<StepLayer> layers;
+};
+
+// The new tokens and the cache they extend.
+struct StepRows {
+  float* x;          // [t, hidden]: the embeddings in, the last layer's output out
+  const float* cos;  // [t, head_dim]
+  const float* sin;
+  int64_t t;
+  uint16_t* k;  // bfloat16 caches [layers, kv_heads, capacity, head_dim]
+  uint16_t* v;
+  int64_t capacity;
+  int64_t start;      // the first pending slot: the new tokens' K/V go to [start, start + t)
+  const bool* mask;   // [t, m] (what each new token sees among the last m slots) or null: causal
+  int64_t m;
+  // Per layer, where that layer's rotated queries [heads, t, head_dim] are copied, or null (all
+  // null, or no array: none). Retrieval scores the cache with some layers' queries.
+  float* const* keep_q = nullptr;
+};
+
+// One sequence's part of a batched step: its rows are `t` consecutive rows of the batch's x,
+// cos and sin; the rest is StepRows' (its own cache, mask and kept queries).
+struct StepSeq {
+  int64_t t;
+  uint16_t* k;
+  uint16_t* v;
+  int64_t capacity, start;
+  const bool* mask;
+  int64_t m;
+  float* const* keep_q = nullptr;
+};
+
+// The final norm and the LM head (a draft's trimmed head, or the whole one).
+struct StepHead {
+  StepLinear w;  // k = hidden
+  const float* norm = nullptr;
+  float eps = 0.f;
+};
+
+// Several sequences' new tokens in one forward: the products take every row at once (each weight
+// is read once for all of them), RoPE, the cache writes and attention run per sequence over its
+// own cache. Rows `logit_rows` of the last layer's output then go through the head into
+// `logits` [n_logits, head->w.n] (no head, or no rows: no logits).
+struct StepBatch {
+  float* x;  // [T, hidden], T the sequences' rows together
+  const float* cos;
+  const float* sin;
+  const StepSeq* seqs;
+  int64_t nseqs;
+  const StepHead* head = nullptr;
+  const int64_t* logit_rows = nullptr;
+  int64_t n_logits = 0;
+  float* logits = nullptr;
+};
+
+// A step's buffers, kept by the caller between steps so that a prefill chunk's (tens of MB) are
+// not mapped anew each time: they only grow. One step at a time uses one.
+struct StepWorkspace {
+  std::vector<float> x2, qkv, q, att, att_rows, gu, pre, acc, hx, d8, xs, xf;
+  std::vector<int8_t> q8, q8g;
+  std::vector<int32_t> s16, s32;
+};
+
+// Runs every layer on `threads` threads (one parallel region). The caller has checked the shapes.
+void forward_step(Path path, const StepModel& model, const StepRows& rows, int threads);
+
+// The batch in one parallel region; a sequence's outputs (its rows of x, its K/V, kept queries
+// and logits) are the bits forward_step gives it alone, whatever shares the batch: every kernel
+// is row-independent. ws: null allocates the buffers for this call.
+void forward_batch(Path path, const StepModel& model, const StepBatch& batch, int threads,
+                   StepWorkspace* ws = nullptr);
+
+}  // namespace spx

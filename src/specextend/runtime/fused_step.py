@@ -1,0 +1,118 @@
+"""The quantized runtime's whole-step forward: every layer of a few new tokens, of one sequence or
+of several (a batch step), and the LM head in one C++ call.
+
+A one-row decode step driven from Python (`model.Block.forward_rows`) makes six kernel calls a
+layer, each a crossing into C++ and a hand-over to the thread team; for a small draft that is a
+visible share of a step whose floor is a dozen milliseconds (docs/benchmarks.md). The C++ core
+(csrc/core/step.h) runs the same kernels with the same arguments for every layer in one
+parallel region, so its outputs are the Python-driven step's bits. A batch's sequences share the
+call: every product takes all their rows at once (a weight is read once for all), attention runs
+per sequence over its own cache, and since every kernel is row-independent each sequence's
+logits and K/V are the bits it gets alone. This module describes a model's layers (`plan`) and
+its head (`head`) to it once and runs a forward (`run`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import kernels
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from .config import ModelConfig
+    from .kv_cache import KVCache
+    from .layers import Block, Linear, RMSNorm, Rows
+    from .quant import QWeight
+
+# Forwards of at most this many rows of one sequence take the whole-step call (a decode step, a
+# draft's tree level, a small verification); larger ones (prefill chunks) keep the per-layer
+# kernels, where the Python between calls is a small share. A batch's forward of several
+# sequences takes it whatever its rows: driven from Python, its attention calls grow with the
+# sequences.
+STEP_ROWS = 16
+
+
+def _weight(lin: Linear) -> tuple[Any, ...]:
+    w = lin.qweight
+    bias = None if lin.bias is None else lin.bias.detach().float().contiguous()
+    return (w.blobs, w.formats, w.widths, w.offsets, w.groups, bias)
+
+
+def plan(cfg: ModelConfig, layers: Iterable[Block]) -> Any:
+    """A model's layers as the C++ step takes them (the plan keeps its tensors alive)."""
+    layers = list(layers)
+    p = kernels.load().step_plan(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                 float(layers[0].attn_norm.eps))
+    for layer in layers:
+        q_norm = layer.q_norm.weight.detach().contiguous() if layer.q_norm is not None else None
+        k_norm = layer.k_norm.weight.detach().contiguous() if layer.k_norm is not None else None
+        p.add_layer(_weight(layer.qkv), _weight(layer.o), _weight(layer.gate_up), _weight(layer.down),
+                    layer.attn_norm.weight.detach().contiguous(), layer.mlp_norm.weight.detach().contiguous(),
+                    q_norm, k_norm)
+    return p
+
+
+def head(step_plan: Any, norm: RMSNorm, weight: QWeight) -> Any:
+    """The final `norm` and the head `weight` (the model's, or a draft's trimmed one) as the C++
+    step takes them."""
+    args = (weight.blobs, weight.formats, weight.widths, weight.offsets, weight.groups, None)
+    return kernels.load().step_head(step_plan, args, norm.weight.detach().contiguous(), float(norm.eps))
+
+
+def fits(x: torch.Tensor, cache: KVCache) -> bool:
+    """Whether a forward of rows `x` over `cache` can take the whole-step call (the kernels'
+    clock, which times per-layer calls, turns it off)."""
+    return (not kernels.clocking() and x.dtype == torch.float32 and cache.k.dtype == torch.bfloat16
+            and cache.k.is_contiguous() and cache.v.is_contiguous() and cache.k.device.type == "cpu")
+
+
+def logit_rows(parts: list[Rows]) -> tuple[torch.Tensor, list[int]]:
+    """The rows of the parts' rows together that need logits (each part's `logits_rows`, None: all),
+    and how many each part has."""
+    picked, counts, off = [], [], 0
+    for p in parts:
+        rows = torch.arange(off, off + p.size)
+        rows = rows if p.logits_rows is None else rows[p.logits_rows]
+        picked.append(rows)
+        counts.append(int(rows.shape[0]))
+        off += p.size
+    return (picked[0] if len(picked) == 1 else torch.cat(picked)), counts
+
+
+def run(step_plan: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, parts: list[Rows], heads: int,
+        step_head: Any = None, rows: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Every layer over the parts' new rows x [T, hidden] (one part after another; overwritten with
+    the last layer's output); each part's K/V go to its cache's pending slots and its `keep_q`'s
+    layers get their rotated queries [heads, rows, head_dim], as the per-layer forward writes and
+    keeps them. With a head: the logits of x's rows `rows`, else None."""
+    args, kept = [], []
+    for p in parts:
+        layers = sorted(p.keep_q) if p.keep_q else []
+        queries = [torch.empty(heads, p.size, p.cache.k.shape[-1]) for _ in layers]
+        args.append((p.cache.k, p.cache.v, p.size, p.cache.length, p.tree_mask, layers, queries))
+        kept.append((layers, queries))
+    logits = kernels.load().forward_batch(step_plan, x, cos, sin, args, kernels.path_id(), step_head, rows)
+    for p, (layers, queries) in zip(parts, kept, strict=True):
+        if p.keep_q is not None:
+            p.keep_q.update(zip(layers, queries, strict=True))
+    return logits
+
+
+def release_thread_team() -> bool:
+    """Free the calling thread's idle OpenMP team, before other threads run the steps.
+
+    libgomp keeps a team for every thread that has opened a parallel region (ours, or PyTorch's)
+    until that thread exits, and counts their threads against the CPUs: once they outnumber them,
+    every team's waits at the regions' ends and starts spin briefly and then sleep. A thread that
+    loaded the models, measured their costs or ran `generate` and then hands the steps to a batch's
+    thread leaves its team behind; with it, the batch thread's steps over an 8K document measured
+    ~15% slower than the same forwards in `generate` (docs/benchmarks.md, "A lone 8K document
+    through the server"). The team comes back if this thread opens a region again. Whether one was
+    freed (False: no OpenMP 5.0 pause in this runtime, or the kernels are not built)."""
+    if not kernels.available():
+        return False
+    return bool(kernels.load().release_thread_team())

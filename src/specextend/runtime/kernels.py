@@ -1,0 +1,303 @@
+"""The project's C++ CPU kernels (quantized linear layers, attention, RoPE), built once per machine.
+
+The sources live in `csrc/`: a core over raw pointers (`csrc/core/`, no PyTorch: one file per
+instruction set behind one dispatch) and a thin PyTorch binding (`csrc/torch_ops.cpp`). The
+extension is compiled with PyTorch's `cpp_extension` into `~/.cache/specextend/kernels/<key>/`
+(see `build_dir`), where the key covers the sources, the torch and Python versions and the
+compiler flags, so an edited source or a new torch builds again while every later process
+loads the cached library in well under a second. `make setup` builds it; the first use builds
+it otherwise. OpenMP comes from torch's own runtime (same thread pool). `build` makes any
+extension of csrc/ this way: the multiply-add peak loops are one of their own (bench/roofline.py),
+so the production kernels do not carry them.
+
+Kernel paths (`SPECEXTEND_CPU`): `portable` (plain C++, any CPU), `avx2` (AVX2 + FMA + F16C),
+`avx512` (AVX-512 with VNNI; its attention uses AVX512-BF16 where present), `neon` (ARMv8.2
+dot products) and `amx` (Intel AMX tiles for products of 2+ rows, avx512 for the rest; only where
+CPUID, XCR0 and Linux's permission request all allow it). Every path computes the same arithmetic
+in the same order, so each gives the portable path's bits; `auto` (the default) takes the fastest
+this CPU runs. `amx-emulated` is a test switch, not a path to run: the amx code with its tile
+operations emulated in plain C++ (any CPU, slowly), so tests compare it bit for bit everywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from ..common.errors import UserError
+
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = ("torch_ops.cpp", "core/cpu.cpp", "core/qlinear.cpp", "core/qlinear_portable.cpp",
+            "core/qlinear_avx2.cpp", "core/qlinear_avx512.cpp", "core/qlinear_neon.cpp", "core/attention.cpp",
+            "core/attention_portable.cpp", "core/attention_avx2.cpp", "core/attention_avx512.cpp",
+            "core/attention_neon.cpp", "core/rope.cpp", "step_ops.cpp", "core/step.cpp", "core/qlinear_amx.cpp")
+_CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-std=c++17")
+_lock = threading.Lock()
+_module: ModuleType | None = None
+
+PATHS = ("portable", "avx2", "avx512", "neon", "amx")  # the kernel paths; ids in csrc/core/cpu.h
+EMULATED_AMX = "amx-emulated"  # test switch (csrc/core/cpu.h): the amx code on emulated tiles
+# The kernels' arithmetic, versioned: raised whenever an output's bits change, so that KV written
+# by another version (the prefix cache's files) is never read back as if this one had computed
+# it. 2: an attention score is one chain over the dimension pairs. 3: Q4_0's weights as d * (q - 8)
+# under q8's epilogue (the offset in the integer sum), not a one-group q4k's minimum term.
+ARITHMETIC_VERSION = 3
+CPU_ENV = "SPECEXTEND_CPU"
+
+
+def _key(sources: tuple[str, ...] = _SOURCES) -> str:
+    h = hashlib.sha256()
+    # The checkout's own path too: the build records absolute source paths, so two checkouts (git
+    # worktrees) sharing one directory would rebuild it over each other at every load.
+    h.update(str(_CSRC.resolve()).encode())
+    # The extension's sources and every header (any source may include any of them): an edited
+    # header must build again.
+    headers = sorted(f.relative_to(_CSRC).as_posix() for f in _CSRC.rglob("*.h") if f.parent.name != "test")
+    for name in [*sources, *headers]:
+        h.update(name.encode())
+        h.update((_CSRC / name).read_bytes())
+    h.update(f"{torch.__version__}|{sys.version_info[:2]}|{platform.machine()}|{_CFLAGS}".encode())
+    return h.hexdigest()[:16]
+
+
+def source_key() -> str:
+    """What identifies this build of the kernels (sources, torch, Python, flags): measured step
+    costs are kept per build (costmodel.py), since a kernel change moves them."""
+    return _key()
+
+
+def build_dir(sources: tuple[str, ...] = _SOURCES) -> Path:
+    """Where the compiled kernels (or the extension of `sources`) live: `SPECEXTEND_KERNEL_CACHE`,
+    else ~/.cache/specextend/kernels. Not under SPECEXTEND_HOME: pointing that at another model
+    cache should not compile again."""
+    root = os.environ.get("SPECEXTEND_KERNEL_CACHE", "~/.cache/specextend/kernels")
+    return Path(root).expanduser() / _key(sources)
+
+
+def load(verbose: bool = False) -> ModuleType:
+    """The compiled extension (building it on first use); UserError if it cannot be built."""
+    global _module
+    if _module is not None:
+        return _module
+    with _lock:
+        if _module is None:
+            _module = build("specextend_kernels", _SOURCES, "the CPU kernels", verbose)
+    return _module
+
+
+def build(stem: str, sources: tuple[str, ...], what: str, verbose: bool = False) -> ModuleType:
+    """The extension of `sources` (paths under csrc/), built into its own folder of the kernel
+    cache on first use (`what` names it in the one line that says so); UserError if it cannot be."""
+    from torch.utils import cpp_extension
+
+    out = build_dir(sources)
+    out.mkdir(parents=True, exist_ok=True)
+    # The `ninja` that cpp_extension runs is the one installed beside this interpreter (a pinned
+    # dependency), also when the virtual environment is not activated.
+    bin_dir = str(Path(sys.executable).parent)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    if not any(out.glob("*.so")):
+        print(f"specextend: building {what} (once per machine, about a minute)", file=sys.stderr, flush=True)
+    try:
+        return cpp_extension.load(
+            name=f"{stem}_{out.name}",
+            sources=[str(_CSRC / n) for n in sources],
+            extra_cflags=list(_CFLAGS),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(out),
+            verbose=verbose,
+        )
+    except (RuntimeError, OSError, ImportError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"cannot build {what} in {out}: {first} (is g++ installed?)") from None
+
+
+def available() -> bool:
+    """Whether the kernels can be used here (built or buildable); never raises."""
+    if os.environ.get("SPECEXTEND_NO_KERNELS"):
+        return False
+    try:
+        load()
+    except UserError:
+        return False
+    return True
+
+
+def cpu_paths() -> list[str]:
+    """The kernel paths this CPU runs, slowest first (always starting with `portable`)."""
+    return list(load().cpu_paths())
+
+
+def path_index(name: str) -> int:
+    """The C++ id of a kernel path (PATHS, or the EMULATED_AMX test switch)."""
+    return (*PATHS, EMULATED_AMX).index(name)
+
+
+def amx_refusal() -> str | None:
+    """Why the amx path cannot run on this machine (CPU, OS, VM or build), or None where it runs."""
+    return load().amx_status()
+
+
+def path() -> str:
+    """The path the kernels run: `SPECEXTEND_CPU` if set (UserError if this CPU cannot run it),
+    else the fastest this CPU has."""
+    want = os.environ.get(CPU_ENV, "auto").strip().lower() or "auto"
+    if want != "auto" and want not in PATHS and want != EMULATED_AMX:
+        raise UserError(f"{CPU_ENV}={want} is not a kernel path; choose auto, {', '.join(PATHS)}")
+    have = cpu_paths()
+    if want == "auto":
+        return auto_path(have)
+    if want == EMULATED_AMX:
+        return want  # runs anywhere (slowly): a test switch
+    if want not in have:
+        why = f": {amx_refusal()}" if want == "amx" and amx_refusal() else ""
+        raise UserError(f"{CPU_ENV}={want}: this CPU cannot run the {want} kernels{why} (it runs {', '.join(have)})")
+    return want
+
+
+def path_id() -> int:
+    """The index (csrc/core/cpu.h) of the path the kernels run now, as every kernel call takes it."""
+    # A decode step makes ~150 kernel calls: the environment is read once per value it has.
+    global _resolved
+    env = os.environ.get(CPU_ENV, "")
+    if _resolved is None or _resolved[0] != env:
+        _resolved = (env, path_index(path()))
+    return _resolved[1]
+
+
+_resolved: tuple[str, int] | None = None
+
+
+def auto_path(have: list[str] | None = None) -> str:
+    """What `auto` runs: the fastest path this CPU has, except that amx is taken only where it
+    measured faster than avx512 on a many-row product (once per machine and kernel build, kept in
+    the build's folder): a CPU that has AMX but runs it slowly (a VM, an early stepping) keeps avx512."""
+    have = cpu_paths() if have is None else have
+    if have[-1] != "amx":
+        return have[-1]
+    record = build_dir() / "auto-path.json"
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        stored = json.loads(record.read_text())
+        if stored["cpu"] == cpu_name():
+            return str(stored["choice"])
+    times = {p: _many_row_seconds(p) for p in ("avx512", "amx")}
+    choice = "amx" if times["amx"] < times["avx512"] else "avx512"
+    with contextlib.suppress(OSError):  # an unwritable cache measures again next time
+        record.write_text(json.dumps({"cpu": cpu_name(), "choice": choice, "seconds": times}))
+    return choice
+
+
+def _many_row_seconds(path: str, rows: int = 128, repeats: int = 5) -> float:
+    """Best wall seconds of a 4-bit product of `rows` rows (2048 -> 1024 channels, random codes)."""
+    n, k, sbg = 1024, 2048, 8
+    g = torch.Generator().manual_seed(0)
+    blob = torch.randint(0, 256, (n // 16 * k // 256, 64 + 288 * sbg), dtype=torch.uint8, generator=g)
+    blob[:, :64] = torch.tensor([0x00, 0x2C], dtype=torch.uint8).repeat(32)  # float16 scales 1/16
+    blob[:, 64 : 64 + 32 * sbg] &= 63  # 6-bit group scales and minimums, as Q4_K's
+    x = torch.randn(rows, k, generator=g)
+    args = ([blob.reshape(-1)], [0], [n], [0], [sbg], None, None, 0.0, False, None, path_index(path))
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first run pays for first-touch page faults
+        t = time.perf_counter()
+        load().qlinear(x, *args)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def has_fast_path() -> bool:
+    """Whether the quantized kernels run here on a vector path (anything but portable); never
+    raises for a missing build, but a `SPECEXTEND_CPU` this CPU cannot run is a UserError."""
+    return available() and path() != "portable"
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor | None) -> torch.Tensor:
+    """Row-independent attention of new tokens q [H, T, D] over a bfloat16 cache k, v [Hkv, S, D]."""
+    return timed("attention", load().attend, (q, k, v, tree_mask, path_id()))
+
+
+def timed(part: str, fn: Callable[..., torch.Tensor], args: tuple[Any, ...]) -> torch.Tensor:
+    """`fn(*args)`, a kernel call, timed as `part` ("linear" or "attention") inside `clocked`."""
+    if _clock is not None:
+        return _clock.time(part, fn, args)
+    return fn(*args)
+
+
+@dataclass
+class KernelClock:
+    """Wall seconds spent inside the linear-layer (`qlinear`) and attention (`attend`) kernels."""
+
+    linear_s: float = 0.0
+    attention_s: float = 0.0
+    linear_calls: int = 0
+    attention_calls: int = 0
+
+    def time(self, part: str, fn: Callable[..., torch.Tensor], args: tuple[Any, ...]) -> torch.Tensor:
+        t = time.perf_counter()
+        y = fn(*args)
+        dt = time.perf_counter() - t
+        if part == "linear":
+            self.linear_s += dt
+            self.linear_calls += 1
+        else:
+            self.attention_s += dt
+            self.attention_calls += 1
+        return y
+
+
+_clock: KernelClock | None = None
+
+
+@contextlib.contextmanager
+def clocked() -> Iterator[KernelClock]:
+    """Time every `qlinear` and `attend` call made inside the block (the runtime bench's split of a
+    forward into linear layers and attention); the kernels run as they always do. Not reentrant."""
+    global _clock
+    if _clock is not None:
+        raise RuntimeError("kernels.clocked() is already active")
+    _clock = KernelClock()
+    try:
+        yield _clock
+    finally:
+        _clock = None
+
+
+def clocking() -> bool:
+    """Whether `clocked` is timing kernel calls now: forwards then make their per-layer calls
+    (not the whole-step call, fused_step.py), which is what it splits."""
+    return _clock is not None
+
+
+def cpu_name() -> str:
+    """The CPU's model name (measured costs and peaks are kept per machine)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def describe() -> str:
+    """One line for `make setup`: where the kernels are and which paths this CPU runs."""
+    ext = load()
+    paths = cpu_paths()
+    extra = " (attention with AVX512-BF16)" if "avx512" in paths and ext.has_avx512_bf16() else ""
+    line = (f"specextend kernels: {build_dir()}; paths this CPU runs: {', '.join(paths)}{extra}; "
+            f"auto = {auto_path(paths)}")
+    why = amx_refusal()
+    if why and platform.machine() in ("x86_64", "AMD64"):
+        line += f"; no amx: {why}"
+    return line

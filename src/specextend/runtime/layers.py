@@ -1,0 +1,240 @@
+"""The layers of a Llama-family decoder: RoPE, RMSNorm, the linear layer in its three weight
+forms, the embedding, and the decoder block; and `Rows`, one sequence's new tokens in a forward.
+
+A block runs either as PyTorch operations (`Block.forward`: float weights, any device, float64
+for exactness tests) or, on the quantized runtime, as five kernel calls over the rows of several
+sequences (`Block.forward_rows`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import kernels
+from .attention import Backend, attend
+from .config import ModelConfig
+from .kv_cache import KVCache
+from .quant import QWeight, qlinear
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies in float32, as Hugging Face computes them (so outputs match exactly)."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    sc = cfg.rope_scaling
+    if sc is None:
+        return inv
+    kind = sc.get("rope_type", sc.get("type"))
+    if kind == "linear":
+        return inv / float(sc["factor"])
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    factor = float(sc["factor"])
+    low, high = float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+    old_ctx = float(sc["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+    return torch.where(medium, blended, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [heads, T, D] by per-token angles (cos/sin: [T, D]), the rotate-half convention."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass
+class Rows:
+    """One sequence's new tokens in a forward: `Transformer.forward`'s arguments as one value."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    cache: KVCache
+    tree_mask: torch.Tensor | None = None
+    logits_rows: torch.Tensor | slice | None = None
+    keep_q: dict[int, torch.Tensor] | None = None
+    backend: Backend = "efficient"  # the attention of the float paths (the quantized runtime's is its own)
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 whatever the model dtype (as the reference implementations do).
+        xf = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b) with the weight in one of three forms, chosen when the model is loaded:
+
+    - a float weight (any device, any dtype): `F.linear`; float64 is what exactness tests use;
+    - the same reordered by oneDNN (`pack()`, float32/bfloat16 on CPU): PyTorch's default GEMM
+      for 1-16 rows runs at a fraction of memory bandwidth on this kind of CPU, and decoding and
+      verification are exactly that case; fewer than 4 rows are padded to 4, its fastest shape;
+    - a block-quantized weight (`quantize()`, a `quant.QWeight`): the C++ kernels quantize the
+      input to int8 per block of 32 of each row and read each weight block once for all rows.
+    """
+
+    def __init__(self, d_in: int, d_out: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(d_out, d_in), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(d_out), requires_grad=False) if bias else None
+        self.packed: torch.Tensor | None = None
+        self.qweight: QWeight | None = None
+
+    def pack(self) -> None:
+        w = self.weight
+        if w is None or w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
+            return
+        if not torch.backends.mkldnn.is_available():
+            return
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.data, None)
+        self.weight = None  # type: ignore[assignment]
+
+    def quantize(self, qweight: QWeight) -> None:
+        """Compute with a block-quantized weight from now on (the float weight is dropped)."""
+        self.qweight = qweight
+        self.weight = None  # type: ignore[assignment]
+        self.packed = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return qlinear(x, self.qweight, self.bias)
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        t = x.shape[0]
+        if t < 4:
+            x = torch.cat([x, x.new_zeros(4 - t, x.shape[1])])
+        y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        return y[:t] if t < 4 else y
+
+
+class Embedding(nn.Module):
+    """Token embeddings: a float table, or a block-quantized one whose rows are dequantized on lookup."""
+
+    def __init__(self, vocab: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab, dim), requires_grad=False)
+        self.qweight: QWeight | None = None
+
+    def quantize(self, qweight: QWeight) -> None:
+        self.qweight = qweight
+        self.weight = None  # type: ignore[assignment]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return self.qweight.rows(ids)
+        return F.embedding(ids, self.weight)
+
+
+class Workspace:
+    """A reusable output buffer for the quantized runtime's widest product (gate/up: 2 x the MLP
+    width per token). A prefill chunk's is tens of MB; allocated anew for every layer, the C
+    library maps fresh pages for it each time and the page faults cost a visible share of prefill
+    (docs/benchmarks.md). One per model: its layers run one after another."""
+
+    def __init__(self) -> None:
+        self._buf = torch.empty(0)
+
+    def take(self, rows: int, cols: int) -> torch.Tensor:
+        if self._buf.numel() < rows * cols:
+            self._buf = torch.empty(rows * cols)
+        return self._buf[: rows * cols].view(rows, cols)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv = Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.attention_bias)
+        self.o = Linear(q_out, cfg.hidden_size, bias=False)
+        self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.workspace = Workspace()  # the model gives all its layers one (Transformer.__init__)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache,
+        tree_mask: torch.Tensor | None,
+        backend: Backend,
+        keep_q: dict[int, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv
+        qkv = self.qkv(self.attn_norm(x))
+        q = qkv[:, : nh * hd].view(t, nh, hd).transpose(0, 1)
+        k = qkv[:, nh * hd : (nh + nkv) * hd].view(t, nkv, hd).transpose(0, 1)
+        v = qkv[:, (nh + nkv) * hd :].view(t, nkv, hd).transpose(0, 1)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if keep_q is not None and self.index in keep_q:
+            keep_q[self.index] = q
+        k_all, v_all = cache.write(self.index, k, v)
+        a = attend(q, k_all, v_all, tree_mask, backend)
+        x = x + self.o(a.transpose(0, 1).reshape(t, nh * hd))
+        gu = self.gate_up(self.mlp_norm(x))
+        g, u = gu.chunk(2, dim=-1)
+        return x + self.down(F.silu(g) * u)
+
+    @property
+    def quantized(self) -> bool:
+        return all(m.qweight is not None for m in (self.qkv, self.o, self.gate_up, self.down))
+
+    def forward_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, parts: list[Rows]
+                     ) -> torch.Tensor:
+        """The layer in five kernel calls over the rows of several sequences (x: their rows one
+        after the other): a decode step is a few dozen microseconds of Python per layer instead of
+        some forty small tensor operations (the norms, SiLU and residual adds are folded into the
+        quantized products; RoPE and the cache write are one call). The products take every row at
+        once; RoPE, the cache write and attention run per sequence, over its own cache."""
+        qkv = qlinear(x, self.qkv.qweight, self.qkv.bias, norm=self.attn_norm.weight, eps=self.attn_norm.eps)
+        ext = kernels.load()
+        q_norm = self.q_norm.weight if self.q_norm is not None else None
+        k_norm = self.k_norm.weight if self.k_norm is not None else None
+        outs = []
+        off = 0
+        for p in parts:
+            t, cache = p.size, p.cache
+            k_layer, v_layer = cache.k[self.index], cache.v[self.index]
+            start = cache.length
+            rows = slice(off, off + t)
+            q = ext.rope_store(qkv[rows], cos[rows], sin[rows], self.n_heads, q_norm, k_norm, self.attn_norm.eps,
+                               k_layer, v_layer, start)
+            if p.keep_q is not None and self.index in p.keep_q:
+                p.keep_q[self.index] = q
+            end = start + cache.pending
+            a = kernels.attend(q, k_layer[:, :end], v_layer[:, :end], p.tree_mask)
+            outs.append(a.transpose(0, 1).reshape(t, -1))
+            off += t
+        a = outs[0] if len(outs) == 1 else torch.cat(outs)
+        x = qlinear(a, self.o.qweight, residual=x)
+        gu = qlinear(x, self.gate_up.qweight, norm=self.mlp_norm.weight, eps=self.mlp_norm.eps,
+                             out=self.workspace.take(x.shape[0], self.gate_up.qweight.n))
+        return qlinear(gu, self.down.qweight, silu_mul=True, residual=x)

@@ -1,0 +1,517 @@
+"""Block-quantized weights for the CPU kernels: formats, conversion from GGUF and from floats.
+
+A `QWeight` is a [n, k] matrix stored in one or more row *segments*, each in one format of
+`csrc/qlinear.cpp` (see its header for the byte layout):
+
+- ``q4k``: asymmetric 4-bit codes in groups of 32 with 6-bit scales and mins under a float16
+  super-block scale: exactly GGUF's Q4_K grid (8 groups per super-block), Q4_0's and Q4_1's (one
+  group a super-block: scale code 1, the minimum 8 * d or -m), and our own 4-bit format for float
+  weights (up to 8 groups per super-block, so any width divisible by 32 fits).
+- ``q6k``: 6-bit codes (a nibble plane and a 2-bit plane) in groups of 16 with signed 8-bit
+  scales: exactly GGUF's Q6_K grid; ``q3k``, the same at three bits a code: GGUF's Q3_K;
+  ``q2k``, 2-bit codes under a 4-bit scale and a 4-bit minimum per group of 16: GGUF's Q2_K.
+- ``q8``: byte codes in groups of 32 with one float16 scale and a fixed offset:
+  GGUF's Q8_0 (offset 128) grid, and our 8-bit format for float weights.
+- ``q5k`` and ``iq4``: q4k's header (signed scale codes; ``iq4`` without the minimum) over 5-bit
+  codes (nibbles and a bit plane) or IQ4's 4-bit table indices, unpacked by the kernels into q8's
+  byte codes: GGUF's Q5_K and IQ4_XS (8 groups a super-block), Q5_1 (one group).
+- ``q40``, ``q50`` and ``iq4nl``: q8's header (one float16 scale a group of 32) over q4k's
+  nibbles (Q4_0, offset 8), q5k's nibbles and bit plane (Q5_0, offset 16) or IQ4's table indices
+  (IQ4_NL, offset 128): each at its file's bits a weight; ``q41`` and ``q51``, the same with a
+  float16 minimum a group (Q4_1, Q5_1).
+- ``f16`` and ``bf16``: GGUF's F16 and BF16 weights as they are, 16 bits each (per input, a
+  panel's 16 values); the kernels multiply them in float32 with float32 activations.
+
+Segments exist because one fused projection can mix formats (a GGUF file may store a layer's
+V projection in Q6_K and its Q and K in Q4_K); the kernel quantizes the input once and writes
+every segment's columns. Converting a GGUF tensor keeps its grid: the weights the kernel
+multiplies are exactly the ones `gguf`'s dequantiser returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..common.errors import UserError
+from . import kernels
+
+PANEL = 16
+FORMATS = {"q4k": 0, "q6k": 1, "q8": 2, "q5k": 3, "iq4": 4, "q3k": 5, "q2k": 6, "f16": 7, "bf16": 8, "q40": 9,
+           "q50": 10, "iq4nl": 11, "q41": 12, "q51": 13}
+# The 16-bit float formats: GGUF type -> format (super-blocks of 32 inputs, 2 bytes a weight).
+FLOAT_KINDS = {"F16": "f16", "BF16": "bf16"}
+# Code bytes per group of 16 channels x 32 inputs of the formats with q4k's header (`pack_kgroups`).
+K_CODE_BYTES = {"q5k": 320, "iq4": 256}
+# The same for the formats with q8's header (`pack_q8`): one group of 32 inputs a super-block.
+Q8_CODE_BYTES = {"q8": 512, "q40": 256, "q50": 320, "iq4nl": 256, "q41": 256, "q51": 320}
+MIN_FORMATS = ("q41", "q51")  # q8's header with a float16 minimum a group
+
+
+def _superblock(fmt: str, groups: int) -> tuple[int, int]:
+    """(inputs, bytes per panel) of one super-block; `groups` counts q4k's and q8k's groups of 32."""
+    if fmt == "q4k":
+        return 32 * groups, 64 + 288 * groups
+    if fmt in K_CODE_BYTES:
+        header = 64 + 32 * groups if fmt == "q5k" else 32 + 16 * groups  # iq4: no minimum
+        return 32 * groups, header + K_CODE_BYTES[fmt] * groups
+    if fmt in Q8_CODE_BYTES:
+        return 32, (64 if fmt in MIN_FORMATS else 32) + Q8_CODE_BYTES[fmt]
+    return {"q6k": (256, 3360), "q3k": (256, 1824), "q2k": (256, 1344), "f16": (32, 1024), "bf16": (32, 1024)}[fmt]
+
+
+def superblock_inputs(fmt: str, groups: int) -> int:
+    """Inputs of one super-block of format `fmt` (`groups`: q4k's, q5k's and iq4's groups of 32)."""
+    return _superblock(fmt, groups)[0]
+
+
+def blob_bytes(fmt: str, n: int, k: int, groups: int = 8) -> int:
+    """Bytes of an [n, k] weight in format `fmt` (rows padded to whole panels)."""
+    inputs, size = _superblock(fmt, groups)
+    return -(-n // PANEL) * (k // inputs) * size
+
+
+def q4k_groups(k: int) -> int | None:
+    """The most groups of 32 (up to Q4_K's 8) a super-block can hold for input width k."""
+    return next((g for g in range(8, 0, -1) if k % (32 * g) == 0), None)
+
+
+@dataclass
+class Segment:
+    fmt: str
+    n: int  # output rows of this segment
+    blob: torch.Tensor  # uint8, the kernel layout
+    offset: int  # q8: the code that means zero
+    k: int  # input width
+    groups: int = 8  # q4k, q8k: groups of 32 per super-block
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        ids = torch.arange(self.n) if rows is None else rows
+        return kernels.load().dequantize(self.blob, FORMATS[self.fmt], self.n, self.k, self.offset, self.groups, ids)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blob.numel()
+
+
+@dataclass
+class QWeight:
+    k: int
+    segments: list[Segment]
+
+    def __post_init__(self) -> None:
+        # The kernel's per-segment arguments, built once (a decode step makes ~150 calls).
+        self.blobs = [s.blob for s in self.segments]
+        self.formats = [FORMATS[s.fmt] for s in self.segments]
+        self.widths = [s.n for s in self.segments]
+        self.offsets = [s.offset for s in self.segments]
+        self.groups = [s.groups for s in self.segments]
+
+    @property
+    def n(self) -> int:
+        return sum(s.n for s in self.segments)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.segments)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([s.dequantize() for s in self.segments])
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows (an embedding lookup); only single-segment weights are looked up."""
+        if len(self.segments) != 1:
+            raise ValueError("row lookup needs a single-segment weight")
+        return self.segments[0].dequantize(ids)
+
+    @staticmethod
+    def concat(parts: list[QWeight]) -> QWeight:
+        """Stack row blocks (q, k, v -> qkv): adjacent segments of one format merge into one blob."""
+        k = parts[0].k
+        if any(p.k != k for p in parts):
+            raise ValueError("cannot stack weights of different input widths")
+        segs: list[Segment] = []
+        for seg in (s for p in parts for s in p.segments):
+            last = segs[-1] if segs else None
+            same = last and (last.fmt, last.offset, last.groups) == (seg.fmt, seg.offset, seg.groups)
+            if same and last.n % PANEL == 0:
+                segs[-1] = Segment(seg.fmt, last.n + seg.n, torch.cat([last.blob, seg.blob]), seg.offset, k, seg.groups)
+            else:
+                segs.append(seg)
+        return QWeight(k, segs)
+
+
+def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, *, norm: torch.Tensor | None = None,
+            eps: float = 0.0, silu_mul: bool = False, residual: torch.Tensor | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """y = pre(x) W^T (+ bias) (+ residual) for a block-quantized W; x is float32 [rows, k].
+
+    pre: RMSNorm with weight `norm` and `eps`, or silu(gate) * up when `silu_mul` (x holds
+    [gate | up]); each is applied in the same pass that quantizes the row. out: a contiguous
+    float32 [rows, n] to write y into (and return) instead of a new tensor.
+    """
+    args = (x, w.blobs, w.formats, w.widths, w.offsets, w.groups, bias, norm, eps, silu_mul, residual,
+            kernels.path_id(), out)
+    return kernels.timed("linear", kernels.load().qlinear, args)
+
+
+# --------------------------------------------------------------------------- layout
+
+
+def _panels(a: np.ndarray) -> np.ndarray:
+    """[n, ...] -> [n_pad, ...] with n_pad a multiple of the panel height (zero rows appended)."""
+    pad = (-a.shape[0]) % PANEL
+    if pad:
+        a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), dtype=a.dtype)])
+    return a
+
+
+def _steps(codes: np.ndarray, group: int) -> np.ndarray:
+    """codes [n_pad, k] -> [panels, k/group, group/4, 64]: byte 4c+j of step s = code[c, 4s+j]."""
+    n, k = codes.shape
+    c = codes.reshape(n // PANEL, PANEL, k // group, group // 4, 4)
+    return np.ascontiguousarray(c.transpose(0, 2, 3, 1, 4)).reshape(n // PANEL, k // group, group // 4, 64)
+
+
+def _by_panel(a: np.ndarray, per_sb: int) -> np.ndarray:
+    """[n_pad, k/g] per-row values -> [panels, superblocks, per_sb, 16] (channel-minor)."""
+    n, m = a.shape
+    return np.ascontiguousarray(a.reshape(n // PANEL, PANEL, m // per_sb, per_sb).transpose(0, 2, 3, 1))
+
+
+def _blob(parts: list[np.ndarray]) -> torch.Tensor:
+    """Concatenate per-(panel, superblock) byte parts [P, S, bytes_i] into one blob."""
+    flat = [p.reshape(p.shape[0], p.shape[1], -1).view(np.uint8) for p in parts]
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate(flat, axis=2)).reshape(-1))
+
+
+def pack_q4k(d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, mn: np.ndarray, codes: np.ndarray,
+             groups: int = 8) -> Segment:
+    """d, dmin: [n, k/(32*groups)] float16; sc, mn: [n, k/32] uint8 (6-bit); codes [n, k] uint8 (0..15)."""
+    n = codes.shape[0]
+    st = _steps(_panels(codes), 32)  # [P, k/32, 8, 64]
+    nib = st[:, :, :4] | (st[:, :, 4:] << 4)  # step i low, step i+4 high
+    p, g = nib.shape[:2]
+    parts = [
+        _by_panel(_panels(d), 1),
+        _by_panel(_panels(dmin), 1),
+        _by_panel(_panels(sc), groups),
+        _by_panel(_panels(mn), groups),
+        nib.reshape(p, g // groups, groups * 4 * 64),
+    ]
+    return Segment("q4k", n, _blob(parts), 0, codes.shape[1], groups)
+
+
+def pack_q6k(d: np.ndarray, sc: np.ndarray, codes: np.ndarray) -> Segment:
+    """d: [n, k/256] float16; sc: [n, k/16] int8; codes [n, k] uint8 (0..63, 32 means zero).
+
+    Six bits a code, as in the GGUF: per group of 16, the low nibbles of steps (0, 2) and (1, 3)
+    share two 64-byte planes and the high two bits of all four steps one more."""
+    n = codes.shape[0]
+    st = _steps(_panels(codes), 16)  # [P, k/16, 4, 64]
+    lo, hi = st & 15, st >> 4
+    packed = np.stack([lo[:, :, 0] | (lo[:, :, 2] << 4), lo[:, :, 1] | (lo[:, :, 3] << 4),
+                       hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)], axis=2)
+    p, g = st.shape[:2]
+    parts = [_by_panel(_panels(d), 1), _by_panel(_panels(sc), 16), packed.reshape(p, g // 16, 16 * 3 * 64)]
+    return Segment("q6k", n, _blob(parts), 0, codes.shape[1])
+
+
+def pack_q3k(d: np.ndarray, sc: np.ndarray, codes: np.ndarray) -> Segment:
+    """d: [n, k/256] float16; sc: [n, k/16] int8; codes [n, k] uint8 (0..7, 4 means zero; w = d * sc * (code - 4)).
+
+    q6k's grid at three bits a code: per pair of groups of 16, each group's low two bits of its 4
+    steps (a 64-byte plane, step s at bits 2s), then both groups' third bits (one plane: the first
+    group's step s at bit s, the second's at bit 4 + s). The kernels unpack a code as 28 + code, a
+    q6k code."""
+    n = codes.shape[0]
+    st = _steps(_panels(codes), 16)  # [P, k/16, 4, 64]
+    low = sum((st[:, :, i] & 3) << (2 * i) for i in range(4)).astype(np.uint8)  # [P, k/16, 64]
+    third = sum(((st[:, :, i] >> 2) & 1) << i for i in range(4)).astype(np.uint8)
+    p, g = st.shape[:2]
+    pairs = np.concatenate([low.reshape(p, g // 2, 128), third[:, 0::2] | (third[:, 1::2] << 4)], axis=2)
+    parts = [_by_panel(_panels(d), 1), _by_panel(_panels(sc), 16), pairs.reshape(p, g // 16, 8 * 192)]
+    return Segment("q3k", n, _blob(parts), 0, codes.shape[1])
+
+
+def pack_q2k(d: np.ndarray, dmin: np.ndarray, sm: np.ndarray, codes: np.ndarray) -> Segment:
+    """d, dmin: [n, k/256] float16; sm: [n, k/16] uint8 (scale | min << 4); codes [n, k] uint8 (0..3);
+    w = d * (sm & 15) * code - dmin * (sm >> 4).
+
+    GGUF's Q2_K bytes as they are, in q6k's family: per group of 16, one 64-byte plane holds the
+    4 steps' codes (step s at bits 2s)."""
+    n = codes.shape[0]
+    st = _steps(_panels(codes), 16)  # [P, k/16, 4, 64]
+    plane = sum((st[:, :, i] & 3) << (2 * i) for i in range(4)).astype(np.uint8)  # [P, k/16, 64]
+    p, g = st.shape[:2]
+    parts = [_by_panel(_panels(d), 1), _by_panel(_panels(dmin), 1), _by_panel(_panels(sm), 16),
+             plane.reshape(p, g // 16, 16 * 64)]
+    return Segment("q2k", n, _blob(parts), 0, codes.shape[1])
+
+
+def _code_body(fmt: str, st: np.ndarray) -> np.ndarray:
+    """A byte-code format's groups of steps [P, k/32, 8, 64] as the bytes the kernels unpack,
+    [P, k/32, code bytes]: q8's bytes as they are; 4-bit codes as q4k's nibbles (step i low, step
+    i + 4 high), and for q5k and q50 a plane of fifth bits (bit s of a plane byte belongs to step s
+    of the nibble byte at the same place)."""
+    p, g = st.shape[:2]
+    if fmt == "q8":
+        return st.reshape(p, g, 8 * 64)
+    nib = ((st[:, :, :4] & 15) | ((st[:, :, 4:] & 15) << 4)).reshape(p, g, 256)
+    if fmt not in ("q5k", "q50", "q51"):
+        return nib
+    plane = sum(((st[:, :, i] >> 4) & 1) << i for i in range(8)).astype(np.uint8)
+    return np.concatenate([nib, plane], axis=2)
+
+
+def pack_q8(d: np.ndarray, codes: np.ndarray, offset: int, fmt: str = "q8", dmin: np.ndarray | None = None) -> Segment:
+    """q8's header over codes in groups of 32: d [n, k/32] float16; codes [n, k] uint8;
+    w = d * (byte - offset), where the byte is the code (``q8``; ``q40``, ``q41``: codes 0..15;
+    ``q50``, ``q51``: 0..31) or, for ``iq4nl``, IQ4's table value + 128 of the code 0..15 (offset
+    128); ``q41`` and ``q51`` (dmin [n, k/32] float16) subtract dmin: w = d * byte - dmin."""
+    if (fmt in MIN_FORMATS) != (dmin is not None):
+        raise ValueError(f"{fmt}: a minimum is for q41 and q51 only, and they need one")
+    n = codes.shape[0]
+    st = _steps(_panels(codes), 32)  # [P, k/32, 8, 64]
+    head = [_by_panel(_panels(d), 1)] + ([] if dmin is None else [_by_panel(_panels(dmin), 1)])
+    parts = [*head, _code_body(fmt, st)]
+    return Segment(fmt, n, _blob(parts), offset, codes.shape[1])
+
+
+def pack_kgroups(fmt: str, d: np.ndarray, dmin: np.ndarray | None, sc: np.ndarray, mn: np.ndarray | None,
+                 codes: np.ndarray, offset: int, groups: int) -> Segment:
+    """q4k's header (signed scale codes) over codes in groups of 32 that the kernels unpack into bytes:
+    d, dmin [n, k/(32*groups)] float16; sc [n, k/32] int8; mn [n, k/32] uint8; codes [n, k] uint8;
+    w = d * sc * (byte - offset) - dmin * mn, where the byte is
+
+    - ``q5k``: the code 0..31, held as q4k's nibbles plus a plane of fifth bits (bit s of a plane
+      byte belongs to step s of the nibble byte at the same place);
+    - ``iq4``: IQ4's table value + 128 for the code 0..15, held as q4k's nibbles (offset 128), with
+      no minimum (dmin and mn None: the header keeps d and the scale codes only).
+    """
+    if (fmt == "iq4") != (dmin is None and mn is None):
+        raise ValueError("iq4 has no minimum; q5k has one")
+    n = codes.shape[0]
+    st = _steps(_panels(codes), 32)  # [P, k/32, 8, 64]
+    p, g = st.shape[:2]
+    body = _code_body(fmt, st).reshape(p, g // groups, groups * K_CODE_BYTES[fmt])
+    if dmin is None or mn is None:
+        parts = [_by_panel(_panels(d), 1), _by_panel(_panels(sc), groups), body]
+    else:
+        parts = [_by_panel(_panels(d), 1), _by_panel(_panels(dmin), 1), _by_panel(_panels(sc), groups),
+                 _by_panel(_panels(mn), groups), body]
+    return Segment(fmt, n, _blob(parts), offset, codes.shape[1], groups)
+
+
+# --------------------------------------------------------------------------- GGUF blocks
+
+# Bytes per block and values per block of the GGUF types the kernels compute with as they are
+# (each repacked by `from_gguf_blocks` into the format of its family; see docs/design.md).
+GGUF_BLOCKS = {
+    "Q4_K": (144, 256), "Q6_K": (210, 256), "Q8_0": (34, 32), "Q5_0": (22, 32),
+    "Q4_0": (18, 32), "Q4_1": (20, 32), "Q3_K": (110, 256), "IQ4_NL": (18, 32),
+    "Q5_K": (176, 256), "IQ4_XS": (136, 256), "Q5_1": (24, 32), "Q2_K": (84, 256),
+    # 16-bit floats have no blocks; kept in runs of 32 (the kernels' super-block), so the width
+    # must be a multiple of 32.
+    "F16": (64, 32), "BF16": (64, 32),
+}
+
+
+# The kernel format and groups a super-block (`Segment.groups`) each of them is kept in.
+KEPT_AS = {
+    "Q4_K": ("q4k", 8), "Q6_K": ("q6k", 8), "Q8_0": ("q8", 8), "Q5_0": ("q50", 8), "Q4_0": ("q40", 8),
+    "Q4_1": ("q41", 8), "Q3_K": ("q3k", 8), "IQ4_NL": ("iq4nl", 8), "Q5_K": ("q5k", 8), "IQ4_XS": ("iq4", 8),
+    "Q5_1": ("q51", 8), "Q2_K": ("q2k", 8), "F16": ("f16", 1), "BF16": ("bf16", 1),
+}
+
+
+def kept_bytes(kind: str, n: int, k: int) -> int:
+    """Bytes of an [n, k] GGUF tensor of a kept type once repacked (`from_gguf_blocks`)."""
+    fmt, groups = KEPT_AS[kind]
+    return blob_bytes(fmt, n, k, groups)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16)[..., 0]
+
+
+def _nibbles32(qs: np.ndarray) -> np.ndarray:
+    """The 16 code bytes of a legacy 32-weight block -> 32 codes (low nibbles first)."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _bits(b: np.ndarray, count: int, width: int = 1) -> np.ndarray:
+    """Fields of `width` bits packed little-endian in the bytes b[..., :] -> [..., bytes, count] planes."""
+    shifts = (np.arange(count, dtype=np.uint8) * width).reshape(*([1] * b.ndim), count)
+    return (b[..., None] >> shifts) & ((1 << width) - 1)
+
+
+def _legacy(kind: str, b: np.ndarray, n: int, k: int) -> Segment:
+    """The 32-weight types under q8's header (a float16 scale a block): Q8_0 as q8 (offset 128),
+    Q5_0 as q50 (16), Q4_0 as q40 (8), IQ4_NL as iq4nl (128); with a float16 minimum a block, Q4_1
+    as q41 and Q5_1 as q51 (d * q + m = d * q - (-m))."""
+    d = _f16(b[..., 0:2])
+    if kind == "Q8_0":
+        return pack_q8(d, (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8).reshape(n, k), 128)
+    if kind == "IQ4_NL":  # d * table[q] = d * (byte - 128)
+        return pack_q8(d, _nibbles32(b[..., 2:18]).reshape(n, k), 128, "iq4nl")
+    if kind in ("Q5_0", "Q5_1"):
+        at = 2 if kind == "Q5_0" else 4
+        qh = np.ascontiguousarray(b[..., at : at + 4]).view(np.uint32)  # [n, blocks, 1]
+        bits = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [n, blocks, 32]
+        codes = (_nibbles32(b[..., at + 4 : at + 20]) | (bits << 4)).reshape(n, k)
+        if kind == "Q5_0":
+            return pack_q8(d, codes, 16, "q50")
+        return pack_q8(d, codes, 0, "q51", dmin=-_f16(b[..., 2:4]))
+    if kind == "Q4_0":  # d * (q - 8)
+        return pack_q8(d, _nibbles32(b[..., 2:18]).reshape(n, k), 8, "q40")
+    return pack_q8(d, _nibbles32(b[..., 4:20]).reshape(n, k), 0, "q41", dmin=-_f16(b[..., 2:4]))  # Q4_1
+
+
+def _q3k(b: np.ndarray, n: int, k: int) -> Segment:
+    """Q3_K as q3k: the same super-block scale and signed per-16 scales (six bits - 32) over its
+    3-bit codes (the low two bits, and the bit ggml keeps in hmask: set means no -4)."""
+    nb = b.shape[1]
+    hmask, qs, s, d = b[..., 0:32], b[..., 32:96], b[..., 96:108], _f16(b[..., 108:110])
+    low = _bits(s[..., 0:8], 2, 4).transpose(0, 1, 3, 2).reshape(n, nb, 16)  # byte i: scales i, i + 8
+    high = _bits(s[..., 8:12], 4, 2).transpose(0, 1, 3, 2).reshape(n, nb, 16)  # byte j, bits 2s: scale 4s + j
+    sc = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8)
+    # 2-bit codes: weights 128h + 32s + i at bits 2s of byte 32h + i; their third bit at bit
+    # 32h + s... of hmask: weight 32t + i's high bit is bit t of hmask[i] (set: no -4).
+    lo2 = _bits(qs.reshape(n, nb, 2, 32), 4, 2).transpose(0, 1, 2, 4, 3).reshape(n, nb, 256)
+    hi = _bits(hmask, 8).transpose(0, 1, 3, 2).reshape(n, nb, 256)
+    return pack_q3k(d, sc.reshape(n, -1), (lo2 | (hi << 2)).reshape(n, k))
+
+
+def _q2k(b: np.ndarray, n: int, k: int) -> Segment:
+    """Q2_K as q2k: its per-16 scale/minimum bytes, 2-bit codes and d, dmin as they are."""
+    nb = b.shape[1]
+    sm, qs, d, dmin = b[..., 0:16], b[..., 16:80], _f16(b[..., 80:82]), _f16(b[..., 82:84])
+    # weights 128h + 32s + i at bits 2s of byte 32h + i (as Q3_K's low bits)
+    codes = _bits(qs.reshape(n, nb, 2, 32), 4, 2).transpose(0, 1, 2, 4, 3).reshape(n, k)
+    return pack_q2k(d, dmin, sm.reshape(n, -1), codes)
+
+
+def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Eight 6-bit scales and mins packed into 12 bytes (Q4_K, Q5_K; llama.cpp's get_scale_min_k4)."""
+    lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate([lo & 63, (hi & 15) | ((lo >> 6) << 4)], axis=-1)
+    mn = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=-1)
+    return sc, mn
+
+
+def _q5k(b: np.ndarray, n: int, k: int) -> Segment:
+    """Q5_K as q5k: Q4_K's scales over its 5-bit codes (a nibble and a bit of qh)."""
+    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    sc, mn = _k_scales(b[..., 4:16])
+    qh, qs = b[..., 16:48], b[..., 48:176].reshape(n, -1, 4, 32)  # 4 chunks of 64: low nibbles, then high
+    low = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, -1, 8, 32)
+    high = _bits(qh, 8).transpose(0, 1, 3, 2)  # group t's fifth bits: bit t of qh[i]
+    codes = (low | (high << 4)).reshape(n, k)
+    return pack_kgroups("q5k", d, dmin, sc.reshape(n, -1).view(np.int8), mn.reshape(n, -1), codes, 0, groups=8)
+
+
+def _iq4xs(b: np.ndarray, n: int, k: int) -> Segment:
+    """IQ4_XS as iq4: its per-32 scales (six bits - 32) under d, its 4-bit indices as they are."""
+    nb = b.shape[1]
+    d = _f16(b[..., 0:2])
+    high = _bits(np.ascontiguousarray(b[..., 2:4]).view(np.uint16)[..., 0], 8, 2).astype(np.uint8)  # [n, nb, 8]
+    low = _bits(b[..., 4:8], 2, 4).reshape(n, nb, 8)  # byte i: groups 2i, 2i + 1
+    sc = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8)
+    codes = _nibbles32(b[..., 8:136].reshape(n, nb, 8, 16)).reshape(n, k)
+    return pack_kgroups("iq4", d, None, sc.reshape(n, -1), None, codes, 128, groups=8)
+
+
+def pack_float(kind: str, raw: np.ndarray, n: int, k: int) -> Segment:
+    """F16 or BF16 values ([n, k] of 16-bit values, any dtype of that width, or their bytes) as the
+    kernels' f16/bf16 layout: per panel, per input, the 16 channels' values."""
+    bits = _panels(np.ascontiguousarray(raw).view(np.uint16).reshape(n, k))
+    blob = np.ascontiguousarray(bits.reshape(-1, PANEL, k).transpose(0, 2, 1))
+    return Segment(FLOAT_KINDS[kind], n, torch.from_numpy(blob.reshape(-1).view(np.uint8)), 0, k, groups=1)
+
+
+def from_gguf_blocks(kind: str, raw: np.ndarray, n: int, k: int) -> Segment:
+    """Repack a GGUF tensor's raw blocks ([n, k/values*bytes] uint8) without changing a weight."""
+    if kind in FLOAT_KINDS:
+        return pack_float(kind, raw, n, k)
+    size, per = GGUF_BLOCKS[kind]
+    b = np.asarray(raw, dtype=np.uint8).reshape(n, k // per, size)
+    if kind == "Q4_K":
+        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+        sc, mn = _k_scales(b[..., 4:16])
+        qs = b[..., 16:].reshape(n, k // 256, 4, 32)  # 4 chunks of 64 values: low nibbles, then high
+        codes = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, k)
+        return pack_q4k(d, dmin, sc.reshape(n, -1), mn.reshape(n, -1), codes)
+    if kind == "Q6_K":
+        ql, qh = b[..., 0:128], b[..., 128:192]
+        sc = b[..., 192:208].view(np.int8)
+        d = _f16(b[..., 208:210])
+        low = ql.reshape(n, -1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+        low = (low & 15).reshape(n, -1, 2, 128)
+        high = qh.reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
+        high = (high & 3).reshape(n, -1, 2, 128)
+        codes = (low | (high << 4)).reshape(n, k)
+        return pack_q6k(d, sc.reshape(n, -1), codes)
+    if kind == "Q3_K":
+        return _q3k(b, n, k)
+    if kind == "Q2_K":
+        return _q2k(b, n, k)
+    if kind == "Q5_K":
+        return _q5k(b, n, k)
+    if kind == "IQ4_XS":
+        return _iq4xs(b, n, k)
+    if per == 32:
+        return _legacy(kind, b, n, k)
+    raise ValueError(f"GGUF type {kind} is not kept as is")
+
+
+# --------------------------------------------------------------------------- float weights
+
+
+def quantize_int8(w: torch.Tensor) -> Segment:
+    """Symmetric 8-bit codes per group of 32, one float16 scale each (round to nearest)."""
+    n, k = w.shape
+    g = w.detach().float().reshape(n, k // 32, 32)
+    d = (g.abs().amax(-1) / 127).to(torch.float16)
+    inv = torch.where(d == 0, torch.zeros_like(d, dtype=torch.float32), 1.0 / d.float())
+    q = torch.round(g * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int16) + 128
+    return pack_q8(d.numpy(), q.to(torch.uint8).reshape(n, k).numpy(), 128)
+
+
+def quantize_int4(w: torch.Tensor) -> Segment:
+    """Asymmetric 4-bit codes per group of 32 in Q4_K's structure: per-group scale and min as
+    6-bit multiples of a float16 super-block scale. Each group maps [min, max] onto 0..15."""
+    n, k = w.shape
+    groups = q4k_groups(k)
+    if groups is None:
+        raise ValueError(f"4-bit weights need an input width divisible by 32, not {k}")
+    g = w.detach().float().reshape(n, k // 32, 32)
+    lo = g.amin(-1).clamp(max=0.0)
+    hi = g.amax(-1)
+    scale = (hi - lo) / 15.0  # [n, groups]
+    neg_min = -lo
+    sb_scale, sb_min = scale.reshape(n, -1, groups), neg_min.reshape(n, -1, groups)
+    d = (sb_scale.amax(-1) / 63).to(torch.float16)
+    dmin = (sb_min.amax(-1) / 63).to(torch.float16)
+
+    def code6(v: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        b = base.float().unsqueeze(-1)
+        return torch.where(b > 0, torch.round(v / torch.where(b > 0, b, 1)), 0).clamp(0, 63)
+
+    sc = code6(sb_scale, d).reshape(n, -1)
+    mn = code6(sb_min, dmin).reshape(n, -1)
+    eff_scale = (d.float().repeat_interleave(groups, 1) * sc).unsqueeze(-1)
+    eff_min = (dmin.float().repeat_interleave(groups, 1) * mn).unsqueeze(-1)
+    q = torch.where(eff_scale > 0, torch.round((g + eff_min) / torch.where(eff_scale > 0, eff_scale, 1)), 0)
+    q = q.clamp(0, 15).to(torch.uint8).reshape(n, k)
+    return pack_q4k(d.numpy(), dmin.numpy(), sc.to(torch.uint8).numpy(), mn.to(torch.uint8).numpy(), q.numpy(),
+                    groups)
+
+
+def quantize(w: torch.Tensor, bits: int) -> QWeight:
+    n, k = w.shape
+    if k % 32:
+        raise UserError(f"cannot quantize a [{n}, {k}] weight to {bits} bits: input width not a multiple of 32")
+    return QWeight(k, [quantize_int4(w) if bits == 4 else quantize_int8(w)])

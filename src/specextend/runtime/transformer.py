@@ -1,0 +1,245 @@
+"""A Llama-family decoder in plain PyTorch: Llama 2/3/3.x, Mistral, Qwen2/2.5 and Qwen3.
+
+One sequence, a static KV cache, and a forward over *any* set of new tokens: their ids, their
+position ids and (optionally) a [T, T] mask of which new tokens see which. That one signature
+serves prefill, one-token decoding, a draft tree and the target's verification of that tree.
+The layers are layers.py's; the sizes config.py's.
+
+`forward_many` runs the new tokens of several sequences (`Rows`, each with its own positions,
+cache and mask) in one forward: on the quantized runtime one C++ call (fused_step.py) whose linear
+layers read each weight once for all rows and whose attention runs per sequence over its own
+cache, and since every kernel there is row-independent each sequence's logits and KV are the
+bits it gets alone (`batches_rows`).
+Elsewhere (float weights, whose GEMMs may block differently by row count) it runs them one after
+the other, which keeps the bits too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from . import fused_step
+from .attention import Backend
+from .config import ModelConfig
+from .kv_cache import KVCache
+from .layers import Block, Embedding, Linear, RMSNorm, Rows, Workspace, rope_inv_freq
+from .quant import QWeight, qlinear
+
+
+class OutputHead(Protocol):
+    """A head that replaces the model's own output layer (a draft's head over a subset of the
+    vocabulary: speculation/draft_vocab.py). `head` is the weight the fused step computes the
+    logits with; `widen` turns those logits into logits over the whole vocabulary; `logits`
+    computes them from the last layer's rows on the per-layer path."""
+
+    @property
+    def head(self) -> QWeight | Any: ...
+
+    def widen(self, logits: torch.Tensor) -> torch.Tensor: ...
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.workspace = Workspace()
+        for layer in self.layers:
+            layer.workspace = self.workspace
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.weights = "float"  # the loader's weight scheme (models.loader.WEIGHTS)
+        # Quantized activations turn a last-bit difference into a different int8 code, so the
+        # quantized runtime runs all attention through the row-independent kernel: a token's
+        # logits are then the same bits whether it is decoded alone or verified inside a tree.
+        self.rowwise_attention = False
+        # Forwards of at most this many rows of one sequence run every layer in one C++ call
+        # (fused_step.py) on the quantized runtime; 0 drives every layer from Python.
+        self.step_rows = fused_step.STEP_ROWS
+        self._step_plan: Any = None
+        self._step_head: tuple[QWeight, Any] | None = None  # the head the step computes, as it takes it
+        # A head in place of lm_head (a draft's over a subset of the vocabulary), or None: lm_head.
+        self.output_head: OutputHead | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' and KV cache's dtype (quantized weights compute in float32)."""
+        return self.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's dtype: bfloat16 for the row-wise attention kernel (half the bytes a long
+        context reads per step, and bfloat16 dot products), else the activations' dtype."""
+        return torch.bfloat16 if self.rowwise_attention else self.dtype
+
+    def new_cache(self, capacity: int, dtype: torch.dtype | None = None) -> KVCache:
+        c = self.cfg
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, dtype or self.kv_dtype, self.device)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Angles in float32 then cast, exactly as the reference does, so float64 runs match it.
+        freqs = positions.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def pack(self) -> Transformer:
+        """Reorder every projection for the fast few-row CPU kernel (see `Linear`)."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.pack()
+        return self
+
+    @torch.no_grad()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        tree_mask: torch.Tensor | None = None,
+        backend: Backend = "efficient",
+        logits_rows: torch.Tensor | slice | None = None,
+        keep_q: dict[int, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Run T new tokens through the model, writing their K/V into `cache`'s pending slots.
+
+        tokens, positions: [T]; tree_mask: [T, M] bool, what each new token may see among the
+        last M keys (see attention.py), or None for causal. The caller commits the pending slots
+        afterwards (see `KVCache`). logits_rows picks the rows that need logits (prefill needs
+        one, not T x vocab). keep_q: a dict whose keys are layer indices; each gets that layer's
+        rotated queries [H, T, D].
+        Returns logits [rows, vocab] (float32 or wider).
+        """
+        if self.fused:
+            return self._forward_fused([Rows(tokens, positions, cache, tree_mask, logits_rows, keep_q, backend)])[0]
+        cache.begin(tokens.shape[0])
+        if self.rowwise_attention:
+            backend = "rowwise"
+        cos, sin = self.rope(positions)
+        x = self.embed(tokens.to(self.device))
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache, tree_mask, backend, keep_q)
+        x = x if logits_rows is None else x[logits_rows]
+        return self._logits(x)
+
+    @property
+    def fused(self) -> bool:
+        """Whether forwards run the quantized kernels' fused layers (`Block.forward_rows`)."""
+        return self.rowwise_attention and all(layer.quantized for layer in self.layers)
+
+    @property
+    def batches_rows(self) -> bool:
+        """Whether `forward_many` stacks the sequences' rows into one forward: only where every
+        kernel is row-independent (the quantized runtime, its head included)."""
+        return self.fused and self.lm_head.qweight is not None
+
+    @torch.no_grad()
+    def forward_many(self, parts: list[Rows]) -> list[torch.Tensor]:
+        """`forward` for several sequences at once: each part's logits, as `forward` returns them
+        for that part alone (the same bits). Each part's cache gets its pending slots."""
+        if self.batches_rows and len(parts) > 1:
+            return self._forward_fused(parts)
+        return [self(p.tokens, p.positions, p.cache, p.tree_mask, p.backend, p.logits_rows, p.keep_q) for p in parts]
+
+    def _forward_fused(self, parts: list[Rows]) -> list[torch.Tensor]:
+        for p in parts:
+            p.cache.begin(p.size)
+        one = len(parts) == 1
+        positions = parts[0].positions if one else torch.cat([p.positions for p in parts])
+        tokens = parts[0].tokens if one else torch.cat([p.tokens for p in parts])
+        cos, sin = self.rope(positions)
+        x = self.embed(tokens.to(self.device))
+        if self._takes_step(x, parts):
+            return self._forward_step(x, cos, sin, parts)
+        for layer in self.layers:
+            x = layer.forward_rows(x, cos, sin, parts)
+        picked, counts, off = [], [], 0
+        for p in parts:
+            rows = x[off : off + p.size]
+            rows = rows if p.logits_rows is None else rows[p.logits_rows]
+            picked.append(rows)
+            counts.append(int(rows.shape[0]))
+            off += p.size
+        logits = self._logits(picked[0] if one else torch.cat(picked))
+        return [logits] if one else list(torch.split(logits, counts))
+
+    def _takes_step(self, x: torch.Tensor, parts: list[Rows]) -> bool:
+        """Whether a fused forward runs as one C++ call (fused_step.py): a lone sequence's few rows, or
+        a batch's sequences whatever their rows."""
+        if self.step_rows <= 0 or (len(parts) == 1 and parts[0].size > self.step_rows):
+            return False
+        if self.output_head is not None and not isinstance(self.output_head.head, QWeight):
+            return False
+        return self.lm_head.qweight is not None and all(p.size > 0 and fused_step.fits(x, p.cache) for p in parts)
+
+    def _forward_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, parts: list[Rows]
+                      ) -> list[torch.Tensor]:
+        """Every layer and the head in one C++ call; each part's logits."""
+        if self._step_plan is None:
+            self._step_plan = fused_step.plan(self.cfg, self.layers)
+        weight = self.lm_head.qweight if self.output_head is None else self.output_head.head
+        if self._step_head is None or self._step_head[0] is not weight:
+            self._step_head = (weight, fused_step.head(self._step_plan, self.norm, weight))
+        rows, counts = fused_step.logit_rows(parts)
+        logits = fused_step.run(self._step_plan, x.contiguous(), cos, sin, parts, self.cfg.num_heads,
+                                self._step_head[1], rows)
+        if self.output_head is not None:
+            logits = self.output_head.widen(logits)
+        return [logits] if len(parts) == 1 else list(torch.split(logits, counts))
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.output_head is not None:
+            return self.output_head.logits(x)
+        if self.lm_head.qweight is not None:  # the final norm folded into the head's quantized product
+            logits = qlinear(x, self.lm_head.qweight, norm=self.norm.weight, eps=self.norm.eps)
+        else:
+            logits = self.lm_head(self.norm(x))
+        if logits.dtype in (torch.bfloat16, torch.float16):
+            logits = logits.float()
+        return logits
+
+    def prefill(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache,
+        backend: Backend = "efficient",
+        chunk: int = 512,
+        last_q: dict[int, torch.Tensor] | None = None,
+        on_chunk: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Feed a prompt in chunks (bounded memory at any length); returns the last token's logits.
+
+        last_q: if given, filled with every layer's query of the last prompt token ([H, 1, D]),
+        so retrieval can score the prompt by what its last token attends to.
+        on_chunk: called with the prompt tokens prefilled so far after each chunk (progress).
+        """
+        start = cache.length
+        n = tokens.shape[0]
+        logits = None
+        for s in range(0, n, chunk):
+            piece = tokens[s : s + chunk]
+            pos = torch.arange(start + s, start + s + piece.shape[0])
+            last = s + chunk >= n
+            keep = dict.fromkeys(range(self.cfg.num_layers)) if last and last_q is not None else None
+            out = self(piece, pos, cache, None, backend, logits_rows=slice(-1, None) if last else slice(0, 0),
+                       keep_q=keep)
+            cache.commit()
+            if on_chunk is not None:
+                on_chunk(s + piece.shape[0])
+            if last:
+                logits = out[-1]
+                if keep is not None:
+                    last_q.update({i: q[:, -1:].clone() for i, q in keep.items()})
+        assert logits is not None, "prefill needs at least one token"
+        return logits
