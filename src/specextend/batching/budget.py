@@ -39,7 +39,8 @@ STEP_SHARE = 0.5  # of the gap goal, what the step's target forward may take
 # The efficient chunk: cost per token within this of the best measured, about the curve's own noise.
 # A looser slack buys a newcomer a shorter wait for a dearer prefill, and a step costs more than the
 # curve says by what it does outside the forward: at 2% the server prefilled an 8K document
-# 1.05x slower than `generate` (docs/benchmarks.md, "A lone 8K document through the server").
+# 1.05x slower than `generate` (docs/log/2026-11-server-steps.md, "Sixteen-row steps, alike prompts at once,
+# and the chunk alone").
 EFFICIENT_SLACK = 0.005
 ROW_STEP = 16  # chunks beside streams are a multiple of this (the row kernels' tiles)
 REFERENCE_CONTEXT = 2048  # the context `decoding_rows` reports in /health

@@ -14,7 +14,8 @@ reference for speedups and exactness. Values are parsed as `bench --set` parses 
 `Pair.decode` per configuration). The table gives, per configuration, the mean rate, the mean
 and the smallest per-prompt ratio to `ar` and to the better of `ar` and `sd` (when `method=sd` is
 one of the points), tau and how many outputs equal `ar`'s. Used to choose the defaults in
-common/settings.py; the tables in docs/benchmarks.md come from this script.
+common/settings.py; the tables behind docs/benchmarks.md's "Measured choices"
+(docs/log/2026-11-measured-choices.md) come from this script.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ of several (a batch step), and the LM head in one C++ call.
 
 A one-row decode step driven from Python (`model.Block.forward_rows`) makes six kernel calls a
 layer, each a crossing into C++ and a hand-over to the thread team; for a small draft that is a
-visible share of a step whose floor is a dozen milliseconds (docs/benchmarks.md). The C++ core
+visible share of a step whose floor is a dozen milliseconds (docs/log/2026-11-step-costs.md). The C++ core
 (csrc/core/step.h) runs the same kernels with the same arguments for every layer in one
 parallel region, so its outputs are the Python-driven step's bits. A batch's sequences share the
 call: every product takes all their rows at once (a weight is read once for all), attention runs
@@ -110,8 +110,8 @@ def release_thread_team() -> bool:
     every team's waits at the regions' ends and starts spin briefly and then sleep. A thread that
     loaded the models, measured their costs or ran `generate` and then hands the steps to a batch's
     thread leaves its team behind; with it, the batch thread's steps over an 8K document measured
-    ~15% slower than the same forwards in `generate` (docs/benchmarks.md, "A lone 8K document
-    through the server"). The team comes back if this thread opens a region again. Whether one was
+    ~15% slower than the same forwards in `generate` (docs/log/2026-11-server-steps.md, "A lone 8K
+    document through the server"). The team comes back if this thread opens a region again. Whether one was
     freed (False: no OpenMP 5.0 pause in this runtime, or the kernels are not built)."""
     if not kernels.available():
         return False

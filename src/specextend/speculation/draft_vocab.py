@@ -33,7 +33,7 @@ from ..runtime.quant import MIN_FORMATS, PANEL, Q8_CODE_BYTES, QWeight, Segment,
 if TYPE_CHECKING:
     from ..runtime.transformer import Transformer
 
-# The frequent part's size (tokens of lowest id), chosen by measurement (docs/benchmarks.md).
+# The frequent part's size (tokens of lowest id), chosen by measurement (docs/benchmarks.md, "Measured choices").
 DRAFT_VOCAB = 32768
 # The prompts' extra tokens kept at most; past it, the extras restart from the current prompt.
 MAX_EXTRA = 16384

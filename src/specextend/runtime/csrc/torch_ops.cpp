@@ -83,7 +83,7 @@ void run_linear(spx::Path path, const spx::Linear& lin, int64_t panels) {
   constexpr int64_t kScratch = spx::kRowBlock * spx::kPanel;
   // Each thread's accumulators (a rows kernel stores and reloads them for every weight group) on
   // their own 4 KB page, at a different offset in it: packed side by side from a 64-byte boundary
-  // they made the avx2 rows kernel's prefill measurably slower (docs/benchmarks.md).
+  // they made the avx2 rows kernel's prefill measurably slower (docs/log/2026-11-many-row-kernels.md).
   constexpr int64_t kPage = 1024;  // floats
   std::vector<float> scratch(static_cast<size_t>(threads) * (kScratch + kPage) + kPage);
   float* base = scratch.data() + ((kPage - (reinterpret_cast<uintptr_t>(scratch.data()) / 4) % kPage) % kPage);

@@ -419,7 +419,7 @@ void one_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m2
       const int8_t* qb = q + 32 * b;
       // Q4_K's 8-group super-blocks: the next one's share into L1, not 9.5 KB ahead into L2 (this
       // loop streams its weights near the memory's speed, and the near prefetch kept it there more
-      // often: docs/benchmarks.md). The next one-group super-block (Q4_0, Q4_1) is only 352 bytes
+      // often: docs/log/2026-11-gguf-types.md). The next one-group super-block (Q4_0, Q4_1) is only 352 bytes
       // ahead, and that was not what was measured: those keep the far prefetch.
       if (sbg > 1) share.near(p + sb_bytes, g);
       else share(p, g);
@@ -560,7 +560,7 @@ void one_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m2
       const int64_t k0 = sb * 256 + g * 16;
       const int8_t* qb = q + k0;
       // Q6K reads the next super-block's share into L1, as one_q4k; Q3K and Q2K measured no
-      // better with it and keep the far prefetch (docs/benchmarks.md).
+      // better with it and keep the far prefetch (docs/log/2026-11-gguf-types.md).
       if constexpr (FMT == Q6K) share.near(p + sb_bytes, g);
       else share(p, g);
       const __m256i a0 = bcast4(qb), a1 = bcast4(qb + 4), a2 = bcast4(qb + 8), a3 = bcast4(qb + 12);

@@ -2,7 +2,7 @@
 //
 // Why: a one-row decode step of a 0.5B draft streams ~0.3 GB of weights in ~12 ms, and driving it
 // from Python costs six kernel calls a layer, each a Python-to-C++ crossing and a wake-up of the
-// thread team (docs/benchmarks.md measures that share). Here one parallel region runs every
+// thread team (docs/log/2026-11-step-costs.md measures that share). Here one parallel region runs every
 // layer; the threads meet at a barrier between the layer's phases instead of being handed work
 // anew for each operator.
 //
