@@ -437,3 +437,23 @@ def test_file_without_tokenizer_converts_weights_only(tmp_path: Path) -> None:
     assert_same_weights(out, expected)
     assert not (out / "tokenizer.json").exists()
     assert conv.is_complete(out)
+
+
+def test_our_reader_reads_what_ggufs_reader_reads(tmp_path: Path) -> None:
+    """The header read through a plain array (`gguf._reader_class`, for speed) gives every field's
+    parts and types and every tensor's name, type, shape and data as gguf's own reader does."""
+    from gguf import GGUFReader
+
+    from specextend.models.gguf import open_gguf
+
+    src = tmp_path / "m.gguf"
+    write_tiny_gguf(src, "qwen2", quantized=("model.layers.0.mlp.up_proj.weight",))
+    ours, theirs = open_gguf(src), GGUFReader(src)
+    assert list(ours.fields) == list(theirs.fields)
+    for name, f in theirs.fields.items():
+        g = ours.fields[name]
+        assert (g.offset, g.name, g.data, g.types) == (f.offset, f.name, f.data, f.types), name
+        assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(g.parts, f.parts, strict=True)), name
+    assert [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in ours.tensors] == \
+        [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in theirs.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, theirs.tensors, strict=True))

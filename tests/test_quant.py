@@ -210,3 +210,36 @@ def test_bad_blob_size_is_refused() -> None:
     with pytest.raises(RuntimeError, match="expected"):
         ext.qlinear(torch.randn(1, 64), [seg.blob[:-1]], [2], [16], [128], [1], None, None, 0.0, False, None,
                     kernels.path_id())
+
+
+@pytest.mark.parametrize("fmt", ["q4k", "q6k", "q5k", "iq4", "q3k", "q2k", "q8", "q40", "q50", "iq4nl", "q41",
+                                 "q51", "f16", "bf16"])
+def test_a_whole_weight_dequantizes_to_each_rows_own_floats(fmt: str) -> None:
+    """A whole weight (runs of rows unpacked together, a panel at a time) and any rows asked in any
+    order give each row's floats as it gives them alone, written into `out` when one is given."""
+    from specextend.bench.onerow import random_weight
+
+    seg = random_weight(fmt, 45, 512, seed=3).segments[0]  # 45 rows: the last panel is partial
+    alone = torch.stack([seg.dequantize(torch.tensor([r]))[0] for r in range(seg.n)])
+    assert torch.equal(seg.dequantize(), alone)
+    ids = torch.tensor([7, 8, 9, 0, 44, 43, 16, 17, 31, 32, 5, 5])
+    assert torch.equal(seg.dequantize(ids), alone[ids])
+    out = torch.full((seg.n + 3, seg.k), float("nan"))
+    seg.dequantize(out=out[2 : 2 + seg.n])
+    assert torch.equal(out[2 : 2 + seg.n], alone) and out[:2].isnan().all() and out[-1].isnan().all()
+
+
+def test_a_stacked_weight_dequantizes_segment_by_segment_into_one_tensor() -> None:
+    from specextend.bench.onerow import random_weight
+
+    parts = [random_weight(f, n, 256, seed=i).segments[0] for i, (f, n) in enumerate([("q4k", 32), ("q6k", 16)])]
+    w = quant.QWeight(256, parts)
+    assert torch.equal(w.dequantize(), torch.cat([p.dequantize() for p in parts]))
+
+
+def test_dequantize_refuses_an_out_of_the_wrong_shape() -> None:
+    from specextend.bench.onerow import random_weight
+
+    seg = random_weight("q8", 16, 256).segments[0]
+    with pytest.raises(RuntimeError, match="out must be"):
+        seg.dequantize(out=torch.empty(16, 128))

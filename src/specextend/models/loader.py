@@ -173,15 +173,22 @@ class _Tensors:
             for k in keys:
                 self.where[k] = (h, f)
 
-    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        if name not in self.where:
-            raise UserError(f"checkpoint is missing tensor {name}")
-        h, f = self.where[name]
+    def get(self, name: str, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        h, f = self._where(name)
         try:
             t = h.get_tensor(name)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise UserError(f"{f} is corrupt or truncated: {e}") from None
-        return t.to(dtype)
+        return t.to(dtype) if out is None else out.copy_(t)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        h, _ = self._where(name)
+        return tuple(h.get_slice(name).get_shape())
+
+    def _where(self, name: str) -> tuple[Any, Path]:
+        if name not in self.where:
+            raise UserError(f"checkpoint is missing tensor {name}")
+        return self.where[name]
 
     def has(self, name: str) -> bool:
         return name in self.where
@@ -246,12 +253,13 @@ def build_model(m: ResolvedModel, device: torch.device | str = "cpu", pack: bool
     quantized = m.weights in QUANTIZED_WEIGHTS
     act = m.torch_dtype if quantized else DTYPES[m.weights]
     derived = DerivedWeights(derived_path(m.path, m.weights)) if quantized else None
+    inv_freq = rope_inv_freq(m.config).to(device)
     with torch.device("meta"):
-        model = Transformer(m.config)
+        model = Transformer(m.config, inv_freq)
     _fill(model, _Weights(ts, act, device, derived, m.weights))
     if derived is not None:
         derived.save()
-    model.inv_freq = rope_inv_freq(m.config).to(device)
+    model.inv_freq = inv_freq
     model.weights = m.weights
     model.rowwise_attention = quantized
     model.eval()
@@ -282,9 +290,24 @@ class _Weights:
             _check_shape((q.n, q.k), (rows or q.n, width), names[0])
             mod.quantize(q)
             return
-        w = torch.cat([self.ts.get(n, self.act) for n in names])
+        w = self.stacked(names)
         _check_shape(tuple(w.shape), (rows or w.shape[0], width), names[0])
         mod.weight = self.wrap(w)
+
+    def stacked(self, names: list[str]) -> torch.Tensor:
+        """The tensors' rows one after the other, each written into its place (a weight of several
+        GB is not made twice, as a concatenation would)."""
+        if len(names) == 1:
+            return self.ts.get(names[0], self.act)
+        shapes = [self.ts.shape(n) for n in names]
+        if any(len(s) != 2 or s[1] != shapes[0][1] for s in shapes):
+            raise UserError(f"{', '.join(names)} cannot be stacked: shapes {', '.join(map(str, shapes))}")
+        w = torch.empty(sum(s[0] for s in shapes), shapes[0][1], dtype=self.act)
+        r = 0
+        for n, s in zip(names, shapes, strict=True):
+            self.ts.get(n, self.act, out=w[r : r + s[0]])
+            r += s[0]
+        return w
 
 
 def _fill(model: Transformer, w: _Weights) -> None:

@@ -208,12 +208,25 @@ class QuantizedFile:
         return Segment(f["format"], int(f["n"]), self._read_mapped(name) if mapped else self._read(name),
                        int(f["offset"]), int(f["k"]), int(f.get("groups", 8)))
 
-    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """The tensor as float `dtype` (quantized ones are dequantized exactly, then cast)."""
+    def get(self, name: str, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor as float `dtype` (quantized ones are dequantized exactly, then cast), into
+        `out` (contiguous, of its shape and `dtype`) when given: a part of a stacked weight."""
         seg = self.segment(name)
-        if seg is not None:
-            return seg.dequantize().to(dtype)
-        return self._read(name).to(dtype)
+        if seg is not None and out is not None and dtype == torch.float32:
+            return seg.dequantize(out=out)
+        t = seg.dequantize() if seg is not None else self._read(name)
+        if out is None:
+            return t.to(dtype)
+        return out.copy_(t)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape as `get` returns it, from the header (nothing read)."""
+        f = self.formats.get(name)
+        if f is not None:
+            return int(f["n"]), int(f["k"])
+        if name not in self.names:
+            raise UserError(f"{self.path} is missing tensor {name}")
+        return tuple(int(d) for d in self.header[name]["shape"])
 
     def _read(self, name: str) -> torch.Tensor:
         """A float tensor, read into memory of its own. A plain read, not the library's memory map:

@@ -87,9 +87,11 @@ class Segment:
     k: int  # input width
     groups: int = 8  # q4k, q8k: groups of 32 per super-block
 
-    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def dequantize(self, rows: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows `rows` (all: None) in float32, into `out` (contiguous float32 [rows, k]) when given."""
         ids = torch.arange(self.n) if rows is None else rows
-        return kernels.load().dequantize(self.blob, FORMATS[self.fmt], self.n, self.k, self.offset, self.groups, ids)
+        return kernels.load().dequantize(self.blob, FORMATS[self.fmt], self.n, self.k, self.offset, self.groups, ids,
+                                         out)
 
     @property
     def nbytes(self) -> int:
@@ -117,8 +119,14 @@ class QWeight:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.segments)
 
-    def dequantize(self) -> torch.Tensor:
-        return torch.cat([s.dequantize() for s in self.segments])
+    def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole weight in float32 [n, k], into `out` when given (each segment writes its rows)."""
+        out = torch.empty(self.n, self.k) if out is None else out
+        r = 0
+        for s in self.segments:
+            s.dequantize(out=out[r : r + s.n])
+            r += s.n
+        return out
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows (an embedding lookup); only single-segment weights are looked up."""

@@ -45,7 +45,10 @@ class OutputHead(Protocol):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, inv_freq: torch.Tensor | None = None) -> None:
+        """`inv_freq`: the RoPE frequencies, when computed already (a model built on the meta
+        device is given them: computed there, they would be thrown away, and torch's meta
+        arithmetic imports its compiler, a second and a half at every start)."""
         super().__init__()
         self.cfg = cfg
         self.embed = Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -55,7 +58,7 @@ class Transformer(nn.Module):
             layer.workspace = self.workspace
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg) if inv_freq is None else inv_freq, persistent=False)
         self.weights = "float"  # the loader's weight scheme (models.loader.WEIGHTS)
         # Quantized activations turn a last-bit difference into a different int8 code, so the
         # quantized runtime runs all attention through the row-independent kernel: a token's

@@ -165,9 +165,11 @@ at::Tensor qlinear(const at::Tensor& x, const std::vector<at::Tensor>& blobs, co
   return y;
 }
 
-// Rows of one segment in float32 (embedding lookups, float conversions, tests).
+// Rows of one segment in float32 (embedding lookups, float conversions, tests), into `out` [rows, k]
+// when given (a slice of a stacked weight: no copy afterwards). Ids that run on within a panel are
+// unpacked together: a whole weight's conversion unpacks each group once, not once a row.
 at::Tensor dequantize(const at::Tensor& blob, int64_t fmt, int64_t n, int64_t k, int64_t offset, int64_t sbg,
-                      const at::Tensor& row_ids) {
+                      const at::Tensor& row_ids, const c10::optional<at::Tensor>& out_opt) {
   spx::FormatInfo fi{};
   TORCH_CHECK(spx::format_info(fmt, sbg, &fi), "dequantize: unknown format (Q4K, Q5K and IQ4 take 1 to 8 groups per super-block)");
   TORCH_CHECK(k > 0 && k % fi.superblock == 0 && n > 0, "dequantize: bad input width");
@@ -178,10 +180,26 @@ at::Tensor dequantize(const at::Tensor& blob, int64_t fmt, int64_t n, int64_t k,
   const int64_t* idp = ids.data_ptr<int64_t>();
   const int64_t rows = ids.numel();
   for (int64_t i = 0; i < rows; ++i) TORCH_CHECK(idp[i] >= 0 && idp[i] < n, "dequantize: row id out of range");
-  at::Tensor out = at::empty({rows, k}, at::dtype(at::kFloat));
+  at::Tensor out;
+  if (out_opt.has_value()) {
+    out = *out_opt;
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == rows &&
+                out.size(1) == k, "dequantize: out must be a contiguous float32 [rows, k]");
+  } else {
+    out = at::empty({rows, k}, at::dtype(at::kFloat));
+  }
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, 64, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) spx::dequantize_row(s, idp[i], op + i * k);
+  std::vector<int64_t> starts;  // runs of ids i, i + 1, ... within one panel
+  for (int64_t i = 0; i < rows; ++i)
+    if (i == 0 || idp[i] != idp[i - 1] + 1 || idp[i] % spx::kPanel == 0) starts.push_back(i);
+  starts.push_back(rows);
+  const int64_t runs = static_cast<int64_t>(starts.size()) - 1;
+  at::parallel_for(0, runs, 4, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const int64_t i = starts[r], len = starts[r + 1] - i, id = idp[i];
+      const int c0 = static_cast<int>(id % spx::kPanel);
+      spx::dequantize_channels(s, id / spx::kPanel, c0, c0 + static_cast<int>(len), op + i * k, k);
+    }
   });
   return out;
 }
@@ -286,7 +304,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear, "quantized linear over weight segments", py::arg("x"), py::arg("blobs"), py::arg("fmts"),
         py::arg("ns"), py::arg("offsets"), py::arg("sbgs"), py::arg("bias"), py::arg("norm"), py::arg("eps"),
         py::arg("silu_mul"), py::arg("residual"), py::arg("path"), py::arg("out") = py::none());
-  m.def("dequantize", &dequantize, "dequantize rows of a weight blob");
+  m.def("dequantize", &dequantize, "dequantize rows of a weight blob", py::arg("blob"), py::arg("fmt"), py::arg("n"),
+        py::arg("k"), py::arg("offset"), py::arg("sbg"), py::arg("row_ids"), py::arg("out") = py::none());
   m.def("quantize_activations", &quantize_activations, "int8 activations, one scale per 32");
   m.def("attend", &attend, "row-independent attention of new tokens over a bfloat16 KV cache");
   m.def("rope_store", &rope_store, "rotate the new queries and keys, store keys and values in the bf16 cache");

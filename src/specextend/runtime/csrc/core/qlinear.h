@@ -284,6 +284,9 @@ void linear_unit(Path path, const Linear& op, const LinearWork& w, int64_t unit,
 
 // Weight row `row` of a segment in float32 (embedding lookups, float conversions, tests).
 void dequantize_row(const Segment& s, int64_t row, float* out);
+// Channels [c0, c1) of one panel (rows panel * 16 + c), row c - c0 at out + (c - c0) * ldo: the same
+// floats as dequantize_row, each group unpacked once for all of them.
+void dequantize_channels(const Segment& s, int64_t panel, int c0, int c1, float* out, int64_t ldo);
 
 // The float formats' sums of one full panel for rows [r0, r0 + n), n <= kRowBlock, into sum [n][16]
 // (the bias and residual not yet added): the vector paths' shared loop over their pieces V::

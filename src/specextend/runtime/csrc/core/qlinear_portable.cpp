@@ -151,28 +151,36 @@ void tile_portable(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0
     }
 }
 
-void dequantize_row(const Segment& s, int64_t row, float* o) {
+void dequantize_channels(const Segment& s, int64_t panel, int c0, int c1, float* o, int64_t ldo) {
   const FormatInfo fi = s.fi();
-  const int64_t panel = row / kPanel;
-  const int c = static_cast<int>(row % kPanel);
   const uint8_t* p = s.blob + panel * s.panel_bytes();
   if (float_format(s.fmt)) {
-    for (int64_t i = 0; i < s.k; ++i) o[i] = float_weight(s.fmt, p, i, c);
+    for (int c = c0; c < c1; ++c)
+      for (int64_t i = 0; i < s.k; ++i) o[(c - c0) * ldo + i] = float_weight(s.fmt, p, i, c);
     return;
   }
+  // Each group is unpacked once for all the channels asked of it (unpacking is most of the work).
   const int groups = fi.superblock / fi.group;
   Group grp;
   for (int64_t sb = 0; sb < s.k / fi.superblock; ++sb, p += fi.bytes)
     for (int g = 0; g < groups; ++g) {
       unpack_group(s, p, g, grp);
-      float* og = o + sb * fi.superblock + g * fi.group;
-      for (int i = 0; i < fi.group; ++i) {
-        if (s.fmt == Q4K || s.fmt == Q2K) og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i]) - grp.mins[c];
-        else if (six_bit(s.fmt)) og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i] - 32);
-        else if (has_minimum(s.fmt)) og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i] - s.offset) - grp.mins[c];
-        else og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i] - s.offset);
+      const int64_t i0 = sb * fi.superblock + g * fi.group;
+      for (int c = c0; c < c1; ++c) {
+        float* og = o + (c - c0) * ldo + i0;
+        for (int i = 0; i < fi.group; ++i) {
+          if (s.fmt == Q4K || s.fmt == Q2K) og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i]) - grp.mins[c];
+          else if (six_bit(s.fmt)) og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i] - 32);
+          else if (has_minimum(s.fmt)) og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i] - s.offset) - grp.mins[c];
+          else og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i] - s.offset);
+        }
       }
     }
+}
+
+void dequantize_row(const Segment& s, int64_t row, float* o) {
+  const int c = static_cast<int>(row % kPanel);
+  dequantize_channels(s, row / kPanel, c, c + 1, o, s.k);
 }
 
 }  // namespace spx
