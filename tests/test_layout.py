@@ -81,11 +81,11 @@ def test_every_draft_cache_name_has_its_policy():
 
 
 def test_the_production_kernels_do_not_carry_the_peak_probes():
-    """The roofline's register-only loops are an extension of their own (roofline.probes): the
+    """The roofline's register-only loops are a library of their own (roofline.probes): the
     kernels every generation loads are built without them."""
     from specextend.bench import roofline
     from specextend.runtime import kernels
 
     assert not any("peak" in name for name in kernels._SOURCES)
-    assert {"peak_ops.cpp", "core/peak.cpp"} <= set(roofline.PROBE_SOURCES)
+    assert {"peak_lib.cpp", "core/peak.cpp"} <= set(roofline.PROBE_SOURCES)
     assert kernels.build_dir(roofline.PROBE_SOURCES) != kernels.build_dir()

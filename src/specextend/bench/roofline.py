@@ -15,6 +15,7 @@ the linear layers' at the int8 peak and attention's at the bfloat16 peak.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import hashlib
 import json
@@ -23,11 +24,11 @@ import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..common.errors import UserError
 from ..runtime import kernels
 
 if TYPE_CHECKING:
@@ -35,8 +36,8 @@ if TYPE_CHECKING:
 
 FLOOR_KINDS = ("int8", "bf16")  # the loops the compute floor divides by (the other kinds are reported only)
 PEAK_KINDS = ("int8", "bf16", "bf16_native", "int8_pair")  # what a peak loop stands for; ids in csrc/core/peak.h
-# The peak loops' extension: their binding, the loops and the CPU detection they run by.
-PROBE_SOURCES = ("peak_ops.cpp", "core/peak.cpp", "core/cpu.cpp")
+# The peak loops' library: its C interface, the loops and the CPU detection they run by.
+PROBE_SOURCES = ("peak_lib.cpp", "core/peak.cpp", "core/cpu.cpp")
 
 
 # --------------------------------------------------------------------------- multiply-adds
@@ -86,16 +87,33 @@ def floor_s(macs: Macs, int8_gmac_per_s: float, bf16_gmac_per_s: float) -> float
 
 
 @functools.cache
-def probes() -> ModuleType:
-    """The peak loops' own extension (csrc/peak_ops.cpp), built on first use beside the kernels."""
-    return kernels.build("specextend_peak", PROBE_SOURCES, "the multiply-add peak loops")
+def probes() -> ctypes.CDLL:
+    """The peak loops' own library (csrc/peak_lib.cpp), built on first use beside the kernels."""
+    lib = ctypes.CDLL(str(kernels.build_library("specextend_peak", PROBE_SOURCES, "the multiply-add peak loops")))
+    d, p = ctypes.c_double, ctypes.POINTER
+    lib.spx_peak.argtypes = [ctypes.c_int, ctypes.c_int, d, ctypes.c_int, ctypes.c_int, p(d), p(d),
+                             p(ctypes.c_char_p), p(ctypes.c_char_p), p(ctypes.c_uint32)]
+    lib.spx_peak.restype = ctypes.c_int
+    return lib
 
 
 def peak(path: str, kind: str, seconds: float, repeats: int) -> dict[str, Any] | None:
-    """One register-only multiply-add loop of `path` (csrc/core/peak.h) on every thread of the pool:
-    its instruction and note, and each repeat's wall seconds and multiply-adds (all threads);
-    None where the path has no loop of that `kind` (PEAK_KINDS)."""
-    return probes().peak(kernels.path_index(path), PEAK_KINDS.index(kind), seconds, repeats)
+    """One register-only multiply-add loop of `path` (csrc/core/peak.h) on as many threads as
+    torch's pool: its instruction and note, and each repeat's wall seconds and multiply-adds (all
+    threads); None where the path has no loop of that `kind` (PEAK_KINDS)."""
+    if seconds <= 0 or repeats < 1:
+        raise ValueError("peak: seconds must be positive and repeats at least 1")
+    threads = torch.get_num_threads()
+    secs, macs = (ctypes.c_double * repeats)(), (ctypes.c_double * repeats)()
+    instruction, note, digest = ctypes.c_char_p(), ctypes.c_char_p(), ctypes.c_uint32()
+    got = probes().spx_peak(kernels.path_index(path), PEAK_KINDS.index(kind), seconds, repeats, threads, secs, macs,
+                            ctypes.byref(instruction), ctypes.byref(note), ctypes.byref(digest))
+    if got == -2:
+        raise UserError(f"this CPU cannot run the {path} kernels")
+    if got != 0:
+        return None
+    return {"instruction": (instruction.value or b"").decode(), "note": (note.value or b"").decode(),
+            "threads": threads, "seconds": list(secs), "macs": list(macs), "digest": digest.value}
 
 
 def record_path() -> Path:

@@ -126,6 +126,37 @@ def build(stem: str, sources: tuple[str, ...], what: str, verbose: bool = False)
         raise UserError(f"cannot build {what} in {out}: {first} (is g++ installed?)") from None
 
 
+def build_library(stem: str, sources: tuple[str, ...], what: str) -> Path:
+    """A plain shared library of `sources` (paths under csrc/, no PyTorch), compiled with g++ into
+    its own folder of the kernel cache on first use; the path of the `.so`. One process builds
+    while the others wait (a lock file); the library appears under its name only once whole."""
+    import fcntl
+    import subprocess
+
+    out = build_dir(sources)
+    lib = out / f"lib{stem}.so"
+    if lib.is_file():
+        return lib
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / f"{stem}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if lib.is_file():
+            return lib
+        print(f"specextend: building {what} (once per machine, a few seconds)", file=sys.stderr, flush=True)
+        tmp = out / f"lib{stem}.so.{os.getpid()}.tmp"
+        cmd = ["g++", *_CFLAGS, "-shared", "-fPIC", *(str(_CSRC / n) for n in sources), "-o", str(tmp)]
+        try:
+            run = subprocess.run(cmd, capture_output=True, text=True)
+        except OSError as e:
+            raise UserError(f"cannot build {what} in {out}: {e} (is g++ installed?)") from None
+        if run.returncode != 0:
+            first = (run.stderr.strip().splitlines() or ["g++ failed"])[0]
+            tmp.unlink(missing_ok=True)
+            raise UserError(f"cannot build {what} in {out}: {first}")
+        os.replace(tmp, lib)
+    return lib
+
+
 def available() -> bool:
     """Whether the kernels can be used here (built or buildable); never raises."""
     if os.environ.get("SPECEXTEND_NO_KERNELS"):
