@@ -119,14 +119,15 @@ def best_call_s(x: torch.Tensor, weights: list[quant.QWeight], repeats: int) -> 
     return best
 
 
-def measure(fmt: str, n: int, k: int, threads: int, stream_mb: int, repeats: int) -> dict[str, Any]:
+def measure(fmt: str, n: int, k: int, threads: int, stream_mb: int, repeats: int, bandwidth: float) -> dict[str, Any]:
+    """One format's cold and hot one-row product on `threads` threads, against `bandwidth` (GB/s:
+    the machine's read rate on those threads, measured once for every format)."""
     torch.set_num_threads(threads)
     w = random_weight(fmt, n, k)
     copies = [w] + [_copy(w) for _ in range(max(1, stream_mb * 2**20 // w.nbytes) - 1)]
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(1))
     cold, hot = best_call_s(x, copies, repeats), best_call_s(x, [w], repeats)
     del copies
-    bandwidth = read_bandwidth_gbs()
     return {"format": fmt, "n": n, "k": k, "threads": threads, "weight_mb": w.nbytes / 1e6,
             "cold_us": cold * 1e6, "hot_us": hot * 1e6, "cold_gbs": w.nbytes / cold / 1e9,
             "hot_gbs": w.nbytes / hot / 1e9, "read_bandwidth_gbs": bandwidth,
@@ -171,7 +172,11 @@ def main(argv: list[str] | None = None) -> int:
         print("specextend: the one-row product needs the quantized kernels on a vector path "
               f"(here: {kernels.describe()})", file=sys.stderr)
         return 1
-    rows = [measure(f, n, k, t, a.stream_mb, a.repeats)
+    bandwidth = {}
+    for t in threads:  # the machine's read rate: one figure a thread count, not one a format
+        torch.set_num_threads(t)
+        bandwidth[t] = read_bandwidth_gbs()
+    rows = [measure(f, n, k, t, a.stream_mb, a.repeats, bandwidth[t])
             for f in tqdm(formats, desc="formats", unit="format", file=sys.stderr) for t in threads]
     print(f"one-row product, kernel path {kernels.path()}, CPU {kernels.cpu_name()}\n")
     print(report(rows))
