@@ -1,13 +1,13 @@
 """Nothing aborts at exit: every command and API that starts the batch's thread stops and joins it
 before the interpreter finalizes (a daemon thread still inside a C++ call at that point is ended
 mid-call, and the process aborts after all its output: "terminate called without an active
-exception"). The processes run beside a CPU-hogging one, which is how the abort showed in CI."""
+exception"). The abort showed in CI with another process hogging the CPU: each check runs its
+processes six at once, so each runs beside five CPU-bound others."""
 
 from __future__ import annotations
 
 import gc
 import json
-import multiprocessing
 import subprocess
 import sys
 import textwrap
@@ -25,11 +25,6 @@ RUNS = 6
 PROMPTS = ["hello the world", "the budget of the agency", "def parse(s):", "one two three four"]
 
 
-def _hog(stop) -> None:  # a busy core, as another xdist worker's test is
-    while not stop.is_set():
-        sum(i * i for i in range(10_000))
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("exit")
@@ -37,18 +32,18 @@ def folders(tmp_path_factory):
             "draft": save_tiny_model(root / "draft", seed=1, layers=1)}
 
 
-@pytest.fixture
-def busy():
-    stop = multiprocessing.Event()
-    proc = multiprocessing.Process(target=_hog, args=(stop,), daemon=True)
-    proc.start()
-    yield
-    stop.set()
-    proc.join(10)
-
-
 def _batch_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "specextend-batch" and t.is_alive()]
+
+
+def _run_at_once(cmd: list[str], runs: int = RUNS) -> list[subprocess.CompletedProcess]:
+    """`cmd` run `runs` times at once (each beside the others: a busy CPU), every one to its end."""
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(runs)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        outs.append(subprocess.CompletedProcess(cmd, p.returncode, out, err))
+    return outs
 
 
 def _assert_clean(out: subprocess.CompletedProcess, what: str) -> None:
@@ -56,19 +51,20 @@ def _assert_clean(out: subprocess.CompletedProcess, what: str) -> None:
     assert "terminate called" not in out.stderr and "Fatal Python error" not in out.stderr, out.stderr[-3000:]
 
 
-def test_the_prompts_file_exits_0_every_time(folders, tmp_path, busy):
+@pytest.mark.long
+def test_the_prompts_file_exits_0_every_time(folders, tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     cmd = [sys.executable, "-m", "specextend.cli", "generate", "--target", str(folders["target"]), "--draft",
            str(folders["draft"]), "--method", "sd", "--max-new-tokens", "6", "--prompts-file", str(path),
            "--json", "-q"]
-    for i in range(RUNS):
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    for i, out in enumerate(_run_at_once(cmd)):
         _assert_clean(out, f"run {i + 1} of {RUNS}")
         assert len(out.stdout.splitlines()) == len(PROMPTS)
 
 
-def test_a_script_that_never_closes_its_pair_exits_0_every_time(folders, busy):
+@pytest.mark.long
+def test_a_script_that_never_closes_its_pair_exits_0_every_time(folders):
     """The README's snippet as a user copies it: a list of prompts, then the end of the script
     with the pair still open (atexit stops the batch)."""
     script = textwrap.dedent(f"""
@@ -77,8 +73,7 @@ def test_a_script_that_never_closes_its_pair_exits_0_every_time(folders, busy):
         for res in pair.generate({PROMPTS!r}, max_new_tokens=6, method="sd"):
             print(len(res.token_ids))
     """)
-    for i in range(RUNS):
-        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    for i, out in enumerate(_run_at_once([sys.executable, "-c", script])):
         _assert_clean(out, f"run {i + 1} of {RUNS}")
         assert out.stdout.split() == ["6"] * len(PROMPTS)
 

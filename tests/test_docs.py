@@ -18,12 +18,13 @@ import pytest
 from specextend.cli import doc as clidoc
 from specextend.cli import main as cli
 
-from tiny_tokenizer import save_tiny_model
+from tiny_tokenizer import prose_tokenizer, save_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 CLI_MD = ROOT / "docs" / "cli.md"
+SERVING_MD = ROOT / "docs" / "serving.md"  # the document of the quick start
 MAX_README_LINES = 250
 README_SECTIONS = ["Quick start", "How fast", "Models", "Limitations", "Documentation"]
 
@@ -162,8 +163,11 @@ def test_documented_command_lines_parse(doc, line):
 def long_models(tmp_path_factory) -> list[str]:
     """Tiny models whose context holds docs/serving.md, and the flags that select them."""
     root = tmp_path_factory.mktemp("readme")
-    target = save_tiny_model(root / "target", seed=0, max_position_embeddings=65536)
-    draft = save_tiny_model(root / "draft", seed=1, layers=1, max_position_embeddings=65536)
+    tok = prose_tokenizer([p.read_text() for p in [README, *DOCS]])
+    shape = dict(vocab=len(tok), tokenizer=tok, max_position_embeddings=16384)
+    assert len(tok(SERVING_MD.read_text())["input_ids"]) < 12000  # serving.md: 36K tokens of single bytes
+    target = save_tiny_model(root / "target", seed=0, **shape)
+    draft = save_tiny_model(root / "draft", seed=1, layers=1, **shape)
     return ["--target", str(target), "--draft", str(draft), "--dtype", "float64"]
 
 
@@ -188,6 +192,7 @@ def test_every_quick_start_line_is_one_the_tests_run():
     assert [line for line in lines if not line.startswith(handled)] == []
 
 
+@pytest.mark.long
 def test_quick_start_command_line(long_models, env):
     """Each `specextend generate` line as written, on tiny models; the default method's text is
     the target's alone (`--method ar`), as the README says."""

@@ -162,9 +162,15 @@ def run_exactness(exe: Path, *runner: str) -> str:
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ for the standalone build")
 def test_kernel_core_exactness_program(tmp_path: Path) -> None:
-    """The core alone (no PyTorch), built natively: each path = portable, rows independent."""
+    """The core alone (no PyTorch): the exactness program linked with the production build's own
+    objects of the core, so what it checks (each path = portable, rows independent) is the machine
+    code every generation runs; the aarch64 build below compiles the core from its sources."""
     exe = tmp_path / "exactness"
-    subprocess.run(["g++", *FLAGS, *SOURCES, "-o", str(exe)], check=True)
+    core = [n for n in kernels._SOURCES if n.startswith("core/")]
+    objects = [str(kernels.build_dir() / (Path(n).stem + ".o")) for n in core]
+    subprocess.run(["g++", *FLAGS, "-fopenmp", "-c", str(CSRC / "test" / "exactness.cpp"), "-o", str(exe) + ".o"],
+                   check=True)
+    subprocess.run(["g++", "-fopenmp", str(exe) + ".o", *objects, "-o", str(exe)], check=True)
     paths = run_exactness(exe).splitlines()[0]
     assert all(p in paths for p in kernels.cpu_paths())
 
@@ -190,6 +196,7 @@ def test_avx512_path_under_emulation(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(shutil.which("aarch64-linux-gnu-g++") is None or shutil.which("qemu-aarch64") is None,
                     reason="needs Debian's g++-aarch64-linux-gnu and qemu-user (`make test-arm` installs them)")
+@pytest.mark.long
 def test_neon_path_under_emulation(tmp_path: Path) -> None:
     """`make test-arm` in a test: the core cross-built for aarch64, run with and without dot products."""
     exe = tmp_path / "exactness-aarch64"

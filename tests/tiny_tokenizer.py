@@ -49,6 +49,26 @@ def tiny_tokenizer(swap: tuple[int, int] | None = None):
     )
 
 
+def prose_tokenizer(texts: list[str], merges: int = 2048):
+    """A byte-level BPE with `merges` merges learnt from `texts` (deterministic), the specials above
+    and EOS last: English prose in ~4 bytes a token, as a real vocabulary cuts it, where the tiny
+    tokenizer takes one a byte (a test that prefills a whole document then runs on a quarter of
+    the tokens and a sixteenth of the attention)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=len(SPECIALS) + 256 + merges, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    tok.add_special_tokens([AddedToken(EOS, special=True, normalized=False)])
+    assert tok.token_to_id(EOS) == tok.get_vocab_size() - 1  # the tiny configs' eos is vocab - 1
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token=EOS,
+                                   additional_special_tokens=SPECIALS[1:], chat_template=CHAT_TEMPLATE)
+
+
 def save_tiny_model(folder: Path, arch: str = "qwen2", seed: int = 0, vocab: int = TINY_VOCAB,
                     tokenizer=None, **kw) -> Path:
     """A random tiny HF model (float64 weights) plus the tiny tokenizer, saved into `folder`."""
