@@ -117,6 +117,7 @@ def test_resume_skips_finished_rows(target, tmp_path, monkeypatch):
     assert decodes.calls == 2 and len(rows_of(out)) == 4
 
 
+@pytest.mark.long
 def test_shared_prefill_is_one_prefill_per_sample(target, tmp_path, monkeypatch):
     prefills = Counter(monkeypatch, "prefill")
     out = tmp_path / "out"
@@ -147,6 +148,7 @@ def test_shared_prefill_is_one_prefill_per_sample(target, tmp_path, monkeypatch)
     assert {r["prefill_attention"] for r in rows_of(out)[-2:]} == {"eager"}
 
 
+@pytest.mark.long
 def test_interrupted_run_resumes_to_the_same_rows(target, tmp_path, monkeypatch):
     out = tmp_path / "out"
     Counter(monkeypatch, "decode", fail_on=3)

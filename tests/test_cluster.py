@@ -102,6 +102,7 @@ def doc_tokens(folders) -> list[int]:
     return [len(tok.encode(d)) for d in DOCS]
 
 
+@pytest.mark.long
 def test_affinity_keeps_each_document_on_its_replica_and_a_killed_replica_loses_no_request(folders, tmp_path):
     n_doc = doc_tokens(folders)
     with replicas(folders, tmp_path) as url:
@@ -181,6 +182,7 @@ def test_affinity_keeps_each_document_on_its_replica_and_a_killed_replica_loses_
         assert set(ids) <= seen, (ids, seen)
 
 
+@pytest.mark.long
 def test_round_robin_sends_some_follow_up_questions_where_their_document_is_not(folders, tmp_path):
     """Also the front end's bounds and draining: a body over the limit and a prompt too long are
     refused there; on SIGTERM a running stream finishes, a new request gets 503, the exit is 0."""

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.usefixtures("isolated_home")
 KEY = "sk-cluster-key"
 
 
+@pytest.mark.long
 def test_replicas_check_keys_call_tools_and_export_metrics(folders, tmp_path, monkeypatch):  # noqa: F811
     monkeypatch.setenv("SPECEXTEND_API_KEY", KEY)
     with replicas(folders, tmp_path, "--max-new-tokens", "160") as url:

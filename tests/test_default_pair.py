@@ -19,7 +19,7 @@ import torch
 import specextend
 from specextend.models.pull import pull_default_pair, specextend_home
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long(130)]
 
 PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 

@@ -17,6 +17,8 @@ from specextend.speculation import verify
 from specextend.speculation.tree import ChainBuilder, DynamicTreeBuilder, draft_dist
 from specextend.speculation.verify import target_dist, verify_sampling
 
+pytestmark = pytest.mark.long  # thousands of draws a test
+
 V = 6
 N = 10_000  # the broken-rule tests below reject at p < 1e-6 with this many draws
 POSITIONS = 3

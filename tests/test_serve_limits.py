@@ -251,6 +251,7 @@ def test_sigterm_during_requests_lets_them_finish_and_exits_0(folders, tmp_path)
 # --------------------------------------------------------------------------- the soak
 
 
+@pytest.mark.long
 def test_a_short_soak_of_mixed_clients_finds_the_server_whole(pair, folders):
     """bench/soak.py for 30 s on the tiny models: short and long prompts, streams read and hung up
     on, bad JSON, tools, json_schema, wrong keys, prompts too long; every check of the soak holds."""

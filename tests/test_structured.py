@@ -224,6 +224,7 @@ def test_penalised_greedy_speculation_equals_penalised_ar(tiny_dir, name, method
     assert spec.token_ids == ar.token_ids
 
 
+@pytest.mark.long
 def test_penalised_sampling_keeps_the_penalised_distribution(tiny_dir):
     """8-token vocabulary, `sd` sampling with every penalty: the third token, drawn at a tree node
     whose own path holds the second, follows the exact penalised marginal over 6 000 generations;
