@@ -6,15 +6,18 @@ CI installs it. Each test starts its own cluster (tens of seconds on 2 cores), s
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx2 as httpx
 import openai
@@ -43,8 +46,27 @@ def folders(tmp_path_factory):
 
 
 @contextmanager
+def one_cluster_at_a_time():
+    """An exclusive lock across the test run's processes: two local Ray clusters starting at once
+    on two cores took minutes (xdist runs these tests on different workers)."""
+    with open(Path(tempfile.gettempdir()) / "specextend-tests-ray.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@contextmanager
 def replicas(folders, tmp_path, *flags: str, held: list | None = None):
-    """`specextend serve --replicas 2` in a subprocess; yields its base URL (`held` receives the process)."""
+    """`specextend serve --replicas 2` in a subprocess, one cluster at a time; yields its base
+    URL (`held` receives the process)."""
+    with one_cluster_at_a_time(), _replicas(folders, tmp_path, *flags, held=held) as url:
+        yield url
+
+
+@contextmanager
+def _replicas(folders, tmp_path, *flags: str, held: list | None = None):
     env = {**os.environ, "SPECEXTEND_HOME": str(tmp_path / "home"), "RAY_ADDRESS": ""}
     cmd = [sys.executable, "-m", "specextend.cli", "serve", "--replicas", "2", "--target", str(folders["target"]),
            "--draft", str(folders["draft"]), "--dtype", "float64", "--port", "0", "--cache-mb", "64",
