@@ -457,3 +457,68 @@ def test_our_reader_reads_what_ggufs_reader_reads(tmp_path: Path) -> None:
     assert [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in ours.tensors] == \
         [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in theirs.tensors]
     assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, theirs.tensors, strict=True))
+
+
+@pytest.mark.parametrize("values", [
+    ["a", "", "ünïcode", "x" * 300], ["only"], [3, -1, 2**31 - 1], [0.5, -2.25], [True, False, True],
+    [[1, 2], [3]], [["a", "b"], ["c"]],
+], ids=["strings", "one-string", "int32", "float32", "bool", "nested-ints", "nested-strings"])
+def test_our_reader_reads_every_kind_of_array_as_ggufs_reader(tmp_path: Path, values: list) -> None:
+    """The arrays our reader walks in one loop (strings, numbers) and the ones it leaves to gguf
+    (nested): the same parts, data indices, types and contents as gguf's own reader."""
+    from gguf import GGUFReader
+
+    src = tmp_path / "a.gguf"
+    w = gguf.GGUFWriter(str(src), "qwen2")
+    w.add_array("test.values", values)
+    w.add_array("test.after", ["the next field", "is read from the right offset"])
+    w.add_tensor("t", np.arange(32, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours, theirs = conv.open_gguf(src), GGUFReader(src)
+    for name, f in theirs.fields.items():
+        g = ours.fields[name]
+        assert (g.offset, g.data, g.types) == (f.offset, f.data, f.types), name
+        assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(g.parts, f.parts, strict=True)), name
+        if f.types and f.types[-1] != gguf.GGUFValueType.ARRAY:
+            assert g.contents() == f.contents(), name
+    assert conv.field(ours, "test.after") == ["the next field", "is read from the right offset"]
+    assert np.array_equal(ours.tensors[0].data, np.arange(32, dtype=np.float32))
+
+
+def test_a_big_endian_file_reads_as_ggufs_reader_reads_it(tmp_path: Path) -> None:
+    """Our array walk reads little-endian headers; a big-endian file's arrays go to gguf's own code."""
+    from gguf import GGUFReader
+
+    src = tmp_path / "be.gguf"
+    w = gguf.GGUFWriter(str(src), "qwen2", endianess=gguf.GGUFEndian.BIG)
+    w.add_array("test.tokens", ["a", "bc", "déf"])
+    w.add_array("test.ids", [1, 2, 3])
+    w.add_tensor("t", np.arange(32, dtype=np.float32).byteswap().view(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours, theirs = conv.open_gguf(src), GGUFReader(src)
+    assert conv.field(ours, "test.tokens") == ["a", "bc", "déf"] == theirs.fields["test.tokens"].contents()
+    assert conv.field(ours, "test.ids") == [1, 2, 3] == theirs.fields["test.ids"].contents()
+
+
+@pytest.mark.parametrize("kind", ["strings", "numbers"])
+def test_an_array_longer_than_the_file_is_a_clear_error(tmp_path: Path, kind: str) -> None:
+    """A damaged array length (2^40 elements) is refused at once, not walked element by element
+    past the end of the file."""
+    src = tmp_path / "long.gguf"
+    w = gguf.GGUFWriter(str(src), "qwen2")
+    w.add_array("test.values", ["a", "b"] if kind == "strings" else [1, 2])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    raw = bytearray(src.read_bytes())
+    at = raw.index(b"test.values") + len("test.values") + 8  # past the value type and the element type
+    raw[at : at + 8] = (1 << 40).to_bytes(8, "little")
+    src.write_bytes(bytes(raw))
+    with pytest.raises(UserError, match="is not a valid GGUF file"):
+        conv.open_gguf(src)
