@@ -232,3 +232,52 @@ def test_engine_sampling_with_wrong_lookup_candidates(tiny_dir, monkeypatch, met
     assert lookup_nodes > 0
     assert (drafted > 0) == (method == "specextend")
     assert_counts_follow(counts, (p1, p2), n)
+
+
+# --------------------------------------------------------------------------- a node's sampled children
+
+
+def ordered_pair_probs(q: torch.Tensor) -> torch.Tensor:
+    """P(first child = i, second = j) of two draws without replacement from q: q_i q_j / (1 - q_i)."""
+    pair = q[:, None] * q[None, :] / (1 - q[:, None])
+    return pair.fill_diagonal_(0)
+
+
+def child_pair_counts(q: torch.Tensor, n: int, pick=None) -> torch.Tensor:
+    from specextend.speculation.tree import pick_children
+
+    pick = pick or pick_children
+    gen = torch.Generator().manual_seed(7)
+    counts = torch.zeros(len(q), len(q))
+    for _ in range(n):
+        first, second = pick(q, 2, False, gen)[0].tolist()
+        counts[first, second] += 1
+    return counts
+
+
+@pytest.mark.parametrize("q", [[0.5, 0.25, 0.15, 0.1], [0.7, 0.0, 0.2, 0.1]], ids=["full", "with-a-zero"])
+def test_sampled_children_are_two_draws_without_replacement_in_draw_order(q):
+    """`pick_children`'s exponential race: the (first, second) child pairs follow the sequential
+    draw's exact law over 20 000 trees, and a token of probability 0 is never drawn."""
+    q = torch.tensor(q, dtype=torch.float64)
+    exact = ordered_pair_probs(q).flatten()
+    counts = child_pair_counts(q, 20_000).flatten()
+    keep = exact > 0
+    assert counts[~keep].sum() == 0
+    assert chisquare(counts[keep].numpy(), (exact[keep] * 20_000).numpy()).pvalue > 1e-3
+
+
+def test_a_race_that_ignores_the_draw_order_is_detected():
+    """The same check fails a race that keeps the right two tokens but sorts them by probability
+    (a tree's sibling order is its draw order): the test can fail."""
+    from specextend.speculation.tree import pick_children
+
+    def sorted_pick(q, k, greedy, rng):
+        idx, probs = pick_children(q, k, greedy, rng)
+        return idx[torch.argsort(q[idx], descending=True)], probs
+
+    q = torch.tensor([0.5, 0.25, 0.15, 0.1], dtype=torch.float64)
+    exact = ordered_pair_probs(q).flatten()
+    counts = child_pair_counts(q, 5_000, sorted_pick).flatten()
+    keep = exact > 0
+    assert counts[~keep].sum() > 0 or chisquare(counts[keep].numpy(), (exact[keep] * 5_000).numpy()).pvalue < 1e-6

@@ -189,18 +189,20 @@ def pick_children(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """k candidate tokens from q, and the scores the tree shape may use for them.
 
-    Greedy: the top-k tokens. Sampling: a draw of k tokens without replacement, in draw order
-    (Gumbel-top-k). Either way the j-th child's score is the j-th largest probability of q,
-    never the drawn token's own probability: whether a sampled child stays in the tree must
-    not depend on which token it is, or the kept children would no longer be draws from q and
-    rejection sampling would lose exactness. (In greedy mode the two are the same numbers.)
+    Greedy: the top-k tokens. Sampling: a draw of k tokens without replacement, in draw order:
+    the k largest q_i / E_i with E_i ~ Exp(1) (an exponential race, Gumbel-top-k without its two
+    logarithms over the vocabulary: log q_i - log E_i orders the tokens the same way). Either
+    way the j-th child's score is the j-th largest probability of q, never the drawn token's own
+    probability: whether a sampled child stays in the tree must not depend on which token it is,
+    or the kept children would no longer be draws from q and rejection sampling would lose
+    exactness. (In greedy mode the two are the same numbers.)
     """
     probs, top = torch.topk(q, min(k, int((q > 0).sum())))
     if greedy:
         return top, probs
-    u = torch.rand(q.shape, generator=rng, dtype=torch.float64).clamp_(1e-300, 1.0)
-    keys = torch.log(q) - torch.log(-torch.log(u))
-    return torch.topk(keys, probs.numel()).indices, probs
+    # E = 0 would make its token win whatever its probability (a draw of u = 1, rounded): floored.
+    race = torch.empty(q.shape, dtype=torch.float64).exponential_(generator=rng).clamp_(min=1e-300)
+    return torch.topk(q / race, probs.numel()).indices, probs
 
 
 # Asked before each further draft level: (pool so far, the nodes the level would expand, the
