@@ -1,8 +1,10 @@
 """`specextend serve --replicas 2` on a local Ray cluster with tiny models, through the official
 `openai` client: each document's questions stay on one replica and reuse its prefill (round-robin
-for contrast does not), every response names its replica, /health lists them; a replica killed
+for contrast does not), every response names its replica, /health lists them; the front end checks
+an API key, answers tool calls from the replicas and exports each replica's gauges; a replica killed
 mid-run loses no request silently and comes back. Skipped without the cluster extra (Ray Serve);
-CI installs it. Each test starts its own cluster (tens of seconds on 2 cores), so they are few."""
+CI installs it. Each test starts its own cluster (tens of seconds on 2 cores), so they are few and
+each checks all it can on its cluster."""
 
 from __future__ import annotations
 
@@ -22,8 +24,10 @@ from pathlib import Path
 import httpx2 as httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from specextend.api import prepare
+from test_toolcalls import ASK, TOOLS, valid
 
 from tiny_tokenizer import save_tiny_model
 
@@ -36,6 +40,7 @@ START_S = 300  # a local Ray cluster and two replicas, on a busy 2-core machine
 DOCS = ["The agency's budget grew by four percent, staff numbers fell, and three hearings were held. " * 3,
         "Rainfall in the northern valley doubled, flooding two towns and closing the main railway line. " * 3]
 QUESTIONS = ["What happened?", "Who was affected?", "What comes next?"]
+KEY = "sk-cluster-key"
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +73,10 @@ def replicas(folders, tmp_path, *flags: str, held: list | None = None):
 @contextmanager
 def _replicas(folders, tmp_path, *flags: str, held: list | None = None):
     env = {**os.environ, "SPECEXTEND_HOME": str(tmp_path / "home"), "RAY_ADDRESS": ""}
+    env.pop("SPECEXTEND_API_KEY", None)
+    if "--keyed" in flags:  # the front end then checks this key (from the environment)
+        env["SPECEXTEND_API_KEY"] = KEY
+        flags = tuple(f for f in flags if f != "--keyed")
     cmd = [sys.executable, "-m", "specextend.cli", "serve", "--replicas", "2", "--target", str(folders["target"]),
            "--draft", str(folders["draft"]), "--dtype", "float64", "--port", "0", "--cache-mb", "64",
            "--max-new-tokens", "4", "-q", *flags]
@@ -101,13 +110,13 @@ def _replicas(folders, tmp_path, *flags: str, held: list | None = None):
     assert proc.returncode == 0, "".join(lines[-30:])
 
 
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+def client(url: str, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
 
 
-def ask(url: str, d: int, q: int) -> tuple[str, int]:
+def ask(url: str, d: int, q: int, key: str = "none") -> tuple[str, int]:
     """Ask question q about document d; (the replica named in the header, cached prompt tokens)."""
-    raw = client(url).chat.completions.with_raw_response.create(
+    raw = client(url, key).chat.completions.with_raw_response.create(
         model="x", max_tokens=4, messages=[{"role": "user", "content": f"{DOCS[d]}\n\nQuestion: {QUESTIONS[q]}"}])
     r = raw.parse()
     replica = raw.headers["x-specextend-replica"]
@@ -126,8 +135,9 @@ def doc_tokens(folders) -> list[int]:
 
 @pytest.mark.long
 def test_affinity_keeps_each_document_on_its_replica_and_a_killed_replica_loses_no_request(folders, tmp_path):
+    """With an API key: the front end checks it, answers tool calls and exports the replicas' gauges."""
     n_doc = doc_tokens(folders)
-    with replicas(folders, tmp_path) as url:
+    with replicas(folders, tmp_path, "--keyed") as url:
         health = httpx.get(f"{url}/health").json()
         assert health["routing"] == "affinity" and len(health["replicas"]) == 2
         for r in health["replicas"]:
@@ -135,7 +145,7 @@ def test_affinity_keeps_each_document_on_its_replica_and_a_killed_replica_loses_
 
         served: dict[int, set[str]] = {0: set(), 1: set()}
         for d, q in ORDER:
-            replica, cached = ask(url, d, q)
+            replica, cached = ask(url, d, q, KEY)
             served[d].add(replica)
             if q > 0:
                 assert cached >= 0.9 * n_doc[d], (d, q, cached, n_doc[d])
@@ -143,6 +153,8 @@ def test_affinity_keeps_each_document_on_its_replica_and_a_killed_replica_loses_
         time.sleep(2)  # the replicas report every second
         reported = {r["replica"]: r for r in httpx.get(f"{url}/health").json()["replicas"]}
         assert sum(r["prefix_cache"]["entries"] for r in reported.values()) >= 2
+
+        keys_tools_and_metrics(url)
 
         # A replica dies mid-run: streams that had tokens from it end with an error, requests it
         # had not started go to the other replica, nothing hangs; Ray starts a new replica.
@@ -152,7 +164,7 @@ def test_affinity_keeps_each_document_on_its_replica_and_a_killed_replica_loses_
         def stream(i: int) -> None:
             tokens = 0
             try:
-                s = client(url).completions.create(model="x", prompt=f"Story {i}: once upon a time",
+                s = client(url, KEY).completions.create(model="x", prompt=f"Story {i}: once upon a time",
                                                    max_tokens=400, stream=True)
                 for chunk in s:
                     if chunk.choices and chunk.choices[0].text:
@@ -165,7 +177,7 @@ def test_affinity_keeps_each_document_on_its_replica_and_a_killed_replica_loses_
 
         def plain(i: int) -> None:
             try:
-                r = client(url).completions.create(model="x", prompt=f"Afterwards {i}", max_tokens=4)
+                r = client(url, KEY).completions.create(model="x", prompt=f"Afterwards {i}", max_tokens=4)
                 results[f"p{i}"] = ("done", r.choices[0].finish_reason)
             except openai.APIError as e:
                 results[f"p{i}"] = ("error", str(e))
@@ -197,11 +209,39 @@ def test_affinity_keeps_each_document_on_its_replica_and_a_killed_replica_loses_
             time.sleep(1)
         seen = set()
         for i in range(40):  # new documents hash across both replicas, the new one included
-            seen.add(client(url).completions.with_raw_response.create(
+            seen.add(client(url, KEY).completions.with_raw_response.create(
                 model="x", prompt=f"New document {i}", max_tokens=2).headers["x-specextend-replica"])
             if set(ids) <= seen:
                 break
         assert set(ids) <= seen, (ids, seen)
+
+
+def keys_tools_and_metrics(url: str) -> None:
+    """A keyed front end: 401 without the key or with a wrong one; a required tool call, plain and
+    streamed, answered alike by the replicas; /metrics with each replica's gauges."""
+    for key in (None, "sk-wrong"):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        assert httpx.get(f"{url}/v1/models", headers=headers).status_code == 401
+        assert httpx.get(f"{url}/metrics", headers=headers).status_code == 401
+    c = client(url, KEY)
+    r = c.chat.completions.create(model="x", messages=ASK, tools=TOOLS, tool_choice="required",
+                                  parallel_tool_calls=False, max_tokens=160)
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and len(calls) == 1 and valid(calls[0].model_dump())
+    with c.chat.completions.stream(model="x", messages=ASK, tools=TOOLS, tool_choice="required",
+                                   parallel_tool_calls=False, max_tokens=160) as s:
+        for _ in s:
+            pass
+        streamed = s.get_final_completion().choices[0].message.tool_calls
+    assert [(x.function.name, x.function.arguments) for x in streamed] == \
+        [(x.function.name, x.function.arguments) for x in calls]
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    running = [s for s in samples if s.name == "specextend_requests_running"]
+    assert len(running) == 2 and all(s.labels["replica"] for s in running)
+    assert next(s.value for s in samples if s.name == "specextend_generation_tokens_total") > 0
+    assert next(s.value for s in samples if s.name == "specextend_requests_total"
+                and s.labels == {"route": "/v1/models", "status": "401"}) == 2
 
 
 @pytest.mark.long

@@ -89,3 +89,24 @@ def test_the_production_kernels_do_not_carry_the_peak_probes():
     assert not any("peak" in name for name in kernels._SOURCES)
     assert {"peak_lib.cpp", "core/peak.cpp"} <= set(roofline.PROBE_SOURCES)
     assert kernels.build_dir(roofline.PROBE_SOURCES) != kernels.build_dir()
+
+
+@pytest.mark.parametrize("contract", ["layers", "acyclic"])
+def test_the_contracts_catch_an_import_made_only_for_type_checking(tmp_path, contract):
+    """A `TYPE_CHECKING` import from the runtime back up into the server (a type-only circle, as
+    four were before the layout) breaks both the layer and the cycle contract: lint-imports counts
+    type-only imports, so no circle can hide behind one."""
+    import shutil
+
+    lint = Path(sys.executable).with_name("lint-imports")
+    copy = tmp_path / "src" / "specextend"
+    shutil.copytree(SRC, copy, ignore=shutil.ignore_patterns("__pycache__", "csrc", "static"))
+    config = copy / "runtime" / "config.py"
+    config.write_text(config.read_text() + "\nfrom typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+                      "    from ..serve.app import Server  # noqa: F401\n")
+    pyproject = (SRC.parents[1] / "pyproject.toml").read_text()
+    (tmp_path / "pyproject.toml").write_text(pyproject)
+    out = subprocess.run([str(lint), "--no-cache", "--contract", contract], cwd=tmp_path, capture_output=True,
+                         text=True, env={"PYTHONPATH": str(tmp_path / "src"), "PATH": "/usr/bin:/bin"})
+    assert out.returncode != 0 and "BROKEN" in out.stdout.upper(), out.stdout + out.stderr
+    assert ("specextend.runtime.config" if contract == "layers" else ".runtime -> .serve") in out.stdout
