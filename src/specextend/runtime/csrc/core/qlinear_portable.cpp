@@ -167,13 +167,14 @@ void dequantize_channels(const Segment& s, int64_t panel, int c0, int c1, float*
       unpack_group(s, p, g, grp);
       const int64_t i0 = sb * fi.superblock + g * fi.group;
       for (int c = c0; c < c1; ++c) {
+        // One branch-free form for every format, so the loop vectorizes: scale * (code - zero) - min
+        // with min = 0 where a format has none (x - 0 is x, bit for bit, -0 included).
+        const float scale = grp.scale[c];
+        const float mn = s.fmt == Q4K || s.fmt == Q2K || has_minimum(s.fmt) ? grp.mins[c] : 0.f;
+        const int zero = s.fmt == Q4K || s.fmt == Q2K ? 0 : six_bit(s.fmt) ? 32 : static_cast<int>(s.offset);
+        const auto* codes = grp.codes[c];
         float* og = o + (c - c0) * ldo + i0;
-        for (int i = 0; i < fi.group; ++i) {
-          if (s.fmt == Q4K || s.fmt == Q2K) og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i]) - grp.mins[c];
-          else if (six_bit(s.fmt)) og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i] - 32);
-          else if (has_minimum(s.fmt)) og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i] - s.offset) - grp.mins[c];
-          else og[i] = grp.scale[c] * static_cast<float>(grp.codes[c][i] - s.offset);
-        }
+        for (int i = 0; i < fi.group; ++i) og[i] = scale * static_cast<float>(codes[i] - zero) - mn;
       }
     }
 }
