@@ -34,6 +34,7 @@ import numpy as np
 
 from ..common import meminfo
 from ..common.errors import UserError
+from ..runtime.families import FAMILIES, Family, supported
 from .footprint import Footprint, TensorInfo, check_fits, footprint, is_kept, notice, random_notice
 
 COMPLETE_MARKER = ".complete"
@@ -48,24 +49,9 @@ RANDOM_WEIGHTS_KEY = "specextend.random_weights"
 # without the minimum's header bytes; 5: Q4_1 and Q5_1 under q8's header with a minimum.
 FORMAT = "specextend-quantized-5"
 
-# GGUF `general.architecture` -> (HF model_type, HF architectures entry).
-SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "llama": ("llama", "LlamaForCausalLM"),
-    "mistral": ("mistral", "MistralForCausalLM"),
-    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
-}
-
-# llama.cpp's converter interleaves the rotary halves of Q/K rows for these architectures only.
-_PERMUTED_QK_ARCHS = frozenset({"llama", "mistral"})
-
-# Tokens that end a turn in chat models of these families, besides the file's own EOS id.
-_EXTRA_EOS_TOKENS: dict[str, tuple[str, ...]] = {
-    "qwen2": ("<|im_end|>", "<|endoftext|>"),
-    "qwen3": ("<|im_end|>", "<|endoftext|>"),
-    "llama": ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"),
-    "mistral": (),
-}
+# GGUF `general.architecture` -> (HF model_type, HF architectures entry); each family's facts
+# (Q/K permutation, norm offsets, tensor names, metadata, turn-end tokens) are in runtime/families.py.
+SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {f.name: (f.name, f.hf_class) for f in FAMILIES.values()}
 
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -174,8 +160,7 @@ def gguf_architecture(reader: Any) -> str:
     """The GGUF architecture, checked against the ones we can convert."""
     arch = field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
-        raise UserError(f"unsupported GGUF architecture {arch!r} (supported: {supported})")
+        raise UserError(f"unsupported GGUF architecture {arch!r} (supported: {supported()})")
     return arch
 
 
@@ -206,7 +191,7 @@ def gguf_to_hf_config(reader: Any) -> dict[str, Any]:
     # The embedding's row count is authoritative: the tokenizer list can be shorter (padding rows).
     vocab_size = int(embd.shape[-1]) if len(embd.shape) > 1 else int(embd.shape[0])
     rope_theta = float(key("rope.freq_base", 10000.0))
-    eps_default = 1e-5 if arch in _PERMUTED_QK_ARCHS else 1e-6
+    family = FAMILIES[model_type]
     config: dict[str, Any] = {
         "model_type": model_type,
         "architectures": [hf_class],
@@ -218,7 +203,7 @@ def gguf_to_hf_config(reader: Any) -> dict[str, Any]:
         "num_key_value_heads": n_kv,
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", eps_default)),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", family.rms_eps_default)),
         "rope_theta": rope_theta,
         "max_position_embeddings": int(key("context_length", 4096)),
         "tie_word_embeddings": "output.weight" not in tensors,
@@ -228,10 +213,11 @@ def gguf_to_hf_config(reader: Any) -> dict[str, Any]:
         "use_cache": True,
         "torch_dtype": "float32",
     }
-    if arch in _PERMUTED_QK_ARCHS:
+    if family.gguf_permuted_qk:
         config["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
     if arch == "qwen2":
         config["use_sliding_window"] = False
+    config.update(family.gguf_config(key, config))
     scaling = _rope_scaling(reader, arch, tensors)
     config["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta, **(scaling or {})}
     if scaling:
@@ -316,16 +302,18 @@ def llama3_rope_factors(theta: float, dim: int, scaling: dict[str, Any]) -> np.n
 # --------------------------------------------------------------------------- tensors
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """HF parameter name for a GGUF tensor name; None for tensors with no HF counterpart."""
+def hf_tensor_name(gguf_name: str, family: Family | None = None) -> str | None:
+    """HF parameter name for a GGUF tensor name (of `family`'s files; None: Llama's names); None for
+    tensors with no HF counterpart."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     if gguf_name in _SKIPPED_TENSORS:
         return None
     m = _LAYER_RE.match(gguf_name)
-    if m and m.group(2) in _LAYER_TENSORS:
+    names = _LAYER_TENSORS if family is None else {**_LAYER_TENSORS, **family.gguf_tensors}
+    if m and m.group(2) in names:
         layer, kind, suffix = m.groups()
-        return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{suffix}"
+        return f"model.layers.{layer}.{names[kind]}.{suffix}"
     raise UserError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent; cannot convert")
 
 
@@ -364,7 +352,7 @@ def _float32(data: np.ndarray, tensor_type: int, shape: tuple[int, ...]) -> np.n
 
 def _qk_heads(name: str, config: dict[str, Any]) -> int | None:
     """Heads to un-permute for a Q/K projection of an architecture llama.cpp permutes, else None."""
-    if config["model_type"] not in _PERMUTED_QK_ARCHS:
+    if not FAMILIES[config["model_type"]].gguf_permuted_qk:
         return None
     m = _LAYER_RE.match(name)
     if m and m.group(2) == "attn_q":
@@ -375,11 +363,15 @@ def _qk_heads(name: str, config: dict[str, Any]) -> int | None:
 
 
 def hf_tensor(tensor: Any, config: dict[str, Any]) -> np.ndarray:
-    """Dequantise one GGUF tensor and undo llama.cpp's Q/K permutation where it applied one."""
+    """Dequantise one GGUF tensor and undo what llama.cpp's converter did to it: the Q/K permutation
+    and the norm offset, where it applied them."""
     out = _dequantize(tensor)
     heads = _qk_heads(tensor.name, config)
     if heads is not None:
         out = unpermute_qk(out, heads)
+    shift = FAMILIES[config["model_type"]].gguf_norm_shift
+    if shift and tensor.name.endswith("norm.weight"):  # back to the HF weight (Gemma's 1 + w norms)
+        out = out - np.float32(shift)
     return np.ascontiguousarray(out)
 
 
@@ -463,7 +455,8 @@ def write_weights(reader: Any, config: dict[str, Any], out: Path, progress: bool
     from ..runtime import quant
     from .qstore import stream_tensors
 
-    tensors = {name: t for t in reader.tensors if (name := hf_tensor_name(t.name)) is not None}
+    family = FAMILIES[config["model_type"]]
+    tensors = {name: t for t in reader.tensors if (name := hf_tensor_name(t.name, family)) is not None}
     floats: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     segments: dict[str, quant.Segment] = {}
     for name, tensor in tensors.items():
@@ -504,7 +497,7 @@ def file_footprint(reader: Any, path: str | os.PathLike[str], kernel_path: str |
     tensors = []
     for t in reader.tensors:
         try:
-            if hf_tensor_name(t.name) is None:
+            if hf_tensor_name(t.name, FAMILIES.get(str(field(reader, "general.architecture")))) is None:
                 continue
         except UserError:
             pass  # counted all the same: inspect describes what the file holds
@@ -544,7 +537,7 @@ def eos_token_ids(reader: Any, arch: str) -> list[int]:
         value = field(reader, f"tokenizer.ggml.{key}")
         if value is not None and int(value) not in ids:
             ids.append(int(value))
-    wanted = _EXTRA_EOS_TOKENS.get(arch, ())
+    wanted = FAMILIES[arch].eos_tokens if arch in FAMILIES else ()
     if wanted:
         tokens_field = reader.fields.get("tokenizer.ggml.tokens")
         if tokens_field is not None:

@@ -16,17 +16,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
-from .attention import Backend, attend
+from .attention import Backend, attend, eager_attention, window_mask
 from .config import ModelConfig
 from .kv_cache import KVCache
 from .quant import QWeight, qlinear
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies in float32, as Hugging Face computes them (so outputs match exactly)."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies in float32, as Hugging Face computes them (so outputs match exactly).
+    `local`: the windowed layers' own rope (`ModelConfig.local_rope_theta`, never scaled)."""
     dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    sc = cfg.rope_scaling
+    theta = cfg.local_rope_theta if local else cfg.rope_theta
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    sc = None if local else cfg.rope_scaling
     if sc is None:
         return inv
     kind = sc.get("rope_type", sc.get("type"))
@@ -159,7 +161,12 @@ class Workspace:
         return self._buf[: rows * cols].view(rows, cols)
 
 
+Ropes = list[tuple[torch.Tensor, torch.Tensor]]  # (cos, sin) per rope kind (`ModelConfig.rope_kind`)
+
+
 class Block(nn.Module):
+    """One decoder layer: the Llama block with its family's switches (`ModelConfig`, families.py)."""
+
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
         self.index = index
@@ -169,55 +176,133 @@ class Block(nn.Module):
         self.o = Linear(q_out, cfg.hidden_size, bias=False)
         self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+        def norm(name: str) -> RMSNorm | None:
+            return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if name in cfg.norms else None
+
+        self.attn_norm, self.attn_out_norm = norm("attn_norm"), norm("attn_out_norm")
+        self.mlp_norm, self.mlp_out_norm = norm("mlp_norm"), norm("mlp_out_norm")
+        self.qk_full = cfg.qk_norm == "full"
+        qk_dim = (q_out, kv_out) if self.qk_full else (cfg.head_dim, cfg.head_dim)
+        self.q_norm = RMSNorm(qk_dim[0], cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(qk_dim[1], cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.plain = cfg.plain
+        self.rope_kind = cfg.rope_kind(index)
+        self.window = cfg.sliding_window if cfg.windowed(index) else 0
+        self.attn_scale, self.attn_softcap = cfg.attn_scale, cfg.attn_softcap
+        self.residual_scale = cfg.residual_scale
+        self.gelu = cfg.activation == "gelu_tanh"
         self.workspace = Workspace()  # the model gives all its layers one (Transformer.__init__)
+
+    def _act(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return (F.gelu(g, approximate="tanh") if self.gelu else F.silu(g)) * u
+
+    def _residual(self, x: torch.Tensor, y: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
+        """x plus a sublayer's output y, through its post-norm and the residual multiplier if any."""
+        if norm is not None:
+            y = norm(y)
+        if self.residual_scale != 1.0:
+            y = y * self.residual_scale
+        return x + y
+
+    def _window(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor | None,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The keys, values and mask a windowed layer attends with (others: as given)."""
+        if not self.window:
+            return k, v, tree_mask
+        first, mask = window_mask(positions, k.shape[1], tree_mask, self.window)
+        return k[:, first:], v[:, first:], mask.to(q.device)
 
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        ropes: Ropes,
         cache: KVCache,
         tree_mask: torch.Tensor | None,
         backend: Backend,
         keep_q: dict[int, torch.Tensor] | None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         t = x.shape[0]
         hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv
-        qkv = self.qkv(self.attn_norm(x))
-        q = qkv[:, : nh * hd].view(t, nh, hd).transpose(0, 1)
-        k = qkv[:, nh * hd : (nh + nkv) * hd].view(t, nkv, hd).transpose(0, 1)
-        v = qkv[:, (nh + nkv) * hd :].view(t, nkv, hd).transpose(0, 1)
-        if self.q_norm is not None:
+        qkv = self.qkv(self.attn_norm(x) if self.attn_norm is not None else x)
+        q, k, v = qkv[:, : nh * hd], qkv[:, nh * hd : (nh + nkv) * hd], qkv[:, (nh + nkv) * hd :]
+        if self.qk_full:  # one norm over all heads' queries (and keys), before they are split
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = q.reshape(t, nh, hd).transpose(0, 1)
+        k = k.reshape(t, nkv, hd).transpose(0, 1)
+        v = v.reshape(t, nkv, hd).transpose(0, 1)
+        if self.q_norm is not None and not self.qk_full:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope_kind >= 0:
+            cos, sin = ropes[self.rope_kind]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if keep_q is not None and self.index in keep_q:
             keep_q[self.index] = q
         k_all, v_all = cache.write(self.index, k, v)
-        a = attend(q, k_all, v_all, tree_mask, backend)
-        x = x + self.o(a.transpose(0, 1).reshape(t, nh * hd))
-        gu = self.gate_up(self.mlp_norm(x))
+        k_all, v_all, mask = self._window(q, k_all, v_all, tree_mask, positions)
+        a = attend(q, k_all, v_all, mask, backend, self.attn_scale, self.attn_softcap)
+        x = self._residual(x, self.o(a.transpose(0, 1).reshape(t, nh * hd)), self.attn_out_norm)
+        gu = self.gate_up(self.mlp_norm(x) if self.mlp_norm is not None else x)
         g, u = gu.chunk(2, dim=-1)
-        return x + self.down(F.silu(g) * u)
+        return self._residual(x, self.down(self._act(g, u)), self.mlp_out_norm)
 
     @property
     def quantized(self) -> bool:
         return all(m.qweight is not None for m in (self.qkv, self.o, self.gate_up, self.down))
 
-    def forward_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, parts: list[Rows]
-                     ) -> torch.Tensor:
+    def forward_rows(self, x: torch.Tensor, ropes: Ropes, parts: list[Rows]) -> torch.Tensor:
         """The layer in five kernel calls over the rows of several sequences (x: their rows one
         after the other): a decode step is a few dozen microseconds of Python per layer instead of
         some forty small tensor operations (the norms, SiLU and residual adds are folded into the
         quantized products; RoPE and the cache write are one call). The products take every row at
-        once; RoPE, the cache write and attention run per sequence, over its own cache."""
-        qkv = qlinear(x, self.qkv.qweight, self.qkv.bias, norm=self.attn_norm.weight, eps=self.attn_norm.eps)
+        once; RoPE, the cache write and attention run per sequence, over its own cache.
+
+        A family's switches that the folded products cannot express (post-norms, GeGLU, residual
+        multipliers, whole-projection q/k norms) run as row-wise PyTorch operations between the
+        same kernels; every operation stays row-independent, so a token's bits do not depend on
+        the other rows of its forward."""
+        if self.plain:
+            cos, sin = ropes[0]
+            qkv = qlinear(x, self.qkv.qweight, self.qkv.bias, norm=self.attn_norm.weight, eps=self.attn_norm.eps)
+            a = self._attend_rows(qkv, cos, sin, parts)
+            x = qlinear(a, self.o.qweight, residual=x)
+            gu = qlinear(x, self.gate_up.qweight, norm=self.mlp_norm.weight, eps=self.mlp_norm.eps,
+                         out=self.workspace.take(x.shape[0], self.gate_up.qweight.n))
+            return qlinear(gu, self.down.qweight, silu_mul=True, residual=x)
+        return self._switched_rows(x, ropes, parts)
+
+    def _switched_rows(self, x: torch.Tensor, ropes: Ropes, parts: list[Rows]) -> torch.Tensor:
+        def normed(lin: Linear, h: torch.Tensor, norm: RMSNorm | None, **kw: object) -> torch.Tensor:
+            if norm is None:
+                return qlinear(h, lin.qweight, lin.bias, **kw)
+            return qlinear(h, lin.qweight, lin.bias, norm=norm.weight, eps=norm.eps, **kw)
+
+        qkv = normed(self.qkv, x, self.attn_norm)
+        if self.qk_full:
+            nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+            qkv = torch.cat([self.q_norm(qkv[:, :nq]), self.k_norm(qkv[:, nq : nq + nk]), qkv[:, nq + nk :]], 1)
+        if self.rope_kind >= 0:
+            cos, sin = ropes[self.rope_kind]
+        else:  # rope_store rotates; by angle zero, exactly the identity
+            cos = torch.ones(x.shape[0], self.head_dim)
+            sin = torch.zeros(x.shape[0], self.head_dim)
+        a = self._attend_rows(qkv, cos, sin, parts)
+        x = self._residual(x, qlinear(a, self.o.qweight), self.attn_out_norm)
+        gu = normed(self.gate_up, x, self.mlp_norm, out=self.workspace.take(x.shape[0], self.gate_up.qweight.n))
+        if not self.gelu and self.mlp_out_norm is None and self.residual_scale == 1.0:
+            return qlinear(gu, self.down.qweight, silu_mul=True, residual=x)
+        g, u = gu.chunk(2, dim=-1)
+        return self._residual(x, qlinear(self._act(g, u), self.down.qweight), self.mlp_out_norm)
+
+    def _attend_rows(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, parts: list[Rows]
+                     ) -> torch.Tensor:
+        """RoPE, the cache write and row-wise attention, per sequence; the attention's rows."""
         ext = kernels.load()
-        q_norm = self.q_norm.weight if self.q_norm is not None else None
-        k_norm = self.k_norm.weight if self.k_norm is not None else None
+        per_head = self.q_norm is not None and not self.qk_full
+        q_norm = self.q_norm.weight if per_head else None
+        k_norm = self.k_norm.weight if per_head else None
+        eps = self.q_norm.eps if per_head else 1e-6
         outs = []
         off = 0
         for p in parts:
@@ -225,16 +310,40 @@ class Block(nn.Module):
             k_layer, v_layer = cache.k[self.index], cache.v[self.index]
             start = cache.length
             rows = slice(off, off + t)
-            q = ext.rope_store(qkv[rows], cos[rows], sin[rows], self.n_heads, q_norm, k_norm, self.attn_norm.eps,
+            q = ext.rope_store(qkv[rows], cos[rows], sin[rows], self.n_heads, q_norm, k_norm, eps,
                                k_layer, v_layer, start)
             if p.keep_q is not None and self.index in p.keep_q:
                 p.keep_q[self.index] = q
+            if self.attn_scale is not None:
+                q = q * (self.attn_scale * math.sqrt(self.head_dim))
             end = start + cache.pending
-            a = kernels.attend(q, k_layer[:, :end], v_layer[:, :end], p.tree_mask)
+            k, v, mask = self._window(q, k_layer[:, :end], v_layer[:, :end], p.tree_mask, p.positions)
+            if self.attn_softcap is not None:
+                a = _capped_rows(q, k, v, mask, self.attn_softcap)
+            else:
+                a = kernels.attend(q, k, v, mask)
             outs.append(a.transpose(0, 1).reshape(t, -1))
             off += t
-        a = outs[0] if len(outs) == 1 else torch.cat(outs)
-        x = qlinear(a, self.o.qweight, residual=x)
-        gu = qlinear(x, self.gate_up.qweight, norm=self.mlp_norm.weight, eps=self.mlp_norm.eps,
-                             out=self.workspace.take(x.shape[0], self.gate_up.qweight.n))
-        return qlinear(gu, self.down.qweight, silu_mul=True, residual=x)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _capped_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                 cap: float) -> torch.Tensor:
+    """Soft-capped attention (Gemma 2), which the row-wise kernel does not compute: one token at a
+    time over exactly the keys it sees, gathered in order, so its bits are those it gets alone
+    (the same keys in the same order, whatever else shares the forward). Slow, and only for
+    families the kernel cannot serve."""
+    h, t, d = q.shape
+    s = k.shape[1]
+    full = torch.ones(t, s, dtype=torch.bool)
+    if mask is None:
+        full[:, s - t :] = torch.ones(t, t, dtype=torch.bool).tril_()
+    else:
+        full[:, s - mask.shape[1] :] = mask.cpu()
+    out = torch.empty(h, t, d)
+    for i in range(t):
+        seen = full[i].nonzero().squeeze(1)
+        ki, vi = k[:, seen].float(), v[:, seen].float()
+        out[:, i : i + 1] = eager_attention(q[:, i : i + 1], ki, vi, torch.ones(1, 1, dtype=torch.bool),
+                                            softcap=cap)
+    return out

@@ -1,0 +1,109 @@
+"""Model families: what each architecture changes in the one shared decoder (layers.py), as data.
+
+A family is a handful of switches over the Llama-style block: where the norms sit, the activation,
+multipliers on the embedding, residual, attention scores and logits, soft-capping, per-layer
+attention windows, rope bases and layers without rope, and per-head or whole-projection q/k norms.
+`Family.switches` reads them from a Hugging Face `config.json` into `ModelConfig` fields
+(config.py); `Family` also says how llama.cpp's converter wrote the family into a GGUF
+(`gguf_*`), which models/gguf.py reads to rebuild the Hugging Face config and tensor names.
+Adding a family is one entry here (and, where a switch is new, its few lines in layers.py).
+
+No torch here: a config is read before anything is loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+# The HF norm names of a block, by placement: before attention (`attn_norm`), on attention's output
+# (`attn_out_norm`), before the MLP (`mlp_norm`), on the MLP's output (`mlp_out_norm`).
+PRE_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+SANDWICH_NORMS = {"attn_norm": "input_layernorm", "attn_out_norm": "post_attention_layernorm",
+                  "mlp_norm": "pre_feedforward_layernorm", "mlp_out_norm": "post_feedforward_layernorm"}
+POST_NORMS = {"attn_out_norm": "post_attention_layernorm", "mlp_out_norm": "post_feedforward_layernorm"}
+
+
+
+def hf_norm_names(norms: tuple[str, ...]) -> dict[str, str]:
+    """Block norm placement -> the HF module name of a layer's norm, for the placements `norms` has
+    (HF reuses `post_attention_layernorm` for the pre-MLP norm of pre-norm blocks)."""
+    table = SANDWICH_NORMS if "attn_norm" in norms and "attn_out_norm" in norms else \
+        POST_NORMS if "attn_out_norm" in norms else PRE_NORMS
+    return {n: table[n] for n in norms}
+
+
+GgufKey = Callable[..., Any]  # `key(name, default)`: the GGUF metadata value `<arch>.<name>`
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # our name, the GGUF `general.architecture` and the HF model_type
+    hf_class: str  # the HF `architectures` entry
+    # ModelConfig switches from a HF config dict (config.py applies them over the Llama defaults).
+    switches: Callable[[dict[str, Any]], dict[str, Any]] = lambda d: {}
+    # GGUF: llama.cpp interleaves the rotary halves of Q/K rows (the families it ropes the "norm" way).
+    gguf_permuted_qk: bool = False
+    # GGUF: what llama.cpp's converter added to every `*norm.weight` (Gemma's 1 + w norms).
+    gguf_norm_shift: float = 0.0
+    # GGUF layer tensor -> HF module, where the family's differs from the Llama mapping.
+    gguf_tensors: dict[str, str] = field(default_factory=dict)
+    # GGUF metadata -> HF config keys the family needs beyond the common ones.
+    gguf_config: Callable[[GgufKey, dict[str, Any]], dict[str, Any]] = lambda key, cfg: {}
+    # Tokens that end a turn in this family's chat models, besides the file's own EOS id.
+    eos_tokens: tuple[str, ...] = ()
+    rms_eps_default: float = 1e-6
+
+
+def _qwen2(d: dict[str, Any]) -> dict[str, Any]:
+    return {"attention_bias": bool(d.get("attention_bias", True))}
+
+
+def _granite(d: dict[str, Any]) -> dict[str, Any]:
+    return {"embed_scale": float(d.get("embedding_multiplier", 1.0)),
+            "residual_scale": float(d.get("residual_multiplier", 1.0)),
+            "attn_scale": float(d.get("attention_multiplier", 1.0)),
+            "logit_divisor": float(d.get("logits_scaling", 1.0))}
+
+
+def _granite_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
+    # llama.cpp writes Granite's *_multiplier and logits_scaling under *_scale names.
+    return {"embedding_multiplier": float(key("embedding_scale", 1.0)),
+            "residual_multiplier": float(key("residual_scale", 1.0)),
+            "attention_multiplier": float(key("attention.scale", 1.0)),
+            "logits_scaling": float(key("logit_scale", 1.0))}
+
+
+def _smollm3(d: dict[str, Any]) -> dict[str, Any]:
+    n = int(d["num_hidden_layers"])
+    # no_rope_layers[i] is 1 where layer i uses rope (HF's naming); the default drops every 4th.
+    uses = d.get("no_rope_layers") or [int((i + 1) % int(d.get("no_rope_layer_interval", 4)) != 0) for i in range(n)]
+    return {"rope_layers": tuple(bool(u) for u in uses)}
+
+
+def _smollm3_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
+    # llama.cpp's converter writes no NoPE metadata: its runtime drops rope on every 4th layer.
+    n = int(cfg["num_hidden_layers"])
+    return {"no_rope_layer_interval": 4, "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(n)]}
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("llama", "LlamaForCausalLM", gguf_permuted_qk=True, rms_eps_default=1e-5,
+           eos_tokens=("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")),
+    Family("mistral", "MistralForCausalLM", gguf_permuted_qk=True, rms_eps_default=1e-5),
+    Family("qwen2", "Qwen2ForCausalLM", _qwen2, eos_tokens=("<|im_end|>", "<|endoftext|>")),
+    Family("qwen3", "Qwen3ForCausalLM", lambda d: {"qk_norm": "head"}, eos_tokens=("<|im_end|>", "<|endoftext|>")),
+    Family("granite", "GraniteForCausalLM", _granite, gguf_permuted_qk=True, gguf_config=_granite_gguf,
+           eos_tokens=("<|end_of_text|>", "<|end_of_role|>")),
+    Family("smollm3", "SmolLM3ForCausalLM", _smollm3, gguf_permuted_qk=True, gguf_config=_smollm3_gguf,
+           eos_tokens=("<|im_end|>", "<|end_of_text|>")),
+)}
+
+# HF `architectures` entry -> family name.
+HF_CLASSES = {f.hf_class: f.name for f in FAMILIES.values()}
+
+
+def supported() -> str:
+    """The families we read, for a refusal's one line."""
+    return ", ".join(sorted(FAMILIES))
