@@ -12,6 +12,9 @@ import pytest
 import torch
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+# The families that are switches over the same block (runtime/families.py): the parity tests run
+# them too; the engine-level tests of every feature keep the four above.
+FAMILY_ARCHS = ["granite", "smollm3", "olmo2"]
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -96,6 +99,17 @@ def tiny_hf_config(arch: str, vocab: int = 64, layers: int = 2, **kw):
         return tf.Qwen2Config(**common)
     if arch == "qwen3":
         return tf.Qwen3Config(head_dim=8, **common)
+    if arch == "granite":
+        # Multipliers far from 1, so a forward that drops one cannot pass.
+        return tf.GraniteConfig(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.25,
+                                logits_scaling=2.5, **common)
+    if arch == "smollm3":
+        # NoPE on every 2nd layer here (the default is every 4th), so a 2-layer model has one.
+        n = common["num_hidden_layers"]
+        common.setdefault("no_rope_layers", [int((i + 1) % 2 != 0) for i in range(n)])
+        return tf.SmolLM3Config(pad_token_id=None, **common)
+    if arch == "olmo2":
+        return tf.Olmo2Config(pad_token_id=None, **common)
     raise ValueError(arch)
 
 

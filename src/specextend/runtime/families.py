@@ -98,6 +98,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            eos_tokens=("<|end_of_text|>", "<|end_of_role|>")),
     Family("smollm3", "SmolLM3ForCausalLM", _smollm3, gguf_permuted_qk=True, gguf_config=_smollm3_gguf,
            eos_tokens=("<|im_end|>", "<|end_of_text|>")),
+    Family("olmo2", "Olmo2ForCausalLM", lambda d: {"norms": ("attn_out_norm", "mlp_out_norm"), "qk_norm": "full"},
+           gguf_tensors={"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+           eos_tokens=("<|endoftext|>", "<|im_end|>")),
 )}
 
 # HF `architectures` entry -> family name.

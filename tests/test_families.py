@@ -1,0 +1,277 @@
+"""The families beyond Llama/Qwen (runtime/families.py), each from a GGUF written the way llama.cpp's
+converter writes it: a tiny random model of transformers' own class for the family, its tensors
+named by gguf's own name map, Q/K rows permuted and norm offsets added where the converter does,
+the family's metadata under its keys; converted by our loader and compared with transformers on
+the same weights (float64, float32, Q8_0 and a K-quant, Q6_K), greedy over 32 tokens, and `sd` /
+`specextend` against `ar` with a tiny draft of the same family, on every kernel path."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from specextend.common.errors import UserError
+from specextend.common.settings import Settings
+from specextend.models import gguf as conv
+from specextend.models.loader import load_model
+from specextend.runtime import kernels
+from specextend.speculation.decoder import SpecEngine
+
+from conftest import FAMILY_ARCHS, make_tiny_hf
+from test_gguf import llama_cpp_permute
+from test_quant import F16_FIELDS, random_blocks
+
+# head_dim 64 (the attention kernel's fast path), widths divisible by 256 (K-quants); 4 layers, so
+# SmolLM3's every-4th-layer NoPE (what llama.cpp assumes for the family) has a layer.
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab=96)
+LAYERS = 4
+PROMPT = torch.randint(0, 95, (40,), generator=torch.Generator().manual_seed(7)).tolist()
+SMALL = dict(chunk_size=4, top_k_chunks=3, retrieve_every=2, tree_budget=6, tree_depth=4, tree_topk=2,
+             cmr_min_ratio=0.0)
+PERMUTED = {"granite", "smollm3"}  # llama.cpp converts these as Llama (LlamaModel subclasses)
+NORM_SHIFT: dict[str, float] = {}  # what llama.cpp adds to `*norm.weight`
+
+
+def family_kw(arch: str) -> dict:
+    kw = dict(SHAPE, layers=LAYERS)
+    if arch == "smollm3":  # llama.cpp's layout: rope dropped on every 4th layer
+        kw["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(LAYERS)]
+    return kw
+
+
+def _metadata(w: gguf.GGUFWriter, arch: str, cfg) -> None:
+    """The family's own keys, as the converter writes them."""
+    if arch == "granite":
+        w.add_attention_scale(cfg.attention_multiplier)
+        w.add_embedding_scale(cfg.embedding_multiplier)
+        w.add_residual_scale(cfg.residual_multiplier)
+        w.add_logit_scale(cfg.logits_scaling)
+
+
+def write_like_llama_cpp(model, path: Path, arch: str, kind: str = "F32", seed: int = 0) -> dict[str, torch.Tensor]:
+    """Write `model` (transformers) as llama.cpp's converter would, its matrices in `kind`; returns
+    the HF state dict of what the file holds (quantized matrices as they dequantize), to load the
+    reference with."""
+    cfg = model.config
+    n = cfg.num_hidden_layers
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(n)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(cfg.vocab_size - 1)
+    _metadata(w, arch, cfg)
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), n)
+    stored: dict[str, torch.Tensor] = {}
+    rng = np.random.default_rng(seed)
+    for name, value in sd.items():
+        gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gname is not None, name
+        heads = None
+        if arch in PERMUTED and name.endswith("q_proj.weight"):
+            heads = cfg.num_attention_heads
+        elif arch in PERMUTED and name.endswith("k_proj.weight"):
+            heads = cfg.num_key_value_heads
+        data = value if heads is None else llama_cpp_permute(value, heads)
+        if name.endswith("norm.weight") and arch in NORM_SHIFT:
+            data = (data + np.float32(NORM_SHIFT[arch])).astype(np.float32)
+            value = data - np.float32(NORM_SHIFT[arch])
+        if kind == "F32" or value.ndim != 2:
+            w.add_tensor(gname, data)
+            stored[name] = torch.from_numpy(value.copy())
+            continue
+        qt = gguf.GGMLQuantizationType[kind]
+        if kind == "Q8_0":
+            packed = gguf.quants.quantize(data, qt)
+        else:  # gguf has no K-quant quantizer: random valid blocks, scaled to the model's weights, are the weights
+            packed = scaled_blocks(kind, data, int(rng.integers(1 << 30)))
+        back = gguf.quants.dequantize(packed, qt).astype(np.float32).reshape(data.shape)
+        if heads is not None:  # the reference holds the HF row order
+            back = back.reshape(heads, back.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(back.shape)
+        w.add_tensor(gname, packed, raw_dtype=qt)
+        stored[name] = torch.from_numpy(np.ascontiguousarray(back))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return stored
+
+
+def scaled_blocks(kind: str, like: np.ndarray, seed: int) -> np.ndarray:
+    """Random valid `kind` blocks for a matrix shaped `like`, their float16 scales multiplied so the
+    weights have `like`'s spread (random scales alone make weights in the tens: the logits would
+    then say nothing about the layers)."""
+    qt = gguf.GGMLQuantizationType[kind]
+    raw = random_blocks(kind, *like.shape, seed=seed)
+    factor = float(like.std()) / float(gguf.quants.dequantize(raw, qt).std())
+    size = gguf.GGML_QUANT_SIZES[qt][1]
+    blocks = raw.reshape(like.shape[0], -1, size)
+    for lo in F16_FIELDS[kind]:
+        scales = blocks[..., lo : lo + 2].copy().view(np.float16).astype(np.float32) * factor
+        blocks[..., lo : lo + 2] = scales.astype(np.float16).view(np.uint8).reshape(blocks.shape[:-1] + (2,))
+    return blocks.reshape(raw.shape)
+
+
+def reference(arch: str, stored: dict[str, torch.Tensor], dtype: torch.dtype = torch.float64, seed: int = 0):
+    """transformers' model of the family holding exactly the file's weights."""
+    model = make_tiny_hf(arch, seed, dtype=dtype, **family_kw(arch))
+    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in stored.items()}, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    return model
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """(arch, kind, seed) -> (our converted folder, the file's weights in HF names)."""
+    cache: dict = {}
+
+    def get(arch: str, kind: str = "F32", seed: int = 0, layers: int = LAYERS):
+        key = (arch, kind, seed, layers)
+        if key not in cache:
+            d = tmp_path_factory.mktemp(f"{arch}{kind}{seed}")
+            kw = dict(family_kw(arch), layers=layers)
+            if arch == "smollm3":
+                kw["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(layers)]
+            model = sharp(make_tiny_hf(arch, seed, dtype=torch.float32, **kw))
+            stored = write_like_llama_cpp(model, d / "m.gguf", arch, kind, seed)
+            out = conv.convert_gguf(d / "m.gguf", d / "hf", progress=False, tokenizer=False)
+            cache[key] = (out, stored)
+        return cache[key]
+
+    return get
+
+
+def sharp(model):
+    """The model with its queries and keys scaled up: a tiny random model's attention is otherwise
+    nearly uniform, and a wrong rotation or window would hardly move the quantized logits."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(3.0)
+    return model
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    out = list(ids)
+    for _ in range(n):
+        out.append(int(hf_logits(model, out)[-1].argmax()))
+    return out[len(ids):]
+
+
+def ours_logits(model, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor(ids), torch.arange(len(ids)), model.new_cache(len(ids)))
+
+
+@pytest.mark.parametrize("arch", FAMILY_ARCHS)
+def test_the_gguf_names_the_family_and_its_config_rebuilds(converted, arch):
+    folder, _ = converted(arch)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == arch
+    ref = make_tiny_hf(arch, 0, dtype=torch.float32, **family_kw(arch)).config
+    if arch == "granite":
+        for k in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+            assert config[k] == getattr(ref, k)
+    if arch == "smollm3":
+        assert config["no_rope_layers"] == ref.no_rope_layers
+
+
+@pytest.mark.parametrize("arch", FAMILY_ARCHS)
+def test_float_logits_and_32_greedy_tokens_equal_transformers(converted, arch):
+    folder, stored = converted(arch)
+    ref = reference(arch, stored)
+    ours = load_model(folder, torch.float64, weights="float64")
+    expect = hf_logits(ref, PROMPT)
+    assert torch.allclose(ours_logits(ours, PROMPT), expect, atol=1e-5, rtol=0)
+    eng = SpecEngine(ours, ours, eos_ids=[])
+    got = eng.generate(PROMPT, Settings(method="ar", max_new_tokens=32)).token_ids
+    assert got == hf_greedy(ref, PROMPT, 32)
+    f32 = load_model(folder, torch.float32, weights="float32")
+    assert torch.allclose(ours_logits(f32, PROMPT).double(), expect, atol=1e-3, rtol=0)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")
+@pytest.mark.parametrize("kind", ["Q8_0", "Q6_K"])
+@pytest.mark.parametrize("arch", FAMILY_ARCHS)
+def test_quantized_logits_track_transformers_on_the_files_weights(converted, arch, kind):
+    folder, stored = converted(arch, kind)
+    ref = reference(arch, stored)
+    ours = load_model(folder, torch.float32, weights="gguf")
+    assert ours.fused and not ours.cfg.plain  # the per-layer kernels, with the family's switches
+    expect = hf_logits(ref, PROMPT)
+    got = ours_logits(ours, PROMPT).double()
+    # int8 activations over sharpened attention: within ~6% of the largest logit here; a dropped
+    # switch (rope on a NoPE layer, a missing multiplier or norm) moves them by 30% and more.
+    assert (got.argmax(-1) == expect.argmax(-1)).float().mean() >= 0.85
+    assert (got - expect).abs().max() < 0.12 * expect.abs().max()
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")
+@pytest.mark.parametrize("method", ["sd", "specextend"])
+@pytest.mark.parametrize("kind", ["F32", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("arch", FAMILY_ARCHS)
+def test_speculative_output_equals_ar_with_a_draft_of_the_family(converted, arch, kind, method):
+    target_dir, _ = converted(arch, kind)
+    draft_dir, _ = converted(arch, kind, seed=5, layers=1)
+    weights = "float32" if kind == "F32" else "gguf"
+    target = load_model(target_dir, torch.float32, weights=weights)
+    draft = load_model(draft_dir, torch.float32, weights=weights)
+    eng = SpecEngine(target, draft, eos_ids=[])
+    ar = eng.generate(PROMPT, Settings(method="ar", max_new_tokens=40))
+    extra = dict(draft_gate=False) if method == "specextend" else {}
+    r = eng.generate(PROMPT, Settings(method=method, max_new_tokens=40, **SMALL, **extra))
+    assert r.token_ids == ar.token_ids
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")
+@pytest.mark.parametrize("arch", FAMILY_ARCHS)
+def test_every_kernel_path_gives_the_same_bits(converted, monkeypatch, arch):
+    """SPECEXTEND_CPU forces each path this CPU runs: the same logits, and sd equal to ar on each."""
+    folder, _ = converted(arch, "Q6_K")
+    draft_dir, _ = converted(arch, "Q6_K", seed=5, layers=1)
+    model = load_model(folder, torch.float32, weights="gguf")
+    draft = load_model(draft_dir, torch.float32, weights="gguf")
+    logits, tokens = {}, {}
+    for path in kernels.cpu_paths():
+        monkeypatch.setenv(kernels.CPU_ENV, path)
+        logits[path] = ours_logits(model, PROMPT)
+        eng = SpecEngine(model, draft, eos_ids=[])
+        ar = eng.generate(PROMPT, Settings(method="ar", max_new_tokens=16)).token_ids
+        assert eng.generate(PROMPT, Settings(method="sd", max_new_tokens=16, **SMALL)).token_ids == ar
+        tokens[path] = ar
+    assert all(torch.equal(v, logits["portable"]) for v in logits.values())
+    assert all(v == tokens["portable"] for v in tokens.values())
+
+
+def test_an_unknown_architecture_is_refused_naming_the_families(tmp_path):
+    w = gguf.GGUFWriter(str(tmp_path / "x.gguf"), "bloom")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UserError, match="unsupported GGUF architecture 'bloom'") as e:
+        conv.gguf_architecture(conv.open_gguf(tmp_path / "x.gguf"))
+    for arch in FAMILY_ARCHS:
+        assert arch in str(e.value)
+    assert "\n" not in str(e.value)
