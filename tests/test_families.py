@@ -21,10 +21,10 @@ from specextend.models import gguf as conv
 from specextend.models.loader import load_model
 from specextend.runtime import kernels
 from specextend.speculation.decoder import SpecEngine
-
-from conftest import FAMILY_ARCHS, make_tiny_hf
 from test_gguf import llama_cpp_permute
 from test_quant import F16_FIELDS, random_blocks
+
+from conftest import FAMILY_ARCHS, make_tiny_hf
 
 # head_dim 64 (the attention kernel's fast path), widths divisible by 256 (K-quants); 4 layers, so
 # SmolLM3's every-4th-layer NoPE (what llama.cpp assumes for the family) has a layer.
@@ -124,7 +124,7 @@ def scaled_blocks(kind: str, like: np.ndarray, seed: int) -> np.ndarray:
     blocks = raw.reshape(like.shape[0], -1, size)
     for lo in F16_FIELDS[kind]:
         scales = blocks[..., lo : lo + 2].copy().view(np.float16).astype(np.float32) * factor
-        blocks[..., lo : lo + 2] = scales.astype(np.float16).view(np.uint8).reshape(blocks.shape[:-1] + (2,))
+        blocks[..., lo : lo + 2] = scales.astype(np.float16).view(np.uint8).reshape((*blocks.shape[:-1], 2))
     return blocks.reshape(raw.shape)
 
 

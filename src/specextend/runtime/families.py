@@ -88,6 +88,9 @@ def _smollm3_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
     return {"no_rope_layer_interval": 4, "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(n)]}
 
 
+# llama.cpp's names of the norms on attention's and the MLP's outputs (OLMo 2, Gemma).
+_POST_NORM_TENSORS = {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", "LlamaForCausalLM", gguf_permuted_qk=True, rms_eps_default=1e-5,
            eos_tokens=("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")),
@@ -99,7 +102,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("smollm3", "SmolLM3ForCausalLM", _smollm3, gguf_permuted_qk=True, gguf_config=_smollm3_gguf,
            eos_tokens=("<|im_end|>", "<|end_of_text|>")),
     Family("olmo2", "Olmo2ForCausalLM", lambda d: {"norms": ("attn_out_norm", "mlp_out_norm"), "qk_norm": "full"},
-           gguf_tensors={"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+           gguf_tensors=_POST_NORM_TENSORS,
            eos_tokens=("<|endoftext|>", "<|im_end|>")),
 )}
 
