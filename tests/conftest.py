@@ -14,7 +14,7 @@ import torch
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 # The families that are switches over the same block (runtime/families.py): the parity tests run
 # them too; the engine-level tests of every feature keep the four above.
-FAMILY_ARCHS = ["granite", "smollm3", "olmo2"]
+FAMILY_ARCHS = ["granite", "smollm3", "olmo2", "gemma3"]
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -108,6 +108,22 @@ def tiny_hf_config(arch: str, vocab: int = 64, layers: int = 2, **kw):
         n = common["num_hidden_layers"]
         common.setdefault("no_rope_layers", [int((i + 1) % 2 != 0) for i in range(n)])
         return tf.SmolLM3Config(pad_token_id=None, **common)
+    if arch == "gemma3":
+        # A query scale other than 1/sqrt(head_dim), a window shorter than the tests' prompts, a
+        # scaled global rope; 5 windowed layers to 1 global (llama.cpp's) where there are 6 layers,
+        # else alternating, so a 2-layer model has both kinds.
+        n = common["num_hidden_layers"]
+        pattern = 6 if n >= 6 else 2
+        common["tie_word_embeddings"] = kw.get("tie_word_embeddings", True)
+        common.setdefault("layer_types", ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                          for i in range(n)])
+        common.setdefault("head_dim", 8)
+        common.setdefault("query_pre_attn_scalar", 12)
+        common.setdefault("sliding_window", 8)
+        common.setdefault("rope_parameters", {
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+        return tf.Gemma3TextConfig(pad_token_id=None, **common)
     if arch == "olmo2":
         return tf.Olmo2Config(pad_token_id=None, **common)
     raise ValueError(arch)
@@ -122,8 +138,8 @@ def make_tiny_hf(arch: str, seed: int = 0, dtype=torch.float64, **kw):
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="eager")
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            if "norm" in name:  # Gemma's norms scale by 1 + weight
+                p.copy_((0.0 if cfg.model_type.startswith("gemma") else 1.0) + 0.1 * torch.randn_like(p))
             elif p.ndim == 2:
                 p.copy_(torch.randn_like(p) * (0.6 / p.shape[1] ** 0.5))
             else:

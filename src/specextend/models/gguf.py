@@ -34,7 +34,7 @@ import numpy as np
 
 from ..common import meminfo
 from ..common.errors import UserError
-from ..runtime.families import FAMILIES, Family, supported
+from ..runtime.families import FAMILIES, Family, family_of, supported
 from .footprint import Footprint, TensorInfo, check_fits, footprint, is_kept, notice, random_notice
 
 COMPLETE_MARKER = ".complete"
@@ -51,7 +51,7 @@ FORMAT = "specextend-quantized-5"
 
 # GGUF `general.architecture` -> (HF model_type, HF architectures entry); each family's facts
 # (Q/K permutation, norm offsets, tensor names, metadata, turn-end tokens) are in runtime/families.py.
-SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {f.name: (f.name, f.hf_class) for f in FAMILIES.values()}
+SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {f.name: (f.model_type, f.hf_class) for f in FAMILIES.values()}
 
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -175,7 +175,8 @@ def _hf_model_type(reader: Any, arch: str) -> str:
 def gguf_to_hf_config(reader: Any) -> dict[str, Any]:
     """Build the Hugging Face `config.json` dict that describes the model in this GGUF."""
     arch = gguf_architecture(reader)
-    model_type, hf_class = SUPPORTED_ARCHITECTURES[_hf_model_type(reader, arch)]
+    family = FAMILIES[_hf_model_type(reader, arch)]
+    model_type, hf_class = family.model_type, family.hf_class
     tensors = _tensor_map(reader)
 
     def key(name: str, default: Any = None) -> Any:
@@ -191,7 +192,6 @@ def gguf_to_hf_config(reader: Any) -> dict[str, Any]:
     # The embedding's row count is authoritative: the tokenizer list can be shorter (padding rows).
     vocab_size = int(embd.shape[-1]) if len(embd.shape) > 1 else int(embd.shape[0])
     rope_theta = float(key("rope.freq_base", 10000.0))
-    family = FAMILIES[model_type]
     config: dict[str, Any] = {
         "model_type": model_type,
         "architectures": [hf_class],
@@ -217,11 +217,11 @@ def gguf_to_hf_config(reader: Any) -> dict[str, Any]:
         config["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
     if arch == "qwen2":
         config["use_sliding_window"] = False
-    config.update(family.gguf_config(key, config))
     scaling = _rope_scaling(reader, arch, tensors)
     config["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta, **(scaling or {})}
     if scaling:
         config["rope_scaling"] = scaling
+    config.update(family.gguf_config(key, config))
     for hf_key, gguf_key in (
         ("bos_token_id", "bos_token_id"),
         ("eos_token_id", "eos_token_id"),
@@ -231,6 +231,12 @@ def gguf_to_hf_config(reader: Any) -> dict[str, Any]:
         if value is not None:
             config[hf_key] = int(value)
     return config
+
+
+def _family(config: dict[str, Any]) -> Family:
+    family = family_of(config)
+    assert family is not None, "a config this module wrote names its family"
+    return family
 
 
 def _uniform(value: Any, name: str) -> Any:
@@ -352,7 +358,7 @@ def _float32(data: np.ndarray, tensor_type: int, shape: tuple[int, ...]) -> np.n
 
 def _qk_heads(name: str, config: dict[str, Any]) -> int | None:
     """Heads to un-permute for a Q/K projection of an architecture llama.cpp permutes, else None."""
-    if not FAMILIES[config["model_type"]].gguf_permuted_qk:
+    if not _family(config).gguf_permuted_qk:
         return None
     m = _LAYER_RE.match(name)
     if m and m.group(2) == "attn_q":
@@ -369,7 +375,7 @@ def hf_tensor(tensor: Any, config: dict[str, Any]) -> np.ndarray:
     heads = _qk_heads(tensor.name, config)
     if heads is not None:
         out = unpermute_qk(out, heads)
-    shift = FAMILIES[config["model_type"]].gguf_norm_shift
+    shift = _family(config).gguf_norm_shift
     if shift and tensor.name.endswith("norm.weight"):  # back to the HF weight (Gemma's 1 + w norms)
         out = out - np.float32(shift)
     return np.ascontiguousarray(out)
@@ -455,7 +461,7 @@ def write_weights(reader: Any, config: dict[str, Any], out: Path, progress: bool
     from ..runtime import quant
     from .qstore import stream_tensors
 
-    family = FAMILIES[config["model_type"]]
+    family = _family(config)
     tensors = {name: t for t in reader.tensors if (name := hf_tensor_name(t.name, family)) is not None}
     floats: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     segments: dict[str, quant.Segment] = {}

@@ -261,6 +261,8 @@ def build_model(m: ResolvedModel, device: torch.device | str = "cpu", pack: bool
     if derived is not None:
         derived.save()
     model.inv_freq = inv_freq
+    if m.config.local_rope_theta is not None:  # built on the meta device above, like inv_freq
+        model.inv_freq_local = rope_inv_freq(m.config, local=True).to(device)
     model.weights = m.weights
     model.rowwise_attention = quantized
     model.eval()

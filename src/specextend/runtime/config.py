@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from ..common.errors import UserError
-from .families import FAMILIES, HF_CLASSES, supported
+from .families import FAMILIES, HF_CLASSES, family_of, supported
 
 SUPPORTED_ARCHS = HF_CLASSES
 
@@ -66,9 +66,8 @@ class ModelConfig:
     def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
         """Read a Hugging Face `config.json` dict; refuse architectures we do not implement."""
         archs = d.get("architectures") or []
-        arch = next((SUPPORTED_ARCHS[a] for a in archs if a in SUPPORTED_ARCHS), None)
-        if arch is None and d.get("model_type") in FAMILIES:
-            arch = d["model_type"]
+        family = family_of(d)
+        arch = None if family is None else family.name
         if arch is None:
             name = ", ".join(archs) or d.get("model_type") or "unknown"
             raise UserError(f"unsupported model architecture {name}; supported families: {supported()}")

@@ -39,7 +39,7 @@ GgufKey = Callable[..., Any]  # `key(name, default)`: the GGUF metadata value `<
 
 @dataclass(frozen=True)
 class Family:
-    name: str  # our name, the GGUF `general.architecture` and the HF model_type
+    name: str  # our name and the GGUF `general.architecture`
     hf_class: str  # the HF `architectures` entry
     # ModelConfig switches from a HF config dict (config.py applies them over the Llama defaults).
     switches: Callable[[dict[str, Any]], dict[str, Any]] = lambda d: {}
@@ -54,6 +54,11 @@ class Family:
     # Tokens that end a turn in this family's chat models, besides the file's own EOS id.
     eos_tokens: tuple[str, ...] = ()
     rms_eps_default: float = 1e-6
+    hf_model_type: str = ""  # the HF model_type, where it is not `name`
+
+    @property
+    def model_type(self) -> str:
+        return self.hf_model_type or self.name
 
 
 def _qwen2(d: dict[str, Any]) -> dict[str, Any]:
@@ -91,6 +96,90 @@ def _smollm3_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
 # llama.cpp's names of the norms on attention's and the MLP's outputs (OLMo 2, Gemma).
 _POST_NORM_TENSORS = {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 
+def _gemma(d: dict[str, Any], pattern: int) -> dict[str, Any]:
+    """Gemma 2 and 3: sandwich norms with (1 + weight), GeGLU, the embeddings scaled by sqrt(hidden),
+    the query scale from query_pre_attn_scalar, soft-capping where set, and sliding-window layers
+    (HF's `layer_types`; by default all but every `pattern`-th layer)."""
+    from ..common.errors import UserError
+
+    n = int(d["num_hidden_layers"])
+    act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise UserError(f"unsupported Gemma activation {act!r} (supported: gelu_pytorch_tanh)")
+    types = d.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    window = int(d.get("sliding_window") or 0)
+    softcap = d.get("attn_logit_softcapping")
+    final = d.get("final_logit_softcapping")
+    head_dim = int(d.get("head_dim") or int(d["hidden_size"]) // int(d["num_attention_heads"]))
+    return {"norms": tuple(SANDWICH_NORMS), "norm_plus_one": True, "activation": "gelu_tanh",
+            "embed_scale": float(d["hidden_size"]) ** 0.5,
+            "attn_scale": float(d.get("query_pre_attn_scalar") or head_dim) ** -0.5,
+            "attn_softcap": float(softcap) if softcap else None, "final_softcap": float(final) if final else None,
+            "sliding_window": window,
+            "window_layers": tuple(window > 0 and t == "sliding_attention" for t in types)}
+
+
+def _gemma2(d: dict[str, Any]) -> dict[str, Any]:
+    return _gemma(d, 2)
+
+
+def _gemma3(d: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3 adds per-head q/k norms and a rope of its own on the windowed layers (base 10K,
+    unscaled); the global layers' rope may be linearly scaled."""
+    from ..common.errors import UserError
+
+    out = {**_gemma(d, int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)),
+           "qk_norm": "head"}
+    rope = d.get("rope_parameters") or {}
+    if "full_attention" in rope:  # transformers 5: one rope per layer type
+        glob, loc = dict(rope["full_attention"]), dict(rope.get("sliding_attention") or {})
+    else:
+        glob = {"rope_theta": d.get("rope_theta", 1_000_000.0), **(d.get("rope_scaling") or {})}
+        loc = {"rope_theta": d.get("rope_local_base_freq", 10_000.0)}
+    kind = glob.get("rope_type", glob.get("type", "default"))
+    if kind not in ("default", "linear") or loc.get("rope_type", "default") != "default":
+        raise UserError(f"unsupported Gemma 3 RoPE scaling {kind!r} (supported: default, linear)")
+    out["rope_theta"] = float(glob.get("rope_theta", 1_000_000.0))
+    out["rope_scaling"] = {"rope_type": "linear", "factor": float(glob["factor"])} if kind == "linear" else None
+    out["local_rope_theta"] = float(loc.get("rope_theta", 10_000.0))
+    return out
+
+
+def _gemma_query_scalar(key: GgufKey, cfg: dict[str, Any], big: int) -> float:
+    # llama.cpp keeps no query_pre_attn_scalar: it scales by 1/sqrt(head_dim), except for the 27B
+    # models (known by their layer count), which take hidden / heads.
+    if int(cfg["num_hidden_layers"]) == big:
+        return cfg["hidden_size"] / cfg["num_attention_heads"]
+    return float(cfg["head_dim"])
+
+
+def _gemma2_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
+    n = int(cfg["num_hidden_layers"])
+    return {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": _gemma_query_scalar(key, cfg, 46),
+            "sliding_window": int(key("attention.sliding_window", 4096)),
+            "layer_types": ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)],
+            "attn_logit_softcapping": key("attn_logit_softcapping"),
+            "final_logit_softcapping": key("final_logit_softcapping")}
+
+
+def _gemma3_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
+    # llama.cpp fixes what its converter does not write: 5 windowed layers to 1 global, and the
+    # windowed layers' rope base 10K, unscaled.
+    n = int(cfg["num_hidden_layers"])
+    window = key("attention.sliding_window")
+    glob = dict(cfg["rope_parameters"])
+    return {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": _gemma_query_scalar(key, cfg, 62),
+            "sliding_window": int(window) if window else None,
+            "layer_types": ["sliding_attention" if window and (i + 1) % 6 else "full_attention" for i in range(n)],
+            "final_logit_softcapping": key("final_logit_softcapping"), "attn_logit_softcapping": None,
+            "rope_parameters": {"full_attention": glob,
+                                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}}
+
+
+# llama.cpp's names of Gemma's four norms (its `ffn_norm` is the pre-MLP norm, as for Llama).
+_GEMMA_TENSORS = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                  "post_ffw_norm": "post_feedforward_layernorm"}
+
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", "LlamaForCausalLM", gguf_permuted_qk=True, rms_eps_default=1e-5,
            eos_tokens=("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")),
@@ -104,10 +193,23 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("olmo2", "Olmo2ForCausalLM", lambda d: {"norms": ("attn_out_norm", "mlp_out_norm"), "qk_norm": "full"},
            gguf_tensors=_POST_NORM_TENSORS,
            eos_tokens=("<|endoftext|>", "<|im_end|>")),
+    Family("gemma3", "Gemma3ForCausalLM", _gemma3, gguf_norm_shift=1.0, gguf_tensors=_GEMMA_TENSORS,
+           gguf_config=_gemma3_gguf, eos_tokens=("<end_of_turn>", "<eos>"), hf_model_type="gemma3_text"),
 )}
 
 # HF `architectures` entry -> family name.
 HF_CLASSES = {f.hf_class: f.name for f in FAMILIES.values()}
+# HF model_type -> family name.
+MODEL_TYPES = {f.model_type: f.name for f in FAMILIES.values()}
+
+
+def family_of(hf: dict[str, Any]) -> Family | None:
+    """The family of a HF config dict (by its architectures, else its model_type), or None."""
+    for a in hf.get("architectures") or []:
+        if a in HF_CLASSES:
+            return FAMILIES[HF_CLASSES[a]]
+    name = MODEL_TYPES.get(str(hf.get("model_type")))
+    return None if name is None else FAMILIES[name]
 
 
 def supported() -> str:
