@@ -14,7 +14,7 @@ import torch
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 # The families that are switches over the same block (runtime/families.py): the parity tests run
 # them too; the engine-level tests of every feature keep the four above.
-FAMILY_ARCHS = ["granite", "smollm3", "olmo2", "gemma3"]
+FAMILY_ARCHS = ["granite", "smollm3", "olmo2", "gemma3", "gemma2"]
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -124,6 +124,15 @@ def tiny_hf_config(arch: str, vocab: int = 64, layers: int = 2, **kw):
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
         return tf.Gemma3TextConfig(pad_token_id=None, **common)
+    if arch == "gemma2":
+        # Caps small enough that dropping either moves the logits (Gemma 2's own are 50 and 30).
+        common["tie_word_embeddings"] = kw.get("tie_word_embeddings", True)
+        common.setdefault("head_dim", 8)
+        common.setdefault("query_pre_attn_scalar", 12)
+        common.setdefault("sliding_window", 8)
+        common.setdefault("attn_logit_softcapping", 2.0)
+        common.setdefault("final_logit_softcapping", 1.5)
+        return tf.Gemma2Config(pad_token_id=None, **common)
     if arch == "olmo2":
         return tf.Olmo2Config(pad_token_id=None, **common)
     raise ValueError(arch)

@@ -36,14 +36,14 @@ PROMPT = torch.randint(0, 95, (40,), generator=torch.Generator().manual_seed(7))
 SMALL = dict(chunk_size=4, top_k_chunks=3, retrieve_every=2, tree_budget=6, tree_depth=4, tree_topk=2,
              cmr_min_ratio=0.0)
 PERMUTED = {"granite", "smollm3"}  # llama.cpp converts these as Llama (LlamaModel subclasses)
-NORM_SHIFT = {"gemma3": 1.0}  # what llama.cpp adds to `*norm.weight` (Gemma's norms scale by 1 + w)
+NORM_SHIFT = {"gemma3": 1.0, "gemma2": 1.0}  # what llama.cpp adds to `*norm.weight` (Gemma's norms scale by 1 + w)
 
 
 def ref_tol(arch: str) -> float:
     """How close float64 logits come to transformers': Gemma's norms compute in float32 there even
     in a float64 model (about 3e-5 from its own float32 run here); a wrong window, rope or norm moves
     them by 1e-3 and more."""
-    return 5e-5 if arch == "gemma3" else 1e-5
+    return 5e-5 if arch.startswith("gemma") else 1e-5
 
 
 def family_kw(arch: str, layers: int | None = None) -> dict:
@@ -52,6 +52,8 @@ def family_kw(arch: str, layers: int | None = None) -> dict:
     kw = dict(SHAPE, layers=n)
     if arch == "smollm3":  # rope dropped on every 4th layer
         kw["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(n)]
+    if arch == "gemma2":  # alternating windowed layers; the query scale from head_dim (64)
+        kw.update(head_dim=64, query_pre_attn_scalar=64, sliding_window=WINDOW)
     if arch == "gemma3":  # 5 windowed layers to 1 global; the query scale from head_dim (64)
         kw.update(head_dim=64, query_pre_attn_scalar=64, sliding_window=WINDOW,
                   layer_types=["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)])
@@ -66,6 +68,10 @@ def _metadata(w: gguf.GGUFWriter, arch: str, cfg) -> None:
         if glob.get("rope_type") == "linear":
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(glob["factor"])
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        w.add_sliding_window(cfg.sliding_window)
     if arch == "granite":
         w.add_attention_scale(cfg.attention_multiplier)
         w.add_embedding_scale(cfg.embedding_multiplier)
@@ -213,6 +219,10 @@ def test_the_gguf_names_the_family_and_its_config_rebuilds(converted, arch):
             assert config[k] == getattr(ref, k)
     if arch == "smollm3":
         assert config["no_rope_layers"] == ref.no_rope_layers
+    if arch == "gemma2":
+        for k in ("layer_types", "sliding_window", "query_pre_attn_scalar", "attn_logit_softcapping",
+                  "final_logit_softcapping"):
+            assert config[k] == getattr(ref, k), k
     if arch == "gemma3":
         for k in ("layer_types", "sliding_window", "query_pre_attn_scalar", "rope_parameters"):
             assert config[k] == getattr(ref, k), k

@@ -232,10 +232,10 @@ def attend(
     """Attention through `backend`; a score `scale` other than 1/sqrt(D) is folded into the queries
     (every kernel scales by 1/sqrt(D)), and soft-capped scores take the eager reference, the one
     kernel that sees every score."""
-    if softcap is not None and backend != "rowwise":
-        return eager_attention(q, k, v, tree_mask, scale, softcap)
     if scale is not None:
         q = q * (scale * math.sqrt(q.shape[-1]))
+    if softcap is not None and backend != "rowwise":
+        return eager_attention(q, k, v, tree_mask, None, softcap)
     if backend == "efficient":
         prefix = k.shape[1] - (tree_mask.shape[1] if tree_mask is not None else q.shape[1])
         dev = q.device.type
@@ -248,7 +248,7 @@ def attend(
         return eager_attention(q, k, v, tree_mask)
     if backend == "rowwise":
         if softcap is not None:
-            raise ValueError("the row-wise attention kernel has no score soft-capping")
+            return capped_rowwise(q, k, v, tree_mask, softcap)
         from .kernels import attend as rowwise
 
         return rowwise(q, k, v, tree_mask)
@@ -288,3 +288,24 @@ def window_mask(positions: torch.Tensor, keys: int, tree_mask: torch.Tensor | No
     allowed[:, keys - first - m:] = base
     allowed &= (pos[:, None] - kpos[None, :]) < window
     return first, allowed
+
+
+def capped_rowwise(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor | None,
+                   cap: float) -> torch.Tensor:
+    """Soft-capped attention (Gemma 2), which the row-wise kernel does not compute, with its
+    guarantee: one token at a time over exactly the keys it sees, gathered in order, so a token's
+    bits are those it gets alone (the same keys in the same order, whatever else shares the
+    forward). k, v may be the bfloat16 cache: products run in float32. Slow (a product per token
+    and layer), and only for families the kernel cannot serve."""
+    h, t, d = q.shape
+    s = k.shape[1]
+    seen_by = torch.ones(t, s, dtype=torch.bool)
+    local = _tree_or_causal(None if tree_mask is None else tree_mask.cpu(), t, torch.device("cpu"))
+    seen_by[:, s - local.shape[1] :] = local
+    out = torch.empty(h, t, d, dtype=q.dtype, device=q.device)
+    one = torch.ones(1, 1, dtype=torch.bool, device=q.device)
+    for i in range(t):
+        keys = seen_by[i].nonzero().squeeze(1).to(k.device)
+        ki, vi = k[:, keys].to(q.dtype), v[:, keys].to(q.dtype)
+        out[:, i : i + 1] = eager_attention(q[:, i : i + 1], ki, vi, one, None, cap)
+    return out

@@ -193,6 +193,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("olmo2", "Olmo2ForCausalLM", lambda d: {"norms": ("attn_out_norm", "mlp_out_norm"), "qk_norm": "full"},
            gguf_tensors=_POST_NORM_TENSORS,
            eos_tokens=("<|endoftext|>", "<|im_end|>")),
+    Family("gemma2", "Gemma2ForCausalLM", _gemma2, gguf_norm_shift=1.0, gguf_tensors=_GEMMA_TENSORS,
+           gguf_config=_gemma2_gguf, eos_tokens=("<end_of_turn>", "<eos>")),
     Family("gemma3", "Gemma3ForCausalLM", _gemma3, gguf_norm_shift=1.0, gguf_tensors=_GEMMA_TENSORS,
            gguf_config=_gemma3_gguf, eos_tokens=("<end_of_turn>", "<eos>"), hf_model_type="gemma3_text"),
 )}

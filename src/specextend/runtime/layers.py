@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
-from .attention import Backend, attend, eager_attention, window_mask
+from .attention import Backend, attend, capped_rowwise, window_mask
 from .config import ModelConfig
 from .kv_cache import KVCache
 from .quant import QWeight, qlinear
@@ -319,31 +319,9 @@ class Block(nn.Module):
             end = start + cache.pending
             k, v, mask = self._window(q, k_layer[:, :end], v_layer[:, :end], p.tree_mask, p.positions)
             if self.attn_softcap is not None:
-                a = _capped_rows(q, k, v, mask, self.attn_softcap)
+                a = capped_rowwise(q, k, v, mask, self.attn_softcap)
             else:
                 a = kernels.attend(q, k, v, mask)
             outs.append(a.transpose(0, 1).reshape(t, -1))
             off += t
         return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-
-def _capped_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                 cap: float) -> torch.Tensor:
-    """Soft-capped attention (Gemma 2), which the row-wise kernel does not compute: one token at a
-    time over exactly the keys it sees, gathered in order, so its bits are those it gets alone
-    (the same keys in the same order, whatever else shares the forward). Slow, and only for
-    families the kernel cannot serve."""
-    h, t, d = q.shape
-    s = k.shape[1]
-    full = torch.ones(t, s, dtype=torch.bool)
-    if mask is None:
-        full[:, s - t :] = torch.ones(t, t, dtype=torch.bool).tril_()
-    else:
-        full[:, s - mask.shape[1] :] = mask.cpu()
-    out = torch.empty(h, t, d)
-    for i in range(t):
-        seen = full[i].nonzero().squeeze(1)
-        ki, vi = k[:, seen].float(), v[:, seen].float()
-        out[:, i : i + 1] = eager_attention(q[:, i : i + 1], ki, vi, torch.ones(1, 1, dtype=torch.bool),
-                                            softcap=cap)
-    return out
