@@ -14,7 +14,7 @@ import torch
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 # The families that are switches over the same block (runtime/families.py): the parity tests run
 # them too; the engine-level tests of every feature keep the four above.
-FAMILY_ARCHS = ["granite", "smollm3", "olmo2", "gemma3", "gemma2"]
+FAMILY_ARCHS = ["granite", "smollm3", "olmo2", "gemma3", "gemma2", "phi3"]
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -133,6 +133,19 @@ def tiny_hf_config(arch: str, vocab: int = 64, layers: int = 2, **kw):
         common.setdefault("attn_logit_softcapping", 2.0)
         common.setdefault("final_logit_softcapping", 1.5)
         return tf.Gemma2Config(pad_token_id=None, **common)
+    if arch == "phi3":
+        # Phi-4-mini's layout: LongRoPE (its short factors and magnitude: the prompts stay inside the
+        # original window) over part of each head.
+        rot = 4 if "head_dim" not in kw else int(kw["head_dim"] * 0.75)
+        gen = torch.Generator().manual_seed(1)
+        common.setdefault("original_max_position_embeddings", 128)
+        common.setdefault("rope_parameters", {
+            "rope_type": "longrope", "rope_theta": 10_000.0,
+            "partial_rotary_factor": rot / (common["hidden_size"] // common["num_attention_heads"]),
+            "short_factor": (1 + torch.rand(rot // 2, generator=gen)).tolist(),
+            "long_factor": (2 + 2 * torch.rand(rot // 2, generator=gen)).tolist()})
+        common.pop("head_dim", None)
+        return tf.Phi3Config(pad_token_id=None, **common)
     if arch == "olmo2":
         return tf.Olmo2Config(pad_token_id=None, **common)
     raise ValueError(arch)

@@ -8,6 +8,7 @@ the same weights (float64, float32, Q8_0 and a K-quant, Q6_K), greedy over 32 to
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -52,6 +53,8 @@ def family_kw(arch: str, layers: int | None = None) -> dict:
     kw = dict(SHAPE, layers=n)
     if arch == "smollm3":  # rope dropped on every 4th layer
         kw["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(n)]
+    if arch == "phi3":  # Phi-4-mini's partial rotary (48 of 64 dimensions)
+        kw["head_dim"] = 64
     if arch == "gemma2":  # alternating windowed layers; the query scale from head_dim (64)
         kw.update(head_dim=64, query_pre_attn_scalar=64, sliding_window=WINDOW)
     if arch == "gemma3":  # 5 windowed layers to 1 global; the query scale from head_dim (64)
@@ -62,6 +65,15 @@ def family_kw(arch: str, layers: int | None = None) -> dict:
 
 def _metadata(w: gguf.GGUFWriter, arch: str, cfg) -> None:
     """The family's own keys, as the converter writes them."""
+    if arch == "phi3":
+        rope = cfg.rope_parameters
+        w.add_rope_dimension_count(int(rope["partial_rotary_factor"] * cfg.hidden_size) // cfg.num_attention_heads)
+        w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+        scale = cfg.max_position_embeddings / cfg.original_max_position_embeddings
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(cfg.original_max_position_embeddings)))
+        w.add_sliding_window(0)
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
     if arch == "gemma3":
         w.add_sliding_window(cfg.sliding_window)
         glob = cfg.rope_parameters["full_attention"]
@@ -219,6 +231,11 @@ def test_the_gguf_names_the_family_and_its_config_rebuilds(converted, arch):
             assert config[k] == getattr(ref, k)
     if arch == "smollm3":
         assert config["no_rope_layers"] == ref.no_rope_layers
+    if arch == "phi3":
+        rope = config["rope_parameters"]
+        assert rope["rope_type"] == "longrope" and rope["partial_rotary_factor"] == 0.75
+        assert rope["short_factor"] == pytest.approx(ref.rope_parameters["short_factor"])
+        assert config["original_max_position_embeddings"] == ref.original_max_position_embeddings
     if arch == "gemma2":
         for k in ("layer_types", "sliding_window", "query_pre_attn_scalar", "attn_logit_softcapping",
                   "final_logit_softcapping"):

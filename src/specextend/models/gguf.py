@@ -74,7 +74,7 @@ _LAYER_TENSORS = {
 }
 
 # Tensors llama.cpp adds that have no HF weight: rope factors are folded back into the config.
-_SKIPPED_TENSORS = frozenset({"rope_freqs.weight"})
+_SKIPPED_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
 
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
@@ -256,6 +256,17 @@ def _rope_scaling(reader: Any, arch: str, tensors: dict[str, Any]) -> dict[str, 
     original = field(reader, f"{arch}.rope.scaling.original_context_length")
     if kind in ("linear", "yarn") and factor:
         scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
+        if original:
+            scaling["original_max_position_embeddings"] = int(original)
+        return scaling
+    if "rope_factors_short.weight" in tensors and "rope_factors_long.weight" in tensors:
+        # Phi-3's LongRoPE: llama.cpp writes the factors as tensors and the magnitude factor as a key.
+        scaling = {"rope_type": "longrope",
+                   "short_factor": [float(x) for x in _dequantize(tensors["rope_factors_short.weight"]).reshape(-1)],
+                   "long_factor": [float(x) for x in _dequantize(tensors["rope_factors_long.weight"]).reshape(-1)]}
+        attn = field(reader, f"{arch}.rope.scaling.attn_factor")
+        if attn is not None:
+            scaling["attention_factor"] = float(attn)
         if original:
             scaling["original_max_position_embeddings"] = int(original)
         return scaling

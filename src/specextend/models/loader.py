@@ -328,11 +328,15 @@ def _fill(model: Transformer, w: _Weights) -> None:
     for i, blk in enumerate(model.layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        w.project(blk.qkv, [a + f"{n}_proj.weight" for n in "qkv"], None, h)
+        # Fused q/k/v and gate/up checkpoints (Phi-3) already hold our layout.
+        fused_qkv = w.ts.has(a + "qkv_proj.weight")
+        w.project(blk.qkv, [a + "qkv_proj.weight"] if fused_qkv else [a + f"{n}_proj.weight" for n in "qkv"], None, h)
         if blk.qkv.bias is not None:
             blk.qkv.bias = w.wrap(torch.cat([w.ts.get(a + f"{n}_proj.bias", w.act) for n in "qkv"]))
         w.project(blk.o, [a + "o_proj.weight"], h, cfg.num_heads * cfg.head_dim)
-        w.project(blk.gate_up, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], 2 * cfg.intermediate_size, h)
+        gate_up = [p + "mlp.gate_up_proj.weight"] if w.ts.has(p + "mlp.gate_up_proj.weight") else \
+            [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        w.project(blk.gate_up, gate_up, 2 * cfg.intermediate_size, h)
         w.project(blk.down, [p + "mlp.down_proj.weight"], h, cfg.intermediate_size)
         for place, hf in hf_norm_names(cfg.norms).items():
             getattr(blk, place).weight = norm(p + hf + ".weight")

@@ -45,6 +45,7 @@ class ModelConfig:
     window_layers: tuple[bool, ...] = ()  # per layer: attends through the window (empty: none does)
     rope_layers: tuple[bool, ...] = ()  # per layer: applies rope (empty: every layer does)
     local_rope_theta: float | None = None  # windowed layers' rope base, unscaled (None: the global rope)
+    rotary_dim: int = 0  # the leading dimensions of each head that rope rotates (0: all of them)
 
     @property
     def plain(self) -> bool:
@@ -79,8 +80,8 @@ class ModelConfig:
         theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type", "default"))
-            if kind not in ("default", "linear", "llama3"):
-                raise UserError(f"unsupported RoPE scaling {kind!r} (supported: default, linear, llama3)")
+            if kind not in ("default", "linear", "llama3", "longrope", "su"):
+                raise UserError(f"unsupported RoPE scaling {kind!r} (supported: default, linear, llama3, longrope)")
             if kind == "default":
                 scaling = None
         hidden = int(d["hidden_size"])
@@ -112,4 +113,4 @@ class ModelConfig:
 # The fields a family sets (everything after the sizes): `plain` compares them with the defaults.
 _SWITCHES = frozenset({"norms", "norm_plus_one", "activation", "embed_scale", "residual_scale", "attn_scale",
                        "attn_softcap", "logit_divisor", "final_softcap", "sliding_window", "window_layers",
-                       "rope_layers", "local_rope_theta"})
+                       "rope_layers", "local_rope_theta", "rotary_dim"})

@@ -13,6 +13,7 @@ No torch here: a config is read before anything is loaded.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -176,6 +177,56 @@ def _gemma3_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
                                 "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}}
 
 
+def _phi3(d: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3, 3.5 and 4-mini: the Llama block with fused projections (the loader reads them as they
+    are), a sliding window on every layer where set, partial rotary dimensions (Phi-4-mini) and
+    LongRoPE. LongRoPE's short factors serve contexts up to the original window and its long
+    factors beyond; transformers switches between them with the sequence's length (re-rotating
+    what it caches with the other set), llama.cpp by the context it is given. We take the short
+    factors and the original window as the context: exact against both there; longer contexts
+    on these files are not done yet."""
+    from ..common.errors import UserError
+
+    rope = dict(d.get("rope_parameters") or {})
+    heads = int(d["num_attention_heads"])
+    head_dim = int(d.get("head_dim") or int(d["hidden_size"]) // heads)
+    partial = float(d.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
+    out: dict[str, Any] = {"rotary_dim": int(head_dim * partial)} if partial < 1.0 else {}
+    scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    context = int(d.get("max_position_embeddings", 4096))
+    window = int(d.get("sliding_window") or 0)
+    if scaling is None:
+        if 0 < window < context:
+            out.update(sliding_window=window, window_layers=(True,) * int(d["num_hidden_layers"]))
+        return out
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in ("longrope", "su"):
+        raise UserError(f"unsupported Phi-3 RoPE scaling {kind!r} (supported: longrope)")
+    original = int(scaling.get("original_max_position_embeddings") or d["original_max_position_embeddings"])
+    factor = float(scaling.get("factor") or int(d["max_position_embeddings"]) / original)
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+    out["rope_scaling"] = {"rope_type": "longrope", "short_factor": [float(x) for x in scaling["short_factor"]],
+                           "attention_factor": float(attention)}
+    out["max_position"] = min(context, original)
+    if 0 < window < out["max_position"]:
+        out.update(sliding_window=window, window_layers=(True,) * int(d["num_hidden_layers"]))
+    return out
+
+
+def _phi3_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
+    rope = dict(cfg["rope_parameters"])
+    dims = key("rope.dimension_count")
+    if dims:
+        rope["partial_rotary_factor"] = int(dims) / int(cfg["head_dim"])
+    out: dict[str, Any] = {"rope_parameters": rope, "sliding_window": int(key("attention.sliding_window", 0)) or None}
+    original = key("rope.scaling.original_context_length")
+    if original:
+        out["original_max_position_embeddings"] = int(original)
+    return out
+
+
 # llama.cpp's names of Gemma's four norms (its `ffn_norm` is the pre-MLP norm, as for Llama).
 _GEMMA_TENSORS = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                   "post_ffw_norm": "post_feedforward_layernorm"}
@@ -193,6 +244,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("olmo2", "Olmo2ForCausalLM", lambda d: {"norms": ("attn_out_norm", "mlp_out_norm"), "qk_norm": "full"},
            gguf_tensors=_POST_NORM_TENSORS,
            eos_tokens=("<|endoftext|>", "<|im_end|>")),
+    Family("phi3", "Phi3ForCausalLM", _phi3, gguf_config=_phi3_gguf, rms_eps_default=1e-5,
+           gguf_tensors={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+           eos_tokens=("<|end|>", "<|endoftext|>")),
     Family("gemma2", "Gemma2ForCausalLM", _gemma2, gguf_norm_shift=1.0, gguf_tensors=_GEMMA_TENSORS,
            gguf_config=_gemma2_gguf, eos_tokens=("<end_of_turn>", "<eos>")),
     Family("gemma3", "Gemma3ForCausalLM", _gemma3, gguf_norm_shift=1.0, gguf_tensors=_GEMMA_TENSORS,

@@ -25,13 +25,16 @@ from .quant import QWeight, qlinear
 def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
     """Inverse frequencies in float32, as Hugging Face computes them (so outputs match exactly).
     `local`: the windowed layers' own rope (`ModelConfig.local_rope_theta`, never scaled)."""
-    dim = cfg.head_dim
+    dim = cfg.rotary_dim or cfg.head_dim
     theta = cfg.local_rope_theta if local else cfg.rope_theta
-    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     sc = None if local else cfg.rope_scaling
+    kind = None if sc is None else sc.get("rope_type", sc.get("type"))
+    if kind == "longrope":  # per-frequency divisors (the short ones: ModelConfig keeps the original window)
+        factors = torch.tensor(sc["short_factor"], dtype=torch.float32)
+        return 1.0 / (factors * theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if sc is None:
         return inv
-    kind = sc.get("rope_type", sc.get("type"))
     if kind == "linear":
         return inv / float(sc["factor"])
     # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
@@ -47,7 +50,11 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [heads, T, D] by per-token angles (cos/sin: [T, D]), the rotate-half convention."""
+    """Rotate [heads, T, D] by per-token angles (cos/sin: [T, R]), the rotate-half convention; with
+    R < D (partial rotary) the first R dimensions rotate and the rest pass."""
+    if cos.shape[-1] < x.shape[-1]:
+        r = cos.shape[-1]
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -279,10 +286,17 @@ class Block(nn.Module):
             return qlinear(h, lin.qweight, lin.bias, norm=norm.weight, eps=norm.eps, **kw)
 
         qkv = normed(self.qkv, x, self.attn_norm)
+        nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         if self.qk_full:
-            nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
             qkv = torch.cat([self.q_norm(qkv[:, :nq]), self.k_norm(qkv[:, nq : nq + nk]), qkv[:, nq + nk :]], 1)
-        if self.rope_kind >= 0:
+        partial = self.rope_kind >= 0 and ropes[self.rope_kind][0].shape[-1] < self.head_dim
+        if partial:  # rope_store rotates whole heads: the partial rotation runs here, rope_store's is none
+            cos, sin = ropes[self.rope_kind]
+            t = x.shape[0]
+            q = apply_rope(qkv[:, :nq].reshape(t, self.n_heads, -1).transpose(0, 1), cos, sin)
+            k = apply_rope(qkv[:, nq : nq + nk].reshape(t, self.n_kv, -1).transpose(0, 1), cos, sin)
+            qkv = torch.cat([q.transpose(0, 1).reshape(t, nq), k.transpose(0, 1).reshape(t, nk), qkv[:, nq + nk :]], 1)
+        if self.rope_kind >= 0 and not partial:
             cos, sin = ropes[self.rope_kind]
         else:  # rope_store rotates; by angle zero, exactly the identity
             cos = torch.ones(x.shape[0], self.head_dim)

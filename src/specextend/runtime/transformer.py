@@ -27,7 +27,7 @@ from . import fused_step
 from .attention import Backend
 from .config import ModelConfig
 from .kv_cache import KVCache
-from .layers import Block, Embedding, Linear, RMSNorm, Ropes, Rows, Workspace, rope_inv_freq
+from .layers import Block, Embedding, Linear, RMSNorm, Ropes, Rows, Workspace, apply_rope, rope_inv_freq
 from .quant import QWeight, qlinear
 
 
@@ -100,13 +100,36 @@ class Transformer(nn.Module):
         inv_freq = self.inv_freq if inv_freq is None else inv_freq
         freqs = positions.to(inv_freq.device).float()[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        cos, sin = emb.cos(), emb.sin()
+        sc = self.cfg.rope_scaling
+        if inv_freq is self.inv_freq and sc is not None and sc.get("attention_factor", 1.0) != 1.0:
+            # LongRoPE scales the rotation's magnitude (in float32, as the reference does)
+            cos, sin = cos * sc["attention_factor"], sin * sc["attention_factor"]
+        return cos.to(self.dtype), sin.to(self.dtype)
 
     def ropes(self, positions: torch.Tensor) -> Ropes:
         """(cos, sin) of every rope kind the layers apply (`ModelConfig.rope_kind`)."""
         out = [self.rope(positions)]
         if self.inv_freq_local is not None:
             out.append(self.rope(positions, self.inv_freq_local))
+        return out
+
+    def rotate_keys(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """Cached keys k [layers, kv_heads, n, D] as if each had been written `delta` [n] positions
+        later: each layer's own rope (none on a NoPE layer), a pure rotation (LongRoPE's magnitude
+        factor is already in the keys). A rotation by a + b is the rotation by a, then b."""
+        ropes = []
+        for inv in (self.inv_freq, self.inv_freq_local):
+            if inv is None:
+                continue
+            freqs = delta.to(inv.device).float()[:, None] * inv[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            ropes.append((emb.cos().to(self.dtype), emb.sin().to(self.dtype)))
+        out = k.clone()
+        for i, layer in enumerate(self.layers):
+            if layer.rope_kind >= 0:
+                cos, sin = ropes[layer.rope_kind]
+                out[i] = apply_rope(k[i], cos.to(k.device), sin.to(k.device))
         return out
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
