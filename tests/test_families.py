@@ -23,7 +23,7 @@ from specextend.models.loader import load_model
 from specextend.runtime import kernels
 from specextend.runtime.families import FAMILIES
 from specextend.speculation.decoder import SpecEngine
-from test_gguf import llama_cpp_permute
+from test_gguf import CHAT_TEMPLATE, MERGES, SPECIALS, llama_cpp_permute, tiny_vocab
 from test_quant import F16_FIELDS, random_blocks
 
 from conftest import FAMILY_ARCHS, make_tiny_hf
@@ -91,7 +91,8 @@ def _metadata(w: gguf.GGUFWriter, arch: str, cfg) -> None:
         w.add_logit_scale(cfg.logits_scaling)
 
 
-def write_like_llama_cpp(model, path: Path, arch: str, kind: str = "F32", seed: int = 0) -> dict[str, torch.Tensor]:
+def write_like_llama_cpp(model, path: Path, arch: str, kind: str = "F32", seed: int = 0,
+                         tokenizer: bool = False) -> dict[str, torch.Tensor]:
     """Write `model` (transformers) as llama.cpp's converter would, its matrices in `kind`; returns
     the HF state dict of what the file holds (quantized matrices as they dequantize), to load the
     reference with."""
@@ -113,9 +114,22 @@ def write_like_llama_cpp(model, path: Path, arch: str, kind: str = "F32", seed: 
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(cfg.vocab_size - 1)
     _metadata(w, arch, cfg)
+    w.add_pad_token_id(0)  # the families' own defaults lie outside a tiny vocabulary
+    if not tokenizer:
+        w.add_bos_token_id(0)
+        w.add_eos_token_id(cfg.vocab_size - 1)
+    else:  # test_gguf's byte-level BPE vocabulary with its chat template
+        tokens = tiny_vocab()
+        assert len(tokens) <= cfg.vocab_size
+        w.add_bos_token_id(tokens.index("<|endoftext|>"))
+        w.add_eos_token_id(tokens.index("<|endoftext|>"))
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("qwen2")
+        w.add_token_list(tokens)
+        w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+        w.add_token_merges(MERGES)
+        w.add_chat_template(CHAT_TEMPLATE)
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), n)
     stored: dict[str, torch.Tensor] = {}
     rng = np.random.default_rng(seed)
@@ -346,3 +360,37 @@ def test_a_prompt_longer_than_the_window_is_masked_as_transformers_masks(convert
     for layer in unwindowed.model.layers:
         layer.self_attn.sliding_window = 10 * WINDOW
     assert not torch.allclose(hf_logits(unwindowed, ids), expect, atol=1e-3, rtol=0)  # the window matters
+
+
+# Gemma files carry a SentencePiece vocabulary, which transformers rebuilds with Gemma's own class
+# (its GGUF loader reads both Gemma families); test_gguf's tiny vocabulary is byte-level BPE.
+@pytest.mark.parametrize("arch", [a for a in FAMILY_ARCHS if not a.startswith("gemma")])
+def test_the_tokenizer_chat_template_and_turn_ends_come_from_the_file(tmp_path, arch):
+    """Including the families transformers' GGUF loader refuses (its tokenizer is read as a Llama
+    file's): the tokenizer, the file's chat template, and the family's turn-end tokens as EOS."""
+    from specextend.models.loader import load_tokenizer
+
+    model = make_tiny_hf(arch, 0, dtype=torch.float32, **dict(family_kw(arch, 1), vocab=300))
+    write_like_llama_cpp(model, tmp_path / "m.gguf", arch, tokenizer=True)
+    folder = conv.convert_gguf(tmp_path / "m.gguf", tmp_path / "hf", progress=False)
+    tok = load_tokenizer(folder)
+    assert tok.decode(tok.encode("hello world", add_special_tokens=False)) == "hello world"
+    assert "<|im_start|>assistant" in tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                                               add_generation_prompt=True)
+    eos = json.loads((folder / "generation_config.json").read_text())["eos_token_id"]
+    for token in FAMILIES[arch].eos_tokens:
+        if token in tiny_vocab():
+            assert tiny_vocab().index(token) in eos, token
+
+
+@pytest.mark.parametrize("arch", FAMILY_ARCHS)
+def test_the_converted_folder_is_the_model_for_transformers_too(converted, arch):
+    """Our converter's config.json and tensors (norm offsets taken off, Q/K rows back in HF order)
+    make transformers build the model the file holds: its logits are the reference's."""
+    from specextend.bench.hf_baselines import hf_model
+
+    folder, stored = converted(arch)
+    model = hf_model(folder, torch.float64)  # refuses missing or unexpected tensors
+    model.set_attn_implementation("eager")  # as the reference
+    diff = (hf_logits(model, PROMPT) - hf_logits(reference(arch, stored), PROMPT)).abs().max()
+    assert diff < 1e-9, float(diff)

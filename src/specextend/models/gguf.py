@@ -86,7 +86,13 @@ CHUNK_WEIGHTS = 1 << 22
 # --------------------------------------------------------------------------- reading
 
 
-def _reader_class() -> type:
+# Architectures whose files transformers' GGUF tokenizer loader reads (it refuses the others before
+# it looks at the tokenizer, which it builds from the `tokenizer.ggml.*` keys alone).
+_TRANSFORMERS_GGUF_ARCHS = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"})
+
+
+def _reader_class(architecture: str | None = None) -> type:
+    """Our reader (see `Reader`); `architecture`: the name `general.architecture` reads as."""
     from gguf import GGUFReader
 
     class Reader(GGUFReader):
@@ -104,6 +110,14 @@ def _reader_class() -> type:
             end = offset + np.dtype(dtype).itemsize * count
             arr = plain[offset:end].view(dtype=dtype)[:count]
             return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            f = self.fields.get("general.architecture")
+            if architecture is not None and f is not None and f.data:
+                parts = list(f.parts)
+                parts[f.data[0]] = np.frombuffer(architecture.encode(), dtype=np.uint8)
+                self.fields["general.architecture"] = f._replace(parts=parts)
 
     return Reader
 
@@ -578,7 +592,7 @@ def _find_tokens(tokens_field: Any, wanted: tuple[str, ...]) -> dict[str, int]:
     return found
 
 
-def write_tokenizer(gguf_path: Path, out: Path, chat_template: str | None) -> None:
+def write_tokenizer(gguf_path: Path, out: Path, chat_template: str | None, architecture: str | None = None) -> None:
     """Rebuild the HF tokenizer from the GGUF metadata (via transformers) and save it into `out`.
 
     transformers 5 saves the chat template as `chat_template.jinja`; we also keep a copy in
@@ -590,8 +604,12 @@ def write_tokenizer(gguf_path: Path, out: Path, chat_template: str | None) -> No
     # transformers opens the file with `gguf.GGUFReader` (twice): with ours, the header's million
     # and a half slices take a few seconds, not twenty (`_reader_class`). Conversions run one at
     # a time (pull converts one model after the other, under its lock).
+    # A family transformers does not read (Granite, SmolLM3, OLMo 2) has its tokenizer read as a
+    # Llama file's: the tokenizer is the same kind of file either way.
+    arch = architecture or field(open_gguf(gguf_path), "general.architecture")
+    stand_in = None if arch in _TRANSFORMERS_GGUF_ARCHS else "llama"
     try:
-        with unittest.mock.patch.object(gguf, "GGUFReader", _reader_class()):
+        with unittest.mock.patch.object(gguf, "GGUFReader", _reader_class(stand_in)):
             tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception as exc:  # transformers raises many types for vocabularies it cannot rebuild
         raise UserError(f"cannot build a tokenizer from {gguf_path}: {_short(exc)}") from exc
@@ -719,13 +737,14 @@ def convert_gguf(
         _write_json(tmp / FOOTPRINT_FILE, {**fp.as_json(), KEPT_KEY: kept_types()})
         _write_json(tmp / "generation_config.json", generation_config(reader, config))
         has_tokens = "tokenizer.ggml.tokens" in reader.fields
+        arch = field(reader, "general.architecture")
         chat_template = field(reader, "tokenizer.chat_template")
         # Dropped (with its memory map) before transformers reads the file again for the tokenizer:
         # the reader's metadata holds a few Python objects per token (hundreds of MB for a 150K-token
         # vocabulary), and both at once made the tokenizer the conversion's peak.
         reader = None
         if tokenizer and has_tokens:
-            write_tokenizer(gguf_path, tmp, chat_template)
+            write_tokenizer(gguf_path, tmp, chat_template, arch)
         elif tokenizer:
             print(f"specextend: {gguf_path.name} has no tokenizer; folder has weights only", file=sys.stderr)
         _fsync_dir_files(tmp)

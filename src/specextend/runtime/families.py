@@ -146,12 +146,12 @@ def _gemma3(d: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _gemma_query_scalar(key: GgufKey, cfg: dict[str, Any], big: int) -> float:
+def _gemma_query_scalar(key: GgufKey, cfg: dict[str, Any], big: int) -> int:
     # llama.cpp keeps no query_pre_attn_scalar: it scales by 1/sqrt(head_dim), except for the 27B
     # models (known by their layer count), which take hidden / heads.
     if int(cfg["num_hidden_layers"]) == big:
-        return cfg["hidden_size"] / cfg["num_attention_heads"]
-    return float(cfg["head_dim"])
+        return int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
+    return int(cfg["head_dim"])
 
 
 def _gemma2_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -217,10 +217,10 @@ def _phi3(d: dict[str, Any]) -> dict[str, Any]:
 
 def _phi3_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
     rope = dict(cfg["rope_parameters"])
-    dims = key("rope.dimension_count")
-    if dims:
-        rope["partial_rotary_factor"] = int(dims) / int(cfg["head_dim"])
     out: dict[str, Any] = {"rope_parameters": rope, "sliding_window": int(key("attention.sliding_window", 0)) or None}
+    dims = key("rope.dimension_count")
+    if dims and int(dims) != int(cfg["head_dim"]):  # Phi-4-mini (transformers reads it at the top level)
+        rope["partial_rotary_factor"] = out["partial_rotary_factor"] = int(dims) / int(cfg["head_dim"])
     original = key("rope.scaling.original_context_length")
     if original:
         out["original_max_position_embeddings"] = int(original)
