@@ -394,3 +394,15 @@ def test_the_converted_folder_is_the_model_for_transformers_too(converted, arch)
     model.set_attn_implementation("eager")  # as the reference
     diff = (hf_logits(model, PROMPT) - hf_logits(reference(arch, stored), PROMPT)).abs().max()
     assert diff < 1e-9, float(diff)
+
+
+@pytest.mark.usefixtures("isolated_home")
+def test_inspect_names_the_family_and_what_runs(converted, capsys):
+    from specextend.cli.main import main
+
+    folder, _ = converted("gemma3")
+    assert main(["models", "inspect", str(folder.parent / "m.gguf")]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("family"))
+    assert "gemma3" in line and "5 of 6 layers windowed (16)" in line and "per-layer kernels" in line
+    assert main(["models", "inspect", str(folder.parent / "m.gguf"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["family"].startswith("gemma3:")

@@ -54,6 +54,32 @@ class ModelConfig:
         defaults = {f.name: f.default for f in fields(self) if f.name in _SWITCHES}
         return self.qk_norm != "full" and self == replace(self, **defaults)
 
+    def switches(self) -> dict[str, Any]:
+        """The family switches this model sets (those that differ from Llama's), by field name."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)
+               if f.name in _SWITCHES and getattr(self, f.name) != f.default}
+        if self.qk_norm:
+            out["qk_norm"] = self.qk_norm
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+        return out
+
+    def describe(self) -> str:
+        """The family and what runs, in one line (`models inspect`)."""
+        s = self.switches()
+        parts = []
+        if self.window_layers:
+            parts.append(f"{sum(self.window_layers)} of {self.num_layers} layers windowed ({self.sliding_window})")
+        if self.rope_layers:
+            parts.append(f"{self.num_layers - sum(self.rope_layers)} layers without rope")
+        def text(v: Any) -> str:
+            return "+".join(v) if isinstance(v, tuple) else f"{v:.6g}" if isinstance(v, float) else str(v)
+
+        parts += [f"{k} {text(v)}" for k, v in s.items() if k not in ("window_layers", "sliding_window", "rope_layers")]
+        step = ("the whole-step C++ call for decode steps, the per-layer kernels for prefill" if self.plain
+                else "the per-layer kernels (the whole-step C++ call does not implement its switches)")
+        return f"{self.arch}{': ' + ', '.join(parts) if parts else ''}; quantized weights run {step}"
+
     def windowed(self, layer: int) -> bool:
         return bool(self.window_layers) and self.window_layers[layer]
 
