@@ -406,3 +406,51 @@ def test_inspect_names_the_family_and_what_runs(converted, capsys):
     assert "gemma3" in line and "5 of 6 layers windowed (16)" in line and "per-layer kernels" in line
     assert main(["models", "inspect", str(folder.parent / "m.gguf"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["family"].startswith("gemma3:")
+
+
+def tree(n: int) -> tuple[torch.Tensor, list[int]]:
+    parents = [-1, 0, 0, 1, 1, 2, 3, 3, 5][:n]
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    depth = [0] * n
+    for i in range(n):
+        if i:
+            mask[i] = mask[parents[i]]
+            depth[i] = depth[parents[i]] + 1
+        mask[i, i] = True
+    return mask, depth
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")
+@pytest.mark.parametrize("arch", FAMILY_ARCHS)
+def test_a_token_gets_the_same_bits_alone_inside_a_tree_and_in_a_batch(converted, arch):
+    """What makes speculative output equal `ar` on the quantized runtime, switch by switch (windows,
+    soft-capped attention, partial rotary, NoPE): a tree node's logits are the bits the token gets
+    decoded alone after its ancestors, and a sequence's rows batched with another's are its own."""
+    from specextend.runtime.layers import Rows
+
+    folder, _ = converted(arch, "Q8_0")
+    model = load_model(folder, torch.float32, weights="gguf")
+    mask, depth = tree(9)
+    n = len(depth)
+    tokens = torch.randint(0, 95, (n,), generator=torch.Generator().manual_seed(1))
+    prompt = torch.tensor(PROMPT)
+    p = len(PROMPT)
+    cache = model.new_cache(p + 2 * n)
+    model.prefill(prompt, cache, chunk=16)
+    tree_logits = model(tokens, p + torch.tensor(depth), cache, mask)
+    cache.discard()
+    for i in range(n):
+        path = [j for j in range(n) if mask[i, j]]
+        alone = model.new_cache(p + n)
+        model.prefill(prompt, alone, chunk=16)
+        if len(path) > 1:
+            model(tokens[path[:-1]], p + torch.arange(len(path) - 1), alone)
+            alone.commit()
+        assert torch.equal(model(tokens[i : i + 1], torch.tensor([p + depth[i]]), alone)[0], tree_logits[i]), i
+    other = model.new_cache(p + n)
+    model.prefill(prompt[: p // 2], other)
+    parts = [Rows(tokens, p + torch.tensor(depth), cache, mask), Rows(tokens[:3], torch.arange(3) + p // 2, other)]
+    batched = model.forward_many(parts)
+    assert torch.equal(batched[0], tree_logits)
+    other.discard()
+    assert torch.equal(batched[1], model(tokens[:3], torch.arange(3) + p // 2, other))
