@@ -92,7 +92,7 @@ def _metadata(w: gguf.GGUFWriter, arch: str, cfg) -> None:
 
 
 def write_like_llama_cpp(model, path: Path, arch: str, kind: str = "F32", seed: int = 0,
-                         tokenizer: bool = False) -> dict[str, torch.Tensor]:
+                         tokenizer: bool = False, window: int = 0) -> dict[str, torch.Tensor]:
     """Write `model` (transformers) as llama.cpp's converter would, its matrices in `kind`; returns
     the HF state dict of what the file holds (quantized matrices as they dequantize), to load the
     reference with."""
@@ -115,6 +115,8 @@ def write_like_llama_cpp(model, path: Path, arch: str, kind: str = "F32", seed: 
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     _metadata(w, arch, cfg)
+    if window:
+        w.add_sliding_window(window)
     w.add_pad_token_id(0)  # the families' own defaults lie outside a tiny vocabulary
     if not tokenizer:
         w.add_bos_token_id(0)
@@ -454,3 +456,12 @@ def test_a_token_gets_the_same_bits_alone_inside_a_tree_and_in_a_batch(converted
     assert torch.equal(batched[0], tree_logits)
     other.discard()
     assert torch.equal(batched[1], model(tokens[:3], torch.arange(3) + p // 2, other))
+
+
+def test_an_olmo_3_file_is_refused_in_one_line(tmp_path):
+    """llama.cpp files OLMo 3 under olmo2 with sliding-window layers, which OLMo 2 does not have."""
+    model = make_tiny_hf("olmo2", 0, dtype=torch.float32, **family_kw("olmo2", 1))
+    write_like_llama_cpp(model, tmp_path / "m.gguf", "olmo2", window=4096)
+    with pytest.raises(UserError, match="OLMo 3") as e:
+        conv.convert_gguf(tmp_path / "m.gguf", tmp_path / "hf", progress=False, tokenizer=False)
+    assert "\n" not in str(e.value) and not (tmp_path / "hf").exists()

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..common.errors import UserError
+
 # The HF norm names of a block, by placement: before attention (`attn_norm`), on attention's output
 # (`attn_out_norm`), before the MLP (`mlp_norm`), on the MLP's output (`mlp_out_norm`).
 PRE_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
@@ -94,6 +96,13 @@ def _smollm3_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
     return {"no_rope_layer_interval": 4, "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(n)]}
 
 
+def _olmo2_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
+    # llama.cpp files OLMo 3 under olmo2, with sliding-window layers that OLMo 2 does not have.
+    if key("attention.sliding_window"):
+        raise UserError("an OLMo 3 GGUF (olmo2 with sliding-window layers) is not supported yet")
+    return {}
+
+
 # llama.cpp's names of the norms on attention's and the MLP's outputs (OLMo 2, Gemma).
 _POST_NORM_TENSORS = {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 
@@ -101,8 +110,6 @@ def _gemma(d: dict[str, Any], pattern: int) -> dict[str, Any]:
     """Gemma 2 and 3: sandwich norms with (1 + weight), GeGLU, the embeddings scaled by sqrt(hidden),
     the query scale from query_pre_attn_scalar, soft-capping where set, and sliding-window layers
     (HF's `layer_types`; by default all but every `pattern`-th layer)."""
-    from ..common.errors import UserError
-
     n = int(d["num_hidden_layers"])
     act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
@@ -127,8 +134,6 @@ def _gemma2(d: dict[str, Any]) -> dict[str, Any]:
 def _gemma3(d: dict[str, Any]) -> dict[str, Any]:
     """Gemma 3 adds per-head q/k norms and a rope of its own on the windowed layers (base 10K,
     unscaled); the global layers' rope may be linearly scaled."""
-    from ..common.errors import UserError
-
     out = {**_gemma(d, int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)),
            "qk_norm": "head"}
     rope = d.get("rope_parameters") or {}
@@ -185,8 +190,6 @@ def _phi3(d: dict[str, Any]) -> dict[str, Any]:
     what it caches with the other set), llama.cpp by the context it is given. We take the short
     factors and the original window as the context: exact against both there; longer contexts
     on these files are not done yet."""
-    from ..common.errors import UserError
-
     rope = dict(d.get("rope_parameters") or {})
     heads = int(d["num_attention_heads"])
     head_dim = int(d.get("head_dim") or int(d["hidden_size"]) // heads)
@@ -242,7 +245,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("smollm3", "SmolLM3ForCausalLM", _smollm3, gguf_permuted_qk=True, gguf_config=_smollm3_gguf,
            eos_tokens=("<|im_end|>", "<|end_of_text|>")),
     Family("olmo2", "Olmo2ForCausalLM", lambda d: {"norms": ("attn_out_norm", "mlp_out_norm"), "qk_norm": "full"},
-           gguf_tensors=_POST_NORM_TENSORS,
+           gguf_tensors=_POST_NORM_TENSORS, gguf_config=_olmo2_gguf,
            eos_tokens=("<|endoftext|>", "<|im_end|>")),
     Family("phi3", "Phi3ForCausalLM", _phi3, gguf_config=_phi3_gguf, rms_eps_default=1e-5,
            gguf_tensors={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
