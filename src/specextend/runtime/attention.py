@@ -304,8 +304,11 @@ def capped_rowwise(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask:
     seen_by[:, s - local.shape[1] :] = local
     out = torch.empty(h, t, d, dtype=q.dtype, device=q.device)
     one = torch.ones(1, 1, dtype=torch.bool, device=q.device)
+    first = int(seen_by.any(0).nonzero()[0])  # keys before it are seen by no row: not widened
+    kf, vf = k[:, first:].to(q.dtype), v[:, first:].to(q.dtype)
     for i in range(t):
-        keys = seen_by[i].nonzero().squeeze(1).to(k.device)
-        ki, vi = k[:, keys].to(q.dtype), v[:, keys].to(q.dtype)
+        keys = (seen_by[i, first:].nonzero().squeeze(1)).to(k.device)
+        # gathered into a tensor of their own, whether the row's keys are contiguous or not
+        ki, vi = kf.index_select(1, keys), vf.index_select(1, keys)
         out[:, i : i + 1] = eager_attention(q[:, i : i + 1], ki, vi, one, None, cap)
     return out
