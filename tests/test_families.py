@@ -20,7 +20,7 @@ from specextend.common.errors import UserError
 from specextend.common.settings import Settings
 from specextend.models import gguf as conv
 from specextend.models.loader import load_model
-from specextend.runtime import kernels
+from specextend.runtime import fused_step, kernels
 from specextend.runtime.families import FAMILIES
 from specextend.speculation.decoder import SpecEngine
 from test_gguf import CHAT_TEMPLATE, MERGES, SPECIALS, llama_cpp_permute, tiny_vocab
@@ -282,7 +282,8 @@ def test_quantized_logits_track_transformers_on_the_files_weights(converted, arc
     folder, stored = converted(arch, kind)
     ref = reference(arch, stored)
     ours = load_model(folder, torch.float32, weights="gguf")
-    assert ours.fused and not ours.cfg.plain  # the per-layer kernels, with the family's switches
+    # the quantized kernels; the whole-step call too where the switches are per-layer ropes only
+    assert ours.fused and ours.cfg.plain == (arch == "smollm3")
     expect = hf_logits(ref, PROMPT)
     got = ours_logits(ours, PROMPT).double()
     # int8 activations over sharpened attention: within ~6% here (relative RMS); a dropped switch
@@ -465,3 +466,24 @@ def test_an_olmo_3_file_is_refused_in_one_line(tmp_path):
     with pytest.raises(UserError, match="OLMo 3") as e:
         conv.convert_gguf(tmp_path / "m.gguf", tmp_path / "hf", progress=False, tokenizer=False)
     assert "\n" not in str(e.value) and not (tmp_path / "hf").exists()
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")
+@pytest.mark.parametrize("path", kernels.cpu_paths())
+def test_nope_layers_take_the_whole_step_call_with_the_python_driven_bits(converted, monkeypatch, path):
+    """SmolLM3's NoPE layers are the plain block with a rope table of angle zero: the whole-step
+    C++ call runs them, and gives the per-layer kernels' bits (logits, K/V, kept queries)."""
+    from test_step import run
+
+    monkeypatch.setenv(kernels.CPU_ENV, path)
+    folder, _ = converted("smollm3", "Q8_0")
+    model = load_model(folder, torch.float32, weights="gguf")
+    assert model.cfg.plain and model.cfg.rope_layers == (True, True, True, False)
+    calls = []
+    step = fused_step.run
+    monkeypatch.setattr(fused_step, "run", lambda *a: calls.append(1) or step(*a))
+    python, whole = run(model, 0), run(model, 16)
+    assert calls  # the whole-step call ran
+    assert len(python) == len(whole)
+    for i, (a, b) in enumerate(zip(python, whole, strict=True)):
+        assert torch.equal(a, b), i

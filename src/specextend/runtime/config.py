@@ -49,9 +49,11 @@ class ModelConfig:
 
     @property
     def plain(self) -> bool:
-        """Whether the model is the Llama block with none of the switches set: the whole-step C++
-        call (fused_step.py) and the folded per-layer kernels implement exactly that."""
-        defaults = {f.name: f.default for f in fields(self) if f.name in _SWITCHES}
+        """Whether the model is the Llama block with none of the switches set but per-layer ropes
+        (a rope of the windowed layers' own, none on some): the whole-step C++ call (fused_step.py)
+        and the folded per-layer kernels implement exactly that, each layer rotating with its
+        rope's table."""
+        defaults = {f.name: f.default for f in fields(self) if f.name in _SWITCHES - _ROPE_SWITCHES}
         return self.qk_norm != "full" and self == replace(self, **defaults)
 
     def switches(self) -> dict[str, Any]:
@@ -140,3 +142,5 @@ class ModelConfig:
 _SWITCHES = frozenset({"norms", "norm_plus_one", "activation", "embed_scale", "residual_scale", "attn_scale",
                        "attn_softcap", "logit_divisor", "final_softcap", "sliding_window", "window_layers",
                        "rope_layers", "local_rope_theta", "rotary_dim"})
+# The switches the plain block takes as per-layer rope tables.
+_ROPE_SWITCHES = frozenset({"rope_layers", "local_rope_theta"})

@@ -270,7 +270,7 @@ class Block(nn.Module):
         same kernels; every operation stays row-independent, so a token's bits do not depend on
         the other rows of its forward."""
         if self.plain:
-            cos, sin = ropes[0]
+            cos, sin = self._rope_table(ropes, x.shape[0])
             qkv = qlinear(x, self.qkv.qweight, self.qkv.bias, norm=self.attn_norm.weight, eps=self.attn_norm.eps)
             a = self._attend_rows(qkv, cos, sin, parts)
             x = qlinear(a, self.o.qweight, residual=x)
@@ -290,17 +290,13 @@ class Block(nn.Module):
         if self.qk_full:
             qkv = torch.cat([self.q_norm(qkv[:, :nq]), self.k_norm(qkv[:, nq : nq + nk]), qkv[:, nq + nk :]], 1)
         partial = self.rope_kind >= 0 and ropes[self.rope_kind][0].shape[-1] < self.head_dim
+        cos, sin = self._rope_table(ropes if not partial else [], x.shape[0])
         if partial:  # rope_store rotates whole heads: the partial rotation runs here, rope_store's is none
-            cos, sin = ropes[self.rope_kind]
+            rc, rs = ropes[self.rope_kind]
             t = x.shape[0]
-            q = apply_rope(qkv[:, :nq].reshape(t, self.n_heads, -1).transpose(0, 1), cos, sin)
-            k = apply_rope(qkv[:, nq : nq + nk].reshape(t, self.n_kv, -1).transpose(0, 1), cos, sin)
+            q = apply_rope(qkv[:, :nq].reshape(t, self.n_heads, -1).transpose(0, 1), rc, rs)
+            k = apply_rope(qkv[:, nq : nq + nk].reshape(t, self.n_kv, -1).transpose(0, 1), rc, rs)
             qkv = torch.cat([q.transpose(0, 1).reshape(t, nq), k.transpose(0, 1).reshape(t, nk), qkv[:, nq + nk :]], 1)
-        if self.rope_kind >= 0 and not partial:
-            cos, sin = ropes[self.rope_kind]
-        else:  # rope_store rotates; by angle zero, exactly the identity
-            cos = torch.ones(x.shape[0], self.head_dim)
-            sin = torch.zeros(x.shape[0], self.head_dim)
         a = self._attend_rows(qkv, cos, sin, parts)
         x = self._residual(x, qlinear(a, self.o.qweight), self.attn_out_norm)
         gu = normed(self.gate_up, x, self.mlp_norm, out=self.workspace.take(x.shape[0], self.gate_up.qweight.n))
@@ -308,6 +304,14 @@ class Block(nn.Module):
             return qlinear(gu, self.down.qweight, silu_mul=True, residual=x)
         g, u = gu.chunk(2, dim=-1)
         return self._residual(x, qlinear(self._act(g, u), self.down.qweight), self.mlp_out_norm)
+
+    def _rope_table(self, ropes: Ropes, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (cos, sin) rope_store rotates this layer's rows with: its rope kind's, or where it has
+        none (a NoPE layer; `ropes` empty: rotated already), angle zero, which rope_store's
+        arithmetic applies exactly as the identity (the whole-step call takes the same table)."""
+        if self.rope_kind >= 0 and ropes:
+            return ropes[self.rope_kind]
+        return torch.ones(rows, self.head_dim), torch.zeros(rows, self.head_dim)
 
     def _attend_rows(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, parts: list[Rows]
                      ) -> torch.Tensor:

@@ -205,7 +205,7 @@ class Transformer(nn.Module):
         ropes = self.ropes(positions)
         x = self._embed(tokens)
         if self._takes_step(x, parts):
-            return self._forward_step(x, *ropes[0], parts)
+            return self._forward_step(x, *fused_step.rope_tables(self.cfg, ropes), parts)
         for layer in self.layers:
             x = layer.forward_rows(x, ropes, parts)
         picked, counts, off = [], [], 0
