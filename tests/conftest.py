@@ -12,6 +12,9 @@ import pytest
 import torch
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+# The families that are switches over the same block (runtime/families.py): the parity tests run
+# them too; the engine-level tests of every feature keep the four above.
+FAMILY_ARCHS = ["granite", "smollm3", "olmo2", "gemma3", "gemma2", "phi3"]
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -96,6 +99,55 @@ def tiny_hf_config(arch: str, vocab: int = 64, layers: int = 2, **kw):
         return tf.Qwen2Config(**common)
     if arch == "qwen3":
         return tf.Qwen3Config(head_dim=8, **common)
+    if arch == "granite":
+        # Multipliers far from 1, so a forward that drops one cannot pass.
+        return tf.GraniteConfig(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.25,
+                                logits_scaling=2.5, **common)
+    if arch == "smollm3":
+        # NoPE on every 2nd layer here (the default is every 4th), so a 2-layer model has one.
+        n = common["num_hidden_layers"]
+        common.setdefault("no_rope_layers", [int((i + 1) % 2 != 0) for i in range(n)])
+        return tf.SmolLM3Config(pad_token_id=None, **common)
+    if arch == "gemma3":
+        # A query scale other than 1/sqrt(head_dim), a window shorter than the tests' prompts, a
+        # scaled global rope; 5 windowed layers to 1 global (llama.cpp's) where there are 6 layers,
+        # else alternating, so a 2-layer model has both kinds.
+        n = common["num_hidden_layers"]
+        pattern = 6 if n >= 6 else 2
+        common["tie_word_embeddings"] = kw.get("tie_word_embeddings", True)
+        common.setdefault("layer_types", ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                          for i in range(n)])
+        common.setdefault("head_dim", 8)
+        common.setdefault("query_pre_attn_scalar", 12)
+        common.setdefault("sliding_window", 8)
+        common.setdefault("rope_parameters", {
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+        return tf.Gemma3TextConfig(pad_token_id=None, **common)
+    if arch == "gemma2":
+        # Caps small enough that dropping either moves the logits (Gemma 2's own are 50 and 30).
+        common["tie_word_embeddings"] = kw.get("tie_word_embeddings", True)
+        common.setdefault("head_dim", 8)
+        common.setdefault("query_pre_attn_scalar", 12)
+        common.setdefault("sliding_window", 8)
+        common.setdefault("attn_logit_softcapping", 2.0)
+        common.setdefault("final_logit_softcapping", 1.5)
+        return tf.Gemma2Config(pad_token_id=None, **common)
+    if arch == "phi3":
+        # Phi-4-mini's layout: LongRoPE (its short factors and magnitude: the prompts stay inside the
+        # original window) over part of each head.
+        rot = 4 if "head_dim" not in kw else int(kw["head_dim"] * 0.75)
+        gen = torch.Generator().manual_seed(1)
+        common.setdefault("original_max_position_embeddings", 128)
+        common.setdefault("rope_parameters", {
+            "rope_type": "longrope", "rope_theta": 10_000.0,
+            "partial_rotary_factor": rot / (common["hidden_size"] // common["num_attention_heads"]),
+            "short_factor": (1 + torch.rand(rot // 2, generator=gen)).tolist(),
+            "long_factor": (2 + 2 * torch.rand(rot // 2, generator=gen)).tolist()})
+        common.pop("head_dim", None)
+        return tf.Phi3Config(pad_token_id=None, **common)
+    if arch == "olmo2":
+        return tf.Olmo2Config(pad_token_id=None, **common)
     raise ValueError(arch)
 
 
@@ -108,8 +160,8 @@ def make_tiny_hf(arch: str, seed: int = 0, dtype=torch.float64, **kw):
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="eager")
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            if "norm" in name:  # Gemma's norms scale by 1 + weight
+                p.copy_((0.0 if cfg.model_type.startswith("gemma") else 1.0) + 0.1 * torch.randn_like(p))
             elif p.ndim == 2:
                 p.copy_(torch.randn_like(p) * (0.6 / p.shape[1] ** 0.5))
             else:

@@ -12,7 +12,7 @@ import torch
 
 from specextend.models.loader import load_model
 
-from conftest import ARCHS, make_tiny_hf
+from conftest import ARCHS, FAMILY_ARCHS, make_tiny_hf
 
 REF_TOL = 1e-5
 EXACT = 1e-10
@@ -30,7 +30,7 @@ def ref_logits(ref, ids):
         return ref(torch.tensor([ids])).logits[0]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + FAMILY_ARCHS)
 @pytest.mark.parametrize("backend", ["eager", "efficient"])
 def test_prefill_one_call_and_pieces(tiny_dir, arch, backend):
     ours, ref = ours_and_ref(tiny_dir, arch)
@@ -71,7 +71,7 @@ def random_tree(n: int, gen: torch.Generator) -> tuple[list[int], torch.Tensor, 
     return parents, mask, depth
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + FAMILY_ARCHS)
 @pytest.mark.parametrize("backend", ["eager", "efficient"])
 def test_tree_mask_equals_path_feeding(tiny_dir, arch, backend):
     ours, ref = ours_and_ref(tiny_dir, arch)
@@ -101,7 +101,7 @@ def test_tree_mask_equals_path_feeding(tiny_dir, arch, backend):
         assert torch.allclose(got[i], expect, atol=REF_TOL, rtol=0), i
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + FAMILY_ARCHS)
 def test_compaction_equals_fresh_forward(tiny_dir, arch):
     ours, _ = ours_and_ref(tiny_dir, arch)
     gen = torch.Generator().manual_seed(2)

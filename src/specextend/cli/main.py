@@ -496,7 +496,7 @@ def cmd_models_inspect(args: argparse.Namespace) -> int:
 
     fp = inspect_model(args.file)
     if args.json:
-        print(json.dumps(fp.as_json()))
+        print(json.dumps({**fp.as_json(), "family": None if fp.config is None else _family_line(fp.config)}))
         return 0
     print(f"file          {fp.file} ({gb(fp.file_bytes)})")
     c = fp.config
@@ -507,6 +507,7 @@ def cmd_models_inspect(args: argparse.Namespace) -> int:
               f"{c['hidden_size']}, FFN {c['intermediate_size']}, {c['num_attention_heads']} heads "
               f"({c['num_key_value_heads']} KV) of {c['head_dim']}, vocabulary {c['vocab_size']}; "
               f"{fp.parameters / 1e6:,.0f} M parameters")
+        print(f"family        {_family_line(c)}")
     note = " (--weights auto runs float32 through PyTorch)" if runs_float(fp.kernel_path) else ""
     print(f"kernels       {fp.kernel_path or 'none'}{note}")
     table = [("TYPE", "TENSORS", "PARAMETERS", "FILE", "LOADED", "RUNS AS")]
@@ -517,6 +518,15 @@ def cmd_models_inspect(args: argparse.Namespace) -> int:
           f"converted copy on disk {gb(fp.converted_bytes)}; all in float32 {gb(fp.float32_bytes)}")
     print(f"expanded      {notice(fp) or 'nothing: every matrix keeps its own grid or is float32 in the file'}")
     return 0
+
+
+def _family_line(hf_config: dict[str, Any]) -> str:
+    from ..runtime.config import ModelConfig
+
+    try:
+        return ModelConfig.from_hf(hf_config).describe()
+    except UserError as e:
+        return str(e)
 
 
 def cmd_models_clear_cache(args: argparse.Namespace) -> int:

@@ -34,6 +34,7 @@ import numpy as np
 
 from ..common import meminfo
 from ..common.errors import UserError
+from ..runtime.families import FAMILIES, Family, family_of, supported
 from .footprint import Footprint, TensorInfo, check_fits, footprint, is_kept, notice, random_notice
 
 COMPLETE_MARKER = ".complete"
@@ -48,24 +49,9 @@ RANDOM_WEIGHTS_KEY = "specextend.random_weights"
 # without the minimum's header bytes; 5: Q4_1 and Q5_1 under q8's header with a minimum.
 FORMAT = "specextend-quantized-5"
 
-# GGUF `general.architecture` -> (HF model_type, HF architectures entry).
-SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "llama": ("llama", "LlamaForCausalLM"),
-    "mistral": ("mistral", "MistralForCausalLM"),
-    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
-}
-
-# llama.cpp's converter interleaves the rotary halves of Q/K rows for these architectures only.
-_PERMUTED_QK_ARCHS = frozenset({"llama", "mistral"})
-
-# Tokens that end a turn in chat models of these families, besides the file's own EOS id.
-_EXTRA_EOS_TOKENS: dict[str, tuple[str, ...]] = {
-    "qwen2": ("<|im_end|>", "<|endoftext|>"),
-    "qwen3": ("<|im_end|>", "<|endoftext|>"),
-    "llama": ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"),
-    "mistral": (),
-}
+# GGUF `general.architecture` -> (HF model_type, HF architectures entry); each family's facts
+# (Q/K permutation, norm offsets, tensor names, metadata, turn-end tokens) are in runtime/families.py.
+SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {f.name: (f.model_type, f.hf_class) for f in FAMILIES.values()}
 
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -88,7 +74,7 @@ _LAYER_TENSORS = {
 }
 
 # Tensors llama.cpp adds that have no HF weight: rope factors are folded back into the config.
-_SKIPPED_TENSORS = frozenset({"rope_freqs.weight"})
+_SKIPPED_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
 
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
@@ -100,7 +86,13 @@ CHUNK_WEIGHTS = 1 << 22
 # --------------------------------------------------------------------------- reading
 
 
-def _reader_class() -> type:
+# Architectures whose files transformers' GGUF tokenizer loader reads (it refuses the others before
+# it looks at the tokenizer, which it builds from the `tokenizer.ggml.*` keys alone).
+_TRANSFORMERS_GGUF_ARCHS = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"})
+
+
+def _reader_class(architecture: str | None = None) -> type:
+    """Our reader (see `Reader`); `architecture`: the name `general.architecture` reads as."""
     from gguf import GGUFReader, GGUFValueType
 
     class Reader(GGUFReader):
@@ -155,6 +147,14 @@ def _reader_class() -> type:
             values = plain[offs : offs + np.dtype(nptype).itemsize * n].view(nptype)
             parts.extend(values[i : i + 1] for i in range(n))
             return 12 + values.nbytes, parts, list(range(2, n + 2)), [GGUFValueType.ARRAY, itype]
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            f = self.fields.get("general.architecture")
+            if architecture is not None and f is not None and f.data:
+                parts = list(f.parts)
+                parts[f.data[0]] = np.frombuffer(architecture.encode(), dtype=np.uint8)
+                self.fields["general.architecture"] = f._replace(parts=parts)
 
     return Reader
 
@@ -211,8 +211,7 @@ def gguf_architecture(reader: Any) -> str:
     """The GGUF architecture, checked against the ones we can convert."""
     arch = field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
-        raise UserError(f"unsupported GGUF architecture {arch!r} (supported: {supported})")
+        raise UserError(f"unsupported GGUF architecture {arch!r} (supported: {supported()})")
     return arch
 
 
@@ -227,7 +226,8 @@ def _hf_model_type(reader: Any, arch: str) -> str:
 def gguf_to_hf_config(reader: Any) -> dict[str, Any]:
     """Build the Hugging Face `config.json` dict that describes the model in this GGUF."""
     arch = gguf_architecture(reader)
-    model_type, hf_class = SUPPORTED_ARCHITECTURES[_hf_model_type(reader, arch)]
+    family = FAMILIES[_hf_model_type(reader, arch)]
+    model_type, hf_class = family.model_type, family.hf_class
     tensors = _tensor_map(reader)
 
     def key(name: str, default: Any = None) -> Any:
@@ -243,7 +243,6 @@ def gguf_to_hf_config(reader: Any) -> dict[str, Any]:
     # The embedding's row count is authoritative: the tokenizer list can be shorter (padding rows).
     vocab_size = int(embd.shape[-1]) if len(embd.shape) > 1 else int(embd.shape[0])
     rope_theta = float(key("rope.freq_base", 10000.0))
-    eps_default = 1e-5 if arch in _PERMUTED_QK_ARCHS else 1e-6
     config: dict[str, Any] = {
         "model_type": model_type,
         "architectures": [hf_class],
@@ -255,7 +254,7 @@ def gguf_to_hf_config(reader: Any) -> dict[str, Any]:
         "num_key_value_heads": n_kv,
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", eps_default)),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", family.rms_eps_default)),
         "rope_theta": rope_theta,
         "max_position_embeddings": int(key("context_length", 4096)),
         "tie_word_embeddings": "output.weight" not in tensors,
@@ -265,7 +264,7 @@ def gguf_to_hf_config(reader: Any) -> dict[str, Any]:
         "use_cache": True,
         "torch_dtype": "float32",
     }
-    if arch in _PERMUTED_QK_ARCHS:
+    if family.gguf_permuted_qk:
         config["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
     if arch == "qwen2":
         config["use_sliding_window"] = False
@@ -273,6 +272,7 @@ def gguf_to_hf_config(reader: Any) -> dict[str, Any]:
     config["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta, **(scaling or {})}
     if scaling:
         config["rope_scaling"] = scaling
+    config.update(family.gguf_config(key, config))
     for hf_key, gguf_key in (
         ("bos_token_id", "bos_token_id"),
         ("eos_token_id", "eos_token_id"),
@@ -282,6 +282,12 @@ def gguf_to_hf_config(reader: Any) -> dict[str, Any]:
         if value is not None:
             config[hf_key] = int(value)
     return config
+
+
+def _family(config: dict[str, Any]) -> Family:
+    family = family_of(config)
+    assert family is not None, "a config this module wrote names its family"
+    return family
 
 
 def _uniform(value: Any, name: str) -> Any:
@@ -301,6 +307,17 @@ def _rope_scaling(reader: Any, arch: str, tensors: dict[str, Any]) -> dict[str, 
     original = field(reader, f"{arch}.rope.scaling.original_context_length")
     if kind in ("linear", "yarn") and factor:
         scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
+        if original:
+            scaling["original_max_position_embeddings"] = int(original)
+        return scaling
+    if "rope_factors_short.weight" in tensors and "rope_factors_long.weight" in tensors:
+        # Phi-3's LongRoPE: llama.cpp writes the factors as tensors and the magnitude factor as a key.
+        scaling = {"rope_type": "longrope",
+                   "short_factor": [float(x) for x in _dequantize(tensors["rope_factors_short.weight"]).reshape(-1)],
+                   "long_factor": [float(x) for x in _dequantize(tensors["rope_factors_long.weight"]).reshape(-1)]}
+        attn = field(reader, f"{arch}.rope.scaling.attn_factor")
+        if attn is not None:
+            scaling["attention_factor"] = float(attn)
         if original:
             scaling["original_max_position_embeddings"] = int(original)
         return scaling
@@ -353,16 +370,18 @@ def llama3_rope_factors(theta: float, dim: int, scaling: dict[str, Any]) -> np.n
 # --------------------------------------------------------------------------- tensors
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """HF parameter name for a GGUF tensor name; None for tensors with no HF counterpart."""
+def hf_tensor_name(gguf_name: str, family: Family | None = None) -> str | None:
+    """HF parameter name for a GGUF tensor name (of `family`'s files; None: Llama's names); None for
+    tensors with no HF counterpart."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     if gguf_name in _SKIPPED_TENSORS:
         return None
     m = _LAYER_RE.match(gguf_name)
-    if m and m.group(2) in _LAYER_TENSORS:
+    names = _LAYER_TENSORS if family is None else {**_LAYER_TENSORS, **family.gguf_tensors}
+    if m and m.group(2) in names:
         layer, kind, suffix = m.groups()
-        return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{suffix}"
+        return f"model.layers.{layer}.{names[kind]}.{suffix}"
     raise UserError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent; cannot convert")
 
 
@@ -401,7 +420,7 @@ def _float32(data: np.ndarray, tensor_type: int, shape: tuple[int, ...]) -> np.n
 
 def _qk_heads(name: str, config: dict[str, Any]) -> int | None:
     """Heads to un-permute for a Q/K projection of an architecture llama.cpp permutes, else None."""
-    if config["model_type"] not in _PERMUTED_QK_ARCHS:
+    if not _family(config).gguf_permuted_qk:
         return None
     m = _LAYER_RE.match(name)
     if m and m.group(2) == "attn_q":
@@ -412,11 +431,15 @@ def _qk_heads(name: str, config: dict[str, Any]) -> int | None:
 
 
 def hf_tensor(tensor: Any, config: dict[str, Any]) -> np.ndarray:
-    """Dequantise one GGUF tensor and undo llama.cpp's Q/K permutation where it applied one."""
+    """Dequantise one GGUF tensor and undo what llama.cpp's converter did to it: the Q/K permutation
+    and the norm offset, where it applied them."""
     out = _dequantize(tensor)
     heads = _qk_heads(tensor.name, config)
     if heads is not None:
         out = unpermute_qk(out, heads)
+    shift = _family(config).gguf_norm_shift
+    if shift and tensor.name.endswith("norm.weight"):  # back to the HF weight (Gemma's 1 + w norms)
+        out = out - np.float32(shift)
     return np.ascontiguousarray(out)
 
 
@@ -500,7 +523,8 @@ def write_weights(reader: Any, config: dict[str, Any], out: Path, progress: bool
     from ..runtime import quant
     from .qstore import stream_tensors
 
-    tensors = {name: t for t in reader.tensors if (name := hf_tensor_name(t.name)) is not None}
+    family = _family(config)
+    tensors = {name: t for t in reader.tensors if (name := hf_tensor_name(t.name, family)) is not None}
     floats: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     segments: dict[str, quant.Segment] = {}
     for name, tensor in tensors.items():
@@ -541,7 +565,7 @@ def file_footprint(reader: Any, path: str | os.PathLike[str], kernel_path: str |
     tensors = []
     for t in reader.tensors:
         try:
-            if hf_tensor_name(t.name) is None:
+            if hf_tensor_name(t.name, FAMILIES.get(str(field(reader, "general.architecture")))) is None:
                 continue
         except UserError:
             pass  # counted all the same: inspect describes what the file holds
@@ -581,7 +605,7 @@ def eos_token_ids(reader: Any, arch: str) -> list[int]:
         value = field(reader, f"tokenizer.ggml.{key}")
         if value is not None and int(value) not in ids:
             ids.append(int(value))
-    wanted = _EXTRA_EOS_TOKENS.get(arch, ())
+    wanted = FAMILIES[arch].eos_tokens if arch in FAMILIES else ()
     if wanted:
         tokens_field = reader.fields.get("tokenizer.ggml.tokens")
         if tokens_field is not None:
@@ -605,7 +629,7 @@ def _find_tokens(tokens_field: Any, wanted: tuple[str, ...]) -> dict[str, int]:
     return found
 
 
-def write_tokenizer(gguf_path: Path, out: Path, chat_template: str | None) -> None:
+def write_tokenizer(gguf_path: Path, out: Path, chat_template: str | None, architecture: str | None = None) -> None:
     """Rebuild the HF tokenizer from the GGUF metadata (via transformers) and save it into `out`.
 
     transformers 5 saves the chat template as `chat_template.jinja`; we also keep a copy in
@@ -617,8 +641,12 @@ def write_tokenizer(gguf_path: Path, out: Path, chat_template: str | None) -> No
     # transformers opens the file with `gguf.GGUFReader` (twice): ours reads a 152K-token header
     # in under a second, gguf's in eight (`_reader_class`). Conversions run one at a time (pull
     # converts one model after the other, under its lock), so patching the module is safe.
+    # A family transformers does not read (Granite, SmolLM3, OLMo 2) has its tokenizer read as a
+    # Llama file's: the tokenizer is the same kind of file either way.
+    arch = architecture or field(open_gguf(gguf_path), "general.architecture")
+    stand_in = None if arch in _TRANSFORMERS_GGUF_ARCHS else "llama"
     try:
-        with unittest.mock.patch.object(gguf, "GGUFReader", _reader_class()):
+        with unittest.mock.patch.object(gguf, "GGUFReader", _reader_class(stand_in)):
             tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception as exc:  # transformers raises many types for vocabularies it cannot rebuild
         raise UserError(f"cannot build a tokenizer from {gguf_path}: {_short(exc)}") from exc
@@ -746,13 +774,14 @@ def convert_gguf(
         _write_json(tmp / FOOTPRINT_FILE, {**fp.as_json(), KEPT_KEY: kept_types()})
         _write_json(tmp / "generation_config.json", generation_config(reader, config))
         has_tokens = "tokenizer.ggml.tokens" in reader.fields
+        arch = field(reader, "general.architecture")
         chat_template = field(reader, "tokenizer.chat_template")
         # Dropped (with its memory map) before transformers reads the file again for the tokenizer:
         # the reader's metadata holds a few Python objects per token (hundreds of MB for a 150K-token
         # vocabulary), and both at once made the tokenizer the conversion's peak.
         reader = None
         if tokenizer and has_tokens:
-            write_tokenizer(gguf_path, tmp, chat_template)
+            write_tokenizer(gguf_path, tmp, chat_template, arch)
         elif tokenizer:
             print(f"specextend: {gguf_path.name} has no tokenizer; folder has weights only", file=sys.stderr)
         _fsync_dir_files(tmp)

@@ -28,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 from ..common.errors import UserError
 from ..runtime import quant
 from ..runtime.config import ModelConfig
+from ..runtime.families import hf_norm_names
 from ..runtime.layers import Embedding, Linear, rope_inv_freq
 from ..runtime.quant import QWeight
 from ..runtime.transformer import Transformer
@@ -260,6 +261,8 @@ def build_model(m: ResolvedModel, device: torch.device | str = "cpu", pack: bool
     if derived is not None:
         derived.save()
     model.inv_freq = inv_freq
+    if m.config.local_rope_theta is not None:  # built on the meta device above, like inv_freq
+        model.inv_freq_local = rope_inv_freq(m.config, local=True).to(device)
     model.weights = m.weights
     model.rowwise_attention = quantized
     model.eval()
@@ -314,22 +317,33 @@ def _fill(model: Transformer, w: _Weights) -> None:
     """Every parameter of `model` (built on the meta device) from the checkpoint's Hugging Face names."""
     cfg = model.cfg
     h = cfg.hidden_size
+
+    def norm(name: str) -> torch.nn.Parameter:
+        # Gemma's norms scale by (1 + weight): the 1 is added here, once, in the activations' dtype,
+        # so every path (the folded kernels' norms included) multiplies by the weight alone.
+        t = w.ts.get(name, w.act)
+        return w.wrap(t + 1 if cfg.norm_plus_one else t)
+
     w.project(model.embed, ["model.embed_tokens.weight"], cfg.vocab_size, h)
     for i, blk in enumerate(model.layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        w.project(blk.qkv, [a + f"{n}_proj.weight" for n in "qkv"], None, h)
+        # Fused q/k/v and gate/up checkpoints (Phi-3) already hold our layout.
+        fused_qkv = w.ts.has(a + "qkv_proj.weight")
+        w.project(blk.qkv, [a + "qkv_proj.weight"] if fused_qkv else [a + f"{n}_proj.weight" for n in "qkv"], None, h)
         if blk.qkv.bias is not None:
             blk.qkv.bias = w.wrap(torch.cat([w.ts.get(a + f"{n}_proj.bias", w.act) for n in "qkv"]))
         w.project(blk.o, [a + "o_proj.weight"], h, cfg.num_heads * cfg.head_dim)
-        w.project(blk.gate_up, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], 2 * cfg.intermediate_size, h)
+        gate_up = [p + "mlp.gate_up_proj.weight"] if w.ts.has(p + "mlp.gate_up_proj.weight") else \
+            [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        w.project(blk.gate_up, gate_up, 2 * cfg.intermediate_size, h)
         w.project(blk.down, [p + "mlp.down_proj.weight"], h, cfg.intermediate_size)
-        blk.attn_norm.weight = w.param(p + "input_layernorm.weight")
-        blk.mlp_norm.weight = w.param(p + "post_attention_layernorm.weight")
+        for place, hf in hf_norm_names(cfg.norms).items():
+            getattr(blk, place).weight = norm(p + hf + ".weight")
         if blk.q_norm is not None:
-            blk.q_norm.weight = w.param(a + "q_norm.weight")
-            blk.k_norm.weight = w.param(a + "k_norm.weight")
-    model.norm.weight = w.param("model.norm.weight")
+            blk.q_norm.weight = norm(a + "q_norm.weight")
+            blk.k_norm.weight = norm(a + "k_norm.weight")
+    model.norm.weight = norm("model.norm.weight")
     if cfg.tie_word_embeddings or not w.ts.has("lm_head.weight"):
         if model.embed.qweight is not None:
             model.lm_head.quantize(model.embed.qweight)

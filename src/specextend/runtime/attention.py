@@ -47,19 +47,23 @@ def _tree_or_causal(tree_mask: torch.Tensor | None, t: int, device: torch.device
 
 
 def eager_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor | None = None,
+    scale: float | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Plain masked attention that materialises the [H, T, P+T] score matrix (the reference).
 
     Only the last M columns can be masked, so only they are touched by the mask (a full
-    [T, P+T] mask would cost as much memory traffic as the scores themselves).
+    [T, P+T] mask would cost as much memory traffic as the scores themselves). `scale`: the
+    score scale (None: 1/sqrt(D)); `softcap`: scores become softcap * tanh(scores / softcap).
     """
     h, t, d = q.shape
     n_kv, s, _ = k.shape
     local = _tree_or_causal(tree_mask, t, q.device)
     m = local.shape[1]
     scores = torch.matmul(_group(q, n_kv), k.transpose(-1, -2))
-    scores.mul_(1.0 / math.sqrt(d))
+    scores.mul_(1.0 / math.sqrt(d) if scale is None else scale)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores.view(n_kv, h // n_kv, t, s)[..., s - m :].masked_fill_(~local, float("-inf"))
     # Half-precision scores are normalised in float32, as the reference implementations do.
     probs = torch.softmax(scores, -1, dtype=torch.float32 if scores.dtype in _HALF else scores.dtype)
@@ -222,8 +226,16 @@ EAGER_MAX_SCORES = {"cpu": 2048 * 1024, "cuda": 64 * 65536}
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor | None, backend: Backend
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor | None, backend: Backend,
+    scale: float | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
+    """Attention through `backend`; a score `scale` other than 1/sqrt(D) is folded into the queries
+    (every kernel scales by 1/sqrt(D)), and soft-capped scores take the eager reference, the one
+    kernel that sees every score."""
+    if scale is not None:
+        q = q * (scale * math.sqrt(q.shape[-1]))
+    if softcap is not None and backend != "rowwise":
+        return eager_attention(q, k, v, tree_mask, None, softcap)
     if backend == "efficient":
         prefix = k.shape[1] - (tree_mask.shape[1] if tree_mask is not None else q.shape[1])
         dev = q.device.type
@@ -235,6 +247,8 @@ def attend(
     if backend == "eager":
         return eager_attention(q, k, v, tree_mask)
     if backend == "rowwise":
+        if softcap is not None:
+            return capped_rowwise(q, k, v, tree_mask, softcap)
         from .kernels import attend as rowwise
 
         return rowwise(q, k, v, tree_mask)
@@ -250,3 +264,51 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     d = q.shape[-1]
     s = torch.matmul(_group(q, k.shape[0]), k.to(q.dtype).transpose(-1, -2)).float() * (1.0 / math.sqrt(d))
     return torch.softmax(s, -1).mean(dim=(0, 1))
+
+
+def window_mask(positions: torch.Tensor, keys: int, tree_mask: torch.Tensor | None, window: int
+                ) -> tuple[int, torch.Tensor]:
+    """The keys a sliding-window layer's new tokens see: (first, mask) such that attending over keys
+    [first, keys) of the cache under `mask` [T, keys - first] sees, for each new token, what
+    `tree_mask` (or causal) allows and only keys whose position is less than `window` before its own
+    (Hugging Face's sliding window: q - k < window). The T new tokens are the last T keys, at
+    `positions`; a committed key's position is its slot, as in a target's cache. Every key a token
+    sees stays in order, so the row-wise kernel gives a token the same bits alone or in a tree."""
+    t = int(positions.shape[0])
+    pos = positions.to(torch.long).cpu()
+    first = min(max(0, int(pos.min()) - window + 1), keys - t)
+    kpos = torch.arange(first, keys)
+    kpos[-t:] = pos
+    base = _tree_or_causal(None if tree_mask is None else tree_mask.cpu(), t, torch.device("cpu"))
+    m = base.shape[1]
+    allowed = torch.ones(t, keys - first, dtype=torch.bool)
+    if m > keys - first:
+        base = base[:, m - (keys - first):]
+        m = keys - first
+    allowed[:, keys - first - m:] = base
+    allowed &= (pos[:, None] - kpos[None, :]) < window
+    return first, allowed
+
+
+def capped_rowwise(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor | None,
+                   cap: float) -> torch.Tensor:
+    """Soft-capped attention (Gemma 2), which the row-wise kernel does not compute, with its
+    guarantee: one token at a time over exactly the keys it sees, gathered in order, so a token's
+    bits are those it gets alone (the same keys in the same order, whatever else shares the
+    forward). k, v may be the bfloat16 cache: products run in float32. Slow (a product per token
+    and layer), and only for families the kernel cannot serve."""
+    h, t, d = q.shape
+    s = k.shape[1]
+    seen_by = torch.ones(t, s, dtype=torch.bool)
+    local = _tree_or_causal(None if tree_mask is None else tree_mask.cpu(), t, torch.device("cpu"))
+    seen_by[:, s - local.shape[1] :] = local
+    out = torch.empty(h, t, d, dtype=q.dtype, device=q.device)
+    one = torch.ones(1, 1, dtype=torch.bool, device=q.device)
+    first = int(seen_by.any(0).nonzero()[0])  # keys before it are seen by no row: not widened
+    kf, vf = k[:, first:].to(q.dtype), v[:, first:].to(q.dtype)
+    for i in range(t):
+        keys = (seen_by[i, first:].nonzero().squeeze(1)).to(k.device)
+        # gathered into a tensor of their own, whether the row's keys are contiguous or not
+        ki, vi = kf.index_select(1, keys), vf.index_select(1, keys)
+        out[:, i : i + 1] = eager_attention(q[:, i : i + 1], ki, vi, one, None, cap)
+    return out

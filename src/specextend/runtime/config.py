@@ -1,20 +1,17 @@
-"""What a model is, read from its Hugging Face `config.json`: the architecture and the sizes the
-runtime builds (`ModelConfig`), and the architectures the runtime implements (`SUPPORTED_ARCHS`).
-No torch here: a config is read before anything is loaded."""
+"""What a model is, read from its Hugging Face `config.json`: the architecture, the sizes the
+runtime builds and its family's switches (`ModelConfig`), and the architectures the runtime
+implements (`SUPPORTED_ARCHS`, from families.py). No torch here: a config is read before anything
+is loaded."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from ..common.errors import UserError
+from .families import FAMILIES, HF_CLASSES, family_of, supported
 
-SUPPORTED_ARCHS = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+SUPPORTED_ARCHS = HF_CLASSES
 
 
 @dataclass(frozen=True)
@@ -32,21 +29,77 @@ class ModelConfig:
     max_position: int
     tie_word_embeddings: bool
     attention_bias: bool
-    qk_norm: bool
+    qk_norm: str  # "" (none), "head" (RMSNorm over each head's q and k) or "full" (over all of q and of k)
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    # The family's switches (families.py); the defaults are Llama's.
+    norms: tuple[str, ...] = ("attn_norm", "mlp_norm")  # which of Block's four norm placements exist
+    norm_plus_one: bool = False  # norms scale by (1 + weight) (Gemma): the loader adds the 1
+    activation: str = "silu"  # of the gated MLP: "silu" or "gelu_tanh"
+    embed_scale: float = 1.0  # multiplies the embeddings (in the model dtype)
+    residual_scale: float = 1.0  # multiplies attention's and the MLP's outputs before the residual add
+    attn_scale: float | None = None  # the attention score scale; None: 1/sqrt(head_dim)
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap)
+    logit_divisor: float = 1.0  # logits are divided by it
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    sliding_window: int = 0  # the window of the layers `window_layers` marks (keys with q - k < window)
+    window_layers: tuple[bool, ...] = ()  # per layer: attends through the window (empty: none does)
+    rope_layers: tuple[bool, ...] = ()  # per layer: applies rope (empty: every layer does)
+    local_rope_theta: float | None = None  # windowed layers' rope base, unscaled (None: the global rope)
+    rotary_dim: int = 0  # the leading dimensions of each head that rope rotates (0: all of them)
+
+    @property
+    def plain(self) -> bool:
+        """Whether the model is the Llama block with none of the switches set but per-layer ropes
+        (a rope of the windowed layers' own, none on some): the whole-step C++ call (fused_step.py)
+        and the folded per-layer kernels implement exactly that, each layer rotating with its
+        rope's table."""
+        defaults = {f.name: f.default for f in fields(self) if f.name in _SWITCHES - _ROPE_SWITCHES}
+        return self.qk_norm != "full" and self == replace(self, **defaults)
+
+    def switches(self) -> dict[str, Any]:
+        """The family switches this model sets (those that differ from Llama's), by field name."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)
+               if f.name in _SWITCHES and getattr(self, f.name) != f.default}
+        if self.qk_norm:
+            out["qk_norm"] = self.qk_norm
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+        return out
+
+    def describe(self) -> str:
+        """The family and what runs, in one line (`models inspect`)."""
+        s = self.switches()
+        parts = []
+        if self.window_layers:
+            parts.append(f"{sum(self.window_layers)} of {self.num_layers} layers windowed ({self.sliding_window})")
+        if self.rope_layers:
+            parts.append(f"{self.num_layers - sum(self.rope_layers)} layers without rope")
+        def text(v: Any) -> str:
+            return "+".join(v) if isinstance(v, tuple) else f"{v:.6g}" if isinstance(v, float) else str(v)
+
+        parts += [f"{k} {text(v)}" for k, v in s.items() if k not in ("window_layers", "sliding_window", "rope_layers")]
+        step = ("the whole-step C++ call for decode steps, the per-layer kernels for prefill" if self.plain
+                else "the per-layer kernels (the whole-step C++ call does not implement its switches)")
+        return f"{self.arch}{': ' + ', '.join(parts) if parts else ''}; quantized weights run {step}"
+
+    def windowed(self, layer: int) -> bool:
+        return bool(self.window_layers) and self.window_layers[layer]
+
+    def rope_kind(self, layer: int) -> int:
+        """Which rope layer `layer` applies: 0 the global one, 1 the windowed layers' own, -1 none."""
+        if self.rope_layers and not self.rope_layers[layer]:
+            return -1
+        return 1 if self.local_rope_theta is not None and self.windowed(layer) else 0
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
         """Read a Hugging Face `config.json` dict; refuse architectures we do not implement."""
         archs = d.get("architectures") or []
-        arch = next((SUPPORTED_ARCHS[a] for a in archs if a in SUPPORTED_ARCHS), None)
-        if arch is None and d.get("model_type") in SUPPORTED_ARCHS.values():
-            arch = d["model_type"]
+        family = family_of(d)
+        arch = None if family is None else family.name
         if arch is None:
             name = ", ".join(archs) or d.get("model_type") or "unknown"
-            raise UserError(
-                f"unsupported model architecture {name}; supported: {', '.join(sorted(SUPPORTED_ARCHS))}"
-            )
+            raise UserError(f"unsupported model architecture {name}; supported families: {supported()}")
         # transformers 5 folds rope settings into `rope_parameters`; older configs use top-level keys.
         rope = dict(d.get("rope_parameters") or {})
         scaling = d.get("rope_scaling") or None
@@ -55,8 +108,8 @@ class ModelConfig:
         theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type", "default"))
-            if kind not in ("default", "linear", "llama3"):
-                raise UserError(f"unsupported RoPE scaling {kind!r} (supported: default, linear, llama3)")
+            if kind not in ("default", "linear", "llama3", "longrope", "su"):
+                raise UserError(f"unsupported RoPE scaling {kind!r} (supported: default, linear, llama3, longrope)")
             if kind == "default":
                 scaling = None
         hidden = int(d["hidden_size"])
@@ -65,7 +118,7 @@ class ModelConfig:
         # Mistral v0.1 attends through a sliding window; we attend fully, so stay inside it.
         if d.get("sliding_window") and d.get("use_sliding_window", arch == "mistral"):
             max_pos = min(max_pos, int(d["sliding_window"]))
-        return cls(
+        base = cls(
             arch=arch,
             vocab_size=int(d["vocab_size"]),
             hidden_size=hidden,
@@ -78,7 +131,16 @@ class ModelConfig:
             rope_theta=theta,
             max_position=max_pos,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", arch == "qwen2")),
-            qk_norm=arch == "qwen3",
+            attention_bias=bool(d.get("attention_bias", False)),
+            qk_norm="",
             rope_scaling=scaling,
         )
+        return replace(base, **FAMILIES[arch].switches(d))
+
+
+# The fields a family sets (everything after the sizes): `plain` compares them with the defaults.
+_SWITCHES = frozenset({"norms", "norm_plus_one", "activation", "embed_scale", "residual_scale", "attn_scale",
+                       "attn_softcap", "logit_divisor", "final_softcap", "sliding_window", "window_layers",
+                       "rope_layers", "local_rope_theta", "rotary_dim"})
+# The switches the plain block takes as per-layer rope tables.
+_ROPE_SWITCHES = frozenset({"rope_layers", "local_rope_theta"})

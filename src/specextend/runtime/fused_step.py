@@ -47,13 +47,33 @@ def plan(cfg: ModelConfig, layers: Iterable[Block]) -> Any:
     layers = list(layers)
     p = kernels.load().step_plan(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                  float(layers[0].attn_norm.eps))
+    identity = rope_kinds(cfg)  # a layer without rope takes the table of angle zero, after the others
     for layer in layers:
         q_norm = layer.q_norm.weight.detach().contiguous() if layer.q_norm is not None else None
         k_norm = layer.k_norm.weight.detach().contiguous() if layer.k_norm is not None else None
         p.add_layer(_weight(layer.qkv), _weight(layer.o), _weight(layer.gate_up), _weight(layer.down),
                     layer.attn_norm.weight.detach().contiguous(), layer.mlp_norm.weight.detach().contiguous(),
-                    q_norm, k_norm)
+                    q_norm, k_norm, layer.rope_kind if layer.rope_kind >= 0 else identity)
     return p
+
+
+def rope_kinds(cfg: ModelConfig) -> int:
+    """How many rope tables the layers rotate with (`Transformer.ropes`); a NoPE layer's identity
+    table comes after them."""
+    return 2 if cfg.local_rope_theta is not None else 1
+
+
+def rope_tables(cfg: ModelConfig, ropes: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's cos and sin [kinds, T, head_dim]: the model's ropes, then, where some layer has no
+    rope, the identity (cos 1, sin 0: rope_tokens' arithmetic leaves q and k exactly as they are,
+    as the per-layer kernels' rope_store does with the same table)."""
+    cos, sin = [c for c, _ in ropes], [s for _, s in ropes]
+    if cfg.rope_layers and not all(cfg.rope_layers):
+        cos.append(torch.ones_like(cos[0]))
+        sin.append(torch.zeros_like(sin[0]))
+    if len(cos) == 1:
+        return cos[0], sin[0]
+    return torch.stack(cos), torch.stack(sin)
 
 
 def head(step_plan: Any, norm: RMSNorm, weight: QWeight) -> Any:
@@ -86,9 +106,10 @@ def logit_rows(parts: list[Rows]) -> tuple[torch.Tensor, list[int]]:
 def run(step_plan: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, parts: list[Rows], heads: int,
         step_head: Any = None, rows: torch.Tensor | None = None) -> torch.Tensor | None:
     """Every layer over the parts' new rows x [T, hidden] (one part after another; overwritten with
-    the last layer's output); each part's K/V go to its cache's pending slots and its `keep_q`'s
-    layers get their rotated queries [heads, rows, head_dim], as the per-layer forward writes and
-    keeps them. With a head: the logits of x's rows `rows`, else None."""
+    the last layer's output), cos/sin [kinds, T, head_dim] or [T, head_dim] (`rope_tables`); each
+    part's K/V go to its cache's pending slots and its `keep_q`'s layers get their rotated queries
+    [heads, rows, head_dim], as the per-layer forward writes and keeps them. With a head: the
+    logits of x's rows `rows`, else None."""
     args, kept = [], []
     for p in parts:
         layers = sorted(p.keep_q) if p.keep_q else []

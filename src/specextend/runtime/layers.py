@@ -16,20 +16,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
-from .attention import Backend, attend
+from .attention import Backend, attend, capped_rowwise, window_mask
 from .config import ModelConfig
 from .kv_cache import KVCache
 from .quant import QWeight, qlinear
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies in float32, as Hugging Face computes them (so outputs match exactly)."""
-    dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    sc = cfg.rope_scaling
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies in float32, as Hugging Face computes them (so outputs match exactly).
+    `local`: the windowed layers' own rope (`ModelConfig.local_rope_theta`, never scaled)."""
+    dim = cfg.rotary_dim or cfg.head_dim
+    theta = cfg.local_rope_theta if local else cfg.rope_theta
+    sc = None if local else cfg.rope_scaling
+    kind = None if sc is None else sc.get("rope_type", sc.get("type"))
+    if kind == "longrope":  # per-frequency divisors (the short ones: ModelConfig keeps the original window)
+        factors = torch.tensor(sc["short_factor"], dtype=torch.float32)
+        return 1.0 / (factors * theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if sc is None:
         return inv
-    kind = sc.get("rope_type", sc.get("type"))
     if kind == "linear":
         return inv / float(sc["factor"])
     # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
@@ -45,7 +50,11 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [heads, T, D] by per-token angles (cos/sin: [T, D]), the rotate-half convention."""
+    """Rotate [heads, T, D] by per-token angles (cos/sin: [T, R]), the rotate-half convention; with
+    R < D (partial rotary) the first R dimensions rotate and the rest pass."""
+    if cos.shape[-1] < x.shape[-1]:
+        r = cos.shape[-1]
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -159,7 +168,12 @@ class Workspace:
         return self._buf[: rows * cols].view(rows, cols)
 
 
+Ropes = list[tuple[torch.Tensor, torch.Tensor]]  # (cos, sin) per rope kind (`ModelConfig.rope_kind`)
+
+
 class Block(nn.Module):
+    """One decoder layer: the Llama block with its family's switches (`ModelConfig`, families.py)."""
+
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
         self.index = index
@@ -169,55 +183,144 @@ class Block(nn.Module):
         self.o = Linear(q_out, cfg.hidden_size, bias=False)
         self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+        def norm(name: str) -> RMSNorm | None:
+            return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if name in cfg.norms else None
+
+        self.attn_norm, self.attn_out_norm = norm("attn_norm"), norm("attn_out_norm")
+        self.mlp_norm, self.mlp_out_norm = norm("mlp_norm"), norm("mlp_out_norm")
+        self.qk_full = cfg.qk_norm == "full"
+        qk_dim = (q_out, kv_out) if self.qk_full else (cfg.head_dim, cfg.head_dim)
+        self.q_norm = RMSNorm(qk_dim[0], cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(qk_dim[1], cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.plain = cfg.plain
+        self.rope_kind = cfg.rope_kind(index)
+        self.window = cfg.sliding_window if cfg.windowed(index) else 0
+        self.attn_scale, self.attn_softcap = cfg.attn_scale, cfg.attn_softcap
+        self.residual_scale = cfg.residual_scale
+        self.gelu = cfg.activation == "gelu_tanh"
         self.workspace = Workspace()  # the model gives all its layers one (Transformer.__init__)
+
+    def _act(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return (F.gelu(g, approximate="tanh") if self.gelu else F.silu(g)) * u
+
+    def _residual(self, x: torch.Tensor, y: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
+        """x plus a sublayer's output y, through its post-norm and the residual multiplier if any."""
+        if norm is not None:
+            y = norm(y)
+        if self.residual_scale != 1.0:
+            y = y * self.residual_scale
+        return x + y
+
+    def _window(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor | None,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The keys, values and mask a windowed layer attends with (others: as given)."""
+        if not self.window:
+            return k, v, tree_mask
+        first, mask = window_mask(positions, k.shape[1], tree_mask, self.window)
+        return k[:, first:], v[:, first:], mask.to(q.device)
 
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        ropes: Ropes,
         cache: KVCache,
         tree_mask: torch.Tensor | None,
         backend: Backend,
         keep_q: dict[int, torch.Tensor] | None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         t = x.shape[0]
         hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv
-        qkv = self.qkv(self.attn_norm(x))
-        q = qkv[:, : nh * hd].view(t, nh, hd).transpose(0, 1)
-        k = qkv[:, nh * hd : (nh + nkv) * hd].view(t, nkv, hd).transpose(0, 1)
-        v = qkv[:, (nh + nkv) * hd :].view(t, nkv, hd).transpose(0, 1)
-        if self.q_norm is not None:
+        qkv = self.qkv(self.attn_norm(x) if self.attn_norm is not None else x)
+        q, k, v = qkv[:, : nh * hd], qkv[:, nh * hd : (nh + nkv) * hd], qkv[:, (nh + nkv) * hd :]
+        if self.qk_full:  # one norm over all heads' queries (and keys), before they are split
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = q.reshape(t, nh, hd).transpose(0, 1)
+        k = k.reshape(t, nkv, hd).transpose(0, 1)
+        v = v.reshape(t, nkv, hd).transpose(0, 1)
+        if self.q_norm is not None and not self.qk_full:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope_kind >= 0:
+            cos, sin = ropes[self.rope_kind]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if keep_q is not None and self.index in keep_q:
             keep_q[self.index] = q
         k_all, v_all = cache.write(self.index, k, v)
-        a = attend(q, k_all, v_all, tree_mask, backend)
-        x = x + self.o(a.transpose(0, 1).reshape(t, nh * hd))
-        gu = self.gate_up(self.mlp_norm(x))
+        k_all, v_all, mask = self._window(q, k_all, v_all, tree_mask, positions)
+        a = attend(q, k_all, v_all, mask, backend, self.attn_scale, self.attn_softcap)
+        x = self._residual(x, self.o(a.transpose(0, 1).reshape(t, nh * hd)), self.attn_out_norm)
+        gu = self.gate_up(self.mlp_norm(x) if self.mlp_norm is not None else x)
         g, u = gu.chunk(2, dim=-1)
-        return x + self.down(F.silu(g) * u)
+        return self._residual(x, self.down(self._act(g, u)), self.mlp_out_norm)
 
     @property
     def quantized(self) -> bool:
         return all(m.qweight is not None for m in (self.qkv, self.o, self.gate_up, self.down))
 
-    def forward_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, parts: list[Rows]
-                     ) -> torch.Tensor:
+    def forward_rows(self, x: torch.Tensor, ropes: Ropes, parts: list[Rows]) -> torch.Tensor:
         """The layer in five kernel calls over the rows of several sequences (x: their rows one
         after the other): a decode step is a few dozen microseconds of Python per layer instead of
         some forty small tensor operations (the norms, SiLU and residual adds are folded into the
         quantized products; RoPE and the cache write are one call). The products take every row at
-        once; RoPE, the cache write and attention run per sequence, over its own cache."""
-        qkv = qlinear(x, self.qkv.qweight, self.qkv.bias, norm=self.attn_norm.weight, eps=self.attn_norm.eps)
+        once; RoPE, the cache write and attention run per sequence, over its own cache.
+
+        A family's switches that the folded products cannot express (post-norms, GeGLU, residual
+        multipliers, whole-projection q/k norms) run as row-wise PyTorch operations between the
+        same kernels; every operation stays row-independent, so a token's bits do not depend on
+        the other rows of its forward."""
+        if self.plain:
+            cos, sin = self._rope_table(ropes, x.shape[0])
+            qkv = qlinear(x, self.qkv.qweight, self.qkv.bias, norm=self.attn_norm.weight, eps=self.attn_norm.eps)
+            a = self._attend_rows(qkv, cos, sin, parts)
+            x = qlinear(a, self.o.qweight, residual=x)
+            gu = qlinear(x, self.gate_up.qweight, norm=self.mlp_norm.weight, eps=self.mlp_norm.eps,
+                         out=self.workspace.take(x.shape[0], self.gate_up.qweight.n))
+            return qlinear(gu, self.down.qweight, silu_mul=True, residual=x)
+        return self._switched_rows(x, ropes, parts)
+
+    def _switched_rows(self, x: torch.Tensor, ropes: Ropes, parts: list[Rows]) -> torch.Tensor:
+        def normed(lin: Linear, h: torch.Tensor, norm: RMSNorm | None, **kw: object) -> torch.Tensor:
+            if norm is None:
+                return qlinear(h, lin.qweight, lin.bias, **kw)
+            return qlinear(h, lin.qweight, lin.bias, norm=norm.weight, eps=norm.eps, **kw)
+
+        qkv = normed(self.qkv, x, self.attn_norm)
+        nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        if self.qk_full:
+            qkv = torch.cat([self.q_norm(qkv[:, :nq]), self.k_norm(qkv[:, nq : nq + nk]), qkv[:, nq + nk :]], 1)
+        partial = self.rope_kind >= 0 and ropes[self.rope_kind][0].shape[-1] < self.head_dim
+        cos, sin = self._rope_table(ropes if not partial else [], x.shape[0])
+        if partial:  # rope_store rotates whole heads: the partial rotation runs here, rope_store's is none
+            rc, rs = ropes[self.rope_kind]
+            t = x.shape[0]
+            q = apply_rope(qkv[:, :nq].reshape(t, self.n_heads, -1).transpose(0, 1), rc, rs)
+            k = apply_rope(qkv[:, nq : nq + nk].reshape(t, self.n_kv, -1).transpose(0, 1), rc, rs)
+            qkv = torch.cat([q.transpose(0, 1).reshape(t, nq), k.transpose(0, 1).reshape(t, nk), qkv[:, nq + nk :]], 1)
+        a = self._attend_rows(qkv, cos, sin, parts)
+        x = self._residual(x, qlinear(a, self.o.qweight), self.attn_out_norm)
+        gu = normed(self.gate_up, x, self.mlp_norm, out=self.workspace.take(x.shape[0], self.gate_up.qweight.n))
+        if not self.gelu and self.mlp_out_norm is None and self.residual_scale == 1.0:
+            return qlinear(gu, self.down.qweight, silu_mul=True, residual=x)
+        g, u = gu.chunk(2, dim=-1)
+        return self._residual(x, qlinear(self._act(g, u), self.down.qweight), self.mlp_out_norm)
+
+    def _rope_table(self, ropes: Ropes, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (cos, sin) rope_store rotates this layer's rows with: its rope kind's, or where it has
+        none (a NoPE layer; `ropes` empty: rotated already), angle zero, which rope_store's
+        arithmetic applies exactly as the identity (the whole-step call takes the same table)."""
+        if self.rope_kind >= 0 and ropes:
+            return ropes[self.rope_kind]
+        return torch.ones(rows, self.head_dim), torch.zeros(rows, self.head_dim)
+
+    def _attend_rows(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, parts: list[Rows]
+                     ) -> torch.Tensor:
+        """RoPE, the cache write and row-wise attention, per sequence; the attention's rows."""
         ext = kernels.load()
-        q_norm = self.q_norm.weight if self.q_norm is not None else None
-        k_norm = self.k_norm.weight if self.k_norm is not None else None
+        per_head = self.q_norm is not None and not self.qk_full
+        q_norm = self.q_norm.weight if per_head else None
+        k_norm = self.k_norm.weight if per_head else None
+        eps = self.q_norm.eps if per_head else 1e-6
         outs = []
         off = 0
         for p in parts:
@@ -225,16 +328,18 @@ class Block(nn.Module):
             k_layer, v_layer = cache.k[self.index], cache.v[self.index]
             start = cache.length
             rows = slice(off, off + t)
-            q = ext.rope_store(qkv[rows], cos[rows], sin[rows], self.n_heads, q_norm, k_norm, self.attn_norm.eps,
+            q = ext.rope_store(qkv[rows], cos[rows], sin[rows], self.n_heads, q_norm, k_norm, eps,
                                k_layer, v_layer, start)
             if p.keep_q is not None and self.index in p.keep_q:
                 p.keep_q[self.index] = q
+            if self.attn_scale is not None:
+                q = q * (self.attn_scale * math.sqrt(self.head_dim))
             end = start + cache.pending
-            a = kernels.attend(q, k_layer[:, :end], v_layer[:, :end], p.tree_mask)
+            k, v, mask = self._window(q, k_layer[:, :end], v_layer[:, :end], p.tree_mask, p.positions)
+            if self.attn_softcap is not None:
+                a = capped_rowwise(q, k, v, mask, self.attn_softcap)
+            else:
+                a = kernels.attend(q, k, v, mask)
             outs.append(a.transpose(0, 1).reshape(t, -1))
             off += t
-        a = outs[0] if len(outs) == 1 else torch.cat(outs)
-        x = qlinear(a, self.o.qweight, residual=x)
-        gu = qlinear(x, self.gate_up.qweight, norm=self.mlp_norm.weight, eps=self.mlp_norm.eps,
-                             out=self.workspace.take(x.shape[0], self.gate_up.qweight.n))
-        return qlinear(gu, self.down.qweight, silu_mul=True, residual=x)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)

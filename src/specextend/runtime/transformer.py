@@ -1,4 +1,5 @@
-"""A Llama-family decoder in plain PyTorch: Llama 2/3/3.x, Mistral, Qwen2/2.5 and Qwen3.
+"""A Llama-family decoder in plain PyTorch: Llama 2/3/3.x, Mistral, Qwen2/2.5, Qwen3 and the families
+whose differences are switches over the same block (families.py: Granite, SmolLM3, ...).
 
 One sequence, a static KV cache, and a forward over *any* set of new tokens: their ids, their
 position ids and (optionally) a [T, T] mask of which new tokens see which. That one signature
@@ -26,7 +27,7 @@ from . import fused_step
 from .attention import Backend
 from .config import ModelConfig
 from .kv_cache import KVCache
-from .layers import Block, Embedding, Linear, RMSNorm, Rows, Workspace, rope_inv_freq
+from .layers import Block, Embedding, Linear, RMSNorm, Ropes, Rows, Workspace, apply_rope, rope_inv_freq
 from .quant import QWeight, qlinear
 
 
@@ -59,6 +60,9 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg) if inv_freq is None else inv_freq, persistent=False)
+        # The windowed layers' own rope (Gemma 3's local base), when the family has one.
+        local = rope_inv_freq(cfg, local=True) if cfg.local_rope_theta is not None else None
+        self.register_buffer("inv_freq_local", local, persistent=False)
         self.weights = "float"  # the loader's weight scheme (models.loader.WEIGHTS)
         # Quantized activations turn a last-bit difference into a different int8 code, so the
         # quantized runtime runs all attention through the row-independent kernel: a token's
@@ -91,11 +95,48 @@ class Transformer(nn.Module):
         c = self.cfg
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, dtype or self.kv_dtype, self.device)
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(self, positions: torch.Tensor, inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # Angles in float32 then cast, exactly as the reference does, so float64 runs match it.
-        freqs = positions.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
+        inv_freq = self.inv_freq if inv_freq is None else inv_freq
+        freqs = positions.to(inv_freq.device).float()[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        cos, sin = emb.cos(), emb.sin()
+        sc = self.cfg.rope_scaling
+        if inv_freq is self.inv_freq and sc is not None and sc.get("attention_factor", 1.0) != 1.0:
+            # LongRoPE scales the rotation's magnitude (in float32, as the reference does)
+            cos, sin = cos * sc["attention_factor"], sin * sc["attention_factor"]
+        return cos.to(self.dtype), sin.to(self.dtype)
+
+    def ropes(self, positions: torch.Tensor) -> Ropes:
+        """(cos, sin) of every rope kind the layers apply (`ModelConfig.rope_kind`)."""
+        out = [self.rope(positions)]
+        if self.inv_freq_local is not None:
+            out.append(self.rope(positions, self.inv_freq_local))
+        return out
+
+    def rotate_keys(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """Cached keys k [layers, kv_heads, n, D] as if each had been written `delta` [n] positions
+        later: each layer's own rope (none on a NoPE layer), a pure rotation (LongRoPE's magnitude
+        factor is already in the keys). A rotation by a + b is the rotation by a, then b."""
+        ropes = []
+        for inv in (self.inv_freq, self.inv_freq_local):
+            if inv is None:
+                continue
+            freqs = delta.to(inv.device).float()[:, None] * inv[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            ropes.append((emb.cos().to(self.dtype), emb.sin().to(self.dtype)))
+        out = k.clone()
+        for i, layer in enumerate(self.layers):
+            if layer.rope_kind >= 0:
+                cos, sin = ropes[layer.rope_kind]
+                out[i] = apply_rope(k[i], cos.to(k.device), sin.to(k.device))
+        return out
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens.to(self.device))
+        if self.cfg.embed_scale != 1.0:  # in the activations' dtype, as the reference multiplies
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
+        return x
 
     def pack(self) -> Transformer:
         """Reorder every projection for the fast few-row CPU kernel (see `Linear`)."""
@@ -129,10 +170,10 @@ class Transformer(nn.Module):
         cache.begin(tokens.shape[0])
         if self.rowwise_attention:
             backend = "rowwise"
-        cos, sin = self.rope(positions)
-        x = self.embed(tokens.to(self.device))
+        ropes = self.ropes(positions)
+        x = self._embed(tokens)
         for layer in self.layers:
-            x = layer(x, cos, sin, cache, tree_mask, backend, keep_q)
+            x = layer(x, ropes, cache, tree_mask, backend, keep_q, positions)
         x = x if logits_rows is None else x[logits_rows]
         return self._logits(x)
 
@@ -161,12 +202,12 @@ class Transformer(nn.Module):
         one = len(parts) == 1
         positions = parts[0].positions if one else torch.cat([p.positions for p in parts])
         tokens = parts[0].tokens if one else torch.cat([p.tokens for p in parts])
-        cos, sin = self.rope(positions)
-        x = self.embed(tokens.to(self.device))
+        ropes = self.ropes(positions)
+        x = self._embed(tokens)
         if self._takes_step(x, parts):
-            return self._forward_step(x, cos, sin, parts)
+            return self._forward_step(x, *fused_step.rope_tables(self.cfg, ropes), parts)
         for layer in self.layers:
-            x = layer.forward_rows(x, cos, sin, parts)
+            x = layer.forward_rows(x, ropes, parts)
         picked, counts, off = [], [], 0
         for p in parts:
             rows = x[off : off + p.size]
@@ -179,8 +220,9 @@ class Transformer(nn.Module):
 
     def _takes_step(self, x: torch.Tensor, parts: list[Rows]) -> bool:
         """Whether a fused forward runs as one C++ call (fused_step.py): a lone sequence's few rows, or
-        a batch's sequences whatever their rows."""
-        if self.step_rows <= 0 or (len(parts) == 1 and parts[0].size > self.step_rows):
+        a batch's sequences whatever their rows. A family with switches the C++ step does not
+        implement (`ModelConfig.plain`) keeps the per-layer kernels."""
+        if not self.cfg.plain or self.step_rows <= 0 or (len(parts) == 1 and parts[0].size > self.step_rows):
             return False
         if self.output_head is not None and not isinstance(self.output_head.head, QWeight):
             return False
@@ -203,13 +245,23 @@ class Transformer(nn.Module):
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.output_head is not None:
-            return self.output_head.logits(x)
+            return self._scaled_logits(self.output_head.logits(x))
         if self.lm_head.qweight is not None:  # the final norm folded into the head's quantized product
             logits = qlinear(x, self.lm_head.qweight, norm=self.norm.weight, eps=self.norm.eps)
         else:
             logits = self.lm_head(self.norm(x))
         if logits.dtype in (torch.bfloat16, torch.float16):
             logits = logits.float()
+        return self._scaled_logits(logits)
+
+    def _scaled_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The family's logit divisor (Granite) and final soft-capping (Gemma 2), if any."""
+        c = self.cfg
+        if c.logit_divisor != 1.0:
+            logits = logits / c.logit_divisor
+        if c.final_softcap is not None:  # a trimmed draft head's -inf stay -inf
+            capped = torch.tanh(logits / c.final_softcap) * c.final_softcap
+            logits = torch.where(torch.isinf(logits), logits, capped)
         return logits
 
     def prefill(

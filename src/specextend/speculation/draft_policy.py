@@ -41,7 +41,6 @@ import torch
 from ..common.errors import UserError
 from ..runtime.attention import Backend
 from ..runtime.kv_cache import KVCache
-from ..runtime.layers import apply_rope
 from ..runtime.transformer import Transformer
 from .draft_prefill import DraftPrompt
 
@@ -214,9 +213,8 @@ class SelectiveDraftPolicy(DraftPolicy):
             new_pos = torch.arange(n)
             delta = new_pos - self.store_pos[slots]
             if bool((delta != 0).any()):
-                cos, sin = self.draft.rope(delta)
-                k = self.working.k[:, :, :n]
-                self.working.k[:, :, :n] = apply_rope(k, cos.to(k.device), sin.to(k.device))
+                # each layer by its own rope (a family may mix bases, or leave some layers without)
+                self.working.k[:, :, :n] = self.draft.rotate_keys(self.working.k[:, :, :n], delta)
             self.next_pos = n
         else:
             self.next_pos = self.draft_store.length + self.skipped

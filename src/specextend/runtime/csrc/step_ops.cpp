@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -71,7 +72,7 @@ std::shared_ptr<StepPlan> step_plan(int64_t hidden, int64_t heads, int64_t kv_he
 
 void add_layer(StepPlan& p, const py::tuple& qkv, const py::tuple& o, const py::tuple& gate_up, const py::tuple& down,
                const at::Tensor& attn_norm, const at::Tensor& mlp_norm, const c10::optional<at::Tensor>& q_norm,
-               const c10::optional<at::Tensor>& k_norm) {
+               const c10::optional<at::Tensor>& k_norm, int64_t rope_kind) {
   spx::StepModel& md = p.model;
   const int64_t hd = md.heads * md.head_dim;
   spx::StepLayer l;
@@ -92,6 +93,8 @@ void add_layer(StepPlan& p, const py::tuple& qkv, const py::tuple& o, const py::
     l.q_norm = kept_float(p, *q_norm, md.head_dim, "q_norm");
     l.k_norm = kept_float(p, *k_norm, md.head_dim, "k_norm");
   }
+  TORCH_CHECK(rope_kind >= 0, "step: a layer's rope kind is an index into forward_batch's rope tables");
+  l.rope_kind = rope_kind;
   md.layers.push_back(std::move(l));
 }
 
@@ -162,7 +165,7 @@ void sequence(const spx::StepModel& md, const py::tuple& part, SeqArgs& out) {
 
 // x [T, hidden] float32 (every part's embeddings, part after part) becomes the last layer's
 // output, in place; each part's new K/V go to its cache's slots [start, start + rows); cos/sin
-// [T, head_dim]. With a head: the logits [len(logit_rows), head width] of x's rows `logit_rows`.
+// [kinds, T, head_dim] (a table per rope kind the layers name). With a head: the logits [len(logit_rows), head width] of x's rows `logit_rows`.
 c10::optional<at::Tensor> forward_batch(StepPlan& p, at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                                         const std::vector<py::tuple>& parts, int64_t path_id,
                                         const std::shared_ptr<HeadPlan>& head,
@@ -186,9 +189,12 @@ c10::optional<at::Tensor> forward_batch(StepPlan& p, at::Tensor x, const at::Ten
   }
   TORCH_CHECK(t == x.size(0), "forward_batch: the parts' rows must add up to x's");
   const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
-  TORCH_CHECK(cc.scalar_type() == at::kFloat && sc.scalar_type() == at::kFloat && cc.numel() == t * md.head_dim &&
-                  sc.numel() == t * md.head_dim,
-              "forward_batch: cos/sin float32 [T, head_dim]");
+  int64_t kinds = 0;
+  for (const spx::StepLayer& l : md.layers) kinds = std::max(kinds, l.rope_kind + 1);
+  TORCH_CHECK(cc.scalar_type() == at::kFloat && sc.scalar_type() == at::kFloat &&
+                  cc.numel() >= kinds * t * md.head_dim && cc.numel() % (t * md.head_dim) == 0 &&
+                  sc.numel() == cc.numel(),
+              "forward_batch: cos/sin float32 [kinds, T, head_dim], a table for every layer's rope kind");
   spx::StepBatch bt{x.data_ptr<float>(), cc.data_ptr<float>(), sc.data_ptr<float>(), seqs.data(),
                     static_cast<int64_t>(seqs.size())};
   c10::optional<at::Tensor> logits;

@@ -226,6 +226,9 @@ void layer_phases(const Team& team, Path path, const StepModel& md, const StepLa
     const StepSeq& r = bt.seqs[s];
     const int64_t layer_stride = md.kv_heads * r.capacity * d, tok = row - bp.seqs[s].row0;
     Rope rope = bp.seqs[s].rope;
+    const int64_t table = (l.rope_kind * t + bp.seqs[s].row0) * d;  // this layer's rope, this sequence's rows
+    rope.cos = bt.cos + table;
+    rope.sin = bt.sin + table;
     rope.q_norm = l.q_norm;
     rope.k_norm = l.k_norm;
     rope.k = r.k + li * layer_stride;

@@ -45,6 +45,10 @@ struct StepLayer {
   const float* mlp_norm = nullptr;   // [hidden]
   const float* q_norm = nullptr;     // [head_dim] or null (Qwen3)
   const float* k_norm = nullptr;
+  // Which of the batch's rope tables rotates this layer's queries and keys: a family may give
+  // some layers a rope of their own, or none (SmolLM3's NoPE layers: a table of angle zero,
+  // cos 1 and sin 0, which rope_tokens applies exactly as the identity).
+  int64_t rope_kind = 0;
 };
 
 struct StepModel {
@@ -95,7 +99,7 @@ struct StepHead {
 // `logits` [n_logits, head->w.n] (no head, or no rows: no logits).
 struct StepBatch {
   float* x;  // [T, hidden], T the sequences' rows together
-  const float* cos;
+  const float* cos;  // [kinds, T, head_dim]: one table per rope kind (StepLayer::rope_kind)
   const float* sin;
   const StepSeq* seqs;
   int64_t nseqs;

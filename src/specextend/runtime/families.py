@@ -1,0 +1,276 @@
+"""Model families: what each architecture changes in the one shared decoder (layers.py), as data.
+
+A family is a handful of switches over the Llama-style block: where the norms sit, the activation,
+multipliers on the embedding, residual, attention scores and logits, soft-capping, per-layer
+attention windows, rope bases and layers without rope, and per-head or whole-projection q/k norms.
+`Family.switches` reads them from a Hugging Face `config.json` into `ModelConfig` fields
+(config.py); `Family` also says how llama.cpp's converter wrote the family into a GGUF
+(`gguf_*`), which models/gguf.py reads to rebuild the Hugging Face config and tensor names.
+Adding a family is one entry here (and, where a switch is new, its few lines in layers.py).
+
+No torch here: a config is read before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..common.errors import UserError
+
+# The HF norm names of a block, by placement: before attention (`attn_norm`), on attention's output
+# (`attn_out_norm`), before the MLP (`mlp_norm`), on the MLP's output (`mlp_out_norm`).
+PRE_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+SANDWICH_NORMS = {"attn_norm": "input_layernorm", "attn_out_norm": "post_attention_layernorm",
+                  "mlp_norm": "pre_feedforward_layernorm", "mlp_out_norm": "post_feedforward_layernorm"}
+POST_NORMS = {"attn_out_norm": "post_attention_layernorm", "mlp_out_norm": "post_feedforward_layernorm"}
+
+
+
+def hf_norm_names(norms: tuple[str, ...]) -> dict[str, str]:
+    """Block norm placement -> the HF module name of a layer's norm, for the placements `norms` has
+    (HF reuses `post_attention_layernorm` for the pre-MLP norm of pre-norm blocks)."""
+    table = SANDWICH_NORMS if "attn_norm" in norms and "attn_out_norm" in norms else \
+        POST_NORMS if "attn_out_norm" in norms else PRE_NORMS
+    return {n: table[n] for n in norms}
+
+
+GgufKey = Callable[..., Any]  # `key(name, default)`: the GGUF metadata value `<arch>.<name>`
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # our name and the GGUF `general.architecture`
+    hf_class: str  # the HF `architectures` entry
+    # ModelConfig switches from a HF config dict (config.py applies them over the Llama defaults).
+    switches: Callable[[dict[str, Any]], dict[str, Any]] = lambda d: {}
+    # GGUF: llama.cpp interleaves the rotary halves of Q/K rows (the families it ropes the "norm" way).
+    gguf_permuted_qk: bool = False
+    # GGUF: what llama.cpp's converter added to every `*norm.weight` (Gemma's 1 + w norms).
+    gguf_norm_shift: float = 0.0
+    # GGUF layer tensor -> HF module, where the family's differs from the Llama mapping.
+    gguf_tensors: dict[str, str] = field(default_factory=dict)
+    # GGUF metadata -> HF config keys the family needs beyond the common ones.
+    gguf_config: Callable[[GgufKey, dict[str, Any]], dict[str, Any]] = lambda key, cfg: {}
+    # Tokens that end a turn in this family's chat models, besides the file's own EOS id.
+    eos_tokens: tuple[str, ...] = ()
+    rms_eps_default: float = 1e-6
+    hf_model_type: str = ""  # the HF model_type, where it is not `name`
+
+    @property
+    def model_type(self) -> str:
+        return self.hf_model_type or self.name
+
+
+def _qwen2(d: dict[str, Any]) -> dict[str, Any]:
+    return {"attention_bias": bool(d.get("attention_bias", True))}
+
+
+def _granite(d: dict[str, Any]) -> dict[str, Any]:
+    return {"embed_scale": float(d.get("embedding_multiplier", 1.0)),
+            "residual_scale": float(d.get("residual_multiplier", 1.0)),
+            "attn_scale": float(d.get("attention_multiplier", 1.0)),
+            "logit_divisor": float(d.get("logits_scaling", 1.0))}
+
+
+def _granite_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
+    # llama.cpp writes Granite's *_multiplier and logits_scaling under *_scale names.
+    return {"embedding_multiplier": float(key("embedding_scale", 1.0)),
+            "residual_multiplier": float(key("residual_scale", 1.0)),
+            "attention_multiplier": float(key("attention.scale", 1.0)),
+            "logits_scaling": float(key("logit_scale", 1.0))}
+
+
+def _smollm3(d: dict[str, Any]) -> dict[str, Any]:
+    n = int(d["num_hidden_layers"])
+    # no_rope_layers[i] is 1 where layer i uses rope (HF's naming); the default drops every 4th.
+    uses = d.get("no_rope_layers") or [int((i + 1) % int(d.get("no_rope_layer_interval", 4)) != 0) for i in range(n)]
+    return {"rope_layers": tuple(bool(u) for u in uses)}
+
+
+def _smollm3_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
+    # llama.cpp's converter writes no NoPE metadata: its runtime drops rope on every 4th layer.
+    n = int(cfg["num_hidden_layers"])
+    return {"no_rope_layer_interval": 4, "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(n)]}
+
+
+def _olmo2_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
+    # llama.cpp files OLMo 3 under olmo2, with sliding-window layers that OLMo 2 does not have.
+    if key("attention.sliding_window"):
+        raise UserError("an OLMo 3 GGUF (olmo2 with sliding-window layers) is not supported yet")
+    return {}
+
+
+# llama.cpp's names of the norms on attention's and the MLP's outputs (OLMo 2, Gemma).
+_POST_NORM_TENSORS = {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+
+def _gemma(d: dict[str, Any], pattern: int) -> dict[str, Any]:
+    """Gemma 2 and 3: sandwich norms with (1 + weight), GeGLU, the embeddings scaled by sqrt(hidden),
+    the query scale from query_pre_attn_scalar, soft-capping where set, and sliding-window layers
+    (HF's `layer_types`; by default all but every `pattern`-th layer)."""
+    n = int(d["num_hidden_layers"])
+    act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise UserError(f"unsupported Gemma activation {act!r} (supported: gelu_pytorch_tanh)")
+    types = d.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    window = int(d.get("sliding_window") or 0)
+    softcap = d.get("attn_logit_softcapping")
+    final = d.get("final_logit_softcapping")
+    head_dim = int(d.get("head_dim") or int(d["hidden_size"]) // int(d["num_attention_heads"]))
+    return {"norms": tuple(SANDWICH_NORMS), "norm_plus_one": True, "activation": "gelu_tanh",
+            "embed_scale": float(d["hidden_size"]) ** 0.5,
+            "attn_scale": float(d.get("query_pre_attn_scalar") or head_dim) ** -0.5,
+            "attn_softcap": float(softcap) if softcap else None, "final_softcap": float(final) if final else None,
+            "sliding_window": window,
+            "window_layers": tuple(window > 0 and t == "sliding_attention" for t in types)}
+
+
+def _gemma2(d: dict[str, Any]) -> dict[str, Any]:
+    return _gemma(d, 2)
+
+
+def _gemma3(d: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3 adds per-head q/k norms and a rope of its own on the windowed layers (base 10K,
+    unscaled); the global layers' rope may be linearly scaled."""
+    out = {**_gemma(d, int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)),
+           "qk_norm": "head"}
+    rope = d.get("rope_parameters") or {}
+    if "full_attention" in rope:  # transformers 5: one rope per layer type
+        glob, loc = dict(rope["full_attention"]), dict(rope.get("sliding_attention") or {})
+    else:
+        glob = {"rope_theta": d.get("rope_theta", 1_000_000.0), **(d.get("rope_scaling") or {})}
+        loc = {"rope_theta": d.get("rope_local_base_freq", 10_000.0)}
+    kind = glob.get("rope_type", glob.get("type", "default"))
+    if kind not in ("default", "linear") or loc.get("rope_type", "default") != "default":
+        raise UserError(f"unsupported Gemma 3 RoPE scaling {kind!r} (supported: default, linear)")
+    out["rope_theta"] = float(glob.get("rope_theta", 1_000_000.0))
+    out["rope_scaling"] = {"rope_type": "linear", "factor": float(glob["factor"])} if kind == "linear" else None
+    out["local_rope_theta"] = float(loc.get("rope_theta", 10_000.0))
+    return out
+
+
+def _gemma_query_scalar(key: GgufKey, cfg: dict[str, Any], big: int) -> int:
+    # llama.cpp keeps no query_pre_attn_scalar: it scales by 1/sqrt(head_dim), except for the 27B
+    # models (known by their layer count), which take hidden / heads.
+    if int(cfg["num_hidden_layers"]) == big:
+        return int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
+    return int(cfg["head_dim"])
+
+
+def _gemma2_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
+    n = int(cfg["num_hidden_layers"])
+    return {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": _gemma_query_scalar(key, cfg, 46),
+            "sliding_window": int(key("attention.sliding_window", 4096)),
+            "layer_types": ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)],
+            "attn_logit_softcapping": key("attn_logit_softcapping"),
+            "final_logit_softcapping": key("final_logit_softcapping")}
+
+
+def _gemma3_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
+    # llama.cpp fixes what its converter does not write: 5 windowed layers to 1 global, and the
+    # windowed layers' rope base 10K, unscaled.
+    n = int(cfg["num_hidden_layers"])
+    window = key("attention.sliding_window")
+    glob = dict(cfg["rope_parameters"])
+    return {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": _gemma_query_scalar(key, cfg, 62),
+            "sliding_window": int(window) if window else None,
+            "layer_types": ["sliding_attention" if window and (i + 1) % 6 else "full_attention" for i in range(n)],
+            "final_logit_softcapping": key("final_logit_softcapping"), "attn_logit_softcapping": None,
+            "rope_parameters": {"full_attention": glob,
+                                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}}
+
+
+def _phi3(d: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3, 3.5 and 4-mini: the Llama block with fused projections (the loader reads them as they
+    are), a sliding window on every layer where set, partial rotary dimensions (Phi-4-mini) and
+    LongRoPE. LongRoPE's short factors serve contexts up to the original window and its long
+    factors beyond; transformers switches between them with the sequence's length (re-rotating
+    what it caches with the other set), llama.cpp by the context it is given. We take the short
+    factors and the original window as the context: exact against both there; longer contexts
+    on these files are not done yet."""
+    rope = dict(d.get("rope_parameters") or {})
+    heads = int(d["num_attention_heads"])
+    head_dim = int(d.get("head_dim") or int(d["hidden_size"]) // heads)
+    partial = float(d.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
+    out: dict[str, Any] = {"rotary_dim": int(head_dim * partial)} if partial < 1.0 else {}
+    scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    context = int(d.get("max_position_embeddings", 4096))
+    window = int(d.get("sliding_window") or 0)
+    if scaling is None:
+        if 0 < window < context:
+            out.update(sliding_window=window, window_layers=(True,) * int(d["num_hidden_layers"]))
+        return out
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in ("longrope", "su"):
+        raise UserError(f"unsupported Phi-3 RoPE scaling {kind!r} (supported: longrope)")
+    original = int(scaling.get("original_max_position_embeddings") or d["original_max_position_embeddings"])
+    factor = float(scaling.get("factor") or int(d["max_position_embeddings"]) / original)
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+    out["rope_scaling"] = {"rope_type": "longrope", "short_factor": [float(x) for x in scaling["short_factor"]],
+                           "attention_factor": float(attention)}
+    out["max_position"] = min(context, original)
+    if 0 < window < out["max_position"]:
+        out.update(sliding_window=window, window_layers=(True,) * int(d["num_hidden_layers"]))
+    return out
+
+
+def _phi3_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
+    rope = dict(cfg["rope_parameters"])
+    out: dict[str, Any] = {"rope_parameters": rope, "sliding_window": int(key("attention.sliding_window", 0)) or None}
+    dims = key("rope.dimension_count")
+    if dims and int(dims) != int(cfg["head_dim"]):  # Phi-4-mini (transformers reads it at the top level)
+        rope["partial_rotary_factor"] = out["partial_rotary_factor"] = int(dims) / int(cfg["head_dim"])
+    original = key("rope.scaling.original_context_length")
+    if original:
+        out["original_max_position_embeddings"] = int(original)
+    return out
+
+
+# llama.cpp's names of Gemma's four norms (its `ffn_norm` is the pre-MLP norm, as for Llama).
+_GEMMA_TENSORS = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                  "post_ffw_norm": "post_feedforward_layernorm"}
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("llama", "LlamaForCausalLM", gguf_permuted_qk=True, rms_eps_default=1e-5,
+           eos_tokens=("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")),
+    Family("mistral", "MistralForCausalLM", gguf_permuted_qk=True, rms_eps_default=1e-5),
+    Family("qwen2", "Qwen2ForCausalLM", _qwen2, eos_tokens=("<|im_end|>", "<|endoftext|>")),
+    Family("qwen3", "Qwen3ForCausalLM", lambda d: {"qk_norm": "head"}, eos_tokens=("<|im_end|>", "<|endoftext|>")),
+    Family("granite", "GraniteForCausalLM", _granite, gguf_permuted_qk=True, gguf_config=_granite_gguf,
+           eos_tokens=("<|end_of_text|>", "<|end_of_role|>")),
+    Family("smollm3", "SmolLM3ForCausalLM", _smollm3, gguf_permuted_qk=True, gguf_config=_smollm3_gguf,
+           eos_tokens=("<|im_end|>", "<|end_of_text|>")),
+    Family("olmo2", "Olmo2ForCausalLM", lambda d: {"norms": ("attn_out_norm", "mlp_out_norm"), "qk_norm": "full"},
+           gguf_tensors=_POST_NORM_TENSORS, gguf_config=_olmo2_gguf,
+           eos_tokens=("<|endoftext|>", "<|im_end|>")),
+    Family("phi3", "Phi3ForCausalLM", _phi3, gguf_config=_phi3_gguf, rms_eps_default=1e-5,
+           gguf_tensors={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+           eos_tokens=("<|end|>", "<|endoftext|>")),
+    Family("gemma2", "Gemma2ForCausalLM", _gemma2, gguf_norm_shift=1.0, gguf_tensors=_GEMMA_TENSORS,
+           gguf_config=_gemma2_gguf, eos_tokens=("<end_of_turn>", "<eos>")),
+    Family("gemma3", "Gemma3ForCausalLM", _gemma3, gguf_norm_shift=1.0, gguf_tensors=_GEMMA_TENSORS,
+           gguf_config=_gemma3_gguf, eos_tokens=("<end_of_turn>", "<eos>"), hf_model_type="gemma3_text"),
+)}
+
+# HF `architectures` entry -> family name.
+HF_CLASSES = {f.hf_class: f.name for f in FAMILIES.values()}
+# HF model_type -> family name.
+MODEL_TYPES = {f.model_type: f.name for f in FAMILIES.values()}
+
+
+def family_of(hf: dict[str, Any]) -> Family | None:
+    """The family of a HF config dict (by its architectures, else its model_type), or None."""
+    for a in hf.get("architectures") or []:
+        if a in HF_CLASSES:
+            return FAMILIES[HF_CLASSES[a]]
+    name = MODEL_TYPES.get(str(hf.get("model_type")))
+    return None if name is None else FAMILIES[name]
+
+
+def supported() -> str:
+    """The families we read, for a refusal's one line."""
+    return ", ".join(sorted(FAMILIES))

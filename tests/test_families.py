@@ -1,0 +1,489 @@
+"""The families beyond Llama/Qwen (runtime/families.py), each from a GGUF written the way llama.cpp's
+converter writes it: a tiny random model of transformers' own class for the family, its tensors
+named by gguf's own name map, Q/K rows permuted and norm offsets added where the converter does,
+the family's metadata under its keys; converted by our loader and compared with transformers on
+the same weights (float64, float32, Q8_0 and a K-quant, Q6_K), greedy over 32 tokens, and `sd` /
+`specextend` against `ar` with a tiny draft of the same family, on every kernel path."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from specextend.common.errors import UserError
+from specextend.common.settings import Settings
+from specextend.models import gguf as conv
+from specextend.models.loader import load_model
+from specextend.runtime import fused_step, kernels
+from specextend.runtime.families import FAMILIES
+from specextend.speculation.decoder import SpecEngine
+from test_gguf import CHAT_TEMPLATE, MERGES, SPECIALS, llama_cpp_permute, tiny_vocab
+from test_quant import F16_FIELDS, random_blocks
+
+from conftest import FAMILY_ARCHS, make_tiny_hf
+
+# head_dim 64 (the attention kernel's fast path), widths divisible by 256 (K-quants); 4 layers, so
+# SmolLM3's every-4th-layer NoPE (what llama.cpp assumes for the family) has a layer.
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab=96)
+LAYERS = 4
+WINDOW = 16  # Gemma's sliding window here: the prompts are longer
+PROMPT = torch.randint(0, 95, (40,), generator=torch.Generator().manual_seed(7)).tolist()
+SMALL = dict(chunk_size=4, top_k_chunks=3, retrieve_every=2, tree_budget=6, tree_depth=4, tree_topk=2,
+             cmr_min_ratio=0.0)
+PERMUTED = {"granite", "smollm3"}  # llama.cpp converts these as Llama (LlamaModel subclasses)
+NORM_SHIFT = {"gemma3": 1.0, "gemma2": 1.0}  # what llama.cpp adds to `*norm.weight` (Gemma's norms scale by 1 + w)
+
+
+def ref_tol(arch: str) -> float:
+    """How close float64 logits come to transformers': Gemma's norms compute in float32 there even
+    in a float64 model (about 3e-5 from its own float32 run here); a wrong window, rope or norm moves
+    them by 1e-3 and more."""
+    return 5e-5 if arch.startswith("gemma") else 1e-5
+
+
+def family_kw(arch: str, layers: int | None = None) -> dict:
+    """The tiny model's shape, in the layout llama.cpp assumes for the family."""
+    n = layers or (6 if arch == "gemma3" else LAYERS)
+    kw = dict(SHAPE, layers=n)
+    if arch == "smollm3":  # rope dropped on every 4th layer
+        kw["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(n)]
+    if arch == "phi3":  # Phi-4-mini's partial rotary (48 of 64 dimensions)
+        kw["head_dim"] = 64
+    if arch == "gemma2":  # alternating windowed layers; the query scale from head_dim (64)
+        kw.update(head_dim=64, query_pre_attn_scalar=64, sliding_window=WINDOW)
+    if arch == "gemma3":  # 5 windowed layers to 1 global; the query scale from head_dim (64)
+        kw.update(head_dim=64, query_pre_attn_scalar=64, sliding_window=WINDOW,
+                  layer_types=["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)])
+    return kw
+
+
+def _metadata(w: gguf.GGUFWriter, arch: str, cfg) -> None:
+    """The family's own keys, as the converter writes them."""
+    if arch == "phi3":
+        rope = cfg.rope_parameters
+        w.add_rope_dimension_count(int(rope["partial_rotary_factor"] * cfg.hidden_size) // cfg.num_attention_heads)
+        w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+        scale = cfg.max_position_embeddings / cfg.original_max_position_embeddings
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(cfg.original_max_position_embeddings)))
+        w.add_sliding_window(0)
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
+    if arch == "gemma3":
+        w.add_sliding_window(cfg.sliding_window)
+        glob = cfg.rope_parameters["full_attention"]
+        if glob.get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(glob["factor"])
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        w.add_sliding_window(cfg.sliding_window)
+    if arch == "granite":
+        w.add_attention_scale(cfg.attention_multiplier)
+        w.add_embedding_scale(cfg.embedding_multiplier)
+        w.add_residual_scale(cfg.residual_multiplier)
+        w.add_logit_scale(cfg.logits_scaling)
+
+
+def write_like_llama_cpp(model, path: Path, arch: str, kind: str = "F32", seed: int = 0,
+                         tokenizer: bool = False, window: int = 0) -> dict[str, torch.Tensor]:
+    """Write `model` (transformers) as llama.cpp's converter would, its matrices in `kind`; returns
+    the HF state dict of what the file holds (quantized matrices as they dequantize), to load the
+    reference with."""
+    cfg = model.config
+    n = cfg.num_hidden_layers
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(n)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # Gemma 3: the global layers'
+    w.add_rope_freq_base(rope["rope_theta"])
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    _metadata(w, arch, cfg)
+    if window:
+        w.add_sliding_window(window)
+    w.add_pad_token_id(0)  # the families' own defaults lie outside a tiny vocabulary
+    if not tokenizer:
+        w.add_bos_token_id(0)
+        w.add_eos_token_id(cfg.vocab_size - 1)
+    else:  # test_gguf's byte-level BPE vocabulary with its chat template
+        tokens = tiny_vocab()
+        assert len(tokens) <= cfg.vocab_size
+        w.add_bos_token_id(tokens.index("<|endoftext|>"))
+        w.add_eos_token_id(tokens.index("<|endoftext|>"))
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("qwen2")
+        w.add_token_list(tokens)
+        w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+        w.add_token_merges(MERGES)
+        w.add_chat_template(CHAT_TEMPLATE)
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), n)
+    stored: dict[str, torch.Tensor] = {}
+    rng = np.random.default_rng(seed)
+    for name, value in sd.items():
+        gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gname is not None, name
+        heads = None
+        if arch in PERMUTED and name.endswith("q_proj.weight"):
+            heads = cfg.num_attention_heads
+        elif arch in PERMUTED and name.endswith("k_proj.weight"):
+            heads = cfg.num_key_value_heads
+        data = value if heads is None else llama_cpp_permute(value, heads)
+        if name.endswith("norm.weight") and arch in NORM_SHIFT:
+            data = (data + np.float32(NORM_SHIFT[arch])).astype(np.float32)
+            value = data - np.float32(NORM_SHIFT[arch])
+        if kind == "F32" or value.ndim != 2:
+            w.add_tensor(gname, data)
+            stored[name] = torch.from_numpy(value.copy())
+            continue
+        qt = gguf.GGMLQuantizationType[kind]
+        if kind == "Q8_0":
+            packed = gguf.quants.quantize(data, qt)
+        else:  # gguf has no K-quant quantizer: random valid blocks, scaled to the model's weights, are the weights
+            packed = scaled_blocks(kind, data, int(rng.integers(1 << 30)))
+        back = gguf.quants.dequantize(packed, qt).astype(np.float32).reshape(data.shape)
+        if heads is not None:  # the reference holds the HF row order
+            back = back.reshape(heads, back.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(back.shape)
+        w.add_tensor(gname, packed, raw_dtype=qt)
+        stored[name] = torch.from_numpy(np.ascontiguousarray(back))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return stored
+
+
+def scaled_blocks(kind: str, like: np.ndarray, seed: int) -> np.ndarray:
+    """Random valid `kind` blocks for a matrix shaped `like`, their float16 scales multiplied so the
+    weights have `like`'s spread (random scales alone make weights in the tens: the logits would
+    then say nothing about the layers)."""
+    qt = gguf.GGMLQuantizationType[kind]
+    raw = random_blocks(kind, *like.shape, seed=seed)
+    factor = float(like.std()) / float(gguf.quants.dequantize(raw, qt).std())
+    size = gguf.GGML_QUANT_SIZES[qt][1]
+    blocks = raw.reshape(like.shape[0], -1, size)
+    for lo in F16_FIELDS[kind]:
+        scales = blocks[..., lo : lo + 2].copy().view(np.float16).astype(np.float32) * factor
+        blocks[..., lo : lo + 2] = scales.astype(np.float16).view(np.uint8).reshape((*blocks.shape[:-1], 2))
+    return blocks.reshape(raw.shape)
+
+
+def reference(arch: str, stored: dict[str, torch.Tensor], dtype: torch.dtype = torch.float64, seed: int = 0):
+    """transformers' model of the family holding exactly the file's weights."""
+    model = make_tiny_hf(arch, seed, dtype=dtype, **family_kw(arch))
+    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in stored.items()}, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    return model
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """(arch, kind, seed) -> (our converted folder, the file's weights in HF names)."""
+    cache: dict = {}
+
+    def get(arch: str, kind: str = "F32", seed: int = 0, layers: int | None = None):
+        key = (arch, kind, seed, layers)
+        if key not in cache:
+            d = tmp_path_factory.mktemp(f"{arch}{kind}{seed}")
+            kw = family_kw(arch, layers)
+            model = sharp(make_tiny_hf(arch, seed, dtype=torch.float32, **kw))
+            stored = write_like_llama_cpp(model, d / "m.gguf", arch, kind, seed)
+            out = conv.convert_gguf(d / "m.gguf", d / "hf", progress=False, tokenizer=False)
+            cache[key] = (out, stored)
+        return cache[key]
+
+    return get
+
+
+def sharp(model):
+    """The model with its queries and keys scaled up: a tiny random model's attention is otherwise
+    nearly uniform, and a wrong rotation or window would hardly move the quantized logits."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(3.0)
+    return model
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    out = list(ids)
+    for _ in range(n):
+        out.append(int(hf_logits(model, out)[-1].argmax()))
+    return out[len(ids):]
+
+
+def ours_logits(model, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor(ids), torch.arange(len(ids)), model.new_cache(len(ids)))
+
+
+@pytest.mark.parametrize("arch", FAMILY_ARCHS)
+def test_the_gguf_names_the_family_and_its_config_rebuilds(converted, arch):
+    folder, _ = converted(arch)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == FAMILIES[arch].model_type
+    ref = make_tiny_hf(arch, 0, dtype=torch.float32, **family_kw(arch)).config
+    if arch == "granite":
+        for k in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+            assert config[k] == getattr(ref, k)
+    if arch == "smollm3":
+        assert config["no_rope_layers"] == ref.no_rope_layers
+    if arch == "phi3":
+        rope = config["rope_parameters"]
+        assert rope["rope_type"] == "longrope" and rope["partial_rotary_factor"] == 0.75
+        assert rope["short_factor"] == pytest.approx(ref.rope_parameters["short_factor"])
+        assert config["original_max_position_embeddings"] == ref.original_max_position_embeddings
+    if arch == "gemma2":
+        for k in ("layer_types", "sliding_window", "query_pre_attn_scalar", "attn_logit_softcapping",
+                  "final_logit_softcapping"):
+            assert config[k] == getattr(ref, k), k
+    if arch == "gemma3":
+        for k in ("layer_types", "sliding_window", "query_pre_attn_scalar", "rope_parameters"):
+            assert config[k] == getattr(ref, k), k
+
+
+@pytest.mark.parametrize("arch", FAMILY_ARCHS)
+def test_float_logits_and_32_greedy_tokens_equal_transformers(converted, arch):
+    folder, stored = converted(arch)
+    ref = reference(arch, stored)
+    ours = load_model(folder, torch.float64, weights="float64")
+    expect = hf_logits(ref, PROMPT)
+    assert torch.allclose(ours_logits(ours, PROMPT), expect, atol=ref_tol(arch), rtol=0)
+    eng = SpecEngine(ours, ours, eos_ids=[])
+    got = eng.generate(PROMPT, Settings(method="ar", max_new_tokens=32)).token_ids
+    assert got == hf_greedy(ref, PROMPT, 32)
+    f32 = load_model(folder, torch.float32, weights="float32")
+    assert torch.allclose(ours_logits(f32, PROMPT).double(), expect, atol=1e-3, rtol=0)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")
+@pytest.mark.parametrize("kind", ["Q8_0", "Q6_K"])
+@pytest.mark.parametrize("arch", FAMILY_ARCHS)
+def test_quantized_logits_track_transformers_on_the_files_weights(converted, arch, kind):
+    folder, stored = converted(arch, kind)
+    ref = reference(arch, stored)
+    ours = load_model(folder, torch.float32, weights="gguf")
+    # the quantized kernels; the whole-step call too where the switches are per-layer ropes only
+    assert ours.fused and ours.cfg.plain == (arch == "smollm3")
+    expect = hf_logits(ref, PROMPT)
+    got = ours_logits(ours, PROMPT).double()
+    # int8 activations over sharpened attention: within ~6% here (relative RMS); a dropped switch
+    # (rope on a NoPE layer, a missing multiplier or norm) moves them by 30% and more.
+    assert (got.argmax(-1) == expect.argmax(-1)).float().mean() >= 0.85
+    assert (got - expect).norm() < 0.1 * expect.norm()
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")
+@pytest.mark.parametrize("method", ["sd", "specextend"])
+@pytest.mark.parametrize("kind", ["F32", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("arch", FAMILY_ARCHS)
+def test_speculative_output_equals_ar_with_a_draft_of_the_family(converted, arch, kind, method):
+    target_dir, _ = converted(arch, kind)
+    draft_dir, _ = converted(arch, kind, seed=5, layers=1)
+    weights = "float32" if kind == "F32" else "gguf"
+    target = load_model(target_dir, torch.float32, weights=weights)
+    draft = load_model(draft_dir, torch.float32, weights=weights)
+    eng = SpecEngine(target, draft, eos_ids=[])
+    ar = eng.generate(PROMPT, Settings(method="ar", max_new_tokens=40))
+    extra = dict(draft_gate=False) if method == "specextend" else {}
+    r = eng.generate(PROMPT, Settings(method=method, max_new_tokens=40, **SMALL, **extra))
+    assert r.token_ids == ar.token_ids
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")
+@pytest.mark.parametrize("arch", FAMILY_ARCHS)
+def test_every_kernel_path_gives_the_same_bits(converted, monkeypatch, arch):
+    """SPECEXTEND_CPU forces each path this CPU runs: the same logits, and sd equal to ar on each."""
+    folder, _ = converted(arch, "Q6_K")
+    draft_dir, _ = converted(arch, "Q6_K", seed=5, layers=1)
+    model = load_model(folder, torch.float32, weights="gguf")
+    draft = load_model(draft_dir, torch.float32, weights="gguf")
+    logits, tokens = {}, {}
+    for path in kernels.cpu_paths():
+        monkeypatch.setenv(kernels.CPU_ENV, path)
+        logits[path] = ours_logits(model, PROMPT)
+        eng = SpecEngine(model, draft, eos_ids=[])
+        ar = eng.generate(PROMPT, Settings(method="ar", max_new_tokens=16)).token_ids
+        assert eng.generate(PROMPT, Settings(method="sd", max_new_tokens=16, **SMALL)).token_ids == ar
+        tokens[path] = ar
+    assert all(torch.equal(v, logits["portable"]) for v in logits.values())
+    assert all(v == tokens["portable"] for v in tokens.values())
+
+
+def test_an_unknown_architecture_is_refused_naming_the_families(tmp_path):
+    w = gguf.GGUFWriter(str(tmp_path / "x.gguf"), "bloom")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UserError, match="unsupported GGUF architecture 'bloom'") as e:
+        conv.gguf_architecture(conv.open_gguf(tmp_path / "x.gguf"))
+    for arch in FAMILY_ARCHS:
+        assert arch in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_a_prompt_longer_than_the_window_is_masked_as_transformers_masks(converted):
+    """Gemma 3's windowed layers over 6 windows of prompt, fed in chunks (the cache holds keys that
+    fell out of the window): transformers' logits at every position."""
+    folder, stored = converted("gemma3")
+    ref = reference("gemma3", stored)
+    ours = load_model(folder, torch.float64, weights="float64")
+    ids = torch.randint(0, 95, (6 * WINDOW,), generator=torch.Generator().manual_seed(11)).tolist()
+    expect = hf_logits(ref, ids)
+    cache = ours.new_cache(len(ids))
+    got = []
+    for s in range(0, len(ids), 7):
+        piece = ids[s : s + 7]
+        got.append(ours(torch.tensor(piece), torch.arange(s, s + len(piece)), cache))
+        cache.commit()
+    assert torch.allclose(torch.cat(got), expect, atol=ref_tol("gemma3"), rtol=0)
+    unwindowed = reference("gemma3", stored)
+    unwindowed.config.sliding_window = 10 * WINDOW
+    for layer in unwindowed.model.layers:
+        layer.self_attn.sliding_window = 10 * WINDOW
+    assert not torch.allclose(hf_logits(unwindowed, ids), expect, atol=1e-3, rtol=0)  # the window matters
+
+
+# Gemma files carry a SentencePiece vocabulary, which transformers rebuilds with Gemma's own class
+# (its GGUF loader reads both Gemma families); test_gguf's tiny vocabulary is byte-level BPE.
+@pytest.mark.parametrize("arch", [a for a in FAMILY_ARCHS if not a.startswith("gemma")])
+def test_the_tokenizer_chat_template_and_turn_ends_come_from_the_file(tmp_path, arch):
+    """Including the families transformers' GGUF loader refuses (its tokenizer is read as a Llama
+    file's): the tokenizer, the file's chat template, and the family's turn-end tokens as EOS."""
+    from specextend.models.loader import load_tokenizer
+
+    model = make_tiny_hf(arch, 0, dtype=torch.float32, **dict(family_kw(arch, 1), vocab=300))
+    write_like_llama_cpp(model, tmp_path / "m.gguf", arch, tokenizer=True)
+    folder = conv.convert_gguf(tmp_path / "m.gguf", tmp_path / "hf", progress=False)
+    tok = load_tokenizer(folder)
+    assert tok.decode(tok.encode("hello world", add_special_tokens=False)) == "hello world"
+    assert "<|im_start|>assistant" in tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                                               add_generation_prompt=True)
+    eos = json.loads((folder / "generation_config.json").read_text())["eos_token_id"]
+    for token in FAMILIES[arch].eos_tokens:
+        if token in tiny_vocab():
+            assert tiny_vocab().index(token) in eos, token
+
+
+@pytest.mark.parametrize("arch", FAMILY_ARCHS)
+def test_the_converted_folder_is_the_model_for_transformers_too(converted, arch):
+    """Our converter's config.json and tensors (norm offsets taken off, Q/K rows back in HF order)
+    make transformers build the model the file holds: its logits are the reference's."""
+    from specextend.bench.hf_baselines import hf_model
+
+    folder, stored = converted(arch)
+    model = hf_model(folder, torch.float64)  # refuses missing or unexpected tensors
+    model.set_attn_implementation("eager")  # as the reference
+    diff = (hf_logits(model, PROMPT) - hf_logits(reference(arch, stored), PROMPT)).abs().max()
+    assert diff < 1e-9, float(diff)
+
+
+@pytest.mark.usefixtures("isolated_home")
+def test_inspect_names_the_family_and_what_runs(converted, capsys):
+    from specextend.cli.main import main
+
+    folder, _ = converted("gemma3")
+    assert main(["models", "inspect", str(folder.parent / "m.gguf")]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("family"))
+    assert "gemma3" in line and "5 of 6 layers windowed (16)" in line and "per-layer kernels" in line
+    assert main(["models", "inspect", str(folder.parent / "m.gguf"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["family"].startswith("gemma3:")
+
+
+def tree(n: int) -> tuple[torch.Tensor, list[int]]:
+    parents = [-1, 0, 0, 1, 1, 2, 3, 3, 5][:n]
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    depth = [0] * n
+    for i in range(n):
+        if i:
+            mask[i] = mask[parents[i]]
+            depth[i] = depth[parents[i]] + 1
+        mask[i, i] = True
+    return mask, depth
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")
+@pytest.mark.parametrize("arch", FAMILY_ARCHS)
+def test_a_token_gets_the_same_bits_alone_inside_a_tree_and_in_a_batch(converted, arch):
+    """What makes speculative output equal `ar` on the quantized runtime, switch by switch (windows,
+    soft-capped attention, partial rotary, NoPE): a tree node's logits are the bits the token gets
+    decoded alone after its ancestors, and a sequence's rows batched with another's are its own."""
+    from specextend.runtime.layers import Rows
+
+    folder, _ = converted(arch, "Q8_0")
+    model = load_model(folder, torch.float32, weights="gguf")
+    mask, depth = tree(9)
+    n = len(depth)
+    tokens = torch.randint(0, 95, (n,), generator=torch.Generator().manual_seed(1))
+    prompt = torch.tensor(PROMPT)
+    p = len(PROMPT)
+    cache = model.new_cache(p + 2 * n)
+    model.prefill(prompt, cache, chunk=16)
+    tree_logits = model(tokens, p + torch.tensor(depth), cache, mask)
+    cache.discard()
+    for i in range(n):
+        path = [j for j in range(n) if mask[i, j]]
+        alone = model.new_cache(p + n)
+        model.prefill(prompt, alone, chunk=16)
+        if len(path) > 1:
+            model(tokens[path[:-1]], p + torch.arange(len(path) - 1), alone)
+            alone.commit()
+        assert torch.equal(model(tokens[i : i + 1], torch.tensor([p + depth[i]]), alone)[0], tree_logits[i]), i
+    other = model.new_cache(p + n)
+    model.prefill(prompt[: p // 2], other)
+    parts = [Rows(tokens, p + torch.tensor(depth), cache, mask), Rows(tokens[:3], torch.arange(3) + p // 2, other)]
+    batched = model.forward_many(parts)
+    assert torch.equal(batched[0], tree_logits)
+    other.discard()
+    assert torch.equal(batched[1], model(tokens[:3], torch.arange(3) + p // 2, other))
+
+
+def test_an_olmo_3_file_is_refused_in_one_line(tmp_path):
+    """llama.cpp files OLMo 3 under olmo2 with sliding-window layers, which OLMo 2 does not have."""
+    model = make_tiny_hf("olmo2", 0, dtype=torch.float32, **family_kw("olmo2", 1))
+    write_like_llama_cpp(model, tmp_path / "m.gguf", "olmo2", window=4096)
+    with pytest.raises(UserError, match="OLMo 3") as e:
+        conv.convert_gguf(tmp_path / "m.gguf", tmp_path / "hf", progress=False, tokenizer=False)
+    assert "\n" not in str(e.value) and not (tmp_path / "hf").exists()
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")
+@pytest.mark.parametrize("path", kernels.cpu_paths())
+def test_nope_layers_take_the_whole_step_call_with_the_python_driven_bits(converted, monkeypatch, path):
+    """SmolLM3's NoPE layers are the plain block with a rope table of angle zero: the whole-step
+    C++ call runs them, and gives the per-layer kernels' bits (logits, K/V, kept queries)."""
+    from test_step import run
+
+    monkeypatch.setenv(kernels.CPU_ENV, path)
+    folder, _ = converted("smollm3", "Q8_0")
+    model = load_model(folder, torch.float32, weights="gguf")
+    assert model.cfg.plain and model.cfg.rope_layers == (True, True, True, False)
+    calls = []
+    step = fused_step.run
+    monkeypatch.setattr(fused_step, "run", lambda *a: calls.append(1) or step(*a))
+    python, whole = run(model, 0), run(model, 16)
+    assert calls  # the whole-step call ran
+    assert len(python) == len(whole)
+    for i, (a, b) in enumerate(zip(python, whole, strict=True)):
+        assert torch.equal(a, b), i
