@@ -102,7 +102,7 @@ demo: setup
 test: setup
 	$(VENV)/bin/ruff check src tests examples
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/python -m pytest -q -rs -n 3 --dist load --maxschedchunk 1 tests
+	$(VENV)/bin/python -m pytest -q -rs -n 2 --dist load --maxschedchunk 1 tests
 
 lint: setup
 	$(VENV)/bin/ruff check src tests examples

@@ -133,7 +133,7 @@ def doc_tokens(folders) -> list[int]:
     return [len(tok.encode(d)) for d in DOCS]
 
 
-@pytest.mark.long
+@pytest.mark.long(60)  # started first of the two: the other waits for no cluster (one at a time)
 def test_affinity_keeps_each_document_on_its_replica_and_a_killed_replica_loses_no_request(folders, tmp_path):
     """With an API key: the front end checks it, answers tool calls and exports the replicas' gauges."""
     n_doc = doc_tokens(folders)
