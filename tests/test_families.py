@@ -25,6 +25,7 @@ from specextend.runtime.families import FAMILIES
 from specextend.speculation.decoder import SpecEngine
 from test_gguf import CHAT_TEMPLATE, MERGES, SPECIALS, llama_cpp_permute, tiny_vocab
 from test_quant import F16_FIELDS, random_blocks
+from test_quantized_runtime import tree
 
 from conftest import FAMILY_ARCHS, make_tiny_hf
 
@@ -409,18 +410,6 @@ def test_inspect_names_the_family_and_what_runs(converted, capsys):
     assert "gemma3" in line and "5 of 6 layers windowed (16)" in line and "per-layer kernels" in line
     assert main(["models", "inspect", str(folder.parent / "m.gguf"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["family"].startswith("gemma3:")
-
-
-def tree(n: int) -> tuple[torch.Tensor, list[int]]:
-    parents = [-1, 0, 0, 1, 1, 2, 3, 3, 5][:n]
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    depth = [0] * n
-    for i in range(n):
-        if i:
-            mask[i] = mask[parents[i]]
-            depth[i] = depth[parents[i]] + 1
-        mask[i, i] = True
-    return mask, depth
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")

@@ -89,11 +89,10 @@ def test_every_kernel_path_gives_the_same_logits(folders, monkeypatch):
     assert all(torch.equal(v, logits["portable"]) for v in logits.values())
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4"])
-def test_a_token_gets_the_same_logits_alone_and_inside_a_tree(folders, weights):
-    model = load_model(folders[("qwen2", 0)], torch.float32, weights=weights)
-    parents = [-1, 0, 0, 1, 1, 2, 3, 3, 5]
-    n = len(parents)
+def tree(n: int) -> tuple[torch.Tensor, list[int]]:
+    """The first n nodes of a 9-node draft tree: its ancestor mask (each node sees itself and its
+    ancestors) and its depths."""
+    parents = [-1, 0, 0, 1, 1, 2, 3, 3, 5][:n]
     mask = torch.zeros(n, n, dtype=torch.bool)
     depth = [0] * n
     for i in range(n):
@@ -101,6 +100,14 @@ def test_a_token_gets_the_same_logits_alone_and_inside_a_tree(folders, weights):
             mask[i] = mask[parents[i]]
             depth[i] = depth[parents[i]] + 1
         mask[i, i] = True
+    return mask, depth
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_a_token_gets_the_same_logits_alone_and_inside_a_tree(folders, weights):
+    model = load_model(folders[("qwen2", 0)], torch.float32, weights=weights)
+    n = 9
+    mask, depth = tree(n)
     tokens = torch.randint(0, 95, (n,), generator=torch.Generator().manual_seed(1))
     prompt = torch.tensor(PROMPT)
     cache = model.new_cache(len(PROMPT) + 2 * n)
