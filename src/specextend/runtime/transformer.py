@@ -31,6 +31,13 @@ from .layers import Block, Embedding, Linear, RMSNorm, Ropes, Rows, Workspace, a
 from .quant import QWeight, qlinear
 
 
+def _angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of positions x inv_freq in float32, both rotary halves (the reference's angles)."""
+    freqs = positions.to(inv_freq.device).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
 class OutputHead(Protocol):
     """A head that replaces the model's own output layer (a draft's head over a subset of the
     vocabulary: speculation/draft_vocab.py). `head` is the weight the fused step computes the
@@ -98,9 +105,7 @@ class Transformer(nn.Module):
     def rope(self, positions: torch.Tensor, inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # Angles in float32 then cast, exactly as the reference does, so float64 runs match it.
         inv_freq = self.inv_freq if inv_freq is None else inv_freq
-        freqs = positions.to(inv_freq.device).float()[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = _angles(positions, inv_freq)
         sc = self.cfg.rope_scaling
         if inv_freq is self.inv_freq and sc is not None and sc.get("attention_factor", 1.0) != 1.0:
             # LongRoPE scales the rotation's magnitude (in float32, as the reference does)
@@ -118,13 +123,8 @@ class Transformer(nn.Module):
         """Cached keys k [layers, kv_heads, n, D] as if each had been written `delta` [n] positions
         later: each layer's own rope (none on a NoPE layer), a pure rotation (LongRoPE's magnitude
         factor is already in the keys). A rotation by a + b is the rotation by a, then b."""
-        ropes = []
-        for inv in (self.inv_freq, self.inv_freq_local):
-            if inv is None:
-                continue
-            freqs = delta.to(inv.device).float()[:, None] * inv[None, :]
-            emb = torch.cat((freqs, freqs), dim=-1)
-            ropes.append((emb.cos().to(self.dtype), emb.sin().to(self.dtype)))
+        ropes = [tuple(a.to(self.dtype) for a in _angles(delta, inv))
+                 for inv in (self.inv_freq, self.inv_freq_local) if inv is not None]
         out = k.clone()
         for i, layer in enumerate(self.layers):
             if layer.rope_kind >= 0:
