@@ -6,8 +6,6 @@ several threads share the batch."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -15,6 +13,7 @@ from dataclasses import replace
 import pytest
 
 from specextend.api import Pair, load
+from specextend.cli.main import main
 from specextend.common.errors import UserError
 
 from tiny_tokenizer import save_tiny_model
@@ -47,6 +46,14 @@ def pair(folders):
     p = load(folders["target"], folders["draft"], dtype="float64", progress=False)
     # Random weights: no end token, so every generation runs to its length.
     return Pair(replace(p.spec, eos_ids=()), p.target, p.draft)
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """The command line in this process (the output contract is the point here, not the process;
+    tests/test_clean_exit.py runs it as a process)."""
+    code = main(["generate", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def alone(pair, request: dict, **common):
@@ -100,17 +107,16 @@ def test_bad_items_are_refused_before_anything_runs(pair):
         pair.generate(["a", "b"], on_text=print)
 
 
-def test_the_prompts_file_runs_in_one_batch(pair, folders, tmp_path):
+def test_the_prompts_file_runs_in_one_batch(pair, folders, tmp_path, capsys):
     lines = [{"prompt": PROMPTS[0]}, {"prompt": PROMPTS[1], "method": "ar", "max_new_tokens": 5},
              {"prompt": PROMPTS[2], "frequency_penalty": 0.4}]
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    cmd = [sys.executable, "-m", "specextend.cli", "generate", "--target", str(folders["target"]), "--draft",
-           str(folders["draft"]), "--dtype", "float64", "--method", "sd", "--max-new-tokens", "8",
-           "--prompts-file", str(path), "--json", "-q"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    rows = [json.loads(x) for x in out.stdout.splitlines()]
+    code, out, err = run_cli(capsys, "--target", str(folders["target"]), "--draft", str(folders["draft"]),
+                             "--dtype", "float64", "--method", "sd", "--max-new-tokens", "8",
+                             "--prompts-file", str(path), "--json", "-q")
+    assert code == 0, err
+    rows = [json.loads(x) for x in out.splitlines()]
     base = load(folders["target"], folders["draft"], dtype="float64", progress=False)
     want = [base.generate(x["prompt"], **{"method": "sd", "max_new_tokens": 8, **{k: v for k, v in x.items()
                                                                                    if k != "prompt"}})
@@ -119,30 +125,29 @@ def test_the_prompts_file_runs_in_one_batch(pair, folders, tmp_path):
     assert [r["method"] for r in rows] == ["sd", "ar", "sd"]
 
 
-def test_the_prompts_file_without_json_labels_each_answer(pair, folders, tmp_path):
+def test_the_prompts_file_without_json_labels_each_answer(pair, folders, tmp_path, capsys):
     lines = [{"prompt": PROMPTS[0]}, {"prompt": PROMPTS[1], "id": "q7", "method": "ar"}]
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    cmd = [sys.executable, "-m", "specextend.cli", "generate", "--target", str(folders["target"]), "--draft",
-           str(folders["draft"]), "--dtype", "float64", "--method", "sd", "--max-new-tokens", "6",
-           "--prompts-file", str(path)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
+    argv = ["--target", str(folders["target"]), "--draft", str(folders["draft"]), "--dtype", "float64",
+            "--method", "sd", "--max-new-tokens", "6", "--prompts-file", str(path)]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0, err
     base = load(folders["target"], folders["draft"], dtype="float64", progress=False)
     texts = [base.generate(PROMPTS[0], method="sd", max_new_tokens=6).text,
              base.generate(PROMPTS[1], method="ar", max_new_tokens=6).text]
-    assert out.stdout == f"=== line 1 ===\n{texts[0]}\n\n=== line 2 (id q7) ===\n{texts[1]}\n"
-    summaries = [x for x in out.stderr.splitlines() if "tokens after" in x]
+    assert out == f"=== line 1 ===\n{texts[0]}\n\n=== line 2 (id q7) ===\n{texts[1]}\n"
+    summaries = [x for x in err.splitlines() if "tokens after" in x]
     assert [x.split(":")[0] for x in summaries] == ["line 1", "line 2 (id q7)"]
-    json_out = subprocess.run([*cmd, "--json", "-q"], capture_output=True, text=True, timeout=300)
-    assert [json.loads(x).get("id") for x in json_out.stdout.splitlines()] == [None, "q7"]
+    code, out, err = run_cli(capsys, *argv, "--json", "-q")
+    assert code == 0, err
+    assert [json.loads(x).get("id") for x in out.splitlines()] == [None, "q7"]
 
 
-def test_a_bad_prompts_file_is_one_line(folders, tmp_path):
+def test_a_bad_prompts_file_is_one_line(folders, tmp_path, capsys):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "fine"}\n{"text": "no prompt"}\n')
-    cmd = [sys.executable, "-m", "specextend.cli", "generate", "--target", str(folders["target"]),
-           "--prompts-file", str(path), "--json"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 2 and "line 2" in out.stderr and "Traceback" not in out.stderr
-    assert out.stdout == ""
+    code, out, err = run_cli(capsys, "--target", str(folders["target"]), "--prompts-file", str(path), "--json")
+    assert code == 2 and "line 2" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert out == ""
