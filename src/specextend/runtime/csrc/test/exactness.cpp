@@ -76,6 +76,10 @@ std::vector<uint8_t> random_blob(const spx::Segment& shape) {
   for (uint8_t& b : blob) b = static_cast<uint8_t>(byte(rng));
   const int halves = shape.fmt == spx::Q4K || spx::has_minimum(shape.fmt) || shape.fmt == spx::Q2K ? 32 : 16;
   for (size_t off = 0; off < blob.size(); off += fi.bytes) {
+    if (spx::e8m0_header(shape.fmt)) {  // exponents around 2^-10, and channel 0's 0..2 (the subnormal scales)
+      for (int c = 0; c < 16; ++c) blob[off + c] = static_cast<uint8_t>(c == 0 ? blob[off] % 3 : 110 + blob[off + c] % 20);
+      continue;
+    }
     for (int i = 0; i < halves; ++i) {
       const uint16_t h = half_bits(scale(rng));
       std::memcpy(&blob[off + 2 * i], &h, 2);
@@ -128,6 +132,7 @@ void linear_tests(const std::vector<Path>& paths) {
       {spx::Q8, 48, 896, 128, 1, false, true, false, false}, {spx::Q50, 32, 640, 16, 1, true, false, true, true},
       {spx::Q40, 35, 96, 8, 1, false, false, true, false},   {spx::Q40, 48, 1536, 8, 1, true, false, false, true},
       {spx::IQ4NL, 33, 64, 128, 1, false, true, true, true}, {spx::IQ4NL, 40, 896, 128, 1, true, false, false, false},
+      {spx::MXFP4, 40, 896, 128, 1, false, true, true, false}, {spx::MXFP4, 33, 64, 128, 1, true, false, false, true},
       {spx::Q41, 35, 96, 0, 1, true, false, true, false},    {spx::Q51, 48, 896, 0, 1, false, true, false, true},
       {spx::Q5K, 48, 512, 0, 8, true, false, true, false},   {spx::IQ4, 32, 768, 128, 8, false, true, false, true},
       {spx::Q5K, 35, 96, 0, 1, false, false, true, true},    {spx::IQ4, 33, 64, 128, 1, true, false, false, false},
