@@ -317,6 +317,8 @@ def _fill(model: Transformer, w: _Weights) -> None:
     """Every parameter of `model` (built on the meta device) from the checkpoint's Hugging Face names."""
     cfg = model.cfg
     h = cfg.hidden_size
+    if cfg.activation == "swiglu_oai":  # gpt-oss: every MLP is an expert layer
+        raise UserError("gpt-oss needs the expert layers (runtime/experts.py), not in this build yet")
 
     def norm(name: str) -> torch.nn.Parameter:
         # Gemma's norms scale by (1 + weight): the 1 is added here, once, in the activations' dtype,
@@ -334,6 +336,10 @@ def _fill(model: Transformer, w: _Weights) -> None:
         if blk.qkv.bias is not None:
             blk.qkv.bias = w.wrap(torch.cat([w.ts.get(a + f"{n}_proj.bias", w.act) for n in "qkv"]))
         w.project(blk.o, [a + "o_proj.weight"], h, cfg.num_heads * cfg.head_dim)
+        if blk.o.bias is not None:
+            blk.o.bias = w.wrap(w.ts.get(a + "o_proj.bias", w.act))
+        if blk.sinks is not None:  # one logit a query head
+            blk.sinks = w.wrap(w.ts.get(a + "sinks", w.act))
         gate_up = [p + "mlp.gate_up_proj.weight"] if w.ts.has(p + "mlp.gate_up_proj.weight") else \
             [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
         w.project(blk.gate_up, gate_up, 2 * cfg.intermediate_size, h)

@@ -230,6 +230,19 @@ def _phi3_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _gpt_oss(d: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss: biases on q/k/v and o, attention sinks (a learned logit a head), sliding-window
+    attention on alternating layers (HF's `layer_types`; by default the even ones), YaRN rope (read
+    by config.py), the clamped SwiGLU of its experts (`swiglu_oai`)."""
+    n = int(d["num_hidden_layers"])
+    types = d.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    window = int(d.get("sliding_window") or 0)
+    return {"attention_bias": bool(d.get("attention_bias", True)), "o_bias": bool(d.get("attention_bias", True)),
+            "attn_sinks": True, "activation": "swiglu_oai", "act_alpha": float(d.get("swiglu_alpha", 1.702)),
+            "act_limit": float(d.get("swiglu_limit", 7.0)), "sliding_window": window,
+            "window_layers": tuple(window > 0 and t == "sliding_attention" for t in types)}
+
+
 # llama.cpp's names of Gemma's four norms (its `ffn_norm` is the pre-MLP norm, as for Llama).
 _GEMMA_TENSORS = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                   "post_ffw_norm": "post_feedforward_layernorm"}
@@ -254,6 +267,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            gguf_config=_gemma2_gguf, eos_tokens=("<end_of_turn>", "<eos>")),
     Family("gemma3", "Gemma3ForCausalLM", _gemma3, gguf_norm_shift=1.0, gguf_tensors=_GEMMA_TENSORS,
            gguf_config=_gemma3_gguf, eos_tokens=("<end_of_turn>", "<eos>"), hf_model_type="gemma3_text"),
+    # gpt-oss's harmony format ends an answer with <|return|> and a tool call with <|call|>; its
+    # <|end|> closes a message (the reasoning's too) inside one turn, so it does not stop.
+    Family("gpt-oss", "GptOssForCausalLM", _gpt_oss, eos_tokens=("<|return|>", "<|call|>"), rms_eps_default=1e-5,
+           hf_model_type="gpt_oss"),
 )}
 
 # HF `architectures` entry -> family name.

@@ -186,10 +186,11 @@ std::vector<float> run_attention(Path path, spx::Attention pb) {
 void attention_tests(const std::vector<Path>& paths) {
   struct Case {
     int64_t heads, kv, t, s, d;
-    bool tree;
+    bool tree, sinks = false;  // sinks: a learned logit a head in the softmax (gpt-oss)
   };
   const Case cases[] = {{12, 2, 1, 100, 128, false}, {12, 2, 9, 700, 128, true}, {4, 1, 20, 77, 64, false},
-                        {6, 2, 3, 35, 32, true},     {4, 2, 5, 66, 96, true},   {2, 1, 17, 1000, 128, false}};
+                        {6, 2, 3, 35, 32, true},     {4, 2, 5, 66, 96, true},   {2, 1, 17, 1000, 128, false},
+                        {8, 2, 1, 90, 64, false, true}, {8, 2, 9, 300, 64, true, true}};
   for (const Case& c : cases) {
     const std::vector<float> q = randn(c.heads * c.t * c.d);
     const std::vector<uint16_t> k = random_bf16(c.kv * c.s * c.d), v = random_bf16(c.kv * c.s * c.d);
@@ -201,11 +202,14 @@ void attention_tests(const std::vector<Path>& paths) {
     spx::Attention pb{q.data(), k.data(), v.data(), nullptr, c.heads, c.kv, c.t, c.d, c.s, c.t, c.s * c.d, c.s * c.d,
                       c.tree ? reinterpret_cast<const bool*>(mask.data()) : nullptr,
                       1.f / std::sqrt(static_cast<float>(c.d))};
+    const std::vector<float> sinks = randn(c.heads, 2.f);
+    if (c.sinks) pb.sinks = sinks.data();
     const std::vector<float> ref = run_attention(Path::Portable, pb);
     for (Path p : paths) {
       const std::vector<float> y = run_attention(p, pb);
       check(same_bits(y.data(), ref.data(), y.size()), "attention d " + std::to_string(c.d) + " t " +
-                                                          std::to_string(c.t) + ": " + spx::path_name(p) + " = portable");
+                                                          std::to_string(c.t) + (c.sinks ? " sinks" : "") + ": " +
+                                                          spx::path_name(p) + " = portable");
     }
   }
 }
