@@ -168,7 +168,7 @@ def test_the_quantized_runtime_runs_the_switches_row_by_row() -> None:
     ref_model.load_state_dict(ours.state_dict())
     for mod in [*(m for blk in ours.layers for m in (blk.qkv, blk.o, blk.gate_up, blk.down)), ours.lm_head]:
         mod.quantize(quant.quantize(mod.weight.float(), 8))
-    for (name, p), q in zip(ref_model.named_modules(), ours.modules(), strict=True):
+    for p, q in zip(ref_model.modules(), ours.modules(), strict=True):
         if getattr(q, "qweight", None) is not None and hasattr(p, "weight"):
             p.weight.data = q.qweight.dequantize()  # the float reference multiplies the same weights
     ours.rowwise_attention = True
