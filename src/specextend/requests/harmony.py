@@ -19,6 +19,7 @@ special tokens kept, and this parser removes them.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
 
 MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>")
@@ -29,12 +30,25 @@ CHANNEL_MARK = "<|channel|>"
 
 
 def is_harmony(tokenizer: Any) -> bool:
-    """Whether `tokenizer` writes harmony's markup (gpt-oss's: its `<|channel|>` token)."""
+    """Whether `tokenizer` writes harmony's markup (gpt-oss's: its `<|channel|>` and `<|message|>`
+    tokens among the added ones, a small table, so asking at every decode costs little)."""
     try:
-        vocab = tokenizer.get_vocab()
+        added = tokenizer.get_added_vocab()
     except (AttributeError, TypeError):
         return False
-    return CHANNEL_MARK in vocab and "<|message|>" in vocab
+    return CHANNEL_MARK in added and "<|message|>" in added
+
+
+def decode(tokenizer: Any, token_ids: Sequence[int]) -> str:
+    """The text of generated token ids: special tokens skipped, except a harmony tokenizer's markers,
+    which `HarmonyParser` needs (and removes)."""
+    ids = list(token_ids)
+    if not is_harmony(tokenizer):
+        return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    added = tokenizer.get_added_vocab()
+    drop = set(tokenizer.all_special_ids) - {added[m] for m in MARKERS if m in added}
+    return tokenizer.decode([i for i in ids if i not in drop], skip_special_tokens=False,
+                            clean_up_tokenization_spaces=False)
 
 
 def _held(text: str) -> int:
