@@ -46,6 +46,13 @@ class ModelConfig:
     rope_layers: tuple[bool, ...] = ()  # per layer: applies rope (empty: every layer does)
     local_rope_theta: float | None = None  # windowed layers' rope base, unscaled (None: the global rope)
     rotary_dim: int = 0  # the leading dimensions of each head that rope rotates (0: all of them)
+    # Mixture of experts (runtime/experts.py; 0 experts: the dense MLP of `intermediate_size`).
+    experts: int = 0  # experts a layer holds
+    experts_used: int = 0  # experts a token runs (top-k)
+    expert_ff: int = 0  # each expert's MLP width
+    shared_ff: int = 0  # the width of a shared expert every token runs, under a sigmoid gate (0: none)
+    router: str = "softmax_topk"  # how the top-k experts are weighted (experts.WEIGHTINGS)
+    expert_act: str = "silu"  # the experts' gated activation (experts.ACTIVATIONS)
 
     @property
     def plain(self) -> bool:
@@ -77,7 +84,12 @@ class ModelConfig:
         def text(v: Any) -> str:
             return "+".join(v) if isinstance(v, tuple) else f"{v:.6g}" if isinstance(v, float) else str(v)
 
-        parts += [f"{k} {text(v)}" for k, v in s.items() if k not in ("window_layers", "sliding_window", "rope_layers")]
+        if self.experts:
+            shared = f", a shared expert ({self.shared_ff})" if self.shared_ff else ""
+            parts.append(f"{self.experts} experts ({self.expert_ff}), {self.experts_used} a token, router "
+                         f"{self.router}, {self.expert_act}{shared}")
+        skip = {"window_layers", "sliding_window", "rope_layers", *_EXPERT_SWITCHES}
+        parts += [f"{k} {text(v)}" for k, v in s.items() if k not in skip]
         step = ("the whole-step C++ call for decode steps, the per-layer kernels for prefill" if self.plain
                 else "the per-layer kernels (the whole-step C++ call does not implement its switches)")
         return f"{self.arch}{': ' + ', '.join(parts) if parts else ''}; quantized weights run {step}"
@@ -141,6 +153,9 @@ class ModelConfig:
 # The fields a family sets (everything after the sizes): `plain` compares them with the defaults.
 _SWITCHES = frozenset({"norms", "norm_plus_one", "activation", "embed_scale", "residual_scale", "attn_scale",
                        "attn_softcap", "logit_divisor", "final_softcap", "sliding_window", "window_layers",
-                       "rope_layers", "local_rope_theta", "rotary_dim"})
+                       "rope_layers", "local_rope_theta", "rotary_dim", "experts", "experts_used", "expert_ff",
+                       "shared_ff", "router", "expert_act"})
+# The expert layer's switches (the whole-step C++ call has no expert layer: `plain` is False with them).
+_EXPERT_SWITCHES = frozenset({"experts", "experts_used", "expert_ff", "shared_ff", "router", "expert_act"})
 # The switches the plain block takes as per-layer rope tables.
 _ROPE_SWITCHES = frozenset({"rope_layers", "local_rope_theta"})

@@ -230,6 +230,64 @@ def _phi3_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# --------------------------------------------------------------------------- mixtures of experts
+# An expert family's MLP is runtime/experts.py's layer: a router picks `experts_used` of `experts`
+# MLPs a token (weighted as `router` says: experts.WEIGHTINGS), each of width `expert_ff`, with
+# `expert_act` (experts.ACTIVATIONS) and, where `shared_ff` is set, a shared expert under a
+# sigmoid gate. llama.cpp's converter stacks each layer's experts into 3-D `ffn_*_exps` tensors
+# ([experts, out, in] in torch order); the loader keeps them so (models/loader.py).
+
+# GGUF layer tensors of the expert layers -> our names (the experts' stacked as the file holds them).
+_EXPERT_TENSORS = {
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+
+
+def _experts(d: dict[str, Any], renormalise: bool | None = None) -> dict[str, Any]:
+    """The expert switches of a HF MoE config (Qwen2/3-MoE, Mixtral, OLMoE names). `renormalise`:
+    whether the top-k probabilities are divided by their sum (None: the config's norm_topk_prob)."""
+    if d.get("mlp_only_layers") or int(d.get("decoder_sparse_step") or 1) != 1:
+        raise UserError("dense MLP layers between expert layers (mlp_only_layers, decoder_sparse_step) "
+                        "are not supported yet")
+    norm = bool(d.get("norm_topk_prob", False)) if renormalise is None else renormalise
+    return {"experts": int(d.get("num_experts") or d["num_local_experts"]),
+            "experts_used": int(d["num_experts_per_tok"]),
+            "expert_ff": int(d.get("moe_intermediate_size") or d["intermediate_size"]),
+            "shared_ff": int(d.get("shared_expert_intermediate_size") or 0),
+            "router": "softmax_topk_norm" if norm else "softmax_topk"}
+
+
+def _experts_gguf(key: GgufKey, cfg: dict[str, Any], renormalise: bool | None) -> dict[str, Any]:
+    """HF expert keys from llama.cpp's `<arch>.expert_*` metadata. llama.cpp fixes per family whether
+    the top-k weights are renormalised (`renormalise`; None: the file's expert_weights_norm key)."""
+    count = key("expert_count")
+    if not count:
+        raise UserError("an expert model's GGUF without expert_count")
+    norm = key("expert_weights_norm", False) if renormalise is None else renormalise
+    out = {"num_experts": int(count), "num_experts_per_tok": int(key("expert_used_count")),
+           "moe_intermediate_size": int(key("expert_feed_forward_length") or cfg["intermediate_size"]),
+           "norm_topk_prob": bool(norm), "decoder_sparse_step": 1, "mlp_only_layers": []}
+    shared = key("expert_shared_feed_forward_length")
+    if shared:
+        out["shared_expert_intermediate_size"] = int(shared)
+    return out
+
+
+def _olmoe(d: dict[str, Any]) -> dict[str, Any]:
+    if d.get("clip_qkv") is not None:
+        raise UserError("OLMoE with clip_qkv is not supported yet")
+    return {**_experts(d), "qk_norm": "full"}
+
+
+def _mixtral_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
+    out = _experts_gguf(key, cfg, True)  # Mixtral always renormalises its top 2
+    return {"num_local_experts": out.pop("num_experts"), **out,
+            "intermediate_size": out["moe_intermediate_size"]}
+
+
 # llama.cpp's names of Gemma's four norms (its `ffn_norm` is the pre-MLP norm, as for Llama).
 _GEMMA_TENSORS = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                   "post_ffw_norm": "post_feedforward_layernorm"}
@@ -254,6 +312,19 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            gguf_config=_gemma2_gguf, eos_tokens=("<end_of_turn>", "<eos>")),
     Family("gemma3", "Gemma3ForCausalLM", _gemma3, gguf_norm_shift=1.0, gguf_tensors=_GEMMA_TENSORS,
            gguf_config=_gemma3_gguf, eos_tokens=("<end_of_turn>", "<eos>"), hf_model_type="gemma3_text"),
+    Family("qwen3moe", "Qwen3MoeForCausalLM", lambda d: {**_experts(d), "qk_norm": "head"},
+           gguf_tensors=_EXPERT_TENSORS, gguf_config=lambda key, cfg: _experts_gguf(key, cfg, True),
+           eos_tokens=("<|im_end|>", "<|endoftext|>"), hf_model_type="qwen3_moe"),
+    Family("qwen2moe", "Qwen2MoeForCausalLM",
+           lambda d: {**_experts(d), "attention_bias": bool(d.get("qkv_bias", d.get("attention_bias", True)))},
+           gguf_tensors=_EXPERT_TENSORS, gguf_config=lambda key, cfg: _experts_gguf(key, cfg, False),
+           eos_tokens=("<|im_end|>", "<|endoftext|>"), hf_model_type="qwen2_moe"),
+    # llama.cpp files Mixtral under `llama`; its expert tensors tell it apart (models/gguf.py).
+    Family("mixtral", "MixtralForCausalLM", lambda d: _experts(d, True), gguf_permuted_qk=True,
+           gguf_tensors=_EXPERT_TENSORS, gguf_config=_mixtral_gguf, rms_eps_default=1e-5),
+    Family("olmoe", "OlmoeForCausalLM", _olmoe, gguf_tensors=_EXPERT_TENSORS,
+           gguf_config=lambda key, cfg: _experts_gguf(key, cfg, False), rms_eps_default=1e-5,
+           eos_tokens=("<|endoftext|>", "<|im_end|>")),
 )}
 
 # HF `architectures` entry -> family name.

@@ -18,6 +18,7 @@ from torch import nn
 from . import kernels
 from .attention import Backend, attend, capped_rowwise, window_mask
 from .config import ModelConfig
+from .experts import Experts
 from .kv_cache import KVCache
 from .quant import QWeight, qlinear
 
@@ -181,8 +182,10 @@ class Block(nn.Module):
         q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv = Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.attention_bias)
         self.o = Linear(q_out, cfg.hidden_size, bias=False)
-        self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        # The MLP: a dense one, or a mixture of experts (experts.py) where the family has them.
+        self.moe = Experts(cfg, Linear) if cfg.experts else None
+        self.gate_up = None if self.moe else Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = None if self.moe else Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
         def norm(name: str) -> RMSNorm | None:
             return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if name in cfg.norms else None
@@ -250,13 +253,17 @@ class Block(nn.Module):
         k_all, v_all, mask = self._window(q, k_all, v_all, tree_mask, positions)
         a = attend(q, k_all, v_all, mask, backend, self.attn_scale, self.attn_softcap)
         x = self._residual(x, self.o(a.transpose(0, 1).reshape(t, nh * hd)), self.attn_out_norm)
+        if self.moe is not None:
+            return self._residual(x, self.moe(self.mlp_norm(x) if self.mlp_norm is not None else x), self.mlp_out_norm)
         gu = self.gate_up(self.mlp_norm(x) if self.mlp_norm is not None else x)
         g, u = gu.chunk(2, dim=-1)
         return self._residual(x, self.down(self._act(g, u)), self.mlp_out_norm)
 
     @property
     def quantized(self) -> bool:
-        return all(m.qweight is not None for m in (self.qkv, self.o, self.gate_up, self.down))
+        dense = (self.gate_up, self.down)
+        mlp = self.moe.quantized if self.moe is not None else all(m.qweight is not None for m in dense)
+        return mlp and all(m.qweight is not None for m in (self.qkv, self.o))
 
     def forward_rows(self, x: torch.Tensor, ropes: Ropes, parts: list[Rows]) -> torch.Tensor:
         """The layer in five kernel calls over the rows of several sequences (x: their rows one
@@ -299,6 +306,10 @@ class Block(nn.Module):
             qkv = torch.cat([q.transpose(0, 1).reshape(t, nq), k.transpose(0, 1).reshape(t, nk), qkv[:, nq + nk :]], 1)
         a = self._attend_rows(qkv, cos, sin, parts)
         x = self._residual(x, qlinear(a, self.o.qweight), self.attn_out_norm)
+        if self.moe is not None:
+            norm = self.mlp_norm
+            y = self.moe.forward_rows(x, None if norm is None else norm.weight, 0.0 if norm is None else norm.eps)
+            return self._residual(x, y, self.mlp_out_norm)
         gu = normed(self.gate_up, x, self.mlp_norm, out=self.workspace.take(x.shape[0], self.gate_up.qweight.n))
         if not self.gelu and self.mlp_out_norm is None and self.residual_scale == 1.0:
             return qlinear(gu, self.down.qweight, silu_mul=True, residual=x)
