@@ -35,9 +35,7 @@ class ModelConfig:
     # The family's switches (families.py); the defaults are Llama's.
     norms: tuple[str, ...] = ("attn_norm", "mlp_norm")  # which of Block's four norm placements exist
     norm_plus_one: bool = False  # norms scale by (1 + weight) (Gemma): the loader adds the 1
-    activation: str = "silu"  # of the gated MLP: "silu", "gelu_tanh" or "swiglu_oai" (layers.clamped_swiglu)
-    act_alpha: float = 1.702  # swiglu_oai: glu = gate * sigmoid(alpha * gate)
-    act_limit: float = 7.0  # swiglu_oai: gate clamped to <= limit, up to [-limit, limit]
+    activation: str = "silu"  # of the gated MLP: "silu", "gelu_tanh" or "swiglu_oai" (experts.clamped_swiglu)
     embed_scale: float = 1.0  # multiplies the embeddings (in the model dtype)
     residual_scale: float = 1.0  # multiplies attention's and the MLP's outputs before the residual add
     attn_scale: float | None = None  # the attention score scale; None: 1/sqrt(head_dim)
@@ -51,6 +49,13 @@ class ModelConfig:
     rotary_dim: int = 0  # the leading dimensions of each head that rope rotates (0: all of them)
     attn_sinks: bool = False  # a learned logit per query head joins each softmax's denominator (gpt-oss)
     o_bias: bool = False  # the output projection has a bias (gpt-oss)
+    # Mixture of experts (runtime/experts.py; 0 experts: the dense MLP of `intermediate_size`).
+    experts: int = 0  # experts a layer holds
+    experts_used: int = 0  # experts a token runs (top-k)
+    expert_ff: int = 0  # each expert's MLP width
+    shared_ff: int = 0  # the width of a shared expert every token runs, under a sigmoid gate (0: none)
+    router: str = "softmax_topk"  # how the top-k experts are weighted (experts.WEIGHTINGS)
+    expert_act: str = "silu"  # the experts' gated activation (experts.ACTIVATIONS)
 
     @property
     def plain(self) -> bool:
@@ -82,7 +87,12 @@ class ModelConfig:
         def text(v: Any) -> str:
             return "+".join(v) if isinstance(v, tuple) else f"{v:.6g}" if isinstance(v, float) else str(v)
 
-        parts += [f"{k} {text(v)}" for k, v in s.items() if k not in ("window_layers", "sliding_window", "rope_layers")]
+        if self.experts:
+            shared = f", a shared expert ({self.shared_ff})" if self.shared_ff else ""
+            parts.append(f"{self.experts} experts ({self.expert_ff}), {self.experts_used} a token, router "
+                         f"{self.router}, {self.expert_act}{shared}")
+        skip = {"window_layers", "sliding_window", "rope_layers", *_EXPERT_SWITCHES}
+        parts += [f"{k} {text(v)}" for k, v in s.items() if k not in skip]
         step = ("the whole-step C++ call for decode steps, the per-layer kernels for prefill" if self.plain
                 else "the per-layer kernels (the whole-step C++ call does not implement its switches)")
         return f"{self.arch}{': ' + ', '.join(parts) if parts else ''}; quantized weights run {step}"
@@ -172,6 +182,9 @@ def yarn_scaling(scaling: dict[str, Any], rope: dict[str, Any], max_position: in
 # The fields a family sets (everything after the sizes): `plain` compares them with the defaults.
 _SWITCHES = frozenset({"norms", "norm_plus_one", "activation", "embed_scale", "residual_scale", "attn_scale",
                        "attn_softcap", "logit_divisor", "final_softcap", "sliding_window", "window_layers",
-                       "rope_layers", "local_rope_theta", "rotary_dim", "attn_sinks", "o_bias"})
+                       "rope_layers", "local_rope_theta", "rotary_dim", "attn_sinks", "o_bias", "experts",
+                       "experts_used", "expert_ff", "shared_ff", "router", "expert_act"})
+# The expert layer's switches (the whole-step C++ call has no expert layer: `plain` is False with them).
+_EXPERT_SWITCHES = frozenset({"experts", "experts_used", "expert_ff", "shared_ff", "router", "expert_act"})
 # The switches the plain block takes as per-layer rope tables.
 _ROPE_SWITCHES = frozenset({"rope_layers", "local_rope_theta"})

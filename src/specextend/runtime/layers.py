@@ -18,6 +18,7 @@ from torch import nn
 from . import kernels
 from .attention import Backend, attend, capped_rowwise, window_mask
 from .config import ModelConfig
+from .experts import Experts, clamped_swiglu
 from .kv_cache import KVCache
 from .quant import QWeight, qlinear
 
@@ -72,24 +73,11 @@ def _yarn_inv_freq(sc: dict, theta: float, dim: int) -> torch.Tensor:
     return 1.0 / (factor * pos) * (1 - extrapolated) + 1.0 / pos * extrapolated
 
 
-SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
-
-
-def clamped_swiglu(g: torch.Tensor, u: torch.Tensor, alpha: float = SWIGLU_ALPHA,
-                   limit: float = SWIGLU_LIMIT) -> torch.Tensor:
-    """gpt-oss's gated activation (`activation` swiglu_oai): the gate clamped from above and the up
-    projection on both sides at `limit`, glu = gate * sigmoid(alpha * gate), out = (up + 1) * glu;
-    elementwise, so row-independent on every path."""
-    g = g.clamp(max=limit)
-    u = u.clamp(min=-limit, max=limit)
-    return (u + 1) * (g * torch.sigmoid(g * alpha))
-
-
-def gated(activation: str, g: torch.Tensor, u: torch.Tensor, alpha: float = SWIGLU_ALPHA,
-          limit: float = SWIGLU_LIMIT) -> torch.Tensor:
-    """act(gate, up) of a gated MLP by the family's `activation` (dense MLPs and experts alike)."""
+def gated(activation: str, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """act(gate, up) of a dense gated MLP by the family's `activation` (the experts' are
+    experts.ACTIVATIONS, gpt-oss's clamped SwiGLU among them)."""
     if activation == "swiglu_oai":
-        return clamped_swiglu(g, u, alpha, limit)
+        return clamped_swiglu(g, u)
     return (F.gelu(g, approximate="tanh") if activation == "gelu_tanh" else F.silu(g)) * u
 
 
@@ -225,8 +213,10 @@ class Block(nn.Module):
         q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv = Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.attention_bias)
         self.o = Linear(q_out, cfg.hidden_size, bias=cfg.o_bias)
-        self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        # The MLP: a dense one, or a mixture of experts (experts.py) where the family has them.
+        self.moe = Experts(cfg, Linear) if cfg.experts else None
+        self.gate_up = None if self.moe else Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = None if self.moe else Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
         def norm(name: str) -> RMSNorm | None:
             return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if name in cfg.norms else None
@@ -242,13 +232,13 @@ class Block(nn.Module):
         self.window = cfg.sliding_window if cfg.windowed(index) else 0
         self.attn_scale, self.attn_softcap = cfg.attn_scale, cfg.attn_softcap
         self.residual_scale = cfg.residual_scale
-        self.activation, self.act_alpha, self.act_limit = cfg.activation, cfg.act_alpha, cfg.act_limit
+        self.activation = cfg.activation
         # gpt-oss's attention sinks: a learned logit per query head in every softmax's denominator.
         self.sinks = nn.Parameter(torch.zeros(cfg.num_heads), requires_grad=False) if cfg.attn_sinks else None
         self.workspace = Workspace()  # the model gives all its layers one (Transformer.__init__)
 
     def _act(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        return gated(self.activation, g, u, self.act_alpha, self.act_limit)
+        return gated(self.activation, g, u)
 
     def _residual(self, x: torch.Tensor, y: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
         """x plus a sublayer's output y, through its post-norm and the residual multiplier if any."""
@@ -296,13 +286,17 @@ class Block(nn.Module):
         k_all, v_all, mask = self._window(q, k_all, v_all, tree_mask, positions)
         a = attend(q, k_all, v_all, mask, backend, self.attn_scale, self.attn_softcap, self.sinks)
         x = self._residual(x, self.o(a.transpose(0, 1).reshape(t, nh * hd)), self.attn_out_norm)
+        if self.moe is not None:
+            return self._residual(x, self.moe(self.mlp_norm(x) if self.mlp_norm is not None else x), self.mlp_out_norm)
         gu = self.gate_up(self.mlp_norm(x) if self.mlp_norm is not None else x)
         g, u = gu.chunk(2, dim=-1)
         return self._residual(x, self.down(self._act(g, u)), self.mlp_out_norm)
 
     @property
     def quantized(self) -> bool:
-        return all(m.qweight is not None for m in (self.qkv, self.o, self.gate_up, self.down))
+        dense = (self.gate_up, self.down)
+        mlp = self.moe.quantized if self.moe is not None else all(m.qweight is not None for m in dense)
+        return mlp and all(m.qweight is not None for m in (self.qkv, self.o))
 
     def forward_rows(self, x: torch.Tensor, ropes: Ropes, parts: list[Rows]) -> torch.Tensor:
         """The layer in five kernel calls over the rows of several sequences (x: their rows one
@@ -345,6 +339,10 @@ class Block(nn.Module):
             qkv = torch.cat([q.transpose(0, 1).reshape(t, nq), k.transpose(0, 1).reshape(t, nk), qkv[:, nq + nk :]], 1)
         a = self._attend_rows(qkv, cos, sin, parts)
         x = self._residual(x, qlinear(a, self.o.qweight, self.o.bias), self.attn_out_norm)
+        if self.moe is not None:
+            norm = self.mlp_norm
+            y = self.moe.forward_rows(x, None if norm is None else norm.weight, 0.0 if norm is None else norm.eps)
+            return self._residual(x, y, self.mlp_out_norm)
         gu = normed(self.gate_up, x, self.mlp_norm, out=self.workspace.take(x.shape[0], self.gate_up.qweight.n))
         if self.activation == "silu" and self.mlp_out_norm is None and self.residual_scale == 1.0:
             return qlinear(gu, self.down.qweight, silu_mul=True, residual=x)
