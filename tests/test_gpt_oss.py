@@ -310,3 +310,21 @@ def test_every_kernel_path_gives_the_same_bits(converted, monkeypatch) -> None:
         tokens[path] = ar
     assert all(torch.equal(v, logits["portable"]) for v in logits.values())
     assert all(v == tokens["portable"] for v in tokens.values())
+
+
+@needs_kernels
+def test_a_batch_of_four_prompts_is_each_prompt_alone_and_inspect_names_mxfp4s_path(converted, capsys) -> None:
+    from specextend.cli.main import main
+    from test_experts import _greedy_batch
+
+    folder, _ = converted()
+    model = load_model(folder, torch.float32, weights="gguf")
+    assert model.batches_rows
+    prompts = [torch.randint(0, 95, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 9, 30)]
+    batched = _greedy_batch(model, prompts, 12)
+    for p, got in zip(prompts, batched, strict=True):
+        alone = _greedy_batch(model, [p], 12)[0]
+        assert all(torch.equal(a, b) for a, b in zip(alone, got, strict=True))
+    assert main(["models", "inspect", str(folder.parent / "m.gguf")]) in (0, None)
+    out = capsys.readouterr().out
+    assert f"MXFP4 as it is ({kernels.path()} kernels)" in out and "attn_sinks" in out and "yarn" in out
