@@ -328,3 +328,11 @@ def test_a_batch_of_four_prompts_is_each_prompt_alone_and_inspect_names_mxfp4s_p
     assert main(["models", "inspect", str(folder.parent / "m.gguf")]) in (0, None)
     out = capsys.readouterr().out
     assert f"MXFP4 as it is ({kernels.path()} kernels)" in out and "attn_sinks" in out and "yarn" in out
+
+
+def test_a_hugging_face_gpt_oss_folder_is_refused_in_one_line(tmp_path) -> None:
+    from specextend.common.errors import UserError
+
+    make_gpt_oss(0, layers=1).save_pretrained(tmp_path)
+    with pytest.raises(UserError, match="load the model's GGUF"):
+        load_model(tmp_path, torch.float32, weights="float32")

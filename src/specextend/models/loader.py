@@ -318,6 +318,9 @@ def _fill(model: Transformer, w: _Weights) -> None:
     """Every parameter of `model` (built on the meta device) from the checkpoint's Hugging Face names."""
     cfg = model.cfg
     h = cfg.hidden_size
+    if cfg.arch == "gpt-oss" and w.ts.has("model.layers.0.mlp.router.weight"):
+        # transformers' layout: experts' gate and up interleaved in one tensor, often as MXFP4 blocks
+        raise UserError("a gpt-oss Hugging Face checkpoint is not supported yet: load the model's GGUF")
 
     def norm(name: str) -> torch.nn.Parameter:
         # Gemma's norms scale by (1 + weight): the 1 is added here, once, in the activations' dtype,
