@@ -284,11 +284,10 @@ def test_quantized_logits_track_transformers_with_the_experts_in_mxfp4(converted
 
 @needs_kernels
 @pytest.mark.parametrize("method", ["sd", "specextend"])
-@pytest.mark.parametrize("kind", ["F32", "MXFP4"])
-def test_speculative_output_equals_ar(converted, kind: str, method: str) -> None:
-    weights = "float32" if kind == "F32" else "gguf"
-    target = load_model(converted(kind)[0], torch.float32, weights=weights)
-    draft = load_model(converted(kind, seed=5, layers=1)[0], torch.float32, weights=weights)
+def test_speculative_output_equals_ar(converted, method: str) -> None:
+    """On the quantized runtime with the experts in MXFP4, a one-layer draft of the family."""
+    target = load_model(converted()[0], torch.float32, weights="gguf")
+    draft = load_model(converted(seed=5, layers=1)[0], torch.float32, weights="gguf")
     eng = SpecEngine(target, draft, eos_ids=[])
     ar = eng.generate(PROMPT, Settings(method="ar", max_new_tokens=40))
     extra = dict(draft_gate=False) if method == "specextend" else {}
