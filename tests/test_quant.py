@@ -32,6 +32,10 @@ def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
         return w.to(torch.float16 if kind == "F16" else torch.bfloat16).view(torch.int16).numpy().view(np.uint8)
     size, per = quant.GGUF_BLOCKS[kind]
     raw = rng.integers(0, 256, (n, k // per, size), dtype=np.uint8)
+    if kind == "MXFP4":  # exponents of weights near 2^-8, and a few of the subnormal scales (e < 2)
+        e = rng.integers(112, 128, (n, k // per))
+        raw[..., 0] = np.where(rng.random(e.shape) < 0.05, rng.integers(0, 3, e.shape), e)
+        return raw.reshape(n, -1)
     for lo in F16_FIELDS.get(kind, (0,)):
         vals = rng.random((n, k // per)) * 0.01 + 0.001
         if kind in SIGNED:
@@ -60,7 +64,7 @@ def reference(x: torch.Tensor, w: torch.Tensor, kind: str = "Q8_0") -> torch.Ten
 
 KINDS = [("Q4_K", 48, 512), ("Q6_K", 40, 256), ("Q8_0", 35, 96), ("Q5_0", 33, 64), ("Q4_0", 35, 96),
          ("Q4_1", 33, 160), ("Q3_K", 40, 512), ("IQ4_NL", 17, 64), ("Q5_K", 40, 512), ("IQ4_XS", 33, 256),
-         ("Q5_1", 35, 96), ("Q2_K", 35, 768), ("F16", 40, 512), ("BF16", 35, 160)]
+         ("Q5_1", 35, 96), ("Q2_K", 35, 768), ("F16", 40, 512), ("BF16", 35, 160), ("MXFP4", 35, 96)]
 
 
 @pytest.mark.parametrize(("kind", "n", "k"), KINDS)
@@ -80,7 +84,7 @@ def assert_same_weights(kind: str, ours: np.ndarray, ref: np.ndarray) -> None:
     assert np.array_equal(ours.view(np.uint32), ref.view(np.uint32)), kind
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_1"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_1", "MXFP4"])
 def test_blocks_from_ggufs_quantizer_are_kept_exactly(kind: str) -> None:
     """Real blocks from `gguf`'s own quantizer, edge rows included (zeros, a single spike, constants)."""
     n, k = 20, 256
@@ -92,6 +96,22 @@ def test_blocks_from_ggufs_quantizer_are_kept_exactly(kind: str) -> None:
     raw = gguf.quants.quantize(w, qtype)
     seg = quant.from_gguf_blocks(kind, raw, n, k)
     assert_same_weights(kind, seg.dequantize().numpy(), gguf_dequant(kind, raw, n, k))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # gguf's 2^127 * 12, an infinity as ours
+def test_mxfp4_keeps_every_exponent_and_code_exactly() -> None:
+    """MXFP4's scale is 2^(e - 128) for every byte e (past float16's range both ways, subnormal
+    floats below e = 2, infinities where 2^127 * 12 overflows): every (exponent, code) pair in the
+    file dequantizes to `gguf`'s float32 bits, on the kernels' own unpacking."""
+    n, k = 256, 512  # row e holds exponent e in every block; each block holds all 16 codes twice
+    raw = np.zeros((n, k // 32, 17), dtype=np.uint8)
+    raw[..., 0] = np.arange(256, dtype=np.uint8)[:, None]
+    codes = (np.arange(32)[None, None, :] + np.arange(k // 32)[None, :, None]) % 16  # rotated a block
+    raw[..., 1:] = (codes[..., :16] | (codes[..., 16:] << 4)).astype(np.uint8)
+    raw = raw.reshape(n, -1)
+    seg = quant.from_gguf_blocks("MXFP4", raw, n, k)
+    assert seg.nbytes == n * k * 17 // 32  # the file's bytes: one exponent and 16 code bytes a block
+    assert_same_weights("MXFP4", seg.dequantize().numpy(), gguf_dequant("MXFP4", raw, n, k))
 
 
 @pytest.mark.parametrize(("kind", "n", "k"), KINDS)
@@ -213,7 +233,7 @@ def test_bad_blob_size_is_refused() -> None:
 
 
 @pytest.mark.parametrize("fmt", ["q4k", "q6k", "q5k", "iq4", "q3k", "q2k", "q8", "q40", "q50", "iq4nl", "q41",
-                                 "q51", "f16", "bf16"])
+                                 "q51", "mxfp4", "f16", "bf16"])
 def test_a_whole_weight_dequantizes_to_each_rows_own_floats(fmt: str) -> None:
     """A whole weight (runs of rows unpacked together, a panel at a time) and any rows asked in any
     order give each row's floats as it gives them alone, written into `out` when one is given."""

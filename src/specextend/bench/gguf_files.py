@@ -12,7 +12,7 @@ and speed, not text.
 1.5B, qwen2.5-7b, llama-3-8b; or a config.json) with the default pair's tokenizer copied from the
 default GGUF (its vocabulary sets the embedding's rows, so the default draft pairs with it), one
 tensor at a time (a 7B file never holds more than one matrix in memory). Types gguf-py quantizes
-(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16, BF16) are quantized from random floats; K-quants and IQ4 are
+(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, F16, BF16) are quantized from random floats; K-quants and IQ4 are
 random bytes with their float16 scales set so the weights have a small spread: any bytes are a
 valid block. `_M` names (Q3_K_M, Q4_K_M, Q5_K_M) use a higher type for some tensors as llama.cpp
 does (the output and V and down projections of some layers). The file says in its metadata that
@@ -59,7 +59,7 @@ RANDOM_BLOCKS: dict[str, tuple[int, int | None]] = {
     "Q2_K": (80, 82), "Q3_K": (108, None), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None),
     "IQ4_NL": (0, None), "IQ4_XS": (0, None),
 }
-QUANTIZED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "BF16", "F32", "TQ1_0", "TQ2_0")
+QUANTIZED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4", "F16", "BF16", "F32", "TQ1_0", "TQ2_0")
 # A mix's main type, and the type of llama.cpp's "more bits" tensors (output, some V and down projections).
 MIXES = {"Q3_K_M": ("Q3_K", "Q5_K"), "Q4_K_M": ("Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q6_K")}
 TYPES = (*MIXES, *RANDOM_BLOCKS, *QUANTIZED)

@@ -508,6 +508,10 @@ def cmd_models_inspect(args: argparse.Namespace) -> int:
               f"({c['num_key_value_heads']} KV) of {c['head_dim']}, vocabulary {c['vocab_size']}; "
               f"{fp.parameters / 1e6:,.0f} M parameters")
         print(f"family        {_family_line(c)}")
+    if fp.experts:
+        e = fp.experts
+        print(f"experts       {e['count']} experts, {e['used']} a token: {e['active_parameters'] / 1e6:,.0f} M of "
+              f"{e['parameters'] / 1e6:,.0f} M parameters active, {gb(e['active_bytes'])} of weights read a token")
     note = " (--weights auto runs float32 through PyTorch)" if runs_float(fp.kernel_path) else ""
     print(f"kernels       {fp.kernel_path or 'none'}{note}")
     table = [("TYPE", "TENSORS", "PARAMETERS", "FILE", "LOADED", "RUNS AS")]

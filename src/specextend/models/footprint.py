@@ -41,10 +41,13 @@ def is_kept(kind: str, shape: tuple[int, ...]) -> bool:
     """Whether a tensor of GGUF type `kind` and `shape` (GGUF order: the input width first) keeps
     its own quantization grid or 16-bit floats (the kernels compute with it as it is); every other
     tensor is stored as float32. The one rule: the types `quant.GGUF_BLOCKS` lists, as matrices of
-    whole blocks (F16 and BF16: widths that are multiples of 32)."""
+    whole blocks (F16 and BF16: widths that are multiples of 32), or stacks of them (a layer's
+    experts, llama.cpp's 3-D `ffn_*_exps`: each expert's rows a whole number of the kernels' panels)."""
     from ..runtime import quant
 
-    return kind in quant.GGUF_BLOCKS and len(shape) == 2 and shape[0] % quant.GGUF_BLOCKS[kind][1] == 0
+    if len(shape) == 3 and shape[1] % quant.PANEL:
+        return False
+    return kind in quant.GGUF_BLOCKS and len(shape) in (2, 3) and shape[0] % quant.GGUF_BLOCKS[kind][1] == 0
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,7 @@ class Footprint:
     unsupported: str | None = None  # why it cannot be converted, if it cannot
     largest_float_bytes: int = 0  # the largest matrix in float32 (the transient at load)
     random_weights: bool = False  # made by `bench.gguf_files random`
+    experts: dict[str, int] | None = None  # an expert model's experts (`expert_share`), else None
 
     @property
     def parameters(self) -> int:
@@ -130,6 +134,7 @@ class Footprint:
             "expanded": [r.type for r in self.expanded],
             "largest_float_bytes": self.largest_float_bytes,
             "random_weights": self.random_weights,
+            "experts": self.experts,
             "memory": {
                 "loaded_bytes": self.loaded_bytes,
                 "first_load_peak_bytes": self.first_load_bytes,
@@ -146,7 +151,24 @@ class Footprint:
                          kernel_path=data["kernel_path"], types=[TypeRow(**r) for r in data["types"]],
                          config=None, unsupported=data.get("unsupported"),
                          largest_float_bytes=int(data.get("largest_float_bytes", 0)),
-                         random_weights=bool(data.get("random_weights", False)))
+                         random_weights=bool(data.get("random_weights", False)), experts=data.get("experts"))
+
+
+def expert_share(count: int, used: int, tensors: list[tuple[str, TensorInfo]]) -> dict[str, int]:
+    """What a token of an expert model reads: `used` of `count` experts' share of the stacked expert
+    tensors (named `*_exps*`) and all of every other tensor; parameters count everything so (the
+    usual "active parameters"), bytes (the file's) leave out the token embedding, of which a token
+    reads one row."""
+    params = active = nbytes = 0
+    for name, t in tensors:
+        n = math.prod(t.shape)
+        share = used / count if "_exps" in name else 1.0
+        params += n
+        active += round(n * share)
+        if not name.startswith("token_embd"):
+            nbytes += round(t.file_bytes * share)
+    return {"count": count, "used": used, "parameters": params, "active_parameters": active,
+            "active_bytes": nbytes}
 
 
 def active_kernel_path() -> str | None:

@@ -35,7 +35,7 @@ import numpy as np
 from ..common import meminfo
 from ..common.errors import UserError
 from ..runtime.families import FAMILIES, Family, family_of, supported
-from .footprint import Footprint, TensorInfo, check_fits, footprint, is_kept, notice, random_notice
+from .footprint import Footprint, TensorInfo, check_fits, expert_share, footprint, is_kept, notice, random_notice
 
 COMPLETE_MARKER = ".complete"
 WEIGHTS_FILE = "model.safetensors"
@@ -77,6 +77,7 @@ _LAYER_TENSORS = {
 _SKIPPED_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
 
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_PER_EXPERT_RE = re.compile(r"^blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight$")
 
 # Weights converted at a time (`tensor_parts`): a few runs of this size are all the converting
 # holds beside the reader, whatever the model's size.
@@ -226,6 +227,8 @@ def gguf_architecture(reader: Any) -> str:
 def _hf_model_type(reader: Any, arch: str) -> str:
     """llama.cpp files Mistral models under "llama"; only the model name tells them apart."""
     name = str(field(reader, "general.name", "") or "").lower()
+    if arch == "llama" and field(reader, "llama.expert_count"):  # Mixtral: the llama block with experts
+        return "mixtral"
     if arch == "llama" and "mistral" in name:
         return "mistral"
     return arch
@@ -256,7 +259,7 @@ def gguf_to_hf_config(reader: Any) -> dict[str, Any]:
         "architectures": [hf_class],
         "vocab_size": vocab_size,
         "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length")),
+        "intermediate_size": int(key("feed_forward_length") or key("expert_feed_forward_length") or 0),
         "num_hidden_layers": int(key("block_count")),
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv,
@@ -385,6 +388,9 @@ def hf_tensor_name(gguf_name: str, family: Family | None = None) -> str | None:
         return _GLOBAL_TENSORS[gguf_name]
     if gguf_name in _SKIPPED_TENSORS:
         return None
+    if _PER_EXPERT_RE.match(gguf_name):
+        raise UserError(f"GGUF tensor {gguf_name!r}: an old Mixtral file with one tensor an expert; convert the "
+                        "model again with a recent llama.cpp (experts stacked in ffn_*_exps)")
     m = _LAYER_RE.match(gguf_name)
     names = _LAYER_TENSORS if family is None else {**_LAYER_TENSORS, **family.gguf_tensors}
     if m and m.group(2) in names:
@@ -467,9 +473,20 @@ def kept_format(tensor: Any) -> Any:
     kind = type_name(tensor)
     if not is_kept(kind, tuple(int(d) for d in tensor.shape)):
         return None
-    n, k = int(tensor.shape[1]), int(tensor.shape[0])
-    first = quant.from_gguf_blocks(kind, np.asarray(tensor.data[:1]), 1, k)
+    n, k = _rows(tensor), int(tensor.shape[0])
+    first = quant.from_gguf_blocks(kind, np.asarray(_matrix(tensor)[:1]), 1, k)
     return quant.Segment(first.fmt, n, first.blob, first.offset, first.k, first.groups)
+
+
+def _rows(tensor: Any) -> int:
+    """A matrix's rows; a stack of experts' matrices ([experts, rows, width], llama.cpp's `ffn_*_exps`)
+    counts every expert's rows, one expert after the other."""
+    return math.prod(int(d) for d in tensor.shape[1:])
+
+
+def _matrix(tensor: Any) -> np.ndarray:
+    """The tensor's data as [rows, bytes a row] (a stack of experts' matrices as one of all their rows)."""
+    return tensor.data.reshape(_rows(tensor), -1)
 
 
 def tensor_parts(reader: Any, tensor: Any, config: dict[str, Any], kept: bool) -> Iterator[Any]:
@@ -486,11 +503,12 @@ def tensor_parts(reader: Any, tensor: Any, config: dict[str, Any], kept: bool) -
     from ..runtime import quant
 
     heads = _qk_heads(tensor.name, config)
-    if len(tensor.shape) != 2:  # norms and biases: small, whole
+    if len(tensor.shape) != 2 and not (kept and len(tensor.shape) == 3):  # norms, biases: small, whole
         yield torch.from_numpy(hf_tensor(tensor, config))
         _release(reader, int(tensor.data_offset), int(tensor.n_bytes))
         return
-    n, k = int(tensor.shape[1]), int(tensor.shape[0])
+    n, k = _rows(tensor), int(tensor.shape[0])
+    data = _matrix(tensor)
     kind = type_name(tensor)
     # Rows are output channels; unpermuting moves each row's blocks as a whole.
     order = None if heads is None else unpermute_qk(np.arange(n), heads)
@@ -498,7 +516,7 @@ def tensor_parts(reader: Any, tensor: Any, config: dict[str, Any], kept: bool) -
     row_bytes = int(tensor.n_bytes) // n
     for start in range(0, n, step):
         rows = slice(start, min(n, start + step))
-        raw = tensor.data[rows] if order is None else tensor.data[order[rows]]
+        raw = data[rows] if order is None else data[order[rows]]
         count = rows.stop - start
         if kept:
             yield quant.from_gguf_blocks(kind, np.asarray(raw), count, k)
@@ -570,16 +588,20 @@ def _release(reader: Any, offset: int, size: int) -> None:
 
 def file_footprint(reader: Any, path: str | os.PathLike[str], kernel_path: str | None) -> Footprint:
     """The footprint (types, counts, bytes, memory once loaded) of the GGUF file open in `reader`."""
-    tensors = []
+    tensors: list[tuple[str, TensorInfo]] = []
+    arch = str(field(reader, "general.architecture"))
     for t in reader.tensors:
         try:
-            if hf_tensor_name(t.name, FAMILIES.get(str(field(reader, "general.architecture")))) is None:
+            if hf_tensor_name(t.name, FAMILIES.get(arch)) is None:
                 continue
         except UserError:
             pass  # counted all the same: inspect describes what the file holds
-        tensors.append(TensorInfo(type_name(t), tuple(int(d) for d in t.shape), int(t.n_bytes)))
-    fp = footprint(path, str(field(reader, "general.architecture")), tensors, kernel_path)
+        tensors.append((t.name, TensorInfo(type_name(t), tuple(int(d) for d in t.shape), int(t.n_bytes))))
+    fp = footprint(path, arch, [t for _, t in tensors], kernel_path)
     fp.random_weights = bool(field(reader, RANDOM_WEIGHTS_KEY, False))
+    count, used = field(reader, f"{arch}.expert_count"), field(reader, f"{arch}.expert_used_count")
+    if count and used:
+        fp.experts = expert_share(int(count), int(used), tensors)
     try:
         fp.config = gguf_to_hf_config(reader)
     except UserError as e:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from ..common.errors import UserError
 from ..runtime import quant
 from ..runtime.config import ModelConfig
 from ..runtime.families import hf_norm_names
-from ..runtime.layers import Embedding, Linear, rope_inv_freq
+from ..runtime.layers import Embedding, Experts, Linear, rope_inv_freq
 from ..runtime.quant import QWeight
 from ..runtime.transformer import Transformer
 from .qstore import DerivedWeights, QuantizedFile, is_quantized_file
@@ -317,6 +318,9 @@ def _fill(model: Transformer, w: _Weights) -> None:
     """Every parameter of `model` (built on the meta device) from the checkpoint's Hugging Face names."""
     cfg = model.cfg
     h = cfg.hidden_size
+    if cfg.arch == "gpt-oss" and w.ts.has("model.layers.0.mlp.router.weight"):
+        # transformers' layout: experts' gate and up interleaved in one tensor, often as MXFP4 blocks
+        raise UserError("a gpt-oss Hugging Face checkpoint is not supported yet: load the model's GGUF")
 
     def norm(name: str) -> torch.nn.Parameter:
         # Gemma's norms scale by (1 + weight): the 1 is added here, once, in the activations' dtype,
@@ -334,10 +338,17 @@ def _fill(model: Transformer, w: _Weights) -> None:
         if blk.qkv.bias is not None:
             blk.qkv.bias = w.wrap(torch.cat([w.ts.get(a + f"{n}_proj.bias", w.act) for n in "qkv"]))
         w.project(blk.o, [a + "o_proj.weight"], h, cfg.num_heads * cfg.head_dim)
-        gate_up = [p + "mlp.gate_up_proj.weight"] if w.ts.has(p + "mlp.gate_up_proj.weight") else \
-            [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
-        w.project(blk.gate_up, gate_up, 2 * cfg.intermediate_size, h)
-        w.project(blk.down, [p + "mlp.down_proj.weight"], h, cfg.intermediate_size)
+        if blk.o.bias is not None:
+            blk.o.bias = w.wrap(w.ts.get(a + "o_proj.bias", w.act))
+        if blk.sinks is not None:  # one logit a query head (a GGUF's `attn_sinks.weight`)
+            blk.sinks = w.wrap(w.ts.get(a + "sinks" if w.ts.has(a + "sinks") else a + "sinks.weight", w.act))
+        if blk.moe is not None:
+            _fill_experts(blk.moe, w, p + "mlp.", cfg)
+        else:
+            gate_up = [p + "mlp.gate_up_proj.weight"] if w.ts.has(p + "mlp.gate_up_proj.weight") else \
+                [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+            w.project(blk.gate_up, gate_up, 2 * cfg.intermediate_size, h)
+            w.project(blk.down, [p + "mlp.down_proj.weight"], h, cfg.intermediate_size)
         for place, hf in hf_norm_names(cfg.norms).items():
             getattr(blk, place).weight = norm(p + hf + ".weight")
         if blk.q_norm is not None:
@@ -351,6 +362,60 @@ def _fill(model: Transformer, w: _Weights) -> None:
             model.lm_head.weight = model.embed.weight
     else:
         w.project(model.lm_head, ["lm_head.weight"], cfg.vocab_size, h)
+
+
+def _fill_experts(moe: Experts, w: _Weights, p: str, cfg: ModelConfig) -> None:
+    """A layer's experts (`p`: its `model.layers.{i}.mlp.` prefix): the router (and its bias) and the
+    shared expert's gate in float (the runtime multiplies them exactly: experts.exact_bf16); the
+    experts' stacked projections as the file holds them, [experts, rows, width] (a Hugging Face
+    checkpoint's fused gate_up_proj is split); the shared expert as any projection."""
+    h, n, ff = cfg.hidden_size, cfg.experts, cfg.expert_ff
+    moe.router.weight = w.wrap(_checked(w.ts.get(p + "gate.weight", w.act), (n, h), p + "gate.weight"))
+    if w.ts.has(p + "gate.bias"):
+        moe.router.bias = w.param(p + "gate.bias")
+    if moe.shared:
+        moe.shared_gate.weight = w.wrap(w.ts.get(p + "shared_expert_gate.weight", w.act).reshape(1, h))
+        s = p + "shared_expert."
+        w.project(moe.shared_gate_up, [s + "gate_proj.weight", s + "up_proj.weight"], 2 * cfg.shared_ff, h)
+        w.project(moe.shared_down, [s + "down_proj.weight"], h, cfg.shared_ff)
+    shapes = {"gate": (ff, h), "up": (ff, h), "down": (h, ff)}
+    fused = p + "experts.gate_up_proj"
+    for name in shapes:
+        if w.ts.has(f"{p}experts.{name}_proj.bias"):
+            setattr(moe, f"{name}_bias", w.param(f"{p}experts.{name}_proj.bias"))
+    if w.derived is not None and not w.ts.has(fused):
+        segs = [_expert_segment(w, f"{p}experts.{name}_proj.weight", n * rows, width)
+                for name, (rows, width) in shapes.items()]
+        moe.quantize(*segs)
+        return
+    gate_up = w.ts.get(fused, w.act).reshape(n, 2 * ff, h) if w.ts.has(fused) else None
+    for name, (rows, width) in shapes.items():
+        key = f"{p}experts.{name}_proj" + ("" if gate_up is not None else ".weight")
+        if gate_up is not None and name != "down":
+            t = gate_up[:, :ff] if name == "gate" else gate_up[:, ff:]
+        else:
+            t = w.ts.get(key, w.act)
+        setattr(moe, name, w.wrap(_checked(t.reshape(-1, rows, width), (n, rows, width), key).contiguous()))
+    if w.derived is not None:  # a checkpoint's fused experts under a quantized scheme: 8 bits of our own
+        moe.quantize(*(quant.quantize(getattr(moe, name).reshape(-1, width).float(), 8).segments[0]
+                       for name, (_, width) in shapes.items()))
+
+
+def _expert_segment(w: _Weights, name: str, rows: int, width: int) -> quant.Segment:
+    """A stacked expert tensor quantized: as the file keeps it, else computed once (`derived`)."""
+    def compute() -> quant.Segment:
+        bits = 4 if w.scheme == "int4" else 8
+        return quant.quantize(w.ts.get(name, torch.float32).reshape(rows, width), bits).segments[0]
+
+    seg = w.ts.segment(name) if w.scheme == "gguf" else None
+    seg = seg or w.derived.get(name, compute)
+    _check_shape((seg.n, seg.k), (rows, width), name)
+    return seg
+
+
+def _checked(t: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.Tensor:
+    _check_shape(tuple(t.shape) if t.numel() != math.prod(shape) else shape, shape, name)
+    return t.reshape(shape)
 
 
 def _quantized(ts: Any, names: list[str], scheme: str, derived: DerivedWeights) -> QWeight | None:

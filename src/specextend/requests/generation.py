@@ -30,6 +30,7 @@ from ..sampling.grammar import Grammar, tokenizer_for
 from ..sampling.logits_process import MAX_TOP_LOGPROBS, LogitsProcessor, TokenLogprob
 from ..sampling.penalties import Penalties
 from ..speculation.decoder import GenerationResult, Prefilled, ProgressCallback, TokensCallback
+from . import harmony
 from .detokenize import Detokenizer
 from .stops import StopStrings
 from .toolcalls import ToolSpec
@@ -118,8 +119,8 @@ class Origin:
         return int(self.spec.target.config.vocab_size)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
-        """The text of token ids (special tokens skipped)."""
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        """The text of token ids (special tokens skipped but harmony's markup: harmony.decode)."""
+        return harmony.decode(self.tokenizer, token_ids)
 
     def processor(self, prompt_ids: Sequence[int], s: Settings, grammar: Grammar | None = None,
                   logprobs: int | None = None) -> LogitsProcessor | None:

@@ -19,6 +19,7 @@ from ..common.errors import ContextLengthExceeded, PromptTooLong, UserError
 from ..common.settings import Settings
 from ..sampling.grammar import Grammar, GrammarSpec, compile_grammar, tokenizer_for
 from ..speculation.decoder import check_fits
+from . import harmony
 from .toolcalls import ToolSpec, template_messages
 
 if TYPE_CHECKING:
@@ -151,9 +152,8 @@ class Prompts:
                 f"{self.context} tokens could hold")
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
-        """The text of token ids (special tokens skipped)."""
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True,
-                                     clean_up_tokenization_spaces=False)
+        """The text of token ids (special tokens skipped but harmony's markup: harmony.decode)."""
+        return harmony.decode(self.tokenizer, token_ids)
 
     def _check_ids(self, ids: list[int]) -> None:
         if not ids:

@@ -48,13 +48,14 @@ def _tree_or_causal(tree_mask: torch.Tensor | None, t: int, device: torch.device
 
 def eager_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor | None = None,
-    scale: float | None = None, softcap: float | None = None,
+    scale: float | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain masked attention that materialises the [H, T, P+T] score matrix (the reference).
 
     Only the last M columns can be masked, so only they are touched by the mask (a full
     [T, P+T] mask would cost as much memory traffic as the scores themselves). `scale`: the
-    score scale (None: 1/sqrt(D)); `softcap`: scores become softcap * tanh(scores / softcap).
+    score scale (None: 1/sqrt(D)); `softcap`: scores become softcap * tanh(scores / softcap);
+    `sinks` [H]: a logit a head that joins the softmax as a column with no value (gpt-oss).
     """
     h, t, d = q.shape
     n_kv, s, _ = k.shape
@@ -66,7 +67,12 @@ def eager_attention(
         scores = torch.tanh(scores / softcap) * softcap
     scores.view(n_kv, h // n_kv, t, s)[..., s - m :].masked_fill_(~local, float("-inf"))
     # Half-precision scores are normalised in float32, as the reference implementations do.
-    probs = torch.softmax(scores, -1, dtype=torch.float32 if scores.dtype in _HALF else scores.dtype)
+    dtype = torch.float32 if scores.dtype in _HALF else scores.dtype
+    if sinks is not None:  # one more column, the head's sink, dropped after the softmax
+        col = sinks.to(scores.dtype).reshape(n_kv, h // n_kv, 1, 1).expand(-1, -1, t, 1).reshape(n_kv, -1, 1)
+        probs = torch.softmax(torch.cat([scores, col], -1), -1, dtype=dtype)[..., :-1]
+        return _ungroup(torch.matmul(probs.to(v.dtype), v), h)
+    probs = torch.softmax(scores, -1, dtype=dtype)
     return _ungroup(torch.matmul(probs.to(v.dtype), v), h)
 
 
@@ -227,13 +233,20 @@ EAGER_MAX_SCORES = {"cpu": 2048 * 1024, "cuda": 64 * 65536}
 
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor | None, backend: Backend,
-    scale: float | None = None, softcap: float | None = None,
+    scale: float | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention through `backend`; a score `scale` other than 1/sqrt(D) is folded into the queries
     (every kernel scales by 1/sqrt(D)), and soft-capped scores take the eager reference, the one
-    kernel that sees every score."""
+    kernel that sees every score. `sinks` (gpt-oss) take the eager reference or the row-wise kernel."""
     if scale is not None:
         q = q * (scale * math.sqrt(q.shape[-1]))
+    if sinks is not None:
+        if softcap is not None:
+            raise ValueError("attention sinks with soft-capped scores are not implemented")
+        if backend == "rowwise":
+            from .kernels import attend as rowwise
+            return rowwise(q, k, v, tree_mask, sinks)
+        return eager_attention(q, k, v, tree_mask, None, None, sinks)
     if softcap is not None and backend != "rowwise":
         return eager_attention(q, k, v, tree_mask, None, softcap)
     if backend == "efficient":

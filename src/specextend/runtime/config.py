@@ -5,6 +5,7 @@ is loaded."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -34,7 +35,7 @@ class ModelConfig:
     # The family's switches (families.py); the defaults are Llama's.
     norms: tuple[str, ...] = ("attn_norm", "mlp_norm")  # which of Block's four norm placements exist
     norm_plus_one: bool = False  # norms scale by (1 + weight) (Gemma): the loader adds the 1
-    activation: str = "silu"  # of the gated MLP: "silu" or "gelu_tanh"
+    activation: str = "silu"  # of the gated MLP: "silu", "gelu_tanh" or "swiglu_oai" (experts.clamped_swiglu)
     embed_scale: float = 1.0  # multiplies the embeddings (in the model dtype)
     residual_scale: float = 1.0  # multiplies attention's and the MLP's outputs before the residual add
     attn_scale: float | None = None  # the attention score scale; None: 1/sqrt(head_dim)
@@ -46,6 +47,15 @@ class ModelConfig:
     rope_layers: tuple[bool, ...] = ()  # per layer: applies rope (empty: every layer does)
     local_rope_theta: float | None = None  # windowed layers' rope base, unscaled (None: the global rope)
     rotary_dim: int = 0  # the leading dimensions of each head that rope rotates (0: all of them)
+    attn_sinks: bool = False  # a learned logit per query head joins each softmax's denominator (gpt-oss)
+    o_bias: bool = False  # the output projection has a bias (gpt-oss)
+    # Mixture of experts (runtime/experts.py; 0 experts: the dense MLP of `intermediate_size`).
+    experts: int = 0  # experts a layer holds
+    experts_used: int = 0  # experts a token runs (top-k)
+    expert_ff: int = 0  # each expert's MLP width
+    shared_ff: int = 0  # the width of a shared expert every token runs, under a sigmoid gate (0: none)
+    router: str = "softmax_topk"  # how the top-k experts are weighted (experts.WEIGHTINGS)
+    expert_act: str = "silu"  # the experts' gated activation (experts.ACTIVATIONS)
 
     @property
     def plain(self) -> bool:
@@ -77,7 +87,12 @@ class ModelConfig:
         def text(v: Any) -> str:
             return "+".join(v) if isinstance(v, tuple) else f"{v:.6g}" if isinstance(v, float) else str(v)
 
-        parts += [f"{k} {text(v)}" for k, v in s.items() if k not in ("window_layers", "sliding_window", "rope_layers")]
+        if self.experts:
+            shared = f", a shared expert ({self.shared_ff})" if self.shared_ff else ""
+            parts.append(f"{self.experts} experts ({self.expert_ff}), {self.experts_used} a token, router "
+                         f"{self.router}, {self.expert_act}{shared}")
+        skip = {"window_layers", "sliding_window", "rope_layers", *_EXPERT_SWITCHES}
+        parts += [f"{k} {text(v)}" for k, v in s.items() if k not in skip]
         step = ("the whole-step C++ call for decode steps, the per-layer kernels for prefill" if self.plain
                 else "the per-layer kernels (the whole-step C++ call does not implement its switches)")
         return f"{self.arch}{': ' + ', '.join(parts) if parts else ''}; quantized weights run {step}"
@@ -108,10 +123,13 @@ class ModelConfig:
         theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type", "default"))
-            if kind not in ("default", "linear", "llama3", "longrope", "su"):
-                raise UserError(f"unsupported RoPE scaling {kind!r} (supported: default, linear, llama3, longrope)")
+            if kind not in ("default", "linear", "llama3", "longrope", "su", "yarn"):
+                raise UserError(f"unsupported RoPE scaling {kind!r} (supported: default, linear, llama3, longrope, "
+                                "yarn)")
             if kind == "default":
                 scaling = None
+            elif kind == "yarn":
+                scaling = yarn_scaling(scaling, rope, int(d.get("max_position_embeddings", 4096)))
         hidden = int(d["hidden_size"])
         heads = int(d["num_attention_heads"])
         max_pos = int(d.get("max_position_embeddings", 4096))
@@ -138,9 +156,35 @@ class ModelConfig:
         return replace(base, **FAMILIES[arch].switches(d))
 
 
+def yarn_scaling(scaling: dict[str, Any], rope: dict[str, Any], max_position: int) -> dict[str, Any]:
+    """YaRN's settings with transformers' defaults filled in (_compute_yarn_parameters): the
+    original window (else the model's), beta_fast 32, beta_slow 1, `truncate` (read, as transformers
+    reads it, from the top-level rope parameters; true unless set) and the attention factor that
+    multiplies cos and sin (from `factor`, or `mscale` over `mscale_all_dim` where both are set)."""
+    out = dict(scaling)
+    factor = out.get("factor")
+    original = int(out.get("original_max_position_embeddings") or max_position)
+    factor = float(factor) if factor is not None else max_position / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = out.get("attention_factor")
+    if attention is None:
+        m, m_all = out.get("mscale"), out.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    out.update(rope_type="yarn", factor=factor, original_max_position_embeddings=original,
+               beta_fast=float(out.get("beta_fast") or 32), beta_slow=float(out.get("beta_slow") or 1),
+               truncate=bool(rope.get("truncate", out.get("truncate", True))), attention_factor=float(attention))
+    return out
+
+
 # The fields a family sets (everything after the sizes): `plain` compares them with the defaults.
 _SWITCHES = frozenset({"norms", "norm_plus_one", "activation", "embed_scale", "residual_scale", "attn_scale",
                        "attn_softcap", "logit_divisor", "final_softcap", "sliding_window", "window_layers",
-                       "rope_layers", "local_rope_theta", "rotary_dim"})
+                       "rope_layers", "local_rope_theta", "rotary_dim", "attn_sinks", "o_bias", "experts",
+                       "experts_used", "expert_ff", "shared_ff", "router", "expert_act"})
+# The expert layer's switches (the whole-step C++ call has no expert layer: `plain` is False with them).
+_EXPERT_SWITCHES = frozenset({"experts", "experts_used", "expert_ff", "shared_ff", "router", "expert_act"})
 # The switches the plain block takes as per-layer rope tables.
 _ROPE_SWITCHES = frozenset({"rope_layers", "local_rope_theta"})

@@ -230,6 +230,95 @@ def _phi3_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# --------------------------------------------------------------------------- mixtures of experts
+# An expert family's MLP is runtime/experts.py's layer: a router picks `experts_used` of `experts`
+# MLPs a token (weighted as `router` says: experts.WEIGHTINGS), each of width `expert_ff`, with
+# `expert_act` (experts.ACTIVATIONS) and, where `shared_ff` is set, a shared expert under a
+# sigmoid gate. llama.cpp's converter stacks each layer's experts into 3-D `ffn_*_exps` tensors
+# ([experts, out, in] in torch order); the loader keeps them so (models/loader.py).
+
+# GGUF layer tensors of the expert layers -> our names (the experts' stacked as the file holds them).
+_EXPERT_TENSORS = {
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+
+
+def _experts(d: dict[str, Any], renormalise: bool | None = None) -> dict[str, Any]:
+    """The expert switches of a HF MoE config (Qwen2/3-MoE, Mixtral, OLMoE names). `renormalise`:
+    whether the top-k probabilities are divided by their sum (None: the config's norm_topk_prob)."""
+    if d.get("mlp_only_layers") or int(d.get("decoder_sparse_step") or 1) != 1:
+        raise UserError("dense MLP layers between expert layers (mlp_only_layers, decoder_sparse_step) "
+                        "are not supported yet")
+    norm = bool(d.get("norm_topk_prob", False)) if renormalise is None else renormalise
+    return {"experts": int(d.get("num_experts") or d["num_local_experts"]),
+            "experts_used": int(d["num_experts_per_tok"]),
+            "expert_ff": int(d.get("moe_intermediate_size") or d["intermediate_size"]),
+            "shared_ff": int(d.get("shared_expert_intermediate_size") or 0),
+            "router": "softmax_topk_norm" if norm else "softmax_topk"}
+
+
+def _experts_gguf(key: GgufKey, cfg: dict[str, Any], renormalise: bool | None) -> dict[str, Any]:
+    """HF expert keys from llama.cpp's `<arch>.expert_*` metadata. llama.cpp fixes per family whether
+    the top-k weights are renormalised (`renormalise`; None: the file's expert_weights_norm key)."""
+    count = key("expert_count")
+    if not count:
+        raise UserError("an expert model's GGUF without expert_count")
+    norm = key("expert_weights_norm", False) if renormalise is None else renormalise
+    out = {"num_experts": int(count), "num_experts_per_tok": int(key("expert_used_count")),
+           "moe_intermediate_size": int(key("expert_feed_forward_length") or cfg["intermediate_size"]),
+           "norm_topk_prob": bool(norm), "decoder_sparse_step": 1, "mlp_only_layers": []}
+    shared = key("expert_shared_feed_forward_length")
+    if shared:
+        out["shared_expert_intermediate_size"] = int(shared)
+    return out
+
+
+def _olmoe(d: dict[str, Any]) -> dict[str, Any]:
+    if d.get("clip_qkv") is not None:
+        raise UserError("OLMoE with clip_qkv is not supported yet")
+    return {**_experts(d), "qk_norm": "full"}
+
+
+def _mixtral_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
+    out = _experts_gguf(key, cfg, True)  # Mixtral always renormalises its top 2
+    return {"num_local_experts": out.pop("num_experts"), **out,
+            "intermediate_size": out["moe_intermediate_size"]}
+
+
+def _gpt_oss(d: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss: biases on q/k/v and o, attention sinks (a learned logit a head), sliding-window
+    attention on alternating layers (HF's `layer_types`; by default the even ones), YaRN rope (read
+    by config.py), and experts in every layer: a router with a bias, top-k then softmax over the
+    chosen, biases on the experts' projections and the clamped SwiGLU (`swiglu_oai`)."""
+    if (float(d.get("swiglu_alpha", 1.702)), float(d.get("swiglu_limit", 7.0))) != (1.702, 7.0):
+        raise UserError("a gpt-oss config with a SwiGLU alpha or limit other than 1.702 and 7.0 is not supported")
+    n = int(d["num_hidden_layers"])
+    types = d.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    window = int(d.get("sliding_window") or 0)
+    return {**_experts(d), "router": "topk_softmax", "expert_act": "swiglu_oai",
+            "attention_bias": bool(d.get("attention_bias", True)), "o_bias": bool(d.get("attention_bias", True)),
+            "attn_sinks": True, "sliding_window": window,
+            "window_layers": tuple(window > 0 and t == "sliding_attention" for t in types)}
+
+
+def _gpt_oss_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's gpt-oss keys: the experts' counts and width, the window on the even layers (as
+    llama.cpp sets them), YaRN without truncating its ramp (transformers' gpt-oss default)."""
+    n = int(cfg["num_hidden_layers"])
+    window = key("attention.sliding_window")
+    out = {"num_local_experts": int(key("expert_count")), "num_experts_per_tok": int(key("expert_used_count")),
+           "intermediate_size": int(key("expert_feed_forward_length") or cfg["intermediate_size"]),
+           "sliding_window": int(window) if window else None, "attention_bias": True,
+           "layer_types": ["sliding_attention" if window and (i + 1) % 2 else "full_attention" for i in range(n)]}
+    for name in ("rope_parameters", "rope_scaling"):
+        if cfg.get(name, {}).get("rope_type") == "yarn":
+            out[name] = {**cfg[name], "truncate": False}
+    return out
+
+
 # llama.cpp's names of Gemma's four norms (its `ffn_norm` is the pre-MLP norm, as for Llama).
 _GEMMA_TENSORS = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                   "post_ffw_norm": "post_feedforward_layernorm"}
@@ -254,6 +343,25 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            gguf_config=_gemma2_gguf, eos_tokens=("<end_of_turn>", "<eos>")),
     Family("gemma3", "Gemma3ForCausalLM", _gemma3, gguf_norm_shift=1.0, gguf_tensors=_GEMMA_TENSORS,
            gguf_config=_gemma3_gguf, eos_tokens=("<end_of_turn>", "<eos>"), hf_model_type="gemma3_text"),
+    Family("qwen3moe", "Qwen3MoeForCausalLM", lambda d: {**_experts(d), "qk_norm": "head"},
+           gguf_tensors=_EXPERT_TENSORS, gguf_config=lambda key, cfg: _experts_gguf(key, cfg, True),
+           eos_tokens=("<|im_end|>", "<|endoftext|>"), hf_model_type="qwen3_moe"),
+    Family("qwen2moe", "Qwen2MoeForCausalLM",
+           lambda d: {**_experts(d), "attention_bias": bool(d.get("qkv_bias", d.get("attention_bias", True)))},
+           gguf_tensors=_EXPERT_TENSORS, gguf_config=lambda key, cfg: _experts_gguf(key, cfg, False),
+           eos_tokens=("<|im_end|>", "<|endoftext|>"), hf_model_type="qwen2_moe"),
+    # llama.cpp files Mixtral under `llama`; its expert tensors tell it apart (models/gguf.py).
+    Family("mixtral", "MixtralForCausalLM", lambda d: _experts(d, True), gguf_permuted_qk=True,
+           gguf_tensors=_EXPERT_TENSORS, gguf_config=_mixtral_gguf, rms_eps_default=1e-5),
+    Family("olmoe", "OlmoeForCausalLM", _olmoe, gguf_tensors=_EXPERT_TENSORS,
+           gguf_config=lambda key, cfg: _experts_gguf(key, cfg, False), rms_eps_default=1e-5,
+           eos_tokens=("<|endoftext|>", "<|im_end|>")),
+    # gpt-oss's harmony format ends an answer with <|return|> and a tool call with <|call|>; its
+    # <|end|> closes a message (the reasoning's too) inside one turn, so it does not stop.
+    Family("gpt-oss", "GptOssForCausalLM", _gpt_oss, eos_tokens=("<|return|>", "<|call|>"), rms_eps_default=1e-5,
+           hf_model_type="gpt_oss", gguf_config=_gpt_oss_gguf,
+           gguf_tensors={**_EXPERT_TENSORS, "attn_sinks": "self_attn.sinks",
+                         "post_attention_norm": "post_attention_layernorm"}),
 )}
 
 # HF `architectures` entry -> family name.

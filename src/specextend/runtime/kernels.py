@@ -255,9 +255,11 @@ def has_fast_path() -> bool:
     return available() and path() != "portable"
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor | None) -> torch.Tensor:
-    """Row-independent attention of new tokens q [H, T, D] over a bfloat16 cache k, v [Hkv, S, D]."""
-    return timed("attention", load().attend, (q, k, v, tree_mask, path_id()))
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor | None,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Row-independent attention of new tokens q [H, T, D] over a bfloat16 cache k, v [Hkv, S, D];
+    `sinks` [H]: a logit a head that joins each softmax's denominator (gpt-oss)."""
+    return timed("attention", load().attend, (q, k, v, tree_mask, path_id(), sinks))
 
 
 def timed(part: str, fn: Callable[..., torch.Tensor], args: tuple[Any, ...]) -> torch.Tensor:

@@ -18,6 +18,7 @@ from torch import nn
 from . import kernels
 from .attention import Backend, attend, capped_rowwise, window_mask
 from .config import ModelConfig
+from .experts import Experts, clamped_swiglu
 from .kv_cache import KVCache
 from .quant import QWeight, qlinear
 
@@ -37,6 +38,8 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
         return inv
     if kind == "linear":
         return inv / float(sc["factor"])
+    if kind == "yarn":
+        return _yarn_inv_freq(sc, theta, dim)
     # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
     factor = float(sc["factor"])
     low, high = float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
@@ -47,6 +50,35 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
     return torch.where(medium, blended, scaled)
+
+
+def _yarn_inv_freq(sc: dict, theta: float, dim: int) -> torch.Tensor:
+    """YaRN (config.yarn_scaling's settings): each frequency blends the original (extrapolated) and
+    the one slowed by `factor` (interpolated) along a linear ramp between the dimensions that turn
+    beta_fast and beta_slow times over the original window, in float32 as transformers computes it."""
+    factor, original = float(sc["factor"]), float(sc["original_max_position_embeddings"])
+
+    def turns_dim(turns: float) -> float:  # the dimension whose wavelength fits `turns` times in the window
+        return dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = turns_dim(sc["beta_fast"]), turns_dim(sc["beta_slow"])
+    if sc["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    extrapolated = 1 - ramp
+    return 1.0 / (factor * pos) * (1 - extrapolated) + 1.0 / pos * extrapolated
+
+
+def gated(activation: str, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """act(gate, up) of a dense gated MLP by the family's `activation` (the experts' are
+    experts.ACTIVATIONS, gpt-oss's clamped SwiGLU among them)."""
+    if activation == "swiglu_oai":
+        return clamped_swiglu(g, u)
+    return (F.gelu(g, approximate="tanh") if activation == "gelu_tanh" else F.silu(g)) * u
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -180,9 +212,11 @@ class Block(nn.Module):
         self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv = Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.attention_bias)
-        self.o = Linear(q_out, cfg.hidden_size, bias=False)
-        self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.o = Linear(q_out, cfg.hidden_size, bias=cfg.o_bias)
+        # The MLP: a dense one, or a mixture of experts (experts.py) where the family has them.
+        self.moe = Experts(cfg, Linear) if cfg.experts else None
+        self.gate_up = None if self.moe else Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = None if self.moe else Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
         def norm(name: str) -> RMSNorm | None:
             return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if name in cfg.norms else None
@@ -198,11 +232,13 @@ class Block(nn.Module):
         self.window = cfg.sliding_window if cfg.windowed(index) else 0
         self.attn_scale, self.attn_softcap = cfg.attn_scale, cfg.attn_softcap
         self.residual_scale = cfg.residual_scale
-        self.gelu = cfg.activation == "gelu_tanh"
+        self.activation = cfg.activation
+        # gpt-oss's attention sinks: a learned logit per query head in every softmax's denominator.
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads), requires_grad=False) if cfg.attn_sinks else None
         self.workspace = Workspace()  # the model gives all its layers one (Transformer.__init__)
 
     def _act(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        return (F.gelu(g, approximate="tanh") if self.gelu else F.silu(g)) * u
+        return gated(self.activation, g, u)
 
     def _residual(self, x: torch.Tensor, y: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
         """x plus a sublayer's output y, through its post-norm and the residual multiplier if any."""
@@ -248,15 +284,19 @@ class Block(nn.Module):
             keep_q[self.index] = q
         k_all, v_all = cache.write(self.index, k, v)
         k_all, v_all, mask = self._window(q, k_all, v_all, tree_mask, positions)
-        a = attend(q, k_all, v_all, mask, backend, self.attn_scale, self.attn_softcap)
+        a = attend(q, k_all, v_all, mask, backend, self.attn_scale, self.attn_softcap, self.sinks)
         x = self._residual(x, self.o(a.transpose(0, 1).reshape(t, nh * hd)), self.attn_out_norm)
+        if self.moe is not None:
+            return self._residual(x, self.moe(self.mlp_norm(x) if self.mlp_norm is not None else x), self.mlp_out_norm)
         gu = self.gate_up(self.mlp_norm(x) if self.mlp_norm is not None else x)
         g, u = gu.chunk(2, dim=-1)
         return self._residual(x, self.down(self._act(g, u)), self.mlp_out_norm)
 
     @property
     def quantized(self) -> bool:
-        return all(m.qweight is not None for m in (self.qkv, self.o, self.gate_up, self.down))
+        dense = (self.gate_up, self.down)
+        mlp = self.moe.quantized if self.moe is not None else all(m.qweight is not None for m in dense)
+        return mlp and all(m.qweight is not None for m in (self.qkv, self.o))
 
     def forward_rows(self, x: torch.Tensor, ropes: Ropes, parts: list[Rows]) -> torch.Tensor:
         """The layer in five kernel calls over the rows of several sequences (x: their rows one
@@ -298,9 +338,13 @@ class Block(nn.Module):
             k = apply_rope(qkv[:, nq : nq + nk].reshape(t, self.n_kv, -1).transpose(0, 1), rc, rs)
             qkv = torch.cat([q.transpose(0, 1).reshape(t, nq), k.transpose(0, 1).reshape(t, nk), qkv[:, nq + nk :]], 1)
         a = self._attend_rows(qkv, cos, sin, parts)
-        x = self._residual(x, qlinear(a, self.o.qweight), self.attn_out_norm)
+        x = self._residual(x, qlinear(a, self.o.qweight, self.o.bias), self.attn_out_norm)
+        if self.moe is not None:
+            norm = self.mlp_norm
+            y = self.moe.forward_rows(x, None if norm is None else norm.weight, 0.0 if norm is None else norm.eps)
+            return self._residual(x, y, self.mlp_out_norm)
         gu = normed(self.gate_up, x, self.mlp_norm, out=self.workspace.take(x.shape[0], self.gate_up.qweight.n))
-        if not self.gelu and self.mlp_out_norm is None and self.residual_scale == 1.0:
+        if self.activation == "silu" and self.mlp_out_norm is None and self.residual_scale == 1.0:
             return qlinear(gu, self.down.qweight, silu_mul=True, residual=x)
         g, u = gu.chunk(2, dim=-1)
         return self._residual(x, qlinear(self._act(g, u), self.down.qweight), self.mlp_out_norm)
@@ -339,7 +383,7 @@ class Block(nn.Module):
             if self.attn_softcap is not None:
                 a = capped_rowwise(q, k, v, mask, self.attn_softcap)
             else:
-                a = kernels.attend(q, k, v, mask)
+                a = kernels.attend(q, k, v, mask, self.sinks)
             outs.append(a.transpose(0, 1).reshape(t, -1))
             off += t
         return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -19,6 +19,9 @@ A `QWeight` is a [n, k] matrix stored in one or more row *segments*, each in one
   nibbles (Q4_0, offset 8), q5k's nibbles and bit plane (Q5_0, offset 16) or IQ4's table indices
   (IQ4_NL, offset 128): each at its file's bits a weight; ``q41`` and ``q51``, the same with a
   float16 minimum a group (Q4_1, Q5_1).
+- ``mxfp4``: iq4nl's layout under a one-byte header, the file's E8M0 exponent a group (the scale
+  2^(e - 128), past float16's range, built exactly by the kernels) over ggml's MXFP4 table
+  (twice the E2M1 values) + 128: GGUF's MXFP4 at its file's 4.25 bits a weight.
 - ``f16`` and ``bf16``: GGUF's F16 and BF16 weights as they are, 16 bits each (per input, a
   panel's 16 values); the kernels multiply them in float32 with float32 activations.
 
@@ -40,14 +43,15 @@ from . import kernels
 
 PANEL = 16
 FORMATS = {"q4k": 0, "q6k": 1, "q8": 2, "q5k": 3, "iq4": 4, "q3k": 5, "q2k": 6, "f16": 7, "bf16": 8, "q40": 9,
-           "q50": 10, "iq4nl": 11, "q41": 12, "q51": 13}
+           "q50": 10, "iq4nl": 11, "q41": 12, "q51": 13, "mxfp4": 14}
 # The 16-bit float formats: GGUF type -> format (super-blocks of 32 inputs, 2 bytes a weight).
 FLOAT_KINDS = {"F16": "f16", "BF16": "bf16"}
 # Code bytes per group of 16 channels x 32 inputs of the formats with q4k's header (`pack_kgroups`).
 K_CODE_BYTES = {"q5k": 320, "iq4": 256}
 # The same for the formats with q8's header (`pack_q8`): one group of 32 inputs a super-block.
-Q8_CODE_BYTES = {"q8": 512, "q40": 256, "q50": 320, "iq4nl": 256, "q41": 256, "q51": 320}
+Q8_CODE_BYTES = {"q8": 512, "q40": 256, "q50": 320, "iq4nl": 256, "q41": 256, "q51": 320, "mxfp4": 256}
 MIN_FORMATS = ("q41", "q51")  # q8's header with a float16 minimum a group
+Q8_HEADER_BYTES = {"q41": 64, "q51": 64, "mxfp4": 16}  # the others: 16 float16 scales (32 bytes)
 
 
 def _superblock(fmt: str, groups: int) -> tuple[int, int]:
@@ -58,7 +62,7 @@ def _superblock(fmt: str, groups: int) -> tuple[int, int]:
         header = 64 + 32 * groups if fmt == "q5k" else 32 + 16 * groups  # iq4: no minimum
         return 32 * groups, header + K_CODE_BYTES[fmt] * groups
     if fmt in Q8_CODE_BYTES:
-        return 32, (64 if fmt in MIN_FORMATS else 32) + Q8_CODE_BYTES[fmt]
+        return 32, Q8_HEADER_BYTES.get(fmt, 32) + Q8_CODE_BYTES[fmt]
     return {"q6k": (256, 3360), "q3k": (256, 1824), "q2k": (256, 1344), "f16": (32, 1024), "bf16": (32, 1024)}[fmt]
 
 
@@ -278,7 +282,8 @@ def pack_q8(d: np.ndarray, codes: np.ndarray, offset: int, fmt: str = "q8", dmin
     """q8's header over codes in groups of 32: d [n, k/32] float16; codes [n, k] uint8;
     w = d * (byte - offset), where the byte is the code (``q8``; ``q40``, ``q41``: codes 0..15;
     ``q50``, ``q51``: 0..31) or, for ``iq4nl``, IQ4's table value + 128 of the code 0..15 (offset
-    128); ``q41`` and ``q51`` (dmin [n, k/32] float16) subtract dmin: w = d * byte - dmin."""
+    128); ``q41`` and ``q51`` (dmin [n, k/32] float16) subtract dmin: w = d * byte - dmin;
+    ``mxfp4``: d is the E8M0 exponent byte (uint8), the byte MXFP4's table value + 128 (offset 128)."""
     if (fmt in MIN_FORMATS) != (dmin is not None):
         raise ValueError(f"{fmt}: a minimum is for q41 and q51 only, and they need one")
     n = codes.shape[0]
@@ -319,7 +324,7 @@ def pack_kgroups(fmt: str, d: np.ndarray, dmin: np.ndarray | None, sc: np.ndarra
 # (each repacked by `from_gguf_blocks` into the format of its family; see docs/design.md).
 GGUF_BLOCKS = {
     "Q4_K": (144, 256), "Q6_K": (210, 256), "Q8_0": (34, 32), "Q5_0": (22, 32),
-    "Q4_0": (18, 32), "Q4_1": (20, 32), "Q3_K": (110, 256), "IQ4_NL": (18, 32),
+    "Q4_0": (18, 32), "Q4_1": (20, 32), "Q3_K": (110, 256), "IQ4_NL": (18, 32), "MXFP4": (17, 32),
     "Q5_K": (176, 256), "IQ4_XS": (136, 256), "Q5_1": (24, 32), "Q2_K": (84, 256),
     # 16-bit floats have no blocks; kept in runs of 32 (the kernels' super-block), so the width
     # must be a multiple of 32.
@@ -331,7 +336,7 @@ GGUF_BLOCKS = {
 KEPT_AS = {
     "Q4_K": ("q4k", 8), "Q6_K": ("q6k", 8), "Q8_0": ("q8", 8), "Q5_0": ("q50", 8), "Q4_0": ("q40", 8),
     "Q4_1": ("q41", 8), "Q3_K": ("q3k", 8), "IQ4_NL": ("iq4nl", 8), "Q5_K": ("q5k", 8), "IQ4_XS": ("iq4", 8),
-    "Q5_1": ("q51", 8), "Q2_K": ("q2k", 8), "F16": ("f16", 1), "BF16": ("bf16", 1),
+    "Q5_1": ("q51", 8), "Q2_K": ("q2k", 8), "F16": ("f16", 1), "BF16": ("bf16", 1), "MXFP4": ("mxfp4", 8),
 }
 
 
@@ -359,7 +364,9 @@ def _bits(b: np.ndarray, count: int, width: int = 1) -> np.ndarray:
 def _legacy(kind: str, b: np.ndarray, n: int, k: int) -> Segment:
     """The 32-weight types under q8's header (a float16 scale a block): Q8_0 as q8 (offset 128),
     Q5_0 as q50 (16), Q4_0 as q40 (8), IQ4_NL as iq4nl (128); with a float16 minimum a block, Q4_1
-    as q41 and Q5_1 as q51 (d * q + m = d * q - (-m))."""
+    as q41 and Q5_1 as q51 (d * q + m = d * q - (-m)); MXFP4 as mxfp4 (its exponent byte as it is)."""
+    if kind == "MXFP4":  # 2^(e - 128) * table[q] = scale * (byte - 128)
+        return pack_q8(np.ascontiguousarray(b[..., 0]), _nibbles32(b[..., 1:17]).reshape(n, k), 128, "mxfp4")
     d = _f16(b[..., 0:2])
     if kind == "Q8_0":
         return pack_q8(d, (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8).reshape(n, k), 128)

@@ -31,6 +31,7 @@ from ..api import Prepared
 from ..common.errors import ContextLengthExceeded, UserError
 from ..common.jsonl import finite_json
 from ..common.settings import Settings
+from ..requests.harmony import HarmonyParser, is_harmony
 from ..requests.toolcalls import CallParser, template_messages
 from ..sampling.grammar import Grammar
 from . import auth, limits, page, protocol
@@ -76,6 +77,8 @@ class Server:
         self.backend, self.encoder, self.defaults, self.model_id = backend, encoder, defaults, model_id
         encoder.warm_grammars()  # before serving: compiling a request's grammar then takes milliseconds
         encoder.max_prompt_chars()  # read once, before the first request
+        # gpt-oss's chat format: answers split into content and reasoning_content (requests/harmony.py)
+        self.harmony = is_harmony(encoder.tokenizer)
         self.drain = Drain()  # its `seconds`: --drain-s
         self.started = int(time.time())
         self.metrics = ServerMetrics(self.health_body)
@@ -152,7 +155,10 @@ class Server:
         except APIError as e:
             return _error(e)
         rid, created = protocol.new_id(kind), protocol.now()
-        calls = req.tools.parser() if req.tools is not None else None  # the answer parsed into tool calls
+        # The answer parsed into tool calls, or (harmony) into its final text and reasoning.
+        calls: CallParser | HarmonyParser | None = req.tools.parser() if req.tools is not None else None
+        if calls is None and kind == "chat" and self.harmony:
+            calls = HarmonyParser()
         if req.stream:
             try:
                 headers = await self.backend.started(job, request)
@@ -170,8 +176,9 @@ class Server:
         use = protocol.usage(outcome.result, outcome.queue_s, outcome.replica)
         text, tool_calls = calls.answer(outcome.text) if calls is not None else (outcome.text, None)
         finish = calls.finish_reason(outcome.finish_reason) if calls is not None else outcome.finish_reason
+        reasoning = calls.reasoning if isinstance(calls, HarmonyParser) else None
         return _json(protocol.response(kind, rid, created, self.model_id, text, finish, use, outcome.result.logprobs,
-                                       tool_calls), headers=protocol.replica_header(outcome.replica))
+                                       tool_calls, reasoning), headers=protocol.replica_header(outcome.replica))
 
     def job(self, req: protocol.Request, ids: list[int]) -> Job:
         """The generation a checked, tokenized request asks for (on the running event loop)."""
@@ -255,7 +262,7 @@ class Server:
                 getter.cancel()
 
     async def _events(self, job: Job, kind: str, rid: str, created: int, include_usage: bool,
-                      calls: CallParser | None = None) -> AsyncIterator[str]:
+                      calls: CallParser | HarmonyParser | None = None) -> AsyncIterator[str]:
         """Server-sent events: `: prefill DONE/TOTAL` comment lines while the prompt prefills (its
         tokens in the cache after each chunk), a chunk per accepted batch of tokens, the closing chunk, [DONE].
         With `calls`, the text goes out as content or tool-call deltas (requests/toolcalls.py).
@@ -321,8 +328,8 @@ async def _json_body(request: HTTPRequest) -> Any:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
 
 
-def _closing(kind: str, rid: str, created: int, model: str, done: Any, calls: CallParser | None, role_due: bool,
-             include_usage: bool) -> list[str]:
+def _closing(kind: str, rid: str, created: int, model: str, done: Any, calls: CallParser | HarmonyParser | None,
+             role_due: bool, include_usage: bool) -> list[str]:
     """A stream's last events: the deltas the call parser held back, the role if nothing has
     carried it yet (an answer with no text and no call still says whose it is), the finish
     reason, the usage when asked for, [DONE]."""

@@ -385,11 +385,15 @@ def logprobs_object(kind: str, entries: list[dict[str, Any]] | None, offset: int
 
 
 def response(kind: str, rid: str, created: int, model: str, text: str | None, finish: str, use: dict[str, Any],
-             logprobs: list[dict[str, Any]] | None = None, tool_calls: list[dict[str, Any]] | None = None
-             ) -> dict[str, Any]:
+             logprobs: list[dict[str, Any]] | None = None, tool_calls: list[dict[str, Any]] | None = None,
+             reasoning: str | None = None) -> dict[str, Any]:
+    """A whole answer; `reasoning`: a reasoning model's thoughts, kept out of `content` (an extension of
+    OpenAI's message: `reasoning_content`, as other servers name it; requests/harmony.py)."""
     lp = logprobs_object(kind, logprobs)
     if kind == "chat":
         message: dict[str, Any] = {"role": "assistant", "content": text}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         if tool_calls:
             message["tool_calls"] = tool_calls
         choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish, "logprobs": lp}

@@ -214,7 +214,7 @@ std::vector<at::Tensor> quantize_activations(const at::Tensor& x, int64_t path_i
 }
 
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& mask,
-                  int64_t path_id) {
+                  int64_t path_id, const c10::optional<at::Tensor>& sinks) {
   const spx::Path path = checked_path(path_id);
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "attend: q [H,T,D], k and v [Hkv,S,D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat, "attend: q must be float32");
@@ -249,6 +249,12 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   pb.k_head_stride = k.stride(0);
   pb.v_head_stride = v.stride(0);
   pb.scale = 1.f / std::sqrt(static_cast<float>(pb.d));
+  at::Tensor sc;
+  if (sinks.has_value() && sinks->defined()) {
+    sc = sinks->to(at::kFloat).contiguous();
+    TORCH_CHECK(sc.dim() == 1 && sc.size(0) == pb.heads, "attend: sinks [H]");
+    pb.sinks = sc.data_ptr<float>();
+  }
   at::Tensor out = at::empty({pb.heads, pb.t, pb.d}, qc.options());
   pb.out = out.data_ptr<float>();
   // Items from a shared counter, most keys first: threads finish together on any causal shape.
@@ -307,7 +313,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize, "dequantize rows of a weight blob", py::arg("blob"), py::arg("fmt"), py::arg("n"),
         py::arg("k"), py::arg("offset"), py::arg("sbg"), py::arg("row_ids"), py::arg("out") = py::none());
   m.def("quantize_activations", &quantize_activations, "int8 activations, one scale per 32");
-  m.def("attend", &attend, "row-independent attention of new tokens over a bfloat16 KV cache");
+  m.def("attend", &attend, "row-independent attention of new tokens over a bfloat16 KV cache (and sinks [H])",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("path_id"), py::arg("sinks") = py::none());
   m.def("rope_store", &rope_store, "rotate the new queries and keys, store keys and values in the bf16 cache");
   m.def("cpu_paths", &cpu_paths, "the kernel paths this CPU runs, slowest first (amx-emulated, a test path, not listed)");
   m.def("amx_status", &amx_status, "why the amx path cannot run here, or None where it runs");

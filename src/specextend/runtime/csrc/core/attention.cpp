@@ -87,7 +87,8 @@ void start_rows(const Attention& pb, const AttentionItem& it, uint16_t* qbuf, fl
         q[x] = float_to_bf16(src[x] * pb.scale);
         qf[x] = bf16_to_float(q[x]);
       }
-      rows[i * g + r] = RowState{q, qf, acc0 + (i * g + r) * d, kNegInf, 0.f};
+      const float* sink = pb.sinks ? pb.sinks + it.kvh * g + r : nullptr;  // query head kvh * g + r
+      rows[i * g + r] = RowState{q, qf, acc0 + (i * g + r) * d, sink ? *sink : kNegInf, sink ? 1.f : 0.f};
     }
 }
 

@@ -23,6 +23,12 @@
 // Layout: q [H, T, D] float32; k, v [Hkv, S, D] bfloat16 (views of the cache, rows contiguous);
 // mask [T, M] bool or none (causal over the T new tokens, M = T). Query head h uses K/V head
 // h / (H / Hkv). Output [H, T, D] float32.
+//
+// Attention sinks (gpt-oss: sinks [H] float32, or none): head h's learned logit s_h joins every
+// softmax's denominator, exp(s_h - max) beside the keys' terms, with no value. A row's running
+// softmax starts from it (maximum s_h, sum 1 = exp(s_h - s_h)) instead of from nothing (-inf, 0):
+// the same online-softmax steps then fold it in on every path, and a row's bits still depend only
+// on its own query, head and keys.
 #pragma once
 
 #include <cstddef>
@@ -45,6 +51,7 @@ struct Attention {
   int64_t k_head_stride, v_head_stride;
   const bool* mask;  // [t, m] or null (causal)
   float scale;
+  const float* sinks = nullptr;  // [heads] or null
   int64_t prefix() const { return s - m; }
 };
 

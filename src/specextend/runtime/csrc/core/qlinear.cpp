@@ -21,6 +21,7 @@ bool format_info(int64_t fmt, int64_t sbg, FormatInfo* out) {
     case Q40:
     case Q50:
     case IQ4NL:
+    case MXFP4:
     case Q41:
     case Q51: *out = {32, 32, byte_header(fmt, 1) + code_bytes(fmt)}; return true;
     case Q5K:

@@ -46,6 +46,12 @@
 //       (64 bytes)                                          w = d * (byte - offset)
 //       Q40's byte is the nibble (GGUF's Q4_0, offset 8), Q50's the 5-bit code (Q5_0, offset 16),
 //       IQ4NL's kIq4Bytes[nibble] (IQ4_NL, offset 128). Their arithmetic is Q8's.
+//   MXFP4 (GGUF's MXFP4: IQ4NL's layout under a one-byte header, the file's E8M0 exponents):
+//       e[16] u8, then Q4K's nibbles (4 x 64 bytes)   w = e8m0_half(e) * (kMxfp4Bytes[nibble] - 128)
+//       The scale is a power of two from 2^-128 to 2^127, past f16's range, so the blob keeps the
+//       file's byte and every path builds the same float32 from its bits (e8m0_half: ggml's
+//       GGML_E8M0_TO_FP32_HALF, subnormals for e < 2); the codes are ggml's kvalues_mxfp4 (twice
+//       the E2M1 values, integers) + 128. A weight costs its file's 4.25 bits; Q8's arithmetic.
 //   Q41 and Q51 (the same with a minimum: d[16] f16, dmin[16] f16, then Q40's or Q50's codes):
 //       w = d * q - dmin, offset 0 (GGUF's Q4_1 and Q5_1, dmin = -m); Q4K's epilogue with the
 //       scale d and the minimum dmin, exactly as a one-group Q4K of scale and minimum codes 1.
@@ -90,7 +96,7 @@ namespace spx {
 
 enum Format : int64_t {
   Q4K = 0, Q6K = 1, Q8 = 2, Q5K = 3, IQ4 = 4, Q3K = 5, Q2K = 6, F16 = 7, BF16 = 8, Q40 = 9, Q50 = 10, IQ4NL = 11,
-  Q41 = 12, Q51 = 13
+  Q41 = 12, Q51 = 13, MXFP4 = 14
 };
 
 // The float formats (F16, BF16): products of float32 activations, not of int8 codes.
@@ -117,13 +123,17 @@ bool format_info(int64_t fmt, int64_t sbg, FormatInfo* out);
 constexpr bool k_header(int64_t fmt) { return fmt == Q5K; }  // minimum codes a group
 constexpr bool q8_header(int64_t fmt) { return fmt == Q8 || fmt == Q40 || fmt == Q50 || fmt == IQ4NL; }
 constexpr bool min_header(int64_t fmt) { return fmt == Q41 || fmt == Q51; }
+// A one-byte E8M0 exponent a channel and group instead of d (MXFP4): see e8m0_half.
+constexpr bool e8m0_header(int64_t fmt) { return fmt == MXFP4; }
 constexpr bool scale_codes(int64_t fmt) { return fmt == Q5K || fmt == IQ4; }  // a signed scale code a group
 constexpr bool has_minimum(int64_t fmt) { return k_header(fmt) || min_header(fmt); }
-constexpr bool byte_format(int64_t fmt) { return scale_codes(fmt) || q8_header(fmt) || min_header(fmt); }
-// How a byte-code format's codes unpack: Q8 (bytes), Q5K (nibble and fifth bit), IQ4 (table) or
-// Q40 (the nibble).
+constexpr bool byte_format(int64_t fmt) {
+  return scale_codes(fmt) || q8_header(fmt) || min_header(fmt) || e8m0_header(fmt);
+}
+// How a byte-code format's codes unpack: Q8 (bytes), Q5K (nibble and fifth bit), IQ4 (a table of
+// 16 bytes, code_table) or Q40 (the nibble).
 constexpr int64_t code_kind(int64_t fmt) {
-  return fmt == Q50 || fmt == Q51 ? Q5K : fmt == IQ4NL ? IQ4 : fmt == Q41 ? Q40 : fmt;
+  return fmt == Q50 || fmt == Q51 ? Q5K : fmt == IQ4NL || fmt == MXFP4 ? IQ4 : fmt == Q41 ? Q40 : fmt;
 }
 constexpr int code_bytes(int64_t fmt) {  // a group's
   return code_kind(fmt) == Q5K ? 320 : code_kind(fmt) == Q8 ? 512 : 256;
@@ -136,6 +146,7 @@ constexpr bool small_codes(int64_t fmt) { return code_kind(fmt) == Q5K || code_k
 // Q51); then group g's signed scale codes (Q5K, IQ4: [16] i8) and minimum codes (Q5K: [16] u8);
 // then the codes. A group's scale is d (x its scale code), its minimum dmin (x its minimum code).
 constexpr int64_t byte_header(int64_t fmt, int64_t sbg) {
+  if (e8m0_header(fmt)) return 16;
   return q8_header(fmt) ? 32 : min_header(fmt) ? 64 : k_header(fmt) ? 64 + 32 * sbg : 32 + 16 * sbg;
 }
 inline const uint8_t* group_scales(int64_t fmt, const uint8_t* sb, int g) {
@@ -173,6 +184,21 @@ inline int q6_code(int64_t fmt, const uint8_t* sb, int g, int st, int b) {
 
 // IQ4_NL's 16 values (ggml's kvalues_iq4nl) + 128: IQ4's byte codes.
 alignas(16) constexpr uint8_t kIq4Bytes[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+// MXFP4's 16 values (ggml's kvalues_mxfp4: twice E2M1's, so integers) + 128.
+alignas(16) constexpr uint8_t kMxfp4Bytes[16] = {128, 129, 130, 131, 132, 134, 136, 140,
+                                                 128, 127, 126, 125, 124, 122, 120, 116};
+// The table a code_kind IQ4 format's nibbles index.
+constexpr const uint8_t* code_table(int64_t fmt) { return fmt == MXFP4 ? kMxfp4Bytes : kIq4Bytes; }
+
+// An E8M0 byte's scale with ggml's half folded in, 2^(e - 128), exactly (GGML_E8M0_TO_FP32_HALF:
+// float bits (e - 1) << 23, or the subnormals 2^-128 and 2^-127 for e < 2). The vector paths build
+// the same bits with their shifts.
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
 
 // The byte code of step st (0..7), lane byte b (4 * channel + input) of a byte-code group at cb:
 // the reference unpacking, which each path's vector unpacking reproduces.
@@ -180,7 +206,7 @@ inline int byte_code(int64_t fmt, const uint8_t* cb, int st, int b) {
   if (fmt == Q8) return cb[64 * st + b];
   const uint8_t v = cb[64 * (st % 4) + b];
   const int nib = st < 4 ? v & 15 : v >> 4;
-  if (code_kind(fmt) == IQ4) return kIq4Bytes[nib];
+  if (code_kind(fmt) == IQ4) return code_table(fmt)[nib];
   if (code_kind(fmt) == Q40) return nib;
   return nib | (((cb[256 + b] >> st) & 1) << 4);
 }

@@ -92,6 +92,10 @@ struct ScalarVec {
     for (int c = 0; c < kPanel; ++c) out[c] = half_to_float(dh[c]);
   }
 
+  static void exponents(const uint8_t* e, float* out) {
+    for (int c = 0; c < kPanel; ++c) out[c] = e8m0_half(e[c]);
+  }
+
   // Q2K's group g: scales d x (byte & 15), minimums dmin x (byte >> 4).
   static void q2k_scales(const uint8_t* sb, int g, GroupScales& gs) {
     const uint16_t* dh = reinterpret_cast<const uint16_t*>(sb);
@@ -166,6 +170,8 @@ struct Avx512Vec {
   }
 
   static void halves(const uint8_t* d, float* out) { _mm512_store_ps(out, cvt_f16(d)); }
+
+  static void exponents(const uint8_t* e, float* out) { _mm512_store_ps(out, e8m0_half16(e)); }
 
   static void q2k_scales(const uint8_t* sb, int g, GroupScales& gs) {
     __m512 scale, mins;
@@ -267,6 +273,7 @@ const uint8_t* prepare_group(const Segment& s, const uint8_t* p, int64_t gi, uin
   const int g = static_cast<int>(gi % groups);
   const uint8_t* sb = p + (gi / groups) * fi.bytes;
   if (scale_codes(s.fmt)) V::scales(sb, group_scales(s.fmt, sb, g), true, gs.scale);
+  else if (e8m0_header(s.fmt)) V::exponents(sb, gs.scale);
   else V::halves(sb, gs.scale);
   if (k_header(s.fmt)) V::scales(sb + 32, group_mins(s.sbg, sb, g), false, gs.mins);
   else if (min_header(s.fmt)) V::halves(sb + 32, gs.mins);

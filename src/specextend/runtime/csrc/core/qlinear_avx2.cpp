@@ -323,17 +323,28 @@ inline __m256i step_bytes(int64_t fmt, const uint8_t* cb, int st, int h) {
   const __m256i nib = _mm256_and_si256(st < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
   if (code_kind(fmt) == Q40) return nib;
   if (code_kind(fmt) == IQ4)
-    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4Bytes))), nib);
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(code_table(fmt)))),
+                               nib);
   const __m256i plane = load(cb + 256 + 32 * h);
   const __m256i bit = st <= 4 ? _mm256_sll_epi16(plane, _mm_cvtsi32_si128(4 - st)) : _mm256_srl_epi16(plane, _mm_cvtsi32_si128(st - 4));
   return _mm256_or_si256(nib, _mm256_and_si256(bit, _mm256_set1_epi8(0x10)));
+}
+
+// 8 channels' E8M0 bytes at p as e8m0_half's floats (qlinear.h), the same bits from shifts:
+// (e - 1) << 23, or 0x00200000 << e for e < 2.
+inline __m256 e8m0_half8(const uint8_t* p) {
+  const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i big = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+  const __m256i small = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+  const __m256i low = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(big, small, low));
 }
 
 // A byte-code group's float scales and minimums [half] (qlinear.h: d and dmin, each times its
 // code where the format has codes); returns whether the format has minimums.
 inline bool byte_scales(const Segment& s, const uint8_t* p, int g, __m256* scale, __m256* mins) {
   for (int h = 0; h < 2; ++h) {
-    scale[h] = cvt_f16(p + 16 * h);
+    scale[h] = e8m0_header(s.fmt) ? e8m0_half8(p + 8 * h) : cvt_f16(p + 16 * h);
     if (scale_codes(s.fmt)) scale[h] = _mm256_mul_ps(scale[h], cvt_i8(group_scales(s.fmt, p, g) + 8 * h));
     if (!has_minimum(s.fmt)) continue;
     mins[h] = cvt_f16(p + 32 + 16 * h);
@@ -598,6 +609,7 @@ void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const T
     else if (s.fmt == Q8) one_bytes<Q8>(s, p, x, r0, acc[0]);
     else if (s.fmt == IQ4) one_bytes<IQ4>(s, p, x, r0, acc[0]);
     else if (s.fmt == IQ4NL) one_bytes<IQ4NL>(s, p, x, r0, acc[0]);
+    else if (s.fmt == MXFP4) one_bytes<MXFP4>(s, p, x, r0, acc[0]);
     else if (s.fmt == Q6K) one_q6k<Q6K>(s, p, x, r0, acc[0]);
     else if (s.fmt == Q3K) one_q6k<Q3K>(s, p, x, r0, acc[0]);
     else if (s.fmt == Q2K) one_q6k<Q2K>(s, p, x, r0, acc[0]);

@@ -189,7 +189,7 @@ inline void load_q8_group(const uint8_t* p, int64_t sbg, int g, int share, __m51
   prefetch_group(p + share * g, share);
 #pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) w[i] = step_bytes(FMT, cb, i);
-  *scale = cvt_f16(p);
+  *scale = e8m0_header(FMT) ? e8m0_half16(p) : cvt_f16(p);
   if constexpr (scale_codes(FMT)) *scale = _mm512_mul_ps(*scale, cvt_i8(group_scales(FMT, p, g)));
   *mins = has_minimum(FMT) ? cvt_f16(p + 32) : _mm512_setzero_ps();
   if constexpr (k_header(FMT)) *mins = _mm512_mul_ps(*mins, cvt_u8(group_mins(sbg, p, g)));
@@ -246,6 +246,7 @@ void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const T
     case Q40: panel_q8<R, Q40>(s, p, x, r0, acc); break;
     case Q50: panel_q8<R, Q50>(s, p, x, r0, acc); break;
     case IQ4NL: panel_q8<R, IQ4NL>(s, p, x, r0, acc); break;
+    case MXFP4: panel_q8<R, MXFP4>(s, p, x, r0, acc); break;
     case Q41: panel_q8<R, Q41>(s, p, x, r0, acc); break;
     case Q51: panel_q8<R, Q51>(s, p, x, r0, acc); break;
     default: panel_q8<R, Q8>(s, p, x, r0, acc); break;
@@ -556,6 +557,7 @@ void rows_avx512(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, 
     case Q40: rows_q8<Q40>(s, p, x, r0, n, acc); break;
     case Q50: rows_q8<Q50>(s, p, x, r0, n, acc); break;
     case IQ4NL: rows_q8<IQ4NL>(s, p, x, r0, n, acc); break;
+    case MXFP4: rows_q8<MXFP4>(s, p, x, r0, n, acc); break;
     case Q41: rows_q8<Q41>(s, p, x, r0, n, acc); break;
     case Q51: rows_q8<Q51>(s, p, x, r0, n, acc); break;
     default: rows_q8<Q8>(s, p, x, r0, n, acc); break;

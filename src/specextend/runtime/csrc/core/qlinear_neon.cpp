@@ -182,15 +182,25 @@ inline uint8x16_t step_bytes(int64_t fmt, const uint8_t* cb, int st, int c) {
   const uint8x16_t v = vld1q_u8(cb + 64 * (st % 4) + 16 * c);
   const uint8x16_t nib = st < 4 ? vandq_u8(v, vdupq_n_u8(0x0F)) : vshrq_n_u8(v, 4);
   if (code_kind(fmt) == Q40) return nib;
-  if (code_kind(fmt) == IQ4) return vqtbl1q_u8(vld1q_u8(kIq4Bytes), nib);
+  if (code_kind(fmt) == IQ4) return vqtbl1q_u8(vld1q_u8(code_table(fmt)), nib);
   const uint8x16_t bit = vshlq_u8(vld1q_u8(cb + 256 + 16 * c), vdupq_n_s8(static_cast<int8_t>(4 - st)));
   return vorrq_u8(nib, vandq_u8(bit, vdupq_n_u8(0x10)));
+}
+
+// 4 channels' E8M0 bytes at p as e8m0_half's floats (qlinear.h), the same bits from shifts:
+// (e - 1) << 23, or 0x00200000 << e for e < 2.
+inline float32x4_t e8m0_half4(const uint8_t* p) {
+  const uint8_t b[8] = {p[0], p[1], p[2], p[3], 0, 0, 0, 0};
+  const uint32x4_t e = vmovl_u16(vget_low_u16(vmovl_u8(vld1_u8(b))));
+  const uint32x4_t big = vshlq_n_u32(vsubq_u32(e, vdupq_n_u32(1)), 23);
+  const uint32x4_t small = vshlq_u32(vdupq_n_u32(0x00200000), vreinterpretq_s32_u32(e));
+  return vreinterpretq_f32_u32(vbslq_u32(vcltq_u32(e, vdupq_n_u32(2)), small, big));
 }
 
 // Quad c (channels 4c..4c+3) of a byte-code group's float scales and minimums (qlinear.h: d and
 // dmin, each times its code where the format has codes); returns whether the format has minimums.
 inline bool byte_scales(const Segment& s, const uint8_t* p, int g, int c, float32x4_t* scale, float32x4_t* mins) {
-  *scale = load_f16x4(p + 8 * c);
+  *scale = e8m0_header(s.fmt) ? e8m0_half4(p + 4 * c) : load_f16x4(p + 8 * c);
   if (scale_codes(s.fmt)) *scale = vmulq_f32(*scale, cvt_i8x4(group_scales(s.fmt, p, g) + 4 * c));
   *mins = has_minimum(s.fmt) ? load_f16x4(p + 32 + 8 * c) : vdupq_n_f32(0.f);
   if (k_header(s.fmt)) *mins = vmulq_f32(*mins, cvt_u8x4(group_mins(s.sbg, p, g) + 4 * c));

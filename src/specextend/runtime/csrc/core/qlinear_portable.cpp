@@ -80,7 +80,7 @@ void unpack_group(const Segment& s, const uint8_t* p, int g, Group& out) {
       for (int st = 0; st < 4; ++st)
         for (int j = 0; j < 4; ++j) out.codes[c][4 * st + j] = q6_code(s.fmt, p, g, st, 4 * c + j);
     } else {
-      out.scale[c] = d;
+      out.scale[c] = e8m0_header(s.fmt) ? e8m0_half(p[c]) : d;
       if (scale_codes(s.fmt))
         out.scale[c] = d * static_cast<float>(reinterpret_cast<const int8_t*>(group_scales(s.fmt, p, g))[c]);
       if (has_minimum(s.fmt)) out.mins[c] = half_to_float(dh[16 + c]);

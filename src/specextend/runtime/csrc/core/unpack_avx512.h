@@ -17,10 +17,21 @@ inline __m512i step_bytes(int64_t fmt, const uint8_t* cb, int st) {
   const __m512i nib = _mm512_and_si512(st < 4 ? v : _mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
   if (code_kind(fmt) == Q40) return nib;
   if (code_kind(fmt) == IQ4)
-    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4Bytes))), nib);
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(code_table(fmt)))),
+                               nib);
   const __m512i plane = _mm512_loadu_si512(cb + 256);
   const __m512i bit = st <= 4 ? _mm512_sll_epi16(plane, _mm_cvtsi32_si128(4 - st)) : _mm512_srl_epi16(plane, _mm_cvtsi32_si128(st - 4));
   return _mm512_or_si512(nib, _mm512_and_si512(bit, _mm512_set1_epi8(0x10)));
+}
+
+// The 16 channels' E8M0 bytes at p as e8m0_half's floats (qlinear.h), the same bits from shifts:
+// (e - 1) << 23, or 0x00200000 << e for e < 2.
+inline __m512 e8m0_half16(const uint8_t* p) {
+  const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i big = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+  const __m512i small = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+  const __mmask16 low = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(low, big, small));
 }
 
 // Group g's four steps of 6-bit codes of the Q6K, Q3K or Q2K super-block at sb: q6_code

@@ -76,6 +76,10 @@ std::vector<uint8_t> random_blob(const spx::Segment& shape) {
   for (uint8_t& b : blob) b = static_cast<uint8_t>(byte(rng));
   const int halves = shape.fmt == spx::Q4K || spx::has_minimum(shape.fmt) || shape.fmt == spx::Q2K ? 32 : 16;
   for (size_t off = 0; off < blob.size(); off += fi.bytes) {
+    if (spx::e8m0_header(shape.fmt)) {  // exponents around 2^-10, and channel 0's 0..2 (the subnormal scales)
+      for (int c = 0; c < 16; ++c) blob[off + c] = static_cast<uint8_t>(c == 0 ? blob[off] % 3 : 110 + blob[off + c] % 20);
+      continue;
+    }
     for (int i = 0; i < halves; ++i) {
       const uint16_t h = half_bits(scale(rng));
       std::memcpy(&blob[off + 2 * i], &h, 2);
@@ -128,6 +132,7 @@ void linear_tests(const std::vector<Path>& paths) {
       {spx::Q8, 48, 896, 128, 1, false, true, false, false}, {spx::Q50, 32, 640, 16, 1, true, false, true, true},
       {spx::Q40, 35, 96, 8, 1, false, false, true, false},   {spx::Q40, 48, 1536, 8, 1, true, false, false, true},
       {spx::IQ4NL, 33, 64, 128, 1, false, true, true, true}, {spx::IQ4NL, 40, 896, 128, 1, true, false, false, false},
+      {spx::MXFP4, 40, 896, 128, 1, false, true, true, false}, {spx::MXFP4, 33, 64, 128, 1, true, false, false, true},
       {spx::Q41, 35, 96, 0, 1, true, false, true, false},    {spx::Q51, 48, 896, 0, 1, false, true, false, true},
       {spx::Q5K, 48, 512, 0, 8, true, false, true, false},   {spx::IQ4, 32, 768, 128, 8, false, true, false, true},
       {spx::Q5K, 35, 96, 0, 1, false, false, true, true},    {spx::IQ4, 33, 64, 128, 1, true, false, false, false},
@@ -181,10 +186,11 @@ std::vector<float> run_attention(Path path, spx::Attention pb) {
 void attention_tests(const std::vector<Path>& paths) {
   struct Case {
     int64_t heads, kv, t, s, d;
-    bool tree;
+    bool tree, sinks = false;  // sinks: a learned logit a head in the softmax (gpt-oss)
   };
   const Case cases[] = {{12, 2, 1, 100, 128, false}, {12, 2, 9, 700, 128, true}, {4, 1, 20, 77, 64, false},
-                        {6, 2, 3, 35, 32, true},     {4, 2, 5, 66, 96, true},   {2, 1, 17, 1000, 128, false}};
+                        {6, 2, 3, 35, 32, true},     {4, 2, 5, 66, 96, true},   {2, 1, 17, 1000, 128, false},
+                        {8, 2, 1, 90, 64, false, true}, {8, 2, 9, 300, 64, true, true}};
   for (const Case& c : cases) {
     const std::vector<float> q = randn(c.heads * c.t * c.d);
     const std::vector<uint16_t> k = random_bf16(c.kv * c.s * c.d), v = random_bf16(c.kv * c.s * c.d);
@@ -196,11 +202,14 @@ void attention_tests(const std::vector<Path>& paths) {
     spx::Attention pb{q.data(), k.data(), v.data(), nullptr, c.heads, c.kv, c.t, c.d, c.s, c.t, c.s * c.d, c.s * c.d,
                       c.tree ? reinterpret_cast<const bool*>(mask.data()) : nullptr,
                       1.f / std::sqrt(static_cast<float>(c.d))};
+    const std::vector<float> sinks = randn(c.heads, 2.f);
+    if (c.sinks) pb.sinks = sinks.data();
     const std::vector<float> ref = run_attention(Path::Portable, pb);
     for (Path p : paths) {
       const std::vector<float> y = run_attention(p, pb);
       check(same_bits(y.data(), ref.data(), y.size()), "attention d " + std::to_string(c.d) + " t " +
-                                                          std::to_string(c.t) + ": " + spx::path_name(p) + " = portable");
+                                                          std::to_string(c.t) + (c.sinks ? " sinks" : "") + ": " +
+                                                          spx::path_name(p) + " = portable");
     }
   }
 }

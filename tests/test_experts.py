@@ -1,0 +1,348 @@
+"""Mixture-of-experts families (runtime/experts.py): Qwen3-MoE, Qwen2-MoE (a shared expert under a
+sigmoid gate), Mixtral (llama.cpp's `llama` with experts) and OLMoE, each a tiny random model of
+transformers' own class written as GGUF the way llama.cpp's converter writes it (each layer's
+experts stacked into 3-D `ffn_*_exps` tensors, the family's `expert_*` keys), in float32, Q8_0 and
+a K-quant; converted by our loader and compared with transformers on the same weights; greedy over
+32 tokens; `sd` / `specextend` against `ar`; a batch of different prompts against each alone; and
+the expert layer's rows independent of each other on every kernel path."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from specextend.common.settings import Settings
+from specextend.models import gguf as conv
+from specextend.models.loader import load_model
+from specextend.runtime import experts as experts_mod
+from specextend.runtime import kernels
+from specextend.runtime.layers import Rows
+from specextend.speculation.decoder import SpecEngine
+from test_families import SMALL, hf_logits, ours_logits, scaled_blocks
+from test_gguf import llama_cpp_permute
+from test_quantized_runtime import tree
+
+ARCHS = ["qwen3moe", "qwen2moe", "mixtral", "olmoe"]
+GGUF_ARCH = {"mixtral": "llama"}  # llama.cpp files Mixtral under llama
+# Widths divisible by 256 (K-quants); each expert 256 wide, 8 of them, 2 or 3 a token.
+HIDDEN, FF, SHARED_FF, VOCAB, LAYERS = 256, 256, 512, 96, 2
+PROMPT = torch.randint(0, 95, (24,), generator=torch.Generator().manual_seed(7)).tolist()
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")
+
+
+def hf_config(arch: str, layers: int = LAYERS):
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=0,
+                  eos_token_id=VOCAB - 1, pad_token_id=None)
+    if arch == "qwen3moe":  # llama.cpp renormalises Qwen3-MoE's top k (as the released models' configs say)
+        return tf.Qwen3MoeConfig(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=FF, intermediate_size=512,
+                                 norm_topk_prob=True, head_dim=64, rms_norm_eps=1e-6, **common)
+    if arch == "qwen2moe":  # and not Qwen2-MoE's nor OLMoE's
+        return tf.Qwen2MoeConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=FF, intermediate_size=512,
+                                 shared_expert_intermediate_size=SHARED_FF, norm_topk_prob=False, rms_norm_eps=1e-6,
+                                 **common)
+    if arch == "mixtral":
+        return tf.MixtralConfig(num_local_experts=8, num_experts_per_tok=2, intermediate_size=FF, rms_norm_eps=1e-5,
+                                sliding_window=None, **common)
+    return tf.OlmoeConfig(num_experts=8, num_experts_per_tok=2, intermediate_size=FF, norm_topk_prob=False,
+                          rms_norm_eps=1e-5, **common)
+
+
+def make_moe(arch: str, seed: int = 0, layers: int = LAYERS, dtype=torch.float32):
+    """A random transformers model of the family, its weights spread so logits are not flat and the
+    router's scaled up (routing decided by more than the last bits)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(hf_config(arch, layers), dtype=dtype, attn_implementation="eager",
+                                             experts_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif p.ndim >= 2:
+                sharp = 4.0 if name.endswith("mlp.gate.weight") else 1.0
+                p.copy_(torch.randn_like(p) * (sharp * 0.6 / p.shape[-1] ** 0.5))
+            else:
+                p.copy_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def _gguf_names(arch: str, hf: str, names) -> list[tuple[str, slice | None]]:
+    """GGUF tensor names for a HF tensor (a fused expert gate_up: two, each a half of its rows)."""
+    m = hf.split(".")
+    if hf.endswith("mlp.experts.gate_up_proj"):
+        return [(f"blk.{m[2]}.ffn_gate_exps.weight", slice(0, FF)), (f"blk.{m[2]}.ffn_up_exps.weight", slice(FF, None))]
+    if hf.endswith("mlp.experts.down_proj"):
+        return [(f"blk.{m[2]}.ffn_down_exps.weight", None)]
+    gname = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+    assert gname is not None, hf
+    return [(gname, None)]
+
+
+def write_moe_gguf(model, path, arch: str, kind: str = "F32", seed: int = 0) -> dict[str, torch.Tensor]:
+    """`model` as llama.cpp's converter writes it, matrices in `kind`; returns its HF state dict as
+    the file holds it (quantized matrices as they dequantize)."""
+    cfg = model.config
+    garch = GGUF_ARCH.get(arch, arch)
+    w = gguf.GGUFWriter(str(path), garch)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_expert_count(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch.startswith("qwen"):
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(cfg.vocab_size - 1)
+    w.add_pad_token_id(0)
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, garch.upper()), cfg.num_hidden_layers)
+    rng = np.random.default_rng(seed)
+    stored: dict[str, torch.Tensor] = {}
+    for hf, value in ((k, v.detach().float().numpy()) for k, v in model.state_dict().items()):
+        backs = []
+        for gname, rows in _gguf_names(arch, hf, names):
+            data = value if rows is None else value[:, rows]
+            heads = None
+            if arch == "mixtral" and hf.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = cfg.num_attention_heads if "q_proj" in hf else cfg.num_key_value_heads
+                data = llama_cpp_permute(data, heads)
+            if hf.endswith("shared_expert_gate.weight"):
+                data = data.reshape(-1)  # llama.cpp's ffn_gate_inp_shexp is a vector
+            back = _add(w, gname, np.ascontiguousarray(data), kind if value.ndim >= 2 and "mlp.gate." not in hf
+                        and "expert_gate" not in hf else "F32", rng)
+            if heads is not None:
+                back = llama_cpp_permute_back(back, heads)
+            backs.append(back.reshape(value[:, rows].shape if rows is not None else value.shape))
+        whole = np.concatenate(backs, axis=1) if len(backs) > 1 else backs[0]
+        stored[hf] = torch.from_numpy(np.ascontiguousarray(whole))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return stored
+
+
+def llama_cpp_permute_back(w: np.ndarray, heads: int) -> np.ndarray:
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
+
+
+def _add(w: gguf.GGUFWriter, gname: str, data: np.ndarray, kind: str, rng) -> np.ndarray:
+    """Write one tensor in `kind` (routers and vectors stay F32, as llama.cpp keeps them); returns
+    its values as the file holds them."""
+    if kind == "F32":
+        w.add_tensor(gname, data.astype(np.float32))
+        return data
+    qt = gguf.GGMLQuantizationType[kind]
+    flat = data.reshape(-1, data.shape[-1])
+    # gguf has no K-quant quantizer: random valid blocks at the weights' spread are the weights
+    packed = gguf.quants.quantize(flat, qt) if kind == "Q8_0" else scaled_blocks(kind, flat, int(rng.integers(1 << 30)))
+    back = gguf.quants.dequantize(packed, qt).astype(np.float32).reshape(data.shape)
+    w.add_tensor(gname, packed.reshape(*data.shape[:-1], -1), raw_dtype=qt)
+    return back
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """(arch, kind, seed, layers) -> (our converted folder, the file's weights in HF names)."""
+    cache: dict = {}
+
+    def get(arch: str, kind: str = "F32", seed: int = 0, layers: int = LAYERS):
+        key = (arch, kind, seed, layers)
+        if key not in cache:
+            d = tmp_path_factory.mktemp(f"{arch}{kind}{seed}")
+            stored = write_moe_gguf(make_moe(arch, seed, layers), d / "m.gguf", arch, kind, seed)
+            cache[key] = (conv.convert_gguf(d / "m.gguf", d / "hf", progress=False, tokenizer=False), stored)
+        return cache[key]
+
+    return get
+
+
+def reference(arch: str, stored: dict[str, torch.Tensor], dtype=torch.float64):
+    model = make_moe(arch, 0, dtype=dtype)
+    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in stored.items()}, strict=True)
+    assert not missing and not unexpected
+    return model
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_gguf_rebuilds_the_expert_config(converted, arch):
+    folder, _ = converted(arch)
+    config = json.loads((folder / "config.json").read_text())
+    cfg = load_model(folder, torch.float32, weights="float32").cfg
+    ref = hf_config(arch)
+    assert cfg.arch == arch and not cfg.plain
+    assert (cfg.experts, cfg.experts_used, cfg.expert_ff) == (8, ref.num_experts_per_tok, FF)
+    assert cfg.shared_ff == (SHARED_FF if arch == "qwen2moe" else 0)
+    assert cfg.router == ("softmax_topk_norm" if arch in ("qwen3moe", "mixtral") else "softmax_topk")
+    assert cfg.qk_norm == {"qwen3moe": "head", "olmoe": "full"}.get(arch, "")
+    assert config["model_type"] == ref.model_type
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_float_logits_and_32_greedy_tokens_equal_transformers(converted, arch):
+    folder, stored = converted(arch)
+    ref = reference(arch, stored)
+    ours = load_model(folder, torch.float64, weights="float64")
+    expect = hf_logits(ref, PROMPT)
+    assert torch.allclose(ours_logits(ours, PROMPT), expect, atol=1e-5, rtol=0)
+    got = SpecEngine(ours, ours, eos_ids=[]).generate(PROMPT, Settings(method="ar", max_new_tokens=32)).token_ids
+    # transformers' own greedy decoding with its cache (argmax of each step, as test_families' loop)
+    assert got == ref.generate(torch.tensor([PROMPT]), max_new_tokens=32, do_sample=False)[0, len(PROMPT):].tolist()
+    f32 = load_model(folder, torch.float32, weights="float32")
+    assert torch.allclose(ours_logits(f32, PROMPT).double(), expect, atol=1e-3, rtol=0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_quantized_logits_track_transformers_with_the_files_expert_types(converted, arch, kind):
+    folder, stored = converted(arch, kind)
+    ours = load_model(folder, torch.float32, weights="gguf")
+    assert ours.fused and not ours.cfg.plain
+    moe = ours.layers[0].moe
+    assert moe.q_down[0].segments[0].fmt == {"Q8_0": "q8", "Q4_K": "q4k"}[kind]  # the file's type, not expanded
+    expect = hf_logits(reference(arch, stored), PROMPT)
+    got = ours_logits(ours, PROMPT).double()
+    # int8 activations: within ~2% a position where the routing agrees; where two experts' router
+    # logits lie closer than that, the quantized runtime may pick the other (as llama.cpp's may),
+    # which moves that position by tens of percent. A dropped switch moves every position.
+    assert (got.argmax(-1) == expect.argmax(-1)).float().mean() >= 0.85
+    off = (got - expect).norm(dim=-1) / expect.norm(dim=-1)
+    assert (off < 0.05).float().mean() >= 0.75, off
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_quantized_expert_layer_is_the_float_one_on_the_files_weights(converted, arch):
+    """Layer by layer, on the same rows: the router's logits exact to float32 rounding (its float32
+    weights through the kernels as three bfloat16 parts), the same experts, the output within the
+    int8 activations' ~1%; the float64 layer on the same file's weights is the reference."""
+    folder, _ = converted(arch, "Q8_0")
+    ours = load_model(folder, torch.float32, weights="gguf")
+    ref = load_model(folder, torch.float64, weights="float64")
+    x = 2 * torch.randn(40, HIDDEN, generator=torch.Generator().manual_seed(2))
+    for layer, other in zip(ours.layers, ref.layers, strict=True):
+        moe, norm = layer.moe, layer.mlp_norm
+        got = moe.forward_rows(x, norm.weight, norm.eps).double()
+        h = other.mlp_norm(x.double())
+        logits = moe._router_rows(x, {"norm": norm.weight, "eps": norm.eps})[:, : moe.count].double()
+        assert torch.allclose(logits, other.moe.router(h), atol=2e-5 * float(logits.abs().max()), rtol=0)
+        assert torch.equal(moe.weighting(logits, moe.used)[0].sort(-1)[0],
+                           other.moe.weighting(other.moe.router(h), moe.used)[0].sort(-1)[0])
+        want = other.moe(h)
+        assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max() < 0.03
+
+
+@needs_kernels
+@pytest.mark.parametrize("method", ["sd", "specextend"])
+@pytest.mark.parametrize("kind", ["F32", "Q8_0"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_speculative_output_equals_ar(converted, arch, kind, method):
+    weights = "float32" if kind == "F32" else "gguf"
+    target = load_model(converted(arch, kind)[0], torch.float32, weights=weights)
+    draft = load_model(converted(arch, kind, seed=5, layers=1)[0], torch.float32, weights=weights)
+    eng = SpecEngine(target, draft, eos_ids=[])
+    ar = eng.generate(PROMPT, Settings(method="ar", max_new_tokens=32))
+    extra = dict(draft_gate=False) if method == "specextend" else {}
+    assert eng.generate(PROMPT, Settings(method=method, max_new_tokens=32, **SMALL, **extra)).token_ids == ar.token_ids
+
+
+def _greedy_batch(model, prompts: list[list[int]], steps: int) -> list[list[torch.Tensor]]:
+    """Greedy decoding of several prompts, each step one forward of all of them (`forward_many`):
+    every step's logits of each."""
+    caches = [model.new_cache(len(p) + steps + 1) for p in prompts]
+    last = [model.prefill(torch.tensor(p), c, chunk=8) for p, c in zip(prompts, caches, strict=True)]
+    out: list[list[torch.Tensor]] = [[x] for x in last]
+    for _ in range(steps):
+        parts = [Rows(torch.tensor([int(x[-1].argmax())]), torch.tensor([c.length]), c)
+                 for x, c in zip(out, caches, strict=True)]
+        for o, logits, c in zip(out, model.forward_many(parts), caches, strict=True):
+            c.commit()
+            o.append(logits[0])
+    return out
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_batch_of_four_prompts_is_each_prompt_alone(converted, arch):
+    model = load_model(converted(arch, "Q8_0")[0], torch.float32, weights="gguf")
+    assert model.batches_rows
+    prompts = [torch.randint(0, 95, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 9, 30)]
+    batched = _greedy_batch(model, prompts, 12)
+    for p, got in zip(prompts, batched, strict=True):
+        alone = _greedy_batch(model, [p], 12)[0]
+        assert all(torch.equal(a, b) for a, b in zip(alone, got, strict=True))
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ["qwen2moe", "olmoe"])
+def test_every_kernel_path_gives_the_same_bits_and_rows_never_mix(converted, monkeypatch, arch):
+    """Each path this CPU runs: a tree's rows (routed to different experts) get the bits each gets
+    alone after its ancestors, and every path the portable one's logits."""
+    model = load_model(converted(arch, "Q4_K")[0], torch.float32, weights="gguf")
+    mask, depth = tree(9)
+    n, p = len(depth), len(PROMPT)
+    tokens = torch.randint(0, 95, (n,), generator=torch.Generator().manual_seed(1))
+    logits = {}
+    for path in kernels.cpu_paths():
+        monkeypatch.setenv(kernels.CPU_ENV, path)
+        cache = model.new_cache(p + n)
+        model.prefill(torch.tensor(PROMPT), cache, chunk=16)
+        logits[path] = model(tokens, p + torch.tensor(depth), cache, mask)
+        for i in (0, n - 1):
+            alone = model.new_cache(p + n)
+            model.prefill(torch.tensor(PROMPT), alone, chunk=16)
+            path_i = [j for j in range(n) if mask[i, j]]
+            if len(path_i) > 1:
+                model(tokens[path_i[:-1]], p + torch.arange(len(path_i) - 1), alone)
+                alone.commit()
+            assert torch.equal(model(tokens[i : i + 1], torch.tensor([p + depth[i]]), alone)[0], logits[path][i])
+    assert all(torch.equal(v, logits["portable"]) for v in logits.values())
+
+
+@needs_kernels
+def test_the_expert_layer_reads_only_each_rows_experts_and_its_rows_stand_alone(converted, monkeypatch):
+    """One row runs its k experts (2 products each), the router and nothing else; R rows run each
+    expert they chose once; each row's output is the bits it gets alone."""
+    model = load_model(converted("mixtral", "Q8_0")[0], torch.float32, weights="gguf")
+    moe, norm = model.layers[0].moe, model.layers[0].mlp_norm
+    x = torch.randn(13, HIDDEN, generator=torch.Generator().manual_seed(3))
+    chosen = moe.weighting(moe._router_rows(x, {"norm": norm.weight, "eps": norm.eps})[:, : moe.count], moe.used)[0]
+    calls = []
+    real = experts_mod.qlinear
+    monkeypatch.setattr(experts_mod, "qlinear", lambda *a, **kw: calls.append(a[1]) or real(*a, **kw))
+    rows = moe.forward_rows(x, norm.weight, norm.eps)
+    assert len(calls) == 1 + 2 * len(torch.unique(chosen))
+    for i in range(x.shape[0]):
+        calls.clear()
+        assert torch.equal(moe.forward_rows(x[i : i + 1], norm.weight, norm.eps)[0], rows[i]), i
+        assert len(calls) == 1 + 2 * moe.used
+        assert {id(w) for w in calls[1::2]} == {id(moe.q_gate_up[e]) for e in chosen[i].tolist()}
+
+
+def test_inspect_shows_the_experts(converted, capsys):
+    from specextend.cli.main import main
+
+    folder, _ = converted("qwen2moe", "F32")
+    assert main(["models", "inspect", str(folder.parent / "m.gguf"), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["experts"]
+    assert got["count"] == 8 and got["used"] == 2
+    assert main(["models", "inspect", str(folder.parent / "m.gguf")]) == 0
+    assert "8 experts" in capsys.readouterr().out
