@@ -8,16 +8,17 @@ with llama.cpp's own `llama-quantize` (built by `make peers` beside `llama-serve
 file is of lower quality than one quantized from the original weights: it tests formats, memory
 and speed, not text.
 
-`random` writes a random-weight GGUF of a Hugging Face config's shape (a preset: the default
-1.5B, qwen2.5-7b, llama-3-8b, the mixture of experts olmoe-1b-7b; or a config.json) with the
-default pair's tokenizer copied from the default GGUF (its vocabulary sets the embedding's rows,
-so the default draft pairs with it), one tensor at a time (a 7B file never holds more than one
-matrix in memory). Types gguf-py quantizes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16, BF16) are
-quantized from random floats; K-quants and IQ4 are random bytes with their float16 scales set so the weights have a small spread: any bytes are a
-valid block. `_M` names (Q3_K_M, Q4_K_M, Q5_K_M) use a higher type for some tensors as llama.cpp
-does (the output and V and down projections of some layers). The file says in its metadata that
-its weights are random, and loading it says so: tokens accepted from random weights mean nothing
-(the draft agrees with nothing); such a file measures formats, memory and speed only.
+`random` writes a random-weight GGUF of a Hugging Face config's shape (a preset: the default 1.5B,
+qwen2.5-7b, llama-3-8b, the mixture of experts olmoe-1b-7b; or a config.json) with the default
+pair's tokenizer copied from the default GGUF (its vocabulary sets the embedding's rows, so the
+default draft pairs with it), one tensor at a time (a 7B file never holds more than one matrix in
+memory). Types gguf-py quantizes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16, BF16) are quantized from random
+floats; K-quants and IQ4 are random bytes with their float16 scales set so the weights have a small
+spread: any bytes are a valid block. `_M` names (Q3_K_M, Q4_K_M, Q5_K_M) use a higher type for some
+tensors as llama.cpp does (the output and V and down projections of some layers). The file says in
+its metadata that its weights are random, and loading it says so: tokens accepted from random
+weights mean nothing (the draft agrees with nothing); such a file measures formats, memory and speed
+only.
 """
 
 from __future__ import annotations
