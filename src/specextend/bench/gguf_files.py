@@ -234,24 +234,9 @@ def _copy_tokenizer(writer: Any, reader: Any) -> None:
         writer.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
 
 
-def write_random(out: Path, config: dict[str, Any], kind: str, tokenizer_from: Path, seed: int = 0,
-                 progress: bool = True) -> Path:
-    """Write a random-weight GGUF of `config`'s shape in `kind`, atomically, one tensor at a time."""
-    import gguf
-    from tqdm import tqdm
-
-    if kind not in TYPES:
-        raise UserError(f"--type {kind}: choose one of {', '.join(TYPES)}")
-    source = open_gguf(tokenizer_from)
-    if "tokenizer.ggml.tokens" not in source.fields:
-        raise UserError(f"{tokenizer_from} has no tokenizer to copy")
-    embd = next((t for t in source.tensors if t.name == "token_embd.weight"), None)
-    vocab = int(embd.shape[-1]) if embd is not None else len(source.fields["tokenizer.ggml.tokens"].data)
-    arch = config.get("model_type", "llama")
+def _write_keys(w: Any, config: dict[str, Any]) -> None:
+    """The metadata keys of the model (the random marker, the shape, the experts) into writer `w`."""
     heads = config["num_attention_heads"]
-    plan = list(tensor_plan(config, vocab, kind))
-    w = gguf.GGUFWriter(None, arch)
-    w.add_name(f"random {kind} {arch} {config['hidden_size']}x{config['num_hidden_layers']}")
     w.add_bool(RANDOM_WEIGHTS_KEY, True)
     w.add_description(RANDOM_NOTE)
     w.add_context_length(int(config.get("max_position_embeddings", 4096)))
@@ -269,6 +254,26 @@ def write_random(out: Path, config: dict[str, Any], kind: str, tokenizer_from: P
         w.add_expert_count(int(config["num_experts"]))
         w.add_expert_used_count(int(config["num_experts_per_tok"]))
         w.add_expert_feed_forward_length(int(config["intermediate_size"]))
+
+
+def write_random(out: Path, config: dict[str, Any], kind: str, tokenizer_from: Path, seed: int = 0,
+                 progress: bool = True) -> Path:
+    """Write a random-weight GGUF of `config`'s shape in `kind`, atomically, one tensor at a time."""
+    import gguf
+    from tqdm import tqdm
+
+    if kind not in TYPES:
+        raise UserError(f"--type {kind}: choose one of {', '.join(TYPES)}")
+    source = open_gguf(tokenizer_from)
+    if "tokenizer.ggml.tokens" not in source.fields:
+        raise UserError(f"{tokenizer_from} has no tokenizer to copy")
+    embd = next((t for t in source.tensors if t.name == "token_embd.weight"), None)
+    vocab = int(embd.shape[-1]) if embd is not None else len(source.fields["tokenizer.ggml.tokens"].data)
+    arch = config.get("model_type", "llama")
+    plan = list(tensor_plan(config, vocab, kind))
+    w = gguf.GGUFWriter(None, arch)
+    w.add_name(f"random {kind} {arch} {config['hidden_size']}x{config['num_hidden_layers']}")
+    _write_keys(w, config)
     _copy_tokenizer(w, source)
     del source
     for name, shape, t in plan:
