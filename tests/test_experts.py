@@ -250,10 +250,12 @@ def test_the_quantized_expert_layer_is_the_float_one_on_the_files_weights(conver
         assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max() < 0.03
 
 
+# Every family with the quantized runtime's sd, both methods on one, and the float32 path on one.
+SPECULATIVE = [(arch, "Q8_0", "sd") for arch in ARCHS] + [("qwen2moe", "Q8_0", "specextend"), ("mixtral", "F32", "sd")]
+
+
 @needs_kernels
-@pytest.mark.parametrize("method", ["sd", "specextend"])
-@pytest.mark.parametrize("kind", ["F32", "Q8_0"])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(("arch", "kind", "method"), SPECULATIVE)
 def test_speculative_output_equals_ar(converted, arch, kind, method):
     weights = "float32" if kind == "F32" else "gguf"
     target = load_model(converted(arch, kind)[0], torch.float32, weights=weights)
@@ -335,6 +337,22 @@ def test_the_expert_layer_reads_only_each_rows_experts_and_its_rows_stand_alone(
         assert torch.equal(moe.forward_rows(x[i : i + 1], norm.weight, norm.eps)[0], rows[i]), i
         assert len(calls) == 1 + 2 * moe.used
         assert {id(w) for w in calls[1::2]} == {id(moe.q_gate_up[e]) for e in chosen[i].tolist()}
+
+
+@pytest.mark.parametrize("arch", ["qwen2moe", "mixtral"])
+def test_a_hugging_face_folder_of_an_expert_model_loads(tmp_path, arch):
+    """transformers' own checkpoint (one tensor an expert: `experts.{e}.gate_proj`, Mixtral's
+    `block_sparse_moe.experts.{e}.w1`): float64 logits are transformers', int8 runs the kernels."""
+    model = make_moe(arch, 0, 1, dtype=torch.float64)
+    model.save_pretrained(tmp_path)
+    expect = hf_logits(model, PROMPT)
+    assert torch.allclose(ours_logits(load_model(tmp_path, torch.float64, weights="float64"), PROMPT), expect,
+                          atol=1e-5, rtol=0)
+    if kernels.available():
+        q = load_model(tmp_path, torch.float32, weights="int8")
+        assert q.fused
+        got = ours_logits(q, PROMPT).double()
+        assert ((got - expect).norm(dim=-1) / expect.norm(dim=-1)).median() < 0.05
 
 
 def test_inspect_shows_the_experts(converted, capsys):

@@ -8,16 +8,17 @@ with llama.cpp's own `llama-quantize` (built by `make peers` beside `llama-serve
 file is of lower quality than one quantized from the original weights: it tests formats, memory
 and speed, not text.
 
-`random` writes a random-weight GGUF of a Hugging Face config's shape (a preset: the default
-1.5B, qwen2.5-7b, llama-3-8b; or a config.json) with the default pair's tokenizer copied from the
-default GGUF (its vocabulary sets the embedding's rows, so the default draft pairs with it), one
-tensor at a time (a 7B file never holds more than one matrix in memory). Types gguf-py quantizes
-(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, F16, BF16) are quantized from random floats; K-quants and IQ4 are
-random bytes with their float16 scales set so the weights have a small spread: any bytes are a
-valid block. `_M` names (Q3_K_M, Q4_K_M, Q5_K_M) use a higher type for some tensors as llama.cpp
-does (the output and V and down projections of some layers). The file says in its metadata that
-its weights are random, and loading it says so: tokens accepted from random weights mean nothing
-(the draft agrees with nothing); such a file measures formats, memory and speed only.
+`random` writes a random-weight GGUF of a Hugging Face config's shape (a preset: the default 1.5B,
+qwen2.5-7b, llama-3-8b, the mixture of experts olmoe-1b-7b; or a config.json) with the default
+pair's tokenizer copied from the default GGUF (its vocabulary sets the embedding's rows, so the
+default draft pairs with it), one tensor at a time (a 7B file never holds more than one matrix in
+memory). Types gguf-py quantizes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, F16, BF16) are quantized
+from random floats; K-quants and IQ4 are random bytes with their float16 scales set so the weights
+have a small spread: any bytes are a valid block. `_M` names (Q3_K_M, Q4_K_M, Q5_K_M) use a higher
+type for some tensors as llama.cpp does (the output and V and down projections of some layers). The
+file says in its metadata that its weights are random, and loading it says so: tokens accepted from
+random weights mean nothing (the draft agrees with nothing); such a file measures formats, memory
+and speed only.
 """
 
 from __future__ import annotations
@@ -50,7 +51,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama-3-8b": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                    "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 500000.0,
                    "rms_norm_eps": 1e-5, "max_position_embeddings": 8192, "tie_word_embeddings": False},
+    # A mixture of experts: 64 experts of 1024, 8 a token, q/k norms over whole projections.
+    "olmoe-1b-7b": {"model_type": "olmoe", "hidden_size": 2048, "intermediate_size": 1024, "num_hidden_layers": 16,
+                    "num_attention_heads": 16, "num_key_value_heads": 16, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+                    "max_position_embeddings": 4096, "tie_word_embeddings": False, "num_experts": 64,
+                    "num_experts_per_tok": 8},
 }
+# The model types a random file can take (the expert ones: each layer's experts stacked, llama.cpp's way).
+RANDOM_TYPES = ("llama", "qwen2", "olmoe")
 
 # Types written as random blocks: the byte offsets of each block's float16 scale (d) and, for the
 # types with one, its float16 min scale (dmin). Every other byte of a block is codes or small
@@ -113,8 +121,9 @@ def load_shape(shape: str) -> dict[str, Any]:
         raise UserError(f"--shape {shape}: not a JSON config: {e}") from None
     if missing:
         raise UserError(f"--shape {shape}: the config lacks {', '.join(missing)}")
-    if config.get("model_type", "llama") not in ("llama", "qwen2"):
-        raise UserError(f"--shape {shape}: model_type {config.get('model_type')!r}; random files are llama or qwen2")
+    if config.get("model_type", "llama") not in RANDOM_TYPES:
+        raise UserError(f"--shape {shape}: model_type {config.get('model_type')!r}; random files are "
+                        f"{', '.join(RANDOM_TYPES)}")
     return config
 
 
@@ -126,6 +135,7 @@ def tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tuple
     kv = config.get("num_key_value_heads", heads)
     hd = config.get("head_dim") or h // heads
     qwen = config.get("model_type") == "qwen2"
+    experts = int(config.get("num_experts") or 0)  # OLMoE: each expert `intermediate_size` wide
 
     def more_bits(i: int) -> bool:  # llama.cpp's use_more_bits: the first and last eighth, every third between
         return i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
@@ -143,6 +153,14 @@ def tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tuple
             yield b + "attn_v.bias", (kv * hd,), "F32"
         yield b + "attn_output.weight", (h, heads * hd), main
         yield b + "ffn_norm.weight", (h,), "F32"
+        if experts:
+            yield b + "attn_q_norm.weight", (heads * hd,), "F32"
+            yield b + "attn_k_norm.weight", (kv * hd,), "F32"
+            yield b + "ffn_gate_inp.weight", (experts, h), "F32"  # llama.cpp keeps routers in F32
+            yield b + "ffn_gate_exps.weight", (experts, f, h), main
+            yield b + "ffn_up_exps.weight", (experts, f, h), main
+            yield b + "ffn_down_exps.weight", (experts, h, f), more if more_bits(i) else main
+            continue
         yield b + "ffn_gate.weight", (f, h), main
         yield b + "ffn_up.weight", (f, h), main
         yield b + "ffn_down.weight", (h, f), more if more_bits(i) else main
@@ -197,9 +215,10 @@ def random_tensor(shape: tuple[int, ...], kind: str, rng: np.random.Generator,
     if kind in RANDOM_BLOCKS:
         if kind not in scales:
             scales[kind] = _block_scales(kind, rng)
-        blocks = rng.integers(0, 256, size=(shape[0], shape[-1] // block, size), dtype=np.uint8)
+        rows = int(np.prod(shape[:-1]))  # a stack of experts' matrices: all their rows
+        blocks = rng.integers(0, 256, size=(rows, shape[-1] // block, size), dtype=np.uint8)
         _set_scales(blocks, kind, *scales[kind])
-        return blocks.reshape(shape[0], -1)
+        return blocks.reshape(*shape[:-1], -1)
     values = (WEIGHT_STD * rng.standard_normal(shape)).astype(np.float32)
     return gguf_quantize(values, qtype)
 
@@ -213,6 +232,28 @@ def _copy_tokenizer(writer: Any, reader: Any) -> None:
             continue
         sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
         writer.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+
+
+def _write_keys(w: Any, config: dict[str, Any]) -> None:
+    """The metadata keys of the model (the random marker, the shape, the experts) into writer `w`."""
+    heads = config["num_attention_heads"]
+    w.add_bool(RANDOM_WEIGHTS_KEY, True)
+    w.add_description(RANDOM_NOTE)
+    w.add_context_length(int(config.get("max_position_embeddings", 4096)))
+    w.add_embedding_length(config["hidden_size"])
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(config.get("num_key_value_heads", heads))
+    if config.get("head_dim"):
+        w.add_key_length(config["head_dim"])
+        w.add_value_length(config["head_dim"])
+    w.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
+    w.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
+    if config.get("num_experts"):
+        w.add_expert_count(int(config["num_experts"]))
+        w.add_expert_used_count(int(config["num_experts_per_tok"]))
+        w.add_expert_feed_forward_length(int(config["intermediate_size"]))
 
 
 def write_random(out: Path, config: dict[str, Any], kind: str, tokenizer_from: Path, seed: int = 0,
@@ -229,23 +270,10 @@ def write_random(out: Path, config: dict[str, Any], kind: str, tokenizer_from: P
     embd = next((t for t in source.tensors if t.name == "token_embd.weight"), None)
     vocab = int(embd.shape[-1]) if embd is not None else len(source.fields["tokenizer.ggml.tokens"].data)
     arch = config.get("model_type", "llama")
-    heads = config["num_attention_heads"]
     plan = list(tensor_plan(config, vocab, kind))
     w = gguf.GGUFWriter(None, arch)
     w.add_name(f"random {kind} {arch} {config['hidden_size']}x{config['num_hidden_layers']}")
-    w.add_bool(RANDOM_WEIGHTS_KEY, True)
-    w.add_description(RANDOM_NOTE)
-    w.add_context_length(int(config.get("max_position_embeddings", 4096)))
-    w.add_embedding_length(config["hidden_size"])
-    w.add_block_count(config["num_hidden_layers"])
-    w.add_feed_forward_length(config["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(config.get("num_key_value_heads", heads))
-    if config.get("head_dim"):
-        w.add_key_length(config["head_dim"])
-        w.add_value_length(config["head_dim"])
-    w.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
-    w.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
+    _write_keys(w, config)
     _copy_tokenizer(w, source)
     del source
     for name, shape, t in plan:

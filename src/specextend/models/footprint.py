@@ -57,6 +57,7 @@ class TensorInfo:
     kind: str  # the GGUF type name
     shape: tuple[int, ...]  # GGUF order: the input width (the fastest dimension) first
     file_bytes: int
+    router: bool = False  # an expert router (`ffn_gate_inp*`): float32, run exactly (runtime/experts.py)
 
 
 @dataclass
@@ -211,6 +212,8 @@ def footprint(file: str | os.PathLike[str], architecture: str, tensors: list[Ten
     for t in tensors:
         dims, count = len(t.shape), math.prod(t.shape)
         runs_as, kept, expanded = _runs_as(t.kind, t.shape, kernel_path)
+        if t.router and not runs_float(kernel_path):
+            runs_as = f"float32 routers, exact as three bfloat16 parts ({kernel_path} kernels)"
         row = rows.setdefault((t.kind, runs_as), TypeRow(t.kind, runs_as, kept, expanded))
         row.tensors += 1
         row.parameters += count
@@ -221,6 +224,8 @@ def footprint(file: str | os.PathLike[str], architecture: str, tensors: list[Ten
             row.loaded_bytes += count * F32_BYTES
         elif kept:
             row.loaded_bytes += stored
+        elif t.router:
+            row.loaded_bytes += count * (F32_BYTES + 6)  # the float32 weights and their three bfloat16 parts
         else:
             requantized = dims == 2 and t.shape[0] % 32 == 0
             row.loaded_bytes += round(count * Q8_BYTES) if requantized else count * F32_BYTES

@@ -367,9 +367,12 @@ def _fill(model: Transformer, w: _Weights) -> None:
 def _fill_experts(moe: Experts, w: _Weights, p: str, cfg: ModelConfig) -> None:
     """A layer's experts (`p`: its `model.layers.{i}.mlp.` prefix): the router (and its bias) and the
     shared expert's gate in float (the runtime multiplies them exactly: experts.exact_bf16); the
-    experts' stacked projections as the file holds them, [experts, rows, width] (a Hugging Face
-    checkpoint's fused gate_up_proj is split); the shared expert as any projection."""
+    experts' projections stacked [experts x rows, width], as a converted GGUF holds them (kept in the
+    file's types) or stacked here from a Hugging Face checkpoint (`_expert_tensor`); the shared
+    expert as any projection."""
     h, n, ff = cfg.hidden_size, cfg.experts, cfg.expert_ff
+    if not w.ts.has(p + "gate.weight") and w.ts.has(_mixtral(p) + "gate.weight"):
+        p = _mixtral(p)  # a Mixtral checkpoint's block_sparse_moe
     moe.router.weight = w.wrap(_checked(w.ts.get(p + "gate.weight", w.act), (n, h), p + "gate.weight"))
     if w.ts.has(p + "gate.bias"):
         moe.router.bias = w.param(p + "gate.bias")
@@ -379,26 +382,41 @@ def _fill_experts(moe: Experts, w: _Weights, p: str, cfg: ModelConfig) -> None:
         w.project(moe.shared_gate_up, [s + "gate_proj.weight", s + "up_proj.weight"], 2 * cfg.shared_ff, h)
         w.project(moe.shared_down, [s + "down_proj.weight"], h, cfg.shared_ff)
     shapes = {"gate": (ff, h), "up": (ff, h), "down": (h, ff)}
-    fused = p + "experts.gate_up_proj"
     for name in shapes:
         if w.ts.has(f"{p}experts.{name}_proj.bias"):
             setattr(moe, f"{name}_bias", w.param(f"{p}experts.{name}_proj.bias"))
-    if w.derived is not None and not w.ts.has(fused):
-        segs = [_expert_segment(w, f"{p}experts.{name}_proj.weight", n * rows, width)
-                for name, (rows, width) in shapes.items()]
-        moe.quantize(*segs)
+    stacked = {name: f"{p}experts.{name}_proj.weight" for name in shapes}
+    if w.derived is not None and all(w.ts.has(k) for k in stacked.values()):  # a converted GGUF
+        moe.quantize(*(_expert_segment(w, stacked[name], n * rows, width) for name, (rows, width) in shapes.items()))
         return
-    gate_up = w.ts.get(fused, w.act).reshape(n, 2 * ff, h) if w.ts.has(fused) else None
     for name, (rows, width) in shapes.items():
-        key = f"{p}experts.{name}_proj" + ("" if gate_up is not None else ".weight")
-        if gate_up is not None and name != "down":
-            t = gate_up[:, :ff] if name == "gate" else gate_up[:, ff:]
-        else:
-            t = w.ts.get(key, w.act)
-        setattr(moe, name, w.wrap(_checked(t.reshape(-1, rows, width), (n, rows, width), key).contiguous()))
-    if w.derived is not None:  # a checkpoint's fused experts under a quantized scheme: 8 bits of our own
-        moe.quantize(*(quant.quantize(getattr(moe, name).reshape(-1, width).float(), 8).segments[0]
+        t = _expert_tensor(w, p, name, n, ff)
+        setattr(moe, name, w.wrap(_checked(t, (n, rows, width), stacked[name]).contiguous()))
+    if w.derived is not None:  # a checkpoint's float experts under a quantized scheme
+        bits = 4 if w.scheme == "int4" else 8
+        moe.quantize(*(quant.quantize(getattr(moe, name).reshape(-1, width).float(), bits).segments[0]
                        for name, (_, width) in shapes.items()))
+
+
+def _mixtral(p: str) -> str:
+    return p.replace(".mlp.", ".block_sparse_moe.")
+
+
+def _expert_tensor(w: _Weights, p: str, name: str, n: int, ff: int) -> torch.Tensor:
+    """One projection of every expert, [experts, rows, width], in float: stacked already (a converted
+    GGUF), transformers 5's fused `gate_up_proj`, or one tensor an expert (`experts.{e}.gate_proj`,
+    Mixtral's `experts.{e}.w1`)."""
+    if w.ts.has(f"{p}experts.{name}_proj.weight"):
+        return w.ts.get(f"{p}experts.{name}_proj.weight", w.act).reshape(n, -1, w.ts.shape(
+            f"{p}experts.{name}_proj.weight")[-1])
+    if name != "down" and w.ts.has(p + "experts.gate_up_proj"):
+        fused = w.ts.get(p + "experts.gate_up_proj", w.act)
+        return fused[:, :ff] if name == "gate" else fused[:, ff:]
+    if w.ts.has(p + "experts.down_proj"):
+        return w.ts.get(p + "experts.down_proj", w.act)
+    own = {"gate": "w1", "up": "w3", "down": "w2"}[name] if "block_sparse_moe" in p else f"{name}_proj"
+    names = [f"{p}experts.{e}.{own}.weight" for e in range(n)]
+    return w.stacked(names).reshape(n, -1, w.ts.shape(names[0])[-1])
 
 
 def _expert_segment(w: _Weights, name: str, rows: int, width: int) -> quant.Segment:
