@@ -151,6 +151,35 @@ def test_attention_equals_the_portable_bits(path: str, d: int, heads: int, kv: i
         assert torch.equal(ours, ext.attend(q, k, v, mask, PORTABLE))
 
 
+@pytest.mark.parametrize("path", PATHS[:1] + VECTOR[:1])
+def test_a_long_cache_read_in_pieces_gives_every_thread_count_and_a_tree_row_the_same_bits(path: str) -> None:
+    """A decode step and a small tree over a cache of several 512-key chunks: read in pieces by two or
+    more threads (flash-decoding) they get the bits of one thread, and a tree's row gets the bits of
+    the same token decoded alone after its ancestors (the same visible keys in the same order)."""
+    g = torch.Generator().manual_seed(5)
+    prefix, t, d = 2600, 5, 64
+    k = torch.randn(2, prefix + t, d, generator=g).bfloat16()
+    v = torch.randn(2, prefix + t, d, generator=g).bfloat16()
+    q = torch.randn(14, t, d, generator=g) * 2
+    mask = tree_mask(t, seed=3)
+    pid = kernels.path_index(path)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ext.attend(q, k, v, mask, pid)
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(ext.attend(q, k, v, mask, pid), one)
+            assert torch.equal(ext.attend(q[:, :1], k[:, : prefix + 1], v[:, : prefix + 1], None, pid), one[:, :1])
+    finally:
+        torch.set_num_threads(before)
+    # The last node alone: its ancestors become the committed prefix, in slot order.
+    last = t - 1
+    seen = torch.cat([torch.arange(prefix), prefix + mask[last].nonzero().flatten()])
+    alone = ext.attend(q[:, last:], k[:, seen].contiguous(), v[:, seen].contiguous(), None, pid)
+    assert torch.equal(alone, one[:, last:])
+
+
 SOURCES = [str(p) for p in sorted((CSRC / "core").glob("*.cpp"))] + [str(CSRC / "test" / "exactness.cpp")]
 FLAGS = ["-O2", "-std=c++17", "-ffp-contract=off"]
 

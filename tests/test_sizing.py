@@ -449,3 +449,43 @@ def test_every_kind_of_lookup_token_has_a_prior_that_is_a_probability():
         for depth in range(1, 65):
             for alt in (False, True):
                 assert 0.0 < LOOKUP_PRIOR[lookup_key(n, depth, alt)] < 1.0
+
+
+def long_context_costs() -> CostModel:
+    """A long prompt's step costs: a 9-row verification ~1.9x a one-row step, a draft step 0.3x."""
+    return synthetic_costs(verify_ms=(40.0, 44.0, 50.0, 76.0, 120.0, 200.0), draft_ms=12.0)
+
+
+def test_the_draft_starts_only_where_its_prompt_kv_repays_itself_within_the_answer():
+    """Decision 0 on fake costs: a longer answer starts the draft at least as readily, a dearer start
+    (more prompt KV to compute) at most as readily; a one-token answer or a start dearer than any
+    saving never starts it (lookup alone then), a cheap start over a long answer does."""
+    s = Settings(method="specextend").resolved()
+    sizer = Sizer(long_context_costs(), s, has_draft=True)
+    sizer.begin(context=0, draft_context=0)
+    by_length = [sizer.draft_pays(Pool(), 1, 1.0, n) for n in (1, 8, 32, 128, 512, 4096, 65536)]
+    assert by_length == sorted(by_length) and not by_length[0] and by_length[-1], by_length
+    by_cost = [sizer.draft_pays(Pool(), 1, c, 256) for c in (1e-4, 0.01, 0.1, 1.0, 10.0, 100.0)]
+    assert by_cost == sorted(by_cost, reverse=True) and by_cost[0] and not by_cost[-1], by_cost
+
+
+def test_the_start_is_judged_below_the_drafts_own_probabilities():
+    """Before the draft has run, the start decision values its guesses at START_CALIBRATION of its
+    own probabilities: it breaks even only at a cheaper draft than the same state would with the
+    prior at 1 (the per-step choices' prior), and that prior is left as it was."""
+    s = Settings(method="specextend").resolved()
+    fresh = Sizer(long_context_costs(), s, has_draft=True)
+    fresh.begin(context=0, draft_context=0)
+    trusting = copy.deepcopy(fresh)
+    trusting.drafted_once = True  # a run draft has calibration observations: the prior stays at 1
+    startup_s, tokens_left = 0.3, 128
+    cautious = fresh.draft_break_even(Pool(), 1, startup_s, tokens_left)
+    optimistic = trusting.draft_break_even(Pool(), 1, startup_s, tokens_left)
+    assert cautious is not None and optimistic is not None and 0.0 < cautious < optimistic, (cautious, optimistic)
+    assert fresh.cal_prior == 1.0 and fresh.calibration(1) == 1.0
+    # A start the trusting prior would take and the cautious one refuses: decoding goes on without it.
+    f = (cautious * optimistic) ** 0.5
+    scaled_fresh, scaled_trusting = copy.deepcopy(fresh), copy.deepcopy(trusting)
+    scaled_fresh.draft_scale = scaled_trusting.draft_scale = f
+    assert scaled_trusting.draft_pays(Pool(), 1, f * startup_s, tokens_left)
+    assert not scaled_fresh.draft_pays(Pool(), 1, f * startup_s, tokens_left)

@@ -33,7 +33,9 @@ request:
 
 0. start the draft or not (`draft_pays`, until it says yes): starting computes the prompt KV
    the draft reads (draft_prefill.py), worth it only if the draft's expected gain per step over
-   the steps still to come repays it; a short answer never starts it and runs lookup alone;
+   the steps still to come repays it, the gain judged at a pessimistic calibration
+   (START_CALIBRATION: the start is paid once, on a guess); a short answer never starts it and
+   runs lookup alone;
 
 1. draft or not (`should_draft`): the best lookup-only tree against the best tree expected with
    the draft (the draft's usual rank probabilities, the current calibration, and the predicted
@@ -92,6 +94,13 @@ LOOKUP_SCALE_WEIGHT = 4.0
 # fed only the newest ones: catching up costs a draft forward over every fed token, and the
 # draft's guesses need the recent context more than all of it (see DraftPolicy.skip).
 RESYNC_TOKENS = 16
+# The calibration prior of the start decision (`draft_pays`), before the draft has run: its own rank
+# probabilities at this share. Per-step choices may trust the draft at 1 (a step that guessed wrong
+# is corrected within steps), but the start is paid once and never recovered: on a 12.3K-token
+# GovReport document the default draft was accepted 1.67 tokens a step where the prior at 1 expected
+# 1.8-2.4, and the answer took 1.03x `ar`'s time end to end (issue 66). At 0.8 the same state expects
+# ~1.6 tokens a step and a third of the gain, so a start must repay its prompt KV three times over.
+START_CALIBRATION = 0.8
 
 
 def lookup_key(ngram: int, depth: int, alt: bool) -> tuple[int, int, bool]:
@@ -139,6 +148,7 @@ class Sizer:
         self.draft_ctx = 0
         self.spent = 0.0  # predicted draft seconds of this step so far
         self.draft_scale = 1.0  # a factor on every draft cost (draft_break_even's what-if)
+        self.cal_prior = 1.0  # the calibration of a depth not observed yet (START_CALIBRATION while starting)
         self.probing = False
 
     # ----------------------------------------------------------------- the step's constants
@@ -159,7 +169,7 @@ class Sizer:
     # ----------------------------------------------------------------- values
 
     def calibration(self, depth: int) -> float:
-        k = 1.0
+        k = self.cal_prior
         for d in range(1, min(depth, len(self.cal_acc) - 1) + 1):
             n, pred = self.cal_steps[d], self.cal_pred[d]
             if n <= 0.0 or pred <= 0.0:
@@ -250,12 +260,17 @@ class Sizer:
         (valued at the rate to beat), over the steps still to come, against what starting costs
         (`startup_s`: computing the prompt KV the draft reads, in tokens forgone at that rate).
         Before the draft has run, its acceptance is the prior (rank probabilities, calibration
-        1); the lookup candidates' rates are this request's so far."""
+        START_CALIBRATION: the start is a cost paid once on a guess); the lookup candidates' rates
+        are this request's so far. No: lookup alone (or `ar` steps) for the rest of the answer."""
         if not self.has_draft or tokens_left <= 1 or not self.costs.settled:
             return False
-        lookup = self.values(pool)
-        f_without, _ = self.best(lookup, 0.0)
-        f_with, tokens = self._draft_tree(lookup, backlog)
+        self.cal_prior = 1.0 if self.drafted_once else START_CALIBRATION
+        try:
+            lookup = self.values(pool)
+            f_without, _ = self.best(lookup, 0.0)
+            f_with, tokens = self._draft_tree(lookup, backlog)
+        finally:
+            self.cal_prior = 1.0
         gain = f_with - f_without
         if gain <= 0.0:
             return False

@@ -257,13 +257,14 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   }
   at::Tensor out = at::empty({pb.heads, pb.t, pb.d}, qc.options());
   pb.out = out.data_ptr<float>();
-  // Items from a shared counter, most keys first: threads finish together on any causal shape.
+  // Items from a shared counter, most work first: threads finish together on any causal shape, and
+  // a decode step's long cache is read in pieces by every thread (attention.h).
   const int threads = at::get_num_threads();
-  const std::vector<spx::AttentionItem> items = spx::attention_items(pb, threads);
-  const int64_t count = static_cast<int64_t>(items.size());
+  const spx::AttentionPlan plan = spx::plan_attention(pb, threads);
+  const int64_t count = static_cast<int64_t>(plan.items.size());
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(threads, count), 1, [&](int64_t, int64_t) {
-    for (int64_t i; (i = next.fetch_add(1)) < count;) spx::attend_items(path, pb, items.data(), i, i + 1);
+    for (int64_t i; (i = next.fetch_add(1)) < count;) spx::attend_item(path, pb, plan, i);
   });
   return out;
 }

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <limits>
 
+#include "fastexp.h"
 #include "half.h"
 
 namespace spx {
@@ -74,82 +75,263 @@ struct TokenKeys {
   int64_t total = 0, contiguous = 0;
 };
 
-// Rows of the item (token-major, then query head): the scaled bfloat16 query and zeroed state.
-void start_rows(const Attention& pb, const AttentionItem& it, uint16_t* qbuf, float* qfbuf, float* acc0,
-                RowState* rows) {
-  const int64_t g = pb.heads / pb.kv_heads, d = pb.d;
-  for (int64_t i = 0; i < it.t1 - it.t0; ++i)
-    for (int64_t r = 0; r < g; ++r) {
-      uint16_t* q = qbuf + (i * g + r) * d;
-      float* qf = qfbuf + (i * g + r) * d;
-      const float* src = pb.q + ((it.kvh * g + r) * pb.t + it.t0 + i) * d;
-      for (int64_t x = 0; x < d; ++x) {
-        q[x] = float_to_bf16(src[x] * pb.scale);
-        qf[x] = bf16_to_float(q[x]);
-      }
-      const float* sink = pb.sinks ? pb.sinks + it.kvh * g + r : nullptr;  // query head kvh * g + r
-      rows[i * g + r] = RowState{q, qf, acc0 + (i * g + r) * d, sink ? *sink : kNegInf, sink ? 1.f : 0.f};
-    }
-}
-
-void run_item(const Attention& pb, const AttentionItem& it, const BlockKernel& kn) {
-  const int64_t g = pb.heads / pb.kv_heads, d = pb.d, prefix = pb.prefix();
-  const int ntok = static_cast<int>(it.t1 - it.t0), nrows = ntok * static_cast<int>(g);
-  std::vector<uint16_t> qbuf(nrows * d);
-  std::vector<float> accbuf(nrows * d + 16, 0.f), qfbuf(nrows * d);
-  float* acc0 = accbuf.data() + ((16 - (reinterpret_cast<uintptr_t>(accbuf.data()) / 4) % 16) % 16);
-  std::vector<RowState> rows(nrows);
-  start_rows(pb, it, qbuf.data(), qfbuf.data(), acc0, rows.data());
-  std::vector<TokenKeys> tokens(ntok);
+// Keys every token of [t0, t1) sees in place (the committed prefix, and the new tokens' slots up to
+// the first one some token does not see), and each token's list.
+int64_t shared_keys(const Attention& pb, int64_t t0, int64_t t1, std::vector<TokenKeys>* tokens) {
   int64_t shared = std::numeric_limits<int64_t>::max();
-  for (int i = 0; i < ntok; ++i) {
-    TokenKeys& tk = tokens[i];
-    extras_of(pb, it.t0 + i, tk.extras);
-    tk.total = prefix + static_cast<int64_t>(tk.extras.size());
+  std::vector<TokenKeys> local;
+  std::vector<TokenKeys>& tks = tokens != nullptr ? *tokens : local;
+  tks.assign(t1 - t0, TokenKeys{});
+  for (int64_t i = 0; i < t1 - t0; ++i) {
+    TokenKeys& tk = tks[i];
+    extras_of(pb, t0 + i, tk.extras);
+    tk.total = pb.prefix() + static_cast<int64_t>(tk.extras.size());
     tk.contiguous = contiguous_len(pb, tk.extras);
     shared = std::min(shared, tk.contiguous);
   }
+  return shared;
+}
+
+template <typename T>
+T* aligned64(std::vector<T>& buf) {  // buf has 64 bytes to spare
+  const uintptr_t p = reinterpret_cast<uintptr_t>(buf.data());
+  return reinterpret_cast<T*>((p + 63) & ~uintptr_t{63});
+}
+
+// An item's query rows (token-major, then query head): the scaled bfloat16 queries, the state of
+// each row's current chunk, and the fold of its chunks before it.
+struct ItemRows {
+  int64_t d = 0;
+  int nrows = 0;
+  std::vector<uint16_t> qbuf;
+  std::vector<float> qfbuf, accbuf, totbuf, tml;
+  std::vector<RowState> rows;
+  float* tacc = nullptr;  // [nrows][d], aligned: the folded chunks
+  std::vector<char> folded;  // per row: whether tacc/tml hold anything yet
+
+  ItemRows(const Attention& pb, const AttentionItem& it) : d(pb.d) {
+    const int64_t g = pb.heads / pb.kv_heads;
+    nrows = static_cast<int>((it.t1 - it.t0) * g);
+    qbuf.resize(nrows * d);
+    qfbuf.resize(nrows * d);
+    accbuf.assign(nrows * d + 16, 0.f);
+    totbuf.assign(nrows * d + 16, 0.f);
+    tml.assign(2 * nrows, 0.f);
+    folded.assign(nrows, 0);
+    rows.resize(nrows);
+    tacc = aligned64(totbuf);
+    float* acc0 = aligned64(accbuf);
+    for (int64_t i = 0; i < it.t1 - it.t0; ++i)
+      for (int64_t r = 0; r < g; ++r) {
+        uint16_t* q = qbuf.data() + (i * g + r) * d;
+        float* qf = qfbuf.data() + (i * g + r) * d;
+        const float* src = pb.q + ((it.kvh * g + r) * pb.t + it.t0 + i) * d;
+        for (int64_t x = 0; x < d; ++x) {
+          q[x] = float_to_bf16(src[x] * pb.scale);
+          qf[x] = bf16_to_float(q[x]);
+        }
+        rows[i * g + r] = RowState{q, qf, acc0 + (i * g + r) * d, kNegInf, 0.f};
+        if (pb.sinks != nullptr) {  // the sink is the fold's first term: maximum s_h, sum 1, no value
+          const int64_t row = i * g + r;
+          folded[row] = 1;
+          tml[2 * row] = pb.sinks[it.kvh * g + r];  // query head kvh * g + r
+          tml[2 * row + 1] = 1.f;
+        }
+      }
+  }
+
+  void reset(int r0, int n) {
+    for (int r = r0; r < r0 + n; ++r) {
+      rows[r].m = kNegInf;
+      rows[r].l = 0.f;
+      std::fill(rows[r].acc, rows[r].acc + d, 0.f);
+    }
+  }
+
+  // Rows [r0, r0 + n)'s current chunk into their fold (fold_state), and a fresh chunk.
+  void fold(int r0, int n) {
+    for (int r = r0; r < r0 + n; ++r)
+      fold_state(rows[r].m, rows[r].l, rows[r].acc, &folded[r], &tml[2 * r], tacc + r * d, d);
+    reset(r0, n);
+  }
+};
+
+}  // namespace
+
+// The running fold (m, l, acc at tml/tacc; `started` says whether it holds a chunk yet) absorbs
+// one chunk's state: both rescaled to the larger maximum, then summed, in this order on every path.
+void fold_state(float m, float l, const float* acc, char* started, float* tml, float* tacc, int64_t d) {
+  if (!*started) {
+    tml[0] = m;
+    tml[1] = l;
+    std::memcpy(tacc, acc, d * sizeof(float));
+    *started = 1;
+    return;
+  }
+  const float mn = std::fmax(tml[0], m);
+  const float a = exp_portable(tml[0] - mn), b = exp_portable(m - mn);
+  const float la = tml[1] * a, lb = l * b;
+  tml[0] = mn;
+  tml[1] = la + lb;
+  for (int64_t x = 0; x < d; ++x) {
+    const float ta = tacc[x] * a, tb = acc[x] * b;
+    tacc[x] = ta + tb;
+  }
+}
+
+namespace {
+
+// Shared blocks [b0, b1) (every row, keys in place) with a fold at each chunk's start but the first.
+void shared_blocks(const Attention& pb, const AttentionItem& it, const BlockKernel& kn, ItemRows& ir, int64_t b0,
+                   int64_t b1, float* ws) {
+  const int64_t d = pb.d;
   const uint16_t* kbase = pb.k + it.kvh * pb.k_head_stride;
   const uint16_t* vbase = pb.v + it.kvh * pb.v_head_stride;
+  for (int64_t b = b0; b < b1; ++b) {
+    if (b > b0 && b % kBlocksPerChunk == 0) ir.fold(0, ir.nrows);
+    kn.block(kbase + b * kBlock * d, vbase + b * kBlock * d, kBlock, d, ir.rows.data(), ir.nrows, ws);
+  }
+}
+
+std::vector<float> workspace_for(const BlockKernel& kn, int64_t d, int nrows, float** wsp) {
   std::vector<float> ws(kn.workspace(d, nrows) + 16);
-  float* wsp = ws.data() + ((16 - (reinterpret_cast<uintptr_t>(ws.data()) / 4) % 16) % 16);
-  // Blocks every token sees in place are shared by all rows; the rest run token by token.
-  const int64_t shared_blocks = shared / kBlock;
-  for (int64_t b = 0; b < shared_blocks; ++b)
-    kn.block(kbase + b * kBlock * d, vbase + b * kBlock * d, kBlock, d, rows.data(), nrows, wsp);
+  *wsp = aligned64(ws);
+  return ws;
+}
+
+// The item from block `from` on (the blocks before it are folded into ir already, if any): the
+// shared blocks, then each token's own, folding at chunk starts; then every row's output.
+void finish_item(const Attention& pb, const AttentionItem& it, const BlockKernel& kn, ItemRows& ir, int64_t from) {
+  const int64_t g = pb.heads / pb.kv_heads, d = pb.d, prefix = pb.prefix();
+  const int ntok = static_cast<int>(it.t1 - it.t0);
+  std::vector<TokenKeys> tokens;
+  const int64_t shared = shared_keys(pb, it.t0, it.t1, &tokens);
+  float* wsp = nullptr;
+  const std::vector<float> ws = workspace_for(kn, d, ir.nrows, &wsp);
+  const int64_t sb = std::max(from, shared / kBlock);
+  shared_blocks(pb, it, kn, ir, from, sb, wsp);
+  const uint16_t* kbase = pb.k + it.kvh * pb.k_head_stride;
+  const uint16_t* vbase = pb.v + it.kvh * pb.v_head_stride;
   std::vector<uint16_t> kscratch(kBlock * d), vscratch(kBlock * d);
   for (int i = 0; i < ntok; ++i) {
     const TokenKeys& tk = tokens[i];
-    for (int64_t b0 = shared_blocks * kBlock; b0 < tk.total; b0 += kBlock) {
-      const int n = static_cast<int>(std::min<int64_t>(kBlock, tk.total - b0));
-      const uint16_t* kb = block_rows(kbase, prefix, tk.contiguous, tk.extras, b0, n, d, kscratch.data());
-      const uint16_t* vb = block_rows(vbase, prefix, tk.contiguous, tk.extras, b0, n, d, vscratch.data());
-      kn.block(kb, vb, n, d, rows.data() + i * g, static_cast<int>(g), wsp);
+    const int r0 = i * static_cast<int>(g), n = static_cast<int>(g);
+    for (int64_t b0 = sb * kBlock; b0 < tk.total; b0 += kBlock) {
+      if (b0 > from * kBlock && b0 % kChunk == 0) ir.fold(r0, n);
+      const int nk = static_cast<int>(std::min<int64_t>(kBlock, tk.total - b0));
+      const uint16_t* kb = block_rows(kbase, prefix, tk.contiguous, tk.extras, b0, nk, d, kscratch.data());
+      const uint16_t* vb = block_rows(vbase, prefix, tk.contiguous, tk.extras, b0, nk, d, vscratch.data());
+      kn.block(kb, vb, nk, d, ir.rows.data() + r0, n, wsp);
     }
+    // The last chunk (a token whose keys all lie before `from` has none left: nothing to fold).
+    if (tk.total > from * kBlock) ir.fold(r0, n);
   }
   for (int i = 0; i < ntok; ++i)
-    for (int64_t r = 0; r < g; ++r)
-      kn.finish(rows[i * g + r], d, pb.out + ((it.kvh * g + r) * pb.t + it.t0 + i) * d);
+    for (int64_t r = 0; r < g; ++r) {
+      const int row = static_cast<int>(i * g + r);
+      const RowState st{nullptr, nullptr, ir.tacc + row * d, ir.tml[2 * row], ir.tml[2 * row + 1]};
+      kn.finish(st, d, pb.out + ((it.kvh * g + r) * pb.t + it.t0 + i) * d);
+    }
+}
+
+// A piece: chunks [c0, c1) of the split's shared keys, each from a fresh state into its slot; the
+// piece that finishes last folds every slot in chunk order and finishes the item.
+void run_piece(const Attention& pb, const AttentionItem& it, AttentionSplit& sp, const BlockKernel& kn) {
+  const int64_t d = pb.d;
+  ItemRows ir(pb, it);
+  float* wsp = nullptr;
+  const std::vector<float> ws = workspace_for(kn, d, ir.nrows, &wsp);
+  for (int64_t c = it.c0; c < it.c1; ++c) {
+    ir.reset(0, ir.nrows);
+    shared_blocks(pb, it, kn, ir, c * kBlocksPerChunk, (c + 1) * kBlocksPerChunk, wsp);
+    for (int r = 0; r < ir.nrows; ++r) {
+      sp.ml[(c * ir.nrows + r) * 2] = ir.rows[r].m;
+      sp.ml[(c * ir.nrows + r) * 2 + 1] = ir.rows[r].l;
+      std::memcpy(sp.acc.data() + (c * ir.nrows + r) * d, ir.rows[r].acc, d * sizeof(float));
+    }
+  }
+  if (sp.done.fetch_add(1, std::memory_order_acq_rel) != sp.pieces - 1) return;
+  sp.done.store(0, std::memory_order_relaxed);  // ready for the plan's next run (after the caller's barrier)
+  ir.reset(0, ir.nrows);
+  for (int64_t c = 0; c < sp.chunks; ++c)
+    for (int r = 0; r < ir.nrows; ++r)
+      fold_state(sp.ml[(c * ir.nrows + r) * 2], sp.ml[(c * ir.nrows + r) * 2 + 1],
+                 sp.acc.data() + (c * ir.nrows + r) * d, &ir.folded[r], &ir.tml[2 * r], ir.tacc + r * d, d);
+  AttentionItem whole = it;
+  whole.split = -1;
+  finish_item(pb, whole, kn, ir, sp.chunks * kBlocksPerChunk);
 }
 
 }  // namespace
 
-std::vector<AttentionItem> attention_items(const Attention& pb, int threads) {
-  std::vector<AttentionItem> items;
+AttentionPlan plan_attention(const Attention& pb, int threads) {
+  AttentionPlan plan;
+  std::vector<AttentionItem> groups;
   const int64_t min_groups = (threads + pb.kv_heads - 1) / pb.kv_heads;
-  const int64_t groups =
+  const int64_t ngroups =
       std::min(pb.t, std::max<int64_t>((pb.t + kTokensPerItem - 1) / kTokensPerItem, min_groups));
   // Later groups see more keys (a causal chunk's tails): they go first.
-  for (int64_t gi = groups - 1; gi >= 0; --gi) {
-    const int64_t t0 = gi * pb.t / groups, t1 = (gi + 1) * pb.t / groups;
-    for (int64_t h = 0; h < pb.kv_heads; ++h) items.push_back({h, t0, t1});
+  for (int64_t gi = ngroups - 1; gi >= 0; --gi) {
+    const int64_t t0 = gi * pb.t / ngroups, t1 = (gi + 1) * pb.t / ngroups;
+    for (int64_t h = 0; h < pb.kv_heads; ++h) groups.push_back({h, t0, t1});
   }
-  return items;
+  const int64_t want = static_cast<int64_t>(threads) * kItemsPerThread;
+  const int64_t n = static_cast<int64_t>(groups.size());
+  const int64_t per_group = threads > 1 && n < want ? (want + n - 1) / n : 1;
+  const int64_t g = pb.heads / pb.kv_heads;
+  std::vector<int64_t> shared_chunks(n, 0);
+  for (int64_t i = 0; i < n && per_group > 1; ++i) {
+    if (i > 0 && groups[i].t0 == groups[i - 1].t0) {
+      shared_chunks[i] = shared_chunks[i - 1];  // same tokens, another head: the same keys
+      continue;
+    }
+    shared_chunks[i] = shared_keys(pb, groups[i].t0, groups[i].t1, nullptr) / kChunk;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const AttentionItem& gr = groups[i];
+    const int64_t pieces = std::min(per_group, shared_chunks[i] / kMinPieceChunks);
+    if (pieces < 2) {
+      plan.items.push_back(gr);
+      continue;
+    }
+    auto sp = std::make_unique<AttentionSplit>();
+    const int64_t rows = (gr.t1 - gr.t0) * g;
+    sp->kvh = gr.kvh;
+    sp->t0 = gr.t0;
+    sp->t1 = gr.t1;
+    sp->chunks = shared_chunks[i];
+    sp->pieces = pieces;
+    sp->ml.assign(sp->chunks * rows * 2, 0.f);
+    sp->acc.assign(sp->chunks * rows * pb.d, 0.f);
+    const int64_t id = static_cast<int64_t>(plan.splits.size());
+    for (int64_t p = 0; p < pieces; ++p)
+      plan.items.push_back({gr.kvh, gr.t0, gr.t1, id, p * sp->chunks / pieces, (p + 1) * sp->chunks / pieces});
+    plan.splits.push_back(std::move(sp));
+  }
+  std::stable_sort(plan.items.begin(), plan.items.end(), [&](const AttentionItem& a, const AttentionItem& b) {
+    return item_cost(pb, a) > item_cost(pb, b);
+  });
+  return plan;
 }
 
-void attend_items(Path path, const Attention& pb, const AttentionItem* items, int64_t i0, int64_t i1) {
+int64_t item_cost(const Attention& pb, const AttentionItem& it) {
+  const int64_t keys = it.split < 0 ? pb.s : (it.c1 - it.c0) * kChunk;
+  return (it.t1 - it.t0) * keys;
+}
+
+void attend_item(Path path, const Attention& pb, const AttentionPlan& plan, int64_t i) {
   const BlockKernel kn = kernel_for(path, pb.d);
-  for (int64_t i = i0; i < i1; ++i) run_item(pb, items[i], kn);
+  const AttentionItem& it = plan.items[i];
+  if (it.split >= 0) {
+    run_piece(pb, it, *plan.splits[it.split], kn);
+    return;
+  }
+  ItemRows ir(pb, it);
+  finish_item(pb, it, kn, ir, 0);
+}
+
+void attend_all(Path path, const Attention& pb, const AttentionPlan& plan) {
+  for (int64_t i = 0; i < static_cast<int64_t>(plan.items.size()); ++i) attend_item(path, pb, plan, i);
 }
 
 }  // namespace spx

@@ -6,7 +6,9 @@
 // of visible keys is the same whether the token is decoded alone (its ancestors are then
 // committed and it comes last) or verified inside a tree, so the kernel walks the list in blocks
 // of 32 keys numbered by position in the list, with an online softmax per block, and every sum
-// inside a block runs in a fixed order: the same list gives the same bits.
+// inside a block runs in a fixed order: the same list gives the same bits. Blocks make chunks of
+// kChunk keys, each with an online softmax of its own, folded in chunk order: a long list can be
+// read in pieces by several threads (flash-decoding) with the bits of one thread reading it all.
 //
 // The arithmetic (attention_portable.cpp is its reference; every path reproduces it): products
 // of bfloat16 values with float32 accumulation in the lane structure of VDPBF16PS (a lane adds
@@ -31,8 +33,10 @@
 // on its own query, head and keys.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "cpu.h"
@@ -41,6 +45,13 @@ namespace spx {
 
 constexpr int kBlock = 32;
 constexpr int kTokensPerItem = 16;  // at most this many tokens share one pass over the prefix blocks
+// A row's visible keys are cut into chunks of kChunk keys by their position in its list: the online
+// softmax runs within each chunk from a fresh state, and the chunks' states (maximum, sum, weighted
+// values) are folded into one in chunk order (`fold_state`). The cut depends on positions only, so a
+// long cache can be read in pieces by several threads at once (flash-decoding) and the bits are those
+// of one thread reading it all; a list of at most kChunk keys is one chunk (no fold at all).
+constexpr int kChunk = 512;
+constexpr int kBlocksPerChunk = kChunk / kBlock;
 
 struct Attention {
   const float* q;
@@ -55,19 +66,51 @@ struct Attention {
   int64_t prefix() const { return s - m; }
 };
 
-// One work item: the query heads of K/V head kvh for tokens [t0, t1).
+// The query heads of K/V head kvh for tokens [t0, t1), all their keys (split < 0), or a piece of
+// them: chunks [c0, c1) of the keys every one of those tokens sees in place (`AttentionSplit`).
 struct AttentionItem {
   int64_t kvh, t0, t1;
+  int64_t split = -1;  // index into AttentionPlan::splits, or -1: the whole item
+  int64_t c0 = 0, c1 = 0;
+};
+
+// Tokens [t0, t1) of K/V head kvh read in pieces: each piece leaves the states of its chunks here, and
+// the piece that finishes last (`done`) folds them all in chunk order and reads the rest of the keys.
+struct AttentionSplit {
+  int64_t kvh = 0, t0 = 0, t1 = 0, chunks = 0, pieces = 0;
+  std::vector<float> ml;   // [chunks][rows][2]: maximum, sum
+  std::vector<float> acc;  // [chunks][rows][d], in the path's own dimension order
+  std::atomic<int64_t> done{0};
+};
+
+struct AttentionPlan {
+  std::vector<AttentionItem> items;  // most work first, so threads taking them in order finish together
+  std::vector<std::unique_ptr<AttentionSplit>> splits;
 };
 
 // Tokens in balanced groups of at most kTokensPerItem (a draft tree's 9 tokens: one group), one
-// item per K/V head and group, at least `threads` items where there are tokens enough; items
-// with the most keys first, so threads taking them in order finish together. How tokens are
-// grouped never changes a token's bits.
-std::vector<AttentionItem> attention_items(const Attention& pb, int threads = 1);
+// item per K/V head and group, at least `threads` items where there are tokens enough; where that
+// still leaves fewer than kItemsPerThread items a thread (a decode step, a small tree), a group's
+// shared prefix is read in pieces of at least kMinPieceChunks chunks. Neither the grouping nor
+// the pieces change a token's bits. A plan may be run again on new q, k, v of the same shapes
+// (the next layer) once every item of the last run has returned.
+constexpr int kItemsPerThread = 4;
+constexpr int kMinPieceChunks = 2;
+AttentionPlan plan_attention(const Attention& pb, int threads = 1);
 
-// Items [i0, i1) of `items`.
-void attend_items(Path path, const Attention& pb, const AttentionItem* items, int64_t i0, int64_t i1);
+// Work of item i, in arbitrary units (for ordering items across sequences).
+int64_t item_cost(const Attention& pb, const AttentionItem& it);
+
+// Runs item i of the plan (any thread, any order; every item exactly once per run).
+void attend_item(Path path, const Attention& pb, const AttentionPlan& plan, int64_t i);
+
+// Every item of the plan in order, on the calling thread.
+void attend_all(Path path, const Attention& pb, const AttentionPlan& plan);
+
+// One chunk's state (m, l, acc: d floats in a path's dimension order) folded into a running fold
+// (tml: maximum, sum; tacc: d floats; *started: whether it holds a chunk yet), the same on every
+// path: the first chunk is copied, a later one rescales both sides to the larger maximum and adds.
+void fold_state(float m, float l, const float* acc, char* started, float* tml, float* tacc, int64_t d);
 
 // ------------------------------------------------------------------ per path
 

@@ -130,7 +130,7 @@ struct SeqPlan {
   int64_t row0;
   Rope rope;
   Attention pb;
-  std::vector<AttentionItem> items;
+  AttentionPlan plan;  // run once a layer: its split states are reused (each run ends in a barrier)
 };
 
 // Every sequence's attention items in one list, the most work first, so threads taking them in
@@ -175,11 +175,9 @@ BatchPlan batch_plan(const StepModel& md, const StepBatch& bt, Buffers& b, int t
     pb.k_head_stride = r.capacity * d;
     pb.v_head_stride = r.capacity * d;
     pb.scale = 1.f / std::sqrt(static_cast<float>(d));
-    sp.items = attention_items(pb, threads);
-    for (size_t i = 0; i < sp.items.size(); ++i) {
-      const AttentionItem& it = sp.items[i];
-      bp.items.push_back({s, static_cast<int64_t>(i), (it.t1 - it.t0) * pb.s});
-    }
+    sp.plan = plan_attention(pb, threads);
+    for (size_t i = 0; i < sp.plan.items.size(); ++i)
+      bp.items.push_back({s, static_cast<int64_t>(i), item_cost(pb, sp.plan.items[i])});
     row0 += r.t;
   }
   std::stable_sort(bp.items.begin(), bp.items.end(),
@@ -252,7 +250,7 @@ void layer_phases(const Team& team, Path path, const StepModel& md, const StepLa
     Attention pb = bp.seqs[ref.seq].pb;
     pb.k = r.k + li * layer_stride;
     pb.v = r.v + li * layer_stride;
-    attend_items(path, pb, bp.seqs[ref.seq].items.data(), ref.item, ref.item + 1);
+    attend_item(path, pb, bp.seqs[ref.seq].plan, ref.item);
   }
   team.sync();
   const int64_t hd = md.heads * d;

@@ -8,7 +8,7 @@
 //
 // The bits are the Python-driven layer's (transformer.py, Block.forward_rows): every phase calls the
 // same core functions with the same arguments (quantize_rows with the fused pre-op, linear_unit
-// of plan_linear's units, rope_tokens, attend_items of attention_items), and none of them
+// of plan_linear's units, rope_tokens, attend_item of plan_attention), and none of them
 // depends on which thread computes which unit.
 //
 // One layer, for t rows x [t, hidden]:

@@ -175,11 +175,14 @@ std::vector<uint16_t> random_bf16(size_t n) {
   return out;
 }
 
-std::vector<float> run_attention(Path path, spx::Attention pb) {
+// The plan for `threads` run on this thread, its items in order or backwards (a long cache read in
+// pieces, the last piece to finish folding them): the bits of one thread reading it all.
+std::vector<float> run_attention(Path path, spx::Attention pb, int threads = 1, bool backwards = false) {
   std::vector<float> out(pb.heads * pb.t * pb.d);
   pb.out = out.data();
-  const std::vector<spx::AttentionItem> items = spx::attention_items(pb);
-  spx::attend_items(path, pb, items.data(), 0, static_cast<int64_t>(items.size()));
+  const spx::AttentionPlan plan = spx::plan_attention(pb, threads);
+  const int64_t n = static_cast<int64_t>(plan.items.size());
+  for (int64_t i = 0; i < n; ++i) spx::attend_item(path, pb, plan, backwards ? n - 1 - i : i);
   return out;
 }
 
@@ -190,7 +193,9 @@ void attention_tests(const std::vector<Path>& paths) {
   };
   const Case cases[] = {{12, 2, 1, 100, 128, false}, {12, 2, 9, 700, 128, true}, {4, 1, 20, 77, 64, false},
                         {6, 2, 3, 35, 32, true},     {4, 2, 5, 66, 96, true},   {2, 1, 17, 1000, 128, false},
-                        {8, 2, 1, 90, 64, false, true}, {8, 2, 9, 300, 64, true, true}};
+                        {8, 2, 1, 90, 64, false, true}, {8, 2, 9, 300, 64, true, true},
+                        {12, 2, 1, 5000, 128, false}, {14, 2, 9, 2600, 64, true}, {4, 1, 2, 1600, 64, false},
+                        {8, 2, 1, 2600, 64, false, true}};  // sinks over a cache read in pieces
   for (const Case& c : cases) {
     const std::vector<float> q = randn(c.heads * c.t * c.d);
     const std::vector<uint16_t> k = random_bf16(c.kv * c.s * c.d), v = random_bf16(c.kv * c.s * c.d);
@@ -205,11 +210,16 @@ void attention_tests(const std::vector<Path>& paths) {
     const std::vector<float> sinks = randn(c.heads, 2.f);
     if (c.sinks) pb.sinks = sinks.data();
     const std::vector<float> ref = run_attention(Path::Portable, pb);
+    const std::string name = "attention d " + std::to_string(c.d) + " t " + std::to_string(c.t) + " s " +
+                             std::to_string(c.s) + (c.sinks ? " sinks" : "") + ": ";
     for (Path p : paths) {
       const std::vector<float> y = run_attention(p, pb);
-      check(same_bits(y.data(), ref.data(), y.size()), "attention d " + std::to_string(c.d) + " t " +
-                                                          std::to_string(c.t) + (c.sinks ? " sinks" : "") + ": " +
-                                                          spx::path_name(p) + " = portable");
+      check(same_bits(y.data(), ref.data(), y.size()), name + spx::path_name(p) + " = portable");
+      for (int threads : {2, 3, 8}) {
+        const std::vector<float> z = run_attention(p, pb, threads, threads == 3);
+        check(same_bits(z.data(), ref.data(), z.size()),
+              name + spx::path_name(p) + " in pieces for " + std::to_string(threads) + " threads");
+      }
     }
   }
 }
