@@ -407,7 +407,7 @@ def test_inspect_names_the_family_and_what_runs(converted, capsys):
     folder, _ = converted("gemma3")
     assert main(["models", "inspect", str(folder.parent / "m.gguf")]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("family"))
-    assert "gemma3" in line and "5 of 6 layers windowed (16)" in line and "per-layer kernels" in line
+    assert "gemma3" in line and "5 of 6 layers windowed (16)" in line and "whole-step C++ call" in line
     assert main(["models", "inspect", str(folder.parent / "m.gguf"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["family"].startswith("gemma3:")
 
@@ -459,20 +459,25 @@ def test_an_olmo_3_file_is_refused_in_one_line(tmp_path):
 
 @pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")
 @pytest.mark.parametrize("path", kernels.cpu_paths())
-def test_nope_layers_take_the_whole_step_call_with_the_python_driven_bits(converted, monkeypatch, path):
-    """SmolLM3's NoPE layers are the plain block with a rope table of angle zero: the whole-step
-    C++ call runs them, and gives the per-layer kernels' bits (logits, K/V, kept queries)."""
+@pytest.mark.parametrize("arch", FAMILY_ARCHS)
+def test_the_whole_step_call_gives_the_per_layer_bits(converted, monkeypatch, arch, path):
+    """Every family's switches in the whole-step C++ call (sandwich and post norms, GeGLU, the
+    multipliers and logit divisor, whole-row q/k norms, per-layer ropes and NoPE, partial rotary,
+    windowed layers seen from tree rows at start + depth): the per-layer kernels' bits (logits,
+    K/V, kept queries) over prefill chunks, one-row steps, a tree level and a verification longer
+    than the window. Gemma 2's soft-capped attention keeps the per-layer kernels."""
     from test_step import run
 
     monkeypatch.setenv(kernels.CPU_ENV, path)
-    folder, _ = converted("smollm3", "Q8_0")
+    folder, _ = converted(arch, "Q8_0")
     model = load_model(folder, torch.float32, weights="gguf")
-    assert model.cfg.plain and model.cfg.rope_layers == (True, True, True, False)
+    assert model.cfg.stepped == (arch != "gemma2")
+    assert model.cfg.rope_layers == ((True, True, True, False) if arch == "smollm3" else ())
     calls = []
     step = fused_step.run
     monkeypatch.setattr(fused_step, "run", lambda *a: calls.append(1) or step(*a))
     python, whole = run(model, 0), run(model, 16)
-    assert calls  # the whole-step call ran
+    assert bool(calls) == model.cfg.stepped  # the whole-step call ran (where the family takes it)
     assert len(python) == len(whole)
     for i, (a, b) in enumerate(zip(python, whole, strict=True)):
         assert torch.equal(a, b), i

@@ -56,6 +56,13 @@ class ModelConfig:
         defaults = {f.name: f.default for f in fields(self) if f.name in _SWITCHES - _ROPE_SWITCHES}
         return self.qk_norm != "full" and self == replace(self, **defaults)
 
+    @property
+    def stepped(self) -> bool:
+        """Whether decode steps take the whole-step C++ call (fused_step.py): every family but
+        those with soft-capped attention scores (Gemma 2), which the attention kernel does not
+        compute; their layers run as the per-layer kernels with a soft-capped attention."""
+        return self.attn_softcap is None
+
     def switches(self) -> dict[str, Any]:
         """The family switches this model sets (those that differ from Llama's), by field name."""
         out = {f.name: getattr(self, f.name) for f in fields(self)
@@ -78,8 +85,8 @@ class ModelConfig:
             return "+".join(v) if isinstance(v, tuple) else f"{v:.6g}" if isinstance(v, float) else str(v)
 
         parts += [f"{k} {text(v)}" for k, v in s.items() if k not in ("window_layers", "sliding_window", "rope_layers")]
-        step = ("the whole-step C++ call for decode steps, the per-layer kernels for prefill" if self.plain
-                else "the per-layer kernels (the whole-step C++ call does not implement its switches)")
+        step = ("the whole-step C++ call for decode steps, the per-layer kernels for prefill" if self.stepped
+                else "the per-layer kernels (the whole-step C++ call does not soft-cap attention scores)")
         return f"{self.arch}{': ' + ', '.join(parts) if parts else ''}; quantized weights run {step}"
 
     def windowed(self, layer: int) -> bool:

@@ -43,7 +43,8 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("torch_ops.cpp", "core/cpu.cpp", "core/qlinear.cpp", "core/qlinear_portable.cpp",
             "core/qlinear_avx2.cpp", "core/qlinear_avx512.cpp", "core/qlinear_neon.cpp", "core/attention.cpp",
             "core/attention_portable.cpp", "core/attention_avx2.cpp", "core/attention_avx512.cpp",
-            "core/attention_neon.cpp", "core/rope.cpp", "step_ops.cpp", "core/step.cpp", "core/qlinear_amx.cpp")
+            "core/attention_neon.cpp", "core/rope.cpp", "step_ops.cpp", "core/step.cpp", "core/qlinear_amx.cpp",
+            "core/family.cpp")
 _CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-std=c++17")
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -255,9 +256,11 @@ def has_fast_path() -> bool:
     return available() and path() != "portable"
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor | None) -> torch.Tensor:
-    """Row-independent attention of new tokens q [H, T, D] over a bfloat16 cache k, v [Hkv, S, D]."""
-    return timed("attention", load().attend, (q, k, v, tree_mask, path_id()))
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor | None,
+           scale: float | None = None) -> torch.Tensor:
+    """Row-independent attention of new tokens q [H, T, D] over a bfloat16 cache k, v [Hkv, S, D];
+    `scale`: the score scale (None: 1/sqrt(D))."""
+    return timed("attention", load().attend, (q, k, v, tree_mask, path_id(), float(scale or 0.0)))
 
 
 def timed(part: str, fn: Callable[..., torch.Tensor], args: tuple[Any, ...]) -> torch.Tensor:
