@@ -409,7 +409,9 @@ def test_inspect_names_the_family_and_what_runs(converted, capsys):
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("family"))
     assert "gemma3" in line and "5 of 6 layers windowed (16)" in line and "whole-step C++ call" in line
     assert main(["models", "inspect", str(folder.parent / "m.gguf"), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["family"].startswith("gemma3:")
+    out = json.loads(capsys.readouterr().out)
+    assert out["family"].startswith("gemma3:")
+    assert out["kv_bytes_per_token"] == 6 * 2 * 2 * 64 * 2  # layers x (K, V) x KV heads x head_dim x bfloat16
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")

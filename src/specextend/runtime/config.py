@@ -89,6 +89,12 @@ class ModelConfig:
                 else "the per-layer kernels (the whole-step C++ call does not soft-cap attention scores)")
         return f"{self.arch}{': ' + ', '.join(parts) if parts else ''}; quantized weights run {step}"
 
+    def kv_bytes_per_token(self, element_bytes: int = 2) -> int:
+        """What a token of context costs in the KV cache (bfloat16 by default, the quantized
+        runtime's): keys and values of every layer, the windowed ones included (their caches hold
+        every token; keeping only the window is not done yet)."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element_bytes
+
     def windowed(self, layer: int) -> bool:
         return bool(self.window_layers) and self.window_layers[layer]
 

@@ -54,8 +54,10 @@ EMULATED_AMX = "amx-emulated"  # test switch (csrc/core/cpu.h): the amx code on 
 # The kernels' arithmetic, versioned: raised whenever an output's bits change, so that KV written
 # by another version (the prefix cache's files) is never read back as if this one had computed
 # it. 2: an attention score is one chain over the dimension pairs. 3: Q4_0's weights as d * (q - 8)
-# under q8's epilogue (the offset in the integer sum), not a one-group q4k's minimum term.
-ARITHMETIC_VERSION = 3
+# under q8's epilogue (the offset in the integer sum), not a one-group q4k's minimum term. 4: a
+# family's post norms, GeGLU and whole-row q/k norms as core/family.h's row operations, partial
+# rotary in rope_store, a score scale in the attention kernel (the families' KV and logits).
+ARITHMETIC_VERSION = 4
 CPU_ENV = "SPECEXTEND_CPU"
 
 
