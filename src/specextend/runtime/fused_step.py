@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import kernels
-from .attention import window_mask
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -124,7 +123,7 @@ def run(step_plan: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
         queries = [torch.empty(heads, p.size, p.cache.k.shape[-1]) for _ in layers]
         part = (p.cache.k, p.cache.v, p.size, p.cache.length, p.tree_mask, layers, queries)
         if window:
-            part += window_mask(p.positions, p.cache.length + p.size, p.tree_mask, window)
+            part += p.window(p.cache.length + p.size, window)
         args.append(part)
         kept.append((layers, queries))
     logits = kernels.load().forward_batch(step_plan, x, cos, sin, args, kernels.path_id(), step_head, rows)

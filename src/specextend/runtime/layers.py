@@ -9,7 +9,7 @@ sequences (`Block.forward_rows`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +71,14 @@ class Rows:
     logits_rows: torch.Tensor | slice | None = None
     keep_q: dict[int, torch.Tensor] | None = None
     backend: Backend = "efficient"  # the attention of the float paths (the quantized runtime's is its own)
+    # (keys, window) -> window_mask's (first, mask): the same for every windowed layer of a forward
+    windows: dict[tuple[int, int], tuple[int, torch.Tensor]] = field(default_factory=dict, repr=False)
+
+    def window(self, keys: int, window: int) -> tuple[int, torch.Tensor]:
+        """`window_mask` of these rows over `keys` cache slots, computed once per forward."""
+        if (keys, window) not in self.windows:
+            self.windows[keys, window] = window_mask(self.positions, keys, self.tree_mask, window)
+        return self.windows[keys, window]
 
     @property
     def size(self) -> int:
@@ -341,7 +349,8 @@ class Block(nn.Module):
             if p.keep_q is not None and self.index in p.keep_q:
                 p.keep_q[self.index] = q
             end = start + cache.pending
-            k, v, mask = self._window(q, k_layer[:, :end], v_layer[:, :end], p.tree_mask, p.positions)
+            first, mask = p.window(end, self.window) if self.window else (0, p.tree_mask)
+            k, v = k_layer[:, first:end], v_layer[:, first:end]
             if self.attn_softcap is not None:
                 scaled = q if self.attn_scale is None else q * (self.attn_scale * math.sqrt(self.head_dim))
                 a = capped_rowwise(scaled, k, v, mask, self.attn_softcap)

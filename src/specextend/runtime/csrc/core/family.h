@@ -2,8 +2,8 @@
 // over a whole row (OLMo 2's query/key norms, the post norms), the residual add through a post
 // norm and a residual multiplier (Gemma's sandwich norms, OLMo 2, Granite), and GeGLU with the
 // tanh-approximated GELU (Gemma). Plain scalar code (no SIMD; the kernels build without
-// contraction) and an exp of fastexp.h's, not the C library's: the same bits on every path and
-// every CPU. The per-layer forward (layers.py, through the torch binding) and the whole-step call
+// contraction) and fastexp.h's exp in plain arithmetic, not the C library's: the same bits on
+// every path and every CPU. The per-layer forward (layers.py, through the torch binding) and the whole-step call
 // (step.h) both call these, so the two give the same bits; a row's result reads only that row.
 #pragma once
 
@@ -21,7 +21,7 @@ void residual_row(const float* x, const float* y, int64_t k, const float* norm, 
 // out [inter] = gelu_tanh(gate) * up, of a row [gate | up] (2 inter values); out may be gu.
 void gelu_mul_row(const float* gu, int64_t inter, float* out);
 
-// tanh(x) from fastexp.h's exp: 1 - 2 / (exp(2x) + 1), saturating at +-1.
+// tanh(x) = sign(x) (1 - e) / (1 + e), e = exp(-2 |x|) by fastexp.h's polynomial; +-1 beyond |x| = 40.
 float tanh_portable(float x);
 
 }  // namespace spx
