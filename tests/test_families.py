@@ -483,3 +483,28 @@ def test_the_whole_step_call_gives_the_per_layer_bits(converted, monkeypatch, ar
     assert len(python) == len(whole)
     for i, (a, b) in enumerate(zip(python, whole, strict=True)):
         assert torch.equal(a, b), i
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")
+def test_the_family_row_operations_track_torch():
+    """csrc/core/family.h's row operations, which both the per-layer kernels and the whole-step call
+    run (GeGLU with its own tanh, whole-row RMSNorm, the post-norm residual add), against PyTorch's
+    float64 formulas: within float32 rounding, saturating where tanh does."""
+    ext = kernels.load()
+    g = torch.cat([torch.linspace(-12, 12, 2001), torch.tensor([-60.0, -30.0, 0.0, 1e-8, 30.0, 60.0, 0.0])])
+    u = torch.randn(g.shape[0], generator=torch.Generator().manual_seed(2))
+    gu = torch.stack([torch.cat([g, u]), torch.cat([-g, u])])
+    got = ext.gelu_mul(gu).double()
+    g64, u64 = gu[:, : g.shape[0]].double(), gu[:, g.shape[0] :].double()
+    expect = torch.nn.functional.gelu(g64, approximate="tanh") * u64
+    assert (got - expect).abs().max() < 1e-5 * (1 + expect.abs().max())
+    x, y = torch.randn(3, 96, dtype=torch.float64), torch.randn(3, 96, dtype=torch.float64)
+    w = torch.rand(96, dtype=torch.float64) + 0.5
+
+    def rms(t: torch.Tensor) -> torch.Tensor:
+        return w * t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    assert torch.allclose(ext.rms_rows(x.float(), w.float(), 1e-6).double(), rms(x), atol=1e-5)
+    post = ext.post_residual(x.float(), y.float(), w.float(), 1e-6, 0.25).double()
+    assert torch.allclose(post, x + 0.25 * rms(y), atol=1e-5)
+    assert torch.equal(ext.post_residual(x.float(), y.float(), None, 1e-6, 1.0), x.float() + y.float())
