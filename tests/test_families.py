@@ -407,9 +407,11 @@ def test_inspect_names_the_family_and_what_runs(converted, capsys):
     folder, _ = converted("gemma3")
     assert main(["models", "inspect", str(folder.parent / "m.gguf")]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("family"))
-    assert "gemma3" in line and "5 of 6 layers windowed (16)" in line and "per-layer kernels" in line
+    assert "gemma3" in line and "5 of 6 layers windowed (16)" in line and "whole-step C++ call" in line
     assert main(["models", "inspect", str(folder.parent / "m.gguf"), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["family"].startswith("gemma3:")
+    out = json.loads(capsys.readouterr().out)
+    assert out["family"].startswith("gemma3:")
+    assert out["kv_bytes_per_token"] == 6 * 2 * 2 * 64 * 2  # layers x (K, V) x KV heads x head_dim x bfloat16
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")
@@ -459,20 +461,50 @@ def test_an_olmo_3_file_is_refused_in_one_line(tmp_path):
 
 @pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")
 @pytest.mark.parametrize("path", kernels.cpu_paths())
-def test_nope_layers_take_the_whole_step_call_with_the_python_driven_bits(converted, monkeypatch, path):
-    """SmolLM3's NoPE layers are the plain block with a rope table of angle zero: the whole-step
-    C++ call runs them, and gives the per-layer kernels' bits (logits, K/V, kept queries)."""
+@pytest.mark.parametrize("arch", FAMILY_ARCHS)
+def test_the_whole_step_call_gives_the_per_layer_bits(converted, monkeypatch, arch, path):
+    """Every family's switches in the whole-step C++ call (sandwich and post norms, GeGLU, the
+    multipliers and logit divisor, whole-row q/k norms, per-layer ropes and NoPE, partial rotary,
+    windowed layers seen from tree rows at start + depth): the per-layer kernels' bits (logits,
+    K/V, kept queries) over prefill chunks, one-row steps, a tree level and a verification longer
+    than the window. Gemma 2's soft-capped attention keeps the per-layer kernels."""
     from test_step import run
 
     monkeypatch.setenv(kernels.CPU_ENV, path)
-    folder, _ = converted("smollm3", "Q8_0")
+    folder, _ = converted(arch, "Q8_0")
     model = load_model(folder, torch.float32, weights="gguf")
-    assert model.cfg.plain and model.cfg.rope_layers == (True, True, True, False)
+    assert model.cfg.stepped == (arch != "gemma2")
+    assert model.cfg.rope_layers == ((True, True, True, False) if arch == "smollm3" else ())
     calls = []
     step = fused_step.run
     monkeypatch.setattr(fused_step, "run", lambda *a: calls.append(1) or step(*a))
     python, whole = run(model, 0), run(model, 16)
-    assert calls  # the whole-step call ran
+    assert bool(calls) == model.cfg.stepped  # the whole-step call ran (where the family takes it)
     assert len(python) == len(whole)
     for i, (a, b) in enumerate(zip(python, whole, strict=True)):
         assert torch.equal(a, b), i
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")
+def test_the_family_row_operations_track_torch():
+    """csrc/core/family.h's row operations, which both the per-layer kernels and the whole-step call
+    run (GeGLU with its own tanh, whole-row RMSNorm, the post-norm residual add), against PyTorch's
+    float64 formulas: within float32 rounding, saturating where tanh does."""
+    ext = kernels.load()
+    g = torch.cat([torch.linspace(-12, 12, 2001), torch.tensor([-60.0, -30.0, 0.0, 1e-8, 30.0, 60.0, 0.0])])
+    u = torch.randn(g.shape[0], generator=torch.Generator().manual_seed(2))
+    gu = torch.stack([torch.cat([g, u]), torch.cat([-g, u])])
+    got = ext.gelu_mul(gu).double()
+    g64, u64 = gu[:, : g.shape[0]].double(), gu[:, g.shape[0] :].double()
+    expect = torch.nn.functional.gelu(g64, approximate="tanh") * u64
+    assert (got - expect).abs().max() < 1e-5 * (1 + expect.abs().max())
+    x, y = torch.randn(3, 96, dtype=torch.float64), torch.randn(3, 96, dtype=torch.float64)
+    w = torch.rand(96, dtype=torch.float64) + 0.5
+
+    def rms(t: torch.Tensor) -> torch.Tensor:
+        return w * t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    assert torch.allclose(ext.rms_rows(x.float(), w.float(), 1e-6).double(), rms(x), atol=1e-5)
+    post = ext.post_residual(x.float(), y.float(), w.float(), 1e-6, 0.25).double()
+    assert torch.allclose(post, x + 0.25 * rms(y), atol=1e-5)
+    assert torch.equal(ext.post_residual(x.float(), y.float(), None, 1e-6, 1.0), x.float() + y.float())

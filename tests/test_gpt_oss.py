@@ -101,14 +101,14 @@ def test_the_rowwise_kernel_takes_sinks_with_each_rows_own_bits(path: str) -> No
     q = torch.randn(h, t, d, generator=g)
     k, v = (torch.randn(kv, s, d, generator=g).to(torch.bfloat16) for _ in range(2))
     sinks = torch.randn(h, generator=g) * 2
-    out = ext.attend(q, k, v, None, kernels.path_index(path), sinks)
-    assert torch.equal(out, ext.attend(q, k, v, None, kernels.path_index("portable"), sinks))
+    out = ext.attend(q, k, v, None, kernels.path_index(path), sinks=sinks)
+    assert torch.equal(out, ext.attend(q, k, v, None, kernels.path_index("portable"), sinks=sinks))
     qb = q.to(torch.bfloat16).double()  # the kernel's own rounding of q (after the scale) aside
     ref = _hf_attention(qb, k.double(), v.double(), sinks.double(), _causal(t, s))
     assert torch.allclose(out.double(), ref, atol=2e-2)
     for i in (0, 4, t - 1):  # token i alone over the keys it sees
         alone = ext.attend(q[:, i : i + 1], k[:, : s - t + i + 1], v[:, : s - t + i + 1], None,
-                           kernels.path_index(path), sinks)
+                           kernels.path_index(path), sinks=sinks)
         assert torch.equal(alone, out[:, i : i + 1]), i
 
 

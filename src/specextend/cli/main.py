@@ -496,7 +496,8 @@ def cmd_models_inspect(args: argparse.Namespace) -> int:
 
     fp = inspect_model(args.file)
     if args.json:
-        print(json.dumps({**fp.as_json(), "family": None if fp.config is None else _family_line(fp.config)}))
+        print(json.dumps({**fp.as_json(), "family": None if fp.config is None else _family_line(fp.config),
+                          "kv_bytes_per_token": None if fp.config is None else _kv_per_token(fp.config)}))
         return 0
     print(f"file          {fp.file} ({gb(fp.file_bytes)})")
     c = fp.config
@@ -508,6 +509,10 @@ def cmd_models_inspect(args: argparse.Namespace) -> int:
               f"({c['num_key_value_heads']} KV) of {c['head_dim']}, vocabulary {c['vocab_size']}; "
               f"{fp.parameters / 1e6:,.0f} M parameters")
         print(f"family        {_family_line(c)}")
+        kv = _kv_per_token(c)
+        if kv is not None:
+            print(f"kv cache      {kv / 1024:,.0f} KB a token of context (bfloat16, every layer); a 32K-token "
+                  f"document {gb(kv * 32768)}")
     if fp.experts:
         e = fp.experts
         print(f"experts       {e['count']} experts, {e['used']} a token: {e['active_parameters'] / 1e6:,.0f} M of "
@@ -522,6 +527,15 @@ def cmd_models_inspect(args: argparse.Namespace) -> int:
           f"converted copy on disk {gb(fp.converted_bytes)}; all in float32 {gb(fp.float32_bytes)}")
     print(f"expanded      {notice(fp) or 'nothing: every matrix keeps its own grid or is float32 in the file'}")
     return 0
+
+
+def _kv_per_token(hf_config: dict[str, Any]) -> int | None:
+    from ..runtime.config import ModelConfig
+
+    try:
+        return ModelConfig.from_hf(hf_config).kv_bytes_per_token()
+    except UserError:
+        return None
 
 
 def _family_line(hf_config: dict[str, Any]) -> str:

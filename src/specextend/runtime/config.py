@@ -66,6 +66,14 @@ class ModelConfig:
         defaults = {f.name: f.default for f in fields(self) if f.name in _SWITCHES - _ROPE_SWITCHES}
         return self.qk_norm != "full" and self == replace(self, **defaults)
 
+    @property
+    def stepped(self) -> bool:
+        """Whether decode steps take the whole-step C++ call (fused_step.py): every dense family but
+        those with soft-capped attention scores (Gemma 2), which the attention kernel does not
+        compute, and gpt-oss's sinks and output bias; those, and expert models (runtime/experts.py),
+        run as the per-layer kernels."""
+        return self.attn_softcap is None and not self.experts and not self.attn_sinks and not self.o_bias
+
     def switches(self) -> dict[str, Any]:
         """The family switches this model sets (those that differ from Llama's), by field name."""
         out = {f.name: getattr(self, f.name) for f in fields(self)
@@ -93,9 +101,17 @@ class ModelConfig:
                          f"{self.router}, {self.expert_act}{shared}")
         skip = {"window_layers", "sliding_window", "rope_layers", *_EXPERT_SWITCHES}
         parts += [f"{k} {text(v)}" for k, v in s.items() if k not in skip]
-        step = ("the whole-step C++ call for decode steps, the per-layer kernels for prefill" if self.plain
-                else "the per-layer kernels (the whole-step C++ call does not implement its switches)")
+        why = "soft-cap attention scores" if self.attn_softcap is not None else "run expert layers" if self.experts \
+            else "add attention sinks or an output bias"
+        step = ("the whole-step C++ call for decode steps, the per-layer kernels for prefill" if self.stepped
+                else f"the per-layer kernels (the whole-step C++ call does not {why})")
         return f"{self.arch}{': ' + ', '.join(parts) if parts else ''}; quantized weights run {step}"
+
+    def kv_bytes_per_token(self, element_bytes: int = 2) -> int:
+        """What a token of context costs in the KV cache (bfloat16 by default, the quantized
+        runtime's): keys and values of every layer, the windowed ones included (their caches hold
+        every token; keeping only the window is not done yet)."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element_bytes
 
     def windowed(self, layer: int) -> bool:
         return bool(self.window_layers) and self.window_layers[layer]

@@ -42,18 +42,24 @@ def _weight(lin: Linear) -> tuple[Any, ...]:
     return (w.blobs, w.formats, w.widths, w.offsets, w.groups, bias)
 
 
+def _norm(norm: RMSNorm | None) -> torch.Tensor | None:
+    return None if norm is None else norm.weight.detach().contiguous()
+
+
 def plan(cfg: ModelConfig, layers: Iterable[Block]) -> Any:
-    """A model's layers as the C++ step takes them (the plan keeps its tensors alive)."""
-    layers = list(layers)
+    """A model's layers as the C++ step takes them (the plan keeps its tensors alive), with their
+    family's switches (`ModelConfig.stepped`: all but soft-capped attention)."""
     p = kernels.load().step_plan(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                 float(layers[0].attn_norm.eps))
+                                 float(cfg.rms_norm_eps))
+    p.set_family(float(cfg.attn_scale or 0.0), float(cfg.residual_scale), int(cfg.rotary_dim))
     identity = rope_kinds(cfg)  # a layer without rope takes the table of angle zero, after the others
     for layer in layers:
-        q_norm = layer.q_norm.weight.detach().contiguous() if layer.q_norm is not None else None
-        k_norm = layer.k_norm.weight.detach().contiguous() if layer.k_norm is not None else None
+        per_head = not layer.qk_full
         p.add_layer(_weight(layer.qkv), _weight(layer.o), _weight(layer.gate_up), _weight(layer.down),
-                    layer.attn_norm.weight.detach().contiguous(), layer.mlp_norm.weight.detach().contiguous(),
-                    q_norm, k_norm, layer.rope_kind if layer.rope_kind >= 0 else identity)
+                    _norm(layer.attn_norm), _norm(layer.mlp_norm), _norm(layer.q_norm) if per_head else None,
+                    _norm(layer.k_norm) if per_head else None, layer.rope_kind if layer.rope_kind >= 0 else identity)
+        p.layer_family(_norm(layer.attn_out_norm), _norm(layer.mlp_out_norm), None if per_head else _norm(layer.q_norm),
+                       None if per_head else _norm(layer.k_norm), bool(layer.window), layer.gelu)
     return p
 
 
@@ -104,17 +110,21 @@ def logit_rows(parts: list[Rows]) -> tuple[torch.Tensor, list[int]]:
 
 
 def run(step_plan: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, parts: list[Rows], heads: int,
-        step_head: Any = None, rows: torch.Tensor | None = None) -> torch.Tensor | None:
+        step_head: Any = None, rows: torch.Tensor | None = None, window: int = 0) -> torch.Tensor | None:
     """Every layer over the parts' new rows x [T, hidden] (one part after another; overwritten with
-    the last layer's output), cos/sin [kinds, T, head_dim] or [T, head_dim] (`rope_tables`); each
-    part's K/V go to its cache's pending slots and its `keep_q`'s layers get their rotated queries
-    [heads, rows, head_dim], as the per-layer forward writes and keeps them. With a head: the
-    logits of x's rows `rows`, else None."""
+    the last layer's output), cos/sin [kinds, T, rotary dims] or [T, rotary dims] (`rope_tables`);
+    each part's K/V go to its cache's pending slots and its `keep_q`'s layers get their rotated
+    queries [heads, rows, head_dim], as the per-layer forward writes and keeps them. `window`: the
+    windowed layers' (0: none), whose keys and mask each part's positions give (`window_mask`, as
+    the per-layer forward computes them). With a head: the logits of x's rows `rows`, else None."""
     args, kept = [], []
     for p in parts:
         layers = sorted(p.keep_q) if p.keep_q else []
         queries = [torch.empty(heads, p.size, p.cache.k.shape[-1]) for _ in layers]
-        args.append((p.cache.k, p.cache.v, p.size, p.cache.length, p.tree_mask, layers, queries))
+        part = (p.cache.k, p.cache.v, p.size, p.cache.length, p.tree_mask, layers, queries)
+        if window:
+            part += p.window(p.cache.length + p.size, window)
+        args.append(part)
         kept.append((layers, queries))
     logits = kernels.load().forward_batch(step_plan, x, cos, sin, args, kernels.path_id(), step_head, rows)
     for p, (layers, queries) in zip(parts, kept, strict=True):

@@ -43,7 +43,8 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("torch_ops.cpp", "core/cpu.cpp", "core/qlinear.cpp", "core/qlinear_portable.cpp",
             "core/qlinear_avx2.cpp", "core/qlinear_avx512.cpp", "core/qlinear_neon.cpp", "core/attention.cpp",
             "core/attention_portable.cpp", "core/attention_avx2.cpp", "core/attention_avx512.cpp",
-            "core/attention_neon.cpp", "core/rope.cpp", "step_ops.cpp", "core/step.cpp", "core/qlinear_amx.cpp")
+            "core/attention_neon.cpp", "core/rope.cpp", "step_ops.cpp", "core/step.cpp", "core/qlinear_amx.cpp",
+            "core/family.cpp")
 _CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-std=c++17")
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -55,7 +56,9 @@ EMULATED_AMX = "amx-emulated"  # test switch (csrc/core/cpu.h): the amx code on 
 # it. 2: an attention score is one chain over the dimension pairs. 3: Q4_0's weights as d * (q - 8)
 # under q8's epilogue (the offset in the integer sum), not a one-group q4k's minimum term. 4: attention's
 # online softmax runs per chunk of 512 keys, the chunks folded in order (a long cache read in pieces).
-ARITHMETIC_VERSION = 4
+# 5: a family's post norms, GeGLU and whole-row q/k norms as core/family.h's row operations, partial
+# rotary in rope_store, a score scale in the attention kernel (the families' KV and logits).
+ARITHMETIC_VERSION = 5
 CPU_ENV = "SPECEXTEND_CPU"
 
 
@@ -257,10 +260,11 @@ def has_fast_path() -> bool:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor | None,
-           sinks: torch.Tensor | None = None) -> torch.Tensor:
+           scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Row-independent attention of new tokens q [H, T, D] over a bfloat16 cache k, v [Hkv, S, D];
-    `sinks` [H]: a logit a head that joins each softmax's denominator (gpt-oss)."""
-    return timed("attention", load().attend, (q, k, v, tree_mask, path_id(), sinks))
+    `scale`: the score scale (None: 1/sqrt(D)); `sinks` [H]: a logit a head that joins each
+    softmax's denominator (gpt-oss)."""
+    return timed("attention", load().attend, (q, k, v, tree_mask, path_id(), float(scale or 0.0), sinks))
 
 
 def timed(part: str, fn: Callable[..., torch.Tensor], args: tuple[Any, ...]) -> torch.Tensor:

@@ -9,7 +9,7 @@ sequences (`Block.forward_rows`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -103,6 +103,14 @@ class Rows:
     logits_rows: torch.Tensor | slice | None = None
     keep_q: dict[int, torch.Tensor] | None = None
     backend: Backend = "efficient"  # the attention of the float paths (the quantized runtime's is its own)
+    # (keys, window) -> window_mask's (first, mask): the same for every windowed layer of a forward
+    windows: dict[tuple[int, int], tuple[int, torch.Tensor]] = field(default_factory=dict, repr=False)
+
+    def window(self, keys: int, window: int) -> tuple[int, torch.Tensor]:
+        """`window_mask` of these rows over `keys` cache slots, computed once per forward."""
+        if (keys, window) not in self.windows:
+            self.windows[keys, window] = window_mask(self.positions, keys, self.tree_mask, window)
+        return self.windows[keys, window]
 
     @property
     def size(self) -> int:
@@ -306,9 +314,10 @@ class Block(nn.Module):
         once; RoPE, the cache write and attention run per sequence, over its own cache.
 
         A family's switches that the folded products cannot express (post-norms, GeGLU, residual
-        multipliers, whole-projection q/k norms) run as row-wise PyTorch operations between the
-        same kernels; every operation stays row-independent, so a token's bits do not depend on
-        the other rows of its forward."""
+        multipliers, whole-projection q/k norms) run as the row operations of csrc/core/family.h
+        between the same kernels, as the whole-step call runs them (the same bits); every
+        operation stays row-independent, so a token's bits do not depend on the other rows of its
+        forward."""
         if self.plain:
             cos, sin = self._rope_table(ropes, x.shape[0])
             qkv = qlinear(x, self.qkv.qweight, self.qkv.bias, norm=self.attn_norm.weight, eps=self.attn_norm.eps)
@@ -320,34 +329,49 @@ class Block(nn.Module):
         return self._switched_rows(x, ropes, parts)
 
     def _switched_rows(self, x: torch.Tensor, ropes: Ropes, parts: list[Rows]) -> torch.Tensor:
+        ext = kernels.load()
+
         def normed(lin: Linear, h: torch.Tensor, norm: RMSNorm | None, **kw: object) -> torch.Tensor:
             if norm is None:
                 return qlinear(h, lin.qweight, lin.bias, **kw)
             return qlinear(h, lin.qweight, lin.bias, norm=norm.weight, eps=norm.eps, **kw)
 
         qkv = normed(self.qkv, x, self.attn_norm)
-        nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        if self.qk_full:
-            qkv = torch.cat([self.q_norm(qkv[:, :nq]), self.k_norm(qkv[:, nq : nq + nk]), qkv[:, nq + nk :]], 1)
-        partial = self.rope_kind >= 0 and ropes[self.rope_kind][0].shape[-1] < self.head_dim
-        cos, sin = self._rope_table(ropes if not partial else [], x.shape[0])
-        if partial:  # rope_store rotates whole heads: the partial rotation runs here, rope_store's is none
-            rc, rs = ropes[self.rope_kind]
-            t = x.shape[0]
-            q = apply_rope(qkv[:, :nq].reshape(t, self.n_heads, -1).transpose(0, 1), rc, rs)
-            k = apply_rope(qkv[:, nq : nq + nk].reshape(t, self.n_kv, -1).transpose(0, 1), rc, rs)
-            qkv = torch.cat([q.transpose(0, 1).reshape(t, nq), k.transpose(0, 1).reshape(t, nk), qkv[:, nq + nk :]], 1)
+        if self.qk_full:  # one norm over a row's queries, one over its keys (family.h's rms_row)
+            nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+            qkv = torch.cat([ext.rms_rows(qkv[:, :nq], self.q_norm.weight, self.q_norm.eps),
+                             ext.rms_rows(qkv[:, nq : nq + nk], self.k_norm.weight, self.k_norm.eps),
+                             qkv[:, nq + nk :]], 1)
+        cos, sin = self._rope_table(ropes, x.shape[0])  # [T, rotary dims]: rope_store rotates those
         a = self._attend_rows(qkv, cos, sin, parts)
-        x = self._residual(x, qlinear(a, self.o.qweight, self.o.bias), self.attn_out_norm)
+        x = self._post(x, a, self.o, self.attn_out_norm)
         if self.moe is not None:
             norm = self.mlp_norm
             y = self.moe.forward_rows(x, None if norm is None else norm.weight, 0.0 if norm is None else norm.eps)
-            return self._residual(x, y, self.mlp_out_norm)
+            return self._add(x, y, self.mlp_out_norm)
         gu = normed(self.gate_up, x, self.mlp_norm, out=self.workspace.take(x.shape[0], self.gate_up.qweight.n))
-        if self.activation == "silu" and self.mlp_out_norm is None and self.residual_scale == 1.0:
-            return qlinear(gu, self.down.qweight, silu_mul=True, residual=x)
+        if self.activation == "gelu_tanh":
+            return self._post(x, ext.gelu_mul(gu), self.down, self.mlp_out_norm)
+        if self.activation == "silu":
+            return self._post(x, gu, self.down, self.mlp_out_norm, silu_mul=True)
         g, u = gu.chunk(2, dim=-1)
-        return self._residual(x, qlinear(self._act(g, u), self.down.qweight), self.mlp_out_norm)
+        return self._post(x, self._act(g, u), self.down, self.mlp_out_norm)
+
+    def _post(self, x: torch.Tensor, h: torch.Tensor, lin: Linear, norm: RMSNorm | None, **kw: object
+              ) -> torch.Tensor:
+        """x plus the product h . W (+ bias) through the sublayer's post-norm and the residual
+        multiplier (family.h's residual_row), or, with neither, added by the product itself: what
+        the whole-step call does (step.cpp, post_phase)."""
+        if norm is None and self.residual_scale == 1.0:
+            return qlinear(h, lin.qweight, lin.bias, residual=x, **kw)
+        return self._add(x, qlinear(h, lin.qweight, lin.bias, **kw), norm)
+
+    def _add(self, x: torch.Tensor, y: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
+        """x + residual_scale * post_norm(y), row by row (family.h's residual_row)."""
+        if norm is None and self.residual_scale == 1.0:
+            return x + y
+        weight, eps = (None, 1e-6) if norm is None else (norm.weight, norm.eps)
+        return kernels.load().post_residual(x, y, weight, eps, self.residual_scale)
 
     def _rope_table(self, ropes: Ropes, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The (cos, sin) rope_store rotates this layer's rows with: its rope kind's, or where it has
@@ -376,14 +400,14 @@ class Block(nn.Module):
                                k_layer, v_layer, start)
             if p.keep_q is not None and self.index in p.keep_q:
                 p.keep_q[self.index] = q
-            if self.attn_scale is not None:
-                q = q * (self.attn_scale * math.sqrt(self.head_dim))
             end = start + cache.pending
-            k, v, mask = self._window(q, k_layer[:, :end], v_layer[:, :end], p.tree_mask, p.positions)
+            first, mask = p.window(end, self.window) if self.window else (0, p.tree_mask)
+            k, v = k_layer[:, first:end], v_layer[:, first:end]
             if self.attn_softcap is not None:
-                a = capped_rowwise(q, k, v, mask, self.attn_softcap)
-            else:
-                a = kernels.attend(q, k, v, mask, self.sinks)
+                scaled = q if self.attn_scale is None else q * (self.attn_scale * math.sqrt(self.head_dim))
+                a = capped_rowwise(scaled, k, v, mask, self.attn_softcap)
+            else:  # the score scale in the kernel, as the whole-step call has it
+                a = kernels.attend(q, k, v, mask, self.attn_scale, self.sinks)
             outs.append(a.transpose(0, 1).reshape(t, -1))
             off += t
         return outs[0] if len(outs) == 1 else torch.cat(outs)

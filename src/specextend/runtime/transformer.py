@@ -221,8 +221,8 @@ class Transformer(nn.Module):
     def _takes_step(self, x: torch.Tensor, parts: list[Rows]) -> bool:
         """Whether a fused forward runs as one C++ call (fused_step.py): a lone sequence's few rows, or
         a batch's sequences whatever their rows. A family with switches the C++ step does not
-        implement (`ModelConfig.plain`) keeps the per-layer kernels."""
-        if not self.cfg.plain or self.step_rows <= 0 or (len(parts) == 1 and parts[0].size > self.step_rows):
+        implement (`ModelConfig.stepped`) keeps the per-layer kernels."""
+        if not self.cfg.stepped or self.step_rows <= 0 or (len(parts) == 1 and parts[0].size > self.step_rows):
             return False
         if self.output_head is not None and not isinstance(self.output_head.head, QWeight):
             return False
@@ -237,10 +237,12 @@ class Transformer(nn.Module):
         if self._step_head is None or self._step_head[0] is not weight:
             self._step_head = (weight, fused_step.head(self._step_plan, self.norm, weight))
         rows, counts = fused_step.logit_rows(parts)
+        window = self.cfg.sliding_window if any(self.cfg.window_layers) else 0
         logits = fused_step.run(self._step_plan, x.contiguous(), cos, sin, parts, self.cfg.num_heads,
-                                self._step_head[1], rows)
+                                self._step_head[1], rows, window)
         if self.output_head is not None:
             logits = self.output_head.widen(logits)
+        logits = self._scaled_logits(logits)
         return [logits] if len(parts) == 1 else list(torch.split(logits, counts))
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:

@@ -71,7 +71,8 @@ std::shared_ptr<StepPlan> step_plan(int64_t hidden, int64_t heads, int64_t kv_he
 }
 
 void add_layer(StepPlan& p, const py::tuple& qkv, const py::tuple& o, const py::tuple& gate_up, const py::tuple& down,
-               const at::Tensor& attn_norm, const at::Tensor& mlp_norm, const c10::optional<at::Tensor>& q_norm,
+               const c10::optional<at::Tensor>& attn_norm, const c10::optional<at::Tensor>& mlp_norm,
+               const c10::optional<at::Tensor>& q_norm,
                const c10::optional<at::Tensor>& k_norm, int64_t rope_kind) {
   spx::StepModel& md = p.model;
   const int64_t hd = md.heads * md.head_dim;
@@ -86,8 +87,9 @@ void add_layer(StepPlan& p, const py::tuple& qkv, const py::tuple& o, const py::
               "step: down must map the MLP back to the hidden width; only qkv has a bias");
   TORCH_CHECK(md.layers.empty() || (l.qkv.n == md.layers[0].qkv.n && l.gate_up.n == md.layers[0].gate_up.n),
               "step: every layer must have the same shape");
-  l.attn_norm = kept_float(p, attn_norm, md.hidden, "attn_norm");
-  l.mlp_norm = kept_float(p, mlp_norm, md.hidden, "mlp_norm");
+  // OLMo 2's layers have no norm before attention or the MLP
+  if (attn_norm.has_value()) l.attn_norm = kept_float(p, *attn_norm, md.hidden, "attn_norm");
+  if (mlp_norm.has_value()) l.mlp_norm = kept_float(p, *mlp_norm, md.hidden, "mlp_norm");
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "step: q_norm and k_norm come together");
   if (q_norm.has_value()) {
     l.q_norm = kept_float(p, *q_norm, md.head_dim, "q_norm");
@@ -96,6 +98,35 @@ void add_layer(StepPlan& p, const py::tuple& qkv, const py::tuple& o, const py::
   TORCH_CHECK(rope_kind >= 0, "step: a layer's rope kind is an index into forward_batch's rope tables");
   l.rope_kind = rope_kind;
   md.layers.push_back(std::move(l));
+}
+
+// The model's family switches (step.h's StepModel): the score scale (0: 1 / sqrt(head_dim)), the
+// residual multiplier and the rotary dimensions (0: all).
+void set_family(StepPlan& p, double attn_scale, double residual_scale, int64_t rot) {
+  TORCH_CHECK(rot >= 0 && rot <= p.model.head_dim && rot % 2 == 0, "step: rotary dimensions must be even, <= head_dim");
+  TORCH_CHECK(p.model.layers.empty(), "step: set the family before adding layers");
+  p.model.attn_scale = static_cast<float>(attn_scale);
+  p.model.residual_scale = static_cast<float>(residual_scale);
+  p.model.rot = rot;
+}
+
+// The last added layer's family switches (step.h's StepLayer).
+void layer_family(StepPlan& p, const c10::optional<at::Tensor>& attn_out_norm,
+                  const c10::optional<at::Tensor>& mlp_out_norm, const c10::optional<at::Tensor>& q_full_norm,
+                  const c10::optional<at::Tensor>& k_full_norm, bool windowed, bool gelu) {
+  spx::StepModel& md = p.model;
+  TORCH_CHECK(!md.layers.empty(), "step: layer_family follows add_layer");
+  spx::StepLayer& l = md.layers.back();
+  if (attn_out_norm.has_value()) l.attn_out_norm = kept_float(p, *attn_out_norm, md.hidden, "attn_out_norm");
+  if (mlp_out_norm.has_value()) l.mlp_out_norm = kept_float(p, *mlp_out_norm, md.hidden, "mlp_out_norm");
+  TORCH_CHECK(q_full_norm.has_value() == k_full_norm.has_value() && !(q_full_norm.has_value() && l.q_norm != nullptr),
+              "step: whole-row q/k norms come together, and not with per-head ones");
+  if (q_full_norm.has_value()) {
+    l.q_full_norm = kept_float(p, *q_full_norm, md.heads * md.head_dim, "q_full_norm");
+    l.k_full_norm = kept_float(p, *k_full_norm, md.kv_heads * md.head_dim, "k_full_norm");
+  }
+  l.windowed = windowed;
+  l.gelu = gelu;
 }
 
 // The final norm and an LM head (the whole one, or a draft's trimmed one) for forward_batch.
@@ -124,13 +155,14 @@ void check_cache(const spx::StepModel& md, const at::Tensor& c, int64_t capacity
 // One sequence's part, checked, with what its pointers point into.
 struct SeqArgs {
   spx::StepSeq seq{};
-  at::Tensor mask;
+  at::Tensor mask, wmask;
   std::vector<float*> keep;
 };
 
-// part: (k_cache, v_cache, rows, start, mask or None, keep_layers, keep_q).
+// part: (k_cache, v_cache, rows, start, mask or None, keep_layers, keep_q[, window_first, window_mask]).
 void sequence(const spx::StepModel& md, const py::tuple& part, SeqArgs& out) {
-  TORCH_CHECK(part.size() == 7, "forward_batch: a part is (k, v, rows, start, mask, keep_layers, keep_q)");
+  TORCH_CHECK(part.size() == 7 || part.size() == 9,
+              "forward_batch: a part is (k, v, rows, start, mask, keep_layers, keep_q[, window_first, window_mask])");
   auto k_cache = part[0].cast<at::Tensor>(), v_cache = part[1].cast<at::Tensor>();
   const int64_t t = part[2].cast<int64_t>(), start = part[3].cast<int64_t>();
   const int64_t capacity = k_cache.dim() == 4 ? k_cache.size(2) : -1;
@@ -146,6 +178,18 @@ void sequence(const spx::StepModel& md, const py::tuple& part, SeqArgs& out) {
                 "forward_batch: mask [t, m] with t <= m <= start + t");
     s.mask = out.mask.data_ptr<bool>();
     s.m = out.mask.size(1);
+  }
+  const bool windows = std::any_of(md.layers.begin(), md.layers.end(), [](const spx::StepLayer& l) {
+    return l.windowed;
+  });
+  TORCH_CHECK(!windows || (part.size() == 9 && !part[8].is_none()), "forward_batch: windowed layers need a window");
+  if (windows) {
+    s.wfirst = part[7].cast<int64_t>();
+    out.wmask = part[8].cast<at::Tensor>().to(at::kBool).contiguous();
+    TORCH_CHECK(s.wfirst >= 0 && s.wfirst <= start && out.wmask.dim() == 2 && out.wmask.size(0) == t &&
+                    out.wmask.size(1) == start + t - s.wfirst,
+                "forward_batch: a window mask [t, start + t - window_first]");
+    s.wmask = out.wmask.data_ptr<bool>();
   }
   const auto layers_kept = part[5].cast<std::vector<int64_t>>();
   const auto queries = part[6].cast<std::vector<at::Tensor>>();
@@ -192,7 +236,7 @@ c10::optional<at::Tensor> forward_batch(StepPlan& p, at::Tensor x, const at::Ten
   int64_t kinds = 0;
   for (const spx::StepLayer& l : md.layers) kinds = std::max(kinds, l.rope_kind + 1);
   TORCH_CHECK(cc.scalar_type() == at::kFloat && sc.scalar_type() == at::kFloat &&
-                  cc.numel() >= kinds * t * md.head_dim && cc.numel() % (t * md.head_dim) == 0 &&
+                  cc.numel() >= kinds * t * md.rope_width() && cc.numel() % (t * md.rope_width()) == 0 &&
                   sc.numel() == cc.numel(),
               "forward_batch: cos/sin float32 [kinds, T, head_dim], a table for every layer's rope kind");
   spx::StepBatch bt{x.data_ptr<float>(), cc.data_ptr<float>(), sc.data_ptr<float>(), seqs.data(),
@@ -234,7 +278,10 @@ bool release_thread_team() {
 
 void bind_step(py::module& m) {
   m.def("release_thread_team", &release_thread_team, "free the calling thread's idle OpenMP team");
-  py::class_<StepPlan, std::shared_ptr<StepPlan>>(m, "StepPlan").def("add_layer", &add_layer);
+  py::class_<StepPlan, std::shared_ptr<StepPlan>>(m, "StepPlan")
+      .def("add_layer", &add_layer)
+      .def("set_family", &set_family)
+      .def("layer_family", &layer_family);
   py::class_<HeadPlan, std::shared_ptr<HeadPlan>>(m, "StepHead");
   m.def("step_plan", &step_plan, "a quantized model's layers for forward_batch (add_layer once per layer)");
   m.def("step_head", &step_head, "the final norm and an LM head for forward_batch");

@@ -12,6 +12,7 @@
 #include "core/attention.h"
 #include "core/cpu.h"
 #include "core/qlinear.h"
+#include "core/family.h"
 #include "core/rope.h"
 
 namespace {
@@ -214,7 +215,7 @@ std::vector<at::Tensor> quantize_activations(const at::Tensor& x, int64_t path_i
 }
 
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& mask,
-                  int64_t path_id, const c10::optional<at::Tensor>& sinks) {
+                  int64_t path_id, double scale, const c10::optional<at::Tensor>& sinks) {
   const spx::Path path = checked_path(path_id);
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "attend: q [H,T,D], k and v [Hkv,S,D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat, "attend: q must be float32");
@@ -248,7 +249,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   pb.v = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
   pb.k_head_stride = k.stride(0);
   pb.v_head_stride = v.stride(0);
-  pb.scale = 1.f / std::sqrt(static_cast<float>(pb.d));
+  pb.scale = scale > 0 ? static_cast<float>(scale) : 1.f / std::sqrt(static_cast<float>(pb.d));
   at::Tensor sc;
   if (sinks.has_value() && sinks->defined()) {
     sc = sinks->to(at::kFloat).contiguous();
@@ -283,9 +284,10 @@ at::Tensor rope_store(const at::Tensor& h, const at::Tensor& cos, const at::Tens
   TORCH_CHECK(start >= 0 && start + t <= k_cache.size(1) && start + t <= v_cache.size(1),
               "rope_store: slots past the cache's capacity");
   const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
-  TORCH_CHECK(cc.scalar_type() == at::kFloat && sc.scalar_type() == at::kFloat && cc.numel() == t * d &&
-                  sc.numel() == t * d,
-              "rope_store: cos/sin float32 [T, D]");
+  const int64_t rot = t > 0 ? cc.numel() / t : d;  // partial rotary: cos/sin [T, rot]
+  TORCH_CHECK(cc.scalar_type() == at::kFloat && sc.scalar_type() == at::kFloat && cc.numel() == t * rot &&
+                  sc.numel() == t * rot && rot <= d && rot % 2 == 0 && rot > 0,
+              "rope_store: cos/sin float32 [T, R], R <= D even");
   at::Tensor qn, kn;
   if (q_norm.has_value() && q_norm->defined()) qn = q_norm->contiguous();
   if (k_norm.has_value() && k_norm->defined()) kn = k_norm->contiguous();
@@ -298,9 +300,65 @@ at::Tensor rope_store(const at::Tensor& h, const at::Tensor& cos, const at::Tens
                      static_cast<float>(eps), t, heads, kvh, d, start, q.data_ptr<float>(),
                      reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
                      reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::BFloat16>()), k_cache.stride(0),
-                     v_cache.stride(0)};
+                     v_cache.stride(0), rot};
   at::parallel_for(0, t, 1, [&](int64_t b, int64_t e) { spx::rope_tokens(op, b, e); });
   return q;
+}
+
+// A family's row operations (core/family.h), row by row: the per-layer forward's, with the
+// whole-step call's bits.
+at::Tensor family_rows(const at::Tensor& x, int64_t width, const char* what) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == width, what, ": float32 rows [T, ", width,
+              "]");
+  return x.contiguous();
+}
+
+const float* family_weight(const c10::optional<at::Tensor>& w, int64_t k, at::Tensor& keep, const char* what) {
+  if (!w.has_value() || !w->defined()) return nullptr;
+  keep = w->contiguous();
+  TORCH_CHECK(keep.scalar_type() == at::kFloat && keep.numel() == k, what, ": a float32 weight of the rows' width");
+  return keep.data_ptr<float>();
+}
+
+at::Tensor rms_rows(const at::Tensor& x, const c10::optional<at::Tensor>& w, double eps) {
+  const at::Tensor xc = family_rows(x, x.dim() == 2 ? x.size(1) : -1, "rms_rows");
+  at::Tensor wk;
+  const float* wp = family_weight(w, xc.size(1), wk, "rms_rows");
+  at::Tensor out = at::empty_like(xc);
+  const int64_t k = xc.size(1);
+  at::parallel_for(0, xc.size(0), 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r)
+      spx::rms_row(xc.data_ptr<float>() + r * k, k, wp, static_cast<float>(eps), out.data_ptr<float>() + r * k);
+  });
+  return out;
+}
+
+at::Tensor post_residual(const at::Tensor& x, const at::Tensor& y, const c10::optional<at::Tensor>& norm, double eps,
+                         double scale) {
+  const at::Tensor xc = family_rows(x, x.dim() == 2 ? x.size(1) : -1, "post_residual");
+  const at::Tensor yc = family_rows(y, xc.size(1), "post_residual");
+  TORCH_CHECK(yc.size(0) == xc.size(0), "post_residual: x and y must have the same rows");
+  at::Tensor nk;
+  const int64_t k = xc.size(1);
+  const float* np = family_weight(norm, k, nk, "post_residual");
+  at::Tensor out = at::empty_like(xc);
+  at::parallel_for(0, xc.size(0), 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r)
+      spx::residual_row(xc.data_ptr<float>() + r * k, yc.data_ptr<float>() + r * k, k, np, static_cast<float>(eps),
+                        static_cast<float>(scale), out.data_ptr<float>() + r * k);
+  });
+  return out;
+}
+
+at::Tensor gelu_mul(const at::Tensor& gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0, "gelu_mul: float32 rows [T, 2 * inter]");
+  const at::Tensor xc = family_rows(gu, gu.size(1), "gelu_mul");
+  const int64_t inter = xc.size(1) / 2;
+  at::Tensor out = at::empty({xc.size(0), inter}, xc.options());
+  at::parallel_for(0, xc.size(0), 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) spx::gelu_mul_row(xc.data_ptr<float>() + r * 2 * inter, inter, out.data_ptr<float>() + r * inter);
+  });
+  return out;
 }
 
 }  // namespace
@@ -315,7 +373,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k"), py::arg("offset"), py::arg("sbg"), py::arg("row_ids"), py::arg("out") = py::none());
   m.def("quantize_activations", &quantize_activations, "int8 activations, one scale per 32");
   m.def("attend", &attend, "row-independent attention of new tokens over a bfloat16 KV cache (and sinks [H])",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("path_id"), py::arg("sinks") = py::none());
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("path"), py::arg("scale") = 0.0,
+        py::arg("sinks") = py::none());
+  m.def("rms_rows", &rms_rows, "RMSNorm of whole rows (a family's q/k norms)");
+  m.def("post_residual", &post_residual, "x + scale * post_norm(y), row by row (a family's residual add)");
+  m.def("gelu_mul", &gelu_mul, "GeGLU with the tanh GELU, row by row");
   m.def("rope_store", &rope_store, "rotate the new queries and keys, store keys and values in the bf16 cache");
   m.def("cpu_paths", &cpu_paths, "the kernel paths this CPU runs, slowest first (amx-emulated, a test path, not listed)");
   m.def("amx_status", &amx_status, "why the amx path cannot run here, or None where it runs");

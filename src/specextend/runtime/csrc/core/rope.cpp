@@ -10,7 +10,7 @@ namespace spx {
 namespace {
 
 void rotate(const Rope& op, const float* src, const float* norm, int64_t tok, float* dst) {
-  const int64_t d = op.d, half = d / 2;
+  const int64_t d = op.d, r = op.rot > 0 ? op.rot : d, half = r / 2;
   float buf[kMaxHeadDim];
   const float* x = src;
   if (norm != nullptr) {
@@ -20,12 +20,13 @@ void rotate(const Rope& op, const float* src, const float* norm, int64_t tok, fl
     for (int64_t i = 0; i < d; ++i) buf[i] = norm[i] * (src[i] * inv);
     x = buf;
   }
-  const float* c = op.cos + tok * d;
-  const float* s = op.sin + tok * d;
-  for (int64_t i = 0; i < d; ++i) {
+  const float* c = op.cos + tok * r;
+  const float* s = op.sin + tok * r;
+  for (int64_t i = 0; i < r; ++i) {
     const float rot = i < half ? -x[i + half] : x[i - half];
     dst[i] = x[i] * c[i] + rot * s[i];
   }
+  for (int64_t i = r; i < d; ++i) dst[i] = x[i];
 }
 
 }  // namespace

@@ -8,7 +8,7 @@ namespace spx {
 
 // From the fused QKV projection h [T, (H + 2 Hkv) D]: queries (and keys) optionally RMS-normed
 // per head (Qwen3), both rotated (rotate-half: x*cos + rotate_half(x)*sin, cos/sin [T, D]);
-// keys and values stored in bfloat16 at cache slots [start, start + T) of k/v [Hkv, capacity, D]
+// (partial rotary: the leading rot dimensions); keys and values stored in bfloat16 at cache slots [start, start + T) of k/v [Hkv, capacity, D]
 // (head strides given); rotated queries to q [H, T, D].
 struct Rope {
   const float* h;
@@ -22,6 +22,9 @@ struct Rope {
   uint16_t* k;
   uint16_t* v;
   int64_t k_head_stride, v_head_stride;
+  // Partial rotary (Phi-4-mini): the leading `rot` dimensions of each head rotate (rotate-half
+  // within them, cos/sin [T, rot]) and the rest pass; 0: all d of them.
+  int64_t rot = 0;
 };
 
 constexpr int64_t kMaxHeadDim = 1024;

@@ -11,6 +11,7 @@
 #endif
 
 #include "attention.h"
+#include "family.h"
 #include "rope.h"
 #include "team_barrier.h"
 
@@ -131,6 +132,8 @@ struct SeqPlan {
   Rope rope;
   Attention pb;
   AttentionPlan plan;  // run once a layer: its split states are reused (each run ends in a barrier)
+  Attention pbw;  // the windowed layers' (StepSeq::wfirst, wmask; k and v set per layer from wfirst)
+  AttentionPlan wplan;
 };
 
 // Every sequence's attention items in one list, the most work first, so threads taking them in
@@ -143,8 +146,36 @@ struct BatchPlan {
   std::vector<SeqPlan> seqs;
   std::vector<int64_t> seq_of_row;  // [T]
   std::vector<ItemRef> items;
+  std::vector<ItemRef> witems;  // the windowed layers' items
   int64_t t = 0;
 };
+
+// A sequence's attention over its window: keys [wfirst, end) under wmask (a windowed layer's).
+void window_plan(const StepModel& md, const StepSeq& r, int64_t s, SeqPlan& sp, BatchPlan& bp, int threads) {
+  if (r.wmask == nullptr || std::none_of(md.layers.begin(), md.layers.end(), [](const StepLayer& l) {
+        return l.windowed;
+      }))
+    return;
+  sp.pbw = sp.pb;
+  sp.pbw.s = r.start + r.t - r.wfirst;
+  sp.pbw.m = sp.pbw.s;
+  sp.pbw.mask = r.wmask;
+  sp.wplan = plan_attention(sp.pbw, threads);
+  for (size_t i = 0; i < sp.wplan.items.size(); ++i)
+    bp.witems.push_back({s, static_cast<int64_t>(i), item_cost(sp.pbw, sp.wplan.items[i])});
+}
+
+// Rows of x2 [t, hidden] become x + scale * post_norm(x2) (residual_row; out may be x2 or x).
+void post_phase(const Team& team, const StepModel& md, const float* x, const float* y, const float* norm,
+                float* out, int64_t t) {
+  const int64_t h = md.hidden;
+#pragma omp for schedule(static) nowait
+  for (int64_t r = 0; r < t; ++r) residual_row(x + r * h, y + r * h, h, norm, md.eps, md.residual_scale, out + r * h);
+  team.sync();
+}
+
+// Whether a sublayer's output goes through post_phase rather than the product's residual epilogue.
+bool posts(const StepModel& md, const float* norm) { return norm != nullptr || md.residual_scale != 1.f; }
 
 BatchPlan batch_plan(const StepModel& md, const StepBatch& bt, Buffers& b, int threads) {
   BatchPlan bp;
@@ -174,14 +205,15 @@ BatchPlan batch_plan(const StepModel& md, const StepBatch& bt, Buffers& b, int t
     pb.out = b.w.att.data() + row0 * hd;
     pb.k_head_stride = r.capacity * d;
     pb.v_head_stride = r.capacity * d;
-    pb.scale = 1.f / std::sqrt(static_cast<float>(d));
+    pb.scale = md.attn_scale > 0.f ? md.attn_scale : 1.f / std::sqrt(static_cast<float>(d));
     sp.plan = plan_attention(pb, threads);
     for (size_t i = 0; i < sp.plan.items.size(); ++i)
       bp.items.push_back({s, static_cast<int64_t>(i), item_cost(pb, sp.plan.items[i])});
+    window_plan(md, r, s, sp, bp, threads);
     row0 += r.t;
   }
-  std::stable_sort(bp.items.begin(), bp.items.end(),
-                   [](const ItemRef& a, const ItemRef& c) { return a.cost > c.cost; });
+  for (auto* list : {&bp.items, &bp.witems})
+    std::stable_sort(list->begin(), list->end(), [](const ItemRef& a, const ItemRef& c) { return a.cost > c.cost; });
   return bp;
 }
 
@@ -224,9 +256,16 @@ void layer_phases(const Team& team, Path path, const StepModel& md, const StepLa
     const StepSeq& r = bt.seqs[s];
     const int64_t layer_stride = md.kv_heads * r.capacity * d, tok = row - bp.seqs[s].row0;
     Rope rope = bp.seqs[s].rope;
-    const int64_t table = (l.rope_kind * t + bp.seqs[s].row0) * d;  // this layer's rope, this sequence's rows
+    // this layer's rope, this sequence's rows
+    const int64_t table = (l.rope_kind * t + bp.seqs[s].row0) * md.rope_width();
     rope.cos = bt.cos + table;
     rope.sin = bt.sin + table;
+    rope.rot = md.rot;
+    if (l.q_full_norm != nullptr) {  // OLMo 2: one norm over the row's queries, one over its keys
+      float* h = b.w.qkv.data() + row * l.qkv.n;
+      rms_row(h, md.heads * d, l.q_full_norm, md.eps, h);
+      rms_row(h + md.heads * d, md.kv_heads * d, l.k_full_norm, md.eps, h + md.heads * d);
+    }
     rope.q_norm = l.q_norm;
     rope.k_norm = l.k_norm;
     rope.k = r.k + li * layer_stride;
@@ -241,29 +280,40 @@ void layer_phases(const Team& team, Path path, const StepModel& md, const StepLa
     if (r.keep_q != nullptr && r.keep_q[li] != nullptr)
       std::memcpy(r.keep_q[li], bp.seqs[s].pb.q, sizeof(float) * static_cast<size_t>(r.t * md.heads * d));
   }
-  const int64_t items = static_cast<int64_t>(bp.items.size());
+  const bool win = l.windowed && !bp.witems.empty();
+  const std::vector<ItemRef>& list = win ? bp.witems : bp.items;
+  const int64_t items = static_cast<int64_t>(list.size());
 #pragma omp for schedule(dynamic, 1) nowait
   for (int64_t i = 0; i < items; ++i) {
-    const ItemRef& ref = bp.items[i];
+    const ItemRef& ref = list[i];
     const StepSeq& r = bt.seqs[ref.seq];
-    const int64_t layer_stride = md.kv_heads * r.capacity * d;
-    Attention pb = bp.seqs[ref.seq].pb;
-    pb.k = r.k + li * layer_stride;
-    pb.v = r.v + li * layer_stride;
-    attend_item(path, pb, bp.seqs[ref.seq].plan, ref.item);
+    const SeqPlan& sp = bp.seqs[ref.seq];
+    const int64_t layer_stride = md.kv_heads * r.capacity * d, first = win ? r.wfirst * d : 0;
+    Attention pb = win ? sp.pbw : sp.pb;
+    pb.k = r.k + li * layer_stride + first;
+    pb.v = r.v + li * layer_stride + first;
+    attend_item(path, pb, win ? sp.wplan : sp.plan, ref.item);
   }
   team.sync();
   const int64_t hd = md.heads * d;
   gather_quantize_phase(team, path, md, bp, b.w.att.data(), b.w.att_rows.data(), b.act(hd), scratch);
-  linear_phase(team, path, l.o, b.act(hd), t, b.w.x2.data(), bt.x, threads, acc);
+  const bool post_attn = posts(md, l.attn_out_norm), post_mlp = posts(md, l.mlp_out_norm);
+  linear_phase(team, path, l.o, b.act(hd), t, b.w.x2.data(), post_attn ? nullptr : bt.x, threads, acc);
+  if (post_attn) post_phase(team, md, bt.x, b.w.x2.data(), l.attn_out_norm, b.w.x2.data(), t);
   norm.norm = l.mlp_norm;
   quantize_phase(team, path, b.w.x2.data(), md.hidden, norm, b.act(md.hidden), t, scratch);
   linear_phase(team, path, l.gate_up, b.act(md.hidden), t, b.w.gu.data(), nullptr, threads, acc);
-  PreOp silu;
-  silu.silu_mul = true;
+  PreOp act;
+  act.silu_mul = !l.gelu;
   const int64_t inter = l.gate_up.n / 2;
-  quantize_phase(team, path, b.w.gu.data(), 2 * inter, silu, b.act(inter), t, scratch);
-  linear_phase(team, path, l.down, b.act(inter), t, bt.x, b.w.x2.data(), threads, acc);
+  if (l.gelu) {  // GeGLU into the gate half of each row, then quantized as it is
+#pragma omp for schedule(static) nowait
+    for (int64_t r = 0; r < t; ++r) gelu_mul_row(b.w.gu.data() + r * 2 * inter, inter, b.w.gu.data() + r * 2 * inter);
+    team.sync();
+  }
+  quantize_phase(team, path, b.w.gu.data(), 2 * inter, act, b.act(inter), t, scratch);
+  linear_phase(team, path, l.down, b.act(inter), t, bt.x, post_mlp ? nullptr : b.w.x2.data(), threads, acc);
+  if (post_mlp) post_phase(team, md, b.w.x2.data(), bt.x, l.mlp_out_norm, bt.x, t);
 }
 
 // The picked rows through the final norm and the head (the team's last phases).

@@ -15,6 +15,10 @@
 //   qkv = quantize(rmsnorm(x)) . Wqkv (+ bias); q = rope(q), k = rope(k) (Qwen3: per-head norms
 //   first); k, v stored in bfloat16 at the pending cache slots; a = attend(q, cache[:end], mask);
 //   x2 = x + a . Wo; gu = quantize(rmsnorm(x2)) . Wgu; x = x2 + quantize(silu(g) * u) . Wdown.
+// A family's switches (StepLayer, family.h) change it where its per-layer forward does
+// (layers.py, Block._switched_rows): no pre-norm (OLMo 2), whole-row q/k norms before rope,
+// partial rotary, a score scale, a windowed layer's keys, x2 = x + scale * post_norm(a . Wo)
+// (likewise after the MLP), GeGLU.
 #pragma once
 
 #include <cstdint>
@@ -49,12 +53,24 @@ struct StepLayer {
   // some layers a rope of their own, or none (SmolLM3's NoPE layers: a table of angle zero,
   // cos 1 and sin 0, which rope_tokens applies exactly as the identity).
   int64_t rope_kind = 0;
+  // A family's switches (family.h; all off: the Llama block). attn_norm/mlp_norm may be null
+  // (OLMo 2 has no norms before its sublayers).
+  const float* attn_out_norm = nullptr;  // [hidden]: on attention's output, before the residual add
+  const float* mlp_out_norm = nullptr;   // [hidden]: on the MLP's output
+  const float* q_full_norm = nullptr;    // [heads * head_dim]: over all of a row's queries, before rope
+  const float* k_full_norm = nullptr;    // [kv_heads * head_dim]
+  bool windowed = false;                 // attends through its sequence's window (StepSeq::wfirst, wmask)
+  bool gelu = false;                     // GeGLU (tanh GELU) instead of SwiGLU
 };
 
 struct StepModel {
   int64_t hidden = 0, heads = 0, kv_heads = 0, head_dim = 0;
   float eps = 0.f;
   std::vector<StepLayer> layers;
+  float attn_scale = 0.f;      // the attention score scale; 0: 1 / sqrt(head_dim)
+  float residual_scale = 1.f;  // multiplies the sublayers' outputs (Granite)
+  int64_t rot = 0;             // rotary dimensions of a head (partial rotary); 0: head_dim
+  int64_t rope_width() const { return rot > 0 ? rot : head_dim; }
 };
 
 // The new tokens and the cache they extend.
@@ -84,6 +100,10 @@ struct StepSeq {
   const bool* mask;
   int64_t m;
   float* const* keep_q = nullptr;
+  // The windowed layers' keys: slots [wfirst, start + t), under wmask [t, start + t - wfirst]
+  // (attention.py's window_mask: what the tree or causal mask allows within each row's window).
+  int64_t wfirst = 0;
+  const bool* wmask = nullptr;
 };
 
 // The final norm and the LM head (a draft's trimmed head, or the whole one).
@@ -99,7 +119,7 @@ struct StepHead {
 // `logits` [n_logits, head->w.n] (no head, or no rows: no logits).
 struct StepBatch {
   float* x;  // [T, hidden], T the sequences' rows together
-  const float* cos;  // [kinds, T, head_dim]: one table per rope kind (StepLayer::rope_kind)
+  const float* cos;  // [kinds, T, rope_width]: one table per rope kind (StepLayer::rope_kind)
   const float* sin;
   const StepSeq* seqs;
   int64_t nseqs;

@@ -6,7 +6,9 @@
 //   2. rows are independent: a row computed alone equals the same row inside batches of 2-16;
 //   3. the amx path's code on emulated tiles (amx-emulated, any CPU) is among the paths of 1 and 2,
 //      and its detection refuses AMX at every step a CPU, an OS or a VM can deny it.
-//   4. the whole-step forward (step.h) of a small random model, one row and a tree level.
+//   4. the whole-step forward (step.h) of a small random model, one row and a tree level, with
+//      and without a family's switches (family.h: post norms, GeGLU, whole-row q/k norms, partial
+//      rotary, a score scale, a residual multiplier, a windowed layer).
 // Exit status 0 when every check passes; each failure is printed.
 #include <algorithm>
 #include <cmath>
@@ -323,6 +325,64 @@ void step_batch_tests(const std::vector<Path>& paths, const spx::StepModel& md) 
   }
 }
 
+// The step with a family's switches on (layer 0: Gemma's sandwich norms, GeGLU and a window of 8;
+// layer 1: OLMo 2's post norms only and whole-row q/k norms), partial rotary (48 of 64), a score
+// scale and a residual multiplier: every path gives the portable path's bits, for one row and a
+// tree level whose rows sit at start + depth.
+void family_step_tests(const std::vector<Path>& paths, spx::StepModel md) {
+  const int64_t hidden = md.hidden, kv = md.kv_heads, d = md.head_dim, cap = 64, start = 40, window = 8;
+  const int64_t layers = static_cast<int64_t>(md.layers.size());
+  md.attn_scale = 0.2f, md.residual_scale = 0.7f, md.rot = 48;
+  std::vector<std::vector<float>> floats;
+  auto weight = [&](int64_t n) {
+    floats.push_back(randn(n, 0.1f));
+    for (float& f : floats.back()) f += 1.f;
+    return floats.back().data();
+  };
+  spx::StepLayer& g = md.layers[0];
+  g.attn_out_norm = weight(hidden), g.mlp_out_norm = weight(hidden), g.gelu = true, g.windowed = true;
+  spx::StepLayer& o = md.layers[1];
+  o.attn_norm = o.mlp_norm = nullptr;
+  o.attn_out_norm = weight(hidden), o.mlp_out_norm = weight(hidden);
+  o.q_full_norm = weight(md.heads * d), o.k_full_norm = weight(kv * d);
+  for (const int64_t t : {1, 5}) {
+    const std::vector<float> x0 = randn(t * hidden), cos = randn(t * md.rot), sin = randn(t * md.rot);
+    const std::vector<uint16_t> k0 = random_bf16(layers * kv * cap * d), v0 = random_bf16(layers * kv * cap * d);
+    std::vector<char> mask(t * t);
+    std::vector<int64_t> pos(t);
+    for (int64_t i = 0; i < t; ++i) {
+      pos[i] = start + (i > 0);  // a root and its children
+      for (int64_t j = 0; j < t; ++j) mask[i * t + j] = j == i || j == 0;
+    }
+    const int64_t first = start - window + 1, m = start + t - first;
+    std::vector<char> wmask(t * m);
+    for (int64_t i = 0; i < t; ++i)
+      for (int64_t j = 0; j < m; ++j) {
+        const int64_t slot = first + j, kpos = slot < start ? slot : pos[slot - start];
+        const bool seen = slot < start || (t > 1 ? mask[i * t + slot - start] != 0 : slot - start <= i);
+        wmask[i * m + j] = seen && pos[i] - kpos < window;
+      }
+    std::vector<float> ref_x;
+    std::vector<uint16_t> ref_k;
+    for (Path p : paths) {
+      std::vector<float> x = x0;
+      std::vector<uint16_t> k = k0, v = v0;
+      spx::StepSeq seq{t, k.data(), v.data(), cap, start, t > 1 ? reinterpret_cast<const bool*>(mask.data()) : nullptr,
+                       t};
+      seq.wfirst = first;
+      seq.wmask = reinterpret_cast<const bool*>(wmask.data());
+      const spx::StepBatch bt{x.data(), cos.data(), sin.data(), &seq, 1};
+      spx::forward_batch(p, md, bt, 1);
+      if (p == Path::Portable) {
+        ref_x = x, ref_k = k;
+        continue;
+      }
+      check(same_bits(x.data(), ref_x.data(), x.size()) && k == ref_k,
+            "family step t " + std::to_string(t) + ": " + spx::path_name(p) + " = portable");
+    }
+  }
+}
+
 void step_tests(const std::vector<Path>& paths) {
   const int64_t hidden = 256, heads = 4, kv = 2, d = 64, inter = 512, cap = 64, start = 40, layers = 2;
   std::vector<std::vector<uint8_t>> blobs;
@@ -367,6 +427,7 @@ void step_tests(const std::vector<Path>& paths) {
     }
   }
   step_batch_tests(paths, md);
+  family_step_tests(paths, md);
 }
 
 }  // namespace

@@ -1,0 +1,88 @@
+// A model family's row operations (family.h).
+#include "family.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "fastexp.h"
+
+namespace spx {
+
+void rms_row(const float* x, int64_t k, const float* w, float eps, float* out) {
+  float sq = 0.f;
+  for (int64_t i = 0; i < k; ++i) sq += x[i] * x[i];
+  const float inv = 1.f / std::sqrt(sq / static_cast<float>(k) + eps);
+  for (int64_t i = 0; i < k; ++i) out[i] = w != nullptr ? w[i] * (x[i] * inv) : x[i] * inv;
+}
+
+void residual_row(const float* x, const float* y, int64_t k, const float* norm, float eps, float scale, float* out) {
+  float inv = 1.f;
+  if (norm != nullptr) {
+    float sq = 0.f;
+    for (int64_t i = 0; i < k; ++i) sq += y[i] * y[i];
+    inv = 1.f / std::sqrt(sq / static_cast<float>(k) + eps);
+  }
+  for (int64_t i = 0; i < k; ++i) {
+    float v = norm != nullptr ? norm[i] * (y[i] * inv) : y[i];
+    if (scale != 1.f) v = v * scale;
+    out[i] = x[i] + v;
+  }
+}
+
+namespace {
+
+// exp(-a) for a in [0, 80] by fastexp.h's polynomial in plain arithmetic (+, -, *, one rounding
+// each: no fma, nearbyint or ldexp, which are C library calls on a baseline x86-64 build and made
+// GeGLU a third of a Gemma prefill), so the compiler inlines and vectorizes it without changing a
+// bit: rounding to the nearest integer by adding and subtracting 1.5 * 2^23, 2^n from its
+// exponent bits (n >= -116: a normal float, and so is the product).
+inline float exp_neg(float a) {
+  const float x = -a;
+  constexpr float kShift = 12582912.f;  // 1.5 * 2^23
+  const float n = (x * kLog2e + kShift) - kShift;
+  float r = x - n * kLn2Hi;  // exact: kLn2Hi has 9 significant bits, |n| <= 116
+  r = r - n * kLn2Lo;
+  float p = kP[0] * r + kP[1];
+  p = p * r + kP[2];
+  p = p * r + kP[3];
+  p = p * r + kP[4];
+  p = p * r + kP[5];
+  p = p * (r * r) + (r + 1.0f);
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2 |y|) with 2 |y| clamped to 80 (e then ~1e-35:
+// the result is +-1). The clamp compares the bits as integers (non-negative floats order as
+// their bits do): a float comparison may trap, which keeps the compiler from vectorizing it.
+inline float tanh_plain(float y) {
+  uint32_t bits;
+  const float a0 = 2.f * std::fabs(y);
+  std::memcpy(&bits, &a0, sizeof(bits));
+  constexpr uint32_t kCap = 0x42a00000u;  // 80.f
+  bits = bits < kCap ? bits : kCap;
+  float a;
+  std::memcpy(&a, &bits, sizeof(a));
+  const float e = exp_neg(a);
+  return std::copysign((1.f - e) / (1.f + e), y);
+}
+
+}  // namespace
+
+float tanh_portable(float x) { return tanh_plain(x); }
+
+void gelu_mul_row(const float* gu, int64_t inter, float* out) {
+  constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+  constexpr float kKappa = 0.044715f;
+  for (int64_t i = 0; i < inter; ++i) {
+    const float g = gu[i], u = gu[inter + i];
+    const float inner = kBeta * (g + kKappa * (g * g * g));
+    out[i] = (0.5f * g * (1.f + tanh_plain(inner))) * u;
+  }
+}
+
+}  // namespace spx
