@@ -56,6 +56,22 @@ EMULATED_AMX = "amx-emulated"  # test switch (csrc/core/cpu.h): the amx code on 
 # under q8's epilogue (the offset in the integer sum), not a one-group q4k's minimum term.
 ARITHMETIC_VERSION = 3
 CPU_ENV = "SPECEXTEND_CPU"
+# "1": the K-quants (Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS) take activations with one scale per 256
+# values (llama.cpp's Q8_K; csrc/core/qlinear.h), the other formats keep theirs per 32. Off by
+# default until every vector path has kernels for it: avx2 and neon compute it on the portable
+# tiles (the same bits, slowly); avx512 and amx on avx512's.
+K256_ENV = "SPECEXTEND_K256"
+
+
+def k256() -> bool:
+    """Whether the K-quants' activations are quantized per 256 values (`SPECEXTEND_K256=1`)."""
+    return os.environ.get(K256_ENV, "0") == "1"
+
+
+def arithmetic_version() -> str:
+    """ARITHMETIC_VERSION and which activation blocks the K-quants take: KV computed under either
+    is never read back under the other (the prefix cache's fingerprint)."""
+    return f"{ARITHMETIC_VERSION}{'-k256' if k256() else ''}"
 
 
 def _key(sources: tuple[str, ...] = _SOURCES) -> str:
@@ -94,7 +110,9 @@ def load(verbose: bool = False) -> ModuleType:
         return _module
     with _lock:
         if _module is None:
-            _module = build("specextend_kernels", _SOURCES, "the CPU kernels", verbose)
+            module = build("specextend_kernels", _SOURCES, "the CPU kernels", verbose)
+            module.set_k256(k256())
+            _module = module
     return _module
 
 

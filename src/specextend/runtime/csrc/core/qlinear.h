@@ -207,6 +207,13 @@ inline void for_q8_groups(const Segment& s, const uint8_t* p, F&& f) {
     for (int g = 0; g < groups; ++g) f(sb * groups + g, p, g, byte_codes(s.fmt, s.sbg, p, g));
 }
 
+// The K-quant super-blocks of 256 inputs whose products may take activations with one scale per
+// 256 values (Rows::kq8): Q4K, Q5K and IQ4 with 8 groups a super-block, Q6K, Q3K and Q2K.
+constexpr bool k256_format(int64_t fmt, int64_t sbg) {
+  return six_bit(fmt) || ((fmt == Q4K || fmt == Q5K || fmt == IQ4) && sbg == 8);
+}
+constexpr int kKBlock = 256;  // the K-quants' activation block (llama.cpp's Q8_K)
+
 // Quantized activations of m rows of width k: q8 [m, k] int8, d8 [m, k/32] (scale per block),
 // s16 [m, k/16] and s32 [m, k/32] (sums of 16 and 32 codes), xs [m, k/32] = d8 * s32.
 struct Rows {
@@ -222,7 +229,24 @@ struct Rows {
   // offsets (row r at 32 r) and streams one contiguous run a group; null: none kept.
   int8_t* q8g = nullptr;
   int64_t gm = 0;
+  // The same rows with one scale per 256 values (k a multiple of 256), for the K-quants: codes
+  // kq8 [m, k], scales kd [m, k/256], sums of 16 and of 32 codes ks16 [m, k/16], ks32 [m, k/32]
+  // (int16: at most 127 x 32 in size, the operand of the vector paths' int16 products). Null: the
+  // product keeps every segment on the per-32 codes above. A K-quant segment (k256_format) takes
+  // these whenever they are set, so every path and row count of one product has one arithmetic.
+  int8_t* kq8 = nullptr;
+  float* kd = nullptr;
+  int16_t* ks16 = nullptr;
+  int16_t* ks32 = nullptr;
 };
+
+// Whether segment s multiplies the per-256 activations of x.
+inline bool uses_k256(const Segment& s, const Rows& x) { return x.kq8 != nullptr && k256_format(s.fmt, s.sbg); }
+
+// Whether products quantize activations per 256 for their K-quant segments (the project's
+// arithmetic for them; off: every segment per 32, as before). Read when rows are allocated.
+bool k256_enabled();
+void set_k256(bool on);
 
 // Row `row`'s codes from input k0 in the group-major copy (the next rows follow 32 bytes apart).
 inline const int8_t* group_rows(const Rows& x, int64_t row, int64_t k0) {
@@ -325,6 +349,8 @@ void tile_portable(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0
 // The float formats' weight: input i, channel c of the panel at p (exact).
 float float_weight(int64_t fmt, const uint8_t* p, int64_t i, int c);
 void quantize_row_portable(const float* x, int64_t k, int8_t* q, float* d8, int32_t* s16, int32_t* s32, float* xs);
+// One row's per-256 activations (Rows::kq8): as quantize_row_portable with blocks of 256.
+void quantize_row256_portable(const float* x, int64_t k, int8_t* q, float* d, int16_t* s16, int16_t* s32);
 void pre_op_row_portable(const float* x, int64_t k, const PreOp& op, float* out);
 
 #define SPX_DECLARE_PATH(isa)                                                                                \
@@ -342,6 +368,7 @@ void float_pair_avx2(const Segment& s, const uint8_t* p, const Rows& x, int64_t 
                      const TileOut& b);
 SPX_DECLARE_PATH(avx2)
 SPX_DECLARE_PATH(avx512)
+void quantize_row256_avx512(const float* x, int64_t k, int8_t* q, float* d, int16_t* s16, int16_t* s32);
 #endif
 #if defined(__aarch64__)
 SPX_DECLARE_PATH(neon)
