@@ -26,7 +26,7 @@ K_QUANTS = [("Q4_K", 48, 512), ("Q6_K", 35, 768), ("Q5_K", 48, 512), ("IQ4_XS", 
 
 @pytest.fixture
 def k256() -> Iterator[None]:
-    ext.set_k256(True)
+    ext.set_k256(sum(1 << b for b in kernels.K256_FORMATS.values()))
     try:
         yield
     finally:
@@ -63,12 +63,12 @@ def test_k_quant_products_are_the_per_256_arithmetic(k256: None, kind, n: int, k
     y = product(w, x, "portable")
     scale = ref.abs().max()
     assert (y.double() - ref).abs().max() <= 1e-5 * scale
-    ext.set_k256(False)
+    ext.set_k256(0)
     per32 = product(w, x, "portable")
     assert not torch.equal(per32, y)
     q8 = quant.QWeight(k, [quant.quantize_int8(torch.randn(n, k))])
     before = product(q8, x, "portable")
-    ext.set_k256(True)
+    ext.set_k256(sum(1 << b for b in kernels.K256_FORMATS.values()))
     assert torch.equal(product(q8, x, "portable"), before)
 
 
@@ -97,4 +97,26 @@ def test_the_prefix_cache_fingerprint_names_the_arithmetic(monkeypatch: pytest.M
     monkeypatch.delenv(kernels.K256_ENV, raising=False)
     before = fingerprint([(None, None)])
     monkeypatch.setenv(kernels.K256_ENV, "1")
-    assert kernels.k256() and fingerprint([(None, None)]) != before
+    every = fingerprint([(None, None)])
+    monkeypatch.setenv(kernels.K256_ENV, "q6k")
+    assert kernels.k256() == 1 << kernels.K256_FORMATS["q6k"]
+    assert len({before, every, fingerprint([(None, None)])}) == 3
+
+
+def test_only_the_chosen_formats_change(k256: None) -> None:
+    """`SPECEXTEND_K256=q6k`: Q6_K's products take the per-256 activations, Q4_K's keep per 32."""
+    q4, q6 = weight("Q4_K", 32, 512), weight("Q6_K", 32, 512)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(4))
+    every = product(q4, x, "portable"), product(q6, x, "portable")
+    ext.set_k256(0)
+    none = product(q4, x, "portable"), product(q6, x, "portable")
+    ext.set_k256(1 << kernels.K256_FORMATS["q6k"])
+    assert torch.equal(product(q4, x, "portable"), none[0]) and torch.equal(product(q6, x, "portable"), every[1])
+
+
+def test_a_bad_format_name_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from specextend.common.errors import UserError
+
+    monkeypatch.setenv(kernels.K256_ENV, "q4k,q8")
+    with pytest.raises(UserError, match="not a K-quant format: q8"):
+        kernels.k256()

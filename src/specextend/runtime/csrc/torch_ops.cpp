@@ -165,7 +165,7 @@ at::Tensor qlinear(const at::Tensor& x, const std::vector<at::Tensor>& blobs, co
   bool floats = false, k256 = false;
   for (const spx::Segment& s : segs) {
     floats = floats || spx::float_format(s.fmt);
-    k256 = k256 || (spx::k256_enabled() && spx::k256_format(s.fmt, s.sbg));
+    k256 = k256 || spx::k256_segment(s.fmt, s.sbg);
   }
   QuantizedRows a = quantize(path, xc, k, op, floats, k256);
   at::Tensor y;
@@ -335,8 +335,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k"), py::arg("offset"), py::arg("sbg"), py::arg("row_ids"), py::arg("out") = py::none());
   m.def("quantize_activations", &quantize_activations, "int8 activations, one scale per 32");
   m.def("quantize_activations256", &quantize_activations256, "int8 activations, one scale per 256 (the K-quants')");
-  m.def("set_k256", &spx::set_k256, "quantize the K-quants' activations per 256 (on) or per 32 (off)");
-  m.def("k256_enabled", &spx::k256_enabled, "whether the K-quants' activations are quantized per 256");
+  m.def("set_k256", &spx::set_k256, "the K-quant formats (a mask of bit fmt) whose activations are quantized per 256");
+  m.def("k256_formats", &spx::k256_formats, "the mask of K-quant formats quantizing activations per 256");
   m.def("attend", &attend, "row-independent attention of new tokens over a bfloat16 KV cache");
   m.def("rope_store", &rope_store, "rotate the new queries and keys, store keys and values in the bf16 cache");
   m.def("cpu_paths", &cpu_paths, "the kernel paths this CPU runs, slowest first (amx-emulated, a test path, not listed)");

@@ -35,11 +35,11 @@ bool format_info(int64_t fmt, int64_t sbg, FormatInfo* out) {
 }
 
 namespace {
-bool g_k256 = false;
+int64_t g_k256 = 0;
 }  // namespace
 
-bool k256_enabled() { return g_k256; }
-void set_k256(bool on) { g_k256 = on; }
+int64_t k256_formats() { return g_k256; }
+void set_k256(int64_t formats) { g_k256 = formats; }
 
 namespace {
 

@@ -1,6 +1,6 @@
 // Quantized linear layers on the CPU: y = pre(x) W^T (+ b) (+ residual) with W in a
 // block-quantized format and x quantized on the fly to int8, one scale per block of 32 values
-// of each row. The core works on raw pointers (no PyTorch), so the exactness tests can run it
+// of each row (or of 256 for the K-quants where set_k256 asks, below). The core works on raw pointers (no PyTorch), so the exactness tests can run it
 // anywhere, an emulated aarch64 included; torch_ops.cpp binds it.
 //
 // Why this shape: a decode step streams every weight once, so its speed is the weight bytes
@@ -15,6 +15,14 @@
 // (Q2K: of the group's 16 codes);
 // groups in input order. Integer sums are exact in any order, so paths may split and pair them
 // as their instructions like; the float steps are the same operations in the same order.
+// The K-quants per 256 (set_k256, SPECEXTEND_K256; off by default): Q4K, Q5K and IQ4 of 8 groups
+// and Q6K, Q3K, Q2K (k256_format) may take activations with one scale d256 per 256 values (Rows::
+// kq8, llama.cpp's Q8_K). Then per row, channel and super-block two exact int32 sums, isum =
+// sum over groups of scale code * (dot - zero * the group's code sum) (zero: q6_zero, or the byte
+// formats' offset) and imin = sum of minimum code * the group's code sum (Q4K, Q5K, Q2K), and two
+// float steps: acc = fma(float(isum) * d256, d, acc), then acc = fma(-dmin, float(imin) * d256,
+// acc) where there is a minimum (superblock_row in qlinear_portable.cpp). One product's segments
+// all take one kind: a K-quant segment multiplies the per-256 codes whenever the rows carry them.
 // Row independence: each row's activation scales are its own and its sums run in the same
 // order whatever the other rows are, so a token gets bit-identical outputs decoded alone or
 // inside a tree. Threads split output channels, never a reduction.
@@ -240,13 +248,15 @@ struct Rows {
   int16_t* ks32 = nullptr;
 };
 
-// Whether segment s multiplies the per-256 activations of x.
-inline bool uses_k256(const Segment& s, const Rows& x) { return x.kq8 != nullptr && k256_format(s.fmt, s.sbg); }
+// Which K-quant formats quantize their activations per 256 (bit fmt of a mask: set_k256; the
+// others, and every format while the mask is 0, per 32 as before). Set once, before any product.
+int64_t k256_formats();
+void set_k256(int64_t formats);
+inline bool k256_enabled() { return k256_formats() != 0; }
+inline bool k256_segment(int64_t fmt, int64_t sbg) { return k256_format(fmt, sbg) && ((k256_formats() >> fmt) & 1); }
 
-// Whether products quantize activations per 256 for their K-quant segments (the project's
-// arithmetic for them; off: every segment per 32, as before). Read when rows are allocated.
-bool k256_enabled();
-void set_k256(bool on);
+// Whether segment s multiplies the per-256 activations of x.
+inline bool uses_k256(const Segment& s, const Rows& x) { return x.kq8 != nullptr && k256_segment(s.fmt, s.sbg); }
 
 // Row `row`'s codes from input k0 in the group-major copy (the next rows follow 32 bytes apart).
 inline const int8_t* group_rows(const Rows& x, int64_t row, int64_t k0) {

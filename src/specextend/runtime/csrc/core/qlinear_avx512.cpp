@@ -460,6 +460,54 @@ struct KGroup {
   }
 };
 
+// Where two int32 dot products fit int16 (Q4K: the halves of a group of 32, at most 15 x 127 x 16;
+// Q3K, Q2K: two groups of 16, at most 4 x 127 x 16 with the zero point subtracted), they are
+// merged into int16 pairs and one VPDPWSSD multiplies both by their scale codes and adds them
+// into the row's sum: one product a 32 inputs instead of VPMULLD's two slots a group.
+template <int64_t FMT>
+constexpr bool kPairs = FMT == Q4K || FMT == Q3K || FMT == Q2K;
+
+// a in the low int16 of each lane, b in the high (both within int16).
+inline __m512i pair16(__m512i a, __m512i b) { return _mm512_mask_blend_epi16(0xAAAAAAAA, a, _mm512_slli_epi32(b, 16)); }
+
+template <int64_t FMT>
+void k256_pairs(const __m512i (*w)[KGroup<FMT>::kSteps], const __m512i* sc, const int8_t* q, int64_t xk,
+                const int16_t* sums, int64_t sstride, int32_t zero, int n, int32_t* isum) {
+  if constexpr (FMT == Q4K) {
+    const __m512i sp0 = pair16(sc[0], sc[0]), sp1 = pair16(sc[1], sc[1]);
+    for (int r = 0; r < n; ++r) {
+      const int8_t* qr = q + r * xk;
+      __m512i h[4];
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) h[i] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int st = 0; st < 4; ++st)
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) h[i] = dp4(h[i], w[i / 2][st + 4 * (i % 2)], qr + 32 * (i / 2) + 4 * (st + 4 * (i % 2)));
+      __m512i c = _mm512_load_si512(isum + 16 * r);
+      c = _mm512_dpwssd_epi32(c, pair16(h[0], h[1]), sp0);
+      c = _mm512_dpwssd_epi32(c, pair16(h[2], h[3]), sp1);
+      _mm512_store_si512(isum + 16 * r, c);
+    }
+  } else {  // four groups of 16: pairs (0, 1) and (2, 3)
+    const __m512i sp0 = pair16(sc[0], sc[1]), sp1 = pair16(sc[2], sc[3]);
+    for (int r = 0; r < n; ++r) {
+      const int8_t* qr = q + r * xk;
+      __m512i h[4];
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) h[j] = _mm512_set1_epi32(-zero * static_cast<int32_t>(sums[r * sstride + j]));
+#pragma GCC unroll 4
+      for (int st = 0; st < 4; ++st)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) h[j] = dp4(h[j], w[j][st], qr + 16 * j + 4 * st);
+      __m512i c = _mm512_load_si512(isum + 16 * r);
+      c = _mm512_dpwssd_epi32(c, pair16(h[0], h[1]), sp0);
+      c = _mm512_dpwssd_epi32(c, pair16(h[2], h[3]), sp1);
+      _mm512_store_si512(isum + 16 * r, c);
+    }
+  }
+}
+
 // Rows [r0, r0 + n) of one super-block's isum (isum: [n][16] int32, zeroed by the caller).
 // zero: the codes' zero point (codes_zero for the 6-bit formats, the segment's offset for the byte codes).
 template <int64_t FMT>
@@ -474,6 +522,10 @@ void k256_isums(const uint8_t* p, const Rows& x, int64_t k0, int64_t r0, int n, 
     const int8_t* q = x.kq8 + r0 * xk + k0 + KG::kSize * g0;
     const int16_t* sums = KG::kSize == 16 ? x.ks16 + r0 * k16 + k0 / 16 + g0 : x.ks32 + r0 * k32 + k0 / 32 + g0;
     const int64_t sstride = KG::kSize == 16 ? k16 : k32;
+    if constexpr (kPairs<FMT>) {
+      k256_pairs<FMT>(w, sc, q, xk, sums, sstride, zero, n, isum);
+      continue;
+    }
     for (int r = 0; r < n; ++r) {
       const int8_t* qr = q + r * xk;
       __m512i c = _mm512_load_si512(isum + 16 * r);

@@ -103,7 +103,7 @@ std::vector<float> run_linear(Path path, const LinearCase& c, const spx::Segment
   spx::Rows rows{q8.data(), d8.data(), s16.data(), s32.data(), xs.data(), k, xf.empty() ? nullptr : xf.data(),
                  q8g.data(), m};
   // The per-256 activations where the K-quants take them (as torch_ops.cpp allocates them).
-  const bool k256 = spx::k256_enabled() && spx::k256_format(c.fmt, c.sbg);
+  const bool k256 = spx::k256_segment(c.fmt, c.sbg);
   std::vector<int8_t> kq8(k256 ? m * k : 0);
   std::vector<float> kd(k256 ? m * k / 256 : 0);
   std::vector<int16_t> ks16(k256 ? m * k / 16 : 0), ks32(k256 ? m * k / 32 : 0);
@@ -380,10 +380,10 @@ int main() {
   attention_tests(paths);
   step_tests(paths);
   // Again with the K-quants' activations per 256 (qlinear.h): every path the portable bits.
-  spx::set_k256(true);
+  spx::set_k256(~int64_t{0});
   linear_tests(paths);
   step_tests(paths);
-  spx::set_k256(false);
+  spx::set_k256(0);
   std::printf("%d checks, %d failed\n", checks, failures);
   return failures == 0 ? 0 : 1;
 }
