@@ -128,7 +128,7 @@ def fingerprint(models: Sequence[tuple[Path | None, Any]]) -> str:
     """What must match for KV written by another process to be used here: each model's files
     (`(path, model)`; paths, sizes, modification times), how it was loaded (weights, dtypes), and
     the version of the kernels' arithmetic. A missing model (no draft) counts as such."""
-    h = hashlib.sha256(f"kernels {kernels.ARITHMETIC_VERSION}\0".encode())
+    h = hashlib.sha256(f"kernels {kernels.arithmetic_version()}\0".encode())
     for path, model in models:
         if path is None or model is None:
             h.update(b"none\0")

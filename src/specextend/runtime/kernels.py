@@ -60,6 +60,33 @@ EMULATED_AMX = "amx-emulated"  # test switch (csrc/core/cpu.h): the amx code on 
 # rotary in rope_store, a score scale in the attention kernel (the families' KV and logits).
 ARITHMETIC_VERSION = 5
 CPU_ENV = "SPECEXTEND_CPU"
+# "1" (or some of q4k,q5k,iq4,q6k,q3k,q2k): the K-quants (Q4_K, Q5_K, IQ4_XS, Q6_K, Q3_K, Q2_K) take
+# activations with one scale per 256 values (llama.cpp's Q8_K; csrc/core/qlinear.h), the other
+# formats keep theirs per 32. Off by default: on the default target it costs 1.6 points of top-1
+# agreement with float32 (docs/log/2026-12-q8k.md), outside the project's rule; and avx2 and neon
+# compute it on the portable tiles (the same bits, slowly), avx512 and amx on avx512's kernels.
+K256_ENV = "SPECEXTEND_K256"
+K256_FORMATS = {"q4k": 0, "q6k": 1, "q5k": 3, "iq4": 4, "q3k": 5, "q2k": 6}  # csrc/core/qlinear.h's Format
+
+
+def k256() -> int:
+    """The mask of K-quant formats (bit: the format's id) whose activations are quantized per 256."""
+    value = os.environ.get(K256_ENV, "0").strip().lower()
+    if value in ("", "0"):
+        return 0
+    names = list(K256_FORMATS) if value == "1" else [v.strip() for v in value.split(",") if v.strip()]
+    bad = [n for n in names if n not in K256_FORMATS]
+    if bad:
+        raise UserError(f"{K256_ENV}={value}: not a K-quant format: {', '.join(bad)} "
+                        f"(1, 0 or some of {', '.join(K256_FORMATS)})")
+    return sum(1 << K256_FORMATS[n] for n in set(names))
+
+
+def arithmetic_version() -> str:
+    """ARITHMETIC_VERSION and which formats take activations per 256: KV computed under one is never
+    read back under another (the prefix cache's fingerprint)."""
+    mask = k256()
+    return f"{ARITHMETIC_VERSION}-k256:{mask}" if mask else str(ARITHMETIC_VERSION)
 
 
 def _key(sources: tuple[str, ...] = _SOURCES) -> str:
@@ -98,7 +125,9 @@ def load(verbose: bool = False) -> ModuleType:
         return _module
     with _lock:
         if _module is None:
-            _module = build("specextend_kernels", _SOURCES, "the CPU kernels", verbose)
+            module = build("specextend_kernels", _SOURCES, "the CPU kernels", verbose)
+            module.set_k256(k256())
+            _module = module
     return _module
 
 

@@ -41,16 +41,25 @@ py::object amx_status() {
 
 // The int8 activations of rows x [m, k], with their scales and sums, and (`floats`: for the float
 // formats) pre(x) in float32.
+// (`k256`: also the per-256 activations of the K-quants, Rows::kq8.)
 struct QuantizedRows {
-  at::Tensor q8, d8, s16, s32, xs, xf, q8g;
+  at::Tensor q8, d8, s16, s32, xs, xf, q8g, kq8, kd, ks16, ks32;
   spx::Rows rows() {
-    return {q8.data_ptr<int8_t>(), d8.data_ptr<float>(), s16.data_ptr<int32_t>(), s32.data_ptr<int32_t>(),
-            xs.data_ptr<float>(), q8.size(1), xf.defined() ? xf.data_ptr<float>() : nullptr,
-            q8g.defined() ? q8g.data_ptr<int8_t>() : nullptr, q8.size(0)};
+    spx::Rows r{q8.data_ptr<int8_t>(), d8.data_ptr<float>(), s16.data_ptr<int32_t>(), s32.data_ptr<int32_t>(),
+                xs.data_ptr<float>(), q8.size(1), xf.defined() ? xf.data_ptr<float>() : nullptr,
+                q8g.defined() ? q8g.data_ptr<int8_t>() : nullptr, q8.size(0)};
+    if (kq8.defined()) {
+      r.kq8 = kq8.data_ptr<int8_t>();
+      r.kd = kd.data_ptr<float>();
+      r.ks16 = ks16.data_ptr<int16_t>();
+      r.ks32 = ks32.data_ptr<int16_t>();
+    }
+    return r;
   }
 };
 
-QuantizedRows quantize(spx::Path path, const at::Tensor& x, int64_t k, const spx::PreOp& op, bool floats = false) {
+QuantizedRows quantize(spx::Path path, const at::Tensor& x, int64_t k, const spx::PreOp& op, bool floats = false,
+                       bool k256 = false) {
   const int64_t m = x.size(0);
   auto opt = x.options();
   QuantizedRows a{at::empty({m, k}, opt.dtype(at::kChar)), at::empty({m, k / 32}, opt.dtype(at::kFloat)),
@@ -58,6 +67,12 @@ QuantizedRows quantize(spx::Path path, const at::Tensor& x, int64_t k, const spx
                   at::empty({m, k / 32}, opt.dtype(at::kFloat)),
                   floats ? at::empty({m, k}, opt.dtype(at::kFloat)) : at::Tensor(),
                   spx::wants_group_rows(path, m) ? at::empty({k / 32, m, 32}, opt.dtype(at::kChar)) : at::Tensor()};
+  if (k256) {
+    a.kq8 = at::empty({m, k}, opt.dtype(at::kChar));
+    a.kd = at::empty({m, k / 256}, opt.dtype(at::kFloat));
+    a.ks16 = at::empty({m, k / 16}, opt.dtype(at::kShort));
+    a.ks32 = at::empty({m, k / 32}, opt.dtype(at::kShort));
+  }
   const spx::Rows rows = a.rows();
   const float* xp = x.data_ptr<float>();
   const int64_t ldx = x.size(1);
@@ -148,9 +163,12 @@ at::Tensor qlinear(const at::Tensor& x, const std::vector<at::Tensor>& blobs, co
   const float* bp = optional_float(bias, bias_keep, n_total, "bias");
   const float* rp = optional_float(residual, res_keep, m * n_total, "residual");
   TORCH_CHECK(!rp || (res_keep.dim() == 2 && res_keep.size(0) == m), "qlinear: residual must be [m, n]");
-  bool floats = false;
-  for (const spx::Segment& s : segs) floats = floats || spx::float_format(s.fmt);
-  QuantizedRows a = quantize(path, xc, k, op, floats);
+  bool floats = false, k256 = false;
+  for (const spx::Segment& s : segs) {
+    floats = floats || spx::float_format(s.fmt);
+    k256 = k256 || spx::k256_segment(s.fmt, s.sbg);
+  }
+  QuantizedRows a = quantize(path, xc, k, op, floats, k256);
   at::Tensor y;
   if (out.has_value() && out->defined()) {
     y = *out;
@@ -212,6 +230,15 @@ std::vector<at::Tensor> quantize_activations(const at::Tensor& x, int64_t path_i
               "quantize_activations: x must be float32 [M, K] with K a positive multiple of 32");
   QuantizedRows a = quantize(path, x.contiguous(), x.size(1), spx::PreOp{});
   return {a.q8, a.d8, a.s16};
+}
+
+// The per-256 activations alone (K a multiple of 256): codes, scales, sums of 16 and of 32.
+std::vector<at::Tensor> quantize_activations256(const at::Tensor& x, int64_t path_id) {
+  const spx::Path path = checked_path(path_id);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % 256 == 0 && x.size(1) > 0,
+              "quantize_activations256: x must be float32 [M, K] with K a positive multiple of 256");
+  QuantizedRows a = quantize(path, x.contiguous(), x.size(1), spx::PreOp{}, false, true);
+  return {a.kq8, a.kd, a.ks16, a.ks32};
 }
 
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& mask,
@@ -378,6 +405,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_rows", &rms_rows, "RMSNorm of whole rows (a family's q/k norms)");
   m.def("post_residual", &post_residual, "x + scale * post_norm(y), row by row (a family's residual add)");
   m.def("gelu_mul", &gelu_mul, "GeGLU with the tanh GELU, row by row");
+  m.def("quantize_activations256", &quantize_activations256, "int8 activations, one scale per 256 (the K-quants')");
+  m.def("set_k256", &spx::set_k256, "the K-quant formats (a mask of bit fmt) whose activations are quantized per 256");
+  m.def("k256_formats", &spx::k256_formats, "the mask of K-quant formats quantizing activations per 256");
   m.def("rope_store", &rope_store, "rotate the new queries and keys, store keys and values in the bf16 cache");
   m.def("cpu_paths", &cpu_paths, "the kernel paths this CPU runs, slowest first (amx-emulated, a test path, not listed)");
   m.def("amx_status", &amx_status, "why the amx path cannot run here, or None where it runs");

@@ -36,10 +36,18 @@ bool format_info(int64_t fmt, int64_t sbg, FormatInfo* out) {
 }
 
 namespace {
+int64_t g_k256 = 0;
+}  // namespace
+
+int64_t k256_formats() { return g_k256; }
+void set_k256(int64_t formats) { g_k256 = formats; }
+
+namespace {
 
 using TileFn = void (*)(const Segment&, const uint8_t*, const Rows&, int64_t, int, const TileOut&);
 using RowsFn = void (*)(const Segment&, const uint8_t*, const Rows&, int64_t, int, const TileOut&, float*);
 using QuantFn = void (*)(const float*, int64_t, int8_t*, float*, int32_t*, int32_t*, float*);
+using Quant256Fn = void (*)(const float*, int64_t, int8_t*, float*, int16_t*, int16_t*);
 using PreFn = void (*)(const float*, int64_t, const PreOp&, float*);
 using PairFn = void (*)(const Segment&, const uint8_t*, const Rows&, int64_t, const TileOut&, const TileOut&);
 
@@ -52,6 +60,10 @@ struct Kernels {
   PreFn pre_op;
   bool group_rows = false;  // `rows` reads the group-major codes (Rows::q8g)
   PairFn float_pair = nullptr;  // one row over two adjacent full float panels (null: one at a time)
+  Quant256Fn quantize256 = quantize_row256_portable;
+  // Whether tile and rows compute the K-quants' per-256 arithmetic (Rows::kq8); a path without it
+  // runs those segments on the portable tiles (the same bits, slowly).
+  bool k256 = false;
 };
 
 Kernels kernels_for(Path path) {
@@ -72,8 +84,13 @@ Kernels kernels_for(Path path) {
     case Path::AVX2:
       return {tile_avx2, tile_rows_avx2(), rows_avx2, rows_from_avx2(), quantize_row_avx2, pre_op_row_avx2, true,
               float_pair_avx2};
-    case Path::AVX512:
-      return {tile_avx512, tile_rows_avx512(), rows_avx512, rows_from_avx512(), quantize_row_avx512, pre_op_row_avx512};
+    case Path::AVX512: {
+      Kernels k{tile_avx512, tile_rows_avx512(), rows_avx512, rows_from_avx512(), quantize_row_avx512,
+                pre_op_row_avx512};
+      k.quantize256 = quantize_row256_avx512;
+      k.k256 = true;
+      return k;
+    }
 #endif
 #if defined(__aarch64__)
     case Path::NEON: return {tile_neon, tile_rows_neon(), rows_neon, rows_from_neon(), quantize_row_neon, pre_op_row_neon};
@@ -101,6 +118,8 @@ void quantize_rows(Path path, const float* x, int64_t ldx, const PreOp& op, cons
       src = scratch;
     }
     kn.quantize(src, k, a.q8 + r * k, a.d8 + r * kb, a.s16 + r * (k / 16), a.s32 + r * kb, a.xs + r * kb);
+    if (a.kq8 != nullptr) kn.quantize256(src, k, a.kq8 + r * k, a.kd + r * (k / kKBlock), a.ks16 + r * (k / 16),
+                                         a.ks32 + r * kb);
     if (a.q8g != nullptr)
       for (int64_t b = 0; b < kb; ++b) std::memcpy(a.q8g + (b * a.gm + r) * 32, a.q8 + r * k + 32 * b, 32);
     if (a.xf != nullptr) std::memcpy(a.xf + r * k, src, sizeof(float) * k);
@@ -108,7 +127,8 @@ void quantize_rows(Path path, const float* x, int64_t ldx, const PreOp& op, cons
 }
 
 void linear_block(Path path, const Linear& op, int64_t p0, int64_t p1, int64_t r0, int64_t r1, float* scratch) {
-  // The float formats have no tile-unit code: on the amx paths they run their vector path's kernels.
+  // The float formats have no tile-unit code, and the tile units compute the K-quants per 32 only:
+  // on the amx paths those run their vector path's kernels.
   const Kernels kq = kernels_for(path), kf = kernels_for(vector_path(path));
   const bool vector = vector_path(path) != Path::Portable;
   const int64_t m = r1 - r0;
@@ -116,7 +136,8 @@ void linear_block(Path path, const Linear& op, int64_t p0, int64_t p1, int64_t r
   for (int64_t gp = p0; gp < p1; ++gp) {
     while (gp >= op.first_panel[si + 1]) col0 += op.segs[si++].n;
     const Segment& s = op.segs[si];
-    const Kernels& kn = float_format(s.fmt) ? kf : kq;
+    const bool k256 = uses_k256(s, op.x);
+    const Kernels& kn = float_format(s.fmt) || k256 ? kf : kq;
     const bool by_rows = kn.rows != nullptr && m >= kn.rows_from && (!kn.group_rows || op.x.q8g != nullptr);
     const int64_t tiles = (m + kn.tile_rows - 1) / kn.tile_rows;
     const int64_t p = gp - op.first_panel[si];
@@ -136,6 +157,11 @@ void linear_block(Path path, const Linear& op, int64_t p0, int64_t p1, int64_t r
         ++gp;
         continue;
       }
+    }
+    if (k256 && !kn.k256) {  // a path without the per-256 kernels: the reference tiles
+      for (int64_t r = r0; r < r1; r += kMaxTile)
+        tile_portable(s, pb, op.x, r, static_cast<int>(std::min<int64_t>(kMaxTile, r1 - r)), out);
+      continue;
     }
     if (by_rows && out.valid == kPanel) {
       for (int64_t r = r0; r < r1; r += kRowBlock)

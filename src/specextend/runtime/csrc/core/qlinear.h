@@ -1,6 +1,6 @@
 // Quantized linear layers on the CPU: y = pre(x) W^T (+ b) (+ residual) with W in a
 // block-quantized format and x quantized on the fly to int8, one scale per block of 32 values
-// of each row. The core works on raw pointers (no PyTorch), so the exactness tests can run it
+// of each row (or of 256 for the K-quants where set_k256 asks, below). The core works on raw pointers (no PyTorch), so the exactness tests can run it
 // anywhere, an emulated aarch64 included; torch_ops.cpp binds it.
 //
 // Why this shape: a decode step streams every weight once, so its speed is the weight bytes
@@ -15,6 +15,14 @@
 // (Q2K: of the group's 16 codes);
 // groups in input order. Integer sums are exact in any order, so paths may split and pair them
 // as their instructions like; the float steps are the same operations in the same order.
+// The K-quants per 256 (set_k256, SPECEXTEND_K256; off by default): Q4K, Q5K and IQ4 of 8 groups
+// and Q6K, Q3K, Q2K (k256_format) may take activations with one scale d256 per 256 values (Rows::
+// kq8, llama.cpp's Q8_K). Then per row, channel and super-block two exact int32 sums, isum =
+// sum over groups of scale code * (dot - zero * the group's code sum) (zero: q6_zero, or the byte
+// formats' offset) and imin = sum of minimum code * the group's code sum (Q4K, Q5K, Q2K), and two
+// float steps: acc = fma(float(isum) * d256, d, acc), then acc = fma(-dmin, float(imin) * d256,
+// acc) where there is a minimum (superblock_row in qlinear_portable.cpp). One product's segments
+// all take one kind: a K-quant segment multiplies the per-256 codes whenever the rows carry them.
 // Row independence: each row's activation scales are its own and its sums run in the same
 // order whatever the other rows are, so a token gets bit-identical outputs decoded alone or
 // inside a tree. Threads split output channels, never a reduction.
@@ -233,6 +241,13 @@ inline void for_q8_groups(const Segment& s, const uint8_t* p, F&& f) {
     for (int g = 0; g < groups; ++g) f(sb * groups + g, p, g, byte_codes(s.fmt, s.sbg, p, g));
 }
 
+// The K-quant super-blocks of 256 inputs whose products may take activations with one scale per
+// 256 values (Rows::kq8): Q4K, Q5K and IQ4 with 8 groups a super-block, Q6K, Q3K and Q2K.
+constexpr bool k256_format(int64_t fmt, int64_t sbg) {
+  return six_bit(fmt) || ((fmt == Q4K || fmt == Q5K || fmt == IQ4) && sbg == 8);
+}
+constexpr int kKBlock = 256;  // the K-quants' activation block (llama.cpp's Q8_K)
+
 // Quantized activations of m rows of width k: q8 [m, k] int8, d8 [m, k/32] (scale per block),
 // s16 [m, k/16] and s32 [m, k/32] (sums of 16 and 32 codes), xs [m, k/32] = d8 * s32.
 struct Rows {
@@ -248,7 +263,26 @@ struct Rows {
   // offsets (row r at 32 r) and streams one contiguous run a group; null: none kept.
   int8_t* q8g = nullptr;
   int64_t gm = 0;
+  // The same rows with one scale per 256 values (k a multiple of 256), for the K-quants: codes
+  // kq8 [m, k], scales kd [m, k/256], sums of 16 and of 32 codes ks16 [m, k/16], ks32 [m, k/32]
+  // (int16: at most 127 x 32 in size, the operand of the vector paths' int16 products). Null: the
+  // product keeps every segment on the per-32 codes above. A K-quant segment (k256_format) takes
+  // these whenever they are set, so every path and row count of one product has one arithmetic.
+  int8_t* kq8 = nullptr;
+  float* kd = nullptr;
+  int16_t* ks16 = nullptr;
+  int16_t* ks32 = nullptr;
 };
+
+// Which K-quant formats quantize their activations per 256 (bit fmt of a mask: set_k256; the
+// others, and every format while the mask is 0, per 32 as before). Set once, before any product.
+int64_t k256_formats();
+void set_k256(int64_t formats);
+inline bool k256_enabled() { return k256_formats() != 0; }
+inline bool k256_segment(int64_t fmt, int64_t sbg) { return k256_format(fmt, sbg) && ((k256_formats() >> fmt) & 1); }
+
+// Whether segment s multiplies the per-256 activations of x.
+inline bool uses_k256(const Segment& s, const Rows& x) { return x.kq8 != nullptr && k256_segment(s.fmt, s.sbg); }
 
 // Row `row`'s codes from input k0 in the group-major copy (the next rows follow 32 bytes apart).
 inline const int8_t* group_rows(const Rows& x, int64_t row, int64_t k0) {
@@ -351,6 +385,8 @@ void tile_portable(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0
 // The float formats' weight: input i, channel c of the panel at p (exact).
 float float_weight(int64_t fmt, const uint8_t* p, int64_t i, int c);
 void quantize_row_portable(const float* x, int64_t k, int8_t* q, float* d8, int32_t* s16, int32_t* s32, float* xs);
+// One row's per-256 activations (Rows::kq8): as quantize_row_portable with blocks of 256.
+void quantize_row256_portable(const float* x, int64_t k, int8_t* q, float* d, int16_t* s16, int16_t* s32);
 void pre_op_row_portable(const float* x, int64_t k, const PreOp& op, float* out);
 
 #define SPX_DECLARE_PATH(isa)                                                                                \
@@ -368,6 +404,7 @@ void float_pair_avx2(const Segment& s, const uint8_t* p, const Rows& x, int64_t 
                      const TileOut& b);
 SPX_DECLARE_PATH(avx2)
 SPX_DECLARE_PATH(avx512)
+void quantize_row256_avx512(const float* x, int64_t k, int8_t* q, float* d, int16_t* s16, int16_t* s32);
 #endif
 #if defined(__aarch64__)
 SPX_DECLARE_PATH(neon)

@@ -427,6 +427,188 @@ void rows_q8(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int 
   else rows_q8_pairs<FMT, true>(s, p, x, r0, n, acc);
 }
 
+// ---------------------------------------------------------------- K-quants, one activation scale per 256
+//
+// The per-256 arithmetic (qlinear.h, qlinear_portable.cpp: superblock_row): per row and super-block
+// the exact int32 sums isum = sum_g scale code x (dot_g - zero x sum_g) and imin = sum_g minimum code
+// x sum_g, then two float steps. Each pass over the rows takes 64 inputs (two groups of 32 or four
+// of 16) unpacked once into registers; a row's dot products start from their zero point's
+// correction, are multiplied by their scale codes (VPMULLD) and added into the row's isum (in L1).
+// The minimums' sums come at the super-block's end from int16 pairs (VPDPWSSD: codes x sums of 32,
+// or of 16 for Q2K). No float operation runs per group: only two multiplies and two FMAs a
+// super-block and row.
+
+// A group's codes as VPDPBUSD operands (STEPS of 4 inputs), its int32 scale codes and the zero
+// point its dot products subtract, for super-block p's group g.
+template <int64_t FMT>
+struct KGroup {
+  static constexpr int kSize = six_bit(FMT) ? 16 : 32;
+  static constexpr int kSteps = kSize / 4;
+  static void load(const uint8_t* p, int g, __m512i* w, __m512i* sc) {
+    if constexpr (FMT == Q4K) {
+      unpack_q4k(p + 64 + 32 * 8 + 256 * g, w);
+      *sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 64 + 16 * g)));
+    } else if constexpr (six_bit(FMT)) {
+      unpack_q6<FMT, true>(p, g, w);
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (FMT == Q2K ? 64 : 32) + 16 * g));
+      *sc = FMT == Q2K ? _mm512_and_si512(_mm512_cvtepu8_epi32(v), _mm512_set1_epi32(15)) : _mm512_cvtepi8_epi32(v);
+    } else {  // Q5K, IQ4
+      const uint8_t* cb = byte_codes(FMT, 8, p, g);
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) w[i] = step_bytes(FMT, cb, i);
+      *sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group_scales(FMT, p, g))));
+    }
+  }
+};
+
+// Where two int32 dot products fit int16 (Q4K: the halves of a group of 32, at most 15 x 127 x 16;
+// Q3K, Q2K: two groups of 16, at most 4 x 127 x 16 with the zero point subtracted), they are
+// merged into int16 pairs and one VPDPWSSD multiplies both by their scale codes and adds them
+// into the row's sum: one product a 32 inputs instead of VPMULLD's two slots a group.
+template <int64_t FMT>
+constexpr bool kPairs = FMT == Q4K || FMT == Q3K || FMT == Q2K;
+
+// a in the low int16 of each lane, b in the high (both within int16).
+inline __m512i pair16(__m512i a, __m512i b) { return _mm512_mask_blend_epi16(0xAAAAAAAA, a, _mm512_slli_epi32(b, 16)); }
+
+template <int64_t FMT>
+void k256_pairs(const __m512i (*w)[KGroup<FMT>::kSteps], const __m512i* sc, const int8_t* q, int64_t xk,
+                const int16_t* sums, int64_t sstride, int32_t zero, int n, int32_t* isum) {
+  if constexpr (FMT == Q4K) {
+    const __m512i sp0 = pair16(sc[0], sc[0]), sp1 = pair16(sc[1], sc[1]);
+    for (int r = 0; r < n; ++r) {
+      const int8_t* qr = q + r * xk;
+      __m512i h[4];
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) h[i] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int st = 0; st < 4; ++st)
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) h[i] = dp4(h[i], w[i / 2][st + 4 * (i % 2)], qr + 32 * (i / 2) + 4 * (st + 4 * (i % 2)));
+      __m512i c = _mm512_load_si512(isum + 16 * r);
+      c = _mm512_dpwssd_epi32(c, pair16(h[0], h[1]), sp0);
+      c = _mm512_dpwssd_epi32(c, pair16(h[2], h[3]), sp1);
+      _mm512_store_si512(isum + 16 * r, c);
+    }
+  } else {  // four groups of 16: pairs (0, 1) and (2, 3)
+    const __m512i sp0 = pair16(sc[0], sc[1]), sp1 = pair16(sc[2], sc[3]);
+    for (int r = 0; r < n; ++r) {
+      const int8_t* qr = q + r * xk;
+      __m512i h[4];
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) h[j] = _mm512_set1_epi32(-zero * static_cast<int32_t>(sums[r * sstride + j]));
+#pragma GCC unroll 4
+      for (int st = 0; st < 4; ++st)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) h[j] = dp4(h[j], w[j][st], qr + 16 * j + 4 * st);
+      __m512i c = _mm512_load_si512(isum + 16 * r);
+      c = _mm512_dpwssd_epi32(c, pair16(h[0], h[1]), sp0);
+      c = _mm512_dpwssd_epi32(c, pair16(h[2], h[3]), sp1);
+      _mm512_store_si512(isum + 16 * r, c);
+    }
+  }
+}
+
+// Rows [r0, r0 + n) of one super-block's isum (isum: [n][16] int32, zeroed by the caller).
+// zero: the codes' zero point (codes_zero for the 6-bit formats, the segment's offset for the byte codes).
+template <int64_t FMT>
+void k256_isums(const uint8_t* p, const Rows& x, int64_t k0, int64_t r0, int n, int32_t zero, int32_t* isum) {
+  using KG = KGroup<FMT>;
+  constexpr int G = 64 / KG::kSize;  // groups a pass
+  const int64_t xk = x.k, k16 = x.k / 16, k32 = x.k / 32;
+  for (int g0 = 0; g0 < 256 / KG::kSize; g0 += G) {
+    __m512i w[G][KG::kSteps], sc[G];
+#pragma GCC unroll 4
+    for (int j = 0; j < G; ++j) KG::load(p, g0 + j, w[j], &sc[j]);
+    const int8_t* q = x.kq8 + r0 * xk + k0 + KG::kSize * g0;
+    const int16_t* sums = KG::kSize == 16 ? x.ks16 + r0 * k16 + k0 / 16 + g0 : x.ks32 + r0 * k32 + k0 / 32 + g0;
+    const int64_t sstride = KG::kSize == 16 ? k16 : k32;
+    if constexpr (kPairs<FMT>) {
+      k256_pairs<FMT>(w, sc, q, xk, sums, sstride, zero, n, isum);
+      continue;
+    }
+    for (int r = 0; r < n; ++r) {
+      const int8_t* qr = q + r * xk;
+      __m512i c = _mm512_load_si512(isum + 16 * r);
+#pragma GCC unroll 4
+      for (int j = 0; j < G; ++j) {
+        __m512i a = _mm512_set1_epi32(-zero * static_cast<int32_t>(sums[r * sstride + j]));
+        __m512i b = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int st = 0; st < KG::kSteps; st += 2) {
+          a = dp4(a, w[j][st], qr + KG::kSize * j + 4 * st);
+          b = dp4(b, w[j][st + 1], qr + KG::kSize * j + 4 * st + 4);
+        }
+        c = _mm512_add_epi32(c, _mm512_mullo_epi32(_mm512_add_epi32(a, b), sc[j]));
+      }
+      _mm512_store_si512(isum + 16 * r, c);
+    }
+  }
+}
+
+// The minimum codes of super-block p as int16 pairs (groups 2j, 2j + 1 of lane c in lane c of
+// mn[j]); Q4K, Q5K: 4 pairs of groups of 32, Q2K: 8 pairs of groups of 16.
+template <int64_t FMT>
+inline void k256_min_pairs(const uint8_t* p, __m512i* mn) {
+  constexpr int pairs = FMT == Q2K ? 8 : 4;
+  const uint8_t* base = FMT == Q2K ? p + 64 : FMT == Q4K ? p + 64 + 16 * 8 : group_mins(8, p, 0);
+#pragma GCC unroll 8
+  for (int j = 0; j < pairs; ++j) {
+    __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 32 * j)));
+    __m512i hi = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 32 * j + 16)));
+    if constexpr (FMT == Q2K) {
+      lo = _mm512_srli_epi32(lo, 4);
+      hi = _mm512_srli_epi32(hi, 4);
+    }
+    mn[j] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+  }
+}
+
+// Rows [r0, r0 + n) of a panel with the per-256 activations, added into acc ([n][16] floats,
+// 64-byte aligned) in the reference's order.
+template <int64_t FMT>
+void k256_panel(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
+  constexpr bool kMin = FMT == Q4K || FMT == Q5K || FMT == Q2K;
+  alignas(64) int32_t isum[kRowBlock * 16];
+  const int64_t nsb = s.k / 256, sb_bytes = s.fi().bytes, kd = x.k / 256, k16 = x.k / 16, k32 = x.k / 32;
+  const int32_t zero = six_bit(FMT) ? codes_zero(FMT) : byte_format(FMT) ? static_cast<int32_t>(s.offset) : 0;
+  for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
+    prefetch_group(p, static_cast<int>(sb_bytes));
+    std::memset(isum, 0, sizeof(int32_t) * 16 * n);
+    k256_isums<FMT>(p, x, sb * 256, r0, n, zero, isum);
+    const __m512 d = cvt_f16(p), dmin = kMin ? cvt_f16(p + 32) : _mm512_setzero_ps();
+    __m512i mn[8];
+    if constexpr (kMin) k256_min_pairs<FMT>(p, mn);
+    for (int r = 0; r < n; ++r) {
+      const int64_t row = r0 + r;
+      const __m512 dk = _mm512_set1_ps(x.kd[row * kd + sb]);
+      __m512 a = _mm512_load_ps(acc + 16 * r);
+      a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(isum + 16 * r)), dk), d, a);
+      if constexpr (kMin) {
+        __m512i imin = _mm512_setzero_si512();
+        const int16_t* sums = FMT == Q2K ? x.ks16 + row * k16 + sb * 16 : x.ks32 + row * k32 + sb * 8;
+#pragma GCC unroll 8
+        for (int j = 0; j < (FMT == Q2K ? 8 : 4); ++j)
+          imin = _mm512_dpwssd_epi32(imin, mn[j], bcast_i32(reinterpret_cast<const int32_t*>(sums + 2 * j)));
+        a = _mm512_fnmadd_ps(dmin, _mm512_mul_ps(_mm512_cvtepi32_ps(imin), dk), a);
+      }
+      _mm512_store_ps(acc + 16 * r, a);
+    }
+  }
+}
+
+// The per-256 K-quant segments' rows (n <= kRowBlock) into acc (zeroed by the caller).
+void k256_rows(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, float* acc) {
+  switch (s.fmt) {
+    case Q4K: k256_panel<Q4K>(s, p, x, r0, n, acc); break;
+    case Q5K: k256_panel<Q5K>(s, p, x, r0, n, acc); break;
+    case IQ4: k256_panel<IQ4>(s, p, x, r0, n, acc); break;
+    case Q6K: k256_panel<Q6K>(s, p, x, r0, n, acc); break;
+    case Q3K: k256_panel<Q3K>(s, p, x, r0, n, acc); break;
+    default: k256_panel<Q2K>(s, p, x, r0, n, acc); break;
+  }
+}
+
 // ---------------------------------------------------------------- float weights
 //
 // F16 and BF16 (qlinear.h), 16 channels a register: the avx2 path's scheme (one row converts as
@@ -540,6 +722,11 @@ int rows_from_avx512() { return 12; }
 // Full panels only (the driver runs a partial one portable).
 void tile_avx512(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int rows, const TileOut& out) {
   if (float_format(s.fmt)) return float_panel(s, p, x, r0, rows, out);
+  if (uses_k256(s, x)) {
+    alignas(64) float acc[kMaxTile * 16] = {0.f};
+    k256_rows(s, p, x, r0, rows, acc);
+    return store_rows(acc, r0, rows, out);
+  }
   kTiles[rows - 1](s, p, x, r0, out);
 }
 
@@ -547,6 +734,10 @@ void tile_avx512(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, 
 void rows_avx512(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, const TileOut& out, float* acc) {
   if (float_format(s.fmt)) return float_panel(s, p, x, r0, n, out);
   for (int r = 0; r < n; ++r) _mm512_store_ps(acc + 16 * r, _mm512_setzero_ps());
+  if (uses_k256(s, x)) {
+    k256_rows(s, p, x, r0, n, acc);
+    return store_rows(acc, r0, n, out);
+  }
   switch (s.fmt) {
     case Q4K: rows_q4k(s, p, x, r0, n, acc); break;
     case Q6K: rows_q6k<Q6K>(s, p, x, r0, n, acc); break;
@@ -582,6 +773,28 @@ void quantize_row_avx512(const float* x, int64_t k, int8_t* q, float* d8, int32_
     s16[2 * b + 1] = c;
     s32[b] = a + c;
     xs[b] = d * static_cast<float>(a + c);
+  }
+}
+
+// quantize_row256_portable's bits: 16 registers a block; the maximum and the integer sums are
+// exact in any order.
+void quantize_row256_avx512(const float* x, int64_t k, int8_t* q, float* d, int16_t* s16, int16_t* s32) {
+  for (int64_t b = 0; b < k / kKBlock; ++b) {
+    const float* xb = x + b * kKBlock;
+    __m512 m = _mm512_setzero_ps();
+    for (int i = 0; i < 16; ++i) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(xb + 16 * i)));
+    const float amax = _mm512_reduce_max_ps(m);
+    const float db = amax / 127.f;
+    const __m512 id = _mm512_set1_ps(db != 0.f ? 1.f / db : 0.f);
+    int32_t sums[16];
+    for (int i = 0; i < 16; ++i) {
+      const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * i), id));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kKBlock + 16 * i), _mm512_cvtsepi32_epi8(v));
+      sums[i] = _mm512_reduce_add_epi32(v);
+    }
+    d[b] = db;
+    for (int i = 0; i < 16; ++i) s16[16 * b + i] = static_cast<int16_t>(sums[i]);
+    for (int i = 0; i < 8; ++i) s32[8 * b + i] = static_cast<int16_t>(sums[2 * i] + sums[2 * i + 1]);
   }
 }
 

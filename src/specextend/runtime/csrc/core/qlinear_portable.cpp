@@ -31,6 +31,25 @@ void quantize_row_portable(const float* x, int64_t k, int8_t* q, float* d8, int3
   }
 }
 
+void quantize_row256_portable(const float* x, int64_t k, int8_t* q, float* d, int16_t* s16, int16_t* s32) {
+  for (int64_t b = 0; b < k / kKBlock; ++b) {
+    const float* xb = x + b * kKBlock;
+    float amax = 0.f;
+    for (int i = 0; i < kKBlock; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+    const float db = amax / 127.f;
+    const float id = db != 0.f ? 1.f / db : 0.f;
+    int32_t sums[kKBlock / 16] = {0};
+    for (int i = 0; i < kKBlock; ++i) {
+      const int v = static_cast<int>(std::nearbyint(xb[i] * id));
+      q[b * kKBlock + i] = static_cast<int8_t>(v);
+      sums[i / 16] += v;
+    }
+    d[b] = db;
+    for (int j = 0; j < kKBlock / 16; ++j) s16[b * (kKBlock / 16) + j] = static_cast<int16_t>(sums[j]);
+    for (int j = 0; j < kKBlock / 32; ++j) s32[b * (kKBlock / 32) + j] = static_cast<int16_t>(sums[2 * j] + sums[2 * j + 1]);
+  }
+}
+
 // RMSNorm sums squares in 16 interleaved partial sums (lane i%16) added in lane order; SiLU is
 // elementwise. Vector paths keep the same partial sums in their registers.
 void pre_op_row_portable(const float* x, int64_t k, const PreOp& op, float* out) {
@@ -48,19 +67,27 @@ void pre_op_row_portable(const float* x, int64_t k, const PreOp& op, float* out)
 
 namespace {
 
-// One group's codes [16 channels][group] and float scales (and Q4K mins).
+// One group's codes [16 channels][group] and float scales (and Q4K mins); for the per-256
+// arithmetic also the integer scale and minimum codes and the super-block's d and dmin.
 struct Group {
   float scale[kPanel], mins[kPanel];
   int32_t codes[kPanel][32];
+  int32_t isc[kPanel], imn[kPanel];
+  float d[kPanel], dmin[kPanel];
 };
 
 void unpack_group(const Segment& s, const uint8_t* p, int g, Group& out) {
   const uint16_t* dh = reinterpret_cast<const uint16_t*>(p);
   for (int c = 0; c < kPanel; ++c) {
     const float d = half_to_float(dh[c]);
+    out.d[c] = d;
+    out.dmin[c] = has_minimum(s.fmt) || s.fmt == Q4K || s.fmt == Q2K ? half_to_float(dh[16 + c]) : 0.f;
+    out.imn[c] = 0;
     if (s.fmt == Q4K) {
       const uint8_t* sc = p + 64 + 16 * g;
       const uint8_t* mn = p + 64 + 16 * s.sbg + 16 * g;
+      out.isc[c] = sc[c];
+      out.imn[c] = mn[c];
       out.scale[c] = d * static_cast<float>(sc[c]);
       out.mins[c] = half_to_float(dh[16 + c]) * static_cast<float>(mn[c]);
       const uint8_t* cb = p + 64 + 32 * s.sbg + 256 * g;
@@ -71,16 +98,21 @@ void unpack_group(const Segment& s, const uint8_t* p, int g, Group& out) {
         }
     } else if (s.fmt == Q2K) {  // a byte of a 4-bit scale and a 4-bit minimum
       const uint8_t sm = p[64 + 16 * g + c];
+      out.isc[c] = sm & 15;
+      out.imn[c] = sm >> 4;
       out.scale[c] = d * static_cast<float>(sm & 15);
       out.mins[c] = half_to_float(dh[16 + c]) * static_cast<float>(sm >> 4);
       for (int st = 0; st < 4; ++st)
         for (int j = 0; j < 4; ++j) out.codes[c][4 * st + j] = q6_code(s.fmt, p, g, st, 4 * c + j);
     } else if (six_bit(s.fmt)) {
-      out.scale[c] = d * static_cast<float>(reinterpret_cast<const int8_t*>(p + 32)[16 * g + c]);
+      out.isc[c] = reinterpret_cast<const int8_t*>(p + 32)[16 * g + c];
+      out.scale[c] = d * static_cast<float>(out.isc[c]);
       for (int st = 0; st < 4; ++st)
         for (int j = 0; j < 4; ++j) out.codes[c][4 * st + j] = q6_code(s.fmt, p, g, st, 4 * c + j);
     } else {
       out.scale[c] = e8m0_header(s.fmt) ? e8m0_half(p[c]) : d;
+      out.isc[c] = scale_codes(s.fmt) ? reinterpret_cast<const int8_t*>(group_scales(s.fmt, p, g))[c] : 1;
+      if (k_header(s.fmt)) out.imn[c] = group_mins(s.sbg, p, g)[c];
       if (scale_codes(s.fmt))
         out.scale[c] = d * static_cast<float>(reinterpret_cast<const int8_t*>(group_scales(s.fmt, p, g))[c]);
       if (has_minimum(s.fmt)) out.mins[c] = half_to_float(dh[16 + c]);
@@ -110,6 +142,32 @@ void group_row(const Segment& s, const Group& grp, const Rows& x, int64_t row, i
   }
 }
 
+// One super-block (256 inputs, from k0) of one row into acc[16] with the per-256 activations: the
+// reference of the K-quants' arithmetic (qlinear.h). Per channel the exact integer sums
+// isum = sum_g scale code * (dot_g - zero * codes' sum) and imin = sum_g minimum code * codes' sum,
+// then acc = fma(float(isum) * d256, d, acc) and acc = fma(-dmin, float(imin) * d256, acc).
+void superblock_row(const Segment& s, const Group* grp, const Rows& x, int64_t row, int64_t k0, float* acc) {
+  const FormatInfo fi = s.fi();
+  const int groups = kKBlock / fi.group;
+  const int8_t* q = x.kq8 + row * x.k + k0;
+  const int16_t* s16 = x.ks16 + row * (x.k / 16) + k0 / 16;
+  const float dk = x.kd[row * (x.k / kKBlock) + k0 / kKBlock];
+  const int32_t zero = six_bit(s.fmt) ? q6_zero(s.fmt) : byte_format(s.fmt) ? static_cast<int32_t>(s.offset) : 0;
+  for (int c = 0; c < kPanel; ++c) {
+    int32_t isum = 0, imin = 0;
+    for (int g = 0; g < groups; ++g) {
+      int32_t dot = 0, sum = 0;
+      for (int i = 0; i < fi.group; ++i) dot += grp[g].codes[c][i] * static_cast<int32_t>(q[g * fi.group + i]);
+      for (int j = 0; j < fi.group / 16; ++j) sum += s16[g * fi.group / 16 + j];
+      isum += grp[g].isc[c] * (dot - zero * sum);
+      imin += grp[g].imn[c] * sum;
+    }
+    acc[c] = std::fma(static_cast<float>(isum) * dk, grp[0].d[c], acc[c]);
+    if (s.fmt == Q4K || s.fmt == Q2K || has_minimum(s.fmt))
+      acc[c] = std::fma(-grp[0].dmin[c], static_cast<float>(imin) * dk, acc[c]);
+  }
+}
+
 // The float formats' reference (qlinear.h): two fma chains a row and channel, even and odd inputs.
 void float_tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int rows, float* acc) {
   for (int r = 0; r < rows; ++r) {
@@ -135,8 +193,15 @@ void tile_portable(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0
   const FormatInfo fi = s.fi();
   const int groups = fi.superblock / fi.group;
   Group grp;
-  if (float_format(s.fmt)) float_tile(s, p, x, r0, rows, acc);
-  else
+  if (float_format(s.fmt)) {
+    float_tile(s, p, x, r0, rows, acc);
+  } else if (uses_k256(s, x)) {
+    Group sb_groups[16];
+    for (int64_t sb = 0; sb < s.k / kKBlock; ++sb, p += fi.bytes) {
+      for (int g = 0; g < groups; ++g) unpack_group(s, p, g, sb_groups[g]);
+      for (int r = 0; r < rows; ++r) superblock_row(s, sb_groups, x, r0 + r, sb * kKBlock, acc + r * kPanel);
+    }
+  } else
     for (int64_t sb = 0; sb < s.k / fi.superblock; ++sb, p += fi.bytes)
       for (int g = 0; g < groups; ++g) {
         unpack_group(s, p, g, grp);

@@ -68,6 +68,7 @@ struct Buffers {
   int64_t acc_stride = 0, pre_stride = 0, gm = 0;
   bool keep_group_rows = false;
   bool floats = false;
+  bool k256 = false;  // the per-256 activations kept (set_k256), for the products of widths a multiple of 256
 
   Buffers(Path path, StepWorkspace& ws, const StepModel& md, const StepBatch& bt, int64_t t, int threads) : w(ws) {
     const StepLayer& l = md.layers[0];
@@ -90,6 +91,13 @@ struct Buffers {
     grow(w.xs, t * kmax / 32);
     grow(w.s16, t * kmax / 16);
     grow(w.s32, t * kmax / 32);
+    k256 = k256_enabled();
+    if (k256) {
+      grow(w.kq8, t * kmax);
+      grow(w.kd, t * kmax / 256);
+      grow(w.ks16, t * kmax / 16);
+      grow(w.ks32, t * kmax / 32);
+    }
     floats = has_float(md, bt);
     if (floats) grow(w.xf, std::max<int64_t>(t, bt.n_logits) * kmax);
     // Each thread's accumulators 64-byte aligned, on their own 4 KB page (as torch_ops.cpp's run_linear).
@@ -99,8 +107,15 @@ struct Buffers {
     acc_base = w.acc.data() + ((kPage - (reinterpret_cast<uintptr_t>(w.acc.data()) / 4) % kPage) % kPage);
   }
   Rows act(int64_t k) {
-    return {w.q8.data(), w.d8.data(), w.s16.data(), w.s32.data(), w.xs.data(), k, floats ? w.xf.data() : nullptr,
-            keep_group_rows ? w.q8g.data() : nullptr, gm};
+    Rows r{w.q8.data(), w.d8.data(), w.s16.data(), w.s32.data(), w.xs.data(), k, floats ? w.xf.data() : nullptr,
+           keep_group_rows ? w.q8g.data() : nullptr, gm};
+    if (k256 && k % 256 == 0) {
+      r.kq8 = w.kq8.data();
+      r.kd = w.kd.data();
+      r.ks16 = w.ks16.data();
+      r.ks32 = w.ks32.data();
+    }
+    return r;
   }
   float* scratch(int tid) { return w.pre.data() + static_cast<size_t>(tid) * pre_stride; }
   float* accumulators(int tid) { return acc_base + tid * acc_stride + 16 * tid; }

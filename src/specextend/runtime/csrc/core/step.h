@@ -133,8 +133,10 @@ struct StepBatch {
 // not mapped anew each time: they only grow. One step at a time uses one.
 struct StepWorkspace {
   std::vector<float> x2, qkv, q, att, att_rows, gu, pre, acc, hx, d8, xs, xf;
-  std::vector<int8_t> q8, q8g;
+  std::vector<int8_t> q8, q8g, kq8;
   std::vector<int32_t> s16, s32;
+  std::vector<float> kd;
+  std::vector<int16_t> ks16, ks32;
 };
 
 // Runs every layer on `threads` threads (one parallel region). The caller has checked the shapes.

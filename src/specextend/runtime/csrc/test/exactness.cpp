@@ -106,8 +106,19 @@ std::vector<float> run_linear(Path path, const LinearCase& c, const spx::Segment
   std::vector<int32_t> s16(m * k / 16), s32(m * k / 32);
   std::vector<float> xf(spx::float_format(c.fmt) ? m * k : 0);
   std::vector<int8_t> q8g(m * k);
-  const spx::Rows rows{q8.data(), d8.data(), s16.data(), s32.data(), xs.data(), k, xf.empty() ? nullptr : xf.data(),
-                       q8g.data(), m};
+  spx::Rows rows{q8.data(), d8.data(), s16.data(), s32.data(), xs.data(), k, xf.empty() ? nullptr : xf.data(),
+                 q8g.data(), m};
+  // The per-256 activations where the K-quants take them (as torch_ops.cpp allocates them).
+  const bool k256 = spx::k256_segment(c.fmt, c.sbg);
+  std::vector<int8_t> kq8(k256 ? m * k : 0);
+  std::vector<float> kd(k256 ? m * k / 256 : 0);
+  std::vector<int16_t> ks16(k256 ? m * k / 16 : 0), ks32(k256 ? m * k / 32 : 0);
+  if (k256) {
+    rows.kq8 = kq8.data();
+    rows.kd = kd.data();
+    rows.ks16 = ks16.data();
+    rows.ks32 = ks32.data();
+  }
   spx::PreOp op;
   op.norm = c.norm ? norm.data() : nullptr;
   op.eps = 1e-6f;
@@ -448,6 +459,11 @@ int main() {
   linear_tests(paths);
   attention_tests(paths);
   step_tests(paths);
+  // Again with the K-quants' activations per 256 (qlinear.h): every path the portable bits.
+  spx::set_k256(~int64_t{0});
+  linear_tests(paths);
+  step_tests(paths);
+  spx::set_k256(0);
   std::printf("%d checks, %d failed\n", checks, failures);
   return failures == 0 ? 0 : 1;
 }
