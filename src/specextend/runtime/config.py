@@ -60,9 +60,9 @@ class ModelConfig:
     @property
     def plain(self) -> bool:
         """Whether the model is the Llama block with none of the switches set but per-layer ropes
-        (a rope of the windowed layers' own, none on some): the whole-step C++ call (fused_step.py)
-        and the folded per-layer kernels implement exactly that, each layer rotating with its
-        rope's table."""
+        (a rope of the windowed layers' own, none on some): the folded per-layer kernels implement
+        exactly that, each layer rotating with its rope's table (other families run their switches
+        between the same kernels; the whole-step call takes them all: `stepped`)."""
         defaults = {f.name: f.default for f in fields(self) if f.name in _SWITCHES - _ROPE_SWITCHES}
         return self.qk_norm != "full" and self == replace(self, **defaults)
 
