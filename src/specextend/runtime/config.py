@@ -72,7 +72,8 @@ class ModelConfig:
         those with soft-capped attention scores (Gemma 2), which the attention kernel does not
         compute, and gpt-oss's sinks and output bias; those, and expert models (runtime/experts.py),
         run as the per-layer kernels."""
-        return self.attn_softcap is None and not self.experts and not self.attn_sinks and not self.o_bias
+        return (self.attn_softcap is None and not self.experts and not self.attn_sinks and not self.o_bias
+                and self.activation in ("silu", "gelu_tanh"))
 
     def switches(self) -> dict[str, Any]:
         """The family switches this model sets (those that differ from Llama's), by field name."""

@@ -241,6 +241,7 @@ class Block(nn.Module):
         self.attn_scale, self.attn_softcap = cfg.attn_scale, cfg.attn_softcap
         self.residual_scale = cfg.residual_scale
         self.activation = cfg.activation
+        self.gelu = cfg.activation == "gelu_tanh"  # the whole-step call's GeGLU (fused_step.py)
         # gpt-oss's attention sinks: a learned logit per query head in every softmax's denominator.
         self.sinks = nn.Parameter(torch.zeros(cfg.num_heads), requires_grad=False) if cfg.attn_sinks else None
         self.workspace = Workspace()  # the model gives all its layers one (Transformer.__init__)
@@ -350,7 +351,7 @@ class Block(nn.Module):
             y = self.moe.forward_rows(x, None if norm is None else norm.weight, 0.0 if norm is None else norm.eps)
             return self._add(x, y, self.mlp_out_norm)
         gu = normed(self.gate_up, x, self.mlp_norm, out=self.workspace.take(x.shape[0], self.gate_up.qweight.n))
-        if self.activation == "gelu_tanh":
+        if self.gelu:
             return self._post(x, ext.gelu_mul(gu), self.down, self.mlp_out_norm)
         if self.activation == "silu":
             return self._post(x, gu, self.down, self.mlp_out_norm, silu_mul=True)
