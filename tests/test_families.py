@@ -316,15 +316,22 @@ def test_every_kernel_path_gives_the_same_bits(converted, monkeypatch, arch):
     """SPECEXTEND_CPU forces each path this CPU runs: the same logits, and sd equal to ar on each."""
     folder, _ = converted(arch, "Q6_K")
     draft_dir, _ = converted(arch, "Q6_K", seed=5, layers=1)
+    assert_every_path_gives_the_same_bits(folder, draft_dir, monkeypatch)
+
+
+def assert_every_path_gives_the_same_bits(folder: Path, draft_dir: Path, monkeypatch, prompt: list[int] = PROMPT
+                                          ) -> None:
+    """Each path this CPU runs (SPECEXTEND_CPU) gives the portable path's logits and greedy tokens,
+    and sd equals ar on each."""
     model = load_model(folder, torch.float32, weights="gguf")
     draft = load_model(draft_dir, torch.float32, weights="gguf")
     logits, tokens = {}, {}
     for path in kernels.cpu_paths():
         monkeypatch.setenv(kernels.CPU_ENV, path)
-        logits[path] = ours_logits(model, PROMPT)
+        logits[path] = ours_logits(model, prompt)
         eng = SpecEngine(model, draft, eos_ids=[])
-        ar = eng.generate(PROMPT, Settings(method="ar", max_new_tokens=16)).token_ids
-        assert eng.generate(PROMPT, Settings(method="sd", max_new_tokens=16, **SMALL)).token_ids == ar
+        ar = eng.generate(prompt, Settings(method="ar", max_new_tokens=16)).token_ids
+        assert eng.generate(prompt, Settings(method="sd", max_new_tokens=16, **SMALL)).token_ids == ar
         tokens[path] = ar
     assert all(torch.equal(v, logits["portable"]) for v in logits.values())
     assert all(v == tokens["portable"] for v in tokens.values())

@@ -29,7 +29,7 @@ from specextend.runtime.experts import clamped_swiglu
 from specextend.runtime.layers import rope_inv_freq
 from specextend.runtime.transformer import Transformer
 from specextend.speculation.decoder import SpecEngine
-from test_families import SMALL, hf_greedy, hf_logits, ours_logits
+from test_families import SMALL, assert_every_path_gives_the_same_bits, hf_greedy, hf_logits, ours_logits
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")
 WINDOW = 6
@@ -297,18 +297,8 @@ def test_speculative_output_equals_ar(converted, method: str) -> None:
 @needs_kernels
 def test_every_kernel_path_gives_the_same_bits(converted, monkeypatch) -> None:
     """SPECEXTEND_CPU forces each path this CPU runs: the same logits, and sd equal to ar on each."""
-    model = load_model(converted()[0], torch.float32, weights="gguf")
-    draft = load_model(converted(seed=5, layers=1)[0], torch.float32, weights="gguf")
-    logits, tokens = {}, {}
-    for path in kernels.cpu_paths():
-        monkeypatch.setenv(kernels.CPU_ENV, path)
-        logits[path] = ours_logits(model, PROMPT)
-        eng = SpecEngine(model, draft, eos_ids=[])
-        ar = eng.generate(PROMPT, Settings(method="ar", max_new_tokens=16)).token_ids
-        assert eng.generate(PROMPT, Settings(method="sd", max_new_tokens=16, **SMALL)).token_ids == ar
-        tokens[path] = ar
-    assert all(torch.equal(v, logits["portable"]) for v in logits.values())
-    assert all(v == tokens["portable"] for v in tokens.values())
+    assert_every_path_gives_the_same_bits(converted()[0], converted(seed=5, layers=1)[0], monkeypatch,
+                                          PROMPT)
 
 
 @needs_kernels
