@@ -21,7 +21,6 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx2 as httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -29,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specextend.api import prepare
 from test_toolcalls import ASK, TOOLS, valid
 
+import loopback as http
 from tiny_tokenizer import save_tiny_model
 
 pytest.importorskip("ray.serve", reason="needs the cluster extra (Ray Serve): pip install -e '.[cluster]'",
@@ -138,7 +138,7 @@ def test_affinity_keeps_each_document_on_its_replica_and_a_killed_replica_loses_
     """With an API key: the front end checks it, answers tool calls and exports the replicas' gauges."""
     n_doc = doc_tokens(folders)
     with replicas(folders, tmp_path, "--keyed") as url:
-        health = httpx.get(f"{url}/health").json()
+        health = http.get(f"{url}/health").json()
         assert health["routing"] == "affinity" and len(health["replicas"]) == 2
         for r in health["replicas"]:
             assert {"in_flight", "running", "waiting", "batch", "prefix_cache", "pid"} <= set(r)
@@ -151,7 +151,7 @@ def test_affinity_keeps_each_document_on_its_replica_and_a_killed_replica_loses_
                 assert cached >= 0.9 * n_doc[d], (d, q, cached, n_doc[d])
         assert all(len(s) == 1 for s in served.values()), served
         time.sleep(2)  # the replicas report every second
-        reported = {r["replica"]: r for r in httpx.get(f"{url}/health").json()["replicas"]}
+        reported = {r["replica"]: r for r in http.get(f"{url}/health").json()["replicas"]}
         assert sum(r["prefix_cache"]["entries"] for r in reported.values()) >= 2
 
         keys_tools_and_metrics(url)
@@ -186,7 +186,7 @@ def test_affinity_keeps_each_document_on_its_replica_and_a_killed_replica_loses_
         for t in threads:
             t.start()
         assert first.wait(120)
-        victim = max(httpx.get(f"{url}/health").json()["replicas"], key=lambda r: r["in_flight"])
+        victim = max(http.get(f"{url}/health").json()["replicas"], key=lambda r: r["in_flight"])
         os.kill(victim["pid"], signal.SIGKILL)
         late = [threading.Thread(target=plain, args=(i,)) for i in range(4)]
         for t in late:
@@ -202,7 +202,7 @@ def test_affinity_keeps_each_document_on_its_replica_and_a_killed_replica_loses_
                 assert outcome[1] > 0 and "was lost while streaming" in outcome[2], outcome
         deadline = time.time() + START_S
         while True:
-            ids = [r["replica"] for r in httpx.get(f"{url}/health").json()["replicas"]]
+            ids = [r["replica"] for r in http.get(f"{url}/health").json()["replicas"]]
             if len(ids) == 2 and victim["replica"] not in ids:
                 break
             assert time.time() < deadline, ids
@@ -221,8 +221,8 @@ def keys_tools_and_metrics(url: str) -> None:
     streamed, answered alike by the replicas; /metrics with each replica's gauges."""
     for key in (None, "sk-wrong"):
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        assert httpx.get(f"{url}/v1/models", headers=headers).status_code == 401
-        assert httpx.get(f"{url}/metrics", headers=headers).status_code == 401
+        assert http.get(f"{url}/v1/models", headers=headers).status_code == 401
+        assert http.get(f"{url}/metrics", headers=headers).status_code == 401
     c = client(url, KEY)
     r = c.chat.completions.create(model="x", messages=ASK, tools=TOOLS, tool_choice="required",
                                   parallel_tool_calls=False, max_tokens=160)
@@ -235,7 +235,7 @@ def keys_tools_and_metrics(url: str) -> None:
         streamed = s.get_final_completion().choices[0].message.tool_calls
     assert [(x.function.name, x.function.arguments) for x in streamed] == \
         [(x.function.name, x.function.arguments) for x in calls]
-    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    text = http.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
     running = [s for s in samples if s.name == "specextend_requests_running"]
     assert len(running) == 2 and all(s.labels["replica"] for s in running)
@@ -250,7 +250,7 @@ def test_round_robin_sends_some_follow_up_questions_where_their_document_is_not(
     refused there; on SIGTERM a running stream finishes, a new request gets 503, the exit is 0."""
     n_doc = doc_tokens(folders)
     with replicas(folders, tmp_path, "--routing", "round-robin", held=(held := [])) as url:
-        assert httpx.get(f"{url}/health").json()["routing"] == "round-robin"
+        assert http.get(f"{url}/health").json()["routing"] == "round-robin"
         misses = []
         for d, q in ORDER:
             _, cached = ask(url, d, q)
@@ -262,20 +262,20 @@ def test_round_robin_sends_some_follow_up_questions_where_their_document_is_not(
         with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:  # the headers alone: 120 MB
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 125829120\r\n\r\n")
             assert sock.recv(65536).startswith(b"HTTP/1.1 413 ")
-        r = httpx.post(f"{url}/v1/completions", json={"prompt": "a" * 100_000})
+        r = http.post(f"{url}/v1/completions", json={"prompt": "a" * 100_000})
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
         body = {"prompt": "Once upon a time", "max_tokens": 480, "stream": True, "method": "ar"}
-        with httpx.Client(timeout=120) as h, h.stream("POST", f"{url}/v1/completions", json=body) as stream:
+        with http.Client(timeout=120) as h, h.stream("POST", f"{url}/v1/completions", json=body) as stream:
             lines = stream.iter_lines()
             next(line for line in lines if line.startswith("data: {"))
             held[0].send_signal(signal.SIGTERM)
             deadline = time.time() + 30
-            while (health := httpx.get(f"{url}/health")).status_code != 503:
+            while (health := http.get(f"{url}/health")).status_code != 503:
                 assert time.time() < deadline
                 time.sleep(0.05)
             assert health.json()["status"] == "draining"
-            refused = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            refused = http.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
             assert refused.status_code == 503 and "Retry-After" in refused.headers
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in rest[-2]

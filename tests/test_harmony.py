@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-import httpx2 as httpx
 import pytest
 
 from specextend.api import load
@@ -14,6 +13,7 @@ from specextend.requests import harmony
 from specextend.requests.harmony import HarmonyParser, split
 from specextend.serve import protocol
 
+import loopback as http
 from test_serve import SMALL, running
 from tiny_tokenizer import EOS, MERGES, SPECIALS, TINY_VOCAB, save_tiny_model
 
@@ -114,10 +114,10 @@ def test_served_chat_answers_keep_reasoning_apart_streamed_or_not(served) -> Non
     assert raw.startswith("<|channel|>analysis") and reasoning and content and "</s>" not in raw
     for method in ("ar", "specextend"):
         body = {"messages": ASK, "max_tokens": 48, "method": method, "response_format": SHAPE, **SMALL}
-        msg = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]["message"]
+        msg = http.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]["message"]
         assert (msg.get("reasoning_content"), msg["content"]) == (reasoning, content), method
         got = {"reasoning_content": "", "content": ""}
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
+        with http.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
             for line in r.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     delta = json.loads(line[6:])["choices"][0]["delta"]

@@ -18,13 +18,13 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx2 as httpx
 import openai
 import pytest
 
 from specextend.models.gguf import is_current
 from specextend.models.pull import DEFAULT_DRAFT, DEFAULT_TARGET, specextend_home
 
+import loopback as http
 from test_serve import folders, one_at_a_time, pair, running, slow_steps  # noqa: F401 (fixtures)
 
 CHROMIUM = os.environ.get("SPECEXTEND_CHROMIUM", "/usr/bin/chromium")
@@ -121,11 +121,11 @@ def test_stop_cancels_the_answer_on_the_server(browser, pair, folders):  # noqa:
         # can take a while, and the 200 tokens after them many seconds more.
         answers(page).first.locator(".body").filter(has_text=re.compile(r"\w")).wait_for(
             timeout=120_000)
-        assert httpx.get(f"{url}/health").json()["running"] == 1
+        assert http.get(f"{url}/health").json()["running"] == 1
         page.keyboard.press("Escape")
         answers(page).first.filter(has_text="(stopped)").wait_for(timeout=10_000)
         deadline = time.time() + 10  # the server sees the client gone and ends the generation
-        while httpx.get(f"{url}/health").json()["running"]:
+        while http.get(f"{url}/health").json()["running"]:
             assert time.time() < deadline, "the stopped answer still runs on the server"
             time.sleep(0.05)
         assert page.get_by_role("button", name="Send").is_enabled()
@@ -256,8 +256,8 @@ def save_small_png(png: bytes, path: str) -> None:
 
 def _answers(url: str) -> bool:
     try:
-        return httpx.get(url, timeout=5).status_code == 200
-    except httpx.HTTPError:
+        return http.get(url, timeout=5).status_code == 200
+    except http.HTTPError:
         return False
 
 
@@ -266,17 +266,17 @@ def _answers(url: str) -> bool:
 
 def test_tokenize_counts_and_says_whether_it_fits(pair, folders):  # noqa: F811
     with running(pair, folders) as url:
-        ok = httpx.post(f"{url}/v1/tokenize", json={"messages": [{"role": "user", "content": DOC}]}).json()
+        ok = http.post(f"{url}/v1/tokenize", json={"messages": [{"role": "user", "content": DOC}]}).json()
         assert ok["tokens"] > 0 and ok["fits"] and ok["context"] == 512 and ok["message"] is None
-        long = httpx.post(f"{url}/v1/tokenize", json={"messages": [{"role": "user", "content": "word " * 2000}]})
+        long = http.post(f"{url}/v1/tokenize", json={"messages": [{"role": "user", "content": "word " * 2000}]})
         assert long.status_code == 200 and not long.json()["fits"] and long.json()["tokens"] > 512
         assert "context of 512 tokens" in long.json()["message"]
-        near = httpx.post(f"{url}/v1/tokenize", json={"messages": [{"role": "user", "content": "w" * 400}],
+        near = http.post(f"{url}/v1/tokenize", json={"messages": [{"role": "user", "content": "w" * 400}],
                                                       "max_tokens": 200})
         assert not near.json()["fits"] and "exceeds" in near.json()["message"]  # with the answer it would not fit
-        bad = httpx.post(f"{url}/v1/tokenize", json={"messages": []})
+        bad = http.post(f"{url}/v1/tokenize", json={"messages": []})
         assert bad.status_code == 400 and "error" in bad.json()
-        huge = httpx.post(f"{url}/v1/tokenize", content=b"x" * (5 << 20))
+        huge = http.post(f"{url}/v1/tokenize", content=b"x" * (5 << 20))
         assert huge.status_code == 413
 
 
@@ -288,21 +288,21 @@ def test_extract_reads_a_pdf_and_refuses_what_is_not_one(pair, folders):  # noqa
     buf = io.BytesIO()
     writer.write(buf)
     with running(pair, folders) as url:
-        r = httpx.post(f"{url}/v1/extract", content=buf.getvalue(), headers={"Content-Type": "application/pdf"})
+        r = http.post(f"{url}/v1/extract", content=buf.getvalue(), headers={"Content-Type": "application/pdf"})
         assert r.status_code == 200 and r.json()["pages"] == 1
-        r = httpx.post(f"{url}/v1/extract", content=b"plain text")
+        r = http.post(f"{url}/v1/extract", content=b"plain text")
         assert r.status_code == 400 and "not a PDF" in r.json()["error"]["message"]
-        r = httpx.post(f"{url}/v1/extract", content=b"%PDF-1.7 broken")
+        r = http.post(f"{url}/v1/extract", content=b"%PDF-1.7 broken")
         assert r.status_code == 400 and "error" in r.json()
 
 
 def test_the_page_needs_no_key_but_its_routes_do(pair, folders):  # noqa: F811
     with running(pair, folders, api_keys=("k",)) as url:
-        page = httpx.get(f"{url}/")
+        page = http.get(f"{url}/")
         assert page.status_code == 200 and '"needs_key": true' in page.text
-        assert httpx.get(f"{url}/static/page.js").status_code == 200
-        assert httpx.post(f"{url}/v1/tokenize", json={"prompt": "hi"}).status_code == 401
-        assert httpx.post(f"{url}/v1/tokenize", json={"prompt": "hi"},
+        assert http.get(f"{url}/static/page.js").status_code == 200
+        assert http.post(f"{url}/v1/tokenize", json={"prompt": "hi"}).status_code == 401
+        assert http.post(f"{url}/v1/tokenize", json={"prompt": "hi"},
                           headers={"Authorization": "Bearer k"}).status_code == 200
 
 
@@ -310,7 +310,7 @@ def test_a_stream_reports_the_prefill_in_comment_lines(pair, folders):  # noqa: 
     with running(pair, folders, limits=one_at_a_time(4)) as url:  # 64-token steps: a long prompt takes several
         body = {"messages": [{"role": "user", "content": "word " * 80}], "max_tokens": 2, "stream": True,
                 "stream_options": {"include_usage": True}}
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+        with http.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
             lines = [line for line in r.iter_lines() if line]
         progress = [tuple(map(int, line.split()[-1].split("/"))) for line in lines if line.startswith(": prefill ")]
         usage = json.loads([x for x in lines if '"usage"' in x][-1].removeprefix("data: "))["usage"]

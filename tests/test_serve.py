@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import replace
 
-import httpx2 as httpx
 import openai
 import pytest
 import uvicorn
@@ -29,6 +28,7 @@ from specextend.serve.command import listen
 from specextend.serve.drain import DrainingServer
 from specextend.serve.local import LocalBackend
 
+import loopback as http
 from tiny_tokenizer import save_tiny_model
 
 SMALL = dict(chunk_size=4, top_k_chunks=2, cmr_min_ratio=0.0)
@@ -200,7 +200,7 @@ def test_concurrent_streams_answer_what_one_at_a_time_answers(url):
     with ThreadPoolExecutor(len(asks)) as pool:
         together = list(pool.map(lambda a: _stream_text(url, *a), asks))
     assert together == alone
-    h = httpx.get(f"{url}/health").json()
+    h = http.get(f"{url}/health").json()
     assert h["running"] == h["waiting"] == 0 and h["batch"]["kv_in_use_mb"] == 0
 
 
@@ -221,7 +221,7 @@ def test_streaming_completion_and_stop_strings(pair, url):
 def test_models_and_health(url):
     models = client(url).models.list()
     assert [m.id for m in models.data] == ["tiny"]
-    h = httpx.get(f"{url}/health").json()
+    h = http.get(f"{url}/health").json()
     assert h["status"] == "ok" and h["busy"] is False and h["prefix_cache"]["max_bytes"] == 64 << 20
     budget = h["batch"]["budget"]  # the measured step budget and why (batching/budget.py)
     # Beside a stream the chunk is at most the chunk alone at the same context (step_tokens is
@@ -260,7 +260,7 @@ def test_a_restarted_server_finds_its_prefill_on_disk(pair, folders, tmp_path):
                                                   max_tokens=8)
             cached = speculative(r.usage)["cached_prompt_tokens"]
             assert cached == (0 if round_ == 0 else r.usage.prompt_tokens - 1)
-            assert httpx.get(f"{u}/health").json()["prefix_cache"]["disk_entries"] == 1
+            assert http.get(f"{u}/health").json()["prefix_cache"]["disk_entries"] == 1
 
 
 # --------------------------------------------------------------------------- refusals
@@ -302,7 +302,7 @@ BAD = [
 @pytest.mark.parametrize(("endpoint", "body", "param"), BAD, ids=[f"{i}-{b[2]}" for i, b in enumerate(BAD)])
 def test_bad_requests_get_openai_shaped_400s(url, endpoint, body, param):
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
-    r = httpx.post(f"{url}{path}", content=body if isinstance(body, bytes) else json.dumps(body),
+    r = http.post(f"{url}{path}", content=body if isinstance(body, bytes) else json.dumps(body),
                    headers={"Content-Type": "application/json"})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
@@ -319,18 +319,18 @@ def test_the_openai_client_sees_a_bad_request_error(url):
 
 
 def test_unknown_routes_and_internal_errors_are_json(pair, url, monkeypatch):
-    r = httpx.get(f"{url}/v2/nothing")
+    r = http.get(f"{url}/v2/nothing")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
-    assert httpx.get(f"{url}/v1/chat/completions").status_code == 405
+    assert http.get(f"{url}/v1/chat/completions").status_code == 405
 
     def broken(*a, **k):
         raise RuntimeError("the kernel fell over")
 
     monkeypatch.setattr(steps(pair), "before", broken)
-    r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+    r = http.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4})
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error" and "Traceback" not in r.text
     monkeypatch.undo()
-    assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}).status_code == 200
+    assert http.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}).status_code == 200
 
 
 # --------------------------------------------------------------------------- the queue
@@ -356,25 +356,25 @@ def test_past_the_queue_requests_get_429_with_retry_after(pair, folders):
         gate = threading.Event()
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "stream": True,
                 "method": "sd"}
-        with httpx.Client(timeout=60) as h, h.stream("POST", f"{u}/v1/chat/completions", json=body) as running_:
+        with http.Client(timeout=60) as h, h.stream("POST", f"{u}/v1/chat/completions", json=body) as running_:
             lines = running_.iter_lines()  # kept: dropping it would close the connection
             first_content_chunk(lines)
             steps(pair).before = lambda: gate.wait(60)  # the first request holds the slot until released
-            waiting = threading.Thread(target=httpx.post, args=(f"{u}/v1/completions",),
+            waiting = threading.Thread(target=http.post, args=(f"{u}/v1/completions",),
                                        kwargs={"json": {"prompt": "hi", "max_tokens": 2}, "timeout": 60})
             waiting.start()
             deadline = time.time() + 10
-            while httpx.get(f"{u}/health").json()["waiting"] < 1:
+            while http.get(f"{u}/health").json()["waiting"] < 1:
                 assert time.time() < deadline
                 time.sleep(0.02)
-            r = httpx.post(f"{u}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            r = http.post(f"{u}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
             assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
             assert r.json()["error"]["type"] == "rate_limit_error" and r.json()["error"]["code"] == "queue_full"
             with pytest.raises(openai.RateLimitError):
                 client(u).completions.create(model="tiny", prompt="hi", max_tokens=2)
             gate.set()
         waiting.join(60)
-        assert httpx.post(f"{u}/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+        assert http.post(f"{u}/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
 
 
 def test_a_disconnecting_stream_frees_the_slot(pair, folders):
@@ -382,20 +382,20 @@ def test_a_disconnecting_stream_frees_the_slot(pair, folders):
         slow_steps(pair)  # 200 tokens would take many seconds
         body = {"prompt": "hi", "max_tokens": 200, "stream": True, "method": "sd"}
         t0 = time.time()
-        with httpx.Client(timeout=60) as h, h.stream("POST", f"{u}/v1/completions", json=body) as r:
+        with http.Client(timeout=60) as h, h.stream("POST", f"{u}/v1/completions", json=body) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     break
         # The connection is closed; the generation stops at its next step and the next request runs.
         deadline = time.time() + 10
         while True:
-            r = httpx.post(f"{u}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "method": "ar"})
+            r = http.post(f"{u}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "method": "ar"})
             if r.status_code == 200:
                 break
             assert r.status_code == 429 and time.time() < deadline
             time.sleep(0.05)
         assert time.time() - t0 < 8
-        assert httpx.get(f"{u}/health").json()["busy"] is False
+        assert http.get(f"{u}/health").json()["busy"] is False
 
 
 # --------------------------------------------------------------------------- the command
@@ -414,7 +414,7 @@ def test_the_serve_command_starts_answers_and_stops(folders, tmp_path):
         r = client(base).chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}],
                                                  max_tokens=4)
         assert r.usage.completion_tokens <= 4
-        assert httpx.get(f"{base}/health").json()["prefix_cache"]["max_bytes"] == 16 << 20
+        assert http.get(f"{base}/health").json()["prefix_cache"]["max_bytes"] == 16 << 20
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(30)
@@ -516,7 +516,7 @@ def test_the_server_is_healthy_after_200_requests_and_abandoned_streams(pair, fo
         measure._send_all(client(u), args, outcomes)
         assert dict(outcomes.counts) == {"ok": 200, "abandoned": 20}, outcomes.errors
         deadline = time.time() + 20
-        while (h := httpx.get(f"{u}/health").json())["running"] or h["waiting"]:
+        while (h := http.get(f"{u}/health").json())["running"] or h["waiting"]:
             assert time.time() < deadline, h
             time.sleep(0.05)
         assert h["batch"]["kv_in_use_mb"] == 0 and h["completed"] >= 220

@@ -18,13 +18,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-import httpx2 as httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from specextend.api import Pair, load
 from specextend.serve.limits import MIN_BODY_BYTES
 
+import loopback as http
 from test_serve import Throttled, client, one_at_a_time, running, slow_steps
 from tiny_tokenizer import save_tiny_model
 
@@ -48,7 +48,7 @@ def pair(folders):
 
 def cancelled(url: str) -> float:
     """/metrics' count of generations that ended cancelled."""
-    text = httpx.get(f"{url}/metrics").text
+    text = http.get(f"{url}/metrics").text
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
                if s.name == "specextend_generations_total" and s.labels.get("finish_reason") == "cancelled")
 
@@ -93,7 +93,7 @@ def test_a_120_mb_body_gets_413_at_once_and_a_running_stream_is_unharmed(pair, f
     with running(pair, folders, limits=one_at_a_time(4)) as u:
         slow_steps(pair, 0.02)
         body = {"prompt": "hi", "max_tokens": 40, "stream": True, "method": "ar"}
-        with httpx.Client(timeout=60) as h, h.stream("POST", f"{u}/v1/completions", json=body) as stream:
+        with http.Client(timeout=60) as h, h.stream("POST", f"{u}/v1/completions", json=body) as stream:
             lines = stream.iter_lines()
             next(line for line in lines if line.startswith("data: "))
             before = rss_mb()
@@ -122,9 +122,9 @@ def test_a_120_mb_body_gets_413_at_once_and_a_running_stream_is_unharmed(pair, f
 
 def test_the_body_limit_follows_the_flag(pair, folders):
     with running(pair, folders, max_body_bytes=200) as u:
-        r = httpx.post(f"{u}/v1/completions", json={"prompt": "hello there " * 20, "max_tokens": 2})
+        r = http.post(f"{u}/v1/completions", json={"prompt": "hello there " * 20, "max_tokens": 2})
         assert r.status_code == 413 and "200 bytes" in r.json()["error"]["message"]
-        assert httpx.post(f"{u}/v1/completions", json={"prompt": "hello there", "max_tokens": 2}).status_code == 200
+        assert http.post(f"{u}/v1/completions", json={"prompt": "hello there", "max_tokens": 2}).status_code == 200
 
 
 def test_a_prompt_too_long_by_its_characters_is_never_tokenized(pair, folders):
@@ -137,7 +137,7 @@ def test_a_prompt_too_long_by_its_characters_is_never_tokenized(pair, folders):
             limit = encoder.max_prompt_chars()
             for path, body in (("/v1/completions", {"prompt": "x" * (limit + 1)}),
                                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * limit}]})):
-                r = httpx.post(f"{u}{path}", json=body)
+                r = http.post(f"{u}{path}", json=body)
                 assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
                 assert "characters" in r.json()["error"]["message"]
             assert not calls
@@ -149,7 +149,7 @@ def test_a_stream_the_client_hangs_up_on_is_counted_as_cancelled(pair, folders):
     with running(pair, folders, limits=one_at_a_time(4)) as u:
         slow_steps(pair, 0.02)
         body = {"prompt": "hi", "max_tokens": 100, "stream": True, "method": "ar"}
-        with httpx.Client(timeout=60) as h, h.stream("POST", f"{u}/v1/completions", json=body) as r:
+        with http.Client(timeout=60) as h, h.stream("POST", f"{u}/v1/completions", json=body) as r:
             next(line for line in r.iter_lines() if line.startswith("data: "))
         deadline = time.time() + 10
         while cancelled(u) != 1:
@@ -172,13 +172,13 @@ def test_a_draining_server_finishes_what_runs_refuses_what_comes_and_stops(pair,
         _, uv, thread = held
         slow_steps(pair, 0.02)
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "stream": True, "method": "ar"}
-        with httpx.Client(timeout=60) as h, h.stream("POST", f"{u}/v1/chat/completions", json=body) as stream:
+        with http.Client(timeout=60) as h, h.stream("POST", f"{u}/v1/chat/completions", json=body) as stream:
             lines = stream.iter_lines()
             next(line for line in lines if line.startswith("data: "))
             uv.handle_exit(signal.SIGTERM, None)  # what the signal calls
-            health = httpx.get(f"{u}/health")
+            health = http.get(f"{u}/health")
             assert health.status_code == 503 and health.json()["status"] == "draining"
-            r = httpx.post(f"{u}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            r = http.post(f"{u}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
             assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
             assert r.json()["error"]["code"] == "server_shutdown"
             rest = [line for line in lines if line]
@@ -196,12 +196,12 @@ def test_a_drain_past_its_time_cancels_with_an_error_in_the_stream(pair, folders
         slow_steps(pair, 0.05)
         body = {"prompt": "hi", "max_tokens": 200, "stream": True, "method": "ar"}
         waiting = {"prompt": "hi", "max_tokens": 200, "method": "ar"}
-        with ThreadPoolExecutor(1) as pool, httpx.Client(timeout=60) as h, \
+        with ThreadPoolExecutor(1) as pool, http.Client(timeout=60) as h, \
                 h.stream("POST", f"{u}/v1/completions", json=body) as stream:
             lines = stream.iter_lines()
             next(line for line in lines if line.startswith("data: "))
-            queued = pool.submit(httpx.post, f"{u}/v1/completions", json=waiting, timeout=60)
-            wait_for(lambda: httpx.get(f"{u}/health").json()["waiting"] == 1)
+            queued = pool.submit(http.post, f"{u}/v1/completions", json=waiting, timeout=60)
+            wait_for(lambda: http.get(f"{u}/health").json()["waiting"] == 1)
             t0 = time.time()
             uv.handle_exit(signal.SIGTERM, None)
             rest = [line for line in lines if line]
@@ -227,15 +227,15 @@ def test_sigterm_during_requests_lets_them_finish_and_exits_0(folders, tmp_path)
         m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", proc.stderr.readline())
         assert m
         u = f"http://127.0.0.1:{m.group(1)}"
-        assert httpx.get(f"{u}/health", timeout=300).status_code == 200  # it measures its step costs first
+        assert http.get(f"{u}/health", timeout=300).status_code == 200  # it measures its step costs first
         body = {"prompt": "hi", "max_tokens": 480}
         with ThreadPoolExecutor(3) as pool:
-            answers = [pool.submit(httpx.post, f"{u}/v1/completions", json=body, timeout=600) for _ in range(3)]
-            health = lambda: httpx.get(f"{u}/health", timeout=60)  # noqa: E731
+            answers = [pool.submit(http.post, f"{u}/v1/completions", json=body, timeout=600) for _ in range(3)]
+            health = lambda: http.get(f"{u}/health", timeout=60)  # noqa: E731
             wait_for(lambda: sum(health().json()[k] for k in ("running", "waiting", "completed")) == 3, 60)
             proc.send_signal(signal.SIGTERM)
             wait_for(lambda: health().status_code == 503, 60)
-            refused = httpx.post(f"{u}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+            refused = http.post(f"{u}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
             done = [a.result() for a in answers]
         assert refused.status_code == 503 and "Retry-After" in refused.headers
         assert [r.status_code for r in done] == [200] * 3

@@ -12,13 +12,13 @@ import resource
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx2 as httpx
 import pytest
 
 from specextend.api import load
 from specextend.batching.scheduler import Limits
 from specextend.common.settings import Settings
 
+import loopback as http
 from test_serve import running
 from tiny_tokenizer import save_tiny_model
 
@@ -72,7 +72,7 @@ def test_sixteen_long_documents_at_once_are_served_or_refused_cleanly(pair, fold
         body = {"messages": [{"role": "user", "content": f"{docs[i]}\n\nSummarise report {i}."}],
                 "max_tokens": 8, "stream": True, "method": "sd", "attention": "efficient"}
         start.wait()
-        with httpx.Client(timeout=600) as h, h.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        with http.Client(timeout=600) as h, h.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
                 r.read()
                 return "refused", r.status_code, r.headers.get("retry-after", "")
@@ -89,9 +89,10 @@ def test_sixteen_long_documents_at_once_are_served_or_refused_cleanly(pair, fold
         stop = threading.Event()
 
         def watch() -> None:
-            while not stop.wait(0.05):
-                b = httpx.get(f"{url}/health").json()["batch"]
-                peak[0] = max(peak[0], b["kv_in_use_mb"])
+            with http.Client() as h:  # one client, not one (and its SSL context) a poll
+                while not stop.wait(0.05):
+                    b = h.get(f"{url}/health").json()["batch"]
+                    peak[0] = max(peak[0], b["kv_in_use_mb"])
 
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
@@ -110,15 +111,15 @@ def test_sixteen_long_documents_at_once_are_served_or_refused_cleanly(pair, fold
         print(f"\n{tokens}-token documents: {kinds.count('served')} served, {kinds.count('hung up')} hung up, "
               f"{len(refused)} refused; peak KV {peak[0]:.1f} MB of {limits.kv_bytes / 2**20:.1f}; "
               f"peak RSS of the test process (server and clients) {rss_mb:.0f} MB")
-        health = httpx.get(f"{url}/health").json()
+        health = http.get(f"{url}/health").json()
         for _ in range(100):  # the hung-up streams end at their next step
             if health["running"] == health["waiting"] == 0:
                 break
             threading.Event().wait(0.1)
-            health = httpx.get(f"{url}/health").json()
+            health = http.get(f"{url}/health").json()
         assert health["status"] == "ok" and health["running"] == health["waiting"] == 0
         assert health["batch"]["kv_in_use_mb"] == 0
-        after = httpx.post(f"{url}/v1/chat/completions", json={
+        after = http.post(f"{url}/v1/chat/completions", json={
             "messages": [{"role": "user", "content": f"{docs[1]}\n\nSummarise report 1."}], "max_tokens": 8,
             "attention": "efficient"},
             timeout=600)

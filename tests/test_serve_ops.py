@@ -7,7 +7,6 @@ import asyncio
 import json
 from dataclasses import replace
 
-import httpx2 as httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -16,6 +15,7 @@ from specextend.api import Pair, load
 from specextend.common.errors import UserError
 from specextend.serve import auth
 
+import loopback as http
 from test_serve import SMALL, client, running
 from tiny_tokenizer import save_tiny_model
 
@@ -60,7 +60,7 @@ ROUTES = [("POST", "/v1/chat/completions", CHAT), ("POST", "/v1/completions", {"
 @pytest.mark.parametrize(("method", "path", "body"), ROUTES, ids=[r[1] for r in ROUTES])
 def test_no_key_and_a_wrong_key_get_401_a_right_key_200(keyed, method, path, body):
     for key, status in ((None, 401), ("sk-wrong", 401), ("", 401), (KEYS[0], 200), (KEYS[1], 200)):
-        r = httpx.request(method, f"{keyed}{path}", json=body, headers=bearer(key) if key != "" else
+        r = http.request(method, f"{keyed}{path}", json=body, headers=bearer(key) if key != "" else
                           {"Authorization": "Basic abc"}, timeout=60)
         assert r.status_code == status, (key, r.text)
         if status == 401:
@@ -71,13 +71,13 @@ def test_no_key_and_a_wrong_key_get_401_a_right_key_200(keyed, method, path, bod
 
 
 def test_health_stays_open(keyed):
-    assert httpx.get(f"{keyed}/health").status_code == 200
+    assert http.get(f"{keyed}/health").status_code == 200
 
 
 def test_streaming_needs_the_key_too(keyed):
     body = {**CHAT, "stream": True}
     for key, status in ((None, 401), ("sk-wrong", 401), (KEYS[1], 200)):
-        with httpx.stream("POST", f"{keyed}/v1/chat/completions", json=body, headers=bearer(key), timeout=60) as r:
+        with http.stream("POST", f"{keyed}/v1/chat/completions", json=body, headers=bearer(key), timeout=60) as r:
             text = "".join(r.iter_text())
             assert r.status_code == status
             assert (text.rstrip().endswith("data: [DONE]")) == (status == 200)
@@ -94,14 +94,14 @@ def test_the_openai_client_sees_an_authentication_error(keyed):
 
 def test_many_wrong_key_requests_cost_no_model_work(keyed):
     """Counted, not timed: neither the scheduler nor the metrics see a generation for them."""
-    health = httpx.get(f"{keyed}/health").json()
+    health = http.get(f"{keyed}/health").json()
     before = (health["completed"], health["batch"]["steps"], scrape(keyed, KEYS[0])["specextend_prompt_tokens_total"])
-    with httpx.Client(timeout=60) as h:
+    with http.Client(timeout=60) as h:
         for i in range(200):
             r = h.post(f"{keyed}/v1/chat/completions", json={**CHAT, "stream": i % 2 == 0},
                        headers=bearer(f"sk-wrong-{i}"))
             assert r.status_code == 401
-    health = httpx.get(f"{keyed}/health").json()
+    health = http.get(f"{keyed}/health").json()
     after = (health["completed"], health["batch"]["steps"], scrape(keyed, KEYS[0])["specextend_prompt_tokens_total"])
     assert after == before
     assert scrape(keyed, KEYS[0])['specextend_requests_total{route="/v1/chat/completions",status="401"}'] >= 200
@@ -164,7 +164,7 @@ def test_keys_come_from_flags_a_file_and_the_environment(tmp_path):
 
 
 def scrape(url: str, key: str | None = None) -> dict[str, float]:
-    r = httpx.get(f"{url}/metrics", headers=bearer(key))
+    r = http.get(f"{url}/metrics", headers=bearer(key))
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     out = {}
     for family in text_string_to_metric_families(r.text):
@@ -188,7 +188,7 @@ def test_metrics_parse_and_move_as_requests_are_served(pair, folders):
         chunks = list(c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                                 max_tokens=8, stream=True, extra_body={"method": "sd"}))
         assert chunks
-        httpx.post(f"{u}/v1/completions", json={"prompt": "hi", "max_tokens": 0})  # a 400
+        http.post(f"{u}/v1/completions", json={"prompt": "hi", "max_tokens": 0})  # a 400
         m = scrape(u)
     assert m['specextend_requests_total{route="/v1/chat/completions",status="200"}'] == 3
     assert m['specextend_requests_total{route="/v1/completions",status="400"}'] == 1

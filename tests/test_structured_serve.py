@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 
-import httpx2 as httpx
 import pytest
 from pydantic import BaseModel, Field
 
 from specextend.api import load
 
+import loopback as http
 from test_serve import SMALL, client, running
 from tiny_tokenizer import save_tiny_model
 
@@ -91,7 +91,7 @@ def test_chat_logprobs_stream_and_match_the_api(pair, url):
 
 def test_completions_take_a_regex_and_return_logprobs(pair, url):
     rf = {"type": "regex", "regex": r"(yes|no)\. [a-z]{2,8}"}
-    r = httpx.post(f"{url}/v1/completions", json={"prompt": DOC, "max_tokens": 20, "logprobs": 1,
+    r = http.post(f"{url}/v1/completions", json={"prompt": DOC, "max_tokens": 20, "logprobs": 1,
                                                   "response_format": rf, "method": "specextend"}, timeout=60)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
@@ -122,7 +122,7 @@ def test_max_tokens_before_the_json_closes_is_length(url):
     ({"repetition_penalty": 0.0}, "repetition_penalty", "> 0"),
 ])
 def test_bad_requests_are_openai_shaped_400s(url, body, param, needle):
-    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], **body},
+    r = http.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], **body},
                    timeout=30)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
@@ -146,7 +146,7 @@ def test_concurrent_constrained_requests_each_keep_their_own_grammar(pair, url):
                       "method": methods[i], **SMALL}
         if formats[i] is not None:
             body["response_format"] = formats[i]
-        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+        r = http.post(f"{url}/v1/chat/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
         return choice["message"]["content"], [c["logprob"] for c in choice["logprobs"]["content"]]

@@ -8,13 +8,13 @@ from __future__ import annotations
 import functools
 import json
 
-import httpx2 as httpx
 import pytest
 
 from specextend.api import load
 from specextend.common.errors import UserError
 from specextend.requests.toolcalls import CLOSE, OPEN, CallParser, ToolError, ToolSpec, template_messages
 
+import loopback as http
 from test_serve import SMALL, client, running
 from tiny_tokenizer import save_tiny_model
 
@@ -162,11 +162,11 @@ def url(pair, folders):
 def ask(url: str, method: str, stream: bool = False, **fields) -> dict:
     body = {"messages": ASK, "tools": TOOLS, "max_tokens": 160, "method": method, **SMALL, **fields}
     if not stream:
-        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+        r = http.post(f"{url}/v1/chat/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]
     events = []
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
+    with http.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -281,7 +281,7 @@ BAD_BODIES = [
 
 @pytest.mark.parametrize(("fields", "param"), BAD_BODIES, ids=[p for _, p in BAD_BODIES])
 def test_bad_tool_requests_get_400s(url, fields, param):
-    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **fields})
+    r = http.post(f"{url}/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **fields})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error" and "Traceback" not in r.text

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 
-import httpx2 as httpx
 import pytest
 
 from specextend.api import load
@@ -16,6 +15,7 @@ from specextend.requests.toolcalls import CLOSE, OPEN, CallParser, ToolSpec
 from specextend.sampling.grammar import GrammarSpec
 from specextend.serve.app import Server
 
+import loopback as http
 from test_serve import SMALL, client, running
 from tiny_tokenizer import save_tiny_model
 
@@ -284,12 +284,12 @@ def ask(url: str, stream: bool, **fields) -> dict:
     body = {"messages": [{"role": "user", "content": "Lisbon to Oslo: will I need a coat?"}], "tools": TOOLS,
             "max_tokens": 400, **SMALL, **fields}
     if not stream:
-        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+        r = http.post(f"{url}/v1/chat/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         out = r.json()["choices"][0]
         return {**out, "usage": r.json()["usage"]}
     events = []
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
+    with http.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
         assert r.status_code == 200
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     content, calls, finish = "", {}, None
@@ -374,7 +374,7 @@ def test_the_openai_client_reads_recovered_calls(url, says):
 
 
 def test_a_bad_tool_call_recovery_is_a_400(url):
-    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+    r = http.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                        "tools": TOOLS, "tool_call_recovery": "no", "max_tokens": 4})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_call_recovery"
 
