@@ -28,8 +28,10 @@ CASES = "convert-named,weather-required,stream-weather-required,fed-weather,none
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench-tools")
-    folders = {"target": save_tiny_model(root / "target", seed=0),
-               "draft": save_tiny_model(root / "draft", seed=1, layers=1)}
+    # Room for a fed-back conversation (its tools named in the template) and 200 new tokens.
+    room = dict(max_position_embeddings=1024)
+    folders = {"target": save_tiny_model(root / "target", seed=0, **room),
+               "draft": save_tiny_model(root / "draft", seed=1, layers=1, **room)}
     pair = load(folders["target"], folders["draft"], dtype="float64", progress=False)
     pair.step_costs()
     with running(pair, folders, api_keys=(KEY,), max_new_tokens=200) as u:

@@ -337,3 +337,23 @@ def test_langchain_binds_tools_and_runs_a_two_step_loop(url):
     second = chat.bind_tools([WEATHER, BOOK]).invoke(history)  # auto: text or calls, both well formed
     assert second.content or second.tool_calls
     assert not second.invalid_tool_calls
+
+
+def test_a_template_without_tools_is_refused_them_in_one_line(tmp_path):
+    """A family whose chat template has no tool-call format (Gemma's, OLMo 2's) ignores `tools`:
+    the model would never see them offered, so a request with tools is refused (a 400 naming
+    `tools` through the server), while the same conversation without them renders as before."""
+    from specextend.api import prepare
+
+    from tiny_tokenizer import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    tok.chat_template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"
+    plain = prepare(save_tiny_model(tmp_path / "plain", tokenizer=tok), load_draft=False, progress=False)
+    assert not plain.template_takes_tools()
+    with pytest.raises(ToolError, match="does not describe tools") as refused:
+        plain.prompt_ids(ASK, tools=ToolSpec.parse(TOOLS))
+    assert refused.value.param == "tools" and "qwen2 family" in str(refused.value)
+    assert plain.prompt_ids(ASK)  # no tools: as before
+    offered = prepare(save_tiny_model(tmp_path / "offered"), load_draft=False, progress=False)
+    assert offered.template_takes_tools() and offered.prompt_ids(ASK, tools=ToolSpec.parse(TOOLS))

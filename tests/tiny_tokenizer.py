@@ -17,7 +17,9 @@ TINY_VOCAB = 264
 SPECIALS = ["<s>", "<|user|>", "<|assistant|>", "<|endoftext|>"]
 EOS = "</s>"
 MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he")]
+# Tools are named in a system turn (a template that ignores them is refused tools: prompts.py).
 CHAT_TEMPLATE = (
+    "{% if tools %}<|system|>tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}<|endoftext|>{% endif %}"
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )

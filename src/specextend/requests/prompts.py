@@ -20,7 +20,7 @@ from ..common.settings import Settings
 from ..sampling.grammar import Grammar, GrammarSpec, compile_grammar, tokenizer_for
 from ..speculation.decoder import check_fits
 from . import harmony
-from .toolcalls import ToolSpec, template_messages
+from .toolcalls import ToolError, ToolSpec, template_messages
 
 if TYPE_CHECKING:
     from ..models.resolve import ResolvedPair
@@ -113,6 +113,10 @@ class Prompts:
         shape) are described as the template describes them; `whole` as in `encode`."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise UserError(f"the tokenizer in {self.target_path} has no chat template; send a plain prompt")
+        if tools and not self.template_takes_tools():
+            raise ToolError(f"this model's chat template does not describe tools (the {self.spec.target.config.arch} "
+                            "family has no tool-call format), so the model would never see them offered; send the "
+                            "request without `tools`", "tools")
         # Render to text, then tokenize: the template already holds any special tokens.
         extra = {"tools": list(tools)} if tools else {}
         try:
@@ -125,6 +129,30 @@ class Prompts:
         ids = [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False, verbose=False)]
         self._check_ids(ids)
         return ids
+
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template describes a request's tools: a conversation rendered with a
+        tool differs from it rendered without. Templates that have no tool-call format (Gemma's,
+        OLMo 2's) ignore them. Rendered once per tokenizer."""
+        known = getattr(self, "_takes_tools", None)
+        if not getattr(self.tokenizer, "chat_template", None):
+            return False
+        if known is None or known[0] is not self.tokenizer:
+            probe = [{"type": "function", "function": {"name": "probe_tool", "description": "a probe",
+                                                       "parameters": {"type": "object", "properties": {}}}}]
+            messages = [{"role": "user", "content": "hi"}]
+
+            def render(**extra: Any) -> str | None:
+                try:
+                    return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                              **extra)
+                except TemplateError:
+                    return None
+
+            with_tools = render(tools=probe)
+            known = (self.tokenizer, with_tools is not None and with_tools != render())
+            self._takes_tools = known
+        return known[1]
 
     def max_prompt_chars(self) -> int:
         """The most characters a text may have and still fit the context (as the tokenizer's
