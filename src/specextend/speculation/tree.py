@@ -197,7 +197,7 @@ def pick_children(
     or the kept children would no longer be draws from q and rejection sampling would lose
     exactness. (In greedy mode the two are the same numbers.)
     """
-    probs, top = torch.topk(q, min(k, int((q > 0).sum())))
+    probs, top = torch.topk(q, min(k, int(torch.count_nonzero(q))))
     if greedy:
         return top, probs
     # E = 0 would make its token win whatever its probability (a draw of u = 1, rounded): floored.
@@ -262,12 +262,14 @@ class DynamicTreeBuilder(TreeBuilder):
                 break
             pool.expanded.extend(expand)
             slot = {node: i for i, node in enumerate(pool.expanded)}
-            mask = torch.zeros(len(expand), len(pool.expanded), dtype=torch.bool)
+            # Built as lists and made a tensor once: an element store a tensor costs microseconds.
+            rows = [[False] * len(pool.expanded) for _ in expand]
             for r, node in enumerate(expand):
                 j = node
                 while j >= 0:  # the root is already committed in the draft's cache
-                    mask[r, slot[j]] = True
+                    rows[r][slot[j]] = True
                     j = pool.parents[j]
+            mask = torch.tensor(rows, dtype=torch.bool)
             logits = run(torch.tensor([pool.tokens[i] for i in expand]),
                          torch.tensor([pool.depths[i] for i in expand]), mask)
             frontier = []
