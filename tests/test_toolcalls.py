@@ -342,14 +342,16 @@ def test_langchain_binds_tools_and_runs_a_two_step_loop(url):
 def test_a_template_without_tools_is_refused_them_in_one_line(tmp_path):
     """A family whose chat template has no tool-call format (Gemma's, OLMo 2's) ignores `tools`:
     the model would never see them offered, so a request with tools is refused (a 400 naming
-    `tools` through the server), while the same conversation without them renders as before."""
+    `tools` through the server), while the same conversation without them is answered as before."""
     from specextend.api import prepare
 
     from tiny_tokenizer import tiny_tokenizer
 
     tok = tiny_tokenizer()
     tok.chat_template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"
-    plain = prepare(save_tiny_model(tmp_path / "plain", tokenizer=tok), load_draft=False, progress=False)
+    folders = {"target": save_tiny_model(tmp_path / "target", tokenizer=tok),
+               "draft": save_tiny_model(tmp_path / "draft", seed=1, layers=1, tokenizer=tok)}
+    plain = prepare(folders["target"], load_draft=False, progress=False)
     assert not plain.template_takes_tools()
     with pytest.raises(ToolError, match="does not describe tools") as refused:
         plain.prompt_ids(ASK, tools=ToolSpec.parse(TOOLS))
@@ -357,3 +359,11 @@ def test_a_template_without_tools_is_refused_them_in_one_line(tmp_path):
     assert plain.prompt_ids(ASK)  # no tools: as before
     offered = prepare(save_tiny_model(tmp_path / "offered"), load_draft=False, progress=False)
     assert offered.template_takes_tools() and offered.prompt_ids(ASK, tools=ToolSpec.parse(TOOLS))
+
+    with running(load(folders["target"], folders["draft"], dtype="float64", progress=False), folders,
+                 method="ar") as url:
+        r = http.post(f"{url}/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, "tools": TOOLS})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+        assert "does not describe tools" in r.json()["error"]["message"]
+        ok = http.post(f"{url}/v1/chat/completions", json={"messages": ASK, "max_tokens": 2})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2

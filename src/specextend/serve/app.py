@@ -206,8 +206,8 @@ class Server:
             self.encoder.check_fits(len(ids), req.settings)
         except ContextLengthExceeded as e:  # the prompt alone, or with max_tokens: one code for both
             raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
-        except UserError as e:
-            raise APIError(400, str(e), param=param) from None
+        except UserError as e:  # a ToolError names its own field (tools a template cannot describe)
+            raise APIError(400, str(e), param=getattr(e, "param", param)) from None
         if req.settings.uses_draft and self.encoder.draft_path is None:
             raise APIError(400, f"method {req.settings.method!r} needs a draft model; this server has none",
                            param="method")
