@@ -45,6 +45,36 @@ def test_streamed_deltas_add_up_to_the_whole_split(size: int) -> None:
         assert len(deltas) > 2
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+    "additionalProperties": False}}}
+CALL = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+        'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}')
+
+
+@pytest.mark.parametrize("size", [1, 5, 1000])
+def test_a_message_to_a_function_is_a_tool_call_streamed_or_whole(size: int) -> None:
+    """harmony's call (a commentary message addressed to functions.NAME, its body the arguments;
+    <|call|> ends the generation, so the body ends with the text): one call, never content; a call
+    cut short, or to a function not offered, is dropped."""
+    from specextend.requests.toolcalls import ToolSpec
+
+    spec = ToolSpec.parse([WEATHER])
+    p = spec.parser(harmony=True)
+    deltas = [d for i in range(0, len(CALL), size) for d in p.push(CALL[i : i + size])] + p.finish()
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        (0, "get_weather", {"city": "Paris"})]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "Need the weather."
+    assert not any("content" in d for d in deltas) and p.finish_reason("stop") == "tool_calls"
+    whole = spec.parser(harmony=True)
+    content, made = whole.answer(CALL)
+    assert content is None and [c["function"] for c in made] == [calls[0]["function"]]
+    assert whole.reasoning == "Need the weather."
+    for broken in (CALL[:-3], CALL.replace("get_weather", "get_time")):
+        assert spec.parser(harmony=True).answer(broken) == (None, [])
+
+
 def test_the_chat_answer_carries_reasoning_content_apart() -> None:
     use = {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}
     msg = protocol.response("chat", "id", 0, "m", "Paris.", "stop", use, reasoning="It is Paris.")["choices"][0]
@@ -56,7 +86,9 @@ def test_the_chat_answer_carries_reasoning_content_apart() -> None:
 # ------------------------------------------------------------------ a harmony tokenizer, served
 
 MARKUP = list(harmony.MARKERS)
-TEMPLATE = ("{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
+TEMPLATE = ("{% if tools %}<|start|>developer<|message|>functions:{% for t in tools %} {{ t['function']['name'] }}"
+            "{% endfor %}<|end|>{% endif %}"
+            "{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
             "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
 
 
@@ -126,3 +158,31 @@ def test_served_chat_answers_keep_reasoning_apart_streamed_or_not(served) -> Non
         assert (got["reasoning_content"] or None, got["content"] or None) == (reasoning, content), method
     for text in (msg["content"] or "", msg.get("reasoning_content") or ""):
         assert not any(m in text for m in MARKUP)
+
+
+def test_a_required_call_is_written_in_harmony_and_answered_as_a_call(served) -> None:
+    """`tool_choice: required` on a harmony model: the grammar makes it write harmony's own call
+    (not another format's markup), and the answer is that call, streamed or not, under speculation too."""
+    pair, url = served
+    raw = pair.generate(ASK, method="ar", max_new_tokens=96, tools=[WEATHER], tool_choice="required", **SMALL)
+    assert raw.text.startswith("<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{")
+    assert [c["function"]["name"] for c in raw.tool_calls] == ["get_weather"]
+    seen = []
+    for method in ("ar", "specextend"):
+        body = {"messages": ASK, "max_tokens": 96, "method": method, "tools": [WEATHER], "tool_choice": "required",
+                **SMALL}
+        r = http.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]
+        calls = r["message"]["tool_calls"]
+        assert r["finish_reason"] == "tool_calls" and r["message"]["content"] is None and len(calls) == 1, r
+        assert calls[0]["function"]["name"] == "get_weather"
+        assert set(json.loads(calls[0]["function"]["arguments"])) == {"city"}
+        seen.append(calls[0]["function"]["arguments"])
+        streamed = ""
+        with http.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    delta = json.loads(line[6:])["choices"][0]["delta"]
+                    assert not delta.get("content")
+                    streamed += "".join(c["function"]["arguments"] for c in delta.get("tool_calls") or [])
+        assert streamed == calls[0]["function"]["arguments"]
+    assert seen[0] == seen[1]  # greedy speculation writes ar's call

@@ -227,7 +227,8 @@ class Generation:
                  cancel: threading.Event | None = None, tools: ToolSpec | None = None,
                  on_progress: ProgressCallback | None = None) -> None:
         check_logprobs(logprobs)
-        self.calls = tools.parser() if tools is not None else None  # the answer parsed into calls
+        # the answer parsed into calls (in gpt-oss's own format where the tokenizer writes harmony)
+        self.calls = tools.parser(harmony.is_harmony(origin.tokenizer)) if tools is not None else None
         self.origin, self.ids, self.settings = origin, ids, settings
         self.grammar, self.logprobs = grammar, logprobs
         self.stops = StopStrings(stops)

@@ -35,6 +35,7 @@ from typing import Any
 
 from ..common.errors import UserError
 from ..sampling.grammar import JSON_OPTIONS, GrammarSpec
+from .harmony import HarmonyParser, is_harmony
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 CHOICES = ("auto", "none", "required")
@@ -103,10 +104,22 @@ class ToolSpec:
             return None
         return cls(parsed, choice, parallel_tool_calls is not False, tool_call_recovery is not False)
 
-    def parser(self) -> CallParser:
+    def parser(self, harmony: bool = False) -> CallParser | HarmonyParser:
         """A parser of an answer under this spec: bare JSON calls recognised where the choice is
-        the model's (`auto`) and recovery is on."""
-        return CallParser(self.tools if self.choice == "auto" and self.recover else (), several=self.parallel)
+        the model's (`auto`) and recovery is on. `harmony`: the answer is in gpt-oss's format
+        (harmony.py), a call a message addressed to `functions.NAME` with the arguments as its body."""
+        if not harmony:
+            return CallParser(self.tools if self.choice == "auto" and self.recover else (), several=self.parallel)
+        calls, names = CallParser(), {t.name for t in self.called}
+
+        def call(name: str, body: str) -> dict[str, Any] | None:
+            try:
+                args = json.loads(body)
+            except ValueError:  # cut by max_tokens: dropped, as a markup call cut short is
+                return None
+            return calls.record(name, args) if name in names and isinstance(args, dict) else None
+
+        return HarmonyParser(call)
 
     @property
     def called(self) -> tuple[Tool, ...]:
@@ -116,8 +129,10 @@ class ToolSpec:
     def template_tools(self) -> list[dict[str, Any]]:
         return [t.as_template() for t in self.tools]
 
-    def grammar(self, tokenizer: Any) -> GrammarSpec:
-        """The Lark grammar (llguidance's, with %json) of an answer under this spec."""
+    def grammar(self, tokenizer: Any) -> GrammarSpec | None:
+        """The Lark grammar (llguidance's, with %json) of an answer under this spec (None: free)."""
+        if is_harmony(tokenizer):
+            return self._harmony_grammar(tokenizer)
         opener, closer = (_literal(tokenizer, t) for t in (OPEN, CLOSE))
         fns = [f"fn{i}" for i in range(len(self.called))]
         several = self.parallel and self.choice in CHOICES  # a named function: one call of it
@@ -146,6 +161,26 @@ class ToolSpec:
                 'BARE_ARGS: /\\s*,\\s*"(arguments|parameters)"\\s*:\\s*/',
                 "BARE_END: /\\s*\\}\\s*(```\\s*)?/",
             ]
+        return GrammarSpec("grammar", "\n".join(lines))
+
+
+    def _harmony_grammar(self, tokenizer: Any) -> GrammarSpec | None:
+        """gpt-oss's answer under `required` or a named function: at once a message addressed to
+        one of the functions, its body JSON valid for that function's schema (the answer then ends:
+        <|call|> is an end token). Under `auto` the model chooses, unconstrained, and its calls are
+        read from its messages."""
+        if self.choice == "auto":
+            return None
+        channel, constrain, message = (_literal(tokenizer, m) for m in ("<|channel|>", "<|constrain|>", "<|message|>"))
+        fns = [f"fn{i}" for i in range(len(self.called))]
+        lines = [
+            "start: call",
+            f'call: {channel} "commentary to=functions." ({" | ".join(fns)})',
+            *(f'{fn}: {json.dumps(t.name + " ")} {constrain} "json" {message} {fn}_args'
+              for fn, t in zip(fns, self.called, strict=True)),
+            *(f"{fn}_args: %json {json.dumps({**t.parameters, 'x-guidance': JSON_OPTIONS})}"
+              for fn, t in zip(fns, self.called, strict=True)),
+        ]
         return GrammarSpec("grammar", "\n".join(lines))
 
 
@@ -341,7 +376,7 @@ class CallParser:
     def _take(self, found: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
         """A bare answer's calls, given out (a call repeated in it given once)."""
         self.mode, self.buf = "calls", ""
-        return [d for d in (self._record(name, args) for name, args in found) if d is not None]
+        return [d for d in (self.record(name, args) for name, args in found) if d is not None]
 
     def _held(self, text: str | None = None) -> bool:
         """The text (so far) begins a bare call of a function: the grammar holds the rest to it."""
@@ -390,14 +425,14 @@ class CallParser:
                 return out
             self.buf, self._block_open = body[end:], True
             call = _markup_call(body[:end])
-            delta = self._record(*call) if call is not None else {}
+            delta = self.record(*call) if call is not None else {}
             if delta is None:
                 self.mode, self.buf = "ended", ""
             elif delta:
                 out.append(delta)
         return out
 
-    def _record(self, name: str, args: dict[str, Any]) -> dict[str, Any] | None:
+    def record(self, name: str, args: dict[str, Any]) -> dict[str, Any] | None:
         """A new call's delta; None if the answer made the same call before."""
         key = (name, json.dumps(args, sort_keys=True))
         if key in self._seen:

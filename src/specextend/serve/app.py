@@ -156,7 +156,7 @@ class Server:
             return _error(e)
         rid, created = protocol.new_id(kind), protocol.now()
         # The answer parsed into tool calls, or (harmony) into its final text and reasoning.
-        calls: CallParser | HarmonyParser | None = req.tools.parser() if req.tools is not None else None
+        calls: CallParser | HarmonyParser | None = req.tools.parser(self.harmony) if req.tools is not None else None
         if calls is None and kind == "chat" and self.harmony:
             calls = HarmonyParser()
         if req.stream:
