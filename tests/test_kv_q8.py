@@ -5,6 +5,8 @@ on the other rows of its forward, and a prompt's KV survives a snapshot and a fi
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -194,3 +196,22 @@ def test_a_bad_kind_or_a_model_without_the_kernels_is_one_clear_error(tmp_path):
         api.load(folder, load_draft=False, weights="float32", kv_cache="q8", progress=False)
     pair = api.load(folder, load_draft=False, weights="int4", kv_cache="q8", progress=False)
     assert pair.target.kv_dtype == torch.int8 and pair.generate("ab", max_new_tokens=4, method="ar").new_tokens == 4
+
+
+def test_the_long_decode_bench_times_both_kinds_over_one_prefill(tmp_path, monkeypatch, capsys):
+    from specextend.bench import long_decode, quality
+
+    folder = save_tiny_model(tmp_path / "m", seed=5, layers=1, **{k: v for k, v in SHAPE.items() if k != "vocab"})
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"text": "abc " * 40 + str(i)}) for i in range(3)) + "\n")
+    monkeypatch.setattr(long_decode, "read_bandwidth_gbs", lambda: 50.0)
+    args = ["--target", str(folder), "--weights", "int4", "--data", str(data), "--lengths", "16,48",
+            "--new-tokens", "3", "--repeats", "1"]
+    assert long_decode.main([*args, "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert set(res["decode_tokens_per_s"]) == {"bf16@16", "q8@16", "bf16@48", "q8@48"}
+    assert res["kv_bytes"]["q8@48"] / res["kv_bytes"]["bf16@48"] == 68 / 128  # head_dim 64: 68 bytes a row
+    with pytest.raises(SystemExit) as e:
+        long_decode.main([*args[:-6], "--kv-caches", "q4"])
+    assert e.value.code == 2
+    assert quality._load_options("gguf@kv-q8") == {"dtype": "float32", "weights": "gguf", "kv_cache": "q8"}

@@ -62,7 +62,9 @@ def as_q8(model: Any, cache: Any) -> Any:
 
 def decode_speed(model: Any, cache: Any, ids: torch.Tensor, length: int, new: int) -> float:
     """Tokens per second of `new` greedy one-row steps after the first `length` tokens of `ids`."""
-    cache.truncate(length)
+    # Back (or forward) to `length` committed slots: a shorter length's decode has overwritten a few
+    # prompt slots with its own tokens' KV, which costs a step the same.
+    cache.length, cache.pending = length, 0
     nxt, t0 = int(ids[length - 1]), 0.0
     for i in range(new + 1):
         if i == 1:
