@@ -364,6 +364,7 @@ def prepare(
     draft_dtype: str | None = None,
     weights: str = "auto",
     draft_weights: str = "auto",
+    kv_cache: str = "bf16",
     load_draft: bool = True,
     progress: bool = True,
 ) -> Prepared:
@@ -372,10 +373,11 @@ def prepare(
 
     References are whatever `specextend.models.registry.resolve_model_ref` accepts: None for
     the default pair (pulled on first use), a folder, a .gguf file or a known short name.
-    `dtype`, `device`, `draft_dtype`, `weights` and `draft_weights` are `LoadOptions`; without
-    `load_draft` the pair has no draft (methods ar and lookup need none).
+    `dtype`, `device`, `draft_dtype`, `weights`, `draft_weights` and `kv_cache` (the target's KV
+    cache: "bf16", or "q8", int8 rows at about half the bytes, on the quantized CPU kernels) are
+    `LoadOptions`; without `load_draft` the pair has no draft (methods ar and lookup need none).
     """
-    options = LoadOptions(dtype, device, draft_dtype, weights, draft_weights)
+    options = LoadOptions(dtype, device, draft_dtype, weights, draft_weights, kv_cache)
     return Prepared(resolve_pair(target, draft, options, load_draft=load_draft, progress=progress), progress)
 
 

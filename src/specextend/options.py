@@ -19,6 +19,7 @@ from .common.settings import (
     ATTENTIONS,
     DRAFT_CACHES,
     DRAFT_PREFILLS,
+    KV_CACHES,
     METHODS,
     POSITION_MODES,
     TREES,
@@ -67,12 +68,17 @@ def add_model_arguments(p: argparse.ArgumentParser, draft_note: str = "", draft:
     g.add_argument("--weights", default="auto", help=WEIGHTS_HELP)
     if draft:
         g.add_argument("--draft-weights", default="auto", help="the draft's --weights (default: auto)")
+    g.add_argument("--kv-cache", default="bf16",
+                   help=f"the target's KV cache: {'|'.join(KV_CACHES)} (default: bf16); q8 stores int8 with a bfloat16 "
+                        "scale per 32 values, about half the bytes a long context reads per decoded token (the "
+                        "quantized CPU kernels only)")
 
 
 def model_options(args: argparse.Namespace) -> dict[str, Any]:
     """The keyword arguments of `api.prepare`/`api.load` from `add_model_arguments`'s flags."""
     return {"dtype": args.dtype, "device": args.device, "draft_dtype": getattr(args, "draft_dtype", None),
-            "weights": args.weights, "draft_weights": getattr(args, "draft_weights", "auto")}
+            "weights": args.weights, "draft_weights": getattr(args, "draft_weights", "auto"),
+            "kv_cache": getattr(args, "kv_cache", "bf16")}
 
 
 def check_model_options(args: argparse.Namespace) -> None:

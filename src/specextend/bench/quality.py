@@ -9,6 +9,11 @@ which is how llama.cpp's `llama-perplexity` scores a file, so `--llamacpp` runs 
 same text beside ours. The reference is the float32 model (a GGUF's weights dequantised exactly);
 for every scheme the report gives perplexity, its change against the reference and next-token
 top-1 agreement with the reference. Writes `quality.json` and `quality.md` into `--out`.
+
+A scheme may end in `@kv-q8`: those weights with the target's KV cache in q8 (`--kv-cache q8`),
+e.g. `--weights gguf,gguf@kv-q8 --reference gguf --ctx 8192` isolates what the KV cache's
+quantization does at long context (top-1 agreement against float32 then moves by at most the
+disagreement with the `gguf` reference; a float32 reference at 8K+ tokens costs minutes a chunk).
 """
 
 from __future__ import annotations
@@ -114,11 +119,12 @@ def llamacpp_perplexity(gguf: Path, text: str, ctx: int, chunks: int, threads: i
 
 
 def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    ref = meta.get("reference", "float32")
     lines = [
         f"Teacher-forced on {meta['chunks']} chunks x {meta['scored_per_chunk']} scored positions "
         f"({meta['positions']} predictions; {meta['tokens']} tokens of {meta['data']}), ctx {meta['ctx']}.",
         "",
-        "| weights | perplexity | change vs float32 | top-1 agreement with float32 | seconds |",
+        f"| weights | perplexity | change vs {ref} | top-1 agreement with {ref} | seconds |",
         "|---|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -136,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ctx", type=int, default=1024, help="tokens per chunk (default: 1024)")
     ap.add_argument("--chunks", type=int, default=20, help="chunks to score (default: 20)")
     ap.add_argument("--weights", default=DEFAULT_WEIGHTS, help=f"schemes, comma-separated (default: {DEFAULT_WEIGHTS})")
+    ap.add_argument("--reference", default="float32",
+                    help="the scheme the others are compared with (default: float32)")
     ap.add_argument("--llamacpp", action="store_true", help="also run llama.cpp's llama-perplexity (make peers)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
@@ -148,8 +156,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _load_options(scheme: str) -> dict[str, str]:
     """The target's load options for a scheme: float64 and bfloat16 compute in their own dtype,
-    every other scheme in float32 (quantized weights) or its own (float16, via the scheme)."""
-    return {"dtype": scheme if scheme in ("float64", "bfloat16") else "float32", "weights": scheme}
+    every other scheme in float32 (quantized weights) or its own (float16, via the scheme); a
+    `@kv-<kind>` suffix sets the KV cache's kind."""
+    weights, _, kv = scheme.partition("@kv-")
+    return {"dtype": weights if weights in ("float64", "bfloat16") else "float32", "weights": weights,
+            "kv_cache": kv or "bf16"}
 
 
 def _run(a: argparse.Namespace) -> int:
@@ -171,7 +182,8 @@ def _run(a: argparse.Namespace) -> int:
 
     ref_scores: Scored | None = None
     rows = []
-    for w in ["float32"] + [s for s in schemes if s != "float32"]:
+    LoadOptions(**_load_options(a.reference))
+    for w in [a.reference] + [s for s in schemes if s != a.reference]:
         t0 = time.perf_counter()
         model = api.load(folder, load_draft=False, progress=False, **_load_options(w)).target
         sc = score(model, chunks, progress=f"quality {model.weights}")
@@ -194,7 +206,7 @@ def _run(a: argparse.Namespace) -> int:
                      "seconds": lc["seconds"], "llamacpp": lc})
     meta = {"data": a.data, "tokens": len(ids), "ctx": a.ctx, "chunks": a.chunks,
             "scored_per_chunk": a.ctx - a.ctx // 2 - 1, "positions": int(ref_scores.logprob.numel()),
-            "target": str(folder)}
+            "target": str(folder), "reference": a.reference}
     write_text_atomic(out / "quality.json", json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     md = report(rows, meta)
     write_text_atomic(out / "quality.md", md)

@@ -41,6 +41,7 @@ HELP_COLUMNS = 100  # the width the tools' --help text is wrapped to here, whate
 TOOLS: dict[str, list[list[str]]] = {
     "specextend.bench.sweep": [[]],
     "specextend.bench.runtime": [[]],
+    "specextend.bench.long_decode": [[]],
     "specextend.bench.costs": [[]],
     "specextend.bench.quality": [[]],
     "specextend.bench.lookup_replay": [[]],

@@ -21,6 +21,9 @@ METHODS = ("ar", "sd", "specextend", "lookup")
 # The draft KV policies (`--draft-cache`); speculation/draft_policy.py registers one class under each name.
 DRAFT_CACHES = ("full", "streaming", "cmr")
 ATTENTIONS = ("eager", "efficient")
+# The target's KV cache kinds (`--kv-cache`, a load option): bfloat16 rows, or int8 rows with a
+# bfloat16 scale per 32 values (runtime/kv_cache.py).
+KV_CACHES = ("bf16", "q8")
 TREES = ("chain", "dynamic")
 POSITION_MODES = ("compact", "original")
 DRAFT_PREFILLS = ("selected", "full")

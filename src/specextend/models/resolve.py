@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from ..common.errors import UserError
 from ..common.gc_pause import collector_paused
 from ..common.progress import say
+from ..common.settings import KV_CACHES
 from .loader import (
     ResolvedModel,
     build_model,
@@ -47,6 +48,7 @@ class LoadOptions:
     draft_dtype: str | None = None
     weights: str = "auto"
     draft_weights: str = "auto"
+    kv_cache: str = "bf16"  # the target's KV cache kind (runtime.kv_cache.KV_CACHES)
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -55,6 +57,8 @@ class LoadOptions:
         parse_device(self.device)
         check_weights(self.weights)
         check_weights(self.draft_weights)
+        if self.kv_cache not in KV_CACHES:
+            raise UserError(f"unknown --kv-cache {self.kv_cache!r}; choose one of {', '.join(KV_CACHES)}")
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,7 @@ class ResolvedPair:
     # When resolving began (perf_counter): the "loaded" line counts the whole wait from there
     # (a first run's pull, conversion and tokenizer), not only the reading of the weights.
     asked_at: float = field(default_factory=time.perf_counter, compare=False)
+    kv_cache: str = "bf16"  # LoadOptions.kv_cache, applied to the target when loaded
 
     def with_own_tokenizer(self) -> ResolvedPair:
         """The same pair with a tokenizer of its own (a tokenizer is not safe to share across threads)."""
@@ -82,6 +87,10 @@ class ResolvedPair:
         with collector_paused():
             target = build_model(self.target, self.device)
             draft = build_model(self.draft, self.device) if self.draft is not None else None
+        if self.kv_cache == "q8" and not target.fused:
+            raise UserError("--kv-cache q8 needs the quantized CPU kernels (a quantized target on a CPU with "
+                            f"AVX2, AVX-512 or NEON); this target runs {target.weights} weights")
+        target.kv_cache = self.kv_cache
         what = f"target {self.target.path.name} ({target.weights})"
         if draft is not None and self.draft is not None:
             what += f" and draft {self.draft.path.name} ({draft.weights})"
@@ -111,7 +120,7 @@ def resolve_pair(target: str | Path | None, draft: str | Path | None, options: L
     eos = set(t.eos_ids)
     if isinstance(getattr(tokenizer, "eos_token_id", None), int):
         eos.add(tokenizer.eos_token_id)
-    return ResolvedPair(t, d, options.device, tokenizer, tuple(sorted(eos)), asked_at)
+    return ResolvedPair(t, d, options.device, tokenizer, tuple(sorted(eos)), asked_at, options.kv_cache)
 
 
 def _ref(ref: str | Path | None) -> str | None:

@@ -36,7 +36,7 @@ _DIGEST = 32
 MAX_HEADER = 64 << 20  # a header is token ids and a few names; more means a corrupt length field
 
 _DTYPES = {str(d).removeprefix("torch."): d
-           for d in (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.uint8)}
+           for d in (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.int8)}
 
 
 class CorruptFile(Exception):

@@ -92,7 +92,7 @@ def head(step_plan: Any, norm: RMSNorm, weight: QWeight) -> Any:
 def fits(x: torch.Tensor, cache: KVCache) -> bool:
     """Whether a forward of rows `x` over `cache` can take the whole-step call (the kernels'
     clock, which times per-layer calls, turns it off)."""
-    return (not kernels.clocking() and x.dtype == torch.float32 and cache.k.dtype == torch.bfloat16
+    return (not kernels.clocking() and x.dtype == torch.float32 and cache.k.dtype in (torch.bfloat16, torch.int8)
             and cache.k.is_contiguous() and cache.v.is_contiguous() and cache.k.device.type == "cpu")
 
 
@@ -120,7 +120,7 @@ def run(step_plan: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
     args, kept = [], []
     for p in parts:
         layers = sorted(p.keep_q) if p.keep_q else []
-        queries = [torch.empty(heads, p.size, p.cache.k.shape[-1]) for _ in layers]
+        queries = [torch.empty(heads, p.size, p.cache.head_dim) for _ in layers]
         part = (p.cache.k, p.cache.v, p.size, p.cache.length, p.tree_mask, layers, queries)
         if window:
             part += p.window(p.cache.length + p.size, window)

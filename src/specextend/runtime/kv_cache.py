@@ -13,6 +13,13 @@ sequence order. `copy_slots_from` fills a cache with selected slots of another (
 working cache made of retrieved chunks of its store). `snapshot` copies the committed slots out
 and `load` puts such a copy back as the first slots of a fresh cache. A `PrefixKV` is the pair of
 snapshots one prompt's prefill leaves (target and draft): what the prefix cache stores.
+
+Kinds (`KV_CACHES`, `--kv-cache`): "bf16" holds each K/V row as head_dim bfloat16 values (or the
+activations' dtype without the CPU kernels); "q8" (the quantized CPU kernels only) holds it as
+head_dim int8 values then head_dim/32 bfloat16 scales (csrc/core/kv_q8.h), dtype int8 and last
+dimension head_dim + head_dim/16: about half the bytes a long context reads per step. The C++
+writes quantize and attention reads them back (`bf16_rows` is the same conversion in torch).
+Moving slots never looks inside a row, so every slot operation below serves both kinds.
 """
 
 from __future__ import annotations
@@ -23,9 +30,35 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..common.settings import KV_CACHES
+
+__all__ = ["KV_CACHES", "CacheFullError", "KVCache", "KVSnapshot", "PrefixKV"]
+
 
 class CacheFullError(RuntimeError):
     pass
+
+
+Q8_GROUP = 32  # values per bfloat16 scale in a q8 row
+
+
+def row_width(head_dim: int, dtype: torch.dtype) -> int:
+    """A cache row's last dimension: head_dim values, or a q8 row's bytes (int8: head_dim + head_dim/16)."""
+    return head_dim + head_dim // 16 if dtype == torch.int8 else head_dim
+
+
+def row_bytes(head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one K or V row of one head."""
+    return row_width(head_dim, dtype) * torch.empty(0, dtype=dtype).element_size()
+
+
+def bf16_rows(rows: torch.Tensor) -> torch.Tensor:
+    """q8 rows [..., head_dim + head_dim/16] (int8) as bfloat16 [..., head_dim]: each value times its
+    group's scale (exact in float32), rounded to bfloat16, as the attention kernels read them."""
+    d = rows.shape[-1] * 16 // 17
+    q = rows[..., :d].float().unflatten(-1, (d // Q8_GROUP, Q8_GROUP))
+    scales = rows[..., d:].contiguous().view(torch.bfloat16).float().unsqueeze(-1)
+    return (q * scales).flatten(-2).to(torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -102,6 +135,11 @@ class PrefixKV:
         return 0 if mask is None else int(mask.sum())
 
 
+def kind_of(dtype: torch.dtype) -> str:
+    """The `--kv-cache` kind of a cache dtype ("q8" for int8 rows, else "bf16")."""
+    return "q8" if dtype == torch.int8 else "bf16"
+
+
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     """Length of the common leading run of two token arrays (their prompts' KV agrees that far)."""
     m = min(len(a), len(b))
@@ -119,7 +157,10 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ) -> None:
-        shape = (n_layers, n_kv_heads, capacity, head_dim)
+        if dtype == torch.int8 and head_dim % Q8_GROUP:
+            raise ValueError(f"a q8 KV cache needs a head_dim that is a multiple of {Q8_GROUP}, not {head_dim}")
+        shape = (n_layers, n_kv_heads, capacity, row_width(head_dim, dtype))
+        self.head_dim = head_dim
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity
@@ -139,6 +180,8 @@ class KVCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the pending tokens' K/V of one layer; return views over committed + pending."""
+        if self.q8:
+            raise TypeError("a q8 KV cache is written by the CPU kernels' forward only")
         end = self.length + self.pending
         self.k[layer, :, self.length : end] = k
         self.v[layer, :, self.length : end] = v
@@ -215,8 +258,10 @@ class KVCache:
     def load(self, snap: KVSnapshot) -> None:
         """Make the snapshot's tokens this cache's whole committed content (slots [0, n))."""
         if snap.k.shape[:2] != self.k.shape[:2] or snap.k.shape[3] != self.k.shape[3] or snap.k.dtype != self.k.dtype:
+            theirs, ours = kind_of(snap.k.dtype), kind_of(self.k.dtype)
+            kinds = f" (KV kinds {theirs} and {ours})" if theirs != ours else ""
             raise ValueError(f"a snapshot of shape {tuple(snap.k.shape)} {snap.k.dtype} does not fit a cache of "
-                             f"{tuple(self.k.shape)} {self.k.dtype}")
+                             f"{tuple(self.k.shape)} {self.k.dtype}{kinds}")
         n = snap.length
         if n > self.capacity:
             raise CacheFullError(f"KV cache full: {n} > capacity {self.capacity}")
@@ -228,3 +273,13 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
+
+    @property
+    def q8(self) -> bool:
+        """Whether rows are q8 (int8 values and bfloat16 scales) rather than plain values."""
+        return self.k.dtype == torch.int8
+
+    def keys(self, layer: int, n: int) -> torch.Tensor:
+        """Layer `layer`'s keys of slots [0, n) as values [kv_heads, n, head_dim] (q8: as bfloat16)."""
+        k = self.k[layer, :, :n]
+        return bf16_rows(k) if self.q8 else k

@@ -19,7 +19,7 @@ from . import kernels
 from .attention import Backend, attend, capped_rowwise, window_mask
 from .config import ModelConfig
 from .experts import Experts, clamped_swiglu
-from .kv_cache import KVCache
+from .kv_cache import KVCache, bf16_rows
 from .quant import QWeight, qlinear
 
 
@@ -405,6 +405,8 @@ class Block(nn.Module):
             first, mask = p.window(end, self.window) if self.window else (0, p.tree_mask)
             k, v = k_layer[:, first:end], v_layer[:, first:end]
             if self.attn_softcap is not None:
+                if cache.q8:  # the capped path takes bfloat16 rows: the kernel's own conversion
+                    k, v = bf16_rows(k), bf16_rows(v)
                 scaled = q if self.attn_scale is None else q * (self.attn_scale * math.sqrt(self.head_dim))
                 a = capped_rowwise(scaled, k, v, mask, self.attn_softcap)
             else:  # the score scale in the kernel, as the whole-step call has it

@@ -78,6 +78,8 @@ class Transformer(nn.Module):
         # Forwards of at most this many rows of one sequence run every layer in one C++ call
         # (fused_step.py) on the quantized runtime; 0 drives every layer from Python.
         self.step_rows = fused_step.STEP_ROWS
+        # The KV cache's kind (kv_cache.KV_CACHES): "q8" (int8 rows, the fused runtime only) or "bf16".
+        self.kv_cache = "bf16"
         self._step_plan: Any = None
         self._step_head: tuple[QWeight, Any] | None = None  # the head the step computes, as it takes it
         # A head in place of lm_head (a draft's over a subset of the vocabulary), or None: lm_head.
@@ -96,6 +98,8 @@ class Transformer(nn.Module):
     def kv_dtype(self) -> torch.dtype:
         """The KV cache's dtype: bfloat16 for the row-wise attention kernel (half the bytes a long
         context reads per step, and bfloat16 dot products), else the activations' dtype."""
+        if self.kv_cache == "q8" and self.fused:
+            return torch.int8  # q8 rows (kv_cache.py)
         return torch.bfloat16 if self.rowwise_attention else self.dtype
 
     def new_cache(self, capacity: int, dtype: torch.dtype | None = None) -> KVCache:

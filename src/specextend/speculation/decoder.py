@@ -45,7 +45,7 @@ from ..common.plural import count
 from ..common.settings import Settings
 from ..runtime.attention import attention_probs
 from ..runtime.costmodel import CostModel, cached_curve
-from ..runtime.kv_cache import KVCache, PrefixKV
+from ..runtime.kv_cache import KVCache, PrefixKV, row_bytes
 from ..runtime.transformer import Transformer
 from ..sampling.logits_process import LogitsProcessor
 from . import draft_vocab
@@ -76,7 +76,7 @@ def kv_bytes(target: Transformer, draft: Transformer | None, prompt_tokens: int,
 
     def per_token(m: Transformer) -> int:
         c = m.cfg
-        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty(0, dtype=m.kv_dtype).element_size()
+        return 2 * c.num_layers * c.num_kv_heads * row_bytes(c.head_dim, m.kv_dtype)
 
     total = per_token(target) * (slots + prompt_tokens)
     if s.uses_draft and draft is not None:
@@ -545,6 +545,6 @@ def retrieval_scores(cache: KVCache, keep_q: dict | None, rows: list[int]) -> to
     n = cache.length
     total = None
     for layer, q in keep_q.items():
-        p = attention_probs(q[:, rows], cache.k[layer, :, :n])
+        p = attention_probs(q[:, rows], cache.keys(layer, n))
         total = p if total is None else total + p
     return (total / len(keep_q)).cpu()

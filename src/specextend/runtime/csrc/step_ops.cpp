@@ -13,6 +13,7 @@
 #endif
 
 #include "core/cpu.h"
+#include "core/kv_q8.h"
 #include "core/rope.h"
 #include "core/step.h"
 
@@ -145,11 +146,16 @@ std::shared_ptr<HeadPlan> step_head(const StepPlan& p, const py::tuple& w, const
   return h;
 }
 
-void check_cache(const spx::StepModel& md, const at::Tensor& c, int64_t capacity) {
-  TORCH_CHECK(c.scalar_type() == at::kBFloat16 && c.is_contiguous() && c.dim() == 4 &&
-                  c.size(0) == static_cast<int64_t>(md.layers.size()) && c.size(1) == md.kv_heads &&
-                  c.size(2) == capacity && c.size(3) == md.head_dim,
-              "forward_batch: caches must be contiguous bfloat16 [layers, kv_heads, capacity, head_dim]");
+// A cache of bfloat16 rows, or of q8 rows (int8 bytes, kv_q8.h): returns whether it is q8.
+bool check_cache(const spx::StepModel& md, const at::Tensor& c, int64_t capacity) {
+  const bool q8 = c.scalar_type() == at::kChar;
+  const int64_t width = q8 ? 2 * spx::q8_row_units(md.head_dim) : md.head_dim;
+  TORCH_CHECK((c.scalar_type() == at::kBFloat16 || (q8 && md.head_dim % spx::kQ8Group == 0)) && c.is_contiguous() &&
+                  c.dim() == 4 && c.size(0) == static_cast<int64_t>(md.layers.size()) && c.size(1) == md.kv_heads &&
+                  c.size(2) == capacity && c.size(3) == width,
+              "forward_batch: caches must be contiguous bfloat16 [layers, kv_heads, capacity, head_dim] "
+              "(or int8 q8 rows [..., head_dim + head_dim / 16])");
+  return q8;
 }
 
 // One sequence's part, checked, with what its pointers point into.
@@ -166,12 +172,13 @@ void sequence(const spx::StepModel& md, const py::tuple& part, SeqArgs& out) {
   auto k_cache = part[0].cast<at::Tensor>(), v_cache = part[1].cast<at::Tensor>();
   const int64_t t = part[2].cast<int64_t>(), start = part[3].cast<int64_t>();
   const int64_t capacity = k_cache.dim() == 4 ? k_cache.size(2) : -1;
-  check_cache(md, k_cache, capacity);
-  check_cache(md, v_cache, capacity);
+  const bool q8 = check_cache(md, k_cache, capacity);
+  TORCH_CHECK(check_cache(md, v_cache, capacity) == q8, "forward_batch: k and v caches of different kinds");
   TORCH_CHECK(t > 0 && start >= 0 && start + t <= capacity, "forward_batch: slots past the cache's capacity");
   spx::StepSeq& s = out.seq;
-  s = spx::StepSeq{t, reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
-                   reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::BFloat16>()), capacity, start, nullptr, t};
+  s = spx::StepSeq{t, static_cast<uint16_t*>(k_cache.data_ptr()), static_cast<uint16_t*>(v_cache.data_ptr()),
+                   capacity, start, nullptr, t};
+  s.q8 = q8;
   if (!part[4].is_none()) {
     out.mask = part[4].cast<at::Tensor>().to(at::kBool).contiguous();
     TORCH_CHECK(out.mask.dim() == 2 && out.mask.size(0) == t && out.mask.size(1) >= t && out.mask.size(1) <= start + t,

@@ -13,6 +13,7 @@
 #include "core/cpu.h"
 #include "core/qlinear.h"
 #include "core/family.h"
+#include "core/kv_q8.h"
 #include "core/rope.h"
 
 namespace {
@@ -246,18 +247,24 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const spx::Path path = checked_path(path_id);
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "attend: q [H,T,D], k and v [Hkv,S,D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat, "attend: q must be float32");
-  TORCH_CHECK(k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16, "attend: k and v must be bfloat16");
+  const bool q8 = k.scalar_type() == at::kChar;
+  TORCH_CHECK((k.scalar_type() == at::kBFloat16 || q8) && v.scalar_type() == k.scalar_type(),
+              "attend: k and v must be bfloat16 (or int8 q8 rows)");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(1) == v.size(2),
               "attend: k and v rows must be contiguous");
   const at::Tensor qc = q.contiguous();
   spx::Attention pb{};
+  pb.q8 = q8;
   pb.heads = qc.size(0);
   pb.t = qc.size(1);
   pb.d = qc.size(2);
   pb.kv_heads = k.size(0);
   pb.s = k.size(1);
   TORCH_CHECK(pb.kv_heads > 0 && pb.heads % pb.kv_heads == 0, "attend: query heads must be a multiple of K/V heads");
-  TORCH_CHECK(pb.d % 2 == 0 && pb.d > 0 && k.size(2) == pb.d && v.size(2) == pb.d && v.size(1) == pb.s &&
+  const int64_t width = q8 ? 2 * spx::q8_row_units(pb.d) : pb.d;  // a row in k's elements
+  TORCH_CHECK(!q8 || (pb.d % spx::kQ8Group == 0 && k.stride(0) % 2 == 0 && v.stride(0) % 2 == 0),
+              "attend: q8 rows need head_dim a multiple of 32");
+  TORCH_CHECK(pb.d % 2 == 0 && pb.d > 0 && k.size(2) == width && v.size(2) == width && v.size(1) == pb.s &&
                   v.size(0) == pb.kv_heads,
               "attend: shapes");
   at::Tensor mc;
@@ -272,10 +279,10 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     pb.mask = nullptr;
   }
   pb.q = qc.data_ptr<float>();
-  pb.k = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
-  pb.v = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
-  pb.k_head_stride = k.stride(0);
-  pb.v_head_stride = v.stride(0);
+  pb.k = static_cast<const uint16_t*>(k.data_ptr());
+  pb.v = static_cast<const uint16_t*>(v.data_ptr());
+  pb.k_head_stride = q8 ? k.stride(0) / 2 : k.stride(0);  // in 16-bit units
+  pb.v_head_stride = q8 ? v.stride(0) / 2 : v.stride(0);
   pb.scale = scale > 0 ? static_cast<float>(scale) : 1.f / std::sqrt(static_cast<float>(pb.d));
   at::Tensor sc;
   if (sinks.has_value() && sinks->defined()) {
@@ -301,11 +308,16 @@ at::Tensor rope_store(const at::Tensor& h, const at::Tensor& cos, const at::Tens
                       const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double eps,
                       at::Tensor& k_cache, at::Tensor& v_cache, int64_t start) {
   TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(), "rope_store: h [T, (H+2Hkv)D]");
-  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16 &&
+  const bool q8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK((k_cache.scalar_type() == at::kBFloat16 || q8) && v_cache.scalar_type() == k_cache.scalar_type() &&
                   k_cache.dim() == 3 && k_cache.stride(2) == 1 && k_cache.stride(1) == k_cache.size(2) &&
-                  v_cache.stride(2) == 1 && v_cache.stride(1) == v_cache.size(2),
-              "rope_store: bfloat16 caches [Hkv, capacity, D] with contiguous rows");
-  const int64_t t = h.size(0), kvh = k_cache.size(0), d = k_cache.size(2);
+                  v_cache.stride(2) == 1 && v_cache.stride(1) == v_cache.size(2) && v_cache.size(2) == k_cache.size(2),
+              "rope_store: bfloat16 (or int8 q8) caches [Hkv, capacity, D] with contiguous rows");
+  // A q8 row of D values is D + D/16 bytes (kv_q8.h).
+  const int64_t t = h.size(0), kvh = k_cache.size(0), d = q8 ? k_cache.size(2) * 16 / 17 : k_cache.size(2);
+  TORCH_CHECK(!q8 || (d % spx::kQ8Group == 0 && 2 * spx::q8_row_units(d) == k_cache.size(2) &&
+                      k_cache.stride(0) % 2 == 0 && v_cache.stride(0) % 2 == 0),
+              "rope_store: q8 rows of a head_dim that is a multiple of 32");
   TORCH_CHECK(h.size(1) == (heads + 2 * kvh) * d && d % 2 == 0, "rope_store: h width does not match the heads");
   TORCH_CHECK(d <= spx::kMaxHeadDim, "rope_store: head_dim above ", spx::kMaxHeadDim);
   TORCH_CHECK(start >= 0 && start + t <= k_cache.size(1) && start + t <= v_cache.size(1),
@@ -325,9 +337,9 @@ at::Tensor rope_store(const at::Tensor& h, const at::Tensor& cos, const at::Tens
   const spx::Rope op{h.data_ptr<float>(), cc.data_ptr<float>(), sc.data_ptr<float>(),
                      qn.defined() ? qn.data_ptr<float>() : nullptr, kn.defined() ? kn.data_ptr<float>() : nullptr,
                      static_cast<float>(eps), t, heads, kvh, d, start, q.data_ptr<float>(),
-                     reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
-                     reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::BFloat16>()), k_cache.stride(0),
-                     v_cache.stride(0), rot};
+                     static_cast<uint16_t*>(k_cache.data_ptr()), static_cast<uint16_t*>(v_cache.data_ptr()),
+                     q8 ? k_cache.stride(0) / 2 : k_cache.stride(0), q8 ? v_cache.stride(0) / 2 : v_cache.stride(0),
+                     rot, q8};
   at::parallel_for(0, t, 1, [&](int64_t b, int64_t e) { spx::rope_tokens(op, b, e); });
   return q;
 }

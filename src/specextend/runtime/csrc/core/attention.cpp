@@ -8,6 +8,7 @@
 
 #include "fastexp.h"
 #include "half.h"
+#include "kv_q8.h"
 
 namespace spx {
 
@@ -35,15 +36,37 @@ int64_t contiguous_len(const Attention& pb, const std::vector<int32_t>& extras) 
   return n;
 }
 
-// Keys [b0, b0 + n) of a token's visible list: a pointer into the cache when they lie in place,
-// else gathered into `scratch`.
-const uint16_t* block_rows(const uint16_t* base, int64_t prefix, int64_t contiguous, const std::vector<int32_t>& extras,
+// One K/V head's rows as the block kernels take them: bfloat16 rows read in place, or q8 rows
+// (kv_q8.h) turned into bfloat16 in a scratch buffer by the path's `dequant`.
+struct HeadRows {
+  const uint16_t* base;
+  int64_t d, row;  // row: one row's size in 16-bit units
+  bool q8;
+  void (*dequant)(const uint16_t*, int, int64_t, uint16_t*);
+
+  // Slots [first, first + n), contiguous.
+  const uint16_t* span(int64_t first, int n, uint16_t* scratch) const {
+    if (!q8) return base + first * d;
+    dequant(base + first * row, n, d, scratch);
+    return scratch;
+  }
+  void slot_into(int64_t slot, uint16_t* dst) const {
+    if (q8)
+      dequant(base + slot * row, 1, d, dst);
+    else
+      std::memcpy(dst, base + slot * d, d * sizeof(uint16_t));
+  }
+};
+
+// Keys [b0, b0 + n) of a token's visible list: in place when they lie in place (q8: converted into
+// `scratch`), else gathered into `scratch`.
+const uint16_t* block_rows(const HeadRows& src, int64_t prefix, int64_t contiguous, const std::vector<int32_t>& extras,
                            int64_t b0, int n, int64_t d, uint16_t* scratch) {
-  if (b0 + n <= contiguous) return base + b0 * d;
+  if (b0 + n <= contiguous) return src.span(b0, n, scratch);
   for (int i = 0; i < n; ++i) {
     const int64_t vis = b0 + i;
     const int64_t slot = vis < prefix ? vis : prefix + extras[vis - prefix];
-    std::memcpy(scratch + i * d, base + slot * d, d * sizeof(uint16_t));
+    src.slot_into(slot, scratch + i * d);
   }
   return scratch;
 }
@@ -67,6 +90,11 @@ BlockKernel kernel_for(Path path, int64_t d) {
     default: break;
   }
   return block_kernel_portable();
+}
+
+HeadRows head_rows(const Attention& pb, const BlockKernel& kn, bool keys, int64_t kvh) {
+  const uint16_t* base = keys ? pb.k + kvh * pb.k_head_stride : pb.v + kvh * pb.v_head_stride;
+  return HeadRows{base, pb.d, pb.row(), pb.q8, kn.dequant != nullptr ? kn.dequant : dequant_q8_portable};
 }
 
 // The per-token part of an item: its visible list and where it stops being shared.
@@ -185,11 +213,13 @@ namespace {
 void shared_blocks(const Attention& pb, const AttentionItem& it, const BlockKernel& kn, ItemRows& ir, int64_t b0,
                    int64_t b1, float* ws) {
   const int64_t d = pb.d;
-  const uint16_t* kbase = pb.k + it.kvh * pb.k_head_stride;
-  const uint16_t* vbase = pb.v + it.kvh * pb.v_head_stride;
+  const HeadRows ks = head_rows(pb, kn, true, it.kvh), vs = head_rows(pb, kn, false, it.kvh);
+  std::vector<uint16_t> scratch(pb.q8 ? 2 * kBlock * d : 0);
   for (int64_t b = b0; b < b1; ++b) {
     if (b > b0 && b % kBlocksPerChunk == 0) ir.fold(0, ir.nrows);
-    kn.block(kbase + b * kBlock * d, vbase + b * kBlock * d, kBlock, d, ir.rows.data(), ir.nrows, ws);
+    const uint16_t* kb = ks.span(b * kBlock, kBlock, scratch.data());
+    const uint16_t* vb = vs.span(b * kBlock, kBlock, scratch.data() + (pb.q8 ? kBlock * d : 0));
+    kn.block(kb, vb, kBlock, d, ir.rows.data(), ir.nrows, ws);
   }
 }
 
@@ -210,8 +240,7 @@ void finish_item(const Attention& pb, const AttentionItem& it, const BlockKernel
   const std::vector<float> ws = workspace_for(kn, d, ir.nrows, &wsp);
   const int64_t sb = std::max(from, shared / kBlock);
   shared_blocks(pb, it, kn, ir, from, sb, wsp);
-  const uint16_t* kbase = pb.k + it.kvh * pb.k_head_stride;
-  const uint16_t* vbase = pb.v + it.kvh * pb.v_head_stride;
+  const HeadRows ks = head_rows(pb, kn, true, it.kvh), vs = head_rows(pb, kn, false, it.kvh);
   std::vector<uint16_t> kscratch(kBlock * d), vscratch(kBlock * d);
   for (int i = 0; i < ntok; ++i) {
     const TokenKeys& tk = tokens[i];
@@ -219,8 +248,8 @@ void finish_item(const Attention& pb, const AttentionItem& it, const BlockKernel
     for (int64_t b0 = sb * kBlock; b0 < tk.total; b0 += kBlock) {
       if (b0 > from * kBlock && b0 % kChunk == 0) ir.fold(r0, n);
       const int nk = static_cast<int>(std::min<int64_t>(kBlock, tk.total - b0));
-      const uint16_t* kb = block_rows(kbase, prefix, tk.contiguous, tk.extras, b0, nk, d, kscratch.data());
-      const uint16_t* vb = block_rows(vbase, prefix, tk.contiguous, tk.extras, b0, nk, d, vscratch.data());
+      const uint16_t* kb = block_rows(ks, prefix, tk.contiguous, tk.extras, b0, nk, d, kscratch.data());
+      const uint16_t* vb = block_rows(vs, prefix, tk.contiguous, tk.extras, b0, nk, d, vscratch.data());
       kn.block(kb, vb, nk, d, ir.rows.data() + r0, n, wsp);
     }
     // The last chunk (a token whose keys all lie before `from` has none left: nothing to fold).
@@ -313,6 +342,8 @@ AttentionPlan plan_attention(const Attention& pb, int threads) {
   });
   return plan;
 }
+
+int64_t Attention::row() const { return q8 ? q8_row_units(d) : d; }
 
 int64_t item_cost(const Attention& pb, const AttentionItem& it) {
   const int64_t keys = it.split < 0 ? pb.s : (it.c1 - it.c0) * kChunk;

@@ -22,7 +22,9 @@
 // whose visible lists share that block (a tree's tokens share the prefix; a prefill chunk's
 // tokens share all but their tails).
 //
-// Layout: q [H, T, D] float32; k, v [Hkv, S, D] bfloat16 (views of the cache, rows contiguous);
+// Layout: q [H, T, D] float32; k, v [Hkv, S, D] bfloat16 (views of the cache, rows contiguous), or
+// q8 rows (kv_q8.h: `q8`; head strides then in 16-bit units), each block of which the driver turns
+// into bfloat16 first (the path's `dequant`, the same bits on every path);
 // mask [T, M] bool or none (causal over the T new tokens, M = T). Query head h uses K/V head
 // h / (H / Hkv). Output [H, T, D] float32.
 //
@@ -63,7 +65,9 @@ struct Attention {
   const bool* mask;  // [t, m] or null (causal)
   float scale;
   const float* sinks = nullptr;  // [heads] or null
+  bool q8 = false;               // k, v hold q8 rows (kv_q8.h), not bfloat16
   int64_t prefix() const { return s - m; }
+  int64_t row() const;  // one cache row's size in 16-bit units
 };
 
 // The query heads of K/V head kvh for tokens [t0, t1), all their keys (split < 0), or a piece of
@@ -128,6 +132,8 @@ struct BlockKernel {
   void (*block)(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* rows, int nrows, float* ws);
   void (*finish)(const RowState& st, int64_t d, float* out);
   size_t (*workspace)(int64_t d, int nrows);  // floats of `ws` the block kernel needs
+  // n q8 rows into bfloat16 rows with dequant_q8_portable's bits (kv_q8.h); null: that function.
+  void (*dequant)(const uint16_t* rows, int n, int64_t d, uint16_t* out) = nullptr;
 };
 
 BlockKernel block_kernel_portable();

@@ -12,6 +12,7 @@
 
 #include "attention.h"
 #include "cpu.h"
+#include "kv_q8.h"
 #include "target.h"
 
 SPX_BEGIN_AVX512BF16
@@ -219,11 +220,30 @@ void finish(const RowState& st, int64_t d, float* out) {
 
 size_t workspace(int64_t, int nrows) { return static_cast<size_t>(nrows) * kBlock; }
 
+// q8 rows into bfloat16 (kv_q8.h): q * scale is exact in float32 and never subnormal, so
+// VCVTNE2PS2BF16's rounding is float_to_bf16's.
+void dequant(const uint16_t* rows, int n, int64_t d, uint16_t* out) {
+  const int64_t stride = q8_row_units(d);
+  for (int r = 0; r < n; ++r) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(rows + r * stride);
+    const unsigned char* scales = reinterpret_cast<const unsigned char*>(q) + d;
+    for (int64_t g = 0; g < d / kQ8Group; ++g) {
+      uint16_t s;
+      std::memcpy(&s, scales + 2 * g, 2);
+      const __m512 sf = _mm512_set1_ps(bf16_to_float(s));
+      const __m128i* src = reinterpret_cast<const __m128i*>(q + g * kQ8Group);
+      const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src))), sf);
+      const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src + 1))), sf);
+      _mm512_storeu_si512(out + r * d + g * kQ8Group, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+}
+
 }  // namespace
 
 bool block_kernel_avx512(int64_t d, BlockKernel* out) {
   if (!cpu_has_avx512_bf16() || (d != 64 && d != 128)) return false;
-  *out = {block, finish, workspace};
+  *out = {block, finish, workspace, dequant};
   return true;
 }
 

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "half.h"
+#include "kv_q8.h"
 
 namespace spx {
 
@@ -39,9 +40,15 @@ void rope_tokens(const Rope& op, int64_t t0, int64_t t1) {
     for (int64_t hh = 0; hh < op.heads; ++hh) rotate(op, row + hh * d, op.q_norm, tok, op.q + (hh * op.t + tok) * d);
     for (int64_t hh = 0; hh < op.kv_heads; ++hh) {
       rotate(op, row + (op.heads + hh) * d, op.k_norm, tok, tmp);
-      uint16_t* kd = op.k + hh * op.k_head_stride + (op.start + tok) * d;
-      uint16_t* vd = op.v + hh * op.v_head_stride + (op.start + tok) * d;
+      const int64_t unit = op.q8 ? q8_row_units(d) : d;
+      uint16_t* kd = op.k + hh * op.k_head_stride + (op.start + tok) * unit;
+      uint16_t* vd = op.v + hh * op.v_head_stride + (op.start + tok) * unit;
       const float* v = row + (op.heads + op.kv_heads + hh) * d;
+      if (op.q8) {
+        quantize_q8_row(tmp, d, kd);
+        quantize_q8_row(v, d, vd);
+        continue;
+      }
       for (int64_t i = 0; i < d; ++i) {
         kd[i] = float_to_bf16(tmp[i]);
         vd[i] = float_to_bf16(v[i]);

@@ -25,6 +25,9 @@ struct Rope {
   // Partial rotary (Phi-4-mini): the leading `rot` dimensions of each head rotate (rotate-half
   // within them, cos/sin [T, rot]) and the rest pass; 0: all d of them.
   int64_t rot = 0;
+  // The cache holds q8 rows (kv_q8.h): keys and values are quantized as they are written (head
+  // strides in 16-bit units either way).
+  bool q8 = false;
 };
 
 constexpr int64_t kMaxHeadDim = 1024;

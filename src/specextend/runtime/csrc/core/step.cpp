@@ -11,6 +11,7 @@
 #endif
 
 #include "attention.h"
+#include "kv_q8.h"
 #include "family.h"
 #include "rope.h"
 #include "team_barrier.h"
@@ -140,6 +141,11 @@ void linear_phase(const Team& team, Path path, const StepLinear& w, const Rows& 
   team.sync();
 }
 
+// A sequence's cache row in 16-bit units: head_dim bfloat16 values, or a q8 row (kv_q8.h).
+int64_t seq_row_units(const StepModel& md, const StepSeq& r) {
+  return r.q8 ? q8_row_units(md.head_dim) : md.head_dim;
+}
+
 // What every layer does per sequence, set up before the parallel region: the sequence's first
 // row, its RoPE (cache pointers set per layer) and its attention problem and items.
 struct SeqPlan {
@@ -205,9 +211,11 @@ BatchPlan batch_plan(const StepModel& md, const StepBatch& bt, Buffers& b, int t
     sp.row0 = row0;
     std::fill(bp.seq_of_row.begin() + row0, bp.seq_of_row.begin() + row0 + r.t, s);
     const StepLayer& l0 = md.layers[0];
+    const int64_t unit = seq_row_units(md, r);
     sp.rope = Rope{b.w.qkv.data() + row0 * l0.qkv.n, bt.cos + row0 * d, bt.sin + row0 * d, nullptr, nullptr, md.eps,
                    r.t, md.heads, md.kv_heads, d, r.start, b.w.q.data() + row0 * hd, nullptr, nullptr,
-                   r.capacity * d, r.capacity * d};
+                   r.capacity * unit, r.capacity * unit};
+    sp.rope.q8 = r.q8;
     Attention& pb = sp.pb;
     pb.heads = md.heads;
     pb.kv_heads = md.kv_heads;
@@ -218,8 +226,9 @@ BatchPlan batch_plan(const StepModel& md, const StepBatch& bt, Buffers& b, int t
     pb.mask = r.mask;
     pb.q = b.w.q.data() + row0 * hd;
     pb.out = b.w.att.data() + row0 * hd;
-    pb.k_head_stride = r.capacity * d;
-    pb.v_head_stride = r.capacity * d;
+    pb.k_head_stride = r.capacity * unit;
+    pb.v_head_stride = r.capacity * unit;
+    pb.q8 = r.q8;
     pb.scale = md.attn_scale > 0.f ? md.attn_scale : 1.f / std::sqrt(static_cast<float>(d));
     sp.plan = plan_attention(pb, threads);
     for (size_t i = 0; i < sp.plan.items.size(); ++i)
@@ -269,7 +278,7 @@ void layer_phases(const Team& team, Path path, const StepModel& md, const StepLa
   for (int64_t row = 0; row < t; ++row) {
     const int64_t s = bp.seq_of_row[row];
     const StepSeq& r = bt.seqs[s];
-    const int64_t layer_stride = md.kv_heads * r.capacity * d, tok = row - bp.seqs[s].row0;
+    const int64_t layer_stride = md.kv_heads * r.capacity * seq_row_units(md, r), tok = row - bp.seqs[s].row0;
     Rope rope = bp.seqs[s].rope;
     // this layer's rope, this sequence's rows
     const int64_t table = (l.rope_kind * t + bp.seqs[s].row0) * md.rope_width();
@@ -303,7 +312,8 @@ void layer_phases(const Team& team, Path path, const StepModel& md, const StepLa
     const ItemRef& ref = list[i];
     const StepSeq& r = bt.seqs[ref.seq];
     const SeqPlan& sp = bp.seqs[ref.seq];
-    const int64_t layer_stride = md.kv_heads * r.capacity * d, first = win ? r.wfirst * d : 0;
+    const int64_t unit = seq_row_units(md, r);
+    const int64_t layer_stride = md.kv_heads * r.capacity * unit, first = win ? r.wfirst * unit : 0;
     Attention pb = win ? sp.pbw : sp.pb;
     pb.k = r.k + li * layer_stride + first;
     pb.v = r.v + li * layer_stride + first;

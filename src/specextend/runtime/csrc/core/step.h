@@ -104,6 +104,7 @@ struct StepSeq {
   // (attention.py's window_mask: what the tree or causal mask allows within each row's window).
   int64_t wfirst = 0;
   const bool* wmask = nullptr;
+  bool q8 = false;  // k, v hold q8 rows (kv_q8.h); sizes and strides in 16-bit units either way
 };
 
 // The final norm and the LM head (a draft's trimmed head, or the whole one).

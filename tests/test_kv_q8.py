@@ -1,0 +1,217 @@
+"""The q8 KV cache (`--kv-cache q8`): rows quantized as the C++ writes store them, attention over them
+with the same bits on every kernel path (and the bits of attention over their bfloat16 conversion),
+and the model-level contracts kept: greedy speculation equals `ar`, a token's logits do not depend
+on the other rows of its forward, and a prompt's KV survives a snapshot and a file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specextend.common.errors import UserError
+from specextend.common.settings import Settings
+from specextend.models.loader import load_model
+from specextend.models.resolve import LoadOptions
+from specextend.requests import kv_file
+from specextend.runtime import kernels
+from specextend.runtime.kv_cache import KVCache, PrefixKV, bf16_rows, row_width
+from specextend.runtime.layers import Rows
+from specextend.speculation.decoder import SpecEngine
+from test_kernel_paths import PATHS, PORTABLE, VECTOR, tree_mask
+from test_quantized_runtime import METHODS, PROMPT, SHAPE, SMALL, tree
+
+from conftest import make_tiny_hf
+from tiny_tokenizer import save_tiny_model
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")
+
+ext = kernels.load()
+
+
+def q8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [Hkv, S, D] float32 stored as q8 rows by the kernels' own write (rope_store, no rotation)."""
+    kv, s, d = x.shape
+    k = torch.zeros(kv, s, row_width(d, torch.int8), dtype=torch.int8)
+    v = torch.zeros_like(k)
+    h = torch.cat([torch.zeros(s, d), x.transpose(0, 1).reshape(s, kv * d), x.transpose(0, 1).reshape(s, kv * d)], 1)
+    ext.rope_store(h.contiguous(), torch.ones(s, d), torch.zeros(s, d), 1, None, None, 1e-6, k, v, 0)
+    assert torch.equal(k, v)
+    return k
+
+
+def reference_q8(x: torch.Tensor) -> torch.Tensor:
+    """The write's arithmetic in torch (csrc/core/kv_q8.h): per 32 values a bfloat16 scale max|x|/127,
+    values rounded half to even into [-127, 127], then the scales' bytes."""
+    g = x.unflatten(-1, (-1, 32))
+    scale = (g.abs().amax(-1, keepdim=True) / 127).bfloat16()
+    q = torch.where(scale.float() > 0, torch.round(g / scale.float()), 0).clamp(-127, 127).to(torch.int8)
+    return torch.cat([q.flatten(-2), scale.squeeze(-1).contiguous().view(torch.int8)], -1)
+
+
+def test_the_write_quantizes_per_32_values_and_reads_back_close() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 70, 128, generator=g) * torch.logspace(-3, 2, 128)  # groups of very different sizes
+    x[0, 3, :32] = 0.0  # an all-zero group: scale 0, values 0
+    rows = q8_rows(x)
+    assert rows.shape[-1] == 136 and torch.equal(rows, reference_q8(x))
+    back = bf16_rows(rows).float()
+    amax = x.unflatten(-1, (-1, 32)).abs().amax(-1, keepdim=True)
+    err = (back - x).unflatten(-1, (-1, 32)).abs()
+    assert bool((err <= amax / 127 * 0.51 + back.unflatten(-1, (-1, 32)).abs() / 256 + 1e-30).all())
+    assert torch.equal(back[0, 3, :32], torch.zeros(32))
+
+
+@pytest.mark.skipif(not VECTOR, reason="this CPU has only the portable path")
+@pytest.mark.parametrize("path", VECTOR)
+@pytest.mark.parametrize(("d", "heads", "kv", "t", "prefix"), [(128, 12, 2, 1, 100), (64, 12, 2, 9, 700),
+                                                               (32, 4, 1, 20, 45)])
+def test_attention_over_q8_rows_equals_the_portable_bits_and_their_bf16_conversion(path, d, heads, kv, t, prefix):
+    g = torch.Generator().manual_seed(d + t)
+    capacity = prefix + t + 7  # a view of a larger cache, as the model passes it
+    k = q8_rows(torch.randn(kv, capacity, d, generator=g) * 3)[:, : prefix + t]
+    v = q8_rows(torch.randn(kv, capacity, d, generator=g))[:, : prefix + t]
+    q = torch.randn(heads, t, d, generator=g) * 2
+    for mask in (None, tree_mask(t, seed=t)):
+        ours = ext.attend(q, k, v, mask, kernels.path_index(path))
+        assert torch.equal(ours, ext.attend(q, k, v, mask, PORTABLE))
+        assert torch.equal(ours, ext.attend(q, bf16_rows(k), bf16_rows(v), mask, PORTABLE))
+
+
+@pytest.mark.parametrize("path", PATHS[:1] + VECTOR[:1])
+def test_a_long_q8_cache_read_in_pieces_gives_every_thread_count_the_same_bits(path: str) -> None:
+    g = torch.Generator().manual_seed(5)
+    prefix, t, d = 2600, 5, 64
+    k = q8_rows(torch.randn(2, prefix + t, d, generator=g))
+    v = q8_rows(torch.randn(2, prefix + t, d, generator=g))
+    q = torch.randn(14, t, d, generator=g) * 2
+    mask = tree_mask(t, seed=3)
+    pid = kernels.path_index(path)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ext.attend(q, k, v, mask, pid)
+        torch.set_num_threads(2)
+        assert torch.equal(ext.attend(q, k, v, mask, pid), one)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, ext.attend(q, bf16_rows(k), bf16_rows(v), mask, pid))
+
+
+# ------------------------------------------------------------------ the model with a q8 cache
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    out = {}
+    for seed, layers in ((0, 2), (5, 1)):
+        d = tmp_path_factory.mktemp(f"kvq8{seed}")
+        make_tiny_hf("qwen2", seed, dtype=torch.float32, **dict(SHAPE, layers=layers)).save_pretrained(d)
+        out[seed] = d
+    return out
+
+
+def q8_model(folder, weights: str = "int4"):
+    m = load_model(folder, torch.float32, weights=weights)
+    m.kv_cache = "q8"
+    assert m.new_cache(8).q8
+    return m
+
+
+@pytest.mark.parametrize("name", ["sd", "specextend", "sd+chain"])
+def test_greedy_speculation_equals_ar_over_a_q8_cache(folders, name):
+    target = q8_model(folders[0])
+    draft = target if name == "sd+chain" else load_model(folders[5], torch.float32, weights="int4")
+    eng = SpecEngine(target, draft, eos_ids=[])
+    ar = eng.generate(PROMPT, Settings(method="ar", max_new_tokens=32))
+    r = eng.generate(PROMPT, Settings(max_new_tokens=32, **SMALL, **METHODS[name]))
+    assert r.token_ids == ar.token_ids
+
+
+def test_every_path_gives_the_same_logits_and_the_cache_is_not_bf16(folders, monkeypatch):
+    model = q8_model(folders[0])
+    ids = torch.tensor(PROMPT)
+    logits = {}
+    for path in kernels.cpu_paths():
+        monkeypatch.setenv(kernels.CPU_ENV, path)
+        logits[path] = model(ids, torch.arange(len(ids)), model.new_cache(len(ids)))
+    assert all(torch.equal(v, logits["portable"]) for v in logits.values())
+    model.kv_cache = "bf16"
+    assert not torch.equal(model(ids, torch.arange(len(ids)), model.new_cache(len(ids))), logits["portable"])
+
+
+def test_a_token_alone_inside_a_tree_and_inside_a_batch_gets_the_same_logits(folders):
+    model = q8_model(folders[0])
+    n = 9
+    mask, depth = tree(n)
+    tokens = torch.randint(0, 95, (n,), generator=torch.Generator().manual_seed(1))
+    prompt = torch.tensor(PROMPT)
+    cache = model.new_cache(len(PROMPT) + 2 * n)
+    model.prefill(prompt, cache)
+    p = cache.length
+    other = model.new_cache(40)
+    model.prefill(prompt[:30], other)
+    tree_logits, _ = model.forward_many([Rows(tokens, p + torch.tensor(depth), cache, mask),
+                                         Rows(tokens[:3], torch.arange(30, 33), other)])
+    cache.discard()
+    for i in (0, 4, 8):
+        path = [j for j in range(n) if mask[i, j]]  # ancestors then i, in order
+        alone = model.new_cache(len(PROMPT) + n)
+        model.prefill(prompt, alone)
+        if len(path) > 1:
+            model(tokens[path[:-1]], p + torch.arange(len(path) - 1), alone)
+            alone.commit()
+        assert torch.equal(model(tokens[i : i + 1], torch.tensor([p + depth[i]]), alone)[0], tree_logits[i]), i
+
+
+def test_a_q8_snapshot_and_kv_file_round_trip_and_a_bf16_cache_refuses_it(folders, tmp_path):
+    model = q8_model(folders[0])
+    prompt = torch.tensor(PROMPT)
+    cache = model.new_cache(len(PROMPT) + 4)
+    model.prefill(prompt[:-1], cache)
+    want = model(prompt[-1:], torch.tensor([len(PROMPT) - 1]), cache)
+    cache.discard()
+    snap = cache.snapshot()
+    path = tmp_path / "p.kv"
+    kv_file.write(path, PROMPT[:-1], PrefixKV(snap, None), "fp", "t", None)
+    _, back = kv_file.read(path)
+    assert back.target_kv.k.dtype == torch.int8 and torch.equal(back.target_kv.k, snap.k)
+    fresh = model.new_cache(len(PROMPT) + 4)
+    fresh.load(back.target_kv)
+    assert torch.equal(model(prompt[-1:], torch.tensor([len(PROMPT) - 1]), fresh), want)
+    c = model.cfg
+    plain = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, len(PROMPT), torch.bfloat16)
+    with pytest.raises(ValueError, match="KV kinds q8 and bf16"):
+        plain.load(snap)
+
+
+def test_a_bad_kind_or_a_model_without_the_kernels_is_one_clear_error(tmp_path):
+    with pytest.raises(UserError, match="unknown --kv-cache 'q4'"):
+        LoadOptions(kv_cache="q4")
+    from specextend import api
+
+    folder = save_tiny_model(tmp_path / "m", seed=5, layers=1, **{k: v for k, v in SHAPE.items() if k != "vocab"})
+    with pytest.raises(UserError, match="--kv-cache q8 needs the quantized CPU kernels"):
+        api.load(folder, load_draft=False, weights="float32", kv_cache="q8", progress=False)
+    pair = api.load(folder, load_draft=False, weights="int4", kv_cache="q8", progress=False)
+    assert pair.target.kv_dtype == torch.int8 and pair.generate("ab", max_new_tokens=4, method="ar").new_tokens == 4
+
+
+def test_the_long_decode_bench_times_both_kinds_over_one_prefill(tmp_path, monkeypatch, capsys):
+    from specextend.bench import long_decode, quality
+
+    folder = save_tiny_model(tmp_path / "m", seed=5, layers=1, **{k: v for k, v in SHAPE.items() if k != "vocab"})
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"text": "abc " * 40 + str(i)}) for i in range(3)) + "\n")
+    monkeypatch.setattr(long_decode, "read_bandwidth_gbs", lambda: 50.0)
+    args = ["--target", str(folder), "--weights", "int4", "--data", str(data), "--lengths", "16,48",
+            "--new-tokens", "3", "--repeats", "1"]
+    assert long_decode.main([*args, "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert set(res["decode_tokens_per_s"]) == {"bf16@16", "q8@16", "bf16@48", "q8@48"}
+    assert res["kv_bytes"]["q8@48"] / res["kv_bytes"]["bf16@48"] == 68 / 128  # head_dim 64: 68 bytes a row
+    with pytest.raises(SystemExit) as e:
+        long_decode.main([*args[:-6], "--kv-caches", "q4"])
+    assert e.value.code == 2
+    assert quality._load_options("gguf@kv-q8") == {"dtype": "float32", "weights": "gguf", "kv_cache": "q8"}
