@@ -1,4 +1,4 @@
-"""Mixture-of-experts speed side by side with llama.cpp on one GGUF file (issue 68's goals).
+"""Mixture-of-experts speed side by side with llama.cpp on one GGUF file (issue 68's goals; a dense file too).
 
     python -m specextend.bench.moe --target FILE [--prefill 512,2048] [--decode 32] [--rows 1,4,8]
                                    [--llama-bench PATH] [--json OUT]
@@ -14,7 +14,6 @@ in the same run and its peak memory, and the ratios.
 
 from __future__ import annotations
 
-import argparse
 import json
 import resource
 import subprocess
@@ -45,8 +44,10 @@ def active_bytes(path: Path) -> int:
     from ..models.gguf import open_gguf
 
     r = open_gguf(path)
-    count = int(r.fields[f"{_arch(r)}.expert_count"].contents())
-    used = int(r.fields[f"{_arch(r)}.expert_used_count"].contents())
+    arch = _arch(r)
+    keys = (f"{arch}.expert_count", f"{arch}.expert_used_count")
+    # A dense model (the verification costs' comparison) reads every weight a token.
+    count, used = (int(r.fields[k].contents()) for k in keys) if keys[0] in r.fields else (1, 1)
 
     class T:  # expert_share's view of a tensor
         def __init__(self, t: Any) -> None:
@@ -66,7 +67,7 @@ def ours(path: Path, prefill: list[int], decode: int, rows: list[int], repeats: 
     model = api.load(path, load_draft=False, progress=False).target
     res: dict[str, Any] = {"load_s": time.perf_counter() - t, "threads": torch.get_num_threads()}
     vocab = model.cfg.vocab_size
-    cache = model.new_cache(max(prefill + [528 + max(rows)]) + 64)
+    cache = model.new_cache(max([*prefill, 528 + max(rows)]) + 64)
     gen = torch.Generator().manual_seed(0)
     model.prefill(torch.randint(0, vocab, (64,), generator=gen), cache)  # warm-up
     for n in prefill:
