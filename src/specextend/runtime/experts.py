@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..common.errors import UserError
-from .config import ModelConfig
 from . import kernels
+from .config import ModelConfig
 from .quant import FORMATS, PANEL, QWeight, Segment, blob_bytes, pack_float, qlinear
 
 
