@@ -21,6 +21,13 @@ matrices whose sum is exactly them: `exact_bf16`); each used expert runs once ov
 chose it (the kernels quantize each row on its own); and a row's experts are summed in its own
 top-k rank order, never in the order the step grouped them. So a token's bits are the same alone,
 inside a verification tree and in a batch; a one-row step reads only its k experts' bytes.
+
+Where the experts are SiLU ones without biases (every family but gpt-oss), a layer's experts run in
+one C++ call (`kernels.experts_rows`, csrc/torch_ops.cpp): the same products over the same rows and
+the same rank-order sum, so the same bits as the call-per-product path, but all the experts' units
+in two parallel regions (gate/up, down) instead of two kernel calls an expert from Python. A one-row
+decode step's thread hand-overs and Python between them were the cost a bandwidth-bound step could
+not hide (docs/log/2026-12-moe-speed.md).
 """
 
 from __future__ import annotations
