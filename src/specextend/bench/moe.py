@@ -121,13 +121,13 @@ def llama(binary: Path, path: Path, threads: int, prefill: list[int], decode: in
 def main(argv: list[str] | None = None) -> int:
     ap = OneLineParser(prog="python -m specextend.bench.moe", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True, type=Path, help="a GGUF file of an expert model")
-    ap.add_argument("--prefill", default="512,2048")
-    ap.add_argument("--decode", type=int, default=32)
-    ap.add_argument("--rows", default="1,4,8")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prefill", default="512,2048", help="prompt lengths to prefill (default: 512,2048)")
+    ap.add_argument("--decode", type=int, default=32, help="one-row decode steps (default: 32)")
+    ap.add_argument("--rows", default="1,4,8", help="verification forwards' row counts (default: 1,4,8)")
+    ap.add_argument("--repeats", type=int, default=3, help="best of this many per row count (default: 3)")
     ap.add_argument("--llama-bench", type=Path, default=LLAMA_BENCH, help="llama.cpp's llama-bench ('' skips it)")
     ap.add_argument("--llama-repeats", type=int, default=2, help="llama-bench -r")
-    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     a = ap.parse_args(argv)
     prefill, rows = parse_counts(ap, "--prefill", a.prefill), parse_counts(ap, "--rows", a.rows)
     from ..runtime import kernels
