@@ -322,19 +322,26 @@ def test_every_kernel_path_gives_the_same_bits_and_rows_never_mix(converted, mon
 @needs_kernels
 def test_the_expert_layer_reads_only_each_rows_experts_and_its_rows_stand_alone(converted, monkeypatch):
     """One row runs its k experts (2 products each), the router and nothing else; R rows run each
-    expert they chose once; each row's output is the bits it gets alone."""
+    expert they chose once; each row's output is the bits it gets alone. The one-call experts
+    (`kernels.experts_rows`) give the per-product path's bits, in a batch and alone."""
     model = load_model(converted("mixtral", "Q8_0")[0], torch.float32, weights="gguf")
     moe, norm = model.layers[0].moe, model.layers[0].mlp_norm
     x = torch.randn(13, HIDDEN, generator=torch.Generator().manual_seed(3))
     chosen = moe.weighting(moe._router_rows(x, {"norm": norm.weight, "eps": norm.eps})[:, : moe.count], moe.used)[0]
+    assert moe._one_call
+    one_call = moe.forward_rows(x, norm.weight, norm.eps)
+    alone = [moe.forward_rows(x[i : i + 1], norm.weight, norm.eps)[0] for i in range(x.shape[0])]
+    monkeypatch.setattr(experts_mod.Experts, "_one_call", property(lambda self: False))
     calls = []
     real = experts_mod.qlinear
     monkeypatch.setattr(experts_mod, "qlinear", lambda *a, **kw: calls.append(a[1]) or real(*a, **kw))
     rows = moe.forward_rows(x, norm.weight, norm.eps)
     assert len(calls) == 1 + 2 * len(torch.unique(chosen))
+    assert torch.equal(one_call, rows)
     for i in range(x.shape[0]):
         calls.clear()
         assert torch.equal(moe.forward_rows(x[i : i + 1], norm.weight, norm.eps)[0], rows[i]), i
+        assert torch.equal(alone[i], rows[i]), i
         assert len(calls) == 1 + 2 * moe.used
         assert {id(w) for w in calls[1::2]} == {id(moe.q_gate_up[e]) for e in chosen[i].tolist()}
 

@@ -434,3 +434,19 @@ def test_the_estimate_follows_the_scheme_auto_picks(tmp_path: Path) -> None:
     for path in ("portable", None):
         slow = footprint(tmp_path / "f.gguf", "qwen2", [kept, expanded, norm], path)
         assert slow.loaded_bytes == (64 * 32 + 256 * 32 + 64) * 4 and slow.converted_bytes == fast.converted_bytes
+
+
+@pytest.mark.parametrize("preset", ["olmoe-1b-7b", "qwen3-30b-a3b"])
+def test_a_random_expert_file_of_each_preset_loads_with_its_experts(tmp_path, tokenizer_gguf, preset) -> None:
+    """The expert presets' layouts at a tiny size: the experts' width (Qwen3-MoE's moe_intermediate_size,
+    OLMoE's intermediate_size), their count and the q/k norms' widths are what the family reads."""
+    config = {**gguf_files.PRESETS[preset], "hidden_size": 256, "num_hidden_layers": 1, "num_experts": 4,
+              "num_experts_per_tok": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    config["head_dim"] = 64 if "head_dim" in config else None
+    config["moe_intermediate_size" if "moe_intermediate_size" in config else "intermediate_size"] = 32
+    src = gguf_files.write_random(tmp_path / "e.gguf", config, "Q8_0", tokenizer_gguf, progress=False)
+    model = load_model(registry.converted_gguf(src, progress=False), torch.float32, weights="gguf")
+    moe = model.layers[0].moe
+    assert (moe.count, moe.used, moe.ff) == (4, 2, 32)
+    logits = model(torch.tensor([1, 2, 3]), torch.arange(3), model.new_cache(8))
+    assert torch.isfinite(logits).all()

@@ -9,7 +9,7 @@ file is of lower quality than one quantized from the original weights: it tests 
 and speed, not text.
 
 `random` writes a random-weight GGUF of a Hugging Face config's shape (a preset: the default 1.5B,
-qwen2.5-7b, llama-3-8b, the mixture of experts olmoe-1b-7b; or a config.json) with the default
+qwen2.5-7b, llama-3-8b, the mixtures of experts olmoe-1b-7b and qwen3-30b-a3b; or a config.json) with the default
 pair's tokenizer copied from the default GGUF (its vocabulary sets the embedding's rows, so the
 default draft pairs with it), one tensor at a time (a 7B file never holds more than one matrix in
 memory). Types gguf-py quantizes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, F16, BF16) are quantized
@@ -56,9 +56,15 @@ PRESETS: dict[str, dict[str, Any]] = {
                     "num_attention_heads": 16, "num_key_value_heads": 16, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
                     "max_position_embeddings": 4096, "tie_word_embeddings": False, "num_experts": 64,
                     "num_experts_per_tok": 8},
+    # 128 experts of 768 a layer, 8 a token, per-head q/k norms, head_dim 128 (not hidden / heads).
+    "qwen3-30b-a3b": {"model_type": "qwen3moe", "hidden_size": 2048, "intermediate_size": 6144,
+                      "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+                      "num_key_value_heads": 4, "head_dim": 128, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+                      "max_position_embeddings": 40960, "tie_word_embeddings": False, "num_experts": 128,
+                      "num_experts_per_tok": 8},
 }
 # The model types a random file can take (the expert ones: each layer's experts stacked, llama.cpp's way).
-RANDOM_TYPES = ("llama", "qwen2", "olmoe")
+RANDOM_TYPES = ("llama", "qwen2", "olmoe", "qwen3moe")
 
 # Types written as random blocks: the byte offsets of each block's float16 scale (d) and, for the
 # types with one, its float16 min scale (dmin). Every other byte of a block is codes or small
@@ -135,7 +141,9 @@ def tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tuple
     kv = config.get("num_key_value_heads", heads)
     hd = config.get("head_dim") or h // heads
     qwen = config.get("model_type") == "qwen2"
-    experts = int(config.get("num_experts") or 0)  # OLMoE: each expert `intermediate_size` wide
+    experts = int(config.get("num_experts") or 0)
+    ef = expert_ff(config)
+    head_norm = config.get("model_type") == "qwen3moe"  # Qwen3's q/k norms: one head's width, not all heads'
 
     def more_bits(i: int) -> bool:  # llama.cpp's use_more_bits: the first and last eighth, every third between
         return i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
@@ -154,12 +162,12 @@ def tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tuple
         yield b + "attn_output.weight", (h, heads * hd), main
         yield b + "ffn_norm.weight", (h,), "F32"
         if experts:
-            yield b + "attn_q_norm.weight", (heads * hd,), "F32"
-            yield b + "attn_k_norm.weight", (kv * hd,), "F32"
+            yield b + "attn_q_norm.weight", (hd if head_norm else heads * hd,), "F32"
+            yield b + "attn_k_norm.weight", (hd if head_norm else kv * hd,), "F32"
             yield b + "ffn_gate_inp.weight", (experts, h), "F32"  # llama.cpp keeps routers in F32
-            yield b + "ffn_gate_exps.weight", (experts, f, h), main
-            yield b + "ffn_up_exps.weight", (experts, f, h), main
-            yield b + "ffn_down_exps.weight", (experts, h, f), more if more_bits(i) else main
+            yield b + "ffn_gate_exps.weight", (experts, ef, h), main
+            yield b + "ffn_up_exps.weight", (experts, ef, h), main
+            yield b + "ffn_down_exps.weight", (experts, h, ef), more if more_bits(i) else main
             continue
         yield b + "ffn_gate.weight", (f, h), main
         yield b + "ffn_up.weight", (f, h), main
@@ -167,6 +175,12 @@ def tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tuple
     yield "output_norm.weight", (h,), "F32"
     if not config.get("tie_word_embeddings", False):
         yield "output.weight", (vocab, h), more
+
+
+def expert_ff(config: dict[str, Any]) -> int:
+    """An expert's width: `moe_intermediate_size` where the config has one (Qwen3-MoE), else
+    `intermediate_size` (OLMoE)."""
+    return int(config.get("moe_intermediate_size") or config["intermediate_size"])
 
 
 def _block_scales(kind: str, rng: np.random.Generator) -> tuple[float, float]:
@@ -253,7 +267,7 @@ def _write_keys(w: Any, config: dict[str, Any]) -> None:
     if config.get("num_experts"):
         w.add_expert_count(int(config["num_experts"]))
         w.add_expert_used_count(int(config["num_experts_per_tok"]))
-        w.add_expert_feed_forward_length(int(config["intermediate_size"]))
+        w.add_expert_feed_forward_length(expert_ff(config))
 
 
 def write_random(out: Path, config: dict[str, Any], kind: str, tokenizer_from: Path, seed: int = 0,

@@ -60,6 +60,7 @@ TOOLS: dict[str, list[list[str]]] = {
     "specextend.bench.tool_goals": [[]],
     "specextend.bench.soak": [[]],
     "specextend.bench.gguf_files": [[], ["quantize"], ["random"]],
+    "specextend.bench.moe": [[]],
     "specextend.bench.llamacpp": [],
 }
 

@@ -21,6 +21,13 @@ matrices whose sum is exactly them: `exact_bf16`); each used expert runs once ov
 chose it (the kernels quantize each row on its own); and a row's experts are summed in its own
 top-k rank order, never in the order the step grouped them. So a token's bits are the same alone,
 inside a verification tree and in a batch; a one-row step reads only its k experts' bytes.
+
+Where the experts are SiLU ones without biases (every family but gpt-oss), a layer's experts run in
+one C++ call (`kernels.experts_rows`, csrc/torch_ops.cpp): the same products over the same rows and
+the same rank-order sum, so the same bits as the call-per-product path, but all the experts' units
+in two parallel regions (gate/up, down) instead of two kernel calls an expert from Python. A one-row
+decode step's thread hand-overs and Python between them were the cost a bandwidth-bound step could
+not hide (docs/log/2026-12-moe-speed.md).
 """
 
 from __future__ import annotations
@@ -34,8 +41,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..common.errors import UserError
+from . import kernels
 from .config import ModelConfig
-from .quant import PANEL, QWeight, Segment, blob_bytes, pack_float, qlinear
+from .quant import FORMATS, PANEL, QWeight, Segment, blob_bytes, pack_float, qlinear
 
 
 @dataclass(frozen=True)
@@ -140,6 +148,7 @@ class Experts(nn.Module):
         self.q_down: list[QWeight] = []
         self.q_gate_up_bias: list[torch.Tensor | None] = []
         self.q_down_bias: list[torch.Tensor | None] = []
+        self.q_stacked: tuple[Segment, Segment, Segment] | None = None
 
     @property
     def quantized(self) -> bool:
@@ -150,6 +159,7 @@ class Experts(nn.Module):
         """Compute with the stacked quantized experts from now on (each expert a view, nothing copied);
         the router (and the shared expert's gate) through the kernels, exactly (`exact_bf16`)."""
         gates, ups, downs = (expert_views(s, self.count) for s in (gate, up, down))
+        self.q_stacked = (gate, up, down)
         self.q_gate_up = [QWeight(self.hidden, [g, u]) for g, u in zip(gates, ups, strict=True)]
         self.q_down = [QWeight(self.ff, [d]) for d in downs]
 
@@ -201,6 +211,35 @@ class Experts(nn.Module):
         kw: dict[str, Any] = {} if norm is None else {"norm": norm, "eps": eps}
         logits = self._router_rows(x, kw)
         experts, weights = self.weighting(logits[:, : self.count], self.used)
+        if self._one_call:
+            out = self._experts_call(x, experts, weights, kw)
+        else:
+            out = self._experts_python(x, experts, weights, kw)
+        if self.shared:
+            gu = qlinear(x, self.shared_gate_up.qweight, **kw)
+            s = self._down(gu, self.shared_down.qweight, None)
+            out = out + torch.sigmoid(logits[:, self.count : self.count + 1]) * s
+        return out
+
+    @property
+    def _one_call(self) -> bool:
+        """Whether the experts run in one C++ call (`kernels.experts_rows`): SiLU experts without biases."""
+        return self.act.fused_silu and self.q_stacked is not None and self.gate_bias is None \
+            and self.down_bias is None
+
+    def _experts_call(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                      kw: dict[str, Any]) -> torch.Tensor:
+        """The routed experts' weighted sum in one call of the kernels: the bits of `_experts_python`
+        (the same products, per row quantization and rank-order sum), two parallel regions a layer."""
+        segs = self.q_stacked
+        args = (x, kw.get("norm"), float(kw.get("eps", 0.0)), experts, weights.float().contiguous(),
+                [s.blob for s in segs], [FORMATS[s.fmt] for s in segs], [s.offset for s in segs],
+                [s.groups for s in segs], self.count, self.ff, kernels.path_id())
+        return kernels.timed("linear", kernels.load().experts_rows, args)
+
+    def _experts_python(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                        kw: dict[str, Any]) -> torch.Tensor:
+        """The routed experts' weighted sum, a kernel call per product (biases, other activations)."""
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (row, rank) slots grouped by expert
         counts = torch.bincount(flat, minlength=self.count).tolist()
@@ -213,12 +252,7 @@ class Experts(nn.Module):
                 start += c
         slots = torch.empty_like(order)
         slots[order] = torch.arange(order.shape[0])
-        out = self._weighted(ys[slots].view(x.shape[0], self.used, self.hidden), weights)
-        if self.shared:
-            gu = qlinear(x, self.shared_gate_up.qweight, **kw)
-            s = self._down(gu, self.shared_down.qweight, None)
-            out = out + torch.sigmoid(logits[:, self.count : self.count + 1]) * s
-        return out
+        return self._weighted(ys[slots].view(x.shape[0], self.used, self.hidden), weights)
 
     def _router_rows(self, x: torch.Tensor, kw: dict[str, Any]) -> torch.Tensor:
         """Router logits [rows, experts (+ the shared expert's gate)] in float32: the three bfloat16

@@ -400,6 +400,151 @@ at::Tensor gelu_mul(const at::Tensor& gu) {
   return out;
 }
 
+// A mixture of experts' products for rows x [m, hidden] routed to `experts` [m, used] under
+// `weights` [m, used] (experts.py, Experts.forward_rows): each used expert's gate/up product over
+// the rows that chose it (rmsnorm(x) with weight `norm` quantized per row), silu(gate) * up
+// quantized per row into its down product, and each row's outputs summed in its own rank order,
+// w0 * y0 + w1 * y1 + ... (one product and one sum at a time, float32: PyTorch's elementwise bits).
+// The experts' products run in two parallel regions, all experts' units from one counter: a
+// one-row step makes one call a layer, not two products an expert from Python. Expert e of a
+// stacked [count * n, k] blob is its panels' byte range (the kernels' layout is panel-major).
+struct Product {
+  std::vector<spx::Segment> segs;
+  std::vector<int64_t> first_panel{0};
+  QuantizedRows a;
+  spx::Linear lin{};
+  spx::LinearWork work{};
+};
+
+void run_products(spx::Path path, std::vector<Product>& ps) {
+  const int threads = at::get_num_threads();
+  std::vector<int64_t> base{0};
+  for (Product& p : ps) {
+    p.work = spx::plan_linear(p.lin, p.first_panel.back(), threads);
+    base.push_back(base.back() + p.work.units());
+  }
+  std::atomic<int64_t> next{0};
+  constexpr int64_t kScratch = spx::kRowBlock * spx::kPanel, kPage = 1024;
+  std::vector<float> scratch(static_cast<size_t>(threads) * (kScratch + kPage) + kPage);
+  float* first = scratch.data() + ((kPage - (reinterpret_cast<uintptr_t>(scratch.data()) / 4) % kPage) % kPage);
+  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t) {
+    float* acc = first + (b % threads) * (kScratch + kPage) + 16 * (b % threads);
+    size_t i = 0;
+    for (int64_t u; (u = next.fetch_add(1)) < base.back();) {
+      while (u >= base[i + 1]) ++i;  // units come in increasing order: each thread walks forward
+      spx::linear_unit(path, ps[i].lin, ps[i].work, u - base[i], acc);
+    }
+  });
+}
+
+spx::Segment expert_segment(const at::Tensor& blob, int64_t fmt, int64_t n, int64_t k, int64_t offset, int64_t sbg,
+                            int64_t count, int64_t e, const char* what) {
+  spx::FormatInfo fi{};
+  TORCH_CHECK(spx::format_info(fmt, sbg, &fi) && k % fi.superblock == 0, "experts: bad format of ", what);
+  spx::Segment s{blob.data_ptr<uint8_t>(), fmt, n, k, offset, sbg};
+  TORCH_CHECK(n % spx::kPanel == 0 && blob.scalar_type() == at::kByte && blob.is_contiguous() &&
+                  blob.numel() == count * s.panels() * s.panel_bytes(),
+              "experts: ", what, " must be a contiguous uint8 blob of ", count, " experts of ", n, " x ", k);
+  s.blob += e * s.panels() * s.panel_bytes();
+  return s;
+}
+
+// One product a used expert, y = pre(x rows) . W_e^T into rows [start, start + c) of y.
+void add_product(std::vector<Product>& ps, spx::Path path, const at::Tensor& xe, int64_t k, const spx::PreOp& op,
+                 std::vector<spx::Segment> segs, float* y, int64_t ldy) {
+  Product p;
+  bool k256 = false;
+  for (const spx::Segment& s : segs) {
+    p.first_panel.push_back(p.first_panel.back() + s.panels());
+    k256 = k256 || spx::k256_segment(s.fmt, s.sbg);
+  }
+  p.segs = std::move(segs);
+  p.a = quantize(path, xe, k, op, false, k256);
+  ps.push_back(std::move(p));
+  Product& q = ps.back();
+  q.lin = spx::Linear{q.segs.data(), q.first_panel.data(), static_cast<int64_t>(q.segs.size()), q.a.rows(),
+                      xe.size(0), y, ldy, nullptr, nullptr};
+}
+
+at::Tensor experts_rows(const at::Tensor& x, const c10::optional<at::Tensor>& norm, double eps,
+                        const at::Tensor& experts, const at::Tensor& weights, const std::vector<at::Tensor>& blobs,
+                        const std::vector<int64_t>& fmts, const std::vector<int64_t>& offsets,
+                        const std::vector<int64_t>& sbgs, int64_t count, int64_t ff, int64_t path_id) {
+  const spx::Path path = checked_path(path_id);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "experts: x must be float32 [m, hidden]");
+  const at::Tensor xc = x.contiguous();
+  const int64_t m = xc.size(0), hidden = xc.size(1);
+  TORCH_CHECK(experts.dim() == 2 && experts.size(0) == m && experts.scalar_type() == at::kLong &&
+                  weights.sizes() == experts.sizes() && weights.scalar_type() == at::kFloat,
+              "experts: experts int64 and weights float32, both [m, used]");
+  TORCH_CHECK(blobs.size() == 3 && fmts.size() == 3 && offsets.size() == 3 && sbgs.size() == 3,
+              "experts: the gate, up and down blobs");
+  const at::Tensor ec = experts.contiguous(), wc = weights.contiguous();
+  const int64_t used = ec.size(1), slots = m * used;
+  const int64_t* ep = ec.data_ptr<int64_t>();
+  std::vector<int64_t> start(count + 1, 0), order(slots);  // the slots (row, rank) grouped by expert, stable
+  for (int64_t i = 0; i < slots; ++i) {
+    TORCH_CHECK(ep[i] >= 0 && ep[i] < count, "experts: an expert index out of range");
+    ++start[ep[i] + 1];
+  }
+  for (int64_t e = 0; e < count; ++e) start[e + 1] += start[e];
+  std::vector<int64_t> fill(start.begin(), start.end() - 1), where(slots);
+  for (int64_t i = 0; i < slots; ++i) order[fill[ep[i]]++] = i;
+  for (int64_t s = 0; s < slots; ++s) where[order[s]] = s;
+  spx::PreOp pre;
+  at::Tensor norm_keep;
+  pre.norm = optional_float(norm, norm_keep, hidden, "norm");
+  pre.eps = static_cast<float>(eps);
+  at::Tensor gu = at::empty({slots, 2 * ff}, xc.options()), ys = at::empty({slots, hidden}, xc.options());
+  std::vector<Product> ps;
+  ps.reserve(count);
+  for (int64_t e = 0; e < count; ++e) {
+    const int64_t c = start[e + 1] - start[e];
+    if (c == 0) continue;
+    at::Tensor xe = xc;
+    if (m > 1) {
+      at::Tensor ids = at::empty({c}, ec.options());
+      for (int64_t j = 0; j < c; ++j) ids.data_ptr<int64_t>()[j] = order[start[e] + j] / used;
+      xe = xc.index_select(0, ids);
+    }
+    add_product(ps, path, xe, hidden, pre,
+                {expert_segment(blobs[0], fmts[0], ff, hidden, offsets[0], sbgs[0], count, e, "gate"),
+                 expert_segment(blobs[1], fmts[1], ff, hidden, offsets[1], sbgs[1], count, e, "up")},
+                gu.data_ptr<float>() + start[e] * 2 * ff, 2 * ff);
+  }
+  run_products(path, ps);
+  std::vector<Product> downs;
+  downs.reserve(count);
+  spx::PreOp act;
+  act.silu_mul = true;
+  for (int64_t e = 0; e < count; ++e) {
+    const int64_t c = start[e + 1] - start[e];
+    if (c == 0) continue;
+    add_product(downs, path, gu.narrow(0, start[e], c), ff, act,
+                {expert_segment(blobs[2], fmts[2], hidden, ff, offsets[2], sbgs[2], count, e, "down")},
+                ys.data_ptr<float>() + start[e] * hidden, hidden);
+  }
+  run_products(path, downs);
+  at::Tensor out = at::empty({m, hidden}, xc.options());
+  const float* yp = ys.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  at::parallel_for(0, m, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      float* o = out.data_ptr<float>() + r * hidden;
+      for (int64_t j = 0; j < used; ++j) {
+        const float w = wp[r * used + j];
+        const float* y = yp + where[r * used + j] * hidden;
+        if (j == 0) {
+          for (int64_t i = 0; i < hidden; ++i) o[i] = y[i] * w;
+        } else {
+          for (int64_t i = 0; i < hidden; ++i) o[i] = o[i] + y[i] * w;
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 void bind_step(py::module& m);  // step_ops.cpp
@@ -408,6 +553,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear, "quantized linear over weight segments", py::arg("x"), py::arg("blobs"), py::arg("fmts"),
         py::arg("ns"), py::arg("offsets"), py::arg("sbgs"), py::arg("bias"), py::arg("norm"), py::arg("eps"),
         py::arg("silu_mul"), py::arg("residual"), py::arg("path"), py::arg("out") = py::none());
+  m.def("experts_rows", &experts_rows, "a mixture of experts' products and weighted sum (experts.py)");
   m.def("dequantize", &dequantize, "dequantize rows of a weight blob", py::arg("blob"), py::arg("fmt"), py::arg("n"),
         py::arg("k"), py::arg("offset"), py::arg("sbg"), py::arg("row_ids"), py::arg("out") = py::none());
   m.def("quantize_activations", &quantize_activations, "int8 activations, one scale per 32");
