@@ -218,25 +218,18 @@ inline __m256i bf16_bits(__m256 f) {
 
 // q8 rows into bfloat16 (kv_q8.h): q * scale exact in float32, then float_to_bf16's rounding.
 void dequant(const uint16_t* rows, int n, int64_t d, uint16_t* out) {
-  const int64_t stride = q8_row_units(d);
-  for (int r = 0; r < n; ++r) {
-    const int8_t* q = reinterpret_cast<const int8_t*>(rows + r * stride);
-    const unsigned char* scales = reinterpret_cast<const unsigned char*>(q) + d;
-    for (int64_t g = 0; g < d / kQ8Group; ++g) {
-      uint16_t s;
-      std::memcpy(&s, scales + 2 * g, 2);
-      const __m256 sf = _mm256_set1_ps(bf16_to_float(s));
-      for (int h = 0; h < 2; ++h) {  // 16 values: two registers of 8, packed in order
-        const int8_t* src = q + g * kQ8Group + 16 * h;
-        const __m256i lo = bf16_bits(_mm256_mul_ps(
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)))), sf));
-        const __m256i hi = bf16_bits(_mm256_mul_ps(
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8)))), sf));
-        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * d + g * kQ8Group + 16 * h), packed);
-      }
+  for_each_q8_group(rows, n, d, out, [](const int8_t* q, float scale, uint16_t* o) {
+    const __m256 sf = _mm256_set1_ps(scale);
+    for (int h = 0; h < 2; ++h) {  // 16 values: two registers of 8, packed in order
+      const int8_t* src = q + 16 * h;
+      const __m256i lo = bf16_bits(_mm256_mul_ps(
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)))), sf));
+      const __m256i hi = bf16_bits(_mm256_mul_ps(
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8)))), sf));
+      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * h), packed);
     }
-  }
+  });
 }
 
 }  // namespace

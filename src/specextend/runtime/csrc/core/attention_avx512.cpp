@@ -223,20 +223,13 @@ size_t workspace(int64_t, int nrows) { return static_cast<size_t>(nrows) * kBloc
 // q8 rows into bfloat16 (kv_q8.h): q * scale is exact in float32 and never subnormal, so
 // VCVTNE2PS2BF16's rounding is float_to_bf16's.
 void dequant(const uint16_t* rows, int n, int64_t d, uint16_t* out) {
-  const int64_t stride = q8_row_units(d);
-  for (int r = 0; r < n; ++r) {
-    const int8_t* q = reinterpret_cast<const int8_t*>(rows + r * stride);
-    const unsigned char* scales = reinterpret_cast<const unsigned char*>(q) + d;
-    for (int64_t g = 0; g < d / kQ8Group; ++g) {
-      uint16_t s;
-      std::memcpy(&s, scales + 2 * g, 2);
-      const __m512 sf = _mm512_set1_ps(bf16_to_float(s));
-      const __m128i* src = reinterpret_cast<const __m128i*>(q + g * kQ8Group);
-      const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src))), sf);
-      const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src + 1))), sf);
-      _mm512_storeu_si512(out + r * d + g * kQ8Group, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-    }
-  }
+  for_each_q8_group(rows, n, d, out, [](const int8_t* q, float scale, uint16_t* o) {
+    const __m512 sf = _mm512_set1_ps(scale);
+    const __m128i* src = reinterpret_cast<const __m128i*>(q);
+    const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src))), sf);
+    const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src + 1))), sf);
+    _mm512_storeu_si512(o, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  });
 }
 
 }  // namespace

@@ -43,8 +43,11 @@ inline void quantize_q8_row(const float* x, int64_t d, uint16_t* dst) {
   }
 }
 
-// n q8 rows (stride q8_row_units(d)) into n bfloat16 rows of d: the reference conversion.
-inline void dequant_q8_portable(const uint16_t* rows, int n, int64_t d, uint16_t* out) {
+// Calls group(q, scale, out) for each 32-value group of n q8 rows (stride q8_row_units(d)), `out`
+// its place in n bfloat16 rows of d: the walk every path's conversion shares, the path converting a group.
+// Always inlined, so a path's conversion (compiled for its ISA) is inlined into its own loop.
+template <class Group>
+__attribute__((always_inline)) inline void for_each_q8_group(const uint16_t* rows, int n, int64_t d, uint16_t* out, Group group) {
   const int64_t stride = q8_row_units(d);
   for (int r = 0; r < n; ++r) {
     const int8_t* q = reinterpret_cast<const int8_t*>(rows + r * stride);
@@ -52,11 +55,16 @@ inline void dequant_q8_portable(const uint16_t* rows, int n, int64_t d, uint16_t
     for (int64_t g = 0; g < d / kQ8Group; ++g) {
       uint16_t s;
       std::memcpy(&s, scales + 2 * g, 2);
-      const float sf = bf16_to_float(s);
-      for (int64_t i = g * kQ8Group; i < (g + 1) * kQ8Group; ++i)
-        out[r * d + i] = float_to_bf16(static_cast<float>(q[i]) * sf);
+      group(q + g * kQ8Group, bf16_to_float(s), out + r * d + g * kQ8Group);
     }
   }
+}
+
+// n q8 rows into n bfloat16 rows of d: the reference conversion.
+inline void dequant_q8_portable(const uint16_t* rows, int n, int64_t d, uint16_t* out) {
+  for_each_q8_group(rows, n, d, out, [](const int8_t* q, float sf, uint16_t* o) {
+    for (int64_t i = 0; i < kQ8Group; ++i) o[i] = float_to_bf16(static_cast<float>(q[i]) * sf);
+  });
 }
 
 }  // namespace spx
