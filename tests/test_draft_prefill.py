@@ -17,6 +17,7 @@ from specextend.models.loader import load_model
 from specextend.speculation.decoder import SpecEngine
 from specextend.speculation.draft_policy import make_policy
 from specextend.speculation.draft_prefill import DraftPrompt
+from specextend.speculation.sizing import tokens_left_to_repay
 from test_sizing import Flipped, synthetic_costs
 
 from conftest import generate
@@ -68,6 +69,30 @@ def test_a_chunk_chosen_later_is_computed_once_at_its_positions(tiny_dir):
     assert all(int((torch.cat(prompt.passes) == p).sum()) <= 1 for p in range(n))
 
 
+def test_the_draft_starts_once_the_answer_has_run_long_enough_to_repay_it(tiny_dir):
+    """The default horizon ("produced") counts on an answer as long again as it has run: where
+    counting to the budget starts the draft at the first decision, it starts later, once the
+    answer has run; a three-token answer starts it under neither. The output is `ar`'s either way."""
+    eng, _ = _gated_engine(tiny_dir)
+    eng.costs = synthetic_costs(draft_ms=1.0)  # a cheap draft: it repays a start within the answer
+    prompt = _ids(300, seed=4)
+    s = dict(method="specextend", chunk_size=4, top_k_chunks=8)
+    ar = generate(eng, prompt, Settings(method="ar", max_new_tokens=60))
+    started = {}
+    for horizon in ("budget", "produced"):
+        for max_new in (3, 60):
+            r = generate(eng, prompt, Settings(max_new_tokens=max_new, draft_horizon=horizon, **s))
+            assert r.token_ids == ar.token_ids[:max_new]
+            started[horizon, max_new] = r.extra["draft_started_at"]
+    assert started["produced", 3] == -1
+    assert started["budget", 60] == 1 < started["produced", 60], started
+
+
+def test_the_tokens_a_start_counts_on():
+    assert [tokens_left_to_repay(p, 256 - p, "produced") for p in (0, 1, 50, 128, 200, 255)] == [0, 1, 50, 128, 56, 1]
+    assert [tokens_left_to_repay(p, 256 - p, "budget") for p in (0, 1, 50, 255)] == [256, 255, 206, 1]
+
+
 def _gated_engine(tiny_dir):
     target = load_model(tiny_dir("qwen2", 0), torch.float64)
     draft = Flipped(load_model(tiny_dir("qwen2", 0), torch.float64))  # the target itself: it always agrees
@@ -93,7 +118,7 @@ def test_a_short_answer_never_starts_the_draft_and_a_long_one_does(tiny_dir):
         assert r.prefill_s == r.total_s - r.decode_s
     ar = generate(eng, prompt, Settings(method="ar", max_new_tokens=120))
     draft.calls = 0
-    r = generate(eng, prompt, Settings(max_new_tokens=120, **s))
+    r = generate(eng, prompt, Settings(max_new_tokens=120, draft_horizon="budget", **s))
     assert r.token_ids == ar.token_ids
     assert draft.calls > 0 and r.extra["draft_started_at"] >= 0 and r.extra["draft_prefill_s"] > 0.0
     # The draft computed the chunks it reads, not the whole prompt.

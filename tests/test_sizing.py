@@ -106,7 +106,9 @@ def test_drafting_resumes_when_acceptance_returns(tiny_dir, monkeypatch):
     ar = eng.generate(PROMPT, Settings(method="ar", max_new_tokens=200))
     flip = 48
     calls = per_step_draft_calls(eng, draft, flip_at=flip)
-    r = eng.generate(PROMPT, Settings(method="specextend", lookup=False, draft_cache="full", max_new_tokens=200))
+    # The start counted to the budget: the draft starts at once, so what follows is about resuming.
+    r = eng.generate(PROMPT, Settings(method="specextend", lookup=False, draft_cache="full", max_new_tokens=200,
+                                      draft_horizon="budget"))
     assert r.token_ids == ar.token_ids
     before, after = r.accept_lengths[:flip], r.accept_lengths[flip:]
     assert sum(before) == 0

@@ -18,6 +18,7 @@ from typing import Any
 from .common.settings import (
     ATTENTIONS,
     DRAFT_CACHES,
+    DRAFT_HORIZONS,
     DRAFT_PREFILLS,
     KV_CACHES,
     METHODS,
@@ -155,6 +156,9 @@ def add_tuning_arguments(p: argparse.ArgumentParser) -> None:
     sizing.add_argument("--draft-gate", action=argparse.BooleanOptionalAction, default=None,
                         help="with the cost model, start the draft only once it is expected to repay the prompt "
                              f"KV it must compute (default: {_default('draft_gate')})")
+    _opt(sizing, "--draft-horizon", str, "the answer's remaining length the start decision counts on: produced "
+         "(as long again as it has run, capped by --max-new-tokens) or budget (to --max-new-tokens)",
+         choices=DRAFT_HORIZONS, metavar="|".join(DRAFT_HORIZONS))
     _opt(sizing, "--lookup-ngram", int, "longest suffix matched against the context")
     _opt(sizing, "--lookup-branches", int, "distinct continuations proposed per step")
     _opt(sizing, "--lookup-length", int, "tokens per continuation")

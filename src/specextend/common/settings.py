@@ -27,6 +27,7 @@ KV_CACHES = ("bf16", "q8")
 TREES = ("chain", "dynamic")
 POSITION_MODES = ("compact", "original")
 DRAFT_PREFILLS = ("selected", "full")
+DRAFT_HORIZONS = ("produced", "budget")
 RETRIEVAL_QUERIES = ("last", "path")
 
 # What each preset means (the contract): sd = standard tree speculative decoding; specextend =
@@ -76,6 +77,12 @@ class Settings:
     # KV it reads over the tokens still to generate (sizing.Sizer.draft_pays); until then, and
     # for a request where it never pays, the proposer runs lookup alone.
     draft_gate: bool = True
+    # The answer's remaining length the start decision counts on (sizing.tokens_left_to_repay): "produced"
+    # assumes it runs as long again as it has so far (capped by max_new_tokens), so the draft starts once
+    # what it would have gained so far covers its start (the ski-rental rule: however the answer ends,
+    # it pays at most about twice what the best choice in hindsight would have); "budget" counts to
+    # max_new_tokens, as if every answer ran to its cap.
+    draft_horizon: str = "produced"
     sink_tokens: int = 4  # streaming: attention sinks at the start
     # Draft tree.
     tree: str = "dynamic"
@@ -125,6 +132,8 @@ class Settings:
     def _check(self) -> None:
         if self.draft_prefill not in DRAFT_PREFILLS:
             raise UserError(f"unknown draft prefill {self.draft_prefill!r}; choose one of {', '.join(DRAFT_PREFILLS)}")
+        if self.draft_horizon not in DRAFT_HORIZONS:
+            raise UserError(f"unknown draft horizon {self.draft_horizon!r}; choose one of {', '.join(DRAFT_HORIZONS)}")
         for name in ("cost_model", "lookup", "draft_gate"):
             if not isinstance(getattr(self, name), bool):
                 raise UserError(f"--{name.replace('_', '-')} must be true or false, got {getattr(self, name)!r}")

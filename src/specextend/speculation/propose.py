@@ -44,7 +44,7 @@ from ..runtime.costmodel import CostModel
 from ..sampling.logits_process import LogitsProcessor
 from .draft_policy import DraftPolicy
 from .prompt_lookup import ContextIndex
-from .sizing import RESYNC_TOKENS, Sizer
+from .sizing import RESYNC_TOKENS, Sizer, tokens_left_to_repay
 from .tree import FORCED, LOOKUP, DraftTree, Pool, TreeBuilder, assemble, draft_dist
 from .verify import Verdict
 
@@ -152,15 +152,17 @@ class Proposer:
 
     def _draft_pays(self, pool: Pool) -> bool:
         assert self.sizer is not None and self.costs is not None and self.policy is not None
-        tokens_left = self.s.max_new_tokens - self.produced
+        budget_left = self.s.max_new_tokens - self.produced
         if self._startup_s is None:  # nothing computes the prompt KV before the start: ask once
             self._startup_s = self.costs.draft_prefill_s(self.policy.start_tokens())
-            # How far the first decision is from starting the draft, for reports (bench, stats).
-            factor = self.sizer.draft_break_even(pool, len(self.backlog), self._startup_s, tokens_left)
+            # How far the first decision is from starting the draft for an answer that runs to its
+            # cap, for reports (bench, stats).
+            factor = self.sizer.draft_break_even(pool, len(self.backlog), self._startup_s, budget_left)
             if factor is not None:
                 self.counts["draft_break_even"] = factor
                 draft_step = self.costs.draft_s(1, self.policy.start_tokens())
                 self.counts["draft_cost_ratio"] = draft_step / self.sizer.verify_s[1]
+        tokens_left = tokens_left_to_repay(self.produced, budget_left, self.s.draft_horizon)
         return self.sizer.draft_pays(pool, len(self.backlog), self._startup_s, tokens_left)
 
     def _ensure_started(self) -> None:

@@ -34,8 +34,9 @@ request:
 0. start the draft or not (`draft_pays`, until it says yes): starting computes the prompt KV
    the draft reads (draft_prefill.py), worth it only if the draft's expected gain per step over
    the steps still to come repays it, the gain judged at a pessimistic calibration
-   (START_CALIBRATION: the start is paid once, on a guess); a short answer never starts it and
-   runs lookup alone;
+   (START_CALIBRATION: the start is paid once, on a guess), the steps still to come those of an
+   answer as long again as it has run (`tokens_left_to_repay`: nothing says when an answer will
+   end); a short answer never starts it and runs lookup alone;
 
 1. draft or not (`should_draft`): the best lookup-only tree against the best tree expected with
    the draft (the draft's usual rank probabilities, the current calibration, and the predicted
@@ -101,6 +102,19 @@ RESYNC_TOKENS = 16
 # 1.8-2.4, and the answer took 1.03x `ar`'s time end to end (issue 66). At 0.8 the same state expects
 # ~1.6 tokens a step and a third of the gain, so a start must repay its prompt KV three times over.
 START_CALIBRATION = 0.8
+
+
+def tokens_left_to_repay(produced: int, budget_left: int, horizon: str) -> int:
+    """The tokens a draft started now may count on to repay its start (decision 0). "budget": every
+    one still allowed. "produced": as many as the answer has run so far, capped by the budget: the
+    start then waits until the gain it would have added so far covers its cost, the ski-rental rule
+    (rent until the rent paid equals the price, then buy), which pays at most about twice what the
+    best choice in hindsight would have, however long the answer turns out. Counting to the budget
+    started the draft for a GovReport 8K answer that ended at 111 of 256 tokens, 0.94x `ar` end to
+    end (docs/log/2026-12-end-to-end.md)."""
+    if horizon == "budget":
+        return budget_left
+    return min(budget_left, produced)
 
 
 def lookup_key(ngram: int, depth: int, alt: bool) -> tuple[int, int, bool]:
