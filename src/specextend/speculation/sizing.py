@@ -110,8 +110,7 @@ def tokens_left_to_repay(produced: int, budget_left: int, horizon: str) -> int:
     start then waits until the gain it would have added so far covers its cost, the ski-rental rule
     (rent until the rent paid equals the price, then buy), which pays at most about twice what the
     best choice in hindsight would have, however long the answer turns out. Counting to the budget
-    started the draft for a GovReport 8K answer that ended at 111 of 256 tokens, 0.94x `ar` end to
-    end (docs/log/2026-12-end-to-end.md)."""
+    started drafts for answers that then ended early (docs/log/2026-12-end-to-end.md)."""
     if horizon == "budget":
         return budget_left
     return min(budget_left, produced)
