@@ -195,13 +195,18 @@ def reference(arch: str, stored: dict[str, torch.Tensor], dtype: torch.dtype = t
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """(arch, kind, seed) -> (our converted folder, the file's weights in HF names)."""
+    return converter(tmp_path_factory)
+
+
+def converter(tmp_path_factory):
+    """`converted`'s function (another module's fixture can return one)."""
     cache: dict = {}
 
-    def get(arch: str, kind: str = "F32", seed: int = 0, layers: int | None = None):
-        key = (arch, kind, seed, layers)
+    def get(arch: str, kind: str = "F32", seed: int = 0, layers: int | None = None, context: int | None = None):
+        key = (arch, kind, seed, layers, context)
         if key not in cache:
             d = tmp_path_factory.mktemp(f"{arch}{kind}{seed}")
-            kw = family_kw(arch, layers)
+            kw = family_kw(arch, layers) | ({"max_position_embeddings": context} if context else {})
             model = sharp(make_tiny_hf(arch, seed, dtype=torch.float32, **kw))
             stored = write_like_llama_cpp(model, d / "m.gguf", arch, kind, seed)
             out = conv.convert_gguf(d / "m.gguf", d / "hf", progress=False, tokenizer=False)
@@ -413,12 +418,16 @@ def test_inspect_names_the_family_and_what_runs(converted, capsys):
 
     folder, _ = converted("gemma3")
     assert main(["models", "inspect", str(folder.parent / "m.gguf")]) == 0
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("family"))
+    lines = capsys.readouterr().out.splitlines()
+    line = next(x for x in lines if x.startswith("family"))
     assert "gemma3" in line and "5 of 6 layers windowed (16)" in line and "whole-step C++ call" in line
+    assert "the 5 windowed layers keep their window of 16 and 512 more" in next(x for x in lines if x.startswith("kv"))
     assert main(["models", "inspect", str(folder.parent / "m.gguf"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["family"].startswith("gemma3:")
-    assert out["kv_bytes_per_token"] == 6 * 2 * 2 * 64 * 2  # layers x (K, V) x KV heads x head_dim x bfloat16
+    row = 2 * 2 * 64 * 2  # a layer's K and V x KV heads x head_dim x bfloat16
+    assert out["kv_bytes_per_token"] == row  # the global layer's: the windowed ones keep a window
+    assert out["kv_bytes_32k"] == row * 32768 + 5 * row * (16 + 512)
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")

@@ -44,11 +44,12 @@ def tree_mask(parents: list[int]) -> tuple[torch.Tensor, list[int]]:
     return mask, depth
 
 
-def run(model, step_rows: int) -> list[torch.Tensor]:
+def run(model, step_rows: int, room: int | None = None) -> list[torch.Tensor]:
     """Prefill in chunks of 7, three one-row steps, a 9-node tree level, then a 16-row causal forward:
-    every logit row and the caches."""
+    every logit row and the caches (with `room`, windowed layers keep their window and that many
+    more: their last tokens)."""
     model.step_rows = step_rows
-    cache = model.new_cache(len(PROMPT) + 40)
+    cache = model.new_cache(len(PROMPT) + 40, room=room)
     out = [model.prefill(PROMPT, cache, chunk=7)]
     g = torch.Generator().manual_seed(5)
     for i in range(3):
@@ -65,7 +66,8 @@ def run(model, step_rows: int) -> list[torch.Tensor]:
     cache.commit([0, 1, 3])
     out.append(model(torch.randint(0, 95, (16,), generator=g), cache.length + torch.arange(16), cache))
     cache.commit()
-    return [*out, cache.k[:, :, : cache.length], cache.v[:, :, : cache.length]]
+    kept = [t[:, :, : cache.length - base] for k, v, base in cache.buffers() for t in (k, v)]
+    return [*out, *kept]
 
 
 @pytest.mark.parametrize("path", kernels.cpu_paths())

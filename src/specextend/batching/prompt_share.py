@@ -60,9 +60,11 @@ def _reach(holder: KVCache, c: KVCache) -> int:
     """How far into c's prompt the holder's computed slots are c's too (its prompt's last token is
     always c's own to compute; 0: nothing shared)."""
     if holder is c or holder.prompt is None or c.prompt is None or holder.k.shape[:2] != c.k.shape[:2] \
-            or holder.k.dtype != c.k.dtype:
+            or holder.k.dtype != c.k.dtype or holder.windowed != c.windowed:
         return 0
-    return min(common_prefix(c.prompt, holder.prompt), holder.length, len(c.prompt) - 1)
+    reach = min(common_prefix(c.prompt, holder.prompt), holder.length, len(c.prompt) - 1)
+    # a holder whose windowed layers have slid past what c still needs holds nothing for it
+    return reach if c.can_take(holder, reach) else 0
 
 
 def wanted(cache: KVCache, prefilling: list[KVCache]) -> bool:
@@ -94,9 +96,7 @@ def _copy_held(seq: Prefilling, holders: list[KVCache]) -> None:
     reach, best = max(((_reach(d, c), d) for d in holders), key=lambda p: p[0], default=(0, None))
     if best is None or reach <= start:
         return
-    c.k[:, :, start:reach] = best.k[:, :, start:reach]
-    c.v[:, :, start:reach] = best.v[:, :, start:reach]
-    c.length = reach
+    c.take(best, reach)
     m = reach - start
     seq.call.rows = Rows(rows.tokens[m:], rows.positions[m:], c, None, rows.logits_rows, rows.keep_q, rows.backend)
     seq.shared += m

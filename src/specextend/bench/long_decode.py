@@ -49,14 +49,16 @@ def as_q8(model: Any, cache: Any) -> Any:
     model.kv_cache = "q8"
     out = model.new_cache(cache.capacity)
     model.kv_cache = "bf16"
-    n, d = cache.length, cache.head_dim
-    kvh = cache.k.shape[1]
-    for layer in range(cache.k.shape[0]):
-        rows = [cache.k[layer, :, :n].float().transpose(0, 1).reshape(n, kvh * d),
-                cache.v[layer, :, :n].float().transpose(0, 1).reshape(n, kvh * d)]
+    d, kvh = cache.head_dim, cache.k.shape[1]
+    out.woffset = cache.woffset
+    for layer in range(model.cfg.num_layers):
+        k, v, base = cache.layer(layer)
+        ok, ov, _ = out.layer(layer)
+        n = cache.length - base  # a windowed layer's: its kept tokens
+        rows = [t[:, :n].float().transpose(0, 1).reshape(n, kvh * d) for t in (k, v)]
         h = torch.cat([torch.zeros(n, d), *rows], 1).contiguous()
-        ext.rope_store(h, torch.ones(n, d), torch.zeros(n, d), 1, None, None, 1e-6, out.k[layer], out.v[layer], 0)
-    out.length = n
+        ext.rope_store(h, torch.ones(n, d), torch.zeros(n, d), 1, None, None, 1e-6, ok, ov, 0)
+    out.length = cache.length
     return out
 
 

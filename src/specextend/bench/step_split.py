@@ -42,8 +42,9 @@ def _other_ops_s(model: Any, cache: Any, context: int, repeats: int) -> float:
         for layer in model.layers:
             q_norm = layer.q_norm.weight if layer.q_norm is not None else None
             k_norm = layer.k_norm.weight if layer.k_norm is not None else None
-            ext.rope_store(qkv, cos, sin, model.cfg.num_heads, q_norm, k_norm, layer.attn_norm.eps,
-                           cache.k[layer.index], cache.v[layer.index], context)
+            k, v, base = cache.layer(layer.index)
+            ext.rope_store(qkv, cos, sin, model.cfg.num_heads, q_norm, k_norm, layer.attn_norm.eps, k, v,
+                           context - base)
 
     ops()
     return _best(ops, repeats)

@@ -496,8 +496,10 @@ def cmd_models_inspect(args: argparse.Namespace) -> int:
 
     fp = inspect_model(args.file)
     if args.json:
+        kv = None if fp.config is None else _kv(fp.config)
         print(json.dumps({**fp.as_json(), "family": None if fp.config is None else _family_line(fp.config),
-                          "kv_bytes_per_token": None if fp.config is None else _kv_per_token(fp.config)}))
+                          "kv_bytes_per_token": None if kv is None else kv[0],
+                          "kv_bytes_32k": None if kv is None else kv[1]}))
         return 0
     print(f"file          {fp.file} ({gb(fp.file_bytes)})")
     c = fp.config
@@ -509,10 +511,10 @@ def cmd_models_inspect(args: argparse.Namespace) -> int:
               f"({c['num_key_value_heads']} KV) of {c['head_dim']}, vocabulary {c['vocab_size']}; "
               f"{fp.parameters / 1e6:,.0f} M parameters")
         print(f"family        {_family_line(c)}")
-        kv = _kv_per_token(c)
+        kv = _kv(c)
         if kv is not None:
-            print(f"kv cache      {kv / 1024:,.0f} KB a token of context (bfloat16, every layer); a 32K-token "
-                  f"document {gb(kv * 32768)}")
+            print(f"kv cache      {kv[0] / 1024:,.0f} KB a token of context (bfloat16{kv[2]}); a 32K-token "
+                  f"document {gb(kv[1])}")
     if fp.experts:
         e = fp.experts
         print(f"experts       {e['count']} experts, {e['used']} a token: {e['active_parameters'] / 1e6:,.0f} M of "
@@ -529,13 +531,20 @@ def cmd_models_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _kv_per_token(hf_config: dict[str, Any]) -> int | None:
+def _kv(hf_config: dict[str, Any]) -> tuple[int, int, str] | None:
+    """A target's KV cache: bytes a token of context, for a 32K-token document (with a short answer's
+    room), and what its windowed layers keep."""
     from ..runtime.config import ModelConfig
+    from ..speculation.decoder import window_room
 
     try:
-        return ModelConfig.from_hf(hf_config).kv_bytes_per_token()
+        c = ModelConfig.from_hf(hf_config)
     except UserError:
         return None
+    room = window_room(c, 256)
+    kept = "" if not c.windowed_layers or room is None else (
+        f"; the {c.windowed_layers} windowed layers keep their window of {c.sliding_window:,} and {room:,} more")
+    return c.kv_bytes_per_token(), c.kv_bytes(32768, room), kept or ", every layer"
 
 
 def _family_line(hf_config: dict[str, Any]) -> str:

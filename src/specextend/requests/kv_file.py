@@ -53,14 +53,27 @@ class Header:
     tokens: tuple[int, ...]
     tensors: tuple[tuple[str, str, tuple[int, ...]], ...]  # (name, dtype, shape)
     payload_bytes: int
+    # per model ("target", "draft"): (first position its windowed layers hold, window), if it has any
+    windows: tuple[tuple[str, int, int], ...] = ()
+
+    @property
+    def first_head(self) -> int:
+        """The fewest leading tokens the file's KV serves (kv_cache.KVSnapshot.first_head)."""
+        return max([1] + [first + window - 1 for _, first, window in self.windows if first])
+
+
+def _snapshots(prefix: PrefixKV) -> list[tuple[str, KVSnapshot]]:
+    return [("target", prefix.target_kv)] + ([("draft", prefix.draft_kv)] if prefix.draft_kv is not None else [])
 
 
 def _tensors(prefix: PrefixKV) -> list[tuple[str, torch.Tensor]]:
-    out = [("target.k", prefix.target_kv.k), ("target.v", prefix.target_kv.v)]
-    if prefix.draft_kv is not None:
-        out += [("draft.k", prefix.draft_kv.k), ("draft.v", prefix.draft_kv.v)]
-        if prefix.draft_computed is not None:  # the slots the draft computed (absent: all)
-            out.append(("draft.computed", prefix.draft_computed.to(torch.uint8)))
+    out = []
+    for name, snap in _snapshots(prefix):
+        out += [(f"{name}.k", snap.k), (f"{name}.v", snap.v)]
+        if snap.wk is not None and snap.wv is not None:  # the windowed layers' (their last tokens)
+            out += [(f"{name}.wk", snap.wk), (f"{name}.wv", snap.wv)]
+    if prefix.draft_computed is not None:  # the slots the draft computed (absent: all)
+        out.append(("draft.computed", prefix.draft_computed.to(torch.uint8)))
     return out
 
 
@@ -80,6 +93,7 @@ def write(path: Path, tokens: list[int], prefix: PrefixKV, fingerprint: str, tar
         "draft_kind": draft_kind,
         "tokens": list(tokens),
         "tensors": [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in tensors],
+        "windows": [[name, snap.wfirst, snap.window] for name, snap in _snapshots(prefix) if snap.wk is not None],
     }).encode()
     raws = [_raw(t) for _, t in tensors]
     digest = hashlib.sha256(header)
@@ -139,7 +153,8 @@ def _parse_header(f: Any, size: int) -> tuple[Header, bytes, bytes]:
         payload = sum(_numel(shape) * _DTYPES[dt].itemsize for _, dt, shape in tensors)
         header = Header(str(d["fingerprint"]), str(d["target_kind"]),
                         None if d["draft_kind"] is None else str(d["draft_kind"]),
-                        tuple(int(t) for t in d["tokens"]), tensors, payload)
+                        tuple(int(t) for t in d["tokens"]), tensors, payload,
+                        tuple((str(name), int(first), int(window)) for name, first, window in d.get("windows", [])))
     except CorruptFile:
         raise
     except (ValueError, KeyError, TypeError) as e:
@@ -177,8 +192,15 @@ def read(path: Path) -> tuple[Header, PrefixKV]:
             _DTYPES[dt]).view(shape) if nbytes else torch.empty(shape, dtype=_DTYPES[dt])
         offset += nbytes
     try:
-        target = KVSnapshot(tensors["target.k"], tensors["target.v"])
-        draft = KVSnapshot(tensors["draft.k"], tensors["draft.v"]) if "draft.k" in tensors else None
+        windows = {name: (first, window) for name, first, window in header.windows}
+
+        def snapshot(name: str) -> KVSnapshot:
+            first, window = windows.get(name, (0, 0))
+            return KVSnapshot(tensors[f"{name}.k"], tensors[f"{name}.v"], tensors.get(f"{name}.wk"),
+                              tensors.get(f"{name}.wv"), first, window)
+
+        target = snapshot("target")
+        draft = snapshot("draft") if "draft.k" in tensors else None
         computed = tensors["draft.computed"].to(torch.bool) if "draft.computed" in tensors else None
         prefix = PrefixKV(target, draft, computed)
     except (KeyError, ValueError) as e:

@@ -54,6 +54,7 @@ class _Entry:
     prefix: PrefixKV | None = None  # in memory
     path: Path | None = None  # on disk
     draft_slots: int = 0  # slots holding draft KV (a file read back counts as complete)
+    first_head: int = 1  # the fewest leading tokens its KV serves (windowed layers keep their last)
 
     def serves(self, target_kind: str, draft_kind: str | None) -> bool:
         """Whether this entry's KV can stand in for a prefill of these kinds (None: no draft
@@ -79,12 +80,15 @@ class _Tier:
     def __iter__(self) -> Iterator[tuple[str, _Entry]]:
         return iter(list(self.entries.items()))
 
-    def best(self, tokens: np.ndarray, target_kind: str, draft_kind: str | None) -> tuple[str | None, int]:
-        """The entry sharing the longest leading run with `tokens`, and that run's length."""
+    def best(self, tokens: np.ndarray, target_kind: str, draft_kind: str | None, most: int
+             ) -> tuple[str | None, int]:
+        """The entry sharing the longest leading run with `tokens` (at most `most` tokens of it) whose
+        KV serves that run, and the run's length."""
         best_key, best_n, best_draft = None, 0, -1
         for key, e in self.entries.items():
             if e.serves(target_kind, draft_kind):
-                n = common_prefix(e.tokens, tokens)
+                n = min(common_prefix(e.tokens, tokens), most)
+                n = n if n >= e.first_head else 0
                 draft = e.draft_slots if draft_kind is not None and e.draft_kind is not None else 0
                 if (n, draft) > (best_n, best_draft):  # the longest run; with the draft's KV on a tie
                     best_key, best_n, best_draft = key, n, draft
@@ -93,7 +97,7 @@ class _Tier:
     def covering(self, new: _Entry) -> str | None:
         """An entry that already holds all of `new`'s tokens and KV."""
         for key, e in self.entries.items():
-            if (e.holds(new) and len(e.tokens) >= len(new.tokens)
+            if (e.holds(new) and len(e.tokens) >= len(new.tokens) and e.first_head <= new.first_head
                     and common_prefix(e.tokens, new.tokens) == len(new.tokens)):
                 return key
         return None
@@ -101,7 +105,7 @@ class _Tier:
     def superseded(self, new: _Entry) -> list[str]:
         """Entries that `new` makes redundant: their tokens start `new`'s, and `new` holds their KV."""
         return [key for key, e in self.entries.items()
-                if new.holds(e) and len(e.tokens) <= len(new.tokens)
+                if new.holds(e) and len(e.tokens) <= len(new.tokens) and new.first_head <= e.first_head
                 and common_prefix(e.tokens, new.tokens) == len(e.tokens)]
 
     def add(self, key: str, e: _Entry) -> None:
@@ -170,9 +174,8 @@ class PrefixCache:
         most = len(ids) - 1
         with self._lock:
             while True:
-                key, n = self.memory.best(ids, target_kind, draft_kind)
-                disk_key, disk_n = self.disk.best(ids, target_kind, draft_kind)
-                n, disk_n = min(n, most), min(disk_n, most)
+                key, n = self.memory.best(ids, target_kind, draft_kind, most)
+                disk_key, disk_n = self.disk.best(ids, target_kind, draft_kind, most)
                 prefix = None
                 if disk_key is not None and disk_n > n:
                     prefix = self._load(disk_key)
@@ -197,7 +200,8 @@ class PrefixCache:
         ids = np.asarray(tokens, dtype=np.int64)
         key = self._key(ids, target_kind, draft_kind)
         with self._lock:
-            entry = _Entry(ids, target_kind, draft_kind, prefix.nbytes, prefix=prefix, draft_slots=prefix.draft_slots)
+            entry = _Entry(ids, target_kind, draft_kind, prefix.nbytes, prefix=prefix, draft_slots=prefix.draft_slots,
+                           first_head=prefix.first_head)
             self._insert_memory(key, entry)
             if self.directory is not None:
                 self._insert_disk(key, entry)
@@ -246,7 +250,7 @@ class PrefixCache:
             if old != key:  # the same key's file was just rewritten in place
                 self._unlink(gone)
         self.disk.add(key, _Entry(entry.tokens, entry.target_kind, entry.draft_kind, entry.nbytes, path=path,
-                                  draft_slots=entry.draft_slots))
+                                  draft_slots=entry.draft_slots, first_head=entry.first_head))
         for _, old_entry in self.disk.overflow():
             self._unlink(old_entry)
 
@@ -266,7 +270,7 @@ class PrefixCache:
             return None
         self._touch_disk(key)
         self._insert_memory(key, _Entry(e.tokens, e.target_kind, e.draft_kind, prefix.nbytes, prefix=prefix,
-                                        draft_slots=prefix.draft_slots))
+                                        draft_slots=prefix.draft_slots, first_head=prefix.first_head))
         return prefix
 
     def _touch_disk(self, key: str) -> None:
@@ -300,7 +304,8 @@ class PrefixCache:
         for _, path, header in sorted(found, key=lambda f: f[0]):
             ids = np.asarray(header.tokens, dtype=np.int64)
             self.disk.add(path.stem, _Entry(ids, header.target_kind, header.draft_kind, header.payload_bytes,
-                                            path=path, draft_slots=len(ids) if header.draft_kind else 0))
+                                            path=path, draft_slots=len(ids) if header.draft_kind else 0,
+                                            first_head=header.first_head))
         for _, old in self.disk.overflow():
             self._unlink(old)
         if found:

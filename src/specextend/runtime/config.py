@@ -108,11 +108,23 @@ class ModelConfig:
                 else f"the per-layer kernels (the whole-step C++ call does not {why})")
         return f"{self.arch}{': ' + ', '.join(parts) if parts else ''}; quantized weights run {step}"
 
-    def kv_bytes_per_token(self, element_bytes: int = 2) -> int:
-        """What a token of context costs in the KV cache (bfloat16 by default, the quantized
-        runtime's): keys and values of every layer, the windowed ones included (their caches hold
-        every token; keeping only the window is not done yet)."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element_bytes
+    @property
+    def windowed_layers(self) -> int:
+        return sum(self.window_layers) if self.sliding_window else 0
+
+    def kv_bytes_per_token(self, row_bytes: int | None = None) -> int:
+        """What a token of context costs in the KV cache past the windows: keys and values of the
+        layers that attend to every token (a target's windowed layers keep a fixed number,
+        `kv_bytes`). `row_bytes`: one head's K or V row (default bfloat16, the quantized runtime's)."""
+        row = 2 * self.head_dim if row_bytes is None else row_bytes
+        return (self.num_layers - self.windowed_layers) * 2 * self.num_kv_heads * row
+
+    def kv_bytes(self, tokens: int, room: int | None, row_bytes: int | None = None) -> int:
+        """What `tokens` of context cost in the KV cache: every token on the layers that attend to
+        all of them, and on the windowed layers at most the window and `room` (None: every token)."""
+        row = 2 * self.head_dim if row_bytes is None else row_bytes
+        kept = tokens if room is None else min(tokens, self.sliding_window + room)
+        return self.kv_bytes_per_token(row) * tokens + self.windowed_layers * 2 * self.num_kv_heads * row * kept
 
     def windowed(self, layer: int) -> bool:
         return bool(self.window_layers) and self.window_layers[layer]

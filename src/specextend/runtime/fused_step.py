@@ -93,7 +93,8 @@ def fits(x: torch.Tensor, cache: KVCache) -> bool:
     """Whether a forward of rows `x` over `cache` can take the whole-step call (the kernels'
     clock, which times per-layer calls, turns it off)."""
     return (not kernels.clocking() and x.dtype == torch.float32 and cache.k.dtype in (torch.bfloat16, torch.int8)
-            and cache.k.is_contiguous() and cache.v.is_contiguous() and cache.k.device.type == "cpu")
+            and all(k.is_contiguous() and v.is_contiguous() for k, v, _ in cache.buffers())
+            and cache.k.device.type == "cpu")
 
 
 def logit_rows(parts: list[Rows]) -> tuple[torch.Tensor, list[int]]:
@@ -123,7 +124,7 @@ def run(step_plan: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
         queries = [torch.empty(heads, p.size, p.cache.head_dim) for _ in layers]
         part = (p.cache.k, p.cache.v, p.size, p.cache.length, p.tree_mask, layers, queries)
         if window:
-            part += p.window(p.cache.length + p.size, window)
+            part += (*p.window(p.cache.length + p.size, window), p.cache.wk, p.cache.wv, p.cache.woffset)
         args.append(part)
         kept.append((layers, queries))
     logits = kernels.load().forward_batch(step_plan, x, cos, sin, args, kernels.path_id(), step_head, rows)

@@ -257,13 +257,16 @@ class Block(nn.Module):
             y = y * self.residual_scale
         return x + y
 
-    def _window(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor | None,
+    def _window(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, base: int, tree_mask: torch.Tensor | None,
                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The keys, values and mask a windowed layer attends with (others: as given)."""
+        """The keys, values and mask a windowed layer attends with (others: as given); k and v hold
+        the tokens from position `base` on."""
         if not self.window:
             return k, v, tree_mask
-        first, mask = window_mask(positions, k.shape[1], tree_mask, self.window)
-        return k[:, first:], v[:, first:], mask.to(q.device)
+        first, mask = window_mask(positions, base + k.shape[1], tree_mask, self.window)
+        if first < base:
+            raise RuntimeError(f"layer {self.index} needs keys from {first}, its cache holds them from {base}")
+        return k[:, first - base:], v[:, first - base:], mask.to(q.device)
 
     def forward(
         self,
@@ -291,8 +294,8 @@ class Block(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if keep_q is not None and self.index in keep_q:
             keep_q[self.index] = q
-        k_all, v_all = cache.write(self.index, k, v)
-        k_all, v_all, mask = self._window(q, k_all, v_all, tree_mask, positions)
+        k_all, v_all, base = cache.write(self.index, k, v)
+        k_all, v_all, mask = self._window(q, k_all, v_all, base, tree_mask, positions)
         a = attend(q, k_all, v_all, mask, backend, self.attn_scale, self.attn_softcap, self.sinks)
         x = self._residual(x, self.o(a.transpose(0, 1).reshape(t, nh * hd)), self.attn_out_norm)
         if self.moe is not None:
@@ -394,16 +397,18 @@ class Block(nn.Module):
         off = 0
         for p in parts:
             t, cache = p.size, p.cache
-            k_layer, v_layer = cache.k[self.index], cache.v[self.index]
+            k_layer, v_layer, base = cache.layer(self.index)
             start = cache.length
             rows = slice(off, off + t)
             q = ext.rope_store(qkv[rows], cos[rows], sin[rows], self.n_heads, q_norm, k_norm, eps,
-                               k_layer, v_layer, start)
+                               k_layer, v_layer, start - base)
             if p.keep_q is not None and self.index in p.keep_q:
                 p.keep_q[self.index] = q
             end = start + cache.pending
             first, mask = p.window(end, self.window) if self.window else (0, p.tree_mask)
-            k, v = k_layer[:, first:end], v_layer[:, first:end]
+            if first < base:
+                raise RuntimeError(f"layer {self.index} needs keys from {first}, its cache holds them from {base}")
+            k, v = k_layer[:, first - base:end - base], v_layer[:, first - base:end - base]
             if self.attn_softcap is not None:
                 if cache.q8:  # the capped path takes bfloat16 rows: the kernel's own conversion
                     k, v = bf16_rows(k), bf16_rows(v)

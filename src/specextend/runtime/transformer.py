@@ -38,6 +38,9 @@ def _angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tens
     return emb.cos(), emb.sin()
 
 
+PREFILL_CHUNK = 512  # prompt tokens a prefill forward takes at most (bounds its working memory)
+
+
 class OutputHead(Protocol):
     """A head that replaces the model's own output layer (a draft's head over a subset of the
     vocabulary: speculation/draft_vocab.py). `head` is the weight the fused step computes the
@@ -102,9 +105,12 @@ class Transformer(nn.Module):
             return torch.int8  # q8 rows (kv_cache.py)
         return torch.bfloat16 if self.rowwise_attention else self.dtype
 
-    def new_cache(self, capacity: int, dtype: torch.dtype | None = None) -> KVCache:
+    def new_cache(self, capacity: int, dtype: torch.dtype | None = None, room: int | None = None) -> KVCache:
+        """A KV cache of `capacity` tokens; with `room`, the windowed layers keep only their window
+        and that many slots more (kv_cache.py), else every token."""
         c = self.cfg
-        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, dtype or self.kv_dtype, self.device)
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, dtype or self.kv_dtype, self.device,
+                       c.window_layers, c.sliding_window, room)
 
     def rope(self, positions: torch.Tensor, inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # Angles in float32 then cast, exactly as the reference does, so float64 runs match it.
@@ -123,18 +129,19 @@ class Transformer(nn.Module):
             out.append(self.rope(positions, self.inv_freq_local))
         return out
 
-    def rotate_keys(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """Cached keys k [layers, kv_heads, n, D] as if each had been written `delta` [n] positions
-        later: each layer's own rope (none on a NoPE layer), a pure rotation (LongRoPE's magnitude
-        factor is already in the keys). A rotation by a + b is the rotation by a, then b."""
+    def rotate_keys(self, cache: KVCache, n: int, delta: torch.Tensor) -> None:
+        """The first n cached keys of every layer, in place, as if each had been written `delta` [n]
+        positions later: each layer's own rope (none on a NoPE layer), a pure rotation (LongRoPE's
+        magnitude factor is already in the keys). A rotation by a + b is the rotation by a, then b."""
         ropes = [tuple(a.to(self.dtype) for a in _angles(delta, inv))
                  for inv in (self.inv_freq, self.inv_freq_local) if inv is not None]
-        out = k.clone()
         for i, layer in enumerate(self.layers):
             if layer.rope_kind >= 0:
+                k, _, base = cache.layer(i)
+                if base:
+                    raise ValueError("keys are rotated in a cache whose windowed layers keep every token")
                 cos, sin = ropes[layer.rope_kind]
-                out[i] = apply_rope(k[i], cos.to(k.device), sin.to(k.device))
-        return out
+                k[:, :n] = apply_rope(k[:, :n].clone(), cos.to(k.device), sin.to(k.device))
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens.to(self.device))
@@ -275,7 +282,7 @@ class Transformer(nn.Module):
         tokens: torch.Tensor,
         cache: KVCache,
         backend: Backend = "efficient",
-        chunk: int = 512,
+        chunk: int = PREFILL_CHUNK,
         last_q: dict[int, torch.Tensor] | None = None,
         on_chunk: Callable[[int], None] | None = None,
     ) -> torch.Tensor:

@@ -44,12 +44,13 @@ from ..common.errors import ContextLengthExceeded, UserError
 from ..common.plural import count
 from ..common.settings import Settings
 from ..runtime.attention import attention_probs
+from ..runtime.config import ModelConfig
 from ..runtime.costmodel import CostModel, cached_curve
 from ..runtime.kv_cache import KVCache, PrefixKV, row_bytes
-from ..runtime.transformer import Transformer
+from ..runtime.transformer import PREFILL_CHUNK, Transformer
 from ..sampling.logits_process import LogitsProcessor
 from . import draft_vocab
-from .draft_policy import DRAFT_POLICIES, DraftPolicy, make_policy, retrieval_layers
+from .draft_policy import DRAFT_POLICIES, DraftPolicy, make_policy, retrieval_layers, seeing_everything
 from .draft_prefill import DraftPrompt
 from .prompt_lookup import ContextIndex
 from .propose import Proposer
@@ -66,21 +67,32 @@ def cache_slots(prompt_tokens: int, new_tokens: int) -> int:
     return prompt_tokens + new_tokens + TREE_HEADROOM
 
 
+def window_room(cfg: ModelConfig, new_tokens: int) -> int | None:
+    """Slots beyond the window a target's windowed layers keep (kv_cache.py): a prefill chunk's, or
+    the new tokens and a tree's, so that they slide only while the prompt fills and a decode can
+    still be rewound to its prompt (`Prefilled.restore`) and snapshotted (`Prefilled.snapshot`).
+    None (every token) where every layer is windowed: retrieval then scores with windowed layers
+    over the whole prompt (`draft_policy.seeing_everything`)."""
+    if cfg.window_layers and all(cfg.window_layers):
+        return None
+    return max(PREFILL_CHUNK, new_tokens + TREE_HEADROOM)
+
+
 def kv_bytes(target: Transformer, draft: Transformer | None, prompt_tokens: int, settings: Settings) -> int:
     """Bytes of the caches a generation allocates, before it allocates them (a server's KV
-    budget): the target's cache, and with a draft its store, its working cache and the scratch
-    cache of its prompt passes (each at most as large as the store), plus the copy of the prompt's
-    KV that the prefix cache takes at the end."""
+    budget): the target's cache (its windowed layers keep their window and room), and with a draft
+    its store, its working cache and the scratch cache of its prompt passes (each at most as large
+    as the store, every token), plus the copy of the prompt's KV that the prefix cache takes at the end."""
     s = _as_resolved(settings)
     slots = cache_slots(prompt_tokens, s.max_new_tokens)
 
-    def per_token(m: Transformer) -> int:
-        c = m.cfg
-        return 2 * c.num_layers * c.num_kv_heads * row_bytes(c.head_dim, m.kv_dtype)
+    def cache(m: Transformer, tokens: int, room: int | None) -> int:
+        return m.cfg.kv_bytes(tokens, room, row_bytes(m.cfg.head_dim, m.kv_dtype))
 
-    total = per_token(target) * (slots + prompt_tokens)
+    room = window_room(target.cfg, s.max_new_tokens)
+    total = cache(target, slots, room) + cache(target, prompt_tokens, room)
     if s.uses_draft and draft is not None:
-        total += per_token(draft) * (3 * slots + prompt_tokens)
+        total += cache(draft, slots, None) * 3 + cache(draft, prompt_tokens, None)
     return total
 
 
@@ -272,7 +284,7 @@ class SpecEngine:
         cap = cache_slots(len(prompt_ids), s.max_new_tokens)
         rest = torch.tensor(prompt_ids[n:], dtype=torch.long)
         t0 = time.perf_counter()
-        tcache = self.target.new_cache(cap)
+        tcache = self.target.new_cache(cap, room=window_room(self.target.cfg, s.max_new_tokens))
         tcache.prompt = np.asarray(prompt_ids, dtype=np.int64)
         if prefix is not None:
             tcache.load(prefix.target_kv)
@@ -453,7 +465,7 @@ class SpecEngine:
         reads, which the clock counts as prefill; the rest is retrieval's time)."""
         assert self.draft is not None and state.draft_store is not None
         policy = make_policy(s.draft_cache, self.draft, state.draft_store, s.attention, s, state.draft_prompt)
-        layers = policy.score_layers(self.target.cfg.num_layers)
+        layers = seeing_everything(policy.score_layers(self.target.cfg.num_layers), self.target.cfg.window_layers)
 
         def start() -> None:
             clock.lap("draft_s")
@@ -466,7 +478,8 @@ class SpecEngine:
     def retrieval(self, state: Prefilled, settings: Settings) -> torch.Tensor:
         """What the last prompt token attends to in the target layers CMR scores with
         (`retrieval_layer`, `retrieval_layers_mean`): the scores of its first retrieval."""
-        scores = prompt_scores(state, retrieval_layers(settings, self.target.cfg.num_layers))
+        layers = retrieval_layers(settings, self.target.cfg.num_layers)
+        scores = prompt_scores(state, seeing_everything(layers, self.target.cfg.window_layers))
         assert scores is not None
         return scores
 

@@ -167,9 +167,7 @@ class SelectiveDraftPolicy(DraftPolicy):
     def __init__(self, draft: Transformer, draft_store: KVCache, backend: Backend, settings: Settings,
                  prompt: DraftPrompt | None = None) -> None:
         super().__init__(draft, draft_store, backend, settings, prompt)
-        c = draft.cfg
-        self.working = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, draft_store.capacity, draft_store.k.dtype,
-                               draft_store.k.device)
+        self.working = draft.new_cache(draft_store.capacity, draft_store.k.dtype)
         # The position at which each stored key was rotated (the prompt: its true positions).
         self.store_pos = torch.arange(draft_store.capacity)
         self.compact = settings.positions == "compact"
@@ -214,7 +212,7 @@ class SelectiveDraftPolicy(DraftPolicy):
             delta = new_pos - self.store_pos[slots]
             if bool((delta != 0).any()):
                 # each layer by its own rope (a family may mix bases, or leave some layers without)
-                self.working.k[:, :, :n] = self.draft.rotate_keys(self.working.k[:, :, :n], delta)
+                self.draft.rotate_keys(self.working, n, delta)
             self.next_pos = n
         else:
             self.next_pos = self.draft_store.length + self.skipped
@@ -269,6 +267,22 @@ def retrieval_layers(settings: Settings, target_layers: int) -> list[int]:
     last = s.retrieval_layer % n
     first = max(0, last - s.retrieval_layers_mean + 1)
     return list(range(first, last + 1))
+
+
+def seeing_everything(layers: list[int], windowed: tuple[bool, ...]) -> list[int]:
+    """The layers to score chunks with in place of `layers`: a windowed layer attends only to its
+    window (and the target's cache keeps no more of its keys), so the nearest layer below it that
+    attends to the whole context stands in (else the nearest above), once. Where every layer is
+    windowed, the target's cache keeps every token (`decoder.window_room`) and they score as given."""
+    full = [i for i, w in enumerate(windowed) if not w]
+    if not any(windowed) or not full:
+        return layers
+    out: list[int] = []
+    for i in layers:
+        j = i if not windowed[i] else max((f for f in full if f < i), default=min(full))
+        if j not in out:
+            out.append(j)
+    return out
 
 
 def chunk_scores(scores: torch.Tensor, tokens: int, chunk: int) -> torch.Tensor:

@@ -98,6 +98,7 @@ void add_layer(StepPlan& p, const py::tuple& qkv, const py::tuple& o, const py::
   }
   TORCH_CHECK(rope_kind >= 0, "step: a layer's rope kind is an index into forward_batch's rope tables");
   l.rope_kind = rope_kind;
+  l.kv_index = static_cast<int64_t>(md.layers.size());  // layer_family counts it among its kind's
   md.layers.push_back(std::move(l));
 }
 
@@ -127,6 +128,9 @@ void layer_family(StepPlan& p, const c10::optional<at::Tensor>& attn_out_norm,
     l.k_full_norm = kept_float(p, *k_full_norm, md.kv_heads * md.head_dim, "k_full_norm");
   }
   l.windowed = windowed;
+  l.kv_index = std::count_if(md.layers.begin(), md.layers.end() - 1, [&](const spx::StepLayer& e) {
+    return e.windowed == windowed;
+  });
   l.gelu = gelu;
 }
 
@@ -147,11 +151,11 @@ std::shared_ptr<HeadPlan> step_head(const StepPlan& p, const py::tuple& w, const
 }
 
 // A cache of bfloat16 rows, or of q8 rows (int8 bytes, kv_q8.h): returns whether it is q8.
-bool check_cache(const spx::StepModel& md, const at::Tensor& c, int64_t capacity) {
+bool check_cache(const spx::StepModel& md, const at::Tensor& c, int64_t capacity, int64_t layers) {
   const bool q8 = c.scalar_type() == at::kChar;
   const int64_t width = q8 ? 2 * spx::q8_row_units(md.head_dim) : md.head_dim;
   TORCH_CHECK((c.scalar_type() == at::kBFloat16 || (q8 && md.head_dim % spx::kQ8Group == 0)) && c.is_contiguous() &&
-                  c.dim() == 4 && c.size(0) == static_cast<int64_t>(md.layers.size()) && c.size(1) == md.kv_heads &&
+                  c.dim() == 4 && c.size(0) == layers && c.size(1) == md.kv_heads &&
                   c.size(2) == capacity && c.size(3) == width,
               "forward_batch: caches must be contiguous bfloat16 [layers, kv_heads, capacity, head_dim] "
               "(or int8 q8 rows [..., head_dim + head_dim / 16])");
@@ -165,15 +169,21 @@ struct SeqArgs {
   std::vector<float*> keep;
 };
 
-// part: (k_cache, v_cache, rows, start, mask or None, keep_layers, keep_q[, window_first, window_mask]).
+// part: (k_cache, v_cache, rows, start, mask or None, keep_layers, keep_q[, window_first, window_mask,
+// window_k, window_v, window_offset]): with windowed layers, k and v hold the other layers.
 void sequence(const spx::StepModel& md, const py::tuple& part, SeqArgs& out) {
-  TORCH_CHECK(part.size() == 7 || part.size() == 9,
-              "forward_batch: a part is (k, v, rows, start, mask, keep_layers, keep_q[, window_first, window_mask])");
+  TORCH_CHECK(part.size() == 7 || part.size() == 12,
+              "forward_batch: a part is (k, v, rows, start, mask, keep_layers, keep_q[, window_first, window_mask, "
+              "window_k, window_v, window_offset])");
+  const int64_t windowed = std::count_if(md.layers.begin(), md.layers.end(), [](const spx::StepLayer& l) {
+    return l.windowed;
+  });
+  const int64_t others = static_cast<int64_t>(md.layers.size()) - windowed;
   auto k_cache = part[0].cast<at::Tensor>(), v_cache = part[1].cast<at::Tensor>();
   const int64_t t = part[2].cast<int64_t>(), start = part[3].cast<int64_t>();
   const int64_t capacity = k_cache.dim() == 4 ? k_cache.size(2) : -1;
-  const bool q8 = check_cache(md, k_cache, capacity);
-  TORCH_CHECK(check_cache(md, v_cache, capacity) == q8, "forward_batch: k and v caches of different kinds");
+  const bool q8 = check_cache(md, k_cache, capacity, others);
+  TORCH_CHECK(check_cache(md, v_cache, capacity, others) == q8, "forward_batch: k and v caches of different kinds");
   TORCH_CHECK(t > 0 && start >= 0 && start + t <= capacity, "forward_batch: slots past the cache's capacity");
   spx::StepSeq& s = out.seq;
   s = spx::StepSeq{t, static_cast<uint16_t*>(k_cache.data_ptr()), static_cast<uint16_t*>(v_cache.data_ptr()),
@@ -186,17 +196,23 @@ void sequence(const spx::StepModel& md, const py::tuple& part, SeqArgs& out) {
     s.mask = out.mask.data_ptr<bool>();
     s.m = out.mask.size(1);
   }
-  const bool windows = std::any_of(md.layers.begin(), md.layers.end(), [](const spx::StepLayer& l) {
-    return l.windowed;
-  });
-  TORCH_CHECK(!windows || (part.size() == 9 && !part[8].is_none()), "forward_batch: windowed layers need a window");
-  if (windows) {
+  TORCH_CHECK(!windowed || (part.size() == 12 && !part[8].is_none()), "forward_batch: windowed layers need a window");
+  if (windowed) {
     s.wfirst = part[7].cast<int64_t>();
     out.wmask = part[8].cast<at::Tensor>().to(at::kBool).contiguous();
     TORCH_CHECK(s.wfirst >= 0 && s.wfirst <= start && out.wmask.dim() == 2 && out.wmask.size(0) == t &&
                     out.wmask.size(1) == start + t - s.wfirst,
                 "forward_batch: a window mask [t, start + t - window_first]");
     s.wmask = out.wmask.data_ptr<bool>();
+    auto wk = part[9].cast<at::Tensor>(), wv = part[10].cast<at::Tensor>();
+    s.woffset = part[11].cast<int64_t>();
+    s.wcapacity = wk.dim() == 4 ? wk.size(2) : -1;
+    TORCH_CHECK(check_cache(md, wk, s.wcapacity, windowed) == q8 && check_cache(md, wv, s.wcapacity, windowed) == q8,
+                "forward_batch: the windowed layers' caches of another kind");
+    TORCH_CHECK(s.woffset >= 0 && s.woffset <= s.wfirst && start + t - s.woffset <= s.wcapacity,
+                "forward_batch: the window's keys outside the windowed layers' slots");
+    s.wk = static_cast<uint16_t*>(wk.data_ptr());
+    s.wv = static_cast<uint16_t*>(wv.data_ptr());
   }
   const auto layers_kept = part[5].cast<std::vector<int64_t>>();
   const auto queries = part[6].cast<std::vector<at::Tensor>>();

@@ -155,6 +155,7 @@ struct SeqPlan {
   AttentionPlan plan;  // run once a layer: its split states are reused (each run ends in a barrier)
   Attention pbw;  // the windowed layers' (StepSeq::wfirst, wmask; k and v set per layer from wfirst)
   AttentionPlan wplan;
+  Rope wrope;  // the windowed layers' cache writes (their own caches, slot 0 at StepSeq::woffset)
 };
 
 // Every sequence's attention items in one list, the most work first, so threads taking them in
@@ -177,10 +178,13 @@ void window_plan(const StepModel& md, const StepSeq& r, int64_t s, SeqPlan& sp, 
         return l.windowed;
       }))
     return;
+  const int64_t unit = seq_row_units(md, r);
   sp.pbw = sp.pb;
   sp.pbw.s = r.start + r.t - r.wfirst;
   sp.pbw.m = sp.pbw.s;
   sp.pbw.mask = r.wmask;
+  sp.pbw.k_head_stride = r.wcapacity * unit;
+  sp.pbw.v_head_stride = r.wcapacity * unit;
   sp.wplan = plan_attention(sp.pbw, threads);
   for (size_t i = 0; i < sp.wplan.items.size(); ++i)
     bp.witems.push_back({s, static_cast<int64_t>(i), item_cost(sp.pbw, sp.wplan.items[i])});
@@ -216,6 +220,10 @@ BatchPlan batch_plan(const StepModel& md, const StepBatch& bt, Buffers& b, int t
                    r.t, md.heads, md.kv_heads, d, r.start, b.w.q.data() + row0 * hd, nullptr, nullptr,
                    r.capacity * unit, r.capacity * unit};
     sp.rope.q8 = r.q8;
+    sp.wrope = sp.rope;
+    sp.wrope.start = r.start - r.woffset;
+    sp.wrope.k_head_stride = r.wcapacity * unit;
+    sp.wrope.v_head_stride = r.wcapacity * unit;
     Attention& pb = sp.pb;
     pb.heads = md.heads;
     pb.kv_heads = md.kv_heads;
@@ -278,8 +286,10 @@ void layer_phases(const Team& team, Path path, const StepModel& md, const StepLa
   for (int64_t row = 0; row < t; ++row) {
     const int64_t s = bp.seq_of_row[row];
     const StepSeq& r = bt.seqs[s];
-    const int64_t layer_stride = md.kv_heads * r.capacity * seq_row_units(md, r), tok = row - bp.seqs[s].row0;
-    Rope rope = bp.seqs[s].rope;
+    const bool own = l.windowed && r.wk != nullptr;  // the layer writes to the windowed layers' caches
+    const int64_t layer_stride = md.kv_heads * (own ? r.wcapacity : r.capacity) * seq_row_units(md, r);
+    const int64_t tok = row - bp.seqs[s].row0;
+    Rope rope = own ? bp.seqs[s].wrope : bp.seqs[s].rope;
     // this layer's rope, this sequence's rows
     const int64_t table = (l.rope_kind * t + bp.seqs[s].row0) * md.rope_width();
     rope.cos = bt.cos + table;
@@ -292,8 +302,8 @@ void layer_phases(const Team& team, Path path, const StepModel& md, const StepLa
     }
     rope.q_norm = l.q_norm;
     rope.k_norm = l.k_norm;
-    rope.k = r.k + li * layer_stride;
-    rope.v = r.v + li * layer_stride;
+    rope.k = (own ? r.wk : r.k) + l.kv_index * layer_stride;
+    rope.v = (own ? r.wv : r.v) + l.kv_index * layer_stride;
     rope_tokens(rope, tok, tok + 1);
   }
   team.sync();
@@ -313,10 +323,12 @@ void layer_phases(const Team& team, Path path, const StepModel& md, const StepLa
     const StepSeq& r = bt.seqs[ref.seq];
     const SeqPlan& sp = bp.seqs[ref.seq];
     const int64_t unit = seq_row_units(md, r);
-    const int64_t layer_stride = md.kv_heads * r.capacity * unit, first = win ? r.wfirst * unit : 0;
+    const bool own = l.windowed && r.wk != nullptr;
+    const int64_t layer_stride = md.kv_heads * (own ? r.wcapacity : r.capacity) * unit;
+    const int64_t first = win ? (r.wfirst - (own ? r.woffset : 0)) * unit : 0;
     Attention pb = win ? sp.pbw : sp.pb;
-    pb.k = r.k + li * layer_stride + first;
-    pb.v = r.v + li * layer_stride + first;
+    pb.k = (own ? r.wk : r.k) + l.kv_index * layer_stride + first;
+    pb.v = (own ? r.wv : r.v) + l.kv_index * layer_stride + first;
     attend_item(path, pb, win ? sp.wplan : sp.plan, ref.item);
   }
   team.sync();

@@ -60,6 +60,7 @@ struct StepLayer {
   const float* q_full_norm = nullptr;    // [heads * head_dim]: over all of a row's queries, before rope
   const float* k_full_norm = nullptr;    // [kv_heads * head_dim]
   bool windowed = false;                 // attends through its sequence's window (StepSeq::wfirst, wmask)
+  int64_t kv_index = 0;                  // its index among the windowed layers' or the others' caches
   bool gelu = false;                     // GeGLU (tanh GELU) instead of SwiGLU
 };
 
@@ -104,6 +105,12 @@ struct StepSeq {
   // (attention.py's window_mask: what the tree or causal mask allows within each row's window).
   int64_t wfirst = 0;
   const bool* wmask = nullptr;
+  // The windowed layers' own caches [windowed layers, kv_heads, wcapacity, head_dim], whose slot 0
+  // holds the token at position woffset (kv_cache.py: they may keep only the window); k and v
+  // then hold the other layers.
+  uint16_t* wk = nullptr;
+  uint16_t* wv = nullptr;
+  int64_t wcapacity = 0, woffset = 0;
   bool q8 = false;  // k, v hold q8 rows (kv_q8.h); sizes and strides in 16-bit units either way
 };
 
