@@ -275,3 +275,23 @@ def test_the_step_barrier_publishes_every_write_with_more_threads_than_cpus(tmp_
     for threads in (4, 7):
         out = subprocess.run([str(exe), str(threads), "5000"], capture_output=True, text=True, timeout=300)
         assert out.returncode == 0 and " 0 failed" in out.stdout, out.stdout + out.stderr
+
+
+def test_a_build_killed_midway_does_not_stall_the_next(tmp_path, monkeypatch):
+    """cpp_extension waits while its baton file (`lock`) exists in the build folder, and a killed build
+    leaves it there: the next build, holding the kernels' own lock (released by the system when its
+    holder dies), drops it. A fake load waits on the baton as cpp_extension's does, then answers."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("SPECEXTEND_KERNEL_CACHE", str(tmp_path))
+    out = kernels.build_dir(("core/cpu.cpp",))
+    out.mkdir(parents=True)
+    (out / "lock").touch()  # what a build killed midway leaves
+    seen = []
+
+    def load(**kw):
+        seen.append((Path(kw["build_directory"]) / "lock").exists())  # the baton a real load would wait on
+        return "module"
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    assert kernels.build("x", ("core/cpu.cpp",), "x") == "module" and seen == [False]

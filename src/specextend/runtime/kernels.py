@@ -135,6 +135,8 @@ def load(verbose: bool = False) -> ModuleType:
 def build(stem: str, sources: tuple[str, ...], what: str, verbose: bool = False) -> ModuleType:
     """The extension of `sources` (paths under csrc/), built into its own folder of the kernel
     cache on first use (`what` names it in the one line that says so); UserError if it cannot be."""
+    import fcntl
+
     from torch.utils import cpp_extension
 
     out = build_dir(sources)
@@ -144,20 +146,27 @@ def build(stem: str, sources: tuple[str, ...], what: str, verbose: bool = False)
     bin_dir = str(Path(sys.executable).parent)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    if not any(out.glob("*.so")):
-        print(f"specextend: building {what} (once per machine, about a minute)", file=sys.stderr, flush=True)
-    try:
-        return cpp_extension.load(
-            name=f"{stem}_{out.name}",
-            sources=[str(_CSRC / n) for n in sources],
-            extra_cflags=list(_CFLAGS),
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(out),
-            verbose=verbose,
-        )
-    except (RuntimeError, OSError, ImportError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"cannot build {what} in {out}: {first} (is g++ installed?)") from None
+    # One process builds while the others wait, on a lock the system releases when its holder dies.
+    # cpp_extension's own baton (a file named `lock`, waited on while it exists) is left behind by a
+    # build that was killed, and every later load would then wait on it forever: under our lock no
+    # one else is building, so a baton found there is such a leftover.
+    with open(out / f"{stem}.build.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (out / "lock").unlink(missing_ok=True)
+        if not any(out.glob("*.so")):
+            print(f"specextend: building {what} (once per machine, about a minute)", file=sys.stderr, flush=True)
+        try:
+            return cpp_extension.load(
+                name=f"{stem}_{out.name}",
+                sources=[str(_CSRC / n) for n in sources],
+                extra_cflags=list(_CFLAGS),
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(out),
+                verbose=verbose,
+            )
+        except (RuntimeError, OSError, ImportError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"cannot build {what} in {out}: {first} (is g++ installed?)") from None
 
 
 def build_library(stem: str, sources: tuple[str, ...], what: str) -> Path:
