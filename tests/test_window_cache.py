@@ -176,3 +176,39 @@ def test_the_kv_budget_counts_the_window_not_the_prompt(converted):
         (32_000 + 64 + 256 + 32_000) + 5 * 2 * (WINDOW + room))
     every_layer = per_token * 6 * (32_000 + 64 + 256 + 32_000)
     assert kv_bytes(target, None, 32_000, s) < every_layer / 5  # one global layer of six, and the windows
+
+
+@quantized
+@pytest.mark.parametrize("method", ["ar", "specextend"])
+def test_a_batch_of_long_prompts_answers_each_as_alone(converted, monkeypatch, method):
+    """Four prompts sharing a 600-token start (copied between sliding caches, `prompt_share`) and one
+    of their own, in one continuous batch of 256 rows a step, through the whole-step call: each
+    gets the tokens it gets alone, and the shared start is computed once."""
+    from specextend.batching.batch import Batch, Sequence
+    from test_sizing import synthetic_costs
+
+    target = load_model(converted("gemma3", "Q8_0", context=LONG)[0], torch.float32, weights="gguf")
+    draft = load_model(converted("gemma3", "Q8_0", seed=5, layers=1, context=LONG)[0], torch.float32, weights="gguf")
+    system = long_prompt(600, seed=21)
+    prompts = [system + long_prompt(n, seed=30 + i) for i, n in enumerate((9, 40, 17, 3))] + [long_prompt(640, 40)]
+    s = Settings(method=method, max_new_tokens=12, **SMALL, **({"draft_gate": False}
+                                                                 if method == "specextend" else {})).resolved()
+    eng = SpecEngine(target, draft, eos_ids=[])
+    eng.costs = synthetic_costs()
+    alone = [eng.generate(p, s).token_ids for p in prompts]
+    taken = []  # the holders' oldest windowed token when others took their slots
+    take = KVCache.take
+    monkeypatch.setattr(KVCache, "take", lambda c, other, reach: taken.append(other.woffset) or take(c, other, reach))
+    batch = Batch(target, draft)
+    engine = batch.engine([], synthetic_costs())
+    results: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        batch.add(Sequence(lambda i=i, p=p: results.__setitem__(i, engine.generate(p, s).token_ids)))
+    computed = 0
+    while batch.sequences:
+        computed += batch.step(256).prefill_rows
+        for q in batch.reap():
+            assert q.error is None, q.error
+    assert [results[i] for i in range(len(prompts))] == alone
+    assert computed == sum(len(p) for p in prompts) - 3 * len(system)
+    assert any(taken) and not all(taken)  # taken from holders that had slid, and before
