@@ -450,3 +450,19 @@ def test_a_random_expert_file_of_each_preset_loads_with_its_experts(tmp_path, to
     assert (moe.count, moe.used, moe.ff) == (4, 2, 32)
     logits = model(torch.tensor([1, 2, 3]), torch.arange(3), model.new_cache(8))
     assert torch.isfinite(logits).all()
+
+
+def test_a_random_gemma3_file_loads_as_the_family(tmp_path, tokenizer_gguf) -> None:
+    """The Gemma 3 preset at a tiny size: sandwich norms and per-head q/k norms where llama.cpp names
+    them, 5 windowed layers to 1 global, the global rope linearly scaled; logits of a prompt longer
+    than the window are finite, and the windowed layers keep their window in a sliding cache."""
+    config = {**gguf_files.PRESETS["gemma3-4b"], "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 6,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "sliding_window": 16}
+    src = gguf_files.write_random(tmp_path / "g.gguf", config, "Q4_K_M", tokenizer_gguf, progress=False)
+    model = load_model(registry.converted_gguf(src, progress=False), torch.float32, weights="gguf")
+    c = model.cfg
+    assert c.arch == "gemma3" and c.window_layers == (True,) * 5 + (False,) and c.sliding_window == 16
+    assert c.rope_scaling == {"rope_type": "linear", "factor": 8.0} and c.qk_norm == "head"
+    cache = model.new_cache(64, room=8)
+    logits = model.prefill(torch.arange(1, 41), cache, chunk=8)
+    assert torch.isfinite(logits).all() and cache.wk is not None and cache.wk.shape[2] == 24

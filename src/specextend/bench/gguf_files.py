@@ -62,9 +62,15 @@ PRESETS: dict[str, dict[str, Any]] = {
                       "num_key_value_heads": 4, "head_dim": 128, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
                       "max_position_embeddings": 40960, "tie_word_embeddings": False, "num_experts": 128,
                       "num_experts_per_tok": 8},
+    # Gemma 3 4B (text): sandwich norms, per-head q/k norms, head_dim 256, 5 windowed layers (1,024) to 1
+    # global, the global rope linearly scaled by 8, tied embeddings (vocabulary: --tokenizer-from).
+    "gemma3-4b": {"model_type": "gemma3", "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34,
+                  "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rope_theta": 1000000.0,
+                  "rope_scaling_factor": 8.0, "sliding_window": 1024, "rms_norm_eps": 1e-6,
+                  "max_position_embeddings": 131072, "tie_word_embeddings": True},
 }
 # The model types a random file can take (the expert ones: each layer's experts stacked, llama.cpp's way).
-RANDOM_TYPES = ("llama", "qwen2", "olmoe", "qwen3moe")
+RANDOM_TYPES = ("llama", "qwen2", "olmoe", "qwen3moe", "gemma3")
 
 # Types written as random blocks: the byte offsets of each block's float16 scale (d) and, for the
 # types with one, its float16 min scale (dmin). Every other byte of a block is codes or small
@@ -143,7 +149,9 @@ def tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tuple
     qwen = config.get("model_type") == "qwen2"
     experts = int(config.get("num_experts") or 0)
     ef = expert_ff(config)
-    head_norm = config.get("model_type") == "qwen3moe"  # Qwen3's q/k norms: one head's width, not all heads'
+    gemma = config.get("model_type") == "gemma3"
+    # Qwen3's and Gemma 3's q/k norms: one head's width, not all heads'
+    head_norm = config.get("model_type") in ("qwen3moe", "gemma3")
 
     def more_bits(i: int) -> bool:  # llama.cpp's use_more_bits: the first and last eighth, every third between
         return i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
@@ -159,7 +167,12 @@ def tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tuple
             yield b + "attn_q.bias", (heads * hd,), "F32"
             yield b + "attn_k.bias", (kv * hd,), "F32"
             yield b + "attn_v.bias", (kv * hd,), "F32"
+        if gemma:
+            yield b + "attn_q_norm.weight", (hd,), "F32"
+            yield b + "attn_k_norm.weight", (hd,), "F32"
         yield b + "attn_output.weight", (h, heads * hd), main
+        if gemma:
+            yield b + "post_attention_norm.weight", (h,), "F32"
         yield b + "ffn_norm.weight", (h,), "F32"
         if experts:
             yield b + "attn_q_norm.weight", (hd if head_norm else heads * hd,), "F32"
@@ -172,6 +185,8 @@ def tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tuple
         yield b + "ffn_gate.weight", (f, h), main
         yield b + "ffn_up.weight", (f, h), main
         yield b + "ffn_down.weight", (h, f), more if more_bits(i) else main
+        if gemma:
+            yield b + "post_ffw_norm.weight", (h,), "F32"
     yield "output_norm.weight", (h,), "F32"
     if not config.get("tie_word_embeddings", False):
         yield "output.weight", (vocab, h), more
@@ -264,6 +279,13 @@ def _write_keys(w: Any, config: dict[str, Any]) -> None:
         w.add_value_length(config["head_dim"])
     w.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
     w.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
+    if config.get("sliding_window"):
+        w.add_sliding_window(int(config["sliding_window"]))
+    if config.get("rope_scaling_factor"):
+        import gguf
+
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(config["rope_scaling_factor"]))
     if config.get("num_experts"):
         w.add_expert_count(int(config["num_experts"]))
         w.add_expert_used_count(int(config["num_experts_per_tok"]))
