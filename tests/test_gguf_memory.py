@@ -466,3 +466,14 @@ def test_a_random_gemma3_file_loads_as_the_family(tmp_path, tokenizer_gguf) -> N
     cache = model.new_cache(64, room=8)
     logits = model.prefill(torch.arange(1, 41), cache, chunk=8)
     assert torch.isfinite(logits).all() and cache.wk is not None and cache.wk.shape[2] == 24
+
+
+def test_a_random_granite_file_loads_with_its_multipliers(tmp_path, tokenizer_gguf) -> None:
+    config = {**gguf_files.PRESETS["granite-3-8b"], "hidden_size": 256, "intermediate_size": 512,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    src = gguf_files.write_random(tmp_path / "g.gguf", config, "Q4_K_M", tokenizer_gguf, progress=False)
+    model = load_model(registry.converted_gguf(src, progress=False), torch.float32, weights="gguf")
+    c = model.cfg
+    assert c.arch == "granite" and (c.embed_scale, c.residual_scale, c.attn_scale) == (12.0, 0.22, 0.0078125)
+    assert c.logit_divisor == 16.0
+    assert torch.isfinite(model(torch.tensor([1, 2, 3]), torch.arange(3), model.new_cache(8))).all()

@@ -68,9 +68,18 @@ PRESETS: dict[str, dict[str, Any]] = {
                   "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rope_theta": 1000000.0,
                   "rope_scaling_factor": 8.0, "sliding_window": 1024, "rms_norm_eps": 1e-6,
                   "max_position_embeddings": 131072, "tie_word_embeddings": True},
+    # Granite 3.1 8B: Llama's layers with embedding, residual, attention and logit multipliers, tied embeddings.
+    "granite-3-8b": {"model_type": "granite", "hidden_size": 4096, "intermediate_size": 12800,
+                     "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8,
+                     "rope_theta": 10000000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+                     "tie_word_embeddings": True, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                     "attention_multiplier": 0.0078125, "logits_scaling": 16.0},
 }
 # The model types a random file can take (the expert ones: each layer's experts stacked, llama.cpp's way).
-RANDOM_TYPES = ("llama", "qwen2", "olmoe", "qwen3moe", "gemma3")
+RANDOM_TYPES = ("llama", "qwen2", "olmoe", "qwen3moe", "gemma3", "granite")
+# Granite's multipliers: the config's names and the GGUF writer's (llama.cpp's *_scale keys).
+GRANITE_SCALES = {"embedding_multiplier": "add_embedding_scale", "residual_multiplier": "add_residual_scale",
+                  "attention_multiplier": "add_attention_scale", "logits_scaling": "add_logit_scale"}
 
 # Types written as random blocks: the byte offsets of each block's float16 scale (d) and, for the
 # types with one, its float16 min scale (dmin). Every other byte of a block is codes or small
@@ -279,6 +288,9 @@ def _write_keys(w: Any, config: dict[str, Any]) -> None:
         w.add_value_length(config["head_dim"])
     w.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
     w.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
+    for name, add in GRANITE_SCALES.items():
+        if name in config:
+            getattr(w, add)(float(config[name]))
     if config.get("sliding_window"):
         w.add_sliding_window(int(config["sliding_window"]))
     if config.get("rope_scaling_factor"):
