@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..runtime.kv_cache import KVSnapshot, PrefixKV
+from ..runtime.kv_cache import KVSnapshot, PrefixKV, first_head
 
 MAGIC = b"SPXKV\x00\x01\n"
 FORMAT = 1
@@ -59,7 +59,7 @@ class Header:
     @property
     def first_head(self) -> int:
         """The fewest leading tokens the file's KV serves (kv_cache.KVSnapshot.first_head)."""
-        return max([1] + [first + window - 1 for _, first, window in self.windows if first])
+        return max([1] + [first_head(first, window) for _, first, window in self.windows])
 
 
 def _snapshots(prefix: PrefixKV) -> list[tuple[str, KVSnapshot]]:

@@ -62,6 +62,12 @@ def row_bytes(head_dim: int, dtype: torch.dtype) -> int:
     return row_width(head_dim, dtype) * torch.empty(0, dtype=dtype).element_size()
 
 
+def first_head(first: int, window: int) -> int:
+    """The fewest leading tokens whose next rows see only what windowed layers holding the tokens
+    from `first` on keep (a row at position n sees keys after n - window): 1 when they keep all."""
+    return 1 if first == 0 else first + window - 1
+
+
 def bf16_rows(rows: torch.Tensor) -> torch.Tensor:
     """q8 rows [..., head_dim + head_dim/16] (int8) as bfloat16 [..., head_dim]: each value times its
     group's scale (exact in float32), rounded to bfloat16, as the attention kernels read them."""
@@ -105,7 +111,7 @@ class KVSnapshot:
     @property
     def first_head(self) -> int:
         """The fewest tokens a head can take (the windowed layers keep only their last ones)."""
-        return 1 if self.wk is None or self.wfirst == 0 else self.wfirst + self.window - 1
+        return 1 if self.wk is None else first_head(self.wfirst, self.window)
 
     def can_head(self, n: int) -> bool:
         """Whether the first n tokens' K/V are all here."""
@@ -264,13 +270,19 @@ class KVCache:
         committed tokens (a new row at position p >= length sees keys after p - window)."""
         assert self.wk is not None and self.wv is not None
         keep = max(self.woffset, self.length - self.window)
-        n = self.length - keep
-        if n + t > self.wcapacity:  # a forward wider than the room: more slots, never fewer tokens
-            self._grow(n + t)
-        src = slice(keep - self.woffset, self.length - self.woffset)
-        self.wk[:, :, :n] = self.wk[:, :, src].clone()
-        self.wv[:, :, :n] = self.wv[:, :, src].clone()
-        self.woffset = keep
+        if self.length - keep + t > self.wcapacity:  # a forward wider than the room: more slots, never fewer tokens
+            self._grow(self.length - keep + t)
+        self._drop_before(keep)
+
+    def _drop_before(self, first: int) -> None:
+        """The windowed layers keep the tokens from `first` on (their slot 0 becomes `first`'s)."""
+        assert self.wk is not None and self.wv is not None
+        n = self.length - first
+        if n > 0 and first != self.woffset:
+            src = slice(first - self.woffset, self.length - self.woffset)
+            self.wk[:, :, :n] = self.wk[:, :, src].clone()
+            self.wv[:, :, :n] = self.wv[:, :, src].clone()
+        self.woffset = first
 
     def _grow(self, slots: int) -> None:
         assert self.wk is not None and self.wv is not None
@@ -328,7 +340,7 @@ class KVCache:
         """Forget everything after `length` committed tokens."""
         if not 0 <= length <= self.length:
             raise IndexError(f"cannot truncate a cache of {self.length} tokens to {length}")
-        if length and max(0, length - self.window + 1) < self.woffset:
+        if length and length < first_head(self.woffset, self.window):
             raise IndexError(f"cannot truncate to {length} tokens: the windowed layers keep tokens "
                              f"{self.woffset} on")
         if length == 0:
@@ -385,20 +397,16 @@ class KVCache:
             first = max(self.woffset, reach - self.window)  # this cache's oldest windowed token after
             if reach - first > self.wcapacity:
                 self._grow(reach - first)
-            own = max(0, start - first)  # its own tokens [first, start), moved to the front
-            if own and first != self.woffset:
-                self.wk[:, :, :own] = self.wk[:, :, first - self.woffset : start - self.woffset].clone()
-                self.wv[:, :, :own] = self.wv[:, :, first - self.woffset : start - self.woffset].clone()
+            self._drop_before(first)  # its own tokens [first, start) stay, at the front
             lo = max(first, start)
             self.wk[:, :, lo - first : reach - first] = other.wk[:, :, lo - other.woffset : reach - other.woffset]
             self.wv[:, :, lo - first : reach - first] = other.wv[:, :, lo - other.woffset : reach - other.woffset]
-            self.woffset = first
         self.length = reach
 
     def snapshot(self, length: int | None = None) -> KVSnapshot:
         """A compact copy of the first `length` committed slots (default: all of them)."""
         n = self.length if length is None else length
-        if not 0 < n <= self.length or (self.wk is not None and max(0, n - self.window + 1) < self.woffset):
+        if not first_head(self.woffset, self.window) <= n <= self.length:
             raise IndexError(f"cannot snapshot {n} tokens of a cache holding {self.length}"
                              + (f" (its windowed layers from {self.woffset})" if self.woffset else ""))
         if self.wk is None or self.wv is None:

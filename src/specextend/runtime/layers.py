@@ -257,6 +257,11 @@ class Block(nn.Module):
             y = y * self.residual_scale
         return x + y
 
+    def _held(self, first: int, base: int) -> None:
+        """Refuse to attend when the cache no longer holds the first key the rows see (it slid past)."""
+        if first < base:
+            raise RuntimeError(f"layer {self.index} needs keys from {first}, its cache holds them from {base}")
+
     def _window(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, base: int, tree_mask: torch.Tensor | None,
                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The keys, values and mask a windowed layer attends with (others: as given); k and v hold
@@ -264,8 +269,7 @@ class Block(nn.Module):
         if not self.window:
             return k, v, tree_mask
         first, mask = window_mask(positions, base + k.shape[1], tree_mask, self.window)
-        if first < base:
-            raise RuntimeError(f"layer {self.index} needs keys from {first}, its cache holds them from {base}")
+        self._held(first, base)
         return k[:, first - base:], v[:, first - base:], mask.to(q.device)
 
     def forward(
@@ -406,8 +410,7 @@ class Block(nn.Module):
                 p.keep_q[self.index] = q
             end = start + cache.pending
             first, mask = p.window(end, self.window) if self.window else (0, p.tree_mask)
-            if first < base:
-                raise RuntimeError(f"layer {self.index} needs keys from {first}, its cache holds them from {base}")
+            self._held(first, base)
             k, v = k_layer[:, first - base:end - base], v_layer[:, first - base:end - base]
             if self.attn_softcap is not None:
                 if cache.q8:  # the capped path takes bfloat16 rows: the kernel's own conversion
