@@ -214,12 +214,21 @@ void shared_blocks(const Attention& pb, const AttentionItem& it, const BlockKern
                    int64_t b1, float* ws) {
   const int64_t d = pb.d;
   const HeadRows ks = head_rows(pb, kn, true, it.kvh), vs = head_rows(pb, kn, false, it.kvh);
-  std::vector<uint16_t> scratch(pb.q8 ? 2 * kBlock * d : 0);
-  for (int64_t b = b0; b < b1; ++b) {
+  const bool runs = kn.run != nullptr && ir.nrows >= kn.run_rows;
+  const int64_t span = runs ? kChunk : kBlock;  // keys read in one call
+  std::vector<uint16_t> scratch(pb.q8 ? 2 * span * d : 0);
+  for (int64_t b = b0; b < b1;) {
     if (b > b0 && b % kBlocksPerChunk == 0) ir.fold(0, ir.nrows);
-    const uint16_t* kb = ks.span(b * kBlock, kBlock, scratch.data());
-    const uint16_t* vb = vs.span(b * kBlock, kBlock, scratch.data() + (pb.q8 ? kBlock * d : 0));
-    kn.block(kb, vb, kBlock, d, ir.rows.data(), ir.nrows, ws);
+    // Up to the chunk's end: a run of blocks in one call where the path has one, else a block.
+    const int64_t n = runs ? std::min(b1, (b / kBlocksPerChunk + 1) * kBlocksPerChunk) - b : 1;
+    const int nk = static_cast<int>(n * kBlock);
+    const uint16_t* kb = ks.span(b * kBlock, nk, scratch.data());
+    const uint16_t* vb = vs.span(b * kBlock, nk, scratch.data() + (pb.q8 ? span * d : 0));
+    if (runs)
+      kn.run(kb, vb, static_cast<int>(n), d, ir.rows.data(), ir.nrows, ws);
+    else
+      kn.block(kb, vb, kBlock, d, ir.rows.data(), ir.nrows, ws);
+    b += n;
   }
 }
 

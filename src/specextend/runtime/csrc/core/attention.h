@@ -46,7 +46,7 @@
 namespace spx {
 
 constexpr int kBlock = 32;
-constexpr int kTokensPerItem = 16;  // at most this many tokens share one pass over the prefix blocks
+constexpr int kTokensPerItem = 32;  // at most this many tokens share one pass over the prefix blocks
 // A row's visible keys are cut into chunks of kChunk keys by their position in its list: the online
 // softmax runs within each chunk from a fresh state, and the chunks' states (maximum, sum, weighted
 // values) are folded into one in chunk order (`fold_state`). The cut depends on positions only, so a
@@ -134,6 +134,11 @@ struct BlockKernel {
   size_t (*workspace)(int64_t d, int nrows);  // floats of `ws` the block kernel needs
   // n q8 rows into bfloat16 rows with dequant_q8_portable's bits (kv_q8.h); null: that function.
   void (*dequant)(const uint16_t* rows, int n, int64_t d, uint16_t* out) = nullptr;
+  // nblocks full blocks of contiguous keys and values (kb, vb: nblocks * kBlock rows) into every row's
+  // state, with the bits of `block` called on each in turn; for nrows >= run_rows (null: none).
+  void (*run)(const uint16_t* kb, const uint16_t* vb, int nblocks, int64_t d, RowState* rows, int nrows,
+              float* ws) = nullptr;
+  int run_rows = 0;
 };
 
 BlockKernel block_kernel_portable();

@@ -136,63 +136,74 @@ void block_dc(const uint16_t* kb, const __m512i (*vi)[2 * DC], int n, int64_t d,
   block_scores<DC * 16>(kt, rows, nrows, sbuf);
   const __mmask16 k0 = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
   const __mmask16 k1 = n >= 32 ? 0xFFFF : (n > 16 ? static_cast<__mmask16>((1u << (n - 16)) - 1) : 0);
-  // Softmax weights of every row first (bfloat16 pairs in pw), then the values two rows at a
+  // Softmax weights of every row first (bfloat16 pairs in pw, each row's rescale in alpha): the rows'
+  // chains are independent, so the out-of-order core overlaps them; then the values two rows at a
   // time, so each interleaved value register loaded serves both.
-  alignas(64) int32_t pw[2][16];
-  float alpha[2];
+  int32_t* pw = reinterpret_cast<int32_t*>(sbuf + nrows * kBlock);  // [nrows][16], 64-byte aligned
+  float* alpha = sbuf + nrows * (kBlock + 16);
+  for (int r = 0; r < nrows; ++r) {
+    RowState& st = rows[r];
+    const float* sr = sbuf + r * kBlock;
+    __m512 s[2] = {_mm512_loadu_ps(sr), n > 16 ? _mm512_loadu_ps(sr + 16) : _mm512_setzero_ps()};
+    s[0] = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), k0, s[0]);
+    s[1] = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), k1, s[1]);
+    const float bmax = _mm512_reduce_max_ps(_mm512_max_ps(s[0], s[1]));
+    const float m_new = std::fmax(st.m, bmax);
+    alpha[r] = _mm_cvtss_f32(_mm512_castps512_ps128(exp_avx512(_mm512_set1_ps(st.m - m_new))));
+    const __m512 mn = _mm512_set1_ps(m_new);
+    const __m512 p0 = _mm512_maskz_mov_ps(k0, exp_avx512(_mm512_sub_ps(s[0], mn)));
+    const __m512 p1 = _mm512_maskz_mov_ps(k1, exp_avx512(_mm512_sub_ps(s[1], mn)));
+    st.l = std::fma(st.l, alpha[r], hsum16_avx512(_mm512_add_ps(p0, p1)));
+    _mm512_store_si512(pw + 16 * r, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));  // pairs (2j, 2j+1)
+    st.m = m_new;
+  }
   const int pairs = (n + 1) / 2;  // weights past n are zero: their products add nothing
-  for (int r0 = 0; r0 < nrows; r0 += 2) {
-    const int rn = std::min(2, nrows - r0);
-    for (int i = 0; i < rn; ++i) {
-      RowState& st = rows[r0 + i];
-      const float* sr = sbuf + (r0 + i) * kBlock;
-      __m512 s[2] = {_mm512_loadu_ps(sr), n > 16 ? _mm512_loadu_ps(sr + 16) : _mm512_setzero_ps()};
-      s[0] = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), k0, s[0]);
-      s[1] = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), k1, s[1]);
-      const float bmax = _mm512_reduce_max_ps(_mm512_max_ps(s[0], s[1]));
-      const float m_new = std::fmax(st.m, bmax);
-      alpha[i] = _mm_cvtss_f32(_mm512_castps512_ps128(exp_avx512(_mm512_set1_ps(st.m - m_new))));
-      const __m512 mn = _mm512_set1_ps(m_new);
-      const __m512 p0 = _mm512_maskz_mov_ps(k0, exp_avx512(_mm512_sub_ps(s[0], mn)));
-      const __m512 p1 = _mm512_maskz_mov_ps(k1, exp_avx512(_mm512_sub_ps(s[1], mn)));
-      st.l = std::fma(st.l, alpha[i], hsum16_avx512(_mm512_add_ps(p0, p1)));
-      _mm512_store_si512(pw[i], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));  // pairs (2j, 2j+1)
-      st.m = m_new;
-    }
-    if (rn == 2) {
-      float* acc0 = rows[r0].acc;
-      float* acc1 = rows[r0 + 1].acc;
-      __m512 a[DV], b[DV];
-      const __m512 al0 = _mm512_set1_ps(alpha[0]), al1 = _mm512_set1_ps(alpha[1]);
+  int r0 = 0;
+  for (; r0 + 2 <= nrows; r0 += 2) {
+    float* acc0 = rows[r0].acc;
+    float* acc1 = rows[r0 + 1].acc;
+    const int32_t* pw0 = pw + 16 * r0;
+    const int32_t* pw1 = pw0 + 16;
+    __m512 a[DV], b[DV];
+    // alpha is exactly 1 where the maximum did not move (exp_portable(0) = 1): x * 1 = x.
+    if (alpha[r0] == 1.f && alpha[r0 + 1] == 1.f) {
+      for (int c = 0; c < DV; ++c) {
+        a[c] = _mm512_load_ps(acc0 + 16 * c);
+        b[c] = _mm512_load_ps(acc1 + 16 * c);
+      }
+    } else {
+      const __m512 al0 = _mm512_set1_ps(alpha[r0]), al1 = _mm512_set1_ps(alpha[r0 + 1]);
       for (int c = 0; c < DV; ++c) {
         a[c] = _mm512_mul_ps(_mm512_load_ps(acc0 + 16 * c), al0);
         b[c] = _mm512_mul_ps(_mm512_load_ps(acc1 + 16 * c), al1);
       }
-#pragma GCC unroll 4
-      for (int j = 0; j < pairs; ++j) {
-        const __m512bh w0 = (__m512bh)_mm512_set1_epi32(pw[0][j]), w1 = (__m512bh)_mm512_set1_epi32(pw[1][j]);
-        for (int c = 0; c < DV; ++c) {
-          const __m512bh v = (__m512bh)vi[j][c];
-          a[c] = _mm512_dpbf16_ps(a[c], v, w0);
-          b[c] = _mm512_dpbf16_ps(b[c], v, w1);
-        }
-      }
-      for (int c = 0; c < DV; ++c) {
-        _mm512_store_ps(acc0 + 16 * c, a[c]);
-        _mm512_store_ps(acc1 + 16 * c, b[c]);
-      }
-    } else {
-      float* acc0 = rows[r0].acc;
-      __m512 a[DV];
-      const __m512 al0 = _mm512_set1_ps(alpha[0]);
-      for (int c = 0; c < DV; ++c) a[c] = _mm512_mul_ps(_mm512_load_ps(acc0 + 16 * c), al0);
-#pragma GCC unroll 4
-      for (int j = 0; j < pairs; ++j) {
-        const __m512bh w0 = (__m512bh)_mm512_set1_epi32(pw[0][j]);
-        for (int c = 0; c < DV; ++c) a[c] = _mm512_dpbf16_ps(a[c], (__m512bh)vi[j][c], w0);
-      }
-      for (int c = 0; c < DV; ++c) _mm512_store_ps(acc0 + 16 * c, a[c]);
     }
+#pragma GCC unroll 4
+    for (int j = 0; j < pairs; ++j) {
+      const __m512bh w0 = (__m512bh)_mm512_set1_epi32(pw0[j]), w1 = (__m512bh)_mm512_set1_epi32(pw1[j]);
+      for (int c = 0; c < DV; ++c) {
+        const __m512bh v = (__m512bh)vi[j][c];
+        a[c] = _mm512_dpbf16_ps(a[c], v, w0);
+        b[c] = _mm512_dpbf16_ps(b[c], v, w1);
+      }
+    }
+    for (int c = 0; c < DV; ++c) {
+      _mm512_store_ps(acc0 + 16 * c, a[c]);
+      _mm512_store_ps(acc1 + 16 * c, b[c]);
+    }
+  }
+  if (r0 < nrows) {
+    float* acc0 = rows[r0].acc;
+    const int32_t* pw0 = pw + 16 * r0;
+    __m512 a[DV];
+    const __m512 al0 = _mm512_set1_ps(alpha[r0]);
+    for (int c = 0; c < DV; ++c) a[c] = _mm512_mul_ps(_mm512_load_ps(acc0 + 16 * c), al0);
+#pragma GCC unroll 4
+    for (int j = 0; j < pairs; ++j) {
+      const __m512bh w0 = (__m512bh)_mm512_set1_epi32(pw0[j]);
+      for (int c = 0; c < DV; ++c) a[c] = _mm512_dpbf16_ps(a[c], (__m512bh)vi[j][c], w0);
+    }
+    for (int c = 0; c < DV; ++c) _mm512_store_ps(acc0 + 16 * c, a[c]);
   }
 }
 
@@ -208,6 +219,231 @@ void block(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* r
   }
 }
 
+// ------------------------------------------------------------------ many rows: rows across the lanes
+//
+// A run of full blocks read by many rows (a prefill chunk's tokens, a tree's nodes) puts 16 rows in a
+// register's lanes (a group) where `block` puts 16 keys or dimensions there. The keys' and values'
+// pairs are then broadcast from memory where they lie (no key transpose), each broadcast serves every
+// group of the tile, the maximum and the sum of a block run across registers (no horizontal steps), and
+// a group's rescale is one exponential. Each lane computes its row's chains exactly as `block` does
+// (a score: the pairs in order, odd product then even; the sum of weights: lane i + lane i+16, then the
+// tree i+8, i+4, i+2, i+1; a value: the key pairs in order), so the bits are `block`'s, block by block.
+
+constexpr int kTileKeys = 4;       // keys (scores) or dimensions (values) a tile broadcasts per step
+constexpr int kMaxTileGroups = 5;  // 4 x 5 accumulators, 5 row registers and 4 broadcasts: 29 of 32
+
+// The run's workspace (floats, 64-byte aligned): per group, the queries' pairs, the block's scores
+// (then weights), the weights' bfloat16 pairs, the value accumulators, and maximum, sum and rescale.
+struct LaneSpace {
+  __m512i* qt;  // [dp][G]: lane i = query pair p of row 16g + i
+  __m512* s;    // [kBlock][G]: scores, then exp(score - max)
+  __m512i* w;   // [kBlock / 2][G]: lane i = the bfloat16 weights of keys (2j, 2j+1)
+  __m512* acc;  // [d][G], d in the path's dimension order (`stored_dim`)
+  __m512 *m, *l, *alpha;  // [G]
+};
+
+inline int64_t lane_space_floats(int64_t d, int groups) { return (d / 2 + kBlock + kBlock / 2 + d + 3) * groups * 16; }
+
+LaneSpace lane_space(float* ws, int64_t d, int groups) {
+  __m512* z = reinterpret_cast<__m512*>(ws);
+  LaneSpace sp;
+  sp.qt = reinterpret_cast<__m512i*>(z);
+  z += d / 2 * groups;
+  sp.s = z;
+  z += kBlock * groups;
+  sp.w = reinterpret_cast<__m512i*>(z);
+  z += kBlock / 2 * groups;
+  sp.acc = z;
+  z += d * groups;
+  sp.m = z;
+  sp.l = z + groups;
+  sp.alpha = z + 2 * groups;
+  return sp;
+}
+
+// Scores of groups [g0, g0 + GT) against the block's keys, kTileKeys keys a step.
+template <int DP, int GT>
+void lane_scores(const uint16_t* kb, int64_t d, const LaneSpace& sp, int groups, int g0) {
+  for (int k0 = 0; k0 < kBlock; k0 += kTileKeys) {
+    __m512 acc[kTileKeys][GT];
+    for (int k = 0; k < kTileKeys; ++k)
+      for (int g = 0; g < GT; ++g) acc[k][g] = _mm512_setzero_ps();
+    const uint16_t* key = kb + k0 * d;
+#pragma GCC unroll 2
+    for (int p = 0; p < DP; ++p) {
+      __m512bh q[GT];
+      for (int g = 0; g < GT; ++g) q[g] = (__m512bh)_mm512_load_si512(sp.qt + p * groups + g0 + g);
+      for (int k = 0; k < kTileKeys; ++k) {
+        int32_t pair;
+        std::memcpy(&pair, key + k * d + 2 * p, 4);
+        const __m512bh kp = (__m512bh)_mm512_set1_epi32(pair);
+        for (int g = 0; g < GT; ++g) acc[k][g] = _mm512_dpbf16_ps(acc[k][g], kp, q[g]);
+      }
+    }
+    for (int k = 0; k < kTileKeys; ++k)
+      for (int g = 0; g < GT; ++g) sp.s[(k0 + k) * groups + g0 + g] = acc[k][g];
+  }
+}
+
+// Group g's online-softmax step over the block's scores: maximum, rescale, weights, sum.
+void lane_softmax(const LaneSpace& sp, int groups, int g) {
+  __m512* s = sp.s + g;
+  __m512 mx = s[0];
+  for (int k = 1; k < kBlock; ++k) mx = _mm512_max_ps(mx, s[k * groups]);
+  const __m512 m_new = _mm512_max_ps(sp.m[g], mx);
+  sp.alpha[g] = exp_avx512(_mm512_sub_ps(sp.m[g], m_new));
+  for (int k = 0; k < kBlock; ++k) s[k * groups] = exp_avx512(_mm512_sub_ps(s[k * groups], m_new));
+  __m512 x[16];
+  for (int i = 0; i < 16; ++i) x[i] = _mm512_add_ps(s[i * groups], s[(i + 16) * groups]);
+  for (int w = 8; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) x[i] = _mm512_add_ps(x[i], x[i + w]);
+  sp.l[g] = _mm512_fmadd_ps(sp.l[g], sp.alpha[g], x[0]);
+  sp.m[g] = m_new;
+  // Word 2i <- lane i of keys 2j, word 2i + 1 <- lane i of key 2j + 1.
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int j = 0; j < kBlock / 2; ++j) {
+    const __m512i pj = (__m512i)_mm512_cvtne2ps_pbh(s[(2 * j + 1) * groups], s[2 * j * groups]);
+    sp.w[j * groups + g] = _mm512_permutexvar_epi16(interleave, pj);
+  }
+}
+
+// Groups [g0, g0 + GT)'s values: each accumulator rescaled, then the block's key pairs in order,
+// kTileKeys dimensions a step (vi: the block's values interleaved by key pairs, `interleave_values`).
+template <int D, int GT>
+void lane_values(const __m512i* vi, const LaneSpace& sp, int groups, int g0) {
+  const int32_t* vp = reinterpret_cast<const int32_t*>(vi);  // pair j, dimension x: vp[j * D + x]
+  bool rescale = false;
+  for (int g = 0; g < GT; ++g)
+    rescale |= _mm512_cmp_ps_mask(sp.alpha[g0 + g], _mm512_set1_ps(1.f), _CMP_NEQ_UQ) != 0;  // x * 1 = x
+  for (int x0 = 0; x0 < D; x0 += kTileKeys) {
+    __m512 acc[kTileKeys][GT];
+    for (int x = 0; x < kTileKeys; ++x)
+      for (int g = 0; g < GT; ++g) {
+        acc[x][g] = sp.acc[(x0 + x) * groups + g0 + g];
+        if (rescale) acc[x][g] = _mm512_mul_ps(acc[x][g], sp.alpha[g0 + g]);
+      }
+#pragma GCC unroll 4
+    for (int j = 0; j < kBlock / 2; ++j) {
+      __m512bh w[GT];
+      for (int g = 0; g < GT; ++g) w[g] = (__m512bh)_mm512_load_si512(sp.w + j * groups + g0 + g);
+      for (int x = 0; x < kTileKeys; ++x) {
+        const __m512bh v = (__m512bh)_mm512_set1_epi32(vp[j * D + x0 + x]);
+        for (int g = 0; g < GT; ++g) acc[x][g] = _mm512_dpbf16_ps(acc[x][g], v, w[g]);
+      }
+    }
+    for (int x = 0; x < kTileKeys; ++x)
+      for (int g = 0; g < GT; ++g) sp.acc[(x0 + x) * groups + g0 + g] = acc[x][g];
+  }
+}
+
+template <int DP>
+void lane_scores_tile(const uint16_t* kb, int64_t d, const LaneSpace& sp, int groups, int g0, int gt) {
+  switch (gt) {
+    case 5: lane_scores<DP, 5>(kb, d, sp, groups, g0); break;
+    case 4: lane_scores<DP, 4>(kb, d, sp, groups, g0); break;
+    case 3: lane_scores<DP, 3>(kb, d, sp, groups, g0); break;
+    case 2: lane_scores<DP, 2>(kb, d, sp, groups, g0); break;
+    default: lane_scores<DP, 1>(kb, d, sp, groups, g0); break;
+  }
+}
+
+template <int D>
+void lane_values_tile(const __m512i* vi, const LaneSpace& sp, int groups, int g0, int gt) {
+  switch (gt) {
+    case 5: lane_values<D, 5>(vi, sp, groups, g0); break;
+    case 4: lane_values<D, 4>(vi, sp, groups, g0); break;
+    case 3: lane_values<D, 3>(vi, sp, groups, g0); break;
+    case 2: lane_values<D, 2>(vi, sp, groups, g0); break;
+    default: lane_values<D, 1>(vi, sp, groups, g0); break;
+  }
+}
+
+// The rows' states into the lanes and out, 16 x 16 words at a time (`transpose16`); rows past nrows get
+// zero queries and states, and their lanes are never read back.
+void lanes_in(const RowState* rows, int nrows, int64_t d, const LaneSpace& sp, int groups) {
+  float* m = reinterpret_cast<float*>(sp.m);
+  float* l = reinterpret_cast<float*>(sp.l);
+  for (int r = 0; r < groups * 16; ++r) {
+    m[r] = r < nrows ? rows[r].m : 0.f;
+    l[r] = r < nrows ? rows[r].l : 0.f;
+  }
+  __m512i t[16];
+  for (int g = 0; g < groups; ++g) {
+    for (int64_t x0 = 0; x0 < d; x0 += 16) {
+      for (int i = 0; i < 16; ++i) {
+        const int r = 16 * g + i;
+        t[i] = r < nrows ? _mm512_load_si512(rows[r].acc + x0) : _mm512_setzero_si512();
+      }
+      transpose16(t);
+      for (int i = 0; i < 16; ++i) sp.acc[(x0 + i) * groups + g] = _mm512_castsi512_ps(t[i]);
+    }
+    for (int64_t p0 = 0; p0 < d / 2; p0 += 16) {
+      for (int i = 0; i < 16; ++i) {
+        const int r = 16 * g + i;
+        t[i] = r < nrows ? _mm512_loadu_si512(rows[r].q + 2 * p0) : _mm512_setzero_si512();
+      }
+      transpose16(t);
+      for (int i = 0; i < 16; ++i) sp.qt[(p0 + i) * groups + g] = t[i];
+    }
+  }
+}
+
+void lanes_out(RowState* rows, int nrows, int64_t d, const LaneSpace& sp, int groups) {
+  const float* m = reinterpret_cast<const float*>(sp.m);
+  const float* l = reinterpret_cast<const float*>(sp.l);
+  for (int r = 0; r < nrows; ++r) {
+    rows[r].m = m[r];
+    rows[r].l = l[r];
+  }
+  __m512i t[16];
+  for (int g = 0; g < groups; ++g)
+    for (int64_t x0 = 0; x0 < d; x0 += 16) {
+      for (int i = 0; i < 16; ++i) t[i] = _mm512_castps_si512(sp.acc[(x0 + i) * groups + g]);
+      transpose16(t);
+      for (int i = 0; i < 16 && 16 * g + i < nrows; ++i) _mm512_store_si512(rows[16 * g + i].acc + x0, t[i]);
+    }
+}
+
+template <int DC>
+void run_dc(const uint16_t* k, const uint16_t* v, int nblocks, int64_t d, RowState* rows, int nrows, float* ws) {
+  constexpr int D = DC * 32, DP = D / 2;
+  const int groups = (nrows + 15) / 16;
+  const LaneSpace sp = lane_space(ws, d, groups);
+  lanes_in(rows, nrows, d, sp, groups);
+  const int tiles = (groups + kMaxTileGroups - 1) / kMaxTileGroups;
+  alignas(64) __m512i vi[kBlock / 2][2 * DC];
+  for (int b = 0; b < nblocks; ++b) {
+    const uint16_t* kb = k + b * kBlock * d;
+    const uint16_t* vb = v + b * kBlock * d;
+    if (b + 1 < nblocks)  // the next block's keys and values on their way while this one computes
+      for (int64_t o = 0; o < kBlock * d * 2; o += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(kb + kBlock * d) + o, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(vb + kBlock * d) + o, _MM_HINT_T0);
+      }
+    interleave_values<2 * DC>(vb, kBlock, d, vi);
+    for (int t = 0, g0 = 0; t < tiles; ++t) {  // tiles of balanced sizes
+      const int gt = (groups * (t + 1)) / tiles - g0;
+      lane_scores_tile<DP>(kb, d, sp, groups, g0, gt);
+      g0 += gt;
+    }
+    for (int g = 0; g < groups; ++g) lane_softmax(sp, groups, g);
+    for (int t = 0, g0 = 0; t < tiles; ++t) {
+      const int gt = (groups * (t + 1)) / tiles - g0;
+      lane_values_tile<D>(&vi[0][0], sp, groups, g0, gt);
+      g0 += gt;
+    }
+  }
+  lanes_out(rows, nrows, d, sp, groups);
+}
+
+void run(const uint16_t* k, const uint16_t* v, int nblocks, int64_t d, RowState* rows, int nrows, float* ws) {
+  if (d == 128)
+    run_dc<4>(k, v, nblocks, d, rows, nrows, ws);
+  else
+    run_dc<2>(k, v, nblocks, d, rows, nrows, ws);
+}
+
 // Accumulator c = 2*chunk + half holds, in lane l, dim 32*chunk + 8*(l/4) + 4*half + l%4 (the
 // unpacklo/unpackhi order of 16-bit pairs).
 inline int64_t stored_dim(int64_t c, int l) { return 32 * (c / 2) + 8 * (l / 4) + 4 * (c % 2) + l % 4; }
@@ -218,7 +454,12 @@ void finish(const RowState& st, int64_t d, float* out) {
     for (int l = 0; l < 16; ++l) out[stored_dim(c, l)] = st.acc[16 * c + l] * inv;
 }
 
-size_t workspace(int64_t, int nrows) { return static_cast<size_t>(nrows) * kBlock; }
+// Per row: its 32 scores, its 16 weight pairs and its rescale (padded to keep the pairs aligned).
+// and, for `run`, its lanes (`lane_space`).
+size_t workspace(int64_t d, int nrows) {
+  return std::max<size_t>(static_cast<size_t>(nrows) * (kBlock + 16) + nrows + 16,
+                          lane_space_floats(d, (nrows + 15) / 16));
+}
 
 // q8 rows into bfloat16 (kv_q8.h): q * scale is exact in float32 and never subnormal, so
 // VCVTNE2PS2BF16's rounding is float_to_bf16's.
@@ -234,9 +475,12 @@ void dequant(const uint16_t* rows, int n, int64_t d, uint16_t* out) {
 
 }  // namespace
 
+// From this many rows a run of blocks computes faster with rows across the lanes.
+constexpr int kRunRows = 24;
+
 bool block_kernel_avx512(int64_t d, BlockKernel* out) {
   if (!cpu_has_avx512_bf16() || (d != 64 && d != 128)) return false;
-  *out = {block, finish, workspace, dequant};
+  *out = {block, finish, workspace, dequant, run, kRunRows};
   return true;
 }
 

@@ -211,7 +211,11 @@ void attention_tests(const std::vector<Path>& paths) {
                         {6, 2, 3, 35, 32, true},     {4, 2, 5, 66, 96, true},   {2, 1, 17, 1000, 128, false},
                         {8, 2, 1, 90, 64, false, true}, {8, 2, 9, 300, 64, true, true},
                         {12, 2, 1, 5000, 128, false}, {14, 2, 9, 2600, 64, true}, {4, 1, 2, 1600, 64, false},
-                        {8, 2, 1, 2600, 64, false, true}};  // sinks over a cache read in pieces
+                        {8, 2, 1, 2600, 64, false, true},  // sinks over a cache read in pieces
+                        // prefill chunks: many rows a pass, rows across the lanes where a path has that
+                        // (whole and part-filled groups of 16 rows, tiles of several groups, chunk folds)
+                        {12, 2, 64, 1200, 128, false}, {8, 1, 40, 900, 64, false}, {6, 2, 8, 600, 128, false},
+                        {14, 2, 48, 1100, 64, false, true}, {12, 2, 20, 1300, 128, true}};
   for (const Case& c : cases) {
     const std::vector<float> q = randn(c.heads * c.t * c.d);
     const std::vector<uint16_t> k = random_bf16(c.kv * c.s * c.d), v = random_bf16(c.kv * c.s * c.d);
