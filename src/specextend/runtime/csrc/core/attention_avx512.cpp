@@ -159,7 +159,8 @@ void block_dc(const uint16_t* kb, const __m512i (*vi)[2 * DC], int n, int64_t d,
   }
   const int pairs = (n + 1) / 2;  // weights past n are zero: their products add nothing
   int r0 = 0;
-  for (; r0 + 2 <= nrows; r0 += 2) {
+  // Two rows at a time while their accumulators fit the registers with the values (head size <= 128).
+  for (; DV <= 8 && r0 + 2 <= nrows; r0 += 2) {
     float* acc0 = rows[r0].acc;
     float* acc1 = rows[r0 + 1].acc;
     const int32_t* pw0 = pw + 16 * r0;
@@ -192,7 +193,7 @@ void block_dc(const uint16_t* kb, const __m512i (*vi)[2 * DC], int n, int64_t d,
       _mm512_store_ps(acc1 + 16 * c, b[c]);
     }
   }
-  if (r0 < nrows) {
+  for (; r0 < nrows; ++r0) {
     float* acc0 = rows[r0].acc;
     const int32_t* pw0 = pw + 16 * r0;
     __m512 a[DV];
@@ -208,10 +209,14 @@ void block_dc(const uint16_t* kb, const __m512i (*vi)[2 * DC], int n, int64_t d,
 }
 
 void block(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* rows, int nrows, float* ws) {
-  alignas(64) __m512i vi[kBlock / 2][8];
-  if (d == 128) {
-    interleave_values<8>(vb, n, d, vi);
-    block_dc<4>(kb, vi, n, d, rows, nrows, ws);
+  alignas(64) __m512i vi[kBlock / 2][16];
+  if (d == 256) {  // Gemma 2 and 3
+    interleave_values<16>(vb, n, d, vi);
+    block_dc<8>(kb, vi, n, d, rows, nrows, ws);
+  } else if (d == 128) {
+    auto v8 = reinterpret_cast<__m512i(*)[8]>(vi);
+    interleave_values<8>(vb, n, d, v8);
+    block_dc<4>(kb, v8, n, d, rows, nrows, ws);
   } else {
     auto v4 = reinterpret_cast<__m512i(*)[4]>(vi);
     interleave_values<4>(vb, n, d, v4);
@@ -438,7 +443,9 @@ void run_dc(const uint16_t* k, const uint16_t* v, int nblocks, int64_t d, RowSta
 }
 
 void run(const uint16_t* k, const uint16_t* v, int nblocks, int64_t d, RowState* rows, int nrows, float* ws) {
-  if (d == 128)
+  if (d == 256)
+    run_dc<8>(k, v, nblocks, d, rows, nrows, ws);
+  else if (d == 128)
     run_dc<4>(k, v, nblocks, d, rows, nrows, ws);
   else
     run_dc<2>(k, v, nblocks, d, rows, nrows, ws);
@@ -479,7 +486,7 @@ void dequant(const uint16_t* rows, int n, int64_t d, uint16_t* out) {
 constexpr int kRunRows = 24;
 
 bool block_kernel_avx512(int64_t d, BlockKernel* out) {
-  if (!cpu_has_avx512_bf16() || (d != 64 && d != 128)) return false;
+  if (!cpu_has_avx512_bf16() || (d != 64 && d != 128 && d != 256)) return false;
   *out = {block, finish, workspace, dequant, run, kRunRows};
   return true;
 }

@@ -215,7 +215,9 @@ void attention_tests(const std::vector<Path>& paths) {
                         // prefill chunks: many rows a pass, rows across the lanes where a path has that
                         // (whole and part-filled groups of 16 rows, tiles of several groups, chunk folds)
                         {12, 2, 64, 1200, 128, false}, {8, 1, 40, 900, 64, false}, {6, 2, 8, 600, 128, false},
-                        {14, 2, 48, 1100, 64, false, true}, {12, 2, 20, 1300, 128, true}};
+                        {14, 2, 48, 1100, 64, false, true}, {12, 2, 20, 1300, 128, true},
+                        // head size 256 (Gemma 2 and 3): a decode step, a tree, a prefill chunk
+                        {8, 4, 1, 1500, 256, false}, {8, 4, 9, 700, 256, true}, {4, 1, 40, 800, 256, false}};
   for (const Case& c : cases) {
     const std::vector<float> q = randn(c.heads * c.t * c.d);
     const std::vector<uint16_t> k = random_bf16(c.kv * c.s * c.d), v = random_bf16(c.kv * c.s * c.d);
