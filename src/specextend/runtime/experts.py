@@ -17,7 +17,8 @@ copied, and any weight type the kernels compute with works here unchanged.
 
 Exactness, as everywhere in the quantized runtime: a row's output does not depend on the other
 rows of the step. The router runs through the kernels (its float32 weights as three bfloat16
-matrices whose sum is exactly them: `exact_bf16`); each used expert runs once over the rows that
+matrices whose sum is exactly them: `exact_bf16`), and so does its weighting (`WEIGHTING_IDS`);
+each used expert runs once over the rows that
 chose it (the kernels quantize each row on its own); and a row's experts are summed in its own
 top-k rank order, never in the order the step grouped them. So a token's bits are the same alone,
 inside a verification tree and in a batch; a one-row step reads only its k experts' bytes.
@@ -95,6 +96,10 @@ WEIGHTINGS: dict[str, Callable[[torch.Tensor, int], Routing]] = {
     "softmax_topk_norm": _softmax_topk_norm,  # Qwen3-MoE, Mixtral
     "topk_softmax": _topk_softmax,  # gpt-oss
 }
+# The same weightings in the kernels (csrc/core/experts.h's Weighting): the quantized runtime's, with
+# bits of their own (fastexp.h's exp, fixed summation orders, ties to the lower index), so that the
+# per-layer forward and the whole-step call (fused_step.py) route a row alike.
+WEIGHTING_IDS = {"softmax_topk": 0, "softmax_topk_norm": 1, "topk_softmax": 2}
 
 
 def expert_views(seg: Segment, experts: int) -> list[Segment]:
@@ -134,6 +139,7 @@ class Experts(nn.Module):
             raise UserError(f"unsupported expert router {cfg.router!r} or activation {cfg.expert_act!r}")
         self.count, self.used, self.ff, self.hidden = cfg.experts, cfg.experts_used, cfg.expert_ff, cfg.hidden_size
         self.weighting = WEIGHTINGS[cfg.router]
+        self.weighting_id = WEIGHTING_IDS[cfg.router]
         self.act = ACTIVATIONS[cfg.expert_act]
         self.router = linear(self.hidden, self.count, False)  # the loader sets a bias where the file has one
         self.shared = cfg.shared_ff > 0
@@ -210,7 +216,7 @@ class Experts(nn.Module):
         the rows that chose it."""
         kw: dict[str, Any] = {} if norm is None else {"norm": norm, "eps": eps}
         logits = self._router_rows(x, kw)
-        experts, weights = self.weighting(logits[:, : self.count], self.used)
+        experts, weights = kernels.load().route_rows(logits[:, : self.count], self.used, self.weighting_id)
         if self._one_call:
             out = self._experts_call(x, experts, weights, kw)
         else:

@@ -44,7 +44,7 @@ _SOURCES = ("torch_ops.cpp", "core/cpu.cpp", "core/qlinear.cpp", "core/qlinear_p
             "core/qlinear_avx2.cpp", "core/qlinear_avx512.cpp", "core/qlinear_neon.cpp", "core/attention.cpp",
             "core/attention_portable.cpp", "core/attention_avx2.cpp", "core/attention_avx512.cpp",
             "core/attention_neon.cpp", "core/rope.cpp", "step_ops.cpp", "core/step.cpp", "core/qlinear_amx.cpp",
-            "core/family.cpp")
+            "core/family.cpp", "core/experts.cpp")
 _CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-std=c++17")
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -57,8 +57,9 @@ EMULATED_AMX = "amx-emulated"  # test switch (csrc/core/cpu.h): the amx code on 
 # under q8's epilogue (the offset in the integer sum), not a one-group q4k's minimum term. 4: attention's
 # online softmax runs per chunk of 512 keys, the chunks folded in order (a long cache read in pieces).
 # 5: a family's post norms, GeGLU and whole-row q/k norms as core/family.h's row operations, partial
-# rotary in rope_store, a score scale in the attention kernel (the families' KV and logits).
-ARITHMETIC_VERSION = 5
+# rotary in rope_store, a score scale in the attention kernel (the families' KV and logits). 6: an expert
+# router's weighting in the kernels (core/experts.h), not PyTorch's softmax and top-k (expert models' bits).
+ARITHMETIC_VERSION = 6
 CPU_ENV = "SPECEXTEND_CPU"
 # "1" (or some of q4k,q5k,iq4,q6k,q3k,q2k): the K-quants (Q4_K, Q5_K, IQ4_XS, Q6_K, Q3_K, Q2_K) take
 # activations with one scale per 256 values (llama.cpp's Q8_K; csrc/core/qlinear.h), the other

@@ -11,6 +11,7 @@
 
 #include "core/attention.h"
 #include "core/cpu.h"
+#include "core/experts.h"
 #include "core/qlinear.h"
 #include "core/family.h"
 #include "core/kv_q8.h"
@@ -529,20 +530,30 @@ at::Tensor experts_rows(const at::Tensor& x, const c10::optional<at::Tensor>& no
   const float* yp = ys.data_ptr<float>();
   const float* wp = wc.data_ptr<float>();
   at::parallel_for(0, m, 1, [&](int64_t b, int64_t e) {
+    std::vector<const float*> rows(used);
     for (int64_t r = b; r < e; ++r) {
-      float* o = out.data_ptr<float>() + r * hidden;
-      for (int64_t j = 0; j < used; ++j) {
-        const float w = wp[r * used + j];
-        const float* y = yp + where[r * used + j] * hidden;
-        if (j == 0) {
-          for (int64_t i = 0; i < hidden; ++i) o[i] = y[i] * w;
-        } else {
-          for (int64_t i = 0; i < hidden; ++i) o[i] = o[i] + y[i] * w;
-        }
-      }
+      for (int64_t j = 0; j < used; ++j) rows[j] = yp + where[r * used + j] * hidden;
+      spx::weighted_sum_row(rows.data(), wp + r * used, used, hidden, out.data_ptr<float>() + r * hidden);
     }
   });
   return out;
+}
+
+// Router logits [m, count] -> each row's top `used` experts (int64, rank order) and weights (float32)
+// by weighting `kind` (core/experts.h: experts.py's WEIGHTINGS with bits of their own).
+std::tuple<at::Tensor, at::Tensor> route_rows(const at::Tensor& logits, int64_t used, int64_t kind) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "route: logits must be float32 [m, experts]");
+  const at::Tensor lc = logits.contiguous();
+  const int64_t m = lc.size(0), count = lc.size(1);
+  TORCH_CHECK(used >= 1 && used <= count && kind >= 0 && kind < spx::kWeightings, "route: bad top-k or weighting");
+  at::Tensor experts = at::empty({m, used}, lc.options().dtype(at::kLong)), weights = at::empty({m, used}, lc.options());
+  std::vector<float> scratch(count);
+  std::vector<int64_t> iscratch(count);
+  for (int64_t r = 0; r < m; ++r)
+    spx::route_row(lc.data_ptr<float>() + r * count, count, used, static_cast<spx::Weighting>(kind),
+                   experts.data_ptr<int64_t>() + r * used, weights.data_ptr<float>() + r * used, scratch.data(),
+                   iscratch.data());
+  return {experts, weights};
 }
 
 }  // namespace
@@ -553,6 +564,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear, "quantized linear over weight segments", py::arg("x"), py::arg("blobs"), py::arg("fmts"),
         py::arg("ns"), py::arg("offsets"), py::arg("sbgs"), py::arg("bias"), py::arg("norm"), py::arg("eps"),
         py::arg("silu_mul"), py::arg("residual"), py::arg("path"), py::arg("out") = py::none());
+  m.def("route_rows", &route_rows, "router logits -> each row's top-k experts and weights (core/experts.h)");
   m.def("experts_rows", &experts_rows, "a mixture of experts' products and weighted sum (experts.py)");
   m.def("dequantize", &dequantize, "dequantize rows of a weight blob", py::arg("blob"), py::arg("fmt"), py::arg("n"),
         py::arg("k"), py::arg("offset"), py::arg("sbg"), py::arg("row_ids"), py::arg("out") = py::none());

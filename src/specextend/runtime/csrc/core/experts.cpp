@@ -1,0 +1,67 @@
+// A mixture-of-experts layer's row operations (experts.h).
+#include "experts.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "fastexp.h"
+
+namespace spx {
+
+namespace {
+
+// The indices of the `used` largest values, descending; ties keep the lower index first.
+void top_indices(const float* v, int64_t count, int64_t used, int64_t* out, int64_t* idx) {
+  std::iota(idx, idx + count, 0);
+  std::partial_sort(idx, idx + used, idx + count,
+                    [&](int64_t a, int64_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); });
+  std::copy(idx, idx + used, out);
+}
+
+// p_i = exp(v_i - max) / sum, the sum in order.
+void softmax(const float* v, int64_t n, float* p) {
+  float m = v[0];
+  for (int64_t i = 1; i < n; ++i) m = std::fmax(m, v[i]);
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    p[i] = exp_portable(v[i] - m);
+    s += p[i];
+  }
+  for (int64_t i = 0; i < n; ++i) p[i] = p[i] / s;
+}
+
+}  // namespace
+
+void route_row(const float* logits, int64_t count, int64_t used, Weighting kind, int64_t* experts, float* weights,
+               float* scratch, int64_t* iscratch) {
+  if (kind == Weighting::TopkSoftmax) {
+    top_indices(logits, count, used, experts, iscratch);
+    for (int64_t j = 0; j < used; ++j) scratch[j] = logits[experts[j]];
+    softmax(scratch, used, weights);
+    return;
+  }
+  float* p = scratch;
+  softmax(logits, count, p);
+  top_indices(p, count, used, experts, iscratch);
+  for (int64_t j = 0; j < used; ++j) weights[j] = p[experts[j]];
+  if (kind == Weighting::SoftmaxTopkNorm) {
+    float s = 0.f;
+    for (int64_t j = 0; j < used; ++j) s += weights[j];
+    for (int64_t j = 0; j < used; ++j) weights[j] = weights[j] / s;
+  }
+}
+
+void weighted_sum_row(const float* const* ys, const float* weights, int64_t used, int64_t hidden, float* out) {
+  for (int64_t j = 0; j < used; ++j) {
+    const float w = weights[j];
+    const float* y = ys[j];
+    if (j == 0) {
+      for (int64_t i = 0; i < hidden; ++i) out[i] = y[i] * w;
+    } else {
+      for (int64_t i = 0; i < hidden; ++i) out[i] = out[i] + y[i] * w;
+    }
+  }
+}
+
+}  // namespace spx

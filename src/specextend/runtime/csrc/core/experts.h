@@ -1,0 +1,31 @@
+// The row operations of a mixture-of-experts layer (runtime/experts.py) that are not products: the
+// router's weighting (a row's logits -> its top-k experts and their weights) and the weighted sum of
+// a row's expert outputs. Plain scalar code with fastexp.h's exp (no SIMD, built without
+// contraction): the same bits on every path and CPU. The per-layer forward (through the torch
+// binding) and the whole-step call (step.h) both call these, so the two give the same bits; a row's
+// result reads only that row.
+#pragma once
+
+#include <cstdint>
+
+namespace spx {
+
+// How a row's router logits become its experts' weights (experts.py, WEIGHTINGS).
+enum class Weighting : int {
+  SoftmaxTopk = 0,      // softmax over all experts, then the top k (Qwen2-MoE, OLMoE)
+  SoftmaxTopkNorm = 1,  // the same, the k weights divided by their sum (Qwen3-MoE, Mixtral)
+  TopkSoftmax = 2,      // the top k logits, then a softmax over them (gpt-oss)
+};
+constexpr int kWeightings = 3;
+
+// A row's top `used` of `count` experts, by descending weight (ties: the lower index first), into
+// experts [used] and weights [used]. The softmax: m = the maximum, e_i = exp(l_i - m), s = their
+// sum in index order (the selected ones' in rank order for TopkSoftmax), p_i = e_i / s.
+// scratch: `count` floats and `count` indices (nothing is allocated: a step's parallel region calls it).
+void route_row(const float* logits, int64_t count, int64_t used, Weighting kind, int64_t* experts, float* weights,
+               float* scratch, int64_t* iscratch);
+
+// out [hidden] = w_0 * y_0 + w_1 * y_1 + ... in rank order (one product and one sum at a time).
+void weighted_sum_row(const float* const* ys, const float* weights, int64_t used, int64_t hidden, float* out);
+
+}  // namespace spx
