@@ -19,12 +19,13 @@ from specextend.common.settings import Settings
 from specextend.models import gguf as conv
 from specextend.models.loader import load_model
 from specextend.runtime import experts as experts_mod
-from specextend.runtime import kernels
+from specextend.runtime import fused_step, kernels
 from specextend.runtime.layers import Rows
 from specextend.speculation.decoder import SpecEngine
 from test_families import SMALL, hf_logits, ours_logits, scaled_blocks
 from test_gguf import llama_cpp_permute
 from test_quantized_runtime import tree
+from test_step import run as step_run
 
 ARCHS = ["qwen3moe", "qwen2moe", "mixtral", "olmoe"]
 GGUF_ARCH = {"mixtral": "llama"}  # llama.cpp files Mixtral under llama
@@ -327,7 +328,8 @@ def test_the_expert_layer_reads_only_each_rows_experts_and_its_rows_stand_alone(
     model = load_model(converted("mixtral", "Q8_0")[0], torch.float32, weights="gguf")
     moe, norm = model.layers[0].moe, model.layers[0].mlp_norm
     x = torch.randn(13, HIDDEN, generator=torch.Generator().manual_seed(3))
-    chosen = moe.weighting(moe._router_rows(x, {"norm": norm.weight, "eps": norm.eps})[:, : moe.count], moe.used)[0]
+    logits = moe._router_rows(x, {"norm": norm.weight, "eps": norm.eps})[:, : moe.count]
+    chosen = kernels.load().route_rows(logits, moe.used, moe.weighting_id)[0]
     assert moe._one_call
     one_call = moe.forward_rows(x, norm.weight, norm.eps)
     alone = [moe.forward_rows(x[i : i + 1], norm.weight, norm.eps)[0] for i in range(x.shape[0])]
@@ -344,6 +346,57 @@ def test_the_expert_layer_reads_only_each_rows_experts_and_its_rows_stand_alone(
         assert torch.equal(alone[i], rows[i]), i
         assert len(calls) == 1 + 2 * moe.used
         assert {id(w) for w in calls[1::2]} == {id(moe.q_gate_up[e]) for e in chosen[i].tolist()}
+
+
+@needs_kernels
+@pytest.mark.parametrize("router", sorted(experts_mod.WEIGHTING_IDS))
+def test_the_kernels_weighting_is_the_references_with_ties_to_the_lower_index(router):
+    """`route_rows` (csrc/core/experts.h) picks PyTorch's experts in PyTorch's order with its weights to
+    float32 rounding, row by row; equal logits go to the lower index; a bad k is refused."""
+    ext, used = kernels.load(), 3
+    logits = torch.randn(40, 16, generator=torch.Generator().manual_seed(4)) * 3
+    experts, weights = ext.route_rows(logits, used, experts_mod.WEIGHTING_IDS[router])
+    ref_experts, ref_weights = experts_mod.WEIGHTINGS[router](logits, used)
+    assert torch.equal(experts, ref_experts)
+    torch.testing.assert_close(weights, ref_weights, rtol=2e-6, atol=1e-7)
+    for i in range(4):
+        e, w = ext.route_rows(logits[i : i + 1], used, experts_mod.WEIGHTING_IDS[router])
+        assert torch.equal(e[0], experts[i]) and torch.equal(w[0], weights[i])
+    tied = torch.zeros(1, 8)
+    tied[0, 5] = tied[0, 2] = 1.0
+    assert ext.route_rows(tied, used, experts_mod.WEIGHTING_IDS[router])[0].tolist() == [[2, 5, 0]]
+    with pytest.raises(RuntimeError, match="top-k"):
+        ext.route_rows(logits, 17, 0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("path", kernels.cpu_paths())
+@pytest.mark.parametrize(("arch", "kind"), [("qwen3moe", "Q4_K"), ("mixtral", "Q8_0"), ("olmoe", "Q4_K")])
+def test_the_whole_step_runs_the_experts_with_the_per_layer_bits(converted, monkeypatch, path, arch, kind):
+    """SiLU experts without a shared one decode through the whole-step call (csrc/core/step.h) with
+    the per-layer forward's bits: logits, every K/V slot and the kept queries, for one row, a tree's
+    level and 16 causal rows, on every path this CPU runs."""
+    monkeypatch.setenv(kernels.CPU_ENV, path)
+    model = load_model(converted(arch, kind)[0], torch.float32, weights="gguf")
+    assert model.cfg.stepped and model.fused
+    calls = []
+    real = fused_step.run
+    monkeypatch.setattr(fused_step, "run", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    python = step_run(model, 0)
+    assert not calls
+    whole = step_run(model, 16)
+    assert calls and max(calls) == 16
+    assert len(python) == len(whole)
+    for i, (a, b) in enumerate(zip(python, whole, strict=True)):
+        assert torch.equal(a, b), i
+
+
+def test_a_shared_expert_keeps_the_per_layer_kernels(converted):
+    """Qwen2-MoE's shared expert is not in the whole-step call: its model says so and runs the per-layer
+    kernels (the same as before the call took expert layers)."""
+    model = load_model(converted("qwen2moe", "Q8_0")[0], torch.float32, weights="gguf")
+    assert not model.cfg.stepped
+    assert "a shared expert" in model.cfg.describe()
 
 
 @pytest.mark.parametrize("arch", ["qwen2moe", "mixtral"])

@@ -68,11 +68,12 @@ class ModelConfig:
 
     @property
     def stepped(self) -> bool:
-        """Whether decode steps take the whole-step C++ call (fused_step.py): every dense family but
-        those with soft-capped attention scores (Gemma 2), which the attention kernel does not
-        compute, and gpt-oss's sinks and output bias; those, and expert models (runtime/experts.py),
-        run as the per-layer kernels."""
-        return (self.attn_softcap is None and not self.experts and not self.attn_sinks and not self.o_bias
+        """Whether decode steps take the whole-step C++ call (fused_step.py): every family but those
+        with soft-capped attention scores (Gemma 2), which the attention kernel does not compute,
+        gpt-oss's sinks, output bias and clamped SwiGLU experts, and a shared expert (Qwen2-MoE);
+        those run as the per-layer kernels. Expert layers of SiLU experts take it (core/step.h)."""
+        experts = not self.experts or (not self.shared_ff and self.expert_act == "silu")
+        return (self.attn_softcap is None and experts and not self.attn_sinks and not self.o_bias
                 and self.activation in ("silu", "gelu_tanh"))
 
     def switches(self) -> dict[str, Any]:
@@ -102,8 +103,10 @@ class ModelConfig:
                          f"{self.router}, {self.expert_act}{shared}")
         skip = {"window_layers", "sliding_window", "rope_layers", *_EXPERT_SWITCHES}
         parts += [f"{k} {text(v)}" for k, v in s.items() if k not in skip]
-        why = "soft-cap attention scores" if self.attn_softcap is not None else "run expert layers" if self.experts \
-            else "add attention sinks or an output bias"
+        why = ("soft-cap attention scores" if self.attn_softcap is not None
+               else "add attention sinks or an output bias" if self.attn_sinks or self.o_bias
+               else "run a shared expert or experts other than SiLU ones" if self.experts
+               else "run this activation")
         step = ("the whole-step C++ call for decode steps, the per-layer kernels for prefill" if self.stepped
                 else f"the per-layer kernels (the whole-step C++ call does not {why})")
         return f"{self.arch}{': ' + ', '.join(parts) if parts else ''}; quantized weights run {step}"
@@ -213,7 +216,7 @@ _SWITCHES = frozenset({"norms", "norm_plus_one", "activation", "embed_scale", "r
                        "attn_softcap", "logit_divisor", "final_softcap", "sliding_window", "window_layers",
                        "rope_layers", "local_rope_theta", "rotary_dim", "attn_sinks", "o_bias", "experts",
                        "experts_used", "expert_ff", "shared_ff", "router", "expert_act"})
-# The expert layer's switches (the whole-step C++ call has no expert layer: `plain` is False with them).
+# The expert layer's switches (the folded per-layer kernels have no expert layer: `plain` is False with them).
 _EXPERT_SWITCHES = frozenset({"experts", "experts_used", "expert_ff", "shared_ff", "router", "expert_act"})
 # The switches the plain block takes as per-layer rope tables.
 _ROPE_SWITCHES = frozenset({"rope_layers", "local_rope_theta"})

@@ -19,11 +19,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import kernels
+from .quant import FORMATS
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
     from .config import ModelConfig
+    from .experts import Experts
     from .kv_cache import KVCache
     from .layers import Block, Linear, RMSNorm, Rows
     from .quant import QWeight
@@ -55,12 +57,29 @@ def plan(cfg: ModelConfig, layers: Iterable[Block]) -> Any:
     identity = rope_kinds(cfg)  # a layer without rope takes the table of angle zero, after the others
     for layer in layers:
         per_head = not layer.qk_full
-        p.add_layer(_weight(layer.qkv), _weight(layer.o), _weight(layer.gate_up), _weight(layer.down),
-                    _norm(layer.attn_norm), _norm(layer.mlp_norm), _norm(layer.q_norm) if per_head else None,
-                    _norm(layer.k_norm) if per_head else None, layer.rope_kind if layer.rope_kind >= 0 else identity)
+        moe = layer.moe
+        p.add_layer(_weight(layer.qkv), _weight(layer.o), None if moe else _weight(layer.gate_up),
+                    None if moe else _weight(layer.down), _norm(layer.attn_norm), _norm(layer.mlp_norm),
+                    _norm(layer.q_norm) if per_head else None, _norm(layer.k_norm) if per_head else None,
+                    layer.rope_kind if layer.rope_kind >= 0 else identity)
         p.layer_family(_norm(layer.attn_out_norm), _norm(layer.mlp_out_norm), None if per_head else _norm(layer.q_norm),
                        None if per_head else _norm(layer.k_norm), bool(layer.window), layer.gelu)
+        if moe is not None:
+            _experts(p, moe)
     return p
+
+
+def _experts(p: Any, moe: Experts) -> None:
+    """A layer's experts as the C++ step takes them (`ModelConfig.stepped`: SiLU experts without
+    biases, no shared expert): the router's exact bfloat16 parts and bias, the stacked tensors."""
+    if moe.q_stacked is None or moe.q_router is None or moe.shared or moe.gate_bias is not None \
+            or moe.down_bias is not None or not moe.act.fused_silu:
+        raise ValueError("the whole-step call runs SiLU experts without biases or a shared expert only")
+    router = moe.q_router
+    bias = None if moe.router.bias is None else moe.router.bias.detach().float().contiguous()
+    stacked = [(s.blob, FORMATS[s.fmt], s.n, s.offset, s.groups) for s in moe.q_stacked]
+    p.layer_experts((router.blobs, router.formats, router.widths, router.offsets, router.groups, None), bias,
+                    *stacked, moe.count, moe.used, moe.ff, moe.weighting_id)
 
 
 def rope_kinds(cfg: ModelConfig) -> int:

@@ -232,8 +232,12 @@ class Transformer(nn.Module):
     def _takes_step(self, x: torch.Tensor, parts: list[Rows]) -> bool:
         """Whether a fused forward runs as one C++ call (fused_step.py): a lone sequence's few rows, or
         a batch's sequences whatever their rows. A family with switches the C++ step does not
-        implement (`ModelConfig.stepped`) keeps the per-layer kernels."""
+        implement (`ModelConfig.stepped`) keeps the per-layer kernels, and so does an expert model's
+        forward of more rows than a step's (a batch's prefill: there each expert's many rows take the
+        many-row kernels through `Experts`)."""
         if not self.cfg.stepped or self.step_rows <= 0 or (len(parts) == 1 and parts[0].size > self.step_rows):
+            return False
+        if self.cfg.experts and x.shape[0] > self.step_rows:
             return False
         if self.output_head is not None and not isinstance(self.output_head.head, QWeight):
             return False

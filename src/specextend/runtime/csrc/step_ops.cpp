@@ -71,7 +71,7 @@ std::shared_ptr<StepPlan> step_plan(int64_t hidden, int64_t heads, int64_t kv_he
   return p;
 }
 
-void add_layer(StepPlan& p, const py::tuple& qkv, const py::tuple& o, const py::tuple& gate_up, const py::tuple& down,
+void add_layer(StepPlan& p, const py::tuple& qkv, const py::tuple& o, const py::object& gate_up, const py::object& down,
                const c10::optional<at::Tensor>& attn_norm, const c10::optional<at::Tensor>& mlp_norm,
                const c10::optional<at::Tensor>& q_norm,
                const c10::optional<at::Tensor>& k_norm, int64_t rope_kind) {
@@ -80,12 +80,16 @@ void add_layer(StepPlan& p, const py::tuple& qkv, const py::tuple& o, const py::
   spx::StepLayer l;
   l.qkv = step_linear(p, qkv, md.hidden, "qkv");
   l.o = step_linear(p, o, hd, "o");
-  l.gate_up = step_linear(p, gate_up, md.hidden, "gate_up");
-  TORCH_CHECK(l.qkv.n == hd + 2 * md.kv_heads * md.head_dim && l.o.n == md.hidden && l.gate_up.n % 64 == 0,
-              "step: layer widths do not match the model's shape");
-  l.down = step_linear(p, down, l.gate_up.n / 2, "down");
-  TORCH_CHECK(l.down.n == md.hidden && l.o.bias == nullptr && l.gate_up.bias == nullptr && l.down.bias == nullptr,
-              "step: down must map the MLP back to the hidden width; only qkv has a bias");
+  TORCH_CHECK(l.qkv.n == hd + 2 * md.kv_heads * md.head_dim && l.o.n == md.hidden && l.o.bias == nullptr,
+              "step: layer widths do not match the model's shape; only qkv has a bias");
+  TORCH_CHECK(gate_up.is_none() == down.is_none(), "step: gate_up and down come together (None: experts follow)");
+  if (!gate_up.is_none()) {  // a dense MLP (else layer_experts gives the layer its experts)
+    l.gate_up = step_linear(p, gate_up.cast<py::tuple>(), md.hidden, "gate_up");
+    TORCH_CHECK(l.gate_up.n % 64 == 0, "step: gate_up's width must be a multiple of 64");
+    l.down = step_linear(p, down.cast<py::tuple>(), l.gate_up.n / 2, "down");
+    TORCH_CHECK(l.down.n == md.hidden && l.gate_up.bias == nullptr && l.down.bias == nullptr,
+                "step: down must map the MLP back to the hidden width; only qkv has a bias");
+  }
   TORCH_CHECK(md.layers.empty() || (l.qkv.n == md.layers[0].qkv.n && l.gate_up.n == md.layers[0].gate_up.n),
               "step: every layer must have the same shape");
   // OLMo 2's layers have no norm before attention or the MLP
@@ -132,6 +136,51 @@ void layer_family(StepPlan& p, const c10::optional<at::Tensor>& attn_out_norm,
     return e.windowed == windowed;
   });
   l.gelu = gelu;
+}
+
+// One stacked expert tensor (blob, format, rows, offset, groups): experts.py's Experts.q_stacked.
+spx::Segment stacked_segment(StepPlan& p, const py::tuple& t, int64_t n, int64_t k, const char* what) {
+  TORCH_CHECK(t.size() == 5, "step: ", what, " must be (blob, format, rows, offset, groups)");
+  const auto blob = t[0].cast<at::Tensor>();
+  const int64_t fmt = t[1].cast<int64_t>(), rows = t[2].cast<int64_t>(), offset = t[3].cast<int64_t>(),
+                sbg = t[4].cast<int64_t>();
+  spx::FormatInfo fi{};
+  TORCH_CHECK(spx::format_info(fmt, sbg, &fi) && k % fi.superblock == 0 && rows == n, "step: ", what,
+              ": bad format or shape");
+  TORCH_CHECK(blob.scalar_type() == at::kByte && blob.is_contiguous(), "step: ", what, ": a contiguous uint8 blob");
+  const spx::Segment s{blob.data_ptr<uint8_t>(), fmt, n, k, offset, sbg};
+  TORCH_CHECK(blob.numel() == s.panels() * s.panel_bytes(), "step: ", what, ": blob size does not match");
+  p.keep.push_back(blob);
+  return s;
+}
+
+// The last added layer's experts (step.h's StepExperts; add_layer gave it no dense MLP): the router as
+// three bfloat16 parts (experts.exact_bf16) and its bias, the stacked gate, up and down tensors.
+void layer_experts(StepPlan& p, const py::tuple& router, const c10::optional<at::Tensor>& router_bias,
+                   const py::tuple& gate, const py::tuple& up, const py::tuple& down, int64_t count, int64_t used,
+                   int64_t ff, int64_t kind) {
+  spx::StepModel& md = p.model;
+  TORCH_CHECK(!md.layers.empty() && md.layers.back().gate_up.segs.empty(), "step: layer_experts follows add_layer "
+              "of a layer without a dense MLP");
+  TORCH_CHECK(count >= 1 && used >= 1 && used <= count && used <= spx::kMaxExpertsUsed && ff > 0 && ff % 32 == 0 &&
+                  kind >= 0 && kind < spx::kWeightings,
+              "step: unsupported experts (count, used, width or weighting)");
+  spx::StepLayer& l = md.layers.back();
+  spx::StepExperts& e = l.moe;
+  e.router = step_linear(p, router, md.hidden, "router");
+  TORCH_CHECK(e.router.n == 3 * count && e.router.bias == nullptr, "step: the router must be [3 * experts, hidden]");
+  if (router_bias.has_value()) e.router_bias = kept_float(p, *router_bias, count, "router_bias");
+  e.gate = stacked_segment(p, gate, count * ff, md.hidden, "gate");
+  e.up = stacked_segment(p, up, count * ff, md.hidden, "up");
+  e.down = stacked_segment(p, down, count * md.hidden, ff, "down");
+  TORCH_CHECK(ff % spx::kPanel == 0 && md.hidden % spx::kPanel == 0, "step: expert widths must be whole panels");
+  e.count = count;
+  e.used = used;
+  e.ff = ff;
+  e.kind = static_cast<spx::Weighting>(kind);
+  const spx::StepLayer& first = md.layers.front();
+  TORCH_CHECK(first.moe.count == count && first.moe.used == used && first.moe.ff == ff,
+              "step: every layer must have the same experts");
 }
 
 // The final norm and an LM head (the whole one, or a draft's trimmed one) for forward_batch.
@@ -304,7 +353,8 @@ void bind_step(py::module& m) {
   py::class_<StepPlan, std::shared_ptr<StepPlan>>(m, "StepPlan")
       .def("add_layer", &add_layer)
       .def("set_family", &set_family)
-      .def("layer_family", &layer_family);
+      .def("layer_family", &layer_family)
+      .def("layer_experts", &layer_experts);
   py::class_<HeadPlan, std::shared_ptr<HeadPlan>>(m, "StepHead");
   m.def("step_plan", &step_plan, "a quantized model's layers for forward_batch (add_layer once per layer)");
   m.def("step_head", &step_head, "the final norm and an LM head for forward_batch");

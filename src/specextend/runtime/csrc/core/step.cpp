@@ -57,9 +57,23 @@ bool has_float(const StepLinear& w) {
 bool has_float(const StepModel& md, const StepBatch& bt) {
   const bool head = bt.head != nullptr && has_float(bt.head->w);
   return head || std::any_of(md.layers.begin(), md.layers.end(), [](const StepLayer& l) {
-           return has_float(l.qkv) || has_float(l.o) || has_float(l.gate_up) || has_float(l.down);
+           const StepExperts& e = l.moe;
+           const bool experts = e.count > 0 && (has_float(e.router) || float_format(e.gate.fmt) ||
+                                                float_format(e.up.fmt) || float_format(e.down.fmt));
+           return has_float(l.qkv) || has_float(l.o) || has_float(l.gate_up) || has_float(l.down) || experts;
          });
 }
+
+// The MLP's inner width: the dense layer's, or an expert's.
+int64_t inner_width(const StepLayer& l) { return l.moe.count > 0 ? l.moe.ff : l.down.segs[0].k; }
+
+// One used expert's product over its slots' rows (the Linear points into it: kept where it stays).
+struct ExpertProduct {
+  Segment segs[2];
+  int64_t first_panel[3];
+  Linear lin;
+  LinearWork work;
+};
 
 // The step's buffers in a workspace, sized for T rows (nothing is allocated in the parallel
 // region but attention's per-item scratch, as in the Python-driven step).
@@ -71,9 +85,10 @@ struct Buffers {
   bool floats = false;
   bool k256 = false;  // the per-256 activations kept (set_k256), for the products of widths a multiple of 256
 
-  Buffers(Path path, StepWorkspace& ws, const StepModel& md, const StepBatch& bt, int64_t t, int threads) : w(ws) {
+  Buffers(Path path, StepWorkspace& ws, const StepModel& md, const StepBatch& bt, int64_t t, int threads)
+      : w(ws), hidden_(md.hidden) {
     const StepLayer& l = md.layers[0];
-    const int64_t hd = md.heads * md.head_dim, inter = l.down.segs[0].k;
+    const int64_t hd = md.heads * md.head_dim, inter = inner_width(l);
     const int64_t kmax = std::max({md.hidden, hd, inter});
     grow(w.x2, t * md.hidden);
     grow(w.qkv, t * l.qkv.n);
@@ -101,6 +116,7 @@ struct Buffers {
     }
     floats = has_float(md, bt);
     if (floats) grow(w.xf, std::max<int64_t>(t, bt.n_logits) * kmax);
+    if (l.moe.count > 0) experts(l.moe, t);
     // Each thread's accumulators 64-byte aligned, on their own 4 KB page (as torch_ops.cpp's run_linear).
     constexpr int64_t kPage = 1024;
     acc_stride = kRowBlock * kPanel + kPage + 16;
@@ -115,6 +131,54 @@ struct Buffers {
       r.kd = w.kd.data();
       r.ks16 = w.ks16.data();
       r.ks32 = w.ks32.data();
+    }
+    return r;
+  }
+  // The expert layers' buffers (every layer has the same experts' shape).
+  std::vector<ExpertProduct> gate_up, down;  // reserved here: filled in the region without allocating
+  std::vector<int64_t> gate_up_base, down_base;
+  void experts(const StepExperts& e, int64_t t) {
+    const int64_t slots = t * e.used, ke = std::max(md_hidden(), e.ff);
+    grow(w.logits, t * e.router.n);
+    grow(w.weights, slots);
+    grow(w.experts, slots);
+    grow(w.route_scratch, e.count);
+    grow(w.route_index, e.count);
+    grow(w.start, e.count + 1);
+    grow(w.order, slots);
+    grow(w.where, slots);
+    grow(w.xg, slots * md_hidden());
+    grow(w.egu, slots * 2 * e.ff);
+    grow(w.ey, slots * md_hidden());
+    grow(w.esum, t * md_hidden());
+    grow(w.eq8, slots * ke);
+    grow(w.ed8, slots * ke / 32);
+    grow(w.exs, slots * ke / 32);
+    grow(w.es16, slots * ke / 16);
+    grow(w.es32, slots * ke / 32);
+    if (floats) grow(w.exf, slots * ke);
+    if (k256) {
+      grow(w.ekq8, slots * ke);
+      grow(w.ekd, slots * ke / 256);
+      grow(w.eks16, slots * ke / 16);
+      grow(w.eks32, slots * ke / 32);
+    }
+    gate_up.reserve(e.count);
+    down.reserve(e.count);
+    gate_up_base.reserve(e.count + 1);
+    down_base.reserve(e.count + 1);
+  }
+  int64_t hidden_ = 0;
+  int64_t md_hidden() const { return hidden_; }
+  // The slots' quantized rows of width k (row s at s * k, as quantize_rows writes them), from slot s0.
+  Rows slot_rows(int64_t k, int64_t s0) {
+    Rows r{w.eq8.data() + s0 * k, w.ed8.data() + s0 * k / 32, w.es16.data() + s0 * k / 16, w.es32.data() + s0 * k / 32,
+           w.exs.data() + s0 * k / 32, k, floats ? w.exf.data() + s0 * k : nullptr};
+    if (k256 && k % 256 == 0) {
+      r.kq8 = w.ekq8.data() + s0 * k;
+      r.kd = w.ekd.data() + s0 * k / 256;
+      r.ks16 = w.eks16.data() + s0 * k / 16;
+      r.ks32 = w.eks32.data() + s0 * k / 32;
     }
     return r;
   }
@@ -270,6 +334,109 @@ void gather_quantize_phase(const Team& team, Path path, const StepModel& md, con
   team.sync();
 }
 
+// The units of several products from one counter (each thread takes its units in increasing order).
+void products_phase(const Team& team, Path path, const std::vector<ExpertProduct>& ps, const std::vector<int64_t>& base,
+                    float* acc) {
+  const int64_t total = base.back();
+#pragma omp for schedule(dynamic, 1) nowait
+  for (int64_t u = 0; u < total; ++u) {
+    const size_t i = static_cast<size_t>(std::upper_bound(base.begin(), base.end(), u) - base.begin()) - 1;
+    linear_unit(path, ps[i].lin, ps[i].work, u - base[i], acc);
+  }
+  team.sync();
+}
+
+// Each row's logits (the router's three parts summed in experts.py's order, and its bias) and experts;
+// the (row, rank) slots grouped by expert (stably, as experts_rows groups them); and every used
+// expert's two products over its slots' rows. One thread: the others wait at the barrier after it.
+void route_and_plan(const StepModel& md, const StepExperts& e, int64_t t, Buffers& b, int threads) {
+  StepWorkspace& w = b.w;
+  const int64_t n = e.count, used = e.used, slots = t * used;
+  for (int64_t r = 0; r < t; ++r) {
+    float* lg = w.logits.data() + r * e.router.n;  // part 0's columns become the logits, in place
+    for (int64_t i = 0; i < n; ++i) {
+      float v = (lg[i] + lg[n + i]) + lg[2 * n + i];
+      if (e.router_bias != nullptr) v = v + e.router_bias[i];
+      lg[i] = v;
+    }
+    route_row(lg, n, used, e.kind, w.experts.data() + r * used, w.weights.data() + r * used, w.route_scratch.data(),
+              w.route_index.data());
+  }
+  int64_t* start = w.start.data();
+  std::fill(start, start + n + 1, int64_t{0});
+  for (int64_t s = 0; s < slots; ++s) ++start[w.experts[s] + 1];
+  for (int64_t x = 0; x < n; ++x) start[x + 1] += start[x];
+  int64_t* fill = w.route_index.data();
+  std::copy(start, start + n, fill);
+  for (int64_t s = 0; s < slots; ++s) w.order[fill[w.experts[s]]++] = s;
+  for (int64_t s = 0; s < slots; ++s) w.where[w.order[s]] = s;
+  b.gate_up.clear();
+  b.down.clear();
+  b.gate_up_base.assign(1, 0);
+  b.down_base.assign(1, 0);
+  const int64_t h = md.hidden, ff = e.ff;
+  for (int64_t x = 0; x < n; ++x) {
+    const int64_t c = start[x + 1] - start[x];
+    if (c == 0) continue;
+    ExpertProduct& g = b.gate_up.emplace_back();
+    g.segs[0] = StepExperts::slice(e.gate, n, x);
+    g.segs[1] = StepExperts::slice(e.up, n, x);
+    g.first_panel[0] = 0;
+    g.first_panel[1] = g.segs[0].panels();
+    g.first_panel[2] = g.first_panel[1] + g.segs[1].panels();
+    g.lin = Linear{g.segs, g.first_panel, 2, b.slot_rows(h, start[x]), c, w.egu.data() + start[x] * 2 * ff, 2 * ff,
+                   nullptr, nullptr};
+    g.work = plan_linear(g.lin, g.first_panel[2], threads);
+    b.gate_up_base.push_back(b.gate_up_base.back() + g.work.units());
+    ExpertProduct& d = b.down.emplace_back();
+    d.segs[0] = StepExperts::slice(e.down, n, x);
+    d.first_panel[0] = 0;
+    d.first_panel[1] = d.first_panel[2] = d.segs[0].panels();
+    d.lin = Linear{d.segs, d.first_panel, 1, b.slot_rows(ff, start[x]), c, w.ey.data() + start[x] * h, h, nullptr,
+                   nullptr};
+    d.work = plan_linear(d.lin, d.first_panel[1], threads);
+    b.down_base.push_back(b.down_base.back() + d.work.units());
+  }
+}
+
+// The layer's experts on the rows of x2 (norm: the MLP's pre-norm, as the router's input was
+// quantized with): the router, then each slot's row quantized on its own (pre-norm), the experts'
+// gate/up products, silu(gate) * up quantized per slot, the down products, and each row's sum in
+// its rank order added to x2 into x (through the post-norm and residual multiplier, if any).
+void experts_phases(const Team& team, Path path, const StepModel& md, const StepLayer& l, int64_t t, float* x,
+                    Buffers& b, int threads, const PreOp& norm, float* acc, float* scratch) {
+  const StepExperts& e = l.moe;
+  StepWorkspace& w = b.w;
+  const int64_t h = md.hidden, used = e.used, slots = t * used;
+  linear_phase(team, path, e.router, b.act(h), t, w.logits.data(), nullptr, threads, acc);
+  if (thread_num() == 0) route_and_plan(md, e, t, b, threads);
+  team.sync();
+  const Rows xin = b.slot_rows(h, 0);
+#pragma omp for schedule(static) nowait
+  for (int64_t s = 0; s < slots; ++s) {
+    std::memcpy(w.xg.data() + s * h, w.x2.data() + (w.order[s] / used) * h, h * sizeof(float));
+    quantize_rows(path, w.xg.data(), h, norm, xin, s, s + 1, scratch);
+  }
+  team.sync();
+  products_phase(team, path, b.gate_up, b.gate_up_base, acc);
+  PreOp act;
+  act.silu_mul = true;
+  const Rows gin = b.slot_rows(e.ff, 0);
+#pragma omp for schedule(static) nowait
+  for (int64_t s = 0; s < slots; ++s) quantize_rows(path, w.egu.data(), 2 * e.ff, act, gin, s, s + 1, scratch);
+  team.sync();
+  products_phase(team, path, b.down, b.down_base, acc);
+#pragma omp for schedule(static) nowait
+  for (int64_t r = 0; r < t; ++r) {
+    const float* ys[kMaxExpertsUsed];
+    for (int64_t j = 0; j < used; ++j) ys[j] = w.ey.data() + w.where[r * used + j] * h;
+    float* sum = w.esum.data() + r * h;
+    weighted_sum_row(ys, w.weights.data() + r * used, used, h, sum);
+    residual_row(w.x2.data() + r * h, sum, h, l.mlp_out_norm, md.eps, md.residual_scale, x + r * h);
+  }
+  team.sync();
+}
+
 // One layer, run by every thread of the team; x holds the layer's input and gets its output.
 void layer_phases(const Team& team, Path path, const StepModel& md, const StepLayer& l, int64_t li,
                   const StepBatch& bt, const BatchPlan& bp, Buffers& b, int threads) {
@@ -339,6 +506,10 @@ void layer_phases(const Team& team, Path path, const StepModel& md, const StepLa
   if (post_attn) post_phase(team, md, bt.x, b.w.x2.data(), l.attn_out_norm, b.w.x2.data(), t);
   norm.norm = l.mlp_norm;
   quantize_phase(team, path, b.w.x2.data(), md.hidden, norm, b.act(md.hidden), t, scratch);
+  if (l.moe.count > 0) {
+    experts_phases(team, path, md, l, t, bt.x, b, threads, norm, acc, scratch);
+    return;
+  }
   linear_phase(team, path, l.gate_up, b.act(md.hidden), t, b.w.gu.data(), nullptr, threads, acc);
   PreOp act;
   act.silu_mul = !l.gelu;

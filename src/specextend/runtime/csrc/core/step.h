@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "cpu.h"
+#include "experts.h"
 #include "qlinear.h"
 
 namespace spx {
@@ -43,8 +44,28 @@ struct StepLinear {
   int64_t panels() const { return first_panel.back(); }
 };
 
+// A layer's mixture of experts (runtime/experts.py) in place of gate_up and down: SiLU experts
+// without biases and no shared expert (Qwen3-MoE, OLMoE, Mixtral). Each used expert runs its
+// gate/up and down products once over the rows that chose it, each row quantized on its own (as
+// experts_rows does from Python), and a row's outputs are summed in its own rank order.
+struct StepExperts {
+  StepLinear router;                   // the router's float32 weights as three bfloat16 parts [3 * count, hidden]
+  const float* router_bias = nullptr;  // [count] or null
+  Segment gate{}, up{}, down{};        // stacked: [count * ff, hidden] twice, [count * hidden, ff]
+  int64_t count = 0, used = 0, ff = 0;
+  Weighting kind = Weighting::SoftmaxTopk;
+  // Expert e's rows of a stacked segment: its panels' byte range (the kernels' layout is panel-major).
+  static Segment slice(Segment s, int64_t experts, int64_t e) {
+    s.n /= experts;
+    s.blob += e * s.panels() * s.panel_bytes();
+    return s;
+  }
+};
+constexpr int64_t kMaxExpertsUsed = 64;
+
 struct StepLayer {
-  StepLinear qkv, o, gate_up, down;
+  StepLinear qkv, o, gate_up, down;  // gate_up and down empty where the layer has experts (moe)
+  StepExperts moe;                   // count 0: none
   const float* attn_norm = nullptr;  // [hidden]
   const float* mlp_norm = nullptr;   // [hidden]
   const float* q_norm = nullptr;     // [head_dim] or null (Qwen3)
@@ -145,6 +166,14 @@ struct StepWorkspace {
   std::vector<int32_t> s16, s32;
   std::vector<float> kd;
   std::vector<int16_t> ks16, ks32;
+  // Expert layers: router logits, each row's experts and weights, the (row, rank) slots grouped by
+  // expert, the slots' inputs, their quantized rows, gate/up and outputs, and the weighted sums.
+  std::vector<float> logits, weights, route_scratch, xg, egu, ey, esum;
+  std::vector<int64_t> experts, start, order, where, route_index;
+  std::vector<int8_t> eq8, ekq8;
+  std::vector<float> ed8, exs, exf, ekd;
+  std::vector<int32_t> es16, es32;
+  std::vector<int16_t> eks16, eks32;
 };
 
 // Runs every layer on `threads` threads (one parallel region). The caller has checked the shapes.
