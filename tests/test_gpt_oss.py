@@ -319,6 +319,52 @@ def test_a_batch_of_four_prompts_is_each_prompt_alone_and_inspect_names_mxfp4s_p
     assert f"MXFP4 as it is ({kernels.path()} kernels)" in out and "attn_sinks" in out and "yarn" in out
 
 
+@needs_kernels
+def test_the_one_call_experts_take_the_biases_and_the_clamped_swiglu_with_the_per_product_bits(converted,
+                                                                                            monkeypatch) -> None:
+    """gpt-oss's experts (biases on each projection, the clamped SwiGLU) run in one C++ call with the
+    bits of a kernel call per product, for 11 rows together and each alone; the kernels' SwiGLU is
+    transformers' to float32 rounding."""
+    from specextend.runtime import experts as experts_mod
+
+    model = load_model(converted("MXFP4")[0], torch.float32, weights="gguf")
+    moe, norm = model.layers[1].moe, model.layers[1].mlp_norm
+    assert moe._one_call and moe.q_stacked_bias[0] is not None
+    x = torch.randn(11, 128, generator=torch.Generator().manual_seed(5))
+    one_call = moe.forward_rows(x, norm.weight, norm.eps)
+    monkeypatch.setattr(experts_mod.Experts, "_one_call", property(lambda self: False))
+    per_product = moe.forward_rows(x, norm.weight, norm.eps)
+    assert torch.equal(one_call, per_product)
+    for i in (0, 10):
+        assert torch.equal(moe.forward_rows(x[i : i + 1], norm.weight, norm.eps)[0], one_call[i])
+    gu = torch.randn(7, 2 * 64, generator=torch.Generator().manual_seed(6)) * 4
+    torch.testing.assert_close(kernels.load().swiglu_oai(gu), clamped_swiglu(*gu.chunk(2, dim=-1)), rtol=3e-6,
+                               atol=1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("path", kernels.cpu_paths())
+def test_the_whole_step_runs_gpt_oss_with_the_per_layer_bits(converted, monkeypatch, path) -> None:
+    """gpt-oss decodes through the whole-step call (csrc/core/step.h: sinks, the output bias, windowed
+    layers, the experts' biases and clamped SwiGLU) with the per-layer forward's bits: logits, K/V and
+    kept queries for one row, a tree's level and 16 causal rows past the window."""
+    from specextend.runtime import fused_step
+    from test_step import run as step_run
+
+    monkeypatch.setenv(kernels.CPU_ENV, path)
+    model = load_model(converted("MXFP4")[0], torch.float32, weights="gguf")
+    assert model.cfg.stepped
+    calls = []
+    real = fused_step.run
+    monkeypatch.setattr(fused_step, "run", lambda *a, **kw: calls.append(a[1].shape[0]) or real(*a, **kw))
+    python = step_run(model, 0)
+    assert not calls
+    whole = step_run(model, 16)
+    assert calls and max(calls) == 16
+    for i, (a, b) in enumerate(zip(python, whole, strict=True)):
+        assert torch.equal(a, b), i
+
+
 def test_a_hugging_face_gpt_oss_folder_is_refused_in_one_line(tmp_path) -> None:
     from specextend.common.errors import UserError
 

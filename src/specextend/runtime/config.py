@@ -69,11 +69,10 @@ class ModelConfig:
     @property
     def stepped(self) -> bool:
         """Whether decode steps take the whole-step C++ call (fused_step.py): every family but those
-        with soft-capped attention scores (Gemma 2), which the attention kernel does not compute,
-        gpt-oss's sinks, output bias and clamped SwiGLU experts, and a shared expert (Qwen2-MoE);
-        those run as the per-layer kernels. Expert layers of SiLU experts take it (core/step.h)."""
-        experts = not self.experts or (not self.shared_ff and self.expert_act == "silu")
-        return (self.attn_softcap is None and experts and not self.attn_sinks and not self.o_bias
+        with soft-capped attention scores (Gemma 2), which the attention kernel does not compute, and a
+        shared expert (Qwen2-MoE); those run as the per-layer kernels. Expert layers take it, gpt-oss's
+        sinks, biases and clamped SwiGLU included (core/step.h)."""
+        return (self.attn_softcap is None and not (self.experts and self.shared_ff)
                 and self.activation in ("silu", "gelu_tanh"))
 
     def switches(self) -> dict[str, Any]:
@@ -104,9 +103,7 @@ class ModelConfig:
         skip = {"window_layers", "sliding_window", "rope_layers", *_EXPERT_SWITCHES}
         parts += [f"{k} {text(v)}" for k, v in s.items() if k not in skip]
         why = ("soft-cap attention scores" if self.attn_softcap is not None
-               else "add attention sinks or an output bias" if self.attn_sinks or self.o_bias
-               else "run a shared expert or experts other than SiLU ones" if self.experts
-               else "run this activation")
+               else "run a shared expert" if self.experts and self.shared_ff else "run this activation")
         step = ("the whole-step C++ call for decode steps, the per-layer kernels for prefill" if self.stepped
                 else f"the per-layer kernels (the whole-step C++ call does not {why})")
         return f"{self.arch}{': ' + ', '.join(parts) if parts else ''}; quantized weights run {step}"

@@ -23,9 +23,9 @@ chose it (the kernels quantize each row on its own); and a row's experts are sum
 top-k rank order, never in the order the step grouped them. So a token's bits are the same alone,
 inside a verification tree and in a batch; a one-row step reads only its k experts' bytes.
 
-Where the experts are SiLU ones without biases (every family but gpt-oss), a layer's experts run in
-one C++ call (`kernels.experts_rows`, csrc/torch_ops.cpp): the same products over the same rows and
-the same rank-order sum, so the same bits as the call-per-product path, but all the experts' units
+A layer's quantized experts run in one C++ call (`kernels.experts_rows`, csrc/torch_ops.cpp; with
+their biases and gpt-oss's clamped SwiGLU where the file has them): the same products over the same
+rows, the same activation and rank-order sum, so the same bits as the call-per-product path, but all the experts' units
 in two parallel regions (gate/up, down) instead of two kernel calls an expert from Python. A one-row
 decode step's thread hand-overs and Python between them were the cost a bandwidth-bound step could
 not hide (docs/log/2026-12-moe-speed.md).
@@ -55,6 +55,7 @@ class Activation:
 
     fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     fused_silu: bool = False
+    kernel: int = 0  # its id among the kernels' activations (csrc/core/experts.h's ExpertAct)
 
 
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # gpt-oss's (every config of it has these)
@@ -69,8 +70,11 @@ def clamped_swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (u + 1) * (g * torch.sigmoid(g * SWIGLU_ALPHA))
 
 
-ACTIVATIONS: dict[str, Activation] = {"silu": Activation(lambda g, u: F.silu(g) * u, fused_silu=True),
-                                      "swiglu_oai": Activation(clamped_swiglu)}
+# The quantized runtime computes each in the kernels: SiLU inside the down product's quantization, the
+# clamped SwiGLU as their row operation (`swiglu_oai_row`: the kernels' exp), the same in the per-layer
+# forward, the one-call experts and the whole-step call.
+ACTIVATIONS: dict[str, Activation] = {"silu": Activation(lambda g, u: F.silu(g) * u, fused_silu=True, kernel=0),
+                                      "swiglu_oai": Activation(clamped_swiglu, kernel=1)}
 
 Routing = tuple[torch.Tensor, torch.Tensor]  # (experts [rows, k] int64, weights [rows, k] float32)
 
@@ -155,6 +159,7 @@ class Experts(nn.Module):
         self.q_gate_up_bias: list[torch.Tensor | None] = []
         self.q_down_bias: list[torch.Tensor | None] = []
         self.q_stacked: tuple[Segment, Segment, Segment] | None = None
+        self.q_stacked_bias: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
 
     @property
     def quantized(self) -> bool:
@@ -175,6 +180,9 @@ class Experts(nn.Module):
         self.q_gate_up_bias = [None if self.gate_bias is None else
                                torch.cat([bias(self.gate_bias, e), bias(self.up_bias, e)]) for e in range(self.count)]
         self.q_down_bias = [bias(self.down_bias, e) for e in range(self.count)]
+        # The same biases stacked [experts, width] for the one call (None: the file has none).
+        self.q_stacked_bias = (None if self.gate_bias is None else torch.stack(self.q_gate_up_bias),
+                               None if self.down_bias is None else torch.stack(self.q_down_bias))
         rows = [self.router.weight] + ([self.shared_gate.weight] if self.shared else [])
         self.q_router = exact_bf16(torch.cat([r.detach().float() for r in rows]))
         self.gate = self.up = self.down = None
@@ -229,9 +237,8 @@ class Experts(nn.Module):
 
     @property
     def _one_call(self) -> bool:
-        """Whether the experts run in one C++ call (`kernels.experts_rows`): SiLU experts without biases."""
-        return self.act.fused_silu and self.q_stacked is not None and self.gate_bias is None \
-            and self.down_bias is None
+        """Whether the experts run in one C++ call (`kernels.experts_rows`): the stacked quantized experts."""
+        return self.q_stacked is not None
 
     def _experts_call(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                       kw: dict[str, Any]) -> torch.Tensor:
@@ -240,7 +247,7 @@ class Experts(nn.Module):
         segs = self.q_stacked
         args = (x, kw.get("norm"), float(kw.get("eps", 0.0)), experts, weights.float().contiguous(),
                 [s.blob for s in segs], [FORMATS[s.fmt] for s in segs], [s.offset for s in segs],
-                [s.groups for s in segs], self.count, self.ff, kernels.path_id())
+                [s.groups for s in segs], self.count, self.ff, kernels.path_id(), *self.q_stacked_bias, self.act.kernel)
         return kernels.timed("linear", kernels.load().experts_rows, args)
 
     def _experts_python(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
@@ -278,5 +285,4 @@ class Experts(nn.Module):
               out: torch.Tensor | None = None) -> torch.Tensor:
         if self.act.fused_silu:
             return qlinear(gu, down, bias, silu_mul=True, out=out)
-        g, u = gu.chunk(2, dim=-1)
-        return qlinear(self.act.fn(g, u).contiguous(), down, bias, out=out)
+        return qlinear(kernels.load().swiglu_oai(gu), down, bias, out=out)

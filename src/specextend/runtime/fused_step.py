@@ -62,24 +62,24 @@ def plan(cfg: ModelConfig, layers: Iterable[Block]) -> Any:
                     None if moe else _weight(layer.down), _norm(layer.attn_norm), _norm(layer.mlp_norm),
                     _norm(layer.q_norm) if per_head else None, _norm(layer.k_norm) if per_head else None,
                     layer.rope_kind if layer.rope_kind >= 0 else identity)
+        sinks = None if layer.sinks is None else layer.sinks.detach().float().contiguous()
         p.layer_family(_norm(layer.attn_out_norm), _norm(layer.mlp_out_norm), None if per_head else _norm(layer.q_norm),
-                       None if per_head else _norm(layer.k_norm), bool(layer.window), layer.gelu)
+                       None if per_head else _norm(layer.k_norm), bool(layer.window), layer.gelu, sinks)
         if moe is not None:
             _experts(p, moe)
     return p
 
 
 def _experts(p: Any, moe: Experts) -> None:
-    """A layer's experts as the C++ step takes them (`ModelConfig.stepped`: SiLU experts without
-    biases, no shared expert): the router's exact bfloat16 parts and bias, the stacked tensors."""
-    if moe.q_stacked is None or moe.q_router is None or moe.shared or moe.gate_bias is not None \
-            or moe.down_bias is not None or not moe.act.fused_silu:
-        raise ValueError("the whole-step call runs SiLU experts without biases or a shared expert only")
+    """A layer's experts as the C++ step takes them (`ModelConfig.stepped`: no shared expert): the
+    router's exact bfloat16 parts and bias, the stacked tensors, their biases and activation."""
+    if moe.q_stacked is None or moe.q_router is None or moe.shared:
+        raise ValueError("the whole-step call runs quantized experts without a shared expert only")
     router = moe.q_router
     bias = None if moe.router.bias is None else moe.router.bias.detach().float().contiguous()
     stacked = [(s.blob, FORMATS[s.fmt], s.n, s.offset, s.groups) for s in moe.q_stacked]
     p.layer_experts((router.blobs, router.formats, router.widths, router.offsets, router.groups, None), bias,
-                    *stacked, moe.count, moe.used, moe.ff, moe.weighting_id)
+                    *stacked, moe.count, moe.used, moe.ff, moe.weighting_id, *moe.q_stacked_bias, moe.act.kernel)
 
 
 def rope_kinds(cfg: ModelConfig) -> int:

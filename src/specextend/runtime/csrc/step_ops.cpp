@@ -80,8 +80,8 @@ void add_layer(StepPlan& p, const py::tuple& qkv, const py::tuple& o, const py::
   spx::StepLayer l;
   l.qkv = step_linear(p, qkv, md.hidden, "qkv");
   l.o = step_linear(p, o, hd, "o");
-  TORCH_CHECK(l.qkv.n == hd + 2 * md.kv_heads * md.head_dim && l.o.n == md.hidden && l.o.bias == nullptr,
-              "step: layer widths do not match the model's shape; only qkv has a bias");
+  TORCH_CHECK(l.qkv.n == hd + 2 * md.kv_heads * md.head_dim && l.o.n == md.hidden,
+              "step: layer widths do not match the model's shape");
   TORCH_CHECK(gate_up.is_none() == down.is_none(), "step: gate_up and down come together (None: experts follow)");
   if (!gate_up.is_none()) {  // a dense MLP (else layer_experts gives the layer its experts)
     l.gate_up = step_linear(p, gate_up.cast<py::tuple>(), md.hidden, "gate_up");
@@ -119,7 +119,8 @@ void set_family(StepPlan& p, double attn_scale, double residual_scale, int64_t r
 // The last added layer's family switches (step.h's StepLayer).
 void layer_family(StepPlan& p, const c10::optional<at::Tensor>& attn_out_norm,
                   const c10::optional<at::Tensor>& mlp_out_norm, const c10::optional<at::Tensor>& q_full_norm,
-                  const c10::optional<at::Tensor>& k_full_norm, bool windowed, bool gelu) {
+                  const c10::optional<at::Tensor>& k_full_norm, bool windowed, bool gelu,
+                  const c10::optional<at::Tensor>& sinks) {
   spx::StepModel& md = p.model;
   TORCH_CHECK(!md.layers.empty(), "step: layer_family follows add_layer");
   spx::StepLayer& l = md.layers.back();
@@ -136,6 +137,7 @@ void layer_family(StepPlan& p, const c10::optional<at::Tensor>& attn_out_norm,
     return e.windowed == windowed;
   });
   l.gelu = gelu;
+  if (sinks.has_value()) l.sinks = kept_float(p, *sinks, md.heads, "sinks");
 }
 
 // One stacked expert tensor (blob, format, rows, offset, groups): experts.py's Experts.q_stacked.
@@ -155,15 +157,17 @@ spx::Segment stacked_segment(StepPlan& p, const py::tuple& t, int64_t n, int64_t
 }
 
 // The last added layer's experts (step.h's StepExperts; add_layer gave it no dense MLP): the router as
-// three bfloat16 parts (experts.exact_bf16) and its bias, the stacked gate, up and down tensors.
+// three bfloat16 parts (experts.exact_bf16) and its bias, the stacked gate, up and down tensors, their
+// biases [count, 2 ff] and [count, hidden] (or None) and the activation (core/experts.h's ExpertAct).
 void layer_experts(StepPlan& p, const py::tuple& router, const c10::optional<at::Tensor>& router_bias,
                    const py::tuple& gate, const py::tuple& up, const py::tuple& down, int64_t count, int64_t used,
-                   int64_t ff, int64_t kind) {
+                   int64_t ff, int64_t kind, const c10::optional<at::Tensor>& gate_up_bias,
+                   const c10::optional<at::Tensor>& down_bias, int64_t act) {
   spx::StepModel& md = p.model;
   TORCH_CHECK(!md.layers.empty() && md.layers.back().gate_up.segs.empty(), "step: layer_experts follows add_layer "
               "of a layer without a dense MLP");
   TORCH_CHECK(count >= 1 && used >= 1 && used <= count && used <= spx::kMaxExpertsUsed && ff > 0 && ff % 32 == 0 &&
-                  kind >= 0 && kind < spx::kWeightings,
+                  kind >= 0 && kind < spx::kWeightings && act >= 0 && act < spx::kExpertActs,
               "step: unsupported experts (count, used, width or weighting)");
   spx::StepLayer& l = md.layers.back();
   spx::StepExperts& e = l.moe;
@@ -178,6 +182,9 @@ void layer_experts(StepPlan& p, const py::tuple& router, const c10::optional<at:
   e.used = used;
   e.ff = ff;
   e.kind = static_cast<spx::Weighting>(kind);
+  e.act = static_cast<spx::ExpertAct>(act);
+  if (gate_up_bias.has_value()) e.gate_up_bias = kept_float(p, *gate_up_bias, count * 2 * ff, "gate_up_bias");
+  if (down_bias.has_value()) e.down_bias = kept_float(p, *down_bias, count * md.hidden, "down_bias");
   const spx::StepLayer& first = md.layers.front();
   TORCH_CHECK(first.moe.count == count && first.moe.used == used && first.moe.ff == ff,
               "step: every layer must have the same experts");

@@ -452,7 +452,7 @@ spx::Segment expert_segment(const at::Tensor& blob, int64_t fmt, int64_t n, int6
 
 // One product a used expert, y = pre(x rows) . W_e^T into rows [start, start + c) of y.
 void add_product(std::vector<Product>& ps, spx::Path path, const at::Tensor& xe, int64_t k, const spx::PreOp& op,
-                 std::vector<spx::Segment> segs, float* y, int64_t ldy) {
+                 std::vector<spx::Segment> segs, float* y, int64_t ldy, const float* bias = nullptr) {
   Product p;
   bool k256 = false;
   for (const spx::Segment& s : segs) {
@@ -464,14 +464,27 @@ void add_product(std::vector<Product>& ps, spx::Path path, const at::Tensor& xe,
   ps.push_back(std::move(p));
   Product& q = ps.back();
   q.lin = spx::Linear{q.segs.data(), q.first_panel.data(), static_cast<int64_t>(q.segs.size()), q.a.rows(),
-                      xe.size(0), y, ldy, nullptr, nullptr};
+                      xe.size(0), y, ldy, bias, nullptr};
+}
+
+// An optional per-expert bias [count, n] as float32, or null.
+const float* expert_bias(const c10::optional<at::Tensor>& b, at::Tensor& keep, int64_t count, int64_t n,
+                         const char* what) {
+  if (!b.has_value() || !b->defined()) return nullptr;
+  keep = b->to(at::kFloat).contiguous();
+  TORCH_CHECK(keep.dim() == 2 && keep.size(0) == count && keep.size(1) == n, "experts: ", what, " bias must be [",
+              count, ", ", n, "]");
+  return keep.data_ptr<float>();
 }
 
 at::Tensor experts_rows(const at::Tensor& x, const c10::optional<at::Tensor>& norm, double eps,
                         const at::Tensor& experts, const at::Tensor& weights, const std::vector<at::Tensor>& blobs,
                         const std::vector<int64_t>& fmts, const std::vector<int64_t>& offsets,
-                        const std::vector<int64_t>& sbgs, int64_t count, int64_t ff, int64_t path_id) {
+                        const std::vector<int64_t>& sbgs, int64_t count, int64_t ff, int64_t path_id,
+                        const c10::optional<at::Tensor>& gate_up_bias, const c10::optional<at::Tensor>& down_bias,
+                        int64_t act_kind) {
   const spx::Path path = checked_path(path_id);
+  TORCH_CHECK(act_kind >= 0 && act_kind < spx::kExpertActs, "experts: unknown activation");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "experts: x must be float32 [m, hidden]");
   const at::Tensor xc = x.contiguous();
   const int64_t m = xc.size(0), hidden = xc.size(1);
@@ -497,6 +510,9 @@ at::Tensor experts_rows(const at::Tensor& x, const c10::optional<at::Tensor>& no
   pre.norm = optional_float(norm, norm_keep, hidden, "norm");
   pre.eps = static_cast<float>(eps);
   at::Tensor gu = at::empty({slots, 2 * ff}, xc.options()), ys = at::empty({slots, hidden}, xc.options());
+  at::Tensor gub_keep, db_keep;
+  const float* gub = expert_bias(gate_up_bias, gub_keep, count, 2 * ff, "gate_up");
+  const float* db = expert_bias(down_bias, db_keep, count, hidden, "down");
   std::vector<Product> ps;
   ps.reserve(count);
   for (int64_t e = 0; e < count; ++e) {
@@ -511,19 +527,27 @@ at::Tensor experts_rows(const at::Tensor& x, const c10::optional<at::Tensor>& no
     add_product(ps, path, xe, hidden, pre,
                 {expert_segment(blobs[0], fmts[0], ff, hidden, offsets[0], sbgs[0], count, e, "gate"),
                  expert_segment(blobs[1], fmts[1], ff, hidden, offsets[1], sbgs[1], count, e, "up")},
-                gu.data_ptr<float>() + start[e] * 2 * ff, 2 * ff);
+                gu.data_ptr<float>() + start[e] * 2 * ff, 2 * ff, gub != nullptr ? gub + e * 2 * ff : nullptr);
   }
   run_products(path, ps);
   std::vector<Product> downs;
   downs.reserve(count);
   spx::PreOp act;
-  act.silu_mul = true;
+  at::Tensor h = gu;  // the down products' input: [gate | up] with SiLU fused into their quantization
+  if (act_kind == static_cast<int64_t>(spx::ExpertAct::SwigluOai)) {
+    h = at::empty({slots, ff}, xc.options());
+    at::parallel_for(0, slots, 16, [&](int64_t b, int64_t e) {
+      for (int64_t s = b; s < e; ++s) spx::swiglu_oai_row(gu.data_ptr<float>() + s * 2 * ff, ff, h.data_ptr<float>() + s * ff);
+    });
+  } else {
+    act.silu_mul = true;
+  }
   for (int64_t e = 0; e < count; ++e) {
     const int64_t c = start[e + 1] - start[e];
     if (c == 0) continue;
-    add_product(downs, path, gu.narrow(0, start[e], c), ff, act,
+    add_product(downs, path, h.narrow(0, start[e], c), ff, act,
                 {expert_segment(blobs[2], fmts[2], hidden, ff, offsets[2], sbgs[2], count, e, "down")},
-                ys.data_ptr<float>() + start[e] * hidden, hidden);
+                ys.data_ptr<float>() + start[e] * hidden, hidden, db != nullptr ? db + e * hidden : nullptr);
   }
   run_products(path, downs);
   at::Tensor out = at::empty({m, hidden}, xc.options());
@@ -541,6 +565,19 @@ at::Tensor experts_rows(const at::Tensor& x, const c10::optional<at::Tensor>& no
 
 // Router logits [m, count] -> each row's top `used` experts (int64, rank order) and weights (float32)
 // by weighting `kind` (core/experts.h: experts.py's WEIGHTINGS with bits of their own).
+// gpt-oss's clamped SwiGLU of rows [gate | up] [m, 2 ff] -> [m, ff] (core/experts.h).
+at::Tensor swiglu_oai(const at::Tensor& gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.scalar_type() == at::kFloat && gu.size(1) % 2 == 0,
+              "swiglu_oai: rows [m, 2 ff] of float32");
+  const at::Tensor gc = gu.contiguous();
+  const int64_t ff = gc.size(1) / 2;
+  at::Tensor out = at::empty({gc.size(0), ff}, gc.options());
+  at::parallel_for(0, gc.size(0), 16, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) spx::swiglu_oai_row(gc.data_ptr<float>() + r * 2 * ff, ff, out.data_ptr<float>() + r * ff);
+  });
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor> route_rows(const at::Tensor& logits, int64_t used, int64_t kind) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "route: logits must be float32 [m, experts]");
   const at::Tensor lc = logits.contiguous();
@@ -564,6 +601,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear, "quantized linear over weight segments", py::arg("x"), py::arg("blobs"), py::arg("fmts"),
         py::arg("ns"), py::arg("offsets"), py::arg("sbgs"), py::arg("bias"), py::arg("norm"), py::arg("eps"),
         py::arg("silu_mul"), py::arg("residual"), py::arg("path"), py::arg("out") = py::none());
+  m.def("swiglu_oai", &swiglu_oai, "gpt-oss's clamped SwiGLU of rows [gate | up] (core/experts.h)");
   m.def("route_rows", &route_rows, "router logits -> each row's top-k experts and weights (core/experts.h)");
   m.def("experts_rows", &experts_rows, "a mixture of experts' products and weighted sum (experts.py)");
   m.def("dequantize", &dequantize, "dequantize rows of a weight blob", py::arg("blob"), py::arg("fmt"), py::arg("n"),

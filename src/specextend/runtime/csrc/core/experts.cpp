@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <numeric>
 
 #include "fastexp.h"
@@ -31,6 +33,21 @@ void softmax(const float* v, int64_t n, float* p) {
   for (int64_t i = 0; i < n; ++i) p[i] = p[i] / s;
 }
 
+// 1 / (1 + exp(-x)) with e = exp(-|x|) (|x| clamped to 80: e ~1e-35), e / (1 + e) for negative x:
+// plain arithmetic (fastexp.h's exp_neg_plain) that the compiler vectorizes.
+inline float sigmoid_plain(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  constexpr uint32_t kCap = 0x42a00000u;  // 80.f
+  uint32_t abits = bits & 0x7fffffffu;
+  abits = abits < kCap ? abits : kCap;
+  float a;
+  std::memcpy(&a, &abits, sizeof(a));
+  const float e = exp_neg_plain(a);
+  const float s = 1.0f / (1.0f + e);
+  return (bits >> 31) != 0 ? e * s : s;
+}
+
 }  // namespace
 
 void route_row(const float* logits, int64_t count, int64_t used, Weighting kind, int64_t* experts, float* weights,
@@ -49,6 +66,15 @@ void route_row(const float* logits, int64_t count, int64_t used, Weighting kind,
     float s = 0.f;
     for (int64_t j = 0; j < used; ++j) s += weights[j];
     for (int64_t j = 0; j < used; ++j) weights[j] = weights[j] / s;
+  }
+}
+
+void swiglu_oai_row(const float* gu, int64_t ff, float* out) {
+  constexpr float kAlpha = 1.702f, kLimit = 7.0f;
+  for (int64_t i = 0; i < ff; ++i) {
+    const float g = std::min(gu[i], kLimit);
+    const float u = std::min(std::max(gu[ff + i], -kLimit), kLimit);
+    out[i] = (u + 1.0f) * (g * sigmoid_plain(g * kAlpha));
   }
 }
 

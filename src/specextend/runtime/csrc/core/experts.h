@@ -25,6 +25,15 @@ constexpr int kWeightings = 3;
 void route_row(const float* logits, int64_t count, int64_t used, Weighting kind, int64_t* experts, float* weights,
                float* scratch, int64_t* iscratch);
 
+// The experts' gated activations (experts.py, ACTIVATIONS): SiLU runs inside the quantization of the down
+// product's input (PreOp::silu_mul); gpt-oss's clamped SwiGLU is this row operation first.
+enum class ExpertAct : int { Silu = 0, SwigluOai = 1 };
+constexpr int kExpertActs = 2;
+
+// gpt-oss's `swiglu_oai` of a row [gate | up] (2 ff values): g = min(gate, 7), u = clamp(up, -7, 7),
+// out = (u + 1) * (g * sigmoid(1.702 g)), sigmoid by fastexp.h's exp_neg_plain (vectorized); out may be gu.
+void swiglu_oai_row(const float* gu, int64_t ff, float* out);
+
 // out [hidden] = w_0 * y_0 + w_1 * y_1 + ... in rank order (one product and one sum at a time).
 void weighted_sum_row(const float* const* ys, const float* weights, int64_t used, int64_t hidden, float* out);
 

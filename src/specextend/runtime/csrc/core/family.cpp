@@ -33,29 +33,6 @@ void residual_row(const float* x, const float* y, int64_t k, const float* norm, 
 
 namespace {
 
-// exp(-a) for a in [0, 80] by fastexp.h's polynomial in plain arithmetic (+, -, *, one rounding
-// each: no fma, nearbyint or ldexp, which are C library calls on a baseline x86-64 build and made
-// GeGLU a third of a Gemma prefill), so the compiler inlines and vectorizes it without changing a
-// bit: rounding to the nearest integer by adding and subtracting 1.5 * 2^23, 2^n from its
-// exponent bits (n >= -116: a normal float, and so is the product).
-inline float exp_neg(float a) {
-  const float x = -a;
-  constexpr float kShift = 12582912.f;  // 1.5 * 2^23
-  const float n = (x * kLog2e + kShift) - kShift;
-  float r = x - n * kLn2Hi;  // exact: kLn2Hi has 9 significant bits, |n| <= 116
-  r = r - n * kLn2Lo;
-  float p = kP[0] * r + kP[1];
-  p = p * r + kP[2];
-  p = p * r + kP[3];
-  p = p * r + kP[4];
-  p = p * r + kP[5];
-  p = p * (r * r) + (r + 1.0f);
-  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
 // tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2 |y|) with 2 |y| clamped to 80 (e then ~1e-35:
 // the result is +-1). The clamp compares the bits as integers (non-negative floats order as
 // their bits do): a float comparison may trap, which keeps the compiler from vectorizing it.
@@ -67,7 +44,7 @@ inline float tanh_plain(float y) {
   bits = bits < kCap ? bits : kCap;
   float a;
   std::memcpy(&a, &bits, sizeof(a));
-  const float e = exp_neg(a);
+  const float e = exp_neg_plain(a);
   return std::copysign((1.f - e) / (1.f + e), y);
 }
 

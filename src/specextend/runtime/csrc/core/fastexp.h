@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
 namespace spx {
 
@@ -25,6 +27,29 @@ inline float exp_portable(float x) {
   for (int i = 1; i < 6; ++i) p = std::fma(p, r, kP[i]);
   p = std::fma(p, r * r, r + 1.0f);
   return std::ldexp(p, static_cast<int>(n));
+}
+
+// exp(-a) for a in [0, 80] by fastexp.h's polynomial in plain arithmetic (+, -, *, one rounding
+// each: no fma, nearbyint or ldexp, which are C library calls on a baseline x86-64 build and made
+// GeGLU a third of a Gemma prefill; family.cpp, experts.cpp), so the compiler inlines and vectorizes it without changing a
+// bit: rounding to the nearest integer by adding and subtracting 1.5 * 2^23, 2^n from its
+// exponent bits (n >= -116: a normal float, and so is the product).
+inline float exp_neg_plain(float a) {
+  const float x = -a;
+  constexpr float kShift = 12582912.f;  // 1.5 * 2^23
+  const float n = (x * kLog2e + kShift) - kShift;
+  float r = x - n * kLn2Hi;  // exact: kLn2Hi has 9 significant bits, |n| <= 116
+  r = r - n * kLn2Lo;
+  float p = kP[0] * r + kP[1];
+  p = p * r + kP[2];
+  p = p * r + kP[3];
+  p = p * r + kP[4];
+  p = p * r + kP[5];
+  p = p * (r * r) + (r + 1.0f);
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
 }
 
 }  // namespace spx

@@ -385,15 +385,15 @@ void route_and_plan(const StepModel& md, const StepExperts& e, int64_t t, Buffer
     g.first_panel[1] = g.segs[0].panels();
     g.first_panel[2] = g.first_panel[1] + g.segs[1].panels();
     g.lin = Linear{g.segs, g.first_panel, 2, b.slot_rows(h, start[x]), c, w.egu.data() + start[x] * 2 * ff, 2 * ff,
-                   nullptr, nullptr};
+                   e.gate_up_bias != nullptr ? e.gate_up_bias + x * 2 * ff : nullptr, nullptr};
     g.work = plan_linear(g.lin, g.first_panel[2], threads);
     b.gate_up_base.push_back(b.gate_up_base.back() + g.work.units());
     ExpertProduct& d = b.down.emplace_back();
     d.segs[0] = StepExperts::slice(e.down, n, x);
     d.first_panel[0] = 0;
     d.first_panel[1] = d.first_panel[2] = d.segs[0].panels();
-    d.lin = Linear{d.segs, d.first_panel, 1, b.slot_rows(ff, start[x]), c, w.ey.data() + start[x] * h, h, nullptr,
-                   nullptr};
+    d.lin = Linear{d.segs, d.first_panel, 1, b.slot_rows(ff, start[x]), c, w.ey.data() + start[x] * h, h,
+                   e.down_bias != nullptr ? e.down_bias + x * h : nullptr, nullptr};
     d.work = plan_linear(d.lin, d.first_panel[1], threads);
     b.down_base.push_back(b.down_base.back() + d.work.units());
   }
@@ -401,8 +401,9 @@ void route_and_plan(const StepModel& md, const StepExperts& e, int64_t t, Buffer
 
 // The layer's experts on the rows of x2 (norm: the MLP's pre-norm, as the router's input was
 // quantized with): the router, then each slot's row quantized on its own (pre-norm), the experts'
-// gate/up products, silu(gate) * up quantized per slot, the down products, and each row's sum in
-// its rank order added to x2 into x (through the post-norm and residual multiplier, if any).
+// gate/up products, their activation quantized per slot (SiLU fused into the quantization, or the
+// clamped SwiGLU's row operation first), the down products, and each row's sum in its rank order
+// added to x2 into x (through the post-norm and residual multiplier, if any).
 void experts_phases(const Team& team, Path path, const StepModel& md, const StepLayer& l, int64_t t, float* x,
                     Buffers& b, int threads, const PreOp& norm, float* acc, float* scratch) {
   const StepExperts& e = l.moe;
@@ -420,10 +421,14 @@ void experts_phases(const Team& team, Path path, const StepModel& md, const Step
   team.sync();
   products_phase(team, path, b.gate_up, b.gate_up_base, acc);
   PreOp act;
-  act.silu_mul = true;
+  act.silu_mul = e.act == ExpertAct::Silu;
   const Rows gin = b.slot_rows(e.ff, 0);
 #pragma omp for schedule(static) nowait
-  for (int64_t s = 0; s < slots; ++s) quantize_rows(path, w.egu.data(), 2 * e.ff, act, gin, s, s + 1, scratch);
+  for (int64_t s = 0; s < slots; ++s) {
+    float* gu = w.egu.data() + s * 2 * e.ff;
+    if (e.act == ExpertAct::SwigluOai) swiglu_oai_row(gu, e.ff, gu);  // the first ff values, then quantized
+    quantize_rows(path, w.egu.data(), 2 * e.ff, act, gin, s, s + 1, scratch);
+  }
   team.sync();
   products_phase(team, path, b.down, b.down_base, acc);
 #pragma omp for schedule(static) nowait
@@ -494,6 +499,7 @@ void layer_phases(const Team& team, Path path, const StepModel& md, const StepLa
     const int64_t layer_stride = md.kv_heads * (own ? r.wcapacity : r.capacity) * unit;
     const int64_t first = win ? (r.wfirst - (own ? r.woffset : 0)) * unit : 0;
     Attention pb = win ? sp.pbw : sp.pb;
+    pb.sinks = l.sinks;
     pb.k = (own ? r.wk : r.k) + l.kv_index * layer_stride + first;
     pb.v = (own ? r.wv : r.v) + l.kv_index * layer_stride + first;
     attend_item(path, pb, win ? sp.wplan : sp.plan, ref.item);

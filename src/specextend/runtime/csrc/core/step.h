@@ -44,16 +44,19 @@ struct StepLinear {
   int64_t panels() const { return first_panel.back(); }
 };
 
-// A layer's mixture of experts (runtime/experts.py) in place of gate_up and down: SiLU experts
-// without biases and no shared expert (Qwen3-MoE, OLMoE, Mixtral). Each used expert runs its
-// gate/up and down products once over the rows that chose it, each row quantized on its own (as
+// A layer's mixture of experts (runtime/experts.py) in place of gate_up and down, without a shared
+// expert (Qwen3-MoE, OLMoE, Mixtral, gpt-oss). Each used expert runs its gate/up and down products
+// (with its biases, if any) once over the rows that chose it, each row quantized on its own (as
 // experts_rows does from Python), and a row's outputs are summed in its own rank order.
 struct StepExperts {
   StepLinear router;                   // the router's float32 weights as three bfloat16 parts [3 * count, hidden]
   const float* router_bias = nullptr;  // [count] or null
   Segment gate{}, up{}, down{};        // stacked: [count * ff, hidden] twice, [count * hidden, ff]
+  const float* gate_up_bias = nullptr;  // [count, 2 ff] or null
+  const float* down_bias = nullptr;     // [count, hidden] or null
   int64_t count = 0, used = 0, ff = 0;
   Weighting kind = Weighting::SoftmaxTopk;
+  ExpertAct act = ExpertAct::Silu;
   // Expert e's rows of a stacked segment: its panels' byte range (the kernels' layout is panel-major).
   static Segment slice(Segment s, int64_t experts, int64_t e) {
     s.n /= experts;
@@ -83,6 +86,7 @@ struct StepLayer {
   bool windowed = false;                 // attends through its sequence's window (StepSeq::wfirst, wmask)
   int64_t kv_index = 0;                  // its index among the windowed layers' or the others' caches
   bool gelu = false;                     // GeGLU (tanh GELU) instead of SwiGLU
+  const float* sinks = nullptr;          // [heads]: gpt-oss's attention sinks (attention.h), or null
 };
 
 struct StepModel {
