@@ -452,6 +452,30 @@ def test_a_random_expert_file_of_each_preset_loads_with_its_experts(tmp_path, to
     assert torch.isfinite(logits).all()
 
 
+def test_a_random_gpt_oss_file_loads_with_its_experts_in_mxfp4(tmp_path, tokenizer_gguf) -> None:
+    """The gpt-oss preset at a tiny size in MXFP4_MOE (the released files' mix): experts in MXFP4 with
+    their biases, the rest Q8_0, sinks, the router's bias, windows on the even layers, YaRN; the MXFP4
+    bytes give weights of the preset's small spread; a prompt past the window decodes finitely."""
+    import gguf
+
+    config = {**gguf_files.PRESETS["gpt-oss-20b"], "hidden_size": 256, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4,
+              "num_experts_per_tok": 2, "sliding_window": 8}
+    src = gguf_files.write_random(tmp_path / "o.gguf", config, "MXFP4_MOE", tokenizer_gguf, progress=False)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(src).tensors}
+    assert types["blk.0.ffn_gate_exps.weight"] == "MXFP4" and types["blk.0.attn_q.weight"] == "Q8_0"
+    assert types["blk.1.attn_sinks.weight"] == "F32" and types["blk.1.ffn_down_exps.bias"] == "F32"
+    exps = next(t for t in gguf.GGUFReader(src).tensors if t.name == "blk.0.ffn_up_exps.weight")
+    values = gguf.quants.dequantize(exps.data, gguf.GGMLQuantizationType.MXFP4)
+    assert 0.25 * gguf_files.WEIGHT_STD < values.std() < 4 * gguf_files.WEIGHT_STD
+    model = load_model(registry.converted_gguf(src, progress=False), torch.float32, weights="gguf")
+    c, moe = model.cfg, model.layers[0].moe
+    assert c.arch == "gpt-oss" and c.attn_sinks and c.o_bias and c.window_layers == (True, False)
+    assert (moe.count, moe.used, moe.ff) == (4, 2, 64) and moe.router.bias is not None
+    assert c.rope_scaling["rope_type"] == "yarn" and c.stepped
+    assert torch.isfinite(model.prefill(torch.arange(1, 21), model.new_cache(32), chunk=8)).all()
+
+
 def test_a_random_gemma3_file_loads_as_the_family(tmp_path, tokenizer_gguf) -> None:
     """The Gemma 3 preset at a tiny size: sandwich norms and per-head q/k norms where llama.cpp names
     them, 5 windowed layers to 1 global, the global rope linearly scaled; logits of a prompt longer

@@ -9,16 +9,16 @@ file is of lower quality than one quantized from the original weights: it tests 
 and speed, not text.
 
 `random` writes a random-weight GGUF of a Hugging Face config's shape (a preset: the default 1.5B,
-qwen2.5-7b, llama-3-8b, the mixtures of experts olmoe-1b-7b and qwen3-30b-a3b; or a config.json) with the default
-pair's tokenizer copied from the default GGUF (its vocabulary sets the embedding's rows, so the
-default draft pairs with it), one tensor at a time (a 7B file never holds more than one matrix in
-memory). Types gguf-py quantizes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, F16, BF16) are quantized
-from random floats; K-quants and IQ4 are random bytes with their float16 scales set so the weights
-have a small spread: any bytes are a valid block. `_M` names (Q3_K_M, Q4_K_M, Q5_K_M) use a higher
-type for some tensors as llama.cpp does (the output and V and down projections of some layers). The
-file says in its metadata that its weights are random, and loading it says so: tokens accepted from
-random weights mean nothing (the draft agrees with nothing); such a file measures formats, memory
-and speed only.
+qwen2.5-7b, llama-3-8b, the mixtures of experts olmoe-1b-7b, qwen3-30b-a3b and gpt-oss-20b; or a
+config.json) with the default pair's tokenizer copied from the default GGUF (its vocabulary sets the
+embedding's rows, so the default draft pairs with it), one tensor at a time (a 7B file never holds
+more than one matrix in memory). Types gguf-py quantizes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16, BF16)
+are quantized from random floats; K-quants, IQ4 and MXFP4 are random bytes with their scales set so
+the weights have a small spread: any bytes are a valid block (`MXFP4_MOE`: gpt-oss's experts in
+MXFP4, the rest Q8_0). `_M` names (Q3_K_M, Q4_K_M, Q5_K_M) use a higher type for some tensors as
+llama.cpp does (the output and V and down projections of some layers). The file says in its metadata
+that its weights are random, and loading it says so: tokens accepted from random weights mean
+nothing (the draft agrees with nothing); such a file measures formats, memory and speed only.
 """
 
 from __future__ import annotations
@@ -74,9 +74,16 @@ PRESETS: dict[str, dict[str, Any]] = {
                      "rope_theta": 10000000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
                      "tie_word_embeddings": True, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                      "attention_multiplier": 0.0078125, "logits_scaling": 16.0},
+    # gpt-oss-20b: 32 experts of 2880, 4 a token (top-k then softmax), biases on attention, router and
+    # experts, attention sinks, 128-token windows on alternating layers, YaRN (32x over 4,096).
+    "gpt-oss-20b": {"model_type": "gpt-oss", "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24,
+                    "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "rope_theta": 150000.0,
+                    "rope_scaling_type": "yarn", "rope_scaling_factor": 32.0, "original_max_position_embeddings": 4096,
+                    "sliding_window": 128, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+                    "tie_word_embeddings": False, "num_experts": 32, "num_experts_per_tok": 4},
 }
 # The model types a random file can take (the expert ones: each layer's experts stacked, llama.cpp's way).
-RANDOM_TYPES = ("llama", "qwen2", "olmoe", "qwen3moe", "gemma3", "granite")
+RANDOM_TYPES = ("llama", "qwen2", "olmoe", "qwen3moe", "gemma3", "granite", "gpt-oss")
 # Granite's multipliers: the config's names and the GGUF writer's (llama.cpp's *_scale keys).
 GRANITE_SCALES = {"embedding_multiplier": "add_embedding_scale", "residual_multiplier": "add_residual_scale",
                   "attention_multiplier": "add_attention_scale", "logits_scaling": "add_logit_scale"}
@@ -86,11 +93,14 @@ GRANITE_SCALES = {"embedding_multiplier": "add_embedding_scale", "residual_multi
 # scales, valid whatever their value.
 RANDOM_BLOCKS: dict[str, tuple[int, int | None]] = {
     "Q2_K": (80, 82), "Q3_K": (108, None), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None),
-    "IQ4_NL": (0, None), "IQ4_XS": (0, None),
+    "IQ4_NL": (0, None), "IQ4_XS": (0, None), "MXFP4": (0, None),  # MXFP4's: an E8M0 exponent byte (`_set_scales`)
 }
-QUANTIZED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4", "F16", "BF16", "F32", "TQ1_0", "TQ2_0")
+QUANTIZED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "BF16", "F32", "TQ1_0", "TQ2_0")
 # A mix's main type, and the type of llama.cpp's "more bits" tensors (output, some V and down projections).
-MIXES = {"Q3_K_M": ("Q3_K", "Q5_K"), "Q4_K_M": ("Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q6_K")}
+# MXFP4_MOE (llama.cpp's ftype of the released gpt-oss files): the experts in MXFP4, every other matrix Q8_0.
+MIXES = {"Q3_K_M": ("Q3_K", "Q5_K"), "Q4_K_M": ("Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q6_K"),
+         "MXFP4_MOE": ("Q8_0", "Q8_0")}
+EXPERT_TYPES = {"MXFP4_MOE": "MXFP4"}  # a mix whose experts take a type of their own
 TYPES = (*MIXES, *RANDOM_BLOCKS, *QUANTIZED)
 WEIGHT_STD = 0.02  # the spread of the random weights (Hugging Face's usual initializer range)
 
@@ -159,8 +169,10 @@ def tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tuple
     experts = int(config.get("num_experts") or 0)
     ef = expert_ff(config)
     gemma = config.get("model_type") == "gemma3"
+    oss = config.get("model_type") == "gpt-oss"
     # Qwen3's and Gemma 3's q/k norms: one head's width, not all heads'
     head_norm = config.get("model_type") in ("qwen3moe", "gemma3")
+    exps = EXPERT_TYPES.get(kind)
 
     def more_bits(i: int) -> bool:  # llama.cpp's use_more_bits: the first and last eighth, every third between
         return i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
@@ -172,7 +184,7 @@ def tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tuple
         yield b + "attn_q.weight", (heads * hd, h), main
         yield b + "attn_k.weight", (kv * hd, h), main
         yield b + "attn_v.weight", (kv * hd, h), more if more_bits(i) else main
-        if qwen:
+        if qwen or oss:
             yield b + "attn_q.bias", (heads * hd,), "F32"
             yield b + "attn_k.bias", (kv * hd,), "F32"
             yield b + "attn_v.bias", (kv * hd,), "F32"
@@ -180,16 +192,26 @@ def tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tuple
             yield b + "attn_q_norm.weight", (hd,), "F32"
             yield b + "attn_k_norm.weight", (hd,), "F32"
         yield b + "attn_output.weight", (h, heads * hd), main
-        if gemma:
+        if oss:  # gpt-oss: an output bias, a sink logit a head; its MLP's pre-norm is llama.cpp's post_attention_norm
+            yield b + "attn_output.bias", (h,), "F32"
+            yield b + "attn_sinks.weight", (heads,), "F32"
+        if gemma or oss:
             yield b + "post_attention_norm.weight", (h,), "F32"
-        yield b + "ffn_norm.weight", (h,), "F32"
+        if not oss:
+            yield b + "ffn_norm.weight", (h,), "F32"
         if experts:
-            yield b + "attn_q_norm.weight", (hd if head_norm else heads * hd,), "F32"
-            yield b + "attn_k_norm.weight", (hd if head_norm else kv * hd,), "F32"
+            if not oss:
+                yield b + "attn_q_norm.weight", (hd if head_norm else heads * hd,), "F32"
+                yield b + "attn_k_norm.weight", (hd if head_norm else kv * hd,), "F32"
             yield b + "ffn_gate_inp.weight", (experts, h), "F32"  # llama.cpp keeps routers in F32
-            yield b + "ffn_gate_exps.weight", (experts, ef, h), main
-            yield b + "ffn_up_exps.weight", (experts, ef, h), main
-            yield b + "ffn_down_exps.weight", (experts, h, ef), more if more_bits(i) else main
+            yield b + "ffn_gate_exps.weight", (experts, ef, h), exps or main
+            yield b + "ffn_up_exps.weight", (experts, ef, h), exps or main
+            yield b + "ffn_down_exps.weight", (experts, h, ef), exps or (more if more_bits(i) else main)
+            if oss:
+                yield b + "ffn_gate_inp.bias", (experts,), "F32"
+                yield b + "ffn_gate_exps.bias", (experts, ef), "F32"
+                yield b + "ffn_up_exps.bias", (experts, ef), "F32"
+                yield b + "ffn_down_exps.bias", (experts, h), "F32"
             continue
         yield b + "ffn_gate.weight", (f, h), main
         yield b + "ffn_up.weight", (f, h), main
@@ -229,8 +251,12 @@ def _block_scales(kind: str, rng: np.random.Generator) -> tuple[float, float]:
 
 
 def _set_scales(blocks: np.ndarray, kind: str, d: float, dmin: float) -> None:
-    """Write the float16 scales into every block of `blocks` ([..., block bytes] uint8)."""
+    """Write the float16 scales into every block of `blocks` ([..., block bytes] uint8); MXFP4's scale
+    is a power of two, its E8M0 byte the nearest exponent's."""
     d_at, dmin_at = RANDOM_BLOCKS[kind]
+    if kind == "MXFP4":
+        blocks[..., d_at] = np.uint8(min(254, max(1, 127 + round(float(np.log2(d))))))
+        return
     blocks[..., d_at:d_at + 2] = np.frombuffer(np.float16(d).tobytes(), dtype=np.uint8)
     if dmin_at is not None:
         blocks[..., dmin_at:dmin_at + 2] = np.frombuffer(np.float16(dmin).tobytes(), dtype=np.uint8)
@@ -296,8 +322,11 @@ def _write_keys(w: Any, config: dict[str, Any]) -> None:
     if config.get("rope_scaling_factor"):
         import gguf
 
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        yarn = config.get("rope_scaling_type") == "yarn"
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN if yarn else gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(config["rope_scaling_factor"]))
+        if yarn:
+            w.add_rope_scaling_orig_ctx_len(int(config["original_max_position_embeddings"]))
     if config.get("num_experts"):
         w.add_expert_count(int(config["num_experts"]))
         w.add_expert_used_count(int(config["num_experts_per_tok"]))
