@@ -468,6 +468,12 @@ def test_a_random_gpt_oss_file_loads_with_its_experts_in_mxfp4(tmp_path, tokeniz
     exps = next(t for t in gguf.GGUFReader(src).tensors if t.name == "blk.0.ffn_up_exps.weight")
     values = gguf.quants.dequantize(exps.data, gguf.GGMLQuantizationType.MXFP4)
     assert 0.25 * gguf_files.WEIGHT_STD < values.std() < 4 * gguf_files.WEIGHT_STD
+    # inspect counts the experts' 2-D biases as the float32 vectors the model keeps, not as requantized matrices
+    fp = conv.file_footprint(gguf.GGUFReader(src), src, "avx2")
+    f32 = [r for r in fp.types if r.type == "F32"]
+    assert f32 and all("requantized" not in r.runs_as for r in f32)
+    assert sum(r.loaded_bytes for r in f32 if "routers" not in r.runs_as) == sum(
+        r.file_bytes for r in f32 if "routers" not in r.runs_as)
     model = load_model(registry.converted_gguf(src, progress=False), torch.float32, weights="gguf")
     c, moe = model.cfg, model.layers[0].moe
     assert c.arch == "gpt-oss" and c.attn_sinks and c.o_bias and c.window_layers == (True, False)

@@ -57,7 +57,8 @@ class TensorInfo:
     kind: str  # the GGUF type name
     shape: tuple[int, ...]  # GGUF order: the input width (the fastest dimension) first
     file_bytes: int
-    router: bool = False  # an expert router (`ffn_gate_inp*`): float32, run exactly (runtime/experts.py)
+    router: bool = False  # an expert router (`ffn_gate_inp.weight`): float32, run exactly (runtime/experts.py)
+    bias: bool = False  # a bias (`*.bias`): float32 whatever its shape (the experts' are [experts, width])
 
 
 @dataclass
@@ -185,9 +186,9 @@ def runs_float(kernel_path: str | None) -> bool:
     return kernel_path in (None, "portable")
 
 
-def _runs_as(kind: str, shape: tuple[int, ...], path: str | None) -> tuple[str, bool, bool]:
-    """(how the loaded model computes with a tensor, kept, expanded)."""
-    dims = len(shape)
+def _runs_as(kind: str, shape: tuple[int, ...], path: str | None, bias: bool = False) -> tuple[str, bool, bool]:
+    """(how the loaded model computes with a tensor, kept, expanded); a bias is a vector whatever its shape."""
+    dims = 1 if bias else len(shape)
     kept = is_kept(kind, shape)
     expanded = not kept and kind not in EXACT_IN_FLOAT32
     if runs_float(path) and dims == 2:
@@ -210,8 +211,8 @@ def footprint(file: str | os.PathLike[str], architecture: str, tensors: list[Ten
                    kernel_path=kernel_path)
     rows: dict[tuple[str, str], TypeRow] = {}
     for t in tensors:
-        dims, count = len(t.shape), math.prod(t.shape)
-        runs_as, kept, expanded = _runs_as(t.kind, t.shape, kernel_path)
+        dims, count = 1 if t.bias else len(t.shape), math.prod(t.shape)
+        runs_as, kept, expanded = _runs_as(t.kind, t.shape, kernel_path, t.bias)
         if t.router and not runs_float(kernel_path):
             runs_as = f"float32 routers, exact as three bfloat16 parts ({kernel_path} kernels)"
         row = rows.setdefault((t.kind, runs_as), TypeRow(t.kind, runs_as, kept, expanded))
@@ -220,7 +221,7 @@ def footprint(file: str | os.PathLike[str], architecture: str, tensors: list[Ten
         row.file_bytes += t.file_bytes
         stored = quant.kept_bytes(t.kind, math.prod(t.shape[1:]), t.shape[0]) if kept else count * F32_BYTES
         row.converted_bytes += stored
-        if runs_float(kernel_path):
+        if runs_float(kernel_path) or t.bias:
             row.loaded_bytes += count * F32_BYTES
         elif kept:
             row.loaded_bytes += stored

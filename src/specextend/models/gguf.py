@@ -596,8 +596,10 @@ def file_footprint(reader: Any, path: str | os.PathLike[str], kernel_path: str |
                 continue
         except UserError:
             pass  # counted all the same: inspect describes what the file holds
-        router = ".ffn_gate_inp" in t.name
-        tensors.append((t.name, TensorInfo(type_name(t), tuple(int(d) for d in t.shape), int(t.n_bytes), router)))
+        bias = t.name.endswith(".bias")
+        router = ".ffn_gate_inp" in t.name and not bias
+        tensors.append((t.name, TensorInfo(type_name(t), tuple(int(d) for d in t.shape), int(t.n_bytes), router,
+                                           bias)))
     fp = footprint(path, arch, [t for _, t in tensors], kernel_path)
     fp.random_weights = bool(field(reader, RANDOM_WEIGHTS_KEY, False))
     count, used = field(reader, f"{arch}.expert_count"), field(reader, f"{arch}.expert_used_count")
