@@ -167,7 +167,6 @@ def tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tuple
     hd = config.get("head_dim") or h // heads
     qwen = config.get("model_type") == "qwen2"
     experts = int(config.get("num_experts") or 0)
-    ef = expert_ff(config)
     gemma = config.get("model_type") == "gemma3"
     oss = config.get("model_type") == "gpt-oss"
     # Qwen3's and Gemma 3's q/k norms: one head's width, not all heads'
@@ -203,15 +202,7 @@ def tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tuple
             if not oss:
                 yield b + "attn_q_norm.weight", (hd if head_norm else heads * hd,), "F32"
                 yield b + "attn_k_norm.weight", (hd if head_norm else kv * hd,), "F32"
-            yield b + "ffn_gate_inp.weight", (experts, h), "F32"  # llama.cpp keeps routers in F32
-            yield b + "ffn_gate_exps.weight", (experts, ef, h), exps or main
-            yield b + "ffn_up_exps.weight", (experts, ef, h), exps or main
-            yield b + "ffn_down_exps.weight", (experts, h, ef), exps or (more if more_bits(i) else main)
-            if oss:
-                yield b + "ffn_gate_inp.bias", (experts,), "F32"
-                yield b + "ffn_gate_exps.bias", (experts, ef), "F32"
-                yield b + "ffn_up_exps.bias", (experts, ef), "F32"
-                yield b + "ffn_down_exps.bias", (experts, h), "F32"
+            yield from _expert_tensors(b, config, exps or main, exps or (more if more_bits(i) else main))
             continue
         yield b + "ffn_gate.weight", (f, h), main
         yield b + "ffn_up.weight", (f, h), main
@@ -221,6 +212,20 @@ def tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tuple
     yield "output_norm.weight", (h,), "F32"
     if not config.get("tie_word_embeddings", False):
         yield "output.weight", (vocab, h), more
+
+
+def _expert_tensors(b: str, config: dict[str, Any], kind: str, down: str) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """A layer's router and stacked experts (prefix `b`), with gpt-oss's biases on each of them."""
+    h, experts, ef = config["hidden_size"], int(config["num_experts"]), expert_ff(config)
+    yield b + "ffn_gate_inp.weight", (experts, h), "F32"  # llama.cpp keeps routers in F32
+    yield b + "ffn_gate_exps.weight", (experts, ef, h), kind
+    yield b + "ffn_up_exps.weight", (experts, ef, h), kind
+    yield b + "ffn_down_exps.weight", (experts, h, ef), down
+    if config.get("model_type") == "gpt-oss":
+        yield b + "ffn_gate_inp.bias", (experts,), "F32"
+        yield b + "ffn_gate_exps.bias", (experts, ef), "F32"
+        yield b + "ffn_up_exps.bias", (experts, ef), "F32"
+        yield b + "ffn_down_exps.bias", (experts, h), "F32"
 
 
 def expert_ff(config: dict[str, Any]) -> int:
