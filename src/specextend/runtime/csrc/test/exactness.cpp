@@ -403,6 +403,66 @@ void family_step_tests(const std::vector<Path>& paths, spx::StepModel md) {
   }
 }
 
+// The step with expert layers in place of the MLPs (step.h's StepExperts): layer 0 SiLU experts
+// (Q4_K gate/up, Q6_K down, softmax then top-k renormalised), layer 1 gpt-oss's (MXFP4, biases on
+// the router and the experts, the clamped SwiGLU, top-k then softmax, attention sinks); 8 experts of
+// 256, 2 a token. Every path gives the portable path's bits for one row and a tree level, and a
+// batched step gives each sequence the bits of its step alone.
+void expert_step_tests(const std::vector<Path>& paths, spx::StepModel md) {
+  const int64_t hidden = md.hidden, kv = md.kv_heads, d = md.head_dim, cap = 64, start = 40, count = 8, ff = 256;
+  const int64_t layers = static_cast<int64_t>(md.layers.size());
+  std::vector<std::vector<uint8_t>> blobs;
+  std::vector<std::vector<float>> floats;
+  auto vec = [&](int64_t n, float scale) {
+    floats.push_back(randn(n, scale));
+    return floats.back().data();
+  };
+  for (int64_t li = 0; li < layers; ++li) {
+    spx::StepLayer& l = md.layers[li];
+    l.gate_up = spx::StepLinear{};
+    l.down = spx::StepLinear{};
+    spx::StepExperts& e = l.moe;
+    e.count = count, e.used = 2, e.ff = ff;
+    e.router = step_weight(blobs, 3 * count, hidden, spx::BF16);
+    const bool oss = li == 1;
+    e.gate = step_weight(blobs, count * ff, hidden, oss ? spx::MXFP4 : spx::Q4K).segs[0];
+    e.up = step_weight(blobs, count * ff, hidden, oss ? spx::MXFP4 : spx::Q4K).segs[0];
+    e.down = step_weight(blobs, count * hidden, ff, oss ? spx::MXFP4 : spx::Q6K).segs[0];
+    e.kind = oss ? spx::Weighting::TopkSoftmax : spx::Weighting::SoftmaxTopkNorm;
+    e.act = oss ? spx::ExpertAct::SwigluOai : spx::ExpertAct::Silu;
+    if (oss) {
+      e.router_bias = vec(count, 0.5f);
+      e.gate_up_bias = vec(count * 2 * ff, 0.1f);
+      e.down_bias = vec(count * hidden, 0.1f);
+      l.sinks = vec(md.heads, 1.f);
+    }
+  }
+  for (const int64_t t : {1, 5}) {
+    const std::vector<float> x0 = randn(t * hidden), cos = randn(t * d), sin = randn(t * d);
+    const std::vector<uint16_t> k0 = random_bf16(layers * kv * cap * d), v0 = random_bf16(layers * kv * cap * d);
+    std::vector<char> mask(t * t);
+    for (int64_t i = 0; i < t; ++i)
+      for (int64_t j = 0; j < t; ++j) mask[i * t + j] = j == i || j == 0;
+    std::vector<float> ref_x;
+    for (Path p : paths) {
+      std::vector<float> x = x0;
+      std::vector<uint16_t> k = k0, v = v0;
+      const spx::StepRows rows{x.data(), cos.data(), sin.data(), t, k.data(), v.data(), cap, start,
+                               t > 1 ? reinterpret_cast<const bool*>(mask.data()) : nullptr, t};
+      spx::forward_step(p, md, rows, 2);
+      check(std::all_of(x.begin(), x.end(), [](float f) { return std::isfinite(f); }),
+            "expert step t " + std::to_string(t) + ": finite, " + spx::path_name(p));
+      if (p == Path::Portable) {
+        ref_x = x;
+        continue;
+      }
+      check(same_bits(x.data(), ref_x.data(), x.size()),
+            "expert step t " + std::to_string(t) + ": " + spx::path_name(p) + " = portable");
+    }
+  }
+  step_batch_tests(paths, md);
+}
+
 void step_tests(const std::vector<Path>& paths) {
   const int64_t hidden = 256, heads = 4, kv = 2, d = 64, inter = 512, cap = 64, start = 40, layers = 2;
   std::vector<std::vector<uint8_t>> blobs;
@@ -448,6 +508,7 @@ void step_tests(const std::vector<Path>& paths) {
   }
   step_batch_tests(paths, md);
   family_step_tests(paths, md);
+  expert_step_tests(paths, md);
 }
 
 }  // namespace
