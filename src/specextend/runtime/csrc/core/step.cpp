@@ -86,7 +86,7 @@ struct Buffers {
   bool k256 = false;  // the per-256 activations kept (set_k256), for the products of widths a multiple of 256
 
   Buffers(Path path, StepWorkspace& ws, const StepModel& md, const StepBatch& bt, int64_t t, int threads)
-      : w(ws), hidden_(md.hidden) {
+      : w(ws) {
     const StepLayer& l = md.layers[0];
     const int64_t hd = md.heads * md.head_dim, inter = inner_width(l);
     const int64_t kmax = std::max({md.hidden, hd, inter});
@@ -116,7 +116,7 @@ struct Buffers {
     }
     floats = has_float(md, bt);
     if (floats) grow(w.xf, std::max<int64_t>(t, bt.n_logits) * kmax);
-    if (l.moe.count > 0) experts(l.moe, t);
+    if (l.moe.count > 0) experts(l.moe, t, md.hidden);
     // Each thread's accumulators 64-byte aligned, on their own 4 KB page (as torch_ops.cpp's run_linear).
     constexpr int64_t kPage = 1024;
     acc_stride = kRowBlock * kPanel + kPage + 16;
@@ -137,8 +137,8 @@ struct Buffers {
   // The expert layers' buffers (every layer has the same experts' shape).
   std::vector<ExpertProduct> gate_up, down;  // reserved here: filled in the region without allocating
   std::vector<int64_t> gate_up_base, down_base;
-  void experts(const StepExperts& e, int64_t t) {
-    const int64_t slots = t * e.used, ke = std::max(md_hidden(), e.ff);
+  void experts(const StepExperts& e, int64_t t, int64_t hidden) {
+    const int64_t slots = t * e.used, ke = std::max(hidden, e.ff);
     grow(w.logits, t * e.router.n);
     grow(w.weights, slots);
     grow(w.experts, slots);
@@ -147,10 +147,10 @@ struct Buffers {
     grow(w.start, e.count + 1);
     grow(w.order, slots);
     grow(w.where, slots);
-    grow(w.xg, slots * md_hidden());
+    grow(w.xg, slots * hidden);
     grow(w.egu, slots * 2 * e.ff);
-    grow(w.ey, slots * md_hidden());
-    grow(w.esum, t * md_hidden());
+    grow(w.ey, slots * hidden);
+    grow(w.esum, t * hidden);
     grow(w.eq8, slots * ke);
     grow(w.ed8, slots * ke / 32);
     grow(w.exs, slots * ke / 32);
@@ -168,8 +168,6 @@ struct Buffers {
     gate_up_base.reserve(e.count + 1);
     down_base.reserve(e.count + 1);
   }
-  int64_t hidden_ = 0;
-  int64_t md_hidden() const { return hidden_; }
   // The slots' quantized rows of width k (row s at s * k, as quantize_rows writes them), from slot s0.
   Rows slot_rows(int64_t k, int64_t s0) {
     Rows r{w.eq8.data() + s0 * k, w.ed8.data() + s0 * k / 32, w.es16.data() + s0 * k / 16, w.es32.data() + s0 * k / 32,
