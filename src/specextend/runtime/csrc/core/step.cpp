@@ -382,7 +382,9 @@ void route_and_plan(const StepModel& md, const StepExperts& e, int64_t t, Buffer
     g.first_panel[0] = 0;
     g.first_panel[1] = g.segs[0].panels();
     g.first_panel[2] = g.first_panel[1] + g.segs[1].panels();
-    g.lin = Linear{g.segs, g.first_panel, 2, b.slot_rows(h, start[x]), c, w.egu.data() + start[x] * 2 * ff, 2 * ff,
+    // One row (a decode step): every expert reads the MLP input the router read, quantized once.
+    const Rows in = t == 1 ? b.act(h) : b.slot_rows(h, start[x]);
+    g.lin = Linear{g.segs, g.first_panel, 2, in, c, w.egu.data() + start[x] * 2 * ff, 2 * ff,
                    e.gate_up_bias != nullptr ? e.gate_up_bias + x * 2 * ff : nullptr, nullptr};
     g.work = plan_linear(g.lin, g.first_panel[2], threads);
     b.gate_up_base.push_back(b.gate_up_base.back() + g.work.units());
@@ -410,13 +412,15 @@ void experts_phases(const Team& team, Path path, const StepModel& md, const Step
   linear_phase(team, path, e.router, b.act(h), t, w.logits.data(), nullptr, threads, acc);
   if (thread_num() == 0) route_and_plan(md, e, t, b, threads);
   team.sync();
-  const Rows xin = b.slot_rows(h, 0);
+  if (t > 1) {  // each slot its row's codes, as experts_rows quantizes an expert's rows (one row: the router's)
+    const Rows xin = b.slot_rows(h, 0);
 #pragma omp for schedule(static) nowait
-  for (int64_t s = 0; s < slots; ++s) {
-    std::memcpy(w.xg.data() + s * h, w.x2.data() + (w.order[s] / used) * h, h * sizeof(float));
-    quantize_rows(path, w.xg.data(), h, norm, xin, s, s + 1, scratch);
+    for (int64_t s = 0; s < slots; ++s) {
+      std::memcpy(w.xg.data() + s * h, w.x2.data() + (w.order[s] / used) * h, h * sizeof(float));
+      quantize_rows(path, w.xg.data(), h, norm, xin, s, s + 1, scratch);
+    }
+    team.sync();
   }
-  team.sync();
   products_phase(team, path, b.gate_up, b.gate_up_base, acc);
   PreOp act;
   act.silu_mul = e.act == ExpertAct::Silu;

@@ -286,6 +286,37 @@ spx::StepLinear step_weight(std::vector<std::vector<uint8_t>>& blobs, int64_t n,
   return w;
 }
 
+// One row and a tree level (a root and its children) at slots from 40 of a 64-slot cache on `threads`
+// threads: every path's rows and K/V are the portable path's bits, and finite.
+void steps_equal_portable(const std::vector<Path>& paths, const spx::StepModel& md, const std::string& what,
+                          int threads) {
+  const int64_t hidden = md.hidden, kv = md.kv_heads, d = md.head_dim, cap = 64, start = 40;
+  const int64_t layers = static_cast<int64_t>(md.layers.size());
+  for (const int64_t t : {1, 5}) {
+    const std::vector<float> x0 = randn(t * hidden), cos = randn(t * d), sin = randn(t * d);
+    const std::vector<uint16_t> k0 = random_bf16(layers * kv * cap * d), v0 = random_bf16(layers * kv * cap * d);
+    std::vector<char> mask(t * t);
+    for (int64_t i = 0; i < t; ++i)
+      for (int64_t j = 0; j < t; ++j) mask[i * t + j] = j == i || j == 0;  // a root and its children
+    std::vector<float> ref_x;
+    std::vector<uint16_t> ref_k;
+    for (Path p : paths) {
+      std::vector<float> x = x0;
+      std::vector<uint16_t> k = k0, v = v0;
+      const spx::StepRows rows{x.data(), cos.data(), sin.data(), t, k.data(), v.data(), cap, start,
+                               t > 1 ? reinterpret_cast<const bool*>(mask.data()) : nullptr, t};
+      spx::forward_step(p, md, rows, threads);
+      const std::string name = what + " t " + std::to_string(t) + ": " + spx::path_name(p);
+      check(std::all_of(x.begin(), x.end(), [](float f) { return std::isfinite(f); }), name + ": finite");
+      if (p == Path::Portable) {
+        ref_x = x, ref_k = k;
+        continue;
+      }
+      check(same_bits(x.data(), ref_x.data(), x.size()) && k == ref_k, name + " = portable");
+    }
+  }
+}
+
 // Sequences of 1, 6 (a tree), 1 and 21 (a prompt chunk) rows over caches of their own in one
 // batched step, with the head on some rows: each sequence's rows, K/V and logits are the bits
 // of its step alone, and of the head applied to its rows alone.
@@ -409,7 +440,7 @@ void family_step_tests(const std::vector<Path>& paths, spx::StepModel md) {
 // 256, 2 a token. Every path gives the portable path's bits for one row and a tree level, and a
 // batched step gives each sequence the bits of its step alone.
 void expert_step_tests(const std::vector<Path>& paths, spx::StepModel md) {
-  const int64_t hidden = md.hidden, kv = md.kv_heads, d = md.head_dim, cap = 64, start = 40, count = 8, ff = 256;
+  const int64_t hidden = md.hidden, count = 8, ff = 256;
   const int64_t layers = static_cast<int64_t>(md.layers.size());
   std::vector<std::vector<uint8_t>> blobs;
   std::vector<std::vector<float>> floats;
@@ -437,34 +468,12 @@ void expert_step_tests(const std::vector<Path>& paths, spx::StepModel md) {
       l.sinks = vec(md.heads, 1.f);
     }
   }
-  for (const int64_t t : {1, 5}) {
-    const std::vector<float> x0 = randn(t * hidden), cos = randn(t * d), sin = randn(t * d);
-    const std::vector<uint16_t> k0 = random_bf16(layers * kv * cap * d), v0 = random_bf16(layers * kv * cap * d);
-    std::vector<char> mask(t * t);
-    for (int64_t i = 0; i < t; ++i)
-      for (int64_t j = 0; j < t; ++j) mask[i * t + j] = j == i || j == 0;
-    std::vector<float> ref_x;
-    for (Path p : paths) {
-      std::vector<float> x = x0;
-      std::vector<uint16_t> k = k0, v = v0;
-      const spx::StepRows rows{x.data(), cos.data(), sin.data(), t, k.data(), v.data(), cap, start,
-                               t > 1 ? reinterpret_cast<const bool*>(mask.data()) : nullptr, t};
-      spx::forward_step(p, md, rows, 2);
-      check(std::all_of(x.begin(), x.end(), [](float f) { return std::isfinite(f); }),
-            "expert step t " + std::to_string(t) + ": finite, " + spx::path_name(p));
-      if (p == Path::Portable) {
-        ref_x = x;
-        continue;
-      }
-      check(same_bits(x.data(), ref_x.data(), x.size()),
-            "expert step t " + std::to_string(t) + ": " + spx::path_name(p) + " = portable");
-    }
-  }
+  steps_equal_portable(paths, md, "expert step", 2);
   step_batch_tests(paths, md);
 }
 
 void step_tests(const std::vector<Path>& paths) {
-  const int64_t hidden = 256, heads = 4, kv = 2, d = 64, inter = 512, cap = 64, start = 40, layers = 2;
+  const int64_t hidden = 256, heads = 4, kv = 2, d = 64, inter = 512, layers = 2;
   std::vector<std::vector<uint8_t>> blobs;
   std::vector<std::vector<float>> floats;
   spx::StepModel md;
@@ -484,28 +493,7 @@ void step_tests(const std::vector<Path>& paths) {
     }
     md.layers.push_back(l);
   }
-  for (const int64_t t : {1, 5}) {
-    const std::vector<float> x0 = randn(t * hidden), cos = randn(t * d), sin = randn(t * d);
-    const std::vector<uint16_t> k0 = random_bf16(layers * kv * cap * d), v0 = random_bf16(layers * kv * cap * d);
-    std::vector<char> mask(t * t);
-    for (int64_t i = 0; i < t; ++i)
-      for (int64_t j = 0; j < t; ++j) mask[i * t + j] = j == i || j == 0;  // a root and its children
-    std::vector<float> ref_x;
-    std::vector<uint16_t> ref_k;
-    for (Path p : paths) {
-      std::vector<float> x = x0;
-      std::vector<uint16_t> k = k0, v = v0;
-      const spx::StepRows rows{x.data(), cos.data(), sin.data(), t, k.data(), v.data(), cap, start,
-                               t > 1 ? reinterpret_cast<const bool*>(mask.data()) : nullptr, t};
-      spx::forward_step(p, md, rows, 1);
-      if (p == Path::Portable) {
-        ref_x = x, ref_k = k;
-        continue;
-      }
-      check(same_bits(x.data(), ref_x.data(), x.size()) && k == ref_k,
-            "whole step t " + std::to_string(t) + ": " + spx::path_name(p) + " = portable");
-    }
-  }
+  steps_equal_portable(paths, md, "whole step", 1);
   step_batch_tests(paths, md);
   family_step_tests(paths, md);
   expert_step_tests(paths, md);
