@@ -149,3 +149,25 @@ def test_a_denied_permission_falls_back_and_says_why(tmp_path):
     assert gen.returncode == 2, gen.stderr
     lines = notice_free(gen.stderr)
     assert len(lines) == 1 and "this CPU cannot run the amx kernels: " in lines[0], gen.stderr
+
+
+def _linux_grants_tile_data() -> bool:
+    """Asks Linux for the tile-data permission directly (arch_prctl, in a child process so this
+    one's state is untouched): True where the CPU, XCR0 and the kernel all allow AMX."""
+    code = ("import ctypes, sys; libc = ctypes.CDLL(None, use_errno=True); "
+            "sys.exit(0 if libc.syscall(158, 0x1023, 18) == 0 else 1)")  # SYS_arch_prctl, REQ_XCOMP_PERM, XTILEDATA
+    return subprocess.run([os.sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64" or "amx_int8" not in Path("/proc/cpuinfo").read_text(),
+                    reason="needs a CPU whose flags show AMX")
+def test_amx_runs_where_linux_grants_it():
+    """Where the CPU shows AMX and Linux grants the permission when asked, the amx path is among
+    the paths this CPU runs (its probe once judged the permission before asking for it, so AMX
+    never ran on an AMX machine)."""
+    if not _linux_grants_tile_data():
+        pytest.skip("Linux refuses the tile-data permission here")
+    refusal = kernels.amx_refusal()
+    assert refusal is None or "arch_prctl" not in refusal
+    if "avx512_vnni" in Path("/proc/cpuinfo").read_text():
+        assert "amx" in kernels.cpu_paths(), refusal

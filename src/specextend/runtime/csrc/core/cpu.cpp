@@ -110,7 +110,13 @@ AmxProbe probe_amx() {
   }
   if (__get_cpuid(1, &a, &b, &c, &d)) p.osxsave = (c >> 27) & 1;
   if (p.osxsave) p.xcr0 = xgetbv0();
-  if (amx_refusal(p) != nullptr) return p;  // only a CPU and OS with AMX are asked for the permission
+  // Only a CPU and OS with AMX are asked for the permission. The refusal is judged as if it were
+  // granted: `permission` starts "not asked" (-1), which amx_refusal reads as refused, so judging
+  // the probe as it stands would never ask (AMX then never ran on an AMX machine).
+  p.permission = 0;
+  const bool hardware_has_amx = amx_refusal(p) == nullptr;
+  p.permission = -1;
+  if (!hardware_has_amx) return p;
   p.permission = request_amx_permission();
 #endif
   return p;
