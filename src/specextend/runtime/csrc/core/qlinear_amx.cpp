@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "amx_tiles.h"
 #include "half.h"
@@ -121,6 +122,17 @@ struct ScalarVec {
     }
   }
 
+  // A full 16-row tile's accumulators; plain memory here (the AVX-512 backend keeps them in registers).
+  struct Acc {
+    float v[kTileMaxRows * 16];
+  };
+  static void zero(Acc& a) { std::memset(a.v, 0, sizeof(a.v)); }
+  template <bool Corr, bool Mins>
+  static void epilogue16(const int32_t* sums, const GroupRows& g, const GroupScales& gs, Acc& a) {
+    epilogue(sums, kTileMaxRows, g, gs, a.v);
+  }
+  static void store(const Acc& a, float* acc) { std::memcpy(acc, a.v, sizeof(a.v)); }
+
   static void finish(const float* acc, int64_t r0, int n, const TileOut& out) {
     for (int r = 0; r < n; ++r)
       for (int c = 0; c < kPanel; ++c) {
@@ -193,6 +205,38 @@ struct Avx512Vec {
     }
   }
 
+  // A full tile's 16 rows x 16 channels in 16 registers across all of a row tile's groups: the
+  // epilogue then reads only the C tile's sums and the rows' scalars, never the accumulators.
+  struct Acc {
+    __m512 v[kTileMaxRows];
+  };
+  static void zero(Acc& a) {
+#pragma GCC unroll 16
+    for (int i = 0; i < kTileMaxRows; ++i) a.v[i] = _mm512_setzero_ps();
+  }
+  // epilogue() for 16 rows, the same operations in the same order per lane; the correction and the
+  // minimum term only where the format has them (a zero correction subtracts nothing).
+  template <bool Corr, bool Mins>
+  static inline void epilogue16(const int32_t* sums, const GroupRows& g, const GroupScales& gs, Acc& a) {
+    const __m512 scale = _mm512_load_ps(gs.scale), mins = _mm512_load_ps(gs.mins);
+    const uint32_t offset = static_cast<uint32_t>(g.offset);
+#pragma GCC unroll 16
+    for (int i = 0; i < kTileMaxRows; ++i) {
+      __m512i c = _mm512_load_si512(sums + 16 * i);
+      if (Corr) {
+        const uint32_t corr = offset * static_cast<uint32_t>(g.sums[i * g.sum_stride]);
+        c = _mm512_sub_epi32(c, _mm512_set1_epi32(static_cast<int32_t>(corr)));
+      }
+      const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(g.d8[i * g.kb]));
+      a.v[i] = _mm512_fmadd_ps(t, scale, a.v[i]);
+      if (Mins) a.v[i] = _mm512_fnmadd_ps(mins, _mm512_set1_ps(g.row_xs(i)), a.v[i]);
+    }
+  }
+  static void store(const Acc& a, float* acc) {
+#pragma GCC unroll 16
+    for (int i = 0; i < kTileMaxRows; ++i) _mm512_store_ps(acc + 16 * i, a.v[i]);
+  }
+
   static void finish(const float* acc, int64_t r0, int n, const TileOut& out) { store_rows(acc, r0, n, out); }
 };
 
@@ -241,13 +285,6 @@ void tile_item(const int8_t* a, int64_t lda, int32_t* c) {
   T::template store<C>(c, 64);
 }
 
-template <class T>
-void issue(bool tail, int parity, int b, const int8_t* a, int64_t lda, int32_t* c) {
-  if (tail) (b ? tile_item<T, kCTail, kATail, kB0 + 1> : tile_item<T, kCTail, kATail, kB0>)(a, lda, c);
-  else if (parity) (b ? tile_item<T, kC0 + 1, kA0 + 1, kB0 + 1> : tile_item<T, kC0 + 1, kA0 + 1, kB0>)(a, lda, c);
-  else (b ? tile_item<T, kC0, kA0, kB0 + 1> : tile_item<T, kC0, kA0, kB0>)(a, lda, c);
-}
-
 // A group of the panel: where its codes are (B rows of 64 bytes) and its scales.
 template <class V>
 const uint8_t* prepare_group(const Segment& s, const uint8_t* p, int64_t gi, uint8_t* buf, GroupScales& gs) {
@@ -283,60 +320,107 @@ const uint8_t* prepare_group(const Segment& s, const uint8_t* p, int64_t gi, uin
   return buf;
 }
 
-struct Pending {  // an item whose sums wait for the epilogue
-  int rows;
-  int64_t row, k0;
-  int32_t* sums;
-  const GroupScales* gs;
-};
-
-template <class V>
-void finish_item(const Segment& s, const Rows& x, const Pending& it, float* acc) {
+// A group's per-row inputs for the rows from `row`, the group starting at input k0.
+inline GroupRows group_rows(const Segment& s, const Rows& x, int64_t row, int64_t k0) {
   const int64_t kb = x.k / 32, k16 = x.k / 16;
-  const int64_t b = it.row * kb + it.k0 / 32;
+  const int64_t b = row * kb + k0 / 32;
   GroupRows g{x.d8 + b, x.xs + b, x.s32 + b, kb, kb, 0, s.fmt == Q4K || has_minimum(s.fmt), false};  // Q4K: no correction
   if (six_bit(s.fmt)) {
-    g.sums = x.s16 + it.row * k16 + it.k0 / 16;
+    g.sums = x.s16 + row * k16 + k0 / 16;
     g.sum_stride = k16;
     g.offset = q6_zero(s.fmt);
     g.has_mins = g.mins16 = s.fmt == Q2K;
   }
   if (byte_format(s.fmt)) g.offset = static_cast<int32_t>(s.offset);
-  V::epilogue(it.sums, it.rows, g, *it.gs, acc);
+  return g;
+}
+
+// The panel's groups, prepared once a call for all its row tiles: where each group's B rows are
+// and its scales (per thread, grown to the widest product seen).
+struct PanelGroups {
+  std::vector<uint8_t> codes;
+  std::vector<GroupScales> scales;
+  std::vector<const uint8_t*> b;
+
+  template <class V>
+  void prepare(const Segment& s, const uint8_t* p, int64_t groups) {
+    if (static_cast<int64_t>(b.size()) < groups) {
+      codes.resize(512 * groups);
+      scales.resize(groups);
+      b.resize(groups);
+    }
+    for (int64_t gi = 0; gi < groups; ++gi) b[gi] = prepare_group<V>(s, p, gi, codes.data() + 512 * gi, scales[gi]);
+  }
+};
+
+// One item of a full 16-row tile: the group's B tile, the row tile's activations, C to `sums`.
+// C, A and B tiles alternate with the group's parity, so one group's multiply can run while the
+// previous group's epilogue does.
+template <class T, int P>
+inline void full_item(const uint8_t* b, const int8_t* a, int64_t lda, int32_t* sums) {
+  T::template load<kB0 + P>(b, 64);
+  tile_item<T, kC0 + P, kA0 + P, kB0 + P>(a, lda, sums);
+}
+
+// A full tile of 16 rows from `row` times every group of the panel, its accumulators kept by the
+// vector backend (in registers on AVX-512) from the first group to the last; into acc [16][16].
+template <class T, class V, bool Corr, bool Mins>
+void full_tile(const Segment& s, const Rows& x, int64_t row, const PanelGroups& pg, int64_t groups, int group,
+               float* acc) {
+  typename V::Acc a;
+  V::zero(a);
+  alignas(64) int32_t sums[2][kTileMaxRows * 16];
+  const int8_t* rows = x.q8 + row * x.k;
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    if (gi & 1) full_item<T, 1>(pg.b[gi], rows + gi * group, x.k, sums[1]);
+    else full_item<T, 0>(pg.b[gi], rows + gi * group, x.k, sums[0]);
+    if (gi > 0)
+      V::template epilogue16<Corr, Mins>(sums[(gi - 1) & 1], group_rows(s, x, row, (gi - 1) * group),
+                                         pg.scales[gi - 1], a);
+  }
+  V::template epilogue16<Corr, Mins>(sums[(groups - 1) & 1], group_rows(s, x, row, (groups - 1) * group),
+                                     pg.scales[groups - 1], a);
+  V::store(a, acc);
+}
+
+// A tile of fewer than 16 rows (a call of fewer rows, or the last of a count not a multiple of
+// 16): its own C and A tiles, accumulators in memory.
+template <class T, class V, int C, int A>
+void part_tile(const Segment& s, const Rows& x, int64_t row, int rows, const PanelGroups& pg, int64_t groups,
+               int group, float* acc) {
+  alignas(64) int32_t sums[kTileMaxRows * 16];
+  std::memset(acc, 0, sizeof(float) * 16 * rows);
+  const int8_t* a = x.q8 + row * x.k;
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    T::template load<kB0>(pg.b[gi], 64);
+    tile_item<T, C, A, kB0>(a + gi * group, x.k, sums);
+    V::epilogue(sums, rows, group_rows(s, x, row, gi * group), pg.scales[gi], acc);
+  }
 }
 
 // Panel `p` times rows [r0, r0 + n), 1 <= n <= kRowBlock; acc: n x 16 floats, 64-byte aligned.
+// The groups are unpacked once, then each row tile runs through all of them: every row's
+// accumulators see the groups in input order, as in the reference.
 template <class T, class V>
 void rows_tiles(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, const TileOut& out,
                 float* acc) {
   const FormatInfo fi = s.fi();
   const int64_t groups = s.k / fi.group;
-  const int tiles = (n + kTileMaxRows - 1) / kTileMaxRows;
-  const bool has_tail = n > kTileMaxRows && n % kTileMaxRows != 0;
-  alignas(64) uint8_t codes[2][512];
-  alignas(64) GroupScales scales[2];
-  alignas(64) int32_t sums[2][kTileMaxRows * 16];
-  std::memset(acc, 0, sizeof(float) * 16 * n);
+  thread_local PanelGroups pg;
+  pg.prepare<V>(s, p, groups);
   // Each call loads its own configuration on its own thread (whichever worker runs it) and
   // releases the tiles after, so no thread ever runs a tile instruction unconfigured.
   T::config(config_for(fi.group, n));
-  Pending prev{0, 0, 0, nullptr, nullptr};
-  int64_t item = 0;
-  for (int64_t gi = 0; gi < groups; ++gi) {
-    const int b = static_cast<int>(gi & 1);
-    const uint8_t* w = prepare_group<V>(s, p, gi, codes[b], scales[b]);
-    (b ? T::template load<kB0 + 1> : T::template load<kB0>)(w, 64);
-    const int64_t k0 = gi * fi.group;
-    for (int t = 0; t < tiles; ++t, ++item) {
-      const int parity = static_cast<int>(item & 1);
-      const bool tail = has_tail && t == tiles - 1;
-      const int64_t row = static_cast<int64_t>(t) * kTileMaxRows;
-      issue<T>(tail, parity, b, x.q8 + (r0 + row) * x.k + k0, x.k, sums[parity]);
-      if (prev.sums) finish_item<V>(s, x, prev, acc + 16 * (prev.row - r0));
-      prev = {std::min(kTileMaxRows, n - static_cast<int>(row)), r0 + row, k0, sums[parity], &scales[b]};
-    }
+  const int full = n / kTileMaxRows, tail = n % kTileMaxRows;
+  const GroupRows g = group_rows(s, x, r0, 0);
+  const auto tiles = g.offset == 0 ? (g.has_mins ? full_tile<T, V, false, true> : full_tile<T, V, false, false>)
+                                   : (g.has_mins ? full_tile<T, V, true, true> : full_tile<T, V, true, false>);
+  for (int t = 0; t < full; ++t) tiles(s, x, r0 + int64_t{t} * kTileMaxRows, pg, groups, fi.group, acc + 256 * t);
+  if (tail > 0) {
+    float* at = acc + 256 * full;
+    if (full == 0) part_tile<T, V, kC0, kA0>(s, x, r0, tail, pg, groups, fi.group, at);
+    else part_tile<T, V, kCTail, kATail>(s, x, r0 + int64_t{full} * kTileMaxRows, tail, pg, groups, fi.group, at);
   }
-  if (prev.sums) finish_item<V>(s, x, prev, acc + 16 * (prev.row - r0));
   T::release();
   V::finish(acc, r0, n, out);
 }
@@ -344,9 +428,14 @@ void rows_tiles(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, i
 }  // namespace
 
 #if defined(__x86_64__) && !defined(SPECEXTEND_EMULATE_AVX512)
-void rows_amx(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, const TileOut& out, float* acc) {
+SPX_BEGIN_AVX512
+// Flattened under AVX-512's target, so the tile loop, its epilogue and the accumulators of a full
+// tile compile as one AVX-512 function and the 16 accumulators stay in registers.
+__attribute__((flatten)) void rows_amx(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n,
+                                       const TileOut& out, float* acc) {
   rows_tiles<NativeTiles, Avx512Vec>(s, p, x, r0, n, out, acc);
 }
+SPX_END
 #endif
 
 void rows_amx_emulated(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, const TileOut& out,
