@@ -1,4 +1,4 @@
-"""The amx path (Intel AMX tiles for products of 2+ rows): exact end to end, chosen only where it
+"""The amx path (Intel AMX tiles for products of 16+ rows): exact end to end, chosen only where it
 runs, refused in one line where it cannot.
 
 Its code runs on every CPU on emulated tiles (`SPECEXTEND_CPU=amx-emulated`, a test switch): a

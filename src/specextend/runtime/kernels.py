@@ -12,7 +12,7 @@ so the production kernels do not carry them.
 
 Kernel paths (`SPECEXTEND_CPU`): `portable` (plain C++, any CPU), `avx2` (AVX2 + FMA + F16C),
 `avx512` (AVX-512 with VNNI; its attention uses AVX512-BF16 where present), `neon` (ARMv8.2
-dot products) and `amx` (Intel AMX tiles for products of 2+ rows, avx512 for the rest; only where
+dot products) and `amx` (Intel AMX tiles for products of 16+ rows, avx512 for the rest; only where
 CPUID, XCR0 and Linux's permission request all allow it). Every path computes the same arithmetic
 in the same order, so each gives the portable path's bits; `auto` (the default) takes the fastest
 this CPU runs. `amx-emulated` is a test switch, not a path to run: the amx code with its tile

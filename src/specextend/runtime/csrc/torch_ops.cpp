@@ -96,7 +96,7 @@ QuantizedRows quantize(spx::Path path, const at::Tensor& x, int64_t k, const spx
 // its outputs are the same bits.
 void run_linear(spx::Path path, const spx::Linear& lin, int64_t panels) {
   const int threads = at::get_num_threads();
-  const spx::LinearWork work = spx::plan_linear(lin, panels, threads);
+  const spx::LinearWork work = spx::plan_linear(path, lin, panels, threads);
   std::atomic<int64_t> next{0};
   constexpr int64_t kScratch = spx::kRowBlock * spx::kPanel;
   // Each thread's accumulators (a rows kernel stores and reloads them for every weight group) on
@@ -421,7 +421,7 @@ void run_products(spx::Path path, std::vector<Product>& ps) {
   const int threads = at::get_num_threads();
   std::vector<int64_t> base{0};
   for (Product& p : ps) {
-    p.work = spx::plan_linear(p.lin, p.first_panel.back(), threads);
+    p.work = spx::plan_linear(path, p.lin, p.first_panel.back(), threads);
     base.push_back(base.back() + p.work.units());
   }
   std::atomic<int64_t> next{0};

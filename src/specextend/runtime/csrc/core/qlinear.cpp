@@ -1,6 +1,8 @@
 // The driver of the quantized linear layers (qlinear.h): formats, the per-path dispatch, tiling.
 #include "qlinear.h"
 
+#include "amx_tiles.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -64,19 +66,24 @@ struct Kernels {
   // Whether tile and rows compute the K-quants' per-256 arithmetic (Rows::kq8); a path without it
   // runs those segments on the portable tiles (the same bits, slowly).
   bool k256 = false;
+  // Whether `rows` takes any number of rows at once (the amx kernels: each panel prepared once for
+  // all of them, in blocks of kRowBlock inside), so a unit may hold kAmxRowBlock rows.
+  bool rows_span = false;
 };
 
 Kernels kernels_for(Path path) {
   if (path == Path::AMX || path == Path::AMXEmulated) {
-    // From 2 rows the tiles; one row keeps its vector path's memory-bound kernel.
+    // From 16 rows the tiles (a tile's rows; fewer would leave rows of every tile idle and keep
+    // the accumulators in memory: a 9-row verification took 1.7x avx512's); below, the vector path.
     Kernels k = kernels_for(vector_path(path));
 #if defined(__x86_64__) && !defined(SPECEXTEND_EMULATE_AVX512)
     k.rows = path == Path::AMX ? rows_amx : rows_amx_emulated;
 #else
     k.rows = rows_amx_emulated;
 #endif
-    k.rows_from = 2;
+    k.rows_from = kTileMaxRows;
     k.group_rows = false;
+    k.rows_span = true;
     return k;
   }
   switch (path) {
@@ -127,8 +134,8 @@ void quantize_rows(Path path, const float* x, int64_t ldx, const PreOp& op, cons
 }
 
 void linear_block(Path path, const Linear& op, int64_t p0, int64_t p1, int64_t r0, int64_t r1, float* scratch) {
-  // The float formats have no tile-unit code, and the tile units compute the K-quants per 32 only:
-  // on the amx paths those run their vector path's kernels.
+  // The float formats have no tile-unit code, and of the K-quants per 256 only Q4K has one: on the
+  // amx paths the others run their vector path's kernels.
   const Kernels kq = kernels_for(path), kf = kernels_for(vector_path(path));
   const bool vector = vector_path(path) != Path::Portable;
   const int64_t m = r1 - r0;
@@ -137,7 +144,7 @@ void linear_block(Path path, const Linear& op, int64_t p0, int64_t p1, int64_t r
     while (gp >= op.first_panel[si + 1]) col0 += op.segs[si++].n;
     const Segment& s = op.segs[si];
     const bool k256 = uses_k256(s, op.x);
-    const Kernels& kn = float_format(s.fmt) || k256 ? kf : kq;
+    const Kernels& kn = float_format(s.fmt) || (k256 && !amx_k256_tiles(path, s.fmt)) ? kf : kq;
     const bool by_rows = kn.rows != nullptr && m >= kn.rows_from && (!kn.group_rows || op.x.q8g != nullptr);
     const int64_t tiles = (m + kn.tile_rows - 1) / kn.tile_rows;
     const int64_t p = gp - op.first_panel[si];
@@ -163,6 +170,10 @@ void linear_block(Path path, const Linear& op, int64_t p0, int64_t p1, int64_t r
         tile_portable(s, pb, op.x, r, static_cast<int>(std::min<int64_t>(kMaxTile, r1 - r)), out);
       continue;
     }
+    if (by_rows && out.valid == kPanel && kn.rows_span) {
+      kn.rows(s, pb, op.x, r0, static_cast<int>(m), out, scratch);  // any count: blocks of kRowBlock inside
+      continue;
+    }
     if (by_rows && out.valid == kPanel) {
       for (int64_t r = r0; r < r1; r += kRowBlock)
         kn.rows(s, pb, op.x, r, static_cast<int>(std::min<int64_t>(kRowBlock, r1 - r)), out, scratch);
@@ -184,11 +195,12 @@ void linear_panels(Path path, const Linear& op, int64_t p0, int64_t p1) {
   linear_block(path, op, p0, p1, 0, op.m, acc);
 }
 
-LinearWork plan_linear(const Linear& op, int64_t panels, int threads) {
+LinearWork plan_linear(Path path, const Linear& op, int64_t panels, int threads) {
   LinearWork w{};
   w.m = op.m;
   w.panels = panels;
-  w.row_blocks = (op.m + kRowBlock - 1) / kRowBlock;
+  const int64_t block = kernels_for(path).rows_span ? kAmxRowBlock : kRowBlock;
+  w.row_blocks = (op.m + block - 1) / block;
   if (w.row_blocks == 0 || panels == 0) return w;  // no rows (a prefill chunk asks no logits): no units
   w.row_block = (op.m + w.row_blocks - 1) / w.row_blocks;
   // At least 8 units a thread (a thread slowed by another process hands its share over), and

@@ -339,7 +339,10 @@ struct LinearWork {
   int64_t m, panels, row_block, row_blocks, chunk, chunks;
   int64_t units() const { return row_blocks * chunks; }
 };
-LinearWork plan_linear(const Linear& op, int64_t panels, int threads);
+// A unit: a chunk of panels times a block of rows (kRowBlock; the amx path's kernels, which
+// prepare each panel once for all the rows they are given, kAmxRowBlock).
+constexpr int kAmxRowBlock = 256;
+LinearWork plan_linear(Path path, const Linear& op, int64_t panels, int threads);
 void linear_unit(Path path, const Linear& op, const LinearWork& w, int64_t unit, float* scratch);
 
 // Weight row `row` of a segment in float32 (embedding lookups, float conversions, tests).
@@ -414,6 +417,9 @@ SPX_DECLARE_PATH(neon)
 // The amx path's many-row product (qlinear_amx.cpp), the rows kernel of the amx paths (the rest of
 // each is its vector path's, cpu.h): on the tiles, and the same code on emulated tiles (any CPU).
 #if defined(__x86_64__)
+// Whether `path`'s rows kernel runs format fmt's per-256 segments on the tiles (Q4K, where the tile
+// code has AVX-512 beside it); the others run their vector path's per-256 kernels.
+bool amx_k256_tiles(Path path, int64_t fmt);
 void rows_amx(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, const TileOut& out, float* acc);
 #endif
 void rows_amx_emulated(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, const TileOut& out,

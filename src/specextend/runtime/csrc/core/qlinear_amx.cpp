@@ -321,7 +321,7 @@ const uint8_t* prepare_group(const Segment& s, const uint8_t* p, int64_t gi, uin
 }
 
 // A group's per-row inputs for the rows from `row`, the group starting at input k0.
-inline GroupRows group_rows(const Segment& s, const Rows& x, int64_t row, int64_t k0) {
+inline GroupRows epilogue_rows(const Segment& s, const Rows& x, int64_t row, int64_t k0) {
   const int64_t kb = x.k / 32, k16 = x.k / 16;
   const int64_t b = row * kb + k0 / 32;
   GroupRows g{x.d8 + b, x.xs + b, x.s32 + b, kb, kb, 0, s.fmt == Q4K || has_minimum(s.fmt), false};  // Q4K: no correction
@@ -375,10 +375,10 @@ void full_tile(const Segment& s, const Rows& x, int64_t row, const PanelGroups& 
     if (gi & 1) full_item<T, 1>(pg.b[gi], rows + gi * group, x.k, sums[1]);
     else full_item<T, 0>(pg.b[gi], rows + gi * group, x.k, sums[0]);
     if (gi > 0)
-      V::template epilogue16<Corr, Mins>(sums[(gi - 1) & 1], group_rows(s, x, row, (gi - 1) * group),
+      V::template epilogue16<Corr, Mins>(sums[(gi - 1) & 1], epilogue_rows(s, x, row, (gi - 1) * group),
                                          pg.scales[gi - 1], a);
   }
-  V::template epilogue16<Corr, Mins>(sums[(groups - 1) & 1], group_rows(s, x, row, (groups - 1) * group),
+  V::template epilogue16<Corr, Mins>(sums[(groups - 1) & 1], epilogue_rows(s, x, row, (groups - 1) * group),
                                      pg.scales[groups - 1], a);
   V::store(a, acc);
 }
@@ -394,13 +394,13 @@ void part_tile(const Segment& s, const Rows& x, int64_t row, int rows, const Pan
   for (int64_t gi = 0; gi < groups; ++gi) {
     T::template load<kB0>(pg.b[gi], 64);
     tile_item<T, C, A, kB0>(a + gi * group, x.k, sums);
-    V::epilogue(sums, rows, group_rows(s, x, row, gi * group), pg.scales[gi], acc);
+    V::epilogue(sums, rows, epilogue_rows(s, x, row, gi * group), pg.scales[gi], acc);
   }
 }
 
-// Panel `p` times rows [r0, r0 + n), 1 <= n <= kRowBlock; acc: n x 16 floats, 64-byte aligned.
-// The groups are unpacked once, then each row tile runs through all of them: every row's
-// accumulators see the groups in input order, as in the reference.
+// Panel `p` times rows [r0, r0 + n), any n >= 1, in blocks of at most kRowBlock (acc: kRowBlock x 16
+// floats, 64-byte aligned). The groups are unpacked once for all the rows, then each row tile runs
+// through all of them: every row's accumulators see the groups in input order, as in the reference.
 template <class T, class V>
 void rows_tiles(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, const TileOut& out,
                 float* acc) {
@@ -408,24 +408,204 @@ void rows_tiles(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, i
   const int64_t groups = s.k / fi.group;
   thread_local PanelGroups pg;
   pg.prepare<V>(s, p, groups);
-  // Each call loads its own configuration on its own thread (whichever worker runs it) and
-  // releases the tiles after, so no thread ever runs a tile instruction unconfigured.
-  T::config(config_for(fi.group, n));
-  const int full = n / kTileMaxRows, tail = n % kTileMaxRows;
-  const GroupRows g = group_rows(s, x, r0, 0);
+  const GroupRows g = epilogue_rows(s, x, r0, 0);
   const auto tiles = g.offset == 0 ? (g.has_mins ? full_tile<T, V, false, true> : full_tile<T, V, false, false>)
                                    : (g.has_mins ? full_tile<T, V, true, true> : full_tile<T, V, true, false>);
-  for (int t = 0; t < full; ++t) tiles(s, x, r0 + int64_t{t} * kTileMaxRows, pg, groups, fi.group, acc + 256 * t);
-  if (tail > 0) {
-    float* at = acc + 256 * full;
-    if (full == 0) part_tile<T, V, kC0, kA0>(s, x, r0, tail, pg, groups, fi.group, at);
-    else part_tile<T, V, kCTail, kATail>(s, x, r0 + int64_t{full} * kTileMaxRows, tail, pg, groups, fi.group, at);
+  const int64_t blocks = (n + kRowBlock - 1) / kRowBlock;  // balanced: 65 rows are 32 + 33, not 64 + 1
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t rb = r0 + b * n / blocks;
+    const int nb = static_cast<int>(r0 + (b + 1) * n / blocks - rb);
+    // Each block loads its own configuration on its own thread (whichever worker runs it) and
+    // releases the tiles after, so no thread ever runs a tile instruction unconfigured.
+    T::config(config_for(fi.group, nb));
+    const int full = nb / kTileMaxRows, tail = nb % kTileMaxRows;
+    for (int t = 0; t < full; ++t) tiles(s, x, rb + int64_t{t} * kTileMaxRows, pg, groups, fi.group, acc + 256 * t);
+    if (tail > 0) {
+      float* at = acc + 256 * full;
+      if (full == 0) part_tile<T, V, kC0, kA0>(s, x, rb, tail, pg, groups, fi.group, at);
+      else part_tile<T, V, kCTail, kATail>(s, x, rb + int64_t{full} * kTileMaxRows, tail, pg, groups, fi.group, at);
+    }
+    T::release();
+    V::finish(acc, rb, nb, out);
   }
-  T::release();
-  V::finish(acc, r0, n, out);
 }
 
 }  // namespace
+
+// --------------------------------------------------------------- Q4K per 256 on the tiles
+//
+// With one activation scale per 256 values (SPECEXTEND_K256, qlinear.h) a Q4K super-block's
+// isum = sum over its 8 groups of scale code x dot product is an integer, so the tiles can add
+// all 8 groups in C with no epilogue between them: the scale code (6 bits) is split as lo + 8 hi
+// (3 bits each) and folded into two B operands, code x lo and code x hi (at most 15 x 7, a byte),
+// two groups to a K = 64 tile; isum = C_lo + 8 C_hi is the reference's integer to the bit, and one
+// epilogue a super-block (the minimum term's VPDPWSSD and two float steps, avx512's k256_panel's
+// operations in its order) closes it, instead of a float epilogue every 32 inputs.
+#if defined(__x86_64__)
+SPX_BEGIN_AVX512
+namespace {
+
+// C tiles lo and hi of two row tiles, their A tiles, and one super-block pair's B tiles: each B
+// tile loaded serves both row tiles (the tile loads, not the multiplies, bound these kernels).
+constexpr int kKC = 0, kKA = 4, kKBlo = 6, kKBhi = 7;  // C: lo0, hi0, lo1, hi1
+
+struct alignas(64) SuperScales {
+  float d[16], dmin[16];
+  int32_t mn[4][16];  // minimum codes of groups 2j, 2j + 1 as int16 pairs
+};
+
+// A panel's super-blocks as the tiles take them: [sb][pair][lo, hi][16 B rows of 64 bytes].
+struct K256Panel {
+  std::vector<uint8_t> b;
+  std::vector<SuperScales> sc;
+
+  void prepare(const uint8_t* p, int64_t nsb, int64_t sb_bytes) {
+    if (static_cast<int64_t>(sc.size()) < nsb) {
+      b.resize(8192 * nsb);
+      sc.resize(nsb);
+    }
+    const __m512i low = _mm512_set1_epi8(0x0F), seven = _mm512_set1_epi32(7);
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      const uint8_t* q = p + sb * sb_bytes;
+      SuperScales& ss = sc[sb];
+      _mm512_store_ps(ss.d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))));
+      _mm512_store_ps(ss.dmin, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32))));
+      const uint8_t* mins = q + 64 + 16 * 8;
+      for (int j = 0; j < 4; ++j) {
+        const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + 32 * j)));
+        const __m512i hi = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + 32 * j + 16)));
+        _mm512_store_si512(ss.mn[j], _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      }
+      for (int g = 0; g < 8; ++g) {
+        const __m512i sc32 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 64 + 16 * g)));
+        const __m512i lo = _mm512_and_si512(sc32, seven), hi = _mm512_srli_epi32(sc32, 3);
+        // Each channel's factor in both int16 halves of its lane: VPMULLW then multiplies each
+        // byte code by it with no carry between the bytes (code x factor <= 105).
+        const __m512i mlo = _mm512_or_si512(lo, _mm512_slli_epi32(lo, 16));
+        const __m512i mhi = _mm512_or_si512(hi, _mm512_slli_epi32(hi, 16));
+        const uint8_t* cb = q + 64 + 32 * 8 + 256 * g;
+        uint8_t* dst = b.data() + 8192 * sb + 2048 * (g / 2) + 512 * (g % 2);
+        for (int i = 0; i < 4; ++i) {
+          const __m512i v = _mm512_loadu_si512(cb + 64 * i);
+          const __m512i w0 = _mm512_and_si512(v, low), w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          _mm512_storeu_si512(dst + 64 * i, _mm512_mullo_epi16(w0, mlo));
+          _mm512_storeu_si512(dst + 64 * (i + 4), _mm512_mullo_epi16(w1, mlo));
+          _mm512_storeu_si512(dst + 1024 + 64 * i, _mm512_mullo_epi16(w0, mhi));
+          _mm512_storeu_si512(dst + 1024 + 64 * (i + 4), _mm512_mullo_epi16(w1, mhi));
+        }
+      }
+    }
+  }
+};
+
+TileConfig k256_config(int rows) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(t >= kKBlo ? 16 : rows);
+    cfg.colsb[t] = 64;
+  }
+  return cfg;
+}
+
+// Row i's close of a super-block: k256_panel's float steps over isum = lo + 8 hi and imin.
+inline __m512 k256_close(__m512 a, const int32_t* lo, const int32_t* hi, const SuperScales& ss, float dk,
+                         const int16_t* sums) {
+  const __m512i isum = _mm512_add_epi32(_mm512_load_si512(lo), _mm512_slli_epi32(_mm512_load_si512(hi), 3));
+  const __m512 vdk = _mm512_set1_ps(dk);
+  a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum), vdk), _mm512_load_ps(ss.d), a);
+  __m512i imin = _mm512_setzero_si512();
+  const int32_t* pairs = reinterpret_cast<const int32_t*>(sums);
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) imin = _mm512_dpwssd_epi32(imin, _mm512_load_si512(ss.mn[j]), _mm512_set1_epi32(pairs[j]));
+  return _mm512_fnmadd_ps(_mm512_load_ps(ss.dmin), _mm512_mul_ps(_mm512_cvtepi32_ps(imin), vdk), a);
+}
+
+// One (Two: two) row tiles of `rows` rows each from `row` through every super-block, into acc
+// [rows (x 2)][16], zeroed here. The tiles of super-block sb run while the previous one closes.
+template <class T, bool Two>
+void k256_tiles(const Rows& x, int64_t row, int rows, const K256Panel& pp, int64_t nsb, float* acc) {
+  constexpr int kTiles = Two ? 2 : 1;
+  std::memset(acc, 0, sizeof(float) * 16 * rows * kTiles);
+  alignas(64) int32_t sums[2][4][kTileMaxRows * 16];
+  const int64_t kd = x.k / 256, k32 = x.k / 32;
+  const auto close = [&](int64_t sb) {
+    for (int t = 0; t < kTiles; ++t)
+      for (int i = 0; i < rows; ++i) {
+        const int64_t r = row + t * kTileMaxRows + i;
+        float* at = acc + 16 * (t * rows + i);
+        _mm512_store_ps(at, k256_close(_mm512_load_ps(at), sums[sb & 1][2 * t] + 16 * i,
+                                       sums[sb & 1][2 * t + 1] + 16 * i, pp.sc[sb], x.kd[r * kd + sb],
+                                       x.ks32 + r * k32 + sb * 8));
+      }
+  };
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    const int8_t* act = x.kq8 + row * x.k + sb * 256;
+    const int8_t* act1 = act + kTileMaxRows * x.k;
+    const uint8_t* b = pp.b.data() + 8192 * sb;
+    T::template zero<kKC>();
+    T::template zero<kKC + 1>();
+    if (Two) {
+      T::template zero<kKC + 2>();
+      T::template zero<kKC + 3>();
+    }
+    for (int j = 0; j < 4; ++j, b += 2048) {
+      T::template load<kKBlo>(b, 64);
+      T::template load<kKBhi>(b + 1024, 64);
+      T::template load<kKA>(act + 64 * j, x.k);
+      T::template dpbsud<kKC, kKA, kKBlo>();
+      T::template dpbsud<kKC + 1, kKA, kKBhi>();
+      if (Two) {
+        T::template load<kKA + 1>(act1 + 64 * j, x.k);
+        T::template dpbsud<kKC + 2, kKA + 1, kKBlo>();
+        T::template dpbsud<kKC + 3, kKA + 1, kKBhi>();
+      }
+    }
+    T::template store<kKC>(sums[sb & 1][0], 64);
+    T::template store<kKC + 1>(sums[sb & 1][1], 64);
+    if (Two) {
+      T::template store<kKC + 2>(sums[sb & 1][2], 64);
+      T::template store<kKC + 3>(sums[sb & 1][3], 64);
+    }
+    if (sb > 0) close(sb - 1);
+  }
+  close(nsb - 1);
+}
+
+// A Q4K panel with per-256 activations, rows [r0, r0 + n), into out (acc: n x 16 floats scratch).
+template <class T>
+void k256_rows_tiles(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, const TileOut& out,
+                     float* acc) {
+  const int64_t nsb = s.k / 256;
+  thread_local K256Panel pp;
+  pp.prepare(p, nsb, s.fi().bytes);
+  const int64_t blocks = (n + kRowBlock - 1) / kRowBlock;  // balanced: 65 rows are 32 + 33, not 64 + 1
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t rb = r0 + b * n / blocks;
+    const int nb = static_cast<int>(r0 + (b + 1) * n / blocks - rb);
+    const int full = nb / kTileMaxRows, tail = nb % kTileMaxRows;
+    if (full > 0) {
+      T::config(k256_config(kTileMaxRows));
+      int t = 0;
+      for (; t + 1 < full; t += 2)
+        k256_tiles<T, true>(x, rb + int64_t{t} * kTileMaxRows, kTileMaxRows, pp, nsb, acc + 256 * t);
+      if (t < full) k256_tiles<T, false>(x, rb + int64_t{t} * kTileMaxRows, kTileMaxRows, pp, nsb, acc + 256 * t);
+    }
+    if (tail > 0) {
+      T::config(k256_config(tail));  // a configuration's rows for the last tile (loading one zeroes the tiles)
+      k256_tiles<T, false>(x, rb + int64_t{full} * kTileMaxRows, tail, pp, nsb, acc + 256 * full);
+    }
+    T::release();
+    store_rows(acc, rb, nb, out);
+  }
+}
+
+}  // namespace
+SPX_END
+#endif  // __x86_64__
+
+bool amx_k256_tiles(Path path, int64_t fmt) {
+  return fmt == Q4K && (path == Path::AMX || (path == Path::AMXEmulated && vector_path(path) == Path::AVX512));
+}
 
 #if defined(__x86_64__) && !defined(SPECEXTEND_EMULATE_AVX512)
 SPX_BEGIN_AVX512
@@ -433,6 +613,7 @@ SPX_BEGIN_AVX512
 // tile compile as one AVX-512 function and the 16 accumulators stay in registers.
 __attribute__((flatten)) void rows_amx(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n,
                                        const TileOut& out, float* acc) {
+  if (uses_k256(s, x) && s.fmt == Q4K) return k256_rows_tiles<NativeTiles>(s, p, x, r0, n, out, acc);
   rows_tiles<NativeTiles, Avx512Vec>(s, p, x, r0, n, out, acc);
 }
 SPX_END
@@ -443,7 +624,10 @@ void rows_amx_emulated(const Segment& s, const uint8_t* p, const Rows& x, int64_
 #if defined(__x86_64__)
   // The vector half that would run beside the tiles where this CPU has it (the exactness program's
   // AVX-512 emulation included), so the emulation checks the amx path's own epilogue too.
-  if (cpu_supports(Path::AVX512)) return rows_tiles<EmuTiles, Avx512Vec>(s, p, x, r0, n, out, acc);
+  if (cpu_supports(Path::AVX512)) {
+    if (uses_k256(s, x) && s.fmt == Q4K) return k256_rows_tiles<EmuTiles>(s, p, x, r0, n, out, acc);
+    return rows_tiles<EmuTiles, Avx512Vec>(s, p, x, r0, n, out, acc);
+  }
 #endif
   rows_tiles<EmuTiles, ScalarVec>(s, p, x, r0, n, out, acc);
 }

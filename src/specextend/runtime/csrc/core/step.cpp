@@ -197,7 +197,7 @@ void linear_phase(const Team& team, Path path, const StepLinear& w, const Rows& 
                   const float* residual, int threads, float* acc) {
   const Linear lin{w.segs.data(), w.first_panel.data(), static_cast<int64_t>(w.segs.size()), a, t, y, w.n, w.bias,
                    residual};
-  const LinearWork work = plan_linear(lin, w.panels(), threads);
+  const LinearWork work = plan_linear(path, lin, w.panels(), threads);
 #pragma omp for schedule(dynamic, 1) nowait
   for (int64_t u = 0; u < work.units(); ++u) linear_unit(path, lin, work, u, acc);
   team.sync();
@@ -347,7 +347,7 @@ void products_phase(const Team& team, Path path, const std::vector<ExpertProduct
 // Each row's logits (the router's three parts summed in experts.py's order, and its bias) and experts;
 // the (row, rank) slots grouped by expert (stably, as experts_rows groups them); and every used
 // expert's two products over its slots' rows. One thread: the others wait at the barrier after it.
-void route_and_plan(const StepModel& md, const StepExperts& e, int64_t t, Buffers& b, int threads) {
+void route_and_plan(Path path, const StepModel& md, const StepExperts& e, int64_t t, Buffers& b, int threads) {
   StepWorkspace& w = b.w;
   const int64_t n = e.count, used = e.used, slots = t * used;
   for (int64_t r = 0; r < t; ++r) {
@@ -386,7 +386,7 @@ void route_and_plan(const StepModel& md, const StepExperts& e, int64_t t, Buffer
     const Rows in = t == 1 ? b.act(h) : b.slot_rows(h, start[x]);
     g.lin = Linear{g.segs, g.first_panel, 2, in, c, w.egu.data() + start[x] * 2 * ff, 2 * ff,
                    e.gate_up_bias != nullptr ? e.gate_up_bias + x * 2 * ff : nullptr, nullptr};
-    g.work = plan_linear(g.lin, g.first_panel[2], threads);
+    g.work = plan_linear(path, g.lin, g.first_panel[2], threads);
     b.gate_up_base.push_back(b.gate_up_base.back() + g.work.units());
     ExpertProduct& d = b.down.emplace_back();
     d.segs[0] = StepExperts::slice(e.down, n, x);
@@ -394,7 +394,7 @@ void route_and_plan(const StepModel& md, const StepExperts& e, int64_t t, Buffer
     d.first_panel[1] = d.first_panel[2] = d.segs[0].panels();
     d.lin = Linear{d.segs, d.first_panel, 1, b.slot_rows(ff, start[x]), c, w.ey.data() + start[x] * h, h,
                    e.down_bias != nullptr ? e.down_bias + x * h : nullptr, nullptr};
-    d.work = plan_linear(d.lin, d.first_panel[1], threads);
+    d.work = plan_linear(path, d.lin, d.first_panel[1], threads);
     b.down_base.push_back(b.down_base.back() + d.work.units());
   }
 }
@@ -410,7 +410,7 @@ void experts_phases(const Team& team, Path path, const StepModel& md, const Step
   StepWorkspace& w = b.w;
   const int64_t h = md.hidden, used = e.used, slots = t * used;
   linear_phase(team, path, e.router, b.act(h), t, w.logits.data(), nullptr, threads, acc);
-  if (thread_num() == 0) route_and_plan(md, e, t, b, threads);
+  if (thread_num() == 0) route_and_plan(path, md, e, t, b, threads);
   team.sync();
   if (t > 1) {  // each slot its row's codes, as experts_rows quantizes an expert's rows (one row: the router's)
     const Rows xin = b.slot_rows(h, 0);

@@ -131,7 +131,7 @@ std::vector<float> run_linear(Path path, const LinearCase& c, const spx::Segment
   const spx::Linear lin{&seg, first, 1, rows, m, y.data(), c.n, c.bias ? bias.data() : nullptr,
                         c.residual ? res.data() : nullptr};
   // The units as threads would take them, here last to first: the order must not matter.
-  const spx::LinearWork work = spx::plan_linear(lin, seg.panels(), 2);
+  const spx::LinearWork work = spx::plan_linear(path, lin, seg.panels(), 2);
   std::vector<float> acc(spx::kRowBlock * spx::kPanel + 16);
   float* a = acc.data() + ((16 - (reinterpret_cast<uintptr_t>(acc.data()) / 4) % 16) % 16);
   for (int64_t u = work.units() - 1; u >= 0; --u) spx::linear_unit(path, lin, work, u, a);
