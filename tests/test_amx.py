@@ -95,8 +95,8 @@ def test_the_cpu_variable_and_the_amx_paths(monkeypatch):
         assert kernels.path() == kernels.cpu_paths()[-1] != "amx"
 
 
-@pytest.mark.parametrize(("amx_s", "choice"), [(0.5, "amx"), (2.0, "avx512")])
-def test_auto_takes_amx_only_where_it_measured_faster(tmp_path, monkeypatch, amx_s, choice):
+@pytest.mark.parametrize(("amx_s", "choice"), [(0.5, "amx"), (0.98, "avx512"), (2.0, "avx512")])
+def test_auto_takes_amx_only_where_it_measured_clearly_faster(tmp_path, monkeypatch, amx_s, choice):
     """On a CPU with AMX, `auto` times a many-row product on amx and avx512 once per machine and
     kernel build, and keeps the faster; the record is read back, not measured again."""
     timed: list[str] = []
@@ -114,6 +114,9 @@ def test_auto_takes_amx_only_where_it_measured_faster(tmp_path, monkeypatch, amx
     assert kernels.auto_path(["portable", "avx2", "avx512"]) == "avx512"  # no amx: nothing to measure
     monkeypatch.setattr(kernels, "cpu_name", lambda: "another CPU")  # a record from another machine
     assert kernels.path() == choice and len(timed) == 4
+    monkeypatch.setenv(kernels.K256_ENV, "q4k")  # another arithmetic: the tiles' speed differs, measured again
+    assert kernels.path() == choice and len(timed) == 6
+    assert kernels.path() == choice and len(timed) == 6
 
 
 def test_the_many_row_timing_runs_on_every_path_it_may_compare():
