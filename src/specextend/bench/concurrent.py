@@ -25,7 +25,6 @@ import contextlib
 import itertools
 import json
 import os
-import signal
 import statistics
 import subprocess
 import tempfile
@@ -160,10 +159,10 @@ def ours(start: Any, serve_args: str, log: Path) -> Iterator[str]:
 @contextlib.contextmanager
 def llama(clients: int, context: int, threads: int = 2, info: dict[str, Any] | None = None) -> Iterator[str]:
     """`llama-server -np N` over the default target's GGUF, each slot `context` tokens, on a free port.
-    One that dies of SIGILL while starting or on a first short prompt runs once more with
+    One that dies of SIGILL or SIGSEGV while starting or on a first short prompt runs once more with
     --no-repack (llama.cpp's AMX path faults on some Xeons: bench/llamacpp.py); `info["no_repack"]`
     says which ran."""
-    from .llamacpp import NO_REPACK, _free_port, _server_env, find_peer, gguf_for
+    from .llamacpp import NO_REPACK, REPACK_FAULTS, _free_port, _server_env, find_peer, gguf_for
 
     peer = find_peer()
     for no_repack in (False, True):
@@ -177,8 +176,8 @@ def llama(clients: int, context: int, threads: int = 2, info: dict[str, Any] | N
             try:
                 url = f"http://127.0.0.1:{port}"
                 status = _llama_serving(proc, url)
-                if status == -signal.SIGILL and not no_repack:
-                    print(f"llama-server died of SIGILL; retrying once with {NO_REPACK}", flush=True)
+                if status in REPACK_FAULTS and not no_repack:
+                    print(f"llama-server died of signal {-status}; retrying once with {NO_REPACK}", flush=True)
                     continue
                 if status is not None:
                     log.seek(0)

@@ -28,9 +28,10 @@ How a row is measured, so that it compares with ours:
 - `steps` = target forwards after the prefill = new tokens - 1 - accepted draft tokens (each
   forward yields its accepted draft tokens + one), `accepted_per_step` = accepted / steps (llama.cpp
   reports `draft_n` and `draft_n_accepted` per request; without speculation both are 0);
-- a server that dies of an illegal instruction (SIGILL) while starting or on its first prompt is
-  started once more with `--no-repack`: llama.cpp's AMX path (on by default for Q4_K/Q6_K since early
-  2026) faults on some Xeons, its tile configuration not loaded (shared/notes/cpu-amx.md), and
+- a server that dies of an illegal instruction or a segmentation fault (SIGILL, SIGSEGV) while
+  starting or on its first prompt is started once more with `--no-repack`: llama.cpp's AMX path (on
+  by default for Q4_K/Q6_K since early 2026) faults on Xeons, with SIGILL where its tile
+  configuration is not loaded, with SIGSEGV on the 2026-12-03 Xeon VM (`llama-bench` too), and
   `--no-repack` keeps it off. The row's `config.no_repack` says which ran.
 
 Settings (docs/benchmarks.md): sd drafts up to 16 tokens, at least 0, stopping below p 0.75 (llama.cpp's
@@ -85,11 +86,13 @@ class PeerCrash(PeerError):
         self.status = status
 
     @property
-    def illegal_instruction(self) -> bool:
-        return self.status == -signal.SIGILL
+    def repack_fault(self) -> bool:
+        """Died as llama.cpp's AMX (repacked weights) path dies on Xeons: SIGILL or SIGSEGV."""
+        return self.status in REPACK_FAULTS
 
 
 NO_REPACK = "--no-repack"  # llama.cpp: no repacked weights, so none of its AMX or other repack paths
+REPACK_FAULTS = (-signal.SIGILL, -signal.SIGSEGV)  # Popen statuses retried once with NO_REPACK
 
 
 # --------------------------------------------------------------------------- settings
@@ -675,11 +678,11 @@ def _started(peer: Peer, settings: LlamaCppSettings, target: Path, draft: Path |
 def running(peer: Peer, settings: LlamaCppSettings, target: Path, draft: Path | None, n_ctx: int,
             warm_prompt: list[int], say: Callable[[str], None] = print) -> Iterator[LlamaServer]:
     """A started, warmed-up server for one method, stopped on leaving (errors and Ctrl-C included);
-    one that dies of SIGILL while starting or warming up runs again with --no-repack (`no_repack`)."""
+    one that dies of SIGILL or SIGSEGV while starting or warming up runs again with --no-repack (`no_repack`)."""
     try:
         server = _started(peer, settings, target, draft, n_ctx, warm_prompt, no_repack=False)
     except PeerCrash as e:
-        if not e.illegal_instruction:
+        if not e.repack_fault:
             raise
         say(f"{e}; retrying once with {NO_REPACK}")
         server = _started(peer, settings, target, draft, n_ctx, warm_prompt, no_repack=True)
