@@ -111,6 +111,7 @@ def test_auto_takes_amx_only_where_it_measured_clearly_faster(tmp_path, monkeypa
     monkeypatch.setenv(kernels.CPU_ENV, "auto")
     assert kernels.path() == choice and sorted(timed) == ["amx", "avx512"]
     assert kernels.path() == choice and len(timed) == 2  # read back
+    assert f"measured {1 / amx_s:.2f}x avx512's speed" in kernels.amx_choice()  # what `specextend kernels` says
     assert kernels.auto_path(["portable", "avx2", "avx512"]) == "avx512"  # no amx: nothing to measure
     monkeypatch.setattr(kernels, "cpu_name", lambda: "another CPU")  # a record from another machine
     assert kernels.path() == choice and len(timed) == 4

@@ -386,4 +386,17 @@ def describe() -> str:
     why = amx_refusal()
     if why and platform.machine() in ("x86_64", "AMD64"):
         line += f"; no amx: {why}"
+    elif "amx" in paths:
+        line += f"; {amx_choice()}"
     return line
+
+
+def amx_choice() -> str:
+    """Why `auto` took amx or avx512 where both run: the many-row product's measured ratio."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        stored = json.loads((build_dir() / "auto-path.json").read_text())
+        ratio = stored["seconds"]["avx512"] / stored["seconds"]["amx"]
+        return (f"amx's many-row Q4_K product measured {ratio:.2f}x avx512's speed (arithmetic "
+                f"{stored['arithmetic']}; amx from {1 / AMX_MARGIN:.2f}x)")
+    return "amx and avx512 not yet compared"
+
