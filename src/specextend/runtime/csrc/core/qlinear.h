@@ -416,10 +416,10 @@ SPX_DECLARE_PATH(neon)
 
 // The amx path's many-row product (qlinear_amx.cpp), the rows kernel of the amx paths (the rest of
 // each is its vector path's, cpu.h): on the tiles, and the same code on emulated tiles (any CPU).
-#if defined(__x86_64__)
 // Whether `path`'s rows kernel runs format fmt's per-256 segments on the tiles (Q4K, where the tile
 // code has AVX-512 beside it); the others run their vector path's per-256 kernels.
 bool amx_k256_tiles(Path path, int64_t fmt);
+#if defined(__x86_64__)
 void rows_amx(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, const TileOut& out, float* acc);
 #endif
 void rows_amx_emulated(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, const TileOut& out,
