@@ -200,8 +200,13 @@ def test_concurrent_streams_answer_what_one_at_a_time_answers(url):
     with ThreadPoolExecutor(len(asks)) as pool:
         together = list(pool.map(lambda a: _stream_text(url, *a), asks))
     assert together == alone
-    h = http.get(f"{url}/health").json()
-    assert h["running"] == h["waiting"] == 0 and h["batch"]["kv_in_use_mb"] == 0
+    # A stream's last chunk reaches the client before the scheduler's next step retires its
+    # sequence: the server settles within moments (on a loaded machine, not at once).
+    deadline = time.time() + 20
+    while (h := http.get(f"{url}/health").json())["running"] or h["waiting"]:
+        assert time.time() < deadline, h
+        time.sleep(0.05)
+    assert h["batch"]["kv_in_use_mb"] == 0
 
 
 def test_streaming_completion_and_stop_strings(pair, url):
