@@ -1,16 +1,17 @@
-// The amx path's many-row product (qlinear.h): a panel of 16 channels times 2..64 rows on Intel AMX
-// tiles, with the reference arithmetic (qlinear_portable.cpp) to the bit.
+// The amx path's many-row product (qlinear.h): a panel of 16 channels times 16 or more rows on
+// Intel AMX tiles, with the reference arithmetic (qlinear_portable.cpp) to the bit.
 //
-// Per weight group (32 inputs; Q6K's 16) the group's codes are unpacked once into one B tile
-// (the blob's steps of 4 inputs x 16 channels are already TDPBSUD's B layout; Q8's codes are
-// loaded straight from the blob), and every 16-row tile of activations is multiplied by it with
-// one TDPBSUD (signed int8 activations x unsigned codes into int32, exact) into a C tile zeroed for
-// that group. C goes through memory to the float epilogue, which applies the group's correction,
-// activation scale, channel scale (and Q4K's minimum) to each row's accumulators in the reference
-// order; groups stay in input order for every row. Two C and two A tiles alternate, so one item's
-// tile work can run while the previous item's epilogue does (the hardware overlaps them; the
-// tiles are the faster part, cpu-amx.md). Rows are independent: a row's sums never meet another
-// row's, and the tile a row lands in changes nothing.
+// Per weight group (32 inputs; Q6K's 16) the group's codes are unpacked once a call into B-tile
+// rows (the blob's steps of 4 inputs x 16 channels are already TDPBSUD's B layout; Q8's codes are
+// read straight from the blob). Then each 16-row tile of activations runs through every group:
+// one TDPBSUD (signed int8 activations x unsigned codes into int32, exact) into a C tile zeroed
+// for that group, C through memory to the float epilogue, which applies the group's correction,
+// activation scale, channel scale (and Q4K's minimum) to the tile's 16 accumulator registers in
+// the reference order; groups stay in input order for every row. C, A and B tiles alternate with
+// the group's parity, so one group's tile work can run while the previous group's epilogue does.
+// Rows are independent: a row's sums never meet another row's, and the tile a row lands in
+// changes nothing. Q4K per 256 (SPECEXTEND_K256) has a kernel of its own below, which adds a whole
+// super-block in C. Measured on a 2-core Xeon: docs/log/2026-12-amx.md.
 //
 // The code is one template over a tile backend (amx_tiles.h) and a vector backend for the
 // epilogue and unpacking: native tiles with AVX-512 (the amx path; every CPU with AMX has it), and
