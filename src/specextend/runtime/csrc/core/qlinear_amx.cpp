@@ -156,12 +156,9 @@ namespace {
 // AVX-512: the avx512 path's operations (qlinear_avx512.cpp), 16 channels a register.
 struct Avx512Vec {
   static void unpack_q4k(const uint8_t* cb, uint8_t* w) {
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    for (int i = 0; i < 4; ++i) {
-      const __m512i v = _mm512_loadu_si512(cb + 64 * i);
-      _mm512_storeu_si512(w + 64 * i, _mm512_and_si512(v, low));
-      _mm512_storeu_si512(w + 64 * (i + 4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
-    }
+    __m512i v[8];
+    spx::unpack_q4k(cb, v);
+    for (int st = 0; st < 8; ++st) _mm512_storeu_si512(w + 64 * st, v[st]);
   }
 
   static void unpack_q6(int64_t fmt, const uint8_t* sb, int g, uint8_t* w) {
@@ -465,18 +462,15 @@ struct K256Panel {
       b.resize(8192 * nsb);
       sc.resize(nsb);
     }
-    const __m512i low = _mm512_set1_epi8(0x0F), seven = _mm512_set1_epi32(7);
+    const __m512i seven = _mm512_set1_epi32(7);
     for (int64_t sb = 0; sb < nsb; ++sb) {
       const uint8_t* q = p + sb * sb_bytes;
       SuperScales& ss = sc[sb];
       _mm512_store_ps(ss.d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))));
       _mm512_store_ps(ss.dmin, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32))));
-      const uint8_t* mins = q + 64 + 16 * 8;
-      for (int j = 0; j < 4; ++j) {
-        const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + 32 * j)));
-        const __m512i hi = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + 32 * j + 16)));
-        _mm512_store_si512(ss.mn[j], _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-      }
+      __m512i mn[4];
+      k256_min_pairs<Q4K>(q, mn);
+      for (int j = 0; j < 4; ++j) _mm512_store_si512(ss.mn[j], mn[j]);
       for (int g = 0; g < 8; ++g) {
         const __m512i sc32 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 64 + 16 * g)));
         const __m512i lo = _mm512_and_si512(sc32, seven), hi = _mm512_srli_epi32(sc32, 3);
@@ -486,13 +480,11 @@ struct K256Panel {
         const __m512i mhi = _mm512_or_si512(hi, _mm512_slli_epi32(hi, 16));
         const uint8_t* cb = q + 64 + 32 * 8 + 256 * g;
         uint8_t* dst = b.data() + 8192 * sb + 2048 * (g / 2) + 512 * (g % 2);
-        for (int i = 0; i < 4; ++i) {
-          const __m512i v = _mm512_loadu_si512(cb + 64 * i);
-          const __m512i w0 = _mm512_and_si512(v, low), w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-          _mm512_storeu_si512(dst + 64 * i, _mm512_mullo_epi16(w0, mlo));
-          _mm512_storeu_si512(dst + 64 * (i + 4), _mm512_mullo_epi16(w1, mlo));
-          _mm512_storeu_si512(dst + 1024 + 64 * i, _mm512_mullo_epi16(w0, mhi));
-          _mm512_storeu_si512(dst + 1024 + 64 * (i + 4), _mm512_mullo_epi16(w1, mhi));
+        __m512i w[8];
+        unpack_q4k(cb, w);
+        for (int st = 0; st < 8; ++st) {
+          _mm512_storeu_si512(dst + 64 * st, _mm512_mullo_epi16(w[st], mlo));
+          _mm512_storeu_si512(dst + 1024 + 64 * st, _mm512_mullo_epi16(w[st], mhi));
         }
       }
     }

@@ -101,4 +101,33 @@ inline void store_rows(const float* acc, int64_t r0, int n, const TileOut& out) 
   }
 }
 
+// Q4K group codes at cb as TDPBSUD / VPDPBUSD operands: steps 0-3 the low nibbles, 4-7 the high.
+inline void unpack_q4k(const uint8_t* cb, __m512i* w) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    const __m512i v = _mm512_loadu_si512(cb + 64 * i);
+    w[i] = _mm512_and_si512(v, low);
+    w[i + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+  }
+}
+
+// The minimum codes of super-block p as int16 pairs (groups 2j, 2j + 1 of lane c in lane c of
+// mn[j]); Q4K, Q5K: 4 pairs of groups of 32, Q2K: 8 pairs of groups of 16.
+template <int64_t FMT>
+inline void k256_min_pairs(const uint8_t* p, __m512i* mn) {
+  constexpr int pairs = FMT == Q2K ? 8 : 4;
+  const uint8_t* base = FMT == Q2K ? p + 64 : FMT == Q4K ? p + 64 + 16 * 8 : group_mins(8, p, 0);
+#pragma GCC unroll 8
+  for (int j = 0; j < pairs; ++j) {
+    __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 32 * j)));
+    __m512i hi = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 32 * j + 16)));
+    if constexpr (FMT == Q2K) {
+      lo = _mm512_srli_epi32(lo, 4);
+      hi = _mm512_srli_epi32(hi, 4);
+    }
+    mn[j] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+  }
+}
+
 }  // namespace spx
