@@ -268,10 +268,25 @@ def auto_path(have: list[str] | None = None) -> str:
     if have[-1] != "amx":
         return have[-1]
     record = build_dir() / "auto-path.json"
+    # One process measures while the others wait and then read its record: two measuring at once
+    # could choose differently, and processes of one machine would then run different paths.
+    import fcntl
+
+    with contextlib.ExitStack() as held:
+        with contextlib.suppress(OSError):  # an unwritable cache measures without the lock
+            fcntl.flock(held.enter_context(open(record.with_name("auto-path.lock"), "w")), fcntl.LOCK_EX)
+        return _stored_choice(record) or _measure_choice(record)
+
+
+def _stored_choice(record: Path) -> str | None:
     with contextlib.suppress(OSError, ValueError, KeyError):
         stored = json.loads(record.read_text())
         if stored["cpu"] == cpu_name() and stored.get("arithmetic") == arithmetic_version():
             return str(stored["choice"])
+    return None
+
+
+def _measure_choice(record: Path) -> str:
     times = {p: _many_row_seconds(p) for p in ("avx512", "amx")}
     # A clear margin: where the two are alike (per 32 on a Xeon VM, within 3%) a coin flip would
     # change the path from one build to the next; avx512 keeps no tile state.
