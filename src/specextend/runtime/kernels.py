@@ -395,7 +395,10 @@ def describe() -> str:
     """One line for `make setup`: where the kernels are and which paths this CPU runs."""
     ext = load()
     paths = cpu_paths()
-    extra = " (attention with AVX512-BF16)" if "avx512" in paths and ext.has_avx512_bf16() else ""
+    extra = ""
+    if "avx512" in paths and ext.has_avx512_bf16():
+        extra = (" (attention on VDPBF16PS)" if ext.bf16_dot_pays() else
+                 " (attention's many-row runs on FMAs: VDPBF16PS measured slower here)")
     line = (f"specextend kernels: {build_dir()}; paths this CPU runs: {', '.join(paths)}{extra}; "
             f"auto = {auto_path(paths)}")
     why = amx_refusal()

@@ -620,5 +620,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_paths", &cpu_paths, "the kernel paths this CPU runs, slowest first (amx-emulated, a test path, not listed)");
   m.def("amx_status", &amx_status, "why the amx path cannot run here, or None where it runs");
   m.def("has_avx512_bf16", &spx::cpu_has_avx512_bf16, "whether the avx512 path's attention uses AVX512-BF16");
+  m.def("bf16_dot_pays", &spx::avx512_bf16_dot_pays,
+        "whether VDPBF16PS beats FMAs here (else attention's many-row runs use two FMAs a pair)");
   bind_step(m);
 }

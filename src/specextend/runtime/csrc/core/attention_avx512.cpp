@@ -1,6 +1,7 @@
 // The avx512 path of the attention kernel: VDPBF16PS (32 bfloat16 multiply-adds an instruction),
 // the arithmetic of attention_portable.cpp lane for lane. A block's keys are shared by every
-// query row of the item; its values are interleaved by key pairs once for all of them.
+// query row of the item; its values are interleaved by key pairs once for all of them. Many rows
+// (a prefill chunk) run on FMAs instead where those are the faster (Intel: `run_fma`).
 #if defined(__x86_64__)
 
 #include "x86.h"
@@ -245,9 +246,12 @@ struct LaneSpace {
   __m512i* w;   // [kBlock / 2][G]: lane i = the bfloat16 weights of keys (2j, 2j+1)
   __m512* acc;  // [d][G], d in the path's dimension order (`stored_dim`)
   __m512 *m, *l, *alpha;  // [G]
+  __m512* qf;  // [dp][2][G]: query pair p's odd, then even element as float32 (the fma runs)
 };
 
-inline int64_t lane_space_floats(int64_t d, int groups) { return (d / 2 + kBlock + kBlock / 2 + d + 3) * groups * 16; }
+inline int64_t lane_space_floats(int64_t d, int groups) {
+  return (d / 2 + kBlock + kBlock / 2 + d + 3 + d) * groups * 16;
+}
 
 LaneSpace lane_space(float* ws, int64_t d, int groups) {
   __m512* z = reinterpret_cast<__m512*>(ws);
@@ -263,6 +267,7 @@ LaneSpace lane_space(float* ws, int64_t d, int groups) {
   sp.m = z;
   sp.l = z + groups;
   sp.alpha = z + 2 * groups;
+  sp.qf = z + 3 * groups;
   return sp;
 }
 
@@ -389,7 +394,11 @@ void lanes_in(const RowState* rows, int nrows, int64_t d, const LaneSpace& sp, i
         t[i] = r < nrows ? _mm512_loadu_si512(rows[r].q + 2 * p0) : _mm512_setzero_si512();
       }
       transpose16(t);
-      for (int i = 0; i < 16; ++i) sp.qt[(p0 + i) * groups + g] = t[i];
+      for (int i = 0; i < 16; ++i) {
+        sp.qt[(p0 + i) * groups + g] = t[i];
+        sp.qf[(p0 + i) * 2 * groups + g] = _mm512_castsi512_ps(_mm512_and_si512(t[i], _mm512_set1_epi32(-65536)));
+        sp.qf[(p0 + i) * 2 * groups + groups + g] = _mm512_castsi512_ps(_mm512_slli_epi32(t[i], 16));
+      }
     }
   }
 }
@@ -442,6 +451,170 @@ void run_dc(const uint16_t* k, const uint16_t* v, int nblocks, int64_t d, RowSta
   lanes_out(rows, nrows, d, sp, groups);
 }
 
+// ------------------------------------------------------------------ many rows on FMAs
+//
+// The same runs with each VDPBF16PS step as two float32 FMAs, odd product then even (products of
+// bfloat16 are exact, so each FMA rounds once as the instruction does): the same bits, at the FMA
+// rate where VDPBF16PS is the slower (avx512_bf16_dot_pays: Intel's Xeons run it at half). The
+// block's keys and values are widened to float32 once and broadcast from memory; the queries'
+// halves are widened once a run (LaneSpace::qf); the weights are rounded to bfloat16 in place.
+
+constexpr int kFmaTileGroups = 4;  // 4 x 4 accumulators, 8 query or weight registers, 2 broadcasts
+
+// bfloat16 words [n] as the float32 values they stand for.
+inline void widen(const uint16_t* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; i += 16)
+    _mm512_store_si512(dst + i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(src + i))), 16));
+}
+
+// Scores of groups [g0, g0 + GT) against the block's keys kf [kBlock][d] (float32).
+template <int DP, int GT>
+void fma_scores(const float* kf, int64_t d, const LaneSpace& sp, int groups, int g0) {
+  for (int k0 = 0; k0 < kBlock; k0 += kTileKeys) {
+    __m512 acc[kTileKeys][GT];
+    for (int k = 0; k < kTileKeys; ++k)
+      for (int g = 0; g < GT; ++g) acc[k][g] = _mm512_setzero_ps();
+    const float* key = kf + k0 * d;
+#pragma GCC unroll 2
+    for (int p = 0; p < DP; ++p) {
+      __m512 qo[GT], qe[GT];
+      for (int g = 0; g < GT; ++g) {
+        qo[g] = sp.qf[p * 2 * groups + g0 + g];
+        qe[g] = sp.qf[p * 2 * groups + groups + g0 + g];
+      }
+      for (int k = 0; k < kTileKeys; ++k) {
+        const __m512 ko = _mm512_set1_ps(key[k * d + 2 * p + 1]), ke = _mm512_set1_ps(key[k * d + 2 * p]);
+        for (int g = 0; g < GT; ++g) acc[k][g] = _mm512_fmadd_ps(ke, qe[g], _mm512_fmadd_ps(ko, qo[g], acc[k][g]));
+      }
+    }
+    for (int k = 0; k < kTileKeys; ++k)
+      for (int g = 0; g < GT; ++g) sp.s[(k0 + k) * groups + g0 + g] = acc[k][g];
+  }
+}
+
+// lane_softmax's maximum, rescale and sum; then each weight rounded to bfloat16 in place (the
+// integer form of VCVTNE2PS2BF16's rounding, float_to_bf16: the weights are normal floats).
+void fma_softmax(const LaneSpace& sp, int groups, int g) {
+  __m512* s = sp.s + g;
+  __m512 mx = s[0];
+  for (int k = 1; k < kBlock; ++k) mx = _mm512_max_ps(mx, s[k * groups]);
+  const __m512 m_new = _mm512_max_ps(sp.m[g], mx);
+  sp.alpha[g] = exp_avx512(_mm512_sub_ps(sp.m[g], m_new));
+  for (int k = 0; k < kBlock; ++k) s[k * groups] = exp_avx512(_mm512_sub_ps(s[k * groups], m_new));
+  __m512 x[16];
+  for (int i = 0; i < 16; ++i) x[i] = _mm512_add_ps(s[i * groups], s[(i + 16) * groups]);
+  for (int w = 8; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) x[i] = _mm512_add_ps(x[i], x[i + w]);
+  sp.l[g] = _mm512_fmadd_ps(sp.l[g], sp.alpha[g], x[0]);
+  sp.m[g] = m_new;
+  const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), top = _mm512_set1_epi32(-65536);
+  for (int k = 0; k < kBlock; ++k) {
+    const __m512i u = _mm512_castps_si512(s[k * groups]);
+    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+    s[k * groups] = _mm512_castsi512_ps(_mm512_and_si512(r, top));
+  }
+}
+
+// Groups [g0, g0 + GT)'s values over the block: vo, ve [kBlock / 2][D] the odd and even key of each
+// pair as float32, dimensions in the stored order; the weights in sp.s (rounded).
+template <int D, int GT>
+void fma_values(const float* vo, const float* ve, const LaneSpace& sp, int groups, int g0) {
+  bool rescale = false;
+  for (int g = 0; g < GT; ++g)
+    rescale |= _mm512_cmp_ps_mask(sp.alpha[g0 + g], _mm512_set1_ps(1.f), _CMP_NEQ_UQ) != 0;  // x * 1 = x
+  for (int x0 = 0; x0 < D; x0 += kTileKeys) {
+    __m512 acc[kTileKeys][GT];
+    for (int x = 0; x < kTileKeys; ++x)
+      for (int g = 0; g < GT; ++g) {
+        acc[x][g] = sp.acc[(x0 + x) * groups + g0 + g];
+        if (rescale) acc[x][g] = _mm512_mul_ps(acc[x][g], sp.alpha[g0 + g]);
+      }
+#pragma GCC unroll 4
+    for (int j = 0; j < kBlock / 2; ++j) {
+      __m512 wo[GT], we[GT];
+      for (int g = 0; g < GT; ++g) {
+        wo[g] = sp.s[(2 * j + 1) * groups + g0 + g];
+        we[g] = sp.s[2 * j * groups + g0 + g];
+      }
+      for (int x = 0; x < kTileKeys; ++x) {
+        const __m512 o = _mm512_set1_ps(vo[j * D + x0 + x]), e = _mm512_set1_ps(ve[j * D + x0 + x]);
+        for (int g = 0; g < GT; ++g) acc[x][g] = _mm512_fmadd_ps(e, we[g], _mm512_fmadd_ps(o, wo[g], acc[x][g]));
+      }
+    }
+    for (int x = 0; x < kTileKeys; ++x)
+      for (int g = 0; g < GT; ++g) sp.acc[(x0 + x) * groups + g0 + g] = acc[x][g];
+  }
+}
+
+template <int DP>
+void fma_scores_tile(const float* kf, int64_t d, const LaneSpace& sp, int groups, int g0, int gt) {
+  switch (gt) {
+    case 4: fma_scores<DP, 4>(kf, d, sp, groups, g0); break;
+    case 3: fma_scores<DP, 3>(kf, d, sp, groups, g0); break;
+    case 2: fma_scores<DP, 2>(kf, d, sp, groups, g0); break;
+    default: fma_scores<DP, 1>(kf, d, sp, groups, g0); break;
+  }
+}
+
+template <int D>
+void fma_values_tile(const float* vo, const float* ve, const LaneSpace& sp, int groups, int g0, int gt) {
+  switch (gt) {
+    case 4: fma_values<D, 4>(vo, ve, sp, groups, g0); break;
+    case 3: fma_values<D, 3>(vo, ve, sp, groups, g0); break;
+    case 2: fma_values<D, 2>(vo, ve, sp, groups, g0); break;
+    default: fma_values<D, 1>(vo, ve, sp, groups, g0); break;
+  }
+}
+
+template <int DC>
+void run_fma_dc(const uint16_t* k, const uint16_t* v, int nblocks, int64_t d, RowState* rows, int nrows,
+                float* ws) {
+  constexpr int D = DC * 32, DP = D / 2;
+  const int groups = (nrows + 15) / 16;
+  const LaneSpace sp = lane_space(ws, d, groups);
+  lanes_in(rows, nrows, d, sp, groups);
+  const int tiles = (groups + kFmaTileGroups - 1) / kFmaTileGroups;
+  alignas(64) __m512i vi[kBlock / 2][2 * DC];
+  alignas(64) float kf[kBlock * D], vo[kBlock / 2 * D], ve[kBlock / 2 * D];
+  for (int b = 0; b < nblocks; ++b) {
+    const uint16_t* kb = k + b * kBlock * d;
+    const uint16_t* vb = v + b * kBlock * d;
+    if (b + 1 < nblocks)
+      for (int64_t o = 0; o < kBlock * d * 2; o += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(kb + kBlock * d) + o, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(vb + kBlock * d) + o, _MM_HINT_T0);
+      }
+    widen(kb, kBlock * D, kf);
+    interleave_values<2 * DC>(vb, kBlock, d, vi);  // pair j, stored dim x: word j * D + x
+    const __m512i* vw = &vi[0][0];
+    for (int i = 0; i < kBlock / 2 * D / 16; ++i) {
+      _mm512_store_ps(vo + 16 * i, _mm512_castsi512_ps(_mm512_and_si512(vw[i], _mm512_set1_epi32(-65536))));
+      _mm512_store_ps(ve + 16 * i, _mm512_castsi512_ps(_mm512_slli_epi32(vw[i], 16)));
+    }
+    for (int t = 0, g0 = 0; t < tiles; ++t) {
+      const int gt = (groups * (t + 1)) / tiles - g0;
+      fma_scores_tile<DP>(kf, d, sp, groups, g0, gt);
+      g0 += gt;
+    }
+    for (int g = 0; g < groups; ++g) fma_softmax(sp, groups, g);
+    for (int t = 0, g0 = 0; t < tiles; ++t) {
+      const int gt = (groups * (t + 1)) / tiles - g0;
+      fma_values_tile<D>(vo, ve, sp, groups, g0, gt);
+      g0 += gt;
+    }
+  }
+  lanes_out(rows, nrows, d, sp, groups);
+}
+
+void run_fma(const uint16_t* k, const uint16_t* v, int nblocks, int64_t d, RowState* rows, int nrows, float* ws) {
+  if (d == 256)
+    run_fma_dc<8>(k, v, nblocks, d, rows, nrows, ws);
+  else if (d == 128)
+    run_fma_dc<4>(k, v, nblocks, d, rows, nrows, ws);
+  else
+    run_fma_dc<2>(k, v, nblocks, d, rows, nrows, ws);
+}
+
 void run(const uint16_t* k, const uint16_t* v, int nblocks, int64_t d, RowState* rows, int nrows, float* ws) {
   if (d == 256)
     run_dc<8>(k, v, nblocks, d, rows, nrows, ws);
@@ -487,7 +660,7 @@ constexpr int kRunRows = 24;
 
 bool block_kernel_avx512(int64_t d, BlockKernel* out) {
   if (!cpu_has_avx512_bf16() || (d != 64 && d != 128 && d != 256)) return false;
-  *out = {block, finish, workspace, dequant, run, kRunRows};
+  *out = {block, finish, workspace, dequant, avx512_bf16_dot_pays() ? run : run_fma, kRunRows};
   return true;
 }
 

@@ -1,6 +1,9 @@
 // CPU feature detection for the kernel paths (cpu.h).
 #include "cpu.h"
 
+#include <algorithm>
+#include <chrono>
+
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -191,6 +194,79 @@ const char* path_name(Path p) {
     case Path::AMXEmulated: return "amx-emulated";
   }
   return "?";
+}
+
+}  // namespace spx
+
+// ------------------------------------------------------------------ VDPBF16PS against FMAs
+
+#if defined(__x86_64__) && !defined(SPECEXTEND_EMULATE_AVX512)
+#include <immintrin.h>
+
+#include "target.h"
+
+SPX_BEGIN_AVX512BF16
+namespace spx {
+namespace {
+
+// Seconds of `iters` steps of 12 independent chains: VDPBF16PS (32 products a step) or two
+// FMAs (the same 32), the inputs hidden from the compiler so that nothing folds.
+template <bool kDot>
+double chain_seconds(int iters) {
+  __m512 c[12];
+  for (auto& v : c) v = _mm512_setzero_ps();
+  __m512 a = _mm512_set1_ps(1.0f), b = _mm512_set1_ps(1e-30f);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < iters; ++i) {
+    __asm__ volatile("" : "+v"(a), "+v"(b));
+#pragma GCC unroll 12
+    for (auto& v : c) {
+      if constexpr (kDot) {
+        v = _mm512_dpbf16_ps(v, (__m512bh)_mm512_castps_si512(a), (__m512bh)_mm512_castps_si512(b));
+      } else {
+        v = _mm512_fmadd_ps(a, b, _mm512_fmadd_ps(b, a, v));
+      }
+    }
+  }
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  __m512 sum = c[0];
+  for (int j = 1; j < 12; ++j) sum = _mm512_add_ps(sum, c[j]);
+  volatile float keep = _mm512_reduce_add_ps(sum);
+  (void)keep;
+  return s;
+}
+
+bool dot_beats_fma() {  // the best of three of each, interleaved (about a millisecond)
+  double dot = 1e9, fma = 1e9;
+  for (int r = 0; r < 3; ++r) {
+    dot = std::min(dot, chain_seconds<true>(20000));
+    fma = std::min(fma, chain_seconds<false>(20000));
+  }
+  return dot < 0.8 * fma;
+}
+
+}  // namespace
+}  // namespace spx
+SPX_END
+#endif
+
+namespace spx {
+
+// AMD's Zen 4 and 5 run VDPBF16PS at twice their FMA rate, Intel's Xeons at half of theirs: timed
+// once a process. SPECEXTEND_BF16_DOT=1 or 0 decides instead (the exactness tests run both: the
+// bits must be the same); the emulated AVX-512 build keeps VDPBF16PS unless told.
+bool avx512_bf16_dot_pays() {
+  static const bool pays = [] {
+    if (!cpu_has_avx512_bf16()) return false;
+    if (const char* e = std::getenv("SPECEXTEND_BF16_DOT"); e != nullptr && (e[0] == '0' || e[0] == '1'))
+      return e[0] == '1';
+#if defined(__x86_64__) && !defined(SPECEXTEND_EMULATE_AVX512)
+    return dot_beats_fma();
+#else
+    return true;
+#endif
+  }();
+  return pays;
 }
 
 }  // namespace spx

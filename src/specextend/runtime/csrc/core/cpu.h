@@ -26,6 +26,10 @@ Path vector_path(Path p);
 // AVX-512 attention uses VDPBF16PS where the CPU has it; elsewhere the avx512 path runs the
 // AVX2 attention kernel (same bits).
 bool cpu_has_avx512_bf16();
+// Whether VDPBF16PS beats float32 FMAs here (timed once a process, cpu.cpp): AMD's Zen 4 and
+// 5 run it at twice their FMA rate, Intel's Xeons at half of theirs, so there attention's
+// many-row runs compute its bits with two FMAs a pair.
+bool avx512_bf16_dot_pays();
 
 const char* path_name(Path p);
 

@@ -212,6 +212,22 @@ uint32_t int8_avx512(int64_t iters, int32_t seed) {
   return digest(SPX_SUM16(_mm512_add_epi32));
 }
 
+#define SPX_F512(j) _mm512_set1_ps(static_cast<float>(j))
+
+// 16-lane float32 FMAs: where VDPBF16PS is the slower (avx512_bf16_dot_pays), the bfloat16
+// products of a prefill's attention, two FMAs a pair.
+#define SPX_VFMADD512(n) "vfmadd231ps %[b], %[a], " SPX_C(n) "\n\t"
+uint32_t fma_avx512(int64_t iters, int32_t seed) {
+  __m512 a = _mm512_set1_ps(1e-3f * static_cast<float>(seed)), b = _mm512_set1_ps(1e-3f);
+  SPX_DECLARE16(__m512, SPX_F512);
+  for (int64_t i = 0; i < iters; ++i) {
+    SPX_LAUNDER(a, "+v");
+    SPX_LAUNDER(b, "+v");
+    SPX_ITERATION16(SPX_VFMADD512, "v");
+  }
+  return digest(SPX_SUM16(_mm512_add_ps));
+}
+
 }  // namespace
 }  // namespace spx
 SPX_END
@@ -219,8 +235,6 @@ SPX_END
 SPX_BEGIN_AVX512BF16
 namespace spx {
 namespace {
-
-#define SPX_F512(j) _mm512_set1_ps(static_cast<float>(j))
 
 // VDPBF16PS: 32 bfloat16 products added in pairs into 16 float32 lanes.
 #define SPX_VDPBF16PS(n) "vdpbf16ps %[b], %[a], " SPX_C(n) "\n\t"
@@ -410,8 +424,16 @@ bool peak_loop(Path path, PeakKind kind, PeakLoop* out) {
     case Path::AVX512:
       if (int8) {
         *out = {"vpdpbusd zmm", "", 64 * kAcc16, int8_avx512};
-      } else if (bf16 && cpu_has_avx512_bf16()) {
+      } else if (bf16 && cpu_has_avx512_bf16() && avx512_bf16_dot_pays()) {
         *out = {"vdpbf16ps zmm", "", 32 * kAcc16, bf16_avx512};
+      } else if (bf16 && cpu_has_avx512_bf16()) {
+        *out = {"vfmadd231ps zmm",
+                "VDPBF16PS measured slower than FMAs here: a prefill's attention runs two FMAs a bfloat16 pair "
+                "(the same bits); one row's attention stays on VDPBF16PS (bf16_native)",
+                16 * kAcc16, fma_avx512};
+      } else if (kind == PeakKind::BF16Native && cpu_has_avx512_bf16()) {
+        *out = {"vdpbf16ps zmm", "the CPU has it; here slower than FMAs, so only one row's attention uses it",
+                32 * kAcc16, bf16_avx512};
       } else if (bf16) {
         *out = {"vfmadd231ps ymm",
                 "no AVX512-BF16 on this CPU: the avx512 path's attention runs the avx2 kernel (bfloat16 widened to "
