@@ -202,7 +202,7 @@ def test_kernel_core_exactness_program(tmp_path: Path) -> None:
     subprocess.run(["g++", *FLAGS, "-fopenmp", "-c", str(CSRC / "test" / "exactness.cpp"), "-o", str(exe) + ".o"],
                    check=True)
     subprocess.run(["g++", "-fopenmp", str(exe) + ".o", *objects, "-o", str(exe)], check=True)
-    # Where the CPU has VDPBF16PS, the BF16 weights and attention's runs use it or FMAs as timed
+    # Where the CPU has VDPBF16PS, attention's many-row runs use it or FMAs as timed
     # (avx512_bf16_dot_pays): both kinds run here, and both must give the portable bits.
     bf16 = "avx512" in kernels.cpu_paths() and "avx512_bf16" in Path("/proc/cpuinfo").read_text()
     for env in [{"SPECEXTEND_BF16_DOT": d} for d in "01"] if bf16 else [None]:
