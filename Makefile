@@ -67,8 +67,8 @@ $(PEERS_STAMP): | $(STAMP)
 	@touch $@
 
 # The kernel core's exactness program (csrc/test/exactness.cpp) cross-built for aarch64 and run under
-# user-mode emulation with the dot-product extension (each path = portable, rows independent). Installs
-# Debian's cross compiler and qemu-user when they are missing.
+# user-mode emulation with the dot-product extension (each path = portable, rows independent), and its
+# detection without it (neon refused). Installs Debian's cross compiler and qemu-user when missing.
 ARM_CXX := aarch64-linux-gnu-g++
 ARM_EXE := build/exactness-aarch64
 
@@ -93,7 +93,7 @@ test-arm: test-tools
 	$(ARM_CXX) -O2 -std=c++17 -ffp-contract=off -static -o $(ARM_EXE) \
 		src/specextend/runtime/csrc/core/*.cpp src/specextend/runtime/csrc/test/exactness.cpp
 	qemu-aarch64 -cpu max $(ARM_EXE)
-	qemu-aarch64 -cpu cortex-a53 $(ARM_EXE) --detected-only
+	qemu-aarch64 -cpu cortex-a53 $(ARM_EXE) --paths-only
 
 demo: setup
 	$(VENV)/bin/specextend demo

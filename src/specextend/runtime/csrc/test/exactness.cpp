@@ -9,9 +9,10 @@
 //   4. the whole-step forward (step.h) of a small random model, one row and a tree level, with
 //      and without a family's switches (family.h: post norms, GeGLU, whole-row q/k norms, partial
 //      rotary, a score scale, a residual multiplier, a windowed layer).
-// `--detected-only` leaves out amx-emulated: a second run on another CPU of the same build (the
-// aarch64 one without dot products) checks its detection and the paths it picks, not again the
-// emulated tiles, whose code is the same on both.
+// `--detected-only` leaves out amx-emulated (a second run on another CPU of the same build need not
+// check the emulated tiles again, their code the same on both); `--paths-only` prints the detected
+// paths and stops (the aarch64 build without dot products: its only path, portable, is checked by
+// the run with them, the same machine code).
 // Exit status 0 when every check passes; each failure is printed.
 #include <algorithm>
 #include <cmath>
@@ -511,6 +512,9 @@ int main(int argc, char** argv) {
       names += std::string(", ") + spx::path_name(p);
     }
   std::printf("kernel paths on this CPU: %s\n", names.c_str());
+  // `--paths-only`: the detection alone (a CPU model whose checks another run of the same build
+  // already made: under emulation without the dot-product extension, neon must not be chosen).
+  if (argc > 1 && std::string(argv[1]) == "--paths-only") return 0;
   paths.insert(paths.begin(), Path::Portable);  // the portable path's own row independence
   // The amx code on emulated tiles everywhere (with AVX-512's epilogue where this build runs it).
   if (!detected_only) paths.push_back(Path::AMXEmulated);
