@@ -349,6 +349,17 @@ def test_a_peer_that_dies_of_sigill_runs_again_with_no_repack(fake_peer, tiny_wi
     assert all(r["config"]["no_repack"] is False for r in rows_of(clean))
 
 
+def test_a_peer_that_died_of_a_repack_fault_starts_its_next_servers_with_no_repack(fake_peer, tiny_with_gguf,
+                                                                                   tmp_path, monkeypatch):
+    """Each method starts its own server: after the first one's fault, the run's later servers start with
+    --no-repack at once instead of dying the same way first."""
+    monkeypatch.setenv("FAKE_LLAMA_SIGILL", "start")
+    assert bench(tiny_with_gguf, tmp_path / "out", "llamacpp-ar,llamacpp-lookup") == 0
+    argvs = [json.loads(line) for line in (tmp_path / "argv").read_text().splitlines()]
+    assert ["--no-repack" in a for a in argvs] == [False, True, True]
+    assert all(r["config"]["no_repack"] is True for r in rows_of(tmp_path / "out"))
+
+
 @pytest.mark.parametrize("when", ["start", "prompt", ""])
 def test_the_serve_benchs_peer_runs_again_with_no_repack_after_sigill(fake_peer, tmp_path, monkeypatch, when):
     from specextend.bench import concurrent

@@ -226,6 +226,8 @@ class Peer:
     version: str  # "b11434": llama.cpp's release tag
     source: str  # what installed it
     cpu: str = "native"  # the instruction set it was built for: native, or avx2 (`make peers PEER_CPU=avx2`)
+    # What this run learned of it: NO_REPACK once a server died of a repack fault (the later ones start so).
+    learned: set[str] = field(default_factory=set, compare=False, hash=False)
 
 
 def _package_binary() -> tuple[Path, str] | None:
@@ -678,14 +680,19 @@ def _started(peer: Peer, settings: LlamaCppSettings, target: Path, draft: Path |
 def running(peer: Peer, settings: LlamaCppSettings, target: Path, draft: Path | None, n_ctx: int,
             warm_prompt: list[int], say: Callable[[str], None] = print) -> Iterator[LlamaServer]:
     """A started, warmed-up server for one method, stopped on leaving (errors and Ctrl-C included);
-    one that dies of SIGILL or SIGSEGV while starting or warming up runs again with --no-repack (`no_repack`)."""
-    try:
-        server = _started(peer, settings, target, draft, n_ctx, warm_prompt, no_repack=False)
-    except PeerCrash as e:
-        if not e.repack_fault:
-            raise
-        say(f"{e}; retrying once with {NO_REPACK}")
+    one that dies of SIGILL or SIGSEGV while starting or warming up runs again with --no-repack (`no_repack`),
+    and so do the peer's later servers in this run (each would die the same way first)."""
+    if NO_REPACK in peer.learned:
         server = _started(peer, settings, target, draft, n_ctx, warm_prompt, no_repack=True)
+    else:
+        try:
+            server = _started(peer, settings, target, draft, n_ctx, warm_prompt, no_repack=False)
+        except PeerCrash as e:
+            if not e.repack_fault:
+                raise
+            say(f"{e}; retrying once with {NO_REPACK} (and starting its later servers so)")
+            peer.learned.add(NO_REPACK)
+            server = _started(peer, settings, target, draft, n_ctx, warm_prompt, no_repack=True)
     try:
         yield server
     finally:
