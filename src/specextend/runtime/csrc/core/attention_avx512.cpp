@@ -296,7 +296,7 @@ void lane_scores(const uint16_t* kb, int64_t d, const LaneSpace& sp, int groups,
 }
 
 // Group g's online-softmax step over the block's scores: maximum, rescale, weights, sum.
-void lane_softmax(const LaneSpace& sp, int groups, int g) {
+void lane_softmax_step(const LaneSpace& sp, int groups, int g) {
   __m512* s = sp.s + g;
   __m512 mx = s[0];
   for (int k = 1; k < kBlock; ++k) mx = _mm512_max_ps(mx, s[k * groups]);
@@ -309,6 +309,12 @@ void lane_softmax(const LaneSpace& sp, int groups, int g) {
     for (int i = 0; i < w; ++i) x[i] = _mm512_add_ps(x[i], x[i + w]);
   sp.l[g] = _mm512_fmadd_ps(sp.l[g], sp.alpha[g], x[0]);
   sp.m[g] = m_new;
+}
+
+// lane_softmax_step, then the weights as VDPBF16PS's bfloat16 pairs (sp.w).
+void lane_softmax(const LaneSpace& sp, int groups, int g) {
+  lane_softmax_step(sp, groups, g);
+  const __m512* s = sp.s + g;
   // Word 2i <- lane i of keys 2j, word 2i + 1 <- lane i of key 2j + 1.
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                               22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
@@ -419,6 +425,14 @@ void lanes_out(RowState* rows, int nrows, int64_t d, const LaneSpace& sp, int gr
     }
 }
 
+// The next block's keys and values on their way while this one computes.
+inline void prefetch_block(const uint16_t* kb, const uint16_t* vb, int64_t d) {
+  for (int64_t o = 0; o < kBlock * d * 2; o += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(kb) + o, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(vb) + o, _MM_HINT_T0);
+  }
+}
+
 template <int DC>
 void run_dc(const uint16_t* k, const uint16_t* v, int nblocks, int64_t d, RowState* rows, int nrows, float* ws) {
   constexpr int D = DC * 32, DP = D / 2;
@@ -430,11 +444,7 @@ void run_dc(const uint16_t* k, const uint16_t* v, int nblocks, int64_t d, RowSta
   for (int b = 0; b < nblocks; ++b) {
     const uint16_t* kb = k + b * kBlock * d;
     const uint16_t* vb = v + b * kBlock * d;
-    if (b + 1 < nblocks)  // the next block's keys and values on their way while this one computes
-      for (int64_t o = 0; o < kBlock * d * 2; o += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(kb + kBlock * d) + o, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(vb + kBlock * d) + o, _MM_HINT_T0);
-      }
+    if (b + 1 < nblocks) prefetch_block(kb + kBlock * d, vb + kBlock * d, d);
     interleave_values<2 * DC>(vb, kBlock, d, vi);
     for (int t = 0, g0 = 0; t < tiles; ++t) {  // tiles of balanced sizes
       const int gt = (groups * (t + 1)) / tiles - g0;
@@ -492,21 +502,11 @@ void fma_scores(const float* kf, int64_t d, const LaneSpace& sp, int groups, int
   }
 }
 
-// lane_softmax's maximum, rescale and sum; then each weight rounded to bfloat16 in place (the
+// lane_softmax_step; then each weight rounded to bfloat16 in place (the
 // integer form of VCVTNE2PS2BF16's rounding, float_to_bf16: the weights are normal floats).
 void fma_softmax(const LaneSpace& sp, int groups, int g) {
+  lane_softmax_step(sp, groups, g);
   __m512* s = sp.s + g;
-  __m512 mx = s[0];
-  for (int k = 1; k < kBlock; ++k) mx = _mm512_max_ps(mx, s[k * groups]);
-  const __m512 m_new = _mm512_max_ps(sp.m[g], mx);
-  sp.alpha[g] = exp_avx512(_mm512_sub_ps(sp.m[g], m_new));
-  for (int k = 0; k < kBlock; ++k) s[k * groups] = exp_avx512(_mm512_sub_ps(s[k * groups], m_new));
-  __m512 x[16];
-  for (int i = 0; i < 16; ++i) x[i] = _mm512_add_ps(s[i * groups], s[(i + 16) * groups]);
-  for (int w = 8; w >= 1; w /= 2)
-    for (int i = 0; i < w; ++i) x[i] = _mm512_add_ps(x[i], x[i + w]);
-  sp.l[g] = _mm512_fmadd_ps(sp.l[g], sp.alpha[g], x[0]);
-  sp.m[g] = m_new;
   const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), top = _mm512_set1_epi32(-65536);
   for (int k = 0; k < kBlock; ++k) {
     const __m512i u = _mm512_castps_si512(s[k * groups]);
@@ -579,11 +579,7 @@ void run_fma_dc(const uint16_t* k, const uint16_t* v, int nblocks, int64_t d, Ro
   for (int b = 0; b < nblocks; ++b) {
     const uint16_t* kb = k + b * kBlock * d;
     const uint16_t* vb = v + b * kBlock * d;
-    if (b + 1 < nblocks)
-      for (int64_t o = 0; o < kBlock * d * 2; o += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(kb + kBlock * d) + o, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(vb + kBlock * d) + o, _MM_HINT_T0);
-      }
+    if (b + 1 < nblocks) prefetch_block(kb + kBlock * d, vb + kBlock * d, d);
     widen(kb, kBlock * D, kf);
     interleave_values<2 * DC>(vb, kBlock, d, vi);  // pair j, stored dim x: word j * D + x
     const __m512i* vw = &vi[0][0];
