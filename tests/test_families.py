@@ -481,15 +481,15 @@ def test_an_olmo_3_file_is_refused_in_one_line(tmp_path):
 def test_the_whole_step_call_gives_the_per_layer_bits(converted, monkeypatch, arch, path):
     """Every family's switches in the whole-step C++ call (sandwich and post norms, GeGLU, the
     multipliers and logit divisor, whole-row q/k norms, per-layer ropes and NoPE, partial rotary,
-    windowed layers seen from tree rows at start + depth): the per-layer kernels' bits (logits,
-    K/V, kept queries) over prefill chunks, one-row steps, a tree level and a verification longer
-    than the window. Gemma 2's soft-capped attention keeps the per-layer kernels."""
+    windowed layers seen from tree rows at start + depth, Gemma 2's soft-capped scores): the
+    per-layer kernels' bits (logits, K/V, kept queries) over prefill chunks, one-row steps, a tree
+    level and a verification longer than the window."""
     from test_step import run
 
     monkeypatch.setenv(kernels.CPU_ENV, path)
     folder, _ = converted(arch, "Q8_0")
     model = load_model(folder, torch.float32, weights="gguf")
-    assert model.cfg.stepped == (arch != "gemma2")
+    assert model.cfg.stepped
     assert model.cfg.rope_layers == ((True, True, True, False) if arch == "smollm3" else ())
     calls = []
     step = fused_step.run

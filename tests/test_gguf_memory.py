@@ -498,6 +498,21 @@ def test_a_random_gemma3_file_loads_as_the_family(tmp_path, tokenizer_gguf) -> N
     assert torch.isfinite(logits).all() and cache.wk is not None and cache.wk.shape[2] == 24
 
 
+def test_a_random_gemma2_file_loads_as_the_family(tmp_path, tokenizer_gguf) -> None:
+    """The Gemma 2 preset at a tiny size: sandwich norms, no q/k norms, both soft caps read back
+    from llama.cpp's keys, windows on alternating layers; decode steps take the whole-step call."""
+    config = {**gguf_files.PRESETS["gemma2-2b"], "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "sliding_window": 16}
+    src = gguf_files.write_random(tmp_path / "g.gguf", config, "Q4_K_M", tokenizer_gguf, progress=False)
+    model = load_model(registry.converted_gguf(src, progress=False), torch.float32, weights="gguf")
+    c = model.cfg
+    assert c.arch == "gemma2" and c.window_layers == (True, False, True, False) and c.sliding_window == 16
+    assert (c.attn_softcap, c.final_softcap) == (50.0, 30.0) and not c.qk_norm and c.stepped
+    cache = model.new_cache(64, room=8)
+    logits = model.prefill(torch.arange(1, 41), cache, chunk=8)
+    assert torch.isfinite(logits).all() and logits.abs().max() <= 30.0
+
+
 def test_a_random_granite_file_loads_with_its_multipliers(tmp_path, tokenizer_gguf) -> None:
     config = {**gguf_files.PRESETS["granite-3-8b"], "hidden_size": 256, "intermediate_size": 512,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}

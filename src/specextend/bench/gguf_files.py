@@ -68,6 +68,12 @@ PRESETS: dict[str, dict[str, Any]] = {
                   "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rope_theta": 1000000.0,
                   "rope_scaling_factor": 8.0, "sliding_window": 1024, "rms_norm_eps": 1e-6,
                   "max_position_embeddings": 131072, "tie_word_embeddings": True},
+    # Gemma 2 2B: sandwich norms, head_dim 256, soft-capped attention scores (50) and logits (30), a 4,096-token
+    # window on alternating layers, tied embeddings (vocabulary: --tokenizer-from).
+    "gemma2-2b": {"model_type": "gemma2", "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                  "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rope_theta": 10000.0,
+                  "sliding_window": 4096, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+                  "rms_norm_eps": 1e-6, "max_position_embeddings": 8192, "tie_word_embeddings": True},
     # Granite 3.1 8B: Llama's layers with embedding, residual, attention and logit multipliers, tied embeddings.
     "granite-3-8b": {"model_type": "granite", "hidden_size": 4096, "intermediate_size": 12800,
                      "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -83,7 +89,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                     "tie_word_embeddings": False, "num_experts": 32, "num_experts_per_tok": 4},
 }
 # The model types a random file can take (the expert ones: each layer's experts stacked, llama.cpp's way).
-RANDOM_TYPES = ("llama", "qwen2", "olmoe", "qwen3moe", "gemma3", "granite", "gpt-oss")
+RANDOM_TYPES = ("llama", "qwen2", "olmoe", "qwen3moe", "gemma2", "gemma3", "granite", "gpt-oss")
 # Granite's multipliers: the config's names and the GGUF writer's (llama.cpp's *_scale keys).
 GRANITE_SCALES = {"embedding_multiplier": "add_embedding_scale", "residual_multiplier": "add_residual_scale",
                   "attention_multiplier": "add_attention_scale", "logits_scaling": "add_logit_scale"}
@@ -167,7 +173,7 @@ def tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tuple
     hd = config.get("head_dim") or h // heads
     qwen = config.get("model_type") == "qwen2"
     experts = int(config.get("num_experts") or 0)
-    gemma = config.get("model_type") == "gemma3"
+    gemma = config.get("model_type") in ("gemma2", "gemma3")  # sandwich norms
     oss = config.get("model_type") == "gpt-oss"
     # Qwen3's and Gemma 3's q/k norms: one head's width, not all heads'
     head_norm = config.get("model_type") in ("qwen3moe", "gemma3")
@@ -187,7 +193,7 @@ def tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tuple
             yield b + "attn_q.bias", (heads * hd,), "F32"
             yield b + "attn_k.bias", (kv * hd,), "F32"
             yield b + "attn_v.bias", (kv * hd,), "F32"
-        if gemma:
+        if gemma and head_norm:
             yield b + "attn_q_norm.weight", (hd,), "F32"
             yield b + "attn_k_norm.weight", (hd,), "F32"
         yield b + "attn_output.weight", (h, heads * hd), main
@@ -324,6 +330,9 @@ def _write_keys(w: Any, config: dict[str, Any]) -> None:
             getattr(w, add)(float(config[name]))
     if config.get("sliding_window"):
         w.add_sliding_window(int(config["sliding_window"]))
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):  # Gemma 2's keys, as its converter names them
+        if config.get(cap):
+            w.add_float32(f"{config['model_type']}.{cap}", float(config[cap]))
     if config.get("rope_scaling_factor"):
         import gguf
 

@@ -236,8 +236,8 @@ def attend(
     scale: float | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention through `backend`; a score `scale` other than 1/sqrt(D) is folded into the queries
-    (every kernel scales by 1/sqrt(D)), and soft-capped scores take the eager reference, the one
-    kernel that sees every score. `sinks` (gpt-oss) take the eager reference or the row-wise kernel."""
+    (every kernel scales by 1/sqrt(D)). Soft-capped scores (Gemma 2) and `sinks` (gpt-oss) take the
+    row-wise kernel, or else the eager reference, the one other kernel that sees every score."""
     if scale is not None:
         q = q * (scale * math.sqrt(q.shape[-1]))
     if sinks is not None:
@@ -245,7 +245,7 @@ def attend(
             raise ValueError("attention sinks with soft-capped scores are not implemented")
         if backend == "rowwise":
             from .kernels import attend as rowwise
-            return rowwise(q, k, v, tree_mask, sinks)
+            return rowwise(q, k, v, tree_mask, sinks=sinks)
         return eager_attention(q, k, v, tree_mask, None, None, sinks)
     if softcap is not None and backend != "rowwise":
         return eager_attention(q, k, v, tree_mask, None, softcap)
@@ -260,11 +260,9 @@ def attend(
     if backend == "eager":
         return eager_attention(q, k, v, tree_mask)
     if backend == "rowwise":
-        if softcap is not None:
-            return capped_rowwise(q, k, v, tree_mask, softcap)
         from .kernels import attend as rowwise
 
-        return rowwise(q, k, v, tree_mask)
+        return rowwise(q, k, v, tree_mask, softcap=softcap)
     raise ValueError(f"unknown attention backend {backend!r}")
 
 
@@ -301,27 +299,3 @@ def window_mask(positions: torch.Tensor, keys: int, tree_mask: torch.Tensor | No
     allowed[:, keys - first - m:] = base
     allowed &= (pos[:, None] - kpos[None, :]) < window
     return first, allowed
-
-
-def capped_rowwise(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor | None,
-                   cap: float) -> torch.Tensor:
-    """Soft-capped attention (Gemma 2), which the row-wise kernel does not compute, with its
-    guarantee: one token at a time over exactly the keys it sees, gathered in order, so a token's
-    bits are those it gets alone (the same keys in the same order, whatever else shares the
-    forward). k, v may be the bfloat16 cache: products run in float32. Slow (a product per token
-    and layer), and only for families the kernel cannot serve."""
-    h, t, d = q.shape
-    s = k.shape[1]
-    seen_by = torch.ones(t, s, dtype=torch.bool)
-    local = _tree_or_causal(None if tree_mask is None else tree_mask.cpu(), t, torch.device("cpu"))
-    seen_by[:, s - local.shape[1] :] = local
-    out = torch.empty(h, t, d, dtype=q.dtype, device=q.device)
-    one = torch.ones(1, 1, dtype=torch.bool, device=q.device)
-    first = int(seen_by.any(0).nonzero()[0])  # keys before it are seen by no row: not widened
-    kf, vf = k[:, first:].to(q.dtype), v[:, first:].to(q.dtype)
-    for i in range(t):
-        keys = (seen_by[i, first:].nonzero().squeeze(1)).to(k.device)
-        # gathered into a tensor of their own, whether the row's keys are contiguous or not
-        ki, vi = kf.index_select(1, keys), vf.index_select(1, keys)
-        out[:, i : i + 1] = eager_attention(q[:, i : i + 1], ki, vi, one, None, cap)
-    return out

@@ -68,12 +68,10 @@ class ModelConfig:
 
     @property
     def stepped(self) -> bool:
-        """Whether decode steps take the whole-step C++ call (fused_step.py): every family but those
-        with soft-capped attention scores (Gemma 2), which the attention kernel does not compute, and a
-        shared expert (Qwen2-MoE); those run as the per-layer kernels. Expert layers take it, gpt-oss's
-        sinks, biases and clamped SwiGLU included (core/step.h)."""
-        return (self.attn_softcap is None and not (self.experts and self.shared_ff)
-                and self.activation in ("silu", "gelu_tanh"))
+        """Whether decode steps take the whole-step C++ call (fused_step.py): every family but one with a
+        shared expert (Qwen2-MoE), which runs as the per-layer kernels. Expert layers take it, gpt-oss's
+        sinks, biases and clamped SwiGLU included, and Gemma 2's soft-capped scores (core/step.h)."""
+        return not (self.experts and self.shared_ff) and self.activation in ("silu", "gelu_tanh")
 
     def switches(self) -> dict[str, Any]:
         """The family switches this model sets (those that differ from Llama's), by field name."""
@@ -102,8 +100,7 @@ class ModelConfig:
                          f"{self.router}, {self.expert_act}{shared}")
         skip = {"window_layers", "sliding_window", "rope_layers", *_EXPERT_SWITCHES}
         parts += [f"{k} {text(v)}" for k, v in s.items() if k not in skip]
-        why = ("soft-cap attention scores" if self.attn_softcap is not None
-               else "run a shared expert" if self.experts and self.shared_ff else "run this activation")
+        why = "run a shared expert" if self.experts and self.shared_ff else "run this activation"
         step = ("the whole-step C++ call for decode steps, the per-layer kernels for prefill" if self.stepped
                 else f"the per-layer kernels (the whole-step C++ call does not {why})")
         return f"{self.arch}{': ' + ', '.join(parts) if parts else ''}; quantized weights run {step}"

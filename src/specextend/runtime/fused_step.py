@@ -50,10 +50,11 @@ def _norm(norm: RMSNorm | None) -> torch.Tensor | None:
 
 def plan(cfg: ModelConfig, layers: Iterable[Block]) -> Any:
     """A model's layers as the C++ step takes them (the plan keeps its tensors alive), with their
-    family's switches (`ModelConfig.stepped`: all but soft-capped attention)."""
+    family's switches (`ModelConfig.stepped`)."""
     p = kernels.load().step_plan(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                  float(cfg.rms_norm_eps))
-    p.set_family(float(cfg.attn_scale or 0.0), float(cfg.residual_scale), int(cfg.rotary_dim))
+    p.set_family(float(cfg.attn_scale or 0.0), float(cfg.residual_scale), int(cfg.rotary_dim),
+                 float(cfg.attn_softcap or 0.0))
     identity = rope_kinds(cfg)  # a layer without rope takes the table of angle zero, after the others
     for layer in layers:
         per_head = not layer.qk_full

@@ -59,7 +59,8 @@ EMULATED_AMX = "amx-emulated"  # test switch (csrc/core/cpu.h): the amx code on 
 # 5: a family's post norms, GeGLU and whole-row q/k norms as core/family.h's row operations, partial
 # rotary in rope_store, a score scale in the attention kernel (the families' KV and logits). 6: an expert
 # router's weighting in the kernels (core/experts.h), not PyTorch's softmax and top-k (expert models' bits).
-ARITHMETIC_VERSION = 6
+# 7: soft-capped attention scores (Gemma 2) in the attention kernel (fastexp.h's tanh), not PyTorch's.
+ARITHMETIC_VERSION = 7
 CPU_ENV = "SPECEXTEND_CPU"
 # "1" (or some of q4k,q5k,iq4,q6k,q3k,q2k): the K-quants (Q4_K, Q5_K, IQ4_XS, Q6_K, Q3_K, Q2_K) take
 # activations with one scale per 256 values (llama.cpp's Q8_K; csrc/core/qlinear.h), the other
@@ -323,11 +324,13 @@ def has_fast_path() -> bool:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor | None,
-           scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+           scale: float | None = None, sinks: torch.Tensor | None = None,
+           softcap: float | None = None) -> torch.Tensor:
     """Row-independent attention of new tokens q [H, T, D] over a bfloat16 cache k, v [Hkv, S, D];
     `scale`: the score scale (None: 1/sqrt(D)); `sinks` [H]: a logit a head that joins each
-    softmax's denominator (gpt-oss)."""
-    return timed("attention", load().attend, (q, k, v, tree_mask, path_id(), float(scale or 0.0), sinks))
+    softmax's denominator (gpt-oss); `softcap`: scores become softcap * tanh(score / softcap) (Gemma 2)."""
+    return timed("attention", load().attend,
+                 (q, k, v, tree_mask, path_id(), float(scale or 0.0), sinks, float(softcap or 0.0)))
 
 
 def timed(part: str, fn: Callable[..., torch.Tensor], args: tuple[Any, ...]) -> torch.Tensor:

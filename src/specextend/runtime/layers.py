@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
-from .attention import Backend, attend, capped_rowwise, window_mask
+from .attention import Backend, attend, window_mask
 from .config import ModelConfig
 from .experts import Experts, clamped_swiglu
-from .kv_cache import KVCache, bf16_rows
+from .kv_cache import KVCache
 from .quant import QWeight, qlinear
 
 
@@ -412,13 +412,8 @@ class Block(nn.Module):
             first, mask = p.window(end, self.window) if self.window else (0, p.tree_mask)
             self._held(first, base)
             k, v = k_layer[:, first - base:end - base], v_layer[:, first - base:end - base]
-            if self.attn_softcap is not None:
-                if cache.q8:  # the capped path takes bfloat16 rows: the kernel's own conversion
-                    k, v = bf16_rows(k), bf16_rows(v)
-                scaled = q if self.attn_scale is None else q * (self.attn_scale * math.sqrt(self.head_dim))
-                a = capped_rowwise(scaled, k, v, mask, self.attn_softcap)
-            else:  # the score scale in the kernel, as the whole-step call has it
-                a = kernels.attend(q, k, v, mask, self.attn_scale, self.sinks)
+            # the score scale and cap in the kernel, as the whole-step call has them
+            a = kernels.attend(q, k, v, mask, self.attn_scale, self.sinks, self.attn_softcap)
             outs.append(a.transpose(0, 1).reshape(t, -1))
             off += t
         return outs[0] if len(outs) == 1 else torch.cat(outs)

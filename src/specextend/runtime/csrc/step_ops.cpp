@@ -107,11 +107,13 @@ void add_layer(StepPlan& p, const py::tuple& qkv, const py::tuple& o, const py::
 }
 
 // The model's family switches (step.h's StepModel): the score scale (0: 1 / sqrt(head_dim)), the
-// residual multiplier and the rotary dimensions (0: all).
-void set_family(StepPlan& p, double attn_scale, double residual_scale, int64_t rot) {
+// residual multiplier, the rotary dimensions (0: all) and the scores' soft cap (0: none).
+void set_family(StepPlan& p, double attn_scale, double residual_scale, int64_t rot, double attn_softcap) {
   TORCH_CHECK(rot >= 0 && rot <= p.model.head_dim && rot % 2 == 0, "step: rotary dimensions must be even, <= head_dim");
   TORCH_CHECK(p.model.layers.empty(), "step: set the family before adding layers");
+  TORCH_CHECK(attn_softcap >= 0 && std::isfinite(attn_softcap), "step: the soft cap must be finite and >= 0");
   p.model.attn_scale = static_cast<float>(attn_scale);
+  p.model.attn_softcap = static_cast<float>(attn_softcap);
   p.model.residual_scale = static_cast<float>(residual_scale);
   p.model.rot = rot;
 }

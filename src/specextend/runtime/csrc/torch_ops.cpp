@@ -244,8 +244,9 @@ std::vector<at::Tensor> quantize_activations256(const at::Tensor& x, int64_t pat
 }
 
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& mask,
-                  int64_t path_id, double scale, const c10::optional<at::Tensor>& sinks) {
+                  int64_t path_id, double scale, const c10::optional<at::Tensor>& sinks, double softcap) {
   const spx::Path path = checked_path(path_id);
+  TORCH_CHECK(softcap >= 0 && std::isfinite(softcap), "attend: softcap must be finite and >= 0 (0: none)");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "attend: q [H,T,D], k and v [Hkv,S,D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat, "attend: q must be float32");
   const bool q8 = k.scalar_type() == at::kChar;
@@ -285,6 +286,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   pb.k_head_stride = q8 ? k.stride(0) / 2 : k.stride(0);  // in 16-bit units
   pb.v_head_stride = q8 ? v.stride(0) / 2 : v.stride(0);
   pb.scale = scale > 0 ? static_cast<float>(scale) : 1.f / std::sqrt(static_cast<float>(pb.d));
+  pb.softcap = static_cast<float>(softcap);
   at::Tensor sc;
   if (sinks.has_value() && sinks->defined()) {
     sc = sinks->to(at::kFloat).contiguous();
@@ -607,9 +609,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize, "dequantize rows of a weight blob", py::arg("blob"), py::arg("fmt"), py::arg("n"),
         py::arg("k"), py::arg("offset"), py::arg("sbg"), py::arg("row_ids"), py::arg("out") = py::none());
   m.def("quantize_activations", &quantize_activations, "int8 activations, one scale per 32");
-  m.def("attend", &attend, "row-independent attention of new tokens over a bfloat16 KV cache (and sinks [H])",
+  m.def("attend", &attend,
+        "row-independent attention of new tokens over a bfloat16 KV cache (and sinks [H], soft-capped scores)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("path"), py::arg("scale") = 0.0,
-        py::arg("sinks") = py::none());
+        py::arg("sinks") = py::none(), py::arg("softcap") = 0.0);
   m.def("rms_rows", &rms_rows, "RMSNorm of whole rows (a family's q/k norms)");
   m.def("post_residual", &post_residual, "x + scale * post_norm(y), row by row (a family's residual add)");
   m.def("gelu_mul", &gelu_mul, "GeGLU with the tanh GELU, row by row");

@@ -158,7 +158,7 @@ struct ItemRows {
           q[x] = float_to_bf16(src[x] * pb.scale);
           qf[x] = bf16_to_float(q[x]);
         }
-        rows[i * g + r] = RowState{q, qf, acc0 + (i * g + r) * d, kNegInf, 0.f};
+        rows[i * g + r] = RowState{q, qf, acc0 + (i * g + r) * d, kNegInf, 0.f, pb.softcap};
         if (pb.sinks != nullptr) {  // the sink is the fold's first term: maximum s_h, sum 1, no value
           const int64_t row = i * g + r;
           folded[row] = 1;

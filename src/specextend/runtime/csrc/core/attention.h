@@ -33,6 +33,10 @@
 // softmax starts from it (maximum s_h, sum 1 = exp(s_h - s_h)) instead of from nothing (-inf, 0):
 // the same online-softmax steps then fold it in on every path, and a row's bits still depend only
 // on its own query, head and keys.
+//
+// Soft-capped scores (Gemma 2: softcap > 0): each score becomes cap * tanh(score / cap) before its
+// block's maximum is taken, by fastexp.h's softcap_portable, which every path computes operation for
+// operation (both of tanh's forms, the one |x| selects); nothing else changes.
 #pragma once
 
 #include <atomic>
@@ -66,6 +70,7 @@ struct Attention {
   float scale;
   const float* sinks = nullptr;  // [heads] or null
   bool q8 = false;               // k, v hold q8 rows (kv_q8.h), not bfloat16
+  float softcap = 0.f;           // > 0: scores soft-capped at it (Gemma 2); 0: none
   int64_t prefix() const { return s - m; }
   int64_t row() const;  // one cache row's size in 16-bit units
 };
@@ -124,6 +129,7 @@ struct RowState {
   const float* qf;    // the same values widened to float32 (exact), for paths that multiply in float32
   float* acc;         // float32 [d], 64-byte aligned, in the path's own dimension order
   float m, l;
+  float cap = 0.f;  // > 0: the row's scores soft-capped at it (Attention::softcap)
 };
 
 // A path's block kernel: one block of n <= kBlock keys (kb, vb: n rows of d bfloat16) into

@@ -152,10 +152,17 @@ void block(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* r
   const __m256 keep = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
   for (int r = 0; r < nrows; ++r) {
     RowState& st = rows[r];
+    const float inv = st.cap > 0.f ? softcap_inverse(st.cap) : 0.f;
     __m256 sv[4], valid[4];
     for (int jb = 0; jb < 4; ++jb) {
       valid[jb] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8 * jb), lane));
-      sv[jb] = 8 * jb < n ? _mm256_blendv_ps(neg_inf, _mm256_load_ps(s + r * kBlock + 8 * jb), valid[jb]) : neg_inf;
+      if (8 * jb >= n) {
+        sv[jb] = neg_inf;
+        continue;
+      }
+      sv[jb] = _mm256_load_ps(s + r * kBlock + 8 * jb);
+      if (st.cap > 0.f) sv[jb] = softcap_avx2(sv[jb], st.cap, inv);
+      sv[jb] = _mm256_blendv_ps(neg_inf, sv[jb], valid[jb]);
     }
     const float bmax = hmax8(_mm256_max_ps(_mm256_max_ps(sv[0], sv[1]), _mm256_max_ps(sv[2], sv[3])));
     const float m_new = std::fmax(st.m, bmax);

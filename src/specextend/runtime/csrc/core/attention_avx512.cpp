@@ -146,6 +146,11 @@ void block_dc(const uint16_t* kb, const __m512i (*vi)[2 * DC], int n, int64_t d,
     RowState& st = rows[r];
     const float* sr = sbuf + r * kBlock;
     __m512 s[2] = {_mm512_loadu_ps(sr), n > 16 ? _mm512_loadu_ps(sr + 16) : _mm512_setzero_ps()};
+    if (st.cap > 0.f) {  // masked below, as every other score past n
+      const float inv = softcap_inverse(st.cap);
+      s[0] = softcap_avx512(s[0], st.cap, inv);
+      s[1] = softcap_avx512(s[1], st.cap, inv);
+    }
     s[0] = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), k0, s[0]);
     s[1] = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), k1, s[1]);
     const float bmax = _mm512_reduce_max_ps(_mm512_max_ps(s[0], s[1]));
@@ -247,15 +252,17 @@ struct LaneSpace {
   __m512* acc;  // [d][G], d in the path's dimension order (`stored_dim`)
   __m512 *m, *l, *alpha;  // [G]
   __m512* qf;  // [dp][2][G]: query pair p's odd, then even element as float32 (the fma runs)
+  float cap = 0.f;  // > 0: scores soft-capped at it (RowState::cap, the same for every row of a run)
 };
 
 inline int64_t lane_space_floats(int64_t d, int groups) {
   return (d / 2 + kBlock + kBlock / 2 + d + 3 + d) * groups * 16;
 }
 
-LaneSpace lane_space(float* ws, int64_t d, int groups) {
+LaneSpace lane_space(float* ws, int64_t d, int groups, float cap) {
   __m512* z = reinterpret_cast<__m512*>(ws);
   LaneSpace sp;
+  sp.cap = cap;
   sp.qt = reinterpret_cast<__m512i*>(z);
   z += d / 2 * groups;
   sp.s = z;
@@ -295,9 +302,14 @@ void lane_scores(const uint16_t* kb, int64_t d, const LaneSpace& sp, int groups,
   }
 }
 
-// Group g's online-softmax step over the block's scores: maximum, rescale, weights, sum.
+// Group g's online-softmax step over the block's scores (soft-capped first where the rows are):
+// maximum, rescale, weights, sum.
 void lane_softmax_step(const LaneSpace& sp, int groups, int g) {
   __m512* s = sp.s + g;
+  if (sp.cap > 0.f) {
+    const float inv = softcap_inverse(sp.cap);
+    for (int k = 0; k < kBlock; ++k) s[k * groups] = softcap_avx512(s[k * groups], sp.cap, inv);
+  }
   __m512 mx = s[0];
   for (int k = 1; k < kBlock; ++k) mx = _mm512_max_ps(mx, s[k * groups]);
   const __m512 m_new = _mm512_max_ps(sp.m[g], mx);
@@ -437,7 +449,7 @@ template <int DC>
 void run_dc(const uint16_t* k, const uint16_t* v, int nblocks, int64_t d, RowState* rows, int nrows, float* ws) {
   constexpr int D = DC * 32, DP = D / 2;
   const int groups = (nrows + 15) / 16;
-  const LaneSpace sp = lane_space(ws, d, groups);
+  const LaneSpace sp = lane_space(ws, d, groups, rows[0].cap);
   lanes_in(rows, nrows, d, sp, groups);
   const int tiles = (groups + kMaxTileGroups - 1) / kMaxTileGroups;
   alignas(64) __m512i vi[kBlock / 2][2 * DC];
@@ -571,7 +583,7 @@ void run_fma_dc(const uint16_t* k, const uint16_t* v, int nblocks, int64_t d, Ro
                 float* ws) {
   constexpr int D = DC * 32, DP = D / 2;
   const int groups = (nrows + 15) / 16;
-  const LaneSpace sp = lane_space(ws, d, groups);
+  const LaneSpace sp = lane_space(ws, d, groups, rows[0].cap);
   lanes_in(rows, nrows, d, sp, groups);
   const int tiles = (groups + kFmaTileGroups - 1) / kFmaTileGroups;
   alignas(64) __m512i vi[kBlock / 2][2 * DC];

@@ -135,6 +135,11 @@ void block(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* r
     RowState& st = rows[r];
     alignas(16) float s[kBlock];
     block_scores(kf, st.qf, n, d, s);
+    if (st.cap > 0.f) {  // lanes past n are -inf again after
+      const float inv = softcap_inverse(st.cap);
+      for (int c = 0; c < 8; ++c) vst1q_f32(s + 4 * c, softcap_neon(vld1q_f32(s + 4 * c), st.cap, inv));
+      for (int j = n; j < kBlock; ++j) s[j] = kNegInf;
+    }
     float bmax = kNegInf;
     for (int j = 0; j < n; ++j) bmax = std::fmax(bmax, s[j]);
     const float m_new = std::fmax(st.m, bmax);

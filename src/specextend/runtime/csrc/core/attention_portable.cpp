@@ -49,6 +49,7 @@ void block_portable(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, Ro
   uint16_t pb[kBlock];
   for (int r = 0; r < nrows; ++r) {
     RowState& st = rows[r];
+    const float inv = st.cap > 0.f ? softcap_inverse(st.cap) : 0.f;
     float bmax = kNegInf;
     for (int j = 0; j < kBlock; ++j) {
       if (j >= n) {
@@ -56,6 +57,7 @@ void block_portable(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, Ro
         continue;
       }
       s[j] = score_portable(kb + j * d, st.q, d);
+      if (st.cap > 0.f) s[j] = softcap_portable(s[j], st.cap, inv);
       bmax = std::fmax(bmax, s[j]);
     }
     const float m_new = std::fmax(st.m, bmax);

@@ -50,8 +50,6 @@ inline float tanh_plain(float y) {
 
 }  // namespace
 
-float tanh_portable(float x) { return tanh_plain(x); }
-
 void gelu_mul_row(const float* gu, int64_t inter, float* out) {
   constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
   constexpr float kKappa = 0.044715f;

@@ -21,7 +21,4 @@ void residual_row(const float* x, const float* y, int64_t k, const float* norm, 
 // out [inter] = gelu_tanh(gate) * up, of a row [gate | up] (2 inter values); out may be gu.
 void gelu_mul_row(const float* gu, int64_t inter, float* out);
 
-// tanh(x) = sign(x) (1 - e) / (1 + e), e = exp(-2 |x|) by fastexp.h's polynomial; +-1 beyond |x| = 40.
-float tanh_portable(float x);
-
 }  // namespace spx

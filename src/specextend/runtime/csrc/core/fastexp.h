@@ -29,6 +29,31 @@ inline float exp_portable(float x) {
   return std::ldexp(p, static_cast<int>(n));
 }
 
+// tanh(x), for soft-capped attention scores (Gemma 2: cap * tanh(s / cap)). Below |x| = kTanhSmall,
+// x + x^3 p(x^2) with tanh's Taylor coefficients to x^15 (there within an ulp: the next term is under
+// 1e-9 of x); from there (1 - u) / (1 + u), u = exp(-2|x|) by exp_portable (1 - u and 1 + u lose
+// nothing: u <= 0.45), the sign put back. Every path computes both forms operation for operation and
+// keeps the one its lane's |x| selects, so the bits are this function's.
+constexpr float kTanhSmall = 0.4f;
+constexpr float kT[7] = {-1.4558343682e-3f, 3.5921279341e-3f, -8.8632358238e-3f, 2.1869488060e-2f,
+                         -5.3968254477e-2f, 1.3333334029e-1f, -3.3333334327e-1f};
+
+inline float tanh_portable(float x) {
+  const float a = std::fabs(x);
+  if (a < kTanhSmall) {
+    const float z = x * x;
+    float p = kT[0];
+    for (int i = 1; i < 7; ++i) p = std::fma(p, z, kT[i]);
+    return std::fma(x * z, p, x);
+  }
+  const float u = exp_portable(-2.f * a);
+  return std::copysign((1.f - u) / (1.f + u), x);
+}
+
+// A soft-capped score: cap * tanh(s * inv), inv = 1 / cap rounded once (softcap_inverse).
+inline float softcap_inverse(float cap) { return 1.f / cap; }
+inline float softcap_portable(float s, float cap, float inv) { return cap * tanh_portable(s * inv); }
+
 // exp(-a) for a in [0, 80] by fastexp.h's polynomial in plain arithmetic (+, -, *, one rounding
 // each: no fma, nearbyint or ldexp, which are C library calls on a baseline x86-64 build and made
 // GeGLU a third of a Gemma prefill; family.cpp, experts.cpp), so the compiler inlines and vectorizes it without changing a

@@ -21,6 +21,26 @@ inline __m256 exp_avx2(__m256 x) {
   return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
 }
 
+// tanh_portable on 8 lanes: both of its forms, each operation for operation, blended by |x|.
+inline __m256 tanh_avx2(__m256 x) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256 a = _mm256_andnot_ps(sign, x);
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 p = _mm256_set1_ps(kT[0]);
+  for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(kT[i]));
+  const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(x, z), p, x);
+  const __m256 u = exp_avx2(_mm256_mul_ps(a, _mm256_set1_ps(-2.f)));
+  const __m256 one = _mm256_set1_ps(1.f);
+  const __m256 large = _mm256_div_ps(_mm256_sub_ps(one, u), _mm256_add_ps(one, u));  // >= 0
+  const __m256 signed_large = _mm256_or_ps(large, _mm256_and_ps(x, sign));
+  return _mm256_blendv_ps(signed_large, small, _mm256_cmp_ps(a, _mm256_set1_ps(kTanhSmall), _CMP_LT_OQ));
+}
+
+// softcap_portable on 8 lanes.
+inline __m256 softcap_avx2(__m256 s, float cap, float inv) {
+  return _mm256_mul_ps(_mm256_set1_ps(cap), tanh_avx2(_mm256_mul_ps(s, _mm256_set1_ps(inv))));
+}
+
 // Sum of 8 lanes by the tree i+4, i+2, i+1 (the last three levels of hsum16_portable).
 inline float hsum8_tree(__m256 v) {
   const __m128 b = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -300,6 +300,7 @@ BatchPlan batch_plan(const StepModel& md, const StepBatch& bt, Buffers& b, int t
     pb.v_head_stride = r.capacity * unit;
     pb.q8 = r.q8;
     pb.scale = md.attn_scale > 0.f ? md.attn_scale : 1.f / std::sqrt(static_cast<float>(d));
+    pb.softcap = md.attn_softcap;
     sp.plan = plan_attention(pb, threads);
     for (size_t i = 0; i < sp.plan.items.size(); ++i)
       bp.items.push_back({s, static_cast<int64_t>(i), item_cost(pb, sp.plan.items[i])});

@@ -94,6 +94,7 @@ struct StepModel {
   float eps = 0.f;
   std::vector<StepLayer> layers;
   float attn_scale = 0.f;      // the attention score scale; 0: 1 / sqrt(head_dim)
+  float attn_softcap = 0.f;    // > 0: attention scores soft-capped at it (Gemma 2; attention.h)
   float residual_scale = 1.f;  // multiplies the sublayers' outputs (Granite)
   int64_t rot = 0;             // rotary dimensions of a head (partial rotary); 0: head_dim
   int64_t rope_width() const { return rot > 0 ? rot : head_dim; }

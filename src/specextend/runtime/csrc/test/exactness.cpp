@@ -26,6 +26,7 @@
 
 #include "../core/attention.h"
 #include "../core/cpu.h"
+#include "../core/fastexp.h"
 #include "../core/half.h"
 #include "../core/qlinear.h"
 #include "../core/step.h"
@@ -207,6 +208,7 @@ void attention_tests(const std::vector<Path>& paths) {
   struct Case {
     int64_t heads, kv, t, s, d;
     bool tree, sinks = false;  // sinks: a learned logit a head in the softmax (gpt-oss)
+    float softcap = 0.f;       // > 0: soft-capped scores (Gemma 2's 50; a small cap reaches tanh's outer form)
   };
   const Case cases[] = {{12, 2, 1, 100, 128, false}, {12, 2, 9, 700, 128, true}, {4, 1, 20, 77, 64, false},
                         {6, 2, 3, 35, 32, true},     {4, 2, 5, 66, 96, true},   {2, 1, 17, 1000, 128, false},
@@ -218,7 +220,11 @@ void attention_tests(const std::vector<Path>& paths) {
                         {12, 2, 64, 1200, 128, false}, {8, 1, 40, 900, 64, false}, {6, 2, 8, 600, 128, false},
                         {14, 2, 48, 1100, 64, false, true}, {12, 2, 20, 1300, 128, true},
                         // head size 256 (Gemma 2 and 3): a decode step, a tree, a prefill chunk
-                        {8, 4, 1, 1500, 256, false}, {8, 4, 9, 700, 256, true}, {4, 1, 40, 800, 256, false}};
+                        {8, 4, 1, 1500, 256, false}, {8, 4, 9, 700, 256, true}, {4, 1, 40, 800, 256, false},
+                        // soft-capped scores (Gemma 2): a decode step, a tree, a prefill chunk, pieces
+                        {8, 4, 1, 1500, 256, false, false, 50.f}, {8, 4, 9, 700, 256, true, false, 0.7f},
+                        {4, 1, 40, 800, 256, false, false, 0.7f}, {12, 2, 64, 1200, 128, false, false, 1.5f},
+                        {12, 2, 1, 5000, 128, false, false, 0.7f}, {6, 2, 3, 35, 32, true, false, 50.f}};
   for (const Case& c : cases) {
     const std::vector<float> q = randn(c.heads * c.t * c.d);
     const std::vector<uint16_t> k = random_bf16(c.kv * c.s * c.d), v = random_bf16(c.kv * c.s * c.d);
@@ -232,9 +238,11 @@ void attention_tests(const std::vector<Path>& paths) {
                       1.f / std::sqrt(static_cast<float>(c.d))};
     const std::vector<float> sinks = randn(c.heads, 2.f);
     if (c.sinks) pb.sinks = sinks.data();
+    pb.softcap = c.softcap;
     const std::vector<float> ref = run_attention(Path::Portable, pb);
     const std::string name = "attention d " + std::to_string(c.d) + " t " + std::to_string(c.t) + " s " +
-                             std::to_string(c.s) + (c.sinks ? " sinks" : "") + ": ";
+                             std::to_string(c.s) + (c.sinks ? " sinks" : "") +
+                             (c.softcap > 0.f ? " softcap " + std::to_string(c.softcap) : "") + ": ";
     for (Path p : paths) {
       const std::vector<float> y = run_attention(p, pb);
       check(same_bits(y.data(), ref.data(), y.size()), name + spx::path_name(p) + " = portable");
@@ -245,6 +253,26 @@ void attention_tests(const std::vector<Path>& paths) {
       }
     }
   }
+}
+
+// fastexp.h's tanh (soft-capped scores) against the C library's, in units in the last place, over both
+// of its forms and the switch between them; and an odd function, bit for bit.
+void tanh_tests() {
+  double worst = 0.0;
+  bool odd = true;
+  for (int i = 0; i <= 400000; ++i) {
+    const float x = static_cast<float>(i) * 5e-5f;  // [0, 20]
+    const float y = spx::tanh_portable(x);
+    const double exact = std::tanh(static_cast<double>(x));
+    const float up = std::nextafter(static_cast<float>(exact), 2.f);
+    const double ulp = static_cast<double>(up) - static_cast<double>(static_cast<float>(exact));
+    if (x > 0.f) worst = std::max(worst, std::fabs(y - exact) / ulp);
+    const float ny = spx::tanh_portable(-x);
+    odd = odd && ny == -y;
+  }
+  check(worst <= 3.0, "tanh_portable within 3 ulp of tanh on [0, 20] (worst " + std::to_string(worst) + ")");
+  check(odd, "tanh_portable(-x) = -tanh_portable(x)");
+  check(spx::tanh_portable(100.f) == 1.f && spx::tanh_portable(-100.f) == -1.f, "tanh_portable saturates at +-1");
 }
 
 // The detection's verdicts on made-up probes: each missing step refuses AMX, all present accept it.
@@ -379,12 +407,13 @@ void step_batch_tests(const std::vector<Path>& paths, const spx::StepModel& md) 
 
 // The step with a family's switches on (layer 0: Gemma's sandwich norms, GeGLU and a window of 8;
 // layer 1: OLMo 2's post norms only and whole-row q/k norms), partial rotary (48 of 64), a score
-// scale and a residual multiplier: every path gives the portable path's bits, for one row and a
-// tree level whose rows sit at start + depth.
+// scale, soft-capped scores (Gemma 2's, at a cap small enough to reach tanh's outer form) and a
+// residual multiplier: every path gives the portable path's bits, for one row and a tree level whose
+// rows sit at start + depth.
 void family_step_tests(const std::vector<Path>& paths, spx::StepModel md) {
   const int64_t hidden = md.hidden, kv = md.kv_heads, d = md.head_dim, cap = 64, start = 40, window = 8;
   const int64_t layers = static_cast<int64_t>(md.layers.size());
-  md.attn_scale = 0.2f, md.residual_scale = 0.7f, md.rot = 48;
+  md.attn_scale = 0.2f, md.residual_scale = 0.7f, md.rot = 48, md.attn_softcap = 0.6f;
   std::vector<std::vector<float>> floats;
   auto weight = [&](int64_t n) {
     floats.push_back(randn(n, 0.1f));
@@ -521,6 +550,7 @@ int main(int argc, char** argv) {
   amx_detection_tests();
   linear_tests(paths);
   attention_tests(paths);
+  tanh_tests();
   step_tests(paths);
   // Again with the K-quants' activations per 256 (qlinear.h): every path the portable bits.
   spx::set_k256(~int64_t{0});
