@@ -513,6 +513,19 @@ def test_a_random_gemma2_file_loads_as_the_family(tmp_path, tokenizer_gguf) -> N
     assert torch.isfinite(logits).all() and logits.abs().max() <= 30.0
 
 
+def test_a_random_phi4_mini_file_loads_as_the_family(tmp_path, tokenizer_gguf) -> None:
+    """The Phi-4-mini preset at a tiny size: fused q/k/v and gate/up as llama.cpp names them, 48 of
+    64 head dimensions rotated, LongRoPE's factors read from their tensors; finite logits."""
+    config = {**gguf_files.PRESETS["phi4-mini"], "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
+    src = gguf_files.write_random(tmp_path / "p.gguf", config, "Q4_K_M", tokenizer_gguf, progress=False)
+    model = load_model(registry.converted_gguf(src, progress=False), torch.float32, weights="gguf")
+    c = model.cfg
+    assert c.arch == "phi3" and c.rotary_dim == 48 and c.rope_scaling["rope_type"] == "longrope"
+    assert len(c.rope_scaling["short_factor"]) == 24 and c.max_position == 4096 and c.stepped
+    assert torch.isfinite(model.prefill(torch.arange(1, 21), model.new_cache(32), chunk=8)).all()
+
+
 def test_a_random_granite_file_loads_with_its_multipliers(tmp_path, tokenizer_gguf) -> None:
     config = {**gguf_files.PRESETS["granite-3-8b"], "hidden_size": 256, "intermediate_size": 512,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}

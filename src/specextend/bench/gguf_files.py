@@ -74,6 +74,12 @@ PRESETS: dict[str, dict[str, Any]] = {
                   "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rope_theta": 10000.0,
                   "sliding_window": 4096, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
                   "rms_norm_eps": 1e-6, "max_position_embeddings": 8192, "tie_word_embeddings": True},
+    # Phi-4-mini: fused q/k/v and gate/up projections, 96 of 128 head dimensions rotated, LongRoPE (its factors
+    # as tensors, random here: a context within the original 4,096 takes the short ones), tied embeddings.
+    "phi4-mini": {"model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
+                  "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 10000.0,
+                  "partial_rotary_factor": 0.75, "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+                  "max_position_embeddings": 131072, "tie_word_embeddings": True},
     # Granite 3.1 8B: Llama's layers with embedding, residual, attention and logit multipliers, tied embeddings.
     "granite-3-8b": {"model_type": "granite", "hidden_size": 4096, "intermediate_size": 12800,
                      "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -89,7 +95,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                     "tie_word_embeddings": False, "num_experts": 32, "num_experts_per_tok": 4},
 }
 # The model types a random file can take (the expert ones: each layer's experts stacked, llama.cpp's way).
-RANDOM_TYPES = ("llama", "qwen2", "olmoe", "qwen3moe", "gemma2", "gemma3", "granite", "gpt-oss")
+RANDOM_TYPES = ("llama", "qwen2", "olmoe", "qwen3moe", "gemma2", "gemma3", "granite", "gpt-oss", "phi3")
 # Granite's multipliers: the config's names and the GGUF writer's (llama.cpp's *_scale keys).
 GRANITE_SCALES = {"embedding_multiplier": "add_embedding_scale", "residual_multiplier": "add_residual_scale",
                   "attention_multiplier": "add_attention_scale", "logits_scaling": "add_logit_scale"}
@@ -178,17 +184,25 @@ def tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tuple
     # Qwen3's and Gemma 3's q/k norms: one head's width, not all heads'
     head_norm = config.get("model_type") in ("qwen3moe", "gemma3")
     exps = EXPERT_TYPES.get(kind)
+    phi = config.get("model_type") == "phi3"  # fused projections, LongRoPE's factors as tensors
 
     def more_bits(i: int) -> bool:  # llama.cpp's use_more_bits: the first and last eighth, every third between
         return i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
 
     yield "token_embd.weight", (vocab, h), main
+    if phi:
+        rot = int(hd * float(config.get("partial_rotary_factor", 1.0)))
+        yield "rope_factors_long.weight", (rot // 2,), "F32"
+        yield "rope_factors_short.weight", (rot // 2,), "F32"
     for i in range(layers):
         b = f"blk.{i}."
         yield b + "attn_norm.weight", (h,), "F32"
-        yield b + "attn_q.weight", (heads * hd, h), main
-        yield b + "attn_k.weight", (kv * hd, h), main
-        yield b + "attn_v.weight", (kv * hd, h), more if more_bits(i) else main
+        if phi:
+            yield b + "attn_qkv.weight", ((heads + 2 * kv) * hd, h), more if more_bits(i) else main
+        else:
+            yield b + "attn_q.weight", (heads * hd, h), main
+            yield b + "attn_k.weight", (kv * hd, h), main
+            yield b + "attn_v.weight", (kv * hd, h), more if more_bits(i) else main
         if qwen or oss:
             yield b + "attn_q.bias", (heads * hd,), "F32"
             yield b + "attn_k.bias", (kv * hd,), "F32"
@@ -210,8 +224,9 @@ def tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tuple
                 yield b + "attn_k_norm.weight", (hd if head_norm else kv * hd,), "F32"
             yield from _expert_tensors(b, config, exps or main, exps or (more if more_bits(i) else main))
             continue
-        yield b + "ffn_gate.weight", (f, h), main
-        yield b + "ffn_up.weight", (f, h), main
+        if not phi:
+            yield b + "ffn_gate.weight", (f, h), main
+        yield b + "ffn_up.weight", (2 * f if phi else f, h), main
         yield b + "ffn_down.weight", (h, f), more if more_bits(i) else main
         if gemma:
             yield b + "post_ffw_norm.weight", (h,), "F32"
@@ -330,6 +345,11 @@ def _write_keys(w: Any, config: dict[str, Any]) -> None:
             getattr(w, add)(float(config[name]))
     if config.get("sliding_window"):
         w.add_sliding_window(int(config["sliding_window"]))
+    if config.get("partial_rotary_factor"):  # Phi-4-mini: the rotated dimensions of a head
+        hd = config.get("head_dim") or config["hidden_size"] // heads
+        w.add_rope_dimension_count(int(hd * float(config["partial_rotary_factor"])))
+    if config.get("model_type") == "phi3" and config.get("original_max_position_embeddings"):
+        w.add_rope_scaling_orig_ctx_len(int(config["original_max_position_embeddings"]))
     for cap in ("attn_logit_softcapping", "final_logit_softcapping"):  # Gemma 2's keys, as its converter names them
         if config.get(cap):
             w.add_float32(f"{config['model_type']}.{cap}", float(config[cap]))
