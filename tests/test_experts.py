@@ -371,11 +371,12 @@ def test_the_kernels_weighting_is_the_references_with_ties_to_the_lower_index(ro
 
 @needs_kernels
 @pytest.mark.parametrize("path", kernels.cpu_paths())
-@pytest.mark.parametrize(("arch", "kind"), [("qwen3moe", "Q4_K"), ("mixtral", "Q8_0"), ("olmoe", "Q4_K")])
+@pytest.mark.parametrize(("arch", "kind"), [("qwen3moe", "Q4_K"), ("mixtral", "Q8_0"), ("olmoe", "Q4_K"),
+                                           ("qwen2moe", "Q8_0"), ("qwen2moe", "Q4_K")])
 def test_the_whole_step_runs_the_experts_with_the_per_layer_bits(converted, monkeypatch, path, arch, kind):
-    """SiLU experts without a shared one decode through the whole-step call (csrc/core/step.h) with
-    the per-layer forward's bits: logits, every K/V slot and the kept queries, for one row, a tree's
-    level and 16 causal rows, on every path this CPU runs."""
+    """SiLU experts (Qwen2-MoE's with its shared expert under a sigmoid gate) decode through the
+    whole-step call (csrc/core/step.h) with the per-layer forward's bits: logits, every K/V slot and
+    the kept queries, for one row, a tree's level and 16 causal rows, on every path this CPU runs."""
     monkeypatch.setenv(kernels.CPU_ENV, path)
     model = load_model(converted(arch, kind)[0], torch.float32, weights="gguf")
     assert model.cfg.stepped and model.fused
@@ -391,12 +392,12 @@ def test_the_whole_step_runs_the_experts_with_the_per_layer_bits(converted, monk
         assert torch.equal(a, b), i
 
 
-def test_a_shared_expert_keeps_the_per_layer_kernels(converted):
-    """Qwen2-MoE's shared expert is not in the whole-step call: its model says so and runs the per-layer
-    kernels (the same as before the call took expert layers)."""
+def test_a_shared_expert_is_described_and_stepped(converted):
+    """Qwen2-MoE's shared expert: `models inspect`'s line names it, and decode steps take the
+    whole-step call."""
     model = load_model(converted("qwen2moe", "Q8_0")[0], torch.float32, weights="gguf")
-    assert not model.cfg.stepped
-    assert "a shared expert" in model.cfg.describe()
+    assert model.cfg.stepped and model.fused
+    assert "a shared expert" in model.cfg.describe() and "whole-step C++ call for decode" in model.cfg.describe()
 
 
 @pytest.mark.parametrize("arch", ["qwen2moe", "mixtral"])

@@ -68,10 +68,10 @@ class ModelConfig:
 
     @property
     def stepped(self) -> bool:
-        """Whether decode steps take the whole-step C++ call (fused_step.py): every family but one with a
-        shared expert (Qwen2-MoE), which runs as the per-layer kernels. Expert layers take it, gpt-oss's
-        sinks, biases and clamped SwiGLU included, and Gemma 2's soft-capped scores (core/step.h)."""
-        return not (self.experts and self.shared_ff) and self.activation in ("silu", "gelu_tanh")
+        """Whether decode steps take the whole-step C++ call (fused_step.py): every family whose MLP
+        activation it runs, expert layers included (gpt-oss's sinks, biases and clamped SwiGLU,
+        Qwen2-MoE's shared expert) and Gemma 2's soft-capped scores (core/step.h)."""
+        return self.activation in ("silu", "gelu_tanh")
 
     def switches(self) -> dict[str, Any]:
         """The family switches this model sets (those that differ from Llama's), by field name."""
@@ -100,9 +100,8 @@ class ModelConfig:
                          f"{self.router}, {self.expert_act}{shared}")
         skip = {"window_layers", "sliding_window", "rope_layers", *_EXPERT_SWITCHES}
         parts += [f"{k} {text(v)}" for k, v in s.items() if k not in skip]
-        why = "run a shared expert" if self.experts and self.shared_ff else "run this activation"
         step = ("the whole-step C++ call for decode steps, the per-layer kernels for prefill" if self.stepped
-                else f"the per-layer kernels (the whole-step C++ call does not {why})")
+                else f"the per-layer kernels (the whole-step C++ call does not run {self.activation})")
         return f"{self.arch}{': ' + ', '.join(parts) if parts else ''}; quantized weights run {step}"
 
     @property

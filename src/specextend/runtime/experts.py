@@ -232,7 +232,8 @@ class Experts(nn.Module):
         if self.shared:
             gu = qlinear(x, self.shared_gate_up.qweight, **kw)
             s = self._down(gu, self.shared_down.qweight, None)
-            out = out + torch.sigmoid(logits[:, self.count : self.count + 1]) * s
+            # out + sigmoid(gate) * s as the whole-step call adds it (core/experts.h)
+            out = kernels.load().shared_expert_add(out, logits[:, self.count], s)
         return out
 
     @property

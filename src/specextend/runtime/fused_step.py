@@ -72,15 +72,18 @@ def plan(cfg: ModelConfig, layers: Iterable[Block]) -> Any:
 
 
 def _experts(p: Any, moe: Experts) -> None:
-    """A layer's experts as the C++ step takes them (`ModelConfig.stepped`: no shared expert): the
-    router's exact bfloat16 parts and bias, the stacked tensors, their biases and activation."""
-    if moe.q_stacked is None or moe.q_router is None or moe.shared:
-        raise ValueError("the whole-step call runs quantized experts without a shared expert only")
+    """A layer's experts as the C++ step takes them: the router's exact bfloat16 parts (with the
+    shared expert's gate where there is one) and bias, the stacked tensors, their biases and
+    activation, and the shared expert's two products."""
+    if moe.q_stacked is None or moe.q_router is None:
+        raise ValueError("the whole-step call runs quantized experts only")
+    shared = (_weight(moe.shared_gate_up), _weight(moe.shared_down)) if moe.shared else (None, None)
     router = moe.q_router
     bias = None if moe.router.bias is None else moe.router.bias.detach().float().contiguous()
     stacked = [(s.blob, FORMATS[s.fmt], s.n, s.offset, s.groups) for s in moe.q_stacked]
     p.layer_experts((router.blobs, router.formats, router.widths, router.offsets, router.groups, None), bias,
-                    *stacked, moe.count, moe.used, moe.ff, moe.weighting_id, *moe.q_stacked_bias, moe.act.kernel)
+                    *stacked, moe.count, moe.used, moe.ff, moe.weighting_id, *moe.q_stacked_bias, moe.act.kernel,
+                    *shared)
 
 
 def rope_kinds(cfg: ModelConfig) -> int:

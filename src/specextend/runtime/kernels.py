@@ -60,7 +60,8 @@ EMULATED_AMX = "amx-emulated"  # test switch (csrc/core/cpu.h): the amx code on 
 # rotary in rope_store, a score scale in the attention kernel (the families' KV and logits). 6: an expert
 # router's weighting in the kernels (core/experts.h), not PyTorch's softmax and top-k (expert models' bits).
 # 7: soft-capped attention scores (Gemma 2) in the attention kernel (fastexp.h's tanh), not PyTorch's.
-ARITHMETIC_VERSION = 7
+# 8: Qwen2-MoE's shared expert added under core/experts.h's sigmoid, not PyTorch's (the whole-step call's).
+ARITHMETIC_VERSION = 8
 CPU_ENV = "SPECEXTEND_CPU"
 # "1" (or some of q4k,q5k,iq4,q6k,q3k,q2k): the K-quants (Q4_K, Q5_K, IQ4_XS, Q6_K, Q3_K, Q2_K) take
 # activations with one scale per 256 values (llama.cpp's Q8_K; csrc/core/qlinear.h), the other

@@ -160,11 +160,13 @@ spx::Segment stacked_segment(StepPlan& p, const py::tuple& t, int64_t n, int64_t
 
 // The last added layer's experts (step.h's StepExperts; add_layer gave it no dense MLP): the router as
 // three bfloat16 parts (experts.exact_bf16) and its bias, the stacked gate, up and down tensors, their
-// biases [count, 2 ff] and [count, hidden] (or None) and the activation (core/experts.h's ExpertAct).
+// biases [count, 2 ff] and [count, hidden] (or None), the activation (core/experts.h's ExpertAct) and a
+// shared expert's gate_up and down (or None; its gate is then the router's last row in each part).
 void layer_experts(StepPlan& p, const py::tuple& router, const c10::optional<at::Tensor>& router_bias,
                    const py::tuple& gate, const py::tuple& up, const py::tuple& down, int64_t count, int64_t used,
                    int64_t ff, int64_t kind, const c10::optional<at::Tensor>& gate_up_bias,
-                   const c10::optional<at::Tensor>& down_bias, int64_t act) {
+                   const c10::optional<at::Tensor>& down_bias, int64_t act, const py::object& shared_gate_up,
+                   const py::object& shared_down) {
   spx::StepModel& md = p.model;
   TORCH_CHECK(!md.layers.empty() && md.layers.back().gate_up.segs.empty(), "step: layer_experts follows add_layer "
               "of a layer without a dense MLP");
@@ -173,8 +175,20 @@ void layer_experts(StepPlan& p, const py::tuple& router, const c10::optional<at:
               "step: unsupported experts (count, used, width or weighting)");
   spx::StepLayer& l = md.layers.back();
   spx::StepExperts& e = l.moe;
+  TORCH_CHECK(shared_gate_up.is_none() == shared_down.is_none(), "step: a shared expert's gate_up and down come together");
+  const bool shared = !shared_gate_up.is_none();
   e.router = step_linear(p, router, md.hidden, "router");
-  TORCH_CHECK(e.router.n == 3 * count && e.router.bias == nullptr, "step: the router must be [3 * experts, hidden]");
+  TORCH_CHECK(e.router.n == 3 * (count + (shared ? 1 : 0)) && e.router.bias == nullptr,
+              "step: the router must be [3 * (experts + 1 if a shared expert's gate follows), hidden]");
+  if (shared) {
+    e.shared_gate_up = step_linear(p, shared_gate_up.cast<py::tuple>(), md.hidden, "shared_gate_up");
+    TORCH_CHECK(e.shared_gate_up.n % 64 == 0 && e.shared_gate_up.bias == nullptr,
+                "step: the shared expert's gate_up must be a multiple of 64 wide, without a bias");
+    e.shared_ff = e.shared_gate_up.n / 2;
+    e.shared_down = step_linear(p, shared_down.cast<py::tuple>(), e.shared_ff, "shared_down");
+    TORCH_CHECK(e.shared_down.n == md.hidden && e.shared_down.bias == nullptr,
+                "step: the shared expert's down must map back to the hidden width, without a bias");
+  }
   if (router_bias.has_value()) e.router_bias = kept_float(p, *router_bias, count, "router_bias");
   e.gate = stacked_segment(p, gate, count * ff, md.hidden, "gate");
   e.up = stacked_segment(p, up, count * ff, md.hidden, "up");
@@ -188,7 +202,8 @@ void layer_experts(StepPlan& p, const py::tuple& router, const c10::optional<at:
   if (gate_up_bias.has_value()) e.gate_up_bias = kept_float(p, *gate_up_bias, count * 2 * ff, "gate_up_bias");
   if (down_bias.has_value()) e.down_bias = kept_float(p, *down_bias, count * md.hidden, "down_bias");
   const spx::StepLayer& first = md.layers.front();
-  TORCH_CHECK(first.moe.count == count && first.moe.used == used && first.moe.ff == ff,
+  TORCH_CHECK(first.moe.count == count && first.moe.used == used && first.moe.ff == ff &&
+                  first.moe.shared_ff == e.shared_ff,
               "step: every layer must have the same experts");
 }
 

@@ -580,6 +580,23 @@ at::Tensor swiglu_oai(const at::Tensor& gu) {
   return out;
 }
 
+// Qwen2-MoE's shared expert into the experts' sums: out [m, hidden] + sigmoid(gate [m]) * s [m, hidden], a new
+// tensor (core/experts.h's shared_expert_add_row, which the whole-step call runs too).
+at::Tensor shared_expert_add(const at::Tensor& out, const at::Tensor& gate, const at::Tensor& s) {
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && s.sizes() == out.sizes() &&
+                  s.scalar_type() == at::kFloat && gate.scalar_type() == at::kFloat && gate.numel() == out.size(0),
+              "shared_expert_add: out and s float32 [m, hidden], gate float32 [m]");
+  at::Tensor res = out.contiguous().clone();
+  const at::Tensor gc = gate.contiguous(), sc = s.contiguous();
+  const int64_t hidden = res.size(1);
+  at::parallel_for(0, res.size(0), 16, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r)
+      spx::shared_expert_add_row(res.data_ptr<float>() + r * hidden, gc.data_ptr<float>()[r],
+                                 sc.data_ptr<float>() + r * hidden, hidden);
+  });
+  return res;
+}
+
 std::tuple<at::Tensor, at::Tensor> route_rows(const at::Tensor& logits, int64_t used, int64_t kind) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "route: logits must be float32 [m, experts]");
   const at::Tensor lc = logits.contiguous();
@@ -604,6 +621,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("ns"), py::arg("offsets"), py::arg("sbgs"), py::arg("bias"), py::arg("norm"), py::arg("eps"),
         py::arg("silu_mul"), py::arg("residual"), py::arg("path"), py::arg("out") = py::none());
   m.def("swiglu_oai", &swiglu_oai, "gpt-oss's clamped SwiGLU of rows [gate | up] (core/experts.h)");
+  m.def("shared_expert_add", &shared_expert_add, "a shared expert's rows into the experts' sums under its sigmoid gate");
   m.def("route_rows", &route_rows, "router logits -> each row's top-k experts and weights (core/experts.h)");
   m.def("experts_rows", &experts_rows, "a mixture of experts' products and weighted sum (experts.py)");
   m.def("dequantize", &dequantize, "dequantize rows of a weight blob", py::arg("blob"), py::arg("fmt"), py::arg("n"),

@@ -90,4 +90,9 @@ void weighted_sum_row(const float* const* ys, const float* weights, int64_t used
   }
 }
 
+void shared_expert_add_row(float* out, float gate, const float* s, int64_t hidden) {
+  const float g = sigmoid_plain(gate);
+  for (int64_t i = 0; i < hidden; ++i) out[i] = out[i] + g * s[i];
+}
+
 }  // namespace spx

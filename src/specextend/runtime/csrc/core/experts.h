@@ -37,4 +37,8 @@ void swiglu_oai_row(const float* gu, int64_t ff, float* out);
 // out [hidden] = w_0 * y_0 + w_1 * y_1 + ... in rank order (one product and one sum at a time).
 void weighted_sum_row(const float* const* ys, const float* weights, int64_t used, int64_t hidden, float* out);
 
+// Qwen2-MoE's shared expert added to a row's experts' sum: out [hidden] = out + sigmoid(gate) * s (the
+// product rounded, then the sum; sigmoid as swiglu_oai_row's).
+void shared_expert_add_row(float* out, float gate, const float* s, int64_t hidden);
+
 }  // namespace spx

@@ -59,7 +59,8 @@ bool has_float(const StepModel& md, const StepBatch& bt) {
   return head || std::any_of(md.layers.begin(), md.layers.end(), [](const StepLayer& l) {
            const StepExperts& e = l.moe;
            const bool experts = e.count > 0 && (has_float(e.router) || float_format(e.gate.fmt) ||
-                                                float_format(e.up.fmt) || float_format(e.down.fmt));
+                                                float_format(e.up.fmt) || float_format(e.down.fmt) ||
+                                                has_float(e.shared_gate_up) || has_float(e.shared_down));
            return has_float(l.qkv) || has_float(l.o) || has_float(l.gate_up) || has_float(l.down) || experts;
          });
 }
@@ -89,7 +90,7 @@ struct Buffers {
       : w(ws) {
     const StepLayer& l = md.layers[0];
     const int64_t hd = md.heads * md.head_dim, inter = inner_width(l);
-    const int64_t kmax = std::max({md.hidden, hd, inter});
+    const int64_t kmax = std::max({md.hidden, hd, inter, l.moe.shared_ff});
     grow(w.x2, t * md.hidden);
     grow(w.qkv, t * l.qkv.n);
     grow(w.q, t * hd);
@@ -151,6 +152,10 @@ struct Buffers {
     grow(w.egu, slots * 2 * e.ff);
     grow(w.ey, slots * hidden);
     grow(w.esum, t * hidden);
+    if (e.shared_ff > 0) {
+      grow(w.sgu, t * 2 * e.shared_ff);
+      grow(w.sy, t * hidden);
+    }
     grow(w.eq8, slots * ke);
     grow(w.ed8, slots * ke / 32);
     grow(w.exs, slots * ke / 32);
@@ -350,12 +355,12 @@ void products_phase(const Team& team, Path path, const std::vector<ExpertProduct
 // expert's two products over its slots' rows. One thread: the others wait at the barrier after it.
 void route_and_plan(Path path, const StepModel& md, const StepExperts& e, int64_t t, Buffers& b, int threads) {
   StepWorkspace& w = b.w;
-  const int64_t n = e.count, used = e.used, slots = t * used;
+  const int64_t n = e.count, used = e.used, slots = t * used, m = e.router.n / 3;  // m: n, or n + the shared gate
   for (int64_t r = 0; r < t; ++r) {
     float* lg = w.logits.data() + r * e.router.n;  // part 0's columns become the logits, in place
-    for (int64_t i = 0; i < n; ++i) {
-      float v = (lg[i] + lg[n + i]) + lg[2 * n + i];
-      if (e.router_bias != nullptr) v = v + e.router_bias[i];
+    for (int64_t i = 0; i < m; ++i) {
+      float v = (lg[i] + lg[m + i]) + lg[2 * m + i];
+      if (e.router_bias != nullptr && i < n) v = v + e.router_bias[i];
       lg[i] = v;
     }
     route_row(lg, n, used, e.kind, w.experts.data() + r * used, w.weights.data() + r * used, w.route_scratch.data(),
@@ -404,7 +409,8 @@ void route_and_plan(Path path, const StepModel& md, const StepExperts& e, int64_
 // quantized with): the router, then each slot's row quantized on its own (pre-norm), the experts'
 // gate/up products, their activation quantized per slot (SiLU fused into the quantization, or the
 // clamped SwiGLU's row operation first), the down products, and each row's sum in its rank order
-// added to x2 into x (through the post-norm and residual multiplier, if any).
+// (plus the shared expert's, over the router's input, under its gate) added to x2 into x (through
+// the post-norm and residual multiplier, if any).
 void experts_phases(const Team& team, Path path, const StepModel& md, const StepLayer& l, int64_t t, float* x,
                     Buffers& b, int threads, const PreOp& norm, float* acc, float* scratch) {
   const StepExperts& e = l.moe;
@@ -413,6 +419,8 @@ void experts_phases(const Team& team, Path path, const StepModel& md, const Step
   linear_phase(team, path, e.router, b.act(h), t, w.logits.data(), nullptr, threads, acc);
   if (thread_num() == 0) route_and_plan(path, md, e, t, b, threads);
   team.sync();
+  if (e.shared_ff > 0)  // the router's input, before anything else is quantized into the act buffers
+    linear_phase(team, path, e.shared_gate_up, b.act(h), t, w.sgu.data(), nullptr, threads, acc);
   if (t > 1) {  // each slot its row's codes, as experts_rows quantizes an expert's rows (one row: the router's)
     const Rows xin = b.slot_rows(h, 0);
 #pragma omp for schedule(static) nowait
@@ -434,12 +442,19 @@ void experts_phases(const Team& team, Path path, const StepModel& md, const Step
   }
   team.sync();
   products_phase(team, path, b.down, b.down_base, acc);
+  if (e.shared_ff > 0) {  // as a dense SiLU MLP: the activation fused into the down product's quantization
+    PreOp silu;
+    silu.silu_mul = true;
+    quantize_phase(team, path, w.sgu.data(), 2 * e.shared_ff, silu, b.act(e.shared_ff), t, scratch);
+    linear_phase(team, path, e.shared_down, b.act(e.shared_ff), t, w.sy.data(), nullptr, threads, acc);
+  }
 #pragma omp for schedule(static) nowait
   for (int64_t r = 0; r < t; ++r) {
     const float* ys[kMaxExpertsUsed];
     for (int64_t j = 0; j < used; ++j) ys[j] = w.ey.data() + w.where[r * used + j] * h;
     float* sum = w.esum.data() + r * h;
     weighted_sum_row(ys, w.weights.data() + r * used, used, h, sum);
+    if (e.shared_ff > 0) shared_expert_add_row(sum, w.logits[r * e.router.n + e.count], w.sy.data() + r * h, h);
     residual_row(w.x2.data() + r * h, sum, h, l.mlp_out_norm, md.eps, md.residual_scale, x + r * h);
   }
   team.sync();

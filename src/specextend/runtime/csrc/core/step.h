@@ -44,17 +44,22 @@ struct StepLinear {
   int64_t panels() const { return first_panel.back(); }
 };
 
-// A layer's mixture of experts (runtime/experts.py) in place of gate_up and down, without a shared
-// expert (Qwen3-MoE, OLMoE, Mixtral, gpt-oss). Each used expert runs its gate/up and down products
-// (with its biases, if any) once over the rows that chose it, each row quantized on its own (as
-// experts_rows does from Python), and a row's outputs are summed in its own rank order.
+// A layer's mixture of experts (runtime/experts.py) in place of gate_up and down (Qwen3-MoE, OLMoE,
+// Mixtral, gpt-oss, Qwen2-MoE). Each used expert runs its gate/up and down products (with its biases,
+// if any) once over the rows that chose it, each row quantized on its own (as experts_rows does from
+// Python), and a row's outputs are summed in its own rank order; a shared expert (Qwen2-MoE) runs over
+// every row as a dense MLP and joins that sum under its sigmoid gate (shared_expert_add_row).
 struct StepExperts {
-  StepLinear router;                   // the router's float32 weights as three bfloat16 parts [3 * count, hidden]
+  // The router's float32 weights as three bfloat16 parts [3 * m, hidden], m = count (+ 1: the shared
+  // expert's gate, the last row of each part).
+  StepLinear router;
   const float* router_bias = nullptr;  // [count] or null
   Segment gate{}, up{}, down{};        // stacked: [count * ff, hidden] twice, [count * hidden, ff]
   const float* gate_up_bias = nullptr;  // [count, 2 ff] or null
   const float* down_bias = nullptr;     // [count, hidden] or null
   int64_t count = 0, used = 0, ff = 0;
+  StepLinear shared_gate_up, shared_down;  // [2 shared_ff, hidden], [hidden, shared_ff]; empty: none
+  int64_t shared_ff = 0;
   Weighting kind = Weighting::SoftmaxTopk;
   ExpertAct act = ExpertAct::Silu;
   // Expert e's rows of a stacked segment: its panels' byte range (the kernels' layout is panel-major).
@@ -173,7 +178,7 @@ struct StepWorkspace {
   std::vector<int16_t> ks16, ks32;
   // Expert layers: router logits, each row's experts and weights, the (row, rank) slots grouped by
   // expert, the slots' inputs, their quantized rows, gate/up and outputs, and the weighted sums.
-  std::vector<float> logits, weights, route_scratch, xg, egu, ey, esum;
+  std::vector<float> logits, weights, route_scratch, xg, egu, ey, esum, sgu, sy;  // sgu, sy: the shared expert's
   std::vector<int64_t> experts, start, order, where, route_index;
   std::vector<int8_t> eq8, ekq8;
   std::vector<float> ed8, exs, exf, ekd;

@@ -465,7 +465,8 @@ void family_step_tests(const std::vector<Path>& paths, spx::StepModel md) {
 }
 
 // The step with expert layers in place of the MLPs (step.h's StepExperts): layer 0 SiLU experts
-// (Q4_K gate/up, Q6_K down, softmax then top-k renormalised), layer 1 gpt-oss's (MXFP4, biases on
+// (Q4_K gate/up, Q6_K down, softmax then top-k renormalised) with Qwen2-MoE's shared expert (Q8_0
+// gate/up, Q4_K down, its gate the router's last row), layer 1 gpt-oss's (MXFP4, biases on
 // the router and the experts, the clamped SwiGLU, top-k then softmax, attention sinks); 8 experts of
 // 256, 2 a token. Every path gives the portable path's bits for one row and a tree level, and a
 // batched step gives each sequence the bits of its step alone.
@@ -484,8 +485,13 @@ void expert_step_tests(const std::vector<Path>& paths, spx::StepModel md) {
     l.down = spx::StepLinear{};
     spx::StepExperts& e = l.moe;
     e.count = count, e.used = 2, e.ff = ff;
-    e.router = step_weight(blobs, 3 * count, hidden, spx::BF16);
     const bool oss = li == 1;
+    e.router = step_weight(blobs, 3 * (count + (oss ? 0 : 1)), hidden, spx::BF16);
+    if (!oss) {
+      e.shared_ff = 256;
+      e.shared_gate_up = step_weight(blobs, 2 * e.shared_ff, hidden, spx::Q8);
+      e.shared_down = step_weight(blobs, hidden, e.shared_ff, spx::Q4K);
+    }
     e.gate = step_weight(blobs, count * ff, hidden, oss ? spx::MXFP4 : spx::Q4K).segs[0];
     e.up = step_weight(blobs, count * ff, hidden, oss ? spx::MXFP4 : spx::Q4K).segs[0];
     e.down = step_weight(blobs, count * hidden, ff, oss ? spx::MXFP4 : spx::Q6K).segs[0];
