@@ -526,6 +526,20 @@ def test_a_random_phi4_mini_file_loads_as_the_family(tmp_path, tokenizer_gguf) -
     assert torch.isfinite(model.prefill(torch.arange(1, 21), model.new_cache(32), chunk=8)).all()
 
 
+def test_a_random_qwen2moe_file_loads_with_its_shared_expert(tmp_path, tokenizer_gguf) -> None:
+    """The Qwen1.5-MoE preset at a tiny size in Q8_0 (its experts' 1,408 is no K-quant width): the
+    shared expert's vector gate and products as llama.cpp names them, q/k/v biases; stepped."""
+    config = {**gguf_files.PRESETS["qwen1.5-moe-a2.7b"], "hidden_size": 256, "moe_intermediate_size": 96,
+              "shared_expert_intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 4, "num_experts": 6, "num_experts_per_tok": 2}
+    src = gguf_files.write_random(tmp_path / "m.gguf", config, "Q8_0", tokenizer_gguf, progress=False)
+    model = load_model(registry.converted_gguf(src, progress=False), torch.float32, weights="gguf")
+    c = model.cfg
+    assert c.arch == "qwen2moe" and (c.experts, c.experts_used, c.expert_ff, c.shared_ff) == (6, 2, 96, 128)
+    assert c.stepped and model.layers[0].moe.shared and model.layers[0].qkv.bias is not None
+    assert torch.isfinite(model.prefill(torch.arange(1, 21), model.new_cache(32), chunk=8)).all()
+
+
 def test_a_random_granite_file_loads_with_its_multipliers(tmp_path, tokenizer_gguf) -> None:
     config = {**gguf_files.PRESETS["granite-3-8b"], "hidden_size": 256, "intermediate_size": 512,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}

@@ -9,8 +9,8 @@ file is of lower quality than one quantized from the original weights: it tests 
 and speed, not text.
 
 `random` writes a random-weight GGUF of a Hugging Face config's shape (a preset: the default 1.5B,
-qwen2.5-7b, llama-3-8b, the mixtures of experts olmoe-1b-7b, qwen3-30b-a3b and gpt-oss-20b; or a
-config.json) with the default pair's tokenizer copied from the default GGUF (its vocabulary sets the
+qwen2.5-7b, llama-3-8b, gemma2-2b, gemma3-4b, phi4-mini, granite-3-8b, the mixtures of experts
+olmoe-1b-7b, qwen3-30b-a3b, qwen1.5-moe-a2.7b and gpt-oss-20b; or a config.json) with the default pair's tokenizer copied from the default GGUF (its vocabulary sets the
 embedding's rows, so the default draft pairs with it), one tensor at a time (a 7B file never holds
 more than one matrix in memory). Types gguf-py quantizes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16, BF16)
 are quantized from random floats; K-quants, IQ4 and MXFP4 are random bytes with their scales set so
@@ -62,6 +62,13 @@ PRESETS: dict[str, dict[str, Any]] = {
                       "num_key_value_heads": 4, "head_dim": 128, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
                       "max_position_embeddings": 40960, "tie_word_embeddings": False, "num_experts": 128,
                       "num_experts_per_tok": 8},
+    # Qwen1.5-MoE-A2.7B (qwen2moe): 60 experts of 1,408, 4 a token, and a shared expert of 5,632 under a sigmoid
+    # gate; q/k/v biases. 1,408 is no multiple of 256: the K-quant mixes cannot take it (use Q8_0 or Q4_0).
+    "qwen1.5-moe-a2.7b": {"model_type": "qwen2moe", "hidden_size": 2048, "intermediate_size": 5632,
+                          "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+                          "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16,
+                          "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 8192,
+                          "tie_word_embeddings": False, "num_experts": 60, "num_experts_per_tok": 4},
     # Gemma 3 4B (text): sandwich norms, per-head q/k norms, head_dim 256, 5 windowed layers (1,024) to 1
     # global, the global rope linearly scaled by 8, tied embeddings (vocabulary: --tokenizer-from).
     "gemma3-4b": {"model_type": "gemma3", "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34,
@@ -95,7 +102,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                     "tie_word_embeddings": False, "num_experts": 32, "num_experts_per_tok": 4},
 }
 # The model types a random file can take (the expert ones: each layer's experts stacked, llama.cpp's way).
-RANDOM_TYPES = ("llama", "qwen2", "olmoe", "qwen3moe", "gemma2", "gemma3", "granite", "gpt-oss", "phi3")
+RANDOM_TYPES = ("llama", "qwen2", "olmoe", "qwen3moe", "qwen2moe", "gemma2", "gemma3", "granite", "gpt-oss", "phi3")
 # Granite's multipliers: the config's names and the GGUF writer's (llama.cpp's *_scale keys).
 GRANITE_SCALES = {"embedding_multiplier": "add_embedding_scale", "residual_multiplier": "add_residual_scale",
                   "attention_multiplier": "add_attention_scale", "logits_scaling": "add_logit_scale"}
@@ -177,7 +184,7 @@ def tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tuple
     heads = config["num_attention_heads"]
     kv = config.get("num_key_value_heads", heads)
     hd = config.get("head_dim") or h // heads
-    qwen = config.get("model_type") == "qwen2"
+    qwen = config.get("model_type") in ("qwen2", "qwen2moe")  # q/k/v biases
     experts = int(config.get("num_experts") or 0)
     gemma = config.get("model_type") in ("gemma2", "gemma3")  # sandwich norms
     oss = config.get("model_type") == "gpt-oss"
@@ -219,7 +226,7 @@ def tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tuple
         if not oss:
             yield b + "ffn_norm.weight", (h,), "F32"
         if experts:
-            if not oss:
+            if not oss and not qwen:  # Qwen3-MoE's and OLMoE's q/k norms
                 yield b + "attn_q_norm.weight", (hd if head_norm else heads * hd,), "F32"
                 yield b + "attn_k_norm.weight", (hd if head_norm else kv * hd,), "F32"
             yield from _expert_tensors(b, config, exps or main, exps or (more if more_bits(i) else main))
@@ -242,6 +249,12 @@ def _expert_tensors(b: str, config: dict[str, Any], kind: str, down: str) -> Ite
     yield b + "ffn_gate_exps.weight", (experts, ef, h), kind
     yield b + "ffn_up_exps.weight", (experts, ef, h), kind
     yield b + "ffn_down_exps.weight", (experts, h, ef), down
+    shared = int(config.get("shared_expert_intermediate_size") or 0)
+    if shared:  # Qwen2-MoE's shared expert: its gate a vector, its projections dense
+        yield b + "ffn_gate_inp_shexp.weight", (h,), "F32"
+        yield b + "ffn_gate_shexp.weight", (shared, h), kind
+        yield b + "ffn_up_shexp.weight", (shared, h), kind
+        yield b + "ffn_down_shexp.weight", (h, shared), down
     if config.get("model_type") == "gpt-oss":
         yield b + "ffn_gate_inp.bias", (experts,), "F32"
         yield b + "ffn_gate_exps.bias", (experts, ef), "F32"
@@ -365,6 +378,8 @@ def _write_keys(w: Any, config: dict[str, Any]) -> None:
         w.add_expert_count(int(config["num_experts"]))
         w.add_expert_used_count(int(config["num_experts_per_tok"]))
         w.add_expert_feed_forward_length(expert_ff(config))
+    if config.get("shared_expert_intermediate_size"):
+        w.add_expert_shared_feed_forward_length(int(config["shared_expert_intermediate_size"]))
 
 
 def write_random(out: Path, config: dict[str, Any], kind: str, tokenizer_from: Path, seed: int = 0,
