@@ -10,8 +10,9 @@ and speed, not text.
 
 `random` writes a random-weight GGUF of a Hugging Face config's shape (a preset: the default 1.5B,
 qwen2.5-7b, llama-3-8b, gemma2-2b, gemma3-4b, phi4-mini, granite-3-8b, the mixtures of experts
-olmoe-1b-7b, qwen3-30b-a3b, qwen1.5-moe-a2.7b and gpt-oss-20b; or a config.json) with the default pair's tokenizer copied from the default GGUF (its vocabulary sets the
-embedding's rows, so the default draft pairs with it), one tensor at a time (a 7B file never holds
+olmoe-1b-7b, qwen3-30b-a3b, qwen1.5-moe-a2.7b and gpt-oss-20b; or a config.json) with the default
+pair's tokenizer copied from the default GGUF (its vocabulary sets the embedding's rows, so the
+default draft pairs with it), one tensor at a time (a 7B file never holds
 more than one matrix in memory). Types gguf-py quantizes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16, BF16)
 are quantized from random floats; K-quants, IQ4 and MXFP4 are random bytes with their scales set so
 the weights have a small spread: any bytes are a valid block (`MXFP4_MOE`: gpt-oss's experts in
