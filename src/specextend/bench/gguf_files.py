@@ -185,7 +185,7 @@ def tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tuple
     heads = config["num_attention_heads"]
     kv = config.get("num_key_value_heads", heads)
     hd = config.get("head_dim") or h // heads
-    qwen = config.get("model_type") in ("qwen2", "qwen2moe")  # q/k/v biases
+    qwen = config.get("model_type") in ("qwen2", "qwen2moe")
     experts = int(config.get("num_experts") or 0)
     gemma = config.get("model_type") in ("gemma2", "gemma3")  # sandwich norms
     oss = config.get("model_type") == "gpt-oss"
@@ -205,16 +205,7 @@ def tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tuple
     for i in range(layers):
         b = f"blk.{i}."
         yield b + "attn_norm.weight", (h,), "F32"
-        if phi:
-            yield b + "attn_qkv.weight", ((heads + 2 * kv) * hd, h), more if more_bits(i) else main
-        else:
-            yield b + "attn_q.weight", (heads * hd, h), main
-            yield b + "attn_k.weight", (kv * hd, h), main
-            yield b + "attn_v.weight", (kv * hd, h), more if more_bits(i) else main
-        if qwen or oss:
-            yield b + "attn_q.bias", (heads * hd,), "F32"
-            yield b + "attn_k.bias", (kv * hd,), "F32"
-            yield b + "attn_v.bias", (kv * hd,), "F32"
+        yield from _qkv_tensors(b, config, main, more if more_bits(i) else main)
         if gemma and head_norm:
             yield b + "attn_q_norm.weight", (hd,), "F32"
             yield b + "attn_k_norm.weight", (hd,), "F32"
@@ -241,6 +232,24 @@ def tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tuple
     yield "output_norm.weight", (h,), "F32"
     if not config.get("tie_word_embeddings", False):
         yield "output.weight", (vocab, h), more
+
+
+def _qkv_tensors(b: str, config: dict[str, Any], main: str, v_kind: str) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """A layer's query, key and value projections (prefix `b`; one fused tensor for Phi-3, in `v_kind`
+    as llama.cpp's mixes give the value projection) and their biases (Qwen2, Qwen2-MoE, gpt-oss)."""
+    h, heads = config["hidden_size"], config["num_attention_heads"]
+    kv = config.get("num_key_value_heads", heads)
+    hd = config.get("head_dim") or h // heads
+    if config.get("model_type") == "phi3":
+        yield b + "attn_qkv.weight", ((heads + 2 * kv) * hd, h), v_kind
+    else:
+        yield b + "attn_q.weight", (heads * hd, h), main
+        yield b + "attn_k.weight", (kv * hd, h), main
+        yield b + "attn_v.weight", (kv * hd, h), v_kind
+    if config.get("model_type") in ("qwen2", "qwen2moe", "gpt-oss"):
+        yield b + "attn_q.bias", (heads * hd,), "F32"
+        yield b + "attn_k.bias", (kv * hd,), "F32"
+        yield b + "attn_v.bias", (kv * hd,), "F32"
 
 
 def _expert_tensors(b: str, config: dict[str, Any], kind: str, down: str) -> Iterator[tuple[str, tuple[int, ...], str]]:
