@@ -222,9 +222,9 @@ void attention_tests(const std::vector<Path>& paths) {
                         // head size 256 (Gemma 2 and 3): a decode step, a tree, a prefill chunk
                         {8, 4, 1, 1500, 256, false}, {8, 4, 9, 700, 256, true}, {4, 1, 40, 800, 256, false},
                         // soft-capped scores (Gemma 2): a decode step, a tree, a prefill chunk, pieces
-                        {8, 4, 1, 1500, 256, false, false, 50.f}, {8, 4, 9, 700, 256, true, false, 0.7f},
-                        {4, 1, 40, 800, 256, false, false, 0.7f}, {12, 2, 64, 1200, 128, false, false, 1.5f},
-                        {12, 2, 1, 5000, 128, false, false, 0.7f}, {6, 2, 3, 35, 32, true, false, 50.f}};
+                        {8, 4, 1, 1100, 256, false, false, 50.f}, {8, 4, 9, 300, 256, true, false, 0.7f},
+                        {4, 1, 40, 300, 256, false, false, 0.7f}, {12, 2, 32, 600, 128, false, false, 1.5f},
+                        {6, 2, 3, 35, 32, true, false, 50.f}};
   for (const Case& c : cases) {
     const std::vector<float> q = randn(c.heads * c.t * c.d);
     const std::vector<uint16_t> k = random_bf16(c.kv * c.s * c.d), v = random_bf16(c.kv * c.s * c.d);
