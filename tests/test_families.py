@@ -475,6 +475,19 @@ def test_an_olmo_3_file_is_refused_in_one_line(tmp_path):
     assert "\n" not in str(e.value) and not (tmp_path / "hf").exists()
 
 
+@pytest.mark.parametrize("cap", [-50.0, float("inf"), "50"])
+def test_a_soft_cap_that_is_no_positive_number_is_refused_in_one_line(cap):
+    """The kernels cap scores at a finite positive number (0 or absent: none); a file or config
+    with anything else is refused by name, not run into a kernel's check."""
+    from specextend.runtime.config import ModelConfig
+
+    d = make_tiny_hf("gemma2", 0, dtype=torch.float32, **family_kw("gemma2", 1)).config.to_dict()
+    d["attn_logit_softcapping"] = cap
+    with pytest.raises(UserError, match="attn_logit_softcapping must be a positive number") as e:
+        ModelConfig.from_hf(d)
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")
 @pytest.mark.parametrize("path", kernels.cpu_paths())
 @pytest.mark.parametrize("arch", FAMILY_ARCHS)

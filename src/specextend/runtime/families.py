@@ -118,6 +118,9 @@ def _gemma(d: dict[str, Any], pattern: int) -> dict[str, Any]:
     window = int(d.get("sliding_window") or 0)
     softcap = d.get("attn_logit_softcapping")
     final = d.get("final_logit_softcapping")
+    for name, cap in (("attn_logit_softcapping", softcap), ("final_logit_softcapping", final)):
+        if cap is not None and not (isinstance(cap, int | float) and 0 <= cap < float("inf")):
+            raise UserError(f"{name} must be a positive number (or 0 / absent: no cap), not {cap!r}")
     head_dim = int(d.get("head_dim") or int(d["hidden_size"]) // int(d["num_attention_heads"]))
     return {"norms": tuple(SANDWICH_NORMS), "norm_plus_one": True, "activation": "gelu_tanh",
             "embed_scale": float(d["hidden_size"]) ** 0.5,
