@@ -537,3 +537,65 @@ def test_the_family_row_operations_track_torch():
     post = ext.post_residual(x.float(), y.float(), w.float(), 1e-6, 0.25).double()
     assert torch.allclose(post, x + 0.25 * rms(y), atol=1e-5)
     assert torch.equal(ext.post_residual(x.float(), y.float(), None, 1e-6, 1.0), x.float() + y.float())
+
+
+@pytest.fixture(scope="module")
+def long_phi(tmp_path_factory):
+    """A Phi-3 file whose LongRoPE window (32) the tests' prompts pass, of a 256-token context:
+    (converted folder, the file's weights, transformers' model of them)."""
+    d = tmp_path_factory.mktemp("longphi")
+    kw = family_kw("phi3") | dict(max_position_embeddings=256, original_max_position_embeddings=32)
+    model = sharp(make_tiny_hf("phi3", 0, dtype=torch.float32, **kw))
+    stored = write_like_llama_cpp(model, d / "m.gguf", "phi3", "Q8_0")
+    folder = conv.convert_gguf(d / "m.gguf", d / "hf", progress=False, tokenizer=False)
+    ref = make_tiny_hf("phi3", 0, dtype=torch.float64, **kw)
+    ref.load_state_dict({k: v.double() for k, v in stored.items()}, strict=False)
+    return folder, ref
+
+
+def test_a_longrope_context_beyond_its_window_takes_the_long_factors_as_transformers_does(long_phi):
+    """By default the context is LongRoPE's window (its short factors); `--max-context` up to the file's
+    own takes the long ones, which transformers also runs on a sequence longer than the window."""
+    folder, ref = long_phi
+    short = load_model(folder, torch.float64, weights="float64")
+    assert (short.cfg.max_position, short.cfg.longest, short.cfg.long_rope) == (32, 256, False)
+    with pytest.raises(UserError, match=r"context of 32 tokens .*allows up to 256 with --max-context"):
+        SpecEngine(short, None, eos_ids=[]).check_fits(len(PROMPT), Settings(method="ar").resolved())
+    with pytest.raises(UserError, match="beyond the model's 256 positions"):
+        load_model(folder, torch.float64, weights="float64", context=257)
+    ours = load_model(folder, torch.float64, weights="float64", context=256)
+    assert ours.cfg.long_rope and ours.cfg.max_position == 256
+    expect = hf_logits(ref, PROMPT)  # 40 tokens: past the window, so transformers' long factors
+    assert torch.allclose(ours_logits(ours, PROMPT), expect, atol=1e-5, rtol=0)
+    assert not torch.allclose(ours_logits(short, PROMPT[:32]), expect[:32], atol=1e-3, rtol=0)
+    got = SpecEngine(ours, ours, eos_ids=[]).generate(PROMPT, Settings(method="ar", max_new_tokens=32)).token_ids
+    assert got == hf_greedy(ref, PROMPT, 32)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")
+@pytest.mark.parametrize("method", ["sd", "specextend"])
+def test_speculation_over_long_rope_equals_ar(long_phi, method):
+    folder, _ = long_phi
+    target = load_model(folder, torch.float32, weights="gguf", context=256)
+    draft = load_model(folder, torch.float32, weights="gguf", context=256, draft=True)
+    eng = SpecEngine(target, draft, eos_ids=[])
+    ar = eng.generate(PROMPT, Settings(method="ar", max_new_tokens=40))
+    extra = dict(draft_gate=False) if method == "specextend" else {}
+    assert eng.generate(PROMPT, Settings(method=method, max_new_tokens=40, **SMALL, **extra)).token_ids == ar.token_ids
+
+
+@pytest.mark.usefixtures("isolated_home")
+def test_inspect_tells_the_default_context_and_how_far_context_goes(long_phi, capsys):
+    from specextend.cli.main import main
+    from specextend.models.resolve import LoadOptions
+
+    folder, _ = long_phi
+    assert main(["models", "inspect", str(folder.parent / "m.gguf")]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("context"))
+    assert line.split(None, 1)[1] == "32 tokens; the file allows up to 256 with --max-context (LongRoPE's long factors)"
+    assert main(["models", "inspect", str(folder.parent / "m.gguf"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["context"], out["context_limit"]) == (32, 256)
+    for bad in (0, -5, 2.5, True):
+        with pytest.raises(UserError, match="--max-context must be a whole number"):
+            LoadOptions(max_context=bad)

@@ -365,6 +365,7 @@ def prepare(
     weights: str = "auto",
     draft_weights: str = "auto",
     kv_cache: str = "bf16",
+    max_context: int | None = None,
     load_draft: bool = True,
     progress: bool = True,
 ) -> Prepared:
@@ -374,10 +375,12 @@ def prepare(
     References are whatever `specextend.models.registry.resolve_model_ref` accepts: None for
     the default pair (pulled on first use), a folder, a .gguf file or a known short name.
     `dtype`, `device`, `draft_dtype`, `weights`, `draft_weights` and `kv_cache` (the target's KV
-    cache: "bf16", or "q8", int8 rows at about half the bytes, on the quantized CPU kernels) are
-    `LoadOptions`; without `load_draft` the pair has no draft (methods ar and lookup need none).
+    cache: "bf16", or "q8", int8 rows at about half the bytes, on the quantized CPU kernels) and
+    `max_context` (the longest sequence served, up to the file's; None: each model's default, which
+    for LongRoPE models is their original window) are `LoadOptions`; without `load_draft` the pair
+    has no draft (methods ar and lookup need none).
     """
-    options = LoadOptions(dtype, device, draft_dtype, weights, draft_weights, kv_cache)
+    options = LoadOptions(dtype, device, draft_dtype, weights, draft_weights, kv_cache, max_context)
     return Prepared(resolve_pair(target, draft, options, load_draft=load_draft, progress=progress), progress)
 
 

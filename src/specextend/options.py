@@ -73,13 +73,17 @@ def add_model_arguments(p: argparse.ArgumentParser, draft_note: str = "", draft:
                    help=f"the target's KV cache: {'|'.join(KV_CACHES)} (default: bf16); q8 stores int8 with a bfloat16 "
                         "scale per 32 values, about half the bytes a long context reads per decoded token (the "
                         "quantized CPU kernels only)")
+    g.add_argument("--max-context", type=int, default=None,
+                   help="the longest sequence (prompt + answer) the models serve, in tokens, up to what the file "
+                        "allows (default: the model's own; for LongRoPE models, Phi-3.5 and Phi-4-mini, its "
+                        "original window: a longer --max-context takes its long factors, as llama.cpp's -c does)")
 
 
 def model_options(args: argparse.Namespace) -> dict[str, Any]:
     """The keyword arguments of `api.prepare`/`api.load` from `add_model_arguments`'s flags."""
     return {"dtype": args.dtype, "device": args.device, "draft_dtype": getattr(args, "draft_dtype", None),
             "weights": args.weights, "draft_weights": getattr(args, "draft_weights", "auto"),
-            "kv_cache": getattr(args, "kv_cache", "bf16")}
+            "kv_cache": getattr(args, "kv_cache", "bf16"), "max_context": getattr(args, "max_context", None)}
 
 
 def check_model_options(args: argparse.Namespace) -> None:

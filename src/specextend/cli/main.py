@@ -497,9 +497,12 @@ def cmd_models_inspect(args: argparse.Namespace) -> int:
     fp = inspect_model(args.file)
     if args.json:
         kv = None if fp.config is None else _kv(fp.config)
+        ctx = None if fp.config is None else _context(fp.config)
         print(json.dumps({**fp.as_json(), "family": None if fp.config is None else _family_line(fp.config),
                           "kv_bytes_per_token": None if kv is None else kv[0],
-                          "kv_bytes_32k": None if kv is None else kv[1]}))
+                          "kv_bytes_32k": None if kv is None else kv[1],
+                          "context": None if ctx is None else ctx[0],
+                          "context_limit": None if ctx is None else ctx[1]}))
         return 0
     print(f"file          {fp.file} ({gb(fp.file_bytes)})")
     c = fp.config
@@ -515,6 +518,9 @@ def cmd_models_inspect(args: argparse.Namespace) -> int:
         if kv is not None:
             print(f"kv cache      {kv[0] / 1024:,.0f} KB a token of context (bfloat16{kv[2]}); a 32K-token "
                   f"document {gb(kv[1])}")
+        ctx = _context(c)
+        if ctx is not None:
+            print(f"context       {ctx[0]:,} tokens{'; ' + ctx[2] if ctx[2] else ''}")
     if fp.experts:
         e = fp.experts
         print(f"experts       {e['count']} experts, {e['used']} a token: {e['active_parameters'] / 1e6:,.0f} M of "
@@ -545,6 +551,17 @@ def _kv(hf_config: dict[str, Any]) -> tuple[int, int, str] | None:
     kept = "" if not c.windowed_layers or room is None else (
         f"; the {c.windowed_layers} windowed layers keep their window of {c.sliding_window:,} and {room:,} more")
     return c.kv_bytes_per_token(), c.kv_bytes(32768, room), kept or ", every layer"
+
+
+def _context(hf_config: dict[str, Any]) -> tuple[int, int, str] | None:
+    """The default context, the most `--max-context` allows, and how to reach it."""
+    from ..runtime.config import ModelConfig
+
+    try:
+        c = ModelConfig.from_hf(hf_config)
+    except UserError:
+        return None
+    return c.max_position, c.longest, c.context_note()
 
 
 def _family_line(hf_config: dict[str, Any]) -> str:

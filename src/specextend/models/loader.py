@@ -230,19 +230,24 @@ class ResolvedModel:
 
 
 def resolve_model(folder: Path, dtype: str = "float32", device: torch.device | str = "cpu", weights: str = "auto",
-                  draft: bool = False) -> ResolvedModel:
-    """Read `folder`'s config and settle its weight scheme (see `resolve_weights`); no weights are read."""
+                  draft: bool = False, context: int | None = None) -> ResolvedModel:
+    """Read `folder`'s config and settle its weight scheme (see `resolve_weights`); no weights are read.
+    `context`: the longest sequence it serves (`ModelConfig.with_context`; None: the model's default;
+    a draft's is cut to its own limit)."""
     hf_config = read_config(folder)
     config = ModelConfig.from_hf(hf_config)  # an unsupported architecture is refused before any weight file is read
+    if context is not None:
+        config = config.with_context(min(context, config.longest) if draft else context)
     scheme = resolve_weights(weights, parse_dtype(dtype), device, holds_quantized_file(folder), draft)
     return ResolvedModel(folder, config, dtype, scheme, _eos_ids(folder, hf_config))
 
 
 def load_model(folder: Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-               pack: bool = True, weights: str = "auto", draft: bool = False) -> Transformer:
+               pack: bool = True, weights: str = "auto", draft: bool = False, context: int | None = None
+               ) -> Transformer:
     """Resolve and build one model folder with the weight scheme `weights` (see WEIGHTS)."""
     name = next(n for n, d in DTYPES.items() if d == dtype)
-    return build_model(resolve_model(folder, name, device, weights, draft), device, pack)
+    return build_model(resolve_model(folder, name, device, weights, draft, context), device, pack)
 
 
 def build_model(m: ResolvedModel, device: torch.device | str = "cpu", pack: bool = True) -> Transformer:

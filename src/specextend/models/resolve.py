@@ -49,6 +49,7 @@ class LoadOptions:
     weights: str = "auto"
     draft_weights: str = "auto"
     kv_cache: str = "bf16"  # the target's KV cache kind (runtime.kv_cache.KV_CACHES)
+    max_context: int | None = None  # the longest sequence served (None: each model's default; ModelConfig.with_context)
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -59,6 +60,9 @@ class LoadOptions:
         check_weights(self.draft_weights)
         if self.kv_cache not in KV_CACHES:
             raise UserError(f"unknown --kv-cache {self.kv_cache!r}; choose one of {', '.join(KV_CACHES)}")
+        if self.max_context is not None and (isinstance(self.max_context, bool)
+                                             or not isinstance(self.max_context, int) or self.max_context < 1):
+            raise UserError(f"--max-context must be a whole number of tokens >= 1, not {self.max_context!r}")
 
 
 @dataclass(frozen=True)
@@ -108,12 +112,13 @@ def resolve_pair(target: str | Path | None, draft: str | Path | None, options: L
     target_path = resolve_model_ref(_ref(target), "target", progress=progress)
     draft_path = resolve_model_ref(_ref(draft), "draft", progress=progress) if load_draft else None
     with collector_paused():
-        t = resolve_model(target_path, options.dtype, options.device, options.weights)
+        t = resolve_model(target_path, options.dtype, options.device, options.weights, context=options.max_context)
         d = None
         if draft_path is not None:
             draft_dtype = options.draft_dtype or default_draft_dtype(options.dtype, options.device,
                                                                      options.draft_weights)
-            d = resolve_model(draft_path, draft_dtype, options.device, options.draft_weights, draft=True)
+            d = resolve_model(draft_path, draft_dtype, options.device, options.draft_weights, draft=True,
+                              context=options.max_context)
         tokenizer = load_tokenizer(target_path)
         if d is not None:
             check_same_vocabulary(tokenizer, target_path, d.path, t.config.vocab_size, d.config.vocab_size)

@@ -130,7 +130,8 @@ class _Tier:
 
 def fingerprint(models: Sequence[tuple[Path | None, Any]]) -> str:
     """What must match for KV written by another process to be used here: each model's files
-    (`(path, model)`; paths, sizes, modification times), how it was loaded (weights, dtypes), and
+    (`(path, model)`; paths, sizes, modification times), how it was loaded (weights, dtypes, the
+    rope factors a context chose), and
     the version of the kernels' arithmetic. A missing model (no draft) counts as such."""
     h = hashlib.sha256(f"kernels {kernels.arithmetic_version()}\0".encode())
     for path, model in models:
@@ -142,6 +143,8 @@ def fingerprint(models: Sequence[tuple[Path | None, Any]]) -> str:
             st = f.stat()
             h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}\0".encode())
         h.update(f"{model.weights}:{model.dtype}:{model.kv_dtype}\0".encode())
+        if model.cfg.long_rope:  # keys rotated with LongRoPE's long factors (a context beyond its window)
+            h.update(b"long rope\0")
     return h.hexdigest()[:32]
 
 

@@ -84,7 +84,7 @@ class Prompts:
         """The engine's context limit (`engine.check_fits`), checkable before any weights are read."""
         draft_context = int(self.spec.draft.config.max_position) if self.spec.draft is not None else None
         check_fits(prompt_tokens, settings if settings.is_resolved else settings.resolved(), self.context,
-                   draft_context)
+                   draft_context, self.spec.target.config.context_note())
 
     # ----------------------------------------------------------------- text <-> tokens
 

@@ -32,6 +32,10 @@ class ModelConfig:
     attention_bias: bool
     qk_norm: str  # "" (none), "head" (RMSNorm over each head's q and k) or "full" (over all of q and of k)
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    # The most positions the file allows (0: `max_position`). Above `max_position` where a longer
+    # context changes the arithmetic, so the default stays below it: LongRoPE (Phi-3.5, Phi-4-mini)
+    # takes its long factors above its original window (`with_context`, `long_rope`).
+    context_limit: int = 0
     # The family's switches (families.py); the defaults are Llama's.
     norms: tuple[str, ...] = ("attn_norm", "mlp_norm")  # which of Block's four norm placements exist
     norm_plus_one: bool = False  # norms scale by (1 + weight) (Gemma): the loader adds the 1
@@ -103,6 +107,39 @@ class ModelConfig:
         step = ("the whole-step C++ call for decode steps, the per-layer kernels for prefill" if self.stepped
                 else f"the per-layer kernels (the whole-step C++ call does not run {self.activation})")
         return f"{self.arch}{': ' + ', '.join(parts) if parts else ''}; quantized weights run {step}"
+
+    @property
+    def longest(self) -> int:
+        """The most positions `with_context` allows."""
+        return self.context_limit or self.max_position
+
+    @property
+    def long_rope(self) -> bool:
+        """Whether LongRoPE runs its long factors: the context exceeds its original window (as llama.cpp
+        chooses by the context it is given; transformers by each sequence's length, which agrees on a
+        sequence longer than the window)."""
+        sc = self.rope_scaling
+        return (sc is not None and sc.get("rope_type") == "longrope"
+                and self.max_position > int(sc["original_max_position_embeddings"]))
+
+    def with_context(self, tokens: int | None) -> ModelConfig:
+        """The model serving sequences of at most `tokens` positions (prompt and answer; None: its
+        default). UserError beyond what the file allows."""
+        if tokens is None:
+            return self
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            raise UserError(f"--max-context must be a whole number of tokens >= 1, not {tokens!r}")
+        if tokens > self.longest:
+            raise UserError(f"--max-context {tokens:,} is beyond the model's {self.longest:,} positions")
+        return replace(self, max_position=tokens)
+
+    def context_note(self) -> str:
+        """What a longer context would take, where the file allows one ('' otherwise)."""
+        if self.longest <= self.max_position:
+            return ""
+        longrope = self.rope_scaling is not None and self.rope_scaling.get("rope_type") == "longrope"
+        why = " (LongRoPE's long factors)" if longrope else ""
+        return f"the file allows up to {self.longest:,} with --max-context{why}"
 
     @property
     def windowed_layers(self) -> int:

@@ -189,10 +189,10 @@ def _phi3(d: dict[str, Any]) -> dict[str, Any]:
     """Phi-3, 3.5 and 4-mini: the Llama block with fused projections (the loader reads them as they
     are), a sliding window on every layer where set, partial rotary dimensions (Phi-4-mini) and
     LongRoPE. LongRoPE's short factors serve contexts up to the original window and its long
-    factors beyond; transformers switches between them with the sequence's length (re-rotating
-    what it caches with the other set), llama.cpp by the context it is given. We take the short
-    factors and the original window as the context: exact against both there; longer contexts
-    on these files are not done yet."""
+    factors beyond; transformers switches between them with each sequence's length, llama.cpp by
+    the context it is given. So do we (`ModelConfig.long_rope`): the default context is the
+    original window (exact against both there), and `--max-context` up to the file's own takes the long
+    factors (exact against transformers on sequences longer than the window)."""
     rope = dict(d.get("rope_parameters") or {})
     heads = int(d["num_attention_heads"])
     head_dim = int(d.get("head_dim") or int(d["hidden_size"]) // heads)
@@ -214,9 +214,11 @@ def _phi3(d: dict[str, Any]) -> dict[str, Any]:
     if attention is None:
         attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
     out["rope_scaling"] = {"rope_type": "longrope", "short_factor": [float(x) for x in scaling["short_factor"]],
-                           "attention_factor": float(attention)}
+                           "long_factor": [float(x) for x in scaling["long_factor"]],
+                           "original_max_position_embeddings": original, "attention_factor": float(attention)}
     out["max_position"] = min(context, original)
-    if 0 < window < out["max_position"]:
+    out["context_limit"] = context
+    if 0 < window < context:
         out.update(sliding_window=window, window_layers=(True,) * int(d["num_hidden_layers"]))
     return out
 

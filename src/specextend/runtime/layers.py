@@ -30,8 +30,8 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
     theta = cfg.local_rope_theta if local else cfg.rope_theta
     sc = None if local else cfg.rope_scaling
     kind = None if sc is None else sc.get("rope_type", sc.get("type"))
-    if kind == "longrope":  # per-frequency divisors (the short ones: ModelConfig keeps the original window)
-        factors = torch.tensor(sc["short_factor"], dtype=torch.float32)
+    if kind == "longrope":  # per-frequency divisors: the long ones where the context exceeds the original window
+        factors = torch.tensor(sc["long_factor" if cfg.long_rope else "short_factor"], dtype=torch.float32)
         return 1.0 / (factors * theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if sc is None:

@@ -174,10 +174,11 @@ class DraftAnswer:
     decode_s: float
 
 
-def check_fits(prompt_tokens: int, settings: Settings, target_context: int, draft_context: int | None) -> None:
+def check_fits(prompt_tokens: int, settings: Settings, target_context: int, draft_context: int | None,
+               note: str = "") -> None:
     """The context limit: prompt + new tokens within the target's context, and within the
     draft's too when its policy attends at every true position (see `sees_every_position`).
-    `settings` are resolved."""
+    `settings` are resolved; `note` (`ModelConfig.context_note`) says how the target's could grow."""
     s = _as_resolved(settings)
     if prompt_tokens == 0:
         raise UserError("the prompt is empty")
@@ -188,7 +189,7 @@ def check_fits(prompt_tokens: int, settings: Settings, target_context: int, draf
     if prompt_tokens + s.max_new_tokens > limit:
         raise ContextLengthExceeded(
             f"a prompt of {count(prompt_tokens, 'token')} + {count(s.max_new_tokens, 'new token')} exceeds the "
-            f"model's context of {limit} tokens ({whose})"
+            f"model's context of {limit} tokens ({whose})" + (f"; {note}" if note and whose == "the target's" else "")
         )
 
 
@@ -264,7 +265,7 @@ class SpecEngine:
     # --- prefill -------------------------------------------------------------------------------
     def check_fits(self, prompt_len: int, s: Settings) -> None:
         check_fits(prompt_len, s, self.target.cfg.max_position,
-                   self.draft.cfg.max_position if self.draft is not None else None)
+                   self.draft.cfg.max_position if self.draft is not None else None, self.target.cfg.context_note())
 
     def prefill(self, prompt_ids: list[int], settings: Settings, prefix: PrefixKV | None = None,
                 on_progress: ProgressCallback | None = None) -> Prefilled:
