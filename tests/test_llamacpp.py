@@ -48,9 +48,11 @@ def _isolated_home(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def no_peer(monkeypatch):
+def no_peer(monkeypatch, tmp_path):
+    """No llama.cpp at all: neither the package's build nor an instruction-set build (`make peers PEER_CPU=...`)."""
     monkeypatch.delenv(llamacpp.SERVER_ENV, raising=False)
     monkeypatch.setattr(llamacpp, "_package_binary", lambda: None)
+    monkeypatch.setattr(llamacpp, "isa_build_dir", lambda isa: tmp_path / "no-peers" / isa)
 
 
 @pytest.fixture
