@@ -310,10 +310,9 @@ def find_peer(method: str = "llamacpp-ar") -> Peer:
     isa = _wanted_cpu()
     # An instruction-set build where one was made: avx2 for avx2, and the AVX-512 build without AMX for
     # avx512 and auto (made where the native build's AMX path faults: see the module's notes).
-    for build_isa in ("avx2",) if isa == "avx2" else ("avx512",) if isa in ("avx512", "auto") else ():
-        if (built := _isa_binary(build_isa)) is not None:
-            return Peer(built, f"b{_server_version(str(built))}", f"{PACKAGE} in {isa_build_dir(build_isa)}",
-                        build_isa)
+    build_isa = {"avx2": "avx2", "avx512": "avx512", "auto": "avx512"}.get(isa)
+    if build_isa is not None and (built := _isa_binary(build_isa)) is not None:
+        return Peer(built, f"b{_server_version(str(built))}", f"{PACKAGE} in {isa_build_dir(build_isa)}", build_isa)
     found = _package_binary()
     if found is None:
         raise UserError(f"{method} needs llama.cpp's llama-server, which is not installed: {INSTALL_HINT}")

@@ -22,6 +22,7 @@ from ..common.errors import UserError
 from ..common.gc_pause import collector_paused
 from ..common.progress import say
 from ..common.settings import KV_CACHES
+from ..runtime.config import check_context
 from .loader import (
     ResolvedModel,
     build_model,
@@ -60,9 +61,8 @@ class LoadOptions:
         check_weights(self.draft_weights)
         if self.kv_cache not in KV_CACHES:
             raise UserError(f"unknown --kv-cache {self.kv_cache!r}; choose one of {', '.join(KV_CACHES)}")
-        if self.max_context is not None and (isinstance(self.max_context, bool)
-                                             or not isinstance(self.max_context, int) or self.max_context < 1):
-            raise UserError(f"--max-context must be a whole number of tokens >= 1, not {self.max_context!r}")
+        if self.max_context is not None:
+            check_context(self.max_context)
 
 
 @dataclass(frozen=True)

@@ -118,17 +118,18 @@ class ModelConfig:
         """Whether LongRoPE runs its long factors: the context exceeds its original window (as llama.cpp
         chooses by the context it is given; transformers by each sequence's length, which agrees on a
         sequence longer than the window)."""
-        sc = self.rope_scaling
-        return (sc is not None and sc.get("rope_type") == "longrope"
-                and self.max_position > int(sc["original_max_position_embeddings"]))
+        return self._longrope and self.max_position > int(self.rope_scaling["original_max_position_embeddings"])
+
+    @property
+    def _longrope(self) -> bool:
+        return self.rope_scaling is not None and self.rope_scaling.get("rope_type") == "longrope"
 
     def with_context(self, tokens: int | None) -> ModelConfig:
         """The model serving sequences of at most `tokens` positions (prompt and answer; None: its
         default). UserError beyond what the file allows."""
         if tokens is None:
             return self
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-            raise UserError(f"--max-context must be a whole number of tokens >= 1, not {tokens!r}")
+        check_context(tokens)
         if tokens > self.longest:
             raise UserError(f"--max-context {tokens:,} is beyond the model's {self.longest:,} positions")
         return replace(self, max_position=tokens)
@@ -137,8 +138,7 @@ class ModelConfig:
         """What a longer context would take, where the file allows one ('' otherwise)."""
         if self.longest <= self.max_position:
             return ""
-        longrope = self.rope_scaling is not None and self.rope_scaling.get("rope_type") == "longrope"
-        why = " (LongRoPE's long factors)" if longrope else ""
+        why = " (LongRoPE's long factors)" if self._longrope else ""
         return f"the file allows up to {self.longest:,} with --max-context{why}"
 
     @property
@@ -216,6 +216,12 @@ class ModelConfig:
             rope_scaling=scaling,
         )
         return replace(base, **FAMILIES[arch].switches(d))
+
+
+def check_context(tokens: Any) -> None:
+    """A `--max-context` value: a whole number of tokens >= 1 (UserError otherwise)."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise UserError(f"--max-context must be a whole number of tokens >= 1, not {tokens!r}")
 
 
 def yarn_scaling(scaling: dict[str, Any], rope: dict[str, Any], max_position: int) -> dict[str, Any]:
