@@ -30,6 +30,12 @@ DRAFT_PREFILLS = ("selected", "full")
 DRAFT_HORIZONS = ("produced", "budget")
 RETRIEVAL_QUERIES = ("last", "path")
 
+
+def check_context(tokens: Any) -> None:
+    """A `--max-context` value (a load option, beside KV_CACHES): a whole number of tokens >= 1."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise UserError(f"--max-context must be a whole number of tokens >= 1, not {tokens!r}")
+
 # What each preset means (the contract): sd = standard tree speculative decoding; specextend =
 # efficient attention + cross-model retrieval for the draft, the tree sized each step from the
 # measured step costs, and prompt-lookup candidates fused into it; lookup = the target with

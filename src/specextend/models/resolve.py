@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING, Any
 from ..common.errors import UserError
 from ..common.gc_pause import collector_paused
 from ..common.progress import say
-from ..common.settings import KV_CACHES
-from ..runtime.config import check_context
+from ..common.settings import KV_CACHES, check_context
 from .loader import (
     ResolvedModel,
     build_model,

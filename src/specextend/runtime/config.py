@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from ..common.errors import UserError
+from ..common.settings import check_context
 from .families import FAMILIES, HF_CLASSES, family_of, supported
 
 SUPPORTED_ARCHS = HF_CLASSES
@@ -216,12 +217,6 @@ class ModelConfig:
             rope_scaling=scaling,
         )
         return replace(base, **FAMILIES[arch].switches(d))
-
-
-def check_context(tokens: Any) -> None:
-    """A `--max-context` value: a whole number of tokens >= 1 (UserError otherwise)."""
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-        raise UserError(f"--max-context must be a whole number of tokens >= 1, not {tokens!r}")
 
 
 def yarn_scaling(scaling: dict[str, Any], rope: dict[str, Any], max_position: int) -> dict[str, Any]:
