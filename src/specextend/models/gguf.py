@@ -35,6 +35,7 @@ import numpy as np
 from ..common import meminfo
 from ..common.errors import UserError
 from ..runtime.families import FAMILIES, Family, family_of, supported
+from . import pretokenize
 from .footprint import Footprint, TensorInfo, check_fits, expert_share, footprint, is_kept, notice, random_notice
 
 COMPLETE_MARKER = ".complete"
@@ -662,8 +663,11 @@ def _find_tokens(tokens_field: Any, wanted: tuple[str, ...]) -> dict[str, int]:
     return found
 
 
-def write_tokenizer(gguf_path: Path, out: Path, chat_template: str | None, architecture: str | None = None) -> None:
+def write_tokenizer(gguf_path: Path, out: Path, chat_template: str | None, architecture: str | None = None,
+                    vocabulary: tuple[str | None, str | None] = (None, None)) -> None:
     """Rebuild the HF tokenizer from the GGUF metadata (via transformers) and save it into `out`.
+    `vocabulary`: the file's `tokenizer.ggml.model` and `.pre` (read again if not given): a byte-level
+    vocabulary gets llama.cpp's split into words for its `pre` (`pretokenize`).
 
     transformers 5 saves the chat template as `chat_template.jinja`; we also keep a copy in
     `tokenizer_config.json` so that readers that only look there find it.
@@ -685,6 +689,12 @@ def write_tokenizer(gguf_path: Path, out: Path, chat_template: str | None, archi
         raise UserError(f"cannot build a tokenizer from {gguf_path}: {_short(exc)}") from exc
     if chat_template and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = chat_template
+    if vocabulary == (None, None):
+        reader = open_gguf(gguf_path)
+        vocabulary = (field(reader, "tokenizer.ggml.model"), field(reader, "tokenizer.ggml.pre"))
+    notice = pretokenize.apply(tokenizer, *vocabulary)
+    if notice:
+        print(f"specextend: {gguf_path.name}: {notice}", file=sys.stderr, flush=True)
     tokenizer.save_pretrained(str(out))
     for required in ("tokenizer.json", "tokenizer_config.json"):
         if not (out / required).is_file():
@@ -719,8 +729,11 @@ def is_current(folder: str | os.PathLike[str]) -> bool:
     """A finished conversion in this version's format (older ones hold float32 shards) that expanded
     no type this version keeps (a file converted before its type was kept is converted again)."""
     marker = Path(folder) / COMPLETE_MARKER
-    if not (marker.is_file() and FORMAT in marker.read_text().split()):
+    stamps = marker.read_text().split() if marker.is_file() else []
+    if FORMAT not in stamps:
         return False
+    if pretokenize.RULES_VERSION not in stamps and pretokenize.fell_back(Path(folder) / "tokenizer.json"):
+        return False  # its words may have been split as GPT-2's where llama.cpp splits otherwise
     try:
         data = json.loads((Path(folder) / FOOTPRINT_FILE).read_text())
         expanded = {r["type"] for r in data["types"] if r["expanded"]}
@@ -809,16 +822,17 @@ def convert_gguf(
         has_tokens = "tokenizer.ggml.tokens" in reader.fields
         arch = field(reader, "general.architecture")
         chat_template = field(reader, "tokenizer.chat_template")
+        vocabulary = (field(reader, "tokenizer.ggml.model"), field(reader, "tokenizer.ggml.pre"))
         # Dropped (with its memory map) before transformers reads the file again for the tokenizer:
         # the reader's metadata holds a few Python objects per token (hundreds of MB for a 150K-token
         # vocabulary), and both at once made the tokenizer the conversion's peak.
         reader = None
         if tokenizer and has_tokens:
-            write_tokenizer(gguf_path, tmp, chat_template, arch)
+            write_tokenizer(gguf_path, tmp, chat_template, arch, vocabulary)
         elif tokenizer:
             print(f"specextend: {gguf_path.name} has no tokenizer; folder has weights only", file=sys.stderr)
         _fsync_dir_files(tmp)
-        (tmp / COMPLETE_MARKER).write_text(f"converted from {gguf_path.name}\n{FORMAT}\n")
+        (tmp / COMPLETE_MARKER).write_text(f"converted from {gguf_path.name}\n{FORMAT}\n{pretokenize.RULES_VERSION}\n")
         _install(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

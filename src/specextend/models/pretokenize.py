@@ -1,0 +1,98 @@
+"""How a byte-level BPE vocabulary's text is cut into words before its merges run, by the name
+llama.cpp's converter wrote into `tokenizer.ggml.pre`.
+
+transformers rebuilds a GGUF's tokenizer and knows the splits of the newer vocabularies (Llama 3,
+Qwen 2, GPT-4o, Tekken, ...); a name it does not know gets GPT-2's split. For several names llama.cpp
+splits otherwise, and so did the model's own tokenizer: StarCoder-style vocabularies (Granite,
+SmolLM, Command R, Refact) put every digit in a word of its own, so "2024" is four tokens where
+GPT-2's split lets merges join it. Those files would get other token ids than llama.cpp gives them
+(and than the model was trained on) on any text with a number in it. Each name below is the
+split llama.cpp applies, as a sequence of `tokenizers` splits (each one cuts every piece the
+last one left into its matches and the text between them, as llama.cpp's regex list does).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+# GPT-2's word pattern as llama.cpp writes it (its trailing `\s+` alternative changes nothing
+# when the text between matches is kept as pieces).
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+
+_RULES: dict[str, tuple[str, ...]] = {
+    "gpt2": (_GPT2,),
+    "digits then gpt2": (r"\p{N}", _GPT2),  # StarCoder's `Digits(individual_digits=True)` first
+    "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"),
+    "falcon": (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"),
+    "deepseek-coder": (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}"),
+}
+
+# `tokenizer.ggml.pre` -> rule, for the names transformers leaves to GPT-2's split.
+NAMES: dict[str, str] = {
+    **dict.fromkeys(("gpt-2", "phi-2", "mpt", "olmo", "jais", "trillion", "granite-docling", "exaone4", "jina-es",
+                     "jina-de", "jina-v1-en", "jina-v2-es", "jina-v2-de", "jina-v2-code", "roberta-bpe", "gigachat",
+                     "a.x-4.0", "mellum", "modern-bert"), "gpt2"),
+    **dict.fromkeys(("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"),
+                    "digits then gpt2"),
+    "default": "default",
+    "falcon": "falcon",
+    "deepseek-coder": "deepseek-coder",
+}
+
+RULES_VERSION = "pre-tokenizer-1"  # in a conversion's marker: folders converted before this are checked
+
+
+def known_to_transformers(pre: str) -> bool:
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+    return pre in GGUF_PRE_TOKENIZER_SPLITS
+
+
+def split_rule(pre: str | None) -> tuple[str, ...] | None:
+    """The regexes llama.cpp cuts text with for `pre`, or None where transformers' own split is
+    right (a name it knows, or no name) or the name is one this version does not know."""
+    if not pre or known_to_transformers(pre):
+        return None
+    rule = NAMES.get(pre)
+    return None if rule is None else _RULES[rule]
+
+
+def apply(tokenizer: Any, model: str | None, pre: str | None) -> str | None:
+    """Give a byte-level BPE `tokenizer` (transformers', rebuilt from the GGUF) llama.cpp's split for
+    `pre`. Returns a notice where the name is unknown (the text is then split as GPT-2 splits it,
+    and token ids may differ from llama.cpp's), else None. Other vocabularies are left alone."""
+    if model != "gpt2" or not pre or known_to_transformers(pre):
+        return None
+    regexes = split_rule(pre)
+    if regexes is None:
+        return (f"tokenizer.ggml.pre {pre!r} is not a pre-tokenizer this version knows: text is split into words "
+                "as GPT-2 splits it, so token ids may differ from llama.cpp's")
+    from tokenizers import Regex, pre_tokenizers
+
+    steps = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    return None
+
+
+def fell_back(tokenizer_file: Path) -> bool:
+    """Whether a saved tokenizer (`tokenizer.json`) is a byte-level BPE with GPT-2's split alone: what
+    transformers gives a name it does not know, so a conversion from before `RULES_VERSION` may have
+    it wrongly. Reads the two small parts only: `tokenizers` writes them before the vocabulary (a
+    150K-token one is megabytes of JSON), so the file's head has them (else the whole file is read)."""
+    model_at, pre_at = re.compile(r'"model":\s*\{\s*"type":\s*"(\w+)"'), re.compile(r'"pre_tokenizer":\s*')
+    try:
+        with open(tokenizer_file, "rb") as f:
+            text = f.read(1 << 16).decode("utf-8", errors="ignore")
+            if model_at.search(text) is None:
+                text += f.read().decode("utf-8", errors="ignore")
+        model, at = model_at.search(text), pre_at.search(text)
+        if model is None or at is None or model.group(1) != "BPE":
+            return False
+        pre, _ = json.JSONDecoder().raw_decode(text, at.end())
+    except (OSError, ValueError):
+        return False
+    return isinstance(pre, dict) and pre.get("type") == "ByteLevel" and pre.get("use_regex", True) is not False

@@ -1,0 +1,160 @@
+"""A byte-level vocabulary's text is cut into words as llama.cpp cuts it for the file's
+`tokenizer.ggml.pre` (StarCoder-style vocabularies: every digit a word of its own), not as GPT-2
+does for every name transformers does not know; folders converted the old way are converted again."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, pre_tokenizers
+from transformers import AutoTokenizer
+
+from specextend.models import pretokenize
+from specextend.models.gguf import COMPLETE_MARKER, FORMAT, is_current, write_tokenizer
+from test_gguf import SPECIALS, byte_alphabet
+from test_llamacpp import real_peer
+
+# Merges that join digits, digits after a space, a contraction and punctuation runs: each split
+# under test leaves some of them unusable, so a wrong split gives other ids.
+MERGES = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "l d", "Ġwor ld", "1 2", "12 3", "2 0", "20 2",
+          "202 4", "Ġ 1", "Ġ1 2", "Ġ 2", "Ġ2 0", "' s", "Ġ '", "9 9", "99 9", ". .", ".. .", "! !", "Ġ Ġ", "ĠĠ Ġ",
+          "Ċ Ċ", "$ 1", "i t", "it 's"]
+TEXTS = ["In 2024 we had 12345 items, 999999 of them; it's 1.23 x 20!", "hello   world...  ok!!\n\n$12 + 3 = 15",
+         "Café déjà vu 東京 2023年", "  leading spaces and trailing   ", "it's 'quoted' -- x<=y || a^b ~ `c`"]
+
+
+def vocab() -> list[str]:
+    return byte_alphabet() + [m.replace(" ", "") for m in MERGES] + SPECIALS
+
+
+def write_vocab(path: Path, pre: str) -> Path:
+    """A vocabulary-only GGUF as llama.cpp's converter writes a byte-level BPE (one tensor so that
+    llama.cpp reads it)."""
+    tokens = vocab()
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(64)
+    w.add_embedding_length(8)
+    w.add_block_count(1)
+    w.add_feed_forward_length(8)
+    w.add_head_count(1)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(tokens.index("<|endoftext|>"))
+    w.add_eos_token_id(tokens.index("<|endoftext|>"))
+    w.add_add_bos_token(False)
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def converted(tmp_path: Path, pre: str) -> object:
+    folder = tmp_path / pre
+    folder.mkdir()
+    write_tokenizer(write_vocab(folder / "v.gguf", pre), folder, None, "llama")
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def ids(tokenizer: object, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)  # type: ignore[attr-defined]
+
+
+def with_split(tokenizer: object, split: object) -> Tokenizer:
+    """The same vocabulary and merges under another split (`tokenizers`' own pre-tokenizers)."""
+    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())  # type: ignore[attr-defined]
+    backend.pre_tokenizer = split
+    return backend
+
+
+# The split a StarCoder-family tokenizer.json states (Granite's, SmolLM's, Refact's): digits alone,
+# then GPT-2's byte-level word pattern; and GPT-2's own.
+DIGITS_THEN_GPT2 = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+GPT2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+@pytest.mark.parametrize("pre", ["refact", "starcoder", "smollm", "command-r"])
+def test_a_starcoder_style_vocabulary_puts_every_digit_alone(tmp_path, pre):
+    tok = converted(tmp_path, pre)
+    own, gpt2 = with_split(tok, DIGITS_THEN_GPT2), with_split(tok, GPT2)
+    for text in TEXTS:
+        assert ids(tok, text) == own.encode(text, add_special_tokens=False).ids, text
+    # The test can fail: GPT-2's split alone (what these files got before) joins the digits.
+    assert any(ids(tok, t) != gpt2.encode(t, add_special_tokens=False).ids for t in TEXTS)
+    assert ids(tok, "2024") == [tok.convert_tokens_to_ids(c) for c in "2024"]
+
+
+@pytest.mark.parametrize("pre", ["gpt-2", "olmo", "mpt"])
+def test_a_gpt2_style_vocabulary_keeps_gpt2s_split(tmp_path, pre):
+    tok = converted(tmp_path, pre)
+    gpt2 = with_split(tok, GPT2)
+    for text in TEXTS:
+        assert ids(tok, text) == gpt2.encode(text, add_special_tokens=False).ids, text
+
+
+def test_an_unknown_pre_tokenizer_is_named_at_conversion(tmp_path, capsys):
+    tok = converted(tmp_path, "some-future-vocab")
+    err = capsys.readouterr().err
+    assert "tokenizer.ggml.pre 'some-future-vocab' is not a pre-tokenizer this version knows" in err
+    assert len(err.strip().splitlines()) == 1
+    gpt2 = with_split(tok, GPT2)
+    assert ids(tok, TEXTS[0]) == gpt2.encode(TEXTS[0], add_special_tokens=False).ids
+    converted(tmp_path, "qwen2")  # a name transformers knows: nothing to say
+    assert capsys.readouterr().err == ""
+
+
+def test_a_folder_split_as_gpt2_before_this_version_is_converted_again(tmp_path):
+    """A marker without the rules' stamp over a saved GPT-2-only split (what the names above got
+    before): not current, so it is converted again from its file; with the stamp, or over a split
+    of its own, it stays current (a Qwen 2 folder is not converted again for nothing)."""
+    def folder(pre: str, stamp: bool, old_split: bool = False) -> Path:
+        tok_dir = tmp_path / f"{pre}-{stamp}-{old_split}"
+        tok_dir.mkdir()
+        write_tokenizer(write_vocab(tok_dir / "v.gguf", pre), tok_dir, None, "llama")
+        if old_split:
+            saved = json.loads((tok_dir / "tokenizer.json").read_text())
+            saved["pre_tokenizer"] = json.loads(GPT2.__getstate__())
+            (tok_dir / "tokenizer.json").write_text(json.dumps(saved))
+        stamps = f"{FORMAT}\n{pretokenize.RULES_VERSION}\n" if stamp else f"{FORMAT}\n"
+        (tok_dir / COMPLETE_MARKER).write_text(f"converted from v.gguf\n{stamps}")
+        return tok_dir
+
+    assert not is_current(folder("refact", stamp=False, old_split=True))
+    assert not is_current(folder("some-future-vocab", stamp=False))
+    assert is_current(folder("some-future-vocab", stamp=True))  # this version's best: not converted again
+    assert is_current(folder("refact", stamp=False))  # already split digits first
+    assert is_current(folder("qwen2", stamp=False))  # transformers' own split: right then too
+
+
+def llama_cpp_ids(binary: Path, gguf_path: Path, text: str) -> list[int]:
+    out = subprocess.run([str(binary), "-m", str(gguf_path), "-p", text, "--ids", "--log-disable", "--no-bos"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-500:]
+    return [int(x) for x in out.stdout.strip().splitlines()[-1].strip("[]").split(",")]
+
+
+@pytest.mark.skipif(real_peer() is None, reason="llama.cpp peer not installed (run `make peers`)")
+@pytest.mark.parametrize("pre", [*sorted(pretokenize.NAMES), "qwen2", "llama-bpe", "gpt-4o"])
+def test_every_named_split_gives_llama_cpps_ids(tmp_path, pre):
+    """llama.cpp's own tokenizer (the peer's `llama-tokenize`) on the same file: the same ids for
+    every name this version splits itself, and for a few transformers splits as a control."""
+    binary = real_peer().binary.with_name("llama-tokenize")
+    folder = tmp_path / pre
+    folder.mkdir()
+    path = write_vocab(folder / "v.gguf", pre)
+    write_tokenizer(path, folder, None, "llama")
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    for text in TEXTS:
+        assert ids(tok, text) == llama_cpp_ids(binary, path, text), (pre, text)
