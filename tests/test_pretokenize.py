@@ -60,6 +60,57 @@ def write_vocab(path: Path, pre: str) -> Path:
     return path
 
 
+SPM_PIECES = ["▁", "e", "l", "o", "h", "w", "r", "d", "t", "a", "n", "1", "2", ".", "he", "ll", "llo", "hello",
+              "▁hello", "▁w", "or", "ld", "world", "▁world", "▁1", "12", "▁12", "▁t", "th", "the", "▁the", "▁▁"]
+
+
+def write_spm(path: Path, space_prefix: bool | None) -> Path:
+    """A SentencePiece vocabulary as llama.cpp's converter writes a Llama 2 / Mistral one (scores for
+    the merges, byte pieces, two control tokens inside the text), with or without its space flag."""
+    toks = [("<unk>", 0.0, 2), ("<s>", 0.0, 3), ("</s>", 0.0, 3)] + [(f"<0x{b:02X}>", 0.0, 6) for b in range(256)]
+    toks += [(p, -1.0 - i, 1) for i, p in enumerate(SPM_PIECES)] + [("[INST]", 0.0, 3), ("[/INST]", 0.0, 3)]
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, value in ((w.add_context_length, 64), (w.add_embedding_length, 8), (w.add_block_count, 1),
+                       (w.add_feed_forward_length, 8), (w.add_head_count, 1), (w.add_head_count_kv, 1)):
+        add(value)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([t for t, _, _ in toks])
+    w.add_token_scores([sc for _, sc, _ in toks])
+    w.add_token_types([k for _, _, k in toks])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(False)
+    if space_prefix is not None:
+        w.add_add_space_prefix(space_prefix)
+    w.add_tensor("token_embd.weight", np.zeros((len(toks), 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+SPM_TEXTS = ["hello world", " hello  world", "[INST] hello world [/INST] the end", "[INST]hello[/INST] 12."]
+
+
+def test_a_sentencepiece_file_without_a_space_prefix_gets_none(tmp_path):
+    """`tokenizer.ggml.add_space_prefix = false`: no "▁" before the text (transformers' Llama tokenizer
+    put one there whatever the file said), and the text decodes back whole."""
+    for flag in (False, None):
+        folder = tmp_path / f"spm-{flag}"
+        folder.mkdir()
+        write_tokenizer(write_spm(folder / "v.gguf", flag), folder, None, "llama")
+        tok = AutoTokenizer.from_pretrained(str(folder))
+        pieces = tok.convert_ids_to_tokens(ids(tok, "hello world"))
+        assert pieces[0] == ("hello" if flag is False else "▁hello"), pieces
+        if flag is False:  # (with the prefix, a leading space decodes away, as in transformers' own Llama)
+            for text in SPM_TEXTS:
+                assert tok.decode(ids(tok, text)) == text, text
+
+
 def converted(tmp_path: Path, pre: str) -> object:
     folder = tmp_path / pre
     folder.mkdir()
@@ -136,6 +187,11 @@ def test_a_folder_split_as_gpt2_before_this_version_is_converted_again(tmp_path)
     assert is_current(folder("some-future-vocab", stamp=True))  # this version's best: not converted again
     assert is_current(folder("refact", stamp=False))  # already split digits first
     assert is_current(folder("qwen2", stamp=False))  # transformers' own split: right then too
+    spm = tmp_path / "spm"
+    spm.mkdir()
+    write_tokenizer(write_spm(spm / "v.gguf", None), spm, None, "llama")
+    (spm / COMPLETE_MARKER).write_text(f"converted from v.gguf\n{FORMAT}\n")
+    assert not is_current(spm)  # its space prefix: maybe one its file leaves out
 
 
 def llama_cpp_ids(binary: Path, gguf_path: Path, text: str) -> list[int]:
@@ -158,3 +214,13 @@ def test_every_named_split_gives_llama_cpps_ids(tmp_path, pre):
     tok = AutoTokenizer.from_pretrained(str(folder))
     for text in TEXTS:
         assert ids(tok, text) == llama_cpp_ids(binary, path, text), (pre, text)
+
+
+@pytest.mark.skipif(real_peer() is None, reason="llama.cpp peer not installed (run `make peers`)")
+def test_a_sentencepiece_file_without_a_space_prefix_gives_llama_cpps_ids(tmp_path):
+    binary = real_peer().binary.with_name("llama-tokenize")
+    path = write_spm(tmp_path / "v.gguf", False)
+    write_tokenizer(path, tmp_path, None, "llama")
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    for text in SPM_TEXTS:
+        assert ids(tok, text) == llama_cpp_ids(binary, path, text), text

@@ -663,11 +663,16 @@ def _find_tokens(tokens_field: Any, wanted: tuple[str, ...]) -> dict[str, int]:
     return found
 
 
+def vocabulary_keys(reader: Any) -> tuple[Any, ...]:
+    """What `pretokenize.apply` takes from a file: its vocabulary's model, pre-tokenizer and space prefix."""
+    return tuple(field(reader, f"tokenizer.ggml.{key}") for key in ("model", "pre", "add_space_prefix"))
+
+
 def write_tokenizer(gguf_path: Path, out: Path, chat_template: str | None, architecture: str | None = None,
-                    vocabulary: tuple[str | None, str | None] = (None, None)) -> None:
+                    vocabulary: tuple[Any, ...] = ()) -> None:
     """Rebuild the HF tokenizer from the GGUF metadata (via transformers) and save it into `out`.
-    `vocabulary`: the file's `tokenizer.ggml.model` and `.pre` (read again if not given): a byte-level
-    vocabulary gets llama.cpp's split into words for its `pre` (`pretokenize`).
+    `vocabulary`: the file's `tokenizer.ggml.model`, `.pre` and `.add_space_prefix` (`vocabulary_keys`; read
+    again if not given): the text is cut as llama.cpp cuts it for them (`pretokenize`).
 
     transformers 5 saves the chat template as `chat_template.jinja`; we also keep a copy in
     `tokenizer_config.json` so that readers that only look there find it.
@@ -689,9 +694,7 @@ def write_tokenizer(gguf_path: Path, out: Path, chat_template: str | None, archi
         raise UserError(f"cannot build a tokenizer from {gguf_path}: {_short(exc)}") from exc
     if chat_template and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = chat_template
-    if vocabulary == (None, None):
-        reader = open_gguf(gguf_path)
-        vocabulary = (field(reader, "tokenizer.ggml.model"), field(reader, "tokenizer.ggml.pre"))
+    vocabulary = vocabulary or vocabulary_keys(open_gguf(gguf_path))
     notice = pretokenize.apply(tokenizer, *vocabulary)
     if notice:
         print(f"specextend: {gguf_path.name}: {notice}", file=sys.stderr, flush=True)
@@ -822,7 +825,7 @@ def convert_gguf(
         has_tokens = "tokenizer.ggml.tokens" in reader.fields
         arch = field(reader, "general.architecture")
         chat_template = field(reader, "tokenizer.chat_template")
-        vocabulary = (field(reader, "tokenizer.ggml.model"), field(reader, "tokenizer.ggml.pre"))
+        vocabulary = vocabulary_keys(reader)
         # Dropped (with its memory map) before transformers reads the file again for the tokenizer:
         # the reader's metadata holds a few Python objects per token (hundreds of MB for a 150K-token
         # vocabulary), and both at once made the tokenizer the conversion's peak.

@@ -60,10 +60,15 @@ def split_rule(pre: str | None) -> tuple[str, ...] | None:
     return None if rule is None else _RULES[rule]
 
 
-def apply(tokenizer: Any, model: str | None, pre: str | None) -> str | None:
+def apply(tokenizer: Any, model: str | None, pre: str | None, space_prefix: bool | None = None) -> str | None:
     """Give a byte-level BPE `tokenizer` (transformers', rebuilt from the GGUF) llama.cpp's split for
     `pre`. Returns a notice where the name is unknown (the text is then split as GPT-2 splits it,
-    and token ids may differ from llama.cpp's), else None. Other vocabularies are left alone."""
+    and token ids may differ from llama.cpp's), else None. A SentencePiece vocabulary whose file says
+    `tokenizer.ggml.add_space_prefix = false` (`space_prefix`) gets no "▁" before its text, as in
+    llama.cpp (transformers' Llama tokenizer adds one whatever the file says)."""
+    if model == "llama" and space_prefix is False:
+        _no_space_prefix(tokenizer)
+        return None
     if model != "gpt2" or not pre or known_to_transformers(pre):
         return None
     regexes = split_rule(pre)
@@ -78,11 +83,25 @@ def apply(tokenizer: Any, model: str | None, pre: str | None) -> str | None:
     return None
 
 
+def _no_space_prefix(tokenizer: Any) -> None:
+    """The Llama tokenizer's "▁" before the text left out, and the decoder's removal of it with it
+    (other SentencePiece builds, such as Gemma's, have no prefix to leave out)."""
+    from tokenizers import decoders, pre_tokenizers
+
+    backend = tokenizer.backend_tokenizer
+    if not isinstance(backend.pre_tokenizer, pre_tokenizers.Metaspace):
+        return
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never", split=False)
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+
+
 def fell_back(tokenizer_file: Path) -> bool:
-    """Whether a saved tokenizer (`tokenizer.json`) is a byte-level BPE with GPT-2's split alone: what
-    transformers gives a name it does not know, so a conversion from before `RULES_VERSION` may have
-    it wrongly. Reads the two small parts only: `tokenizers` writes them before the vocabulary (a
-    150K-token one is megabytes of JSON), so the file's head has them (else the whole file is read)."""
+    """Whether a saved tokenizer (`tokenizer.json`) may have been cut otherwise than llama.cpp cuts it
+    by a conversion from before `RULES_VERSION`: a byte-level BPE with GPT-2's split alone (what
+    transformers gives a name it does not know), or a SentencePiece with the Llama tokenizer's "▁"
+    before the text (wrong where the file says no space prefix). Reads the two small parts only:
+    `tokenizers` writes them before the vocabulary (a 150K-token one is megabytes of JSON), so the
+    file's head has them (else the whole file is read)."""
     model_at, pre_at = re.compile(r'"model":\s*\{\s*"type":\s*"(\w+)"'), re.compile(r'"pre_tokenizer":\s*')
     try:
         with open(tokenizer_file, "rb") as f:
@@ -95,4 +114,7 @@ def fell_back(tokenizer_file: Path) -> bool:
         pre, _ = json.JSONDecoder().raw_decode(text, at.end())
     except (OSError, ValueError):
         return False
-    return isinstance(pre, dict) and pre.get("type") == "ByteLevel" and pre.get("use_regex", True) is not False
+    if not isinstance(pre, dict):
+        return False
+    gpt2_alone = pre.get("type") == "ByteLevel" and pre.get("use_regex", True) is not False
+    return gpt2_alone or (pre.get("type") == "Metaspace" and pre.get("prepend_scheme") == "first")
