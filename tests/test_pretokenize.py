@@ -96,19 +96,29 @@ def write_spm(path: Path, space_prefix: bool | None) -> Path:
 SPM_TEXTS = ["hello world", " hello  world", "[INST] hello world [/INST] the end", "[INST]hello[/INST] 12."]
 
 
-def test_a_sentencepiece_file_without_a_space_prefix_gets_none(tmp_path):
-    """`tokenizer.ggml.add_space_prefix = false`: no "▁" before the text (transformers' Llama tokenizer
-    put one there whatever the file said), and the text decodes back whole."""
-    for flag in (False, None):
-        folder = tmp_path / f"spm-{flag}"
-        folder.mkdir()
-        write_tokenizer(write_spm(folder / "v.gguf", flag), folder, None, "llama")
-        tok = AutoTokenizer.from_pretrained(str(folder))
-        pieces = tok.convert_ids_to_tokens(ids(tok, "hello world"))
-        assert pieces[0] == ("hello" if flag is False else "▁hello"), pieces
-        if flag is False:  # (with the prefix, a leading space decodes away, as in transformers' own Llama)
-            for text in SPM_TEXTS:
-                assert tok.decode(ids(tok, text)) == text, text
+def spm_converted(tmp_path: Path, flag: bool | None) -> tuple[Path, object]:
+    folder = tmp_path / f"spm-{flag}"
+    folder.mkdir()
+    path = write_spm(folder / "v.gguf", flag)
+    write_tokenizer(path, folder, None, "llama")
+    return path, AutoTokenizer.from_pretrained(str(folder))
+
+
+@pytest.mark.parametrize("flag", [None, True, False])
+def test_a_sentencepiece_file_gets_the_space_prefix_its_file_says(tmp_path, flag):
+    """`tokenizer.ggml.add_space_prefix` (true where absent): a "▁" before the text and before the
+    text after each special token, as llama.cpp and the original Llama 2 tokenizer put them (transformers'
+    Llama tokenizer put one before the text alone, and whatever the file said); none where it is false."""
+    _, tok = spm_converted(tmp_path, flag)
+    first = tok.convert_ids_to_tokens(ids(tok, "hello world"))[0]
+    after_control = tok.convert_ids_to_tokens(ids(tok, "[INST]hello[/INST]"))
+    leading = tok.convert_ids_to_tokens(ids(tok, " hello"))
+    if flag is False:
+        assert (first, after_control, leading) == ("hello", ["[INST]", "hello", "[/INST]"], ["▁hello"])
+        for text in SPM_TEXTS:  # and the text decodes back whole
+            assert tok.decode(ids(tok, text)) == text, text
+    else:
+        assert (first, after_control, leading) == ("▁hello", ["[INST]", "▁hello", "[/INST]"], ["▁", "▁hello"])
 
 
 def converted(tmp_path: Path, pre: str) -> object:
@@ -190,8 +200,14 @@ def test_a_folder_split_as_gpt2_before_this_version_is_converted_again(tmp_path)
     spm = tmp_path / "spm"
     spm.mkdir()
     write_tokenizer(write_spm(spm / "v.gguf", None), spm, None, "llama")
+    saved = json.loads((spm / "tokenizer.json").read_text())
+    saved["normalizer"] = None  # as transformers' Llama tokenizer had it: a prefix before the text alone
+    saved["pre_tokenizer"] = json.loads(pre_tokenizers.Metaspace(prepend_scheme="first", split=False).__getstate__())
+    (spm / "tokenizer.json").write_text(json.dumps(saved))
     (spm / COMPLETE_MARKER).write_text(f"converted from v.gguf\n{FORMAT}\n")
-    assert not is_current(spm)  # its space prefix: maybe one its file leaves out
+    assert not is_current(spm)
+    (spm / COMPLETE_MARKER).write_text(f"converted from v.gguf\n{FORMAT}\n{pretokenize.RULES_VERSION}\n")
+    assert is_current(spm)
 
 
 def llama_cpp_ids(binary: Path, gguf_path: Path, text: str) -> list[int]:
@@ -217,10 +233,9 @@ def test_every_named_split_gives_llama_cpps_ids(tmp_path, pre):
 
 
 @pytest.mark.skipif(real_peer() is None, reason="llama.cpp peer not installed (run `make peers`)")
-def test_a_sentencepiece_file_without_a_space_prefix_gives_llama_cpps_ids(tmp_path):
+@pytest.mark.parametrize("flag", [None, True, False])
+def test_a_sentencepiece_file_gives_llama_cpps_ids(tmp_path, flag):
     binary = real_peer().binary.with_name("llama-tokenize")
-    path = write_spm(tmp_path / "v.gguf", False)
-    write_tokenizer(path, tmp_path, None, "llama")
-    tok = AutoTokenizer.from_pretrained(str(tmp_path))
-    for text in SPM_TEXTS:
+    path, tok = spm_converted(tmp_path, flag)
+    for text in [*SPM_TEXTS, "a\n\nthe end ", "\n hello"]:
         assert ids(tok, text) == llama_cpp_ids(binary, path, text), text

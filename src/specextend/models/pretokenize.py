@@ -42,7 +42,7 @@ NAMES: dict[str, str] = {
     "deepseek-coder": "deepseek-coder",
 }
 
-RULES_VERSION = "pre-tokenizer-1"  # in a conversion's marker: folders converted before this are checked
+RULES_VERSION = "pre-tokenizer-2"  # in a conversion's marker: folders converted before this are checked
 
 
 def known_to_transformers(pre: str) -> bool:
@@ -63,11 +63,13 @@ def split_rule(pre: str | None) -> tuple[str, ...] | None:
 def apply(tokenizer: Any, model: str | None, pre: str | None, space_prefix: bool | None = None) -> str | None:
     """Give a byte-level BPE `tokenizer` (transformers', rebuilt from the GGUF) llama.cpp's split for
     `pre`. Returns a notice where the name is unknown (the text is then split as GPT-2 splits it,
-    and token ids may differ from llama.cpp's), else None. A SentencePiece vocabulary whose file says
-    `tokenizer.ggml.add_space_prefix = false` (`space_prefix`) gets no "▁" before its text, as in
-    llama.cpp (transformers' Llama tokenizer adds one whatever the file says)."""
-    if model == "llama" and space_prefix is False:
-        _no_space_prefix(tokenizer)
+    and token ids may differ from llama.cpp's), else None. A SentencePiece vocabulary that transformers
+    builds as Llama's gets the space prefix as llama.cpp (and the original Llama 2 and Mistral
+    tokenizers) give it: a "▁" before the text and before the text after every special token, or none
+    where the file says `tokenizer.ggml.add_space_prefix = false` (`space_prefix`). transformers puts
+    one before the text alone, and whatever the file says: "[INST]hello" lost its "▁hello"."""
+    if model == "llama":
+        _space_prefix(tokenizer, space_prefix is not False)
         return None
     if model != "gpt2" or not pre or known_to_transformers(pre):
         return None
@@ -83,23 +85,30 @@ def apply(tokenizer: Any, model: str | None, pre: str | None, space_prefix: bool
     return None
 
 
-def _no_space_prefix(tokenizer: Any) -> None:
-    """The Llama tokenizer's "▁" before the text left out, and the decoder's removal of it with it
-    (other SentencePiece builds, such as Gemma's, have no prefix to leave out)."""
-    from tokenizers import decoders, pre_tokenizers
+def _space_prefix(tokenizer: Any, prefix: bool) -> None:
+    """The Llama tokenizer's "▁" before each stretch of text between special tokens (a normalizer
+    runs on each stretch, as transformers builds Phi-3's), or before none: the decoder's removal of
+    it with it. Other SentencePiece builds (Gemma's, Phi-3's) are left as they are."""
+    from tokenizers import decoders, normalizers, pre_tokenizers
 
     backend = tokenizer.backend_tokenizer
     if not isinstance(backend.pre_tokenizer, pre_tokenizers.Metaspace):
         return
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never", split=False)
-    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    if prefix:
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend(prepend="\u2581"),
+                                                   normalizers.Replace(" ", "\u2581")])
+        backend.pre_tokenizer = None
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never", split=False)
+        backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                             decoders.Fuse()])
 
 
 def fell_back(tokenizer_file: Path) -> bool:
     """Whether a saved tokenizer (`tokenizer.json`) may have been cut otherwise than llama.cpp cuts it
     by a conversion from before `RULES_VERSION`: a byte-level BPE with GPT-2's split alone (what
     transformers gives a name it does not know), or a SentencePiece with the Llama tokenizer's "▁"
-    before the text (wrong where the file says no space prefix). Reads the two small parts only:
+    before the text alone (`_space_prefix`). Reads the two small parts only:
     `tokenizers` writes them before the vocabulary (a 150K-token one is megabytes of JSON), so the
     file's head has them (else the whole file is read)."""
     model_at, pre_at = re.compile(r'"model":\s*\{\s*"type":\s*"(\w+)"'), re.compile(r'"pre_tokenizer":\s*')
