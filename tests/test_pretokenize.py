@@ -21,15 +21,21 @@ from test_llamacpp import real_peer
 
 # Merges that join digits, digits after a space, a contraction and punctuation runs: each split
 # under test leaves some of them unusable, so a wrong split gives other ids.
-MERGES = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "l d", "Ġwor ld", "1 2", "12 3", "2 0", "20 2",
+MERGES = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "w o", "wo r", "l d", "1 2", "12 3", "2 0", "20 2",
           "202 4", "Ġ 1", "Ġ1 2", "Ġ 2", "Ġ2 0", "' s", "Ġ '", "9 9", "99 9", ". .", ".. .", "! !", "Ġ Ġ", "ĠĠ Ġ",
           "Ċ Ċ", "$ 1", "i t", "it 's"]
-TEXTS = ["In 2024 we had 12345 items, 999999 of them; it's 1.23 x 20!", "hello   world...  ok!!\n\n$12 + 3 = 15",
+TEXTS = ["In 2024 we had 12345 items, 999999 of them; it's 1.23 x 20! hello world",
+         "hello   world...  ok!!\n\n$12 + 3 = 15",
          "Café déjà vu 東京 2023年", "  leading spaces and trailing   ", "it's 'quoted' -- x<=y || a^b ~ `c`"]
 
 
+# Whole words that are tokens no merge reaches ("wor" + "ld" is as far as the merges go): taken whole
+# where llama.cpp ignores the merges for a word in the vocabulary (`pretokenize.IGNORE_MERGES`).
+UNMERGED = ["world", "Ġworld"]
+
+
 def vocab() -> list[str]:
-    return byte_alphabet() + [m.replace(" ", "") for m in MERGES] + SPECIALS
+    return byte_alphabet() + [m.replace(" ", "") for m in MERGES] + UNMERGED + SPECIALS
 
 
 def write_vocab(path: Path, pre: str) -> Path:
@@ -157,6 +163,13 @@ def test_a_starcoder_style_vocabulary_puts_every_digit_alone(tmp_path, pre):
     assert ids(tok, "2024") == [tok.convert_tokens_to_ids(c) for c in "2024"]
 
 
+@pytest.mark.parametrize("pre", ["llama-bpe", "tekken", "qwen2"])
+def test_a_llama3_style_vocabulary_takes_a_whole_word_before_its_merges(tmp_path, pre):
+    tok = converted(tmp_path, pre)
+    pieces = tok.convert_ids_to_tokens(ids(tok, "hello world"))
+    assert pieces == (["hello", "Ġworld"] if pre in pretokenize.IGNORE_MERGES else ["hello", "Ġwor", "ld"])
+
+
 @pytest.mark.parametrize("pre", ["gpt-2", "olmo", "mpt"])
 def test_a_gpt2_style_vocabulary_keeps_gpt2s_split(tmp_path, pre):
     tok = converted(tmp_path, pre)
@@ -193,6 +206,12 @@ def test_a_folder_split_as_gpt2_before_this_version_is_converted_again(tmp_path)
         return tok_dir
 
     assert not is_current(folder("refact", stamp=False, old_split=True))
+    llama3 = folder("llama-bpe", stamp=False)
+    assert is_current(llama3)  # whole words first already
+    saved = json.loads((llama3 / "tokenizer.json").read_text())
+    saved["model"]["ignore_merges"] = False  # as transformers built it before
+    (llama3 / "tokenizer.json").write_text(json.dumps(saved))
+    assert not is_current(llama3)
     assert not is_current(folder("some-future-vocab", stamp=False))
     assert is_current(folder("some-future-vocab", stamp=True))  # this version's best: not converted again
     assert is_current(folder("refact", stamp=False))  # already split digits first
@@ -218,7 +237,8 @@ def llama_cpp_ids(binary: Path, gguf_path: Path, text: str) -> list[int]:
 
 
 @pytest.mark.skipif(real_peer() is None, reason="llama.cpp peer not installed (run `make peers`)")
-@pytest.mark.parametrize("pre", [*sorted(pretokenize.NAMES), "qwen2", "llama-bpe", "gpt-4o"])
+@pytest.mark.parametrize("pre", [*sorted(pretokenize.NAMES), "qwen2", "gpt-4o", "llama-bpe", "llama3", "tekken",
+                                 "falcon3", "pixtral"])
 def test_every_named_split_gives_llama_cpps_ids(tmp_path, pre):
     """llama.cpp's own tokenizer (the peer's `llama-tokenize`) on the same file: the same ids for
     every name this version splits itself, and for a few transformers splits as a control."""

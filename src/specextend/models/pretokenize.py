@@ -42,7 +42,12 @@ NAMES: dict[str, str] = {
     "deepseek-coder": "deepseek-coder",
 }
 
-RULES_VERSION = "pre-tokenizer-2"  # in a conversion's marker: folders converted before this are checked
+# Where a whole word is a token, llama.cpp takes it without running the merges (as tiktoken does, and
+# as these models' `tokenizer.json` say with "ignore_merges"): a merge order need not reach every token.
+IGNORE_MERGES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                           "jina-v5-nano", "tekken", "youtu"})
+
+RULES_VERSION = "pre-tokenizer-3"  # in a conversion's marker: folders converted before this are checked
 
 
 def known_to_transformers(pre: str) -> bool:
@@ -67,10 +72,13 @@ def apply(tokenizer: Any, model: str | None, pre: str | None, space_prefix: bool
     builds as Llama's gets the space prefix as llama.cpp (and the original Llama 2 and Mistral
     tokenizers) give it: a "▁" before the text and before the text after every special token, or none
     where the file says `tokenizer.ggml.add_space_prefix = false` (`space_prefix`). transformers puts
-    one before the text alone, and whatever the file says: "[INST]hello" lost its "▁hello"."""
+    one before the text alone, and whatever the file says: "[INST]hello" lost its "▁hello". The
+    vocabularies llama.cpp reads whole words of before merging (`IGNORE_MERGES`) get that too."""
     if model == "llama":
         _space_prefix(tokenizer, space_prefix is not False)
         return None
+    if model == "gpt2" and pre in IGNORE_MERGES:
+        tokenizer.backend_tokenizer.model.ignore_merges = True
     if model != "gpt2" or not pre or known_to_transformers(pre):
         return None
     regexes = split_rule(pre)
@@ -126,4 +134,24 @@ def fell_back(tokenizer_file: Path) -> bool:
     if not isinstance(pre, dict):
         return False
     gpt2_alone = pre.get("type") == "ByteLevel" and pre.get("use_regex", True) is not False
-    return gpt2_alone or (pre.get("type") == "Metaspace" and pre.get("prepend_scheme") == "first")
+    if gpt2_alone or (pre.get("type") == "Metaspace" and pre.get("prepend_scheme") == "first"):
+        return True
+    merges_always = re.search(r'"ignore_merges":\s*false', text[model.end():model.end() + 4096]) is not None
+    return merges_always and _split_of(pre) in _ignore_merges_splits()
+
+
+def _split_of(pre: dict[str, Any]) -> str | None:
+    """The regex of a saved `Split` (alone or first in a sequence), or None."""
+    first = (pre.get("pretokenizers") or [None])[0] if pre.get("type") == "Sequence" else pre
+    if not isinstance(first, dict) or first.get("type") != "Split":
+        return None
+    pattern = first.get("pattern") or {}
+    return pattern.get("Regex")
+
+
+def _ignore_merges_splits() -> set[str]:
+    """The splits transformers gives the `IGNORE_MERGES` names (a conversion before the rules kept
+    their merges always: converted again)."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+    return {GGUF_PRE_TOKENIZER_SPLITS[n] for n in IGNORE_MERGES if n in GGUF_PRE_TOKENIZER_SPLITS}
