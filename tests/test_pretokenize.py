@@ -14,6 +14,7 @@ import pytest
 from tokenizers import Tokenizer, pre_tokenizers
 from transformers import AutoTokenizer
 
+from specextend.cli.main import main
 from specextend.models import pretokenize
 from specextend.models.gguf import COMPLETE_MARKER, FORMAT, is_current, write_tokenizer
 from test_gguf import SPECIALS, byte_alphabet
@@ -259,3 +260,23 @@ def test_a_sentencepiece_file_gives_llama_cpps_ids(tmp_path, flag):
     path, tok = spm_converted(tmp_path, flag)
     for text in [*SPM_TEXTS, "a\n\nthe end ", "\n hello"]:
         assert ids(tok, text) == llama_cpp_ids(binary, path, text), text
+
+
+@pytest.mark.parametrize(("pre", "line"), [
+    ("refact", "byte-level BPE, {n} tokens; words split as llama.cpp splits 'refact'"),
+    ("llama-bpe", "byte-level BPE, {n} tokens; words split as llama.cpp splits 'llama-bpe'; a word that is a token "
+                  "taken whole"),
+    ("some-future-vocab", "byte-level BPE, {n} tokens; pre-tokenizer 'some-future-vocab' unknown: words split as "
+                          "GPT-2's (ids may differ from llama.cpp's)"),
+])
+def test_inspect_says_how_the_text_becomes_tokens(tmp_path, capsys, pre, line):
+    path = write_vocab(tmp_path / "v.gguf", pre)
+    line = line.format(n=len(vocab()))
+    assert main(["models", "inspect", str(path)]) == 0
+    assert f"tokenizer     {line}\n" in capsys.readouterr().out
+    assert main(["models", "inspect", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokenizer"] == line
+    spm = write_spm(tmp_path / "spm.gguf", False)
+    assert main(["models", "inspect", str(spm)]) == 0
+    spm_tokens = 3 + 256 + len(SPM_PIECES) + 2
+    assert f"tokenizer     SentencePiece, {spm_tokens} tokens; no space prefix\n" in capsys.readouterr().out

@@ -521,6 +521,8 @@ def cmd_models_inspect(args: argparse.Namespace) -> int:
         ctx = _context(c)
         if ctx is not None:
             print(f"context       {ctx[0]:,} tokens{'; ' + ctx[2] if ctx[2] else ''}")
+    if fp.tokenizer:
+        print(f"tokenizer     {fp.tokenizer}")
     if fp.experts:
         e = fp.experts
         print(f"experts       {e['count']} experts, {e['used']} a token: {e['active_parameters'] / 1e6:,.0f} M of "

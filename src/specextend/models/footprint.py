@@ -90,6 +90,7 @@ class Footprint:
     largest_float_bytes: int = 0  # the largest matrix in float32 (the transient at load)
     random_weights: bool = False  # made by `bench.gguf_files random`
     experts: dict[str, int] | None = None  # an expert model's experts (`expert_share`), else None
+    tokenizer: str | None = None  # how its text becomes tokens (`pretokenize.describe`); None: no vocabulary
 
     @property
     def parameters(self) -> int:
@@ -137,6 +138,7 @@ class Footprint:
             "largest_float_bytes": self.largest_float_bytes,
             "random_weights": self.random_weights,
             "experts": self.experts,
+            "tokenizer": self.tokenizer,
             "memory": {
                 "loaded_bytes": self.loaded_bytes,
                 "first_load_peak_bytes": self.first_load_bytes,
@@ -153,7 +155,8 @@ class Footprint:
                          kernel_path=data["kernel_path"], types=[TypeRow(**r) for r in data["types"]],
                          config=None, unsupported=data.get("unsupported"),
                          largest_float_bytes=int(data.get("largest_float_bytes", 0)),
-                         random_weights=bool(data.get("random_weights", False)), experts=data.get("experts"))
+                         random_weights=bool(data.get("random_weights", False)), experts=data.get("experts"),
+                         tokenizer=data.get("tokenizer"))
 
 
 def expert_share(count: int, used: int, tensors: list[tuple[str, TensorInfo]]) -> dict[str, int]:

@@ -93,6 +93,20 @@ def apply(tokenizer: Any, model: str | None, pre: str | None, space_prefix: bool
     return None
 
 
+def describe(tokens: int, model: str | None, pre: str | None, space_prefix: bool | None = None) -> str:
+    """One line on how a file's text becomes its `tokens` tokens (`models inspect`)."""
+    if model == "gpt2":
+        whole = "; a word that is a token taken whole" if pre in IGNORE_MERGES else ""
+        if pre and (known_to_transformers(pre) or pre in NAMES):
+            return f"byte-level BPE, {tokens:,} tokens; words split as llama.cpp splits {pre!r}{whole}"
+        return (f"byte-level BPE, {tokens:,} tokens; pre-tokenizer {pre!r} unknown: words split as GPT-2's "
+                "(ids may differ from llama.cpp's)")
+    if model == "llama":
+        prefix = "no space prefix" if space_prefix is False else "a space before each stretch of text"
+        return f"SentencePiece, {tokens:,} tokens; {prefix}"
+    return f"{model}, {tokens:,} tokens"
+
+
 def _space_prefix(tokenizer: Any, prefix: bool) -> None:
     """The Llama tokenizer's "▁" before each stretch of text between special tokens (a normalizer
     runs on each stretch, as transformers builds Phi-3's), or before none: the decoder's removal of
