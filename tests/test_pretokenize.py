@@ -151,6 +151,7 @@ def with_split(tokenizer: object, split: object) -> Tokenizer:
 DIGITS_THEN_GPT2 = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
 GPT2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+GPT2_STATE = json.loads(GPT2.__getstate__())
 
 
 @pytest.mark.parametrize("pre", ["refact", "starcoder", "smollm", "command-r"])
@@ -191,32 +192,37 @@ def test_an_unknown_pre_tokenizer_is_named_at_conversion(tmp_path, capsys):
 
 
 def test_a_folder_split_as_gpt2_before_this_version_is_converted_again(tmp_path):
-    """A marker without the rules' stamp over a saved GPT-2-only split (what the names above got
-    before): not current, so it is converted again from its file; with the stamp, or over a split
-    of its own, it stays current (a Qwen 2 folder is not converted again for nothing)."""
-    def folder(pre: str, stamp: bool, old_split: bool = False) -> Path:
+    """A marker without the rules' stamp over a tokenizer the rules may change (GPT-2's split alone,
+    merges always for a Llama 3 split, the Llama prefix): not current, so it is converted again from
+    its file; with the stamp, or over a tokenizer they leave as it is, current (a Qwen 2 folder is not
+    converted again for nothing, and is stamped so that the check runs once)."""
+
+    def folder(pre: str, stamp: bool, old_split: bool = False, old_merges: bool = False) -> Path:
         tok_dir = tmp_path / f"{pre}-{stamp}-{old_split}"
         tok_dir.mkdir()
         write_tokenizer(write_vocab(tok_dir / "v.gguf", pre), tok_dir, None, "llama")
+        saved = json.loads((tok_dir / "tokenizer.json").read_text())
         if old_split:
-            saved = json.loads((tok_dir / "tokenizer.json").read_text())
-            saved["pre_tokenizer"] = json.loads(GPT2.__getstate__())
-            (tok_dir / "tokenizer.json").write_text(json.dumps(saved))
+            saved["pre_tokenizer"] = GPT2_STATE
+        if old_merges:  # as transformers built it before: merges always
+            saved["model"]["ignore_merges"] = False
+        (tok_dir / "tokenizer.json").write_text(json.dumps(saved))
         stamps = f"{FORMAT}\n{pretokenize.RULES_VERSION}\n" if stamp else f"{FORMAT}\n"
         (tok_dir / COMPLETE_MARKER).write_text(f"converted from v.gguf\n{stamps}")
         return tok_dir
 
     assert not is_current(folder("refact", stamp=False, old_split=True))
-    llama3 = folder("llama-bpe", stamp=False)
-    assert is_current(llama3)  # whole words first already
-    saved = json.loads((llama3 / "tokenizer.json").read_text())
-    saved["model"]["ignore_merges"] = False  # as transformers built it before
-    (llama3 / "tokenizer.json").write_text(json.dumps(saved))
+    llama3 = folder("llama-bpe", stamp=False, old_merges=True)
     assert not is_current(llama3)
     assert not is_current(folder("some-future-vocab", stamp=False))
     assert is_current(folder("some-future-vocab", stamp=True))  # this version's best: not converted again
     assert is_current(folder("refact", stamp=False))  # already split digits first
-    assert is_current(folder("qwen2", stamp=False))  # transformers' own split: right then too
+    qwen = folder("qwen2", stamp=False)
+    assert is_current(qwen)  # transformers' own split: right then too
+    # checked once: the marker is stamped, so the next look reads no tokenizer
+    assert (qwen / COMPLETE_MARKER).read_text().split()[-1] == pretokenize.RULES_VERSION
+    (qwen / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE"}, "pre_tokenizer": GPT2_STATE}))
+    assert is_current(qwen)
     spm = tmp_path / "spm"
     spm.mkdir()
     write_tokenizer(write_spm(spm / "v.gguf", None), spm, None, "llama")

@@ -737,8 +737,10 @@ def is_current(folder: str | os.PathLike[str]) -> bool:
     stamps = marker.read_text().split() if marker.is_file() else []
     if FORMAT not in stamps:
         return False
-    if pretokenize.RULES_VERSION not in stamps and pretokenize.fell_back(Path(folder) / "tokenizer.json"):
-        return False  # its words may have been split as GPT-2's where llama.cpp splits otherwise
+    if pretokenize.RULES_VERSION not in stamps:
+        if pretokenize.cut_otherwise(Path(folder) / "tokenizer.json"):
+            return False  # converted before the tokenizer rules, and they may change its tokens
+        _stamp(marker, pretokenize.RULES_VERSION)  # the rules change nothing here: checked once
     try:
         data = json.loads((Path(folder) / FOOTPRINT_FILE).read_text())
         expanded = {r["type"] for r in data["types"] if r["expanded"]}
@@ -748,6 +750,15 @@ def is_current(folder: str | os.PathLike[str]) -> bool:
     # expanded is a type kept now.
     kept = kept_types()
     return data.get(KEPT_KEY) == kept or not expanded & set(kept)
+
+
+def _stamp(marker: Path, stamp: str) -> None:
+    """Add `stamp` to a conversion's marker (atomically: a reader sees the old marker or the new one;
+    a cache it cannot write only means checking again next time)."""
+    with contextlib.suppress(OSError):
+        tmp = marker.with_name(f"{marker.name}.{os.getpid()}.tmp")
+        tmp.write_text(marker.read_text().rstrip("\n") + f"\n{stamp}\n")
+        tmp.replace(marker)
 
 
 def kept_types() -> list[str]:

@@ -1,14 +1,18 @@
-"""How a byte-level BPE vocabulary's text is cut into words before its merges run, by the name
-llama.cpp's converter wrote into `tokenizer.ggml.pre`.
+"""How a GGUF's text becomes its tokens, where transformers' rebuilt tokenizer would differ from
+llama.cpp's (and from the model's own tokenizer).
 
-transformers rebuilds a GGUF's tokenizer and knows the splits of the newer vocabularies (Llama 3,
-Qwen 2, GPT-4o, Tekken, ...); a name it does not know gets GPT-2's split. For several names llama.cpp
-splits otherwise, and so did the model's own tokenizer: StarCoder-style vocabularies (Granite,
-SmolLM, Command R, Refact) put every digit in a word of its own, so "2024" is four tokens where
-GPT-2's split lets merges join it. Those files would get other token ids than llama.cpp gives them
-(and than the model was trained on) on any text with a number in it. Each name below is the
-split llama.cpp applies, as a sequence of `tokenizers` splits (each one cuts every piece the
-last one left into its matches and the text between them, as llama.cpp's regex list does).
+transformers rebuilds a GGUF's tokenizer from its `tokenizer.ggml.*` keys. Three of its choices differ:
+- A byte-level BPE's split into words before its merges (`tokenizer.ggml.pre`): transformers knows the
+  newer names (Llama 3, Qwen 2, GPT-4o, Tekken, ...) and gives every other GPT-2's split. llama.cpp
+  splits StarCoder-style vocabularies (Granite, SmolLM, Command R, Refact) digit by digit first, so
+  "2024" is four tokens where GPT-2's split lets merges join it; `default`, `falcon` and
+  `deepseek-coder` have rules of their own. Each name below is llama.cpp's split, as a sequence of
+  `tokenizers` splits (each cuts every piece the last one left into its matches and the text
+  between them, as llama.cpp's regex list does).
+- Whole words first (`IGNORE_MERGES`): for Llama 3- and Tekken-style vocabularies llama.cpp takes a
+  word that is itself a token without merging.
+- A SentencePiece vocabulary built as Llama's: llama.cpp puts its "▁" before every stretch of text
+  between special tokens, or none where the file says `add_space_prefix = false`.
 """
 
 from __future__ import annotations
@@ -126,11 +130,12 @@ def _space_prefix(tokenizer: Any, prefix: bool) -> None:
                                              decoders.Fuse()])
 
 
-def fell_back(tokenizer_file: Path) -> bool:
+def cut_otherwise(tokenizer_file: Path) -> bool:
     """Whether a saved tokenizer (`tokenizer.json`) may have been cut otherwise than llama.cpp cuts it
     by a conversion from before `RULES_VERSION`: a byte-level BPE with GPT-2's split alone (what
     transformers gives a name it does not know), or a SentencePiece with the Llama tokenizer's "▁"
-    before the text alone (`_space_prefix`). Reads the two small parts only:
+    before the text alone (`_space_prefix`), or a Llama 3 or Tekken split that always merges. Reads
+    the two small parts only:
     `tokenizers` writes them before the vocabulary (a 150K-token one is megabytes of JSON), so the
     file's head has them (else the whole file is read)."""
     model_at, pre_at = re.compile(r'"model":\s*\{\s*"type":\s*"(\w+)"'), re.compile(r'"pre_tokenizer":\s*')
