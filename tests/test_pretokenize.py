@@ -71,12 +71,12 @@ SPM_PIECES = ["▁", "e", "l", "o", "h", "w", "r", "d", "t", "a", "n", "1", "2",
               "▁hello", "▁w", "or", "ld", "world", "▁world", "▁1", "12", "▁12", "▁t", "th", "the", "▁the", "▁▁"]
 
 
-def write_spm(path: Path, space_prefix: bool | None) -> Path:
+def write_spm(path: Path, space_prefix: bool | None, arch: str = "llama") -> Path:
     """A SentencePiece vocabulary as llama.cpp's converter writes a Llama 2 / Mistral one (scores for
     the merges, byte pieces, two control tokens inside the text), with or without its space flag."""
     toks = [("<unk>", 0.0, 2), ("<s>", 0.0, 3), ("</s>", 0.0, 3)] + [(f"<0x{b:02X}>", 0.0, 6) for b in range(256)]
     toks += [(p, -1.0 - i, 1) for i, p in enumerate(SPM_PIECES)] + [("[INST]", 0.0, 3), ("[/INST]", 0.0, 3)]
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     for add, value in ((w.add_context_length, 64), (w.add_embedding_length, 8), (w.add_block_count, 1),
                        (w.add_feed_forward_length, 8), (w.add_head_count, 1), (w.add_head_count_kv, 1)):
         add(value)
@@ -103,20 +103,24 @@ def write_spm(path: Path, space_prefix: bool | None) -> Path:
 SPM_TEXTS = ["hello world", " hello  world", "[INST] hello world [/INST] the end", "[INST]hello[/INST] 12."]
 
 
-def spm_converted(tmp_path: Path, flag: bool | None) -> tuple[Path, object]:
-    folder = tmp_path / f"spm-{flag}"
+def spm_converted(tmp_path: Path, flag: bool | None, arch: str = "llama") -> tuple[Path, object]:
+    folder = tmp_path / f"spm-{arch}-{flag}"
     folder.mkdir()
-    path = write_spm(folder / "v.gguf", flag)
-    write_tokenizer(path, folder, None, "llama")
+    path = write_spm(folder / "v.gguf", flag, arch)
+    write_tokenizer(path, folder, None, arch)
     return path, AutoTokenizer.from_pretrained(str(folder))
 
 
-@pytest.mark.parametrize("flag", [None, True, False])
-def test_a_sentencepiece_file_gets_the_space_prefix_its_file_says(tmp_path, flag):
+SPM_CASES = [(arch, flag) for arch in ("llama", "phi3") for flag in (None, True, False)]
+
+
+@pytest.mark.parametrize(("arch", "flag"), SPM_CASES)
+def test_a_sentencepiece_file_gets_the_space_prefix_its_file_says(tmp_path, arch, flag):
     """`tokenizer.ggml.add_space_prefix` (true where absent): a "▁" before the text and before the
     text after each special token, as llama.cpp and the original Llama 2 tokenizer put them (transformers'
-    Llama tokenizer put one before the text alone, and whatever the file said); none where it is false."""
-    _, tok = spm_converted(tmp_path, flag)
+    Llama tokenizer put one before the text alone, and whatever the file said); none where it is false
+    (transformers' Phi-3 tokenizer put one there all the same)."""
+    _, tok = spm_converted(tmp_path, flag, arch)
     first = tok.convert_ids_to_tokens(ids(tok, "hello world"))[0]
     after_control = tok.convert_ids_to_tokens(ids(tok, "[INST]hello[/INST]"))
     leading = tok.convert_ids_to_tokens(ids(tok, " hello"))
@@ -234,6 +238,11 @@ def test_a_folder_split_as_gpt2_before_this_version_is_converted_again(tmp_path)
     assert not is_current(spm)
     (spm / COMPLETE_MARKER).write_text(f"converted from v.gguf\n{FORMAT}\n{pretokenize.RULES_VERSION}\n")
     assert is_current(spm)
+    phi3 = tmp_path / "phi3"
+    phi3.mkdir()
+    write_tokenizer(write_spm(phi3 / "v.gguf", None, "phi3"), phi3, None, "phi3")  # a prefix before each stretch
+    (phi3 / COMPLETE_MARKER).write_text(f"converted from v.gguf\n{FORMAT}\n")
+    assert not is_current(phi3)  # the Phi-3 build put it there whatever the file said
 
 
 def llama_cpp_ids(binary: Path, gguf_path: Path, text: str) -> list[int]:
@@ -260,10 +269,10 @@ def test_every_named_split_gives_llama_cpps_ids(tmp_path, pre):
 
 
 @pytest.mark.skipif(real_peer() is None, reason="llama.cpp peer not installed (run `make peers`)")
-@pytest.mark.parametrize("flag", [None, True, False])
-def test_a_sentencepiece_file_gives_llama_cpps_ids(tmp_path, flag):
+@pytest.mark.parametrize(("arch", "flag"), SPM_CASES)
+def test_a_sentencepiece_file_gives_llama_cpps_ids(tmp_path, arch, flag):
     binary = real_peer().binary.with_name("llama-tokenize")
-    path, tok = spm_converted(tmp_path, flag)
+    path, tok = spm_converted(tmp_path, flag, arch)
     for text in [*SPM_TEXTS, "a\n\nthe end ", "\n hello"]:
         assert ids(tok, text) == llama_cpp_ids(binary, path, text), text
 

@@ -51,7 +51,7 @@ NAMES: dict[str, str] = {
 IGNORE_MERGES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
                            "jina-v5-nano", "tekken", "youtu"})
 
-RULES_VERSION = "pre-tokenizer-3"  # in a conversion's marker: folders converted before this are checked
+RULES_VERSION = "pre-tokenizer-4"  # in a conversion's marker: folders converted before this are checked
 
 
 def known_to_transformers(pre: str) -> bool:
@@ -112,20 +112,21 @@ def describe(tokens: int, model: str | None, pre: str | None, space_prefix: bool
 
 
 def _space_prefix(tokenizer: Any, prefix: bool) -> None:
-    """The Llama tokenizer's "▁" before each stretch of text between special tokens (a normalizer
-    runs on each stretch, as transformers builds Phi-3's), or before none: the decoder's removal of
-    it with it. Other SentencePiece builds (Gemma's, Phi-3's) are left as they are."""
+    """A "▁" before each stretch of text between special tokens (a normalizer runs on each stretch,
+    as transformers builds Phi-3's), or before none, the decoder's removal of it with it: for the
+    Llama build (a Metaspace) and the Phi-3 build (that normalizer). Gemma's build has no prefix."""
     from tokenizers import decoders, normalizers, pre_tokenizers
 
     backend = tokenizer.backend_tokenizer
-    if not isinstance(backend.pre_tokenizer, pre_tokenizers.Metaspace):
+    norm = json.loads(backend.normalizer.__getstate__()) if backend.normalizer is not None else {}
+    phi3 = norm.get("type") == "Sequence" and any(n.get("type") == "Prepend" for n in norm.get("normalizers", []))
+    if not (phi3 or isinstance(backend.pre_tokenizer, pre_tokenizers.Metaspace)):
         return
+    backend.pre_tokenizer = None
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
     if prefix:
-        backend.normalizer = normalizers.Sequence([normalizers.Prepend(prepend="\u2581"),
-                                                   normalizers.Replace(" ", "\u2581")])
-        backend.pre_tokenizer = None
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend(prepend="\u2581"), backend.normalizer])
     else:
-        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never", split=False)
         backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
                                              decoders.Fuse()])
 
@@ -133,8 +134,9 @@ def _space_prefix(tokenizer: Any, prefix: bool) -> None:
 def cut_otherwise(tokenizer_file: Path) -> bool:
     """Whether a saved tokenizer (`tokenizer.json`) may have been cut otherwise than llama.cpp cuts it
     by a conversion from before `RULES_VERSION`: a byte-level BPE with GPT-2's split alone (what
-    transformers gives a name it does not know), or a SentencePiece with the Llama tokenizer's "▁"
-    before the text alone (`_space_prefix`), or a Llama 3 or Tekken split that always merges. Reads
+    transformers gives a name it does not know), a SentencePiece with the Llama build's "▁" before the
+    text alone or the Phi-3 build's before every stretch (`_space_prefix`: each may not be what the
+    file says), or a Llama 3 or Tekken split that always merges. Reads
     the two small parts only:
     `tokenizers` writes them before the vocabulary (a 150K-token one is megabytes of JSON), so the
     file's head has them (else the whole file is read)."""
@@ -144,12 +146,15 @@ def cut_otherwise(tokenizer_file: Path) -> bool:
             text = f.read(1 << 16).decode("utf-8", errors="ignore")
             if model_at.search(text) is None:
                 text += f.read().decode("utf-8", errors="ignore")
-        model, at = model_at.search(text), pre_at.search(text)
+        model, at, norm_at = model_at.search(text), pre_at.search(text), re.search(r'"normalizer":\s*', text)
         if model is None or at is None or model.group(1) != "BPE":
             return False
         pre, _ = json.JSONDecoder().raw_decode(text, at.end())
+        norm = json.JSONDecoder().raw_decode(text, norm_at.end())[0] if norm_at else None
     except (OSError, ValueError):
         return False
+    if isinstance(norm, dict) and "Prepend" in json.dumps(norm):
+        return True  # the Phi-3 build's prefix, wrong where the file says none
     if not isinstance(pre, dict):
         return False
     gpt2_alone = pre.get("type") == "ByteLevel" and pre.get("use_regex", True) is not False
