@@ -295,3 +295,27 @@ def test_inspect_says_how_the_text_becomes_tokens(tmp_path, capsys, pre, line):
     assert main(["models", "inspect", str(spm)]) == 0
     spm_tokens = 3 + 256 + len(SPM_PIECES) + 2
     assert f"tokenizer     SentencePiece, {spm_tokens} tokens; no space prefix\n" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(real_peer() is None, reason="llama.cpp peer not installed (run `make peers`)")
+def test_the_default_drafts_real_file_gives_llama_cpps_ids(tmp_path):
+    """The real vocabulary (the default draft's Q4_K_M file, where it is pulled): a chat turn, code,
+    numbers and a long report excerpt, the same ids as llama.cpp's with the file's own BOS rule."""
+    from specextend.models.pull import gguf_file
+
+    path = gguf_file("qwen2.5-coder-0.5b")
+    if not path.is_file():
+        pytest.skip("the default pair is not pulled (specextend models pull)")
+    write_tokenizer(path, tmp_path, None)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    report = (Path(__file__).parents[1] / "docs" / "design.md").read_text()[:4000]
+    texts = ["<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n", "def f(n):\n    return n * 12345",
+             " Café déjà 東京 2023年 — 99 bottles!", report]
+    binary = real_peer().binary.with_name("llama-tokenize")
+    for i, text in enumerate(texts):
+        text_file = tmp_path / f"t{i}.txt"
+        text_file.write_text(text)
+        out = subprocess.run([str(binary), "-m", str(path), "-f", str(text_file), "--ids", "--log-disable"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-500:]
+        assert tok.encode(text) == json.loads(out.stdout.strip().splitlines()[-1]), text[:60]
