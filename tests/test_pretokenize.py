@@ -39,7 +39,7 @@ def vocab() -> list[str]:
     return byte_alphabet() + [m.replace(" ", "") for m in MERGES] + UNMERGED + SPECIALS
 
 
-def write_vocab(path: Path, pre: str) -> Path:
+def write_vocab(path: Path, pre: str | None) -> Path:
     """A vocabulary-only GGUF as llama.cpp's converter writes a byte-level BPE (one tensor so that
     llama.cpp reads it)."""
     tokens = vocab()
@@ -52,7 +52,8 @@ def write_vocab(path: Path, pre: str) -> Path:
     w.add_head_count_kv(1)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
+    if pre is not None:  # files converted before llama.cpp named pre-tokenizers have none
+        w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
     w.add_token_merges(MERGES)
@@ -184,6 +185,17 @@ def test_a_gpt2_style_vocabulary_keeps_gpt2s_split(tmp_path, pre):
         assert ids(tok, text) == gpt2.encode(text, add_special_tokens=False).ids, text
 
 
+def test_a_file_naming_no_pre_tokenizer_is_split_as_llama_cpps_default_and_says_so(tmp_path, capsys):
+    folder = tmp_path / "none"
+    folder.mkdir()
+    write_tokenizer(write_vocab(folder / "v.gguf", None), folder, None, "llama")
+    assert "the file names no pre-tokenizer (tokenizer.ggml.pre)" in capsys.readouterr().err
+    tok, default = AutoTokenizer.from_pretrained(str(folder)), converted(tmp_path, "default")
+    for text in TEXTS:
+        assert ids(tok, text) == ids(default, text), text
+    assert ids(tok, "it's") == [tok.convert_tokens_to_ids(c) for c in ("it", "'", "s")]  # punctuation alone first
+
+
 def test_an_unknown_pre_tokenizer_is_named_at_conversion(tmp_path, capsys):
     tok = converted(tmp_path, "some-future-vocab")
     err = capsys.readouterr().err
@@ -254,12 +266,12 @@ def llama_cpp_ids(binary: Path, gguf_path: Path, text: str) -> list[int]:
 
 @pytest.mark.skipif(real_peer() is None, reason="llama.cpp peer not installed (run `make peers`)")
 @pytest.mark.parametrize("pre", [*sorted(pretokenize.NAMES), "qwen2", "gpt-4o", "llama-bpe", "llama3", "tekken",
-                                 "falcon3", "pixtral"])
+                                 "falcon3", "pixtral", None])
 def test_every_named_split_gives_llama_cpps_ids(tmp_path, pre):
     """llama.cpp's own tokenizer (the peer's `llama-tokenize`) on the same file: the same ids for
     every name this version splits itself, and for a few transformers splits as a control."""
     binary = real_peer().binary.with_name("llama-tokenize")
-    folder = tmp_path / pre
+    folder = tmp_path / str(pre)
     folder.mkdir()
     path = write_vocab(folder / "v.gguf", pre)
     write_tokenizer(path, folder, None, "llama")

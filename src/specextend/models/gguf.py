@@ -732,7 +732,9 @@ def is_complete(folder: str | os.PathLike[str]) -> bool:
 
 def is_current(folder: str | os.PathLike[str]) -> bool:
     """A finished conversion in this version's format (older ones hold float32 shards) that expanded
-    no type this version keeps (a file converted before its type was kept is converted again)."""
+    no type this version keeps (a file converted before its type was kept is converted again), and
+    whose tokenizer the rules of `pretokenize` would not change (one converted before them that they
+    may change is converted again; one they leave as it is gets their stamp)."""
     marker = Path(folder) / COMPLETE_MARKER
     stamps = marker.read_text().split() if marker.is_file() else []
     if FORMAT not in stamps:

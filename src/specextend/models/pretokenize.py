@@ -60,10 +60,10 @@ def known_to_transformers(pre: str) -> bool:
     return pre in GGUF_PRE_TOKENIZER_SPLITS
 
 
-def split_rule(pre: str | None) -> tuple[str, ...] | None:
+def split_rule(pre: str) -> tuple[str, ...] | None:
     """The regexes llama.cpp cuts text with for `pre`, or None where transformers' own split is
-    right (a name it knows, or no name) or the name is one this version does not know."""
-    if not pre or known_to_transformers(pre):
+    right (a name it knows) or the name is one this version does not know."""
+    if known_to_transformers(pre):
         return None
     rule = NAMES.get(pre)
     return None if rule is None else _RULES[rule]
@@ -81,9 +81,15 @@ def apply(tokenizer: Any, model: str | None, pre: str | None, space_prefix: bool
     if model == "llama":
         _space_prefix(tokenizer, space_prefix is not False)
         return None
-    if model == "gpt2" and pre in IGNORE_MERGES:
+    if model != "gpt2":
+        return None
+    if pre in IGNORE_MERGES:
         tokenizer.backend_tokenizer.model.ignore_merges = True
-    if model != "gpt2" or not pre or known_to_transformers(pre):
+    notice = None
+    if not pre:  # an old conversion: llama.cpp splits it by its default rule (and warns)
+        pre, notice = "default", ("the file names no pre-tokenizer (tokenizer.ggml.pre): its text is split as "
+                                  "llama.cpp's default splits it, which may not be how the model's own tokenizer did")
+    if known_to_transformers(pre):
         return None
     regexes = split_rule(pre)
     if regexes is None:
@@ -94,12 +100,14 @@ def apply(tokenizer: Any, model: str | None, pre: str | None, space_prefix: bool
     steps = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
     steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
     tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps)
-    return None
+    return notice
 
 
 def describe(tokens: int, model: str | None, pre: str | None, space_prefix: bool | None = None) -> str:
     """One line on how a file's text becomes its `tokens` tokens (`models inspect`)."""
     if model == "gpt2":
+        if not pre:
+            return f"byte-level BPE, {tokens:,} tokens; no pre-tokenizer named: words split as llama.cpp's 'default'"
         whole = "; a word that is a token taken whole" if pre in IGNORE_MERGES else ""
         if pre and (known_to_transformers(pre) or pre in NAMES):
             return f"byte-level BPE, {tokens:,} tokens; words split as llama.cpp splits {pre!r}{whole}"
