@@ -1,18 +1,18 @@
 """How a GGUF's text becomes its tokens, where transformers' rebuilt tokenizer would differ from
 llama.cpp's (and from the model's own tokenizer).
 
-transformers rebuilds a GGUF's tokenizer from its `tokenizer.ggml.*` keys. Three of its choices differ:
+transformers rebuilds a GGUF's tokenizer from its `tokenizer.ggml.*` keys. Its choices differ here:
 - A byte-level BPE's split into words before its merges (`tokenizer.ggml.pre`): transformers knows the
   newer names (Llama 3, Qwen 2, GPT-4o, Tekken, ...) and gives every other GPT-2's split. llama.cpp
   splits StarCoder-style vocabularies (Granite, SmolLM, Command R, Refact) digit by digit first, so
   "2024" is four tokens where GPT-2's split lets merges join it; `default`, `falcon` and
   `deepseek-coder` have rules of their own. Each name below is llama.cpp's split, as a sequence of
   `tokenizers` splits (each cuts every piece the last one left into its matches and the text
-  between them, as llama.cpp's regex list does).
+  between them, as llama.cpp's regex list does). A file naming none gets llama.cpp's `default`.
 - Whole words first (`IGNORE_MERGES`): for Llama 3- and Tekken-style vocabularies llama.cpp takes a
   word that is itself a token without merging.
-- A SentencePiece vocabulary built as Llama's: llama.cpp puts its "▁" before every stretch of text
-  between special tokens, or none where the file says `add_space_prefix = false`.
+- A SentencePiece vocabulary built as Llama's or Phi-3's: llama.cpp puts its "▁" before every stretch
+  of text between special tokens, or none where the file says `add_space_prefix = false`.
 """
 
 from __future__ import annotations
