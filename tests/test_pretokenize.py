@@ -39,7 +39,7 @@ def vocab() -> list[str]:
     return byte_alphabet() + [m.replace(" ", "") for m in MERGES] + UNMERGED + SPECIALS
 
 
-def write_vocab(path: Path, pre: str | None) -> Path:
+def write_vocab(path: Path, pre: str | None, add_bos: bool | None = False) -> Path:
     """A vocabulary-only GGUF as llama.cpp's converter writes a byte-level BPE (one tensor so that
     llama.cpp reads it)."""
     tokens = vocab()
@@ -59,7 +59,8 @@ def write_vocab(path: Path, pre: str | None) -> Path:
     w.add_token_merges(MERGES)
     w.add_bos_token_id(tokens.index("<|endoftext|>"))
     w.add_eos_token_id(tokens.index("<|endoftext|>"))
-    w.add_add_bos_token(False)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
     w.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -175,6 +176,33 @@ def test_a_llama3_style_vocabulary_takes_a_whole_word_before_its_merges(tmp_path
     tok = converted(tmp_path, pre)
     pieces = tok.convert_ids_to_tokens(ids(tok, "hello world"))
     assert pieces == (["hello", "Ġworld"] if pre in pretokenize.IGNORE_MERGES else ["hello", "Ġwor", "ld"])
+
+
+BOS_CASES = [("llama-bpe", None, True), ("llama-bpe", False, False), ("tekken", None, True), ("qwen2", None, False),
+             ("refact", True, True)]
+
+
+@pytest.mark.parametrize(("pre", "flag", "bos"), BOS_CASES)
+def test_the_text_starts_with_bos_where_llama_cpp_starts_it(tmp_path, pre, flag, bos):
+    """`tokenizer.ggml.add_bos_token` where the file says it; where it does not, llama.cpp's default
+    for the vocabulary (BOS first for Llama 3- and Tekken-style ones)."""
+    write_tokenizer(write_vocab(tmp_path / "v.gguf", pre, add_bos=flag), tmp_path, None, "llama")
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    bos_id = vocab().index("<|endoftext|>")
+    assert (tok.encode("hello world")[0] == bos_id) == bos
+    assert tok.encode("hello world", add_special_tokens=False)[0] != bos_id
+
+
+@pytest.mark.skipif(real_peer() is None, reason="llama.cpp peer not installed (run `make peers`)")
+@pytest.mark.parametrize(("pre", "flag", "bos"), BOS_CASES)
+def test_the_bos_rule_gives_llama_cpps_ids(tmp_path, pre, flag, bos):
+    path = write_vocab(tmp_path / "v.gguf", pre, add_bos=flag)
+    write_tokenizer(path, tmp_path, None, "llama")
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    binary = real_peer().binary.with_name("llama-tokenize")
+    out = subprocess.run([str(binary), "-m", str(path), "-p", TEXTS[0], "--ids", "--log-disable"], capture_output=True,
+                         text=True, timeout=60)
+    assert tok.encode(TEXTS[0]) == json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("pre", ["gpt-2", "olmo", "mpt"])

@@ -666,15 +666,17 @@ def _find_tokens(tokens_field: Any, wanted: tuple[str, ...]) -> dict[str, int]:
 
 
 def vocabulary_keys(reader: Any) -> tuple[Any, ...]:
-    """What `pretokenize.apply` takes from a file: its vocabulary's model, pre-tokenizer and space prefix."""
-    return tuple(field(reader, f"tokenizer.ggml.{key}") for key in ("model", "pre", "add_space_prefix"))
+    """What `pretokenize.apply` takes from a file: its vocabulary's model, pre-tokenizer, space prefix,
+    whether its text starts with BOS, and its BOS."""
+    keys = ("model", "pre", "add_space_prefix", "add_bos_token", "bos_token_id")
+    return tuple(field(reader, f"tokenizer.ggml.{key}") for key in keys)
 
 
 def write_tokenizer(gguf_path: Path, out: Path, chat_template: str | None, architecture: str | None = None,
                     vocabulary: tuple[Any, ...] = ()) -> None:
     """Rebuild the HF tokenizer from the GGUF metadata (via transformers) and save it into `out`.
-    `vocabulary`: the file's `tokenizer.ggml.model`, `.pre` and `.add_space_prefix` (`vocabulary_keys`; read
-    again if not given): the text is cut as llama.cpp cuts it for them (`pretokenize`).
+    `vocabulary`: the file's `tokenizer.ggml.model`, `.pre`, `.add_space_prefix`, `.add_bos_token` and
+    `.bos_token_id` (`vocabulary_keys`; read again if not given): its text becomes llama.cpp's ids (`pretokenize`).
 
     transformers 5 saves the chat template as `chat_template.jinja`; we also keep a copy in
     `tokenizer_config.json` so that readers that only look there find it.

@@ -11,6 +11,7 @@ transformers rebuilds a GGUF's tokenizer from its `tokenizer.ggml.*` keys. Its c
   between them, as llama.cpp's regex list does). A file naming none gets llama.cpp's `default`.
 - Whole words first (`IGNORE_MERGES`): for Llama 3- and Tekken-style vocabularies llama.cpp takes a
   word that is itself a token without merging.
+- BOS first where the file does not say (`BOS_BY_DEFAULT`), as llama.cpp does for those vocabularies.
 - A SentencePiece vocabulary built as Llama's or Phi-3's: llama.cpp puts its "▁" before every stretch
   of text between special tokens, or none where the file says `add_space_prefix = false`.
 """
@@ -51,6 +52,10 @@ NAMES: dict[str, str] = {
 IGNORE_MERGES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
                            "jina-v5-nano", "tekken", "youtu"})
 
+# Where the file does not say (`tokenizer.ggml.add_bos_token`), llama.cpp starts these vocabularies' text
+# with the BOS token; transformers' byte-level build never does.
+BOS_BY_DEFAULT = IGNORE_MERGES - {"youtu"} | {"chameleon"}
+
 RULES_VERSION = "pre-tokenizer-4"  # in a conversion's marker: folders converted before this are checked
 
 
@@ -69,7 +74,8 @@ def split_rule(pre: str) -> tuple[str, ...] | None:
     return None if rule is None else _RULES[rule]
 
 
-def apply(tokenizer: Any, model: str | None, pre: str | None, space_prefix: bool | None = None) -> str | None:
+def apply(tokenizer: Any, model: str | None, pre: str | None, space_prefix: bool | None = None,
+          add_bos: bool | None = None, bos_id: int | None = None) -> str | None:
     """Give a byte-level BPE `tokenizer` (transformers', rebuilt from the GGUF) llama.cpp's split for
     `pre`. Returns a notice where the name is unknown (the text is then split as GPT-2 splits it,
     and token ids may differ from llama.cpp's), else None. A SentencePiece vocabulary that transformers
@@ -77,7 +83,8 @@ def apply(tokenizer: Any, model: str | None, pre: str | None, space_prefix: bool
     tokenizers) give it: a "▁" before the text and before the text after every special token, or none
     where the file says `tokenizer.ggml.add_space_prefix = false` (`space_prefix`). transformers puts
     one before the text alone, and whatever the file says: "[INST]hello" lost its "▁hello". The
-    vocabularies llama.cpp reads whole words of before merging (`IGNORE_MERGES`) get that too."""
+    vocabularies llama.cpp reads whole words of before merging (`IGNORE_MERGES`) get that too, and
+    those it starts with BOS where the file does not say (`add_bos`) get the BOS (`bos_id`)."""
     if model == "llama":
         _space_prefix(tokenizer, space_prefix is not False)
         return None
@@ -85,6 +92,9 @@ def apply(tokenizer: Any, model: str | None, pre: str | None, space_prefix: bool
         return None
     if pre in IGNORE_MERGES:
         tokenizer.backend_tokenizer.model.ignore_merges = True
+    if add_bos is None and pre in BOS_BY_DEFAULT and bos_id is not None:
+        tokenizer.bos_token = tokenizer.convert_ids_to_tokens(int(bos_id))
+        tokenizer.add_bos_token = True
     notice = None
     if not pre:  # an old conversion: llama.cpp splits it by its default rule (and warns)
         pre, notice = "default", ("the file names no pre-tokenizer (tokenizer.ggml.pre): its text is split as "
@@ -103,7 +113,8 @@ def apply(tokenizer: Any, model: str | None, pre: str | None, space_prefix: bool
     return notice
 
 
-def describe(tokens: int, model: str | None, pre: str | None, space_prefix: bool | None = None) -> str:
+def describe(tokens: int, model: str | None, pre: str | None, space_prefix: bool | None = None,
+             add_bos: bool | None = None, bos_id: int | None = None) -> str:
     """One line on how a file's text becomes its `tokens` tokens (`models inspect`)."""
     if model == "gpt2":
         if not pre:
