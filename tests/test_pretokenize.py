@@ -1,6 +1,9 @@
-"""A byte-level vocabulary's text is cut into words as llama.cpp cuts it for the file's
-`tokenizer.ggml.pre` (StarCoder-style vocabularies: every digit a word of its own), not as GPT-2
-does for every name transformers does not know; folders converted the old way are converted again."""
+"""A GGUF's text becomes the token ids llama.cpp gives it (`models/pretokenize.py`): a byte-level
+vocabulary's words split by its `tokenizer.ggml.pre` (StarCoder-style ones digit by digit), whole words
+before merges and BOS by default for Llama 3-style ones, a file naming no pre-tokenizer by llama.cpp's
+default, the SentencePiece space prefix the file says; folders converted before these rules are
+converted again. Checked against `tokenizers`' own splits here and llama.cpp's `llama-tokenize` where
+the peer is built."""
 
 from __future__ import annotations
 
@@ -39,18 +42,30 @@ def vocab() -> list[str]:
     return byte_alphabet() + [m.replace(" ", "") for m in MERGES] + UNMERGED + SPECIALS
 
 
-def write_vocab(path: Path, pre: str | None, add_bos: bool | None = False) -> Path:
-    """A vocabulary-only GGUF as llama.cpp's converter writes a byte-level BPE (one tensor so that
-    llama.cpp reads it)."""
-    tokens = vocab()
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_context_length(64)
-    w.add_embedding_length(8)
-    w.add_block_count(1)
-    w.add_feed_forward_length(8)
-    w.add_head_count(1)
-    w.add_head_count_kv(1)
+def vocab_writer(path: Path, arch: str) -> gguf.GGUFWriter:
+    """A writer for a vocabulary-only GGUF: a one-layer shape and (`finish`) one tensor, so that llama.cpp
+    reads the file."""
+    w = gguf.GGUFWriter(str(path), arch)
+    for add, value in ((w.add_context_length, 64), (w.add_embedding_length, 8), (w.add_block_count, 1),
+                       (w.add_feed_forward_length, 8), (w.add_head_count, 1), (w.add_head_count_kv, 1)):
+        add(value)
     w.add_layer_norm_rms_eps(1e-6)
+    return w
+
+
+def finish(w: gguf.GGUFWriter, path: Path, tokens: int) -> Path:
+    w.add_tensor("token_embd.weight", np.zeros((tokens, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def write_vocab(path: Path, pre: str | None, add_bos: bool | None = False) -> Path:
+    """A byte-level BPE as llama.cpp's converter writes one."""
+    tokens = vocab()
+    w = vocab_writer(path, "llama")
     w.add_tokenizer_model("gpt2")
     if pre is not None:  # files converted before llama.cpp named pre-tokenizers have none
         w.add_tokenizer_pre(pre)
@@ -61,12 +76,7 @@ def write_vocab(path: Path, pre: str | None, add_bos: bool | None = False) -> Pa
     w.add_eos_token_id(tokens.index("<|endoftext|>"))
     if add_bos is not None:
         w.add_add_bos_token(add_bos)
-    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish(w, path, len(tokens))
 
 
 SPM_PIECES = ["▁", "e", "l", "o", "h", "w", "r", "d", "t", "a", "n", "1", "2", ".", "he", "ll", "llo", "hello",
@@ -78,11 +88,7 @@ def write_spm(path: Path, space_prefix: bool | None, arch: str = "llama") -> Pat
     the merges, byte pieces, two control tokens inside the text), with or without its space flag."""
     toks = [("<unk>", 0.0, 2), ("<s>", 0.0, 3), ("</s>", 0.0, 3)] + [(f"<0x{b:02X}>", 0.0, 6) for b in range(256)]
     toks += [(p, -1.0 - i, 1) for i, p in enumerate(SPM_PIECES)] + [("[INST]", 0.0, 3), ("[/INST]", 0.0, 3)]
-    w = gguf.GGUFWriter(str(path), arch)
-    for add, value in ((w.add_context_length, 64), (w.add_embedding_length, 8), (w.add_block_count, 1),
-                       (w.add_feed_forward_length, 8), (w.add_head_count, 1), (w.add_head_count_kv, 1)):
-        add(value)
-    w.add_layer_norm_rms_eps(1e-6)
+    w = vocab_writer(path, arch)
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
     w.add_token_list([t for t, _, _ in toks])
@@ -94,12 +100,7 @@ def write_spm(path: Path, space_prefix: bool | None, arch: str = "llama") -> Pat
     w.add_add_bos_token(False)
     if space_prefix is not None:
         w.add_add_space_prefix(space_prefix)
-    w.add_tensor("token_embd.weight", np.zeros((len(toks), 8), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish(w, path, len(toks))
 
 
 SPM_TEXTS = ["hello world", " hello  world", "[INST] hello world [/INST] the end", "[INST]hello[/INST] 12."]
