@@ -604,7 +604,7 @@ def file_footprint(reader: Any, path: str | os.PathLike[str], kernel_path: str |
     fp = footprint(path, arch, [t for _, t in tensors], kernel_path)
     fp.random_weights = bool(field(reader, RANDOM_WEIGHTS_KEY, False))
     if "tokenizer.ggml.tokens" in reader.fields:
-        fp.tokenizer = pretokenize.describe(len(reader.fields["tokenizer.ggml.tokens"].data), *vocabulary_keys(reader))
+        fp.tokenizer = pretokenize.describe(len(reader.fields["tokenizer.ggml.tokens"].data), vocabulary_keys(reader))
     count, used = field(reader, f"{arch}.expert_count"), field(reader, f"{arch}.expert_used_count")
     if count and used:
         fp.experts = expert_share(int(count), int(used), tensors)
@@ -665,18 +665,17 @@ def _find_tokens(tokens_field: Any, wanted: tuple[str, ...]) -> dict[str, int]:
     return found
 
 
-def vocabulary_keys(reader: Any) -> tuple[Any, ...]:
-    """What `pretokenize.apply` takes from a file: its vocabulary's model, pre-tokenizer, space prefix,
-    whether its text starts with BOS, and its BOS."""
+def vocabulary_keys(reader: Any) -> pretokenize.Vocabulary:
+    """The `tokenizer.ggml.*` keys `pretokenize`'s rules read."""
     keys = ("model", "pre", "add_space_prefix", "add_bos_token", "bos_token_id")
-    return tuple(field(reader, f"tokenizer.ggml.{key}") for key in keys)
+    return pretokenize.Vocabulary(*(field(reader, f"tokenizer.ggml.{key}") for key in keys))
 
 
 def write_tokenizer(gguf_path: Path, out: Path, chat_template: str | None, architecture: str | None = None,
-                    vocabulary: tuple[Any, ...] = ()) -> None:
+                    vocabulary: pretokenize.Vocabulary | None = None) -> None:
     """Rebuild the HF tokenizer from the GGUF metadata (via transformers) and save it into `out`.
-    `vocabulary`: the file's `tokenizer.ggml.model`, `.pre`, `.add_space_prefix`, `.add_bos_token` and
-    `.bos_token_id` (`vocabulary_keys`; read again if not given): its text becomes llama.cpp's ids (`pretokenize`).
+    `vocabulary`: the file's `vocabulary_keys` (read again if not given), by which its text becomes
+    llama.cpp's ids (`pretokenize`).
 
     transformers 5 saves the chat template as `chat_template.jinja`; we also keep a copy in
     `tokenizer_config.json` so that readers that only look there find it.
@@ -698,8 +697,7 @@ def write_tokenizer(gguf_path: Path, out: Path, chat_template: str | None, archi
         raise UserError(f"cannot build a tokenizer from {gguf_path}: {_short(exc)}") from exc
     if chat_template and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = chat_template
-    vocabulary = vocabulary or vocabulary_keys(open_gguf(gguf_path))
-    notice = pretokenize.apply(tokenizer, *vocabulary)
+    notice = pretokenize.apply(tokenizer, vocabulary or vocabulary_keys(open_gguf(gguf_path)))
     if notice:
         print(f"specextend: {gguf_path.name}: {notice}", file=sys.stderr, flush=True)
     tokenizer.save_pretrained(str(out))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 # GPT-2's word pattern as llama.cpp writes it (its trailing `\s+` alternative changes nothing
 # when the text between matches is kept as pieces).
@@ -59,73 +59,72 @@ BOS_BY_DEFAULT = IGNORE_MERGES - {"youtu"} | {"chameleon"}
 RULES_VERSION = "pre-tokenizer-4"  # in a conversion's marker: folders converted before this are checked
 
 
+class Vocabulary(NamedTuple):
+    """A file's `tokenizer.ggml.*` keys the rules read (None where the file has no such key)."""
+
+    model: str | None = None  # "gpt2" (byte-level BPE) or "llama" (SentencePiece), ...
+    pre: str | None = None
+    space_prefix: bool | None = None  # add_space_prefix
+    add_bos: bool | None = None  # add_bos_token
+    bos_id: int | None = None  # bos_token_id
+
+
 def known_to_transformers(pre: str) -> bool:
     from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
 
     return pre in GGUF_PRE_TOKENIZER_SPLITS
 
 
-def split_rule(pre: str) -> tuple[str, ...] | None:
-    """The regexes llama.cpp cuts text with for `pre`, or None where transformers' own split is
-    right (a name it knows) or the name is one this version does not know."""
-    if known_to_transformers(pre):
-        return None
-    rule = NAMES.get(pre)
-    return None if rule is None else _RULES[rule]
-
-
-def apply(tokenizer: Any, model: str | None, pre: str | None, space_prefix: bool | None = None,
-          add_bos: bool | None = None, bos_id: int | None = None) -> str | None:
+def apply(tokenizer: Any, v: Vocabulary) -> str | None:
     """Give a byte-level BPE `tokenizer` (transformers', rebuilt from the GGUF) llama.cpp's split for
-    `pre`. Returns a notice where the name is unknown (the text is then split as GPT-2 splits it,
+    `v.pre`. Returns a notice where the name is unknown (the text is then split as GPT-2 splits it,
     and token ids may differ from llama.cpp's), else None. A SentencePiece vocabulary that transformers
     builds as Llama's gets the space prefix as llama.cpp (and the original Llama 2 and Mistral
     tokenizers) give it: a "▁" before the text and before the text after every special token, or none
-    where the file says `tokenizer.ggml.add_space_prefix = false` (`space_prefix`). transformers puts
+    where the file says `tokenizer.ggml.add_space_prefix = false`. transformers puts
     one before the text alone, and whatever the file says: "[INST]hello" lost its "▁hello". The
     vocabularies llama.cpp reads whole words of before merging (`IGNORE_MERGES`) get that too, and
-    those it starts with BOS where the file does not say (`add_bos`) get the BOS (`bos_id`)."""
-    if model == "llama":
-        _space_prefix(tokenizer, space_prefix is not False)
+    those it starts with BOS where the file does not say get the BOS."""
+    if v.model == "llama":
+        _space_prefix(tokenizer, v.space_prefix is not False)
         return None
-    if model != "gpt2":
+    if v.model != "gpt2":
         return None
-    if pre in IGNORE_MERGES:
+    if v.pre in IGNORE_MERGES:
         tokenizer.backend_tokenizer.model.ignore_merges = True
-    if add_bos is None and pre in BOS_BY_DEFAULT and bos_id is not None:
-        tokenizer.bos_token = tokenizer.convert_ids_to_tokens(int(bos_id))
+    if v.add_bos is None and v.pre in BOS_BY_DEFAULT and v.bos_id is not None:
+        tokenizer.bos_token = tokenizer.convert_ids_to_tokens(int(v.bos_id))
         tokenizer.add_bos_token = True
-    notice = None
+    pre, notice = v.pre, None
     if not pre:  # an old conversion: llama.cpp splits it by its default rule (and warns)
         pre, notice = "default", ("the file names no pre-tokenizer (tokenizer.ggml.pre): its text is split as "
                                   "llama.cpp's default splits it, which may not be how the model's own tokenizer did")
     if known_to_transformers(pre):
         return None
-    regexes = split_rule(pre)
-    if regexes is None:
+    if pre not in NAMES:
         return (f"tokenizer.ggml.pre {pre!r} is not a pre-tokenizer this version knows: text is split into words "
                 "as GPT-2 splits it, so token ids may differ from llama.cpp's")
     from tokenizers import Regex, pre_tokenizers
 
-    steps = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
+    steps = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _RULES[NAMES[pre]]]
     steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
     tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps)
     return notice
 
 
-def describe(tokens: int, model: str | None, pre: str | None, space_prefix: bool | None = None,
-             add_bos: bool | None = None, bos_id: int | None = None) -> str:
+def describe(tokens: int, v: Vocabulary) -> str:
     """One line on how a file's text becomes its `tokens` tokens (`models inspect`)."""
+    model, pre = v.model, v.pre
     if model == "gpt2":
         if not pre:
             return f"byte-level BPE, {tokens:,} tokens; no pre-tokenizer named: words split as llama.cpp's 'default'"
         whole = "; a word that is a token taken whole" if pre in IGNORE_MERGES else ""
-        if pre and (known_to_transformers(pre) or pre in NAMES):
+        if known_to_transformers(pre) or pre in NAMES:
             return f"byte-level BPE, {tokens:,} tokens; words split as llama.cpp splits {pre!r}{whole}"
         return (f"byte-level BPE, {tokens:,} tokens; pre-tokenizer {pre!r} unknown: words split as GPT-2's "
                 "(ids may differ from llama.cpp's)")
     if model == "llama":
-        prefix = "no space prefix" if space_prefix is False else "a space before each stretch of text"
+        prefix = "no space prefix" if v.space_prefix is False else "a space before each stretch of text"
         return f"SentencePiece, {tokens:,} tokens; {prefix}"
     return f"{model}, {tokens:,} tokens"
 
@@ -137,9 +136,8 @@ def _space_prefix(tokenizer: Any, prefix: bool) -> None:
     from tokenizers import decoders, normalizers, pre_tokenizers
 
     backend = tokenizer.backend_tokenizer
-    norm = json.loads(backend.normalizer.__getstate__()) if backend.normalizer is not None else {}
-    phi3 = norm.get("type") == "Sequence" and any(n.get("type") == "Prepend" for n in norm.get("normalizers", []))
-    if not (phi3 or isinstance(backend.pre_tokenizer, pre_tokenizers.Metaspace)):
+    norm = json.loads(backend.normalizer.__getstate__()) if backend.normalizer is not None else None
+    if not (_prepends(norm) or isinstance(backend.pre_tokenizer, pre_tokenizers.Metaspace)):
         return
     backend.pre_tokenizer = None
     backend.normalizer = normalizers.Replace(" ", "\u2581")
@@ -150,15 +148,20 @@ def _space_prefix(tokenizer: Any, prefix: bool) -> None:
                                              decoders.Fuse()])
 
 
+def _prepends(norm: Any) -> bool:
+    """Whether a normalizer (its JSON) puts "▁" before each stretch of text: the Phi-3 build's."""
+    return isinstance(norm, dict) and norm.get("type") == "Sequence" and \
+        any(n.get("type") == "Prepend" for n in norm.get("normalizers", []))
+
+
 def cut_otherwise(tokenizer_file: Path) -> bool:
     """Whether a saved tokenizer (`tokenizer.json`) may have been cut otherwise than llama.cpp cuts it
     by a conversion from before `RULES_VERSION`: a byte-level BPE with GPT-2's split alone (what
     transformers gives a name it does not know), a SentencePiece with the Llama build's "▁" before the
     text alone or the Phi-3 build's before every stretch (`_space_prefix`: each may not be what the
-    file says), or a Llama 3 or Tekken split that always merges. Reads
-    the two small parts only:
-    `tokenizers` writes them before the vocabulary (a 150K-token one is megabytes of JSON), so the
-    file's head has them (else the whole file is read)."""
+    file says), or a Llama 3 or Tekken split that always merges. Reads the small parts only: `tokenizers`
+    writes them before the vocabulary (a 150K-token one is megabytes of JSON), so the file's head has
+    them (else the whole file is read)."""
     model_at, pre_at = re.compile(r'"model":\s*\{\s*"type":\s*"(\w+)"'), re.compile(r'"pre_tokenizer":\s*')
     try:
         with open(tokenizer_file, "rb") as f:
@@ -172,7 +175,7 @@ def cut_otherwise(tokenizer_file: Path) -> bool:
         norm = json.JSONDecoder().raw_decode(text, norm_at.end())[0] if norm_at else None
     except (OSError, ValueError):
         return False
-    if isinstance(norm, dict) and "Prepend" in json.dumps(norm):
+    if _prepends(norm):
         return True  # the Phi-3 build's prefix, wrong where the file says none
     if not isinstance(pre, dict):
         return False
