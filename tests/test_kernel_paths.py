@@ -231,7 +231,7 @@ def test_avx512_path_under_emulation(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(shutil.which("aarch64-linux-gnu-g++") is None or shutil.which("qemu-aarch64") is None,
                     reason="needs Debian's g++-aarch64-linux-gnu and qemu-user (`make test-arm` installs them)")
-@pytest.mark.long(85)  # the exactness program under qemu
+@pytest.mark.long(60)  # the exactness program under qemu
 def test_neon_path_under_emulation(tmp_path: Path) -> None:
     """`make test-arm` in a test: the core cross-built for aarch64 and checked with dot products
     (portable, neon and the emulated amx tiles); without them only the detection (neon refused),

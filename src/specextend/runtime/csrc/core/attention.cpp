@@ -71,27 +71,6 @@ const uint16_t* block_rows(const HeadRows& src, int64_t prefix, int64_t contiguo
   return scratch;
 }
 
-BlockKernel kernel_for(Path path, int64_t d) {
-  BlockKernel k{};
-  switch (vector_path(path)) {  // the amx paths attend on their vector path's kernels
-#if defined(__x86_64__)
-    case Path::AVX512:
-      if (block_kernel_avx512(d, &k) || block_kernel_avx2(d, &k)) return k;
-      break;
-    case Path::AVX2:
-      if (block_kernel_avx2(d, &k)) return k;
-      break;
-#endif
-#if defined(__aarch64__)
-    case Path::NEON:
-      if (block_kernel_neon(d, &k)) return k;
-      break;
-#endif
-    default: break;
-  }
-  return block_kernel_portable();
-}
-
 HeadRows head_rows(const Attention& pb, const BlockKernel& kn, bool keys, int64_t kvh) {
   const uint16_t* base = keys ? pb.k + kvh * pb.k_head_stride : pb.v + kvh * pb.v_head_stride;
   return HeadRows{base, pb.d, pb.row(), pb.q8, kn.dequant != nullptr ? kn.dequant : dequant_q8_portable};
@@ -185,6 +164,27 @@ struct ItemRows {
 };
 
 }  // namespace
+
+BlockKernel kernel_for(Path path, int64_t d) {
+  BlockKernel k{};
+  switch (vector_path(path)) {  // the amx paths attend on their vector path's kernels
+#if defined(__x86_64__)
+    case Path::AVX512:
+      if (block_kernel_avx512(d, &k) || block_kernel_avx2(d, &k)) return k;
+      break;
+    case Path::AVX2:
+      if (block_kernel_avx2(d, &k)) return k;
+      break;
+#endif
+#if defined(__aarch64__)
+    case Path::NEON:
+      if (block_kernel_neon(d, &k)) return k;
+      break;
+#endif
+    default: break;
+  }
+  return block_kernel_portable();
+}
 
 // The running fold (m, l, acc at tml/tacc; `started` says whether it holds a chunk yet) absorbs
 // one chunk's state: both rescaled to the larger maximum, then summed, in this order on every path.

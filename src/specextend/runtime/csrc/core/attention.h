@@ -147,6 +147,10 @@ struct BlockKernel {
   int run_rows = 0;
 };
 
+// The block kernel a path attends with (the amx paths take their vector path's): attend_item's only
+// use of its path, so two paths with the same kernel attend alike (the exactness program's checks).
+BlockKernel kernel_for(Path path, int64_t d);
+
 BlockKernel block_kernel_portable();
 #if defined(__x86_64__)
 bool block_kernel_avx2(int64_t d, BlockKernel* out);
