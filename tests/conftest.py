@@ -17,6 +17,9 @@ ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 FAMILY_ARCHS = ["granite", "smollm3", "olmo2", "gemma3", "gemma2", "phi3"]
 
 
+USER_COSTS_ENV = "SPECEXTEND_TESTS_USER_COST_CACHE"  # the cost cache's setting before the tests moved it
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Load the C++ kernels once, from the user's cache (where `make setup` built them), before
     any test points SPECEXTEND_HOME at a temporary folder, which would build them again there."""
@@ -33,7 +36,10 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["OMP_NUM_THREADS"] = str(threads)
     # A crash in a child process (the CLI and server tests') prints where each thread was.
     os.environ["PYTHONFAULTHANDLER"] = "1"
-    # Step costs the tests measure (tiny models) stay out of the user's cache.
+    # Step costs the tests measure (tiny models) stay out of the user's cache; a test of the user's
+    # own default pair reads that pair's costs where the user's commands keep them (user_cost_cache).
+    # (Recorded once, by the first process: xdist's workers inherit the moved setting and the record.)
+    os.environ.setdefault(USER_COSTS_ENV, os.environ.get("SPECEXTEND_COST_CACHE", "~/.cache/specextend/costs"))
     os.environ["SPECEXTEND_COST_CACHE"] = tempfile.mkdtemp(prefix="specextend-costs-")
     SpecEngine.generate = generate  # type: ignore[attr-defined]
 
@@ -57,6 +63,14 @@ def generate(engine, prompt_ids: list[int], settings, on_tokens=None):
     this as `engine.generate`."""
     s = settings.resolved()
     return engine.decode(engine.prefill(prompt_ids, s), s, on_tokens)
+
+
+@pytest.fixture
+def user_cost_cache() -> str:
+    """The step-cost cache the user's own commands use (SPECEXTEND_COST_CACHE as it was, else the
+    default): where a test of the default pair from the user's model cache finds, or measures once,
+    that pair's costs on this machine, as `specextend serve` would."""
+    return os.path.expanduser(os.environ[USER_COSTS_ENV])
 
 
 @pytest.fixture

@@ -207,13 +207,16 @@ def test_the_page_fits_a_phone(browser, pair, folders):  # noqa: F811
 
 
 @pytest.mark.slow
-def test_the_default_pair_answers_on_the_page(browser):
-    """The real pair where it is in the user's model cache (skips otherwise): two questions, the second cached."""
+def test_the_default_pair_answers_on_the_page(browser, user_cost_cache):
+    """The real pair where it is in the user's model cache (skips otherwise): two questions, the second cached.
+    Its step costs from the user's cost cache too (measured there on the first run, as `specextend serve` does:
+    a 40 s start-up once a machine, not every run)."""
     if not all(is_current(HOME / "models" / name) for name in (DEFAULT_TARGET, DEFAULT_DRAFT)):
         pytest.skip("the default pair is not in the model cache (specextend models pull)")
     cmd = [sys.executable, "-m", "specextend.cli", "serve", "--port", "0", "--max-new-tokens", "48", "-q"]
     # Only its first lines are read: -q keeps the rest short enough for the pipe.
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "SPECEXTEND_HOME": str(HOME)})
+    env = {**os.environ, "SPECEXTEND_HOME": str(HOME), "SPECEXTEND_COST_CACHE": user_cost_cache}
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
     try:
         m = None
         while m is None:
