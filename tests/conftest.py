@@ -23,7 +23,7 @@ USER_COSTS_ENV = "SPECEXTEND_TESTS_USER_COST_CACHE"  # the cost cache's setting 
 def pytest_configure(config: pytest.Config) -> None:
     """Load the C++ kernels once, from the user's cache (where `make setup` built them), before
     any test points SPECEXTEND_HOME at a temporary folder, which would build them again there."""
-    from specextend.runtime import kernels
+    from specextend.runtime import costmodel, kernels
     from specextend.speculation.decoder import SpecEngine
 
     kernels.available()  # tests of the kernels skip where they cannot be built
@@ -39,7 +39,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # Step costs the tests measure (tiny models) stay out of the user's cache; a test of the user's
     # own default pair reads that pair's costs where the user's commands keep them (user_cost_cache).
     # (Recorded once, by the first process: xdist's workers inherit the moved setting and the record.)
-    os.environ.setdefault(USER_COSTS_ENV, os.environ.get("SPECEXTEND_COST_CACHE", "~/.cache/specextend/costs"))
+    os.environ.setdefault(USER_COSTS_ENV, str(costmodel.cache_dir()))
     os.environ["SPECEXTEND_COST_CACHE"] = tempfile.mkdtemp(prefix="specextend-costs-")
     SpecEngine.generate = generate  # type: ignore[attr-defined]
 
@@ -70,7 +70,7 @@ def user_cost_cache() -> str:
     """The step-cost cache the user's own commands use (SPECEXTEND_COST_CACHE as it was, else the
     default): where a test of the default pair from the user's model cache finds, or measures once,
     that pair's costs on this machine, as `specextend serve` would."""
-    return os.path.expanduser(os.environ[USER_COSTS_ENV])
+    return os.environ[USER_COSTS_ENV]
 
 
 @pytest.fixture
