@@ -211,6 +211,18 @@ def test_float_weights_quantize_within_their_grid(bits: int, width: int) -> None
     assert torch.allclose(quant.qlinear(x, q).double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_tall_weight_quantized_in_runs_of_rows_is_each_rows_own(bits: int) -> None:
+    """Tall weights (a vocabulary head) are quantized a run of rows at a time: every row, on both
+    sides of a run's end and in the part-filled last panel, dequantizes as that row quantized alone."""
+    n = 2 * quant._QUANTIZE_RUN + 21
+    w = torch.randn(n, 96)
+    w[quant._QUANTIZE_RUN - 1] *= 40  # a row unlike its neighbours, at a run's end
+    deq = quant.quantize(w, bits).dequantize()
+    for r in (0, quant._QUANTIZE_RUN - 1, quant._QUANTIZE_RUN, n - 21, n - 1):
+        assert torch.equal(deq[r], quant.quantize(w[r : r + 1], bits).dequantize()[0]), r
+
+
 def test_fused_norm_silu_and_residual_match_the_unfused_product() -> None:
     """RMSNorm / SiLU-gating before the product and a residual after it, all in the kernel call,
     give what the separate float32 steps give (within the steps' own float32 rounding)."""

@@ -446,7 +446,7 @@ def _quantized(ts: Any, names: list[str], scheme: str, derived: DerivedWeights) 
     it. Whatever has to be computed (rather than read as stored) goes through `derived`."""
 
     def from_float(key: list[str], bits: int) -> quant.Segment | None:
-        w = torch.cat([ts.get(n, torch.float32) for n in key])
+        w = ts.get(key[0], torch.float32) if len(key) == 1 else torch.cat([ts.get(n, torch.float32) for n in key])
         return None if w.shape[1] % 32 else quant.quantize(w, bits).segments[0]
 
     if scheme == "gguf":
