@@ -253,12 +253,12 @@ def test_sigterm_during_requests_lets_them_finish_and_exits_0(folders, tmp_path)
 
 @pytest.mark.long
 def test_a_short_soak_of_mixed_clients_finds_the_server_whole(pair, folders):
-    """bench/soak.py for 30 s on the tiny models: short and long prompts, streams read and hung up
+    """bench/soak.py for 15 s on the tiny models: short and long prompts, streams read and hung up
     on, bad JSON, tools, json_schema, wrong keys, prompts too long; every check of the soak holds."""
     from specextend.bench import soak
 
     with running(pair, folders, max_queue=64, api_keys=(soak.KEY,)) as u:
-        result = soak.run(u, os.getpid(), seconds=30, clients=3, max_requests=5000, max_tokens=4, long_words=40)
+        result = soak.run(u, os.getpid(), seconds=15, clients=3, max_requests=5000, max_tokens=4, long_words=40)
     print(soak.table(result))
     assert result["sent"] >= 30 and set(result["by_kind"]) == set(soak.KINDS), result["by_kind"]
     assert result["checks"] == dict.fromkeys(result["checks"], True), (result["checks"], result["errors"],
