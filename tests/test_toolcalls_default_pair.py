@@ -18,10 +18,13 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def paths():
-    from specextend.models.pull import DEFAULT_DRAFT, DEFAULT_TARGET, gguf_file
+    """The pulled pair's folders (converted once by the pull: a GGUF file given by path would be
+    converted again into a cache of its own on a machine's first run, half a minute)."""
+    from specextend.models.gguf import is_current
+    from specextend.models.pull import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir
 
-    target, draft = gguf_file(DEFAULT_TARGET), gguf_file(DEFAULT_DRAFT)
-    if not (target.is_file() and draft.is_file()):
+    target, draft = model_dir(DEFAULT_TARGET), model_dir(DEFAULT_DRAFT)
+    if not (is_current(target) and is_current(draft)):
         pytest.skip("the default pair is not pulled (specextend models pull)")
     return target, draft
 
