@@ -109,7 +109,7 @@ demo: setup
 test: setup
 	$(VENV)/bin/ruff check src tests examples
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/python -m pytest -q -rs -n 2 --dist load --maxschedchunk 1 tests
+	$(VENV)/bin/python -m pytest -q -rs -n 2 --dist loadgroup tests
 
 lint: setup
 	$(VENV)/bin/ruff check src tests examples

@@ -46,9 +46,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The long tests first, longest first (`long(seconds)`, 20 if not given; stable otherwise):
-    `make test` has xdist hand tests out one at a time in this order (--maxschedchunk 1), so the
-    long ones start early on both workers and the short ones fill in around them, instead of one
-    worker finishing the suite alone on a minute-long test."""
+    `make test` has xdist hand tests out in this order, a few at a time (--dist loadgroup: a group
+    marked `xdist_group` goes to one worker as a unit, the groups first), so the long ones start
+    early on both workers and the short ones fill in around them, instead of one worker finishing
+    the suite alone on a minute-long test."""
 
     def key(item: pytest.Item) -> float:
         mark = item.get_closest_marker("long")

@@ -34,7 +34,10 @@ from tiny_tokenizer import save_tiny_model
 pytest.importorskip("ray.serve", reason="needs the cluster extra (Ray Serve): pip install -e '.[cluster]'",
                     exc_type=ImportError)  # ray without its serve extra's packages too
 
-pytestmark = pytest.mark.usefixtures("isolated_home")  # conftest.py: a model cache of its own
+# A model cache of its own (conftest.py); the module's tests on one xdist worker, one after the other
+# (`make test` runs --dist loadgroup): two local Ray clusters at once took minutes on two cores, and a
+# test waiting on the other's cluster would hold its worker idle.
+pytestmark = [pytest.mark.usefixtures("isolated_home"), pytest.mark.xdist_group("ray-cluster")]
 
 START_S = 300  # a local Ray cluster and two replicas, on a busy 2-core machine
 DOCS = ["The agency's budget grew by four percent, staff numbers fell, and three hearings were held. " * 3,
@@ -133,7 +136,7 @@ def doc_tokens(folders) -> list[int]:
     return [len(tok.encode(d)) for d in DOCS]
 
 
-@pytest.mark.long(60)  # started first of the two: the other waits for no cluster (one at a time)
+@pytest.mark.long(60)
 def test_affinity_keeps_each_document_on_its_replica_and_a_killed_replica_loses_no_request(folders, tmp_path):
     """With an API key: the front end checks it, answers tool calls and exports the replicas' gauges."""
     n_doc = doc_tokens(folders)
