@@ -7,7 +7,6 @@ import importlib.util
 import logging
 import socket
 import sys
-from typing import TYPE_CHECKING
 
 from ..batching.budget import GAP_GOAL_S
 from ..batching.scheduler import DEFAULT_MAX_BATCH, KV_SHARE
@@ -17,9 +16,6 @@ from . import auth
 from .assemble import CACHE_SHARE
 from .drain import DEFAULT_DRAIN_S
 from .limits import BODY_BYTES_PER_TOKEN, MIN_BODY_BYTES
-
-if TYPE_CHECKING:
-    pass
 
 DEFAULT_MAX_QUEUE = 16
 INSTALL_CLUSTER = "pip install -e '.[cluster]'"
