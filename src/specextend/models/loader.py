@@ -304,19 +304,23 @@ class _Weights:
         mod.weight = self.wrap(w)
 
     def stacked(self, names: list[str]) -> torch.Tensor:
-        """The tensors' rows one after the other, each written into its place (a weight of several
-        GB is not made twice, as a concatenation would)."""
-        if len(names) == 1:
-            return self.ts.get(names[0], self.act)
-        shapes = [self.ts.shape(n) for n in names]
-        if any(len(s) != 2 or s[1] != shapes[0][1] for s in shapes):
-            raise UserError(f"{', '.join(names)} cannot be stacked: shapes {', '.join(map(str, shapes))}")
-        w = torch.empty(sum(s[0] for s in shapes), shapes[0][1], dtype=self.act)
-        r = 0
-        for n, s in zip(names, shapes, strict=True):
-            self.ts.get(n, self.act, out=w[r : r + s[0]])
-            r += s[0]
-        return w
+        return _stacked(self.ts, names, self.act)
+
+
+def _stacked(ts: Any, names: list[str], dtype: torch.dtype) -> torch.Tensor:
+    """The tensors' rows one after the other, each written into its place (a weight of several
+    GB is not made twice, as a concatenation would)."""
+    if len(names) == 1:
+        return ts.get(names[0], dtype)
+    shapes = [ts.shape(n) for n in names]
+    if any(len(s) != 2 or s[1] != shapes[0][1] for s in shapes):
+        raise UserError(f"{', '.join(names)} cannot be stacked: shapes {', '.join(map(str, shapes))}")
+    w = torch.empty(sum(s[0] for s in shapes), shapes[0][1], dtype=dtype)
+    r = 0
+    for n, s in zip(names, shapes, strict=True):
+        ts.get(n, dtype, out=w[r : r + s[0]])
+        r += s[0]
+    return w
 
 
 def _fill(model: Transformer, w: _Weights) -> None:
@@ -446,7 +450,7 @@ def _quantized(ts: Any, names: list[str], scheme: str, derived: DerivedWeights) 
     it. Whatever has to be computed (rather than read as stored) goes through `derived`."""
 
     def from_float(key: list[str], bits: int) -> quant.Segment | None:
-        w = ts.get(key[0], torch.float32) if len(key) == 1 else torch.cat([ts.get(n, torch.float32) for n in key])
+        w = _stacked(ts, key, torch.float32)
         return None if w.shape[1] % 32 else quant.quantize(w, bits).segments[0]
 
     if scheme == "gguf":
