@@ -15,6 +15,7 @@ namespace spx {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kAhead = 4;  // the block a kernel brings in while it computes: four after its own
 
 // Visible slots after the prefix for token t (offsets into the last m slots), in slot order.
 void extras_of(const Attention& pb, int64_t t, std::vector<int32_t>& out) {
@@ -49,6 +50,10 @@ struct HeadRows {
     if (!q8) return base + first * d;
     dequant(base + first * row, n, d, scratch);
     return scratch;
+  }
+  // Block b of these rows and of `values` (the same slots), as they lie.
+  Ahead ahead(const HeadRows& values, int64_t b) const {
+    return Ahead{base + b * kBlock * row, values.base + b * kBlock * row, kBlock * row * 2};
   }
   void slot_into(int64_t slot, uint16_t* dst) const {
     if (q8)
@@ -227,7 +232,7 @@ void shared_blocks(const Attention& pb, const AttentionItem& it, const BlockKern
     if (runs)
       kn.run(kb, vb, static_cast<int>(n), d, ir.rows.data(), ir.nrows, ws);
     else
-      kn.block(kb, vb, kBlock, d, ir.rows.data(), ir.nrows, ws);
+      kn.block(kb, vb, kBlock, d, ir.rows.data(), ir.nrows, ws, b + kAhead < b1 ? ks.ahead(vs, b + kAhead) : Ahead{});
     b += n;
   }
 }
@@ -259,7 +264,7 @@ void finish_item(const Attention& pb, const AttentionItem& it, const BlockKernel
       const int nk = static_cast<int>(std::min<int64_t>(kBlock, tk.total - b0));
       const uint16_t* kb = block_rows(ks, prefix, tk.contiguous, tk.extras, b0, nk, d, kscratch.data());
       const uint16_t* vb = block_rows(vs, prefix, tk.contiguous, tk.extras, b0, nk, d, vscratch.data());
-      kn.block(kb, vb, nk, d, ir.rows.data() + r0, n, wsp);
+      kn.block(kb, vb, nk, d, ir.rows.data() + r0, n, wsp, Ahead{});
     }
     // The last chunk (a token whose keys all lie before `from` has none left: nothing to fold).
     if (tk.total > from * kBlock) ir.fold(r0, n);

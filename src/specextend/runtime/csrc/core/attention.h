@@ -39,6 +39,7 @@
 // operation (both of tanh's forms, the one |x| selects); nothing else changes.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -132,10 +133,45 @@ struct RowState {
   float cap = 0.f;  // > 0: the row's scores soft-capped at it (Attention::softcap)
 };
 
+// A block read in place further on (the prefix's keys and values at its own rows), which a block kernel
+// may bring into the caches while it computes: a long cache's blocks are otherwise read and computed in
+// turn, their times added. Null pointers: nothing ahead.
+struct Ahead {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t bytes = 0;  // of each
+};
+
+#if defined(__x86_64__)
+constexpr int kAheadLines = 4;
+
+// Cache lines of the keys (and as many of the values) that each of `steps` steps of a kernel's loop
+// brings in from the block ahead: at most kAheadLines; 0 where nothing is ahead.
+inline int ahead_per_step(const Ahead& a, int64_t steps) {
+  if (a.k == nullptr) return 0;
+  return static_cast<int>(std::min<int64_t>(kAheadLines, (a.bytes / 64 + steps - 1) / steps));
+}
+
+// Step `step`'s lines of the block ahead into L2, spread over a loop that computes (a burst of them
+// would stall its loads). Written as asm: GCC 12 dropped _mm_prefetch calls here at -O1 and above.
+inline void ahead_step(const Ahead& a, int64_t step, int per) {
+  const int64_t lines = a.bytes / 64;
+#pragma GCC unroll 4
+  for (int i = 0; i < kAheadLines; ++i) {
+    const int64_t line = step * per + i;
+    if (i < per && line < lines) {
+      asm volatile("prefetcht1 %0" : : "m"(*(static_cast<const char*>(a.k) + 64 * line)));
+      asm volatile("prefetcht1 %0" : : "m"(*(static_cast<const char*>(a.v) + 64 * line)));
+    }
+  }
+}
+#endif
+
 // A path's block kernel: one block of n <= kBlock keys (kb, vb: n rows of d bfloat16) into
 // every row's state; `finish` writes acc / l in natural dimension order.
 struct BlockKernel {
-  void (*block)(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* rows, int nrows, float* ws);
+  void (*block)(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* rows, int nrows, float* ws,
+                const Ahead& ahead);
   void (*finish)(const RowState& st, int64_t d, float* out);
   size_t (*workspace)(int64_t d, int nrows);  // floats of `ws` the block kernel needs
   // n q8 rows into bfloat16 rows with dequant_q8_portable's bits (kv_q8.h); null: that function.

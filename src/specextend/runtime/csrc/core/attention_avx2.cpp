@@ -76,10 +76,12 @@ void key_planes(const uint16_t* kb, int n, int64_t d, int h, float* kf) {
 // Scores of R rows against the half-block's 16 keys: per row two chains (keys 0-7, 8-15) over
 // the pairs in order, odd product then even (attention_portable.cpp's score chain).
 template <int R>
-inline void score_rows(const float* kf, int64_t pairs, const RowState* rows, float* s) {
+inline void score_rows(const float* kf, int64_t pairs, const RowState* rows, float* s, const Ahead& ahead) {
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const int per = ahead_per_step(ahead, pairs);
   for (int64_t p = 0; p < pairs; ++p) {
+    ahead_step(ahead, p, per);
     const float* k = kf + p * 2 * kKeyHalf;
     const __m256 o0 = _mm256_load_ps(k), o1 = _mm256_load_ps(k + 8);
     const __m256 e0 = _mm256_load_ps(k + 16), e1 = _mm256_load_ps(k + 24);
@@ -95,17 +97,21 @@ inline void score_rows(const float* kf, int64_t pairs, const RowState* rows, flo
   }
 }
 
-// Scores of every row against keys [16h, 16h + 16) of the block into s[row][32].
-void scores_half(const uint16_t* kb, int n, int64_t d, int h, RowState* rows, int nrows, float* kf, float* s) {
+// Scores of every row against keys [16h, 16h + 16) of the block into s[row][32]; the block ahead comes
+// in during the first tile of rows.
+void scores_half(const uint16_t* kb, int n, int64_t d, int h, RowState* rows, int nrows, float* kf, float* s,
+                 const Ahead& ahead) {
   key_planes(kb, n, d, h, kf);
   constexpr int kRows = 4;  // 8 chains in flight
   float* sh = s + kKeyHalf * h;
   int r = 0;
-  for (; r + kRows <= nrows; r += kRows) score_rows<kRows>(kf, d / 2, rows + r, sh + r * kBlock);
+  for (; r + kRows <= nrows; r += kRows)
+    score_rows<kRows>(kf, d / 2, rows + r, sh + r * kBlock, r == 0 ? ahead : Ahead{});
+  const Ahead& a = r == 0 ? ahead : Ahead{};
   switch (nrows - r) {
-    case 3: score_rows<3>(kf, d / 2, rows + r, sh + r * kBlock); break;
-    case 2: score_rows<2>(kf, d / 2, rows + r, sh + r * kBlock); break;
-    case 1: score_rows<1>(kf, d / 2, rows + r, sh + r * kBlock); break;
+    case 3: score_rows<3>(kf, d / 2, rows + r, sh + r * kBlock, a); break;
+    case 2: score_rows<2>(kf, d / 2, rows + r, sh + r * kBlock, a); break;
+    case 1: score_rows<1>(kf, d / 2, rows + r, sh + r * kBlock, a); break;
     default: break;
   }
 }
@@ -140,13 +146,14 @@ inline void weigh_values(const float* vf, const float* w, int pairs, float alpha
   for (int c = 0; c < NC; ++c) _mm256_store_ps(acc + 8 * c, a[c]);
 }
 
-void block(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* rows, int nrows, float* ws) {
+void block(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* rows, int nrows, float* ws,
+           const Ahead& ahead) {
   float* s = ws;                               // [nrows][kBlock] scores, then softmax weights
   float* alpha = s + nrows * kBlock;           // [nrows] (padded to 8)
   float* kf = alpha + (nrows + 7) / 8 * 8;     // [d / 2][2][kKeyHalf] key planes
   float* vf = kf + kKeyHalf * d;               // [kBlock][kDimHalf] values
-  scores_half(kb, n, d, 0, rows, nrows, kf, s);
-  if (n > kKeyHalf) scores_half(kb, n, d, 1, rows, nrows, kf, s);
+  scores_half(kb, n, d, 0, rows, nrows, kf, s, ahead);
+  if (n > kKeyHalf) scores_half(kb, n, d, 1, rows, nrows, kf, s, Ahead{});
   const __m256 neg_inf = _mm256_set1_ps(kNegInf);
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256 keep = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));

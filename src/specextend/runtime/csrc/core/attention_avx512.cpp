@@ -92,12 +92,14 @@ void transpose_keys(const uint16_t* kb, int n, int64_t d, __m512i* kt) {
 // Scores of R rows against the block's 32 keys: per row, two chains (keys 0-15, 16-31) over the
 // pairs in order, one VDPBF16PS per pair and half (attention_portable.cpp's score chain).
 template <int DP, int R>
-inline void score_rows(const __m512i* kt, const RowState* rows, float* s) {
+inline void score_rows(const __m512i* kt, const RowState* rows, float* s, const Ahead& ahead) {
+  const int per = ahead_per_step(ahead, DP);
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
 #pragma GCC unroll 2
   for (int p = 0; p < DP; ++p) {
     const __m512bh k0 = (__m512bh)_mm512_load_si512(kt + 2 * p), k1 = (__m512bh)_mm512_load_si512(kt + 2 * p + 1);
+    ahead_step(ahead, p, per);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       int32_t pair;
@@ -113,28 +115,31 @@ inline void score_rows(const __m512i* kt, const RowState* rows, float* s) {
   }
 }
 
+// The block ahead comes in during the first tile of rows only.
 template <int DP>
-void block_scores(const __m512i* kt, const RowState* rows, int nrows, float* s) {
+void block_scores(const __m512i* kt, const RowState* rows, int nrows, float* s, const Ahead& ahead) {
   constexpr int kRows = 6;  // 12 chains in flight: enough to cover VDPBF16PS latency
   int r = 0;
-  for (; r + kRows <= nrows; r += kRows) score_rows<DP, kRows>(kt, rows + r, s + r * kBlock);
+  for (; r + kRows <= nrows; r += kRows)
+    score_rows<DP, kRows>(kt, rows + r, s + r * kBlock, r == 0 ? ahead : Ahead{});
+  const Ahead& a = r == 0 ? ahead : Ahead{};
   switch (nrows - r) {
-    case 5: score_rows<DP, 5>(kt, rows + r, s + r * kBlock); break;
-    case 4: score_rows<DP, 4>(kt, rows + r, s + r * kBlock); break;
-    case 3: score_rows<DP, 3>(kt, rows + r, s + r * kBlock); break;
-    case 2: score_rows<DP, 2>(kt, rows + r, s + r * kBlock); break;
-    case 1: score_rows<DP, 1>(kt, rows + r, s + r * kBlock); break;
+    case 5: score_rows<DP, 5>(kt, rows + r, s + r * kBlock, a); break;
+    case 4: score_rows<DP, 4>(kt, rows + r, s + r * kBlock, a); break;
+    case 3: score_rows<DP, 3>(kt, rows + r, s + r * kBlock, a); break;
+    case 2: score_rows<DP, 2>(kt, rows + r, s + r * kBlock, a); break;
+    case 1: score_rows<DP, 1>(kt, rows + r, s + r * kBlock, a); break;
     default: break;
   }
 }
 
 template <int DC>
 void block_dc(const uint16_t* kb, const __m512i (*vi)[2 * DC], int n, int64_t d, RowState* rows, int nrows,
-              float* sbuf) {
+              float* sbuf, const Ahead& ahead) {
   constexpr int DV = 2 * DC;  // float32 accumulators of 16 dims
   alignas(64) __m512i kt[DC * 16 * 2];
   transpose_keys<DC * 16>(kb, n, d, kt);
-  block_scores<DC * 16>(kt, rows, nrows, sbuf);
+  block_scores<DC * 16>(kt, rows, nrows, sbuf, ahead);
   const __mmask16 k0 = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
   const __mmask16 k1 = n >= 32 ? 0xFFFF : (n > 16 ? static_cast<__mmask16>((1u << (n - 16)) - 1) : 0);
   // Softmax weights of every row first (bfloat16 pairs in pw, each row's rescale in alpha): the rows'
@@ -214,19 +219,178 @@ void block_dc(const uint16_t* kb, const __m512i (*vi)[2 * DC], int n, int64_t d,
   }
 }
 
-void block(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* rows, int nrows, float* ws) {
+void block(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* rows, int nrows, float* ws,
+           const Ahead& ahead) {
   alignas(64) __m512i vi[kBlock / 2][16];
   if (d == 256) {  // Gemma 2 and 3
     interleave_values<16>(vb, n, d, vi);
-    block_dc<8>(kb, vi, n, d, rows, nrows, ws);
+    block_dc<8>(kb, vi, n, d, rows, nrows, ws, ahead);
   } else if (d == 128) {
     auto v8 = reinterpret_cast<__m512i(*)[8]>(vi);
     interleave_values<8>(vb, n, d, v8);
-    block_dc<4>(kb, v8, n, d, rows, nrows, ws);
+    block_dc<4>(kb, v8, n, d, rows, nrows, ws, ahead);
   } else {
     auto v4 = reinterpret_cast<__m512i(*)[4]>(vi);
     interleave_values<4>(vb, n, d, v4);
-    block_dc<2>(kb, v4, n, d, rows, nrows, ws);
+    block_dc<2>(kb, v4, n, d, rows, nrows, ws, ahead);
+  }
+}
+
+// ------------------------------------------------------------------ few rows on FMAs
+//
+// `block` with each VDPBF16PS step as two float32 FMAs, odd product then even, where those are the faster
+// (avx512_bf16_dot_pays: Intel's Xeons run VDPBF16PS at half the FMA rate): a decode step's or a small
+// tree's attention over a long cache is bound by its products there, not by the bytes. The keys are
+// transposed as in `block`, and each pair register split into its odd and even halves as float32 (an AND
+// and a shift) where the rows use it; the values are split so once a block; the softmax weights are
+// rounded to bfloat16 in place (`float_to_bf16`'s integer rounding, as `fma_softmax`). Same bits.
+
+inline __m512 odd_half(__m512i pairs) {
+  return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(-65536)));
+}
+inline __m512 even_half(__m512i pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }
+
+// Scores of R rows against the block's 32 keys, as score_rows computes them.
+template <int DP, int R>
+inline void fma_score_rows(const __m512i* kt, const RowState* rows, float* s, const Ahead& ahead) {
+  const int per = ahead_per_step(ahead, DP);
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+  for (int p = 0; p < DP; ++p) {
+    const __m512i k0 = _mm512_load_si512(kt + 2 * p), k1 = _mm512_load_si512(kt + 2 * p + 1);
+    const __m512 ko0 = odd_half(k0), ke0 = even_half(k0), ko1 = odd_half(k1), ke1 = even_half(k1);
+    ahead_step(ahead, p, per);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 qo = _mm512_set1_ps(rows[r].qf[2 * p + 1]), qe = _mm512_set1_ps(rows[r].qf[2 * p]);
+      acc[r][0] = _mm512_fmadd_ps(ke0, qe, _mm512_fmadd_ps(ko0, qo, acc[r][0]));
+      acc[r][1] = _mm512_fmadd_ps(ke1, qe, _mm512_fmadd_ps(ko1, qo, acc[r][1]));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(s + r * kBlock, acc[r][0]);
+    _mm512_storeu_ps(s + r * kBlock + 16, acc[r][1]);
+  }
+}
+
+template <int DP>
+void fma_block_scores(const __m512i* kt, const RowState* rows, int nrows, float* s, const Ahead& ahead) {
+  constexpr int kRows = 6;
+  int r = 0;
+  for (; r + kRows <= nrows; r += kRows)
+    fma_score_rows<DP, kRows>(kt, rows + r, s + r * kBlock, r == 0 ? ahead : Ahead{});
+  const Ahead& a = r == 0 ? ahead : Ahead{};
+  switch (nrows - r) {
+    case 5: fma_score_rows<DP, 5>(kt, rows + r, s + r * kBlock, a); break;
+    case 4: fma_score_rows<DP, 4>(kt, rows + r, s + r * kBlock, a); break;
+    case 3: fma_score_rows<DP, 3>(kt, rows + r, s + r * kBlock, a); break;
+    case 2: fma_score_rows<DP, 2>(kt, rows + r, s + r * kBlock, a); break;
+    case 1: fma_score_rows<DP, 1>(kt, rows + r, s + r * kBlock, a); break;
+    default: break;
+  }
+}
+
+// Rows [0, R)'s values: each accumulator rescaled, then the key pairs in order, two registers of 16
+// dimensions at a time for all R rows (vi: the block's values interleaved by key pairs, each register
+// split into its odd and even key as float32 where used; w: the rows' rounded weights, [R][kBlock]).
+template <int DV, int R>
+inline void fma_value_rows(const __m512i (*vi)[DV], const float* w, const float* alpha, int pairs, RowState* rows) {
+  for (int c = 0; c < DV; c += 2) {
+    __m512 a[R][2];
+    for (int r = 0; r < R; ++r) {
+      const __m512 al = _mm512_set1_ps(alpha[r]);
+      a[r][0] = _mm512_mul_ps(_mm512_load_ps(rows[r].acc + 16 * c), al);
+      a[r][1] = _mm512_mul_ps(_mm512_load_ps(rows[r].acc + 16 * c + 16), al);
+    }
+#pragma GCC unroll 2
+    for (int j = 0; j < pairs; ++j) {
+      const __m512 o0 = odd_half(vi[j][c]), e0 = even_half(vi[j][c]);
+      const __m512 o1 = odd_half(vi[j][c + 1]), e1 = even_half(vi[j][c + 1]);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512 wo = _mm512_set1_ps(w[r * kBlock + 2 * j + 1]), we = _mm512_set1_ps(w[r * kBlock + 2 * j]);
+        a[r][0] = _mm512_fmadd_ps(e0, we, _mm512_fmadd_ps(o0, wo, a[r][0]));
+        a[r][1] = _mm512_fmadd_ps(e1, we, _mm512_fmadd_ps(o1, wo, a[r][1]));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm512_store_ps(rows[r].acc + 16 * c, a[r][0]);
+      _mm512_store_ps(rows[r].acc + 16 * c + 16, a[r][1]);
+    }
+  }
+}
+
+template <int DV>
+void fma_block_values(const __m512i (*vi)[DV], const float* w, const float* alpha, int pairs, RowState* rows,
+                      int nrows) {
+  constexpr int kRows = 6;
+  int r = 0;
+  for (; r + kRows <= nrows; r += kRows) fma_value_rows<DV, kRows>(vi, w + r * kBlock, alpha + r, pairs, rows + r);
+  switch (nrows - r) {
+    case 5: fma_value_rows<DV, 5>(vi, w + r * kBlock, alpha + r, pairs, rows + r); break;
+    case 4: fma_value_rows<DV, 4>(vi, w + r * kBlock, alpha + r, pairs, rows + r); break;
+    case 3: fma_value_rows<DV, 3>(vi, w + r * kBlock, alpha + r, pairs, rows + r); break;
+    case 2: fma_value_rows<DV, 2>(vi, w + r * kBlock, alpha + r, pairs, rows + r); break;
+    case 1: fma_value_rows<DV, 1>(vi, w + r * kBlock, alpha + r, pairs, rows + r); break;
+    default: break;
+  }
+}
+
+template <int DC>
+void block_fma_dc(const uint16_t* kb, const __m512i (*vi)[2 * DC], int n, int64_t d, RowState* rows, int nrows,
+                  float* sbuf, const Ahead& ahead) {
+  constexpr int DV = 2 * DC;
+  alignas(64) __m512i kt[DC * 16 * 2];
+  transpose_keys<DC * 16>(kb, n, d, kt);
+  fma_block_scores<DC * 16>(kt, rows, nrows, sbuf, ahead);
+  const __mmask16 k0 = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+  const __mmask16 k1 = n >= 32 ? 0xFFFF : (n > 16 ? static_cast<__mmask16>((1u << (n - 16)) - 1) : 0);
+  float* w = sbuf + nrows * kBlock;  // [nrows][kBlock], 64-byte aligned: the weights, rounded
+  float* alpha = w + nrows * kBlock;
+  const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), top = _mm512_set1_epi32(-65536);
+  for (int r = 0; r < nrows; ++r) {  // block_dc's softmax, operation for operation
+    RowState& st = rows[r];
+    const float* sr = sbuf + r * kBlock;
+    __m512 s[2] = {_mm512_loadu_ps(sr), n > 16 ? _mm512_loadu_ps(sr + 16) : _mm512_setzero_ps()};
+    if (st.cap > 0.f) {
+      const float inv = softcap_inverse(st.cap);
+      s[0] = softcap_avx512(s[0], st.cap, inv);
+      s[1] = softcap_avx512(s[1], st.cap, inv);
+    }
+    s[0] = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), k0, s[0]);
+    s[1] = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), k1, s[1]);
+    const float bmax = _mm512_reduce_max_ps(_mm512_max_ps(s[0], s[1]));
+    const float m_new = std::fmax(st.m, bmax);
+    alpha[r] = _mm_cvtss_f32(_mm512_castps512_ps128(exp_avx512(_mm512_set1_ps(st.m - m_new))));
+    const __m512 mn = _mm512_set1_ps(m_new);
+    const __m512 p[2] = {_mm512_maskz_mov_ps(k0, exp_avx512(_mm512_sub_ps(s[0], mn))),
+                         _mm512_maskz_mov_ps(k1, exp_avx512(_mm512_sub_ps(s[1], mn)))};
+    st.l = std::fma(st.l, alpha[r], hsum16_avx512(_mm512_add_ps(p[0], p[1])));
+    for (int h = 0; h < 2; ++h) {
+      const __m512i u = _mm512_castps_si512(p[h]);
+      const __m512i x = _mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+      _mm512_store_ps(w + r * kBlock + 16 * h, _mm512_castsi512_ps(_mm512_and_si512(x, top)));
+    }
+    st.m = m_new;
+  }
+  fma_block_values<DV>(vi, w, alpha, (n + 1) / 2, rows, nrows);  // weights past n are zero: no products
+}
+
+void block_fma(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* rows, int nrows, float* ws,
+               const Ahead& ahead) {
+  alignas(64) __m512i vi[kBlock / 2][16];
+  if (d == 256) {
+    interleave_values<16>(vb, n, d, vi);
+    block_fma_dc<8>(kb, vi, n, d, rows, nrows, ws, ahead);
+  } else if (d == 128) {
+    auto v8 = reinterpret_cast<__m512i(*)[8]>(vi);
+    interleave_values<8>(vb, n, d, v8);
+    block_fma_dc<4>(kb, v8, n, d, rows, nrows, ws, ahead);
+  } else {
+    auto v4 = reinterpret_cast<__m512i(*)[4]>(vi);
+    interleave_values<4>(vb, n, d, v4);
+    block_fma_dc<2>(kb, v4, n, d, rows, nrows, ws, ahead);
   }
 }
 
@@ -642,10 +806,10 @@ void finish(const RowState& st, int64_t d, float* out) {
     for (int l = 0; l < 16; ++l) out[stored_dim(c, l)] = st.acc[16 * c + l] * inv;
 }
 
-// Per row: its 32 scores, its 16 weight pairs and its rescale (padded to keep the pairs aligned).
-// and, for `run`, its lanes (`lane_space`).
+// Per row: its 32 scores, its 16 weight pairs (`block_fma`: its 32 weights) and its rescale (padded to
+// keep them aligned); and, for `run`, its lanes (`lane_space`).
 size_t workspace(int64_t d, int nrows) {
-  return std::max<size_t>(static_cast<size_t>(nrows) * (kBlock + 16) + nrows + 16,
+  return std::max<size_t>(static_cast<size_t>(nrows) * (2 * kBlock) + nrows + 16,
                           lane_space_floats(d, (nrows + 15) / 16));
 }
 
@@ -668,7 +832,8 @@ constexpr int kRunRows = 24;
 
 bool block_kernel_avx512(int64_t d, BlockKernel* out) {
   if (!cpu_has_avx512_bf16() || (d != 64 && d != 128 && d != 256)) return false;
-  *out = {block, finish, workspace, dequant, avx512_bf16_dot_pays() ? run : run_fma, kRunRows};
+  const bool dot = avx512_bf16_dot_pays();
+  *out = {dot ? block : block_fma, finish, workspace, dequant, dot ? run : run_fma, kRunRows};
   return true;
 }
 

@@ -127,7 +127,8 @@ void accumulate_values(const float* vf, const float* pw, int n, int64_t d, float
   }
 }
 
-void block(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* rows, int nrows, float* ws) {
+void block(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* rows, int nrows, float* ws,
+           const Ahead&) {
   float* kf = ws;               // [d / 2][2][kBlock] key planes
   float* vf = kf + kBlock * d;  // [kBlock][d] values, natural order
   convert_block(kb, vb, n, d, kf, vf);

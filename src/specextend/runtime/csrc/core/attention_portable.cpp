@@ -44,7 +44,8 @@ inline float score_portable(const uint16_t* k, const uint16_t* q, int64_t d) {
   return acc;
 }
 
-void block_portable(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* rows, int nrows, float*) {
+void block_portable(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* rows, int nrows, float*,
+                    const Ahead&) {
   float s[kBlock], p[kBlock];
   uint16_t pb[kBlock];
   for (int r = 0; r < nrows; ++r) {
