@@ -160,6 +160,31 @@ def test_an_extension_replaces_its_prefix_and_a_covered_prompt_is_not_stored_twi
     assert cache.stats()["entries"] == 2
 
 
+def test_questions_about_one_document_keep_one_copy_of_it():
+    cache = PrefixCache(1 << 30)
+    doc = list(range(1000, 3000))  # 2,000 shared tokens
+    first = fake_prefix(2003, 1)
+    cache.insert([*doc, 1, 2, 3], first, "k", "k")
+    cache.insert([*doc, 4, 5], fake_prefix(2002, 2), "k", "k")
+    st = cache.stats()
+    assert st["entries"] == 1 and st["bytes"] == first.nbytes  # the head, a view of the first prompt's KV
+    hit = cache.lookup([*doc, 6, 7, 8], "k", "k")
+    assert hit.length == 2000 and torch.equal(hit.target_kv.k, first.target_kv.k[:, :, :2000])
+    assert torch.equal(hit.draft_kv.v, first.draft_kv.v[:, :, :2000])
+    # A third question extends the head: it replaces it, and a fourth forks again.
+    cache.insert([*doc, 6, 7, 8], fake_prefix(2003, 3), "k", "k")
+    cache.insert([*doc, 9], fake_prefix(2001, 4), "k", "k")
+    assert cache.stats()["entries"] == 1 and cache.lookup([*doc, 0], "k", "k").length == 2000
+    # Tails longer than an eighth of the shared head (conversations after one system prompt) stay apart,
+    # as do prompts sharing fewer than FORK_MIN tokens.
+    cache = PrefixCache(1 << 30)
+    cache.insert([*doc, *range(300)], fake_prefix(2300, 1), "k", "k")
+    cache.insert([*doc, *range(5000, 5300)], fake_prefix(2300, 2), "k", "k")
+    cache.insert([*doc[:1000], 1], fake_prefix(1001, 3), "k", "k")
+    cache.insert([*doc[:1000], 2], fake_prefix(1001, 4), "k", "k")
+    assert cache.stats()["entries"] == 4
+
+
 def test_least_recently_used_entries_are_evicted_under_the_cap():
     cache = PrefixCache(100 * PER_TOKEN)
     a, b, c = ([i, *range(100, 139)] for i in (1, 2, 3))  # 40 tokens each, sharing nothing at token 0

@@ -15,7 +15,9 @@ only by a prefill that would have written the same bits.
 
 Memory is bounded: least recently used entries go first once their KV bytes exceed the cap. An
 entry whose tokens extend an older one's replaces it (the older is then a prefix of it), and an
-entry that an existing one already covers is not stored twice. With a folder, every entry is
+entry that an existing one already covers is not stored twice. Two prompts that share a long head and
+differ only in short tails (questions about one document) keep one entry in memory, the shared head:
+the second copy of a 32K-token document's KV would be 0.9 GB (`_Tier.fork`). With a folder, every entry is
 also written there (`kv_file`: atomic, checksummed), under its own LRU cap, so a restarted
 server finds its long prefills again; a file that fails its check is removed and never used.
 """
@@ -43,6 +45,10 @@ from . import kv_file
 log = logging.getLogger("specextend.requests.prefix_cache")
 
 STALE_TMP_S = 3600  # a writer's temporary file older than this was left by a crash
+# Two entries sharing at least FORK_MIN leading tokens, neither tail longer than 1/FORK_TAIL of them,
+# become their shared head: what is lost is at most that much prefill a tail, what is kept is one copy.
+FORK_MIN = 1024
+FORK_TAIL = 8
 
 
 @dataclass
@@ -108,7 +114,26 @@ class _Tier:
                 if new.holds(e) and len(e.tokens) <= len(new.tokens) and new.first_head <= e.first_head
                 and common_prefix(e.tokens, new.tokens) == len(e.tokens)]
 
+    def fork(self, new: _Entry) -> tuple[str, _Entry] | None:
+        """An entry that shares a long head with `new` and differs only in a short tail (FORK_MIN,
+        FORK_TAIL), and that head as an entry of its own: a view of whichever of the two holds more of
+        the draft's KV there (it keeps that one's storage, a tail longer than the head, alive)."""
+        for key, e in self.entries.items():
+            if e.target_kind != new.target_kind or e.draft_kind != new.draft_kind:
+                continue
+            n = common_prefix(e.tokens, new.tokens)
+            tails = max(len(e.tokens), len(new.tokens)) - n
+            if n < FORK_MIN or tails * FORK_TAIL > n or n < max(e.first_head, new.first_head):
+                continue
+            heads = [(x.prefix.head(n), x) for x in (e, new) if x.prefix is not None]
+            head, src = max(heads, key=lambda h: h[0].draft_slots)
+            return key, _Entry(src.tokens[:n].copy(), src.target_kind, src.draft_kind, src.nbytes, prefix=head,
+                               draft_slots=head.draft_slots, first_head=head.first_head)
+        return None
+
     def add(self, key: str, e: _Entry) -> None:
+        if key in self.entries:  # the same tokens and kinds again (a fork's head): replaced
+            self.remove(key)
         self.entries[key] = e
         self.bytes += e.nbytes
 
@@ -222,6 +247,11 @@ class PrefixCache:
             return
         for old in self.memory.superseded(entry):
             self.memory.remove(old)
+        fork = self.memory.fork(entry)
+        if fork is not None:  # keep the shared head only (a view: no copy)
+            old, head = fork
+            self.memory.remove(old)
+            key, entry = self._key(head.tokens, head.target_kind, head.draft_kind), head
         self.memory.add(key, entry)
         for _ in self.memory.overflow():
             pass
