@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "attention.h"
 #include "kv_q8.h"
@@ -20,6 +21,7 @@
 
 SPX_BEGIN_AVX2
 #include "simd_avx2.h"
+#include "tiles.h"
 
 namespace spx {
 
@@ -102,18 +104,10 @@ inline void score_rows(const float* kf, int64_t pairs, const RowState* rows, flo
 void scores_half(const uint16_t* kb, int n, int64_t d, int h, RowState* rows, int nrows, float* kf, float* s,
                  const Ahead& ahead) {
   key_planes(kb, n, d, h, kf);
-  constexpr int kRows = 4;  // 8 chains in flight
   float* sh = s + kKeyHalf * h;
-  int r = 0;
-  for (; r + kRows <= nrows; r += kRows)
-    score_rows<kRows>(kf, d / 2, rows + r, sh + r * kBlock, r == 0 ? ahead : Ahead{});
-  const Ahead& a = r == 0 ? ahead : Ahead{};
-  switch (nrows - r) {
-    case 3: score_rows<3>(kf, d / 2, rows + r, sh + r * kBlock, a); break;
-    case 2: score_rows<2>(kf, d / 2, rows + r, sh + r * kBlock, a); break;
-    case 1: score_rows<1>(kf, d / 2, rows + r, sh + r * kBlock, a); break;
-    default: break;
-  }
+  row_tiles<4>(nrows, [&](auto R, int r) {  // 8 chains in flight
+    score_rows<R>(kf, d / 2, rows + r, sh + r * kBlock, r == 0 ? ahead : Ahead{});
+  });
 }
 
 // A value row as float32 in the order VPUNPCK{L,H}WD leaves it: per 16 dims, [0-3, 8-11] then

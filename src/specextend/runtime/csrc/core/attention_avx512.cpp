@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "attention.h"
 #include "cpu.h"
@@ -18,6 +19,7 @@
 
 SPX_BEGIN_AVX512BF16
 #include "simd_avx512.h"
+#include "tiles.h"
 
 namespace spx {
 
@@ -89,24 +91,48 @@ void transpose_keys(const uint16_t* kb, int n, int64_t d, __m512i* kt) {
     }
 }
 
+// A few rows' products, two ways with the same bits: `Bf16Dot`, one VDPBF16PS per pair and half; `FmaDot`,
+// where VDPBF16PS is the slower (avx512_bf16_dot_pays: Intel's Xeons run it at half the FMA rate), each
+// step as two float32 FMAs, odd product then even — each pair register split into its odd and even halves
+// as float32 (an AND and a shift), the softmax weights rounded to bfloat16 in place (`float_to_bf16`'s
+// integer rounding, as `fma_softmax`). A decode step's or a small tree's attention over a long cache is
+// bound by these products on such a CPU, not by the bytes.
+struct Bf16Dot {};
+struct FmaDot {};
+
+inline __m512 odd_half(__m512i pairs) {
+  return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(-65536)));
+}
+inline __m512 even_half(__m512i pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }
+
 // Scores of R rows against the block's 32 keys: per row, two chains (keys 0-15, 16-31) over the
-// pairs in order, one VDPBF16PS per pair and half (attention_portable.cpp's score chain).
-template <int DP, int R>
+// pairs in order (attention_portable.cpp's score chain).
+template <class Dot, int DP, int R>
 inline void score_rows(const __m512i* kt, const RowState* rows, float* s, const Ahead& ahead) {
   const int per = ahead_per_step(ahead, DP);
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
 #pragma GCC unroll 2
   for (int p = 0; p < DP; ++p) {
-    const __m512bh k0 = (__m512bh)_mm512_load_si512(kt + 2 * p), k1 = (__m512bh)_mm512_load_si512(kt + 2 * p + 1);
+    const __m512i k0 = _mm512_load_si512(kt + 2 * p), k1 = _mm512_load_si512(kt + 2 * p + 1);
     ahead_step(ahead, p, per);
+    if constexpr (std::is_same_v<Dot, FmaDot>) {
+      const __m512 ko0 = odd_half(k0), ke0 = even_half(k0), ko1 = odd_half(k1), ke1 = even_half(k1);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, rows[r].q + 2 * p, 4);
-      const __m512bh qb = (__m512bh)_mm512_set1_epi32(pair);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], k0, qb);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], k1, qb);
+      for (int r = 0; r < R; ++r) {
+        const __m512 qo = _mm512_set1_ps(rows[r].qf[2 * p + 1]), qe = _mm512_set1_ps(rows[r].qf[2 * p]);
+        acc[r][0] = _mm512_fmadd_ps(ke0, qe, _mm512_fmadd_ps(ko0, qo, acc[r][0]));
+        acc[r][1] = _mm512_fmadd_ps(ke1, qe, _mm512_fmadd_ps(ko1, qo, acc[r][1]));
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, rows[r].q + 2 * p, 4);
+        const __m512bh qb = (__m512bh)_mm512_set1_epi32(pair);
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)k0, qb);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)k1, qb);
+      }
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -115,62 +141,36 @@ inline void score_rows(const __m512i* kt, const RowState* rows, float* s, const 
   }
 }
 
-// The block ahead comes in during the first tile of rows only.
-template <int DP>
-void block_scores(const __m512i* kt, const RowState* rows, int nrows, float* s, const Ahead& ahead) {
-  constexpr int kRows = 6;  // 12 chains in flight: enough to cover VDPBF16PS latency
-  int r = 0;
-  for (; r + kRows <= nrows; r += kRows)
-    score_rows<DP, kRows>(kt, rows + r, s + r * kBlock, r == 0 ? ahead : Ahead{});
-  const Ahead& a = r == 0 ? ahead : Ahead{};
-  switch (nrows - r) {
-    case 5: score_rows<DP, 5>(kt, rows + r, s + r * kBlock, a); break;
-    case 4: score_rows<DP, 4>(kt, rows + r, s + r * kBlock, a); break;
-    case 3: score_rows<DP, 3>(kt, rows + r, s + r * kBlock, a); break;
-    case 2: score_rows<DP, 2>(kt, rows + r, s + r * kBlock, a); break;
-    case 1: score_rows<DP, 1>(kt, rows + r, s + r * kBlock, a); break;
-    default: break;
-  }
-}
-
-template <int DC>
-void block_dc(const uint16_t* kb, const __m512i (*vi)[2 * DC], int n, int64_t d, RowState* rows, int nrows,
-              float* sbuf, const Ahead& ahead) {
-  constexpr int DV = 2 * DC;  // float32 accumulators of 16 dims
-  alignas(64) __m512i kt[DC * 16 * 2];
-  transpose_keys<DC * 16>(kb, n, d, kt);
-  block_scores<DC * 16>(kt, rows, nrows, sbuf, ahead);
+// One row's softmax step over the block's scores sr[kBlock] (keys past n masked): soft-capped where the row
+// asks, its maximum and sum moved on, its weights in p (zero past n), its accumulator's rescale returned.
+inline float softmax_step(const float* sr, int n, RowState& st, __m512 p[2]) {
   const __mmask16 k0 = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
   const __mmask16 k1 = n >= 32 ? 0xFFFF : (n > 16 ? static_cast<__mmask16>((1u << (n - 16)) - 1) : 0);
-  // Softmax weights of every row first (bfloat16 pairs in pw, each row's rescale in alpha): the rows'
-  // chains are independent, so the out-of-order core overlaps them; then the values two rows at a
-  // time, so each interleaved value register loaded serves both.
-  int32_t* pw = reinterpret_cast<int32_t*>(sbuf + nrows * kBlock);  // [nrows][16], 64-byte aligned
-  float* alpha = sbuf + nrows * (kBlock + 16);
-  for (int r = 0; r < nrows; ++r) {
-    RowState& st = rows[r];
-    const float* sr = sbuf + r * kBlock;
-    __m512 s[2] = {_mm512_loadu_ps(sr), n > 16 ? _mm512_loadu_ps(sr + 16) : _mm512_setzero_ps()};
-    if (st.cap > 0.f) {  // masked below, as every other score past n
-      const float inv = softcap_inverse(st.cap);
-      s[0] = softcap_avx512(s[0], st.cap, inv);
-      s[1] = softcap_avx512(s[1], st.cap, inv);
-    }
-    s[0] = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), k0, s[0]);
-    s[1] = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), k1, s[1]);
-    const float bmax = _mm512_reduce_max_ps(_mm512_max_ps(s[0], s[1]));
-    const float m_new = std::fmax(st.m, bmax);
-    alpha[r] = _mm_cvtss_f32(_mm512_castps512_ps128(exp_avx512(_mm512_set1_ps(st.m - m_new))));
-    const __m512 mn = _mm512_set1_ps(m_new);
-    const __m512 p0 = _mm512_maskz_mov_ps(k0, exp_avx512(_mm512_sub_ps(s[0], mn)));
-    const __m512 p1 = _mm512_maskz_mov_ps(k1, exp_avx512(_mm512_sub_ps(s[1], mn)));
-    st.l = std::fma(st.l, alpha[r], hsum16_avx512(_mm512_add_ps(p0, p1)));
-    _mm512_store_si512(pw + 16 * r, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));  // pairs (2j, 2j+1)
-    st.m = m_new;
+  __m512 s[2] = {_mm512_loadu_ps(sr), n > 16 ? _mm512_loadu_ps(sr + 16) : _mm512_setzero_ps()};
+  if (st.cap > 0.f) {  // masked below, as every other score past n
+    const float inv = softcap_inverse(st.cap);
+    s[0] = softcap_avx512(s[0], st.cap, inv);
+    s[1] = softcap_avx512(s[1], st.cap, inv);
   }
-  const int pairs = (n + 1) / 2;  // weights past n are zero: their products add nothing
+  s[0] = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), k0, s[0]);
+  s[1] = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), k1, s[1]);
+  const float bmax = _mm512_reduce_max_ps(_mm512_max_ps(s[0], s[1]));
+  const float m_new = std::fmax(st.m, bmax);
+  const float alpha = _mm_cvtss_f32(_mm512_castps512_ps128(exp_avx512(_mm512_set1_ps(st.m - m_new))));
+  const __m512 mn = _mm512_set1_ps(m_new);
+  p[0] = _mm512_maskz_mov_ps(k0, exp_avx512(_mm512_sub_ps(s[0], mn)));
+  p[1] = _mm512_maskz_mov_ps(k1, exp_avx512(_mm512_sub_ps(s[1], mn)));
+  st.l = std::fma(st.l, alpha, hsum16_avx512(_mm512_add_ps(p[0], p[1])));
+  st.m = m_new;
+  return alpha;
+}
+
+// VDPBF16PS's values: two rows at a time while their accumulators fit the registers with the values (head
+// size <= 128), so each interleaved value register loaded serves both (pw: the rows' weight pairs, [nrows][16]).
+template <int DV>
+void dot_values(const __m512i (*vi)[DV], const int32_t* pw, const float* alpha, int pairs, RowState* rows,
+                int nrows) {
   int r0 = 0;
-  // Two rows at a time while their accumulators fit the registers with the values (head size <= 128).
   for (; DV <= 8 && r0 + 2 <= nrows; r0 += 2) {
     float* acc0 = rows[r0].acc;
     float* acc1 = rows[r0 + 1].acc;
@@ -219,78 +219,6 @@ void block_dc(const uint16_t* kb, const __m512i (*vi)[2 * DC], int n, int64_t d,
   }
 }
 
-void block(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* rows, int nrows, float* ws,
-           const Ahead& ahead) {
-  alignas(64) __m512i vi[kBlock / 2][16];
-  if (d == 256) {  // Gemma 2 and 3
-    interleave_values<16>(vb, n, d, vi);
-    block_dc<8>(kb, vi, n, d, rows, nrows, ws, ahead);
-  } else if (d == 128) {
-    auto v8 = reinterpret_cast<__m512i(*)[8]>(vi);
-    interleave_values<8>(vb, n, d, v8);
-    block_dc<4>(kb, v8, n, d, rows, nrows, ws, ahead);
-  } else {
-    auto v4 = reinterpret_cast<__m512i(*)[4]>(vi);
-    interleave_values<4>(vb, n, d, v4);
-    block_dc<2>(kb, v4, n, d, rows, nrows, ws, ahead);
-  }
-}
-
-// ------------------------------------------------------------------ few rows on FMAs
-//
-// `block` with each VDPBF16PS step as two float32 FMAs, odd product then even, where those are the faster
-// (avx512_bf16_dot_pays: Intel's Xeons run VDPBF16PS at half the FMA rate): a decode step's or a small
-// tree's attention over a long cache is bound by its products there, not by the bytes. The keys are
-// transposed as in `block`, and each pair register split into its odd and even halves as float32 (an AND
-// and a shift) where the rows use it; the values are split so once a block; the softmax weights are
-// rounded to bfloat16 in place (`float_to_bf16`'s integer rounding, as `fma_softmax`). Same bits.
-
-inline __m512 odd_half(__m512i pairs) {
-  return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(-65536)));
-}
-inline __m512 even_half(__m512i pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }
-
-// Scores of R rows against the block's 32 keys, as score_rows computes them.
-template <int DP, int R>
-inline void fma_score_rows(const __m512i* kt, const RowState* rows, float* s, const Ahead& ahead) {
-  const int per = ahead_per_step(ahead, DP);
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-#pragma GCC unroll 2
-  for (int p = 0; p < DP; ++p) {
-    const __m512i k0 = _mm512_load_si512(kt + 2 * p), k1 = _mm512_load_si512(kt + 2 * p + 1);
-    const __m512 ko0 = odd_half(k0), ke0 = even_half(k0), ko1 = odd_half(k1), ke1 = even_half(k1);
-    ahead_step(ahead, p, per);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m512 qo = _mm512_set1_ps(rows[r].qf[2 * p + 1]), qe = _mm512_set1_ps(rows[r].qf[2 * p]);
-      acc[r][0] = _mm512_fmadd_ps(ke0, qe, _mm512_fmadd_ps(ko0, qo, acc[r][0]));
-      acc[r][1] = _mm512_fmadd_ps(ke1, qe, _mm512_fmadd_ps(ko1, qo, acc[r][1]));
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(s + r * kBlock, acc[r][0]);
-    _mm512_storeu_ps(s + r * kBlock + 16, acc[r][1]);
-  }
-}
-
-template <int DP>
-void fma_block_scores(const __m512i* kt, const RowState* rows, int nrows, float* s, const Ahead& ahead) {
-  constexpr int kRows = 6;
-  int r = 0;
-  for (; r + kRows <= nrows; r += kRows)
-    fma_score_rows<DP, kRows>(kt, rows + r, s + r * kBlock, r == 0 ? ahead : Ahead{});
-  const Ahead& a = r == 0 ? ahead : Ahead{};
-  switch (nrows - r) {
-    case 5: fma_score_rows<DP, 5>(kt, rows + r, s + r * kBlock, a); break;
-    case 4: fma_score_rows<DP, 4>(kt, rows + r, s + r * kBlock, a); break;
-    case 3: fma_score_rows<DP, 3>(kt, rows + r, s + r * kBlock, a); break;
-    case 2: fma_score_rows<DP, 2>(kt, rows + r, s + r * kBlock, a); break;
-    case 1: fma_score_rows<DP, 1>(kt, rows + r, s + r * kBlock, a); break;
-    default: break;
-  }
-}
-
 // Rows [0, R)'s values: each accumulator rescaled, then the key pairs in order, two registers of 16
 // dimensions at a time for all R rows (vi: the block's values interleaved by key pairs, each register
 // split into its odd and even key as float32 where used; w: the rows' rounded weights, [R][kBlock]).
@@ -321,76 +249,57 @@ inline void fma_value_rows(const __m512i (*vi)[DV], const float* w, const float*
   }
 }
 
-template <int DV>
-void fma_block_values(const __m512i (*vi)[DV], const float* w, const float* alpha, int pairs, RowState* rows,
-                      int nrows) {
-  constexpr int kRows = 6;
-  int r = 0;
-  for (; r + kRows <= nrows; r += kRows) fma_value_rows<DV, kRows>(vi, w + r * kBlock, alpha + r, pairs, rows + r);
-  switch (nrows - r) {
-    case 5: fma_value_rows<DV, 5>(vi, w + r * kBlock, alpha + r, pairs, rows + r); break;
-    case 4: fma_value_rows<DV, 4>(vi, w + r * kBlock, alpha + r, pairs, rows + r); break;
-    case 3: fma_value_rows<DV, 3>(vi, w + r * kBlock, alpha + r, pairs, rows + r); break;
-    case 2: fma_value_rows<DV, 2>(vi, w + r * kBlock, alpha + r, pairs, rows + r); break;
-    case 1: fma_value_rows<DV, 1>(vi, w + r * kBlock, alpha + r, pairs, rows + r); break;
-    default: break;
-  }
-}
-
-template <int DC>
-void block_fma_dc(const uint16_t* kb, const __m512i (*vi)[2 * DC], int n, int64_t d, RowState* rows, int nrows,
-                  float* sbuf, const Ahead& ahead) {
-  constexpr int DV = 2 * DC;
+template <class Dot, int DC>
+void block_dc(const uint16_t* kb, const __m512i (*vi)[2 * DC], int n, int64_t d, RowState* rows, int nrows,
+              float* sbuf, const Ahead& ahead) {
+  constexpr int DV = 2 * DC;  // float32 accumulators of 16 dims
   alignas(64) __m512i kt[DC * 16 * 2];
   transpose_keys<DC * 16>(kb, n, d, kt);
-  fma_block_scores<DC * 16>(kt, rows, nrows, sbuf, ahead);
-  const __mmask16 k0 = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
-  const __mmask16 k1 = n >= 32 ? 0xFFFF : (n > 16 ? static_cast<__mmask16>((1u << (n - 16)) - 1) : 0);
-  float* w = sbuf + nrows * kBlock;  // [nrows][kBlock], 64-byte aligned: the weights, rounded
+  row_tiles<6>(nrows, [&](auto R, int r) {  // 12 chains in flight: enough to cover the products' latency
+    score_rows<Dot, DC * 16, R>(kt, rows + r, sbuf + r * kBlock, r == 0 ? ahead : Ahead{});  // the block ahead once
+  });
+  // Softmax weights of every row first (each row's rescale in alpha): the rows' chains are independent,
+  // so the out-of-order core overlaps them; then the values.
+  float* w = sbuf + nrows * kBlock;  // 64-byte aligned: bfloat16 pairs [nrows][16], or rounded floats [nrows][kBlock]
   float* alpha = w + nrows * kBlock;
   const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), top = _mm512_set1_epi32(-65536);
-  for (int r = 0; r < nrows; ++r) {  // block_dc's softmax, operation for operation
-    RowState& st = rows[r];
-    const float* sr = sbuf + r * kBlock;
-    __m512 s[2] = {_mm512_loadu_ps(sr), n > 16 ? _mm512_loadu_ps(sr + 16) : _mm512_setzero_ps()};
-    if (st.cap > 0.f) {
-      const float inv = softcap_inverse(st.cap);
-      s[0] = softcap_avx512(s[0], st.cap, inv);
-      s[1] = softcap_avx512(s[1], st.cap, inv);
+  for (int r = 0; r < nrows; ++r) {
+    __m512 p[2];
+    alpha[r] = softmax_step(sbuf + r * kBlock, n, rows[r], p);
+    if constexpr (std::is_same_v<Dot, FmaDot>) {
+      for (int h = 0; h < 2; ++h) {
+        const __m512i u = _mm512_castps_si512(p[h]);
+        const __m512i x = _mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+        _mm512_store_ps(w + r * kBlock + 16 * h, _mm512_castsi512_ps(_mm512_and_si512(x, top)));
+      }
+    } else {
+      _mm512_store_si512(w + 16 * r, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));  // pairs (2j, 2j+1)
     }
-    s[0] = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), k0, s[0]);
-    s[1] = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), k1, s[1]);
-    const float bmax = _mm512_reduce_max_ps(_mm512_max_ps(s[0], s[1]));
-    const float m_new = std::fmax(st.m, bmax);
-    alpha[r] = _mm_cvtss_f32(_mm512_castps512_ps128(exp_avx512(_mm512_set1_ps(st.m - m_new))));
-    const __m512 mn = _mm512_set1_ps(m_new);
-    const __m512 p[2] = {_mm512_maskz_mov_ps(k0, exp_avx512(_mm512_sub_ps(s[0], mn))),
-                         _mm512_maskz_mov_ps(k1, exp_avx512(_mm512_sub_ps(s[1], mn)))};
-    st.l = std::fma(st.l, alpha[r], hsum16_avx512(_mm512_add_ps(p[0], p[1])));
-    for (int h = 0; h < 2; ++h) {
-      const __m512i u = _mm512_castps_si512(p[h]);
-      const __m512i x = _mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
-      _mm512_store_ps(w + r * kBlock + 16 * h, _mm512_castsi512_ps(_mm512_and_si512(x, top)));
-    }
-    st.m = m_new;
   }
-  fma_block_values<DV>(vi, w, alpha, (n + 1) / 2, rows, nrows);  // weights past n are zero: no products
+  const int pairs = (n + 1) / 2;  // weights past n are zero: their products add nothing
+  if constexpr (std::is_same_v<Dot, FmaDot>) {
+    row_tiles<6>(nrows, [&](auto R, int r) { fma_value_rows<DV, R>(vi, w + r * kBlock, alpha + r, pairs, rows + r); });
+  } else {
+    dot_values<DV>(vi, reinterpret_cast<const int32_t*>(w), alpha, pairs, rows, nrows);
+  }
 }
 
-void block_fma(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* rows, int nrows, float* ws,
-               const Ahead& ahead) {
+// One block of a few rows: the values interleaved by key pairs once for all of them.
+template <class Dot>
+void block(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* rows, int nrows, float* ws,
+           const Ahead& ahead) {
   alignas(64) __m512i vi[kBlock / 2][16];
-  if (d == 256) {
+  if (d == 256) {  // Gemma 2 and 3
     interleave_values<16>(vb, n, d, vi);
-    block_fma_dc<8>(kb, vi, n, d, rows, nrows, ws, ahead);
+    block_dc<Dot, 8>(kb, vi, n, d, rows, nrows, ws, ahead);
   } else if (d == 128) {
     auto v8 = reinterpret_cast<__m512i(*)[8]>(vi);
     interleave_values<8>(vb, n, d, v8);
-    block_fma_dc<4>(kb, v8, n, d, rows, nrows, ws, ahead);
+    block_dc<Dot, 4>(kb, v8, n, d, rows, nrows, ws, ahead);
   } else {
     auto v4 = reinterpret_cast<__m512i(*)[4]>(vi);
     interleave_values<4>(vb, n, d, v4);
-    block_fma_dc<2>(kb, v4, n, d, rows, nrows, ws, ahead);
+    block_dc<Dot, 2>(kb, v4, n, d, rows, nrows, ws, ahead);
   }
 }
 
@@ -531,24 +440,12 @@ void lane_values(const __m512i* vi, const LaneSpace& sp, int groups, int g0) {
 
 template <int DP>
 void lane_scores_tile(const uint16_t* kb, int64_t d, const LaneSpace& sp, int groups, int g0, int gt) {
-  switch (gt) {
-    case 5: lane_scores<DP, 5>(kb, d, sp, groups, g0); break;
-    case 4: lane_scores<DP, 4>(kb, d, sp, groups, g0); break;
-    case 3: lane_scores<DP, 3>(kb, d, sp, groups, g0); break;
-    case 2: lane_scores<DP, 2>(kb, d, sp, groups, g0); break;
-    default: lane_scores<DP, 1>(kb, d, sp, groups, g0); break;
-  }
+  with_count<5>(gt, [&](auto GT) { lane_scores<DP, GT>(kb, d, sp, groups, g0); });
 }
 
 template <int D>
 void lane_values_tile(const __m512i* vi, const LaneSpace& sp, int groups, int g0, int gt) {
-  switch (gt) {
-    case 5: lane_values<D, 5>(vi, sp, groups, g0); break;
-    case 4: lane_values<D, 4>(vi, sp, groups, g0); break;
-    case 3: lane_values<D, 3>(vi, sp, groups, g0); break;
-    case 2: lane_values<D, 2>(vi, sp, groups, g0); break;
-    default: lane_values<D, 1>(vi, sp, groups, g0); break;
-  }
+  with_count<5>(gt, [&](auto GT) { lane_values<D, GT>(vi, sp, groups, g0); });
 }
 
 // The rows' states into the lanes and out, 16 x 16 words at a time (`transpose16`); rows past nrows get
@@ -724,22 +621,12 @@ void fma_values(const float* vo, const float* ve, const LaneSpace& sp, int group
 
 template <int DP>
 void fma_scores_tile(const float* kf, int64_t d, const LaneSpace& sp, int groups, int g0, int gt) {
-  switch (gt) {
-    case 4: fma_scores<DP, 4>(kf, d, sp, groups, g0); break;
-    case 3: fma_scores<DP, 3>(kf, d, sp, groups, g0); break;
-    case 2: fma_scores<DP, 2>(kf, d, sp, groups, g0); break;
-    default: fma_scores<DP, 1>(kf, d, sp, groups, g0); break;
-  }
+  with_count<4>(gt, [&](auto GT) { fma_scores<DP, GT>(kf, d, sp, groups, g0); });
 }
 
 template <int D>
 void fma_values_tile(const float* vo, const float* ve, const LaneSpace& sp, int groups, int g0, int gt) {
-  switch (gt) {
-    case 4: fma_values<D, 4>(vo, ve, sp, groups, g0); break;
-    case 3: fma_values<D, 3>(vo, ve, sp, groups, g0); break;
-    case 2: fma_values<D, 2>(vo, ve, sp, groups, g0); break;
-    default: fma_values<D, 1>(vo, ve, sp, groups, g0); break;
-  }
+  with_count<4>(gt, [&](auto GT) { fma_values<D, GT>(vo, ve, sp, groups, g0); });
 }
 
 template <int DC>
@@ -806,7 +693,7 @@ void finish(const RowState& st, int64_t d, float* out) {
     for (int l = 0; l < 16; ++l) out[stored_dim(c, l)] = st.acc[16 * c + l] * inv;
 }
 
-// Per row: its 32 scores, its 16 weight pairs (`block_fma`: its 32 weights) and its rescale (padded to
+// Per row: its 32 scores, its 16 weight pairs (`FmaDot`: its 32 weights) and its rescale (padded to
 // keep them aligned); and, for `run`, its lanes (`lane_space`).
 size_t workspace(int64_t d, int nrows) {
   return std::max<size_t>(static_cast<size_t>(nrows) * (2 * kBlock) + nrows + 16,
@@ -833,7 +720,7 @@ constexpr int kRunRows = 24;
 bool block_kernel_avx512(int64_t d, BlockKernel* out) {
   if (!cpu_has_avx512_bf16() || (d != 64 && d != 128 && d != 256)) return false;
   const bool dot = avx512_bf16_dot_pays();
-  *out = {dot ? block : block_fma, finish, workspace, dequant, dot ? run : run_fma, kRunRows};
+  *out = {dot ? block<Bf16Dot> : block<FmaDot>, finish, workspace, dequant, dot ? run : run_fma, kRunRows};
   return true;
 }
 
