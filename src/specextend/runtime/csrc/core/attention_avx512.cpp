@@ -1,7 +1,7 @@
 // The avx512 path of the attention kernel: VDPBF16PS (32 bfloat16 multiply-adds an instruction),
 // the arithmetic of attention_portable.cpp lane for lane. A block's keys are shared by every
 // query row of the item; its values are interleaved by key pairs once for all of them. Many rows
-// (a prefill chunk) run on FMAs instead where those are the faster (Intel: `run_fma`).
+// (a prefill chunk) run on FMAs instead where those are the faster (Intel: `FmaDot`).
 #if defined(__x86_64__)
 
 #include "x86.h"
@@ -28,7 +28,8 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline float hsum16_avx512(__m512 v) {
-  const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), hi);
   const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
   return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
@@ -95,7 +96,7 @@ void transpose_keys(const uint16_t* kb, int n, int64_t d, __m512i* kt) {
 // where VDPBF16PS is the slower (avx512_bf16_dot_pays: Intel's Xeons run it at half the FMA rate), each
 // step as two float32 FMAs, odd product then even — each pair register split into its odd and even halves
 // as float32 (an AND and a shift), the softmax weights rounded to bfloat16 in place (`float_to_bf16`'s
-// integer rounding, as `fma_softmax`). A decode step's or a small tree's attention over a long cache is
+// integer rounding, as `lane_softmax<FmaDot>`). A decode step's or a small tree's attention over a long cache is
 // bound by these products on such a CPU, not by the bytes.
 struct Bf16Dot {};
 struct FmaDot {};
@@ -312,9 +313,10 @@ void block(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* r
 // a group's rescale is one exponential. Each lane computes its row's chains exactly as `block` does
 // (a score: the pairs in order, odd product then even; the sum of weights: lane i + lane i+16, then the
 // tree i+8, i+4, i+2, i+1; a value: the key pairs in order), so the bits are `block`'s, block by block.
+// With `FmaDot` the block's keys and values are widened to float32 once and broadcast from memory, the
+// queries' halves once a run (LaneSpace::qf), and the weights rounded to bfloat16 in place.
 
 constexpr int kTileKeys = 4;       // keys (scores) or dimensions (values) a tile broadcasts per step
-constexpr int kMaxTileGroups = 5;  // 4 x 5 accumulators, 5 row registers and 4 broadcasts: 29 of 32
 
 // The run's workspace (floats, 64-byte aligned): per group, the queries' pairs, the block's scores
 // (then weights), the weights' bfloat16 pairs, the value accumulators, and maximum, sum and rescale.
@@ -351,23 +353,75 @@ LaneSpace lane_space(float* ws, int64_t d, int groups, float cap) {
   return sp;
 }
 
+// A block as each product reads it (d == D): `Bf16Dot` the keys where they lie and the values interleaved by
+// key pairs (`interleave_values`: pair j, stored dimension x at word j * D + x); `FmaDot` the keys widened
+// to float32 and each value pair's odd and even key as float32 (vo, ve: [kBlock / 2][D]).
+template <class Dot, int D>
+struct LaneBlock;
+
+template <int D>
+struct LaneBlock<Bf16Dot, D> {
+  const uint16_t* kb;
+  alignas(64) __m512i vi[kBlock / 2][D / 16];
+  void load(const uint16_t* k, const uint16_t* v) {
+    kb = k;
+    interleave_values<D / 16>(v, kBlock, D, vi);
+  }
+};
+
+template <int D>
+struct LaneBlock<FmaDot, D> {
+  alignas(64) float kf[kBlock * D], vo[kBlock / 2 * D], ve[kBlock / 2 * D];
+  void load(const uint16_t* k, const uint16_t* v) {
+    for (int64_t i = 0; i < kBlock * D; i += 16) {  // bfloat16 words as the float32 values they stand for
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + i));
+      _mm512_store_si512(kf + i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(w), 16));
+    }
+    alignas(64) __m512i vi[kBlock / 2][D / 16];
+    interleave_values<D / 16>(v, kBlock, D, vi);
+    const __m512i* vw = &vi[0][0];
+    for (int i = 0; i < kBlock / 2 * D / 16; ++i) {
+      _mm512_store_ps(vo + 16 * i, odd_half(vw[i]));
+      _mm512_store_ps(ve + 16 * i, even_half(vw[i]));
+    }
+  }
+};
+
+// Lane groups a tile: `Bf16Dot` 4 x 5 accumulators, 5 row registers and 4 broadcasts (29 of 32 registers);
+// `FmaDot` 4 x 4 accumulators, 8 query or weight registers, 2 broadcasts.
+template <class Dot>
+constexpr int kTileGroups = std::is_same_v<Dot, FmaDot> ? 4 : 5;
+
 // Scores of groups [g0, g0 + GT) against the block's keys, kTileKeys keys a step.
-template <int DP, int GT>
-void lane_scores(const uint16_t* kb, int64_t d, const LaneSpace& sp, int groups, int g0) {
+template <class Dot, int D, int GT>
+void lane_scores(const LaneBlock<Dot, D>& blk, const LaneSpace& sp, int groups, int g0) {
   for (int k0 = 0; k0 < kBlock; k0 += kTileKeys) {
     __m512 acc[kTileKeys][GT];
     for (int k = 0; k < kTileKeys; ++k)
       for (int g = 0; g < GT; ++g) acc[k][g] = _mm512_setzero_ps();
-    const uint16_t* key = kb + k0 * d;
 #pragma GCC unroll 2
-    for (int p = 0; p < DP; ++p) {
-      __m512bh q[GT];
-      for (int g = 0; g < GT; ++g) q[g] = (__m512bh)_mm512_load_si512(sp.qt + p * groups + g0 + g);
-      for (int k = 0; k < kTileKeys; ++k) {
-        int32_t pair;
-        std::memcpy(&pair, key + k * d + 2 * p, 4);
-        const __m512bh kp = (__m512bh)_mm512_set1_epi32(pair);
-        for (int g = 0; g < GT; ++g) acc[k][g] = _mm512_dpbf16_ps(acc[k][g], kp, q[g]);
+    for (int p = 0; p < D / 2; ++p) {
+      if constexpr (std::is_same_v<Dot, FmaDot>) {
+        const float* key = blk.kf + k0 * D;
+        __m512 qo[GT], qe[GT];
+        for (int g = 0; g < GT; ++g) {
+          qo[g] = sp.qf[p * 2 * groups + g0 + g];
+          qe[g] = sp.qf[p * 2 * groups + groups + g0 + g];
+        }
+        for (int k = 0; k < kTileKeys; ++k) {
+          const __m512 ko = _mm512_set1_ps(key[k * D + 2 * p + 1]), ke = _mm512_set1_ps(key[k * D + 2 * p]);
+          for (int g = 0; g < GT; ++g) acc[k][g] = _mm512_fmadd_ps(ke, qe[g], _mm512_fmadd_ps(ko, qo[g], acc[k][g]));
+        }
+      } else {
+        const uint16_t* key = blk.kb + k0 * D;
+        __m512bh q[GT];
+        for (int g = 0; g < GT; ++g) q[g] = (__m512bh)_mm512_load_si512(sp.qt + p * groups + g0 + g);
+        for (int k = 0; k < kTileKeys; ++k) {
+          int32_t pair;
+          std::memcpy(&pair, key + k * D + 2 * p, 4);
+          const __m512bh kp = (__m512bh)_mm512_set1_epi32(pair);
+          for (int g = 0; g < GT; ++g) acc[k][g] = _mm512_dpbf16_ps(acc[k][g], kp, q[g]);
+        }
       }
     }
     for (int k = 0; k < kTileKeys; ++k)
@@ -396,24 +450,35 @@ void lane_softmax_step(const LaneSpace& sp, int groups, int g) {
   sp.m[g] = m_new;
 }
 
-// lane_softmax_step, then the weights as VDPBF16PS's bfloat16 pairs (sp.w).
+// lane_softmax_step, then the weights as the values' products read them: `Bf16Dot` VDPBF16PS's bfloat16
+// pairs (sp.w); `FmaDot` each weight rounded to bfloat16 in place (the integer form of VCVTNE2PS2BF16's
+// rounding, float_to_bf16: the weights are normal floats).
+template <class Dot>
 void lane_softmax(const LaneSpace& sp, int groups, int g) {
   lane_softmax_step(sp, groups, g);
-  const __m512* s = sp.s + g;
-  // Word 2i <- lane i of keys 2j, word 2i + 1 <- lane i of key 2j + 1.
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  for (int j = 0; j < kBlock / 2; ++j) {
-    const __m512i pj = (__m512i)_mm512_cvtne2ps_pbh(s[(2 * j + 1) * groups], s[2 * j * groups]);
-    sp.w[j * groups + g] = _mm512_permutexvar_epi16(interleave, pj);
+  __m512* s = sp.s + g;
+  if constexpr (std::is_same_v<Dot, FmaDot>) {
+    const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), top = _mm512_set1_epi32(-65536);
+    for (int k = 0; k < kBlock; ++k) {
+      const __m512i u = _mm512_castps_si512(s[k * groups]);
+      const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+      s[k * groups] = _mm512_castsi512_ps(_mm512_and_si512(r, top));
+    }
+  } else {
+    // Word 2i <- lane i of keys 2j, word 2i + 1 <- lane i of key 2j + 1.
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int j = 0; j < kBlock / 2; ++j) {
+      const __m512i pj = (__m512i)_mm512_cvtne2ps_pbh(s[(2 * j + 1) * groups], s[2 * j * groups]);
+      sp.w[j * groups + g] = _mm512_permutexvar_epi16(interleave, pj);
+    }
   }
 }
 
 // Groups [g0, g0 + GT)'s values: each accumulator rescaled, then the block's key pairs in order,
-// kTileKeys dimensions a step (vi: the block's values interleaved by key pairs, `interleave_values`).
-template <int D, int GT>
-void lane_values(const __m512i* vi, const LaneSpace& sp, int groups, int g0) {
-  const int32_t* vp = reinterpret_cast<const int32_t*>(vi);  // pair j, dimension x: vp[j * D + x]
+// kTileKeys dimensions a step.
+template <class Dot, int D, int GT>
+void lane_values(const LaneBlock<Dot, D>& blk, const LaneSpace& sp, int groups, int g0) {
   bool rescale = false;
   for (int g = 0; g < GT; ++g)
     rescale |= _mm512_cmp_ps_mask(sp.alpha[g0 + g], _mm512_set1_ps(1.f), _CMP_NEQ_UQ) != 0;  // x * 1 = x
@@ -426,26 +491,29 @@ void lane_values(const __m512i* vi, const LaneSpace& sp, int groups, int g0) {
       }
 #pragma GCC unroll 4
     for (int j = 0; j < kBlock / 2; ++j) {
-      __m512bh w[GT];
-      for (int g = 0; g < GT; ++g) w[g] = (__m512bh)_mm512_load_si512(sp.w + j * groups + g0 + g);
-      for (int x = 0; x < kTileKeys; ++x) {
-        const __m512bh v = (__m512bh)_mm512_set1_epi32(vp[j * D + x0 + x]);
-        for (int g = 0; g < GT; ++g) acc[x][g] = _mm512_dpbf16_ps(acc[x][g], v, w[g]);
+      if constexpr (std::is_same_v<Dot, FmaDot>) {
+        __m512 wo[GT], we[GT];
+        for (int g = 0; g < GT; ++g) {
+          wo[g] = sp.s[(2 * j + 1) * groups + g0 + g];
+          we[g] = sp.s[2 * j * groups + g0 + g];
+        }
+        for (int x = 0; x < kTileKeys; ++x) {
+          const __m512 o = _mm512_set1_ps(blk.vo[j * D + x0 + x]), e = _mm512_set1_ps(blk.ve[j * D + x0 + x]);
+          for (int g = 0; g < GT; ++g) acc[x][g] = _mm512_fmadd_ps(e, we[g], _mm512_fmadd_ps(o, wo[g], acc[x][g]));
+        }
+      } else {
+        const int32_t* vp = reinterpret_cast<const int32_t*>(&blk.vi[0][0]);
+        __m512bh w[GT];
+        for (int g = 0; g < GT; ++g) w[g] = (__m512bh)_mm512_load_si512(sp.w + j * groups + g0 + g);
+        for (int x = 0; x < kTileKeys; ++x) {
+          const __m512bh v = (__m512bh)_mm512_set1_epi32(vp[j * D + x0 + x]);
+          for (int g = 0; g < GT; ++g) acc[x][g] = _mm512_dpbf16_ps(acc[x][g], v, w[g]);
+        }
       }
     }
     for (int x = 0; x < kTileKeys; ++x)
       for (int g = 0; g < GT; ++g) sp.acc[(x0 + x) * groups + g0 + g] = acc[x][g];
   }
-}
-
-template <int DP>
-void lane_scores_tile(const uint16_t* kb, int64_t d, const LaneSpace& sp, int groups, int g0, int gt) {
-  with_count<5>(gt, [&](auto GT) { lane_scores<DP, GT>(kb, d, sp, groups, g0); });
-}
-
-template <int D>
-void lane_values_tile(const __m512i* vi, const LaneSpace& sp, int groups, int g0, int gt) {
-  with_count<5>(gt, [&](auto GT) { lane_values<D, GT>(vi, sp, groups, g0); });
 }
 
 // The rows' states into the lanes and out, 16 x 16 words at a time (`transpose16`); rows past nrows get
@@ -506,181 +574,43 @@ inline void prefetch_block(const uint16_t* kb, const uint16_t* vb, int64_t d) {
   }
 }
 
-template <int DC>
-void run_dc(const uint16_t* k, const uint16_t* v, int nblocks, int64_t d, RowState* rows, int nrows, float* ws) {
-  constexpr int D = DC * 32, DP = D / 2;
+// The lane-group tiles of a block, of balanced sizes: f(Count<GT>{}, g0) for groups [g0, g0 + GT).
+template <class Dot, class F>
+void each_tile(int groups, F&& f) {
+  const int tiles = (groups + kTileGroups<Dot> - 1) / kTileGroups<Dot>;
+  for (int t = 0, g0 = 0; t < tiles; ++t) {
+    const int gt = (groups * (t + 1)) / tiles - g0;
+    with_count<kTileGroups<Dot>>(gt, [&](auto GT) { f(GT, g0); });
+    g0 += gt;
+  }
+}
+
+template <class Dot, int D>
+void run_d(const uint16_t* k, const uint16_t* v, int nblocks, RowState* rows, int nrows, float* ws) {
   const int groups = (nrows + 15) / 16;
-  const LaneSpace sp = lane_space(ws, d, groups, rows[0].cap);
-  lanes_in(rows, nrows, d, sp, groups);
-  const int tiles = (groups + kMaxTileGroups - 1) / kMaxTileGroups;
-  alignas(64) __m512i vi[kBlock / 2][2 * DC];
+  const LaneSpace sp = lane_space(ws, D, groups, rows[0].cap);
+  lanes_in(rows, nrows, D, sp, groups);
+  LaneBlock<Dot, D> blk;
   for (int b = 0; b < nblocks; ++b) {
-    const uint16_t* kb = k + b * kBlock * d;
-    const uint16_t* vb = v + b * kBlock * d;
-    if (b + 1 < nblocks) prefetch_block(kb + kBlock * d, vb + kBlock * d, d);
-    interleave_values<2 * DC>(vb, kBlock, d, vi);
-    for (int t = 0, g0 = 0; t < tiles; ++t) {  // tiles of balanced sizes
-      const int gt = (groups * (t + 1)) / tiles - g0;
-      lane_scores_tile<DP>(kb, d, sp, groups, g0, gt);
-      g0 += gt;
-    }
-    for (int g = 0; g < groups; ++g) lane_softmax(sp, groups, g);
-    for (int t = 0, g0 = 0; t < tiles; ++t) {
-      const int gt = (groups * (t + 1)) / tiles - g0;
-      lane_values_tile<D>(&vi[0][0], sp, groups, g0, gt);
-      g0 += gt;
-    }
+    const uint16_t* kb = k + b * kBlock * D;
+    const uint16_t* vb = v + b * kBlock * D;
+    if (b + 1 < nblocks) prefetch_block(kb + kBlock * D, vb + kBlock * D, D);
+    blk.load(kb, vb);
+    each_tile<Dot>(groups, [&](auto GT, int g0) { lane_scores<Dot, D, GT>(blk, sp, groups, g0); });
+    for (int g = 0; g < groups; ++g) lane_softmax<Dot>(sp, groups, g);
+    each_tile<Dot>(groups, [&](auto GT, int g0) { lane_values<Dot, D, GT>(blk, sp, groups, g0); });
   }
-  lanes_out(rows, nrows, d, sp, groups);
+  lanes_out(rows, nrows, D, sp, groups);
 }
 
-// ------------------------------------------------------------------ many rows on FMAs
-//
-// The same runs with each VDPBF16PS step as two float32 FMAs, odd product then even (products of
-// bfloat16 are exact, so each FMA rounds once as the instruction does): the same bits, at the FMA
-// rate where VDPBF16PS is the slower (avx512_bf16_dot_pays: Intel's Xeons run it at half). The
-// block's keys and values are widened to float32 once and broadcast from memory; the queries'
-// halves are widened once a run (LaneSpace::qf); the weights are rounded to bfloat16 in place.
-
-constexpr int kFmaTileGroups = 4;  // 4 x 4 accumulators, 8 query or weight registers, 2 broadcasts
-
-// bfloat16 words [n] as the float32 values they stand for.
-inline void widen(const uint16_t* src, int64_t n, float* dst) {
-  for (int64_t i = 0; i < n; i += 16)
-    _mm512_store_si512(dst + i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(src + i))), 16));
-}
-
-// Scores of groups [g0, g0 + GT) against the block's keys kf [kBlock][d] (float32).
-template <int DP, int GT>
-void fma_scores(const float* kf, int64_t d, const LaneSpace& sp, int groups, int g0) {
-  for (int k0 = 0; k0 < kBlock; k0 += kTileKeys) {
-    __m512 acc[kTileKeys][GT];
-    for (int k = 0; k < kTileKeys; ++k)
-      for (int g = 0; g < GT; ++g) acc[k][g] = _mm512_setzero_ps();
-    const float* key = kf + k0 * d;
-#pragma GCC unroll 2
-    for (int p = 0; p < DP; ++p) {
-      __m512 qo[GT], qe[GT];
-      for (int g = 0; g < GT; ++g) {
-        qo[g] = sp.qf[p * 2 * groups + g0 + g];
-        qe[g] = sp.qf[p * 2 * groups + groups + g0 + g];
-      }
-      for (int k = 0; k < kTileKeys; ++k) {
-        const __m512 ko = _mm512_set1_ps(key[k * d + 2 * p + 1]), ke = _mm512_set1_ps(key[k * d + 2 * p]);
-        for (int g = 0; g < GT; ++g) acc[k][g] = _mm512_fmadd_ps(ke, qe[g], _mm512_fmadd_ps(ko, qo[g], acc[k][g]));
-      }
-    }
-    for (int k = 0; k < kTileKeys; ++k)
-      for (int g = 0; g < GT; ++g) sp.s[(k0 + k) * groups + g0 + g] = acc[k][g];
-  }
-}
-
-// lane_softmax_step; then each weight rounded to bfloat16 in place (the
-// integer form of VCVTNE2PS2BF16's rounding, float_to_bf16: the weights are normal floats).
-void fma_softmax(const LaneSpace& sp, int groups, int g) {
-  lane_softmax_step(sp, groups, g);
-  __m512* s = sp.s + g;
-  const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), top = _mm512_set1_epi32(-65536);
-  for (int k = 0; k < kBlock; ++k) {
-    const __m512i u = _mm512_castps_si512(s[k * groups]);
-    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
-    s[k * groups] = _mm512_castsi512_ps(_mm512_and_si512(r, top));
-  }
-}
-
-// Groups [g0, g0 + GT)'s values over the block: vo, ve [kBlock / 2][D] the odd and even key of each
-// pair as float32, dimensions in the stored order; the weights in sp.s (rounded).
-template <int D, int GT>
-void fma_values(const float* vo, const float* ve, const LaneSpace& sp, int groups, int g0) {
-  bool rescale = false;
-  for (int g = 0; g < GT; ++g)
-    rescale |= _mm512_cmp_ps_mask(sp.alpha[g0 + g], _mm512_set1_ps(1.f), _CMP_NEQ_UQ) != 0;  // x * 1 = x
-  for (int x0 = 0; x0 < D; x0 += kTileKeys) {
-    __m512 acc[kTileKeys][GT];
-    for (int x = 0; x < kTileKeys; ++x)
-      for (int g = 0; g < GT; ++g) {
-        acc[x][g] = sp.acc[(x0 + x) * groups + g0 + g];
-        if (rescale) acc[x][g] = _mm512_mul_ps(acc[x][g], sp.alpha[g0 + g]);
-      }
-#pragma GCC unroll 4
-    for (int j = 0; j < kBlock / 2; ++j) {
-      __m512 wo[GT], we[GT];
-      for (int g = 0; g < GT; ++g) {
-        wo[g] = sp.s[(2 * j + 1) * groups + g0 + g];
-        we[g] = sp.s[2 * j * groups + g0 + g];
-      }
-      for (int x = 0; x < kTileKeys; ++x) {
-        const __m512 o = _mm512_set1_ps(vo[j * D + x0 + x]), e = _mm512_set1_ps(ve[j * D + x0 + x]);
-        for (int g = 0; g < GT; ++g) acc[x][g] = _mm512_fmadd_ps(e, we[g], _mm512_fmadd_ps(o, wo[g], acc[x][g]));
-      }
-    }
-    for (int x = 0; x < kTileKeys; ++x)
-      for (int g = 0; g < GT; ++g) sp.acc[(x0 + x) * groups + g0 + g] = acc[x][g];
-  }
-}
-
-template <int DP>
-void fma_scores_tile(const float* kf, int64_t d, const LaneSpace& sp, int groups, int g0, int gt) {
-  with_count<4>(gt, [&](auto GT) { fma_scores<DP, GT>(kf, d, sp, groups, g0); });
-}
-
-template <int D>
-void fma_values_tile(const float* vo, const float* ve, const LaneSpace& sp, int groups, int g0, int gt) {
-  with_count<4>(gt, [&](auto GT) { fma_values<D, GT>(vo, ve, sp, groups, g0); });
-}
-
-template <int DC>
-void run_fma_dc(const uint16_t* k, const uint16_t* v, int nblocks, int64_t d, RowState* rows, int nrows,
-                float* ws) {
-  constexpr int D = DC * 32, DP = D / 2;
-  const int groups = (nrows + 15) / 16;
-  const LaneSpace sp = lane_space(ws, d, groups, rows[0].cap);
-  lanes_in(rows, nrows, d, sp, groups);
-  const int tiles = (groups + kFmaTileGroups - 1) / kFmaTileGroups;
-  alignas(64) __m512i vi[kBlock / 2][2 * DC];
-  alignas(64) float kf[kBlock * D], vo[kBlock / 2 * D], ve[kBlock / 2 * D];
-  for (int b = 0; b < nblocks; ++b) {
-    const uint16_t* kb = k + b * kBlock * d;
-    const uint16_t* vb = v + b * kBlock * d;
-    if (b + 1 < nblocks) prefetch_block(kb + kBlock * d, vb + kBlock * d, d);
-    widen(kb, kBlock * D, kf);
-    interleave_values<2 * DC>(vb, kBlock, d, vi);  // pair j, stored dim x: word j * D + x
-    const __m512i* vw = &vi[0][0];
-    for (int i = 0; i < kBlock / 2 * D / 16; ++i) {
-      _mm512_store_ps(vo + 16 * i, _mm512_castsi512_ps(_mm512_and_si512(vw[i], _mm512_set1_epi32(-65536))));
-      _mm512_store_ps(ve + 16 * i, _mm512_castsi512_ps(_mm512_slli_epi32(vw[i], 16)));
-    }
-    for (int t = 0, g0 = 0; t < tiles; ++t) {
-      const int gt = (groups * (t + 1)) / tiles - g0;
-      fma_scores_tile<DP>(kf, d, sp, groups, g0, gt);
-      g0 += gt;
-    }
-    for (int g = 0; g < groups; ++g) fma_softmax(sp, groups, g);
-    for (int t = 0, g0 = 0; t < tiles; ++t) {
-      const int gt = (groups * (t + 1)) / tiles - g0;
-      fma_values_tile<D>(vo, ve, sp, groups, g0, gt);
-      g0 += gt;
-    }
-  }
-  lanes_out(rows, nrows, d, sp, groups);
-}
-
-void run_fma(const uint16_t* k, const uint16_t* v, int nblocks, int64_t d, RowState* rows, int nrows, float* ws) {
-  if (d == 256)
-    run_fma_dc<8>(k, v, nblocks, d, rows, nrows, ws);
-  else if (d == 128)
-    run_fma_dc<4>(k, v, nblocks, d, rows, nrows, ws);
-  else
-    run_fma_dc<2>(k, v, nblocks, d, rows, nrows, ws);
-}
-
+template <class Dot>
 void run(const uint16_t* k, const uint16_t* v, int nblocks, int64_t d, RowState* rows, int nrows, float* ws) {
   if (d == 256)
-    run_dc<8>(k, v, nblocks, d, rows, nrows, ws);
+    run_d<Dot, 256>(k, v, nblocks, rows, nrows, ws);
   else if (d == 128)
-    run_dc<4>(k, v, nblocks, d, rows, nrows, ws);
+    run_d<Dot, 128>(k, v, nblocks, rows, nrows, ws);
   else
-    run_dc<2>(k, v, nblocks, d, rows, nrows, ws);
+    run_d<Dot, 64>(k, v, nblocks, rows, nrows, ws);
 }
 
 // Accumulator c = 2*chunk + half holds, in lane l, dim 32*chunk + 8*(l/4) + 4*half + l%4 (the
@@ -720,7 +650,10 @@ constexpr int kRunRows = 24;
 bool block_kernel_avx512(int64_t d, BlockKernel* out) {
   if (!cpu_has_avx512_bf16() || (d != 64 && d != 128 && d != 256)) return false;
   const bool dot = avx512_bf16_dot_pays();
-  *out = {dot ? block<Bf16Dot> : block<FmaDot>, finish, workspace, dequant, dot ? run : run_fma, kRunRows};
+  if (dot)
+    *out = {block<Bf16Dot>, finish, workspace, dequant, run<Bf16Dot>, kRunRows};
+  else
+    *out = {block<FmaDot>, finish, workspace, dequant, run<FmaDot>, kRunRows};
   return true;
 }
 
