@@ -252,6 +252,28 @@ def test_the_disk_keeps_its_own_lru_cap(tmp_path):
     assert len(list(tmp_path.iterdir())) == 2
 
 
+def test_questions_about_one_document_keep_one_file_of_it(tmp_path):
+    doc = list(range(1000, 3000))  # 2,000 shared tokens
+    cache = PrefixCache(1 << 30, "fp", tmp_path)
+    cache.insert([*doc, 1, 2, 3], fake_prefix(2003, 1), "k", "k")
+    second = fake_prefix(2002, 2)
+    cache.insert([*doc, 4, 5], second, "k", "k")
+    files = list(tmp_path.iterdir())
+    st = cache.stats()
+    # One file, the shared head alone (written from the newer prompt's KV), the first prompt's file gone.
+    assert len(files) == 1 and st["disk_entries"] == 1 and st["disk_bytes"] == 2000 * PER_TOKEN
+    header = kv_file.read_header(files[0])
+    assert header.tokens == tuple(doc) and header.payload_bytes == 2000 * PER_TOKEN
+    again = PrefixCache(1 << 30, "fp", tmp_path)
+    hit = again.lookup([*doc, 6, 7], "k", "k")
+    assert hit.length == 2000 and torch.equal(hit.target_kv.k, second.target_kv.k[:, :, :2000])
+    assert torch.equal(hit.draft_kv.v, second.draft_kv.v[:, :, :2000])
+    # A question that extends the head replaces its file; long tails (a conversation) keep their own.
+    again.insert([*doc, 6, 7], fake_prefix(2002, 3), "k", "k")
+    again.insert([*doc, *range(300)], fake_prefix(2300, 4), "k", "k")
+    assert len(list(tmp_path.iterdir())) == 2 == again.stats()["disk_entries"]
+
+
 def test_kv_file_round_trip_without_draft(tmp_path):
     p = fake_prefix(7, draft=False)
     kv_file.write(tmp_path / "x.kv", list(range(7)), p, "fp", "rowwise", None)

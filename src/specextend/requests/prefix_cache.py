@@ -19,7 +19,9 @@ entry that an existing one already covers is not stored twice. Two prompts that 
 differ only in short tails (questions about one document) keep one entry in memory, the shared head:
 the second copy of a 32K-token document's KV would be 0.9 GB (`_Tier.fork`). With a folder, every entry is
 also written there (`kv_file`: atomic, checksummed), under its own LRU cap, so a restarted
-server finds its long prefills again; a file that fails its check is removed and never used.
+server finds its long prefills again; a file that fails its check is removed and never used. The folder
+forks as memory does: two such questions leave one file, the shared head (written from the newer prompt's
+KV, the file it replaces removed once the head is on disk).
 """
 
 from __future__ import annotations
@@ -271,17 +273,27 @@ class PrefixCache:
         if covering is not None:
             self._touch_disk(covering)
             return
+        gone = [(old, self.disk.remove(old)) for old in self.disk.superseded(entry)]
+        fork = self.disk.fork(entry)
+        if fork is not None:  # one file for the shared head, as in memory (its bytes alone: a file holds no tail)
+            gone.append((fork[0], self.disk.remove(fork[0])))
+            head = fork[1].prefix
+            assert head is not None
+            entry = _Entry(fork[1].tokens, entry.target_kind, entry.draft_kind, head.nbytes, prefix=head,
+                           draft_slots=head.draft_slots, first_head=head.first_head)
+            key = self._key(entry.tokens, entry.target_kind, entry.draft_kind)
         path = self.directory / f"{key}{kv_file.SUFFIX}"
         try:
             kv_file.write(path, entry.tokens.tolist(), entry.prefix, self.fingerprint, entry.target_kind,
                           entry.draft_kind)
         except OSError as e:
             log.warning("could not write the prefix cache file %s: %s", path, e)
+            for old, e_old in gone:  # still on disk: indexed again
+                self.disk.add(old, e_old)
             return
-        for old in self.disk.superseded(entry):
-            gone = self.disk.remove(old)
+        for old, e_old in gone:
             if old != key:  # the same key's file was just rewritten in place
-                self._unlink(gone)
+                self._unlink(e_old)
         self.disk.add(key, _Entry(entry.tokens, entry.target_kind, entry.draft_kind, entry.nbytes, path=path,
                                   draft_slots=entry.draft_slots, first_head=entry.first_head))
         for _, old_entry in self.disk.overflow():
