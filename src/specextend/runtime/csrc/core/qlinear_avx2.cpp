@@ -25,6 +25,7 @@
 
 SPX_BEGIN_AVX2
 #include "simd_avx2.h"
+#include "tiles.h"
 
 namespace spx {
 
@@ -1077,13 +1078,7 @@ void float_panel(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, 
   store_rows(sum, r0, n, out);
 }
 
-using Fn = void (*)(const Segment&, const uint8_t*, const Rows&, int64_t, const TileOut&);
-
-template <int... Rs>
-constexpr std::array<Fn, sizeof...(Rs)> make_tiles(std::integer_sequence<int, Rs...>) {
-  return {&tile<Rs + 1>...};
-}
-const auto kTiles = make_tiles(std::make_integer_sequence<int, kTile>{});
+const auto kTiles = count_table<kTile>([](auto R) { return &tile<R>; });  // kTiles[rows - 1]
 
 }  // namespace
 

@@ -4,7 +4,9 @@
 // kernels they call.
 #pragma once
 
+#include <array>
 #include <type_traits>
+#include <utility>
 
 namespace spx {
 
@@ -28,6 +30,17 @@ inline void row_tiles(int nrows, F&& f) {
   int r = 0;
   for (; r + N <= nrows; r += N) f(Count<N>{}, r);
   with_count<N - 1>(nrows - r, [&](auto rest) { f(rest, r); });
+}
+
+template <class F, int... Cs>
+constexpr auto count_table(F f, std::integer_sequence<int, Cs...>) {
+  return std::array{f(Count<Cs + 1>{})...};
+}
+
+// {f(Count<1>{}), ..., f(Count<N>{})}: a kernel's instances by count, looked up at run time (table[c - 1]).
+template <int N, class F>
+constexpr auto count_table(F f) {
+  return count_table(f, std::make_integer_sequence<int, N>{});
 }
 
 }  // namespace spx
