@@ -133,6 +133,20 @@ class _Tier:
                                draft_slots=head.draft_slots, first_head=head.first_head)
         return None
 
+    def make_way(self, new: _Entry, own_bytes: bool) -> tuple[_Entry, list[tuple[str, _Entry]]]:
+        """Take out the entries `new` makes redundant (those it extends, and one it shares a long head
+        with: `fork`) and return what to store instead of `new` (itself, or that shared head) with the
+        entries taken out. own_bytes: the head counts its own bytes (a file), not the storage it views."""
+        gone = [(old, self.remove(old)) for old in self.superseded(new)]
+        fork = self.fork(new)
+        if fork is None:
+            return new, gone
+        gone.append((fork[0], self.remove(fork[0])))
+        head = fork[1]
+        if own_bytes and head.prefix is not None:
+            head.nbytes = head.prefix.nbytes
+        return head, gone
+
     def add(self, key: str, e: _Entry) -> None:
         if key in self.entries:  # the same tokens and kinds again (a fork's head): replaced
             self.remove(key)
@@ -247,13 +261,9 @@ class PrefixCache:
         if covering is not None:
             self.memory.touch(covering)
             return
-        for old in self.memory.superseded(entry):
-            self.memory.remove(old)
-        fork = self.memory.fork(entry)
-        if fork is not None:  # keep the shared head only (a view: no copy)
-            old, head = fork
-            self.memory.remove(old)
-            key, entry = self._key(head.tokens, head.target_kind, head.draft_kind), head
+        stored, _ = self.memory.make_way(entry, own_bytes=False)  # a shared head is a view: no copy
+        if stored is not entry:
+            key, entry = self._key(stored.tokens, stored.target_kind, stored.draft_kind), stored
         self.memory.add(key, entry)
         for _ in self.memory.overflow():
             pass
@@ -273,15 +283,9 @@ class PrefixCache:
         if covering is not None:
             self._touch_disk(covering)
             return
-        gone = [(old, self.disk.remove(old)) for old in self.disk.superseded(entry)]
-        fork = self.disk.fork(entry)
-        if fork is not None:  # one file for the shared head, as in memory (its bytes alone: a file holds no tail)
-            gone.append((fork[0], self.disk.remove(fork[0])))
-            head = fork[1].prefix
-            assert head is not None
-            entry = _Entry(fork[1].tokens, entry.target_kind, entry.draft_kind, head.nbytes, prefix=head,
-                           draft_slots=head.draft_slots, first_head=head.first_head)
-            key = self._key(entry.tokens, entry.target_kind, entry.draft_kind)
+        stored, gone = self.disk.make_way(entry, own_bytes=True)  # one file for a shared head, as in memory
+        if stored is not entry:
+            key, entry = self._key(stored.tokens, stored.target_kind, stored.draft_kind), stored
         path = self.directory / f"{key}{kv_file.SUFFIX}"
         try:
             kv_file.write(path, entry.tokens.tolist(), entry.prefix, self.fingerprint, entry.target_kind,
