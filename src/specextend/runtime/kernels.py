@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import platform
+import statistics
 import sys
 import threading
 import time
@@ -258,14 +259,15 @@ def path_id() -> int:
 
 _resolved: tuple[str, int] | None = None
 AMX_MARGIN = 0.95  # `auto` takes amx where its many-row product took at most this share of avx512's time
+AMX_ROUNDS = 7  # rounds of the two products, alternated; the median round's ratio decides
 
 
 def auto_path(have: list[str] | None = None) -> str:
     """What `auto` runs: the fastest path this CPU has, except that amx is taken only where it
-    measured 5% faster than avx512 on a many-row product (once per machine, kernel build and arithmetic,
-    kept in the build's folder): a CPU that has AMX but runs it slowly (a VM, an early stepping) keeps
-    avx512. The product is Q4_K's, in the arithmetic in effect: per 256 (SPECEXTEND_K256) the tiles win
-    where per 32 they do not."""
+    measured 5% faster than avx512 on a many-row product (the median of alternated rounds, once per
+    machine, kernel build and arithmetic, kept in the build's folder): a CPU that has AMX but runs it
+    slowly (a VM, an early stepping) keeps avx512. The product is Q4_K's, in the arithmetic in effect:
+    per 256 (SPECEXTEND_K256) the tiles win where per 32 they do not."""
     have = cpu_paths() if have is None else have
     if have[-1] != "amx":
         return have[-1]
@@ -283,20 +285,31 @@ def auto_path(have: list[str] | None = None) -> str:
 def _stored_choice(record: Path) -> str | None:
     with contextlib.suppress(OSError, ValueError, KeyError):
         stored = json.loads(record.read_text())
-        if stored["cpu"] == cpu_name() and stored.get("arithmetic") == arithmetic_version():
+        # A record without rounds is from the one-shot timing that a burst of other work could sway.
+        if (stored["cpu"] == cpu_name() and stored.get("arithmetic") == arithmetic_version()
+                and "amx_over_avx512" in stored):
             return str(stored["choice"])
     return None
 
 
-def _measure_choice(record: Path) -> str:
-    times = {p: _many_row_seconds(p) for p in ("avx512", "amx")}
+def _measure_choice(record: Path, rounds: int = AMX_ROUNDS) -> str:
+    # The two paths are timed in alternation and compared round by round: a burst of other work
+    # (a test suite, a build) then slows both sides of a round, not one path's every run, and the
+    # median round decides. Timed one path after the other, such a burst once made a build on a
+    # Xeon VM take amx at 0.92x avx512's time where quiet rounds measure 1.02x.
+    ratios, times = [], {"avx512": float("inf"), "amx": float("inf")}
+    for _ in range(rounds):
+        now = {p: _many_row_seconds(p) for p in ("avx512", "amx")}
+        ratios.append(now["amx"] / now["avx512"])
+        times = {p: min(times[p], now[p]) for p in times}
+    ratio = statistics.median(ratios)
     # A clear margin: where the two are alike (per 32 on a Xeon VM, within 3%) a coin flip would
     # change the path from one build to the next; avx512 keeps no tile state.
-    choice = "amx" if times["amx"] < AMX_MARGIN * times["avx512"] else "avx512"
+    choice = "amx" if ratio < AMX_MARGIN else "avx512"
     with contextlib.suppress(OSError):  # an unwritable cache measures again next time
         tmp = record.with_name(f"{record.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"cpu": cpu_name(), "arithmetic": arithmetic_version(), "choice": choice,
-                                   "seconds": times}))
+                                   "seconds": times, "amx_over_avx512": ratio, "rounds": rounds}))
         os.replace(tmp, record)  # atomic: another process reads the old record or the new one
     return choice
 
@@ -417,7 +430,7 @@ def amx_choice() -> str:
     """Why `auto` took amx or avx512 where both run: the many-row product's measured ratio."""
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
         stored = json.loads((build_dir() / "auto-path.json").read_text())
-        ratio = stored["seconds"]["avx512"] / stored["seconds"]["amx"]
+        ratio = 1 / stored["amx_over_avx512"]
         return (f"amx's many-row Q4_K product measured {ratio:.2f}x avx512's speed (arithmetic "
                 f"{stored['arithmetic']}; amx from {1 / AMX_MARGIN:.2f}x)")
     return "amx and avx512 not yet compared"
