@@ -188,6 +188,26 @@ def test_the_clock_times_the_linear_and_attention_kernels_of_a_quantized_prefill
     assert kernels._clock is None  # the hook is off again after the block
 
 
+@needs_kernels
+def test_the_step_costs_split_each_row_count_into_its_kernels(tiny_dir):
+    """Each forward's linear-layer and attention kernel seconds beside its whole time, and the
+    report's line per row count says them against one row's."""
+    from specextend.models.loader import load_model
+
+    d = tiny_dir("qwen2", 0, dtype=torch.float32, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                 num_key_value_heads=2, vocab=96)
+    model = load_model(d, torch.float32, weights="int8")
+    out = runtime.step_costs(model, 64, [1, 9], repeats=2, split=True)
+    for r in ("1", "9"):
+        assert out["linear_s_at_context"][r] > 0 and out["attention_s_at_context"][r] > 0
+    assert "linear_s_at_context" not in runtime.step_costs(model, 64, [1], repeats=1)
+    res = {"model": "m", "dtype": "float32", "weights": "int8", "cpu_kernels": kernels.path(), "threads": 2,
+           "load_s": 0.1, "prefill_tokens_per_s_efficient": 1.0, "prefill_tokens_per_s_eager": 1.0,
+           "weight_bytes": 1e9, "read_bandwidth_gbs": 10.0, "floor_s": 0.1, **out}
+    line = runtime.report(res, 16).splitlines()[4]
+    assert line.strip().startswith("9 new tokens:") and "kernels: linear layers" in line and "one row's" in line
+
+
 @pytest.mark.parametrize("bad", [["--prefill-lengths", "512,x"], ["--prefill-lengths", "0"],
                                  ["--prefill-lengths", "2048,-1"], ["--rows", "1,,2"]])
 def test_bad_runtime_flags_exit_2_with_one_line_before_loading(capsys, bad):

@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                            "load_s": time.perf_counter() - t, "threads": torch.get_num_threads(),
                            "cpu_kernels": cpu_kernels(pair.target)}
     res.update(prefill_speed(pair.target, a.prefill_tokens))
-    res.update(step_costs(pair.target, a.context, rows, a.repeats))
+    res.update(step_costs(pair.target, a.context, rows, a.repeats,
+                          split=res["cpu_kernels"] not in (None, kernels.EMULATED_AMX)))
     bw = read_bandwidth_gbs()
     wb = weight_bytes_per_forward(pair.target)
     res.update(read_bandwidth_gbs=bw, weight_bytes=wb, floor_s=wb / (bw * 1e9))
@@ -153,8 +154,11 @@ def prefill_speed(model: Any, tokens: int) -> dict[str, float]:
     return out
 
 
-def step_costs(model: Any, context: int, rows: list[int], repeats: int) -> dict[str, Any]:
-    """Seconds of one forward of each row count (a causal block) over a cache of `context` tokens."""
+def step_costs(model: Any, context: int, rows: list[int], repeats: int, split: bool = False) -> dict[str, Any]:
+    """Seconds of one forward of each row count (a causal block) over a cache of `context` tokens;
+    with `split` (quantized kernels), also the seconds its linear-layer and attention kernels took,
+    timed in a forward of their own (`kernels.clocked`: each layer's calls, not the whole step's),
+    which says what a verification's extra rows cost where."""
     cache = model.new_cache(context + max(rows) + 64)
     model.prefill(torch.randint(0, model.cfg.vocab_size, (context,)), cache, "efficient")
     steps = {}
@@ -172,12 +176,21 @@ def step_costs(model: Any, context: int, rows: list[int], repeats: int) -> dict[
     # Row counts interleaved within each repeat, so a slow spell on a shared machine lands on all
     # of them rather than on one; each keeps its best time.
     per_rows = {r: float("inf") for r in rows}
+    linear = {r: float("inf") for r in rows}
+    attention = {r: float("inf") for r in rows}
     for _ in range(repeats):
         for r in rows:
             per_rows[r] = min(per_rows[r], elapsed(steps[r]))
+            if split:
+                with kernels.clocked() as clock:
+                    steps[r]()
+                linear[r], attention[r] = min(linear[r], clock.linear_s), min(attention[r], clock.attention_s)
     out: dict[str, Any] = {"forward_s_at_context": {str(r): per_rows[r] for r in rows}, "context": context}
     if 1 in per_rows:
         out["rows_cost_vs_one"] = {str(r): per_rows[r] / per_rows[1] for r in rows}
+    if split:
+        out["linear_s_at_context"] = {str(r): linear[r] for r in rows}
+        out["attention_s_at_context"] = {str(r): attention[r] for r in rows}
     return out
 
 
@@ -266,8 +279,13 @@ def report(res: dict[str, Any], prefill_tokens: int) -> str:
              f"{res['prefill_tokens_per_s_eager']:.1f} tok/s eager ({prefill_tokens} tokens)",
              f"forward over a {res['context']}-token cache:"]
     vs_one = res.get("rows_cost_vs_one", {})
+    linear, attention = res.get("linear_s_at_context", {}), res.get("attention_s_at_context", {})
     for r, seconds in res["forward_s_at_context"].items():
         extra = f"  ({vs_one[r]:.2f}x one row)" if vs_one else ""
+        if linear:
+            extra += f"; kernels: linear layers {linear[r] * 1e3:.1f} ms, attention {attention[r] * 1e3:.1f} ms"
+            if "1" in linear:
+                extra += f" ({linear[r] / linear['1']:.2f}x, {attention[r] / attention['1']:.2f}x one row's)"
         lines.append(f"  {int(r):3d} new tokens: {seconds * 1e3:7.1f} ms{extra}")
     lines.append(f"floor: {res['weight_bytes'] / 1e9:.2f} GB of weights / {res['read_bandwidth_gbs']:.1f} GB/s read "
                  f"bandwidth = {res['floor_s'] * 1e3:.0f} ms")
