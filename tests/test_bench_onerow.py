@@ -37,11 +37,25 @@ def test_cold_and_hot_are_timed_and_reported(tmp_path, capsys):
     for r in rows:
         assert r["cold_us"] > 0 and r["hot_us"] > 0 and r["read_bandwidth_gbs"] > 0
         assert r["hot_of_floor"] == pytest.approx(r["read_bandwidth_gbs"] / r["hot_gbs"])
-    assert "| q4k | 64x512 | 1 |" in capsys.readouterr().out
+    assert "| q4k | 64x512 | 1 | 1 |" in capsys.readouterr().out
+
+
+@fast
+def test_a_few_rows_are_timed_against_one_row_s_cold_product(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    assert onerow.main(["--formats", "q4k", "--shape", "64x512", "--threads", "1", "--rows", "1,9",
+                        "--stream-mb", "2", "--repeats", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["rows"] for r in rows] == [1, 9]
+    assert rows[1]["gmacs_hot"] == pytest.approx(9 * 64 * 512 / rows[1]["hot_us"] / 1e3)
+    text = capsys.readouterr().out
+    assert "product of 1,9 rows" in text and "| q4k | 64x512 | 1 | 9 |" in text
+    assert f"| {rows[1]['cold_us'] / rows[0]['cold_us']:.2f}x |" in text
 
 
 @pytest.mark.parametrize("argv", [["--formats", "q4k,q5"], ["--shape", "100x512"], ["--shape", "64"],
-                                  ["--shape", "64xabc"], ["--threads", "0"]])
+                                  ["--shape", "64xabc"], ["--threads", "0"],
+                                  ["--rows", "0"], ["--rows", "1,x"]])
 def test_bad_options_are_refused_in_one_line(argv, capsys):
     with pytest.raises(SystemExit) as e:
         onerow.main(argv)

@@ -9,7 +9,7 @@ file is of lower quality than one quantized from the original weights: it tests 
 and speed, not text.
 
 `random` writes a random-weight GGUF of a Hugging Face config's shape (a preset: the default 1.5B,
-qwen2.5-7b, llama-3-8b, gemma2-2b, gemma3-4b, phi4-mini, granite-3-8b, the mixtures of experts
+qwen2.5-7b, llama-3-8b, gemma2-2b, gemma3-4b, gemma3-12b, phi4-mini, granite-3-8b, the mixtures of experts
 olmoe-1b-7b, qwen3-30b-a3b, qwen1.5-moe-a2.7b and gpt-oss-20b; or a config.json) with the default
 pair's tokenizer copied from the default GGUF (its vocabulary sets the embedding's rows, so the
 default draft pairs with it), one tensor at a time (a 7B file never holds
@@ -76,6 +76,11 @@ PRESETS: dict[str, dict[str, Any]] = {
                   "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rope_theta": 1000000.0,
                   "rope_scaling_factor": 8.0, "sliding_window": 1024, "rms_norm_eps": 1e-6,
                   "max_position_embeddings": 131072, "tie_word_embeddings": True},
+    # Gemma 3 12B (text): the 4B's layout, wider and deeper, 16 query heads over 8 KV heads.
+    "gemma3-12b": {"model_type": "gemma3", "hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 48,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "rope_theta": 1000000.0,
+                   "rope_scaling_factor": 8.0, "sliding_window": 1024, "rms_norm_eps": 1e-6,
+                   "max_position_embeddings": 131072, "tie_word_embeddings": True},
     # Gemma 2 2B: sandwich norms, head_dim 256, soft-capped attention scores (50) and logits (30), a 4,096-token
     # window on alternating layers, tied embeddings (vocabulary: --tokenizer-from).
     "gemma2-2b": {"model_type": "gemma2", "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,

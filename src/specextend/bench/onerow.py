@@ -2,7 +2,7 @@
 instructions on this CPU?
 
     python -m specextend.bench.onerow [--formats q4k,q6k] [--threads 1,2] [--shape 1536x8960]
-                                      [--stream-mb 512] [--repeats 5] [--json OUT]
+                                      [--rows 1,9] [--stream-mb 512] [--repeats 5] [--json OUT]
 
 A decode step multiplies one row of activations by every weight once, so its floor is the
 weights' bytes over the memory bandwidth (`bench.runtime`). This times the kernel path's one-row
@@ -19,6 +19,11 @@ Both as GB/s of weight bytes beside the read bandwidth measured in the same run 
 threads. Hot at or below the bandwidth means no overlap of loads and work can reach the memory
 floor on this CPU (the product is bound by instructions); hot far above cold means the loads are
 what it waits for.
+
+`--rows` asks the same of a few rows at once (a verification's tree, a small batch): the bytes are
+the same, the work R times one row's, so where hot falls below the read rate the rows' arithmetic,
+not the weights' stream, sets the product's time, and cold against hot says how much of the stream
+the arithmetic hides.
 """
 
 from __future__ import annotations
@@ -110,7 +115,7 @@ def _copy(w: quant.QWeight) -> quant.QWeight:
 
 def best_call_s(x: torch.Tensor, weights: list[quant.QWeight], repeats: int) -> float:
     """Best over `repeats` passes of the mean seconds of one product, cycling through `weights`."""
-    out = torch.empty(1, weights[0].n)
+    out = torch.empty(x.shape[0], weights[0].n)
     for w in weights:  # first touch and a warm-up
         quant.qlinear(x, w, out=out)
     calls = max(len(weights), 64)
@@ -123,29 +128,35 @@ def best_call_s(x: torch.Tensor, weights: list[quant.QWeight], repeats: int) -> 
     return best
 
 
-def measure(fmt: str, n: int, k: int, threads: int, stream_mb: int, repeats: int, bandwidth: float) -> dict[str, Any]:
-    """One format's cold and hot one-row product on `threads` threads, against `bandwidth` (GB/s:
-    the machine's read rate on those threads, measured once for every format)."""
+def measure(fmt: str, n: int, k: int, threads: int, stream_mb: int, repeats: int, bandwidth: float,
+            rows: int = 1) -> dict[str, Any]:
+    """One format's cold and hot product of `rows` rows on `threads` threads, against `bandwidth`
+    (GB/s: the machine's read rate on those threads, measured once for every format)."""
     torch.set_num_threads(threads)
     w = random_weight(fmt, n, k)
     copies = [w] + [_copy(w) for _ in range(max(1, stream_mb * 2**20 // w.nbytes) - 1)]
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
     cold, hot = best_call_s(x, copies, repeats), best_call_s(x, [w], repeats)
     del copies
-    return {"format": fmt, "n": n, "k": k, "threads": threads, "weight_mb": w.nbytes / 1e6,
+    return {"format": fmt, "n": n, "k": k, "threads": threads, "rows": rows, "weight_mb": w.nbytes / 1e6,
             "cold_us": cold * 1e6, "hot_us": hot * 1e6, "cold_gbs": w.nbytes / cold / 1e9,
             "hot_gbs": w.nbytes / hot / 1e9, "read_bandwidth_gbs": bandwidth,
-            "gmacs_cold": n * k / cold / 1e9, "gmacs_hot": n * k / hot / 1e9,
+            "gmacs_cold": rows * n * k / cold / 1e9, "gmacs_hot": rows * n * k / hot / 1e9,
             "cold_of_floor": bandwidth / (w.nbytes / cold / 1e9), "hot_of_floor": bandwidth / (w.nbytes / hot / 1e9)}
 
 
 def report(rows: list[dict[str, Any]]) -> str:
-    lines = ["| format | shape | threads | MB | cold GB/s | hot GB/s | read GB/s | cold / floor | hot / floor |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| format | shape | threads | rows | MB | cold GB/s | hot GB/s | read GB/s | cold / floor | hot / floor "
+             "| hot G MAC/s | cold vs one row |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    one = {(r["format"], r["threads"]): r["cold_us"] for r in rows if r.get("rows", 1) == 1}
     for r in rows:
-        lines.append(f"| {r['format']} | {r['n']}x{r['k']} | {r['threads']} | {r['weight_mb']:.1f} | "
-                     f"{r['cold_gbs']:.1f} | {r['hot_gbs']:.1f} | {r['read_bandwidth_gbs']:.1f} | "
-                     f"{r['cold_of_floor']:.2f}x | {r['hot_of_floor']:.2f}x |")
+        base = one.get((r["format"], r["threads"]))
+        vs_one = f"{r['cold_us'] / base:.2f}x" if base else "-"
+        lines.append(f"| {r['format']} | {r['n']}x{r['k']} | {r['threads']} | {r.get('rows', 1)} | "
+                     f"{r['weight_mb']:.1f} | {r['cold_gbs']:.1f} | {r['hot_gbs']:.1f} | "
+                     f"{r['read_bandwidth_gbs']:.1f} | "
+                     f"{r['cold_of_floor']:.2f}x | {r['hot_of_floor']:.2f}x | {r['gmacs_hot']:.0f} | {vs_one} |")
     return "\n".join(lines)
 
 
@@ -155,6 +166,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", default=None, help="thread counts (default: 1 and all of torch's)")
     ap.add_argument("--shape", default="2048x1536", help="N x K: output channels x inputs (default: 1.8 MB "
                     "in q4k, 2.5 in q6k: inside most CPUs' last-level cache, so that hot means hot)")
+    ap.add_argument("--rows", default="1", help="row counts a product takes (default 1: a decode step; "
+                    "e.g. 1,4,9: a verification's tree)")
     ap.add_argument("--stream-mb", type=int, default=512, help="the cold copies together (far above the caches)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
@@ -172,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     if n % 16 or k % 256:
         ap.error(f"--shape: N must be a multiple of 16 and K of 256, got {n}x{k}")
     threads = parse_counts(ap, "--threads", a.threads) if a.threads else sorted({1, torch.get_num_threads()})
+    row_counts = parse_counts(ap, "--rows", a.rows)
+    if min(row_counts) < 1:
+        ap.error("--rows: each count must be at least 1")
     if not kernels.has_fast_path():
         print("specextend: the one-row product needs the quantized kernels on a vector path "
               f"(here: {kernels.describe()})", file=sys.stderr)
@@ -180,9 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     for t in threads:  # the machine's read rate: one figure a thread count, not one a format
         torch.set_num_threads(t)
         bandwidth[t] = read_bandwidth_gbs()
-    rows = [measure(f, n, k, t, a.stream_mb, a.repeats, bandwidth[t])
-            for f in tqdm(formats, desc="formats", unit="format", file=sys.stderr) for t in threads]
-    print(f"one-row product, kernel path {kernels.path()}, CPU {kernels.cpu_name()}\n")
+    rows = [measure(f, n, k, t, a.stream_mb, a.repeats, bandwidth[t], r)
+            for f in tqdm(formats, desc="formats", unit="format", file=sys.stderr) for t in threads for r in row_counts]
+    what = "one-row product" if row_counts == [1] else f"product of {','.join(map(str, row_counts))} rows"
+    print(f"{what}, kernel path {kernels.path()}, CPU {kernels.cpu_name()}\n")
     print(report(rows))
     if a.json:
         tmp = a.json.with_suffix(a.json.suffix + ".tmp")
