@@ -234,10 +234,13 @@ EAGER_MAX_SCORES = {"cpu": 2048 * 1024, "cuda": 64 * 65536}
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor | None, backend: Backend,
     scale: float | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
+    numbers: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """Attention through `backend`; a score `scale` other than 1/sqrt(D) is folded into the queries
     (every kernel scales by 1/sqrt(D)). Soft-capped scores (Gemma 2) and `sinks` (gpt-oss) take the
-    row-wise kernel, or else the eager reference, the one other kernel that sees every score."""
+    row-wise kernel, or else the eager reference, the one other kernel that sees every score.
+    `numbers`: a window's (ends, lead), which only the row-wise kernel's blocks follow (kernels.attend)."""
+    ends, lead = numbers if numbers is not None else (None, 0)
     if scale is not None:
         q = q * (scale * math.sqrt(q.shape[-1]))
     if sinks is not None:
@@ -245,7 +248,7 @@ def attend(
             raise ValueError("attention sinks with soft-capped scores are not implemented")
         if backend == "rowwise":
             from .kernels import attend as rowwise
-            return rowwise(q, k, v, tree_mask, sinks=sinks)
+            return rowwise(q, k, v, tree_mask, sinks=sinks, ends=ends, lead=lead)
         return eager_attention(q, k, v, tree_mask, None, None, sinks)
     if softcap is not None and backend != "rowwise":
         return eager_attention(q, k, v, tree_mask, None, softcap)
@@ -262,7 +265,7 @@ def attend(
     if backend == "rowwise":
         from .kernels import attend as rowwise
 
-        return rowwise(q, k, v, tree_mask, softcap=softcap)
+        return rowwise(q, k, v, tree_mask, softcap=softcap, ends=ends, lead=lead)
     raise ValueError(f"unknown attention backend {backend!r}")
 
 
@@ -275,6 +278,16 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     d = q.shape[-1]
     s = torch.matmul(_group(q, k.shape[0]), k.to(q.dtype).transpose(-1, -2)).float() * (1.0 / math.sqrt(d))
     return torch.softmax(s, -1).mean(dim=(0, 1))
+
+
+def list_ends(keys: int, tree_mask: torch.Tensor | None, t: int) -> torch.Tensor:
+    """Each new token's place in its full visible list ([T] int64): the committed `keys - M` and the
+    last M keys its mask (or the causal triangle) lets it see, less one. A windowed layer's keys keep
+    these numbers, so its blocks lie on the grid of its tokens' slots (csrc/core/attention.h)."""
+    if tree_mask is None:
+        return torch.arange(keys - t, keys, dtype=torch.long)
+    mask = tree_mask.cpu()
+    return (keys - mask.shape[1]) + mask.sum(1, dtype=torch.long) - 1
 
 
 def window_mask(positions: torch.Tensor, keys: int, tree_mask: torch.Tensor | None, window: int

@@ -339,12 +339,14 @@ def has_fast_path() -> bool:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor | None,
            scale: float | None = None, sinks: torch.Tensor | None = None,
-           softcap: float | None = None) -> torch.Tensor:
+           softcap: float | None = None, ends: torch.Tensor | None = None, lead: int = 0) -> torch.Tensor:
     """Row-independent attention of new tokens q [H, T, D] over a bfloat16 cache k, v [Hkv, S, D];
     `scale`: the score scale (None: 1/sqrt(D)); `sinks` [H]: a logit a head that joins each
-    softmax's denominator (gpt-oss); `softcap`: scores become softcap * tanh(score / softcap) (Gemma 2)."""
+    softmax's denominator (gpt-oss); `softcap`: scores become softcap * tanh(score / softcap) (Gemma 2).
+    A window's keys (`attention.window_mask`) keep their full lists' numbers: `ends` [T], each token's
+    (`attention.list_ends`), and `lead`, the window's first slot (csrc/core/attention.h)."""
     return timed("attention", load().attend,
-                 (q, k, v, tree_mask, path_id(), float(scale or 0.0), sinks, float(softcap or 0.0)))
+                 (q, k, v, tree_mask, path_id(), float(scale or 0.0), sinks, float(softcap or 0.0), ends, lead))
 
 
 def timed(part: str, fn: Callable[..., torch.Tensor], args: tuple[Any, ...]) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
-from .attention import Backend, attend, window_mask
+from .attention import Backend, attend, list_ends, window_mask
 from .config import ModelConfig
 from .experts import Experts, clamped_swiglu
 from .kv_cache import KVCache
@@ -263,14 +263,17 @@ class Block(nn.Module):
             raise RuntimeError(f"layer {self.index} needs keys from {first}, its cache holds them from {base}")
 
     def _window(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, base: int, tree_mask: torch.Tensor | None,
-                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The keys, values and mask a windowed layer attends with (others: as given); k and v hold
-        the tokens from position `base` on."""
+                positions: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, int] | None]:
+        """The keys, values, mask and key numbers (`attend`'s) a windowed layer attends with (others:
+        as given, numbered from 0); k and v hold the tokens from position `base` on."""
         if not self.window:
-            return k, v, tree_mask
-        first, mask = window_mask(positions, base + k.shape[1], tree_mask, self.window)
+            return k, v, tree_mask, None
+        keys = base + k.shape[1]
+        first, mask = window_mask(positions, keys, tree_mask, self.window)
         self._held(first, base)
-        return k[:, first - base:], v[:, first - base:], mask.to(q.device)
+        numbers = (list_ends(keys, tree_mask, q.shape[1]), first)
+        return k[:, first - base:], v[:, first - base:], mask.to(q.device), numbers
 
     def forward(
         self,
@@ -299,8 +302,8 @@ class Block(nn.Module):
         if keep_q is not None and self.index in keep_q:
             keep_q[self.index] = q
         k_all, v_all, base = cache.write(self.index, k, v)
-        k_all, v_all, mask = self._window(q, k_all, v_all, base, tree_mask, positions)
-        a = attend(q, k_all, v_all, mask, backend, self.attn_scale, self.attn_softcap, self.sinks)
+        k_all, v_all, mask, numbers = self._window(q, k_all, v_all, base, tree_mask, positions)
+        a = attend(q, k_all, v_all, mask, backend, self.attn_scale, self.attn_softcap, self.sinks, numbers)
         x = self._residual(x, self.o(a.transpose(0, 1).reshape(t, nh * hd)), self.attn_out_norm)
         if self.moe is not None:
             return self._residual(x, self.moe(self.mlp_norm(x) if self.mlp_norm is not None else x), self.mlp_out_norm)
@@ -413,7 +416,8 @@ class Block(nn.Module):
             self._held(first, base)
             k, v = k_layer[:, first - base:end - base], v_layer[:, first - base:end - base]
             # the score scale and cap in the kernel, as the whole-step call has them
-            a = kernels.attend(q, k, v, mask, self.attn_scale, self.sinks, self.attn_softcap)
+            ends = list_ends(end, p.tree_mask, t) if self.window else None
+            a = kernels.attend(q, k, v, mask, self.attn_scale, self.sinks, self.attn_softcap, ends, first)
             outs.append(a.transpose(0, 1).reshape(t, -1))
             off += t
         return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <string>
@@ -244,7 +245,8 @@ std::vector<at::Tensor> quantize_activations256(const at::Tensor& x, int64_t pat
 }
 
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& mask,
-                  int64_t path_id, double scale, const c10::optional<at::Tensor>& sinks, double softcap) {
+                  int64_t path_id, double scale, const c10::optional<at::Tensor>& sinks, double softcap,
+                  const c10::optional<at::Tensor>& ends, int64_t lead) {
   const spx::Path path = checked_path(path_id);
   TORCH_CHECK(softcap >= 0 && std::isfinite(softcap), "attend: softcap must be finite and >= 0 (0: none)");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "attend: q [H,T,D], k and v [Hkv,S,D]");
@@ -292,6 +294,21 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     sc = sinks->to(at::kFloat).contiguous();
     TORCH_CHECK(sc.dim() == 1 && sc.size(0) == pb.heads, "attend: sinks [H]");
     pb.sinks = sc.data_ptr<float>();
+  }
+  at::Tensor ec;
+  if (ends.has_value() && ends->defined()) {  // a window's numbers (attention.h): each token's, and key 0's
+    ec = ends->to(at::kLong).contiguous();
+    TORCH_CHECK(ec.dim() == 1 && ec.size(0) == pb.t && lead >= 0, "attend: ends [T] and lead >= 0");
+    const int64_t* e = ec.data_ptr<int64_t>();
+    for (int64_t i = 0; i < pb.t; ++i) {  // a token's list must be numbered from 0 on at least
+      const int64_t seen = pb.prefix() + (pb.mask == nullptr ? i + 1 : std::count(pb.mask + i * pb.m,
+                                                                                  pb.mask + (i + 1) * pb.m, true));
+      TORCH_CHECK(e[i] >= seen - 1, "attend: token ", i, " sees ", seen, " keys, more than its number ", e[i], " + 1");
+    }
+    pb.ends = e;
+    pb.lead = lead;
+  } else {
+    TORCH_CHECK(lead == 0, "attend: lead without ends");
   }
   at::Tensor out = at::empty({pb.heads, pb.t, pb.d}, qc.options());
   pb.out = out.data_ptr<float>();
@@ -630,7 +647,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend,
         "row-independent attention of new tokens over a bfloat16 KV cache (and sinks [H], soft-capped scores)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("path"), py::arg("scale") = 0.0,
-        py::arg("sinks") = py::none(), py::arg("softcap") = 0.0);
+        py::arg("sinks") = py::none(), py::arg("softcap") = 0.0, py::arg("ends") = py::none(), py::arg("lead") = 0);
   m.def("rms_rows", &rms_rows, "RMSNorm of whole rows (a family's q/k norms)");
   m.def("post_residual", &post_residual, "x + scale * post_norm(y), row by row (a family's residual add)");
   m.def("gelu_mul", &gelu_mul, "GeGLU with the tanh GELU, row by row");

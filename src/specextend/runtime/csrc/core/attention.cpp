@@ -29,14 +29,6 @@ void extras_of(const Attention& pb, int64_t t, std::vector<int32_t>& out) {
     if (row[j]) out.push_back(static_cast<int32_t>(j));
 }
 
-// How many leading visible keys sit in consecutive slots from 0 (the prefix, plus extras that
-// follow it without a gap): those blocks can be read in place and shared between tokens.
-int64_t contiguous_len(const Attention& pb, const std::vector<int32_t>& extras) {
-  int64_t n = pb.prefix();
-  for (size_t i = 0; i < extras.size() && extras[i] == static_cast<int32_t>(i); ++i) ++n;
-  return n;
-}
-
 // One K/V head's rows as the block kernels take them: bfloat16 rows read in place, or q8 rows
 // (kv_q8.h) turned into bfloat16 in a scratch buffer by the path's `dequant`.
 struct HeadRows {
@@ -51,9 +43,9 @@ struct HeadRows {
     dequant(base + first * row, n, d, scratch);
     return scratch;
   }
-  // Block b of these rows and of `values` (the same slots), as they lie.
-  Ahead ahead(const HeadRows& values, int64_t b) const {
-    return Ahead{base + b * kBlock * row, values.base + b * kBlock * row, kBlock * row * 2};
+  // The block of these rows and of `values` (the same slots) from key `first` on, as they lie.
+  Ahead ahead(const HeadRows& values, int64_t first) const {
+    return Ahead{base + first * row, values.base + first * row, kBlock * row * 2};
   }
   void slot_into(int64_t slot, uint16_t* dst) const {
     if (q8)
@@ -63,45 +55,64 @@ struct HeadRows {
   }
 };
 
-// Keys [b0, b0 + n) of a token's visible list: in place when they lie in place (q8: converted into
-// `scratch`), else gathered into `scratch`.
-const uint16_t* block_rows(const HeadRows& src, int64_t prefix, int64_t contiguous, const std::vector<int32_t>& extras,
-                           int64_t b0, int n, int64_t d, uint16_t* scratch) {
-  if (b0 + n <= contiguous) return src.span(b0, n, scratch);
-  for (int i = 0; i < n; ++i) {
-    const int64_t vis = b0 + i;
-    const int64_t slot = vis < prefix ? vis : prefix + extras[vis - prefix];
-    src.slot_into(slot, scratch + i * d);
-  }
-  return scratch;
-}
-
 HeadRows head_rows(const Attention& pb, const BlockKernel& kn, bool keys, int64_t kvh) {
   const uint16_t* base = keys ? pb.k + kvh * pb.k_head_stride : pb.v + kvh * pb.v_head_stride;
   return HeadRows{base, pb.d, pb.row(), pb.q8, kn.dequant != nullptr ? kn.dequant : dequant_q8_portable};
 }
 
-// The per-token part of an item: its visible list and where it stops being shared.
+// A token's visible list: entry i is the key at slot(i), numbered first + i (attention.h).
 struct TokenKeys {
   std::vector<int32_t> extras;
-  int64_t total = 0, contiguous = 0;
+  int64_t total = 0, first = 0;
+  int64_t contiguous = 0;  // leading entries that lie in place: entry i at key index first + i - lead
+  int64_t end() const { return first + total; }
+  int64_t slot(int64_t prefix, int64_t i) const { return i < prefix ? i : prefix + extras[i - prefix]; }
 };
 
-// Keys every token of [t0, t1) sees in place (the committed prefix, and the new tokens' slots up to
-// the first one some token does not see), and each token's list.
-int64_t shared_keys(const Attention& pb, int64_t t0, int64_t t1, std::vector<TokenKeys>* tokens) {
-  int64_t shared = std::numeric_limits<int64_t>::max();
-  std::vector<TokenKeys> local;
-  std::vector<TokenKeys>& tks = tokens != nullptr ? *tokens : local;
-  tks.assign(t1 - t0, TokenKeys{});
+// How many leading entries lie in place, at the key index their number less `lead` gives: those can
+// be read where they are and shared between the tokens that number them alike.
+int64_t contiguous_len(const Attention& pb, const TokenKeys& tk) {
+  const int64_t off = tk.first - pb.lead, prefix = pb.prefix();
+  if (prefix > 0 && off != 0) return 0;
+  int64_t n = prefix;
+  for (size_t i = 0; i < tk.extras.size() && prefix + tk.extras[i] == off + n; ++i) ++n;
+  return n;
+}
+
+// Entries [i0, i0 + n) of a token's list: in place when they lie in place (q8: converted into
+// `scratch`), else gathered into `scratch`.
+const uint16_t* block_rows(const HeadRows& src, const Attention& pb, const TokenKeys& tk, int64_t i0, int n,
+                           uint16_t* scratch) {
+  if (i0 + n <= tk.contiguous) return src.span(tk.first - pb.lead + i0, n, scratch);
+  for (int i = 0; i < n; ++i) src.slot_into(tk.slot(pb.prefix(), i0 + i), scratch + i * pb.d);
+  return scratch;
+}
+
+// An item's tokens and the blocks [sb0, sb1) (by number) every one of them sees in place.
+struct ItemKeys {
+  std::vector<TokenKeys> tokens;
+  int64_t sb0 = 0, sb1 = 0;
+  // The whole chunks among those blocks, [c0, c1): what a split reads in pieces.
+  int64_t c0() const { return (sb0 + kBlocksPerChunk - 1) / kBlocksPerChunk; }
+  int64_t c1() const { return std::max(c0(), sb1 / kBlocksPerChunk); }
+};
+
+ItemKeys item_keys(const Attention& pb, int64_t t0, int64_t t1) {
+  ItemKeys ik;
+  ik.tokens.assign(t1 - t0, TokenKeys{});
+  int64_t first = 0, end = std::numeric_limits<int64_t>::max();
   for (int64_t i = 0; i < t1 - t0; ++i) {
-    TokenKeys& tk = tks[i];
+    TokenKeys& tk = ik.tokens[i];
     extras_of(pb, t0 + i, tk.extras);
     tk.total = pb.prefix() + static_cast<int64_t>(tk.extras.size());
-    tk.contiguous = contiguous_len(pb, tk.extras);
-    shared = std::min(shared, tk.contiguous);
+    tk.first = pb.ends != nullptr ? pb.ends[t0 + i] - tk.total + 1 : 0;
+    tk.contiguous = contiguous_len(pb, tk);
+    first = std::max(first, tk.first);
+    end = std::min(end, tk.first + tk.contiguous);
   }
-  return shared;
+  ik.sb0 = (first + kBlock - 1) / kBlock;
+  ik.sb1 = std::max(ik.sb0, end / kBlock);
+  return ik;
 }
 
 template <typename T>
@@ -120,6 +131,7 @@ struct ItemRows {
   std::vector<RowState> rows;
   float* tacc = nullptr;  // [nrows][d], aligned: the folded chunks
   std::vector<char> folded;  // per row: whether tacc/tml hold anything yet
+  std::vector<char> open;    // per row: whether its current chunk holds keys
 
   ItemRows(const Attention& pb, const AttentionItem& it) : d(pb.d) {
     const int64_t g = pb.heads / pb.kv_heads;
@@ -130,6 +142,7 @@ struct ItemRows {
     totbuf.assign(nrows * d + 16, 0.f);
     tml.assign(2 * nrows, 0.f);
     folded.assign(nrows, 0);
+    open.assign(nrows, 0);
     rows.resize(nrows);
     tacc = aligned64(totbuf);
     float* acc0 = aligned64(accbuf);
@@ -157,14 +170,21 @@ struct ItemRows {
       rows[r].m = kNegInf;
       rows[r].l = 0.f;
       std::fill(rows[r].acc, rows[r].acc + d, 0.f);
+      open[r] = 0;
     }
   }
 
-  // Rows [r0, r0 + n)'s current chunk into their fold (fold_state), and a fresh chunk.
+  // Rows [r0, r0 + n) have taken a block into their current chunk.
+  void opened(int r0, int n) { std::fill(open.begin() + r0, open.begin() + r0 + n, 1); }
+
+  // Those of rows [r0, r0 + n) whose current chunk holds keys: it goes into their fold (fold_state),
+  // and a fresh chunk starts. An empty chunk folds nothing.
   void fold(int r0, int n) {
-    for (int r = r0; r < r0 + n; ++r)
+    for (int r = r0; r < r0 + n; ++r) {
+      if (!open[r]) continue;
       fold_state(rows[r].m, rows[r].l, rows[r].acc, &folded[r], &tml[2 * r], tacc + r * d, d);
-    reset(r0, n);
+      reset(r, 1);
+    }
   }
 };
 
@@ -214,7 +234,8 @@ void fold_state(float m, float l, const float* acc, char* started, float* tml, f
 
 namespace {
 
-// Shared blocks [b0, b1) (every row, keys in place) with a fold at each chunk's start but the first.
+// Shared blocks [b0, b1) (by number; every row, keys in place), folding the rows that hold keys
+// at each chunk's start.
 void shared_blocks(const Attention& pb, const AttentionItem& it, const BlockKernel& kn, ItemRows& ir, int64_t b0,
                    int64_t b1, float* ws) {
   const int64_t d = pb.d;
@@ -223,16 +244,19 @@ void shared_blocks(const Attention& pb, const AttentionItem& it, const BlockKern
   const int64_t span = runs ? kChunk : kBlock;  // keys read in one call
   std::vector<uint16_t> scratch(pb.q8 ? 2 * span * d : 0);
   for (int64_t b = b0; b < b1;) {
-    if (b > b0 && b % kBlocksPerChunk == 0) ir.fold(0, ir.nrows);
+    if (b % kBlocksPerChunk == 0) ir.fold(0, ir.nrows);
     // Up to the chunk's end: a run of blocks in one call where the path has one, else a block.
     const int64_t n = runs ? std::min(b1, (b / kBlocksPerChunk + 1) * kBlocksPerChunk) - b : 1;
     const int nk = static_cast<int>(n * kBlock);
-    const uint16_t* kb = ks.span(b * kBlock, nk, scratch.data());
-    const uint16_t* vb = vs.span(b * kBlock, nk, scratch.data() + (pb.q8 ? span * d : 0));
+    const int64_t key = b * kBlock - pb.lead;  // the block's first key index
+    const uint16_t* kb = ks.span(key, nk, scratch.data());
+    const uint16_t* vb = vs.span(key, nk, scratch.data() + (pb.q8 ? span * d : 0));
     if (runs)
       kn.run(kb, vb, static_cast<int>(n), d, ir.rows.data(), ir.nrows, ws);
     else
-      kn.block(kb, vb, kBlock, d, ir.rows.data(), ir.nrows, ws, b + kAhead < b1 ? ks.ahead(vs, b + kAhead) : Ahead{});
+      kn.block(kb, vb, kBlock, d, ir.rows.data(), ir.nrows, ws,
+               b + kAhead < b1 ? ks.ahead(vs, key + kAhead * kBlock) : Ahead{});
+    ir.opened(0, ir.nrows);
     b += n;
   }
 }
@@ -243,33 +267,50 @@ std::vector<float> workspace_for(const BlockKernel& kn, int64_t d, int nrows, fl
   return ws;
 }
 
-// The item from block `from` on (the blocks before it are folded into ir already, if any): the
-// shared blocks, then each token's own, folding at chunk starts; then every row's output.
-void finish_item(const Attention& pb, const AttentionItem& it, const BlockKernel& kn, ItemRows& ir, int64_t from) {
-  const int64_t g = pb.heads / pb.kv_heads, d = pb.d, prefix = pb.prefix();
-  const int ntok = static_cast<int>(it.t1 - it.t0);
-  std::vector<TokenKeys> tokens;
-  const int64_t shared = shared_keys(pb, it.t0, it.t1, &tokens);
-  float* wsp = nullptr;
-  const std::vector<float> ws = workspace_for(kn, d, ir.nrows, &wsp);
-  const int64_t sb = std::max(from, shared / kBlock);
-  shared_blocks(pb, it, kn, ir, from, sb, wsp);
-  const HeadRows ks = head_rows(pb, kn, true, it.kvh), vs = head_rows(pb, kn, false, it.kvh);
-  std::vector<uint16_t> kscratch(kBlock * d), vscratch(kBlock * d);
-  for (int i = 0; i < ntok; ++i) {
-    const TokenKeys& tk = tokens[i];
-    const int r0 = i * static_cast<int>(g), n = static_cast<int>(g);
-    for (int64_t b0 = sb * kBlock; b0 < tk.total; b0 += kBlock) {
-      if (b0 > from * kBlock && b0 % kChunk == 0) ir.fold(r0, n);
-      const int nk = static_cast<int>(std::min<int64_t>(kBlock, tk.total - b0));
-      const uint16_t* kb = block_rows(ks, prefix, tk.contiguous, tk.extras, b0, nk, d, kscratch.data());
-      const uint16_t* vb = block_rows(vs, prefix, tk.contiguous, tk.extras, b0, nk, d, vscratch.data());
-      kn.block(kb, vb, nk, d, ir.rows.data() + r0, n, wsp, Ahead{});
-    }
-    // The last chunk (a token whose keys all lie before `from` has none left: nothing to fold).
-    if (tk.total > from * kBlock) ir.fold(r0, n);
+// One token's keys numbered [lo, hi) into its rows [r0, r0 + n), in blocks cut where the numbers
+// cross a multiple of kBlock, folding at each chunk's start.
+void own_keys(const Attention& pb, const TokenKeys& tk, const HeadRows& ks, const HeadRows& vs, const BlockKernel& kn,
+              ItemRows& ir, int r0, int n, int64_t lo, int64_t hi, uint16_t* kscratch, uint16_t* vscratch, float* ws) {
+  for (int64_t a = lo; a < hi;) {
+    const int64_t b = std::min(hi, (a / kBlock + 1) * kBlock);
+    if (a % kChunk == 0) ir.fold(r0, n);
+    const int nk = static_cast<int>(b - a);
+    const uint16_t* kb = block_rows(ks, pb, tk, a - tk.first, nk, kscratch);
+    const uint16_t* vb = block_rows(vs, pb, tk, a - tk.first, nk, vscratch);
+    kn.block(kb, vb, nk, pb.d, ir.rows.data() + r0, n, ws, Ahead{});
+    ir.opened(r0, n);
+    a = b;
   }
-  for (int i = 0; i < ntok; ++i)
+}
+
+constexpr int64_t kNoEnd = std::numeric_limits<int64_t>::max() / (4 * kChunk);
+
+// Every token's keys numbered in blocks [from, to), in number order: a token's own keys below the
+// shared blocks, the shared blocks for every row at once, then each token's keys above them.
+void walk(const Attention& pb, const AttentionItem& it, const BlockKernel& kn, ItemRows& ir, const ItemKeys& ik,
+          int64_t from, int64_t to, float* ws) {
+  const int g = static_cast<int>(pb.heads / pb.kv_heads);
+  const HeadRows ks = head_rows(pb, kn, true, it.kvh), vs = head_rows(pb, kn, false, it.kvh);
+  std::vector<uint16_t> kscratch(kBlock * pb.d), vscratch(kBlock * pb.d);
+  const int64_t lo = from * kBlock, hi = to * kBlock;
+  for (size_t i = 0; i < ik.tokens.size(); ++i) {
+    const TokenKeys& tk = ik.tokens[i];
+    own_keys(pb, tk, ks, vs, kn, ir, static_cast<int>(i) * g, g, std::max(tk.first, lo),
+             std::min({tk.end(), ik.sb0 * kBlock, hi}), kscratch.data(), vscratch.data(), ws);
+  }
+  shared_blocks(pb, it, kn, ir, std::max(from, ik.sb0), std::min(to, ik.sb1), ws);
+  for (size_t i = 0; i < ik.tokens.size(); ++i) {
+    const TokenKeys& tk = ik.tokens[i];
+    own_keys(pb, tk, ks, vs, kn, ir, static_cast<int>(i) * g, g, std::max({tk.first, ik.sb1 * kBlock, lo}),
+             std::min(tk.end(), hi), kscratch.data(), vscratch.data(), ws);
+  }
+}
+
+// Every row's last chunk into its fold, and its output.
+void finish_rows(const Attention& pb, const AttentionItem& it, const BlockKernel& kn, ItemRows& ir) {
+  const int64_t g = pb.heads / pb.kv_heads, d = pb.d;
+  ir.fold(0, ir.nrows);
+  for (int64_t i = 0; i < it.t1 - it.t0; ++i)
     for (int64_t r = 0; r < g; ++r) {
       const int row = static_cast<int>(i * g + r);
       const RowState st{nullptr, nullptr, ir.tacc + row * d, ir.tml[2 * row], ir.tml[2 * row + 1]};
@@ -278,7 +319,8 @@ void finish_item(const Attention& pb, const AttentionItem& it, const BlockKernel
 }
 
 // A piece: chunks [c0, c1) of the split's shared keys, each from a fresh state into its slot; the
-// piece that finishes last folds every slot in chunk order and finishes the item.
+// piece that finishes last reads the keys before those chunks, folds every slot in chunk order,
+// reads the keys after them and finishes the item.
 void run_piece(const Attention& pb, const AttentionItem& it, AttentionSplit& sp, const BlockKernel& kn) {
   const int64_t d = pb.d;
   ItemRows ir(pb, it);
@@ -287,22 +329,25 @@ void run_piece(const Attention& pb, const AttentionItem& it, AttentionSplit& sp,
   for (int64_t c = it.c0; c < it.c1; ++c) {
     ir.reset(0, ir.nrows);
     shared_blocks(pb, it, kn, ir, c * kBlocksPerChunk, (c + 1) * kBlocksPerChunk, wsp);
+    const int64_t slot = c - sp.first_chunk;
     for (int r = 0; r < ir.nrows; ++r) {
-      sp.ml[(c * ir.nrows + r) * 2] = ir.rows[r].m;
-      sp.ml[(c * ir.nrows + r) * 2 + 1] = ir.rows[r].l;
-      std::memcpy(sp.acc.data() + (c * ir.nrows + r) * d, ir.rows[r].acc, d * sizeof(float));
+      sp.ml[(slot * ir.nrows + r) * 2] = ir.rows[r].m;
+      sp.ml[(slot * ir.nrows + r) * 2 + 1] = ir.rows[r].l;
+      std::memcpy(sp.acc.data() + (slot * ir.nrows + r) * d, ir.rows[r].acc, d * sizeof(float));
     }
   }
   if (sp.done.fetch_add(1, std::memory_order_acq_rel) != sp.pieces - 1) return;
   sp.done.store(0, std::memory_order_relaxed);  // ready for the plan's next run (after the caller's barrier)
   ir.reset(0, ir.nrows);
+  const ItemKeys ik = item_keys(pb, it.t0, it.t1);
+  walk(pb, it, kn, ir, ik, 0, sp.first_chunk * kBlocksPerChunk, wsp);
+  ir.fold(0, ir.nrows);
   for (int64_t c = 0; c < sp.chunks; ++c)
     for (int r = 0; r < ir.nrows; ++r)
       fold_state(sp.ml[(c * ir.nrows + r) * 2], sp.ml[(c * ir.nrows + r) * 2 + 1],
                  sp.acc.data() + (c * ir.nrows + r) * d, &ir.folded[r], &ir.tml[2 * r], ir.tacc + r * d, d);
-  AttentionItem whole = it;
-  whole.split = -1;
-  finish_item(pb, whole, kn, ir, sp.chunks * kBlocksPerChunk);
+  walk(pb, it, kn, ir, ik, (sp.first_chunk + sp.chunks) * kBlocksPerChunk, kNoEnd, wsp);
+  finish_rows(pb, it, kn, ir);
 }
 
 }  // namespace
@@ -322,13 +367,16 @@ AttentionPlan plan_attention(const Attention& pb, int threads) {
   const int64_t n = static_cast<int64_t>(groups.size());
   const int64_t per_group = threads > 1 && n < want ? (want + n - 1) / n : 1;
   const int64_t g = pb.heads / pb.kv_heads;
-  std::vector<int64_t> shared_chunks(n, 0);
+  std::vector<int64_t> first_chunk(n, 0), shared_chunks(n, 0);  // each group's whole shared chunks
   for (int64_t i = 0; i < n && per_group > 1; ++i) {
     if (i > 0 && groups[i].t0 == groups[i - 1].t0) {
-      shared_chunks[i] = shared_chunks[i - 1];  // same tokens, another head: the same keys
+      first_chunk[i] = first_chunk[i - 1];  // same tokens, another head: the same keys
+      shared_chunks[i] = shared_chunks[i - 1];
       continue;
     }
-    shared_chunks[i] = shared_keys(pb, groups[i].t0, groups[i].t1, nullptr) / kChunk;
+    const ItemKeys ik = item_keys(pb, groups[i].t0, groups[i].t1);
+    first_chunk[i] = ik.c0();
+    shared_chunks[i] = ik.c1() - ik.c0();
   }
   for (int64_t i = 0; i < n; ++i) {
     const AttentionItem& gr = groups[i];
@@ -342,13 +390,15 @@ AttentionPlan plan_attention(const Attention& pb, int threads) {
     sp->kvh = gr.kvh;
     sp->t0 = gr.t0;
     sp->t1 = gr.t1;
+    sp->first_chunk = first_chunk[i];
     sp->chunks = shared_chunks[i];
     sp->pieces = pieces;
     sp->ml.assign(sp->chunks * rows * 2, 0.f);
     sp->acc.assign(sp->chunks * rows * pb.d, 0.f);
     const int64_t id = static_cast<int64_t>(plan.splits.size());
     for (int64_t p = 0; p < pieces; ++p)
-      plan.items.push_back({gr.kvh, gr.t0, gr.t1, id, p * sp->chunks / pieces, (p + 1) * sp->chunks / pieces});
+      plan.items.push_back({gr.kvh, gr.t0, gr.t1, id, sp->first_chunk + p * sp->chunks / pieces,
+                            sp->first_chunk + (p + 1) * sp->chunks / pieces});
     plan.splits.push_back(std::move(sp));
   }
   std::stable_sort(plan.items.begin(), plan.items.end(), [&](const AttentionItem& a, const AttentionItem& b) {
@@ -372,7 +422,10 @@ void attend_item(Path path, const Attention& pb, const AttentionPlan& plan, int6
     return;
   }
   ItemRows ir(pb, it);
-  finish_item(pb, it, kn, ir, 0);
+  float* wsp = nullptr;
+  const std::vector<float> ws = workspace_for(kn, pb.d, ir.nrows, &wsp);
+  walk(pb, it, kn, ir, item_keys(pb, it.t0, it.t1), 0, kNoEnd, wsp);
+  finish_rows(pb, it, kn, ir);
 }
 
 void attend_all(Path path, const Attention& pb, const AttentionPlan& plan) {

@@ -9,6 +9,11 @@
 // inside a block runs in a fixed order: the same list gives the same bits. Blocks make chunks of
 // kChunk keys, each with an online softmax of its own, folded in chunk order: a long list can be
 // read in pieces by several threads (flash-decoding) with the bits of one thread reading it all.
+// A sliding-window layer's token sees only the tail of that list (its last `window` keys); its keys
+// keep the numbers the full list gives them (`Attention::ends`), so its first block is cut short at
+// the grid line and the rest lie on the grid of slots every token's window shares: a prefill's
+// tokens read those blocks together, as a causal layer's do, and a token's bits are still the same
+// alone, in a tree or in a prefill (its numbers depend on its own list only).
 //
 // The arithmetic (attention_portable.cpp is its reference; every path reproduces it): products
 // of bfloat16 values with float32 accumulation in the lane structure of VDPBF16PS (a lane adds
@@ -72,6 +77,13 @@ struct Attention {
   const float* sinks = nullptr;  // [heads] or null
   bool q8 = false;               // k, v hold q8 rows (kv_q8.h), not bfloat16
   float softcap = 0.f;           // > 0: scores soft-capped at it (Gemma 2); 0: none
+  // How keys are numbered (blocks and chunks are cut where the numbers cross multiples of kBlock and
+  // kChunk). Null: a token's visible list from 0 (its entries' places in it). Else token t's list is
+  // numbered on to ends[t], its own key, and a key read in place is key index number - lead: a
+  // windowed layer's keys keep the numbers the full list gives them (their slots), whichever key
+  // its window starts at, so the window's blocks lie on one grid and its tokens share them.
+  const int64_t* ends = nullptr;
+  int64_t lead = 0;
   int64_t prefix() const { return s - m; }
   int64_t row() const;  // one cache row's size in 16-bit units
 };
@@ -87,7 +99,7 @@ struct AttentionItem {
 // Tokens [t0, t1) of K/V head kvh read in pieces: each piece leaves the states of its chunks here, and
 // the piece that finishes last (`done`) folds them all in chunk order and reads the rest of the keys.
 struct AttentionSplit {
-  int64_t kvh = 0, t0 = 0, t1 = 0, chunks = 0, pieces = 0;
+  int64_t kvh = 0, t0 = 0, t1 = 0, first_chunk = 0, chunks = 0, pieces = 0;  // chunks [first_chunk, + chunks)
   std::vector<float> ml;   // [chunks][rows][2]: maximum, sum
   std::vector<float> acc;  // [chunks][rows][d], in the path's own dimension order
   std::atomic<int64_t> done{0};

@@ -221,6 +221,7 @@ struct SeqPlan {
   Attention pb;
   AttentionPlan plan;  // run once a layer: its split states are reused (each run ends in a barrier)
   Attention pbw;  // the windowed layers' (StepSeq::wfirst, wmask; k and v set per layer from wfirst)
+  std::vector<int64_t> wends;  // pbw.ends: each token's number (its place in its full list: its slot)
   AttentionPlan wplan;
   Rope wrope;  // the windowed layers' cache writes (their own caches, slot 0 at StepSeq::woffset)
 };
@@ -250,6 +251,15 @@ void window_plan(const StepModel& md, const StepSeq& r, int64_t s, SeqPlan& sp, 
   sp.pbw.s = r.start + r.t - r.wfirst;
   sp.pbw.m = sp.pbw.s;
   sp.pbw.mask = r.wmask;
+  // A window's keys keep the numbers the full list gives them (attention.h): key index 0 is slot
+  // wfirst, and a token's own key is the last of its full list, whose length the full mask gives.
+  const Attention& pb = sp.pb;
+  sp.wends.resize(r.t);
+  for (int64_t i = 0; i < r.t; ++i)
+    sp.wends[i] = pb.mask == nullptr ? pb.s - pb.t + i
+                                     : pb.prefix() + std::count(pb.mask + i * pb.m, pb.mask + (i + 1) * pb.m, true) - 1;
+  sp.pbw.ends = sp.wends.data();
+  sp.pbw.lead = r.wfirst;
   sp.pbw.k_head_stride = r.wcapacity * unit;
   sp.pbw.v_head_stride = r.wcapacity * unit;
   sp.wplan = plan_attention(sp.pbw, threads);
