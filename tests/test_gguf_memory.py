@@ -21,7 +21,7 @@ from specextend.models import gguf as conv
 from specextend.models import registry
 from specextend.models.footprint import runs_float
 from specextend.models.loader import load_model
-from specextend.models.qstore import QuantizedFile, stream_tensors
+from specextend.models.qstore import QuantizedFile, save_tensors, stream_tensors
 from specextend.runtime import kernels, quant
 from specextend.speculation.decoder import SpecEngine
 from test_gguf import write_tiny_gguf
@@ -549,3 +549,26 @@ def test_a_random_granite_file_loads_with_its_multipliers(tmp_path, tokenizer_gg
     assert c.arch == "granite" and (c.embed_scale, c.residual_scale, c.attn_scale) == (12.0, 0.22, 0.0078125)
     assert c.logit_divisor == 16.0
     assert torch.isfinite(model(torch.tensor([1, 2, 3]), torch.arange(3), model.new_cache(8))).all()
+
+
+def test_stacked_parts_are_read_into_one_blob_as_concat_would_stack_them(tmp_path: Path) -> None:
+    """q, k and v (or gate and up) read straight into their places: the same segments, bit for bit,
+    as reading each part and stacking them with `QWeight.concat` (which merges adjacent parts of one
+    format while the rows so far fill whole panels); a part stored as float stacks nothing."""
+    g = torch.Generator().manual_seed(0)
+    parts = {"q": quant.quantize_int8(torch.randn(32, 64, generator=g)),
+             "k": quant.quantize_int8(torch.randn(16, 64, generator=g)),
+             "v": quant.quantize(torch.randn(16, 64, generator=g), 4).segments[0],  # another format
+             "odd": quant.quantize_int8(torch.randn(24, 64, generator=g)),  # ends inside a panel
+             "after": quant.quantize_int8(torch.randn(16, 64, generator=g))}
+    path = tmp_path / "x.safetensors"
+    save_tensors(path, {"f": torch.randn(16, 64, generator=g)}, parts)
+    stored = QuantizedFile(path)
+    for names in (["q", "k", "v"], ["q", "k"], ["odd", "after", "q"], ["v", "odd", "after"]):
+        got = stored.stacked_segments(names)
+        want = quant.QWeight.concat([quant.QWeight(64, [stored.segment(n)]) for n in names]).segments
+        assert [(s.fmt, s.n, s.offset, s.k, s.groups) for s in got] == [(s.fmt, s.n, s.offset, s.k, s.groups)
+                                                                         for s in want], names
+        assert all(torch.equal(a.blob, b.blob) for a, b in zip(got, want, strict=True)), names
+    assert len(stored.stacked_segments(["q", "k"])) == 1 and len(stored.stacked_segments(["odd", "after"])) == 2
+    assert stored.stacked_segments(["q", "f"]) is None

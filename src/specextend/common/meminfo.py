@@ -1,7 +1,11 @@
 """The host's memory as the kernel reports it (Linux `/proc/meminfo`), for the checks that refuse
-work which would not fit: a model's first load, the server's KV budget."""
+work which would not fit: a model's first load, the server's KV budget; and the freed heap given back
+to it."""
 
 from __future__ import annotations
+
+import ctypes
+import ctypes.util
 
 
 def available_memory_mb() -> float | None:
@@ -14,3 +18,16 @@ def available_memory_mb() -> float | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def release_free_heap() -> None:
+    """Give the C library's free heap pages back to the kernel (glibc's malloc_trim; elsewhere
+    nothing): a load's temporaries, freed, otherwise stay in the process's resident memory."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        trim = getattr(libc, "malloc_trim", None)
+    except OSError:
+        return
+    if trim is not None:
+        trim(0)

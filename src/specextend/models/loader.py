@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from ..common import meminfo
 from ..common.errors import UserError
 from ..runtime import quant
 from ..runtime.config import ModelConfig
@@ -198,6 +199,9 @@ class _Tensors:
     def segment(self, name: str, mapped: bool = True) -> None:
         return None  # a Hugging Face checkpoint holds float tensors only
 
+    def stacked_segments(self, names: list[str]) -> None:
+        return None
+
 
 def holds_quantized_file(folder: Path) -> bool:
     """Whether the folder's weights are our quantized file (a converted GGUF), not a Hugging Face checkpoint."""
@@ -274,6 +278,7 @@ def build_model(m: ResolvedModel, device: torch.device | str = "cpu", pack: bool
     model.eval()
     if pack:
         model.pack()
+    meminfo.release_free_heap()
     return model
 
 
@@ -454,6 +459,9 @@ def _quantized(ts: Any, names: list[str], scheme: str, derived: DerivedWeights) 
         return None if w.shape[1] % 32 else quant.quantize(w, bits).segments[0]
 
     if scheme == "gguf":
+        segs = ts.stacked_segments(names) if len(names) > 1 else None
+        if segs is not None:
+            return quant.QWeight(segs[0].k, segs)
         parts = []
         for name in names:
             # Stored in float in the GGUF too: the 8-bit format stands in.

@@ -208,6 +208,33 @@ class QuantizedFile:
         return Segment(f["format"], int(f["n"]), self._read_mapped(name) if mapped else self._read(name),
                        int(f["offset"]), int(f["k"]), int(f.get("groups", 8)))
 
+    def stacked_segments(self, names: list[str]) -> list[Segment] | None:
+        """The rows of `names` stacked (q, k, v -> qkv) as `QWeight.concat` stacks them, adjacent
+        parts of one format, grid and group count in one blob, but each part read straight into its
+        place; None where a part is stored as float. Reading the parts first and copying them after
+        left their freed memory in the heap, where the C library kept it (hundreds of MB a model)."""
+        fs = [self.formats.get(n) for n in names]
+        if any(f is None for f in fs):
+            return None
+        runs: list[list[int]] = []  # indices of names, one run a segment
+        for i, f in enumerate(fs):
+            key = (f["format"], int(f["offset"]), int(f["k"]), int(f.get("groups", 8)))
+            if runs and runs[-1][0] == key and sum(int(fs[j]["n"]) for j in runs[-1][1:]) % PANEL == 0:
+                runs[-1].append(i)
+            else:
+                runs.append([key, i])
+        segs = []
+        for key, *idx in runs:
+            spans = [[int(x) for x in self.header[names[i]]["data_offsets"]] for i in idx]
+            blob = torch.empty(sum(e - s for s, e in spans), dtype=torch.uint8)
+            at = 0
+            for i, (s, e) in zip(idx, spans, strict=True):
+                self._read(names[i], out=blob[at:at + e - s])
+                at += e - s
+            fmt, offset, k, groups = key
+            segs.append(Segment(fmt, sum(int(fs[i]["n"]) for i in idx), blob, offset, k, groups))
+        return segs
+
     def get(self, name: str, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor as float `dtype` (quantized ones are dequantized exactly, then cast), into
         `out` (contiguous, of its shape and `dtype`) when given: a part of a stacked weight."""
@@ -228,8 +255,9 @@ class QuantizedFile:
             raise UserError(f"{self.path} is missing tensor {name}")
         return tuple(int(d) for d in self.header[name]["shape"])
 
-    def _read(self, name: str) -> torch.Tensor:
-        """A float tensor, read into memory of its own. A plain read, not the library's memory map:
+    def _read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A float tensor, read into memory of its own (`out`: a contiguous uint8 tensor of its
+        size, its bytes). A plain read, not the library's memory map:
         pages of a map stay resident once touched, so reading float tensors that are then quantized
         through one held the whole file in the process's memory beside the model made from it (a
         converted float32 file: several GB at a first load)."""
@@ -237,10 +265,11 @@ class QuantizedFile:
             raise UserError(f"{self.path} is missing tensor {name}")
         entry = self.header[name]
         dtype = _TORCH_DTYPES.get(entry["dtype"])
-        if dtype is None:  # a dtype we never write: the library reads it
+        if dtype is None and out is None:  # a dtype we never write: the library reads it
             return self._read_mapped(name)
         start, end = (int(x) for x in entry["data_offsets"])
-        out = torch.empty([int(d) for d in entry["shape"]], dtype=dtype)
+        if out is None:
+            out = torch.empty([int(d) for d in entry["shape"]], dtype=dtype)
         raw = out.reshape(-1).view(torch.uint8).numpy()
         try:
             with open(self.path, "rb") as f:
