@@ -95,3 +95,18 @@ def test_a_full_list_numbered_from_zero_keeps_its_bits_and_bad_numbers_are_refus
         ext.attend(q[:, COMMITTED:], k, v, None, pid, ends=list_ends(COMMITTED + t, None, t) - 5)
     with pytest.raises(RuntimeError, match="lead without ends"):
         ext.attend(q[:, COMMITTED:], k, v, None, pid, lead=3)
+
+
+@pytest.mark.parametrize("path", ["portable", kernels.cpu_paths()[-1]])
+def test_a_windowed_token_over_a_q8_cache_gets_the_same_bits_alone_and_in_a_chunk(path: str) -> None:
+    """The same over int8 K/V rows (`--kv-cache q8`), whose blocks are converted before they are read."""
+    from test_kv_q8 import q8_rows
+
+    pid = kernels.path_index(path)
+    t = 24
+    q, k, v = cache(COMMITTED + t, seed=4)
+    k8, v8 = q8_rows(k.float() * 3), q8_rows(v.float())
+    chunk = windowed(q[:, COMMITTED:], k8, v8, torch.arange(COMMITTED, COMMITTED + t), None, pid)
+    for i in (0, 9, t - 1):
+        one = alone(q[:, COMMITTED + i:COMMITTED + i + 1], k8, v8, torch.arange(COMMITTED + i + 1), pid)
+        assert torch.equal(one, chunk[:, i:i + 1]), i
