@@ -5,6 +5,7 @@ test depends on how fast anything runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -131,6 +132,18 @@ def test_multiply_adds_of_a_forward_equal_a_hand_count():
     # prefill of 4 tokens: keys 1 + 2 + 3 + 4, logits for the last token only
     p = roofline.prefill_macs(TINY, 4)
     assert p == roofline.Macs(linear=4 * 73728 + 64 * 100, attention=2 * 10 * 2 * 4 * 16)
+
+
+@pytest.mark.parametrize(("new", "context"), [(3, 5), (10, 0), (4, 20), (30, 2)])
+def test_a_windowed_layer_counts_only_its_window(new, context):
+    """A windowed layer's token sees at most its window (6 here): the count is each token's keys,
+    min(its position + 1, window), summed, beside the global layer's causal count."""
+    cfg = dataclasses.replace(TINY, sliding_window=6, window_layers=(True, False))
+    per_key = 2 * 4 * 16
+    want = sum(min(p + 1, 6) + (p + 1) for p in range(context, context + new)) * per_key
+    assert roofline.forward_macs(cfg, new, context).attention == want
+    every = 2 * sum(range(context + 1, context + new + 1)) * per_key
+    assert roofline.forward_macs(TINY, new, context).attention == every
 
 
 @pytest.mark.parametrize("tokens,chunk", [(10, 3), (512, 512), (1000, 512), (7, 1)])

@@ -63,12 +63,27 @@ def linear_macs_per_token(cfg: ModelConfig) -> int:
     return cfg.num_layers * per_layer
 
 
+def _seen(first: int, last: int, window: int | None = None) -> int:
+    """Keys seen by tokens that see first, first + 1, ..., last keys, each at most `window`."""
+    if last < first:
+        return 0
+    if window is None or last <= window:
+        return (first + last) * (last - first + 1) // 2
+    if first > window:
+        return window * (last - first + 1)
+    return _seen(first, window) + window * (last - window)
+
+
 def forward_macs(cfg: ModelConfig, new: int, context: int = 0, logits: int = 0) -> Macs:
     """A forward of `new` tokens after `context` cached ones, causal among themselves (new token i
-    sees context + i + 1 keys), with the LM head run for `logits` rows."""
-    keys = new * context + new * (new + 1) // 2
+    sees context + i + 1 keys; on a windowed layer at most its window), with the LM head run for
+    `logits` rows."""
+    windowed = cfg.windowed_layers
+    keys = (cfg.num_layers - windowed) * _seen(context + 1, context + new)
+    if windowed:
+        keys += windowed * _seen(context + 1, context + new, cfg.sliding_window)
     head = logits * cfg.hidden_size * cfg.vocab_size
-    attention = cfg.num_layers * 2 * cfg.num_heads * cfg.head_dim * keys
+    attention = 2 * cfg.num_heads * cfg.head_dim * keys
     return Macs(linear=new * linear_macs_per_token(cfg) + head, attention=attention)
 
 
