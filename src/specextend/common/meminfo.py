@@ -5,7 +5,6 @@ to it."""
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 
 def available_memory_mb() -> float | None:
@@ -23,11 +22,7 @@ def available_memory_mb() -> float | None:
 def release_free_heap() -> None:
     """Give the C library's free heap pages back to the kernel (glibc's malloc_trim; elsewhere
     nothing): a load's temporaries, freed, otherwise stay in the process's resident memory."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        trim = getattr(libc, "malloc_trim", None)
-    except OSError:
-        return
+    # The process's own symbols (libc among them): no library search, which runs a subprocess.
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
     if trim is not None:
         trim(0)

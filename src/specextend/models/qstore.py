@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..common.errors import UserError
-from ..runtime.quant import FORMATS, PANEL, Segment, blob_bytes
+from ..runtime.quant import FORMATS, PANEL, Segment, blob_bytes, stacking_runs
 
 _KEY = "specextend.quantized"
 
@@ -214,25 +214,19 @@ class QuantizedFile:
         place; None where a part is stored as float. Reading the parts first and copying them after
         left their freed memory in the heap, where the C library kept it (hundreds of MB a model)."""
         fs = [self.formats.get(n) for n in names]
-        if any(f is None for f in fs):
-            return None
-        runs: list[list[int]] = []  # indices of names, one run a segment
-        for i, f in enumerate(fs):
-            key = (f["format"], int(f["offset"]), int(f["k"]), int(f.get("groups", 8)))
-            if runs and runs[-1][0] == key and sum(int(fs[j]["n"]) for j in runs[-1][1:]) % PANEL == 0:
-                runs[-1].append(i)
-            else:
-                runs.append([key, i])
+        if any(f is None for f in fs) or len({int(f["k"]) for f in fs}) != 1:
+            return None  # float parts, or widths that do not stack (concat says why)
+        kinds = [(f["format"], int(f["offset"]), int(f.get("groups", 8))) for f in fs]
         segs = []
-        for key, *idx in runs:
-            spans = [[int(x) for x in self.header[names[i]]["data_offsets"]] for i in idx]
+        for run in stacking_runs(kinds, [int(f["n"]) for f in fs]):
+            spans = [[int(x) for x in self.header[names[i]]["data_offsets"]] for i in run]
             blob = torch.empty(sum(e - s for s, e in spans), dtype=torch.uint8)
             at = 0
-            for i, (s, e) in zip(idx, spans, strict=True):
+            for i, (s, e) in zip(run, spans, strict=True):
                 self._read(names[i], out=blob[at:at + e - s])
                 at += e - s
-            fmt, offset, k, groups = key
-            segs.append(Segment(fmt, sum(int(fs[i]["n"]) for i in idx), blob, offset, k, groups))
+            fmt, offset, groups = kinds[run[0]]
+            segs.append(Segment(fmt, sum(int(fs[i]["n"]) for i in run), blob, offset, int(fs[0]["k"]), groups))
         return segs
 
     def get(self, name: str, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -141,19 +141,29 @@ class QWeight:
 
     @staticmethod
     def concat(parts: list[QWeight]) -> QWeight:
-        """Stack row blocks (q, k, v -> qkv): adjacent segments of one format merge into one blob."""
+        """Stack row blocks (q, k, v -> qkv): adjacent segments of one format merge into one blob
+        (`stacking_runs`)."""
         k = parts[0].k
         if any(p.k != k for p in parts):
             raise ValueError("cannot stack weights of different input widths")
-        segs: list[Segment] = []
-        for seg in (s for p in parts for s in p.segments):
-            last = segs[-1] if segs else None
-            same = last and (last.fmt, last.offset, last.groups) == (seg.fmt, seg.offset, seg.groups)
-            if same and last.n % PANEL == 0:
-                segs[-1] = Segment(seg.fmt, last.n + seg.n, torch.cat([last.blob, seg.blob]), seg.offset, k, seg.groups)
-            else:
-                segs.append(seg)
-        return QWeight(k, segs)
+        segs = [s for p in parts for s in p.segments]
+        runs = stacking_runs([(s.fmt, s.offset, s.groups) for s in segs], [s.n for s in segs])
+        return QWeight(k, [segs[r[0]] if len(r) == 1 else Segment(segs[r[0]].fmt, sum(segs[i].n for i in r),
+                                                                  torch.cat([segs[i].blob for i in r]),
+                                                                  segs[r[0]].offset, k, segs[r[0]].groups)
+                           for r in runs])
+
+
+def stacking_runs(kinds: list[tuple[object, ...]], rows: list[int]) -> list[list[int]]:
+    """Which of a stack's parts (each its (format, grid offset, groups) and row count) share one
+    segment: adjacent parts of one kind, while the rows before each fill whole panels."""
+    runs: list[list[int]] = []
+    for i, kind in enumerate(kinds):
+        if runs and kinds[runs[-1][0]] == kind and sum(rows[j] for j in runs[-1]) % PANEL == 0:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
 
 
 def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, *, norm: torch.Tensor | None = None,

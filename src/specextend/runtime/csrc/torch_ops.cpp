@@ -301,8 +301,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     TORCH_CHECK(ec.dim() == 1 && ec.size(0) == pb.t && lead >= 0, "attend: ends [T] and lead >= 0");
     const int64_t* e = ec.data_ptr<int64_t>();
     for (int64_t i = 0; i < pb.t; ++i) {  // a token's list must be numbered from 0 on at least
-      const int64_t seen = pb.prefix() + (pb.mask == nullptr ? i + 1 : std::count(pb.mask + i * pb.m,
-                                                                                  pb.mask + (i + 1) * pb.m, true));
+      const int64_t seen = spx::visible_keys(pb, i);
       TORCH_CHECK(e[i] >= seen - 1, "attend: token ", i, " sees ", seen, " keys, more than its number ", e[i], " + 1");
     }
     pb.ends = e;

@@ -409,6 +409,11 @@ AttentionPlan plan_attention(const Attention& pb, int threads) {
 
 int64_t Attention::row() const { return q8 ? q8_row_units(d) : d; }
 
+int64_t visible_keys(const Attention& pb, int64_t t) {
+  if (pb.mask == nullptr) return pb.prefix() + pb.m - pb.t + t + 1;
+  return pb.prefix() + std::count(pb.mask + t * pb.m, pb.mask + (t + 1) * pb.m, true);
+}
+
 int64_t item_cost(const Attention& pb, const AttentionItem& it) {
   const int64_t keys = it.split < 0 ? pb.s : (it.c1 - it.c0) * kChunk;
   return (it.t1 - it.t0) * keys;

@@ -120,6 +120,10 @@ constexpr int kItemsPerThread = 4;
 constexpr int kMinPieceChunks = 2;
 AttentionPlan plan_attention(const Attention& pb, int threads = 1);
 
+// How many keys token t sees: the committed prefix and what its mask row (or the causal triangle)
+// allows among the last m slots. With the list's numbers from 0, its own key is numbered this less one.
+int64_t visible_keys(const Attention& pb, int64_t t);
+
 // Work of item i, in arbitrary units (for ordering items across sequences).
 int64_t item_cost(const Attention& pb, const AttentionItem& it);
 

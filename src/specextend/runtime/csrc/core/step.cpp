@@ -253,11 +253,8 @@ void window_plan(const StepModel& md, const StepSeq& r, int64_t s, SeqPlan& sp, 
   sp.pbw.mask = r.wmask;
   // A window's keys keep the numbers the full list gives them (attention.h): key index 0 is slot
   // wfirst, and a token's own key is the last of its full list, whose length the full mask gives.
-  const Attention& pb = sp.pb;
   sp.wends.resize(r.t);
-  for (int64_t i = 0; i < r.t; ++i)
-    sp.wends[i] = pb.mask == nullptr ? pb.s - pb.t + i
-                                     : pb.prefix() + std::count(pb.mask + i * pb.m, pb.mask + (i + 1) * pb.m, true) - 1;
+  for (int64_t i = 0; i < r.t; ++i) sp.wends[i] = visible_keys(sp.pb, i) - 1;
   sp.pbw.ends = sp.wends.data();
   sp.pbw.lead = r.wfirst;
   sp.pbw.k_head_stride = r.wcapacity * unit;
