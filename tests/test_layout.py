@@ -109,4 +109,8 @@ def test_the_contracts_catch_an_import_made_only_for_type_checking(tmp_path, con
     out = subprocess.run([str(lint), "--no-cache", "--contract", contract], cwd=tmp_path, capture_output=True,
                          text=True, env={"PYTHONPATH": str(tmp_path / "src"), "PATH": "/usr/bin:/bin"})
     assert out.returncode != 0 and "BROKEN" in out.stdout.upper(), out.stdout + out.stderr
-    assert ("specextend.runtime.config" if contract == "layers" else ".runtime -> .serve") in out.stdout
+    if contract == "layers":
+        assert "specextend.runtime.config" in out.stdout
+    else:  # the copy differs from the (kept) package by this import alone; the report names a heuristic's
+        # smallest set of package edges to cut, five of them in sorted order, which need not show this one
+        assert "No cycles are allowed in specextend." in out.stdout

@@ -40,7 +40,7 @@ import torch
 from tqdm import tqdm
 
 from ..options import OneLineParser
-from ..runtime import kernels, quant
+from ..runtime import hugepages, kernels, quant
 from .runtime import parse_counts, read_bandwidth_gbs
 
 FORMATS = ("q4k", "q6k", "q5k", "iq4", "q3k", "q2k", "q8", "q40", "q50", "iq4nl", "q41", "q51", "mxfp4", "f16",
@@ -109,8 +109,9 @@ def parse_formats(ap: argparse.ArgumentParser, value: str) -> list[str]:
 
 
 def _copy(w: quant.QWeight) -> quant.QWeight:
-    return quant.QWeight(w.k, [quant.Segment(s.fmt, s.n, s.blob.clone(), s.offset, s.k, s.groups)
-                               for s in w.segments])
+    """A copy in the kind of memory a loaded model's weights get (runtime/hugepages.py)."""
+    return quant.QWeight(w.k, [quant.Segment(s.fmt, s.n, hugepages.like_weights(s.nbytes).copy_(s.blob), s.offset,
+                                             s.k, s.groups) for s in w.segments])
 
 
 def best_call_s(x: torch.Tensor, weights: list[quant.QWeight], repeats: int) -> float:

@@ -196,7 +196,7 @@ class _Tensors:
     def has(self, name: str) -> bool:
         return name in self.where
 
-    def segment(self, name: str, mapped: bool = True) -> None:
+    def segment(self, name: str, mapped: bool = True, streamed: bool = True) -> None:
         return None  # a Hugging Face checkpoint holds float tensors only
 
     def stacked_segments(self, names: list[str]) -> None:
@@ -296,10 +296,12 @@ class _Weights:
     def wrap(self, t: torch.Tensor) -> torch.nn.Parameter:
         return torch.nn.Parameter(t.to(self.device), requires_grad=False)
 
-    def project(self, mod: Linear | Embedding, names: list[str], rows: int | None, width: int) -> None:
+    def project(self, mod: Linear | Embedding, names: list[str], rows: int | None, width: int,
+                streamed: bool = True) -> None:
         """Give one projection (or the embedding) its weights: quantized where the scheme asks
-        and the shape allows, else float; `rows` None means any number of output rows."""
-        q = _quantized(self.ts, names, self.scheme, self.derived) if self.derived is not None else None
+        and the shape allows, else float; `rows` None means any number of output rows; `streamed`
+        False: only looked up by row (an untied embedding)."""
+        q = _quantized(self.ts, names, self.scheme, self.derived, streamed) if self.derived is not None else None
         if q is not None:
             _check_shape((q.n, q.k), (rows or q.n, width), names[0])
             mod.quantize(q)
@@ -342,7 +344,8 @@ def _fill(model: Transformer, w: _Weights) -> None:
         t = w.ts.get(name, w.act)
         return w.wrap(t + 1 if cfg.norm_plus_one else t)
 
-    w.project(model.embed, ["model.embed_tokens.weight"], cfg.vocab_size, h)
+    tied = cfg.tie_word_embeddings or not w.ts.has("lm_head.weight")
+    w.project(model.embed, ["model.embed_tokens.weight"], cfg.vocab_size, h, streamed=tied)
     for i, blk in enumerate(model.layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
@@ -369,7 +372,7 @@ def _fill(model: Transformer, w: _Weights) -> None:
             blk.q_norm.weight = norm(a + "q_norm.weight")
             blk.k_norm.weight = norm(a + "k_norm.weight")
     model.norm.weight = norm("model.norm.weight")
-    if cfg.tie_word_embeddings or not w.ts.has("lm_head.weight"):
+    if tied:
         if model.embed.qweight is not None:
             model.lm_head.quantize(model.embed.qweight)
         else:
@@ -450,9 +453,11 @@ def _checked(t: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.Tensor
     return t.reshape(shape)
 
 
-def _quantized(ts: Any, names: list[str], scheme: str, derived: DerivedWeights) -> QWeight | None:
+def _quantized(ts: Any, names: list[str], scheme: str, derived: DerivedWeights,
+               streamed: bool = True) -> QWeight | None:
     """The stacked rows of `names` in the quantized `scheme`, or None where the shape does not allow
-    it. Whatever has to be computed (rather than read as stored) goes through `derived`."""
+    it. Whatever has to be computed (rather than read as stored) goes through `derived`; `streamed`:
+    as `QuantizedFile.segment` takes it."""
 
     def from_float(key: list[str], bits: int) -> quant.Segment | None:
         w = _stacked(ts, key, torch.float32)
@@ -465,12 +470,13 @@ def _quantized(ts: Any, names: list[str], scheme: str, derived: DerivedWeights) 
         parts = []
         for name in names:
             # Stored in float in the GGUF too: the 8-bit format stands in.
-            seg = ts.segment(name, mapped=len(names) == 1) or derived.get(name, lambda name=name: from_float([name], 8))
+            seg = ts.segment(name, mapped=len(names) == 1, streamed=streamed) or derived.get(
+                name, lambda name=name: from_float([name], 8), streamed)
             if seg is None:
                 return None
             parts.append(quant.QWeight(seg.k, [seg]))
         return quant.QWeight.concat(parts)
-    seg = derived.get("+".join(names), lambda: from_float(names, 4 if scheme == "int4" else 8))
+    seg = derived.get("+".join(names), lambda: from_float(names, 4 if scheme == "int4" else 8), streamed)
     return None if seg is None else quant.QWeight(seg.k, [seg])
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..common.errors import UserError
+from ..runtime import hugepages
 from ..runtime.quant import FORMATS, PANEL, Segment, blob_bytes, stacking_runs
 
 _KEY = "specextend.quantized"
@@ -127,8 +128,8 @@ class DerivedWeights:
             except UserError as e:  # it can be computed again; say so and do
                 print(f"specextend: recomputing {path.name}: {e}", file=sys.stderr)
 
-    def get(self, key: str, compute: Callable[[], Segment | None]) -> Segment | None:
-        seg = self.stored.segment(key) if self.stored is not None else None
+    def get(self, key: str, compute: Callable[[], Segment | None], streamed: bool = True) -> Segment | None:
+        seg = self.stored.segment(key, streamed=streamed) if self.stored is not None else None
         if seg is None:
             seg = compute()
             if seg is not None:
@@ -186,6 +187,7 @@ class QuantizedFile:
             raise UserError(f"{path} is corrupt or truncated: {e}") from None
         self.path = path
         self.header = header
+        self.arena = hugepages.Arena() if hugepages.wanted() else None
         with open(path, "rb") as f:
             self.data_start = 8 + int.from_bytes(f.read(8), "little")
         for name, f in self.formats.items():
@@ -197,16 +199,22 @@ class QuantizedFile:
     def has(self, name: str) -> bool:
         return name in self.names
 
-    def segment(self, name: str, mapped: bool = True) -> Segment | None:
+    def segment(self, name: str, mapped: bool = True, streamed: bool = True) -> Segment | None:
         """The quantized tensor `name`, or None when it is stored as float. `mapped` False reads it
-        into memory of its own: for a segment about to be stacked with others (copied again)."""
+        into memory of its own: for a segment about to be stacked with others (copied again).
+        `streamed` False: a table read a row at a time (an embedding's lookups), kept on the file's
+        pages, of which only the rows looked up become resident."""
         f = self.formats.get(name)
         if f is None:
             return None
-        # Kept as it is stored, read through the library's map: the blob is the file's pages. A
-        # stacked one is not: the pages its copy was read from would stay resident beside the copy.
-        return Segment(f["format"], int(f["n"]), self._read_mapped(name) if mapped else self._read(name),
-                       int(f["offset"]), int(f["k"]), int(f.get("groups", 8)))
+        # Kept as it is stored: read into huge pages where the system gives them (runtime/hugepages.py),
+        # else through the library's map, the blob the file's pages. A part about to be stacked is
+        # neither: the pages its copy was read from would stay resident beside the copy.
+        if self.arena is not None and mapped and streamed:
+            blob = self._read(name, out=self.arena.empty(self._nbytes(name)))
+        else:
+            blob = self._read_mapped(name) if mapped else self._read(name)
+        return Segment(f["format"], int(f["n"]), blob, int(f["offset"]), int(f["k"]), int(f.get("groups", 8)))
 
     def stacked_segments(self, names: list[str]) -> list[Segment] | None:
         """The rows of `names` stacked (q, k, v -> qkv) as `QWeight.concat` stacks them, adjacent
@@ -220,7 +228,8 @@ class QuantizedFile:
         segs = []
         for run in stacking_runs(kinds, [int(f["n"]) for f in fs]):
             spans = [[int(x) for x in self.header[names[i]]["data_offsets"]] for i in run]
-            blob = torch.empty(sum(e - s for s, e in spans), dtype=torch.uint8)
+            size = sum(e - s for s, e in spans)
+            blob = self.arena.empty(size) if self.arena is not None else torch.empty(size, dtype=torch.uint8)
             at = 0
             for i, (s, e) in zip(run, spans, strict=True):
                 self._read(names[i], out=blob[at:at + e - s])
@@ -248,6 +257,10 @@ class QuantizedFile:
         if name not in self.names:
             raise UserError(f"{self.path} is missing tensor {name}")
         return tuple(int(d) for d in self.header[name]["shape"])
+
+    def _nbytes(self, name: str) -> int:
+        start, end = (int(x) for x in self.header[name]["data_offsets"])
+        return end - start
 
     def _read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """A float tensor, read into memory of its own (`out`: a contiguous uint8 tensor of its

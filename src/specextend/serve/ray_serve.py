@@ -61,6 +61,9 @@ LOST = (RayActorError, ActorDiedError, ActorUnavailableError, ReplicaUnavailable
 # --------------------------------------------------------------------------- the replicas
 
 
+SHARE_PAGES_ENV = "SPECEXTEND_HUGE_PAGES"
+
+
 class Replica:
     """One Ray Serve replica: the one-process server's pair, prefix cache and scheduler."""
 
@@ -68,6 +71,11 @@ class Replica:
         import torch
 
         torch.set_num_threads(threads)
+        if memory_share < 1.0:
+            # Replicas that share a node share the file's pages (a memory map) unless told otherwise:
+            # weights read into huge pages are a copy each (runtime/hugepages.py; its ENV, named here so
+            # that the server does not import the runtime's modules: tests/test_hugepages.py checks it).
+            os.environ.setdefault(SHARE_PAGES_ENV, "0")
         logging.basicConfig(format="specextend: %(message)s")
         logging.getLogger("specextend").setLevel(logging.WARNING if args.quiet else logging.INFO)
         self.name = serve.get_replica_context().replica_id.unique_id
