@@ -22,7 +22,7 @@ from specextend.models import registry
 from specextend.models.footprint import runs_float
 from specextend.models.loader import load_model
 from specextend.models.qstore import QuantizedFile, save_tensors, stream_tensors
-from specextend.runtime import kernels, quant
+from specextend.runtime import hugepages, kernels, quant
 from specextend.speculation.decoder import SpecEngine
 from test_gguf import write_tiny_gguf
 
@@ -237,7 +237,17 @@ def test_inspect_json(tmp_path, tokenizer_gguf, capsys) -> None:
     assert sum(r["file_bytes"] for r in info["types"]) < info["file_bytes"]
     assert info["memory"]["loaded_bytes"] <= info["memory"]["first_load_peak_bytes"]
     assert info["kernel_path"] in (None, "portable", "avx2", "avx512", "neon", "amx")
+    assert info["huge_pages"] is (None if not loaded_as_file(info) else hugepages.wanted())
     assert not (Path(os.environ["SPECEXTEND_HOME"]) / "converted").exists()  # nothing converted
+
+
+def test_inspect_says_where_the_weights_live(tmp_path, tokenizer_gguf, capsys, monkeypatch) -> None:
+    src = random_gguf(tmp_path, tokenizer_gguf, "Q4_K_M")
+    monkeypatch.setenv(hugepages.ENV, "0")
+    code, out, _ = run(capsys, "models", "inspect", str(src))
+    assert code == 0
+    if loaded_as_file(json.loads(run(capsys, "models", "inspect", str(src), "--json")[1])):
+        assert f"the weights stay on the file's pages ({hugepages.ENV}=0)" in out
 
 
 def test_inspect_names_what_is_expanded(tmp_path, tokenizer_gguf, capsys) -> None:

@@ -502,7 +502,8 @@ def cmd_models_inspect(args: argparse.Namespace) -> int:
                           "kv_bytes_per_token": None if kv is None else kv[0],
                           "kv_bytes_32k": None if kv is None else kv[1],
                           "context": None if ctx is None else ctx[0],
-                          "context_limit": None if ctx is None else ctx[1]}))
+                          "context_limit": None if ctx is None else ctx[1],
+                          "huge_pages": _huge_pages(fp.kernel_path)[0]}))
         return 0
     print(f"file          {fp.file} ({gb(fp.file_bytes)})")
     c = fp.config
@@ -536,7 +537,26 @@ def cmd_models_inspect(args: argparse.Namespace) -> int:
     print(f"memory        {gb(fp.loaded_bytes)} once loaded (the first load peaks near {gb(fp.first_load_bytes)}); "
           f"converted copy on disk {gb(fp.converted_bytes)}; all in float32 {gb(fp.float32_bytes)}")
     print(f"expanded      {notice(fp) or 'nothing: every matrix keeps its own grid or is float32 in the file'}")
+    pages = _huge_pages(fp.kernel_path)[1]
+    if pages:
+        print(f"pages         {pages}")
     return 0
+
+
+def _huge_pages(kernel_path: str | None) -> tuple[bool | None, str | None]:
+    """Whether a load here reads the quantized weights into 2 MB pages (runtime/hugepages.py), and
+    why in words; None where the model would run in float32 through PyTorch."""
+    from ..models.footprint import runs_float
+    from ..runtime import hugepages
+
+    if runs_float(kernel_path):
+        return None, None
+    mode = hugepages.system_mode()
+    if hugepages.wanted():
+        return True, f"the weights are read into 2 MB pages (transparent huge pages: {mode})"
+    why = f"{hugepages.ENV}=0" if os.environ.get(hugepages.ENV, "1").strip() == "0" else \
+        f"transparent huge pages: {mode or 'not offered here'}"
+    return False, f"the weights stay on the file's pages ({why})"
 
 
 def _kv(hf_config: dict[str, Any]) -> tuple[int, int, str] | None:
