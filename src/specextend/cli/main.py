@@ -551,11 +551,9 @@ def _huge_pages(kernel_path: str | None) -> tuple[bool | None, str | None]:
 
     if runs_float(kernel_path):
         return None, None
-    mode = hugepages.system_mode()
-    if hugepages.wanted():
-        return True, f"the weights are read into 2 MB pages (transparent huge pages: {mode})"
-    why = f"{hugepages.ENV}=0" if os.environ.get(hugepages.ENV, "1").strip() == "0" else \
-        f"transparent huge pages: {mode or 'not offered here'}"
+    why = hugepages.refusal()
+    if why is None:
+        return True, f"the weights are read into 2 MB pages (transparent huge pages: {hugepages.system_mode()})"
     return False, f"the weights stay on the file's pages ({why})"
 
 

@@ -44,15 +44,23 @@ def system_mode(path: str = _MODE_FILE) -> str | None:
 def wanted() -> bool:
     """Whether weights go into huge-page arenas: the variable allows it, the kernel gives huge pages
     to memory that asks (`always` or `madvise`), and Python can ask."""
+    return refusal() is None
+
+
+def refusal() -> str | None:
+    """Why weights stay on the file's pages here, in words; None where they go into huge pages."""
     if os.environ.get(ENV, "1").strip() == "0":
-        return False
-    return hasattr(mmap, "MADV_HUGEPAGE") and system_mode() in ("always", "madvise")
+        return f"{ENV}=0"
+    mode = system_mode()
+    if not hasattr(mmap, "MADV_HUGEPAGE") or mode not in ("always", "madvise"):
+        return f"transparent huge pages: {mode or 'not offered here'}"
+    return None
 
 
 def like_weights(nbytes: int) -> torch.Tensor:
     """A uint8 tensor in the kind of memory a loaded model's weights get (an arena of its own, or
     plain memory where huge pages are off): for benchmarks that stand in for a model's stream."""
-    return Arena().empty(nbytes) if wanted() else torch.empty(nbytes, dtype=torch.uint8)
+    return _populated(_mapping(nbytes)) if wanted() else torch.empty(nbytes, dtype=torch.uint8)
 
 
 class Arena:
