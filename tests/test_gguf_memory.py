@@ -5,6 +5,7 @@ the one-line notice of expanded types, the refusal of a load that would not fit,
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import os
 import weakref
@@ -67,29 +68,28 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 # --------------------------------------------------------------------------- streaming conversion
 
 
-def test_streaming_conversion_writes_what_the_safetensors_library_writes(tmp_path: Path) -> None:
-    """The converter writes one tensor at a time; the file is the one `safetensors.torch.save_file`
-    writes from the same tensors (its metadata map aside, which the library orders at random)."""
-    from safetensors.torch import save_file
+def test_the_converted_file_is_one_the_safetensors_library_reads_with_blobs_aligned_and_stacks_adjacent(
+        tmp_path: Path) -> None:
+    """The converter writes one tensor at a time, in an order of its own: blobs first, each on a cache
+    line, the parts the loader stacks (q, k, v; gate, up) side by side in that order, so that a stack
+    is one span of the file. The safetensors library reads every tensor of it as we do."""
+    from safetensors import safe_open
 
     src = tmp_path / "tiny.gguf"
-    write_tiny_gguf(src, "qwen2", tokenizer=False,
-                    quantized=("model.layers.0.mlp.gate_proj.weight", "lm_head.weight"))
+    stacked = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+    quantized = (*(f"model.layers.0.{n}.weight" for n in stacked), "lm_head.weight")
+    write_tiny_gguf(src, "qwen2", tokenizer=False, quantized=quantized)
     out = conv.convert_gguf(src, tmp_path / "hf", progress=False, tokenizer=False)
-    ours = (out / conv.WEIGHTS_FILE).read_bytes()
     stored = QuantizedFile(out / conv.WEIGHTS_FILE)
-    tensors = {name: stored._read(name) for name in stored.names}
-    save_file(tensors, str(tmp_path / "lib.safetensors"), metadata=stored.handle.metadata())
-    lib = (tmp_path / "lib.safetensors").read_bytes()
-
-    def split(raw: bytes) -> tuple[dict, bytes]:
-        n = int.from_bytes(raw[:8], "little")
-        return json.loads(raw[8:8 + n]), raw[8 + n:]
-
-    (our_header, our_data), (lib_header, lib_data) = split(ours), split(lib)
-    assert len(ours) == len(lib) and our_header == lib_header and our_data == lib_data
-    assert list(our_header)[1:] == list(lib_header)[1:]  # tensors in the same order
-    assert set(stored.formats) == {"model.layers.0.mlp.gate_proj.weight", "lm_head.weight"}
+    assert set(stored.formats) == set(quantized)
+    with safe_open(str(out / conv.WEIGHTS_FILE), framework="pt") as lib:
+        assert set(lib.keys()) == stored.names
+        assert all(torch.equal(lib.get_tensor(n), stored._read(n)) for n in stored.names)
+    offsets = {n: stored.data_start + int(stored.header[n]["data_offsets"][0]) for n in stored.formats}
+    assert all(o % 64 == 0 for o in offsets.values())
+    for stack in (quantized[:3], quantized[3:5]):
+        spans = [stored.header[n]["data_offsets"] for n in stack]
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
 
 
 def test_stream_tensors_holds_one_tensor_at_a_time(tmp_path: Path) -> None:
@@ -247,7 +247,7 @@ def test_inspect_says_where_the_weights_live(tmp_path, tokenizer_gguf, capsys, m
     code, out, _ = run(capsys, "models", "inspect", str(src))
     assert code == 0
     if loaded_as_file(json.loads(run(capsys, "models", "inspect", str(src), "--json")[1])):
-        assert f"the weights stay on the file's pages ({hugepages.ENV}=0)" in out
+        assert f"the weights stay on the file's pages, which are small ({hugepages.ENV}=0)" in out
 
 
 def test_inspect_names_what_is_expanded(tmp_path, tokenizer_gguf, capsys) -> None:

@@ -503,7 +503,7 @@ def cmd_models_inspect(args: argparse.Namespace) -> int:
                           "kv_bytes_32k": None if kv is None else kv[1],
                           "context": None if ctx is None else ctx[0],
                           "context_limit": None if ctx is None else ctx[1],
-                          "huge_pages": _huge_pages(fp.kernel_path)[0]}))
+                          "huge_pages": _huge_pages(fp.kernel_path, fp.file)[0]}))
         return 0
     print(f"file          {fp.file} ({gb(fp.file_bytes)})")
     c = fp.config
@@ -537,15 +537,16 @@ def cmd_models_inspect(args: argparse.Namespace) -> int:
     print(f"memory        {gb(fp.loaded_bytes)} once loaded (the first load peaks near {gb(fp.first_load_bytes)}); "
           f"converted copy on disk {gb(fp.converted_bytes)}; all in float32 {gb(fp.float32_bytes)}")
     print(f"expanded      {notice(fp) or 'nothing: every matrix keeps its own grid or is float32 in the file'}")
-    pages = _huge_pages(fp.kernel_path)[1]
+    pages = _huge_pages(fp.kernel_path, fp.file)[1]
     if pages:
         print(f"pages         {pages}")
     return 0
 
 
-def _huge_pages(kernel_path: str | None) -> tuple[bool | None, str | None]:
-    """Whether a load here reads the quantized weights into 2 MB pages (runtime/hugepages.py), and
-    why in words; None where the model would run in float32 through PyTorch."""
+def _huge_pages(kernel_path: str | None, file: str | os.PathLike[str]) -> tuple[bool | None, str | None]:
+    """Whether a load here runs the quantized weights from 2 MB pages (runtime/hugepages.py), and how
+    in words; None where the model would run in float32 through PyTorch. The file's own pages are
+    judged on `file`: the model's converted copy lies in the cache, most often on the same disk."""
     from ..models.footprint import runs_float
     from ..runtime import hugepages
 
@@ -554,7 +555,9 @@ def _huge_pages(kernel_path: str | None) -> tuple[bool | None, str | None]:
     why = hugepages.refusal()
     if why is None:
         return True, f"the weights are read into 2 MB pages (transparent huge pages: {hugepages.system_mode()})"
-    return False, f"the weights stay on the file's pages ({why})"
+    if hugepages.huge_file_pages(hugepages.map_file(file), file):
+        return True, f"the weights are used in place, from the file's pages, which this system maps 2 MB each ({why})"
+    return False, f"the weights stay on the file's pages, which are small ({why})"
 
 
 def _kv(hf_config: dict[str, Any]) -> tuple[int, int, str] | None:

@@ -48,7 +48,8 @@ RANDOM_WEIGHTS_KEY = "specextend.random_weights"
 # Written into the completion marker; a folder converted by an older version is converted again.
 # 3: Q4_0, Q5_0 and IQ4_NL under q8's header (runtime/quant.py), at their files' bits a weight; 4: IQ4_XS
 # without the minimum's header bytes; 5: Q4_1 and Q5_1 under q8's header with a minimum.
-FORMAT = "specextend-quantized-5"
+# 6: blobs first, 64-byte aligned, stacked parts (q, k, v; gate, up) side by side (models/qstore.py).
+FORMAT = "specextend-quantized-6"
 
 # GGUF `general.architecture` -> (HF model_type, HF architectures entry); each family's facts
 # (Q/K permutation, norm offsets, tensor names, metadata, turn-end tokens) are in runtime/families.py.

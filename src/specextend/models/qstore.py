@@ -8,6 +8,7 @@ refused when it is opened, never read back half-written.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -50,14 +51,17 @@ def stream_tensors(path: Path, floats: dict[str, tuple[torch.dtype, tuple[int, .
     whole number of panels), written as they come.
 
     The safetensors library writes only from a dict of every tensor, which held a whole expanded
-    model in memory while converting; the format is simple enough to write in order: the same
-    header (metadata, then tensors by decreasing element size, then name) and the same bytes.
+    model in memory while converting; the format is simple enough to write in order, and in an order
+    of our own (below), which the library reads as well.
     """
     meta = {name: {"format": s.fmt, "n": s.n, "k": s.k, "offset": s.offset, "groups": s.groups}
             for name, s in segments.items()}
     entries = {**floats, **{name: (torch.uint8, (blob_bytes(s.fmt, s.n, s.k, s.groups),))
                             for name, s in segments.items()}}
-    order = sorted(entries, key=lambda name: (-entries[name][0].itemsize, name))
+    # Blobs first (each a multiple of 64 bytes, so each starts on a cache line), the parts the loader
+    # stacks next to one another in its order, then float tensors by decreasing element size.
+    floats_only = set(floats) - set(segments)
+    order = sorted(segments, key=_write_key) + sorted(floats_only, key=lambda name: (-entries[name][0].itemsize, name))
     header: dict[str, Any] = {"__metadata__": {"format": "pt", _KEY: json.dumps(meta)}}
     start = 0
     for name in order:
@@ -66,7 +70,7 @@ def stream_tensors(path: Path, floats: dict[str, tuple[torch.dtype, tuple[int, .
         header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [start, start + size]}
         start += size
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as the library pads it
+    text += b" " * (-(8 + len(text)) % 64)  # the data starts on a cache line (the library pads to 8)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
@@ -83,6 +87,15 @@ def stream_tensors(path: Path, floats: dict[str, tuple[torch.dtype, tuple[int, .
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+# The loader stacks q, k, v and gate, up into one weight each (`loader._Weights.project`): written
+# side by side in that order, a stack is one span of the file and is used in place.
+_STACKED_ROLES = {"q_proj": "qkv0", "k_proj": "qkv1", "v_proj": "qkv2", "gate_proj": "gate_up0", "up_proj": "gate_up1"}
+
+
+def _write_key(name: str) -> str:
+    return ".".join(_STACKED_ROLES.get(part, part) for part in name.split("."))
 
 
 def _write_parts(f: Any, name: str, parts: Iterable[torch.Tensor | Segment],
@@ -187,9 +200,14 @@ class QuantizedFile:
             raise UserError(f"{path} is corrupt or truncated: {e}") from None
         self.path = path
         self.header = header
-        self.arena = hugepages.Arena() if hugepages.wanted() else None
         with open(path, "rb") as f:
             self.data_start = 8 + int.from_bytes(f.read(8), "little")
+        # Weights are read into fresh 2 MB pages (an arena: the fastest to stream, runtime/hugepages.py)
+        # or, with the switch off, used in place from the file's map, whose pages are left 2 MB where
+        # the kernel can cache the file so.
+        self.whole = hugepages.map_file(path)
+        self.arena = hugepages.Arena() if hugepages.wanted() else None
+        self.huge_in_place = self.arena is None and hugepages.huge_file_pages(self.whole, path)
         for name, f in self.formats.items():
             shape = header.get(name, {}).get("shape")
             size = blob_bytes(f["format"], f["n"], f["k"], f.get("groups", 8)) if f.get("format") in FORMATS else -1
@@ -207,13 +225,13 @@ class QuantizedFile:
         f = self.formats.get(name)
         if f is None:
             return None
-        # Kept as it is stored: read into huge pages where the system gives them (runtime/hugepages.py),
-        # else through the library's map, the blob the file's pages. A part about to be stacked is
-        # neither: the pages its copy was read from would stay resident beside the copy.
+        # Kept as it is stored: a copy in the arena (a blob streamed: an embedding's rows are looked
+        # up, not streamed), else the file's own pages. A part about to be stacked is neither: the
+        # pages its copy was read from would stay resident beside the copy.
         if self.arena is not None and mapped and streamed:
             blob = self._read(name, out=self.arena.empty(self._nbytes(name)))
         else:
-            blob = self._read_mapped(name) if mapped else self._read(name)
+            blob = self._view([name], populated=streamed) if mapped else self._read(name)
         return Segment(f["format"], int(f["n"]), blob, int(f["offset"]), int(f["k"]), int(f.get("groups", 8)))
 
     def stacked_segments(self, names: list[str]) -> list[Segment] | None:
@@ -228,12 +246,16 @@ class QuantizedFile:
         segs = []
         for run in stacking_runs(kinds, [int(f["n"]) for f in fs]):
             spans = [[int(x) for x in self.header[names[i]]["data_offsets"]] for i in run]
-            size = sum(e - s for s, e in spans)
-            blob = self.arena.empty(size) if self.arena is not None else torch.empty(size, dtype=torch.uint8)
-            at = 0
-            for i, (s, e) in zip(run, spans, strict=True):
-                self._read(names[i], out=blob[at:at + e - s])
-                at += e - s
+            adjacent = all(a[1] == b[0] for a, b in itertools.pairwise(spans))  # as `stream_tensors` writes them
+            if adjacent and self.arena is None:
+                blob = self._view([names[i] for i in run])
+            else:  # into the arena, or from a file written before stacked parts were kept together
+                size = sum(e - s for s, e in spans)
+                blob = self.arena.empty(size) if self.arena is not None else torch.empty(size, dtype=torch.uint8)
+                at = 0
+                for i, (s, e) in zip(run, spans, strict=True):
+                    self._read(names[i], out=blob[at:at + e - s])
+                    at += e - s
             fmt, offset, groups = kinds[run[0]]
             segs.append(Segment(fmt, sum(int(fs[i]["n"]) for i in run), blob, offset, int(fs[0]["k"]), groups))
         return segs
@@ -261,6 +283,16 @@ class QuantizedFile:
     def _nbytes(self, name: str) -> int:
         start, end = (int(x) for x in self.header[name]["data_offsets"])
         return end - start
+
+    def _view(self, names: list[str], populated: bool = True) -> torch.Tensor:
+        """The bytes of `names` (adjacent in the file, in this order) where they lie in its map;
+        `populated`: read in now rather than at the first step's touch."""
+        start = int(self.header[names[0]]["data_offsets"][0])
+        end = int(self.header[names[-1]]["data_offsets"][1])
+        view = self.whole[self.data_start + start:self.data_start + end]
+        if view.numel() != end - start:  # safe_open has checked the size; a file cut since is refused
+            raise UserError(f"{self.path} is corrupt or truncated: tensor {names[-1]} is short")
+        return hugepages.populate(view) if populated else view
 
     def _read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """A float tensor, read into memory of its own (`out`: a contiguous uint8 tensor of its
