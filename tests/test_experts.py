@@ -425,3 +425,36 @@ def test_inspect_shows_the_experts(converted, capsys):
     assert got["count"] == 8 and got["used"] == 2
     assert main(["models", "inspect", str(folder.parent / "m.gguf")]) == 0
     assert "8 experts" in capsys.readouterr().out
+
+
+def test_the_experts_stay_on_the_files_pages_while_streamed_weights_go_to_the_arena(converted, monkeypatch):
+    """A token reads k of a layer's experts: they are used in place from the file's map (resident as
+    they are used), whatever `SPECEXTEND_HUGE_PAGES` says; the weights every step reads whole go into
+    the arena where it is on."""
+    import mmap
+
+    from specextend.models.qstore import QuantizedFile
+    from specextend.runtime import hugepages
+
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        pytest.skip("no MADV_HUGEPAGE here")
+    monkeypatch.setenv(hugepages.ENV, "1")
+    monkeypatch.setattr(hugepages, "system_mode", lambda: "madvise")
+    opened: list[QuantizedFile] = []
+    real_init = QuantizedFile.__init__
+
+    def init(self, path):
+        real_init(self, path)
+        opened.append(self)
+
+    monkeypatch.setattr(QuantizedFile, "__init__", init)
+    model = load_model(converted("qwen3moe", "Q8_0")[0], torch.float32, weights="gguf")
+    (qf,) = opened
+    lo, hi = qf.whole.data_ptr(), qf.whole.data_ptr() + qf.whole.numel()
+
+    def in_file(t: torch.Tensor) -> bool:
+        return lo <= t.data_ptr() and t.data_ptr() + t.numel() <= hi
+
+    blk = model.layers[0]
+    assert all(in_file(s.blob) for s in blk.moe.q_stacked)
+    assert not any(in_file(s.blob) for s in blk.qkv.qweight.segments)

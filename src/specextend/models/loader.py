@@ -437,13 +437,15 @@ def _expert_tensor(w: _Weights, p: str, name: str, n: int, ff: int) -> torch.Ten
 
 
 def _expert_segment(w: _Weights, name: str, rows: int, width: int) -> quant.Segment:
-    """A stacked expert tensor quantized: as the file keeps it, else computed once (`derived`)."""
+    """A stacked expert tensor quantized: as the file keeps it, else computed once (`derived`). Kept on
+    the file's pages (not streamed: a token reads k of a layer's experts), which become resident as
+    experts are used: a copy of every expert would take the whole file's memory and its time to load."""
     def compute() -> quant.Segment:
         bits = 4 if w.scheme == "int4" else 8
         return quant.quantize(w.ts.get(name, torch.float32).reshape(rows, width), bits).segments[0]
 
-    seg = w.ts.segment(name) if w.scheme == "gguf" else None
-    seg = seg or w.derived.get(name, compute)
+    seg = w.ts.segment(name, streamed=False) if w.scheme == "gguf" else None
+    seg = seg or w.derived.get(name, compute, streamed=False)
     _check_shape((seg.n, seg.k), (rows, width), name)
     return seg
 

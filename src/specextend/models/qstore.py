@@ -202,12 +202,12 @@ class QuantizedFile:
         self.header = header
         with open(path, "rb") as f:
             self.data_start = 8 + int.from_bytes(f.read(8), "little")
-        # Weights are read into fresh 2 MB pages (an arena: the fastest to stream, runtime/hugepages.py)
-        # or, with the switch off, used in place from the file's map, whose pages are left 2 MB where
-        # the kernel can cache the file so.
+        # Weights streamed whole are read into fresh 2 MB pages (an arena: the fastest to stream,
+        # runtime/hugepages.py) or, with the switch off, used in place from the file's map; tables read
+        # in parts always are. The map's pages are left 2 MB where the kernel can cache the file so.
         self.whole = hugepages.map_file(path)
         self.arena = hugepages.Arena() if hugepages.wanted() else None
-        self.huge_in_place = self.arena is None and hugepages.huge_file_pages(self.whole, path)
+        self.huge_in_place = hugepages.huge_file_pages(self.whole, path)
         for name, f in self.formats.items():
             shape = header.get(name, {}).get("shape")
             size = blob_bytes(f["format"], f["n"], f["k"], f.get("groups", 8)) if f.get("format") in FORMATS else -1
@@ -220,14 +220,14 @@ class QuantizedFile:
     def segment(self, name: str, mapped: bool = True, streamed: bool = True) -> Segment | None:
         """The quantized tensor `name`, or None when it is stored as float. `mapped` False reads it
         into memory of its own: for a segment about to be stacked with others (copied again).
-        `streamed` False: a table read a row at a time (an embedding's lookups), kept on the file's
-        pages, of which only the rows looked up become resident."""
+        `streamed` False: a table read in parts (an embedding's rows, a layer's experts), kept on the
+        file's pages, of which only the parts used become resident."""
         f = self.formats.get(name)
         if f is None:
             return None
-        # Kept as it is stored: a copy in the arena (a blob streamed: an embedding's rows are looked
-        # up, not streamed), else the file's own pages. A part about to be stacked is neither: the
-        # pages its copy was read from would stay resident beside the copy.
+        # Kept as it is stored: a copy in the arena (a blob streamed whole every step), else the file's
+        # own pages. A part about to be stacked is neither: the pages its copy was read from would
+        # stay resident beside the copy.
         if self.arena is not None and mapped and streamed:
             blob = self._read(name, out=self.arena.empty(self._nbytes(name)))
         else:
