@@ -7,8 +7,9 @@ prefetcher also stops at every 4 KB boundary. On a 2-core Xeon VM a one-row Q4_K
 23.1 GB/s from 2 MB pages against 19-20 from 4 KB ones, and a plain sum of a buffer 34 against 24
 (docs/log/2026-12-huge-pages.md).
 
-By default the weights are read into arenas of fresh anonymous memory that asks for 2 MB pages
-(`Arena`). `SPECEXTEND_HUGE_PAGES=0` uses them in place from a map of the file (`map_file`): nothing
+By default the weights a step streams whole are read into arenas of fresh anonymous memory that asks
+for 2 MB pages (`Arena`); tables read in parts (an embedding's rows, an expert model's experts) stay
+on the file's pages. `SPECEXTEND_HUGE_PAGES=0` uses them in place from a map of the file (`map_file`): nothing
 is copied, a load takes no memory of its own and processes that load the same file share its pages.
 Where the kernel keeps the file in 2 MB pages (its page cache in 2 MB folios, as Linux 6.x does on
 filesystems with large folios), the map is in 2 MB pages too (`huge_file_pages` asks, and has a file
