@@ -427,6 +427,23 @@ def test_inspect_shows_the_experts(converted, capsys):
     assert "8 experts" in capsys.readouterr().out
 
 
+def test_inspect_says_the_experts_stay_on_the_files_pages(converted, capsys, monkeypatch):
+    """With the arena on, inspect's `pages` line names the experts' own pages (a dense model's does not)."""
+    import mmap
+
+    from specextend.cli.main import main
+    from specextend.runtime import hugepages
+
+    if not hasattr(mmap, "MADV_HUGEPAGE") or not kernels.available():
+        pytest.skip("no MADV_HUGEPAGE or no kernels here")
+    monkeypatch.setenv(hugepages.ENV, "1")
+    monkeypatch.setattr(hugepages, "system_mode", lambda: "madvise")
+    folder, _ = converted("qwen3moe", "Q8_0")
+    assert main(["models", "inspect", str(folder.parent / "m.gguf")]) == 0
+    pages = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("pages"))
+    assert "read into 2 MB pages" in pages and "; the experts are used in place, from the file's pages" in pages
+
+
 def test_the_experts_stay_on_the_files_pages_while_streamed_weights_go_to_the_arena(converted, monkeypatch):
     """A token reads k of a layer's experts: they are used in place from the file's map (resident as
     they are used), whatever `SPECEXTEND_HUGE_PAGES` says; the weights every step reads whole go into

@@ -503,7 +503,7 @@ def cmd_models_inspect(args: argparse.Namespace) -> int:
                           "kv_bytes_32k": None if kv is None else kv[1],
                           "context": None if ctx is None else ctx[0],
                           "context_limit": None if ctx is None else ctx[1],
-                          "huge_pages": _huge_pages(fp.kernel_path, fp.file)[0]}))
+                          "huge_pages": _huge_pages(fp.kernel_path, fp.file, bool(fp.experts))[0]}))
         return 0
     print(f"file          {fp.file} ({gb(fp.file_bytes)})")
     c = fp.config
@@ -537,27 +537,34 @@ def cmd_models_inspect(args: argparse.Namespace) -> int:
     print(f"memory        {gb(fp.loaded_bytes)} once loaded (the first load peaks near {gb(fp.first_load_bytes)}); "
           f"converted copy on disk {gb(fp.converted_bytes)}; all in float32 {gb(fp.float32_bytes)}")
     print(f"expanded      {notice(fp) or 'nothing: every matrix keeps its own grid or is float32 in the file'}")
-    pages = _huge_pages(fp.kernel_path, fp.file)[1]
+    pages = _huge_pages(fp.kernel_path, fp.file, bool(fp.experts))[1]
     if pages:
         print(f"pages         {pages}")
     return 0
 
 
-def _huge_pages(kernel_path: str | None, file: str | os.PathLike[str]) -> tuple[bool | None, str | None]:
+def _huge_pages(kernel_path: str | None, file: str | os.PathLike[str],
+                experts: bool = False) -> tuple[bool | None, str | None]:
     """Whether a load here runs the quantized weights from 2 MB pages (runtime/hugepages.py), and how
     in words; None where the model would run in float32 through PyTorch. The file's own pages are
-    judged on `file`: the model's converted copy lies in the cache, most often on the same disk."""
+    judged on `file`: the model's converted copy lies in the cache, most often on the same disk. An
+    expert model's experts (a token reads k of them) are used in place whatever the switch says."""
     from ..models.footprint import runs_float
     from ..runtime import hugepages
 
     if runs_float(kernel_path):
         return None, None
     why = hugepages.refusal()
+    if why is not None or experts:  # the file's pages are asked about only where they are used
+        file_huge = hugepages.huge_file_pages(hugepages.map_file(file), file)
+        on_file = f"the file's pages, which {'this system maps 2 MB each' if file_huge else 'are small'}"
     if why is None:
-        return True, f"the weights are read into 2 MB pages (transparent huge pages: {hugepages.system_mode()})"
-    if hugepages.huge_file_pages(hugepages.map_file(file), file):
-        return True, f"the weights are used in place, from the file's pages, which this system maps 2 MB each ({why})"
-    return False, f"the weights stay on the file's pages, which are small ({why})"
+        experts_too = f"; the experts are used in place, from {on_file}" if experts else ""
+        return True, (f"the weights are read into 2 MB pages (transparent huge pages: {hugepages.system_mode()})"
+                      f"{experts_too}")
+    if file_huge:
+        return True, f"the weights are used in place, from {on_file} ({why})"
+    return False, f"the weights stay on {on_file} ({why})"
 
 
 def _kv(hf_config: dict[str, Any]) -> tuple[int, int, str] | None:

@@ -207,7 +207,7 @@ class QuantizedFile:
         # in parts always are. The map's pages are left 2 MB where the kernel can cache the file so.
         self.whole = hugepages.map_file(path)
         self.arena = hugepages.Arena() if hugepages.wanted() else None
-        self.huge_in_place = hugepages.huge_file_pages(self.whole, path)
+        hugepages.huge_file_pages(self.whole, path)  # for its side: a file cached in small pieces is read again
         for name, f in self.formats.items():
             shape = header.get(name, {}).get("shape")
             size = blob_bytes(f["format"], f["n"], f["k"], f.get("groups", 8)) if f.get("format") in FORMATS else -1
