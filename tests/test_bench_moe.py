@@ -34,6 +34,7 @@ def test_a_windowed_model_is_measured_without_the_peer_when_told(gemma3, tmp_pat
     ours = res["ours"]
     assert ours["prefill_32_tok_s"] > 0 and ours["prefill_80_tok_s"] > 0 and ours["decode_tok_s"] > 0
     assert set(ours["rows_vs_one"]) == {"1", "4"} and ours["peak_rss_gb"] > 0
+    assert ours["one_row_read_gbs"] > 0 and res["read_gbs"] > 0 and ours["of_read_rate"] > 0
     assert "llama" not in res and "ratio" not in res
 
 
@@ -45,3 +46,12 @@ def test_a_missing_file_or_peer_is_refused_before_the_run(gemma3, tmp_path, caps
         moe.main(["--target", str(gemma3), "--llama-bench", str(tmp_path / "llama-bench")])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "make peers" in err and "Traceback" not in err
+
+
+def test_the_read_share_pairs_each_step_with_the_read_beside_it():
+    """Memory that slows to half its speed midway, and steps that slow with it, read a quarter of the
+    machine's rate throughout: the pairs say 0.25; separate medians of steps and reads would not."""
+    got = moe.read_share(5_000_000_000, [1.0, 1.0, 2.0, 2.0], [20.0, 20.0, 10.0, 10.0])
+    assert got["of_read_rate"] == pytest.approx(0.25)
+    assert got["read_gbs"] == pytest.approx(15.0) and got["one_row_read_gbs"] == pytest.approx(5 / 1.5)
+    assert got["one_row_read_gbs"] / got["read_gbs"] != pytest.approx(0.25)

@@ -6,8 +6,9 @@
 Ours: prefill of random prompts of each length (one run each after a warm-up), decode tokens per
 second (one-row steps after a 16-token context: llama-bench's `tg`), the cost of a verification
 forward of 1, 4 and 8 rows over a 512-token context (a causal block, like `bench.runtime`), the
-one-row step's read rate against the machine's (`runtime.read_bandwidth_gbs`) counting only the
-bytes a token reads (`models.footprint.expert_share`), and the process's peak resident memory
+one-row step's read rate against the machine's, counting only the bytes a token reads
+(`models.footprint.expert_share`): the medians of steps each followed by a plain read of 1 GB
+(`alternated`; `one_row_s` is the fastest step), and the process's peak resident memory
 (which counts the file's mapped pages; a windowed model's cache keeps its window and a prefill
 chunk's room, as a generation's does). Then `llama-bench -m FILE -t THREADS -p ... -n DECODE`
 in the same run (by default the one `make peers` built beside its server) and its peak memory, and
@@ -18,9 +19,11 @@ from __future__ import annotations
 
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +31,9 @@ import torch
 
 from ..common.errors import UserError
 from ..options import OneLineParser
+from ..runtime import hugepages
 from .llamacpp import find_peer
-from .runtime import elapsed, parse_counts, read_bandwidth_gbs
+from .runtime import elapsed, parse_counts
 
 
 def peak_rss_gb() -> float:
@@ -105,8 +109,31 @@ def ours(path: Path, prefill: list[int], decode: int, rows: list[int], repeats: 
         costs[r] = min(elapsed(fwd) for _ in range(repeats))
     res["rows_s"] = {str(r): costs[r] for r in rows}
     res["rows_vs_one"] = {str(r): costs[r] / costs[rows[0]] for r in rows}
-    res["peak_rss_gb"] = peak_rss_gb()
+    res["peak_rss_gb"] = peak_rss_gb()  # before the read buffer below
+    cache.reset()
+    model.prefill(torch.randint(0, vocab, (16,), generator=gen), cache)
+    res["paired_step_s"], res["paired_read_gbs"] = alternated(step, max(1, min(decode, 64)))
     return res
+
+
+def alternated(step: Callable[[], None], pairs: int, mb: int = 1024) -> tuple[list[float], list[float]]:
+    """`pairs` one-row steps, each followed by a plain read of a buffer far larger than the caches in
+    the weights' kind of memory: the seconds of each step and the GB/s of the read after it. A step's
+    read rate is judged against the read beside it, so a machine whose memory speed drifts during a
+    run (a VM whose neighbours come and go: 17-22 GB/s within minutes on one) does not skew it."""
+    buf = hugepages.like_weights(mb * 1024 * 1024).view(torch.float32).fill_(1.0)
+    steps, reads = [], []
+    for _ in range(pairs):
+        steps.append(elapsed(step))
+        reads.append(buf.numel() * 4 / elapsed(buf.sum) / 1e9)
+    return steps, reads
+
+
+def read_share(active: int, steps: list[float], reads: list[float]) -> dict[str, float]:
+    """The one-row step's read rate (bytes a token reads over the step's time) and its share of the
+    machine's, as the medians of alternated pairs (`alternated`)."""
+    return {"one_row_read_gbs": active / statistics.median(steps) / 1e9, "read_gbs": statistics.median(reads),
+            "of_read_rate": statistics.median(active / s / 1e9 / r for s, r in zip(steps, reads, strict=True))}
 
 
 def llama(binary: Path, path: Path, threads: int, prefill: list[int], decode: int, reps: int) -> dict[str, Any]:
@@ -151,10 +178,10 @@ def main(argv: list[str] | None = None) -> int:
                            "cpu": kernels.cpu_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     res["ours"] = ours(a.target, prefill, a.decode, rows, a.repeats)
     res["path"] = kernels.path()
-    res["read_gbs"] = read_bandwidth_gbs()
     res["active_bytes"] = active_bytes(a.target)
-    res["ours"]["one_row_read_gbs"] = res["active_bytes"] / res["ours"]["one_row_s"] / 1e9
-    res["ours"]["of_read_rate"] = res["ours"]["one_row_read_gbs"] / res["read_gbs"]
+    share = read_share(res["active_bytes"], res["ours"].pop("paired_step_s"), res["ours"].pop("paired_read_gbs"))
+    res["read_gbs"] = share.pop("read_gbs")
+    res["ours"].update(share)
     if peer:
         res["llama"] = llama(a.llama_bench, a.target, res["ours"]["threads"], prefill, a.decode, a.llama_repeats)
         res["ratio"] = {k: res["ours"][k] / v for k, v in res["llama"].items() if k.endswith("tok_s")}
