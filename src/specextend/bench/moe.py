@@ -31,9 +31,8 @@ import torch
 
 from ..common.errors import UserError
 from ..options import OneLineParser
-from ..runtime import hugepages
 from .llamacpp import find_peer
-from .runtime import elapsed, parse_counts
+from .runtime import elapsed, parse_counts, read_buffer, read_pass_gbs
 
 
 def peak_rss_gb() -> float:
@@ -66,7 +65,8 @@ def _arch(reader: Any) -> str:
     return str(reader.fields["general.architecture"].contents())
 
 
-def ours(path: Path, prefill: list[int], decode: int, rows: list[int], repeats: int) -> dict[str, Any]:
+def ours(path: Path, prefill: list[int], decode: int, rows: list[int], repeats: int,
+         active: int) -> dict[str, Any]:
     from .. import api
     from ..speculation.decoder import window_room
 
@@ -112,7 +112,7 @@ def ours(path: Path, prefill: list[int], decode: int, rows: list[int], repeats: 
     res["peak_rss_gb"] = peak_rss_gb()  # before the read buffer below
     cache.reset()
     model.prefill(torch.randint(0, vocab, (16,), generator=gen), cache)
-    res["paired_step_s"], res["paired_read_gbs"] = alternated(step, max(1, min(decode, 64)))
+    res.update(read_share(active, *alternated(step, max(1, min(decode, 64)))))
     return res
 
 
@@ -121,11 +121,11 @@ def alternated(step: Callable[[], None], pairs: int, mb: int = 1024) -> tuple[li
     the weights' kind of memory: the seconds of each step and the GB/s of the read after it. A step's
     read rate is judged against the read beside it, so a machine whose memory speed drifts during a
     run (a VM whose neighbours come and go: 17-22 GB/s within minutes on one) does not skew it."""
-    buf = hugepages.like_weights(mb * 1024 * 1024).view(torch.float32).fill_(1.0)
+    buf = read_buffer(mb)
     steps, reads = [], []
     for _ in range(pairs):
         steps.append(elapsed(step))
-        reads.append(buf.numel() * 4 / elapsed(buf.sum) / 1e9)
+        reads.append(read_pass_gbs(buf))
     return steps, reads
 
 
@@ -176,12 +176,10 @@ def main(argv: list[str] | None = None) -> int:
 
     res: dict[str, Any] = {"file": str(a.target), "file_gb": a.target.stat().st_size / 1e9,
                            "cpu": kernels.cpu_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    res["ours"] = ours(a.target, prefill, a.decode, rows, a.repeats)
-    res["path"] = kernels.path()
     res["active_bytes"] = active_bytes(a.target)
-    share = read_share(res["active_bytes"], res["ours"].pop("paired_step_s"), res["ours"].pop("paired_read_gbs"))
-    res["read_gbs"] = share.pop("read_gbs")
-    res["ours"].update(share)
+    res["ours"] = ours(a.target, prefill, a.decode, rows, a.repeats, res["active_bytes"])
+    res["path"] = kernels.path()
+    res["read_gbs"] = res["ours"].pop("read_gbs")
     if peer:
         res["llama"] = llama(a.llama_bench, a.target, res["ours"]["threads"], prefill, a.decode, a.llama_repeats)
         res["ratio"] = {k: res["ours"][k] / v for k, v in res["llama"].items() if k.endswith("tok_s")}
