@@ -9,7 +9,8 @@ import json
 import pytest
 
 from specextend.api import load
-from specextend.requests import harmony
+from specextend.requests import callmarkup, harmony
+from specextend.requests.callmarkup import HARMONY
 from specextend.requests.harmony import HarmonyParser, split
 from specextend.serve import protocol
 
@@ -60,19 +61,19 @@ def test_a_message_to_a_function_is_a_tool_call_streamed_or_whole(size: int) -> 
     from specextend.requests.toolcalls import ToolSpec
 
     spec = ToolSpec.parse([WEATHER])
-    p = spec.parser(harmony=True)
+    p = spec.parser(HARMONY)
     deltas = [d for i in range(0, len(CALL), size) for d in p.push(CALL[i : i + size])] + p.finish()
     calls = [c for d in deltas for c in d.get("tool_calls", [])]
     assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         (0, "get_weather", {"city": "Paris"})]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "Need the weather."
     assert not any("content" in d for d in deltas) and p.finish_reason("stop") == "tool_calls"
-    whole = spec.parser(harmony=True)
+    whole = spec.parser(HARMONY)
     content, made = whole.answer(CALL)
     assert content is None and [c["function"] for c in made] == [calls[0]["function"]]
     assert whole.reasoning == "Need the weather."
     for broken in (CALL[:-3], CALL.replace("get_weather", "get_time")):
-        assert spec.parser(harmony=True).answer(broken) == (None, [])
+        assert spec.parser(HARMONY).answer(broken) == (None, [])
 
 
 def test_the_chat_answer_carries_reasoning_content_apart() -> None:
@@ -110,12 +111,12 @@ def test_a_harmony_tokenizer_is_decoded_with_its_markup() -> None:
     tok = harmony_tokenizer()
     assert harmony.is_harmony(tok)
     ids = tok.encode(ANSWER, add_special_tokens=False)
-    assert harmony.decode(tok, ids) == ANSWER
+    assert callmarkup.decode(tok, ids) == ANSWER
     from tiny_tokenizer import tiny_tokenizer
 
     plain = tiny_tokenizer()
     assert not harmony.is_harmony(plain)
-    assert harmony.decode(plain, plain.encode("<|user|>hi", add_special_tokens=False)) == "hi"
+    assert callmarkup.decode(plain, plain.encode("<|user|>hi", add_special_tokens=False)) == "hi"
 
 
 @pytest.fixture(scope="module")

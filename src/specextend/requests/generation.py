@@ -30,7 +30,7 @@ from ..sampling.grammar import Grammar, tokenizer_for
 from ..sampling.logits_process import MAX_TOP_LOGPROBS, LogitsProcessor, TokenLogprob
 from ..sampling.penalties import Penalties
 from ..speculation.decoder import GenerationResult, Prefilled, ProgressCallback, TokensCallback
-from . import harmony
+from . import callmarkup
 from .detokenize import Detokenizer
 from .stops import StopStrings
 from .toolcalls import ToolSpec
@@ -119,8 +119,9 @@ class Origin:
         return int(self.spec.target.config.vocab_size)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
-        """The text of token ids (special tokens skipped but harmony's markup: harmony.decode)."""
-        return harmony.decode(self.tokenizer, token_ids)
+        """The text of token ids (special tokens skipped but the markers an answer's parser reads:
+        callmarkup.decode)."""
+        return callmarkup.decode(self.tokenizer, token_ids)
 
     def processor(self, prompt_ids: Sequence[int], s: Settings, grammar: Grammar | None = None,
                   logprobs: int | None = None) -> LogitsProcessor | None:
@@ -227,8 +228,8 @@ class Generation:
                  cancel: threading.Event | None = None, tools: ToolSpec | None = None,
                  on_progress: ProgressCallback | None = None) -> None:
         check_logprobs(logprobs)
-        # the answer parsed into calls (in gpt-oss's own format where the tokenizer writes harmony)
-        self.calls = tools.parser(harmony.is_harmony(origin.tokenizer)) if tools is not None else None
+        # the answer parsed into calls, in the markup of the model's own chat template (or harmony)
+        self.calls = tools.parser(callmarkup.markup_for(origin.tokenizer)) if tools is not None else None
         self.origin, self.ids, self.settings = origin, ids, settings
         self.grammar, self.logprobs = grammar, logprobs
         self.stops = StopStrings(stops)

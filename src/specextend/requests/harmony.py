@@ -15,13 +15,13 @@ tool call: given whole to the `call` callback when the message ends (toolcalls.p
 delta; a body cut by max_tokens is dropped), never as content.
 
 The markup needs the special tokens' text: a harmony tokenizer (`is_harmony`) is decoded with its
-special tokens kept, and this parser removes them.
+markers kept (callmarkup.decode), and this parser removes them.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>")
@@ -41,18 +41,6 @@ def is_harmony(tokenizer: Any) -> bool:
     except (AttributeError, TypeError):
         return False
     return CHANNEL_MARK in added and "<|message|>" in added
-
-
-def decode(tokenizer: Any, token_ids: Sequence[int]) -> str:
-    """The text of generated token ids: special tokens skipped, except a harmony tokenizer's markers,
-    which `HarmonyParser` needs (and removes)."""
-    ids = list(token_ids)
-    if not is_harmony(tokenizer):
-        return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-    added = tokenizer.get_added_vocab()
-    drop = set(tokenizer.all_special_ids) - {added[m] for m in MARKERS if m in added}
-    return tokenizer.decode([i for i in ids if i not in drop], skip_special_tokens=False,
-                            clean_up_tokenization_spaces=False)
 
 
 def _held(text: str) -> int:

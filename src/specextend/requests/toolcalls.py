@@ -2,20 +2,22 @@
 `parallel_tool_calls` checked, the conversation's calls and results made ready for the model's own
 chat template, the grammar that constrains a call, and the answer parsed back into calls.
 
-The calls are written as the default pair's chat template (Qwen2.5, the Hermes format) asks:
+The calls are written in the markup the model's own chat template shows (callmarkup.py): the
+default pair's (Qwen2.5, the Hermes format) asks for
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-one block per call, blocks separated by a newline. Under a grammar (sampling/grammar.py) every call is
-exact: `required` and a named function force an answer of calls only, each's JSON the
-function's name and an `arguments` object matching its `parameters` schema; `auto` lets the
-model choose between free text (which may not contain `<tool_call>`) and calls; `none` renders
-no tools and constrains nothing. `<tool_call>` is the tokenizer's own token where it has one (as
-Qwen2.5's has), else its text. The JSON has the fixed separators of structured outputs, so the
-grammar forces the name, the keys and the punctuation, and a speculative method's calls equal
-`ar`'s as its text does.
+one block per call, blocks separated by a newline; Phi-4-mini's blocks have other markers, and
+Granite's and Mistral's answer is one opener and a JSON list of every call. Under a grammar
+(sampling/grammar.py) every call is exact: `required` and a named function force an answer of
+calls only, each's JSON the function's name and an `arguments` object matching its `parameters`
+schema; `auto` lets the model choose between free text (which may not contain the opener) and
+calls; `none` renders no tools and constrains nothing. A marker is the tokenizer's own token
+where it has one (as Qwen2.5's `<tool_call>` is), else its text. The JSON has the fixed
+separators of structured outputs, so the grammar forces the name, the keys and the punctuation,
+and a speculative method's calls equal `ar`'s as its text does.
 
 `CallParser` reads an answer back into content and calls, streamed or whole: each call is given
 out once complete, a call that repeats an earlier one ends the answer (the generation stops
@@ -35,9 +37,10 @@ from typing import Any
 
 from ..common.errors import UserError
 from ..sampling.grammar import JSON_OPTIONS, GrammarSpec
-from .harmony import HarmonyParser, is_harmony
+from .callmarkup import HARMONY, HERMES, CallMarkup, markup_for
+from .harmony import HarmonyParser
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+OPEN, CLOSE = HERMES.open, HERMES.close
 CHOICES = ("auto", "none", "required")
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 MAX_TOOLS = 128
@@ -104,12 +107,14 @@ class ToolSpec:
             return None
         return cls(parsed, choice, parallel_tool_calls is not False, tool_call_recovery is not False)
 
-    def parser(self, harmony: bool = False) -> CallParser | HarmonyParser:
-        """A parser of an answer under this spec: bare JSON calls recognised where the choice is
-        the model's (`auto`) and recovery is on. `harmony`: the answer is in gpt-oss's format
-        (harmony.py), a call a message addressed to `functions.NAME` with the arguments as its body."""
-        if not harmony:
-            return CallParser(self.tools if self.choice == "auto" and self.recover else (), several=self.parallel)
+    def parser(self, markup: CallMarkup = HERMES) -> CallParser | HarmonyParser:
+        """A parser of an answer whose calls are in `markup` (callmarkup.markup_for the tokenizer):
+        bare JSON calls recognised where the choice is the model's (`auto`) and recovery is on.
+        HARMONY: the answer is in gpt-oss's format (harmony.py), a call a message addressed to
+        `functions.NAME` with the arguments as its body."""
+        if markup is not HARMONY:
+            return CallParser(self.tools if self.choice == "auto" and self.recover else (), several=self.parallel,
+                              markup=markup)
         calls, names = CallParser(), {t.name for t in self.called}
 
         def call(name: str, body: str) -> dict[str, Any] | None:
@@ -131,20 +136,19 @@ class ToolSpec:
 
     def grammar(self, tokenizer: Any) -> GrammarSpec | None:
         """The Lark grammar (llguidance's, with %json) of an answer under this spec (None: free)."""
-        if is_harmony(tokenizer):
+        markup = markup_for(tokenizer)
+        if markup is HARMONY:
             return self._harmony_grammar(tokenizer)
-        opener, closer = (_literal(tokenizer, t) for t in (OPEN, CLOSE))
         fns = [f"fn{i}" for i in range(len(self.called))]
         several = self.parallel and self.choice in CHOICES  # a named function: one call of it
         bare = self.choice == "auto" and self.recover
         # Free text never holds the opener (once it is written, the answer is calls), nor a bare call's start.
-        text = f"/(.|\\n)+/ & ~/(.|\\n)*{re.escape(OPEN)}(.|\\n)*/"
+        text = f"/(.|\\n)+/ & ~/(.|\\n)*{re.escape(markup.open)}(.|\\n)*/"
         if bare:
             text += f" & ~/{bare_head([t.name for t in self.called])}(.|\\n)*/"
         lines = [
             {"auto": "start: TEXT | calls | bare" if bare else "start: TEXT | calls"}.get(self.choice, "start: calls"),
-            'calls: call ("\\n" call)*' if several else "calls: call",
-            f'call: {opener} "\\n" ({" | ".join(fns)}) "\\n" {closer}',
+            *_markup_rules(markup, tokenizer, several, " | ".join(fns)),
             *(f"{fn}: %json {json.dumps(t.call_schema())}" for fn, t in zip(fns, self.called, strict=True)),
             f"TEXT: {text}",
         ]
@@ -242,6 +246,19 @@ def _choice(tool_choice: Any, tools: tuple[Tool, ...]) -> str:
     return str(fn["name"])
 
 
+def _markup_rules(markup: CallMarkup, tokenizer: Any, several: bool, fns: str) -> list[str]:
+    """The grammar's `calls` in `markup`: blocks of one call each, or one opener and a JSON list
+    (one item where the answer makes one call); `fns` the alternatives of a call's JSON."""
+    opener = _literal(tokenizer, markup.open)
+    lead, trail, sep = (json.dumps(t) if t else "" for t in (markup.lead, markup.trail, markup.sep))
+    if markup.listed:  # the list as the templates' `tojson` writes it: ", " between items
+        items = 'call ("," " " call)*' if several else "call"
+        return [f'calls: {opener} {lead} "[" {items} "]"', f"call: {fns}"]
+    closer = _literal(tokenizer, markup.close)
+    return [f"calls: call ({sep} call)*" if several else "calls: call",
+            f"call: {opener} {lead} ({fns}) {trail} {closer}"]
+
+
 def _literal(tokenizer: Any, text: str) -> str:
     """`text` in the Lark grammar: the tokenizer's own token for it (`<[id]>`, as the model
     writes it) where it has one, else the quoted text."""
@@ -326,12 +343,14 @@ class CallParser:
 
     tools: tuple[Tool, ...] = ()  # tools whose bare JSON calls are recognised; (): markup only
     several: bool = True  # a bare answer may make several calls (parallel_tool_calls)
+    markup: CallMarkup = HERMES  # the chat template's markup of calls (callmarkup.py)
     buf: str = ""  # text received and not yet given out
     mode: str = "undecided"  # "text", "calls" (markup or a bare call), "ended" (by a repeated call)
     content: str = ""
     calls: list[dict[str, Any]] = field(default_factory=list)
     _seen: set[tuple[str, str]] = field(default_factory=set)
-    _block_open: bool = False  # a markup block's JSON is read, its CLOSE not yet
+    _block_open: bool = False  # a markup block's JSON is read, its closer not yet
+    _list: str = "opener"  # a listed markup: "opener" (before the "["), "item" (before one), "after" (one), "done"
     _validators: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -345,11 +364,11 @@ class CallParser:
         self.buf += text
         if self.mode == "undecided":
             verdict, found = self._bare(self.buf)
-            if self.buf.startswith(OPEN):
+            if self.buf.startswith(self.markup.open):
                 self.mode = "calls"
             elif verdict == "calls" and self._held():
                 return self._take(found)  # the grammar allows nothing after it but spaces and a fence
-            elif OPEN.startswith(self.buf) or verdict != "no":
+            elif self.markup.open.startswith(self.buf) or verdict != "no":
                 return []  # it may still be a call: held back
             else:
                 self.mode = "text"
@@ -401,22 +420,25 @@ class CallParser:
     # ----------------------------------------------------------------- the template's markup
 
     def _blocks(self) -> list[dict[str, Any]]:
+        if self.markup.listed:
+            return self._listed()
+        opener, closer = self.markup.open, self.markup.close
         out: list[dict[str, Any]] = []
         while self.mode == "calls":
-            s = self.buf.lstrip()  # blocks are separated by newlines
+            s = self.buf.lstrip()  # blocks are separated by whitespace (Hermes's: a newline)
             if self._block_open:
-                if CLOSE.startswith(s):
+                if closer.startswith(s):
                     self.buf = s
                     return out
                 self._block_open = False
-                if s.startswith(CLOSE):
-                    self.buf = s[len(CLOSE):]
+                if s.startswith(closer):
+                    self.buf = s[len(closer):]
                     continue
-            if OPEN.startswith(s):
+            if opener.startswith(s):
                 self.buf = s
                 return out
-            body = s[len(OPEN):].lstrip()
-            if not s.startswith(OPEN) or body[:1] not in ("", "{"):
+            body = s[len(opener):].lstrip()
+            if not s.startswith(opener) or body[:1] not in ("", "{"):
                 self.buf = ""  # text after calls (no grammar admits it): not content, not a call
                 return out
             end = json_end(body)
@@ -424,13 +446,51 @@ class CallParser:
                 self.buf = s
                 return out
             self.buf, self._block_open = body[end:], True
-            call = _markup_call(body[:end])
-            delta = self.record(*call) if call is not None else {}
-            if delta is None:
-                self.mode, self.buf = "ended", ""
-            elif delta:
-                out.append(delta)
+            if not self._given(body[:end], out):
+                return out
         return out
+
+    def _listed(self) -> list[dict[str, Any]]:
+        """One opener, then a JSON list of the calls (Granite's, Mistral's): each item given out
+        the moment it is complete; anything after the list is not read."""
+        out: list[dict[str, Any]] = []
+        while self.mode == "calls" and self._list != "done":
+            s = self.buf.lstrip()
+            if self._list == "opener":
+                rest = s[len(self.markup.open):].lstrip()
+                if not rest:
+                    self.buf = s
+                    return out
+                self._list, self.buf = ("item", rest[1:]) if rest[0] == "[" else ("done", "")
+            elif not s:
+                self.buf = s
+                return out
+            elif self._list == "after":
+                self._list, self.buf = ("item", s[1:]) if s[0] == "," else ("done", "")
+            elif s[0] != "{":  # "]" (the list's end), or what no grammar admits
+                self._list, self.buf = "done", ""
+            else:
+                end = json_end(s)
+                if end is None:
+                    self.buf = s
+                    return out
+                self._list, self.buf = "after", s[end:]
+                if not self._given(s[:end], out):
+                    return out
+        self.buf = ""
+        return out
+
+    def _given(self, text: str, out: list[dict[str, Any]]) -> bool:
+        """A markup call's JSON read: its delta added to `out` (nothing if it is not a call);
+        False when it repeats an earlier call, which ends the answer."""
+        call = _markup_call(text)
+        delta = self.record(*call) if call is not None else {}
+        if delta is None:
+            self.mode, self.buf = "ended", ""
+            return False
+        if delta:
+            out.append(delta)
+        return True
 
     def record(self, name: str, args: dict[str, Any]) -> dict[str, Any] | None:
         """A new call's delta; None if the answer made the same call before."""

@@ -31,6 +31,7 @@ from ..api import Prepared
 from ..common.errors import ContextLengthExceeded, UserError
 from ..common.jsonl import finite_json
 from ..common.settings import Settings
+from ..requests.callmarkup import markup_for
 from ..requests.harmony import HarmonyParser, is_harmony
 from ..requests.toolcalls import CallParser, template_messages
 from ..sampling.grammar import Grammar
@@ -79,6 +80,7 @@ class Server:
         encoder.max_prompt_chars()  # read once, before the first request
         # gpt-oss's chat format: answers split into content and reasoning_content (requests/harmony.py)
         self.harmony = is_harmony(encoder.tokenizer)
+        self.markup = markup_for(encoder.tokenizer)  # how the model writes tool calls (requests/callmarkup.py)
         self.drain = Drain()  # its `seconds`: --drain-s
         self.started = int(time.time())
         self.metrics = ServerMetrics(self.health_body)
@@ -156,7 +158,7 @@ class Server:
             return _error(e)
         rid, created = protocol.new_id(kind), protocol.now()
         # The answer parsed into tool calls, or (harmony) into its final text and reasoning.
-        calls: CallParser | HarmonyParser | None = req.tools.parser(self.harmony) if req.tools is not None else None
+        calls: CallParser | HarmonyParser | None = req.tools.parser(self.markup) if req.tools is not None else None
         if calls is None and kind == "chat" and self.harmony:
             calls = HarmonyParser()
         if req.stream:

@@ -1,0 +1,107 @@
+"""The markup a model writes its tool calls in, read from its own chat template.
+
+Each family's template shows the model its earlier calls in the form it was trained to write them,
+so the template's text says which form to expect and to constrain (as llama.cpp's server tells
+them apart): Hermes's blocks (Qwen 2.5 and 3, SmolLM3, and the default where a template shows
+none), one JSON object a block
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+Phi-4-mini's blocks, `<|tool_call|>{...}<|/tool_call|>` with nothing between them; or one JSON list
+of every call after a single opener, which ends the answer: Granite 3's `<|tool_call|>[{...}, ...]`
+and Mistral's `[TOOL_CALLS][{...}, ...]` (`[TOOL_CALLS] [` where the template writes a space).
+gpt-oss writes calls as harmony messages (harmony.py).
+
+Markers the tokenizer holds as special tokens (Granite's, Mistral's) are skipped by a plain decode;
+`decode` keeps them, as it keeps harmony's, for the parser that reads them (and removes them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from . import harmony
+
+
+@dataclass(frozen=True)
+class CallMarkup:
+    """How calls are written: `open` before each call (`listed`: once, before a JSON list of them
+    all), `close` after it ("" for a list, which ends the answer); `lead` between the opener and
+    the JSON, `trail` between the JSON and the closer, `sep` between two blocks: what the grammar
+    writes (the parser also takes other whitespace there)."""
+
+    name: str
+    open: str
+    close: str = ""
+    listed: bool = False
+    lead: str = ""
+    trail: str = ""
+    sep: str = ""
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        return tuple(m for m in (self.open, self.close) if m)
+
+
+HERMES = CallMarkup("hermes", "<tool_call>", "</tool_call>", lead="\n", trail="\n", sep="\n")
+PHI = CallMarkup("phi", "<|tool_call|>", "<|/tool_call|>")
+GRANITE = CallMarkup("granite", "<|tool_call|>", listed=True)
+MISTRAL = CallMarkup("mistral", "[TOOL_CALLS]", listed=True)
+HARMONY = CallMarkup("harmony", harmony.CHANNEL_MARK)  # gpt-oss: calls are messages (harmony.py), not this markup
+
+
+def markup_of(template: str | None) -> CallMarkup:
+    """The markup a chat template's text writes an assistant's calls in (Hermes's where it shows
+    none of the others)."""
+    text = template or ""
+    if MISTRAL.open in text:
+        return CallMarkup("mistral", MISTRAL.open, listed=True, lead=" " if f"{MISTRAL.open} [" in text else "")
+    if GRANITE.open in text:
+        return PHI if PHI.close in text else GRANITE
+    return HERMES
+
+
+def markup_for(tokenizer: Any) -> CallMarkup:
+    """The markup of `tokenizer`'s chat template (a Hugging Face tokenizer's `chat_template`, text
+    or a dict of named templates, whose default one is read); HARMONY for gpt-oss's tokenizer."""
+    if harmony.is_harmony(tokenizer):
+        return HARMONY
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("default") or next(iter(template.values()), None)
+    return markup_of(template if isinstance(template, str) else None)
+
+
+def decode(tokenizer: Any, token_ids: Sequence[int]) -> str:
+    """The text of generated token ids: special tokens skipped, except the markers an answer's
+    parser reads (harmony's, or the call markup's where they are special tokens)."""
+    ids = list(token_ids)
+    markup = markup_for(tokenizer)
+    markers = harmony.MARKERS if markup is HARMONY else markup.markers
+    special = special_ids(tokenizer)
+    keep = {i for i in (_added(tokenizer).get(m) for m in markers) if i in special}
+    if not keep:
+        return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    return tokenizer.decode([i for i in ids if i in keep or i not in special], skip_special_tokens=False,
+                            clean_up_tokenization_spaces=False)
+
+
+def special_ids(tokenizer: Any) -> set[int]:
+    """The ids a decode that skips special tokens leaves out: the named ones and every added token
+    marked special (a GGUF's control tokens)."""
+    ids = set(getattr(tokenizer, "all_special_ids", ()))
+    for i, tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(tok, "special", False):
+            ids.add(i)
+    return ids
+
+
+def _added(tokenizer: Any) -> dict[str, int]:
+    try:
+        return dict(tokenizer.get_added_vocab())
+    except (AttributeError, TypeError):
+        return {}

@@ -1,0 +1,168 @@
+"""Tool calls in each family's own markup (requests/callmarkup.py): which markup a chat template
+shows, each markup's answers parsed into calls whole and streamed alike, and tiny models whose
+templates show Granite's and Mistral's lists and Phi-4-mini's blocks (their markers special
+tokens, as in those families' files) made to write them by the grammar, read back as calls, speculation equal to `ar`.
+
+The templates here are written for these tests: each shows the model its earlier calls as that
+family's template does, which is all the detection reads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specextend.api import load
+from specextend.requests import callmarkup
+from specextend.requests.callmarkup import GRANITE, HARMONY, HERMES, PHI, CallMarkup, markup_of
+from specextend.requests.toolcalls import CallParser, ToolSpec
+
+from test_serve import SMALL
+from tiny_tokenizer import EOS, MERGES, SPECIALS, TINY_VOCAB, save_tiny_model
+
+pytestmark = pytest.mark.usefixtures("isolated_home")
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer",
+                                     "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+BOOK = {"type": "function", "function": {"name": "book", "parameters": {
+    "type": "object", "properties": {"seats": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+    "required": ["seats"], "additionalProperties": False}}}
+TOOLS = [WEATHER, BOOK]
+ASK = [{"role": "user", "content": "Weather in Oslo for two days, and book a seat?"}]
+
+# What each family's template writes after an assistant's turn opens, for its earlier calls.
+SHOWN = {
+    "hermes": "{% for c in m.tool_calls %}<tool_call>\n{{ c.function | tojson }}\n</tool_call>{% endfor %}",
+    "granite": "<|tool_call|>{{ m.tool_calls | map(attribute='function') | list | tojson }}",
+    "phi": "{% for c in m.tool_calls %}<|tool_call|>{{ c.function | tojson }}<|/tool_call|>{% endfor %}",
+    "mistral": "[TOOL_CALLS][{% for c in m.tool_calls %}{{ c.function | tojson }}{% endfor %}]",
+    "mistral-small": "[TOOL_CALLS] [{% for c in m.tool_calls %}{{ c.function | tojson }}{% endfor %}]",
+    "none": "{{ m.content }}",
+}
+
+
+@pytest.mark.parametrize(("shown", "markup"), [
+    ("hermes", HERMES), ("granite", GRANITE), ("phi", PHI),
+    ("mistral", CallMarkup("mistral", "[TOOL_CALLS]", listed=True)),
+    ("mistral-small", CallMarkup("mistral", "[TOOL_CALLS]", listed=True, lead=" ")),
+    ("none", HERMES)])
+def test_the_template_says_which_markup_the_model_writes(shown, markup):
+    template = "{% for m in messages %}<|{{ m.role }}|>" + SHOWN[shown] + "<|end|>{% endfor %}"
+    assert markup_of(template) == markup
+    assert markup_of(None) == HERMES
+
+
+A = {"name": "get_weather", "arguments": {"city": "Os]lo,{", "days": 2}}
+B = {"name": "book", "arguments": {"seats": ["a"]}}
+ANSWERS = {
+    "hermes": (HERMES, f"<tool_call>\n{json.dumps(A)}\n</tool_call>\n<tool_call>\n{json.dumps(B)}\n</tool_call>"),
+    "phi": (PHI, f"<|tool_call|>{json.dumps(A)}<|/tool_call|><|tool_call|>{json.dumps(B)}<|/tool_call|>"),
+    "granite": (GRANITE, f"<|tool_call|>{json.dumps([A, B])}"),
+    # Mistral's items carry an id of their own; the list may follow a space
+    "mistral": (CallMarkup("mistral", "[TOOL_CALLS]", listed=True),
+                f'[TOOL_CALLS] [{json.dumps({**A, "id": "a1b2c3d4e"})}, {json.dumps(B)}]'),
+}
+
+
+def streamed(p: CallParser, text: str, size: int) -> tuple[str, list[tuple[str, dict]]]:
+    deltas = [d for i in range(0, len(text), size) for d in p.push(text[i:i + size])] + p.finish()
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+             for d in deltas for c in d.get("tool_calls", [])]
+    return "".join(d.get("content", "") for d in deltas), calls
+
+
+@pytest.mark.parametrize("name", sorted(ANSWERS))
+def test_each_markups_calls_are_read_whole_and_streamed_alike(name):
+    markup, text = ANSWERS[name]
+    content, calls = CallParser(markup=markup).answer(text)
+    assert content is None and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        (A["name"], A["arguments"]), (B["name"], B["arguments"])]
+    for size in (1, 3, 7):
+        assert streamed(CallParser(markup=markup), text, size) == ("", [(A["name"], A["arguments"]),
+                                                                          (B["name"], B["arguments"])])
+    # cut inside the second call: the first is kept, the second dropped; a repeat ends the answer
+    cut = text[:text.index('"book"') + 3]
+    assert [c["function"]["name"] for c in CallParser(markup=markup).answer(cut)[1]] == ["get_weather"]
+    again = CallParser(markup=markup)
+    assert len(again.answer(text.replace('"book", "arguments": {"seats": ["a"]}',
+                                         '"get_weather", "arguments": {"city": "Os]lo,{", "days": 2}'))[1]) == 1
+    assert again.ended
+    # another family's markup is text
+    plain = "Sure: " + text
+    assert CallParser(markup=markup).answer(plain) == (plain, [])
+
+
+def test_a_list_that_is_not_calls_gives_none():
+    p = CallParser(markup=GRANITE)
+    assert p.answer('<|tool_call|>["not a call"]') == (None, [])
+    assert CallParser(markup=GRANITE).answer("<|tool_call|>no list") == (None, [])
+
+
+# --------------------------------------------------------------------------- tiny models writing them
+
+
+def markup_tokenizer(markers: list[str], shown: str):
+    """The tiny byte-level tokenizer with `markers` as special tokens (ids after TINY_VOCAB's) and a
+    template that offers the tools and shows earlier calls as `SHOWN[shown]`."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet()) + ["".join(m) for m in MERGES] + [EOS]
+    tokens = tokens[:-1] + markers + [EOS]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=MERGES))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in [*SPECIALS, *markers, EOS]])
+    template = ("{% if tools %}<|user|>tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}"
+                "<|endoftext|>{% endif %}{% for m in messages %}<|{{ m['role'] }}|>"
+                "{% if m.tool_calls %}" + SHOWN[shown] + "{% else %}{{ m['content'] }}{% endif %}<|endoftext|>"
+                "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token=EOS,
+                                   additional_special_tokens=SPECIALS[1:] + markers, chat_template=template)
+
+
+MARKERS = {"granite": ["<|tool_call|>"], "phi": ["<|tool_call|>", "<|/tool_call|>"], "mistral-small": ["[TOOL_CALLS]"]}
+
+
+@pytest.fixture(scope="module", params=sorted(MARKERS))
+def family_pair(request, tmp_path_factory):
+    markers = MARKERS[request.param]
+    root = tmp_path_factory.mktemp(request.param)
+    vocab = TINY_VOCAB + len(markers)
+    tok = markup_tokenizer(markers, request.param)
+    folders = {"target": save_tiny_model(root / "target", seed=0, vocab=vocab, tokenizer=tok),
+               "draft": save_tiny_model(root / "draft", seed=1, layers=1, vocab=vocab, tokenizer=tok)}
+    return request.param, load(folders["target"], folders["draft"], dtype="float64", progress=False)
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_forced_calls_are_written_in_the_familys_markup(family_pair, parallel):
+    """`required` on a model whose template shows Granite's or Mistral's list or Phi's blocks: the grammar makes
+    the random model write that markup (its markers the tokenizer's special tokens, kept in the
+    decoded text), and the answer is the calls, valid for their schemas, the same under speculation."""
+    name, pair = family_pair
+    markup = callmarkup.markup_for(pair.tokenizer)
+    assert markup == {"granite": GRANITE, "phi": PHI, "mistral-small": markup_of(SHOWN[name])}[name]
+    runs = {m: pair.generate(ASK, method=m, max_new_tokens=120, tools=TOOLS, tool_choice="required",
+                             parallel_tool_calls=parallel, **SMALL) for m in ("ar", "specextend")}
+    ar = runs["ar"]
+    assert runs["specextend"].token_ids == ar.token_ids
+    assert ar.text.startswith(markup.open) and ar.tool_calls, ar.text
+    assert ar.token_ids[0] == pair.tokenizer.get_added_vocab()[markup.open]
+    for call in ar.tool_calls:
+        args = json.loads(call["function"]["arguments"])
+        assert call["function"]["name"] in ("get_weather", "book") and isinstance(args, dict)
+    assert len(ar.tool_calls) == 1 or parallel
+    # the text read again as the markup says, whole: the calls the generation gave as it streamed
+    assert [c["function"] for c in ToolSpec.parse(TOOLS, "required").parser(markup).answer(ar.text)[1]] == [
+        c["function"] for c in ar.tool_calls]
+
+
+def test_a_plain_decode_keeps_only_the_markups_markers():
+    tok = markup_tokenizer(["<|tool_call|>", "<|/tool_call|>"], "phi")
+    ids = tok.encode("<|user|>x<|tool_call|>{}<|/tool_call|></s>", add_special_tokens=False)
+    assert callmarkup.decode(tok, ids) == "x<|tool_call|>{}<|/tool_call|>"
+    assert callmarkup.markup_for(tok) == PHI and callmarkup.markup_for(object()) == HERMES
+    assert HARMONY.name == "harmony"
