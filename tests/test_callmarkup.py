@@ -14,7 +14,7 @@ import pytest
 
 from specextend.api import load
 from specextend.requests import callmarkup
-from specextend.requests.callmarkup import GRANITE, HARMONY, HERMES, PHI, CallMarkup, markup_of
+from specextend.requests.callmarkup import GRANITE, HARMONY, HERMES, LLAMA3, PHI, CallMarkup, markup_of
 from specextend.requests.toolcalls import CallParser, ToolSpec
 
 from test_serve import SMALL
@@ -39,6 +39,8 @@ SHOWN = {
     "phi": "{% for c in m.tool_calls %}<|tool_call|>{{ c.function | tojson }}<|/tool_call|>{% endfor %}",
     "mistral": "[TOOL_CALLS][{% for c in m.tool_calls %}{{ c.function | tojson }}{% endfor %}]",
     "mistral-small": "[TOOL_CALLS] [{% for c in m.tool_calls %}{{ c.function | tojson }}{% endfor %}]",
+    "llama3": ("{%- set c = m.tool_calls[0].function %}{{- '{\"name\": \"' + c.name + '\", ' }}"
+               "{{- '\"parameters\": ' }}{{- c.arguments | tojson }}{{- '}' }}"),
     "none": "{{ m.content }}",
 }
 
@@ -47,7 +49,7 @@ SHOWN = {
     ("hermes", HERMES), ("granite", GRANITE), ("phi", PHI),
     ("mistral", CallMarkup("mistral", "[TOOL_CALLS]", listed=True)),
     ("mistral-small", CallMarkup("mistral", "[TOOL_CALLS]", listed=True, lead=" ")),
-    ("none", HERMES)])
+    ("llama3", LLAMA3), ("none", HERMES)])
 def test_the_template_says_which_markup_the_model_writes(shown, markup):
     template = "{% for m in messages %}<|{{ m.role }}|>" + SHOWN[shown] + "<|end|>{% endfor %}"
     assert markup_of(template) == markup
@@ -71,6 +73,21 @@ def streamed(p: CallParser, text: str, size: int) -> tuple[str, list[tuple[str, 
     calls = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
              for d in deltas for c in d.get("tool_calls", [])]
     return "".join(d.get("content", "") for d in deltas), calls
+
+
+def test_llamas_answer_is_one_call_as_bare_json():
+    """Llama 3's call is the answer's JSON itself, its arguments under "parameters": read whole and
+    streamed alike under `required` as under `auto`; text stays text, a call cut short is dropped."""
+    text = json.dumps({"name": "get_weather", "parameters": A["arguments"]})
+    for choice in ("required", "auto"):
+        spec = ToolSpec.parse([WEATHER, BOOK], choice)
+        content, calls = spec.parser(LLAMA3).answer(text)
+        assert content is None and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+            ("get_weather", A["arguments"])]
+        for size in (1, 4):
+            assert streamed(spec.parser(LLAMA3), text, size) == ("", [("get_weather", A["arguments"])])
+        assert spec.parser(LLAMA3).answer(text[:-3]) == (None, [])
+        assert spec.parser(LLAMA3).answer("It is sunny.") == ("It is sunny.", [])
 
 
 @pytest.mark.parametrize("name", sorted(ANSWERS))
@@ -123,7 +140,8 @@ def markup_tokenizer(markers: list[str], shown: str):
                                    additional_special_tokens=SPECIALS[1:] + markers, chat_template=template)
 
 
-MARKERS = {"granite": ["<|tool_call|>"], "phi": ["<|tool_call|>", "<|/tool_call|>"], "mistral-small": ["[TOOL_CALLS]"]}
+MARKERS = {"granite": ["<|tool_call|>"], "phi": ["<|tool_call|>", "<|/tool_call|>"], "mistral-small": ["[TOOL_CALLS]"],
+           "llama3": []}
 
 
 @pytest.fixture(scope="module", params=sorted(MARKERS))
@@ -139,18 +157,20 @@ def family_pair(request, tmp_path_factory):
 
 @pytest.mark.parametrize("parallel", [False, True])
 def test_forced_calls_are_written_in_the_familys_markup(family_pair, parallel):
-    """`required` on a model whose template shows Granite's or Mistral's list or Phi's blocks: the grammar makes
+    """`required` on a model whose template shows Granite's or Mistral's list, Phi's blocks or Llama's
+    bare JSON: the grammar makes
     the random model write that markup (its markers the tokenizer's special tokens, kept in the
     decoded text), and the answer is the calls, valid for their schemas, the same under speculation."""
     name, pair = family_pair
     markup = callmarkup.markup_for(pair.tokenizer)
-    assert markup == {"granite": GRANITE, "phi": PHI, "mistral-small": markup_of(SHOWN[name])}[name]
+    assert markup == {"granite": GRANITE, "phi": PHI, "mistral-small": markup_of(SHOWN[name]), "llama3": LLAMA3}[name]
     runs = {m: pair.generate(ASK, method=m, max_new_tokens=120, tools=TOOLS, tool_choice="required",
                              parallel_tool_calls=parallel, **SMALL) for m in ("ar", "specextend")}
     ar = runs["ar"]
     assert runs["specextend"].token_ids == ar.token_ids
-    assert ar.text.startswith(markup.open) and ar.tool_calls, ar.text
-    assert ar.token_ids[0] == pair.tokenizer.get_added_vocab()[markup.open]
+    assert ar.text.startswith(markup.open or '{"name": "') and ar.tool_calls, ar.text
+    if markup.open:  # the marker is written as the tokenizer's own token
+        assert ar.token_ids[0] == pair.tokenizer.get_added_vocab()[markup.open]
     for call in ar.tool_calls:
         args = json.loads(call["function"]["arguments"])
         assert call["function"]["name"] in ("get_weather", "book") and isinstance(args, dict)

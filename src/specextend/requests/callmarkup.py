@@ -11,7 +11,8 @@ none), one JSON object a block
 
 Phi-4-mini's blocks, `<|tool_call|>{...}<|/tool_call|>` with nothing between them; or one JSON list
 of every call after a single opener, which ends the answer: Granite 3's `<|tool_call|>[{...}, ...]`
-and Mistral's `[TOOL_CALLS][{...}, ...]` (`[TOOL_CALLS] [` where the template writes a space).
+and Mistral's `[TOOL_CALLS][{...}, ...]` (`[TOOL_CALLS] [` where the template writes a space); or
+Llama 3.x's answer that is one call as bare JSON, `{"name": "get_weather", "parameters": {...}}`.
 gpt-oss writes calls as harmony messages (harmony.py).
 
 Markers the tokenizer holds as special tokens (Granite's, Mistral's) are skipped by a plain decode;
@@ -32,7 +33,8 @@ class CallMarkup:
     """How calls are written: `open` before each call (`listed`: once, before a JSON list of them
     all), `close` after it ("" for a list, which ends the answer); `lead` between the opener and
     the JSON, `trail` between the JSON and the closer, `sep` between two blocks: what the grammar
-    writes (the parser also takes other whitespace there)."""
+    writes (the parser also takes other whitespace there). No opener: the answer is one call as
+    bare JSON, its arguments under `key`."""
 
     name: str
     open: str
@@ -41,6 +43,11 @@ class CallMarkup:
     lead: str = ""
     trail: str = ""
     sep: str = ""
+    key: str = "arguments"
+
+    @property
+    def bare(self) -> bool:
+        return not self.open
 
     @property
     def markers(self) -> tuple[str, ...]:
@@ -51,6 +58,7 @@ HERMES = CallMarkup("hermes", "<tool_call>", "</tool_call>", lead="\n", trail="\
 PHI = CallMarkup("phi", "<|tool_call|>", "<|/tool_call|>")
 GRANITE = CallMarkup("granite", "<|tool_call|>", listed=True)
 MISTRAL = CallMarkup("mistral", "[TOOL_CALLS]", listed=True)
+LLAMA3 = CallMarkup("llama3", "", key="parameters")
 HARMONY = CallMarkup("harmony", harmony.CHANNEL_MARK)  # gpt-oss: calls are messages (harmony.py), not this markup
 
 
@@ -58,10 +66,14 @@ def markup_of(template: str | None) -> CallMarkup:
     """The markup a chat template's text writes an assistant's calls in (Hermes's where it shows
     none of the others)."""
     text = template or ""
+    if HERMES.open in text:
+        return HERMES
     if MISTRAL.open in text:
         return CallMarkup("mistral", MISTRAL.open, listed=True, lead=" " if f"{MISTRAL.open} [" in text else "")
     if GRANITE.open in text:
         return PHI if PHI.close in text else GRANITE
+    if '"parameters": ' in text:  # Llama 3.x writes a call's JSON itself, this key a literal
+        return LLAMA3
     return HERMES
 
 

@@ -77,10 +77,11 @@ class Tool:
         fn["parameters"] = self.parameters
         return {"type": "function", "function": fn}
 
-    def call_schema(self) -> dict[str, Any]:
-        """The JSON of one call of this tool: its name, then arguments matching its schema."""
-        return {"type": "object", "properties": {"name": {"const": self.name}, "arguments": self.parameters},
-                "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": JSON_OPTIONS}
+    def call_schema(self, key: str = "arguments") -> dict[str, Any]:
+        """The JSON of one call of this tool: its name, then arguments matching its schema (under
+        `key`: Llama 3's calls name them "parameters")."""
+        return {"type": "object", "properties": {"name": {"const": self.name}, key: self.parameters},
+                "required": ["name", key], "additionalProperties": False, "x-guidance": JSON_OPTIONS}
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,8 @@ class ToolSpec:
         bare JSON calls recognised where the choice is the model's (`auto`) and recovery is on.
         HARMONY: the answer is in gpt-oss's format (harmony.py), a call a message addressed to
         `functions.NAME` with the arguments as its body."""
+        if markup.bare:  # the calls are bare JSON: one call, read as auto's recovery reads one
+            return CallParser(self.called, several=False, markup=markup)
         if markup is not HARMONY:
             return CallParser(self.tools if self.choice == "auto" and self.recover else (), several=self.parallel,
                               markup=markup)
@@ -140,16 +143,18 @@ class ToolSpec:
         if markup is HARMONY:
             return self._harmony_grammar(tokenizer)
         fns = [f"fn{i}" for i in range(len(self.called))]
-        several = self.parallel and self.choice in CHOICES  # a named function: one call of it
-        bare = self.choice == "auto" and self.recover
+        several = self.parallel and self.choice in CHOICES and not markup.bare  # a named function: one call of it
+        bare = self.choice == "auto" and self.recover and not markup.bare  # the markup's calls are bare already
         # Free text never holds the opener (once it is written, the answer is calls), nor a bare call's start.
-        text = f"/(.|\\n)+/ & ~/(.|\\n)*{re.escape(markup.open)}(.|\\n)*/"
-        if bare:
+        text = "/(.|\\n)+/"
+        if markup.open:
+            text += f" & ~/(.|\\n)*{re.escape(markup.open)}(.|\\n)*/"
+        if bare or markup.bare:
             text += f" & ~/{bare_head([t.name for t in self.called])}(.|\\n)*/"
         lines = [
             {"auto": "start: TEXT | calls | bare" if bare else "start: TEXT | calls"}.get(self.choice, "start: calls"),
             *_markup_rules(markup, tokenizer, several, " | ".join(fns)),
-            *(f"{fn}: %json {json.dumps(t.call_schema())}" for fn, t in zip(fns, self.called, strict=True)),
+            *(f"{fn}: %json {json.dumps(t.call_schema(markup.key))}" for fn, t in zip(fns, self.called, strict=True)),
             f"TEXT: {text}",
         ]
         if bare:
@@ -249,6 +254,8 @@ def _choice(tool_choice: Any, tools: tuple[Tool, ...]) -> str:
 def _markup_rules(markup: CallMarkup, tokenizer: Any, several: bool, fns: str) -> list[str]:
     """The grammar's `calls` in `markup`: blocks of one call each, or one opener and a JSON list
     (one item where the answer makes one call); `fns` the alternatives of a call's JSON."""
+    if markup.bare:
+        return ["calls: call", f"call: {fns}"]
     opener = _literal(tokenizer, markup.open)
     lead, trail, sep = (json.dumps(t) if t else "" for t in (markup.lead, markup.trail, markup.sep))
     if markup.listed:  # the list as the templates' `tojson` writes it: ", " between items
@@ -364,11 +371,12 @@ class CallParser:
         self.buf += text
         if self.mode == "undecided":
             verdict, found = self._bare(self.buf)
-            if self.buf.startswith(self.markup.open):
+            opener = self.markup.open
+            if opener and self.buf.startswith(opener):
                 self.mode = "calls"
             elif verdict == "calls" and self._held():
                 return self._take(found)  # the grammar allows nothing after it but spaces and a fence
-            elif self.markup.open.startswith(self.buf) or verdict != "no":
+            elif (opener and opener.startswith(self.buf)) or verdict != "no":
                 return []  # it may still be a call: held back
             else:
                 self.mode = "text"
