@@ -19,7 +19,7 @@ from ..common.errors import ContextLengthExceeded, PromptTooLong, UserError
 from ..common.settings import Settings
 from ..sampling.grammar import Grammar, GrammarSpec, compile_grammar, tokenizer_for
 from ..speculation.decoder import check_fits
-from . import harmony
+from . import callmarkup
 from .toolcalls import ToolError, ToolSpec, template_messages
 
 if TYPE_CHECKING:
@@ -180,8 +180,9 @@ class Prompts:
                 f"{self.context} tokens could hold")
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
-        """The text of token ids (special tokens skipped but harmony's markup: harmony.decode)."""
-        return harmony.decode(self.tokenizer, token_ids)
+        """The text of token ids (special tokens skipped but the markers an answer's parser reads:
+        callmarkup.decode)."""
+        return callmarkup.decode(self.tokenizer, token_ids)
 
     def _check_ids(self, ids: list[int]) -> None:
         if not ids:
