@@ -16,8 +16,10 @@ from specextend.api import load
 from specextend.requests import callmarkup
 from specextend.requests.callmarkup import GRANITE, HARMONY, HERMES, LLAMA3, PHI, CallMarkup, markup_of
 from specextend.requests.toolcalls import CallParser, ToolSpec
+from test_toolcalls import _accumulate
 
-from test_serve import SMALL
+import loopback as http
+from test_serve import SMALL, running
 from tiny_tokenizer import EOS, MERGES, SPECIALS, TINY_VOCAB, save_tiny_model
 
 pytestmark = pytest.mark.usefixtures("isolated_home")
@@ -152,7 +154,7 @@ def family_pair(request, tmp_path_factory):
     tok = markup_tokenizer(markers, request.param)
     folders = {"target": save_tiny_model(root / "target", seed=0, vocab=vocab, tokenizer=tok),
                "draft": save_tiny_model(root / "draft", seed=1, layers=1, vocab=vocab, tokenizer=tok)}
-    return request.param, load(folders["target"], folders["draft"], dtype="float64", progress=False)
+    return request.param, load(folders["target"], folders["draft"], dtype="float64", progress=False), folders
 
 
 @pytest.mark.parametrize("parallel", [False, True])
@@ -161,7 +163,7 @@ def test_forced_calls_are_written_in_the_familys_markup(family_pair, parallel):
     bare JSON: the grammar makes
     the random model write that markup (its markers the tokenizer's special tokens, kept in the
     decoded text), and the answer is the calls, valid for their schemas, the same under speculation."""
-    name, pair = family_pair
+    name, pair, _ = family_pair
     markup = callmarkup.markup_for(pair.tokenizer)
     assert markup == {"granite": GRANITE, "phi": PHI, "mistral-small": markup_of(SHOWN[name]), "llama3": LLAMA3}[name]
     runs = {m: pair.generate(ASK, method=m, max_new_tokens=120, tools=TOOLS, tool_choice="required",
@@ -178,6 +180,26 @@ def test_forced_calls_are_written_in_the_familys_markup(family_pair, parallel):
     # the text read again as the markup says, whole: the calls the generation gave as it streamed
     assert [c["function"] for c in ToolSpec.parse(TOOLS, "required").parser(markup).answer(ar.text)[1]] == [
         c["function"] for c in ar.tool_calls]
+
+
+def test_the_server_answers_the_familys_calls_streamed_or_not(family_pair):
+    """Through the server, streamed and not: the calls of the family's markup as `tool_calls`
+    (content null, no marker anywhere), the same as the Python API's."""
+    _, pair, folders = family_pair
+    want = pair.generate(ASK, method="ar", max_new_tokens=120, tools=TOOLS, tool_choice="required",
+                         parallel_tool_calls=False, **SMALL).tool_calls
+    body = {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False,
+            "max_tokens": 120, "method": "specextend", **SMALL}
+    with running(pair, folders, max_new_tokens=120) as url:
+        whole = http.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]
+        events = []
+        with http.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+    streamed = _accumulate(events)
+    for choice in (whole, streamed):
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        assert [c["function"] for c in choice["message"]["tool_calls"]] == [c["function"] for c in want]
 
 
 def test_a_plain_decode_keeps_only_the_markups_markers():
