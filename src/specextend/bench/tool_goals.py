@@ -5,7 +5,7 @@
 1. The held-out request (tools `get_weather` and `find_flights`, a traveller's question,
    `max_tokens` 200) under `tool_choice` `required` (with `ar` and `specextend`), a named function
    and `auto`, streamed and not: the calls returned, whether each is valid for its schema
-   (`jsonschema`), whether any `<tool_call>` markup reached `content`, the finish reason.
+   (`jsonschema`), whether any call markup (`<tool_call>`, any family's) reached `content`, the finish reason.
 2. `auto` with the one tool `get_weather`: four weather questions (a call is wanted) and two that
    need none (plain chat, "write a JSON example"): whether a call came back.
 
@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..requests.callmarkup import GRANITE, HERMES, MISTRAL, PHI
 from .report import write_text_atomic
 
 WEATHER = {"type": "function", "function": {
@@ -42,7 +43,7 @@ HELD_OUT = "I fly from Lisbon to Oslo on 3 March with my two kids. Will I need a
 CALL_WANTED = ("What's the weather in Oslo right now?", "Is it raining in Lisbon today?",
                "How warm is it in Tokyo at the moment?", "What's the temperature in Berlin right now?")
 NO_CALL = ("Hi! How are you today?", "Write a JSON example of a user profile.")
-MARKUP = ("<tool_call>", "</tool_call>")
+MARKUP = tuple(m for markup in (HERMES, PHI, GRANITE, MISTRAL) for m in markup.markers)  # every family's markers
 
 
 def ask(client: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]], choice: Any, stream: bool,
