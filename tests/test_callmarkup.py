@@ -58,6 +58,16 @@ def test_the_template_says_which_markup_the_model_writes(shown, markup):
     assert markup_of(None) == HERMES
 
 
+def test_inspect_describes_the_calls_a_template_asks_for():
+    offered = "{% if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}"
+    assert callmarkup.describe(offered + SHOWN["granite"] + "{% endfor %}").startswith("Granite's <|tool_call|> list")
+    assert callmarkup.describe(offered + SHOWN["llama3"] + "{% endfor %}").startswith("Llama 3's bare JSON call")
+    assert callmarkup.describe(offered + "{{ m.content }}{% endfor %}").startswith("Hermes's <tool_call> blocks")
+    assert callmarkup.describe("{% for m in messages %}{{ m.content }}{% endfor %}").startswith("none: its chat")
+    assert callmarkup.describe(None) == "none: the file has no chat template"
+    assert "gpt-oss" in callmarkup.describe("{{ tools }}<|channel|>analysis")
+
+
 A = {"name": "get_weather", "arguments": {"city": "Os]lo,{", "days": 2}}
 B = {"name": "book", "arguments": {"seats": ["a"]}}
 ANSWERS = {

@@ -238,6 +238,8 @@ def test_inspect_json(tmp_path, tokenizer_gguf, capsys) -> None:
     assert info["memory"]["loaded_bytes"] <= info["memory"]["first_load_peak_bytes"]
     assert info["kernel_path"] in (None, "portable", "avx2", "avx512", "neon", "amx")
     assert info["huge_pages"] is (None if not loaded_as_file(info) else hugepages.wanted())
+    # the test tokenizer's template names no tools: a request with tools would be refused
+    assert info["tool_calls"].startswith("none: its chat template does not describe tools")
     assert not (Path(os.environ["SPECEXTEND_HOME"]) / "converted").exists()  # nothing converted
 
 

@@ -493,6 +493,7 @@ def cmd_models_list(args: argparse.Namespace) -> int:
 def cmd_models_inspect(args: argparse.Namespace) -> int:
     from ..models.footprint import gb, notice, runs_float
     from ..models.registry import inspect_model
+    from ..requests.callmarkup import describe as describe_calls
 
     fp = inspect_model(args.file)
     if args.json:
@@ -503,7 +504,8 @@ def cmd_models_inspect(args: argparse.Namespace) -> int:
                           "kv_bytes_32k": None if kv is None else kv[1],
                           "context": None if ctx is None else ctx[0],
                           "context_limit": None if ctx is None else ctx[1],
-                          "huge_pages": _huge_pages(fp.kernel_path, fp.file, bool(fp.experts))[0]}))
+                          "huge_pages": _huge_pages(fp.kernel_path, fp.file, bool(fp.experts))[0],
+                          "tool_calls": describe_calls(fp.chat_template)}))
         return 0
     print(f"file          {fp.file} ({gb(fp.file_bytes)})")
     c = fp.config
@@ -524,6 +526,7 @@ def cmd_models_inspect(args: argparse.Namespace) -> int:
             print(f"context       {ctx[0]:,} tokens{'; ' + ctx[2] if ctx[2] else ''}")
     if fp.tokenizer:
         print(f"tokenizer     {fp.tokenizer}")
+        print(f"tool calls    {describe_calls(fp.chat_template)}")
     if fp.experts:
         e = fp.experts
         print(f"experts       {e['count']} experts, {e['used']} a token: {e['active_parameters'] / 1e6:,.0f} M of "

@@ -91,6 +91,7 @@ class Footprint:
     random_weights: bool = False  # made by `bench.gguf_files random`
     experts: dict[str, int] | None = None  # an expert model's experts (`expert_share`), else None
     tokenizer: str | None = None  # how its text becomes tokens (`pretokenize.describe`); None: no vocabulary
+    chat_template: str | None = None  # the file's `tokenizer.chat_template`, if it has one
 
     @property
     def parameters(self) -> int:
@@ -139,6 +140,7 @@ class Footprint:
             "random_weights": self.random_weights,
             "experts": self.experts,
             "tokenizer": self.tokenizer,
+            "chat_template": self.chat_template,
             "memory": {
                 "loaded_bytes": self.loaded_bytes,
                 "first_load_peak_bytes": self.first_load_bytes,
@@ -156,7 +158,7 @@ class Footprint:
                          config=None, unsupported=data.get("unsupported"),
                          largest_float_bytes=int(data.get("largest_float_bytes", 0)),
                          random_weights=bool(data.get("random_weights", False)), experts=data.get("experts"),
-                         tokenizer=data.get("tokenizer"))
+                         tokenizer=data.get("tokenizer"), chat_template=data.get("chat_template"))
 
 
 def expert_share(count: int, used: int, tensors: list[tuple[str, TensorInfo]]) -> dict[str, int]:

@@ -606,6 +606,7 @@ def file_footprint(reader: Any, path: str | os.PathLike[str], kernel_path: str |
     fp.random_weights = bool(field(reader, RANDOM_WEIGHTS_KEY, False))
     if "tokenizer.ggml.tokens" in reader.fields:
         fp.tokenizer = pretokenize.describe(len(reader.fields["tokenizer.ggml.tokens"].data), vocabulary_keys(reader))
+    fp.chat_template = field(reader, "tokenizer.chat_template")
     count, used = field(reader, f"{arch}.expert_count"), field(reader, f"{arch}.expert_used_count")
     if count and used:
         fp.experts = expert_share(int(count), int(used), tensors)

@@ -77,6 +77,23 @@ def markup_of(template: str | None) -> CallMarkup:
     return HERMES
 
 
+TITLES = {"hermes": "Hermes's <tool_call> blocks", "phi": "Phi-4-mini's <|tool_call|> blocks",
+          "granite": "Granite's <|tool_call|> list", "mistral": "Mistral's [TOOL_CALLS] list",
+          "llama3": "Llama 3's bare JSON call (\"parameters\")"}
+
+
+def describe(template: str | None) -> str:
+    """One line on the tool calls a chat template's text asks for (`models inspect`). A template
+    that never names `tools` cannot show them to the model: such a model is refused them."""
+    if not template:
+        return "none: the file has no chat template"
+    if harmony.CHANNEL_MARK in template:
+        return "harmony messages to functions.NAME (gpt-oss)"
+    if "tools" not in template:
+        return "none: its chat template does not describe tools (a request with tools is refused)"
+    return f"{TITLES[markup_of(template).name]}, as its chat template writes them"
+
+
 def markup_for(tokenizer: Any) -> CallMarkup:
     """The markup of `tokenizer`'s chat template (a Hugging Face tokenizer's `chat_template`, text
     or a dict of named templates, whose default one is read); HARMONY for gpt-oss's tokenizer."""
