@@ -217,4 +217,6 @@ def test_a_plain_decode_keeps_only_the_markups_markers():
     ids = tok.encode("<|user|>x<|tool_call|>{}<|/tool_call|></s>", add_special_tokens=False)
     assert callmarkup.decode(tok, ids) == "x<|tool_call|>{}<|/tool_call|>"
     assert callmarkup.markup_for(tok) == PHI and callmarkup.markup_for(object()) == HERMES
+    tok.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"  # shows no Phi markup now
+    assert callmarkup.decode(tok, ids) == "x{}"
     assert HARMONY.name == "harmony"

@@ -21,6 +21,8 @@ Markers the tokenizer holds as special tokens (Granite's, Mistral's) are skipped
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -109,14 +111,38 @@ def decode(tokenizer: Any, token_ids: Sequence[int]) -> str:
     """The text of generated token ids: special tokens skipped, except the markers an answer's
     parser reads (harmony's, or the call markup's where they are special tokens)."""
     ids = list(token_ids)
-    markup = markup_for(tokenizer)
-    markers = harmony.MARKERS if markup is HARMONY else markup.markers
-    special = special_ids(tokenizer)
-    keep = {i for i in (_added(tokenizer).get(m) for m in markers) if i in special}
+    keep, special = _kept(tokenizer)
     if not keep:
         return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
     return tokenizer.decode([i for i in ids if i in keep or i not in special], skip_special_tokens=False,
                             clean_up_tokenization_spaces=False)
+
+
+# A tokenizer's kept markers and special ids, worked out once (decode runs at every streamed piece, and
+# a vocabulary may hold thousands of added tokens); asked again if its template or size changes.
+_KEPT: weakref.WeakKeyDictionary[Any, tuple[Any, int, frozenset[int], frozenset[int]]] = weakref.WeakKeyDictionary()
+
+
+def _kept(tokenizer: Any) -> tuple[frozenset[int], frozenset[int]]:
+    """The ids `decode` keeps (the markup's markers that are special tokens) and the special ids."""
+    template = getattr(tokenizer, "chat_template", None)
+    try:
+        size = len(tokenizer)  # its vocabulary with the added tokens
+    except TypeError:
+        size = -1
+    try:
+        known = _KEPT.get(tokenizer)
+    except TypeError:  # not weakly referable: worked out each time
+        known = None
+    if known is not None and known[0] is template and known[1] == size:
+        return known[2], known[3]
+    markup = markup_for(tokenizer)
+    markers = harmony.MARKERS if markup is HARMONY else markup.markers
+    special = frozenset(special_ids(tokenizer))
+    keep = frozenset(i for i in (_added(tokenizer).get(m) for m in markers) if i in special)
+    with contextlib.suppress(TypeError):
+        _KEPT[tokenizer] = (template, size, keep, special)
+    return keep, special
 
 
 def special_ids(tokenizer: Any) -> set[int]:
