@@ -9,12 +9,13 @@ family's template does, which is all the detection reads."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from specextend.api import load
 from specextend.requests import callmarkup
-from specextend.requests.callmarkup import GRANITE, HARMONY, HERMES, LLAMA3, PHI, CallMarkup, markup_of
+from specextend.requests.callmarkup import GRANITE, HARMONY, HERMES, LLAMA3, MISTRAL, PHI, markup_of
 from specextend.requests.toolcalls import CallParser, ToolSpec
 from test_toolcalls import _accumulate
 
@@ -49,8 +50,7 @@ SHOWN = {
 
 @pytest.mark.parametrize(("shown", "markup"), [
     ("hermes", HERMES), ("granite", GRANITE), ("phi", PHI),
-    ("mistral", CallMarkup("mistral", "[TOOL_CALLS]", listed=True)),
-    ("mistral-small", CallMarkup("mistral", "[TOOL_CALLS]", listed=True, lead=" ")),
+    ("mistral", MISTRAL), ("mistral-small", replace(MISTRAL, lead=" ")),
     ("llama3", LLAMA3), ("none", HERMES)])
 def test_the_template_says_which_markup_the_model_writes(shown, markup):
     template = "{% for m in messages %}<|{{ m.role }}|>" + SHOWN[shown] + "<|end|>{% endfor %}"
@@ -75,7 +75,7 @@ ANSWERS = {
     "phi": (PHI, f"<|tool_call|>{json.dumps(A)}<|/tool_call|><|tool_call|>{json.dumps(B)}<|/tool_call|>"),
     "granite": (GRANITE, f"<|tool_call|>{json.dumps([A, B])}"),
     # Mistral's items carry an id of their own; the list may follow a space
-    "mistral": (CallMarkup("mistral", "[TOOL_CALLS]", listed=True),
+    "mistral": (MISTRAL,
                 f'[TOOL_CALLS] [{json.dumps({**A, "id": "a1b2c3d4e"})}, {json.dumps(B)}]'),
 }
 

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..requests.callmarkup import GRANITE, HERMES, MISTRAL, PHI
+from ..requests.callmarkup import MARKUPS
 from .report import write_text_atomic
 
 WEATHER = {"type": "function", "function": {
@@ -43,7 +43,7 @@ HELD_OUT = "I fly from Lisbon to Oslo on 3 March with my two kids. Will I need a
 CALL_WANTED = ("What's the weather in Oslo right now?", "Is it raining in Lisbon today?",
                "How warm is it in Tokyo at the moment?", "What's the temperature in Berlin right now?")
 NO_CALL = ("Hi! How are you today?", "Write a JSON example of a user profile.")
-MARKUP = tuple(m for markup in (HERMES, PHI, GRANITE, MISTRAL) for m in markup.markers)  # every family's markers
+MARKUP = tuple(m for markup in MARKUPS for m in markup.markers)  # every family's markers
 
 
 def ask(client: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]], choice: Any, stream: bool,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from . import harmony
@@ -36,9 +36,10 @@ class CallMarkup:
     all), `close` after it ("" for a list, which ends the answer); `lead` between the opener and
     the JSON, `trail` between the JSON and the closer, `sep` between two blocks: what the grammar
     writes (the parser also takes other whitespace there). No opener: the answer is one call as
-    bare JSON, its arguments under `key`."""
+    bare JSON, its arguments under `key`. `title`: how `models inspect` names it."""
 
     name: str
+    title: str
     open: str
     close: str = ""
     listed: bool = False
@@ -56,12 +57,15 @@ class CallMarkup:
         return tuple(m for m in (self.open, self.close) if m)
 
 
-HERMES = CallMarkup("hermes", "<tool_call>", "</tool_call>", lead="\n", trail="\n", sep="\n")
-PHI = CallMarkup("phi", "<|tool_call|>", "<|/tool_call|>")
-GRANITE = CallMarkup("granite", "<|tool_call|>", listed=True)
-MISTRAL = CallMarkup("mistral", "[TOOL_CALLS]", listed=True)
-LLAMA3 = CallMarkup("llama3", "", key="parameters")
-HARMONY = CallMarkup("harmony", harmony.CHANNEL_MARK)  # gpt-oss: calls are messages (harmony.py), not this markup
+HERMES = CallMarkup("hermes", "Hermes's <tool_call> blocks", "<tool_call>", "</tool_call>", lead="\n", trail="\n",
+                    sep="\n")
+PHI = CallMarkup("phi", "Phi-4-mini's <|tool_call|> blocks", "<|tool_call|>", "<|/tool_call|>")
+GRANITE = CallMarkup("granite", "Granite's <|tool_call|> list", "<|tool_call|>", listed=True)
+MISTRAL = CallMarkup("mistral", "Mistral's [TOOL_CALLS] list", "[TOOL_CALLS]", listed=True)
+LLAMA3 = CallMarkup("llama3", 'Llama 3\'s bare JSON call ("parameters")', "", key="parameters")
+MARKUPS = (HERMES, PHI, GRANITE, MISTRAL, LLAMA3)
+# gpt-oss: calls are messages (harmony.py), not this markup
+HARMONY = CallMarkup("harmony", "harmony messages to functions.NAME (gpt-oss)", harmony.CHANNEL_MARK)
 
 
 def markup_of(template: str | None) -> CallMarkup:
@@ -71,17 +75,12 @@ def markup_of(template: str | None) -> CallMarkup:
     if HERMES.open in text:
         return HERMES
     if MISTRAL.open in text:
-        return CallMarkup("mistral", MISTRAL.open, listed=True, lead=" " if f"{MISTRAL.open} [" in text else "")
+        return replace(MISTRAL, lead=" ") if f"{MISTRAL.open} [" in text else MISTRAL
     if GRANITE.open in text:
         return PHI if PHI.close in text else GRANITE
     if '"parameters": ' in text:  # Llama 3.x writes a call's JSON itself, this key a literal
         return LLAMA3
     return HERMES
-
-
-TITLES = {"hermes": "Hermes's <tool_call> blocks", "phi": "Phi-4-mini's <|tool_call|> blocks",
-          "granite": "Granite's <|tool_call|> list", "mistral": "Mistral's [TOOL_CALLS] list",
-          "llama3": "Llama 3's bare JSON call (\"parameters\")"}
 
 
 def describe(template: str | None) -> str:
@@ -90,10 +89,10 @@ def describe(template: str | None) -> str:
     if not template:
         return "none: the file has no chat template"
     if harmony.CHANNEL_MARK in template:
-        return "harmony messages to functions.NAME (gpt-oss)"
+        return HARMONY.title
     if "tools" not in template:
         return "none: its chat template does not describe tools (a request with tools is refused)"
-    return f"{TITLES[markup_of(template).name]}, as its chat template writes them"
+    return f"{markup_of(template).title}, as its chat template writes them"
 
 
 def markup_for(tokenizer: Any) -> CallMarkup:

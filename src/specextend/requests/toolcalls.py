@@ -144,20 +144,21 @@ class ToolSpec:
             return self._harmony_grammar(tokenizer)
         fns = [f"fn{i}" for i in range(len(self.called))]
         several = self.parallel and self.choice in CHOICES and not markup.bare  # a named function: one call of it
-        bare = self.choice == "auto" and self.recover and not markup.bare  # the markup's calls are bare already
+        recover = self.choice == "auto" and self.recover and not markup.bare  # the markup's calls are bare already
         # Free text never holds the opener (once it is written, the answer is calls), nor a bare call's start.
         text = "/(.|\\n)+/"
         if markup.open:
             text += f" & ~/(.|\\n)*{re.escape(markup.open)}(.|\\n)*/"
-        if bare or markup.bare:
+        if recover or markup.bare:
             text += f" & ~/{bare_head([t.name for t in self.called])}(.|\\n)*/"
         lines = [
-            {"auto": "start: TEXT | calls | bare" if bare else "start: TEXT | calls"}.get(self.choice, "start: calls"),
+            ("start: TEXT | calls | bare" if recover else "start: TEXT | calls") if self.choice == "auto" else
+            "start: calls",
             *_markup_rules(markup, tokenizer, several, " | ".join(fns)),
             *(f"{fn}: %json {json.dumps(t.call_schema(markup.key))}" for fn, t in zip(fns, self.called, strict=True)),
             f"TEXT: {text}",
         ]
-        if bare:
+        if recover:
             # Once free text has begun a bare JSON call of a function (BARE_HEAD), it is free text no
             # more: the rest is that call, its arguments valid for the schema, and nothing after it.
             heads = [f"bare{i}: BARE{i} BARE_ARGS {fn}_args BARE_END" for i, fn in enumerate(fns)]
