@@ -1,7 +1,8 @@
 """Tool calls in each family's own markup (requests/callmarkup.py): which markup a chat template
 shows, each markup's answers parsed into calls whole and streamed alike, and tiny models whose
-templates show Granite's and Mistral's lists and Phi-4-mini's blocks (their markers special
-tokens, as in those families' files) made to write them by the grammar, read back as calls, speculation equal to `ar`.
+templates show Granite's, Mistral's and Phi-4-mini's lists (their markers special tokens, as in
+those families' files) made to write them by the grammar, read back as calls, speculation equal to
+`ar`; and a template that reads the tools from the system message, as Phi-4-mini's own does.
 
 The templates here are written for these tests: each shows the model its earlier calls as that
 family's template does, which is all the detection reads."""
@@ -39,7 +40,9 @@ ASK = [{"role": "user", "content": "Weather in Oslo for two days, and book a sea
 SHOWN = {
     "hermes": "{% for c in m.tool_calls %}<tool_call>\n{{ c.function | tojson }}\n</tool_call>{% endfor %}",
     "granite": "<|tool_call|>{{ m.tool_calls | map(attribute='function') | list | tojson }}",
-    "phi": "{% for c in m.tool_calls %}<|tool_call|>{{ c.function | tojson }}<|/tool_call|>{% endfor %}",
+    "phi": "<|tool_call|>{{ m.tool_calls | map(attribute='function') | list | tojson }}<|/tool_call|>",
+    # Phi-4-mini's own: the tools read from the system message, no calls shown
+    "phi-system": "{% if m['role'] == 'system' and m['tools'] %}<|tool|>{{ m['tools'] }}<|/tool|>{% endif %}",
     "mistral": "[TOOL_CALLS][{% for c in m.tool_calls %}{{ c.function | tojson }}{% endfor %}]",
     "mistral-small": "[TOOL_CALLS] [{% for c in m.tool_calls %}{{ c.function | tojson }}{% endfor %}]",
     "llama3": ("{%- set c = m.tool_calls[0].function %}{{- '{\"name\": \"' + c.name + '\", ' }}"
@@ -49,7 +52,7 @@ SHOWN = {
 
 
 @pytest.mark.parametrize(("shown", "markup"), [
-    ("hermes", HERMES), ("granite", GRANITE), ("phi", PHI),
+    ("hermes", HERMES), ("granite", GRANITE), ("phi", PHI), ("phi-system", PHI),
     ("mistral", MISTRAL), ("mistral-small", replace(MISTRAL, lead=" ")),
     ("llama3", LLAMA3), ("none", HERMES)])
 def test_the_template_says_which_markup_the_model_writes(shown, markup):
@@ -72,7 +75,7 @@ A = {"name": "get_weather", "arguments": {"city": "Os]lo,{", "days": 2}}
 B = {"name": "book", "arguments": {"seats": ["a"]}}
 ANSWERS = {
     "hermes": (HERMES, f"<tool_call>\n{json.dumps(A)}\n</tool_call>\n<tool_call>\n{json.dumps(B)}\n</tool_call>"),
-    "phi": (PHI, f"<|tool_call|>{json.dumps(A)}<|/tool_call|><|tool_call|>{json.dumps(B)}<|/tool_call|>"),
+    "phi": (PHI, f"<|tool_call|>{json.dumps([A, B])}<|/tool_call|>"),
     "granite": (GRANITE, f"<|tool_call|>{json.dumps([A, B])}"),
     # Mistral's items carry an id of their own; the list may follow a space
     "mistral": (MISTRAL,
@@ -148,12 +151,15 @@ def markup_tokenizer(markers: list[str], shown: str):
                 "<|endoftext|>{% endif %}{% for m in messages %}<|{{ m['role'] }}|>"
                 "{% if m.tool_calls %}" + SHOWN[shown] + "{% else %}{{ m['content'] }}{% endif %}<|endoftext|>"
                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    if shown == "phi-system":  # as Phi-4-mini's own: the tools in the system message, no calls shown
+        template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}" + SHOWN[shown] +
+                    "<|endoftext|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token=EOS,
                                    additional_special_tokens=SPECIALS[1:] + markers, chat_template=template)
 
 
 MARKERS = {"granite": ["<|tool_call|>"], "phi": ["<|tool_call|>", "<|/tool_call|>"], "mistral-small": ["[TOOL_CALLS]"],
-           "llama3": []}
+           "llama3": [], "phi-system": ["<|tool_call|>", "<|/tool_call|>", "<|tool|>", "<|/tool|>"]}
 
 
 @pytest.fixture(scope="module", params=sorted(MARKERS))
@@ -162,20 +168,22 @@ def family_pair(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     vocab = TINY_VOCAB + len(markers)
     tok = markup_tokenizer(markers, request.param)
-    folders = {"target": save_tiny_model(root / "target", seed=0, vocab=vocab, tokenizer=tok),
-               "draft": save_tiny_model(root / "draft", seed=1, layers=1, vocab=vocab, tokenizer=tok)}
+    room = {"max_position_embeddings": 1024}  # the tools' JSON in the prompt: a byte a token
+    folders = {"target": save_tiny_model(root / "target", seed=0, vocab=vocab, tokenizer=tok, **room),
+               "draft": save_tiny_model(root / "draft", seed=1, layers=1, vocab=vocab, tokenizer=tok, **room)}
     return request.param, load(folders["target"], folders["draft"], dtype="float64", progress=False), folders
 
 
 @pytest.mark.parametrize("parallel", [False, True])
 def test_forced_calls_are_written_in_the_familys_markup(family_pair, parallel):
-    """`required` on a model whose template shows Granite's or Mistral's list, Phi's blocks or Llama's
-    bare JSON: the grammar makes
+    """`required` on a model whose template shows Granite's, Mistral's or Phi's list or Llama's
+    bare JSON (or reads the tools from the system message, as Phi-4-mini's): the grammar makes
     the random model write that markup (its markers the tokenizer's special tokens, kept in the
     decoded text), and the answer is the calls, valid for their schemas, the same under speculation."""
     name, pair, _ = family_pair
     markup = callmarkup.markup_for(pair.tokenizer)
-    assert markup == {"granite": GRANITE, "phi": PHI, "mistral-small": markup_of(SHOWN[name]), "llama3": LLAMA3}[name]
+    assert markup == {"granite": GRANITE, "phi": PHI, "phi-system": PHI, "mistral-small": markup_of(SHOWN[name]),
+                      "llama3": LLAMA3}[name]
     runs = {m: pair.generate(ASK, method=m, max_new_tokens=120, tools=TOOLS, tool_choice="required",
                              parallel_tool_calls=parallel, **SMALL) for m in ("ar", "specextend")}
     ar = runs["ar"]
@@ -220,3 +228,57 @@ def test_a_plain_decode_keeps_only_the_markups_markers():
     tok.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"  # shows no Phi markup now
     assert callmarkup.decode(tok, ids) == "x{}"
     assert HARMONY.name == "harmony"
+
+
+# --------------------------------------------------------------------------- tools read from the system message
+
+CALLED = [{"role": "assistant", "content": None, "tool_calls": [
+    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 2}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+
+
+def test_offer_puts_the_tools_where_the_template_reads_them():
+    """A template that reads a message's `tools` (Phi-4-mini's) gets the functions as JSON text in
+    the system message (one added where the request has none), not the `tools` variable; one that
+    reads the variable gets it; earlier calls go into the assistant's text where the template never
+    shows `tool_calls`, in its markup, and stay as they are where it does."""
+    phi = "{% for m in messages %}" + SHOWN["phi-system"] + "{% endfor %}"
+    functions = json.loads(json.dumps([t["function"] for t in TOOLS]))
+    shown, extra = callmarkup.offer(phi, ASK, TOOLS)
+    assert extra == {} and shown[0] == {"role": "system", "content": callmarkup.TOOLS_SYSTEM,
+                                        "tools": json.dumps(functions)} and shown[1:] == ASK
+    own = [{"role": "system", "content": "Be brief."}, *ASK]
+    shown, _ = callmarkup.offer(phi, own, TOOLS)
+    assert shown[0]["content"] == "Be brief." and json.loads(shown[0]["tools"]) == functions and len(shown) == 2
+    assert "tools" not in own[0]  # the caller's messages are not changed
+    hermes = "{% for m in messages %}" + SHOWN["hermes"] + "{% endfor %}"
+    assert callmarkup.offer(hermes, ASK, TOOLS) == (ASK, {"tools": TOOLS})
+    assert callmarkup.offer(phi, ASK, None) == (ASK, {})
+
+    from specextend.requests.toolcalls import template_messages
+    history = template_messages([*ASK, *CALLED])
+    shown, _ = callmarkup.offer(phi, history, TOOLS)
+    assert shown[2] == {"role": "assistant", "content": '<|tool_call|>[{"name": "get_weather", "arguments": '
+                        '{"city": "Oslo", "days": 2}}]<|/tool_call|>'}
+    assert callmarkup.offer(hermes, history, None)[0] == history  # the template writes the calls itself
+    assert callmarkup.written(HERMES, history[1]["tool_calls"]) == (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>')
+    assert callmarkup.written(LLAMA3, history[1]["tool_calls"]).startswith('{"name": "get_weather", "parameters": ')
+
+
+def test_a_template_reading_the_system_messages_tools_shows_them_to_the_model(family_pair):
+    """Through the pair's own chat template: the tools are offered (not refused as unseen), between
+    <|tool|> and <|/tool|> in the system turn; an earlier call is shown in Phi's list."""
+    name, pair, _ = family_pair
+    if name != "phi-system":
+        pytest.skip("the template that reads the system message's tools")
+    assert pair.template_takes_tools()
+    text = pair.tokenizer.decode(pair.encode_chat(ASK, TOOLS))
+    assert text.startswith(f"<|system|>{callmarkup.TOOLS_SYSTEM}<|tool|>[{{\"name\": \"get_weather\"")
+    assert text.endswith("<|/tool|><|endoftext|><|user|>" + ASK[0]["content"] + "<|endoftext|><|assistant|>")
+    from specextend.requests.toolcalls import template_messages
+    text = pair.tokenizer.decode(pair.encode_chat(template_messages([*ASK, *CALLED]), TOOLS))
+    assert '<|assistant|><|tool_call|>[{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}]' \
+           '<|/tool_call|><|endoftext|><|tool|>sunny' in text
+    assert callmarkup.describe(pair.tokenizer.chat_template) == (
+        "Phi-4-mini's <|tool_call|> list, the tools offered in the system message as its chat template reads them")

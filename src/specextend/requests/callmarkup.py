@@ -9,11 +9,16 @@ none), one JSON object a block
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-Phi-4-mini's blocks, `<|tool_call|>{...}<|/tool_call|>` with nothing between them; or one JSON list
-of every call after a single opener, which ends the answer: Granite 3's `<|tool_call|>[{...}, ...]`
-and Mistral's `[TOOL_CALLS][{...}, ...]` (`[TOOL_CALLS] [` where the template writes a space); or
-Llama 3.x's answer that is one call as bare JSON, `{"name": "get_weather", "parameters": {...}}`.
-gpt-oss writes calls as harmony messages (harmony.py).
+or one JSON list of every call after a single opener, which ends the answer: Granite 3's
+`<|tool_call|>[{...}, ...]`, Mistral's `[TOOL_CALLS][{...}, ...]` (`[TOOL_CALLS] [` where the
+template writes a space), Phi-4-mini's `<|tool_call|>[{...}, ...]<|/tool_call|>`; or Llama 3.x's
+answer that is one call as bare JSON, `{"name": "get_weather", "parameters": {...}}`. gpt-oss
+writes calls as harmony messages (harmony.py).
+
+Phi-4-mini's own template reads the tools from the system message's `tools` field (JSON text,
+between `<|tool|>` and `<|/tool|>`) rather than from the template's `tools` variable, and shows no
+earlier calls: `offer` puts the tools where a template reads them and writes earlier calls into
+the assistant's text, in the markup, where the template would drop them.
 
 Markers the tokenizer holds as special tokens (Granite's, Mistral's) are skipped by a plain decode;
 `decode` keeps them, as it keeps harmony's, for the parser that reads them (and removes them).
@@ -22,6 +27,8 @@ Markers the tokenizer holds as special tokens (Granite's, Mistral's) are skipped
 from __future__ import annotations
 
 import contextlib
+import json
+import re
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -59,11 +66,14 @@ class CallMarkup:
 
 HERMES = CallMarkup("hermes", "Hermes's <tool_call> blocks", "<tool_call>", "</tool_call>", lead="\n", trail="\n",
                     sep="\n")
-PHI = CallMarkup("phi", "Phi-4-mini's <|tool_call|> blocks", "<|tool_call|>", "<|/tool_call|>")
+PHI = CallMarkup("phi", "Phi-4-mini's <|tool_call|> list", "<|tool_call|>", "<|/tool_call|>", listed=True)
 GRANITE = CallMarkup("granite", "Granite's <|tool_call|> list", "<|tool_call|>", listed=True)
 MISTRAL = CallMarkup("mistral", "Mistral's [TOOL_CALLS] list", "[TOOL_CALLS]", listed=True)
 LLAMA3 = CallMarkup("llama3", 'Llama 3\'s bare JSON call ("parameters")', "", key="parameters")
 MARKUPS = (HERMES, PHI, GRANITE, MISTRAL, LLAMA3)
+PHI_TOOLS = "<|tool|>"  # where Phi-4-mini's template writes the system message's tools
+# A template that reads a message's `tools` field (message['tools'], message.tools), not the variable
+MESSAGE_TOOLS = re.compile(r"""\w\[\s*['"]tools['"]\s*\]|\w\.tools\b""")
 # gpt-oss: calls are messages (harmony.py), not this markup
 HARMONY = CallMarkup("harmony", "harmony messages to functions.NAME (gpt-oss)", harmony.CHANNEL_MARK)
 
@@ -78,6 +88,8 @@ def markup_of(template: str | None) -> CallMarkup:
         return replace(MISTRAL, lead=" ") if f"{MISTRAL.open} [" in text else MISTRAL
     if GRANITE.open in text:
         return PHI if PHI.close in text else GRANITE
+    if PHI_TOOLS in text:  # Phi-4-mini's own template: it offers tools, shows no calls
+        return PHI
     if '"parameters": ' in text:  # Llama 3.x writes a call's JSON itself, this key a literal
         return LLAMA3
     return HERMES
@@ -92,6 +104,8 @@ def describe(template: str | None) -> str:
         return HARMONY.title
     if "tools" not in template:
         return "none: its chat template does not describe tools (a request with tools is refused)"
+    if MESSAGE_TOOLS.search(template):
+        return f"{markup_of(template).title}, the tools offered in the system message as its chat template reads them"
     return f"{markup_of(template).title}, as its chat template writes them"
 
 
@@ -100,10 +114,59 @@ def markup_for(tokenizer: Any) -> CallMarkup:
     or a dict of named templates, whose default one is read); HARMONY for gpt-oss's tokenizer."""
     if harmony.is_harmony(tokenizer):
         return HARMONY
+    return markup_of(template_of(tokenizer))
+
+
+def template_of(tokenizer: Any) -> str | None:
+    """A tokenizer's chat template text: its `chat_template`, or of a dict of named templates the
+    default one (as `apply_chat_template` picks it)."""
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):
         template = template.get("default") or next(iter(template.values()), None)
-    return markup_of(template if isinstance(template, str) else None)
+    return template if isinstance(template, str) else None
+
+
+# The system message given where a request has none and the template reads the tools from it
+# (the wording of Phi-4-mini's model card).
+TOOLS_SYSTEM = "You are a helpful assistant with some tools."
+
+
+def offer(template: str | None, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None
+          ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The messages and template variables that show a model `tools` (OpenAI's shape) and its
+    earlier calls as its template reads them: the `tools` variable, or (a template that reads a
+    message's `tools`, Phi-4-mini's) the functions as JSON text in the first system message, one
+    added if there is none; an assistant's `tool_calls` (as toolcalls.template_messages makes
+    them) written into its text in the markup where the template never shows `tool_calls`."""
+    text = template or ""
+    out = [dict(m) for m in messages]
+    if "tool_calls" not in text and harmony.CHANNEL_MARK not in text:
+        markup = markup_of(text)
+        for m in out:
+            if m.get("tool_calls"):
+                m["content"] = (m.get("content") or "") + written(markup, m.pop("tool_calls"))
+    if not tools:
+        return out, {}
+    if not MESSAGE_TOOLS.search(text):
+        return out, {"tools": list(tools)}
+    functions = json.dumps([t.get("function", t) for t in tools], ensure_ascii=False)
+    system = next((m for m in out if m.get("role") == "system"), None)
+    if system is None:
+        system = {"role": "system", "content": TOOLS_SYSTEM}
+        out.insert(0, system)
+    system["tools"] = functions
+    return out, {}
+
+
+def written(markup: CallMarkup, calls: Sequence[dict[str, Any]]) -> str:
+    """Calls ({"function": {"name", "arguments"}}, the arguments an object) as `markup` writes them."""
+    items = [json.dumps({"name": c["function"]["name"], markup.key: c["function"]["arguments"]}, ensure_ascii=False)
+             for c in calls]
+    if markup.bare:
+        return items[0] if items else ""
+    if markup.listed:
+        return f"{markup.open}{markup.lead}[{', '.join(items)}]{markup.close}"
+    return markup.sep.join(f"{markup.open}{markup.lead}{i}{markup.trail}{markup.close}" for i in items)
 
 
 def decode(tokenizer: Any, token_ids: Sequence[int]) -> str:

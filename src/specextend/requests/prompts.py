@@ -118,10 +118,9 @@ class Prompts:
                             "family has no tool-call format), so the model would never see them offered; send the "
                             "request without `tools`", "tools")
         # Render to text, then tokenize: the template already holds any special tokens.
-        extra = {"tools": list(tools)} if tools else {}
+        shown, extra = callmarkup.offer(callmarkup.template_of(self.tokenizer), messages, tools)
         try:
-            text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False,
-                                                      **extra)
+            text = self.tokenizer.apply_chat_template(shown, add_generation_prompt=True, tokenize=False, **extra)
         except TemplateError as e:  # a template's own raise_exception (an order of roles it refuses)
             raise UserError(f"the chat template cannot render these messages: {str(e).strip()[:300]}") from None
         if not whole:
@@ -142,15 +141,17 @@ class Prompts:
                                                        "parameters": {"type": "object", "properties": {}}}}]
             messages = [{"role": "user", "content": "hi"}]
 
-            def render(**extra: Any) -> str | None:
+            def render(tools: list[dict[str, Any]] | None) -> str | None:
+                shown, extra = callmarkup.offer(callmarkup.template_of(self.tokenizer), messages, tools)
                 try:
-                    return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                    return self.tokenizer.apply_chat_template(shown, add_generation_prompt=True, tokenize=False,
                                                               **extra)
                 except TemplateError:
                     return None
 
-            with_tools = render(tools=probe)
-            known = (self.tokenizer, with_tools is not None and with_tools != render())
+            with_tools = render(probe)
+            known = (self.tokenizer, with_tools is not None and "probe_tool" in with_tools
+                     and with_tools != render(None))
             self._takes_tools = known
         return known[1]
 

@@ -9,8 +9,8 @@ default pair's (Qwen2.5, the Hermes format) asks for
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-one block per call, blocks separated by a newline; Phi-4-mini's blocks have other markers, and
-Granite's and Mistral's answer is one opener and a JSON list of every call. Under a grammar
+one block per call, blocks separated by a newline; Granite's, Mistral's and Phi-4-mini's answer
+is one opener and a JSON list of every call (Phi-4-mini's then its closer). Under a grammar
 (sampling/grammar.py) every call is exact: `required` and a named function force an answer of
 calls only, each's JSON the function's name and an `arguments` object matching its `parameters`
 schema; `auto` lets the model choose between free text (which may not contain the opener) and
@@ -259,10 +259,10 @@ def _markup_rules(markup: CallMarkup, tokenizer: Any, several: bool, fns: str) -
         return ["calls: call", f"call: {fns}"]
     opener = _literal(tokenizer, markup.open)
     lead, trail, sep = (json.dumps(t) if t else "" for t in (markup.lead, markup.trail, markup.sep))
+    closer = _literal(tokenizer, markup.close) if markup.close else ""
     if markup.listed:  # the list as the templates' `tojson` writes it: ", " between items
         items = 'call ("," " " call)*' if several else "call"
-        return [f'calls: {opener} {lead} "[" {items} "]"', f"call: {fns}"]
-    closer = _literal(tokenizer, markup.close)
+        return [f'calls: {opener} {lead} "[" {items} "]" {closer}', f"call: {fns}"]
     return [f"calls: call ({sep} call)*" if several else "calls: call",
             f"call: {opener} {lead} ({fns}) {trail} {closer}"]
 
