@@ -21,7 +21,8 @@ earlier calls: `offer` puts the tools where a template reads them and writes ear
 the assistant's text, in the markup, where the template would drop them.
 
 Markers the tokenizer holds as special tokens (Granite's, Mistral's) are skipped by a plain decode;
-`decode` keeps them, as it keeps harmony's, for the parser that reads them (and removes them).
+`decode` keeps them, as it keeps harmony's and a thought's (reasoning.py), for the parser that
+reads them (and removes them).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from . import harmony
+from . import harmony, reasoning
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,8 @@ def _kept(tokenizer: Any) -> tuple[frozenset[int], frozenset[int]]:
         return known[2], known[3]
     markup = markup_for(tokenizer)
     markers = harmony.MARKERS if markup is HARMONY else markup.markers
+    if reasoning.thinks(template_of(tokenizer)):  # a thought's markers, for ThinkParser
+        markers = (*markers, reasoning.OPEN, reasoning.CLOSE)
     special = frozenset(special_ids(tokenizer))
     keep = frozenset(i for i in (_added(tokenizer).get(m) for m in markers) if i in special)
     with contextlib.suppress(TypeError):

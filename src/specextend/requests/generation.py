@@ -33,7 +33,7 @@ from ..speculation.decoder import GenerationResult, Prefilled, ProgressCallback,
 from . import callmarkup
 from .detokenize import Detokenizer
 from .stops import StopStrings
-from .toolcalls import ToolSpec
+from .toolcalls import ToolSpec, answer_parser
 
 if TYPE_CHECKING:
     from ..models.resolve import ResolvedPair
@@ -228,8 +228,9 @@ class Generation:
                  cancel: threading.Event | None = None, tools: ToolSpec | None = None,
                  on_progress: ProgressCallback | None = None) -> None:
         check_logprobs(logprobs)
-        # the answer parsed into calls, in the markup of the model's own chat template (or harmony)
-        self.calls = tools.parser(callmarkup.markup_for(origin.tokenizer)) if tools is not None else None
+        # the answer parsed into calls, in the markup of the model's own chat template (or harmony),
+        # after the thought of a thinking model (reasoning.py)
+        self.calls = answer_parser(origin.tokenizer, tools) if tools is not None else None
         self.origin, self.ids, self.settings = origin, ids, settings
         self.grammar, self.logprobs = grammar, logprobs
         self.stops = StopStrings(stops)

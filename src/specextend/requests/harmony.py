@@ -80,7 +80,7 @@ class HarmonyParser:
         keep = _held(self._buf)
         self._text(self._buf[: len(self._buf) - keep], out)
         self._buf = self._buf[len(self._buf) - keep :]
-        return _merged(out)
+        return merged(out)
 
     def finish(self) -> list[dict[str, Any]]:
         """The text held back at the end; an answer without any message (no markup) is content."""
@@ -91,7 +91,7 @@ class HarmonyParser:
         if self._field is None and self._messages == 0 and self._header.strip():
             out.append({"content": self._header})
         self._header = ""
-        return _merged(out)
+        return merged(out)
 
     def answer(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
         """A whole answer: its content (None where it has none or made calls) and its calls (None
@@ -150,7 +150,7 @@ class HarmonyParser:
             self._field, self._body = None, ""
 
 
-def _merged(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def merged(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Adjacent deltas of one text field joined (one chunk a field and push)."""
     out: list[dict[str, Any]] = []
     for d in deltas:

@@ -37,8 +37,10 @@ from typing import Any
 
 from ..common.errors import UserError
 from ..sampling.grammar import JSON_OPTIONS, GrammarSpec
-from .callmarkup import HARMONY, HERMES, CallMarkup, markup_for
+from . import reasoning
+from .callmarkup import HARMONY, HERMES, CallMarkup, markup_for, template_of
 from .harmony import HarmonyParser
+from .reasoning import ThinkParser
 
 OPEN, CLOSE = HERMES.open, HERMES.close
 CHOICES = ("auto", "none", "required")
@@ -151,9 +153,12 @@ class ToolSpec:
             text += f" & ~/(.|\\n)*{re.escape(markup.open)}(.|\\n)*/"
         if recover or markup.bare:
             text += f" & ~/{bare_head([t.name for t in self.called])}(.|\\n)*/"
-        lines = [
-            ("start: TEXT | calls | bare" if recover else "start: TEXT | calls") if self.choice == "auto" else
-            "start: calls",
+        body = ("TEXT | calls | bare" if recover else "TEXT | calls") if self.choice == "auto" else "calls"
+        lines = [f"start: {body}"]
+        if reasoning.thinks(template_of(tokenizer)):  # a thinking model may think first (reasoning.py)
+            lines = reasoning.thought_rules(_literal(tokenizer, reasoning.OPEN), _literal(tokenizer, reasoning.CLOSE),
+                                            reasoning.opens(tokenizer), body, text)
+        lines += [
             *_markup_rules(markup, tokenizer, several, " | ".join(fns)),
             *(f"{fn}: %json {json.dumps(t.call_schema(markup.key))}" for fn, t in zip(fns, self.called, strict=True)),
             f"TEXT: {text}",
@@ -192,6 +197,19 @@ class ToolSpec:
               for fn, t in zip(fns, self.called, strict=True)),
         ]
         return GrammarSpec("grammar", "\n".join(lines))
+
+
+def answer_parser(tokenizer: Any, tools: ToolSpec | None) -> CallParser | HarmonyParser | ThinkParser | None:
+    """The parser of a chat answer of `tokenizer`'s model: its calls (`tools`) in its template's
+    markup, gpt-oss's messages (harmony.py), behind a thought block where the model thinks
+    (reasoning.py); None: the answer is its text as it is."""
+    markup = markup_for(tokenizer)
+    parser = tools.parser(markup) if tools is not None else None
+    if markup is HARMONY:
+        return parser if parser is not None else HarmonyParser()
+    if reasoning.thinks(template_of(tokenizer)):
+        return ThinkParser(parser, reasoning.opens(tokenizer))
+    return parser
 
 
 def _tools(tools: Any) -> tuple[Tool, ...]:

@@ -31,9 +31,9 @@ from ..api import Prepared
 from ..common.errors import ContextLengthExceeded, UserError
 from ..common.jsonl import finite_json
 from ..common.settings import Settings
-from ..requests.callmarkup import markup_for
-from ..requests.harmony import HarmonyParser, is_harmony
-from ..requests.toolcalls import CallParser, template_messages
+from ..requests.harmony import HarmonyParser
+from ..requests.reasoning import AnswerParser, ThinkParser
+from ..requests.toolcalls import answer_parser, template_messages
 from ..sampling.grammar import Grammar
 from . import auth, limits, page, protocol
 from .drain import Drain, DrainingServer, Gate
@@ -78,9 +78,6 @@ class Server:
         self.backend, self.encoder, self.defaults, self.model_id = backend, encoder, defaults, model_id
         encoder.warm_grammars()  # before serving: compiling a request's grammar then takes milliseconds
         encoder.max_prompt_chars()  # read once, before the first request
-        # gpt-oss's chat format: answers split into content and reasoning_content (requests/harmony.py)
-        self.harmony = is_harmony(encoder.tokenizer)
-        self.markup = markup_for(encoder.tokenizer)  # how the model writes tool calls (requests/callmarkup.py)
         self.drain = Drain()  # its `seconds`: --drain-s
         self.started = int(time.time())
         self.metrics = ServerMetrics(self.health_body)
@@ -157,10 +154,8 @@ class Server:
         except APIError as e:
             return _error(e)
         rid, created = protocol.new_id(kind), protocol.now()
-        # The answer parsed into tool calls, or (harmony) into its final text and reasoning.
-        calls: CallParser | HarmonyParser | None = req.tools.parser(self.markup) if req.tools is not None else None
-        if calls is None and kind == "chat" and self.harmony:
-            calls = HarmonyParser()
+        # A chat answer parsed into tool calls, and (harmony, a thinking model's) its reasoning apart.
+        calls = answer_parser(self.encoder.tokenizer, req.tools) if kind == "chat" else None
         if req.stream:
             try:
                 headers = await self.backend.started(job, request)
@@ -178,7 +173,7 @@ class Server:
         use = protocol.usage(outcome.result, outcome.queue_s, outcome.replica)
         text, tool_calls = calls.answer(outcome.text) if calls is not None else (outcome.text, None)
         finish = calls.finish_reason(outcome.finish_reason) if calls is not None else outcome.finish_reason
-        reasoning = calls.reasoning if isinstance(calls, HarmonyParser) else None
+        reasoning = calls.reasoning if isinstance(calls, HarmonyParser | ThinkParser) else None
         return _json(protocol.response(kind, rid, created, self.model_id, text, finish, use, outcome.result.logprobs,
                                        tool_calls, reasoning), headers=protocol.replica_header(outcome.replica))
 
@@ -264,7 +259,7 @@ class Server:
                 getter.cancel()
 
     async def _events(self, job: Job, kind: str, rid: str, created: int, include_usage: bool,
-                      calls: CallParser | HarmonyParser | None = None) -> AsyncIterator[str]:
+                      calls: AnswerParser | None = None) -> AsyncIterator[str]:
         """Server-sent events: `: prefill DONE/TOTAL` comment lines while the prompt prefills (its
         tokens in the cache after each chunk), a chunk per accepted batch of tokens, the closing chunk, [DONE].
         With `calls`, the text goes out as content or tool-call deltas (requests/toolcalls.py).
@@ -330,7 +325,7 @@ async def _json_body(request: HTTPRequest) -> Any:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
 
 
-def _closing(kind: str, rid: str, created: int, model: str, done: Any, calls: CallParser | HarmonyParser | None,
+def _closing(kind: str, rid: str, created: int, model: str, done: Any, calls: AnswerParser | None,
              role_due: bool, include_usage: bool) -> list[str]:
     """A stream's last events: the deltas the call parser held back, the role if nothing has
     carried it yet (an answer with no text and no call still says whose it is), the finish

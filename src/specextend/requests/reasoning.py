@@ -1,0 +1,191 @@
+"""A thinking model's reasoning kept apart from its answer: Qwen3, SmolLM3 and DeepSeek-R1's
+distills think in a block before they answer,
+
+    <think>
+    The user wants the weather; I should call get_weather.
+    </think>
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+and their chat templates name `</think>` (to drop an earlier turn's thoughts), which is how
+`thinks` tells them. As llama.cpp's server does by default, `ThinkParser` sends the block to
+`reasoning_content` (an extension of OpenAI's chat answer, the field harmony.py fills for gpt-oss)
+and the rest to the answer's own parser: content, or the calls (toolcalls.CallParser), so a call
+made after thinking is a call. Where the template's generation prompt opens the block itself
+(`opens`: DeepSeek-R1's, Qwen3's thinking-only models), the answer starts inside it.
+
+`thought_rules` give the tool-call grammar the same optional block before the calls, so a model
+that thinks first may still call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Protocol
+
+from jinja2 import TemplateError
+
+from .harmony import REASONING, merged
+
+OPEN, CLOSE = "<think>", "</think>"
+
+
+class AnswerParser(Protocol):
+    """What reads an answer's text (toolcalls.CallParser): deltas as it streams, then the whole."""
+
+    @property
+    def ended(self) -> bool: ...
+
+    def push(self, text: str) -> list[dict[str, Any]]: ...
+
+    def finish(self) -> list[dict[str, Any]]: ...
+
+    def answer(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]: ...
+
+    def tool_calls(self) -> list[dict[str, Any]]: ...
+
+    def finish_reason(self, reason: str) -> str: ...
+
+
+def thinks(template: str | None) -> bool:
+    """Whether a chat template's model thinks in `<think>` blocks (the template names the closer)."""
+    return template is not None and CLOSE in template
+
+
+_OPENS: weakref.WeakKeyDictionary[Any, tuple[Any, bool]] = weakref.WeakKeyDictionary()
+
+
+def opens(tokenizer: Any) -> bool:
+    """Whether `tokenizer`'s chat template ends its generation prompt inside an open `<think>`
+    block (rendered once per tokenizer and template)."""
+    template = getattr(tokenizer, "chat_template", None)
+    with contextlib.suppress(TypeError):
+        known = _OPENS.get(tokenizer)
+        if known is not None and known[0] is template:
+            return known[1]
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                             tokenize=False)
+    except (TemplateError, AttributeError, TypeError, ValueError):
+        text = ""
+    found = isinstance(text, str) and text.rstrip().endswith(OPEN)
+    with contextlib.suppress(TypeError):
+        _OPENS[tokenizer] = (template, found)
+    return found
+
+
+class ThinkParser:
+    """An answer that may open with a thought block -> `reasoning_content` deltas, then the
+    deltas of `inner` (the calls' parser; None: content), streamed or whole. It has CallParser's
+    interface (push, finish, answer, finish_reason, tool_calls, ended), so the server runs it where
+    it runs that one. Whitespace around the thought and before the answer is not sent."""
+
+    def __init__(self, inner: AnswerParser | None = None, opened: bool = False) -> None:
+        self.inner = inner
+        self._state = "thought" if opened else "start"  # start, thought, gap (after the block), answer
+        self._lead = True  # the thought's leading whitespace not yet passed
+        self._buf = ""
+        self._thought: list[str] = []
+        self.reasoning: str | None = None  # the whole answer's thought, after `answer`
+
+    def push(self, text: str) -> list[dict[str, Any]]:
+        self._buf += text
+        out: list[dict[str, Any]] = []
+        if self._state == "start":
+            s = self._buf.lstrip()
+            if OPEN.startswith(s):  # nothing yet, or the opener's first characters
+                return out
+            if s.startswith(OPEN):
+                self._state, self._buf = "thought", s[len(OPEN):]
+            else:
+                self._state = "answer"
+        if self._state == "thought":
+            if self._lead:
+                self._buf = self._buf.lstrip()
+                self._lead = not self._buf
+            end = self._buf.find(CLOSE)
+            keep = len(self._buf) - end if end >= 0 else _held(self._buf)
+            self._say(self._buf[:len(self._buf) - keep], out)
+            if end < 0:
+                self._buf = self._buf[len(self._buf) - keep:]
+                return out
+            self._state, self._buf = "gap", self._buf[end + len(CLOSE):]
+        if self._state == "gap":
+            self._buf = self._buf.lstrip()
+            if not self._buf:
+                return out
+            self._state = "answer"
+        piece, self._buf = self._buf, ""
+        return out + self._answer(piece)
+
+    def finish(self) -> list[dict[str, Any]]:
+        """What was held back: a thought cut by max_tokens is reasoning; text that only began like
+        the opener is the answer's."""
+        out: list[dict[str, Any]] = []
+        if self._state == "thought":
+            self._say(self._buf, out)
+        elif self._state == "start":
+            out += self._answer(self._buf)
+        self._buf = ""
+        out += self.inner.finish() if self.inner is not None else []
+        return merged(out)
+
+    def answer(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
+        """A whole answer: its content (None where it made calls, or where it is only a thought)
+        and its calls (None without tools); the thought is left in `reasoning`."""
+        parts = self.push(text) + self.finish()
+        self.reasoning = "".join(self._thought) or None
+        if self.inner is not None:
+            content, calls = self.inner.answer("")  # all of it pushed and finished: its content and calls
+            return (content or None) if self.reasoning else content, calls
+        content = "".join(d.get("content", "") for d in parts)
+        return content or (None if self.reasoning else content), None
+
+    @property
+    def ended(self) -> bool:
+        return self.inner is not None and self.inner.ended
+
+    def tool_calls(self) -> list[dict[str, Any]]:
+        return self.inner.tool_calls() if self.inner is not None else []
+
+    def finish_reason(self, reason: str) -> str:
+        return self.inner.finish_reason(reason) if self.inner is not None else reason
+
+    def _say(self, text: str, out: list[dict[str, Any]]) -> None:
+        if text:
+            self._thought.append(text)
+            out.append({REASONING: text})
+
+    def _answer(self, text: str) -> list[dict[str, Any]]:
+        if self.inner is not None:
+            return self.inner.push(text)
+        return [{"content": text}] if text else []
+
+
+def _held(text: str) -> int:
+    """How many trailing characters of `text` could begin the closer (held until the next piece)."""
+    for n in range(min(len(text), len(CLOSE) - 1), 0, -1):
+        if CLOSE.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def thought_rules(opener: str, closer: str, opened: bool, body: str, text: str) -> list[str]:
+    """The grammar's start with an optional thought before `body` (the answer's alternatives, free
+    text among them as TEXT, whose regex is `text`); where the prompt opened the block, the thought
+    is the start. `opener` / `closer`: the markers as the grammar writes them (the tokenizer's own
+    tokens where it has them). After the thought, free text does not begin with whitespace: the
+    gap is its own lexeme, which ends where a call's opener starts (a free text that could run on
+    would hold the lexer past it)."""
+    close = CLOSE.replace("/", "\\/")  # in a Lark regex
+    after = body.replace("TEXT", "TEXT_AFTER")
+    return ["start: think GAP? after" if opened else "start: body | think GAP? after",
+            f"body: {body}",
+            f"after: {after}",
+            f"think: THOUGHT? {closer}" if opened else f"think: {opener} THOUGHT? {closer}",
+            f"THOUGHT: /(.|\\n)+/ & ~/(.|\\n)*{close}(.|\\n)*/",
+            "GAP: /[ \\t\\r\\n]+/",
+            *([f"TEXT_AFTER: {text} & ~/[ \\t\\r\\n](.|\\n)*/"] if "TEXT" in body else [])]

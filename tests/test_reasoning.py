@@ -1,0 +1,160 @@
+"""A thinking model's `<think>` block kept apart from its answer (requests/reasoning.py): the parser
+streamed and whole alike, a call made after thinking read as a call, the tool grammar letting the
+model think first, and the server's `reasoning_content` on tiny models whose templates think.
+
+The templates here are written for these tests: they name `</think>` as Qwen3's and SmolLM3's do,
+and one opens the block in its generation prompt as DeepSeek-R1's does."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specextend.api import load
+from specextend.requests import callmarkup, reasoning
+from specextend.requests.callmarkup import HERMES
+from specextend.requests.reasoning import ThinkParser
+from specextend.requests.toolcalls import CallParser, ToolSpec, answer_parser
+from specextend.sampling.grammar import compile_grammar
+from test_callmarkup import TOOLS, markup_tokenizer
+from test_toolcalls import _accumulate
+
+import loopback as http
+from test_serve import SMALL, running
+from tiny_tokenizer import TINY_VOCAB, save_tiny_model
+
+pytestmark = pytest.mark.usefixtures("isolated_home")
+
+CALL = {"name": "book", "arguments": {"seats": ["a"]}}
+THOUGHT = "The user wants a seat.\nI should book one."
+ANSWERS = {  # name: (text, opened, reasoning, content, calls)
+    "thought, then a call": (f"<think>\n{THOUGHT}\n</think>\n\n<tool_call>\n{json.dumps(CALL)}\n</tool_call>",
+                             False, THOUGHT + "\n", None, [CALL]),
+    "thought, then text": (f"<think>{THOUGHT}</think>\n\nBooked.", False, THOUGHT, "Booked.", []),
+    "no thought": ("Booked, <think> is a tag.", False, None, "Booked, <think> is a tag.", []),
+    "an empty thought": ("<think>\n\n</think>\n\nBooked.", False, None, "Booked.", []),
+    "opened by the prompt": (f"{THOUGHT}</think>\nBooked.", True, THOUGHT, "Booked.", []),
+    "cut in the thought": (f"<think>\n{THOUGHT}</thi", False, THOUGHT + "</thi", None, []),
+}
+
+
+def _read(parser: ThinkParser, text: str, size: int) -> tuple[str | None, str | None, list[dict]]:
+    deltas = [d for i in range(0, len(text), size) for d in parser.push(text[i:i + size])] + parser.finish()
+    thought = "".join(d.get("reasoning_content", "") for d in deltas) or None
+    content = "".join(d.get("content", "") for d in deltas) or None
+    calls = [{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
+             for d in deltas for c in d.get("tool_calls", [])]
+    return thought, content, calls
+
+
+@pytest.mark.parametrize("name", sorted(ANSWERS))
+def test_the_thought_is_reasoning_and_the_rest_the_answer_whole_or_streamed(name):
+    text, opened, thought, content, calls = ANSWERS[name]
+    spec = ToolSpec.parse(TOOLS, "auto")
+    whole = ThinkParser(spec.parser(HERMES), opened)
+    got, got_calls = whole.answer(text)
+    assert whole.reasoning == thought
+    assert (got or None, [{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
+                          for c in got_calls]) == (content, calls)
+    assert whole.finish_reason("stop") == ("tool_calls" if calls else "stop")
+    for size in (1, 3, 7):
+        assert _read(ThinkParser(spec.parser(HERMES), opened), text, size) == (thought, content, calls)
+    if not calls:  # without tools: the same split, the answer its text
+        plain = ThinkParser(None, opened)
+        assert plain.answer(text) == (content, None) and plain.reasoning == thought
+        assert _read(ThinkParser(None, opened), text, 2) == (thought, content, [])
+
+
+def test_without_a_thought_block_the_call_parser_alone_would_miss_the_call():
+    text = ANSWERS["thought, then a call"][0]
+    assert CallParser(markup=HERMES).answer(text) == (text, [])  # what a thinking model got before
+
+
+def thinking_tokenizer(opened: bool):
+    """The tiny tokenizer with <think> and </think> as its own (special) tokens, a template that
+    drops earlier thoughts by naming </think>, Hermes's calls; `opened`: its generation prompt
+    opens the block."""
+    tok = markup_tokenizer([reasoning.OPEN, reasoning.CLOSE], "hermes")
+    tok.chat_template = (
+        "{% if tools %}<|user|>tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}<|endoftext|>"
+        "{% endif %}{% for m in messages %}<|{{ m['role'] }}|>{% if m.tool_calls %}{% for c in m.tool_calls %}"
+        "<tool_call>\n{{ c.function | tojson }}\n</tool_call>{% endfor %}{% else %}"
+        "{{ m['content'].split('</think>')[-1] }}{% endif %}<|endoftext|>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>" + ("<think>\n" if opened else "") + "{% endif %}")
+    return tok
+
+
+@pytest.mark.parametrize("opened", [False, True])
+def test_the_tool_grammar_lets_a_thinking_model_think_before_it_calls(opened):
+    """`auto` and `required`: a thought (its markers the tokenizer's tokens), then the call, is an
+    answer the grammar takes whole; without the thinking template the same answer is refused at
+    the thought's closer (`auto`'s free text may not hold the call's opener)."""
+    tok = thinking_tokenizer(opened)
+    assert reasoning.thinks(tok.chat_template) and reasoning.opens(tok) == opened
+    call = "<tool_call>\n" + json.dumps(CALL, separators=(", ", ": ")) + "\n</tool_call>"
+    answer = ("" if opened else "<think>") + "plan</think>\n\n" + call
+
+    def taken(spec: ToolSpec, tokenizer) -> bool:
+        state = compile_grammar(spec.grammar(tokenizer), tokenizer, len(tokenizer)).start()
+        ids = tokenizer.encode(answer, add_special_tokens=False)
+        if state.valid_prefix(ids) < len(ids):
+            return False
+        for t in ids:
+            state.consume(t)
+        return bool(state.accepting)
+
+    for choice in ("auto", "required"):
+        spec = ToolSpec.parse(TOOLS, choice)
+        assert taken(spec, tok), choice
+        assert callmarkup.decode(tok, tok.encode(answer, add_special_tokens=False)) == answer  # markers kept
+    if not opened:
+        plain = markup_tokenizer([reasoning.OPEN, reasoning.CLOSE], "hermes")
+        assert not reasoning.thinks(plain.chat_template)
+        assert not taken(ToolSpec.parse(TOOLS, "auto"), plain)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["thinks", "opened"])
+def thinking_pair(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp("thinking")
+    tok = thinking_tokenizer(request.param)
+    vocab = TINY_VOCAB + 2
+    folders = {"target": save_tiny_model(root / "target", seed=0, vocab=vocab, tokenizer=tok),
+               "draft": save_tiny_model(root / "draft", seed=1, layers=1, vocab=vocab, tokenizer=tok)}
+    return request.param, load(folders["target"], folders["draft"], dtype="float64", progress=False), folders
+
+
+ASK = [{"role": "user", "content": "Book a seat?"}]
+
+
+def test_the_server_sends_the_thought_as_reasoning_content(thinking_pair):
+    """Through the server, streamed and not, with tools (`required`) and without: the answer
+    split as ThinkParser splits the Python API's text (a prompt that opened the block: all of a
+    short answer is thought, content null), the calls the API's, `specextend` equal to `ar`."""
+    opened, pair, folders = thinking_pair
+    cases = [({}, 12), ({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}, 120)]
+    with running(pair, folders, max_new_tokens=120) as url:
+        for extra, n in cases:
+            tools = ToolSpec.parse(extra["tools"], "required", False) if extra else None
+            ar = pair.generate(ASK, method="ar", max_new_tokens=n, **SMALL, **extra)
+            assert pair.generate(ASK, method="specextend", max_new_tokens=n, **SMALL, **extra).token_ids == ar.token_ids
+            parser = answer_parser(pair.tokenizer, tools)
+            assert isinstance(parser, ThinkParser)
+            content, calls = parser.answer(ar.text)
+            if opened and not extra:
+                assert content is None and parser.reasoning == ar.text.lstrip()
+            if extra:
+                assert [c["function"] for c in calls] == [c["function"] for c in ar.tool_calls]
+            body = {"messages": ASK, "max_tokens": n, "method": "specextend", **SMALL, **extra}
+            whole = http.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]
+            with http.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
+                events = [json.loads(line[6:]) for line in r.iter_lines()
+                          if line.startswith("data: ") and line != "data: [DONE]"]
+            streamed = _accumulate(events)
+            thought = "".join(e["choices"][0]["delta"].get("reasoning_content") or "" for e in events)
+            streamed["message"]["reasoning_content"] = thought or None
+            for choice in (whole, streamed):
+                message = choice["message"]
+                assert message["content"] == content and message.get("reasoning_content") == parser.reasoning
+                assert [c["function"] for c in message.get("tool_calls") or []] == [
+                    c["function"] for c in calls or []]
