@@ -1,7 +1,7 @@
 """Tool calls in each family's own markup (requests/callmarkup.py): which markup a chat template
 shows, each markup's answers parsed into calls whole and streamed alike, and tiny models whose
-templates show Granite's, Mistral's and Phi-4-mini's lists (their markers special tokens, as in
-those families' files) made to write them by the grammar, read back as calls, speculation equal to
+templates show Granite's and Mistral's lists and Phi-4-mini's blocks (their markers special tokens,
+as in those families' files) made to write them by the grammar, read back as calls, speculation equal to
 `ar`; and a template that reads the tools from the system message, as Phi-4-mini's own does.
 
 The templates here are written for these tests: each shows the model its earlier calls as that
@@ -76,6 +76,8 @@ B = {"name": "book", "arguments": {"seats": ["a"]}}
 ANSWERS = {
     "hermes": (HERMES, f"<tool_call>\n{json.dumps(A)}\n</tool_call>\n<tool_call>\n{json.dumps(B)}\n</tool_call>"),
     "phi": (PHI, f"<|tool_call|>{json.dumps([A, B])}<|/tool_call|>"),
+    "phi, a block a call": (PHI, f"<|tool_call|>{json.dumps(A)}<|/tool_call|>"
+                                 f"<|tool_call|>{json.dumps(B)}<|/tool_call|>"),
     "granite": (GRANITE, f"<|tool_call|>{json.dumps([A, B])}"),
     # Mistral's items carry an id of their own; the list may follow a space
     "mistral": (MISTRAL,
@@ -176,7 +178,7 @@ def family_pair(request, tmp_path_factory):
 
 @pytest.mark.parametrize("parallel", [False, True])
 def test_forced_calls_are_written_in_the_familys_markup(family_pair, parallel):
-    """`required` on a model whose template shows Granite's, Mistral's or Phi's list or Llama's
+    """`required` on a model whose template shows Granite's or Mistral's list, Phi's blocks or Llama's
     bare JSON (or reads the tools from the system message, as Phi-4-mini's): the grammar makes
     the random model write that markup (its markers the tokenizer's special tokens, kept in the
     decoded text), and the answer is the calls, valid for their schemas, the same under speculation."""
@@ -281,4 +283,5 @@ def test_a_template_reading_the_system_messages_tools_shows_them_to_the_model(fa
     assert '<|assistant|><|tool_call|>[{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}]' \
            '<|/tool_call|><|endoftext|><|tool|>sunny' in text
     assert callmarkup.describe(pair.tokenizer.chat_template) == (
-        "Phi-4-mini's <|tool_call|> list, the tools offered in the system message as its chat template reads them")
+        "Phi-4-mini's <|tool_call|> blocks (a call or a list), the tools offered in the system message as its chat "
+        "template reads them")

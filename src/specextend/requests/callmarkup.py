@@ -9,9 +9,10 @@ none), one JSON object a block
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-or one JSON list of every call after a single opener, which ends the answer: Granite 3's
-`<|tool_call|>[{...}, ...]`, Mistral's `[TOOL_CALLS][{...}, ...]` (`[TOOL_CALLS] [` where the
-template writes a space), Phi-4-mini's `<|tool_call|>[{...}, ...]<|/tool_call|>`; or Llama 3.x's
+Phi-4-mini's blocks, `<|tool_call|>...<|/tool_call|>`, each a call or a JSON list of calls (the
+model writes both; Ollama's template shows it the list); or one JSON list of every call after a
+single opener, which ends the answer: Granite 3's `<|tool_call|>[{...}, ...]` and Mistral's
+`[TOOL_CALLS][{...}, ...]` (`[TOOL_CALLS] [` where the template writes a space); or Llama 3.x's
 answer that is one call as bare JSON, `{"name": "get_weather", "parameters": {...}}`. gpt-oss
 writes calls as harmony messages (harmony.py).
 
@@ -55,6 +56,7 @@ class CallMarkup:
     trail: str = ""
     sep: str = ""
     key: str = "arguments"
+    lists: bool = False  # a block may hold a JSON list of calls (Phi-4-mini writes either)
 
     @property
     def bare(self) -> bool:
@@ -67,7 +69,8 @@ class CallMarkup:
 
 HERMES = CallMarkup("hermes", "Hermes's <tool_call> blocks", "<tool_call>", "</tool_call>", lead="\n", trail="\n",
                     sep="\n")
-PHI = CallMarkup("phi", "Phi-4-mini's <|tool_call|> list", "<|tool_call|>", "<|/tool_call|>", listed=True)
+PHI = CallMarkup("phi", "Phi-4-mini's <|tool_call|> blocks (a call or a list)", "<|tool_call|>", "<|/tool_call|>",
+                 lists=True)
 GRANITE = CallMarkup("granite", "Granite's <|tool_call|> list", "<|tool_call|>", listed=True)
 MISTRAL = CallMarkup("mistral", "Mistral's [TOOL_CALLS] list", "[TOOL_CALLS]", listed=True)
 LLAMA3 = CallMarkup("llama3", 'Llama 3\'s bare JSON call ("parameters")', "", key="parameters")
@@ -165,8 +168,8 @@ def written(markup: CallMarkup, calls: Sequence[dict[str, Any]]) -> str:
              for c in calls]
     if markup.bare:
         return items[0] if items else ""
-    if markup.listed:
-        return f"{markup.open}{markup.lead}[{', '.join(items)}]{markup.close}"
+    if markup.listed or markup.lists:
+        return f"{markup.open}{markup.lead}[{', '.join(items)}]{markup.trail}{markup.close}"
     return markup.sep.join(f"{markup.open}{markup.lead}{i}{markup.trail}{markup.close}" for i in items)
 
 

@@ -9,8 +9,9 @@ default pair's (Qwen2.5, the Hermes format) asks for
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-one block per call, blocks separated by a newline; Granite's, Mistral's and Phi-4-mini's answer
-is one opener and a JSON list of every call (Phi-4-mini's then its closer). Under a grammar
+one block per call, blocks separated by a newline; Phi-4-mini's blocks have other markers and
+may hold a list of calls, and Granite's and Mistral's answer is one opener and a JSON list of
+every call. Under a grammar
 (sampling/grammar.py) every call is exact: `required` and a named function force an answer of
 calls only, each's JSON the function's name and an `arguments` object matching its `parameters`
 schema; `auto` lets the model choose between free text (which may not contain the opener) and
@@ -277,12 +278,14 @@ def _markup_rules(markup: CallMarkup, tokenizer: Any, several: bool, fns: str) -
         return ["calls: call", f"call: {fns}"]
     opener = _literal(tokenizer, markup.open)
     lead, trail, sep = (json.dumps(t) if t else "" for t in (markup.lead, markup.trail, markup.sep))
-    closer = _literal(tokenizer, markup.close) if markup.close else ""
     if markup.listed:  # the list as the templates' `tojson` writes it: ", " between items
         items = 'call ("," " " call)*' if several else "call"
-        return [f'calls: {opener} {lead} "[" {items} "]" {closer}', f"call: {fns}"]
+        return [f'calls: {opener} {lead} "[" {items} "]"', f"call: {fns}"]
+    closer = _literal(tokenizer, markup.close)
+    body = f'(({fns}) | "[" ({fns}) ("," " " ({fns}))* "]")' if markup.lists and several else \
+        f'(({fns}) | "[" ({fns}) "]")' if markup.lists else f"({fns})"
     return [f"calls: call ({sep} call)*" if several else "calls: call",
-            f"call: {opener} {lead} ({fns}) {trail} {closer}"]
+            f"call: {opener} {lead} {body} {trail} {closer}"]
 
 
 def _literal(tokenizer: Any, text: str) -> str:
@@ -465,6 +468,10 @@ class CallParser:
                 self.buf = s
                 return out
             body = s[len(opener):].lstrip()
+            if self.markup.lists and body.startswith("["):
+                if not self._block_list(opener, body[1:], out):
+                    return out
+                continue
             if not s.startswith(opener) or body[:1] not in ("", "{"):
                 self.buf = ""  # text after calls (no grammar admits it): not content, not a call
                 return out
@@ -476,6 +483,26 @@ class CallParser:
             if not self._given(body[:end], out):
                 return out
         return out
+
+    def _block_list(self, opener: str, rest: str, out: list[dict[str, Any]]) -> bool:
+        """A block's list of calls (Phi-4-mini's), after its "[": each call given out the moment it
+        is complete (and dropped from the buffer, which keeps the rest of the block); True once
+        the list has closed, False to wait for more text or at the answer's end."""
+        rest = rest.lstrip()
+        rest = rest[1:].lstrip() if rest.startswith(",") else rest  # the comma after a call given out
+        while rest.startswith("{"):
+            end = json_end(rest)
+            if end is None:
+                break
+            if not self._given(rest[:end], out):
+                return False
+            rest = rest[end:].lstrip()
+            rest = rest[1:].lstrip() if rest.startswith(",") else rest
+        if rest.startswith("]"):
+            self.buf, self._block_open = rest[1:], True
+            return True
+        self.buf = f"{opener}[{rest}" if rest[:1] in ("", "{") else ""  # else: not a list of calls
+        return False
 
     def _listed(self) -> list[dict[str, Any]]:
         """One opener, then a JSON list of the calls (Granite's, Mistral's): each item given out
