@@ -81,7 +81,8 @@ def thinking_tokenizer(opened: bool):
         "{% endif %}{% for m in messages %}<|{{ m['role'] }}|>{% if m.tool_calls %}{% for c in m.tool_calls %}"
         "<tool_call>\n{{ c.function | tojson }}\n</tool_call>{% endfor %}{% else %}"
         "{{ m['content'].split('</think>')[-1] }}{% endif %}<|endoftext|>{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>" + ("<think>\n" if opened else "") + "{% endif %}")
+        "{% if add_generation_prompt %}<|assistant|>" + ("<think>\n" if opened else "") +
+        "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
     return tok
 
 
@@ -158,3 +159,23 @@ def test_the_server_sends_the_thought_as_reasoning_content(thinking_pair):
                 assert message["content"] == content and message.get("reasoning_content") == parser.reasoning
                 assert [c["function"] for c in message.get("tool_calls") or []] == [
                     c["function"] for c in calls or []]
+
+
+def test_chat_template_kwargs_reach_the_template(thinking_pair):
+    """`chat_template_kwargs` (vLLM's and llama.cpp's field): {"enable_thinking": false} renders the
+    template's empty thought into the prompt, as Qwen3's does; a variable the request sets itself,
+    a name that is not one, or no object at all is a 400 naming the field."""
+    opened, pair, folders = thinking_pair
+    if opened:
+        pytest.skip("one template suffices")
+    body = {"messages": ASK, "max_tokens": 2, **SMALL}
+    thinking = pair.encode_chat(ASK)
+    quiet = pair.encode_chat(ASK, template_kwargs={"enable_thinking": False})
+    assert pair.tokenizer.decode(quiet[len(thinking):]) == "<think>\n\n</think>\n\n"
+    with running(pair, folders, max_new_tokens=8) as url:
+        use = [http.post(f"{url}/v1/chat/completions", json={**body, **extra}, timeout=60).json()["usage"]
+               for extra in ({}, {"chat_template_kwargs": {"enable_thinking": False}})]
+        assert use[1]["prompt_tokens"] == len(quiet) and use[0]["prompt_tokens"] == len(thinking)
+        for bad in ({"messages": []}, {"add_generation_prompt": False}, {"not a name": 1}, [1]):
+            r = http.post(f"{url}/v1/chat/completions", json={**body, "chat_template_kwargs": bad}, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", (bad, r.text)

@@ -106,11 +106,13 @@ class Prompts:
         return ids
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
-                    whole: bool = False) -> list[int]:
+                    whole: bool = False, template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Prompt token ids of a conversation ({"role", "content"} dicts; an assistant's
         `tool_calls` and tool results as toolcalls.template_messages makes them) in the
         tokenizer's chat template, ending with the assistant's turn opened; `tools` (OpenAI's
-        shape) are described as the template describes them; `whole` as in `encode`."""
+        shape) are described as the template describes them; `whole` as in `encode`;
+        `template_kwargs`: more of the template's variables (check_template_kwargs)."""
+        check_template_kwargs(template_kwargs)
         if not getattr(self.tokenizer, "chat_template", None):
             raise UserError(f"the tokenizer in {self.target_path} has no chat template; send a plain prompt")
         if tools and not self.template_takes_tools():
@@ -120,8 +122,10 @@ class Prompts:
         # Render to text, then tokenize: the template already holds any special tokens.
         shown, extra = callmarkup.offer(callmarkup.template_of(self.tokenizer), messages, tools)
         try:
-            text = self.tokenizer.apply_chat_template(shown, add_generation_prompt=True, tokenize=False, **extra)
-        except TemplateError as e:  # a template's own raise_exception (an order of roles it refuses)
+            text = self.tokenizer.apply_chat_template(shown, add_generation_prompt=True, tokenize=False,
+                                                      **(template_kwargs or {}), **extra)
+        except (TemplateError, TypeError, ValueError) as e:  # its own raise_exception (an order of roles it
+            # refuses), or a variable of chat_template_kwargs it cannot use
             raise UserError(f"the chat template cannot render these messages: {str(e).strip()[:300]}") from None
         if not whole:
             self._check_chars(text)
@@ -249,6 +253,25 @@ class Prompts:
         ids = [int(i) for i in prompt]
         self._check_ids(ids)
         return ids
+
+
+# The template's variables that the request sets itself (a kwarg may not replace them).
+TEMPLATE_OWN = frozenset({"messages", "tools", "add_generation_prompt", "tokenize", "conversation", "documents",
+                          "continue_final_message", "return_dict", "chat_template", "tokenizer"})
+
+
+def check_template_kwargs(kwargs: Any) -> None:
+    """A request's extra chat-template variables: an object of names (letters, digits, `_`) to
+    JSON values, none of the variables the request sets itself; UserError otherwise."""
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict):
+        raise UserError("chat_template_kwargs must be an object of template variables")
+    for name in kwargs:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise UserError(f"chat_template_kwargs: {name!r} is not a template variable name")
+        if name in TEMPLATE_OWN or name.startswith("_"):
+            raise UserError(f"chat_template_kwargs may not set {name!r} (the request sets it)")
 
 
 def _normalized_shrink(tokenizer: Any, text: str) -> int | None:

@@ -217,7 +217,8 @@ class Server:
         bounds the body itself."""
         if req.messages is not None:
             tools = req.tools.template_tools() if req.tools is not None else None
-            return self.encoder.encode_chat(template_messages(req.messages), tools, whole=whole)
+            return self.encoder.encode_chat(template_messages(req.messages), tools, whole=whole,
+                                            template_kwargs=req.template_kwargs)
         assert req.prompt is not None
         if isinstance(req.prompt, str):
             return self.encoder.encode(req.prompt, whole=whole)

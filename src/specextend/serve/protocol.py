@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from ..common.errors import UserError
 from ..common.settings import Settings, value_type
+from ..requests.prompts import check_template_kwargs
 from ..requests.toolcalls import ToolError, ToolSpec
 
 # Settings that the body sets through OpenAI's names, not their own.
@@ -182,11 +183,17 @@ class ChatBody(_Common):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     tool_call_recovery: bool | None = None  # false: a bare JSON answer under `auto` stays text (requests/toolcalls.py)
+    # Variables for the chat template (vLLM's and llama.cpp's field): {"enable_thinking": false} for Qwen3's
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        try:
+            check_template_kwargs(self.chat_template_kwargs)
+        except UserError as e:
+            raise APIError(400, str(e), param="chat_template_kwargs") from None
 
     def tool_spec(self) -> ToolSpec | None:
         """The request's tools (requests/toolcalls.py), None when none may be called; APIError(400) otherwise."""
@@ -253,6 +260,7 @@ class Request:
     response_format: dict[str, Any] | None = None  # as sent; compiled by the server (app.py)
     logprobs: int | None = None  # alternatives per position; None: no log-probabilities
     tools: ToolSpec | None = None  # the tools the answer may call (chat)
+    template_kwargs: dict[str, Any] | None = None  # the chat template's variables (chat_template_kwargs)
 
 
 def parse(kind: Literal["chat", "completion"], body: Any, defaults: Settings, tool_call_recovery: bool = True
@@ -281,7 +289,8 @@ def parse(kind: Literal["chat", "completion"], body: Any, defaults: Settings, to
     usage_too = bool(req.stream_options and req.stream_options.include_usage)
     if isinstance(req, ChatBody):
         return Request("chat", [m.as_template() for m in req.messages], None, settings, req.stops(), req.stream,
-                       usage_too, req.response_format, req.wanted_logprobs(), req.tool_spec())
+                       usage_too, req.response_format, req.wanted_logprobs(), req.tool_spec(),
+                       req.chat_template_kwargs or None)
     return Request("completion", None, req.prompt, settings, req.stops(), req.stream, usage_too,
                    req.response_format, req.wanted_logprobs())
 
