@@ -325,3 +325,36 @@ def test_a_stream_reports_the_prefill_in_comment_lines(pair, folders):  # noqa: 
         text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
             model="x", messages=body["messages"], max_tokens=2, stream=True) if c.choices)
         assert text
+
+
+@pytest.fixture(scope="module")
+def thinking_folders(tmp_path_factory):
+    """Tiny models whose template opens a thought in the generation prompt (test_reasoning.py):
+    every word of a short answer is thought, sent as reasoning_content."""
+    from test_reasoning import thinking_tokenizer
+
+    from tiny_tokenizer import TINY_VOCAB, save_tiny_model
+
+    root, tok = tmp_path_factory.mktemp("thinking-page"), thinking_tokenizer(opened=True)
+    return {"target": save_tiny_model(root / "target", seed=0, vocab=TINY_VOCAB + 2, tokenizer=tok),
+            "draft": save_tiny_model(root / "draft", seed=1, layers=1, vocab=TINY_VOCAB + 2, tokenizer=tok)}
+
+
+def test_a_thought_shows_above_the_answer(browser, thinking_folders):
+    """A reasoning model's thought streams into a folding block (not "Waiting for the first
+    token" until its answer); an answer that is all thought leaves it open, and the reader folds it."""
+    from specextend.api import load
+
+    thinking = load(thinking_folders["target"], thinking_folders["draft"], dtype="float64", progress=False)
+    with running(thinking, thinking_folders) as url, page_at(browser, url) as page:
+        paste(page, DOC)
+        page.locator("#doc-info").filter(has_text="fits").wait_for(timeout=30_000)
+        page.get_by_label("Max tokens").fill("12")
+        ask(page, "What does the report cover?")
+        wait_done(page, 1)
+        thought = answers(page).first.locator("details.thought")
+        assert thought.locator("summary").inner_text() == "Thought"
+        assert thought.locator("div").inner_text().strip() and thought.get_attribute("open") is not None
+        assert "Waiting" not in answers(page).first.inner_text()
+        thought.locator("summary").click()  # the reader folds it
+        assert thought.get_attribute("open") is None

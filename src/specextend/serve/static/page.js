@@ -270,9 +270,17 @@ function updateAnswer(m) {
   const el = m.el;
   if (!el) return;
   const body = el.querySelector(".body");
-  body.innerHTML = renderMarkdown(m.content) + (m.stopped ? "<p><em>(stopped)</em></p>" : "");
+  // A reasoning model's thought (reasoning_content) above its answer: open while it thinks, folded
+  // once the answer starts unless the reader opened it.
+  const thought = m.reasoning
+    ? `<details class="thought"${(m.thoughtOpen ?? !m.content) ? " open" : ""}><summary>${
+      m.content || m.done || m.stopped ? "Thought" : "Thinking…"}</summary><div>${escapeHtml(m.reasoning)}</div></details>`
+    : "";
+  body.innerHTML = thought + renderMarkdown(m.content) + (m.stopped ? "<p><em>(stopped)</em></p>" : "");
+  const details = body.querySelector("details.thought");
+  if (details) details.addEventListener("toggle", () => { m.thoughtOpen = details.open; });
   let bar = el.querySelector(".progress");
-  if (m.progress && !m.content) {
+  if (m.progress && !m.content && !m.reasoning) {
     if (!bar) {
       bar = document.createElement("div");
       bar.className = "progress";
@@ -287,7 +295,7 @@ function updateAnswer(m) {
   } else if (bar) {
     bar.remove();
   }
-  if (!m.progress && !m.content && !m.done && !m.stopped) body.innerHTML = '<p class="info">Waiting for the first token…</p>';
+  if (!m.progress && !m.content && !m.reasoning && !m.done && !m.stopped) body.innerHTML = '<p class="info">Waiting for the first token…</p>';
   let stats = el.querySelector(".stats");
   if (m.stats) {
     if (!stats) { stats = document.createElement("div"); stats.className = "stats"; el.appendChild(stats); }
@@ -369,9 +377,10 @@ async function ask() {
       if (chunk.error) throw new Error(chunk.error.message);
       if (chunk.usage) usage = chunk.usage;
       const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
-      if (delta && delta.content) {
+      if (delta && (delta.content || delta.reasoning_content)) {
         if (m.ttft === undefined) m.ttft = (performance.now() - t0) / 1000;
-        m.content += delta.content;
+        m.content += delta.content || "";
+        m.reasoning = (m.reasoning || "") + (delta.reasoning_content || "");
         m.progress = null;
         updateAnswer(m);
       }
