@@ -240,6 +240,7 @@ def test_inspect_json(tmp_path, tokenizer_gguf, capsys) -> None:
     assert info["huge_pages"] is (None if not loaded_as_file(info) else hugepages.wanted())
     # the test tokenizer's template names no tools: a request with tools would be refused
     assert info["tool_calls"].startswith("none: its chat template does not describe tools")
+    assert info["reasoning"] == "none: its chat template shows no thinking"
     assert not (Path(os.environ["SPECEXTEND_HOME"]) / "converted").exists()  # nothing converted
 
 

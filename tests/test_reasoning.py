@@ -71,6 +71,14 @@ def test_without_a_thought_block_the_call_parser_alone_would_miss_the_call():
     assert CallParser(markup=HERMES).answer(text) == (text, [])  # what a thinking model got before
 
 
+def test_inspect_says_where_a_model_reasons():
+    assert reasoning.describe(thinking_tokenizer(False).chat_template) == (
+        "<think> blocks, answered as reasoning_content")
+    assert reasoning.describe("{{ messages }}<|channel|>analysis").startswith("harmony's analysis channel")
+    assert reasoning.describe("{{ messages }}") == "none: its chat template shows no thinking"
+    assert reasoning.describe(None) == "none: the file has no chat template"
+
+
 def thinking_tokenizer(opened: bool):
     """The tiny tokenizer with <think> and </think> as its own (special) tokens, a template that
     drops earlier thoughts by naming </think>, Hermes's calls; `opened`: its generation prompt

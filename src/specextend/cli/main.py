@@ -494,6 +494,7 @@ def cmd_models_inspect(args: argparse.Namespace) -> int:
     from ..models.footprint import gb, notice, runs_float
     from ..models.registry import inspect_model
     from ..requests.callmarkup import describe as describe_calls
+    from ..requests.reasoning import describe as describe_reasoning
 
     fp = inspect_model(args.file)
     if args.json:
@@ -505,7 +506,8 @@ def cmd_models_inspect(args: argparse.Namespace) -> int:
                           "context": None if ctx is None else ctx[0],
                           "context_limit": None if ctx is None else ctx[1],
                           "huge_pages": _huge_pages(fp.kernel_path, fp.file, bool(fp.experts))[0],
-                          "tool_calls": describe_calls(fp.chat_template)}))
+                          "tool_calls": describe_calls(fp.chat_template),
+                          "reasoning": describe_reasoning(fp.chat_template)}))
         return 0
     print(f"file          {fp.file} ({gb(fp.file_bytes)})")
     c = fp.config
@@ -527,6 +529,7 @@ def cmd_models_inspect(args: argparse.Namespace) -> int:
     if fp.tokenizer:
         print(f"tokenizer     {fp.tokenizer}")
         print(f"tool calls    {describe_calls(fp.chat_template)}")
+        print(f"reasoning     {describe_reasoning(fp.chat_template)}")
     if fp.experts:
         e = fp.experts
         print(f"experts       {e['count']} experts, {e['used']} a token: {e['active_parameters'] / 1e6:,.0f} M of "

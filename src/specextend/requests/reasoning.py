@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from jinja2 import TemplateError
 
-from .harmony import REASONING, merged
+from .harmony import CHANNEL_MARK, REASONING, merged
 
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -53,6 +53,17 @@ class AnswerParser(Protocol):
 def thinks(template: str | None) -> bool:
     """Whether a chat template's model thinks in `<think>` blocks (the template names the closer)."""
     return template is not None and CLOSE in template
+
+
+def describe(template: str | None) -> str:
+    """One line on where a chat template's model reasons (`models inspect`)."""
+    if not template:
+        return "none: the file has no chat template"
+    if CHANNEL_MARK in template:
+        return "harmony's analysis channel (gpt-oss), answered as reasoning_content"
+    if thinks(template):
+        return "<think> blocks, answered as reasoning_content"
+    return "none: its chat template shows no thinking"
 
 
 _OPENS: weakref.WeakKeyDictionary[Any, tuple[Any, bool]] = weakref.WeakKeyDictionary()
