@@ -137,9 +137,10 @@ def test_a_list_that_is_not_calls_gives_none():
 # --------------------------------------------------------------------------- tiny models writing them
 
 
-def markup_tokenizer(markers: list[str], shown: str):
-    """The tiny byte-level tokenizer with `markers` as special tokens (ids after TINY_VOCAB's) and a
-    template that offers the tools and shows earlier calls as `SHOWN[shown]`."""
+def markup_tokenizer(markers: list[str], shown: str, special: bool = True):
+    """The tiny byte-level tokenizer with `markers` as added tokens (ids after TINY_VOCAB's; special,
+    or as a GGUF's user-defined tokens, not) and a template that offers the tools and shows earlier
+    calls as `SHOWN[shown]`."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -148,7 +149,10 @@ def markup_tokenizer(markers: list[str], shown: str):
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=MERGES))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in [*SPECIALS, *markers, EOS]])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in [*SPECIALS, *markers, EOS]
+                            if special or t not in markers])
+    if not special:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in markers])
     template = ("{% if tools %}<|user|>tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}"
                 "<|endoftext|>{% endif %}{% for m in messages %}<|{{ m['role'] }}|>"
                 "{% if m.tool_calls %}" + SHOWN[shown] + "{% else %}{{ m['content'] }}{% endif %}<|endoftext|>"
@@ -157,7 +161,8 @@ def markup_tokenizer(markers: list[str], shown: str):
         template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}" + SHOWN[shown] +
                     "<|endoftext|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token=EOS,
-                                   additional_special_tokens=SPECIALS[1:] + markers, chat_template=template)
+                                   additional_special_tokens=SPECIALS[1:] + (markers if special else []),
+                                   chat_template=template)
 
 
 MARKERS = {"granite": ["<|tool_call|>"], "phi": ["<|tool_call|>", "<|/tool_call|>"], "mistral-small": ["[TOOL_CALLS]"],

@@ -79,11 +79,11 @@ def test_inspect_says_where_a_model_reasons():
     assert reasoning.describe(None) == "none: the file has no chat template"
 
 
-def thinking_tokenizer(opened: bool):
-    """The tiny tokenizer with <think> and </think> as its own (special) tokens, a template that
-    drops earlier thoughts by naming </think>, Hermes's calls; `opened`: its generation prompt
-    opens the block."""
-    tok = markup_tokenizer([reasoning.OPEN, reasoning.CLOSE], "hermes")
+def thinking_tokenizer(opened: bool, special: bool = True):
+    """The tiny tokenizer with <think> and </think> as its own tokens (special, or not as in
+    Qwen3's), a template that drops earlier thoughts by naming </think>, Hermes's calls; `opened`:
+    its generation prompt opens the block."""
+    tok = markup_tokenizer([reasoning.OPEN, reasoning.CLOSE], "hermes", special)
     tok.chat_template = (
         "{% if tools %}<|user|>tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}<|endoftext|>"
         "{% endif %}{% for m in messages %}<|{{ m['role'] }}|>{% if m.tool_calls %}{% for c in m.tool_calls %}"
@@ -94,12 +94,12 @@ def thinking_tokenizer(opened: bool):
     return tok
 
 
-@pytest.mark.parametrize("opened", [False, True])
-def test_the_tool_grammar_lets_a_thinking_model_think_before_it_calls(opened):
-    """`auto` and `required`: a thought (its markers the tokenizer's tokens), then the call, is an
-    answer the grammar takes whole; without the thinking template the same answer is refused at
-    the thought's closer (`auto`'s free text may not hold the call's opener)."""
-    tok = thinking_tokenizer(opened)
+@pytest.mark.parametrize(("opened", "special"), [(False, True), (True, True), (False, False)])
+def test_the_tool_grammar_lets_a_thinking_model_think_before_it_calls(opened, special):
+    """`auto` and `required`: a thought (its markers the tokenizer's tokens, special or not), then
+    the call, is an answer the grammar takes whole; without the thinking template the same answer
+    is refused at the call's opener (`auto`'s free text may not hold it)."""
+    tok = thinking_tokenizer(opened, special)
     assert reasoning.thinks(tok.chat_template) and reasoning.opens(tok) == opened
     call = "<tool_call>\n" + json.dumps(CALL, separators=(", ", ": ")) + "\n</tool_call>"
     answer = ("" if opened else "<think>") + "plan</think>\n\n" + call
@@ -118,7 +118,7 @@ def test_the_tool_grammar_lets_a_thinking_model_think_before_it_calls(opened):
         assert taken(spec, tok), choice
         assert callmarkup.decode(tok, tok.encode(answer, add_special_tokens=False)) == answer  # markers kept
     if not opened:
-        plain = markup_tokenizer([reasoning.OPEN, reasoning.CLOSE], "hermes")
+        plain = markup_tokenizer([reasoning.OPEN, reasoning.CLOSE], "hermes", special)
         assert not reasoning.thinks(plain.chat_template)
         assert not taken(ToolSpec.parse(TOOLS, "auto"), plain)
 
