@@ -21,7 +21,7 @@ markers kept (callmarkup.decode), and this parser removes them.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>")
@@ -43,10 +43,10 @@ def is_harmony(tokenizer: Any) -> bool:
     return CHANNEL_MARK in added and "<|message|>" in added
 
 
-def _held(text: str) -> int:
+def held(text: str, markers: Sequence[str] = MARKERS) -> int:
     """How many trailing characters of `text` could begin a marker (held until the next piece)."""
-    for n in range(min(len(text), max(map(len, MARKERS)) - 1), 0, -1):
-        if any(m.startswith(text[-n:]) for m in MARKERS):
+    for n in range(min(len(text), max(map(len, markers)) - 1), 0, -1):
+        if any(m.startswith(text[-n:]) for m in markers):
             return n
     return 0
 
@@ -77,7 +77,7 @@ class HarmonyParser:
             self._text(self._buf[: m.start()], out)
             self._marker(m.group(), out)
             self._buf = self._buf[m.end() :]
-        keep = _held(self._buf)
+        keep = held(self._buf)
         self._text(self._buf[: len(self._buf) - keep], out)
         self._buf = self._buf[len(self._buf) - keep :]
         return merged(out)

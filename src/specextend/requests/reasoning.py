@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from jinja2 import TemplateError
 
-from .harmony import CHANNEL_MARK, REASONING, merged
+from .harmony import CHANNEL_MARK, REASONING, held, merged
 
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -118,7 +118,7 @@ class ThinkParser:
                 self._buf = self._buf.lstrip()
                 self._lead = not self._buf
             end = self._buf.find(CLOSE)
-            keep = len(self._buf) - end if end >= 0 else _held(self._buf)
+            keep = len(self._buf) - end if end >= 0 else held(self._buf, (CLOSE,))
             self._say(self._buf[:len(self._buf) - keep], out)
             if end < 0:
                 self._buf = self._buf[len(self._buf) - keep:]
@@ -174,14 +174,6 @@ class ThinkParser:
         if self.inner is not None:
             return self.inner.push(text)
         return [{"content": text}] if text else []
-
-
-def _held(text: str) -> int:
-    """How many trailing characters of `text` could begin the closer (held until the next piece)."""
-    for n in range(min(len(text), len(CLOSE) - 1), 0, -1):
-        if CLOSE.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def thought_rules(opener: str, closer: str, opened: bool, body: str, text: str) -> list[str]:
