@@ -273,12 +273,11 @@ def test_offer_puts_the_tools_where_the_template_reads_them():
     assert callmarkup.written(LLAMA3, history[1]["tool_calls"]).startswith('{"name": "get_weather", "parameters": ')
 
 
+@pytest.mark.parametrize("family_pair", ["phi-system"], indirect=True)
 def test_a_template_reading_the_system_messages_tools_shows_them_to_the_model(family_pair):
     """Through the pair's own chat template: the tools are offered (not refused as unseen), between
     <|tool|> and <|/tool|> in the system turn; an earlier call is shown in Phi's list."""
-    name, pair, _ = family_pair
-    if name != "phi-system":
-        pytest.skip("the template that reads the system message's tools")
+    _, pair, _ = family_pair
     assert pair.template_takes_tools()
     text = pair.tokenizer.decode(pair.encode_chat(ASK, TOOLS))
     assert text.startswith(f"<|system|>{callmarkup.TOOLS_SYSTEM}<|tool|>[{{\"name\": \"get_weather\"")
