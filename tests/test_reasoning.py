@@ -79,11 +79,12 @@ def test_inspect_says_where_a_model_reasons():
     assert reasoning.describe(None) == "none: the file has no chat template"
 
 
-def thinking_tokenizer(opened: bool, special: bool = True):
-    """The tiny tokenizer with <think> and </think> as its own tokens (special, or not as in
-    Qwen3's), a template that drops earlier thoughts by naming </think>, Hermes's calls; `opened`:
-    its generation prompt opens the block."""
-    tok = markup_tokenizer([reasoning.OPEN, reasoning.CLOSE], "hermes", special)
+def thinking_tokenizer(opened: bool, markers: str = "special"):
+    """The tiny tokenizer with <think> and </think> as its own tokens ("special", or "added" as
+    Qwen3's user-defined ones) or as plain "text", a template that drops earlier thoughts by naming
+    </think>, Hermes's calls; `opened`: its generation prompt opens the block."""
+    tok = markup_tokenizer([] if markers == "text" else [reasoning.OPEN, reasoning.CLOSE], "hermes",
+                           markers == "special")
     tok.chat_template = (
         "{% if tools %}<|user|>tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}<|endoftext|>"
         "{% endif %}{% for m in messages %}<|{{ m['role'] }}|>{% if m.tool_calls %}{% for c in m.tool_calls %}"
@@ -94,12 +95,14 @@ def thinking_tokenizer(opened: bool, special: bool = True):
     return tok
 
 
-@pytest.mark.parametrize(("opened", "special"), [(False, True), (True, True), (False, False)])
-def test_the_tool_grammar_lets_a_thinking_model_think_before_it_calls(opened, special):
-    """`auto` and `required`: a thought (its markers the tokenizer's tokens, special or not), then
-    the call, is an answer the grammar takes whole; without the thinking template the same answer
-    is refused at the call's opener (`auto`'s free text may not hold it)."""
-    tok = thinking_tokenizer(opened, special)
+@pytest.mark.parametrize(("opened", "markers"), [(False, "special"), (True, "special"), (False, "added"),
+                                                  (False, "text"), (True, "text")])
+def test_the_tool_grammar_lets_a_thinking_model_think_before_it_calls(opened, markers):
+    """`auto` and `required`: a thought (its markers the tokenizer's tokens, special or not, or
+    text), then the call, is an answer the grammar takes whole, as is a thought then text; without
+    the thinking template the same answer is refused at the call's opener (`auto`'s free text may
+    not hold it)."""
+    tok = thinking_tokenizer(opened, markers)
     assert reasoning.thinks(tok.chat_template) and reasoning.opens(tok) == opened
     call = "<tool_call>\n" + json.dumps(CALL, separators=(", ", ": ")) + "\n</tool_call>"
     answer = ("" if opened else "<think>") + "plan</think>\n\n" + call
@@ -117,8 +120,11 @@ def test_the_tool_grammar_lets_a_thinking_model_think_before_it_calls(opened, sp
         spec = ToolSpec.parse(TOOLS, choice)
         assert taken(spec, tok), choice
         assert callmarkup.decode(tok, tok.encode(answer, add_special_tokens=False)) == answer  # markers kept
+    answer = answer.replace(call, "Booked, thanks.")
+    assert taken(ToolSpec.parse(TOOLS, "auto"), tok)
     if not opened:
-        plain = markup_tokenizer([reasoning.OPEN, reasoning.CLOSE], "hermes", special)
+        answer = answer.replace("Booked, thanks.", call)
+        plain = markup_tokenizer([reasoning.OPEN, reasoning.CLOSE], "hermes", markers == "special")
         assert not reasoning.thinks(plain.chat_template)
         assert not taken(ToolSpec.parse(TOOLS, "auto"), plain)
 

@@ -180,15 +180,21 @@ def thought_rules(opener: str, closer: str, opened: bool, body: str, text: str) 
     """The grammar's start with an optional thought before `body` (the answer's alternatives, free
     text among them as TEXT, whose regex is `text`); where the prompt opened the block, the thought
     is the start. `opener` / `closer`: the markers as the grammar writes them (the tokenizer's own
-    tokens where it has them). After the thought, free text does not begin with whitespace: the
-    gap is its own lexeme, which ends where a call's opener starts (a free text that could run on
-    would hold the lexer past it)."""
+    tokens, `<[id]>`, where it has them). A thought is one greedy lexeme, so it must end where the
+    closer begins: before the closer's token, or (a closer written as text) including it, the
+    only `</think>` it holds. Free text, which could run on and hold the lexer past a marker, does
+    not begin with the opener (before a thought) nor with whitespace (after one: the gap is its own
+    lexeme, which ends where a call's opener starts)."""
     close = CLOSE.replace("/", "\\/")  # in a Lark regex
-    after = body.replace("TEXT", "TEXT_AFTER")
+    if closer.startswith("<["):
+        thought = [f"think_body: THOUGHT? {closer}", f"THOUGHT: /(.|\\n)+/ & ~/(.|\\n)*{close}(.|\\n)*/"]
+    else:
+        thought = ["think_body: THOUGHT", f"THOUGHT: /(.|\\n)*{close}/ & ~/(.|\\n)*{close}(.|\\n)+/"]
+    texts = [f"TEXT_FIRST: {text} & ~/{OPEN}(.|\\n)*/", f"TEXT_AFTER: {text} & ~/[ \\t\\r\\n](.|\\n)*/"]
     return ["start: think GAP? after" if opened else "start: body | think GAP? after",
-            f"body: {body}",
-            f"after: {after}",
-            f"think: THOUGHT? {closer}" if opened else f"think: {opener} THOUGHT? {closer}",
-            f"THOUGHT: /(.|\\n)+/ & ~/(.|\\n)*{close}(.|\\n)*/",
+            f"body: {body.replace('TEXT', 'TEXT_FIRST')}",
+            f"after: {body.replace('TEXT', 'TEXT_AFTER')}",
+            "think: think_body" if opened else f"think: {opener} think_body",
+            *thought,
             "GAP: /[ \\t\\r\\n]+/",
-            *([f"TEXT_AFTER: {text} & ~/[ \\t\\r\\n](.|\\n)*/"] if "TEXT" in body else [])]
+            *(texts if "TEXT" in body else [])]
