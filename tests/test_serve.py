@@ -223,6 +223,24 @@ def test_streaming_completion_and_stop_strings(pair, url):
     assert "".join(ch.choices[0].text for ch in streamed) == cut
 
 
+def test_a_stop_inside_a_speculative_batch_ends_where_ar_ends(url):
+    """A stop string met inside a batch of accepted tokens (here the regex's forced tokens, proposed
+    many at a time): the answer's tokens end where `ar`'s end, one at a time, not at the batch's
+    end: the same text, completion_tokens and log-probabilities for every method."""
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 60, "stop": ["always"], "logprobs": 0,
+            "response_format": {"type": "regex", "regex": "The answer is forty-two, as it always was and will be."}}
+    runs = {m: http.post(f"{url}/v1/completions", json={**body, "method": m}).json()
+            for m in ("ar", "sd", "specextend")}
+    ar = runs["ar"]
+    assert ar["choices"][0]["text"] == "The answer is forty-two, as it " and ar["choices"][0]["finish_reason"] == "stop"
+    for m, r in runs.items():
+        assert r["choices"][0]["text"] == ar["choices"][0]["text"], m
+        assert r["usage"]["completion_tokens"] == ar["usage"]["completion_tokens"], m
+        assert len(r["choices"][0]["logprobs"]["tokens"]) == ar["usage"]["completion_tokens"], m
+    use = runs["specextend"]["usage"]["speculative"]
+    assert use["steps"] < ar["usage"]["completion_tokens"]  # batches of several tokens, one held the stop
+
+
 def test_models_and_health(url):
     models = client(url).models.list()
     assert [m.id for m in models.data] == ["tiny"]

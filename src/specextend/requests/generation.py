@@ -272,13 +272,20 @@ class Generation:
         proc = self.origin.processor(self.ids, s, self.grammar, self.logprobs)
         detok = Detokenizer(self.origin.detokenize, self._send) if self.streams else None
 
-        def on_tokens(new_ids: list[int]) -> bool:
+        def on_tokens(new_ids: list[int]) -> bool | int:
             if self.cancel is not None and self.cancel.is_set():
                 return True
-            if detok is not None:
-                detok.push(new_ids)
-                self._post(proc)
-            return self.stopped
+            if detok is None:
+                return self.stopped
+            # One token at a time: where the text ends (a stop string, a repeated call) the rest of
+            # the batch is dropped (the engine's TokensCallback), so speculation ends where `ar` does.
+            for i, t in enumerate(new_ids):
+                detok.push([t])
+                if self.stopped:
+                    self._post(proc, len(new_ids) - i - 1)
+                    return i + 1 if i + 1 < len(new_ids) else True
+            self._post(proc)
+            return False
 
         listens = detok is not None or self.cancel is not None
         self._state = engine.prefill(self.ids, s, self.origin.lookup(self.ids, s), self.on_progress)
@@ -305,12 +312,14 @@ class Generation:
             if self.calls is not None:
                 self.calls.push(safe)
 
-    def _post(self, proc: LogitsProcessor | None) -> None:
-        # One piece per batch of tokens: its text and its tokens' log-probabilities together.
+    def _post(self, proc: LogitsProcessor | None, dropped: int = 0) -> None:
+        # One piece per batch of tokens: its text and its tokens' log-probabilities together (not
+        # of the `dropped` last ones, after the text ended).
         entries = None
         if proc is not None and proc.top_logprobs is not None:
-            entries = self.origin.logprob_entries(proc.logprobs[self._given:])
-            self._given = len(proc.logprobs)
+            end = len(proc.logprobs) - dropped
+            entries = self.origin.logprob_entries(proc.logprobs[self._given:end])
+            self._given = end
         if self.on_piece is not None and (self._pending or entries):
             self.on_piece("".join(self._pending), entries)
         self._pending.clear()

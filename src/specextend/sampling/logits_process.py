@@ -222,6 +222,17 @@ class LogitsProcessor:
         if self.penalties is not None:
             self.penalties.commit([int(t) for t in tokens])
 
+    def drop(self, n: int) -> None:
+        """The last `n` committed tokens are not the output's after all (its text ended before
+        them, and the generation stops): their log-probabilities go and the grammar steps back.
+        The penalties keep their counts: nothing is chosen after this."""
+        if n <= 0:
+            return
+        if self.top_logprobs is not None:
+            del self.logprobs[-n:]
+        if self.state is not None:
+            self.state.rollback(n)
+
     def _logprob(self, token: int, row: torch.Tensor) -> TokenLogprob:
         lp = torch.log_softmax(row.double(), dim=-1)
         top: tuple[tuple[int, float], ...] = ()

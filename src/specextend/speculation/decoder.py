@@ -57,7 +57,10 @@ from .propose import Proposer
 from .tree import DraftTree, make_builder
 from .verify import Verdict, best_token, sample, target_dist, verify_greedy, verify_sampling
 
-TokensCallback = Callable[[list[int]], bool | None]  # True: stop after this batch
+# True: stop after this batch; an int k: stop after its first k tokens (the caller's text ended
+# there: a stop string, a tool call that repeats one), the rest dropped, as one token at a time
+# would have stopped, so a speculative answer ends where `ar`'s does.
+TokensCallback = Callable[[list[int]], bool | int | None]
 ProgressCallback = Callable[[int, int], None]  # a prefill's prompt tokens done so far, of all
 TREE_HEADROOM = 256  # cache slots beyond prompt + new tokens, for tree nodes in flight
 
@@ -389,7 +392,13 @@ class SpecEngine:
         if proc is not None:
             proc.commit(new, rows)
         out.extend(new)
-        halt = cb is not None and bool(new) and bool(cb(new))
+        verdict = cb(new) if cb is not None and new else None
+        if verdict is not None and not isinstance(verdict, bool) and 0 < verdict < len(new):
+            drop = len(new) - int(verdict)
+            del out[len(out) - drop:]
+            if proc is not None:
+                proc.drop(drop)
+        halt = bool(verdict)
         if stop is None and len(out) >= s.max_new_tokens:
             stop = "length"
         if stop is None and halt:
