@@ -16,7 +16,7 @@ import pytest
 
 from specextend.api import load
 from specextend.requests import callmarkup
-from specextend.requests.callmarkup import GRANITE, HARMONY, HERMES, LLAMA3, MISTRAL, PHI, markup_of
+from specextend.requests.callmarkup import GRANITE, HARMONY, HERMES, LLAMA3, MISTRAL, MISTRAL_ARGS, PHI, markup_of
 from specextend.requests.toolcalls import CallParser, ToolSpec
 from test_toolcalls import _accumulate
 
@@ -45,6 +45,9 @@ SHOWN = {
     "phi-system": "{% if m['role'] == 'system' and m['tools'] %}<|tool|>{{ m['tools'] }}<|/tool|>{% endif %}",
     "mistral": "[TOOL_CALLS][{% for c in m.tool_calls %}{{ c.function | tojson }}{% endfor %}]",
     "mistral-small": "[TOOL_CALLS] [{% for c in m.tool_calls %}{{ c.function | tojson }}{% endfor %}]",
+    # Mistral Small 3.2, Devstral, Magistral: the name outside the JSON
+    "mistral-args": ("{% for c in m.tool_calls %}[TOOL_CALLS]{{ c.function.name }}[ARGS]"
+                     "{{ c.function.arguments | tojson }}{% endfor %}"),
     "llama3": ("{%- set c = m.tool_calls[0].function %}{{- '{\"name\": \"' + c.name + '\", ' }}"
                "{{- '\"parameters\": ' }}{{- c.arguments | tojson }}{{- '}' }}"),
     "none": "{{ m.content }}",
@@ -53,7 +56,7 @@ SHOWN = {
 
 @pytest.mark.parametrize(("shown", "markup"), [
     ("hermes", HERMES), ("granite", GRANITE), ("phi", PHI), ("phi-system", PHI),
-    ("mistral", MISTRAL), ("mistral-small", replace(MISTRAL, lead=" ")),
+    ("mistral", MISTRAL), ("mistral-small", replace(MISTRAL, lead=" ")), ("mistral-args", MISTRAL_ARGS),
     ("llama3", LLAMA3), ("none", HERMES)])
 def test_the_template_says_which_markup_the_model_writes(shown, markup):
     template = "{% for m in messages %}<|{{ m.role }}|>" + SHOWN[shown] + "<|end|>{% endfor %}"
@@ -82,6 +85,8 @@ ANSWERS = {
     # Mistral's items carry an id of their own; the list may follow a space
     "mistral": (MISTRAL,
                 f'[TOOL_CALLS] [{json.dumps({**A, "id": "a1b2c3d4e"})}, {json.dumps(B)}]'),
+    "mistral-args": (MISTRAL_ARGS, f'[TOOL_CALLS]get_weather[ARGS]{json.dumps(A["arguments"])}'
+                                   f'[TOOL_CALLS]book[ARGS]{json.dumps(B["arguments"])}'),
 }
 
 
@@ -117,11 +122,13 @@ def test_each_markups_calls_are_read_whole_and_streamed_alike(name):
         assert streamed(CallParser(markup=markup), text, size) == ("", [(A["name"], A["arguments"]),
                                                                           (B["name"], B["arguments"])])
     # cut inside the second call: the first is kept, the second dropped; a repeat ends the answer
-    cut = text[:text.index('"book"') + 3]
-    assert [c["function"]["name"] for c in CallParser(markup=markup).answer(cut)[1]] == ["get_weather"]
+    for at in (text.index("book") + 3, text.rindex("\"a\"") + 2):  # in its name, in its arguments
+        assert [c["function"]["name"] for c in CallParser(markup=markup).answer(text[:at])[1]] == ["get_weather"]
     again = CallParser(markup=markup)
-    assert len(again.answer(text.replace('"book", "arguments": {"seats": ["a"]}',
-                                         '"get_weather", "arguments": {"city": "Os]lo,{", "days": 2}'))[1]) == 1
+    repeated = text.replace('"book", "arguments": {"seats": ["a"]}',
+                            '"get_weather", "arguments": {"city": "Os]lo,{", "days": 2}').replace(
+        f'book[ARGS]{json.dumps(B["arguments"])}', f'get_weather[ARGS]{json.dumps(A["arguments"])}')
+    assert repeated != text and len(again.answer(repeated)[1]) == 1
     assert again.ended
     # another family's markup is text
     plain = "Sure: " + text
@@ -166,6 +173,7 @@ def markup_tokenizer(markers: list[str], shown: str, special: bool = True):
 
 
 MARKERS = {"granite": ["<|tool_call|>"], "phi": ["<|tool_call|>", "<|/tool_call|>"], "mistral-small": ["[TOOL_CALLS]"],
+           "mistral-args": ["[TOOL_CALLS]", "[ARGS]"],
            "llama3": [], "phi-system": ["<|tool_call|>", "<|/tool_call|>", "<|tool|>", "<|/tool|>"]}
 
 
@@ -190,7 +198,7 @@ def test_forced_calls_are_written_in_the_familys_markup(family_pair, parallel):
     name, pair, _ = family_pair
     markup = callmarkup.markup_for(pair.tokenizer)
     assert markup == {"granite": GRANITE, "phi": PHI, "phi-system": PHI, "mistral-small": markup_of(SHOWN[name]),
-                      "llama3": LLAMA3}[name]
+                      "mistral-args": MISTRAL_ARGS, "llama3": LLAMA3}[name]
     runs = {m: pair.generate(ASK, method=m, max_new_tokens=120, tools=TOOLS, tool_choice="required",
                              parallel_tool_calls=parallel, **SMALL) for m in ("ar", "specextend")}
     ar = runs["ar"]

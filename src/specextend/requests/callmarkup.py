@@ -12,7 +12,9 @@ none), one JSON object a block
 Phi-4-mini's blocks, `<|tool_call|>...<|/tool_call|>`, each a call or a JSON list of calls (the
 model writes both; Ollama's template shows it the list); or one JSON list of every call after a
 single opener, which ends the answer: Granite 3's `<|tool_call|>[{...}, ...]` and Mistral's
-`[TOOL_CALLS][{...}, ...]` (`[TOOL_CALLS] [` where the template writes a space); or Llama 3.x's
+`[TOOL_CALLS][{...}, ...]` (`[TOOL_CALLS] [` where the template writes a space); Mistral's later
+calls, the name outside the JSON, `[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}` a call (Mistral
+Small 3.2, Devstral, Magistral: templates that write `[ARGS]`); or Llama 3.x's
 answer that is one call as bare JSON, `{"name": "get_weather", "parameters": {...}}`. gpt-oss
 writes calls as harmony messages (harmony.py).
 
@@ -57,6 +59,7 @@ class CallMarkup:
     sep: str = ""
     key: str = "arguments"
     lists: bool = False  # a block may hold a JSON list of calls (Phi-4-mini writes either)
+    args: str = ""  # between the function's name and its arguments: a block is open NAME args {...}
 
     @property
     def bare(self) -> bool:
@@ -64,7 +67,7 @@ class CallMarkup:
 
     @property
     def markers(self) -> tuple[str, ...]:
-        return tuple(m for m in (self.open, self.close) if m)
+        return tuple(m for m in (self.open, self.close, self.args) if m)
 
 
 HERMES = CallMarkup("hermes", "Hermes's <tool_call> blocks", "<tool_call>", "</tool_call>", lead="\n", trail="\n",
@@ -73,8 +76,9 @@ PHI = CallMarkup("phi", "Phi-4-mini's <|tool_call|> blocks (a call or a list)", 
                  lists=True)
 GRANITE = CallMarkup("granite", "Granite's <|tool_call|> list", "<|tool_call|>", listed=True)
 MISTRAL = CallMarkup("mistral", "Mistral's [TOOL_CALLS] list", "[TOOL_CALLS]", listed=True)
+MISTRAL_ARGS = CallMarkup("mistral-args", "Mistral's [TOOL_CALLS]name[ARGS] calls", "[TOOL_CALLS]", args="[ARGS]")
 LLAMA3 = CallMarkup("llama3", 'Llama 3\'s bare JSON call ("parameters")', "", key="parameters")
-MARKUPS = (HERMES, PHI, GRANITE, MISTRAL, LLAMA3)
+MARKUPS = (HERMES, PHI, GRANITE, MISTRAL, MISTRAL_ARGS, LLAMA3)
 PHI_TOOLS = "<|tool|>"  # where Phi-4-mini's template writes the system message's tools
 # A template that reads a message's `tools` field (message['tools'], message.tools), not the variable
 MESSAGE_TOOLS = re.compile(r"""\w\[\s*['"]tools['"]\s*\]|\w\.tools\b""")
@@ -88,6 +92,8 @@ def markup_of(template: str | None) -> CallMarkup:
     text = template or ""
     if HERMES.open in text:
         return HERMES
+    if MISTRAL_ARGS.args in text:  # Mistral's v11 templates and later (Small 3.2, Devstral, Magistral)
+        return MISTRAL_ARGS
     if MISTRAL.open in text:
         return replace(MISTRAL, lead=" ") if f"{MISTRAL.open} [" in text else MISTRAL
     if GRANITE.open in text:
@@ -168,6 +174,9 @@ def written(markup: CallMarkup, calls: Sequence[dict[str, Any]]) -> str:
              for c in calls]
     if markup.bare:
         return items[0] if items else ""
+    if markup.args:
+        return "".join(f"{markup.open}{c['function']['name']}{markup.args}"
+                       f"{json.dumps(c['function']['arguments'], ensure_ascii=False)}" for c in calls)
     if markup.listed or markup.lists:
         return f"{markup.open}{markup.lead}[{', '.join(items)}]{markup.trail}{markup.close}"
     return markup.sep.join(f"{markup.open}{markup.lead}{i}{markup.trail}{markup.close}" for i in items)

@@ -40,7 +40,7 @@ from ..common.errors import UserError
 from ..sampling.grammar import JSON_OPTIONS, GrammarSpec
 from . import reasoning
 from .callmarkup import HARMONY, HERMES, CallMarkup, markup_for, template_of
-from .harmony import HarmonyParser
+from .harmony import HarmonyParser, held
 from .reasoning import ThinkParser
 
 OPEN, CLOSE = HERMES.open, HERMES.close
@@ -161,7 +161,7 @@ class ToolSpec:
                                             reasoning.opens(tokenizer), body, text)
         lines += [
             *_markup_rules(markup, tokenizer, several, " | ".join(fns)),
-            *(f"{fn}: %json {json.dumps(t.call_schema(markup.key))}" for fn, t in zip(fns, self.called, strict=True)),
+            *(_call_rules(markup, tokenizer, fns, self.called)),
             f"TEXT: {text}",
         ]
         if recover:
@@ -281,11 +281,23 @@ def _markup_rules(markup: CallMarkup, tokenizer: Any, several: bool, fns: str) -
     if markup.listed:  # the list as the templates' `tojson` writes it: ", " between items
         items = 'call ("," " " call)*' if several else "call"
         return [f'calls: {opener} {lead} "[" {items} "]"', f"call: {fns}"]
-    closer = _literal(tokenizer, markup.close)
+    closer = _literal(tokenizer, markup.close) if markup.close else ""
     body = f'(({fns}) | "[" ({fns}) ("," " " ({fns}))* "]")' if markup.lists and several else \
         f'(({fns}) | "[" ({fns}) "]")' if markup.lists else f"({fns})"
     return [f"calls: call ({sep} call)*" if several else "calls: call",
             f"call: {opener} {lead} {body} {trail} {closer}"]
+
+
+def _call_rules(markup: CallMarkup, tokenizer: Any, fns: list[str], tools: Sequence[Tool]) -> list[str]:
+    """One rule a function, `fns[i]` for `tools[i]`: its call's JSON (name and arguments), or where
+    the markup writes the name outside the JSON (Mistral's `[ARGS]`), the name, the marker and the
+    arguments' JSON."""
+    if not markup.args:
+        return [f"{fn}: %json {json.dumps(t.call_schema(markup.key))}" for fn, t in zip(fns, tools, strict=True)]
+    args = _literal(tokenizer, markup.args)
+    return [rule for fn, t in zip(fns, tools, strict=True) for rule in (
+        f"{fn}: {json.dumps(t.name)} {args} {fn}_named",
+        f"{fn}_named: %json {json.dumps({**t.parameters, 'x-guidance': JSON_OPTIONS})}")]
 
 
 def _literal(tokenizer: Any, text: str) -> str:
@@ -452,6 +464,8 @@ class CallParser:
     def _blocks(self) -> list[dict[str, Any]]:
         if self.markup.listed:
             return self._listed()
+        if self.markup.args:
+            return self._named()
         opener, closer = self.markup.open, self.markup.close
         out: list[dict[str, Any]] = []
         while self.mode == "calls":
@@ -481,6 +495,32 @@ class CallParser:
                 return out
             self.buf, self._block_open = body[end:], True
             if not self._given(body[:end], out):
+                return out
+        return out
+
+    def _named(self) -> list[dict[str, Any]]:
+        """Calls that name their function outside the JSON (Mistral's `[TOOL_CALLS]NAME[ARGS]{...}`),
+        one after another: each given out the moment its arguments' JSON closes."""
+        opener, marker = self.markup.open, self.markup.args
+        out: list[dict[str, Any]] = []
+        while self.mode == "calls":
+            s = self.buf.lstrip()
+            if opener.startswith(s):
+                self.buf = s
+                return out
+            rest = s[len(opener):]
+            at = rest.find(marker)
+            name = (rest[:at] if at >= 0 else rest[:len(rest) - held(rest, (marker,))]).strip()
+            body = rest[at + len(marker):].lstrip() if at >= 0 else ""
+            if not s.startswith(opener) or not NAME.fullmatch(name or "x") or body[:1] not in ("", "{"):
+                self.buf = ""  # text after calls (no grammar admits it), or no call: not read
+                return out
+            end = json_end(body) if body else None
+            if end is None:
+                self.buf = s
+                return out
+            self.buf = body[end:]
+            if not self._given(json.dumps({"name": name, "arguments": _object(body[:end])}), out):
                 return out
         return out
 
@@ -656,6 +696,14 @@ class CallParser:
                 self._validators[tool.name] = None  # a schema it cannot read: no call recovered for it
         validator = self._validators[tool.name]
         return validator is not None and bool(validator.is_valid(args))
+
+
+def _object(text: str) -> Any:
+    """The JSON value of `text`, None if it is not JSON."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 def _markup_call(text: str) -> tuple[str, dict[str, Any]] | None:
