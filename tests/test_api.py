@@ -108,6 +108,29 @@ def test_detokenizer_holds_back_split_characters():
     assert all("\ufffd" not in p for p in pieces)
 
 
+@pytest.mark.parametrize("batch", [1, 3, 7])
+def test_detokenizer_decodes_a_window_and_gives_the_whole_text(batch):
+    """A long answer pushed in batches: the pieces add up to the whole text's decode, characters
+    never split, and no push decodes more than the window's tokens (not the whole answer)."""
+    tok = tiny_tokenizer()
+    text = " ".join(["héllo → 日本語 ✓ the end of a line"] * 12)
+    ids = tok.encode(text)
+    seen: list[int] = []
+
+    def decode(i):
+        seen.append(len(i))
+        return tok.decode(i, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    pieces: list[str] = []
+    d = Detokenizer(decode, pieces.append)
+    for at in range(0, len(ids), batch):
+        d.push(ids[at:at + batch])
+    assert "".join(pieces) == text and all("\ufffd" not in p for p in pieces)
+    assert len(ids) > 400 and max(seen) < 2 * Detokenizer.WINDOW + batch  # not the whole answer: a window
+    d.finish(text)
+    assert "".join(pieces) == text
+
+
 def test_detokenizer_flushes_truly_invalid_bytes():
     tok = tiny_tokenizer()
     lone = tok.convert_tokens_to_ids(["Ã"])  # byte 0xC3 alone: never completes a character

@@ -360,3 +360,21 @@ def test_the_default_drafts_real_file_gives_llama_cpps_ids(tmp_path):
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-500:]
         assert tok.encode(text) == json.loads(out.stdout.strip().splitlines()[-1]), text[:60]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_sentencepiece_answer_streams_whole_through_the_detokenizers_window(tmp_path, batch):
+    """The streaming detokenizer decodes a window of the last tokens (requests/detokenize.py): on a
+    SentencePiece vocabulary, whose decode drops a window's leading "▁", the pieces still add up to
+    the whole answer's decode, its spaces included."""
+    from specextend.requests.detokenize import Detokenizer
+
+    _, tok = spm_converted(tmp_path, True)
+    answer = ids(tok, " hello world  the 12. the world" * 8)
+    whole = tok.decode(answer, skip_special_tokens=True)
+    pieces: list[str] = []
+    d = Detokenizer(lambda i: tok.decode(i, skip_special_tokens=True), pieces.append)
+    for at in range(0, len(answer), batch):
+        d.push(answer[at:at + batch])
+    d.finish(whole)
+    assert len(answer) > 4 * Detokenizer.WINDOW and "".join(pieces) == whole and "  " in whole
