@@ -10,8 +10,8 @@ default pair's (Qwen2.5, the Hermes format) asks for
     </tool_call>
 
 one block per call, blocks separated by a newline; Phi-4-mini's blocks have other markers and
-may hold a list of calls, and Granite's and Mistral's answer is one opener and a JSON list of
-every call. Under a grammar
+may hold a list of calls, Granite's and Mistral's answer is one opener and a JSON list of every
+call, and Mistral's later models write each call's name outside its JSON. Under a grammar
 (sampling/grammar.py) every call is exact: `required` and a named function force an answer of
 calls only, each's JSON the function's name and an `arguments` object matching its `parameters`
 schema; `auto` lets the model choose between free text (which may not contain the opener) and
@@ -520,7 +520,11 @@ class CallParser:
                 self.buf = s
                 return out
             self.buf = body[end:]
-            if not self._given(json.dumps({"name": name, "arguments": _object(body[:end])}), out):
+            try:
+                args = json.loads(body[:end])
+            except ValueError:
+                args = None
+            if not self._give((name, args) if isinstance(args, dict) else None, out):
                 return out
         return out
 
@@ -575,9 +579,12 @@ class CallParser:
         return out
 
     def _given(self, text: str, out: list[dict[str, Any]]) -> bool:
-        """A markup call's JSON read: its delta added to `out` (nothing if it is not a call);
-        False when it repeats an earlier call, which ends the answer."""
-        call = _markup_call(text)
+        """A markup call's JSON read: as `_give`."""
+        return self._give(_markup_call(text), out)
+
+    def _give(self, call: tuple[str, dict[str, Any]] | None, out: list[dict[str, Any]]) -> bool:
+        """A call read (None: it was not one): its delta added to `out`; False when it repeats an
+        earlier call, which ends the answer."""
         delta = self.record(*call) if call is not None else {}
         if delta is None:
             self.mode, self.buf = "ended", ""
@@ -696,14 +703,6 @@ class CallParser:
                 self._validators[tool.name] = None  # a schema it cannot read: no call recovered for it
         validator = self._validators[tool.name]
         return validator is not None and bool(validator.is_valid(args))
-
-
-def _object(text: str) -> Any:
-    """The JSON value of `text`, None if it is not JSON."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
 
 
 def _markup_call(text: str) -> tuple[str, dict[str, Any]] | None:
