@@ -103,7 +103,7 @@ def test_the_tool_grammar_lets_a_thinking_model_think_before_it_calls(opened, ma
     the thinking template the same answer is refused at the call's opener (`auto`'s free text may
     not hold it)."""
     tok = thinking_tokenizer(opened, markers)
-    assert reasoning.thinks(tok.chat_template) and reasoning.opens(tok) == opened
+    assert reasoning.markers_of(tok.chat_template) == ("<think>", "</think>") and reasoning.opens(tok) == opened
     call = "<tool_call>\n" + json.dumps(CALL, separators=(", ", ": ")) + "\n</tool_call>"
     answer = ("" if opened else "<think>") + "plan</think>\n\n" + call
 
@@ -125,7 +125,7 @@ def test_the_tool_grammar_lets_a_thinking_model_think_before_it_calls(opened, ma
     if not opened:
         answer = answer.replace("Booked, thanks.", call)
         plain = markup_tokenizer([reasoning.OPEN, reasoning.CLOSE], "hermes", markers == "special")
-        assert not reasoning.thinks(plain.chat_template)
+        assert reasoning.markers_of(plain.chat_template) is None
         assert not taken(ToolSpec.parse(TOOLS, "auto"), plain)
 
 
@@ -192,3 +192,22 @@ def test_chat_template_kwargs_reach_the_template(thinking_pair):
         for bad in ({"messages": []}, {"add_generation_prompt": False}, {"not a name": 1}, [1]):
             r = http.post(f"{url}/v1/chat/completions", json={**body, "chat_template_kwargs": bad}, timeout=60)
             assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", (bad, r.text)
+
+
+def test_magistrals_think_markers():
+    """A template naming [/THINK] (Magistral's): the thought between [THINK] and [/THINK] is
+    reasoning, parsed and admitted by the tool grammar (here as text: the tiny vocabulary has no such
+    tokens) before a call."""
+    tok = markup_tokenizer([], "hermes")
+    tok.chat_template = tok.chat_template.replace("<|assistant|>", "<|assistant|>{# [/THINK] #}")
+    markers = reasoning.markers_of(tok.chat_template)
+    assert markers == ("[THINK]", "[/THINK]") and reasoning.describe(tok.chat_template).startswith("[THINK] blocks")
+    parser = answer_parser(tok, None)
+    assert parser.answer("[THINK]plan[/THINK]\n\nBooked.") == ("Booked.", None) and parser.reasoning == "plan"
+    call = "<tool_call>\n" + json.dumps(CALL, separators=(", ", ": ")) + "\n</tool_call>"
+    answer = "[THINK]plan[/THINK]\n" + call
+    state = compile_grammar(ToolSpec.parse(TOOLS, "auto").grammar(tok), tok, len(tok)).start()
+    ids = tok.encode(answer, add_special_tokens=False)
+    assert state.valid_prefix(ids) == len(ids)
+    with_tools = answer_parser(tok, ToolSpec.parse(TOOLS, "auto"))
+    assert [c["function"]["name"] for c in with_tools.answer(answer)[1]] == ["book"]

@@ -213,8 +213,7 @@ def _kept(tokenizer: Any) -> tuple[frozenset[int], frozenset[int]]:
         return known[2], known[3]
     markup = markup_for(tokenizer)
     markers = harmony.MARKERS if markup is HARMONY else markup.markers
-    if reasoning.thinks(template_of(tokenizer)):  # a thought's markers, for ThinkParser
-        markers = (*markers, reasoning.OPEN, reasoning.CLOSE)
+    markers = (*markers, *(reasoning.markers_of(template_of(tokenizer)) or ()))  # a thought's, for ThinkParser
     special = frozenset(special_ids(tokenizer))
     keep = frozenset(i for i in (_added(tokenizer).get(m) for m in markers) if i in special)
     with contextlib.suppress(TypeError):

@@ -1,5 +1,5 @@
 """A thinking model's reasoning kept apart from its answer: Qwen3, SmolLM3 and DeepSeek-R1's
-distills think in a block before they answer,
+distills think in a block before they answer (Magistral in `[THINK]...[/THINK]`),
 
     <think>
     The user wants the weather; I should call get_weather.
@@ -10,7 +10,7 @@ distills think in a block before they answer,
     </tool_call>
 
 and their chat templates name `</think>` (to drop an earlier turn's thoughts), which is how
-`thinks` tells them. As llama.cpp's server does by default, `ThinkParser` sends the block to
+`markers_of` tells them. As llama.cpp's server does by default, `ThinkParser` sends the block to
 `reasoning_content` (an extension of OpenAI's chat answer, the field harmony.py fills for gpt-oss)
 and the rest to the answer's own parser: content, or the calls (toolcalls.CallParser), so a call
 made after thinking is a call. Where the template's generation prompt opens the block itself
@@ -23,6 +23,7 @@ that thinks first may still call.
 from __future__ import annotations
 
 import contextlib
+import re
 import weakref
 from typing import Any, Protocol
 
@@ -31,6 +32,8 @@ from jinja2 import TemplateError
 from .harmony import CHANNEL_MARK, REASONING, held, merged
 
 OPEN, CLOSE = "<think>", "</think>"
+# A thought's markers, by the closer a template names: `<think>` blocks, and Magistral's [THINK].
+THOUGHTS = ((OPEN, CLOSE), ("[THINK]", "[/THINK]"))
 
 
 class AnswerParser(Protocol):
@@ -50,9 +53,11 @@ class AnswerParser(Protocol):
     def finish_reason(self, reason: str) -> str: ...
 
 
-def thinks(template: str | None) -> bool:
-    """Whether a chat template's model thinks in `<think>` blocks (the template names the closer)."""
-    return template is not None and CLOSE in template
+def markers_of(template: str | None) -> tuple[str, str] | None:
+    """The (opener, closer) of the thought blocks a chat template's model writes (the template
+    names the closer, to drop an earlier turn's thought); None where it shows none."""
+    return next((pair for pair in THOUGHTS if template is not None and pair[1] in template), None)
+
 
 
 def describe(template: str | None) -> str:
@@ -61,8 +66,9 @@ def describe(template: str | None) -> str:
         return "none: the file has no chat template"
     if CHANNEL_MARK in template:
         return "harmony's analysis channel (gpt-oss), answered as reasoning_content"
-    if thinks(template):
-        return "<think> blocks, answered as reasoning_content"
+    markers = markers_of(template)
+    if markers is not None:
+        return f"{markers[0]} blocks, answered as reasoning_content"
     return "none: its chat template shows no thinking"
 
 
@@ -82,7 +88,8 @@ def opens(tokenizer: Any) -> bool:
                                              tokenize=False)
     except (TemplateError, AttributeError, TypeError, ValueError):
         text = ""
-    found = isinstance(text, str) and text.rstrip().endswith(OPEN)
+    markers = markers_of(template if isinstance(template, str) else None)
+    found = markers is not None and isinstance(text, str) and text.rstrip().endswith(markers[0])
     with contextlib.suppress(TypeError):
         _OPENS[tokenizer] = (template, found)
     return found
@@ -94,8 +101,10 @@ class ThinkParser:
     interface (push, finish, answer, finish_reason, tool_calls, ended), so the server runs it where
     it runs that one. Whitespace around the thought and before the answer is not sent."""
 
-    def __init__(self, inner: AnswerParser | None = None, opened: bool = False) -> None:
+    def __init__(self, inner: AnswerParser | None = None, opened: bool = False,
+                 markers: tuple[str, str] = (OPEN, CLOSE)) -> None:
         self.inner = inner
+        self.open, self.close = markers
         self._state = "thought" if opened else "start"  # start, thought, gap (after the block), answer
         self._lead = True  # the thought's leading whitespace not yet passed
         self._buf = ""
@@ -107,23 +116,23 @@ class ThinkParser:
         out: list[dict[str, Any]] = []
         if self._state == "start":
             s = self._buf.lstrip()
-            if OPEN.startswith(s):  # nothing yet, or the opener's first characters
+            if self.open.startswith(s):  # nothing yet, or the opener's first characters
                 return out
-            if s.startswith(OPEN):
-                self._state, self._buf = "thought", s[len(OPEN):]
+            if s.startswith(self.open):
+                self._state, self._buf = "thought", s[len(self.open):]
             else:
                 self._state = "answer"
         if self._state == "thought":
             if self._lead:
                 self._buf = self._buf.lstrip()
                 self._lead = not self._buf
-            end = self._buf.find(CLOSE)
-            keep = len(self._buf) - end if end >= 0 else held(self._buf, (CLOSE,))
+            end = self._buf.find(self.close)
+            keep = len(self._buf) - end if end >= 0 else held(self._buf, (self.close,))
             self._say(self._buf[:len(self._buf) - keep], out)
             if end < 0:
                 self._buf = self._buf[len(self._buf) - keep:]
                 return out
-            self._state, self._buf = "gap", self._buf[end + len(CLOSE):]
+            self._state, self._buf = "gap", self._buf[end + len(self.close):]
         if self._state == "gap":
             self._buf = self._buf.lstrip()
             if not self._buf:
@@ -176,21 +185,23 @@ class ThinkParser:
         return [{"content": text}] if text else []
 
 
-def thought_rules(opener: str, closer: str, opened: bool, body: str, text: str) -> list[str]:
+def thought_rules(markers: tuple[str, str], literals: tuple[str, str], opened: bool, body: str,
+                  text: str) -> list[str]:
     """The grammar's start with an optional thought before `body` (the answer's alternatives, free
     text among them as TEXT, whose regex is `text`); where the prompt opened the block, the thought
-    is the start. `opener` / `closer`: the markers as the grammar writes them (the tokenizer's own
-    tokens, `<[id]>`, where it has them). A thought is one greedy lexeme, so it must end where the
-    closer begins: before the closer's token, or (a closer written as text) including it, the
-    only `</think>` it holds. Free text, which could run on and hold the lexer past a marker, does
-    not begin with the opener (before a thought) nor with whitespace (after one: the gap is its own
-    lexeme, which ends where a call's opener starts)."""
-    close = CLOSE.replace("/", "\\/")  # in a Lark regex
+    is the start. `markers`: the thought's opener and closer; `literals`: the same as the grammar
+    writes them (the tokenizer's own tokens, `<[id]>`, where it has them). A thought is one greedy
+    lexeme, so it must end where the closer begins: before the closer's token, or (a closer written
+    as text) including it, the only one it holds. Free text, which could run on and hold the lexer
+    past a marker, does not begin with the opener (before a thought) nor with whitespace (after
+    one: the gap is its own lexeme, which ends where a call's opener starts)."""
+    opener, closer = literals
+    start, close = (re.escape(m).replace("/", "\\/") for m in markers)  # in a Lark regex
     if closer.startswith("<["):
         thought = [f"think_body: THOUGHT? {closer}", f"THOUGHT: /(.|\\n)+/ & ~/(.|\\n)*{close}(.|\\n)*/"]
     else:
         thought = ["think_body: THOUGHT", f"THOUGHT: /(.|\\n)*{close}/ & ~/(.|\\n)*{close}(.|\\n)+/"]
-    texts = [f"TEXT_FIRST: {text} & ~/{OPEN}(.|\\n)*/", f"TEXT_AFTER: {text} & ~/[ \\t\\r\\n](.|\\n)*/"]
+    texts = [f"TEXT_FIRST: {text} & ~/{start}(.|\\n)*/", f"TEXT_AFTER: {text} & ~/[ \\t\\r\\n](.|\\n)*/"]
     return ["start: think GAP? after" if opened else "start: body | think GAP? after",
             f"body: {body.replace('TEXT', 'TEXT_FIRST')}",
             f"after: {body.replace('TEXT', 'TEXT_AFTER')}",

@@ -156,9 +156,10 @@ class ToolSpec:
             text += f" & ~/{bare_head([t.name for t in self.called])}(.|\\n)*/"
         body = ("TEXT | calls | bare" if recover else "TEXT | calls") if self.choice == "auto" else "calls"
         lines = [f"start: {body}"]
-        if reasoning.thinks(template_of(tokenizer)):  # a thinking model may think first (reasoning.py)
-            lines = reasoning.thought_rules(_literal(tokenizer, reasoning.OPEN), _literal(tokenizer, reasoning.CLOSE),
-                                            reasoning.opens(tokenizer), body, text)
+        thought = reasoning.markers_of(template_of(tokenizer))
+        if thought is not None:  # a thinking model may think first (reasoning.py)
+            literals = (_literal(tokenizer, thought[0]), _literal(tokenizer, thought[1]))
+            lines = reasoning.thought_rules(thought, literals, reasoning.opens(tokenizer), body, text)
         lines += [
             *_markup_rules(markup, tokenizer, several, " | ".join(fns)),
             *(_call_rules(markup, tokenizer, fns, self.called)),
@@ -208,8 +209,9 @@ def answer_parser(tokenizer: Any, tools: ToolSpec | None) -> CallParser | Harmon
     parser = tools.parser(markup) if tools is not None else None
     if markup is HARMONY:
         return parser if parser is not None else HarmonyParser()
-    if reasoning.thinks(template_of(tokenizer)):
-        return ThinkParser(parser, reasoning.opens(tokenizer))
+    thought = reasoning.markers_of(template_of(tokenizer))
+    if thought is not None:
+        return ThinkParser(parser, reasoning.opens(tokenizer), thought)
     return parser
 
 
