@@ -16,7 +16,17 @@ import pytest
 
 from specextend.api import load
 from specextend.requests import callmarkup
-from specextend.requests.callmarkup import GRANITE, HARMONY, HERMES, LLAMA3, MISTRAL, MISTRAL_ARGS, PHI, markup_of
+from specextend.requests.callmarkup import (
+    FUNCTIONGEMMA,
+    GRANITE,
+    HARMONY,
+    HERMES,
+    LLAMA3,
+    MISTRAL,
+    MISTRAL_ARGS,
+    PHI,
+    markup_of,
+)
 from specextend.requests.toolcalls import CallParser, ToolSpec
 from test_toolcalls import _accumulate
 
@@ -45,6 +55,9 @@ SHOWN = {
     "phi-system": "{% if m['role'] == 'system' and m['tools'] %}<|tool|>{{ m['tools'] }}<|/tool|>{% endif %}",
     "mistral": "[TOOL_CALLS][{% for c in m.tool_calls %}{{ c.function | tojson }}{% endfor %}]",
     "mistral-small": "[TOOL_CALLS] [{% for c in m.tool_calls %}{{ c.function | tojson }}{% endfor %}]",
+    # FunctionGemma's: not JSON (requests/gemmacalls.py)
+    "functiongemma": ("{% for c in m.tool_calls %}<start_function_call>call:{{ c.function.name }}"
+                      "{{ c.function.arguments }}<end_function_call>{% endfor %}"),
     # Mistral Small 3.2, Devstral, Magistral: the name outside the JSON
     "mistral-args": ("{% for c in m.tool_calls %}[TOOL_CALLS]{{ c.function.name }}[ARGS]"
                      "{{ c.function.arguments | tojson }}{% endfor %}"),
@@ -57,6 +70,7 @@ SHOWN = {
 @pytest.mark.parametrize(("shown", "markup"), [
     ("hermes", HERMES), ("granite", GRANITE), ("phi", PHI), ("phi-system", PHI),
     ("mistral", MISTRAL), ("mistral-small", replace(MISTRAL, lead=" ")), ("mistral-args", MISTRAL_ARGS),
+    ("functiongemma", FUNCTIONGEMMA),
     ("llama3", LLAMA3), ("none", HERMES)])
 def test_the_template_says_which_markup_the_model_writes(shown, markup):
     template = "{% for m in messages %}<|{{ m.role }}|>" + SHOWN[shown] + "<|end|>{% endfor %}"
@@ -174,6 +188,7 @@ def markup_tokenizer(markers: list[str], shown: str, special: bool = True):
 
 MARKERS = {"granite": ["<|tool_call|>"], "phi": ["<|tool_call|>", "<|/tool_call|>"], "mistral-small": ["[TOOL_CALLS]"],
            "mistral-args": ["[TOOL_CALLS]", "[ARGS]"],
+           "functiongemma": ["<start_function_call>", "<end_function_call>", "<escape>"],
            "llama3": [], "phi-system": ["<|tool_call|>", "<|/tool_call|>", "<|tool|>", "<|/tool|>"]}
 
 
@@ -198,7 +213,7 @@ def test_forced_calls_are_written_in_the_familys_markup(family_pair, parallel):
     name, pair, _ = family_pair
     markup = callmarkup.markup_for(pair.tokenizer)
     assert markup == {"granite": GRANITE, "phi": PHI, "phi-system": PHI, "mistral-small": markup_of(SHOWN[name]),
-                      "mistral-args": MISTRAL_ARGS, "llama3": LLAMA3}[name]
+                      "mistral-args": MISTRAL_ARGS, "llama3": LLAMA3, "functiongemma": FUNCTIONGEMMA}[name]
     runs = {m: pair.generate(ASK, method=m, max_new_tokens=120, tools=TOOLS, tool_choice="required",
                              parallel_tool_calls=parallel, **SMALL) for m in ("ar", "specextend")}
     ar = runs["ar"]

@@ -15,8 +15,8 @@ single opener, which ends the answer: Granite 3's `<|tool_call|>[{...}, ...]` an
 `[TOOL_CALLS][{...}, ...]` (`[TOOL_CALLS] [` where the template writes a space); Mistral's later
 calls, the name outside the JSON, `[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}` a call (Mistral
 Small 3.2, Devstral, Magistral: templates that write `[ARGS]`); or Llama 3.x's
-answer that is one call as bare JSON, `{"name": "get_weather", "parameters": {...}}`. gpt-oss
-writes calls as harmony messages (harmony.py).
+answer that is one call as bare JSON, `{"name": "get_weather", "parameters": {...}}`. FunctionGemma's
+calls are not JSON (gemmacalls.py); gpt-oss writes calls as harmony messages (harmony.py).
 
 Phi-4-mini's own template reads the tools from the system message's `tools` field (JSON text,
 between `<|tool|>` and `<|/tool|>`) rather than from the template's `tools` variable, and shows no
@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from . import harmony, reasoning
+from . import gemmacalls, harmony, reasoning
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,7 @@ class CallMarkup:
     key: str = "arguments"
     lists: bool = False  # a block may hold a JSON list of calls (Phi-4-mini writes either)
     args: str = ""  # between the function's name and its arguments: a block is open NAME args {...}
+    gemma: bool = False  # a block is open lead NAME{...} in FunctionGemma's syntax (gemmacalls.py), not JSON
 
     @property
     def bare(self) -> bool:
@@ -67,7 +68,7 @@ class CallMarkup:
 
     @property
     def markers(self) -> tuple[str, ...]:
-        return tuple(m for m in (self.open, self.close, self.args) if m)
+        return tuple(m for m in (self.open, self.close, self.args, gemmacalls.ESCAPE if self.gemma else "") if m)
 
 
 HERMES = CallMarkup("hermes", "Hermes's <tool_call> blocks", "<tool_call>", "</tool_call>", lead="\n", trail="\n",
@@ -78,7 +79,9 @@ GRANITE = CallMarkup("granite", "Granite's <|tool_call|> list", "<|tool_call|>",
 MISTRAL = CallMarkup("mistral", "Mistral's [TOOL_CALLS] list", "[TOOL_CALLS]", listed=True)
 MISTRAL_ARGS = CallMarkup("mistral-args", "Mistral's [TOOL_CALLS]name[ARGS] calls", "[TOOL_CALLS]", args="[ARGS]")
 LLAMA3 = CallMarkup("llama3", 'Llama 3\'s bare JSON call ("parameters")', "", key="parameters")
-MARKUPS = (HERMES, PHI, GRANITE, MISTRAL, MISTRAL_ARGS, LLAMA3)
+FUNCTIONGEMMA = CallMarkup("functiongemma", "FunctionGemma's <start_function_call> calls", "<start_function_call>",
+                           "<end_function_call>", lead="call:", gemma=True)
+MARKUPS = (HERMES, PHI, GRANITE, MISTRAL, MISTRAL_ARGS, LLAMA3, FUNCTIONGEMMA)
 PHI_TOOLS = "<|tool|>"  # where Phi-4-mini's template writes the system message's tools
 # A template that reads a message's `tools` field (message['tools'], message.tools), not the variable
 MESSAGE_TOOLS = re.compile(r"""\w\[\s*['"]tools['"]\s*\]|\w\.tools\b""")
@@ -92,6 +95,8 @@ def markup_of(template: str | None) -> CallMarkup:
     text = template or ""
     if HERMES.open in text:
         return HERMES
+    if FUNCTIONGEMMA.open in text:
+        return FUNCTIONGEMMA
     if MISTRAL_ARGS.args in text:  # Mistral's v11 templates and later (Small 3.2, Devstral, Magistral)
         return MISTRAL_ARGS
     if MISTRAL.open in text:
@@ -174,6 +179,9 @@ def written(markup: CallMarkup, calls: Sequence[dict[str, Any]]) -> str:
              for c in calls]
     if markup.bare:
         return items[0] if items else ""
+    if markup.gemma:
+        return "".join(f"{markup.open}{markup.lead}{c['function']['name']}"
+                       f"{gemmacalls.write(c['function']['arguments'])}{markup.close}" for c in calls)
     if markup.args:
         return "".join(f"{markup.open}{c['function']['name']}{markup.args}"
                        f"{json.dumps(c['function']['arguments'], ensure_ascii=False)}" for c in calls)

@@ -38,7 +38,7 @@ from typing import Any
 
 from ..common.errors import UserError
 from ..sampling.grammar import JSON_OPTIONS, GrammarSpec
-from . import reasoning
+from . import gemmacalls, reasoning
 from .callmarkup import HARMONY, HERMES, CallMarkup, markup_for, template_of
 from .harmony import HarmonyParser, held
 from .reasoning import ThinkParser
@@ -294,6 +294,12 @@ def _call_rules(markup: CallMarkup, tokenizer: Any, fns: list[str], tools: Seque
     """One rule a function, `fns[i]` for `tools[i]`: its call's JSON (name and arguments), or where
     the markup writes the name outside the JSON (Mistral's `[ARGS]`), the name, the marker and the
     arguments' JSON."""
+    if markup.gemma:  # FunctionGemma's syntax, not JSON: the name, then the arguments
+        out = []
+        for fn, t in zip(fns, tools, strict=True):
+            rules = gemmacalls.Rules(f"{fn}_g", _literal(tokenizer, gemmacalls.ESCAPE))
+            out += [f"{fn}: {json.dumps(t.name)} {rules.object(t.parameters)}", *rules.lines]
+        return out
     if not markup.args:
         return [f"{fn}: %json {json.dumps(t.call_schema(markup.key))}" for fn, t in zip(fns, tools, strict=True)]
     args = _literal(tokenizer, markup.args)
@@ -468,6 +474,8 @@ class CallParser:
             return self._listed()
         if self.markup.args:
             return self._named()
+        if self.markup.gemma:
+            return self._gemma()
         opener, closer = self.markup.open, self.markup.close
         out: list[dict[str, Any]] = []
         while self.mode == "calls":
@@ -526,6 +534,45 @@ class CallParser:
                 args = json.loads(body[:end])
             except ValueError:
                 args = None
+            if not self._give((name, args) if isinstance(args, dict) else None, out):
+                return out
+        return out
+
+    def _gemma(self) -> list[dict[str, Any]]:
+        """FunctionGemma's calls, `<start_function_call>call:NAME{...}<end_function_call>` one after
+        another: each given out the moment its arguments close (gemmacalls.py reads them)."""
+        opener, lead, closer = self.markup.open, self.markup.lead, self.markup.close
+        out: list[dict[str, Any]] = []
+        while self.mode == "calls":
+            s = self.buf.lstrip()
+            if self._block_open:  # a call read: its closer next
+                if closer.startswith(s):
+                    self.buf = s
+                    return out
+                self._block_open = False
+                self.buf = s[len(closer):] if s.startswith(closer) else s
+                continue
+            if opener.startswith(s) or (s.startswith(opener) and (opener + lead).startswith(s)):
+                self.buf = s
+                return out
+            rest = s[len(opener + lead):] if s.startswith(opener + lead) else None
+            brace = rest.find("{") if rest is not None else -1
+            name = rest[:brace] if rest is not None and brace >= 0 else rest
+            if rest is None or not NAME.fullmatch(name or "x"):
+                self.buf = ""  # text after calls (no grammar admits it), or no call: not read
+                return out
+            if brace < 0:
+                self.buf = s
+                return out
+            try:
+                args, end = gemmacalls.parse(rest, brace)
+            except gemmacalls.Incomplete:
+                self.buf = s
+                return out
+            except ValueError:
+                self.buf = ""
+                return out
+            self.buf, self._block_open = rest[end:], True
             if not self._give((name, args) if isinstance(args, dict) else None, out):
                 return out
         return out

@@ -1,0 +1,103 @@
+"""FunctionGemma's calls (requests/gemmacalls.py): its value syntax read and written, its answers
+parsed into calls whole and streamed alike, and the grammar a function's schema becomes: the
+calls it takes and the ones it refuses. (Tiny models writing them under `required`, and the
+server: test_callmarkup.py's families.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specextend.requests import gemmacalls
+from specextend.requests.callmarkup import FUNCTIONGEMMA, written
+from specextend.requests.gemmacalls import Incomplete, parse, write
+from specextend.requests.toolcalls import CallParser, ToolSpec
+from specextend.sampling.grammar import compile_grammar
+from test_callmarkup import markup_tokenizer, streamed
+
+VALUE = "{location:<escape>Tokyo, {Japan}: \"a\"<escape>,days:2,flags:[true,null,-1.5e3],sub:{a:<escape><escape>}}"
+WANT = {"location": 'Tokyo, {Japan}: "a"', "days": 2, "flags": [True, None, -1500.0], "sub": {"a": ""}}
+
+
+def test_a_value_is_read_and_written_back():
+    assert parse(VALUE) == (WANT, len(VALUE))
+    assert parse(write(WANT)) == (WANT, len(write(WANT)))
+
+
+def test_a_value_cut_anywhere_is_incomplete_and_a_wrong_one_is_refused():
+    for cut in range(len(VALUE)):
+        with pytest.raises(Incomplete):
+            parse(VALUE[:cut])
+    for bad in ("{a:tru}", "{a:1..2}", "{a b}", "{:1}", "[1,]", "{a:<escape>x<escape>;b:1}", "x"):
+        with pytest.raises(ValueError):
+            parse(bad)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                     "unit": {"enum": ["celsius", "fahrenheit"]},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city"]}}}
+BOOK = {"type": "function", "function": {"name": "book", "parameters": {
+    "type": "object", "properties": {"seats": {"type": "array", "items": {"type": "string"}, "maxItems": 2},
+                                     "note": {"type": "object"}},
+    "required": ["seats"]}}}
+A = ("get_weather", {"city": "Oslo, {N}", "days": 2})
+B = ("book", {"seats": ["a", "b"], "note": {"x": 1}})
+ANSWER = "".join(f"<start_function_call>call:{n}{write(a)}<end_function_call>" for n, a in (A, B))
+
+
+def test_calls_are_read_whole_and_streamed_alike():
+    calls = [{"function": {"name": n, "arguments": a}} for n, a in (A, B)]
+    assert written(FUNCTIONGEMMA, calls) == ANSWER  # as an earlier turn shows them
+    content, got = CallParser(markup=FUNCTIONGEMMA).answer(ANSWER)
+    assert content is None and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == [A, B]
+    for size in (1, 3, 7):
+        assert streamed(CallParser(markup=FUNCTIONGEMMA), ANSWER, size) == ("", [A, B])
+    for at in (ANSWER.index("book") + 2, ANSWER.rindex("x:")):  # cut in the second call: the first kept
+        assert [c["function"]["name"] for c in CallParser(markup=FUNCTIONGEMMA).answer(ANSWER[:at])[1]] == [
+            "get_weather"]
+    again = CallParser(markup=FUNCTIONGEMMA)
+    assert len(again.answer(ANSWER + ANSWER)[1]) == 2 and again.ended  # a repeat ends the answer
+    assert CallParser(markup=FUNCTIONGEMMA).answer("Sure: " + ANSWER) == ("Sure: " + ANSWER, [])
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tok = markup_tokenizer(["<start_function_call>", "<end_function_call>", "<escape>"], "functiongemma")
+    assert tok.get_added_vocab()["<escape>"]  # the marker is its own token, as in FunctionGemma's file
+    return tok
+
+
+@pytest.mark.parametrize(("text", "taken"), [
+    (ANSWER, True),
+    ("<start_function_call>call:get_weather{city:<escape>Oslo<escape>}<end_function_call>", True),
+    ("<start_function_call>call:get_weather{city:<escape>Oslo<escape>,unit:<escape>celsius<escape>,days:7}"
+     "<end_function_call>", True),
+    ("<start_function_call>call:book{seats:[]}<end_function_call>", True),
+    ("<start_function_call>call:get_weather{days:2}<end_function_call>", False),  # city is required
+    ("<start_function_call>call:get_weather{city:<escape>Oslo<escape>,unit:<escape>kelvin<escape>}"
+     "<end_function_call>", False),  # not in the enum
+    ("<start_function_call>call:get_weather{city:<escape>Oslo<escape>,days:8}<end_function_call>", False),  # > 7
+    ("<start_function_call>call:get_weather{city:<escape>Oslo and far beyond<escape>}<end_function_call>",
+     False),  # maxLength
+    ("<start_function_call>call:get_weather{city:Oslo}<end_function_call>", False),  # a string unescaped
+    ("<start_function_call>call:book{seats:[<escape>a<escape>,<escape>b<escape>,<escape>c<escape>]}"
+     "<end_function_call>", False),  # maxItems
+    ("<start_function_call>call:send{to:1}<end_function_call>", False),  # no such function
+])
+def test_the_grammar_holds_a_call_to_its_schema(tokenizer, text, taken):
+    state = compile_grammar(ToolSpec.parse([WEATHER, BOOK], "required").grammar(tokenizer), tokenizer,
+                            len(tokenizer)).start()
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    ok = state.valid_prefix(ids) == len(ids)
+    if ok:
+        for t in ids:
+            state.consume(t)
+    assert (ok and bool(state.accepting)) == taken
+
+
+def test_rules_of_a_schema_without_properties_take_any_value():
+    rules = gemmacalls.Rules("x", '"<escape>"')
+    assert rules.value({"type": "object"}) == "x_obj" and rules.value({}) == "x_any"
