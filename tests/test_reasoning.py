@@ -211,3 +211,22 @@ def test_magistrals_think_markers():
     assert state.valid_prefix(ids) == len(ids)
     with_tools = answer_parser(tok, ToolSpec.parse(TOOLS, "auto"))
     assert [c["function"]["name"] for c in with_tools.answer(answer)[1]] == ["book"]
+
+
+@pytest.mark.parametrize("thinking_pair", [False], indirect=True, ids=["thinks"])
+def test_the_python_api_takes_chat_template_kwargs(thinking_pair):
+    """`generate(..., chat_template_kwargs=...)` as the server's field: the prompt is the template's
+    with the variable set (a conversation or a text with chat=True); a prompt without a template is
+    refused them, as is a variable the request sets itself."""
+    from specextend.common.errors import UserError
+
+    _, pair, _ = thinking_pair
+    quiet = pair.encode_chat(ASK, template_kwargs={"enable_thinking": False})
+    for prompt, chat in ((ASK, False), (ASK[0]["content"], True)):
+        r = pair.generate(prompt, chat=chat, method="ar", max_new_tokens=2,
+                          chat_template_kwargs={"enable_thinking": False}, **SMALL)
+        assert r.prompt_tokens == len(quiet)
+    with pytest.raises(UserError, match="need a chat prompt"):
+        pair.generate("plain text", method="ar", max_new_tokens=2, chat_template_kwargs={"enable_thinking": False})
+    with pytest.raises(UserError, match="may not set 'tools'"):
+        pair.generate(ASK, method="ar", max_new_tokens=2, chat_template_kwargs={"tools": []})

@@ -188,13 +188,15 @@ class Pair(Prompts):
                    tool_call_recovery: bool | None = None, tool_spec: ToolSpec | None = None,
                    stops: Sequence[str] = (), on_piece: PieceCallback | None = None,
                    cancel: threading.Event | None = None, tokenizer: Any = None,
-                   on_progress: ProgressCallback | None = None, **overrides: Any) -> Generation:
+                   on_progress: ProgressCallback | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+                   **overrides: Any) -> Generation:
         """One request, checked (bad input raises UserError here) and ready to run on an engine
         (`Generation.run`). Arguments as in `generate`; `stops`, `on_piece`, `cancel` and
         `on_progress` as in `Generation`; `tokenizer`: one of its own for a generation run on another
         thread; `tool_spec`: tools already checked (a server's request, whose grammar is `response_format`)."""
         s = self.settings(settings, **overrides)
-        req = self.request(prompt, chat, response_format, tools, tool_choice, parallel_tool_calls, tool_call_recovery)
+        req = self.request(prompt, chat, response_format, tools, tool_choice, parallel_tool_calls, tool_call_recovery,
+                           chat_template_kwargs)
         return Generation(self.origin(tokenizer), req.ids, s, grammar=req.grammar, logprobs=logprobs, stops=stops,
                           on_piece=on_piece, cancel=cancel, tools=req.tools or tool_spec, on_progress=on_progress)
 
@@ -222,6 +224,7 @@ class Pair(Prompts):
         parallel_tool_calls: bool | None = None,
         tool_call_recovery: bool | None = None,
         on_progress: ProgressCallback | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         **overrides: Any,
     ) -> Result | list[Result | None]:
         """Generate after `prompt` (text, OpenAI's messages, or token ids). Keyword overrides are
@@ -233,6 +236,7 @@ class Pair(Prompts):
         the result's `tool_calls` are the calls the answer made (under `auto`, an answer that is
         nothing but a call written as bare JSON too, unless `tool_call_recovery` is False).
         `on_progress(done, total)` hears the prefill's prompt tokens after each chunk (a progress bar's).
+        `chat_template_kwargs`: more of the chat template's variables (Qwen3's `enable_thinking`, say).
 
         A list of prompts runs in one continuous batch (batching/runner.py) and returns their results in
         order, each the tokens that prompt gets alone. An item is a prompt, a dict of its `prompt`
@@ -240,7 +244,7 @@ class Pair(Prompts):
         ones, or a `Generation` from `generation` (which can be cancelled: its result is then None).
         Calls from several threads share the batch."""
         tool_args = dict(tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
-                         tool_call_recovery=tool_call_recovery)
+                         tool_call_recovery=tool_call_recovery, chat_template_kwargs=chat_template_kwargs)
         if _many(prompt):
             return self._generate_many(prompt, dict(chat=chat, on_text=on_text, settings=settings,
                                                     response_format=response_format, logprobs=logprobs,

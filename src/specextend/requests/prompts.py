@@ -222,30 +222,38 @@ class Prompts:
     def request(self, prompt: str | Sequence[int] | Sequence[dict[str, Any]], chat: bool = False,
                 response_format: Any = None, tools: list[dict[str, Any]] | None = None,
                 tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool | None = None,
-                tool_call_recovery: bool | None = None) -> TokenRequest:
+                tool_call_recovery: bool | None = None,
+                chat_template_kwargs: dict[str, Any] | None = None) -> TokenRequest:
         """A request's checked prompt ids and the constraint on its answer: the grammar of its
         `response_format`, or of a call to one of its `tools` (OpenAI's `tools`, `tool_choice`
         and `parallel_tool_calls`, toolcalls.py; described in the chat template;
         `tool_call_recovery` false: no bare JSON answer taken for a call). The two
-        cannot be combined: a call is constrained to its schema."""
+        cannot be combined: a call is constrained to its schema. `chat_template_kwargs`: more of
+        the chat template's variables (`encode_chat`)."""
         spec = ToolSpec.parse(tools, tool_choice, parallel_tool_calls, tool_call_recovery)
-        ids = self.prompt_ids(prompt, chat, spec)
+        ids = self.prompt_ids(prompt, chat, spec, chat_template_kwargs)
         if spec is not None and response_format is not None:
             raise UserError("tools and a response_format cannot be combined (a call is constrained to its schema)")
         grammar = self.grammar(spec.grammar(self.tokenizer) if spec is not None else response_format)
         return TokenRequest(ids, grammar, spec)
 
     def prompt_ids(self, prompt: str | Sequence[int] | Sequence[dict[str, Any]], chat: bool = False,
-                   tools: ToolSpec | None = None) -> list[int]:
+                   tools: ToolSpec | None = None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Checked token ids of a text prompt (in the chat template with `chat`), of a
         conversation (OpenAI's messages, tool calls and results included) or of token ids (used
-        as they are). `tools` are described in the template (a text prompt needs `chat`)."""
+        as they are). `tools` are described in the template (a text prompt needs `chat`);
+        `template_kwargs`: more of its variables."""
+        described = tools.template_tools() if tools else None
         if isinstance(prompt, list | tuple) and prompt and all(isinstance(m, dict) for m in prompt):
-            return self.encode_chat(template_messages(prompt), tools.template_tools() if tools else None)
-        if isinstance(prompt, str) and tools is not None:
+            return self.encode_chat(template_messages(prompt), described, template_kwargs=template_kwargs)
+        if template_kwargs and not (chat and isinstance(prompt, str)):
+            raise UserError("chat_template_kwargs need a chat prompt: chat=True, or a list of messages")
+        if isinstance(prompt, str) and (tools is not None or template_kwargs):
             if not chat:
                 raise UserError("tools need a chat prompt: chat=True, or a list of messages")
-            return self.encode_chat([{"role": "user", "content": prompt}], tools.template_tools())
+            if not prompt.strip():
+                raise UserError("the prompt is empty")
+            return self.encode_chat([{"role": "user", "content": prompt}], described, template_kwargs=template_kwargs)
         if isinstance(prompt, str):
             return self.encode(prompt, chat=chat)
         if chat:
