@@ -155,6 +155,19 @@ def test_a_list_that_is_not_calls_gives_none():
     assert CallParser(markup=GRANITE).answer("<|tool_call|>no list") == (None, [])
 
 
+def grammar_takes(spec: ToolSpec, tokenizer, text: str) -> bool:
+    """Whether the grammar of `spec` on `tokenizer` admits `text` as a whole answer."""
+    from specextend.sampling.grammar import compile_grammar
+
+    state = compile_grammar(spec.grammar(tokenizer), tokenizer, len(tokenizer)).start()
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if state.valid_prefix(ids) < len(ids):
+        return False
+    for t in ids:
+        state.consume(t)
+    return bool(state.accepting)
+
+
 # --------------------------------------------------------------------------- tiny models writing them
 
 

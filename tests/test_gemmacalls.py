@@ -13,8 +13,7 @@ from specextend.requests import gemmacalls
 from specextend.requests.callmarkup import FUNCTIONGEMMA, written
 from specextend.requests.gemmacalls import Incomplete, parse, write
 from specextend.requests.toolcalls import CallParser, ToolSpec
-from specextend.sampling.grammar import compile_grammar
-from test_callmarkup import markup_tokenizer, streamed
+from test_callmarkup import grammar_takes, markup_tokenizer, streamed
 
 VALUE = "{location:<escape>Tokyo, {Japan}: \"a\"<escape>,days:2,flags:[true,null,-1.5e3],sub:{a:<escape><escape>}}"
 WANT = {"location": 'Tokyo, {Japan}: "a"', "days": 2, "flags": [True, None, -1500.0], "sub": {"a": ""}}
@@ -88,14 +87,7 @@ def tokenizer():
     ("<start_function_call>call:send{to:1}<end_function_call>", False),  # no such function
 ])
 def test_the_grammar_holds_a_call_to_its_schema(tokenizer, text, taken):
-    state = compile_grammar(ToolSpec.parse([WEATHER, BOOK], "required").grammar(tokenizer), tokenizer,
-                            len(tokenizer)).start()
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    ok = state.valid_prefix(ids) == len(ids)
-    if ok:
-        for t in ids:
-            state.consume(t)
-    assert (ok and bool(state.accepting)) == taken
+    assert grammar_takes(ToolSpec.parse([WEATHER, BOOK], "required"), tokenizer, text) == taken
 
 
 def test_rules_of_a_schema_without_properties_take_any_value():

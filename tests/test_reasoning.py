@@ -16,8 +16,7 @@ from specextend.requests import callmarkup, reasoning
 from specextend.requests.callmarkup import HERMES
 from specextend.requests.reasoning import ThinkParser
 from specextend.requests.toolcalls import CallParser, ToolSpec, answer_parser
-from specextend.sampling.grammar import compile_grammar
-from test_callmarkup import TOOLS, markup_tokenizer
+from test_callmarkup import TOOLS, grammar_takes, markup_tokenizer
 from test_toolcalls import _accumulate
 
 import loopback as http
@@ -107,26 +106,17 @@ def test_the_tool_grammar_lets_a_thinking_model_think_before_it_calls(opened, ma
     call = "<tool_call>\n" + json.dumps(CALL, separators=(", ", ": ")) + "\n</tool_call>"
     answer = ("" if opened else "<think>") + "plan</think>\n\n" + call
 
-    def taken(spec: ToolSpec, tokenizer) -> bool:
-        state = compile_grammar(spec.grammar(tokenizer), tokenizer, len(tokenizer)).start()
-        ids = tokenizer.encode(answer, add_special_tokens=False)
-        if state.valid_prefix(ids) < len(ids):
-            return False
-        for t in ids:
-            state.consume(t)
-        return bool(state.accepting)
-
     for choice in ("auto", "required"):
         spec = ToolSpec.parse(TOOLS, choice)
-        assert taken(spec, tok), choice
+        assert grammar_takes(spec, tok, answer), choice
         assert callmarkup.decode(tok, tok.encode(answer, add_special_tokens=False)) == answer  # markers kept
     answer = answer.replace(call, "Booked, thanks.")
-    assert taken(ToolSpec.parse(TOOLS, "auto"), tok)
+    assert grammar_takes(ToolSpec.parse(TOOLS, "auto"), tok, answer)
     if not opened:
         answer = answer.replace("Booked, thanks.", call)
         plain = markup_tokenizer([reasoning.OPEN, reasoning.CLOSE], "hermes", markers == "special")
         assert reasoning.markers_of(plain.chat_template) is None
-        assert not taken(ToolSpec.parse(TOOLS, "auto"), plain)
+        assert not grammar_takes(ToolSpec.parse(TOOLS, "auto"), plain, answer)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["thinks", "opened"])
@@ -206,9 +196,7 @@ def test_magistrals_think_markers():
     assert parser.answer("[THINK]plan[/THINK]\n\nBooked.") == ("Booked.", None) and parser.reasoning == "plan"
     call = "<tool_call>\n" + json.dumps(CALL, separators=(", ", ": ")) + "\n</tool_call>"
     answer = "[THINK]plan[/THINK]\n" + call
-    state = compile_grammar(ToolSpec.parse(TOOLS, "auto").grammar(tok), tok, len(tok)).start()
-    ids = tok.encode(answer, add_special_tokens=False)
-    assert state.valid_prefix(ids) == len(ids)
+    assert grammar_takes(ToolSpec.parse(TOOLS, "auto"), tok, answer)
     with_tools = answer_parser(tok, ToolSpec.parse(TOOLS, "auto"))
     assert [c["function"]["name"] for c in with_tools.answer(answer)[1]] == ["book"]
 
