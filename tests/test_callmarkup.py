@@ -27,7 +27,8 @@ from specextend.requests.callmarkup import (
     PHI,
     markup_of,
 )
-from specextend.requests.toolcalls import CallParser, ToolSpec
+from specextend.requests.callparser import CallParser
+from specextend.requests.toolcalls import ToolSpec
 from test_toolcalls import _accumulate
 
 import loopback as http

@@ -11,8 +11,9 @@ import pytest
 
 from specextend.requests import gemmacalls
 from specextend.requests.callmarkup import FUNCTIONGEMMA, written
+from specextend.requests.callparser import CallParser
 from specextend.requests.gemmacalls import Incomplete, parse, write
-from specextend.requests.toolcalls import CallParser, ToolSpec
+from specextend.requests.toolcalls import ToolSpec
 from test_callmarkup import grammar_takes, markup_tokenizer, streamed
 
 VALUE = "{location:<escape>Tokyo, {Japan}: \"a\"<escape>,days:2,flags:[true,null,-1.5e3],sub:{a:<escape><escape>}}"

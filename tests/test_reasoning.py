@@ -14,8 +14,9 @@ import pytest
 from specextend.api import load
 from specextend.requests import callmarkup, reasoning
 from specextend.requests.callmarkup import HERMES
+from specextend.requests.callparser import CallParser
 from specextend.requests.reasoning import ThinkParser
-from specextend.requests.toolcalls import CallParser, ToolSpec, answer_parser
+from specextend.requests.toolcalls import ToolSpec, answer_parser
 from test_callmarkup import TOOLS, grammar_takes, markup_tokenizer
 from test_toolcalls import _accumulate
 

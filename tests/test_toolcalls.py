@@ -12,7 +12,8 @@ import pytest
 
 from specextend.api import load
 from specextend.common.errors import UserError
-from specextend.requests.toolcalls import CLOSE, OPEN, CallParser, ToolError, ToolSpec, template_messages
+from specextend.requests.callparser import CallParser
+from specextend.requests.toolcalls import CLOSE, OPEN, ToolError, ToolSpec, template_messages
 
 import loopback as http
 from test_serve import SMALL, client, running

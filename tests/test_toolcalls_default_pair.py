@@ -10,7 +10,8 @@ import json
 import pytest
 
 from specextend.api import prepare
-from specextend.requests.toolcalls import OPEN, CallParser, ToolSpec, template_messages
+from specextend.requests.callparser import CallParser
+from specextend.requests.toolcalls import OPEN, ToolSpec, template_messages
 from test_toolcalls import ASK, TOOLS, valid
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,8 @@ import json
 import pytest
 
 from specextend.api import load
-from specextend.requests.toolcalls import CLOSE, OPEN, CallParser, ToolSpec
+from specextend.requests.callparser import CallParser
+from specextend.requests.toolcalls import CLOSE, OPEN, ToolSpec
 from specextend.sampling.grammar import GrammarSpec
 from specextend.serve.app import Server
 

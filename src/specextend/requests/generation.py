@@ -219,7 +219,7 @@ class Generation:
     `on_piece(text, entries)` receives each accepted batch's text (cut before the first stop
     string; `sent` is all of it) and its log-probability entries when `logprobs` asked for them.
     A set `cancel` stops the decode at its next accepted batch (`cancelled` then says so). With
-    `tools` the result's `tool_calls` are the calls its text makes (toolcalls.CallParser, as the
+    `tools` the result's `tool_calls` are the calls its text makes (callparser.CallParser, as the
     text streams), and a call that repeats an earlier one ends the decode as a stop string does.
     `on_progress(done, total)` hears the prefill's progress, chunk by chunk."""
 

@@ -12,7 +12,7 @@ distills think in a block before they answer (Magistral in `[THINK]...[/THINK]`)
 and their chat templates name `</think>` (to drop an earlier turn's thoughts), which is how
 `markers_of` tells them. As llama.cpp's server does by default, `ThinkParser` sends the block to
 `reasoning_content` (an extension of OpenAI's chat answer, the field harmony.py fills for gpt-oss)
-and the rest to the answer's own parser: content, or the calls (toolcalls.CallParser), so a call
+and the rest to the answer's own parser: content, or the calls (callparser.CallParser), so a call
 made after thinking is a call. Where the template's generation prompt opens the block itself
 (`opens`: DeepSeek-R1's, Qwen3's thinking-only models), the answer starts inside it.
 
@@ -37,7 +37,7 @@ THOUGHTS = ((OPEN, CLOSE), ("[THINK]", "[/THINK]"))
 
 
 class AnswerParser(Protocol):
-    """What reads an answer's text (toolcalls.CallParser): deltas as it streams, then the whole."""
+    """What reads an answer's text (callparser.CallParser): deltas as it streams, then the whole."""
 
     @property
     def ended(self) -> bool: ...
