@@ -36,6 +36,7 @@ import re
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from . import gemmacalls, harmony, reasoning
@@ -175,16 +176,14 @@ def offer(template: str | None, messages: Sequence[dict[str, Any]], tools: Seque
 
 def written(markup: CallMarkup, calls: Sequence[dict[str, Any]]) -> str:
     """Calls ({"function": {"name", "arguments"}}, the arguments an object) as `markup` writes them."""
+    if markup.args or markup.gemma:  # the name outside the arguments
+        value = gemmacalls.write if markup.gemma else partial(json.dumps, ensure_ascii=False)
+        return "".join(f"{markup.open}{markup.lead}{c['function']['name']}{markup.args}"
+                       f"{value(c['function']['arguments'])}{markup.close}" for c in calls)
     items = [json.dumps({"name": c["function"]["name"], markup.key: c["function"]["arguments"]}, ensure_ascii=False)
              for c in calls]
     if markup.bare:
         return items[0] if items else ""
-    if markup.gemma:
-        return "".join(f"{markup.open}{markup.lead}{c['function']['name']}"
-                       f"{gemmacalls.write(c['function']['arguments'])}{markup.close}" for c in calls)
-    if markup.args:
-        return "".join(f"{markup.open}{c['function']['name']}{markup.args}"
-                       f"{json.dumps(c['function']['arguments'], ensure_ascii=False)}" for c in calls)
     if markup.listed or markup.lists:
         return f"{markup.open}{markup.lead}[{', '.join(items)}]{markup.trail}{markup.close}"
     return markup.sep.join(f"{markup.open}{markup.lead}{i}{markup.trail}{markup.close}" for i in items)

@@ -168,10 +168,8 @@ class CallParser:
     def _blocks(self) -> list[dict[str, Any]]:
         if self.markup.listed:
             return self._listed()
-        if self.markup.args:
+        if self.markup.args or self.markup.gemma:
             return self._named()
-        if self.markup.gemma:
-            return self._gemma()
         opener, closer = self.markup.open, self.markup.close
         out: list[dict[str, Any]] = []
         while self.mode == "calls":
@@ -205,39 +203,12 @@ class CallParser:
         return out
 
     def _named(self) -> list[dict[str, Any]]:
-        """Calls that name their function outside the JSON (Mistral's `[TOOL_CALLS]NAME[ARGS]{...}`),
-        one after another: each given out the moment its arguments' JSON closes."""
-        opener, marker = self.markup.open, self.markup.args
-        out: list[dict[str, Any]] = []
-        while self.mode == "calls":
-            s = self.buf.lstrip()
-            if opener.startswith(s):
-                self.buf = s
-                return out
-            rest = s[len(opener):]
-            at = rest.find(marker)
-            name = (rest[:at] if at >= 0 else rest[:len(rest) - held(rest, (marker,))]).strip()
-            body = rest[at + len(marker):].lstrip() if at >= 0 else ""
-            if not s.startswith(opener) or not NAME.fullmatch(name or "x") or body[:1] not in ("", "{"):
-                self.buf = ""  # text after calls (no grammar admits it), or no call: not read
-                return out
-            end = json_end(body) if body else None
-            if end is None:
-                self.buf = s
-                return out
-            self.buf = body[end:]
-            try:
-                args = json.loads(body[:end])
-            except ValueError:
-                args = None
-            if not self._give((name, args) if isinstance(args, dict) else None, out):
-                return out
-        return out
-
-    def _gemma(self) -> list[dict[str, Any]]:
-        """FunctionGemma's calls, `<start_function_call>call:NAME{...}<end_function_call>` one after
-        another: each given out the moment its arguments close (gemmacalls.py reads them)."""
-        opener, lead, closer = self.markup.open, self.markup.lead, self.markup.close
+        """Calls that name their function outside their arguments, one after another: Mistral's
+        `[TOOL_CALLS]NAME[ARGS]{...}` and FunctionGemma's `<start_function_call>call:NAME{...}
+        <end_function_call>` (its own syntax, gemmacalls.py); each given out the moment its
+        arguments close."""
+        m = self.markup
+        head, marker, closer = m.open + m.lead, m.args or "{", m.close
         out: list[dict[str, Any]] = []
         while self.mode == "calls":
             s = self.buf.lstrip()
@@ -248,30 +219,46 @@ class CallParser:
                 self._block_open = False
                 self.buf = s[len(closer):] if s.startswith(closer) else s
                 continue
-            if opener.startswith(s) or (s.startswith(opener) and (opener + lead).startswith(s)):
+            if head.startswith(s):
                 self.buf = s
                 return out
-            rest = s[len(opener + lead):] if s.startswith(opener + lead) else None
-            brace = rest.find("{") if rest is not None else -1
-            name = rest[:brace] if rest is not None and brace >= 0 else rest
-            if rest is None or not NAME.fullmatch(name or "x"):
+            rest = s[len(head):] if s.startswith(head) else ""
+            at = rest.find(marker)
+            name = (rest[:at] if at >= 0 else rest[:len(rest) - held(rest, (marker,))]).strip()
+            if not s.startswith(head) or not NAME.fullmatch(name or "x"):
                 self.buf = ""  # text after calls (no grammar admits it), or no call: not read
                 return out
-            if brace < 0:
-                self.buf = s
-                return out
+            body = rest[at + len(m.args):].lstrip() if at >= 0 else ""
             try:
-                args, end = gemmacalls.parse(rest, brace)
-            except gemmacalls.Incomplete:
-                self.buf = s
-                return out
+                args, end = self._arguments(body) if at >= 0 else (None, -1)
             except ValueError:
                 self.buf = ""
                 return out
-            self.buf, self._block_open = rest[end:], True
+            if end < 0:  # not yet complete
+                self.buf = s
+                return out
+            self.buf, self._block_open = body[end:], bool(closer)
             if not self._give((name, args) if isinstance(args, dict) else None, out):
                 return out
         return out
+
+    def _arguments(self, body: str) -> tuple[Any, int]:
+        """The arguments `body` opens with and the index past them (-1 while they are not complete),
+        in the markup's syntax; ValueError where they cannot be arguments."""
+        if self.markup.gemma:
+            try:
+                return gemmacalls.parse(body)
+            except gemmacalls.Incomplete:
+                return None, -1
+        if body[:1] not in ("", "{"):
+            raise ValueError("not a JSON object")
+        end = json_end(body)
+        if end is None:
+            return None, -1
+        try:
+            return json.loads(body[:end]), end
+        except ValueError:
+            return None, end  # read, but not a call
 
     def _block_list(self, opener: str, rest: str, out: list[dict[str, Any]]) -> bool:
         """A block's list of calls (Phi-4-mini's), after its "[": each call given out the moment it

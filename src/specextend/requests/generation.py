@@ -277,6 +277,10 @@ class Generation:
                 return True
             if detok is None:
                 return self.stopped
+            if not self.stops.stops and self.calls is None:  # nothing in the text can end it: a batch a push
+                detok.push(new_ids)
+                self._post(proc)
+                return False
             # One token at a time: where the text ends (a stop string, a repeated call) the rest of
             # the batch is dropped (the engine's TokensCallback), so speculation ends where `ar` does.
             for i, t in enumerate(new_ids):

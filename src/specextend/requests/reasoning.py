@@ -59,7 +59,6 @@ def markers_of(template: str | None) -> tuple[str, str] | None:
     return next((pair for pair in THOUGHTS if template is not None and pair[1] in template), None)
 
 
-
 def describe(template: str | None) -> str:
     """One line on where a chat template's model reasons (`models inspect`)."""
     if not template:
@@ -76,19 +75,19 @@ _OPENS: weakref.WeakKeyDictionary[Any, tuple[Any, bool]] = weakref.WeakKeyDictio
 
 
 def opens(tokenizer: Any) -> bool:
-    """Whether `tokenizer`'s chat template ends its generation prompt inside an open `<think>`
+    """Whether `tokenizer`'s chat template ends its generation prompt inside an open thought
     block (rendered once per tokenizer and template)."""
     template = getattr(tokenizer, "chat_template", None)
     with contextlib.suppress(TypeError):
         known = _OPENS.get(tokenizer)
         if known is not None and known[0] is template:
             return known[1]
-    try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
-                                             tokenize=False)
-    except (TemplateError, AttributeError, TypeError, ValueError):
-        text = ""
     markers = markers_of(template if isinstance(template, str) else None)
+    text: Any = ""
+    if markers is not None:  # a template without thoughts opens none: not rendered
+        with contextlib.suppress(TemplateError, AttributeError, TypeError, ValueError):
+            text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                                 tokenize=False)
     found = markers is not None and isinstance(text, str) and text.rstrip().endswith(markers[0])
     with contextlib.suppress(TypeError):
         _OPENS[tokenizer] = (template, found)
