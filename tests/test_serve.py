@@ -226,7 +226,8 @@ def test_streaming_completion_and_stop_strings(pair, url):
 def test_a_stop_inside_a_speculative_batch_ends_where_ar_ends(url):
     """A stop string met inside a batch of accepted tokens (here the regex's forced tokens, proposed
     many at a time): the answer's tokens end where `ar`'s end, one at a time, not at the batch's
-    end: the same text, completion_tokens and log-probabilities for every method."""
+    end: the same text, completion_tokens and log-probabilities for every method, alone or served
+    together."""
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 60, "stop": ["always"], "logprobs": 0,
             "response_format": {"type": "regex", "regex": "The answer is forty-two, as it always was and will be."}}
     runs = {m: http.post(f"{url}/v1/completions", json={**body, "method": m}).json()
@@ -239,6 +240,13 @@ def test_a_stop_inside_a_speculative_batch_ends_where_ar_ends(url):
         assert len(r["choices"][0]["logprobs"]["tokens"]) == ar["usage"]["completion_tokens"], m
     use = runs["specextend"]["usage"]["speculative"]
     assert use["steps"] < ar["usage"]["completion_tokens"]  # batches of several tokens, one held the stop
+    # served together, in one batch, each answer is the one it got alone
+    with ThreadPoolExecutor(3) as pool:
+        together = dict(zip(runs, pool.map(
+            lambda m: http.post(f"{url}/v1/completions", json={**body, "method": m}).json(), runs), strict=True))
+    for m, r in together.items():
+        assert (r["choices"][0]["text"], r["usage"]["completion_tokens"]) == (
+            runs[m]["choices"][0]["text"], runs[m]["usage"]["completion_tokens"]), m
 
 
 def test_models_and_health(url):
