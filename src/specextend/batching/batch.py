@@ -234,6 +234,8 @@ class Batch:
         prefilling = [s.call.rows.cache for s in self.sequences if s.prefilling]  # type: ignore[union-attr]
         self.ended += [s.target_cache for s in done
                        if s.target_cache is not None and prompt_share.wanted(s.target_cache, prefilling)]
+        for s in done:  # whoever keeps an ended sequence does not keep its KV
+            s.target_cache = None
         return done
 
     def step(self, budget: int, prefill_order: Callable[[list[Sequence]], list[Sequence]] = list) -> StepReport:

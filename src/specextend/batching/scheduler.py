@@ -279,6 +279,9 @@ class Scheduler:
     def _finish(self) -> None:
         for seq in self.batch.reap():
             r: _Request = seq.tag
+            # The request and its sequence point at each other: unlinked, both go (and the caches
+            # with them) now, as the budget below is given back, not when the cyclic collector runs.
+            r.seq = None
             self.running_list.remove(r)
             self.kv_in_use -= r.kv
             if isinstance(seq.error, Cancelled):
