@@ -10,6 +10,7 @@ import ssl
 from typing import Any
 
 import httpx2 as httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 HTTPError = httpx.HTTPError
 CONTEXT = ssl.create_default_context()
@@ -36,3 +37,10 @@ def post(url: str, **kw: Any) -> httpx.Response:
 def stream(method: str, url: str, **kw: Any):
     kw.setdefault("verify", CONTEXT)
     return httpx.stream(method, url, **kw)
+
+
+def cancelled(url: str) -> float:
+    """/metrics' count of generations that ended cancelled."""
+    text = get(f"{url}/metrics").text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "specextend_generations_total" and s.labels.get("finish_reason") == "cancelled")

@@ -412,20 +412,19 @@ def test_a_disconnecting_stream_frees_the_slot(pair, folders):
     with running(pair, folders, max_queue=0, limits=one_at_a_time(0)) as u:
         slow_steps(pair)  # 200 tokens would take many seconds
         body = {"prompt": "hi", "max_tokens": 200, "stream": True, "method": "sd"}
-        t0 = time.time()
         with http.Client(timeout=60) as h, h.stream("POST", f"{u}/v1/completions", json=body) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     break
         # The connection is closed; the generation stops at its next step and the next request runs.
-        deadline = time.time() + 10
+        deadline = time.time() + 60  # a hang's bound, not a speed: what ended it is checked below
         while True:
             r = http.post(f"{u}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "method": "ar"})
             if r.status_code == 200:
                 break
             assert r.status_code == 429 and time.time() < deadline
             time.sleep(0.05)
-        assert time.time() - t0 < 8
+        assert http.cancelled(u) == 1  # withdrawn, not run to its 200 tokens
         assert http.get(f"{u}/health").json()["busy"] is False
 
 
