@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from specextend.common.errors import UserError
 from specextend.requests import gemmacalls
 from specextend.requests.callmarkup import FUNCTIONGEMMA, written
 from specextend.requests.callparser import CallParser
@@ -43,6 +44,13 @@ BOOK = {"type": "function", "function": {"name": "book", "parameters": {
     "type": "object", "properties": {"seats": {"type": "array", "items": {"type": "string"}, "maxItems": 2},
                                      "note": {"type": "object"}},
     "required": ["seats"]}}}
+PLAN = {"type": "function", "function": {"name": "plan", "parameters": {
+    "type": "object", "properties": {"year": {"type": "integer", "minimum": 1900, "maximum": 2100},
+                                     "ratio": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                                     "code": {"type": "string", "pattern": "^[A-Z]{3}-\\d+$"},
+                                     "tags": {"type": "array", "items": {"type": "string", "pattern": "x|^/"},
+                                              "minItems": 2, "maxItems": 40}},
+    "required": ["year", "code", "tags"]}}}
 A = ("get_weather", {"city": "Oslo, {N}", "days": 2})
 B = ("book", {"seats": ["a", "b"], "note": {"x": 1}})
 ANSWER = "".join(f"<start_function_call>call:{n}{write(a)}<end_function_call>" for n, a in (A, B))
@@ -89,6 +97,37 @@ def tokenizer():
 ])
 def test_the_grammar_holds_a_call_to_its_schema(tokenizer, text, taken):
     assert grammar_takes(ToolSpec.parse([WEATHER, BOOK], "required"), tokenizer, text) == taken
+
+
+def plan(year="2024", ratio=",ratio:0.5", code="ABC-12", tags=("axb", "/u")) -> str:
+    items = ",".join(f"<escape>{t}<escape>" for t in tags)
+    return (f"<start_function_call>call:plan{{year:{year}{ratio},code:<escape>{code}<escape>,tags:[{items}]}}"
+            "<end_function_call>")
+
+
+@pytest.mark.parametrize(("text", "taken"), [
+    (plan(), True),
+    (plan(year="1900", ratio="", tags=("x",) * 40), True),
+    (plan(year="1899"), False), (plan(year="2101"), False), (plan(year="20240"), False),  # a wide range's ends
+    (plan(ratio=",ratio:1"), True), (plan(ratio=",ratio:0"), False), (plan(ratio=",ratio:1.5"), False),
+    (plan(code="ABC-12x"), False), (plan(code="xABC-1"), False),  # anchored at both ends
+    (plan(tags=("x",)), False), (plan(tags=("x",) * 41), False),  # minItems, maxItems
+    (plan(tags=("ab", "x")), False), (plan(tags=("a/", "x")), False),  # "x" anywhere, or "/" first
+])
+def test_the_grammar_holds_bounds_patterns_and_lengths_past_small_ones(tokenizer, text, taken):
+    assert grammar_takes(ToolSpec.parse([PLAN], "required"), tokenizer, text) == taken
+
+
+def test_a_pattern_matches_anywhere_unless_anchored():
+    assert gemmacalls.searched("ab") == "(.|\\n)*(?:ab)(.|\\n)*"
+    assert gemmacalls.searched("^a(b|c)$") == "(?:a(b|c))"
+    assert gemmacalls.searched("^a|[|$]b") == "(?:(?:a)(.|\\n)*|(.|\\n)*(?:[|$]b)(.|\\n)*)"
+    assert gemmacalls.searched("a\\$") == "(.|\\n)*(?:a\\$)(.|\\n)*" and gemmacalls.searched("a/b").count("\\/") == 1
+
+
+def test_an_array_no_length_admits_is_refused():
+    with pytest.raises(UserError, match="minItems 3 is above maxItems 2"):
+        gemmacalls.Rules("x", '"<escape>"').value({"type": "array", "minItems": 3, "maxItems": 2})
 
 
 def test_rules_of_a_schema_without_properties_take_any_value():

@@ -7,8 +7,8 @@ a call a block, blocks back to back for parallel calls; keys bare, every string 
 `false`, `null`, `[...]` and `{...}` as in JSON. `parse` reads such a value (streamed text may
 stop inside one: `Incomplete`); `value_rules` turns a function's JSON schema into Lark rules of
 that syntax, so the grammar forces the names, the keys (required ones always, in the schema's
-order), the types, the enums, strings' lengths, small integer ranges and arrays' maxItems a call
-may have (what a schema says beyond these the grammar does not hold).
+order), the types, the enums, strings' lengths and patterns, numbers' bounds and arrays' lengths a
+call may have (what a schema says beyond these the grammar does not hold).
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ import json
 import re
 from typing import Any
 
+from ..common.errors import UserError
+from ..sampling.grammar import JSON_OPTIONS
+
 ESCAPE = "<escape>"
 KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
 WORD = re.compile(r"[-+.0-9A-Za-z]+")  # a number's or a literal's characters, up to a "," "}" or "]"
@@ -24,6 +27,8 @@ NUMBER_START = re.compile(r"-?[0-9][0-9.eE+-]*|-")
 LITERAL = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?|true|false|null")
 INTEGER = r"/-?(0|[1-9][0-9]*)/"
 NUMBER = r"/-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/"
+BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+ANY_TEXT = "(.|\\n)*"
 
 
 class Incomplete(Exception):
@@ -131,24 +136,17 @@ class Rules:
             return self._rule(" | ".join(self.value({**schema, "type": k}) for k in kind))
         if kind == "string":
             return self._rule(f"{self.escape} {self._string(schema)} {self.escape}")
-        lo, hi = schema.get("minimum"), schema.get("maximum")
-        if kind == "integer" and isinstance(lo, int) and isinstance(hi, int) and 0 <= hi - lo < 64:
-            return self._rule(" | ".join(json.dumps(str(n)) for n in range(lo, hi + 1)))  # a small range: each
         if kind in ("integer", "number"):
+            bounds = {k: schema[k] for k in BOUNDS if _number(schema.get(k))}
+            if bounds:  # a number is written as JSON writes it: llguidance's JSON schema holds the bounds
+                return self._rule(f"%json {json.dumps({'type': kind, **bounds, 'x-guidance': JSON_OPTIONS})}")
             return self._rule(INTEGER if kind == "integer" else NUMBER)
         if kind == "boolean":
             return self._rule('"true" | "false"')
         if kind == "null":
             return self._rule('"null"')
         if kind == "array":
-            item = self.value(schema.get("items", {}))
-            most = schema.get("maxItems")
-            if isinstance(most, int) and 0 <= most <= 16:  # at most `most` items: nested options
-                inner = ""
-                for _ in range(most - 1):
-                    inner = f'("," {item} {inner})?'
-                return self._rule(f'"[" ({item} {inner})? "]"' if most else '"[" "]"')
-            return self._rule(f'"[" ({item} ("," {item})*)? "]"')
+            return self._array(schema)
         if kind == "object" or "properties" in schema:
             return self.object(schema)
         return self._any()
@@ -174,16 +172,34 @@ class Rules:
         optional = not any(n in required for n in names)
         return self._rule(f'"{{" {run[0]}{"?" if optional else ""} "}}"')
 
+    def _array(self, schema: dict[str, Any]) -> str:
+        """`[item,...]` with minItems to maxItems items."""
+        item = self.value(schema.get("items", {}))
+        lo, hi = schema.get("minItems"), schema.get("maxItems")
+        lo = lo if isinstance(lo, int) and not isinstance(lo, bool) and lo > 0 else 0
+        hi = hi if isinstance(hi, int) and not isinstance(hi, bool) and hi >= 0 else None
+        if hi is not None and hi < lo:
+            raise UserError(f"a tool's array schema admits no array: minItems {lo} is above maxItems {hi}")
+        if hi == 0:
+            return self._rule('"[" "]"')
+        more = f'("," {item}){{{max(lo - 1, 0)},{"" if hi is None else hi - 1}}}'
+        return self._rule(f'"[" {item} {more} "]"' if lo else f'"[" ({item} {more})? "]"')
+
     def _string(self, schema: dict[str, Any]) -> str:
         """The terminal of a string's text: any text without the marker, within the schema's
-        minLength and maxLength."""
-        lo, hi = schema.get("minLength"), schema.get("maxLength")
-        if not isinstance(lo, int) and not isinstance(hi, int):
+        minLength and maxLength, matching its pattern (found anywhere in the text, as JSON schema
+        reads a pattern, unless the pattern anchors itself)."""
+        lo, hi, pattern = schema.get("minLength"), schema.get("maxLength"), schema.get("pattern")
+        parts = []
+        if isinstance(lo, int) or isinstance(hi, int):
+            parts.append(f"/(.|\\n){{{lo if isinstance(lo, int) else 0},{hi if isinstance(hi, int) else ''}}}/")
+        if isinstance(pattern, str):
+            parts.append(f"/{searched(pattern)}/")
+        if not parts:
             return f"{self.terminal}_STR"
         self._n += 1
         name = f"{self.terminal}_S{self._n}"
-        count = f"{{{lo if isinstance(lo, int) else 0},{hi if isinstance(hi, int) else ''}}}"
-        self.lines.append(f"{name}: /(.|\\n){count}/ & ~/(.|\\n)*{ESCAPE}(.|\\n)*/")
+        self.lines.append(f"{name}: {' & '.join(parts)} & ~/{ANY_TEXT}{ESCAPE}{ANY_TEXT}/")
         return name
 
     def _literal(self, value: Any) -> str:
@@ -201,3 +217,47 @@ class Rules:
     def _any_object(self) -> str:
         self._any()
         return f"{self.prefix}_obj"
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def searched(pattern: str) -> str:
+    """A JSON schema pattern as a regex of the whole text: a pattern matches anywhere in a string
+    unless `^` / `$` anchor it, and llguidance's regexes match whole lexemes. Each top-level
+    alternative is anchored or widened on its own; `/` is escaped for Lark's /.../."""
+    branches, depth, start, i, in_class = [], 0, 0, 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+        elif c == "|" and depth == 0:
+            branches.append(pattern[start:i])
+            start = i + 1
+        i += 1
+    branches.append(pattern[start:])
+    out = []
+    for b in branches:
+        head = b[1:] if b.startswith("^") else b
+        end = head.endswith("$") and not _escaped(head, len(head) - 1)
+        body = head[:-1] if end else head
+        out.append(("" if b.startswith("^") else ANY_TEXT) + f"(?:{body})" + ("" if end else ANY_TEXT))
+    return re.sub(r"(?<!\\)/", r"\\/", out[0] if len(out) == 1 else "(?:" + "|".join(out) + ")")
+
+
+def _escaped(text: str, at: int) -> bool:
+    """Whether the character at `at` follows an odd run of backslashes."""
+    n = 0
+    while at - n - 1 >= 0 and text[at - n - 1] == "\\":
+        n += 1
+    return n % 2 == 1
