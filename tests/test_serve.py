@@ -319,10 +319,13 @@ BAD = [
     ("chat", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
     ("chat", {"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ("chat", {"messages": [{"role": "user", "content": "hi"}], "bogus": 1}, "bogus"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, "seed"),  # a generator's 64 bits
+    ("chat", {"messages": [{"role": "user", "content": "hi \ud800"}]}, "messages"),  # a lone surrogate, escaped
     ("completion", {"model": "tiny"}, "prompt"),
     ("completion", {"prompt": ""}, "prompt"),
     ("completion", {"prompt": [1, "a"]}, "prompt"),
     ("completion", {"prompt": [99999]}, "prompt"),
+    ("completion", {"prompt": "hi \udcff"}, "prompt"),
     ("completion", {"prompt": "hi " * 300, "max_tokens": 300}, "prompt"),
     ("completion", {"prompt": "hi " * 600}, "prompt"),  # longer than the context by itself
     ("completion", {"prompt": "x" * 100_000}, "prompt"),  # refused from its characters, untokenized

@@ -100,6 +100,7 @@ class Prompts:
             return self.encode_chat([{"role": "user", "content": prompt}], whole=whole)
         if not whole:
             self._check_chars(prompt)
+        _check_unicode(prompt, "the prompt")
         # verbose=False: our own length check below says it better than transformers' warning.
         ids = [int(i) for i in self.tokenizer.encode(prompt, verbose=False)]
         self._check_ids(ids)
@@ -129,6 +130,7 @@ class Prompts:
             raise UserError(f"the chat template cannot render these messages: {str(e).strip()[:300]}") from None
         if not whole:
             self._check_chars(text)
+        _check_unicode(text, "a message")
         ids = [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False, verbose=False)]
         self._check_ids(ids)
         return ids
@@ -296,3 +298,13 @@ def _normalized_shrink(tokenizer: Any, text: str) -> int | None:
     if form not in ("NFC", "NFKC"):
         return None
     return 1 if unicodedata.is_normalized(form, text) else NORMALIZER_SHRINK
+
+
+def _check_unicode(text: str, what: str) -> None:
+    """A text that is not Unicode (a lone surrogate: JSON's "\\ud800" escape, or a command line's
+    undecodable bytes) is refused by name; the tokenizer would fail with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        at = f" at character {e.start}" if what == "the prompt" else ""  # a message's: not the rendered text's
+        raise UserError(f"{what} is not valid Unicode: {e.reason} ({text[e.start]!r}{at})") from None

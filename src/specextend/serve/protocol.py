@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from ..common.errors import UserError
-from ..common.settings import Settings, value_type
+from ..common.settings import SEED_MAX, Settings, value_type
 from ..requests.prompts import check_template_kwargs
 from ..requests.toolcalls import ToolError, ToolSpec
 
@@ -83,7 +83,7 @@ class _Common(_Extensions):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, le=SEED_MAX)
     stop: Any = None
     stream: bool = False
     stream_options: StreamOptions | None = None
