@@ -300,6 +300,7 @@ def test_a_restarted_server_finds_its_prefill_on_disk(pair, folders, tmp_path):
 BAD = [
     ("chat", b"{not json", None),
     ("chat", b"[1, 2]", None),
+    ("chat", b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None),  # deeper than the parser goes
     ("chat", {"model": "tiny"}, "messages"),
     ("chat", {"messages": []}, "messages"),
     ("chat", {"messages": "hello"}, "messages"),

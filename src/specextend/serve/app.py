@@ -319,11 +319,7 @@ class Server:
 
 
 async def _json_body(request: HTTPRequest) -> Any:
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    return protocol.json_body(await request.body())
 
 
 def _closing(kind: str, rid: str, created: int, model: str, done: Any, calls: AnswerParser | None,

@@ -96,10 +96,7 @@ def index_html(server: Served) -> str:
 
 def count(server: Served, raw: bytes) -> dict[str, Any]:
     """The token count of a chat body's messages (or a completions body's prompt) and whether it fits."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    body = protocol.json_body(raw)
     kind = "completion" if isinstance(body, dict) and "prompt" in body else "chat"
     req = protocol.parse(kind, body, server.defaults, server.tool_call_recovery)
     message = None

@@ -16,6 +16,7 @@ answered as another one.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -49,6 +50,16 @@ class APIError(Exception):
 
 
 # --------------------------------------------------------------------------- request bodies
+
+
+def json_body(raw: bytes) -> Any:
+    """A request body's JSON, or a 400 that says why it is not (nesting too deep for the parser too)."""
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError(400, "the request body is not valid JSON here: it nests arrays or objects too deeply") from None
 
 
 class _Strict(BaseModel):
