@@ -23,9 +23,9 @@ DRAFT_CACHES = ("full", "streaming", "cmr")
 ATTENTIONS = ("eager", "efficient")
 # The target's KV cache kinds (`--kv-cache`, a load option): bfloat16 rows, or int8 rows with a
 # bfloat16 scale per 32 values (runtime/kv_cache.py).
-SEED_MAX = 2**64 - 1
 KV_CACHES = ("bf16", "q8")
 TREES = ("chain", "dynamic")
+SEED_MAX = 2**64 - 1  # a random generator's seed: 64 bits
 POSITION_MODES = ("compact", "original")
 DRAFT_PREFILLS = ("selected", "full")
 DRAFT_HORIZONS = ("produced", "budget")
@@ -162,7 +162,7 @@ class Settings:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise UserError(f"--{name.replace('_', '-')} must be a non-negative integer, got {v!r}")
-        if self.seed > SEED_MAX:  # a random generator's seed is 64 bits
+        if self.seed > SEED_MAX:
             raise UserError(f"--seed must be at most {SEED_MAX} (64 bits), got {self.seed}")
         if not (self.temperature >= 0.0):
             raise UserError(f"--temperature must be >= 0, got {self.temperature}")
