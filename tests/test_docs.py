@@ -165,7 +165,9 @@ def long_models(tmp_path_factory) -> list[str]:
     root = tmp_path_factory.mktemp("readme")
     tok = prose_tokenizer([p.read_text() for p in [README, *DOCS]])
     shape = dict(vocab=len(tok), tokenizer=tok, max_position_embeddings=16384)
-    assert len(tok(SERVING_MD.read_text())["input_ids"]) < 12000  # serving.md: 36K tokens of single bytes
+    # serving.md (36K tokens of single bytes) must fit the tiny models' context with its chat template and
+    # an answer; the prose tokenizer is learned from all the docs, so any docs edit moves this count a little
+    assert len(tok(SERVING_MD.read_text())["input_ids"]) < 14000
     target = save_tiny_model(root / "target", seed=0, **shape)
     draft = save_tiny_model(root / "draft", seed=1, layers=1, **shape)
     return ["--target", str(target), "--draft", str(draft), "--dtype", "float64"]

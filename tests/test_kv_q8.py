@@ -5,6 +5,7 @@ on the other rows of its forward, and a prompt's KV survives a snapshot and a fi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -15,7 +16,8 @@ from specextend.common.settings import Settings
 from specextend.models.loader import load_model
 from specextend.models.resolve import LoadOptions
 from specextend.requests import kv_file
-from specextend.runtime import kernels
+from specextend.requests.prefix_cache import fingerprint
+from specextend.runtime import fused_step, kernels
 from specextend.runtime.kv_cache import KVCache, PrefixKV, bf16_rows, row_width
 from specextend.runtime.layers import Rows
 from specextend.speculation.decoder import SpecEngine
@@ -30,15 +32,16 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="the C++ kernels
 ext = kernels.load()
 
 
-def q8_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [Hkv, S, D] float32 stored as q8 rows by the kernels' own write (rope_store, no rotation)."""
+def q8_rows(x: torch.Tensor, offset: torch.Tensor | None = None, dtype: torch.dtype = torch.int8
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [Hkv, S, D] float32 stored as rows of `dtype` by the kernels' own write (rope_store, no
+    rotation), keys less `offset` [Hkv, D]: (keys, values)."""
     kv, s, d = x.shape
-    k = torch.zeros(kv, s, row_width(d, torch.int8), dtype=torch.int8)
+    k = torch.zeros(kv, s, row_width(d, dtype), dtype=dtype)
     v = torch.zeros_like(k)
     h = torch.cat([torch.zeros(s, d), x.transpose(0, 1).reshape(s, kv * d), x.transpose(0, 1).reshape(s, kv * d)], 1)
-    ext.rope_store(h.contiguous(), torch.ones(s, d), torch.zeros(s, d), 1, None, None, 1e-6, k, v, 0)
-    assert torch.equal(k, v)
-    return k
+    ext.rope_store(h.contiguous(), torch.ones(s, d), torch.zeros(s, d), 1, None, None, 1e-6, k, v, 0, offset)
+    return k, v
 
 
 def reference_q8(x: torch.Tensor) -> torch.Tensor:
@@ -54,13 +57,32 @@ def test_the_write_quantizes_per_32_values_and_reads_back_close() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 70, 128, generator=g) * torch.logspace(-3, 2, 128)  # groups of very different sizes
     x[0, 3, :32] = 0.0  # an all-zero group: scale 0, values 0
-    rows = q8_rows(x)
+    rows, values = q8_rows(x)
+    assert torch.equal(rows, values)
     assert rows.shape[-1] == 136 and torch.equal(rows, reference_q8(x))
     back = bf16_rows(rows).float()
     amax = x.unflatten(-1, (-1, 32)).abs().amax(-1, keepdim=True)
     err = (back - x).unflatten(-1, (-1, 32)).abs()
     assert bool((err <= amax / 127 * 0.51 + back.unflatten(-1, (-1, 32)).abs() / 256 + 1e-30).all())
     assert torch.equal(back[0, 3, :32], torch.zeros(32))
+
+
+def test_the_write_stores_keys_less_the_offset_values_as_they_are_and_bf16_ignores_it() -> None:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 40, 64, generator=g) + torch.randn(2, 1, 64, generator=g) * 50  # a large common part
+    offset = x.mean(1)
+    k, v = q8_rows(x, offset)
+    assert torch.equal(k, reference_q8(x - offset[:, None])) and torch.equal(v, reference_q8(x))
+    assert not torch.equal(k, q8_rows(x)[0])
+    assert torch.equal(q8_rows(x, offset, torch.bfloat16)[0], q8_rows(x, None, torch.bfloat16)[0])
+    # a query's scores over the stored keys shift by q.offset alone, which softmax ignores
+    q, values = torch.randn(4, 3, 64, generator=g) / 8, torch.randn(2, 40, 64, generator=g).bfloat16()
+    exact = ext.attend(q, x.bfloat16(), values, None, PORTABLE)
+    less = ext.attend(q, bf16_rows(k), values, None, PORTABLE)
+    plain = ext.attend(q, bf16_rows(q8_rows(x)[0]), values, None, PORTABLE)
+    assert (less - exact).norm() < (plain - exact).norm() / 3
+    with pytest.raises(RuntimeError, match="k_offset float32"):
+        q8_rows(x, offset[:1])
 
 
 @pytest.mark.skipif(not VECTOR, reason="this CPU has only the portable path")
@@ -70,8 +92,8 @@ def test_the_write_quantizes_per_32_values_and_reads_back_close() -> None:
 def test_attention_over_q8_rows_equals_the_portable_bits_and_their_bf16_conversion(path, d, heads, kv, t, prefix):
     g = torch.Generator().manual_seed(d + t)
     capacity = prefix + t + 7  # a view of a larger cache, as the model passes it
-    k = q8_rows(torch.randn(kv, capacity, d, generator=g) * 3)[:, : prefix + t]
-    v = q8_rows(torch.randn(kv, capacity, d, generator=g))[:, : prefix + t]
+    k = q8_rows(torch.randn(kv, capacity, d, generator=g) * 3)[0][:, : prefix + t]
+    v = q8_rows(torch.randn(kv, capacity, d, generator=g))[0][:, : prefix + t]
     q = torch.randn(heads, t, d, generator=g) * 2
     for mask in (None, tree_mask(t, seed=t)):
         ours = ext.attend(q, k, v, mask, kernels.path_index(path))
@@ -83,8 +105,8 @@ def test_attention_over_q8_rows_equals_the_portable_bits_and_their_bf16_conversi
 def test_a_long_q8_cache_read_in_pieces_gives_every_thread_count_the_same_bits(path: str) -> None:
     g = torch.Generator().manual_seed(5)
     prefix, t, d = 2600, 5, 64
-    k = q8_rows(torch.randn(2, prefix + t, d, generator=g))
-    v = q8_rows(torch.randn(2, prefix + t, d, generator=g))
+    k = q8_rows(torch.randn(2, prefix + t, d, generator=g))[0]
+    v = q8_rows(torch.randn(2, prefix + t, d, generator=g))[0]
     q = torch.randn(14, t, d, generator=g) * 2
     mask = tree_mask(t, seed=3)
     pid = kernels.path_index(path)
@@ -112,10 +134,17 @@ def folders(tmp_path_factory):
     return out
 
 
-def q8_model(folder, weights: str = "int4"):
+CALIBRATION = torch.randint(0, 95, (50,), generator=torch.Generator().manual_seed(9)).tolist()
+
+
+def q8_model(folder, weights: str = "int4", calibrate: bool = True):
+    """A q8-cache model whose keys are stored less offsets calibrated on a fixed text (as loaded)."""
     m = load_model(folder, torch.float32, weights=weights)
     m.kv_cache = "q8"
     assert m.new_cache(8).q8
+    if calibrate:
+        m.calibrate_key_offset(CALIBRATION)
+        assert all(layer.k_offset is not None for layer in m.layers)
     return m
 
 
@@ -165,6 +194,69 @@ def test_a_token_alone_inside_a_tree_and_inside_a_batch_gets_the_same_logits(fol
         assert torch.equal(model(tokens[i : i + 1], torch.tensor([p + depth[i]]), alone)[0], tree_logits[i]), i
 
 
+def _common_keys(model, size: float) -> None:
+    """Give every layer's keys a large common part (as Qwen2's key bias gives layer 0's), in the
+    dimensions rope turns slowest (the second half of each rotated half), which it leaves in place."""
+    for layer in model.layers:
+        q_out, d = layer.n_heads * layer.head_dim, layer.head_dim
+        slow = (torch.arange(layer.n_kv * d) % (d // 2)) >= d // 4
+        bias = layer.qkv.bias.detach()
+        bias[q_out:q_out + layer.n_kv * d] += size * slow * torch.linspace(-1, 1, layer.n_kv * d)
+
+
+def test_the_offsets_cut_the_q8_keys_error_where_keys_share_a_large_part(folders):
+    ids = torch.tensor(PROMPT)
+    keys = {}
+    for name in ("bf16", "q8", "q8 less offsets"):
+        model = q8_model(folders[5], calibrate=False)  # one layer: its keys' inputs are the embeddings
+        _common_keys(model, 60.0)
+        if name == "bf16":
+            model.kv_cache = "bf16"
+        if name == "q8 less offsets":
+            model.calibrate_key_offset(CALIBRATION)
+        cache = model.new_cache(len(ids))
+        model.prefill(ids, cache)
+        offset = model.layers[0].k_offset
+        keys[name] = cache.keys(0, len(ids)).float() + (0 if offset is None else offset[:, None])
+    err = {k: float((v - keys["bf16"]).norm()) for k, v in keys.items() if k != "bf16"}
+    assert err["q8 less offsets"] < err["q8"] / 2, err
+
+
+def test_the_whole_step_and_the_per_layer_forward_store_the_same_keys_less_the_offsets(folders):
+    model = q8_model(folders[0])
+    ids = torch.tensor(PROMPT[:12])  # within a whole step's rows
+    caches = {}
+    for rows in (fused_step.STEP_ROWS, 0):  # 0: every layer driven from Python (rope_store)
+        model.step_rows = rows
+        caches[rows] = model.new_cache(len(ids))
+        model.prefill(ids, caches[rows])
+    assert torch.equal(caches[0].k, caches[fused_step.STEP_ROWS].k)
+    plain = q8_model(folders[0], calibrate=False)
+    unshifted = plain.new_cache(len(ids))
+    plain.prefill(ids, unshifted)
+    assert not torch.equal(unshifted.k, caches[0].k)
+    assert torch.equal(unshifted.v[0], caches[0].v[0])  # layer 0's values: the same input
+
+
+def test_no_offsets_where_softmax_does_not_ignore_a_shift_and_the_fingerprint_names_them(folders):
+    model = q8_model(folders[0])
+    digest = model.key_offset_digest
+    assert digest is not None
+    with_offsets = fingerprint([(folders[0], model)])
+    for change in ({"attn_softcap": 30.0}, {"attn_sinks": True}):
+        cfg = model.cfg
+        model.cfg = dataclasses.replace(cfg, **change)
+        model.calibrate_key_offset(CALIBRATION)
+        model.cfg = cfg
+        assert model.key_offset_digest is None and all(layer.k_offset is None for layer in model.layers)
+    assert fingerprint([(folders[0], model)]) != with_offsets
+    model.calibrate_key_offset(CALIBRATION)
+    assert model.key_offset_digest == digest and fingerprint([(folders[0], model)]) == with_offsets
+    model.calibrate_key_offset(CALIBRATION[:20])
+    assert fingerprint([(folders[0], model)]) not in (with_offsets, fingerprint([(folders[0], q8_model(folders[0],
+                                                                                                  calibrate=False))]))
+
+
 def test_a_q8_snapshot_and_kv_file_round_trip_and_a_bf16_cache_refuses_it(folders, tmp_path):
     model = q8_model(folders[0])
     prompt = torch.tensor(PROMPT)
@@ -196,6 +288,8 @@ def test_a_bad_kind_or_a_model_without_the_kernels_is_one_clear_error(tmp_path):
         api.load(folder, load_draft=False, weights="float32", kv_cache="q8", progress=False)
     pair = api.load(folder, load_draft=False, weights="int4", kv_cache="q8", progress=False)
     assert pair.target.kv_dtype == torch.int8 and pair.generate("ab", max_new_tokens=4, method="ar").new_tokens == 4
+    assert pair.target.key_offset_digest is not None  # calibrated at load (models/calibration.py)
+    assert api.load(folder, load_draft=False, weights="int4", progress=False).target.key_offset_digest is None
 
 
 def test_the_long_decode_bench_times_both_kinds_over_one_prefill(tmp_path, monkeypatch, capsys):

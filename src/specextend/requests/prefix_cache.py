@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..runtime import kernels
 from ..runtime.kv_cache import PrefixKV, common_prefix
@@ -184,6 +185,8 @@ def fingerprint(models: Sequence[tuple[Path | None, Any]]) -> str:
             st = f.stat()
             h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}\0".encode())
         h.update(f"{model.weights}:{model.dtype}:{model.kv_dtype}\0".encode())
+        if model.kv_dtype == torch.int8 and model.key_offset_digest:  # a q8 cache's keys less its offsets
+            h.update(f"key offsets {model.key_offset_digest}\0".encode())
         if model.cfg.long_rope:  # keys rotated with LongRoPE's long factors (a context beyond its window)
             h.update(b"long rope\0")
     return h.hexdigest()[:32]

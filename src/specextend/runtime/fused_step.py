@@ -66,6 +66,7 @@ def plan(cfg: ModelConfig, layers: Iterable[Block]) -> Any:
         sinks = None if layer.sinks is None else layer.sinks.detach().float().contiguous()
         p.layer_family(_norm(layer.attn_out_norm), _norm(layer.mlp_out_norm), None if per_head else _norm(layer.q_norm),
                        None if per_head else _norm(layer.k_norm), bool(layer.window), layer.gelu, sinks)
+        p.layer_key_offset(layer.k_offset)
         if moe is not None:
             _experts(p, moe)
     return p

@@ -18,7 +18,12 @@ Kinds (`KV_CACHES`, `--kv-cache`): "bf16" holds each K/V row as head_dim bfloat1
 activations' dtype without the CPU kernels); "q8" (the quantized CPU kernels only) holds it as
 head_dim int8 values then head_dim/32 bfloat16 scales (csrc/core/kv_q8.h), dtype int8 and last
 dimension head_dim + head_dim/16: about half the bytes a long context reads per step. The C++
-writes quantize and attention reads them back (`bf16_rows` is the same conversion in torch).
+writes quantize and attention reads them back (`bf16_rows` is the same conversion in torch). Keys
+are stored less one vector per layer and KV head (`Block.k_offset`, the keys' mean over a fixed
+text: `Transformer.calibrate_key_offset`): the part every key shares (large in the first layers)
+would otherwise take each group's scale, and it shifts all of a query's scores by one amount, which
+softmax ignores, so a q8 cache's keys are read as they are stored (`keys` too: retrieval takes
+softmax probabilities of them). The offsets are the model's, the same for every cache it fills.
 Moving slots never looks inside a row, so every slot operation below serves both kinds.
 
 Sliding-window layers (Gemma 2/3, gpt-oss, Phi-3's windowed files) see only the last `window`

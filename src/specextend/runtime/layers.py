@@ -244,6 +244,9 @@ class Block(nn.Module):
         self.gelu = cfg.activation == "gelu_tanh"  # the whole-step call's GeGLU (fused_step.py)
         # gpt-oss's attention sinks: a learned logit per query head in every softmax's denominator.
         self.sinks = nn.Parameter(torch.zeros(cfg.num_heads), requires_grad=False) if cfg.attn_sinks else None
+        # [kv_heads, head_dim] float32 or None: what a q8 cache's keys are stored less
+        # (Transformer.calibrate_key_offset); bfloat16 caches ignore it.
+        self.k_offset: torch.Tensor | None = None
         self.workspace = Workspace()  # the model gives all its layers one (Transformer.__init__)
 
     def _act(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -408,7 +411,7 @@ class Block(nn.Module):
             start = cache.length
             rows = slice(off, off + t)
             q = ext.rope_store(qkv[rows], cos[rows], sin[rows], self.n_heads, q_norm, k_norm, eps,
-                               k_layer, v_layer, start - base)
+                               k_layer, v_layer, start - base, self.k_offset)
             if p.keep_q is not None and self.index in p.keep_q:
                 p.keep_q[self.index] = q
             end = start + cache.pending

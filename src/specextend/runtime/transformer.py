@@ -17,7 +17,8 @@ the other, which keeps the bits too.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -104,6 +105,35 @@ class Transformer(nn.Module):
         if self.kv_cache == "q8" and self.fused:
             return torch.int8  # q8 rows (kv_cache.py)
         return torch.bfloat16 if self.rowwise_attention else self.dtype
+
+    @torch.no_grad()
+    def calibrate_key_offset(self, tokens: Sequence[int]) -> None:
+        """Give each layer the offset a q8 cache stores its keys less (`Block.k_offset`): their mean
+        over `tokens` (a fixed text: models/calibration.py), per KV head and channel, from a bfloat16
+        prefill. Keys share a large component (layer 0's most: Qwen2's key bias among it) that would
+        otherwise take each 32-value group's scale; a query's scores then all shift by q.c, which
+        softmax ignores, so only the write changes. Not where a shift is not ignored (soft-capped
+        scores, attention sinks): there, and with no tokens, keys are stored as they are."""
+        offsets: list[torch.Tensor | None] = [None] * len(self.layers)
+        if tokens and not self.cfg.attn_softcap and not self.cfg.attn_sinks:
+            n = len(tokens)
+            cache = self.new_cache(n, dtype=torch.bfloat16)
+            ids = torch.tensor(list(tokens), dtype=torch.long)
+            self.forward(ids, torch.arange(n), cache, logits_rows=slice(n - 1, n))
+            cache.commit()
+            # in float64, where a sum of bfloat16 values is exact: the same offsets whatever the threads
+            offsets = [cache.keys(i, n).double().mean(1).float().contiguous() for i in range(len(self.layers))]
+        for layer, offset in zip(self.layers, offsets, strict=True):
+            layer.k_offset = offset
+        self._step_plan, self._step_head = None, None  # the whole-step call takes them when planned
+
+    @property
+    def key_offset_digest(self) -> str | None:
+        """A digest of the layers' key offsets (None: none), which a q8 cache's bits depend on."""
+        parts = [layer.k_offset for layer in self.layers if layer.k_offset is not None]
+        if not parts:
+            return None
+        return hashlib.sha256(b"".join(p.numpy().tobytes() for p in parts)).hexdigest()[:16]
 
     def new_cache(self, capacity: int, dtype: torch.dtype | None = None, room: int | None = None) -> KVCache:
         """A KV cache of `capacity` tokens; with `room`, the windowed layers keep only their window

@@ -142,6 +142,15 @@ void layer_family(StepPlan& p, const c10::optional<at::Tensor>& attn_out_norm,
   if (sinks.has_value()) l.sinks = kept_float(p, *sinks, md.heads, "sinks");
 }
 
+// The last added layer's key offset (step.h's StepLayer::k_offset: a q8 cache's keys less it), or
+// None: keys stored as they are.
+void layer_key_offset(StepPlan& p, const c10::optional<at::Tensor>& offset) {
+  spx::StepModel& md = p.model;
+  TORCH_CHECK(!md.layers.empty(), "step: layer_key_offset follows add_layer");
+  spx::StepLayer& l = md.layers.back();
+  l.k_offset = offset.has_value() ? kept_float(p, *offset, md.kv_heads * md.head_dim, "key offset") : nullptr;
+}
+
 // One stacked expert tensor (blob, format, rows, offset, groups): experts.py's Experts.q_stacked.
 spx::Segment stacked_segment(StepPlan& p, const py::tuple& t, int64_t n, int64_t k, const char* what) {
   TORCH_CHECK(t.size() == 5, "step: ", what, " must be (blob, format, rows, offset, groups)");
@@ -378,6 +387,7 @@ void bind_step(py::module& m) {
       .def("add_layer", &add_layer)
       .def("set_family", &set_family)
       .def("layer_family", &layer_family)
+      .def("layer_key_offset", &layer_key_offset)
       .def("layer_experts", &layer_experts);
   py::class_<HeadPlan, std::shared_ptr<HeadPlan>>(m, "StepHead");
   m.def("step_plan", &step_plan, "a quantized model's layers for forward_batch (add_layer once per layer)");

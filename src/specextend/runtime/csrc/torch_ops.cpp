@@ -325,7 +325,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
 at::Tensor rope_store(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
                       const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double eps,
-                      at::Tensor& k_cache, at::Tensor& v_cache, int64_t start) {
+                      at::Tensor& k_cache, at::Tensor& v_cache, int64_t start,
+                      const c10::optional<at::Tensor>& k_offset) {
   TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(), "rope_store: h [T, (H+2Hkv)D]");
   const bool q8 = k_cache.scalar_type() == at::kChar;
   TORCH_CHECK((k_cache.scalar_type() == at::kBFloat16 || q8) && v_cache.scalar_type() == k_cache.scalar_type() &&
@@ -352,13 +353,18 @@ at::Tensor rope_store(const at::Tensor& h, const at::Tensor& cos, const at::Tens
   TORCH_CHECK((!qn.defined() || (qn.scalar_type() == at::kFloat && qn.numel() == d)) &&
                   (!kn.defined() || (kn.scalar_type() == at::kFloat && kn.numel() == d)),
               "rope_store: q_norm/k_norm float32 [D]");
+  at::Tensor ko;
+  if (k_offset.has_value() && k_offset->defined()) ko = k_offset->contiguous();
+  TORCH_CHECK(!ko.defined() || (ko.scalar_type() == at::kFloat && ko.numel() == kvh * d),
+              "rope_store: k_offset float32 [Hkv, D]");
   at::Tensor q = at::empty({heads, t, d}, h.options());
-  const spx::Rope op{h.data_ptr<float>(), cc.data_ptr<float>(), sc.data_ptr<float>(),
+  spx::Rope op{h.data_ptr<float>(), cc.data_ptr<float>(), sc.data_ptr<float>(),
                      qn.defined() ? qn.data_ptr<float>() : nullptr, kn.defined() ? kn.data_ptr<float>() : nullptr,
                      static_cast<float>(eps), t, heads, kvh, d, start, q.data_ptr<float>(),
                      static_cast<uint16_t*>(k_cache.data_ptr()), static_cast<uint16_t*>(v_cache.data_ptr()),
                      q8 ? k_cache.stride(0) / 2 : k_cache.stride(0), q8 ? v_cache.stride(0) / 2 : v_cache.stride(0),
                      rot, q8};
+  op.k_offset = ko.defined() ? ko.data_ptr<float>() : nullptr;  // a q8 cache's only (rope.h)
   at::parallel_for(0, t, 1, [&](int64_t b, int64_t e) { spx::rope_tokens(op, b, e); });
   return q;
 }
@@ -653,7 +659,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_activations256", &quantize_activations256, "int8 activations, one scale per 256 (the K-quants')");
   m.def("set_k256", &spx::set_k256, "the K-quant formats (a mask of bit fmt) whose activations are quantized per 256");
   m.def("k256_formats", &spx::k256_formats, "the mask of K-quant formats quantizing activations per 256");
-  m.def("rope_store", &rope_store, "rotate the new queries and keys, store keys and values in the bf16 cache");
+  m.def("rope_store", &rope_store, "rotate the new queries and keys, store keys and values in the cache",
+        py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("heads"), py::arg("q_norm"), py::arg("k_norm"),
+        py::arg("eps"), py::arg("k_cache"), py::arg("v_cache"), py::arg("start"), py::arg("k_offset") = py::none());
   m.def("cpu_paths", &cpu_paths, "the kernel paths this CPU runs, slowest first (amx-emulated, a test path, not listed)");
   m.def("amx_status", &amx_status, "why the amx path cannot run here, or None where it runs");
   m.def("has_avx512_bf16", &spx::cpu_has_avx512_bf16, "whether the avx512 path's attention uses AVX512-BF16");

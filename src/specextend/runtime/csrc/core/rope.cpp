@@ -45,6 +45,8 @@ void rope_tokens(const Rope& op, int64_t t0, int64_t t1) {
       uint16_t* vd = op.v + hh * op.v_head_stride + (op.start + tok) * unit;
       const float* v = row + (op.heads + op.kv_heads + hh) * d;
       if (op.q8) {
+        if (op.k_offset != nullptr)
+          for (int64_t i = 0; i < d; ++i) tmp[i] -= op.k_offset[hh * d + i];
         quantize_q8_row(tmp, d, kd);
         quantize_q8_row(v, d, vd);
         continue;

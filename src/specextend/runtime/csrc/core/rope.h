@@ -28,6 +28,10 @@ struct Rope {
   // The cache holds q8 rows (kv_q8.h): keys and values are quantized as they are written (head
   // strides in 16-bit units either way).
   bool q8 = false;
+  // [kv_heads, d] or null: a vector subtracted from each key before it is quantized into a q8 row
+  // (the model's keys' common component, which would otherwise take a group's scale: kv_cache.py).
+  // It shifts every score of a query by the same q.c, which softmax ignores. Unused for bfloat16.
+  const float* k_offset = nullptr;
 };
 
 constexpr int64_t kMaxHeadDim = 1024;

@@ -499,6 +499,7 @@ void layer_phases(const Team& team, Path path, const StepModel& md, const StepLa
     }
     rope.q_norm = l.q_norm;
     rope.k_norm = l.k_norm;
+    rope.k_offset = l.k_offset;
     rope.k = (own ? r.wk : r.k) + l.kv_index * layer_stride;
     rope.v = (own ? r.wv : r.v) + l.kv_index * layer_stride;
     rope_tokens(rope, tok, tok + 1);

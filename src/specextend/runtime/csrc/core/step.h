@@ -92,6 +92,7 @@ struct StepLayer {
   int64_t kv_index = 0;                  // its index among the windowed layers' or the others' caches
   bool gelu = false;                     // GeGLU (tanh GELU) instead of SwiGLU
   const float* sinks = nullptr;          // [heads]: gpt-oss's attention sinks (attention.h), or null
+  const float* k_offset = nullptr;       // [kv_heads * head_dim]: subtracted from keys a q8 cache stores (rope.h)
 };
 
 struct StepModel {
