@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import math
 import os
@@ -81,6 +82,8 @@ class Replica:
         self.name = serve.get_replica_context().replica_id.unique_id
         self.node = ray.get_runtime_context().get_node_id()
         self.server = build(args, memory_share)
+        gc.collect()  # the pair lives as long as the replica's process: out of the collector's passes (command.py)
+        gc.freeze()
         self.server.backend.start()
 
     async def generate(self, route: Route, req: protocol.Request) -> AsyncIterator[tuple[str, Any]]:
