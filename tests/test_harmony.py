@@ -87,7 +87,8 @@ def test_the_chat_answer_carries_reasoning_content_apart() -> None:
 # ------------------------------------------------------------------ a harmony tokenizer, served
 
 MARKUP = list(harmony.MARKERS)
-TEMPLATE = ("{% if tools %}<|start|>developer<|message|>functions:{% for t in tools %} {{ t['function']['name'] }}"
+TEMPLATE = ("<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"  # as gpt-oss's
+            "{% if tools %}<|start|>developer<|message|>functions:{% for t in tools %} {{ t['function']['name'] }}"
             "{% endfor %}<|end|>{% endif %}"
             "{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
             "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
@@ -187,3 +188,20 @@ def test_a_required_call_is_written_in_harmony_and_answered_as_a_call(served) ->
                     streamed += "".join(c["function"]["arguments"] for c in delta.get("tool_calls") or [])
         assert streamed == calls[0]["function"]["arguments"]
     assert seen[0] == seen[1]  # greedy speculation writes ar's call
+
+
+def test_reasoning_effort_reaches_a_template_that_reads_it(served) -> None:
+    """OpenAI's `reasoning_effort` is the template variable gpt-oss's template reads (its system
+    message's "Reasoning: low"); one that chat_template_kwargs contradicts, or not one of low, medium
+    and high, is a 400 naming the field."""
+    pair, url = served
+    body = {"messages": ASK, "max_tokens": 2, "method": "ar"}
+    want = {e: len(pair.encode_chat(ASK, template_kwargs={"reasoning_effort": e})) for e in ("low", "medium")}
+    assert "Reasoning: low" in pair.tokenizer.decode(pair.encode_chat(ASK, template_kwargs={"reasoning_effort": "low"}))
+    for effort, tokens in want.items():
+        r = http.post(f"{url}/v1/chat/completions", json={**body, "reasoning_effort": effort}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == tokens, r.text
+    for bad in ({"reasoning_effort": "extreme"}, {"reasoning_effort": "low", "chat_template_kwargs":
+                                                   {"reasoning_effort": "high"}}):
+        r = http.post(f"{url}/v1/chat/completions", json={**body, **bad}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort", (bad, r.text)

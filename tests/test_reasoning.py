@@ -183,6 +183,10 @@ def test_chat_template_kwargs_reach_the_template(thinking_pair):
         for bad in ({"messages": []}, {"add_generation_prompt": False}, {"not a name": 1}, [1]):
             r = http.post(f"{url}/v1/chat/completions", json={**body, "chat_template_kwargs": bad}, timeout=60)
             assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", (bad, r.text)
+        # a template that reads no reasoning effort (Qwen3's thinks or not: enable_thinking) is refused one
+        r = http.post(f"{url}/v1/chat/completions", json={**body, "reasoning_effort": "low"}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort", r.text
+        assert "takes no reasoning effort" in r.json()["error"]["message"]
 
 
 def test_magistrals_think_markers():

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 
-from ..common.errors import ContextLengthExceeded, PromptTooLong, UserError
+from ..common.errors import ContextLengthExceeded, FieldError, PromptTooLong, UserError
 from ..common.settings import Settings
 from ..sampling.grammar import Grammar, GrammarSpec, compile_grammar, tokenizer_for
 from ..speculation.decoder import check_fits
@@ -120,6 +120,10 @@ class Prompts:
             raise ToolError(f"this model's chat template does not describe tools (the {self.spec.target.config.arch} "
                             "family has no tool-call format), so the model would never see them offered; send the "
                             "request without `tools`", "tools")
+        if "reasoning_effort" in (template_kwargs or {}) and not self.template_reads("reasoning_effort"):
+            raise FieldError("this model's chat template takes no reasoning effort (gpt-oss's does); send the "
+                             "request without `reasoning_effort` (a thinking model such as Qwen3 takes "
+                             'chat_template_kwargs {"enable_thinking": false})', "reasoning_effort")
         # Render to text, then tokenize: the template already holds any special tokens.
         shown, extra = callmarkup.offer(callmarkup.template_of(self.tokenizer), messages, tools)
         try:
@@ -160,6 +164,23 @@ class Prompts:
                      and with_tools != render(None))
             self._takes_tools = known
         return known[1]
+
+    def template_reads(self, name: str) -> bool:
+        """Whether the chat template reads the variable `name`: a conversation rendered with it "low"
+        differs from it rendered "high". Rendered once per tokenizer and name."""
+        known = getattr(self, "_reads", None)
+        if known is None or known[0] is not self.tokenizer:
+            known = (self.tokenizer, {})
+            self._reads = known
+        if name not in known[1]:
+            messages = [{"role": "user", "content": "hi"}]
+            try:
+                shown = [self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                            **{name: v}) for v in ("low", "high")]
+            except TemplateError:
+                shown = ["", ""]
+            known[1][name] = shown[0] != shown[1]
+        return known[1][name]
 
     def max_prompt_chars(self) -> int:
         """The most characters a text may have and still fit the context (as the tokenizer's

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..common.errors import UserError
+from ..common.errors import FieldError, UserError
 from ..sampling.grammar import JSON_OPTIONS, GrammarSpec
 from . import gemmacalls, reasoning
 from .callmarkup import HARMONY, HERMES, CallMarkup, markup_for, template_of
@@ -43,12 +43,8 @@ from .reasoning import ThinkParser
 OPEN, CLOSE = HERMES.open, HERMES.close
 CHOICES = ("auto", "none", "required")
 MAX_TOOLS = 128
-class ToolError(UserError):
+class ToolError(FieldError):
     """A bad `tools` or `tool_choice`: the message and the request field it names."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)

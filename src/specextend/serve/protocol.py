@@ -196,6 +196,10 @@ class ChatBody(_Common):
     tool_call_recovery: bool | None = None  # false: a bare JSON answer under `auto` stays text (requests/toolcalls.py)
     # Variables for the chat template (vLLM's and llama.cpp's field): {"enable_thinking": false} for Qwen3's
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's field for reasoning models: the template variable of that name (gpt-oss's template reads
+    # it); a template that does not is refused it (requests/prompts.py), as OpenAI refuses it for a model
+    # that does not reason.
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -205,6 +209,17 @@ class ChatBody(_Common):
             check_template_kwargs(self.chat_template_kwargs)
         except UserError as e:
             raise APIError(400, str(e), param="chat_template_kwargs") from None
+        asked = (self.chat_template_kwargs or {}).get("reasoning_effort", self.reasoning_effort)
+        if self.reasoning_effort is not None and asked != self.reasoning_effort:
+            raise APIError(400, f"reasoning_effort {self.reasoning_effort!r} and chat_template_kwargs' "
+                                f"{asked!r} disagree; send one", param="reasoning_effort")
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's variables the request sets: chat_template_kwargs and reasoning_effort."""
+        out = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            out["reasoning_effort"] = self.reasoning_effort
+        return out or None
 
     def tool_spec(self) -> ToolSpec | None:
         """The request's tools (requests/toolcalls.py), None when none may be called; APIError(400) otherwise."""
@@ -301,7 +316,7 @@ def parse(kind: Literal["chat", "completion"], body: Any, defaults: Settings, to
     if isinstance(req, ChatBody):
         return Request("chat", [m.as_template() for m in req.messages], None, settings, req.stops(), req.stream,
                        usage_too, req.response_format, req.wanted_logprobs(), req.tool_spec(),
-                       req.chat_template_kwargs or None)
+                       req.template_kwargs())
     return Request("completion", None, req.prompt, settings, req.stops(), req.stream, usage_too,
                    req.response_format, req.wanted_logprobs())
 
