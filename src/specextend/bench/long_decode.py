@@ -57,7 +57,9 @@ def as_q8(model: Any, cache: Any) -> Any:
         n = cache.length - base  # a windowed layer's: its kept tokens
         rows = [t[:, :n].float().transpose(0, 1).reshape(n, kvh * d) for t in (k, v)]
         h = torch.cat([torch.zeros(n, d), *rows], 1).contiguous()
-        ext.rope_store(h, torch.ones(n, d), torch.zeros(n, d), 1, None, None, 1e-6, ok, ov, 0)
+        # keys less the layer's offset where the model has one, as its own writes store them
+        ext.rope_store(h, torch.ones(n, d), torch.zeros(n, d), 1, None, None, 1e-6, ok, ov, 0,
+                       model.layers[layer].k_offset)
     out.length = cache.length
     return out
 
