@@ -177,7 +177,7 @@ class Prompts:
             try:
                 shown = [self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
                                                             **{name: v}) for v in ("low", "high")]
-            except TemplateError:
+            except (TemplateError, TypeError, ValueError):  # a template that cannot render a lone question
                 shown = ["", ""]
             known[1][name] = shown[0] != shown[1]
         return known[1][name]

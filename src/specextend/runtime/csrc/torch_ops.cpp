@@ -359,11 +359,11 @@ at::Tensor rope_store(const at::Tensor& h, const at::Tensor& cos, const at::Tens
               "rope_store: k_offset float32 [Hkv, D]");
   at::Tensor q = at::empty({heads, t, d}, h.options());
   spx::Rope op{h.data_ptr<float>(), cc.data_ptr<float>(), sc.data_ptr<float>(),
-                     qn.defined() ? qn.data_ptr<float>() : nullptr, kn.defined() ? kn.data_ptr<float>() : nullptr,
-                     static_cast<float>(eps), t, heads, kvh, d, start, q.data_ptr<float>(),
-                     static_cast<uint16_t*>(k_cache.data_ptr()), static_cast<uint16_t*>(v_cache.data_ptr()),
-                     q8 ? k_cache.stride(0) / 2 : k_cache.stride(0), q8 ? v_cache.stride(0) / 2 : v_cache.stride(0),
-                     rot, q8};
+               qn.defined() ? qn.data_ptr<float>() : nullptr, kn.defined() ? kn.data_ptr<float>() : nullptr,
+               static_cast<float>(eps), t, heads, kvh, d, start, q.data_ptr<float>(),
+               static_cast<uint16_t*>(k_cache.data_ptr()), static_cast<uint16_t*>(v_cache.data_ptr()),
+               q8 ? k_cache.stride(0) / 2 : k_cache.stride(0), q8 ? v_cache.stride(0) / 2 : v_cache.stride(0),
+               rot, q8};
   op.k_offset = ko.defined() ? ko.data_ptr<float>() : nullptr;  // a q8 cache's only (rope.h)
   at::parallel_for(0, t, 1, [&](int64_t b, int64_t e) { spx::rope_tokens(op, b, e); });
   return q;
