@@ -105,7 +105,7 @@ def test_a_windowed_token_over_a_q8_cache_gets_the_same_bits_alone_and_in_a_chun
     pid = kernels.path_index(path)
     t = 24
     q, k, v = cache(COMMITTED + t, seed=4)
-    k8, v8 = q8_rows(k.float() * 3), q8_rows(v.float())
+    k8, v8 = q8_rows(k.float() * 3)[0], q8_rows(v.float())[0]  # q8_rows gives (keys, values)
     chunk = windowed(q[:, COMMITTED:], k8, v8, torch.arange(COMMITTED, COMMITTED + t), None, pid)
     for i in (0, 9, t - 1):
         one = alone(q[:, COMMITTED + i:COMMITTED + i + 1], k8, v8, torch.arange(COMMITTED + i + 1), pid)
