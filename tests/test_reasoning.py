@@ -223,3 +223,37 @@ def test_the_python_api_takes_chat_template_kwargs(thinking_pair):
         pair.generate("plain text", method="ar", max_new_tokens=2, chat_template_kwargs={"enable_thinking": False})
     with pytest.raises(UserError, match="may not set 'tools'"):
         pair.generate(ASK, method="ar", max_new_tokens=2, chat_template_kwargs={"tools": []})
+
+
+def test_the_templates_probes_run_once_per_tokenizer_and_name():
+    """`template_reads`, `template_takes_tools` and `max_prompt_chars` render or read each tokenizer
+    once (one memo, `Prompts._per_tokenizer`), and a replaced tokenizer is probed afresh."""
+    from types import SimpleNamespace
+
+    from specextend.requests.prompts import Prompts
+
+    class Counting:
+        chat_template = "t"
+
+        def __init__(self, reads: bool):
+            self.reads, self.renders = reads, 0
+
+        def apply_chat_template(self, messages, **kw):
+            self.renders += 1
+            return "q" + (kw.get("reasoning_effort", "") if self.reads else "")
+
+        def get_vocab(self):
+            return {"abc": 0, "d": 1}
+
+    def spec(tokenizer):
+        return SimpleNamespace(tokenizer=tokenizer, target=SimpleNamespace(config=SimpleNamespace(max_position=10)))
+
+    prompts = Prompts()
+    prompts.spec = spec(Counting(reads=True))
+    first = prompts.tokenizer
+    assert prompts.template_reads("reasoning_effort") and prompts.template_reads("reasoning_effort")
+    assert not prompts.template_reads("other") and first.renders == 4  # two renders a name, once
+    assert prompts.max_prompt_chars() == 30
+    prompts.spec = spec(Counting(reads=False))
+    assert not prompts.template_reads("reasoning_effort") and prompts.tokenizer.renders == 2
+    assert first.renders == 4

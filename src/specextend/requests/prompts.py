@@ -8,10 +8,10 @@ read; nothing here loads a model or decodes.
 from __future__ import annotations
 
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from jinja2 import TemplateError
 
@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 # (a Greek letter with three diacritics: four into one), so the characters of a text it changes
 # over-count the normalized ones by up to this factor.
 NORMALIZER_SHRINK = 4
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -139,61 +141,64 @@ class Prompts:
         self._check_ids(ids)
         return ids
 
+    def _per_tokenizer(self, key: str, compute: Callable[[], _T]) -> _T:
+        """`compute()`, once per tokenizer and key: the probes below cost a render or a pass over the
+        vocabulary, and the tokenizer may be replaced (`ResolvedPair.with_own_tokenizer`)."""
+        memo = getattr(self, "_memo", None)
+        if memo is None or memo[0] is not self.tokenizer:
+            memo = (self.tokenizer, {})
+            self._memo = memo
+        if key not in memo[1]:
+            memo[1][key] = compute()
+        return memo[1][key]
+
     def template_takes_tools(self) -> bool:
         """Whether the chat template describes a request's tools: a conversation rendered with a
         tool differs from it rendered without. Templates that have no tool-call format (Gemma's,
-        OLMo 2's) ignore them. Rendered once per tokenizer."""
-        known = getattr(self, "_takes_tools", None)
+        OLMo 2's) ignore them."""
         if not getattr(self.tokenizer, "chat_template", None):
             return False
-        if known is None or known[0] is not self.tokenizer:
-            probe = [{"type": "function", "function": {"name": "probe_tool", "description": "a probe",
-                                                       "parameters": {"type": "object", "properties": {}}}}]
-            messages = [{"role": "user", "content": "hi"}]
+        probe = [{"type": "function", "function": {"name": "probe_tool", "description": "a probe",
+                                                   "parameters": {"type": "object", "properties": {}}}}]
+        messages = [{"role": "user", "content": "hi"}]
 
-            def render(tools: list[dict[str, Any]] | None) -> str | None:
-                shown, extra = callmarkup.offer(callmarkup.template_of(self.tokenizer), messages, tools)
-                try:
-                    return self.tokenizer.apply_chat_template(shown, add_generation_prompt=True, tokenize=False,
-                                                              **extra)
-                except TemplateError:
-                    return None
+        def render(tools: list[dict[str, Any]] | None) -> str | None:
+            shown, extra = callmarkup.offer(callmarkup.template_of(self.tokenizer), messages, tools)
+            try:
+                return self.tokenizer.apply_chat_template(shown, add_generation_prompt=True, tokenize=False, **extra)
+            except TemplateError:
+                return None
 
+        def probe_tools() -> bool:
             with_tools = render(probe)
-            known = (self.tokenizer, with_tools is not None and "probe_tool" in with_tools
-                     and with_tools != render(None))
-            self._takes_tools = known
-        return known[1]
+            return with_tools is not None and "probe_tool" in with_tools and with_tools != render(None)
+
+        return self._per_tokenizer("takes tools", probe_tools)
 
     def template_reads(self, name: str) -> bool:
         """Whether the chat template reads the variable `name`: a conversation rendered with it "low"
-        differs from it rendered "high". Rendered once per tokenizer and name."""
-        known = getattr(self, "_reads", None)
-        if known is None or known[0] is not self.tokenizer:
-            known = (self.tokenizer, {})
-            self._reads = known
-        if name not in known[1]:
-            messages = [{"role": "user", "content": "hi"}]
+        differs from it rendered "high"."""
+        messages = [{"role": "user", "content": "hi"}]
+
+        def probe() -> bool:
             try:
-                shown = [self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                                            **{name: v}) for v in ("low", "high")]
+                low, high = (self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                                **{name: v}) for v in ("low", "high"))
             except (TemplateError, TypeError, ValueError):  # a template that cannot render a lone question
-                shown = ["", ""]
-            known[1][name] = shown[0] != shown[1]
-        return known[1][name]
+                return False
+            return low != high
+
+        return self._per_tokenizer(f"reads {name}", probe)
 
     def max_prompt_chars(self) -> int:
         """The most characters a text may have and still fit the context (as the tokenizer's
         normalizer, if any, leaves it): a token stands for at most as many characters as its
         longest vocabulary entry spells (a byte-level entry spells one character per byte, a
-        special token its own text), so a longer text is more tokens than the context. Read once
-        per tokenizer (a pass over its vocabulary)."""
-        bound = getattr(self, "_max_prompt_chars", None)
-        if bound is None or bound[0] is not self.tokenizer:
-            longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
-            bound = (self.tokenizer, self.context * max(1, longest))
-            self._max_prompt_chars = bound
-        return bound[1]
+        special token its own text), so a longer text is more tokens than the context."""
+        def longest() -> int:
+            return max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+
+        return self.context * max(1, self._per_tokenizer("longest entry", longest))
 
     def _check_chars(self, text: str) -> None:
         """Refuse, before tokenizing it, a text too long to fit the context whatever its tokens
