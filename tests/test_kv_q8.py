@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -309,3 +310,30 @@ def test_the_long_decode_bench_times_both_kinds_over_one_prefill(tmp_path, monke
         long_decode.main([*args[:-6], "--kv-caches", "q4"])
     assert e.value.code == 2
     assert quality._load_options("gguf@kv-q8") == {"dtype": "float32", "weights": "gguf", "kv_cache": "q8"}
+
+
+def test_llamacpp_perplexity_runs_each_kv_type_against_the_first_and_reads_its_top1(tmp_path, capsys):
+    from specextend.bench import quality
+
+    base = quality.llamacpp_args(Path("m.gguf"), "t.txt", 8192, 2, 2, "f16", "b.kld", base=True)
+    assert base[-2:] == ["--kl-divergence-base", "b.kld"] and "-ctk" not in base
+    q8 = quality.llamacpp_args(Path("m.gguf"), "t.txt", 8192, 2, 2, "q8_0", "b.kld", base=False)
+    assert q8[q8.index("-ctk") + 1] == q8[q8.index("-ctv") + 1] == "q8_0" and q8[q8.index("-fa") + 1] == "on"
+    assert q8[-1] == "--kl-divergence" and q8[q8.index("-b") + 1] == "8192"  # a chunk in one pass, as ours
+    assert "--kl-divergence-base" not in quality.llamacpp_args(Path("m"), "t", 64, 1, 2, "f16", None, base=True)
+    # the formats of llama-perplexity's perplexity.cpp: the per-chunk table's "Same top p" column is not the summary
+    log = ("tokenizing the input ..\ntokenization took 12 ms\ncalculating perplexity over 2 chunks, 16384 tokens\n"
+           "chunk  PPL  ln(PPL(Q)/PPL(base))  KL Divergence  Δp RMS  Same top p\n"
+           "   1   9.7 ±  0.1   0.001 ±  0.001   0.002 ±  0.001   1.2 ±  0.04 %   97.500 ±  0.170 %\n"
+           "Final estimate: PPL = 9.8123 +/- 0.12345\n\n====== KL divergence statistics ======\n"
+           "Mean    KLD:   0.001234 ±   0.000012\n\n====== Token probability statistics ======\n"
+           "Same top p: 98.731 ± 0.089 %\n")
+    got = quality.parse_llamacpp_log(log)
+    assert got["perplexity"] == 9.8123 and got["stderr"] == 0.12345
+    assert got["top1_agreement"] == pytest.approx(0.98731) and got["top1_stderr"] == pytest.approx(0.00089)
+    assert "top1_agreement" not in quality.parse_llamacpp_log(log.split("\n====== KL")[0])
+    assert quality.parse_llamacpp_log("main: error: failed to load model") == {}
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"text": "abc"}) + "\n")
+    assert quality.main(["--data", str(data), "--llamacpp", "--llamacpp-kv", "f16,q3", "--out", str(tmp_path)]) == 2
+    assert "unknown --llamacpp-kv q3; choose from f16" in capsys.readouterr().err

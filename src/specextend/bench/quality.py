@@ -89,33 +89,65 @@ def score(model: Any, chunks: list[torch.Tensor], piece: int = 256, progress: st
     return Scored(torch.cat(logprobs), torch.cat(top1))
 
 
-def llamacpp_perplexity(gguf: Path, text: str, ctx: int, chunks: int, threads: int = 2) -> dict[str, Any]:
-    """llama.cpp's `llama-perplexity` on the same text and chunking (installed by `make peers`)."""
+LLAMACPP_KV = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1", "f32")
+
+
+def llamacpp_args(gguf: Path, text_path: str, ctx: int, chunks: int, threads: int, kv: str,
+                  logits: str | None, base: bool) -> list[str]:
+    """llama-perplexity's arguments: the text cut as ours (`-b ctx`: a chunk in one pass), its KV cache
+    in `kv` (a quantized V needs flash attention there), and with `logits` the file its first run
+    saves the logits into (`base`) and the others compare with (`--kl-divergence`: top-1 agreement)."""
+    args = ["-m", str(gguf), "-f", text_path, "-c", str(ctx), "--chunks", str(chunks), "-t", str(threads),
+            "-b", str(ctx)]
+    if kv != "f16":
+        args += ["-ctk", kv, "-ctv", kv, "-fa", "on"]
+    if logits is not None:
+        args += ["--kl-divergence-base", logits] + ([] if base else ["--kl-divergence"])
+    return args
+
+
+def parse_llamacpp_log(log: str) -> dict[str, Any]:
+    """Perplexity (and, in a --kl-divergence run, top-1 agreement) from llama-perplexity's output;
+    {} where it printed no final estimate."""
+    m = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", log)
+    if m is None:
+        return {}
+    out: dict[str, Any] = {"perplexity": float(m.group(1)), "stderr": float(m.group(2))}
+    tokens = re.search(r"tokenizing the input .*?\n.*?(\d+) tokens", log, re.S)
+    out["tokens"] = int(tokens.group(1)) if tokens else None
+    top = re.search(r"Same top p:\s*([0-9.]+)\s*±\s*([0-9.]+)\s*%", log)
+    if top is not None:
+        out["top1_agreement"] = float(top.group(1)) / 100
+        out["top1_stderr"] = float(top.group(2)) / 100
+    return out
+
+
+def llamacpp_perplexity(gguf: Path, text: str, ctx: int, chunks: int, threads: int = 2,
+                        kv_types: tuple[str, ...] = ("f16",)) -> list[dict[str, Any]]:
+    """llama.cpp's `llama-perplexity` on the same text and chunking (installed by `make peers`), once per
+    KV cache type; every type after the first also gets its top-1 agreement with the first's logits."""
     from .llamacpp import _server_env, find_peer
 
     peer = find_peer("--llamacpp")
     tool = peer.binary.with_name("llama-perplexity")
     if not tool.is_file():
         raise UserError(f"{tool} not found beside llama-server; run `make peers`")
-    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False, encoding="utf-8") as f:
-        f.write(text)
-        path = f.name
-    try:
-        t0 = time.perf_counter()
-        out = subprocess.run(
-            [str(tool), "-m", str(gguf), "-f", path, "-c", str(ctx), "--chunks", str(chunks), "-t", str(threads),
-             "-b", str(ctx)],
-            capture_output=True, text=True, env=_server_env(), timeout=6 * 3600, check=False,
-        )  # fmt: skip
-    finally:
-        os.unlink(path)
-    log = out.stdout + out.stderr
-    m = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", log)
-    tokens = re.search(r"tokenizing the input .*?\n.*?(\d+) tokens", log, re.S)
-    if out.returncode != 0 or m is None:
-        raise UserError(f"llama-perplexity failed (exit {out.returncode}): {log.strip().splitlines()[-1:]}")
-    return {"perplexity": float(m.group(1)), "stderr": float(m.group(2)), "seconds": time.perf_counter() - t0,
-            "version": peer.version, "tokens": int(tokens.group(1)) if tokens else None}
+    results = []
+    with tempfile.TemporaryDirectory(prefix="specextend-ppl-") as tmp:
+        path = os.path.join(tmp, "text.txt")
+        Path(path).write_text(text, encoding="utf-8")
+        logits = os.path.join(tmp, "base.kld") if len(kv_types) > 1 else None
+        for i, kv in enumerate(kv_types):
+            t0 = time.perf_counter()
+            out = subprocess.run([str(tool), *llamacpp_args(gguf, path, ctx, chunks, threads, kv, logits, i == 0)],
+                                 capture_output=True, text=True, env=_server_env(), timeout=6 * 3600, check=False)
+            log = out.stdout + out.stderr
+            parsed = parse_llamacpp_log(log)
+            if out.returncode != 0 or not parsed:
+                raise UserError(f"llama-perplexity (KV {kv}) failed (exit {out.returncode}): "
+                                f"{log.strip().splitlines()[-1:]}")
+            results.append({**parsed, "kv_cache": kv, "seconds": time.perf_counter() - t0, "version": peer.version})
+    return results
 
 
 def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -145,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reference", default="float32",
                     help="the scheme the others are compared with (default: float32)")
     ap.add_argument("--llamacpp", action="store_true", help="also run llama.cpp's llama-perplexity (make peers)")
+    ap.add_argument("--llamacpp-kv", default="f16",
+                    help="llama.cpp's KV cache types, comma-separated, the first the others' top-1 reference "
+                         f"(default: f16; of {', '.join(LLAMACPP_KV)})")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     try:
@@ -170,6 +205,11 @@ def _run(a: argparse.Namespace) -> int:
     schemes = [w.strip() for w in a.weights.split(",") if w.strip()]
     for w in schemes:
         LoadOptions(**_load_options(w))
+    kv_types = tuple(k.strip() for k in a.llamacpp_kv.split(",") if k.strip())
+    bad = [k for k in kv_types if k not in LLAMACPP_KV]
+    if bad or not kv_types:
+        raise UserError(f"unknown --llamacpp-kv {','.join(bad) or repr(a.llamacpp_kv)}; choose from "
+                        f"{', '.join(LLAMACPP_KV)}")
     if a.ctx < 64 or a.ctx % 2:
         raise UserError("--ctx must be an even number of at least 64")
     texts = [t for p in a.data.split(",") for t in read_texts(Path(p))][: a.samples]
@@ -200,10 +240,15 @@ def _run(a: argparse.Namespace) -> int:
     if a.llamacpp:
         from .llamacpp import gguf_for
 
-        lc = llamacpp_perplexity(gguf_for(a.target, "target"), text, a.ctx, a.chunks)
-        rows.append({"weights": f"llama.cpp {lc['version']} (its own kernels, GGUF as is)",
-                     "perplexity": lc["perplexity"], "perplexity_change": lc["perplexity"] / ref_scores.perplexity - 1,
-                     "seconds": lc["seconds"], "llamacpp": lc})
+        base = kv_types[0]
+        for lc in llamacpp_perplexity(gguf_for(a.target, "target"), text, a.ctx, a.chunks, kv_types=kv_types):
+            row = {"weights": f"llama.cpp {lc['version']} (its own kernels, GGUF as is, KV {lc['kv_cache']})",
+                   "perplexity": lc["perplexity"], "perplexity_change": lc["perplexity"] / ref_scores.perplexity - 1,
+                   "seconds": lc["seconds"], "llamacpp": lc}
+            if "top1_agreement" in lc:  # against llama.cpp's own first KV type, not our reference
+                row["weights"] += f" (top-1 against its KV {base})"
+                row["top1_agreement"] = lc["top1_agreement"]
+            rows.append(row)
     meta = {"data": a.data, "tokens": len(ids), "ctx": a.ctx, "chunks": a.chunks,
             "scored_per_chunk": a.ctx - a.ctx // 2 - 1, "positions": int(ref_scores.logprob.numel()),
             "target": str(folder), "reference": a.reference}
