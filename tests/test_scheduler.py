@@ -149,7 +149,7 @@ def test_a_step_reports_the_prompt_tokens_left(pair):
 # --------------------------------------------------------------------------- the scheduler
 
 
-def serve(pair, limits: Limits, submit, poll=None, batch_cls=Batch):
+def serve(pair, limits: Limits, submit, poll=None, batch_cls=Batch, **scheduler):
     """Run a scheduler over the pair while `submit(scheduler, loop)` (a coroutine) sends jobs; `poll`
     is called on the event loop every few milliseconds (to watch the scheduler)."""
     batch = batch_cls(pair.target, pair.draft)
@@ -157,7 +157,7 @@ def serve(pair, limits: Limits, submit, poll=None, batch_cls=Batch):
 
     async def main():
         sched = Scheduler(batch, lambda job: run_job(pair, engine, job),
-                          lambda job: pair.kv_bytes(len(job.ids), job.settings), limits)
+                          lambda job: pair.kv_bytes(len(job.ids), job.settings), limits, **scheduler)
         try:
             task = asyncio.ensure_future(submit(sched, asyncio.get_running_loop()))
             while not task.done():
@@ -193,6 +193,34 @@ def test_a_short_request_during_a_long_prefill_finishes_first(pair):
 
     (k1, t_long), (k2, t_short) = serve(pair, LIMITS, submit)
     assert k1 == k2 == "done" and t_short < t_long
+
+
+def test_the_heap_goes_back_once_per_idle_spell_after_steps(pair, monkeypatch):
+    """After a burst, once nothing has come for a poll, the scheduler's thread gives the freed heap
+    back (once: not again while it stays idle, nor between requests that keep it busy)."""
+    from specextend.batching import scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "IDLE_POLL_S", 0.05)
+    released = []
+
+    async def submit(sched, loop):
+        await asyncio.sleep(0.3)  # idle from the start: no steps, nothing to give back
+        seen = [len(released)]
+        jobs = [Job(prompt(i, 30), settings(method="ar", max_new_tokens=4), [], loop) for i in range(3)]
+        for job in jobs:
+            sched.submit(job)
+        assert [k for k, _ in await asyncio.gather(*map(finish, jobs))] == ["done"] * 3
+        await asyncio.sleep(0.4)  # eight polls idle
+        seen.append(len(released))
+        job = Job(prompt(9, 30), settings(method="ar", max_new_tokens=4), [], loop)
+        sched.submit(job)
+        await finish(job)
+        await asyncio.sleep(0.4)
+        seen.append(len(released))
+        return seen, sched.stats()["heap_releases"]
+
+    seen, reported = serve(pair, LIMITS, submit, release_heap=lambda: released.append(time.perf_counter()))
+    assert seen == [0, 1, 2] and reported == 2
 
 
 def test_steps_are_larger_only_while_no_request_decodes(pair):
