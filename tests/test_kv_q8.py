@@ -321,17 +321,22 @@ def test_llamacpp_perplexity_runs_each_kv_type_against_the_first_and_reads_its_t
     assert q8[q8.index("-ctk") + 1] == q8[q8.index("-ctv") + 1] == "q8_0" and q8[q8.index("-fa") + 1] == "on"
     assert q8[-1] == "--kl-divergence" and q8[q8.index("-b") + 1] == "8192"  # a chunk in one pass, as ours
     assert "--kl-divergence-base" not in quality.llamacpp_args(Path("m"), "t", 64, 1, 2, "f16", None, base=True)
-    # the formats of llama-perplexity's perplexity.cpp: the per-chunk table's "Same top p" column is not the summary
-    log = ("tokenizing the input ..\ntokenization took 12 ms\ncalculating perplexity over 2 chunks, 16384 tokens\n"
-           "chunk  PPL  ln(PPL(Q)/PPL(base))  KL Divergence  Δp RMS  Same top p\n"
-           "   1   9.7 ±  0.1   0.001 ±  0.001   0.002 ±  0.001   1.2 ±  0.04 %   97.500 ±  0.170 %\n"
-           "Final estimate: PPL = 9.8123 +/- 0.12345\n\n====== KL divergence statistics ======\n"
-           "Mean    KLD:   0.001234 ±   0.000012\n\n====== Token probability statistics ======\n"
-           "Same top p: 98.731 ± 0.089 %\n")
-    got = quality.parse_llamacpp_log(log)
-    assert got["perplexity"] == 9.8123 and got["stderr"] == 0.12345
-    assert got["top1_agreement"] == pytest.approx(0.98731) and got["top1_stderr"] == pytest.approx(0.00089)
-    assert "top1_agreement" not in quality.parse_llamacpp_log(log.split("\n====== KL")[0])
+    # what llama-perplexity b11434 prints: a plain run's final estimate, a --kl-divergence run's statistics
+    # (its per-chunk table's "Same top p" column is not the summary)
+    plain = ("0.02.717006 I perplexity: tokenizing the input ..\n0.02.741308 I perplexity: tokenization took 24.3 ms\n"
+             "[1]33.7716,[2]25.1120,\n0.14.956791 I Final estimate: PPL = 25.1120 +/- 5.13211\n")
+    assert quality.parse_llamacpp_log(plain) == {"perplexity": 25.112, "stderr": 5.13211, "tokens": None}
+    kl = ("chunk    PPL    ln(PPL(Q)/PPL(base))    KL Divergence    Δp RMS    Same top p\n"
+          "   1      34.0215 ±   10.0552       0.02719 ±    0.02228       0.00501 ±    0.00065     1.448 ±  0.269 %"
+          "    94.488 ±  2.033 %\n\n====== Perplexity statistics ======\n"
+          "Mean PPL(Q)                   :  25.272611 ±   5.170916\n"
+          "Mean PPL(base)                :  24.864350 ±   5.007384\n"
+          "Mean PPL(Q)/PPL(base)         :   1.016420 ±   0.011986\n\n====== KL divergence statistics ======\n"
+          "RMS Δp    :  1.130 ± 0.175 %\nSame top p: 95.669 ± 1.280 %\n")
+    got = quality.parse_llamacpp_log(kl)
+    assert got["perplexity"] == 25.272611 and got["perplexity_ratio_to_base"] == 1.01642
+    assert got["top1_agreement"] == pytest.approx(0.95669) and got["top1_stderr"] == pytest.approx(0.0128)
+    assert "top1_agreement" not in quality.parse_llamacpp_log(kl.split("\n====== KL")[0])
     assert quality.parse_llamacpp_log("main: error: failed to load model") == {}
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"text": "abc"}) + "\n")

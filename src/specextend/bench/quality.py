@@ -107,25 +107,30 @@ def llamacpp_args(gguf: Path, text_path: str, ctx: int, chunks: int, threads: in
 
 
 def parse_llamacpp_log(log: str) -> dict[str, Any]:
-    """Perplexity (and, in a --kl-divergence run, top-1 agreement) from llama-perplexity's output;
-    {} where it printed no final estimate."""
-    m = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", log)
+    """Perplexity from llama-perplexity's output: a plain run's final estimate, or in a --kl-divergence run
+    its statistics (the perplexity, its ratio to the base run's as that run saved it, and top-1 agreement);
+    {} where it printed neither."""
+    kl = re.search(r"Mean PPL\(Q\)\s*:\s*([0-9.]+)\s*±\s*([0-9.]+)", log)
+    m = kl or re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", log)
     if m is None:
         return {}
     out: dict[str, Any] = {"perplexity": float(m.group(1)), "stderr": float(m.group(2))}
     tokens = re.search(r"tokenizing the input .*?\n.*?(\d+) tokens", log, re.S)
     out["tokens"] = int(tokens.group(1)) if tokens else None
-    top = re.search(r"Same top p:\s*([0-9.]+)\s*±\s*([0-9.]+)\s*%", log)
-    if top is not None:
+    ratio = re.search(r"Mean PPL\(Q\)/PPL\(base\)\s*:\s*([0-9.]+)", log)
+    top = re.search(r"Same top p:\s*([0-9.]+)\s*±\s*([0-9.]+)\s*%\s*$", log, re.M)
+    if kl is not None and ratio is not None and top is not None:
+        out["perplexity_ratio_to_base"] = float(ratio.group(1))
         out["top1_agreement"] = float(top.group(1)) / 100
         out["top1_stderr"] = float(top.group(2)) / 100
     return out
 
 
 def llamacpp_perplexity(gguf: Path, text: str, ctx: int, chunks: int, threads: int = 2,
-                        kv_types: tuple[str, ...] = ("f16",)) -> list[dict[str, Any]]:
+                        kv_types: tuple[str, ...] = ("f16",), logs: Path | None = None) -> list[dict[str, Any]]:
     """llama.cpp's `llama-perplexity` on the same text and chunking (installed by `make peers`), once per
-    KV cache type; every type after the first also gets its top-1 agreement with the first's logits."""
+    KV cache type; every type after the first also gets its top-1 agreement with the first's logits.
+    Each run's output is kept in `logs` (a folder) as `llama-perplexity-<kv>.log`, read or not."""
     from .llamacpp import _server_env, find_peer
 
     peer = find_peer("--llamacpp")
@@ -142,6 +147,8 @@ def llamacpp_perplexity(gguf: Path, text: str, ctx: int, chunks: int, threads: i
             out = subprocess.run([str(tool), *llamacpp_args(gguf, path, ctx, chunks, threads, kv, logits, i == 0)],
                                  capture_output=True, text=True, env=_server_env(), timeout=6 * 3600, check=False)
             log = out.stdout + out.stderr
+            if logs is not None:
+                write_text_atomic(logs / f"llama-perplexity-{kv}.log", log)
             parsed = parse_llamacpp_log(log)
             if out.returncode != 0 or not parsed:
                 raise UserError(f"llama-perplexity (KV {kv}) failed (exit {out.returncode}): "
@@ -241,12 +248,15 @@ def _run(a: argparse.Namespace) -> int:
         from .llamacpp import gguf_for
 
         base = kv_types[0]
-        for lc in llamacpp_perplexity(gguf_for(a.target, "target"), text, a.ctx, a.chunks, kv_types=kv_types):
+        for lc in llamacpp_perplexity(gguf_for(a.target, "target"), text, a.ctx, a.chunks, kv_types=kv_types,
+                                      logs=out):
             row = {"weights": f"llama.cpp {lc['version']} (its own kernels, GGUF as is, KV {lc['kv_cache']})",
                    "perplexity": lc["perplexity"], "perplexity_change": lc["perplexity"] / ref_scores.perplexity - 1,
                    "seconds": lc["seconds"], "llamacpp": lc}
-            if "top1_agreement" in lc:  # against llama.cpp's own first KV type, not our reference
-                row["weights"] += f" (top-1 against its KV {base})"
+            if "top1_agreement" in lc:  # against llama.cpp's own first KV type, not our reference: its perplexity
+                # here is computed apart from the first run's final estimate, so only the ratio compares
+                row["weights"] += f" (change and top-1 against its KV {base})"
+                row["perplexity_change"] = lc["perplexity_ratio_to_base"] - 1
                 row["top1_agreement"] = lc["top1_agreement"]
             rows.append(row)
     meta = {"data": a.data, "tokens": len(ids), "ctx": a.ctx, "chunks": a.chunks,
