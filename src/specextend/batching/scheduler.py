@@ -228,8 +228,11 @@ class Scheduler:
                 idle = not self.running_list and not self.waiting_list
                 if not self._take(block=idle) and idle and self.steps != self._released_at:
                     self._released_at = self.steps  # idle a whole poll since the last steps: not between requests
-                    self.release_heap()
-                    self.heap_releases += 1
+                    try:
+                        self.release_heap()
+                        self.heap_releases += 1
+                    except Exception as e:  # memory kept is no reason to stop serving
+                        log.warning("giving the freed heap back failed", exc_info=e)
                 self._withdraw()
                 self._admit()
                 if self.batch.sequences:
