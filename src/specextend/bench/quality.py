@@ -205,6 +205,26 @@ def _load_options(scheme: str) -> dict[str, str]:
             "kv_cache": kv or "bf16"}
 
 
+def _llamacpp_rows(target: str | None, text: str, ctx: int, chunks: int, kv_types: tuple[str, ...],
+                   ref_perplexity: float, out: Path) -> list[dict[str, Any]]:
+    """The report's rows of llama.cpp's runs, one per KV type."""
+    from .llamacpp import gguf_for
+
+    rows = []
+    base = kv_types[0]
+    for lc in llamacpp_perplexity(gguf_for(target, "target"), text, ctx, chunks, kv_types=kv_types, logs=out):
+        row = {"weights": f"llama.cpp {lc['version']} (its own kernels, GGUF as is, KV {lc['kv_cache']})",
+               "perplexity": lc["perplexity"], "perplexity_change": lc["perplexity"] / ref_perplexity - 1,
+               "seconds": lc["seconds"], "llamacpp": lc}
+        if "top1_agreement" in lc:  # against llama.cpp's own first KV type, not our reference: its perplexity
+            # here is computed apart from the first run's final estimate, so only the ratio compares
+            row["weights"] += f" (change and top-1 against its KV {base})"
+            row["perplexity_change"] = lc["perplexity_ratio_to_base"] - 1
+            row["top1_agreement"] = lc["top1_agreement"]
+        rows.append(row)
+    return rows
+
+
 def _run(a: argparse.Namespace) -> int:
     from .. import api
     from ..models.resolve import LoadOptions
@@ -245,20 +265,7 @@ def _run(a: argparse.Namespace) -> int:
             rows.append(row)
         print(f"specextend quality: {w}: perplexity {sc.perplexity:.4f}", file=sys.stderr, flush=True)
     if a.llamacpp:
-        from .llamacpp import gguf_for
-
-        base = kv_types[0]
-        for lc in llamacpp_perplexity(gguf_for(a.target, "target"), text, a.ctx, a.chunks, kv_types=kv_types,
-                                      logs=out):
-            row = {"weights": f"llama.cpp {lc['version']} (its own kernels, GGUF as is, KV {lc['kv_cache']})",
-                   "perplexity": lc["perplexity"], "perplexity_change": lc["perplexity"] / ref_scores.perplexity - 1,
-                   "seconds": lc["seconds"], "llamacpp": lc}
-            if "top1_agreement" in lc:  # against llama.cpp's own first KV type, not our reference: its perplexity
-                # here is computed apart from the first run's final estimate, so only the ratio compares
-                row["weights"] += f" (change and top-1 against its KV {base})"
-                row["perplexity_change"] = lc["perplexity_ratio_to_base"] - 1
-                row["top1_agreement"] = lc["top1_agreement"]
-            rows.append(row)
+        rows += _llamacpp_rows(a.target, text, a.ctx, a.chunks, kv_types, ref_scores.perplexity, out)
     meta = {"data": a.data, "tokens": len(ids), "ctx": a.ctx, "chunks": a.chunks,
             "scored_per_chunk": a.ctx - a.ctx // 2 - 1, "positions": int(ref_scores.logprob.numel()),
             "target": str(folder), "reference": a.reference}
