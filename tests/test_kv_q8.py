@@ -293,6 +293,31 @@ def test_a_bad_kind_or_a_model_without_the_kernels_is_one_clear_error(tmp_path):
     assert api.load(folder, load_draft=False, weights="int4", progress=False).target.key_offset_digest is None
 
 
+def test_the_key_offsets_are_measured_once_then_read_back_and_a_bad_file_measured_again(tmp_path, isolated_home):
+    from safetensors.torch import load_file, save_file
+
+    from specextend import api
+
+    folder = save_tiny_model(tmp_path / "m", seed=5, layers=1, **{k: v for k, v in SHAPE.items() if k != "vocab"})
+
+    def load(weights: str = "int4"):
+        return api.load(folder, load_draft=False, weights=weights, kv_cache="q8", progress=False).target
+
+    measured = load().key_offset_digest
+    kept = list(isolated_home.rglob("*key-offsets-*.safetensors"))
+    assert measured is not None and len(kept) == 1
+    assert load().key_offset_digest == measured
+    # What the file holds is what a load takes: another (valid) offset there is read back as it is.
+    save_file({k: 2 * v for k, v in load_file(kept[0]).items()}, kept[0])
+    doubled = load().key_offset_digest
+    assert doubled not in (None, measured)
+    kept[0].write_bytes(b"not a safetensors file")  # a damaged file is measured again and replaced
+    assert load().key_offset_digest == measured
+    assert load().key_offset_digest == measured and load_file(kept[0])
+    assert load("int8").key_offset_digest not in (None, measured)  # another scheme, its own offsets
+    assert len(list(isolated_home.rglob("*key-offsets-*.safetensors"))) == 2
+
+
 def test_the_long_decode_bench_times_both_kinds_over_one_prefill(tmp_path, monkeypatch, capsys):
     from specextend.bench import long_decode, quality
 

@@ -71,8 +71,8 @@ def add_model_arguments(p: argparse.ArgumentParser, draft_note: str = "", draft:
         g.add_argument("--draft-weights", default="auto", help="the draft's --weights (default: auto)")
     g.add_argument("--kv-cache", default="bf16",
                    help=f"the target's KV cache: {'|'.join(KV_CACHES)} (default: bf16); q8 stores int8 with a bfloat16 "
-                        "scale per 32 values (keys less their mean, calibrated at load), about half the bytes a "
-                        "long context reads per decoded token (the quantized CPU kernels only)")
+                        "scale per 32 values (keys less their mean, measured on a first load and kept), about half "
+                        "the bytes a long context reads per decoded token (the quantized CPU kernels only)")
     g.add_argument("--max-context", type=int, default=None,
                    help="the longest sequence (prompt + answer) the models serve, in tokens, up to what the file "
                         "allows (default: the model's own; for LongRoPE models, Phi-3.5 and Phi-4-mini, its "

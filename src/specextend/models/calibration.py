@@ -7,9 +7,27 @@ fixed text, read once at load. What the text holds matters little (another docum
 as well as the prompt's own: docs/log/2026-12-kv-cache.md); it mixes prose, figures, a list and
 code so that no one kind of input sets it. Changing it changes every q8 cache's bits (the prefix
 cache's fingerprint names the offsets, so no KV written under another text is read back).
+
+Measuring them is a prefill of the text (~540 tokens: 1.5-5 s a load for the default target), so
+`calibrate` keeps them beside the model's derived weights, under a key of everything their bits
+depend on: the text's tokens, the model's config and weight scheme, the kernels' arithmetic.
 """
 
 from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+if TYPE_CHECKING:
+    from ..runtime.transformer import Transformer
 
 CALIBRATION_TEXT = """\
 The committee met on a grey Tuesday morning to review the third quarter's figures. Revenue had \
@@ -51,3 +69,52 @@ March 3 was valid; the landlord replied that an unpaid invoice of $2,415.60 made
 found for the tenant, holding that a disputed amount is not an outstanding one within the meaning of \
 the clause.
 """
+
+
+def calibrate(model: Transformer, tokenizer: Any, folder: Path, scheme: str) -> None:
+    """Give `model` (loaded from `folder` with weight `scheme`) its q8 cache's key offsets: read back
+    when this model, config, scheme and arithmetic measured them before, else measured and kept."""
+    from ..runtime.kernels import arithmetic_version
+    from .loader import derived_path
+
+    tokens = tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False)
+    if model.cfg.attn_softcap or model.cfg.attn_sinks:  # no offsets there: nothing to measure
+        model.set_key_offsets(None)
+        return
+    key = hashlib.sha256(repr((list(tokens), model.cfg, arithmetic_version())).encode()).hexdigest()[:16]
+    path = derived_path(folder, f"{scheme}-key-offsets-{key}")
+    stored = _read(path, len(model.layers))
+    if stored is not None:
+        try:
+            model.set_key_offsets(stored)
+            return
+        except ValueError as e:
+            print(f"specextend: measuring the key offsets again ({path.name}: {e})", file=sys.stderr)
+    offsets = model.measure_key_offsets(tokens)
+    model.set_key_offsets(offsets)
+    if offsets is not None:
+        _write(path, offsets)
+
+
+def _read(path: Path, layers: int) -> list[torch.Tensor] | None:
+    if not path.is_file():
+        return None
+    try:
+        got = load_file(path)
+        return [got[f"layer.{i}"] for i in range(layers)]
+    except (SafetensorError, OSError, KeyError) as e:  # written atomically, so a bad one is another's
+        print(f"specextend: measuring the key offsets again ({path.name}: {e})", file=sys.stderr)
+        return None
+
+
+def _write(path: Path, offsets: Sequence[torch.Tensor]) -> None:
+    """Atomically (another process reads the whole file or none); an unwritable cache measures again."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file({f"layer.{i}": o for i, o in enumerate(offsets)}, tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        print(f"specextend: could not keep the key offsets in {path}: {e.strerror}", file=sys.stderr)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -22,7 +22,7 @@ from ..common.errors import UserError
 from ..common.gc_pause import collector_paused
 from ..common.progress import say
 from ..common.settings import KV_CACHES, check_context
-from .calibration import CALIBRATION_TEXT
+from . import calibration
 from .loader import (
     ResolvedModel,
     build_model,
@@ -96,7 +96,7 @@ class ResolvedPair:
                             f"AVX2, AVX-512 or NEON); this target runs {target.weights} weights")
         target.kv_cache = self.kv_cache
         if self.kv_cache == "q8":  # the keys' offsets, from a fixed text (models/calibration.py)
-            target.calibrate_key_offset(self.tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False))
+            calibration.calibrate(target, self.tokenizer, self.target.path, self.target.weights)
         what = f"target {self.target.path.name} ({target.weights})"
         if draft is not None and self.draft is not None:
             what += f" and draft {self.draft.path.name} ({draft.weights})"

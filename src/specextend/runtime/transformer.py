@@ -109,22 +109,36 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def calibrate_key_offset(self, tokens: Sequence[int]) -> None:
         """Give each layer the offset a q8 cache stores its keys less (`Block.k_offset`): their mean
-        over `tokens` (a fixed text: models/calibration.py), per KV head and channel, from a bfloat16
+        over `tokens` (a fixed text: models/calibration.py, which keeps them on disk), per KV head
+        and channel (`measure_key_offsets`)."""
+        self.set_key_offsets(self.measure_key_offsets(tokens))
+
+    @torch.no_grad()
+    def measure_key_offsets(self, tokens: Sequence[int]) -> list[torch.Tensor] | None:
+        """Each layer's keys' mean over `tokens` ([kv_heads, head_dim] float32), from a bfloat16
         prefill. Keys share a large component (layer 0's most: Qwen2's key bias among it) that would
         otherwise take each 32-value group's scale; a query's scores then all shift by q.c, which
-        softmax ignores, so only the write changes. Not where a shift is not ignored (soft-capped
-        scores, attention sinks): there, and with no tokens, keys are stored as they are."""
-        offsets: list[torch.Tensor | None] = [None] * len(self.layers)
-        if tokens and not self.cfg.attn_softcap and not self.cfg.attn_sinks:
-            n = len(tokens)
-            cache = self.new_cache(n, dtype=torch.bfloat16)
-            ids = torch.tensor(list(tokens), dtype=torch.long)
-            self.forward(ids, torch.arange(n), cache, logits_rows=slice(n - 1, n))
-            cache.commit()
-            # in float64, where a sum of bfloat16 values is exact: the same offsets whatever the threads
-            offsets = [cache.keys(i, n).double().mean(1).float().contiguous() for i in range(len(self.layers))]
-        for layer, offset in zip(self.layers, offsets, strict=True):
-            layer.k_offset = offset
+        softmax ignores, so only the write changes. None where a shift is not ignored (soft-capped
+        scores, attention sinks) or with no tokens: keys are then stored as they are."""
+        if not tokens or self.cfg.attn_softcap or self.cfg.attn_sinks:
+            return None
+        n = len(tokens)
+        cache = self.new_cache(n, dtype=torch.bfloat16)
+        ids = torch.tensor(list(tokens), dtype=torch.long)
+        self.forward(ids, torch.arange(n), cache, logits_rows=slice(n - 1, n))
+        cache.commit()
+        # in float64, where a sum of bfloat16 values is exact: the same offsets whatever the threads
+        return [cache.keys(i, n).double().mean(1).float().contiguous() for i in range(len(self.layers))]
+
+    def set_key_offsets(self, offsets: Sequence[torch.Tensor] | None) -> None:
+        """Set the layers' key offsets (`measure_key_offsets`' or read back from disk; None: none)."""
+        if offsets is not None:
+            shape = (self.cfg.num_kv_heads, self.cfg.head_dim)
+            if len(offsets) != len(self.layers) or any(tuple(o.shape) != shape or o.dtype != torch.float32
+                                                       for o in offsets):
+                raise ValueError(f"key offsets must be {len(self.layers)} float32 tensors of shape {shape}")
+        for i, layer in enumerate(self.layers):
+            layer.k_offset = None if offsets is None else offsets[i].contiguous()
         self._step_plan, self._step_head = None, None  # the whole-step call takes them when planned
 
     @property
