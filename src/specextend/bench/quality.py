@@ -14,6 +14,9 @@ A scheme may end in `@kv-q8`: those weights with the target's KV cache in q8 (`-
 e.g. `--weights gguf,gguf@kv-q8 --reference gguf --ctx 8192` isolates what the KV cache's
 quantization does at long context (top-1 agreement against float32 then moves by at most the
 disagreement with the `gguf` reference; a float32 reference at 8K+ tokens costs minutes a chunk).
+
+An `act-<rule>[:<types>]` scheme is the float32 model with the linear layers' inputs fake-quantized
+by a rule for the activations (bench/emulate.py): what an arithmetic would cost before it is built.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from tqdm import tqdm
 
 from ..common.errors import UserError
 from ..common.jsonl import read_texts
+from . import emulate
 from .report import write_text_atomic
 
 DEFAULT_WEIGHTS = "float32,bfloat16,gguf,int8,int4"
@@ -180,7 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=None, help="texts to read (default: all)")
     ap.add_argument("--ctx", type=int, default=1024, help="tokens per chunk (default: 1024)")
     ap.add_argument("--chunks", type=int, default=20, help="chunks to score (default: 20)")
-    ap.add_argument("--weights", default=DEFAULT_WEIGHTS, help=f"schemes, comma-separated (default: {DEFAULT_WEIGHTS})")
+    ap.add_argument("--weights", default=DEFAULT_WEIGHTS,
+                    help="schemes, comma-separated: a --weights name, NAME@kv-q8 (that KV cache), or act-RULE[:TYPES] "
+                         f"(the float32 model, activations fake-quantized: {', '.join(emulate.RULES)}; TYPES "
+                         f"K-quants joined by +) (default: {DEFAULT_WEIGHTS})")
     ap.add_argument("--reference", default="float32",
                     help="the scheme the others are compared with (default: float32)")
     ap.add_argument("--llamacpp", action="store_true", help="also run llama.cpp's llama-perplexity (make peers)")
@@ -199,7 +206,9 @@ def main(argv: list[str] | None = None) -> int:
 def _load_options(scheme: str) -> dict[str, str]:
     """The target's load options for a scheme: float64 and bfloat16 compute in their own dtype,
     every other scheme in float32 (quantized weights) or its own (float16, via the scheme); a
-    `@kv-<kind>` suffix sets the KV cache's kind."""
+    `@kv-<kind>` suffix sets the KV cache's kind; an `act-` scheme is the float32 model (emulate.py)."""
+    if emulate.parse(scheme) is not None:
+        return {"dtype": "float32", "weights": "float32", "kv_cache": "bf16"}
     weights, _, kv = scheme.partition("@kv-")
     return {"dtype": weights if weights in ("float64", "bfloat16") else "float32", "weights": weights,
             "kv_cache": kv or "bf16"}
@@ -228,6 +237,7 @@ def _llamacpp_rows(target: str | None, text: str, ctx: int, chunks: int, kv_type
 def _run(a: argparse.Namespace) -> int:
     from .. import api
     from ..models.resolve import LoadOptions
+    from .llamacpp import gguf_for
 
     schemes = [w.strip() for w in a.weights.split(",") if w.strip()]
     for w in schemes:
@@ -249,10 +259,14 @@ def _run(a: argparse.Namespace) -> int:
 
     ref_scores: Scored | None = None
     rows = []
+    # the GGUF's tensor types, which the `act-` schemes' rules go by
+    types = emulate.gguf_types(gguf_for(a.target, "target")) if any(map(emulate.parse, schemes)) else {}
     LoadOptions(**_load_options(a.reference))
     for w in [a.reference] + [s for s in schemes if s != a.reference]:
         t0 = time.perf_counter()
         model = api.load(folder, load_draft=False, progress=False, **_load_options(w)).target
+        if emulate.parse(w) is not None:
+            emulate.apply(model, w, types)
         sc = score(model, chunks, progress=f"quality {model.weights}")
         del model
         row: dict[str, Any] = {"weights": w, "perplexity": sc.perplexity, "seconds": time.perf_counter() - t0}
