@@ -8,7 +8,7 @@ read in one causal pass and its second half is scored (every position predicts t
 which is how llama.cpp's `llama-perplexity` scores a file, so `--llamacpp` runs that tool on the
 same text beside ours. The reference is the float32 model (a GGUF's weights dequantised exactly);
 for every scheme the report gives perplexity, its change against the reference and next-token
-top-1 agreement with the reference. Writes `quality.json` and `quality.md` into `--out`.
+top-1 agreement with the reference (± its standard error). Writes `quality.json` and `quality.md` into `--out`.
 
 A scheme may end in `@kv-q8`: those weights with the target's KV cache in q8 (`--kv-cache q8`),
 e.g. `--weights gguf,gguf@kv-q8 --reference gguf --ctx 8192` isolates what the KV cache's
@@ -93,6 +93,13 @@ def score(model: Any, chunks: list[torch.Tensor], piece: int = 256, progress: st
     return Scored(torch.cat(logprobs), torch.cat(top1))
 
 
+def top1_agreement(top1: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    """The share of positions whose top-1 choice is the reference's, and its standard error (a binomial
+    share's, as llama-perplexity prints its own): on 4,088 predictions at 98.6%, ±0.18 points."""
+    p = float((top1 == ref).double().mean())
+    return {"top1_agreement": p, "top1_stderr": math.sqrt(p * (1 - p) / top1.numel())}
+
+
 LLAMACPP_KV = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1", "f32")
 
 
@@ -171,7 +178,9 @@ def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "|---|---:|---:|---:|---:|",
     ]
     for r in rows:
-        agree = "–" if r.get("top1_agreement") is None else f"{100 * r['top1_agreement']:.1f}%"
+        agree = "–" if r.get("top1_agreement") is None else f"{100 * r['top1_agreement']:.2f}%"
+        if r.get("top1_stderr") is not None:
+            agree += f" ± {100 * r['top1_stderr']:.2f}"
         change = "–" if r.get("perplexity_change") is None else f"{100 * r['perplexity_change']:+.2f}%"
         lines.append(f"| {r['weights']} | {r['perplexity']:.4f} | {change} | {agree} | {r['seconds']:.0f} |")
     return "\n".join(lines) + "\n"
@@ -229,7 +238,7 @@ def _llamacpp_rows(target: str | None, text: str, ctx: int, chunks: int, kv_type
             # here is computed apart from the first run's final estimate, so only the ratio compares
             row["weights"] += f" (change and top-1 against its KV {base})"
             row["perplexity_change"] = lc["perplexity_ratio_to_base"] - 1
-            row["top1_agreement"] = lc["top1_agreement"]
+            row["top1_agreement"], row["top1_stderr"] = lc["top1_agreement"], lc.get("top1_stderr")
         rows.append(row)
     return rows
 
@@ -274,7 +283,7 @@ def _run(a: argparse.Namespace) -> int:
             ref_scores = sc
         else:
             row["perplexity_change"] = sc.perplexity / ref_scores.perplexity - 1
-            row["top1_agreement"] = float((sc.top1 == ref_scores.top1).double().mean())
+            row.update(top1_agreement(sc.top1, ref_scores.top1))
         if w in schemes:
             rows.append(row)
         print(f"specextend quality: {w}: perplexity {sc.perplexity:.4f}", file=sys.stderr, flush=True)
