@@ -78,9 +78,6 @@ def calibrate(model: Transformer, tokenizer: Any, folder: Path, scheme: str) -> 
     from .loader import derived_path
 
     tokens = tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False)
-    if model.cfg.attn_softcap or model.cfg.attn_sinks:  # no offsets there: nothing to measure
-        model.set_key_offsets(None)
-        return
     key = hashlib.sha256(repr((list(tokens), model.cfg, arithmetic_version())).encode()).hexdigest()[:16]
     path = derived_path(folder, f"{scheme}-key-offsets-{key}")
     stored = _read(path, len(model.layers))
@@ -90,7 +87,7 @@ def calibrate(model: Transformer, tokenizer: Any, folder: Path, scheme: str) -> 
             return
         except ValueError as e:
             print(f"specextend: measuring the key offsets again ({path.name}: {e})", file=sys.stderr)
-    offsets = model.measure_key_offsets(tokens)
+    offsets = model.measure_key_offsets(tokens)  # None (nothing to keep) under soft caps or sinks
     model.set_key_offsets(offsets)
     if offsets is not None:
         _write(path, offsets)
