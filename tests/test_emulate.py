@@ -89,6 +89,8 @@ def test_the_quality_bench_scores_each_rule_on_a_gguf(tmp_path, capsys) -> None:
     assert all(r["top1_stderr"] >= 0 for r in rows.values()) and " ± " in (tmp_path / "q" / "quality.md").read_text()
     got = quality.top1_agreement(torch.tensor([1, 2, 3, 4]), torch.tensor([1, 2, 3, 0]))
     assert got == {"top1_agreement": 0.75, "top1_stderr": pytest.approx(math.sqrt(0.75 * 0.25 / 4))}
+    argv[argv.index("--weights") + 1] = "float32"  # an emulated reference, the others not
+    assert quality.main([*argv, "--reference", "act-p32"]) == 0
     assert quality.main([*argv[:-4], "--weights", "act-k256:Q8_0", "--out", str(tmp_path / "e")]) == 2
     assert "not a K-quant type" in capsys.readouterr().err
     # A dropped emulated model is freed at once (the bench loads one scheme's float32 model after another).

@@ -269,14 +269,15 @@ def _run(a: argparse.Namespace) -> int:
     ref_scores: Scored | None = None
     rows = []
     # the GGUF's tensor types, which the `act-` schemes' rules go by
-    types = emulate.gguf_types(gguf_for(a.target, "target")) if any(map(emulate.parse, schemes)) else {}
+    emulated = any(map(emulate.parse, [a.reference, *schemes]))
+    types = emulate.gguf_types(gguf_for(a.target, "target")) if emulated else {}
     LoadOptions(**_load_options(a.reference))
     for w in [a.reference] + [s for s in schemes if s != a.reference]:
         t0 = time.perf_counter()
         model = api.load(folder, load_draft=False, progress=False, **_load_options(w)).target
         if emulate.parse(w) is not None:
             emulate.apply(model, w, types)
-        sc = score(model, chunks, progress=f"quality {model.weights}")
+        sc = score(model, chunks, progress=f"quality {w if emulate.parse(w) else model.weights}")
         del model
         row: dict[str, Any] = {"weights": w, "perplexity": sc.perplexity, "seconds": time.perf_counter() - t0}
         if ref_scores is None:
