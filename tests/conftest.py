@@ -5,6 +5,7 @@ model cache of each test's own (`isolated_home`); `SpecEngine.generate` for engi
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -42,6 +43,32 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault(USER_COSTS_ENV, str(costmodel.cache_dir()))
     os.environ["SPECEXTEND_COST_CACHE"] = tempfile.mkdtemp(prefix="specextend-costs-")
     SpecEngine.generate = generate  # type: ignore[attr-defined]
+    if not hasattr(config, "workerinput"):  # the controlling process (or the only one)
+        config.stash[DERIVED_BEFORE] = _derived_entries()
+
+
+# What the user's cache held under derived/ before the session: a model a test loads from a temporary
+# folder (outside SPECEXTEND_HOME) keeps its derived weights and key offsets there, under a key of that
+# folder's path, which no later run asks for again. The session removes what it added (caches only: a
+# process that wanted one computes it again).
+DERIVED_BEFORE = pytest.StashKey[tuple[Path, set[str]]]()
+
+
+def _derived_entries() -> tuple[Path, set[str]]:
+    from specextend.models.pull import specextend_home
+
+    folder = specextend_home() / "derived"
+    return folder, {p.name for p in folder.iterdir()} if folder.is_dir() else set()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if DERIVED_BEFORE not in session.config.stash:
+        return
+    folder, before = session.config.stash[DERIVED_BEFORE]
+    if folder.is_dir():
+        for entry in folder.iterdir():
+            if entry.name not in before:
+                shutil.rmtree(entry, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
