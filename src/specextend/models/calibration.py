@@ -16,7 +16,6 @@ depend on: the text's tokens, the model's config and weight scheme, the kernels'
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 if TYPE_CHECKING:
     from ..runtime.transformer import Transformer
@@ -105,13 +104,11 @@ def _read(path: Path, layers: int) -> list[torch.Tensor] | None:
 
 
 def _write(path: Path, offsets: Sequence[torch.Tensor]) -> None:
-    """Atomically (another process reads the whole file or none); an unwritable cache measures again."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    """Atomically (`qstore.save_tensors`); an unwritable cache measures again next time."""
+    from .qstore import save_tensors
+
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({f"layer.{i}": o for i, o in enumerate(offsets)}, tmp)
-        os.replace(tmp, path)
+        save_tensors(path, {f"layer.{i}": o for i, o in enumerate(offsets)}, {})
     except OSError as e:
         print(f"specextend: could not keep the key offsets in {path}: {e.strerror}", file=sys.stderr)
-    finally:
-        tmp.unlink(missing_ok=True)
