@@ -8,7 +8,21 @@ read in one causal pass and its second half is scored (every position predicts t
 which is how llama.cpp's `llama-perplexity` scores a file, so `--llamacpp` runs that tool on the
 same text beside ours. The reference is the float32 model (a GGUF's weights dequantised exactly);
 for every scheme the report gives perplexity, its change against the reference and next-token
-top-1 agreement with the reference (± its standard error). Writes `quality.json` and `quality.md` into `--out`.
+top-1 agreement with the reference (± its standard error). Writes `quality.json` and `quality.md` into `--out`,
+and each scheme's per-position scores into `--out`/scores/ (`<scheme>.pt`).
+
+Two arithmetics of one model are compared *paired*, position by position, with `--baseline`: each row then
+gains its top-1 agreement less the baseline's (points) and its perplexity over the baseline's, each ± a standard
+error taken over the chunks (positions within a chunk are not independent): the error of the difference a rule
+judges, where two rows' own errors set side by side say nothing of it (both rows share the reference and most
+positions). The baseline and the reference may be an earlier run's scores file, which pairs runs an environment
+switch sets apart (`SPECEXTEND_K256`):
+
+    python -m specextend.bench.quality --data ... --weights gguf --out results/p32
+    SPECEXTEND_K256=q4k python -m specextend.bench.quality --data ... --weights gguf \\
+        --reference results/p32/scores/float32.pt --baseline results/p32/scores/gguf.pt --out results/k256
+
+A `--weights` entry may be a scores file too: it is compared again, not scored again.
 
 A scheme may end in `@kv-q8`: those weights with the target's KV cache in q8 (`--kv-cache q8`),
 e.g. `--weights gguf,gguf@kv-q8 --reference gguf --ctx 8192` isolates what the KV cache's
@@ -22,6 +36,8 @@ by a rule for the activations (bench/emulate.py): what an arithmetic would cost 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import io
 import json
 import math
 import os
@@ -40,7 +56,7 @@ from tqdm import tqdm
 from ..common.errors import UserError
 from ..common.jsonl import read_texts
 from . import emulate
-from .report import write_text_atomic
+from .report import write_bytes_atomic, write_text_atomic
 
 DEFAULT_WEIGHTS = "float32,bfloat16,gguf,int8,int4"
 
@@ -51,6 +67,7 @@ class Scored:
 
     logprob: torch.Tensor  # float64 [positions]
     top1: torch.Tensor  # long [positions]
+    name: str = ""  # the scheme, or the scores file's scheme and path when read from an earlier run
 
     @property
     def perplexity(self) -> float:
@@ -98,6 +115,59 @@ def top1_agreement(top1: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     share's, as llama-perplexity prints its own): on 4,088 predictions at 98.6%, ±0.18 points."""
     p = float((top1 == ref).double().mean())
     return {"top1_agreement": p, "top1_stderr": math.sqrt(p * (1 - p) / top1.numel())}
+
+
+def chunk_mean(d: torch.Tensor, chunks: int) -> tuple[float, float | None]:
+    """The mean of per-position values and its standard error over `chunks` equal chunks (the spread of the
+    chunks' means: positions in one chunk share their context, so they are not independent draws); no error
+    from one chunk."""
+    means = d.double().reshape(chunks, -1).mean(1)
+    se = float(means.std() / math.sqrt(chunks)) if chunks > 1 else None
+    return float(d.double().mean()), se
+
+
+def paired(a: Scored, base: Scored, ref_top1: torch.Tensor, chunks: int) -> dict[str, Any]:
+    """`a` against `base` on the same positions: top-1 agreement with the reference less the baseline's
+    (a share; x100 for points), perplexity over the baseline's, the share of top-1 choices that differ,
+    each mean with its standard error over chunks."""
+    if a.logprob.shape != base.logprob.shape:
+        raise UserError(f"{a.name} and {base.name} scored different positions")
+    delta, delta_se = chunk_mean((a.top1 == ref_top1).double() - (base.top1 == ref_top1).double(), chunks)
+    log_ratio, log_se = chunk_mean(base.logprob - a.logprob, chunks)
+    ratio = math.exp(log_ratio)
+    return {"baseline": base.name, "top1_delta": delta, "top1_delta_stderr": delta_se,
+            "perplexity_ratio": ratio, "perplexity_ratio_stderr": None if log_se is None else ratio * log_se,
+            "top1_changed": float((a.top1 != base.top1).double().mean())}
+
+
+def chunks_digest(chunks: list[torch.Tensor]) -> str:
+    """What a saved score's positions are: the chunks' tokens (so the data, --ctx and --chunks)."""
+    return hashlib.sha256(torch.stack(chunks).to(torch.int64).numpy().tobytes()).hexdigest()[:16]
+
+
+def save_scores(folder: Path, sc: Scored, digest: str) -> Path:
+    """A scheme's per-position scores, written atomically, for pairing with later runs."""
+    from ..runtime import kernels
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / (re.sub(r"[^A-Za-z0-9_.+@-]", "_", sc.name) + ".pt")
+    buf = io.BytesIO()
+    torch.save({"scheme": sc.name, "chunks": digest, "arithmetic": kernels.arithmetic_version(),
+                "logprob": sc.logprob, "top1": sc.top1}, buf)
+    write_bytes_atomic(path, buf.getvalue())
+    return path
+
+
+def load_scores(path: Path, digest: str) -> Scored:
+    """Scores an earlier run saved (save_scores), refused unless they are of these chunks."""
+    try:
+        d = torch.load(path, map_location="cpu", weights_only=True)
+        name, logprob, top1 = f"{d['scheme']} ({path}, arithmetic {d['arithmetic']})", d["logprob"], d["top1"]
+    except Exception as e:  # a truncated, foreign or missing file: one clear error, not a traceback
+        raise UserError(f"{path}: not a scores file of bench.quality ({type(e).__name__}: {e})") from None
+    if d["chunks"] != digest:
+        raise UserError(f"{path} scored other chunks (its data, --ctx, --chunks or --samples differ from this run's)")
+    return Scored(logprob, top1, name)
 
 
 LLAMACPP_KV = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1", "f32")
@@ -168,21 +238,38 @@ def llamacpp_perplexity(gguf: Path, text: str, ctx: int, chunks: int, threads: i
     return results
 
 
+def _pm(value: float, se: float | None, scale: float, fmt: str) -> str:
+    return format(scale * value, fmt) + ("" if se is None else " ± " + format(scale * se, fmt.lstrip("+")))
+
+
 def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     ref = meta.get("reference", "float32")
+    base = meta.get("baseline")
     lines = [
         f"Teacher-forced on {meta['chunks']} chunks x {meta['scored_per_chunk']} scored positions "
         f"({meta['positions']} predictions; {meta['tokens']} tokens of {meta['data']}), ctx {meta['ctx']}.",
-        "",
-        f"| weights | perplexity | change vs {ref} | top-1 agreement with {ref} | seconds |",
-        "|---|---:|---:|---:|---:|",
     ]
+    if base:
+        lines.append(f"Paired against {base}: each error over the {meta['chunks']} chunks.")
+    head = f"| weights | perplexity | change vs {ref} | top-1 agreement with {ref} |"
+    rule = "|---|---:|---:|---:|"
+    if base:
+        head += " top-1 vs baseline, points | perplexity / baseline's | top-1 changed |"
+        rule += "---:|---:|---:|"
+    lines += ["", head + " seconds |", rule + "---:|"]
     for r in rows:
         agree = "–" if r.get("top1_agreement") is None else f"{100 * r['top1_agreement']:.2f}%"
         if r.get("top1_stderr") is not None:
             agree += f" ± {100 * r['top1_stderr']:.2f}"
         change = "–" if r.get("perplexity_change") is None else f"{100 * r['perplexity_change']:+.2f}%"
-        lines.append(f"| {r['weights']} | {r['perplexity']:.4f} | {change} | {agree} | {r['seconds']:.0f} |")
+        line = f"| {r['weights']} | {r['perplexity']:.4f} | {change} | {agree} |"
+        if base:
+            pr = r.get("paired")
+            line += (" – | – | – |" if pr is None else
+                     f" {_pm(pr['top1_delta'], pr['top1_delta_stderr'], 100, '+.2f')} |"
+                     f" {_pm(pr['perplexity_ratio'], pr['perplexity_ratio_stderr'], 1, '.4f')} |"
+                     f" {100 * pr['top1_changed']:.2f}% |")
+        lines.append(line + f" {r['seconds']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -194,11 +281,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ctx", type=int, default=1024, help="tokens per chunk (default: 1024)")
     ap.add_argument("--chunks", type=int, default=20, help="chunks to score (default: 20)")
     ap.add_argument("--weights", default=DEFAULT_WEIGHTS,
-                    help="schemes, comma-separated: a --weights name, NAME@kv-q8 (that KV cache), or act-RULE[:TYPES] "
+                    help="schemes, comma-separated: a --weights name, NAME@kv-q8 (that KV cache), an earlier run's "
+                         "scores file (OUT/scores/SCHEME.pt: compared again, not scored again), or act-RULE[:TYPES] "
                          f"(the float32 model, activations fake-quantized: {', '.join(emulate.RULES)}; TYPES "
                          f"K-quants joined by +) (default: {DEFAULT_WEIGHTS})")
     ap.add_argument("--reference", default="float32",
-                    help="the scheme the others are compared with (default: float32)")
+                    help="the scheme the others are compared with, or an earlier run's scores file "
+                         "(OUT/scores/SCHEME.pt) (default: float32)")
+    ap.add_argument("--baseline", default=None,
+                    help="compare each scheme with this one position by position (paired): one of --weights, or "
+                         "an earlier run's scores file (OUT/scores/SCHEME.pt) (default: none)")
     ap.add_argument("--llamacpp", action="store_true", help="also run llama.cpp's llama-perplexity (make peers)")
     ap.add_argument("--llamacpp-kv", default="f16",
                     help="llama.cpp's KV cache types, comma-separated, the first the others' top-1 reference "
@@ -243,14 +335,50 @@ def _llamacpp_rows(target: str | None, text: str, ctx: int, chunks: int, kv_type
     return rows
 
 
+def _scores_file(scheme: str | None) -> Path | None:
+    """A --reference or --baseline that names an earlier run's scores file (`.pt`) rather than a scheme."""
+    return Path(scheme) if scheme and scheme.endswith(".pt") else None
+
+
+def _score_scheme(a: argparse.Namespace, folder: Path, w: str, chunks: list[torch.Tensor],
+                  types: dict[str, str]) -> tuple[Scored, float]:
+    """One scheme's model loaded, scored over the chunks and dropped (one model in memory at a time)."""
+    from .. import api
+
+    t0 = time.perf_counter()
+    model = api.load(folder, load_draft=False, progress=False, **_load_options(w)).target
+    if emulate.parse(w) is not None:
+        emulate.apply(model, w, types)
+    sc = score(model, chunks, progress=f"quality {w if emulate.parse(w) else model.weights}")
+    del model
+    sc.name = w
+    print(f"specextend quality: {w}: perplexity {sc.perplexity:.4f}", file=sys.stderr, flush=True)
+    return sc, time.perf_counter() - t0
+
+
+def _row(w: str, sc: Scored, seconds: float, ref: Scored, base: Scored | None, chunks: int,
+         is_reference: bool) -> dict[str, Any]:
+    row: dict[str, Any] = {"weights": w, "perplexity": sc.perplexity, "seconds": seconds}
+    if not is_reference:
+        row["perplexity_change"] = sc.perplexity / ref.perplexity - 1
+        row.update(top1_agreement(sc.top1, ref.top1))
+    if base is not None and base.name != w:
+        row["paired"] = paired(sc, base, ref.top1, chunks)
+    return row
+
+
 def _run(a: argparse.Namespace) -> int:
     from .. import api
     from ..models.resolve import LoadOptions
     from .llamacpp import gguf_for
 
     schemes = [w.strip() for w in a.weights.split(",") if w.strip()]
-    for w in schemes:
-        LoadOptions(**_load_options(w))
+    ref_file, base_file = _scores_file(a.reference), _scores_file(a.baseline)
+    for w in [*schemes, a.reference]:
+        if _scores_file(w) is None:
+            LoadOptions(**_load_options(w))
+    if a.baseline and not base_file and a.baseline not in schemes:
+        raise UserError(f"--baseline {a.baseline}: not one of --weights ({a.weights}) nor a scores file (.pt)")
     kv_types = tuple(k.strip() for k in a.llamacpp_kv.split(",") if k.strip())
     bad = [k for k in kv_types if k not in LLAMACPP_KV]
     if bad or not kv_types:
@@ -263,36 +391,31 @@ def _run(a: argparse.Namespace) -> int:
     folder = prepared.target_path
     text, ids = token_stream(texts, prepared.tokenizer)
     chunks = chunks_of(ids, a.ctx, a.chunks)
+    digest = chunks_digest(chunks)
+    ref = load_scores(ref_file, digest) if ref_file else None
+    base = load_scores(base_file, digest) if base_file else None
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    ref_scores: Scored | None = None
-    rows = []
     # the GGUF's tensor types, which the `act-` schemes' rules go by
-    emulated = any(map(emulate.parse, [a.reference, *schemes]))
+    emulated = any(emulate.parse(w) for w in [a.reference, *schemes] if _scores_file(w) is None)
     types = emulate.gguf_types(gguf_for(a.target, "target")) if emulated else {}
-    LoadOptions(**_load_options(a.reference))
-    for w in [a.reference] + [s for s in schemes if s != a.reference]:
-        t0 = time.perf_counter()
-        model = api.load(folder, load_draft=False, progress=False, **_load_options(w)).target
-        if emulate.parse(w) is not None:
-            emulate.apply(model, w, types)
-        sc = score(model, chunks, progress=f"quality {w if emulate.parse(w) else model.weights}")
-        del model
-        row: dict[str, Any] = {"weights": w, "perplexity": sc.perplexity, "seconds": time.perf_counter() - t0}
-        if ref_scores is None:
-            ref_scores = sc
-        else:
-            row["perplexity_change"] = sc.perplexity / ref_scores.perplexity - 1
-            row.update(top1_agreement(sc.top1, ref_scores.top1))
-        if w in schemes:
-            rows.append(row)
-        print(f"specextend quality: {w}: perplexity {sc.perplexity:.4f}", file=sys.stderr, flush=True)
+    scored: dict[str, tuple[Scored, float]] = {}
+    for w in ([] if ref_file else [a.reference]) + [s for s in schemes if s != a.reference]:
+        if _scores_file(w) is not None:  # an earlier run's: paired again, not scored again
+            scored[w] = (load_scores(Path(w), digest), 0.0)
+            continue
+        scored[w] = _score_scheme(a, folder, w, chunks, types)
+        save_scores(out / "scores", scored[w][0], digest)
+    ref = ref or scored[a.reference][0]
+    base = base or (scored[a.baseline][0] if a.baseline else None)
+    rows = [_row(w, *scored[w], ref, base, a.chunks, w == a.reference) for w in schemes]
     if a.llamacpp:
-        rows += _llamacpp_rows(a.target, text, a.ctx, a.chunks, kv_types, ref_scores.perplexity, out)
+        rows += _llamacpp_rows(a.target, text, a.ctx, a.chunks, kv_types, ref.perplexity, out)
     meta = {"data": a.data, "tokens": len(ids), "ctx": a.ctx, "chunks": a.chunks,
-            "scored_per_chunk": a.ctx - a.ctx // 2 - 1, "positions": int(ref_scores.logprob.numel()),
-            "target": str(folder), "reference": a.reference}
+            "scored_per_chunk": a.ctx - a.ctx // 2 - 1, "positions": int(ref.logprob.numel()),
+            "target": str(folder), "reference": ref.name, "baseline": None if base is None else base.name,
+            "chunks_digest": digest}
     write_text_atomic(out / "quality.json", json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     md = report(rows, meta)
     write_text_atomic(out / "quality.md", md)

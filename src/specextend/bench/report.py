@@ -400,6 +400,16 @@ def write_text_atomic(path: Path, text: str) -> None:
     _atomic(path, write)
 
 
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
+    _atomic(path, write)
+
+
 def write_report(out_dir: Path, rows: list[dict[str, Any]], plots: bool = True) -> str:
     """summary.md (and, with `plots`, speedup.png and accepted.png) in `out_dir`; returns the
     summary's markdown."""
