@@ -31,8 +31,10 @@ def test_a_paired_difference_and_its_error_come_from_the_chunks() -> None:
     assert got["perplexity_ratio"] == pytest.approx(math.exp(-float(a.logprob.mean())) /
                                                     math.exp(-float(base.logprob.mean())))
     assert got["baseline"] == "b"
-    # One chunk: a mean but no error to give.
+    # One short chunk: a mean but no error to give; a long one: runs of ~512 positions give it.
     assert quality.chunk_mean(torch.tensor([1.0, 0.0]), 1) == (0.5, None)
+    long = torch.cat([torch.ones(512), torch.zeros(512)])
+    assert quality.chunk_mean(long, 1) == (0.5, pytest.approx(torch.tensor([1.0, 0.0]).std().item() / math.sqrt(2)))
     with pytest.raises(UserError, match="different positions"):
         quality.paired(a, _scored([1], [-1.0], "c"), ref, 2)
 

@@ -13,7 +13,8 @@ and each scheme's per-position scores into `--out`/scores/ (`<scheme>.pt`).
 
 Two arithmetics of one model are compared *paired*, position by position, with `--baseline`: each row then
 gains its top-1 agreement less the baseline's (points) and its perplexity over the baseline's, each ± a standard
-error taken over the chunks (positions within a chunk are not independent): the error of the difference a rule
+error from runs of ~512 consecutive positions (a chunk at --ctx 1024; positions that share their context are not
+independent draws): the error of the difference a rule
 judges, where two rows' own errors set side by side say nothing of it (both rows share the reference and most
 positions). The baseline and the reference may be an earlier run's scores file, which pairs runs an environment
 switch sets apart (`SPECEXTEND_K256`):
@@ -30,7 +31,8 @@ quantization does at long context (top-1 agreement against float32 then moves by
 disagreement with the `gguf` reference; a float32 reference at 8K+ tokens costs minutes a chunk).
 
 An `act-<rule>[:<types>]` scheme is the float32 model with the linear layers' inputs fake-quantized
-by a rule for the activations (bench/emulate.py): what an arithmetic would cost before it is built.
+by a rule for the activations (bench/emulate.py): what an arithmetic would cost before it is built;
+`float32@scores-q8` or `act-<rule>@scores-q8` emulates attention scores from int8 queries and keys.
 """
 
 from __future__ import annotations
@@ -117,19 +119,24 @@ def top1_agreement(top1: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     return {"top1_agreement": p, "top1_stderr": math.sqrt(p * (1 - p) / top1.numel())}
 
 
+RUN = 512  # positions a run of the paired errors' batch means holds (about a chunk's at the default --ctx 1024)
+
+
 def chunk_mean(d: torch.Tensor, chunks: int) -> tuple[float, float | None]:
-    """The mean of per-position values and its standard error over `chunks` equal chunks (the spread of the
-    chunks' means: positions in one chunk share their context, so they are not independent draws); no error
-    from one chunk."""
-    means = d.double().reshape(chunks, -1).mean(1)
-    se = float(means.std() / math.sqrt(chunks)) if chunks > 1 else None
+    """The mean of per-position values and its standard error from the means of runs of ~RUN consecutive
+    positions inside each of `chunks` equal chunks (batch means: positions that share their context are not
+    independent draws, runs of hundreds nearly are); no error from one run."""
+    per_chunk = d.numel() // chunks
+    runs = [part.double().mean() for c in d.reshape(chunks, per_chunk)
+            for part in torch.tensor_split(c, max(1, per_chunk // RUN))]
+    se = float(torch.stack(runs).std() / math.sqrt(len(runs))) if len(runs) > 1 else None
     return float(d.double().mean()), se
 
 
 def paired(a: Scored, base: Scored, ref_top1: torch.Tensor, chunks: int) -> dict[str, Any]:
     """`a` against `base` on the same positions: top-1 agreement with the reference less the baseline's
     (a share; x100 for points), perplexity over the baseline's, the share of top-1 choices that differ,
-    each mean with its standard error over chunks."""
+    each mean with its standard error (chunk_mean's)."""
     if a.logprob.shape != base.logprob.shape:
         raise UserError(f"{a.name} and {base.name} scored different positions")
     delta, delta_se = chunk_mean((a.top1 == ref_top1).double() - (base.top1 == ref_top1).double(), chunks)
@@ -250,7 +257,7 @@ def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"({meta['positions']} predictions; {meta['tokens']} tokens of {meta['data']}), ctx {meta['ctx']}.",
     ]
     if base:
-        lines.append(f"Paired against {base}: each error over the {meta['chunks']} chunks.")
+        lines.append(f"Paired against {base}: each error from the means of runs of ~{RUN} consecutive predictions.")
     head = f"| weights | perplexity | change vs {ref} | top-1 agreement with {ref} |"
     rule = "|---|---:|---:|---:|"
     if base:
@@ -284,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="schemes, comma-separated: a --weights name, NAME@kv-q8 (that KV cache), an earlier run's "
                          "scores file (OUT/scores/SCHEME.pt: compared again, not scored again), or act-RULE[:TYPES] "
                          f"(the float32 model, activations fake-quantized: {', '.join(emulate.RULES)}; TYPES "
-                         f"K-quants joined by +) (default: {DEFAULT_WEIGHTS})")
+                         f"K-quants joined by +); a float or act- scheme may end in {emulate.SCORES_Q8} (int8 "
+                         f"attention scores, emulated) (default: {DEFAULT_WEIGHTS})")
     ap.add_argument("--reference", default="float32",
                     help="the scheme the others are compared with, or an earlier run's scores file "
                          "(OUT/scores/SCHEME.pt) (default: float32)")
@@ -307,9 +315,14 @@ def main(argv: list[str] | None = None) -> int:
 def _load_options(scheme: str) -> dict[str, str]:
     """The target's load options for a scheme: float64 and bfloat16 compute in their own dtype,
     every other scheme in float32 (quantized weights) or its own (float16, via the scheme); a
-    `@kv-<kind>` suffix sets the KV cache's kind; an `act-` scheme is the float32 model (emulate.py)."""
+    `@kv-<kind>` suffix sets the KV cache's kind; an `act-` scheme is the float32 model (emulate.py), and
+    `@scores-q8` keeps its scheme's options (a float one's)."""
+    scheme, int8_scores = emulate.split_scores(scheme)
     if emulate.parse(scheme) is not None:
         return {"dtype": "float32", "weights": "float32", "kv_cache": "bf16"}
+    if int8_scores and scheme not in ("float32", "float64"):
+        raise UserError(f"{scheme}{emulate.SCORES_Q8}: int8 scores are emulated on float32, float64 and act- "
+                        "schemes only")
     weights, _, kv = scheme.partition("@kv-")
     return {"dtype": weights if weights in ("float64", "bfloat16") else "float32", "weights": weights,
             "kv_cache": kv or "bf16"}
@@ -340,16 +353,19 @@ def _scores_file(scheme: str | None) -> Path | None:
     return Path(scheme) if scheme and scheme.endswith(".pt") else None
 
 
-def _score_scheme(a: argparse.Namespace, folder: Path, w: str, chunks: list[torch.Tensor],
-                  types: dict[str, str]) -> tuple[Scored, float]:
+def _score_scheme(folder: Path, w: str, chunks: list[torch.Tensor], types: dict[str, str],
+                  calibration_tokens: list[int]) -> tuple[Scored, float]:
     """One scheme's model loaded, scored over the chunks and dropped (one model in memory at a time)."""
     from .. import api
 
     t0 = time.perf_counter()
     model = api.load(folder, load_draft=False, progress=False, **_load_options(w)).target
-    if emulate.parse(w) is not None:
-        emulate.apply(model, w, types)
-    sc = score(model, chunks, progress=f"quality {w if emulate.parse(w) else model.weights}")
+    rule, int8_scores = emulate.split_scores(w)
+    if emulate.parse(rule) is not None:
+        emulate.apply(model, rule, types)
+    if int8_scores:
+        emulate.apply_scores_q8(model, calibration_tokens)
+    sc = score(model, chunks, progress=f"quality {w if emulate.parse(rule) or int8_scores else model.weights}")
     del model
     sc.name = w
     print(f"specextend quality: {w}: perplexity {sc.perplexity:.4f}", file=sys.stderr, flush=True)
@@ -369,6 +385,7 @@ def _row(w: str, sc: Scored, seconds: float, ref: Scored, base: Scored | None, c
 
 def _run(a: argparse.Namespace) -> int:
     from .. import api
+    from ..models.calibration import CALIBRATION_TEXT
     from ..models.resolve import LoadOptions
     from .llamacpp import gguf_for
 
@@ -398,14 +415,15 @@ def _run(a: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     # the GGUF's tensor types, which the `act-` schemes' rules go by
-    emulated = any(emulate.parse(w) for w in [a.reference, *schemes] if _scores_file(w) is None)
+    emulated = any(emulate.parse(emulate.split_scores(w)[0]) for w in [a.reference, *schemes] if not _scores_file(w))
     types = emulate.gguf_types(gguf_for(a.target, "target")) if emulated else {}
+    calibration = prepared.tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False)
     scored: dict[str, tuple[Scored, float]] = {}
     for w in ([] if ref_file else [a.reference]) + [s for s in schemes if s != a.reference]:
         if _scores_file(w) is not None:  # an earlier run's: paired again, not scored again
             scored[w] = (load_scores(Path(w), digest), 0.0)
             continue
-        scored[w] = _score_scheme(a, folder, w, chunks, types)
+        scored[w] = _score_scheme(folder, w, chunks, types, calibration)
         save_scores(out / "scores", scored[w][0], digest)
     ref = ref or scored[a.reference][0]
     base = base or (scored[a.baseline][0] if a.baseline else None)
