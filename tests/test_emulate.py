@@ -8,6 +8,7 @@ import gc
 import json
 import math
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -105,3 +106,41 @@ def test_the_quality_bench_scores_each_rule_on_a_gguf(tmp_path, capsys) -> None:
         assert gone() is None
     finally:
         gc.enable()
+
+
+def test_int8_scores_quantize_queries_and_keys_less_the_offset_per_32_dimensions() -> None:
+    torch.manual_seed(0)
+    block = SimpleNamespace(k_offset=torch.randn(2, 64) * 4)
+    q, k = torch.randn(4, 3, 64), (block.k_offset.unsqueeze(1) + 0.1 * torch.randn(2, 5, 64)).bfloat16()
+    v = torch.randn(2, 5, 64).bfloat16()
+    gq, gk, gv = emulate.scores_q8(block, q, k, v)
+    assert gq.dtype == gk.dtype == gv.dtype == torch.float32 and torch.equal(gv, v.float())
+    for x, got in ((q, gq), (k.float() - block.k_offset.unsqueeze(1), gk - block.k_offset.unsqueeze(1))):
+        groups = x.reshape(-1, 32)
+        step = groups.abs().amax(-1, keepdim=True) / 127
+        codes = got.reshape(-1, 32) / step
+        assert torch.allclose(codes, codes.round(), atol=1e-3) and codes.abs().max() <= 127 + 1e-3
+        assert (got.reshape(-1, 32) - groups).abs().max() <= step.max() / 2 + 1e-6
+    # Without the offset the keys' shared part would take each group's scale: 30x coarser here.
+    assert (gk - k.float()).abs().max() < (emulate._along_dims(k.float()) - k.float()).abs().max() / 10
+    assert emulate.split_scores("act-p32@scores-q8") == ("act-p32", True)
+    assert emulate.split_scores("gguf@kv-q8") == ("gguf@kv-q8", False)
+
+
+def test_the_quality_bench_emulates_int8_scores_on_float_models(tmp_path, capsys) -> None:
+    write_tiny_gguf(tmp_path / "tok.gguf")
+    config = {"model_type": "qwen2", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+    target = gguf_files.write_random(tmp_path / "r.gguf", config, "Q4_K_M", tmp_path / "tok.gguf", progress=False)
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"text": f"the {i} report says " * 30}) for i in range(4)) + "\n")
+    argv = ["--target", str(target), "--data", str(data), "--ctx", "64", "--chunks", "2", "--baseline", "float32",
+            "--weights", "float32,float32@scores-q8,act-p32@scores-q8", "--out", str(tmp_path / "q")]
+    assert quality.main(argv) == 0
+    rows = {r["weights"]: r for r in json.loads((tmp_path / "q" / "quality.json").read_text())["rows"]}
+    assert rows["float32@scores-q8"]["perplexity"] != rows["float32"]["perplexity"]
+    assert rows["float32@scores-q8"]["paired"]["perplexity_ratio"] != 1.0
+    assert rows["act-p32@scores-q8"]["perplexity"] != rows["float32@scores-q8"]["perplexity"]
+    argv[argv.index("--weights") + 1] = "gguf@scores-q8"
+    assert quality.main([*argv[:-2], "--out", str(tmp_path / "e")]) == 2
+    assert "emulated on float32, float64 and act- schemes only" in capsys.readouterr().err

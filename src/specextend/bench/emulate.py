@@ -15,6 +15,10 @@ other slice keeps the kernels' per-32 activations:
   with e = min(3, floor(log2(256-max / 32-max))): a small group keeps its precision, and every integer
   sum still closes with one float step a super-block (a shift of the codes, not a second scale).
 A scale is the group's largest magnitude over 127, each value rounded to the nearest code.
+
+A scheme may end in `@scores-q8` (`float32@scores-q8`, `act-p32@scores-q8`): attention's scores from int8
+queries and keys, each with one scale per 32 of a head's dimensions, the keys less the layer's offset (a q8 KV
+cache's, measured on the model as `--kv-cache q8` does) before they are quantized; the values as they are.
 """
 
 from __future__ import annotations
@@ -50,6 +54,43 @@ def stepped(x: torch.Tensor, max_step: int = MAX_STEP) -> torch.Tensor:
     step = block_max / 127.0 / torch.pow(2.0, e)
     inv = torch.where(step != 0, 1.0 / step, torch.zeros_like(step))
     return (torch.clamp(torch.round(blocks * inv), -127, 127) * step).reshape(x.shape)
+
+
+SCORES_Q8 = "@scores-q8"
+
+
+def split_scores(scheme: str) -> tuple[str, bool]:
+    """(the scheme without `@scores-q8`, whether it ended in it)."""
+    if scheme.endswith(SCORES_Q8):
+        return scheme[: -len(SCORES_Q8)], True
+    return scheme, False
+
+
+def scores_q8(block: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A block's attention inputs as int8 scores see them (`Block.score_inputs`): q [heads, rows, head_dim]
+    and k [kv_heads, keys, head_dim] per 32 dimensions, k less the layer's offset first; all three in the
+    query's dtype (a float32 model's keys and values come from a bfloat16 cache)."""
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    c = block.k_offset.to(q.dtype).unsqueeze(1)  # [kv_heads, 1, head_dim]
+    return _along_dims(q), _along_dims(k - c) + c, v
+
+
+def _along_dims(x: torch.Tensor) -> torch.Tensor:
+    return per_group(x.reshape(-1, x.shape[-1]), 32).reshape(x.shape)
+
+
+def apply_scores_q8(model: nn.Module, calibration_tokens: list[int]) -> None:
+    """Give every block of `model` (a float Transformer's: attention in Python) the int8 scores, with the
+    key offsets a q8 cache would use measured on these tokens (models/calibration.py's text)."""
+    if model.rowwise_attention:
+        raise UserError(f"{SCORES_Q8} is emulated on float models only (float32, float64, act- schemes)")
+    offsets = model.measure_key_offsets(calibration_tokens, dtype=None)
+    if offsets is None:
+        raise UserError(f"{SCORES_Q8}: this model keeps no key offsets (soft-capped scores or attention sinks)")
+    model.set_key_offsets(offsets)
+    for blk in model.layers:
+        blk.score_inputs = scores_q8
 
 
 _RULE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

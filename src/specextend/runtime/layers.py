@@ -9,6 +9,7 @@ sequences (`Block.forward_rows`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -247,6 +248,9 @@ class Block(nn.Module):
         # [kv_heads, head_dim] float32 or None: what a q8 cache's keys are stored less
         # (Transformer.calibrate_key_offset); bfloat16 caches ignore it.
         self.k_offset: torch.Tensor | None = None
+        # (block, q, k, v) -> (q, k, v) just before attention, or None (always, but in bench/emulate.py's
+        # `@scores-q8`: another score arithmetic emulated on a float model, before it is built)
+        self.score_inputs: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         self.workspace = Workspace()  # the model gives all its layers one (Transformer.__init__)
 
     def _act(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -306,6 +310,8 @@ class Block(nn.Module):
             keep_q[self.index] = q
         k_all, v_all, base = cache.write(self.index, k, v)
         k_all, v_all, mask, numbers = self._window(q, k_all, v_all, base, tree_mask, positions)
+        if self.score_inputs is not None:
+            q, k_all, v_all = self.score_inputs(self, q, k_all, v_all)
         a = attend(q, k_all, v_all, mask, backend, self.attn_scale, self.attn_softcap, self.sinks, numbers)
         x = self._residual(x, self.o(a.transpose(0, 1).reshape(t, nh * hd)), self.attn_out_norm)
         if self.moe is not None:

@@ -114,16 +114,17 @@ class Transformer(nn.Module):
         self.set_key_offsets(self.measure_key_offsets(tokens))
 
     @torch.no_grad()
-    def measure_key_offsets(self, tokens: Sequence[int]) -> list[torch.Tensor] | None:
+    def measure_key_offsets(self, tokens: Sequence[int], dtype: torch.dtype | None = torch.bfloat16
+                            ) -> list[torch.Tensor] | None:
         """Each layer's keys' mean over `tokens` ([kv_heads, head_dim] float32), from a bfloat16
-        prefill. Keys share a large component (layer 0's most: Qwen2's key bias among it) that would
+        prefill (`dtype` None: the model's own cache, as a float model's attention in Python reads). Keys share a large component (layer 0's most: Qwen2's key bias among it) that would
         otherwise take each 32-value group's scale; a query's scores then all shift by q.c, which
         softmax ignores, so only the write changes. None where a shift is not ignored (soft-capped
         scores, attention sinks) or with no tokens: keys are then stored as they are."""
         if not tokens or self.cfg.attn_softcap or self.cfg.attn_sinks:
             return None
         n = len(tokens)
-        cache = self.new_cache(n, dtype=torch.bfloat16)
+        cache = self.new_cache(n, dtype=dtype)
         ids = torch.tensor(list(tokens), dtype=torch.long)
         self.forward(ids, torch.arange(n), cache, logits_rows=slice(n - 1, n))
         cache.commit()
