@@ -254,8 +254,12 @@ def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     base = meta.get("baseline")
     lines = [
         f"Teacher-forced on {meta['chunks']} chunks x {meta['scored_per_chunk']} scored positions "
-        f"({meta['positions']} predictions; {meta['tokens']} tokens of {meta['data']}), ctx {meta['ctx']}.",
+        f"({meta['positions']} predictions; {meta['tokens']} tokens of {meta['data']}), ctx {meta['ctx']}; "
+        f"the kernels' arithmetic {meta.get('arithmetic', '?')}.",
     ]
+    if " (" in ref:  # an earlier run's scores: named in full once, by its scheme in the table
+        lines.append(f"Reference: {ref}.")
+        ref = ref.split(" (")[0]
     if base:
         lines.append(f"Paired against {base}: each error from the means of runs of ~{RUN} consecutive predictions.")
     head = f"| weights | perplexity | change vs {ref} | top-1 agreement with {ref} |"
@@ -276,7 +280,7 @@ def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                      f" {_pm(pr['top1_delta'], pr['top1_delta_stderr'], 100, '+.2f')} |"
                      f" {_pm(pr['perplexity_ratio'], pr['perplexity_ratio_stderr'], 1, '.4f')} |"
                      f" {100 * pr['top1_changed']:.2f}% |")
-        lines.append(line + f" {r['seconds']:.0f} |")
+        lines.append(line + (" – |" if r.get("seconds") is None else f" {r['seconds']:.0f} |"))
     return "\n".join(lines) + "\n"
 
 
@@ -372,9 +376,11 @@ def _score_scheme(folder: Path, w: str, chunks: list[torch.Tensor], types: dict[
     return sc, time.perf_counter() - t0
 
 
-def _row(w: str, sc: Scored, seconds: float, ref: Scored, base: Scored | None, chunks: int,
+def _row(w: str, sc: Scored, seconds: float | None, ref: Scored, base: Scored | None, chunks: int,
          is_reference: bool) -> dict[str, Any]:
-    row: dict[str, Any] = {"weights": w, "perplexity": sc.perplexity, "seconds": seconds}
+    """A scheme's row (a scores file's: named by its scheme, file and arithmetic; no seconds)."""
+    row: dict[str, Any] = {"weights": w if seconds is not None else sc.name, "perplexity": sc.perplexity,
+                           "seconds": seconds}
     if not is_reference:
         row["perplexity_change"] = sc.perplexity / ref.perplexity - 1
         row.update(top1_agreement(sc.top1, ref.top1))
@@ -387,6 +393,7 @@ def _run(a: argparse.Namespace) -> int:
     from .. import api
     from ..models.calibration import CALIBRATION_TEXT
     from ..models.resolve import LoadOptions
+    from ..runtime import kernels
     from .llamacpp import gguf_for
 
     schemes = [w.strip() for w in a.weights.split(",") if w.strip()]
@@ -418,10 +425,10 @@ def _run(a: argparse.Namespace) -> int:
     emulated = any(emulate.parse(emulate.split_scores(w)[0]) for w in [a.reference, *schemes] if not _scores_file(w))
     types = emulate.gguf_types(gguf_for(a.target, "target")) if emulated else {}
     calibration = prepared.tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False)
-    scored: dict[str, tuple[Scored, float]] = {}
+    scored: dict[str, tuple[Scored, float | None]] = {}
     for w in ([] if ref_file else [a.reference]) + [s for s in schemes if s != a.reference]:
         if _scores_file(w) is not None:  # an earlier run's: paired again, not scored again
-            scored[w] = (load_scores(Path(w), digest), 0.0)
+            scored[w] = (load_scores(Path(w), digest), None)
             continue
         scored[w] = _score_scheme(folder, w, chunks, types, calibration)
         save_scores(out / "scores", scored[w][0], digest)
@@ -433,7 +440,7 @@ def _run(a: argparse.Namespace) -> int:
     meta = {"data": a.data, "tokens": len(ids), "ctx": a.ctx, "chunks": a.chunks,
             "scored_per_chunk": a.ctx - a.ctx // 2 - 1, "positions": int(ref.logprob.numel()),
             "target": str(folder), "reference": ref.name, "baseline": None if base is None else base.name,
-            "chunks_digest": digest}
+            "chunks_digest": digest, "arithmetic": kernels.arithmetic_version()}
     write_text_atomic(out / "quality.json", json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     md = report(rows, meta)
     write_text_atomic(out / "quality.md", md)
