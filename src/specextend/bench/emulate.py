@@ -33,7 +33,7 @@ from ..common.errors import UserError
 
 K_FAMILY = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
 RULES = ("p32", "k256", "k256s")
-MAX_STEP = 3  # k256s: at most 2^3 finer than the super-block's step (3 bits a group; docs/log/2026-12-q8k.md)
+MAX_STEP = 3  # k256s: at most 2^3 finer than the block's step (exponents 0-3: 2 bits a group; docs/log/2026-12-q8k.md)
 
 
 def per_group(x: torch.Tensor, group: int) -> torch.Tensor:
