@@ -8,6 +8,7 @@ import gc
 import json
 import math
 import weakref
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -70,15 +71,21 @@ def test_a_scheme_names_a_rule_and_k_quant_types_or_is_refused() -> None:
     assert quality._load_options("act-k256") == {"dtype": "float32", "weights": "float32", "kv_cache": "bf16"}
 
 
-def test_the_quality_bench_scores_each_rule_on_a_gguf(tmp_path, capsys) -> None:
+def quality_inputs(tmp_path: Path) -> tuple[Path, Path]:
+    """A random 2-layer Q4_K_M GGUF (Q4_K and Q6_K tensors) and a JSONL of four short texts for bench.quality."""
     write_tiny_gguf(tmp_path / "tok.gguf")
     config = {"model_type": "qwen2", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
     target = gguf_files.write_random(tmp_path / "r.gguf", config, "Q4_K_M", tmp_path / "tok.gguf", progress=False)
-    types = emulate.gguf_types(target)
-    assert {"Q4_K", "Q6_K"} <= set(types.values())
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps({"text": f"the {i} report says " * 30}) for i in range(4)) + "\n")
+    return target, data
+
+
+def test_the_quality_bench_scores_each_rule_on_a_gguf(tmp_path, capsys) -> None:
+    target, data = quality_inputs(tmp_path)
+    types = emulate.gguf_types(target)
+    assert {"Q4_K", "Q6_K"} <= set(types.values())
     schemes = "act-p32,act-k256,act-k256s:Q4_K+Q6_K"
     argv = ["--target", str(target), "--data", str(data), "--ctx", "64", "--chunks", "2", "--weights", schemes,
             "--out", str(tmp_path / "q")]
@@ -128,12 +135,7 @@ def test_int8_scores_quantize_queries_and_keys_less_the_offset_per_32_dimensions
 
 
 def test_the_quality_bench_emulates_int8_scores_on_float_models(tmp_path, capsys) -> None:
-    write_tiny_gguf(tmp_path / "tok.gguf")
-    config = {"model_type": "qwen2", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
-    target = gguf_files.write_random(tmp_path / "r.gguf", config, "Q4_K_M", tmp_path / "tok.gguf", progress=False)
-    data = tmp_path / "d.jsonl"
-    data.write_text("\n".join(json.dumps({"text": f"the {i} report says " * 30}) for i in range(4)) + "\n")
+    target, data = quality_inputs(tmp_path)
     argv = ["--target", str(target), "--data", str(data), "--ctx", "64", "--chunks", "2", "--baseline", "float32",
             "--weights", "float32,float32@scores-q8,act-p32@scores-q8", "--out", str(tmp_path / "q")]
     assert quality.main(argv) == 0

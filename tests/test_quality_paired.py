@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from specextend.bench import gguf_files, quality
+from specextend.bench import quality
 from specextend.common.errors import UserError
-from test_gguf import write_tiny_gguf
+from test_emulate import quality_inputs
 
 
 def _scored(top1: list[int], logprob: list[float], name: str) -> quality.Scored:
@@ -59,12 +59,7 @@ def test_saved_scores_come_back_only_for_the_same_chunks(tmp_path) -> None:
 
 
 def test_a_later_run_pairs_with_an_earlier_runs_scores(tmp_path, capsys) -> None:
-    write_tiny_gguf(tmp_path / "tok.gguf")
-    config = {"model_type": "qwen2", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
-    target = gguf_files.write_random(tmp_path / "r.gguf", config, "Q4_K_M", tmp_path / "tok.gguf", progress=False)
-    data = tmp_path / "d.jsonl"
-    data.write_text("\n".join(json.dumps({"text": f"the {i} report says " * 30}) for i in range(4)) + "\n")
+    target, data = quality_inputs(tmp_path)
     common = ["--target", str(target), "--data", str(data), "--ctx", "64", "--chunks", "2"]
     first = tmp_path / "first"
     assert quality.main([*common, "--weights", "float32,gguf,act-p32", "--baseline", "gguf", "--out", str(first)]) == 0
