@@ -117,10 +117,11 @@ class Transformer(nn.Module):
     def measure_key_offsets(self, tokens: Sequence[int], dtype: torch.dtype | None = torch.bfloat16
                             ) -> list[torch.Tensor] | None:
         """Each layer's keys' mean over `tokens` ([kv_heads, head_dim] float32), from a bfloat16
-        prefill (`dtype` None: the model's own cache, as a float model's attention in Python reads). Keys share a large component (layer 0's most: Qwen2's key bias among it) that would
-        otherwise take each 32-value group's scale; a query's scores then all shift by q.c, which
-        softmax ignores, so only the write changes. None where a shift is not ignored (soft-capped
-        scores, attention sinks) or with no tokens: keys are then stored as they are."""
+        prefill (`dtype` None: the model's own cache, which a float model's attention in Python reads).
+        Keys share a large component (layer 0's most: Qwen2's key bias among it) that would otherwise
+        take each 32-value group's scale; a query's scores then all shift by q.c, which softmax
+        ignores, so only the write changes. None where a shift is not ignored (soft-capped scores,
+        attention sinks) or with no tokens: keys are then stored as they are."""
         if not tokens or self.cfg.attn_softcap or self.cfg.attn_sinks:
             return None
         n = len(tokens)
