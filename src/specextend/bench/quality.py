@@ -365,11 +365,12 @@ def _score_scheme(folder: Path, w: str, chunks: list[torch.Tensor], types: dict[
     t0 = time.perf_counter()
     model = api.load(folder, load_draft=False, progress=False, **_load_options(w)).target
     rule, int8_scores = emulate.split_scores(w)
-    if emulate.parse(rule) is not None:
+    emulated = emulate.parse(rule) is not None
+    if emulated:
         emulate.apply(model, rule, types)
     if int8_scores:
         emulate.apply_scores_q8(model, calibration_tokens)
-    sc = score(model, chunks, progress=f"quality {w if emulate.parse(rule) or int8_scores else model.weights}")
+    sc = score(model, chunks, progress=f"quality {w if emulated or int8_scores else model.weights}")
     del model
     sc.name = w
     print(f"specextend quality: {w}: perplexity {sc.perplexity:.4f}", file=sys.stderr, flush=True)

@@ -391,13 +391,7 @@ def _atomic(path: Path, write: Callable[[str], None]) -> None:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    def write(tmp: str) -> None:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-
-    _atomic(path, write)
+    write_bytes_atomic(path, text.encode("utf-8"))
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
