@@ -37,13 +37,20 @@ WEIGHTS = [("Q4_K", 48, 512), ("Q4_K", 64, 1536), ("Q6_K", 40, 256), ("Q6_K", 35
            ("Q5_0", 33, 64), (4, 48, 896), (4, 40, 96), (8, 32, 160), ("Q4_0", 33, 96), ("Q3_K", 40, 512),
            ("Q4_1", 48, 160), ("IQ4_NL", 32, 64), ("Q5_K", 48, 512), ("IQ4_XS", 35, 768), ("Q5_1", 40, 96),
            ("Q2_K", 48, 512), ("F16", 48, 416), ("BF16", 35, 160), ("F16", 33, 96), ("BF16", 64, 768),
-           ("MXFP4", 40, 896), ("MXFP4", 33, 64)]
+           ("MXFP4", 40, 896), ("MXFP4", 33, 64), ("BF16D", 35, 160), ("BF16D", 64, 768)]
+
+
+def segment(kind: str, n: int, k: int) -> quant.Segment:
+    """A GGUF kind's random blocks as the load keeps them (BF16D: BF16 on bfloat16 products)."""
+    if kind == "BF16D":
+        return quant.bf16_pairs(quant.from_gguf_blocks("BF16", random_blocks("BF16", n, k, seed=n), n, k))
+    return quant.from_gguf_blocks(kind, random_blocks(kind, n, k, seed=n), n, k)
 
 
 def weight(kind: str | int, n: int, k: int) -> quant.QWeight:
     if isinstance(kind, int):
         return quant.quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)), kind)
-    return quant.QWeight(k, [quant.from_gguf_blocks(kind, random_blocks(kind, n, k, seed=n), n, k)])
+    return quant.QWeight(k, [segment(kind, n, k)])
 
 
 def product(w: quant.QWeight, x: torch.Tensor, path: str, **kw) -> torch.Tensor:
@@ -71,11 +78,12 @@ def test_products_equal_the_portable_bits(path: str, kind, n: int, k: int) -> No
 @pytest.mark.skipif(not VECTOR, reason="this CPU has only the portable path")
 @pytest.mark.parametrize("path", VECTOR)
 def test_one_row_over_segments_of_odd_panel_counts(path: str) -> None:
-    """One row takes full panels in pairs on some paths: a pair never spans two segments (three
-    panels of F16, then BF16, then a partial panel of Q8_0 and one of F16), at any thread count."""
+    """One row takes full panels in pairs (float formats) or fours (BF16D) on some paths: a group never
+    spans two segments (three panels of F16, then BF16, five of BF16D, a partial panel of Q8_0, one and
+    a half of BF16D, one of F16), at any thread count."""
     k = 256
-    parts = [("F16", 48), ("BF16", 80), ("Q8_0", 40), ("F16", 24)]
-    w = quant.QWeight(k, [quant.from_gguf_blocks(kind, random_blocks(kind, n, k, seed=n), n, k) for kind, n in parts])
+    parts = [("F16", 48), ("BF16", 80), ("BF16D", 80), ("Q8_0", 40), ("BF16D", 24), ("F16", 24)]
+    w = quant.QWeight(k, [segment(kind, n, k) for kind, n in parts])
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(5))
     threads = torch.get_num_threads()
     try:

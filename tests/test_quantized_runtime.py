@@ -277,9 +277,13 @@ FLOATS = {
 }
 
 
-def test_a_file_of_float16_weights_keeps_them_and_every_path_decodes_alike(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("products", ["0", "1"])
+def test_a_file_of_float16_weights_keeps_them_and_every_path_decodes_alike(tmp_path, monkeypatch, capsys, products):
     """F16 and BF16 matrices stay 16-bit (on disk: 2 bytes a weight), are the file's values exactly,
-    are not named as expanded, and greedy speculative decoding equals target-only on every path."""
+    are not named as expanded, and greedy speculative decoding equals target-only on every path; with
+    bfloat16 products (SPECEXTEND_BF16_PRODUCTS=1) the BF16 ones load as bf16d, every path alike."""
+    monkeypatch.setenv(kernels.BF16_PRODUCTS_ENV, products)
+    bf16 = "bf16d" if products == "1" else "bf16"
     from specextend.models.qstore import QuantizedFile
     from test_gguf import write_tiny_gguf
 
@@ -291,9 +295,9 @@ def test_a_file_of_float16_weights_keeps_them_and_every_path_decodes_alike(tmp_p
     assert set(stored.formats) == set(FLOATS)
     for name, kind in FLOATS.items():
         seg = stored.segment(name)
-        assert seg.fmt == kind.lower() and seg.nbytes == 2 * -(-seg.n // 16) * 16 * seg.k, name
+        assert seg.fmt == (bf16 if kind == "BF16" else "f16") and seg.nbytes == 2 * -(-seg.n // 16) * 16 * seg.k, name
         assert torch.equal(seg.dequantize(), torch.from_numpy(expected[name])), name
     model = load_model(out, torch.float32, weights="gguf")
     assert model.embed.qweight.segments[0].fmt == "f16"
-    assert [s.fmt for s in model.layers[0].qkv.qweight.segments] == ["f16", "bf16", "f16"]
+    assert [s.fmt for s in model.layers[0].qkv.qweight.segments] == ["f16", bf16, "f16"]
     decodes_alike_on_every_path(model, monkeypatch)

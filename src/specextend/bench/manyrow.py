@@ -34,7 +34,7 @@ from . import roofline
 from .onerow import FORMATS, parse_formats, random_weight
 from .runtime import parse_counts
 
-FLOAT_FORMATS = ("f16", "bf16")
+FLOAT_FORMATS = ("f16", "bf16", "bf16d")
 DEFAULT_SHAPES = "1536x1536,17920x1536,1536x8960"
 
 

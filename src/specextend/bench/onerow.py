@@ -44,14 +44,15 @@ from ..runtime import hugepages, kernels, quant
 from .runtime import parse_counts, read_bandwidth_gbs
 
 FORMATS = ("q4k", "q6k", "q5k", "iq4", "q3k", "q2k", "q8", "q40", "q50", "iq4nl", "q41", "q51", "mxfp4", "f16",
-           "bf16")
+           "bf16", "bf16d")
 # q8's header over 4- and 5-bit codes: (code count, offset) of Q4_0's, Q5_0's and IQ4_NL's grids.
 Q8_HEADER_CODES = {"q40": (16, 8), "q50": (32, 16), "iq4nl": (16, 128), "q41": (16, 0), "q51": (32, 0)}
 
 
 def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> quant.QWeight:
     """A random n x k matrix packed as `fmt` (q4k, q5k, iq4: 8 groups a super-block; q6k, q3k, q2k;
-    q8: Q8_0; q40, q50, iq4nl, q41, q51: Q4_0, Q5_0, IQ4_NL, Q4_1, Q5_1; mxfp4: MXFP4; f16, bf16), real layout."""
+    q8: Q8_0; q40, q50, iq4nl, q41, q51: Q4_0, Q5_0, IQ4_NL, Q4_1, Q5_1; mxfp4: MXFP4; f16, bf16; bf16d: BF16 on
+    bfloat16 dot products), real layout."""
     rng = np.random.default_rng(seed)
     if fmt == "q4k":
         seg = quant.pack_q4k(rng.uniform(0.01, 0.1, (n, k // 256)).astype(np.float16),
@@ -91,10 +92,11 @@ def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> quant.QWeight:
     elif fmt == "mxfp4":  # an E8M0 exponent a block (scales 2^-13..2^-4), 4-bit codes
         seg = quant.pack_q8(rng.integers(115, 125, (n, k // 32), dtype=np.uint8),
                             rng.integers(0, 16, (n, k), dtype=np.uint8), 128, "mxfp4")
-    elif fmt in ("f16", "bf16"):  # the file's 16-bit floats
+    elif fmt in ("f16", "bf16", "bf16d"):  # the file's 16-bit floats
         w = torch.from_numpy((rng.standard_normal((n, k)) * 0.05).astype(np.float32))
-        seg = quant.pack_float(fmt.upper(), w.to(torch.float16 if fmt == "f16" else torch.bfloat16).view(torch.int16)
-                               .numpy(), n, k)
+        kind = "F16" if fmt == "f16" else "BF16"
+        seg = quant.pack_float(kind, w.to(torch.float16 if fmt == "f16" else torch.bfloat16).view(torch.int16)
+                               .numpy(), n, k, dot=fmt == "bf16d")
     else:
         raise ValueError(f"unknown format {fmt!r} (one of {', '.join(FORMATS)})")
     return quant.QWeight(k, [seg])

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..common.errors import UserError
+from ..runtime import kernels
 
 F32_BYTES = 4
 Q8_BYTES = 34 / 32  # the 8-bit format: 32 one-byte codes and a float16 scale per group of 32
@@ -198,6 +199,8 @@ def _runs_as(kind: str, shape: tuple[int, ...], path: str | None, bias: bool = F
     expanded = not kept and kind not in EXACT_IN_FLOAT32
     if runs_float(path) and dims == 2:
         return f"{kind} on disk, float32 in memory (PyTorch: no vector kernel path)", kept, expanded
+    if kept and kind == "BF16" and dims == 2 and kernels.bf16_products():
+        return f"BF16 as it is, on bfloat16 dot products ({path} kernels)", True, False
     if kept:
         return f"{kind} as it is ({path} kernels)", True, False
     if dims != 2:

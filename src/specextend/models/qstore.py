@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from ..common.errors import UserError
-from ..runtime import hugepages
-from ..runtime.quant import FORMATS, PANEL, Segment, blob_bytes, stacking_runs
+from ..runtime import hugepages, kernels
+from ..runtime.quant import FORMATS, PANEL, Segment, bf16_pairs, blob_bytes, stacking_runs
 
 _KEY = "specextend.quantized"
 
@@ -207,6 +207,9 @@ class QuantizedFile:
         # in parts always are. The map's pages are left 2 MB where the kernel can cache the file so.
         self.whole = hugepages.map_file(path)
         self.arena = hugepages.Arena() if hugepages.wanted() else None
+        # BF16 matrices are stored as bf16 (the file never depends on the CPU) and loaded as bf16d
+        # where this CPU's arithmetic for them is bfloat16 dot products (kernels.bf16_products).
+        self.bf16_products = kernels.bf16_products()
         hugepages.huge_file_pages(self.whole, path)  # for its side: a file cached in small pieces is read again
         for name, f in self.formats.items():
             shape = header.get(name, {}).get("shape")
@@ -228,11 +231,18 @@ class QuantizedFile:
         # Kept as it is stored: a copy in the arena (a blob streamed whole every step), else the file's
         # own pages. A part about to be stacked is neither: the pages its copy was read from would
         # stay resident beside the copy.
-        if self.arena is not None and mapped and streamed:
+        own = self.arena is not None and mapped and streamed
+        if own:
             blob = self._read(name, out=self.arena.empty(self._nbytes(name)))
         else:
             blob = self._view([name], populated=streamed) if mapped else self._read(name)
-        return Segment(f["format"], int(f["n"]), blob, int(f["offset"]), int(f["k"]), int(f.get("groups", 8)))
+        seg = Segment(f["format"], int(f["n"]), blob, int(f["offset"]), int(f["k"]), int(f.get("groups", 8)))
+        return self._loaded(seg, own or not mapped)
+
+    def _loaded(self, seg: Segment, own: bool) -> Segment:
+        """`seg` as the kernels take it here: a bf16 one as bf16d where bf16_products says so (into its
+        own blob where it has one, else a copy beside the file's pages)."""
+        return bf16_pairs(seg, in_place=own) if seg.fmt == "bf16" and self.bf16_products else seg
 
     def stacked_segments(self, names: list[str]) -> list[Segment] | None:
         """The rows of `names` stacked (q, k, v -> qkv) as `QWeight.concat` stacks them, adjacent
@@ -247,7 +257,8 @@ class QuantizedFile:
         for run in stacking_runs(kinds, [int(f["n"]) for f in fs]):
             spans = [[int(x) for x in self.header[names[i]]["data_offsets"]] for i in run]
             adjacent = all(a[1] == b[0] for a, b in itertools.pairwise(spans))  # as `stream_tensors` writes them
-            if adjacent and self.arena is None:
+            own = not (adjacent and self.arena is None)
+            if not own:
                 blob = self._view([names[i] for i in run])
             else:  # into the arena, or from a file written before stacked parts were kept together
                 size = sum(e - s for s, e in spans)
@@ -257,7 +268,8 @@ class QuantizedFile:
                     self._read(names[i], out=blob[at:at + e - s])
                     at += e - s
             fmt, offset, groups = kinds[run[0]]
-            segs.append(Segment(fmt, sum(int(fs[i]["n"]) for i in run), blob, offset, int(fs[0]["k"]), groups))
+            segs.append(self._loaded(Segment(fmt, sum(int(fs[i]["n"]) for i in run), blob, offset, int(fs[0]["k"]),
+                                             groups), own))
         return segs
 
     def get(self, name: str, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -22,6 +22,7 @@ operations emulated in plain C++ (any CPU, slowly), so tests compare it bit for 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -45,7 +46,7 @@ _SOURCES = ("torch_ops.cpp", "core/cpu.cpp", "core/qlinear.cpp", "core/qlinear_p
             "core/qlinear_avx2.cpp", "core/qlinear_avx512.cpp", "core/qlinear_neon.cpp", "core/attention.cpp",
             "core/attention_portable.cpp", "core/attention_avx2.cpp", "core/attention_avx512.cpp",
             "core/attention_neon.cpp", "core/rope.cpp", "step_ops.cpp", "core/step.cpp", "core/qlinear_amx.cpp",
-            "core/family.cpp", "core/experts.cpp")
+            "core/family.cpp", "core/experts.cpp", "core/qlinear_bf16_avx512.cpp")
 _CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-std=c++17")
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -87,11 +88,41 @@ def k256() -> int:
     return sum(1 << K256_FORMATS[n] for n in set(names))
 
 
+# "auto" (the default), "1" or "0": a BF16 file's weights multiply bfloat16-rounded activations on
+# bfloat16 dot products (llama.cpp's arithmetic for them; the quant format bf16d, csrc/core/qlinear.h),
+# or float32 ones exactly. auto: on where VDPBF16PS runs at full rate (AMD's Zen 4 and Zen 5, twice
+# their FMA rate), off elsewhere (Intel's Xeons run it at half theirs; avx2 and neon have none). A
+# property of the CPU, not of a timing, so one machine's processes share one arithmetic; every path
+# of a process computes it (avx512 on VDPBF16PS, the others on the portable tiles: the same bits).
+BF16_PRODUCTS_ENV = "SPECEXTEND_BF16_PRODUCTS"
+
+
+@functools.cache
+def _cpu_vendor() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    return ""
+
+
+def bf16_products() -> bool:
+    """Whether BF16 files' weights take bfloat16 activations on bfloat16 dot products (`BF16_PRODUCTS_ENV`)."""
+    value = os.environ.get(BF16_PRODUCTS_ENV, "auto").strip().lower()
+    if value in ("0", "1"):
+        return value == "1"
+    if value not in ("", "auto"):
+        raise UserError(f"{BF16_PRODUCTS_ENV}={value}: expected auto, 1 or 0")
+    return _cpu_vendor() == "AuthenticAMD" and "avx512" in cpu_paths() and bool(load().has_avx512_bf16())
+
+
 def arithmetic_version() -> str:
-    """ARITHMETIC_VERSION and which formats take activations per 256: KV computed under one is never
-    read back under another (the prefix cache's fingerprint)."""
+    """ARITHMETIC_VERSION, which formats take activations per 256 and whether BF16 weights take
+    bfloat16 products: KV computed under one is never read back under another (the prefix cache's
+    fingerprint)."""
     mask = k256()
-    return f"{ARITHMETIC_VERSION}-k256:{mask}" if mask else str(ARITHMETIC_VERSION)
+    version = f"{ARITHMETIC_VERSION}-k256:{mask}" if mask else str(ARITHMETIC_VERSION)
+    return f"{version}-bf16dot" if bf16_products() else version
 
 
 def _key(sources: tuple[str, ...] = _SOURCES) -> str:
@@ -435,7 +466,7 @@ def describe() -> str:
         extra = (" (attention on VDPBF16PS)" if ext.bf16_dot_pays() else
                  " (attention's many-row runs on FMAs: VDPBF16PS measured slower here)")
     line = (f"specextend kernels: {build_dir()}; paths this CPU runs: {', '.join(paths)}{extra}; "
-            f"auto = {auto_path(paths)}")
+            f"auto = {auto_path(paths)}; BF16 weights on {'bfloat16 dot products' if bf16_products() else 'float32'}")
     why = amx_refusal()
     if why and platform.machine() in ("x86_64", "AMD64"):
         line += f"; no amx: {why}"

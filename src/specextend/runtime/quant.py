@@ -24,6 +24,10 @@ A `QWeight` is a [n, k] matrix stored in one or more row *segments*, each in one
   (twice the E2M1 values) + 128: GGUF's MXFP4 at its file's 4.25 bits a weight.
 - ``f16`` and ``bf16``: GGUF's F16 and BF16 weights as they are, 16 bits each (per input, a
   panel's 16 values); the kernels multiply them in float32 with float32 activations.
+- ``bf16d``: a BF16 file's weights on bfloat16 dot products (llama.cpp's arithmetic for them: the
+  activations rounded to bfloat16, one chain a channel over pairs of inputs, as VDPBF16PS adds
+  them), per pair of inputs a panel's 16 channels' two values side by side; the file's BF16
+  tensors take it where `kernels.bf16_products()` says so.
 
 Segments exist because one fused projection can mix formats (a GGUF file may store a layer's
 V projection in Q6_K and its Q and K in Q4_K); the kernel quantizes the input once and writes
@@ -44,7 +48,7 @@ from . import kernels
 
 PANEL = 16
 FORMATS = {"q4k": 0, "q6k": 1, "q8": 2, "q5k": 3, "iq4": 4, "q3k": 5, "q2k": 6, "f16": 7, "bf16": 8, "q40": 9,
-           "q50": 10, "iq4nl": 11, "q41": 12, "q51": 13, "mxfp4": 14}
+           "q50": 10, "iq4nl": 11, "q41": 12, "q51": 13, "mxfp4": 14, "bf16d": 15}
 # The 16-bit float formats: GGUF type -> format (super-blocks of 32 inputs, 2 bytes a weight).
 FLOAT_KINDS = {"F16": "f16", "BF16": "bf16"}
 # Code bytes per group of 16 channels x 32 inputs of the formats with q4k's header (`pack_kgroups`).
@@ -64,7 +68,8 @@ def _superblock(fmt: str, groups: int) -> tuple[int, int]:
         return 32 * groups, header + K_CODE_BYTES[fmt] * groups
     if fmt in Q8_CODE_BYTES:
         return 32, Q8_HEADER_BYTES.get(fmt, 32) + Q8_CODE_BYTES[fmt]
-    return {"q6k": (256, 3360), "q3k": (256, 1824), "q2k": (256, 1344), "f16": (32, 1024), "bf16": (32, 1024)}[fmt]
+    return {"q6k": (256, 3360), "q3k": (256, 1824), "q2k": (256, 1344), "f16": (32, 1024), "bf16": (32, 1024),
+            "bf16d": (32, 1024)}[fmt]
 
 
 def superblock_inputs(fmt: str, groups: int) -> int:
@@ -450,12 +455,31 @@ def _iq4xs(b: np.ndarray, n: int, k: int) -> Segment:
     return pack_kgroups("iq4", d, None, sc.reshape(n, -1), None, codes, 128, groups=8)
 
 
-def pack_float(kind: str, raw: np.ndarray, n: int, k: int) -> Segment:
+def pack_float(kind: str, raw: np.ndarray, n: int, k: int, *, dot: bool = False) -> Segment:
     """F16 or BF16 values ([n, k] of 16-bit values, any dtype of that width, or their bytes) as the
-    kernels' f16/bf16 layout: per panel, per input, the 16 channels' values."""
+    kernels' f16/bf16 layout: per panel, per input, the 16 channels' values. `dot` (BF16 only): as
+    bf16d, on bfloat16 dot products: per panel, per pair of inputs, each channel's two values."""
+    if dot and kind != "BF16":
+        raise ValueError(f"bfloat16 dot products take BF16 weights, not {kind}")
     bits = _panels(np.ascontiguousarray(raw).view(np.uint16).reshape(n, k))
+    if dot:
+        blob = np.ascontiguousarray(bits.reshape(-1, PANEL, k // 2, 2).transpose(0, 2, 1, 3))
+        return Segment("bf16d", n, torch.from_numpy(blob.reshape(-1).view(np.uint8)), 0, k, groups=1)
     blob = np.ascontiguousarray(bits.reshape(-1, PANEL, k).transpose(0, 2, 1))
     return Segment(FLOAT_KINDS[kind], n, torch.from_numpy(blob.reshape(-1).view(np.uint8)), 0, k, groups=1)
+
+
+def bf16_pairs(seg: Segment, in_place: bool = False) -> Segment:
+    """A bf16 segment as bf16d: the same weights, each pair of inputs' 16 channels side by side (the
+    operand of bfloat16 dot products). The load applies it where `kernels.bf16_products()` says so,
+    so a stored or converted file never depends on the CPU; `in_place`: into the segment's own blob
+    (memory of its own, an arena's), else into a new one."""
+    if seg.fmt != "bf16":
+        raise ValueError(f"bf16_pairs takes a bf16 segment, not {seg.fmt}")
+    panels = seg.blob.numel() // (32 * seg.k)
+    # [panel][pair][input of the pair][channel][byte] -> [panel][pair][channel][input of the pair][byte]
+    pairs = seg.blob.view(panels, seg.k // 2, 2, PANEL, 2).permute(0, 1, 3, 2, 4).contiguous().view(-1)
+    return Segment("bf16d", seg.n, seg.blob.copy_(pairs) if in_place else pairs, seg.offset, seg.k, seg.groups)
 
 
 def from_gguf_blocks(kind: str, raw: np.ndarray, n: int, k: int) -> Segment:

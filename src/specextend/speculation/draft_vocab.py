@@ -55,6 +55,8 @@ def _sections(fmt: str, groups: int) -> list[tuple[int, int]]:
         return [(1, 2), (1, 2), (16, 1), (16, 4)]
     if fmt in ("f16", "bf16"):  # per input, 16 channels' 16-bit values
         return [(32, 2)]
+    if fmt == "bf16d":  # per pair of inputs, 16 channels' two 16-bit values
+        return [(16, 4)]
     if fmt == "mxfp4":  # q8's header of one exponent byte a channel, codes in 64-byte rows
         return [(1, 1), (Q8_CODE_BYTES[fmt] // 64, 4)]
     if fmt in MIN_FORMATS:  # q8's header with a minimum: d, dmin (f16), codes in 64-byte rows

@@ -46,11 +46,15 @@ py::object amx_status() {
 // formats) pre(x) in float32.
 // (`k256`: also the per-256 activations of the K-quants, Rows::kq8.)
 struct QuantizedRows {
-  at::Tensor q8, d8, s16, s32, xs, xf, q8g, kq8, kd, ks16, ks32;
+  at::Tensor q8, d8, s16, s32, xs, xf, q8g, kq8, kd, ks16, ks32, xb;
   spx::Rows rows() {
     spx::Rows r{q8.data_ptr<int8_t>(), d8.data_ptr<float>(), s16.data_ptr<int32_t>(), s32.data_ptr<int32_t>(),
                 xs.data_ptr<float>(), q8.size(1), xf.defined() ? xf.data_ptr<float>() : nullptr,
                 q8g.defined() ? q8g.data_ptr<int8_t>() : nullptr, q8.size(0)};
+    if (xb.defined()) {
+      r.xb = reinterpret_cast<uint32_t*>(xb.data_ptr<int32_t>());
+      r.xbm = xb.size(1);
+    }
     if (kq8.defined()) {
       r.kq8 = kq8.data_ptr<int8_t>();
       r.kd = kd.data_ptr<float>();
@@ -62,7 +66,7 @@ struct QuantizedRows {
 };
 
 QuantizedRows quantize(spx::Path path, const at::Tensor& x, int64_t k, const spx::PreOp& op, bool floats = false,
-                       bool k256 = false) {
+                       bool k256 = false, bool bf16d = false) {
   const int64_t m = x.size(0);
   auto opt = x.options();
   QuantizedRows a{at::empty({m, k}, opt.dtype(at::kChar)), at::empty({m, k / 32}, opt.dtype(at::kFloat)),
@@ -70,6 +74,7 @@ QuantizedRows quantize(spx::Path path, const at::Tensor& x, int64_t k, const spx
                   at::empty({m, k / 32}, opt.dtype(at::kFloat)),
                   floats ? at::empty({m, k}, opt.dtype(at::kFloat)) : at::Tensor(),
                   spx::wants_group_rows(path, m) ? at::empty({k / 32, m, 32}, opt.dtype(at::kChar)) : at::Tensor()};
+  if (bf16d) a.xb = at::empty({k / 2, m}, opt.dtype(at::kInt));  // pair-major (Rows::xb)
   if (k256) {
     a.kq8 = at::empty({m, k}, opt.dtype(at::kChar));
     a.kd = at::empty({m, k / 256}, opt.dtype(at::kFloat));
@@ -166,12 +171,13 @@ at::Tensor qlinear(const at::Tensor& x, const std::vector<at::Tensor>& blobs, co
   const float* bp = optional_float(bias, bias_keep, n_total, "bias");
   const float* rp = optional_float(residual, res_keep, m * n_total, "residual");
   TORCH_CHECK(!rp || (res_keep.dim() == 2 && res_keep.size(0) == m), "qlinear: residual must be [m, n]");
-  bool floats = false, k256 = false;
+  bool floats = false, k256 = false, bf16d = false;
   for (const spx::Segment& s : segs) {
     floats = floats || spx::float_format(s.fmt);
     k256 = k256 || spx::k256_segment(s.fmt, s.sbg);
+    bf16d = bf16d || spx::bf16_dot_format(s.fmt);
   }
-  QuantizedRows a = quantize(path, xc, k, op, floats, k256);
+  QuantizedRows a = quantize(path, xc, k, op, floats, k256, bf16d);
   at::Tensor y;
   if (out.has_value() && out->defined()) {
     y = *out;

@@ -39,4 +39,16 @@ inline uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
+// BF16D's activation rounding (Rows::xb): nearest even as above, a subnormal to a zero of its sign
+// (VDPBF16PS reads one as zero), a NaN kept a quiet NaN.
+inline uint16_t bf16_round(float f) {
+  const uint32_t u = float_to_bits(f);
+  if ((u & 0x7F800000u) == 0) return static_cast<uint16_t>((u >> 16) & 0x8000);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return float_to_bf16(f);
+}
+
+// A bfloat16 value as VDPBF16PS multiplies it: a subnormal as a zero of its sign.
+inline float bf16_daz(uint16_t h) { return (h & 0x7F80) == 0 ? bits_to_float(static_cast<uint32_t>(h & 0x8000) << 16) : bf16_to_float(h); }
+
 }  // namespace spx

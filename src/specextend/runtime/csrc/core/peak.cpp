@@ -432,7 +432,10 @@ bool peak_loop(Path path, PeakKind kind, PeakLoop* out) {
                 "(the same bits); one row's attention stays on VDPBF16PS (bf16_native)",
                 16 * kAcc16, fma_avx512};
       } else if (kind == PeakKind::BF16Native && cpu_has_avx512_bf16()) {
-        *out = {"vdpbf16ps zmm", "the CPU has it; here slower than FMAs, so only one row's attention uses it",
+        *out = {"vdpbf16ps zmm",
+                avx512_bf16_dot_pays()
+                    ? "the bf16 loop here: VDPBF16PS beats FMAs on this CPU (attention, and BF16 files' products)"
+                    : "the CPU has it; here slower than FMAs, so only one row's attention uses it",
                 32 * kAcc16, bf16_avx512};
       } else if (bf16) {
         *out = {"vfmadd231ps ymm",

@@ -2,6 +2,7 @@
 #include "qlinear.h"
 
 #include "amx_tiles.h"
+#include "half.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -32,7 +33,8 @@ bool format_info(int64_t fmt, int64_t sbg, FormatInfo* out) {
       *out = {32, static_cast<int>(32 * sbg), byte_header(fmt, sbg) + code_bytes(fmt) * sbg};
       return true;
     case F16:
-    case BF16: *out = {32, 32, 32 * 32}; return true;
+    case BF16:
+    case BF16D: *out = {32, 32, 32 * 32}; return true;
     default: return false;
   }
 }
@@ -52,6 +54,8 @@ using QuantFn = void (*)(const float*, int64_t, int8_t*, float*, int32_t*, int32
 using Quant256Fn = void (*)(const float*, int64_t, int8_t*, float*, int16_t*, int16_t*);
 using PreFn = void (*)(const float*, int64_t, const PreOp&, float*);
 using PairFn = void (*)(const Segment&, const uint8_t*, const Rows&, int64_t, const TileOut&, const TileOut&);
+using Bf16RowsFn = void (*)(const Segment&, const uint8_t*, const Rows&, int64_t, int, int, const TileOut*);
+using Bf16OneFn = void (*)(const Segment&, const uint8_t*, const Rows&, int64_t, int, const TileOut*);
 
 struct Kernels {
   TileFn tile;
@@ -69,7 +73,12 @@ struct Kernels {
   // Whether `rows` takes any number of rows at once (the amx kernels: each panel prepared once for
   // all of them, in blocks of kRowBlock inside), so a unit may hold kAmxRowBlock rows.
   bool rows_span = false;
+  // BF16D's kernels (null: the portable tiles): n <= kRowBlock rows of one or two adjacent full
+  // panels, and one row over up to kBf16OnePanels.
+  Bf16RowsFn bf16d_rows = nullptr;
+  Bf16OneFn bf16d_one = nullptr;
 };
+constexpr int kBf16OnePanels = 4;  // a one-row chain a channel: four panels' chains in flight at once
 
 Kernels kernels_for(Path path) {
   if (path == Path::AMX || path == Path::AMXEmulated) {
@@ -96,6 +105,10 @@ Kernels kernels_for(Path path) {
                 pre_op_row_avx512};
       k.quantize256 = quantize_row256_avx512;
       k.k256 = true;
+      if (cpu_has_avx512_bf16()) {
+        k.bf16d_rows = bf16d_rows_avx512;
+        k.bf16d_one = bf16d_one_avx512;
+      }
       return k;
     }
 #endif
@@ -104,6 +117,31 @@ Kernels kernels_for(Path path) {
 #endif
     default: return {tile_portable, 4, nullptr, 0, quantize_row_portable, pre_op_row_portable};
   }
+}
+
+// BF16D's panels from p (the segment's panel index; `left` of them in this call) for rows [r0, r1):
+// its kernels where the path has them, else the portable tiles. Returns the panels done.
+template <class OutAt>
+int64_t bf16d_block(const Kernels& kn, const Segment& s, const uint8_t* pb, const Rows& x, int64_t r0, int64_t r1,
+                    int64_t left, const OutAt& out_at, int64_t p) {
+  TileOut outs[kBf16OnePanels] = {out_at(p)};
+  const bool one = r1 - r0 == 1;
+  int panels = 0;  // adjacent full panels the kernel takes at once: up to four for one row, two for more
+  if (outs[0].valid == kPanel && (one ? kn.bf16d_one != nullptr : kn.bf16d_rows != nullptr))
+    for (panels = 1; panels < (one ? kBf16OnePanels : 2) && panels < left; ++panels)
+      if ((outs[panels] = out_at(p + panels)).valid != kPanel) break;
+  if (panels > 0 && one) {
+    kn.bf16d_one(s, pb, x, r0, panels, outs);
+    return panels;
+  }
+  for (int64_t r = r0; r < r1; r += kRowBlock) {
+    const int n = static_cast<int>(std::min<int64_t>(kRowBlock, r1 - r));
+    if (panels > 0)
+      kn.bf16d_rows(s, pb, x, r, n, panels, outs);
+    else
+      for (int t = 0; t < n; t += kMaxTile) tile_portable(s, pb, x, r + t, std::min(kMaxTile, n - t), outs[0]);
+  }
+  return std::max(panels, 1);
 }
 
 }  // namespace
@@ -130,6 +168,10 @@ void quantize_rows(Path path, const float* x, int64_t ldx, const PreOp& op, cons
     if (a.q8g != nullptr)
       for (int64_t b = 0; b < kb; ++b) std::memcpy(a.q8g + (b * a.gm + r) * 32, a.q8 + r * k + 32 * b, 32);
     if (a.xf != nullptr) std::memcpy(a.xf + r * k, src, sizeof(float) * k);
+    if (a.xb != nullptr) {
+      for (int64_t j = 0; j < k / 2; ++j)
+        a.xb[j * a.xbm + r] = bf16_round(src[2 * j]) | static_cast<uint32_t>(bf16_round(src[2 * j + 1])) << 16;
+    }
   }
 }
 
@@ -155,6 +197,10 @@ void linear_block(Path path, const Linear& op, int64_t p0, int64_t p1, int64_t r
                      static_cast<int>(std::min<int64_t>(kPanel, s.n - panel * kPanel))};
     };
     const TileOut out = out_at(p);
+    if (bf16_dot_format(s.fmt)) {
+      gp += bf16d_block(kf, s, pb, op.x, r0, r1, std::min(p1, op.first_panel[si + 1]) - gp, out_at, p) - 1;
+      continue;
+    }
     // One row takes a float segment's full panels two at a time where the path has a kernel for it.
     if (m == 1 && vector && kn.float_pair != nullptr && float_format(s.fmt) &&
         gp + 1 < std::min(p1, op.first_panel[si + 1])) {

@@ -86,8 +86,19 @@
 //       a row's sums never meet another row's. Paths convert each weight to float32 once per
 //       block of inputs for all the rows they compute (F16C / VCVTPH2PS, a 16-bit shift for
 //       BF16, NEON's FCVTL); bfloat16 dot-product instructions (AVX512-BF16, AMX-BF16) are not
-//       used: they would round the activations to bfloat16 and add their pairs of products in
-//       an order of their own, and so would change the bits.
+//       used here: they round the activations to bfloat16 and add their pairs of products in an
+//       order of their own, an arithmetic of its own (BF16D, below, where the load chooses it).
+//   BF16D (a BF16 file's weights on bfloat16 dot products, llama.cpp's arithmetic for them; chosen
+//       at load, SPECEXTEND_BF16_PRODUCTS: runtime/kernels.py): per pair of inputs (2j, 2j + 1), the
+//       panel's 16 channels' two values side by side (64 bytes: channel c's 2j at byte 4c, 2j + 1 at
+//       4c + 2: VDPBF16PS's operand), super-blocks of 32 inputs (1 KB). The activations are pre(x)
+//       rounded to bfloat16 (Rows::xb: nearest even, a subnormal to zero). Per row and channel one
+//       chain over the pairs in input order from 0.f, each pair as a VDPBF16PS lane takes it:
+//       sum = fma(w[2j+1], x[2j+1], sum), then sum = fma(w[2j], x[2j], sum), a subnormal weight read
+//       as zero and a subnormal sum flushed to zero (the instruction's DAZ and FTZ); products of
+//       bfloat16 values are exact in float32, so the fma is the instruction's step. y = sum (and bias,
+//       residual as the other formats). The avx512 path runs VDPBF16PS where the CPU has it; a path
+//       without a kernel of its own runs the portable tiles (the same bits, slowly).
 // Codes of one group are stored in steps of 4 inputs: byte 4*c + j of a 64-byte step holds
 // input 4*s + j of channel c (one 32-bit lane per channel: the operand layout of VPDPBUSD, of
 // AVX2's VPMADDUBSW pairs and of NEON's SDOT). Q4K packs two steps per 64 bytes: step i in the
@@ -104,11 +115,15 @@ namespace spx {
 
 enum Format : int64_t {
   Q4K = 0, Q6K = 1, Q8 = 2, Q5K = 3, IQ4 = 4, Q3K = 5, Q2K = 6, F16 = 7, BF16 = 8, Q40 = 9, Q50 = 10, IQ4NL = 11,
-  Q41 = 12, Q51 = 13, MXFP4 = 14
+  Q41 = 12, Q51 = 13, MXFP4 = 14, BF16D = 15
 };
 
 // The float formats (F16, BF16): products of float32 activations, not of int8 codes.
 inline bool float_format(int64_t fmt) { return fmt == F16 || fmt == BF16; }
+// BF16D: a BF16 file's weights on bfloat16 activations (Rows::xb).
+constexpr bool bf16_dot_format(int64_t fmt) { return fmt == BF16D; }
+// Whether a product with a segment of format fmt keeps its rows in float (xf, and xb for BF16D).
+inline bool keeps_float_rows(int64_t fmt) { return float_format(fmt) || bf16_dot_format(fmt); }
 constexpr int kFloatBlock = 128;  // inputs a vector path converts to float32 at once for all its rows
 
 constexpr int kPanel = 16;
@@ -272,6 +287,11 @@ struct Rows {
   float* kd = nullptr;
   int16_t* ks16 = nullptr;
   int16_t* ks32 = nullptr;
+  // pre(x) rounded to bfloat16 (bf16_round) for BF16D, pair-major: word j of row r (inputs 2j and
+  // 2j + 1 in its low and high half) at xb[j * xbm + r], xbm >= m, so a tile's rows' words for one
+  // pair sit side by side at one pointer (null when no segment is BF16D).
+  uint32_t* xb = nullptr;
+  int64_t xbm = 0;
 };
 
 // Which K-quant formats quantize their activations per 256 (bit fmt of a mask: set_k256; the
@@ -384,6 +404,8 @@ struct TileOut {
   int valid;
 };
 
+// BF16D's weight: input i, channel c of the panel at p, as the product reads it (a subnormal as zero).
+float bf16d_weight(const uint8_t* p, int64_t i, int c);
 void tile_portable(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int rows, const TileOut& out);
 // The float formats' weight: input i, channel c of the panel at p (exact).
 float float_weight(int64_t fmt, const uint8_t* p, int64_t i, int c);
@@ -402,6 +424,11 @@ void pre_op_row_portable(const float* x, int64_t k, const PreOp& op, float* out)
   void pre_op_row_##isa(const float* x, int64_t k, const PreOp& op, float* out);
 
 #if defined(__x86_64__)
+// BF16D on VDPBF16PS (qlinear_bf16_avx512.cpp; only where the CPU has AVX512-BF16): n <= kRowBlock rows
+// of one or two adjacent full panels, and one row over up to four (outputs of panel i at outs[i]).
+void bf16d_rows_avx512(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int n, int panels,
+                       const TileOut* outs);
+void bf16d_one_avx512(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int panels, const TileOut* outs);
 // One row over two adjacent full panels of a float format (p and the next), written to a and b.
 void float_pair_avx2(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const TileOut& a,
                      const TileOut& b);

@@ -180,7 +180,38 @@ void float_tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, i
   }
 }
 
+// BF16D's reference (qlinear.h): one chain a row and channel over the input pairs, each pair as a
+// VDPBF16PS lane takes it (odd input first; DAZ in, FTZ out).
+float bf16d_step(float w, float x, float sum) {
+  const float r = std::fma(w, x, sum);
+  return std::fpclassify(r) == FP_SUBNORMAL ? std::copysign(0.f, r) : r;
+}
+
+void bf16d_tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int rows, float* acc) {
+  for (int r = 0; r < rows; ++r) {
+    const uint32_t* xr = x.xb + r0 + r;  // word j at xr[j * x.xbm]
+    for (int c = 0; c < kPanel; ++c) {
+      float sum = 0.f;
+      for (int64_t j = 0; j < s.k / 2; ++j) {
+        const uint32_t xj = xr[j * x.xbm];
+        sum = bf16d_step(bf16d_weight(p, 2 * j + 1, c), bf16_daz(static_cast<uint16_t>(xj >> 16)), sum);
+        sum = bf16d_step(bf16d_weight(p, 2 * j, c), bf16_daz(static_cast<uint16_t>(xj & 0xFFFF)), sum);
+      }
+      acc[r * kPanel + c] = sum;
+    }
+  }
+}
+
+// BF16D's stored value of input i, channel c (the file's bits, a subnormal kept).
+uint16_t bf16d_bits(const uint8_t* p, int64_t i, int c) {
+  uint16_t h;
+  std::memcpy(&h, p + 64 * (i / 2) + 4 * c + 2 * (i % 2), 2);
+  return h;
+}
+
 }  // namespace
+
+float bf16d_weight(const uint8_t* p, int64_t i, int c) { return bf16_daz(bf16d_bits(p, i, c)); }
 
 float float_weight(int64_t fmt, const uint8_t* p, int64_t i, int c) {
   uint16_t h;
@@ -195,6 +226,8 @@ void tile_portable(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0
   Group grp;
   if (float_format(s.fmt)) {
     float_tile(s, p, x, r0, rows, acc);
+  } else if (bf16_dot_format(s.fmt)) {
+    bf16d_tile(s, p, x, r0, rows, acc);
   } else if (uses_k256(s, x)) {
     Group sb_groups[16];
     for (int64_t sb = 0; sb < s.k / kKBlock; ++sb, p += fi.bytes) {
@@ -222,6 +255,11 @@ void dequantize_channels(const Segment& s, int64_t panel, int c0, int c1, float*
   if (float_format(s.fmt)) {
     for (int c = c0; c < c1; ++c)
       for (int64_t i = 0; i < s.k; ++i) o[(c - c0) * ldo + i] = float_weight(s.fmt, p, i, c);
+    return;
+  }
+  if (bf16_dot_format(s.fmt)) {
+    for (int c = c0; c < c1; ++c)
+      for (int64_t i = 0; i < s.k; ++i) o[(c - c0) * ldo + i] = bf16_to_float(bf16d_bits(p, i, c));
     return;
   }
   // Each group is unpacked once for all the channels asked of it (unpacking is most of the work).

@@ -49,19 +49,23 @@ void grow(V& v, size_t n) {
   if (v.size() < n) v.resize(n);
 }
 
-bool has_float(const StepLinear& w) {
-  return std::any_of(w.segs.begin(), w.segs.end(), [](const Segment& s) { return float_format(s.fmt); });
+template <class F>
+bool has_format(const StepLinear& w, F is) {
+  return std::any_of(w.segs.begin(), w.segs.end(), [&](const Segment& s) { return is(s.fmt); });
 }
 
-// Whether any product of the step has a float-format segment (its rows then keep pre(x) in float32).
-bool has_float(const StepModel& md, const StepBatch& bt) {
-  const bool head = bt.head != nullptr && has_float(bt.head->w);
-  return head || std::any_of(md.layers.begin(), md.layers.end(), [](const StepLayer& l) {
+// Whether any product of the step has a segment of a format `is` names (float formats: its rows then
+// keep pre(x) in float32; BF16D: in bfloat16 too).
+template <class F>
+bool has_format(const StepModel& md, const StepBatch& bt, F is) {
+  const bool head = bt.head != nullptr && has_format(bt.head->w, is);
+  return head || std::any_of(md.layers.begin(), md.layers.end(), [&](const StepLayer& l) {
            const StepExperts& e = l.moe;
-           const bool experts = e.count > 0 && (has_float(e.router) || float_format(e.gate.fmt) ||
-                                                float_format(e.up.fmt) || float_format(e.down.fmt) ||
-                                                has_float(e.shared_gate_up) || has_float(e.shared_down));
-           return has_float(l.qkv) || has_float(l.o) || has_float(l.gate_up) || has_float(l.down) || experts;
+           const bool experts = e.count > 0 && (has_format(e.router, is) || is(e.gate.fmt) || is(e.up.fmt) ||
+                                                is(e.down.fmt) || has_format(e.shared_gate_up, is) ||
+                                                has_format(e.shared_down, is));
+           return has_format(l.qkv, is) || has_format(l.o, is) || has_format(l.gate_up, is) ||
+                  has_format(l.down, is) || experts;
          });
 }
 
@@ -84,6 +88,8 @@ struct Buffers {
   int64_t acc_stride = 0, pre_stride = 0, gm = 0;
   bool keep_group_rows = false;
   bool floats = false;
+  bool bf16d = false;  // BF16D's bfloat16 rows kept (Rows::xb)
+  int64_t slot_count = 0;  // the experts' slots (t * used): the stride of their bfloat16 rows
   bool k256 = false;  // the per-256 activations kept (set_k256), for the products of widths a multiple of 256
 
   Buffers(Path path, StepWorkspace& ws, const StepModel& md, const StepBatch& bt, int64_t t, int threads)
@@ -115,8 +121,10 @@ struct Buffers {
       grow(w.ks16, t * kmax / 16);
       grow(w.ks32, t * kmax / 32);
     }
-    floats = has_float(md, bt);
+    floats = has_format(md, bt, [](int64_t f) { return float_format(f); });
     if (floats) grow(w.xf, std::max<int64_t>(t, bt.n_logits) * kmax);
+    bf16d = has_format(md, bt, bf16_dot_format);
+    if (bf16d) grow(w.xb, std::max<int64_t>(t, bt.n_logits) * kmax / 2);
     if (l.moe.count > 0) experts(l.moe, t, md.hidden);
     // Each thread's accumulators 64-byte aligned, on their own 4 KB page (as torch_ops.cpp's run_linear).
     constexpr int64_t kPage = 1024;
@@ -127,6 +135,10 @@ struct Buffers {
   Rows act(int64_t k) {
     Rows r{w.q8.data(), w.d8.data(), w.s16.data(), w.s32.data(), w.xs.data(), k, floats ? w.xf.data() : nullptr,
            keep_group_rows ? w.q8g.data() : nullptr, gm};
+    if (bf16d) {
+      r.xb = w.xb.data();
+      r.xbm = gm;
+    }
     if (k256 && k % 256 == 0) {
       r.kq8 = w.kq8.data();
       r.kd = w.kd.data();
@@ -140,6 +152,7 @@ struct Buffers {
   std::vector<int64_t> gate_up_base, down_base;
   void experts(const StepExperts& e, int64_t t, int64_t hidden) {
     const int64_t slots = t * e.used, ke = std::max(hidden, e.ff);
+    slot_count = slots;
     grow(w.logits, t * e.router.n);
     grow(w.weights, slots);
     grow(w.experts, slots);
@@ -162,6 +175,7 @@ struct Buffers {
     grow(w.es16, slots * ke / 16);
     grow(w.es32, slots * ke / 32);
     if (floats) grow(w.exf, slots * ke);
+    if (bf16d) grow(w.exb, slots * ke / 2);
     if (k256) {
       grow(w.ekq8, slots * ke);
       grow(w.ekd, slots * ke / 256);
@@ -177,6 +191,10 @@ struct Buffers {
   Rows slot_rows(int64_t k, int64_t s0) {
     Rows r{w.eq8.data() + s0 * k, w.ed8.data() + s0 * k / 32, w.es16.data() + s0 * k / 16, w.es32.data() + s0 * k / 32,
            w.exs.data() + s0 * k / 32, k, floats ? w.exf.data() + s0 * k : nullptr};
+    if (bf16d) {
+      r.xb = w.exb.data() + s0;
+      r.xbm = slot_count;
+    }
     if (k256 && k % 256 == 0) {
       r.kq8 = w.ekq8.data() + s0 * k;
       r.kd = w.ekd.data() + s0 * k / 256;

@@ -183,6 +183,7 @@ struct StepWorkspace {
   std::vector<int64_t> experts, start, order, where, route_index;
   std::vector<int8_t> eq8, ekq8;
   std::vector<float> ed8, exs, exf, ekd;
+  std::vector<uint32_t> xb, exb;  // BF16D's bfloat16 rows (Rows::xb)
   std::vector<int32_t> es16, es32;
   std::vector<int16_t> eks16, eks32;
 };

@@ -68,12 +68,13 @@ uint16_t half_bits(float f) {  // a positive normal float as binary16, rounded d
 std::vector<uint8_t> random_blob(const spx::Segment& shape) {
   const spx::FormatInfo fi = shape.fi();
   std::vector<uint8_t> blob(shape.panels() * shape.panel_bytes());
-  if (spx::float_format(shape.fmt)) {
+  if (spx::keeps_float_rows(shape.fmt)) {
     const std::vector<float> w = randn(blob.size() / 2, 0.05f);
     for (size_t i = 0; i < w.size(); ++i) {
-      uint16_t h = shape.fmt == spx::BF16 ? spx::float_to_bf16(w[i]) : half_bits(std::fabs(w[i]) + 1e-4f);
+      uint16_t h = shape.fmt == spx::F16 ? half_bits(std::fabs(w[i]) + 1e-4f) : spx::float_to_bf16(w[i]);
       if (shape.fmt == spx::F16 && w[i] < 0) h |= 0x8000;
       if (i % 97 == 0) h = 0;
+      if (shape.fmt == spx::BF16D && i % 89 == 0) h = static_cast<uint16_t>(0x0041 | (i & 0x8000));  // subnormal
       std::memcpy(&blob[2 * i], &h, 2);
     }
     return blob;
@@ -113,6 +114,11 @@ std::vector<float> run_linear(Path path, const LinearCase& c, const spx::Segment
   std::vector<int8_t> q8g(m * k);
   spx::Rows rows{q8.data(), d8.data(), s16.data(), s32.data(), xs.data(), k, xf.empty() ? nullptr : xf.data(),
                  q8g.data(), m};
+  std::vector<uint32_t> xb(spx::bf16_dot_format(c.fmt) ? m * k / 2 : 0);  // pair-major, as torch_ops.cpp keeps it
+  if (!xb.empty()) {
+    rows.xb = xb.data();
+    rows.xbm = m;
+  }
   // The per-256 activations where the K-quants take them (as torch_ops.cpp allocates them).
   const bool k256 = spx::k256_segment(c.fmt, c.sbg);
   std::vector<int8_t> kq8(k256 ? m * k : 0);
@@ -157,6 +163,7 @@ void linear_tests(const std::vector<Path>& paths) {
       {spx::Q3K, 40, 512, 0, 8, true, false, true, true},    {spx::Q2K, 48, 768, 0, 8, false, true, true, false},
       {spx::F16, 48, 512, 0, 1, false, false, true, false},  {spx::BF16, 35, 96, 0, 1, true, false, true, true},
       {spx::F16, 33, 160, 0, 1, false, true, false, true},   {spx::BF16, 64, 1536, 0, 1, true, false, false, false},
+      {spx::BF16D, 35, 96, 0, 1, true, false, true, true},   {spx::BF16D, 80, 1536, 0, 1, false, true, false, false},
   };
   for (const LinearCase& c : cases) {
     const spx::Segment shape{nullptr, c.fmt, c.n, c.k, c.offset, c.sbg};
@@ -494,7 +501,7 @@ void family_step_tests(const std::vector<Path>& paths, spx::StepModel md) {
 }
 
 // The step with expert layers in place of the MLPs (step.h's StepExperts): layer 0 SiLU experts
-// (Q4_K gate/up, Q6_K down, softmax then top-k renormalised) with Qwen2-MoE's shared expert (Q8_0
+// (Q4_K gate/up, BF16 down on bfloat16 products, softmax then top-k renormalised) with Qwen2-MoE's shared expert (Q8_0
 // gate/up, Q4_K down, its gate the router's last row), layer 1 gpt-oss's (MXFP4, biases on
 // the router and the experts, the clamped SwiGLU, top-k then softmax, attention sinks); 8 experts of
 // 256, 2 a token. Every path gives the portable path's bits for one row and a tree level, and a
@@ -523,7 +530,7 @@ void expert_step_tests(const std::vector<Path>& paths, spx::StepModel md) {
     }
     e.gate = step_weight(blobs, count * ff, hidden, oss ? spx::MXFP4 : spx::Q4K).segs[0];
     e.up = step_weight(blobs, count * ff, hidden, oss ? spx::MXFP4 : spx::Q4K).segs[0];
-    e.down = step_weight(blobs, count * hidden, ff, oss ? spx::MXFP4 : spx::Q6K).segs[0];
+    e.down = step_weight(blobs, count * hidden, ff, oss ? spx::MXFP4 : spx::BF16D).segs[0];  // BF16D: the slots' rows
     e.kind = oss ? spx::Weighting::TopkSoftmax : spx::Weighting::SoftmaxTopkNorm;
     e.act = oss ? spx::ExpertAct::SwigluOai : spx::ExpertAct::Silu;
     if (oss) {
@@ -547,7 +554,7 @@ void step_tests(const std::vector<Path>& paths) {
     spx::StepLayer l;
     l.qkv = step_weight(blobs, (heads + 2 * kv) * d, hidden, spx::Q4K);
     l.o = step_weight(blobs, hidden, heads * d, li == 0 ? spx::Q8 : spx::F16);  // layer 1: the float formats
-    l.gate_up = step_weight(blobs, 2 * inter, hidden, spx::Q6K);
+    l.gate_up = step_weight(blobs, 2 * inter, hidden, li == 0 ? spx::Q6K : spx::BF16D);
     l.down = step_weight(blobs, hidden, inter, li == 0 ? spx::Q4K : spx::BF16);
     floats.push_back(randn((heads + 2 * kv) * d, 0.1f));
     l.qkv.bias = floats.back().data();
