@@ -22,7 +22,7 @@ def test_every_format_and_shape_is_timed_against_its_peak(tmp_path, capsys):
                                                              for n, k in ((32, 512), (16, 256))]
     for r in rows:
         assert r["ms"] > 0 and r["gmac_per_s"] == pytest.approx(20 * r["n"] * r["k"] / r["ms"] / 1e6)
-        assert r["peak_kind"] == ("bf16" if r["format"] in ("f16", "bf16") else "int8")
+        assert r["peak_kind"] == ("bf16" if r["format"] in ("f16", "bf16", "bf16d") else "int8")
     assert doc["peaks_gmac_per_s"]["int8"] > 0 and doc["path"] == kernels.path()
     assert "| q4k | 20 | 32x512 |" in capsys.readouterr().out
 

@@ -145,3 +145,17 @@ def test_exact_products_stay_exact(monkeypatch) -> None:
     w = torch.randn(8, 64, generator=torch.Generator().manual_seed(2))
     qw = experts.exact_bf16(w)
     assert {s.fmt for s in qw.segments} == {"bf16"}
+
+
+def test_the_roofline_holds_bf16d_layers_to_the_bf16_peak() -> None:
+    from specextend.bench import runtime
+
+    class Lin(torch.nn.Module):
+        def __init__(self, qw: quant.QWeight) -> None:
+            super().__init__()
+            self.qweight = qw
+
+    model = torch.nn.Sequential(Lin(bf16d_weight(torch.randn(16, 64))), Lin(bf16d_weight(torch.randn(32, 64))))
+    assert runtime.linear_peak_kind(model) == "bf16"
+    model.append(Lin(quant.quantize(torch.randn(16, 64), 8)))
+    assert runtime.linear_peak_kind(model) == "int8"

@@ -10,7 +10,8 @@ compute floor (the roofline).
 The memory floor is (weight bytes read per forward) / (measured memory read bandwidth): no
 implementation can run a decode step faster on this machine. The compute floor (quantized
 kernels) is the forward's multiply-adds counted from the model's shape, the linear layers' at the
-int8 peak and attention's at the bfloat16 peak of the kernel path (`specextend kernels --peak`);
+int8 peak (a BF16 file on bfloat16 products: the bfloat16 peak) and attention's at the bfloat16 peak
+of the kernel path (`specextend kernels --peak`);
 prefill is timed whole and inside the linear-layer and attention kernels (`kernels.clocked`).
 """
 
@@ -212,10 +213,12 @@ def measure_roofline(model: Any, res: dict[str, Any], lengths: list[int]) -> dic
     path = res["cpu_kernels"]
     measured = roofline.measure(paths=[path])
     loops = measured["paths"][path]["loops"]
-    peaks = roofline.floor_peaks(measured, path)
+    kind = linear_peak_kind(model)
+    peaks = {**roofline.floor_peaks(measured, path)}
+    peaks["linear"] = peaks[kind]
     return {
         "path": path, "cpu": measured["cpu"], "threads": measured["threads"],
-        "kernel_build": measured["kernel_build"],
+        "kernel_build": measured["kernel_build"], "linear_peak_kind": kind,
         "peak_gmac_per_s": peaks,
         "peak_measured_now_gmac_per_s": {k: loops[k]["gmac_per_s"] for k in roofline.FLOOR_KINDS},
         "peak_instruction": {k: loops[k]["instruction"] for k in roofline.FLOOR_KINDS},
@@ -224,11 +227,19 @@ def measure_roofline(model: Any, res: dict[str, Any], lengths: list[int]) -> dic
     }
 
 
+def linear_peak_kind(model: Any) -> str:
+    """The peak a model's linear layers are held to: bf16 where every kernel matrix is BF16 on bfloat16
+    products (`bf16d`: VDPBF16PS), else int8 (the quantized formats' VPDPBUSD)."""
+    fmts = {s.fmt for m in model.modules() if getattr(m, "qweight", None) is not None for s in m.qweight.segments}
+    return "bf16" if fmts == {"bf16d"} else "int8"
+
+
 def against_floor(macs: roofline.Macs, seconds: float, clock: kernels.KernelClock | None,
                   peaks: dict[str, float]) -> dict[str, Any]:
     """A forward of `macs` that took `seconds`, against the compute floor at `peaks`; with the
     kernels' clock, its linear-layer and attention parts against their own peaks."""
-    floor = roofline.floor_s(macs, peaks["int8"], peaks["bf16"])
+    linear = peaks.get("linear", peaks["int8"])
+    floor = roofline.floor_s(macs, linear, peaks["bf16"])
     out: dict[str, Any] = {
         "seconds": seconds, "linear_gmacs": macs.linear / 1e9, "attention_gmacs": macs.attention / 1e9,
         "sustained_gmac_per_s": macs.total / seconds / 1e9, "floor_s": floor, "share_of_floor": floor / seconds,
@@ -236,11 +247,11 @@ def against_floor(macs: roofline.Macs, seconds: float, clock: kernels.KernelCloc
     if clock is not None:
         out["linear_s"], out["attention_s"] = clock.linear_s, clock.attention_s
         out["other_s"] = seconds - clock.linear_s - clock.attention_s  # RoPE, embedding, Python
-        for part, kind, m, s in (("linear", "int8", macs.linear, clock.linear_s),
-                                 ("attention", "bf16", macs.attention, clock.attention_s)):
+        for part, peak, m, s in (("linear", linear, macs.linear, clock.linear_s),
+                                 ("attention", peaks["bf16"], macs.attention, clock.attention_s)):
             rate = m / s / 1e9 if s > 0 else 0.0
             out[f"{part}_gmac_per_s"] = rate
-            out[f"{part}_share_of_peak"] = rate / peaks[kind]
+            out[f"{part}_share_of_peak"] = rate / peak
     return out
 
 
@@ -307,11 +318,12 @@ def report(res: dict[str, Any], prefill_tokens: int) -> str:
 def roofline_report(rf: dict[str, Any]) -> str:
     """The roofline part of the report: the peaks, then prefill and the many-row forwards."""
     pk, now, ins = rf["peak_gmac_per_s"], rf["peak_measured_now_gmac_per_s"], rf["peak_instruction"]
-    lines = [f"compute floor ({rf['path']} kernels, {rf['cpu']}, {rf['threads']} threads): linear layers at the int8 "
-             f"peak {pk['int8']:.0f} G MAC/s ({ins['int8']}; {now['int8']:.0f} this run), attention at the bf16 "
+    lk = rf.get("linear_peak_kind", "int8")  # bf16 for BF16 files on bfloat16 products
+    lines = [f"compute floor ({rf['path']} kernels, {rf['cpu']}, {rf['threads']} threads): linear layers at the {lk} "
+             f"peak {pk[lk]:.0f} G MAC/s ({ins[lk]}; {now[lk]:.0f} this run), attention at the bf16 "
              f"peak {pk['bf16']:.0f} G MAC/s ({ins['bf16']}; {now['bf16']:.0f} this run)"]
     if rf["prefill"]:
-        head = ("tokens", "tok/s", "time s", "floor s", "of floor", "linear G/s", "of int8", "attn G/s",
+        head = ("tokens", "tok/s", "time s", "floor s", "of floor", "linear G/s", f"of {lk}", "attn G/s",
                 "of bf16", "lin s", "attn s", "other s")
         rows = [head] + [
             (str(p["tokens"]), f"{p['tokens_per_s']:.1f}", f"{p['seconds']:.2f}", f"{p['floor_s']:.2f}",

@@ -113,7 +113,8 @@ def bf16_products() -> bool:
         return value == "1"
     if value not in ("", "auto"):
         raise UserError(f"{BF16_PRODUCTS_ENV}={value}: expected auto, 1 or 0")
-    return _cpu_vendor() == "AuthenticAMD" and "avx512" in cpu_paths() and bool(load().has_avx512_bf16())
+    return (_cpu_vendor() == "AuthenticAMD" and available() and "avx512" in cpu_paths()
+            and bool(load().has_avx512_bf16()))
 
 
 def arithmetic_version() -> str:
