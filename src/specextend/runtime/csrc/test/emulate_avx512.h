@@ -5,6 +5,7 @@
 #pragma once
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -73,18 +74,19 @@ static inline simde__m512i emu_cvtps_epi32(simde__m512 a) {  // current rounding
 #define _mm512_reduce_add_epi32 emu_reduce_add_epi32
 #undef _mm512_cvtps_epi32
 #define _mm512_cvtps_epi32 emu_cvtps_epi32
-// VDPBF16PS as the hardware computes a lane: src + a1*b1, then + a0*b0 (products of bfloat16 exact),
-// which is what the reference (attention_portable.cpp) models; SIMDe adds both products first.
+// VDPBF16PS as the hardware computes a lane: src + a1*b1, then + a0*b0, each step one fma with its
+// inputs' subnormals read as zero and a subnormal result flushed (the instruction's DAZ and FTZ),
+// which is what the references (attention_portable.cpp, BF16D's in qlinear_portable.cpp) model;
+// SIMDe adds both products first.
 static inline float emu_bf(uint16_t h) { uint32_t u = static_cast<uint32_t>(h) << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline float emu_bf_daz(uint16_t h) { return emu_bf((h & 0x7F80) == 0 ? static_cast<uint16_t>(h & 0x8000) : h); }
+static inline float emu_ftz(float f) { return std::fpclassify(f) == FP_SUBNORMAL ? std::copysign(0.f, f) : f; }
 static inline simde__m512 emu_dpbf16_ps(simde__m512 src, simde__m512bh a, simde__m512bh b) {
   alignas(64) float s[16]; alignas(64) uint16_t x[32], y[32];
   memcpy(s, &src, 64); memcpy(x, &a, 64); memcpy(y, &b, 64);
   for (int i = 0; i < 16; ++i) {
-    float t = s[i];
-    float p1 = emu_bf(x[2 * i + 1]) * emu_bf(y[2 * i + 1]);
-    t = t + p1;
-    float p0 = emu_bf(x[2 * i]) * emu_bf(y[2 * i]);
-    s[i] = t + p0;
+    const float t = emu_ftz(std::fma(emu_bf_daz(x[2 * i + 1]), emu_bf_daz(y[2 * i + 1]), emu_ftz(s[i])));
+    s[i] = emu_ftz(std::fma(emu_bf_daz(x[2 * i]), emu_bf_daz(y[2 * i]), t));
   }
   simde__m512 r; memcpy(&r, s, 64); return r;
 }
