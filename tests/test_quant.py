@@ -142,6 +142,17 @@ def test_float_weights_are_multiplied_within_float32_rounding(kind: str) -> None
     assert ((y - ref).abs() <= bound).all()
 
 
+def test_bf16_on_bfloat16_products_keeps_the_files_weights() -> None:
+    """bf16d (the load's layout for bfloat16 products) holds gguf's own weights, in the file's bytes."""
+    n, k = 35, 160
+    raw = random_blocks("BF16", n, k, seed=3)
+    seg = quant.bf16_pairs(quant.from_gguf_blocks("BF16", raw, n, k))
+    assert seg.fmt == "bf16d" and seg.nbytes == quant.kept_bytes("BF16", n, k)
+    assert_same_weights("BF16", seg.dequantize().numpy(), gguf_dequant("BF16", raw, n, k))
+    rows = torch.tensor([n - 1, 0, 7])
+    assert np.array_equal(seg.dequantize(rows).numpy(), gguf_dequant("BF16", raw, n, k)[rows.numpy()])
+
+
 @pytest.mark.parametrize(("kind", "n", "k"), KINDS)
 def test_a_row_alone_equals_the_same_row_in_a_batch(kind: str, n: int, k: int) -> None:
     w = qw(quant.from_gguf_blocks(kind, random_blocks(kind, n, k, seed=2), n, k))

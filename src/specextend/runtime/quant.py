@@ -462,11 +462,9 @@ def pack_float(kind: str, raw: np.ndarray, n: int, k: int, *, dot: bool = False)
     if dot and kind != "BF16":
         raise ValueError(f"bfloat16 dot products take BF16 weights, not {kind}")
     bits = _panels(np.ascontiguousarray(raw).view(np.uint16).reshape(n, k))
-    if dot:
-        blob = np.ascontiguousarray(bits.reshape(-1, PANEL, k // 2, 2).transpose(0, 2, 1, 3))
-        return Segment("bf16d", n, torch.from_numpy(blob.reshape(-1).view(np.uint8)), 0, k, groups=1)
     blob = np.ascontiguousarray(bits.reshape(-1, PANEL, k).transpose(0, 2, 1))
-    return Segment(FLOAT_KINDS[kind], n, torch.from_numpy(blob.reshape(-1).view(np.uint8)), 0, k, groups=1)
+    seg = Segment(FLOAT_KINDS[kind], n, torch.from_numpy(blob.reshape(-1).view(np.uint8)), 0, k, groups=1)
+    return bf16_pairs(seg, in_place=True) if dot else seg
 
 
 def bf16_pairs(seg: Segment, in_place: bool = False) -> Segment:

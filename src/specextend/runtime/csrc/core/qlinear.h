@@ -122,8 +122,6 @@ enum Format : int64_t {
 inline bool float_format(int64_t fmt) { return fmt == F16 || fmt == BF16; }
 // BF16D: a BF16 file's weights on bfloat16 activations (Rows::xb).
 constexpr bool bf16_dot_format(int64_t fmt) { return fmt == BF16D; }
-// Whether a product with a segment of format fmt keeps its rows in float (xf, and xb for BF16D).
-inline bool keeps_float_rows(int64_t fmt) { return float_format(fmt) || bf16_dot_format(fmt); }
 constexpr int kFloatBlock = 128;  // inputs a vector path converts to float32 at once for all its rows
 
 constexpr int kPanel = 16;

@@ -68,7 +68,7 @@ uint16_t half_bits(float f) {  // a positive normal float as binary16, rounded d
 std::vector<uint8_t> random_blob(const spx::Segment& shape) {
   const spx::FormatInfo fi = shape.fi();
   std::vector<uint8_t> blob(shape.panels() * shape.panel_bytes());
-  if (spx::keeps_float_rows(shape.fmt)) {
+  if (spx::float_format(shape.fmt) || spx::bf16_dot_format(shape.fmt)) {
     const std::vector<float> w = randn(blob.size() / 2, 0.05f);
     for (size_t i = 0; i < w.size(); ++i) {
       uint16_t h = shape.fmt == spx::F16 ? half_bits(std::fabs(w[i]) + 1e-4f) : spx::float_to_bf16(w[i]);
