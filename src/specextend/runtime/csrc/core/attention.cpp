@@ -15,7 +15,9 @@ namespace spx {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr int64_t kAhead = 4;  // the block a kernel brings in while it computes: four after its own
+// The block a kernel brings in while it computes: two after its own. With both threads streaming their parts
+// of a long cache, blocks fetched further ahead arrived later, not sooner (docs/log/2026-12-long-decode.md).
+constexpr int64_t kAhead = 2;
 
 // Visible slots after the prefix for token t (offsets into the last m slots), in slot order.
 void extras_of(const Attention& pb, int64_t t, std::vector<int32_t>& out) {

@@ -159,28 +159,27 @@ struct Ahead {
 };
 
 #if defined(__x86_64__)
-constexpr int kAheadLines = 4;
-
-// Cache lines of the keys (and as many of the values) that each of `steps` steps of a kernel's loop
-// brings in from the block ahead: at most kAheadLines; 0 where nothing is ahead.
-inline int ahead_per_step(const Ahead& a, int64_t steps) {
-  if (a.k == nullptr) return 0;
-  return static_cast<int>(std::min<int64_t>(kAheadLines, (a.bytes / 64 + steps - 1) / steps));
-}
-
-// Step `step`'s lines of the block ahead into L2, spread over a loop that computes (a burst of them
-// would stall its loads). Written as asm: GCC 12 dropped _mm_prefetch calls here at -O1 and above.
-inline void ahead_step(const Ahead& a, int64_t step, int per) {
-  const int64_t lines = a.bytes / 64;
-#pragma GCC unroll 4
-  for (int i = 0; i < kAheadLines; ++i) {
-    const int64_t line = step * per + i;
-    if (i < per && line < lines) {
-      asm volatile("prefetcht1 %0" : : "m"(*(static_cast<const char*>(a.k) + 64 * line)));
-      asm volatile("prefetcht1 %0" : : "m"(*(static_cast<const char*>(a.v) + 64 * line)));
-    }
+// One stream of the block ahead (its keys, or its values: `bytes` from p) brought into L2 over `steps` steps
+// of a kernel's loop, a few lines a step: the keys' over the scores, the values' over the weighted sums, so
+// the requests run through the whole block's work rather than in bursts (a burst stalls the loads behind it).
+// Null p: nothing ahead.
+class Trickle {
+ public:
+  Trickle(const void* p, int64_t bytes, int64_t steps)
+      : p_(static_cast<const char*>(p)), lines_(p != nullptr ? bytes / 64 : 0),
+        per_(static_cast<int>((lines_ + steps - 1) / steps)) {}
+  // Written as asm: GCC 12 dropped _mm_prefetch calls in these loops at -O1 and above.
+  void step() {
+    for (int i = 0; i < per_ && next_ < lines_; ++i, ++next_)
+      asm volatile("prefetcht1 %0" : : "m"(*(p_ + 64 * next_)));
   }
-}
+
+ private:
+  const char* p_;
+  int64_t lines_;
+  int per_;
+  int64_t next_ = 0;
+};
 #endif
 
 // A path's block kernel: one block of n <= kBlock keys (kb, vb: n rows of d bfloat16) into

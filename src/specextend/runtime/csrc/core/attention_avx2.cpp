@@ -81,9 +81,9 @@ template <int R>
 inline void score_rows(const float* kf, int64_t pairs, const RowState* rows, float* s, const Ahead& ahead) {
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const int per = ahead_per_step(ahead, pairs);
+  Trickle next_keys(ahead.k, ahead.bytes, pairs);
   for (int64_t p = 0; p < pairs; ++p) {
-    ahead_step(ahead, p, per);
+    next_keys.step();
     const float* k = kf + p * 2 * kKeyHalf;
     const __m256 o0 = _mm256_load_ps(k), o1 = _mm256_load_ps(k + 8);
     const __m256 e0 = _mm256_load_ps(k + 16), e1 = _mm256_load_ps(k + 24);
@@ -124,11 +124,12 @@ inline void value_row(const uint16_t* src, int64_t d, float* dst) {
 // acc = acc * alpha, then per key pair + v[2j+1] * w[2j+1] + v[2j] * w[2j], for NC x 8 dims of
 // the converted values vf [kBlock][kDimHalf] (the reference's value chain, dim by dim).
 template <int NC>
-inline void weigh_values(const float* vf, const float* w, int pairs, float alpha, float* acc) {
+inline void weigh_values(const float* vf, const float* w, int pairs, float alpha, float* acc, Trickle& next_values) {
   const __m256 al = _mm256_set1_ps(alpha);
   __m256 a[NC];
   for (int c = 0; c < NC; ++c) a[c] = _mm256_mul_ps(_mm256_load_ps(acc + 8 * c), al);
   for (int j = 0; j < pairs; ++j) {
+    next_values.step();
     const __m256 w1 = _mm256_set1_ps(w[2 * j + 1]), w0 = _mm256_set1_ps(w[2 * j]);
     const float* v1 = vf + (2 * j + 1) * kDimHalf;
     const float* v0 = vf + (2 * j) * kDimHalf;
@@ -184,6 +185,8 @@ void block(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* r
     st.m = m_new;
   }
   const int pairs = (n + 1) / 2;
+  // The block ahead's values come in while these are weighed (its keys came during the scores).
+  Trickle next_values(ahead.v, ahead.bytes, (d + kDimHalf - 1) / kDimHalf * nrows * pairs);
   for (int64_t base = 0; base < d; base += kDimHalf) {
     const int width = static_cast<int>(std::min<int64_t>(kDimHalf, d - base));
     for (int j = 0; j < 2 * pairs; ++j) {
@@ -194,8 +197,10 @@ void block(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* r
       }
     }
     for (int r = 0; r < nrows; ++r) {
-      if (width == kDimHalf) weigh_values<kDimHalf / 8>(vf, s + r * kBlock, pairs, alpha[r], rows[r].acc + base);
-      else weigh_values<4>(vf, s + r * kBlock, pairs, alpha[r], rows[r].acc + base);  // the last 32 of d % 64
+      if (width == kDimHalf)
+        weigh_values<kDimHalf / 8>(vf, s + r * kBlock, pairs, alpha[r], rows[r].acc + base, next_values);
+      else  // the last 32 of d % 64
+        weigh_values<4>(vf, s + r * kBlock, pairs, alpha[r], rows[r].acc + base, next_values);
     }
   }
 }

@@ -110,13 +110,13 @@ inline __m512 even_half(__m512i pairs) { return _mm512_castsi512_ps(_mm512_slli_
 // pairs in order (attention_portable.cpp's score chain).
 template <class Dot, int DP, int R>
 inline void score_rows(const __m512i* kt, const RowState* rows, float* s, const Ahead& ahead) {
-  const int per = ahead_per_step(ahead, DP);
+  Trickle next_keys(ahead.k, ahead.bytes, DP);
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
 #pragma GCC unroll 2
   for (int p = 0; p < DP; ++p) {
     const __m512i k0 = _mm512_load_si512(kt + 2 * p), k1 = _mm512_load_si512(kt + 2 * p + 1);
-    ahead_step(ahead, p, per);
+    next_keys.step();
     if constexpr (std::is_same_v<Dot, FmaDot>) {
       const __m512 ko0 = odd_half(k0), ke0 = even_half(k0), ko1 = odd_half(k1), ke1 = even_half(k1);
 #pragma GCC unroll 8
@@ -170,8 +170,9 @@ inline float softmax_step(const float* sr, int n, RowState& st, __m512 p[2]) {
 // size <= 128), so each interleaved value register loaded serves both (pw: the rows' weight pairs, [nrows][16]).
 template <int DV>
 void dot_values(const __m512i (*vi)[DV], const int32_t* pw, const float* alpha, int pairs, RowState* rows,
-                int nrows) {
+                int nrows, const Ahead& ahead) {
   int r0 = 0;
+  Trickle next_values(ahead.v, ahead.bytes, static_cast<int64_t>((nrows + 1) / 2) * pairs);
   for (; DV <= 8 && r0 + 2 <= nrows; r0 += 2) {
     float* acc0 = rows[r0].acc;
     float* acc1 = rows[r0 + 1].acc;
@@ -193,6 +194,7 @@ void dot_values(const __m512i (*vi)[DV], const int32_t* pw, const float* alpha, 
     }
 #pragma GCC unroll 4
     for (int j = 0; j < pairs; ++j) {
+      next_values.step();
       const __m512bh w0 = (__m512bh)_mm512_set1_epi32(pw0[j]), w1 = (__m512bh)_mm512_set1_epi32(pw1[j]);
       for (int c = 0; c < DV; ++c) {
         const __m512bh v = (__m512bh)vi[j][c];
@@ -213,6 +215,7 @@ void dot_values(const __m512i (*vi)[DV], const int32_t* pw, const float* alpha, 
     for (int c = 0; c < DV; ++c) a[c] = _mm512_mul_ps(_mm512_load_ps(acc0 + 16 * c), al0);
 #pragma GCC unroll 4
     for (int j = 0; j < pairs; ++j) {
+      next_values.step();
       const __m512bh w0 = (__m512bh)_mm512_set1_epi32(pw0[j]);
       for (int c = 0; c < DV; ++c) a[c] = _mm512_dpbf16_ps(a[c], (__m512bh)vi[j][c], w0);
     }
@@ -224,7 +227,9 @@ void dot_values(const __m512i (*vi)[DV], const int32_t* pw, const float* alpha, 
 // dimensions at a time for all R rows (vi: the block's values interleaved by key pairs, each register
 // split into its odd and even key as float32 where used; w: the rows' rounded weights, [R][kBlock]).
 template <int DV, int R>
-inline void fma_value_rows(const __m512i (*vi)[DV], const float* w, const float* alpha, int pairs, RowState* rows) {
+inline void fma_value_rows(const __m512i (*vi)[DV], const float* w, const float* alpha, int pairs, RowState* rows,
+                           const Ahead& ahead) {
+  Trickle next_values(ahead.v, ahead.bytes, static_cast<int64_t>(DV / 2) * pairs);
   for (int c = 0; c < DV; c += 2) {
     __m512 a[R][2];
     for (int r = 0; r < R; ++r) {
@@ -234,6 +239,7 @@ inline void fma_value_rows(const __m512i (*vi)[DV], const float* w, const float*
     }
 #pragma GCC unroll 2
     for (int j = 0; j < pairs; ++j) {
+      next_values.step();
       const __m512 o0 = odd_half(vi[j][c]), e0 = even_half(vi[j][c]);
       const __m512 o1 = odd_half(vi[j][c + 1]), e1 = even_half(vi[j][c + 1]);
 #pragma GCC unroll 8
@@ -279,9 +285,11 @@ void block_dc(const uint16_t* kb, const __m512i (*vi)[2 * DC], int n, int64_t d,
   }
   const int pairs = (n + 1) / 2;  // weights past n are zero: their products add nothing
   if constexpr (std::is_same_v<Dot, FmaDot>) {
-    row_tiles<6>(nrows, [&](auto R, int r) { fma_value_rows<DV, R>(vi, w + r * kBlock, alpha + r, pairs, rows + r); });
+    row_tiles<6>(nrows, [&](auto R, int r) {
+      fma_value_rows<DV, R>(vi, w + r * kBlock, alpha + r, pairs, rows + r, r == 0 ? ahead : Ahead{});
+    });
   } else {
-    dot_values<DV>(vi, reinterpret_cast<const int32_t*>(w), alpha, pairs, rows, nrows);
+    dot_values<DV>(vi, reinterpret_cast<const int32_t*>(w), alpha, pairs, rows, nrows, ahead);
   }
 }
 
@@ -394,8 +402,9 @@ constexpr int kTileGroups = std::is_same_v<Dot, FmaDot> ? 4 : 5;
 
 // Scores of groups [g0, g0 + GT) against the block's keys, kTileKeys keys a step.
 template <class Dot, int D, int GT>
-void lane_scores(const LaneBlock<Dot, D>& blk, const LaneSpace& sp, int groups, int g0) {
+void lane_scores(const LaneBlock<Dot, D>& blk, const LaneSpace& sp, int groups, int g0, Trickle& next_keys) {
   for (int k0 = 0; k0 < kBlock; k0 += kTileKeys) {
+    next_keys.step();
     __m512 acc[kTileKeys][GT];
     for (int k = 0; k < kTileKeys; ++k)
       for (int g = 0; g < GT; ++g) acc[k][g] = _mm512_setzero_ps();
@@ -478,11 +487,12 @@ void lane_softmax(const LaneSpace& sp, int groups, int g) {
 // Groups [g0, g0 + GT)'s values: each accumulator rescaled, then the block's key pairs in order,
 // kTileKeys dimensions a step.
 template <class Dot, int D, int GT>
-void lane_values(const LaneBlock<Dot, D>& blk, const LaneSpace& sp, int groups, int g0) {
+void lane_values(const LaneBlock<Dot, D>& blk, const LaneSpace& sp, int groups, int g0, Trickle& next_values) {
   bool rescale = false;
   for (int g = 0; g < GT; ++g)
     rescale |= _mm512_cmp_ps_mask(sp.alpha[g0 + g], _mm512_set1_ps(1.f), _CMP_NEQ_UQ) != 0;  // x * 1 = x
   for (int x0 = 0; x0 < D; x0 += kTileKeys) {
+    next_values.step();
     __m512 acc[kTileKeys][GT];
     for (int x = 0; x < kTileKeys; ++x)
       for (int g = 0; g < GT; ++g) {
@@ -566,18 +576,15 @@ void lanes_out(RowState* rows, int nrows, int64_t d, const LaneSpace& sp, int gr
     }
 }
 
-// The next block's keys and values on their way while this one computes.
-inline void prefetch_block(const uint16_t* kb, const uint16_t* vb, int64_t d) {
-  for (int64_t o = 0; o < kBlock * d * 2; o += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(kb) + o, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(vb) + o, _MM_HINT_T0);
-  }
+// The lane-group tiles of a block, of balanced sizes: f(Count<GT>{}, g0) for groups [g0, g0 + GT).
+template <class Dot>
+int tile_count(int groups) {
+  return (groups + kTileGroups<Dot> - 1) / kTileGroups<Dot>;
 }
 
-// The lane-group tiles of a block, of balanced sizes: f(Count<GT>{}, g0) for groups [g0, g0 + GT).
 template <class Dot, class F>
 void each_tile(int groups, F&& f) {
-  const int tiles = (groups + kTileGroups<Dot> - 1) / kTileGroups<Dot>;
+  const int tiles = tile_count<Dot>(groups);
   for (int t = 0, g0 = 0; t < tiles; ++t) {
     const int gt = (groups * (t + 1)) / tiles - g0;
     with_count<kTileGroups<Dot>>(gt, [&](auto GT) { f(GT, g0); });
@@ -591,14 +598,18 @@ void run_d(const uint16_t* k, const uint16_t* v, int nblocks, RowState* rows, in
   const LaneSpace sp = lane_space(ws, D, groups, rows[0].cap);
   lanes_in(rows, nrows, D, sp, groups);
   LaneBlock<Dot, D> blk;
+  const int tiles = tile_count<Dot>(groups);
   for (int b = 0; b < nblocks; ++b) {
     const uint16_t* kb = k + b * kBlock * D;
     const uint16_t* vb = v + b * kBlock * D;
-    if (b + 1 < nblocks) prefetch_block(kb + kBlock * D, vb + kBlock * D, D);
+    // The block two on (as the few rows' kernels take theirs) comes in over this one's work.
+    const bool ahead = b + 2 < nblocks;
+    Trickle next_keys(ahead ? kb + 2 * kBlock * D : nullptr, kBlock * D * 2, tiles * kBlock / kTileKeys);
+    Trickle next_values(ahead ? vb + 2 * kBlock * D : nullptr, kBlock * D * 2, tiles * D / kTileKeys);
     blk.load(kb, vb);
-    each_tile<Dot>(groups, [&](auto GT, int g0) { lane_scores<Dot, D, GT>(blk, sp, groups, g0); });
+    each_tile<Dot>(groups, [&](auto GT, int g0) { lane_scores<Dot, D, GT>(blk, sp, groups, g0, next_keys); });
     for (int g = 0; g < groups; ++g) lane_softmax<Dot>(sp, groups, g);
-    each_tile<Dot>(groups, [&](auto GT, int g0) { lane_values<Dot, D, GT>(blk, sp, groups, g0); });
+    each_tile<Dot>(groups, [&](auto GT, int g0) { lane_values<Dot, D, GT>(blk, sp, groups, g0, next_values); });
   }
   lanes_out(rows, nrows, D, sp, groups);
 }
