@@ -166,60 +166,42 @@ inline float softmax_step(const float* sr, int n, RowState& st, __m512 p[2]) {
   return alpha;
 }
 
-// VDPBF16PS's values: two rows at a time while their accumulators fit the registers with the values (head
-// size <= 128), so each interleaved value register loaded serves both (pw: the rows' weight pairs, [nrows][16]).
-template <int DV>
-void dot_values(const __m512i (*vi)[DV], const int32_t* pw, const float* alpha, int pairs, RowState* rows,
-                int nrows, const Ahead& ahead) {
-  int r0 = 0;
-  Trickle next_values(ahead.v, ahead.bytes, static_cast<int64_t>((nrows + 1) / 2) * pairs);
-  for (; DV <= 8 && r0 + 2 <= nrows; r0 += 2) {
-    float* acc0 = rows[r0].acc;
-    float* acc1 = rows[r0 + 1].acc;
-    const int32_t* pw0 = pw + 16 * r0;
-    const int32_t* pw1 = pw0 + 16;
-    __m512 a[DV], b[DV];
-    // alpha is exactly 1 where the maximum did not move (exp_portable(0) = 1): x * 1 = x.
-    if (alpha[r0] == 1.f && alpha[r0 + 1] == 1.f) {
-      for (int c = 0; c < DV; ++c) {
-        a[c] = _mm512_load_ps(acc0 + 16 * c);
-        b[c] = _mm512_load_ps(acc1 + 16 * c);
-      }
-    } else {
-      const __m512 al0 = _mm512_set1_ps(alpha[r0]), al1 = _mm512_set1_ps(alpha[r0 + 1]);
-      for (int c = 0; c < DV; ++c) {
-        a[c] = _mm512_mul_ps(_mm512_load_ps(acc0 + 16 * c), al0);
-        b[c] = _mm512_mul_ps(_mm512_load_ps(acc1 + 16 * c), al1);
+// VDPBF16PS's values read where they lie: for each 32 dimensions, each key pair's two rows interleaved in
+// registers (the `interleave_values` order) and used at once by R rows, so the interleaved block is never
+// stored and loaded back (on Zen 4 that store and reload cost as much as the products). pw: the rows' weight
+// pairs, [R][16]; past n a value row counts as zero (its weight is zero, but its bytes need not be numbers).
+template <int DV, int R>
+inline void dot_value_rows(const uint16_t* vb, int n, int64_t d, const int32_t* pw, const float* alpha, int pairs,
+                           RowState* rows, Trickle& next_values) {
+  for (int c = 0; c < DV; c += 2) {
+    __m512 a[R][2];
+    for (int r = 0; r < R; ++r) {
+      a[r][0] = _mm512_load_ps(rows[r].acc + 16 * c);
+      a[r][1] = _mm512_load_ps(rows[r].acc + 16 * c + 16);
+      if (alpha[r] != 1.f) {  // exactly 1 where the maximum did not move (exp_portable(0) = 1): x * 1 = x
+        const __m512 al = _mm512_set1_ps(alpha[r]);
+        a[r][0] = _mm512_mul_ps(a[r][0], al);
+        a[r][1] = _mm512_mul_ps(a[r][1], al);
       }
     }
-#pragma GCC unroll 4
+    const uint16_t* col = vb + 16 * c;
+#pragma GCC unroll 2
     for (int j = 0; j < pairs; ++j) {
       next_values.step();
-      const __m512bh w0 = (__m512bh)_mm512_set1_epi32(pw0[j]), w1 = (__m512bh)_mm512_set1_epi32(pw1[j]);
-      for (int c = 0; c < DV; ++c) {
-        const __m512bh v = (__m512bh)vi[j][c];
-        a[c] = _mm512_dpbf16_ps(a[c], v, w0);
-        b[c] = _mm512_dpbf16_ps(b[c], v, w1);
+      const __m512i x0 = _mm512_loadu_si512(col + 2 * j * d);
+      const __m512i x1 = 2 * j + 1 < n ? _mm512_loadu_si512(col + (2 * j + 1) * d) : _mm512_setzero_si512();
+      const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x0, x1), hi = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+#pragma GCC unroll 6
+      for (int r = 0; r < R; ++r) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(pw[16 * r + j]);
+        a[r][0] = _mm512_dpbf16_ps(a[r][0], lo, w);
+        a[r][1] = _mm512_dpbf16_ps(a[r][1], hi, w);
       }
     }
-    for (int c = 0; c < DV; ++c) {
-      _mm512_store_ps(acc0 + 16 * c, a[c]);
-      _mm512_store_ps(acc1 + 16 * c, b[c]);
+    for (int r = 0; r < R; ++r) {
+      _mm512_store_ps(rows[r].acc + 16 * c, a[r][0]);
+      _mm512_store_ps(rows[r].acc + 16 * c + 16, a[r][1]);
     }
-  }
-  for (; r0 < nrows; ++r0) {
-    float* acc0 = rows[r0].acc;
-    const int32_t* pw0 = pw + 16 * r0;
-    __m512 a[DV];
-    const __m512 al0 = _mm512_set1_ps(alpha[r0]);
-    for (int c = 0; c < DV; ++c) a[c] = _mm512_mul_ps(_mm512_load_ps(acc0 + 16 * c), al0);
-#pragma GCC unroll 4
-    for (int j = 0; j < pairs; ++j) {
-      next_values.step();
-      const __m512bh w0 = (__m512bh)_mm512_set1_epi32(pw0[j]);
-      for (int c = 0; c < DV; ++c) a[c] = _mm512_dpbf16_ps(a[c], (__m512bh)vi[j][c], w0);
-    }
-    for (int c = 0; c < DV; ++c) _mm512_store_ps(acc0 + 16 * c, a[c]);
   }
 }
 
@@ -256,9 +238,10 @@ inline void fma_value_rows(const __m512i (*vi)[DV], const float* w, const float*
   }
 }
 
+// vi: the values interleaved by key pairs (`FmaDot`; `Bf16Dot` reads them from vb where they lie).
 template <class Dot, int DC>
-void block_dc(const uint16_t* kb, const __m512i (*vi)[2 * DC], int n, int64_t d, RowState* rows, int nrows,
-              float* sbuf, const Ahead& ahead) {
+void block_dc(const uint16_t* kb, const uint16_t* vb, const __m512i (*vi)[2 * DC], int n, int64_t d, RowState* rows,
+              int nrows, float* sbuf, const Ahead& ahead) {
   constexpr int DV = 2 * DC;  // float32 accumulators of 16 dims
   alignas(64) __m512i kt[DC * 16 * 2];
   transpose_keys<DC * 16>(kb, n, d, kt);
@@ -289,27 +272,36 @@ void block_dc(const uint16_t* kb, const __m512i (*vi)[2 * DC], int n, int64_t d,
       fma_value_rows<DV, R>(vi, w + r * kBlock, alpha + r, pairs, rows + r, r == 0 ? ahead : Ahead{});
     });
   } else {
-    dot_values<DV>(vi, reinterpret_cast<const int32_t*>(w), alpha, pairs, rows, nrows, ahead);
+    Trickle next_values(ahead.v, ahead.bytes, (nrows + 5) / 6 * (DV / 2) * pairs);
+    const int32_t* pw = reinterpret_cast<const int32_t*>(w);
+    row_tiles<6>(nrows, [&](auto R, int r) {  // 12 chains, as the scores
+      dot_value_rows<DV, R>(vb, n, d, pw + 16 * r, alpha + r, pairs, rows + r, next_values);
+    });
   }
 }
 
-// One block of a few rows: the values interleaved by key pairs once for all of them.
+// One block of a few rows (`FmaDot`: the values interleaved by key pairs once for all of them).
+template <class Dot, int DC>
+void block_of(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* rows, int nrows, float* ws,
+              const Ahead& ahead) {
+  if constexpr (std::is_same_v<Dot, FmaDot>) {
+    alignas(64) __m512i vi[kBlock / 2][2 * DC];
+    interleave_values<2 * DC>(vb, n, d, vi);
+    block_dc<Dot, DC>(kb, vb, vi, n, d, rows, nrows, ws, ahead);
+  } else {
+    block_dc<Dot, DC>(kb, vb, nullptr, n, d, rows, nrows, ws, ahead);
+  }
+}
+
 template <class Dot>
 void block(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* rows, int nrows, float* ws,
            const Ahead& ahead) {
-  alignas(64) __m512i vi[kBlock / 2][16];
-  if (d == 256) {  // Gemma 2 and 3
-    interleave_values<16>(vb, n, d, vi);
-    block_dc<Dot, 8>(kb, vi, n, d, rows, nrows, ws, ahead);
-  } else if (d == 128) {
-    auto v8 = reinterpret_cast<__m512i(*)[8]>(vi);
-    interleave_values<8>(vb, n, d, v8);
-    block_dc<Dot, 4>(kb, v8, n, d, rows, nrows, ws, ahead);
-  } else {
-    auto v4 = reinterpret_cast<__m512i(*)[4]>(vi);
-    interleave_values<4>(vb, n, d, v4);
-    block_dc<Dot, 2>(kb, v4, n, d, rows, nrows, ws, ahead);
-  }
+  if (d == 256)  // Gemma 2 and 3
+    block_of<Dot, 8>(kb, vb, n, d, rows, nrows, ws, ahead);
+  else if (d == 128)
+    block_of<Dot, 4>(kb, vb, n, d, rows, nrows, ws, ahead);
+  else
+    block_of<Dot, 2>(kb, vb, n, d, rows, nrows, ws, ahead);
 }
 
 // ------------------------------------------------------------------ many rows: rows across the lanes
