@@ -15,9 +15,6 @@ namespace spx {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-// The block a kernel brings in while it computes: two after its own. With both threads streaming their parts
-// of a long cache, blocks fetched further ahead arrived later, not sooner (docs/log/2026-12-long-decode.md).
-constexpr int64_t kAhead = 2;
 
 // Visible slots after the prefix for token t (offsets into the last m slots), in slot order.
 void extras_of(const Attention& pb, int64_t t, std::vector<int32_t>& out) {
@@ -257,7 +254,7 @@ void shared_blocks(const Attention& pb, const AttentionItem& it, const BlockKern
       kn.run(kb, vb, static_cast<int>(n), d, ir.rows.data(), ir.nrows, ws);
     else
       kn.block(kb, vb, kBlock, d, ir.rows.data(), ir.nrows, ws,
-               b + kAhead < b1 ? ks.ahead(vs, key + kAhead * kBlock) : Ahead{});
+               b + kAheadBlocks < b1 ? ks.ahead(vs, key + kAheadBlocks * kBlock) : Ahead{});
     ir.opened(0, ir.nrows);
     b += n;
   }

@@ -152,6 +152,11 @@ struct RowState {
 // A block read in place further on (the prefix's keys and values at its own rows), which a block kernel
 // may bring into the caches while it computes: a long cache's blocks are otherwise read and computed in
 // turn, their times added. Null pointers: nothing ahead.
+// The block a kernel brings in while it computes: kAheadBlocks after its own. With both threads streaming
+// their parts of a long cache, blocks fetched further ahead arrived later, not sooner
+// (docs/log/2026-12-long-decode.md).
+constexpr int64_t kAheadBlocks = 2;
+
 struct Ahead {
   const void* k = nullptr;
   const void* v = nullptr;

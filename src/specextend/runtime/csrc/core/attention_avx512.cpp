@@ -238,10 +238,9 @@ inline void fma_value_rows(const __m512i (*vi)[DV], const float* w, const float*
   }
 }
 
-// vi: the values interleaved by key pairs (`FmaDot`; `Bf16Dot` reads them from vb where they lie).
 template <class Dot, int DC>
-void block_dc(const uint16_t* kb, const uint16_t* vb, const __m512i (*vi)[2 * DC], int n, int64_t d, RowState* rows,
-              int nrows, float* sbuf, const Ahead& ahead) {
+void block_dc(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* rows, int nrows, float* sbuf,
+              const Ahead& ahead) {
   constexpr int DV = 2 * DC;  // float32 accumulators of 16 dims
   alignas(64) __m512i kt[DC * 16 * 2];
   transpose_keys<DC * 16>(kb, n, d, kt);
@@ -267,7 +266,9 @@ void block_dc(const uint16_t* kb, const uint16_t* vb, const __m512i (*vi)[2 * DC
     }
   }
   const int pairs = (n + 1) / 2;  // weights past n are zero: their products add nothing
-  if constexpr (std::is_same_v<Dot, FmaDot>) {
+  if constexpr (std::is_same_v<Dot, FmaDot>) {  // the values interleaved by key pairs once for all the rows
+    alignas(64) __m512i vi[kBlock / 2][DV];
+    interleave_values<DV>(vb, n, d, vi);
     row_tiles<6>(nrows, [&](auto R, int r) {
       fma_value_rows<DV, R>(vi, w + r * kBlock, alpha + r, pairs, rows + r, r == 0 ? ahead : Ahead{});
     });
@@ -280,28 +281,16 @@ void block_dc(const uint16_t* kb, const uint16_t* vb, const __m512i (*vi)[2 * DC
   }
 }
 
-// One block of a few rows (`FmaDot`: the values interleaved by key pairs once for all of them).
-template <class Dot, int DC>
-void block_of(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* rows, int nrows, float* ws,
-              const Ahead& ahead) {
-  if constexpr (std::is_same_v<Dot, FmaDot>) {
-    alignas(64) __m512i vi[kBlock / 2][2 * DC];
-    interleave_values<2 * DC>(vb, n, d, vi);
-    block_dc<Dot, DC>(kb, vb, vi, n, d, rows, nrows, ws, ahead);
-  } else {
-    block_dc<Dot, DC>(kb, vb, nullptr, n, d, rows, nrows, ws, ahead);
-  }
-}
-
+// One block of a few rows.
 template <class Dot>
 void block(const uint16_t* kb, const uint16_t* vb, int n, int64_t d, RowState* rows, int nrows, float* ws,
            const Ahead& ahead) {
   if (d == 256)  // Gemma 2 and 3
-    block_of<Dot, 8>(kb, vb, n, d, rows, nrows, ws, ahead);
+    block_dc<Dot, 8>(kb, vb, n, d, rows, nrows, ws, ahead);
   else if (d == 128)
-    block_of<Dot, 4>(kb, vb, n, d, rows, nrows, ws, ahead);
+    block_dc<Dot, 4>(kb, vb, n, d, rows, nrows, ws, ahead);
   else
-    block_of<Dot, 2>(kb, vb, n, d, rows, nrows, ws, ahead);
+    block_dc<Dot, 2>(kb, vb, n, d, rows, nrows, ws, ahead);
 }
 
 // ------------------------------------------------------------------ many rows: rows across the lanes
@@ -594,10 +583,11 @@ void run_d(const uint16_t* k, const uint16_t* v, int nblocks, RowState* rows, in
   for (int b = 0; b < nblocks; ++b) {
     const uint16_t* kb = k + b * kBlock * D;
     const uint16_t* vb = v + b * kBlock * D;
-    // The block two on (as the few rows' kernels take theirs) comes in over this one's work.
-    const bool ahead = b + 2 < nblocks;
-    Trickle next_keys(ahead ? kb + 2 * kBlock * D : nullptr, kBlock * D * 2, tiles * kBlock / kTileKeys);
-    Trickle next_values(ahead ? vb + 2 * kBlock * D : nullptr, kBlock * D * 2, tiles * D / kTileKeys);
+    // The block kAheadBlocks on (as the few rows' kernels take theirs) comes in over this one's work.
+    const bool ahead = b + kAheadBlocks < nblocks;
+    const int64_t on = kAheadBlocks * kBlock * D;
+    Trickle next_keys(ahead ? kb + on : nullptr, kBlock * D * 2, tiles * kBlock / kTileKeys);
+    Trickle next_values(ahead ? vb + on : nullptr, kBlock * D * 2, tiles * D / kTileKeys);
     blk.load(kb, vb);
     each_tile<Dot>(groups, [&](auto GT, int g0) { lane_scores<Dot, D, GT>(blk, sp, groups, g0, next_keys); });
     for (int g = 0; g < groups; ++g) lane_softmax<Dot>(sp, groups, g);

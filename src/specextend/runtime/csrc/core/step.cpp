@@ -121,7 +121,7 @@ struct Buffers {
       grow(w.ks16, t * kmax / 16);
       grow(w.ks32, t * kmax / 32);
     }
-    floats = has_format(md, bt, [](int64_t f) { return float_format(f); });
+    floats = has_format(md, bt, float_format);
     if (floats) grow(w.xf, std::max<int64_t>(t, bt.n_logits) * kmax);
     bf16d = has_format(md, bt, bf16_dot_format);
     if (bf16d) grow(w.xb, std::max<int64_t>(t, bt.n_logits) * kmax / 2);
