@@ -131,8 +131,10 @@ struct ItemRows {
   float* tacc = nullptr;  // [nrows][d], aligned: the folded chunks
   std::vector<char> folded;  // per row: whether tacc/tml hold anything yet
   std::vector<char> open;    // per row: whether its current chunk holds keys
+  decltype(BlockKernel::fold) fold_fn;  // the path's fold_state
 
-  ItemRows(const Attention& pb, const AttentionItem& it) : d(pb.d) {
+  ItemRows(const Attention& pb, const AttentionItem& it, const BlockKernel& kn)
+      : d(pb.d), fold_fn(kn.fold != nullptr ? kn.fold : fold_state) {
     const int64_t g = pb.heads / pb.kv_heads;
     nrows = static_cast<int>((it.t1 - it.t0) * g);
     qbuf.resize(nrows * d);
@@ -176,12 +178,12 @@ struct ItemRows {
   // Rows [r0, r0 + n) have taken a block into their current chunk.
   void opened(int r0, int n) { std::fill(open.begin() + r0, open.begin() + r0 + n, 1); }
 
-  // Those of rows [r0, r0 + n) whose current chunk holds keys: it goes into their fold (fold_state),
+  // Those of rows [r0, r0 + n) whose current chunk holds keys: it goes into their fold (fold_fn),
   // and a fresh chunk starts. An empty chunk folds nothing.
   void fold(int r0, int n) {
     for (int r = r0; r < r0 + n; ++r) {
       if (!open[r]) continue;
-      fold_state(rows[r].m, rows[r].l, rows[r].acc, &folded[r], &tml[2 * r], tacc + r * d, d);
+      fold_fn(rows[r].m, rows[r].l, rows[r].acc, &folded[r], &tml[2 * r], tacc + r * d, d);
       reset(r, 1);
     }
   }
@@ -234,24 +236,26 @@ void fold_state(float m, float l, const float* acc, char* started, float* tml, f
 namespace {
 
 // Shared blocks [b0, b1) (by number; every row, keys in place), folding the rows that hold keys
-// at each chunk's start.
+// at each chunk's start. A path's run takes the rest of the blocks in one call, folding inside (its
+// rows stay in its own layout from chunk to chunk); q8 rows, converted into a chunk's scratch, a chunk.
 void shared_blocks(const Attention& pb, const AttentionItem& it, const BlockKernel& kn, ItemRows& ir, int64_t b0,
                    int64_t b1, float* ws) {
   const int64_t d = pb.d;
   const HeadRows ks = head_rows(pb, kn, true, it.kvh), vs = head_rows(pb, kn, false, it.kvh);
   const bool runs = kn.run != nullptr && ir.nrows >= kn.run_rows;
-  const int64_t span = runs ? kChunk : kBlock;  // keys read in one call
+  const int64_t span = runs ? kChunk : kBlock;  // keys read in one call (q8)
   std::vector<uint16_t> scratch(pb.q8 ? 2 * span * d : 0);
   for (int64_t b = b0; b < b1;) {
     if (b % kBlocksPerChunk == 0) ir.fold(0, ir.nrows);
-    // Up to the chunk's end: a run of blocks in one call where the path has one, else a block.
-    const int64_t n = runs ? std::min(b1, (b / kBlocksPerChunk + 1) * kBlocksPerChunk) - b : 1;
+    // A run of blocks in one call where the path has one, else a block.
+    const int64_t n = !runs ? 1 : pb.q8 ? std::min(b1, (b / kBlocksPerChunk + 1) * kBlocksPerChunk) - b : b1 - b;
     const int nk = static_cast<int>(n * kBlock);
     const int64_t key = b * kBlock - pb.lead;  // the block's first key index
     const uint16_t* kb = ks.span(key, nk, scratch.data());
     const uint16_t* vb = vs.span(key, nk, scratch.data() + (pb.q8 ? span * d : 0));
+    const ChunkFolds folds{b, ir.tml.data(), ir.tacc, ir.folded.data()};
     if (runs)
-      kn.run(kb, vb, static_cast<int>(n), d, ir.rows.data(), ir.nrows, ws);
+      kn.run(kb, vb, static_cast<int>(n), d, ir.rows.data(), ir.nrows, ws, &folds);
     else
       kn.block(kb, vb, kBlock, d, ir.rows.data(), ir.nrows, ws,
                b + kAheadBlocks < b1 ? ks.ahead(vs, key + kAheadBlocks * kBlock) : Ahead{});
@@ -322,7 +326,7 @@ void finish_rows(const Attention& pb, const AttentionItem& it, const BlockKernel
 // reads the keys after them and finishes the item.
 void run_piece(const Attention& pb, const AttentionItem& it, AttentionSplit& sp, const BlockKernel& kn) {
   const int64_t d = pb.d;
-  ItemRows ir(pb, it);
+  ItemRows ir(pb, it, kn);
   float* wsp = nullptr;
   const std::vector<float> ws = workspace_for(kn, d, ir.nrows, &wsp);
   for (int64_t c = it.c0; c < it.c1; ++c) {
@@ -343,7 +347,7 @@ void run_piece(const Attention& pb, const AttentionItem& it, AttentionSplit& sp,
   ir.fold(0, ir.nrows);
   for (int64_t c = 0; c < sp.chunks; ++c)
     for (int r = 0; r < ir.nrows; ++r)
-      fold_state(sp.ml[(c * ir.nrows + r) * 2], sp.ml[(c * ir.nrows + r) * 2 + 1],
+      ir.fold_fn(sp.ml[(c * ir.nrows + r) * 2], sp.ml[(c * ir.nrows + r) * 2 + 1],
                  sp.acc.data() + (c * ir.nrows + r) * d, &ir.folded[r], &ir.tml[2 * r], ir.tacc + r * d, d);
   walk(pb, it, kn, ir, ik, (sp.first_chunk + sp.chunks) * kBlocksPerChunk, kNoEnd, wsp);
   finish_rows(pb, it, kn, ir);
@@ -425,7 +429,7 @@ void attend_item(Path path, const Attention& pb, const AttentionPlan& plan, int6
     run_piece(pb, it, *plan.splits[it.split], kn);
     return;
   }
-  ItemRows ir(pb, it);
+  ItemRows ir(pb, it, kn);
   float* wsp = nullptr;
   const std::vector<float> ws = workspace_for(kn, pb.d, ir.nrows, &wsp);
   walk(pb, it, kn, ir, item_keys(pb, it.t0, it.t1), 0, kNoEnd, wsp);

@@ -140,6 +140,17 @@ void fold_state(float m, float l, const float* acc, char* started, float* tml, f
 
 // ------------------------------------------------------------------ per path
 
+// The rows' folds a run of blocks across chunk boundaries completes its chunks into (`fold_state`'s
+// arguments for every row): the run's first block's number (a chunk starts at each multiple of
+// kBlocksPerChunk after it), and per row its fold's maximum and sum (tml [2 * nrows]), weighted values
+// (tacc [nrows][d], 64-byte aligned rows) and whether it holds a chunk yet (started [nrows]).
+struct ChunkFolds {
+  int64_t first_block;
+  float* tml;
+  float* tacc;
+  char* started;
+};
+
 // One query row's running softmax: maximum, sum, and the weighted sum of values.
 struct RowState {
   const uint16_t* q;  // bfloat16 [d], already scaled
@@ -197,10 +208,14 @@ struct BlockKernel {
   // n q8 rows into bfloat16 rows with dequant_q8_portable's bits (kv_q8.h); null: that function.
   void (*dequant)(const uint16_t* rows, int n, int64_t d, uint16_t* out) = nullptr;
   // nblocks full blocks of contiguous keys and values (kb, vb: nblocks * kBlock rows) into every row's
-  // state, with the bits of `block` called on each in turn; for nrows >= run_rows (null: none).
+  // state, with the bits of `block` called on each in turn; for nrows >= run_rows (null: none). With
+  // `chunks`, the blocks may cross chunk boundaries, and each chunk the run completes goes into the rows'
+  // folds as `fold` would put it there (the rows' states then hold the last chunk's); null: one chunk.
   void (*run)(const uint16_t* kb, const uint16_t* vb, int nblocks, int64_t d, RowState* rows, int nrows,
-              float* ws) = nullptr;
+              float* ws, const ChunkFolds* chunks) = nullptr;
   int run_rows = 0;
+  // fold_state with its bits, on the path's instructions (null: fold_state itself).
+  void (*fold)(float m, float l, const float* acc, char* started, float* tml, float* tacc, int64_t d) = nullptr;
 };
 
 // The block kernel a path attends with (the amx paths take their vector path's): attend_item's only

@@ -316,11 +316,15 @@ struct LaneSpace {
   __m512* acc;  // [d][G], d in the path's dimension order (`stored_dim`)
   __m512 *m, *l, *alpha;  // [G]
   __m512* qf;  // [dp][2][G]: query pair p's odd, then even element as float32 (the fma runs)
+  // The rows' folds, where a run crosses chunks (ChunkFolds): maximum, sum [G], weighted values [d][G], and a
+  // group's lanes that hold a chunk yet (started, a mask a group).
+  __m512 *tm, *tl, *tacc;
+  __mmask16* started;
   float cap = 0.f;  // > 0: scores soft-capped at it (RowState::cap, the same for every row of a run)
 };
 
 inline int64_t lane_space_floats(int64_t d, int groups) {
-  return (d / 2 + kBlock + kBlock / 2 + d + 3 + d) * groups * 16;
+  return (d / 2 + kBlock + kBlock / 2 + d + 3 + d + 3 + d) * groups * 16;
 }
 
 LaneSpace lane_space(float* ws, int64_t d, int groups, float cap) {
@@ -339,6 +343,11 @@ LaneSpace lane_space(float* ws, int64_t d, int groups, float cap) {
   sp.l = z + groups;
   sp.alpha = z + 2 * groups;
   sp.qf = z + 3 * groups;
+  z += 3 * groups + d * groups;
+  sp.tm = z;
+  sp.tl = z + groups;
+  sp.started = reinterpret_cast<__mmask16*>(z + 2 * groups);
+  sp.tacc = z + 3 * groups;
   return sp;
 }
 
@@ -507,8 +516,34 @@ void lane_values(const LaneBlock<Dot, D>& blk, const LaneSpace& sp, int groups, 
   }
 }
 
-// The rows' states into the lanes and out, 16 x 16 words at a time (`transpose16`); rows past nrows get
-// zero queries and states, and their lanes are never read back.
+// Rows' d floats into lanes [d][G] (lane i of group g: row 16g + i; row(r) its floats, 64-byte aligned) and
+// out, 16 x 16 words at a time (`transpose16`); lanes past nrows get zeros and are never read back.
+template <class Row>
+void floats_in(Row row, int nrows, int64_t d, __m512* lanes, int groups) {
+  __m512i t[16];
+  for (int g = 0; g < groups; ++g)
+    for (int64_t x0 = 0; x0 < d; x0 += 16) {
+      for (int i = 0; i < 16; ++i) {
+        const int r = 16 * g + i;
+        t[i] = r < nrows ? _mm512_load_si512(row(r) + x0) : _mm512_setzero_si512();
+      }
+      transpose16(t);
+      for (int i = 0; i < 16; ++i) lanes[(x0 + i) * groups + g] = _mm512_castsi512_ps(t[i]);
+    }
+}
+
+template <class Row>
+void floats_out(Row row, int nrows, int64_t d, const __m512* lanes, int groups) {
+  __m512i t[16];
+  for (int g = 0; g < groups; ++g)
+    for (int64_t x0 = 0; x0 < d; x0 += 16) {
+      for (int i = 0; i < 16; ++i) t[i] = _mm512_castps_si512(lanes[(x0 + i) * groups + g]);
+      transpose16(t);
+      for (int i = 0; i < 16 && 16 * g + i < nrows; ++i) _mm512_store_si512(row(16 * g + i) + x0, t[i]);
+    }
+}
+
+// The rows' states into the lanes and out; rows past nrows get zero queries and states.
 void lanes_in(const RowState* rows, int nrows, int64_t d, const LaneSpace& sp, int groups) {
   float* m = reinterpret_cast<float*>(sp.m);
   float* l = reinterpret_cast<float*>(sp.l);
@@ -516,16 +551,9 @@ void lanes_in(const RowState* rows, int nrows, int64_t d, const LaneSpace& sp, i
     m[r] = r < nrows ? rows[r].m : 0.f;
     l[r] = r < nrows ? rows[r].l : 0.f;
   }
+  floats_in([&](int r) { return rows[r].acc; }, nrows, d, sp.acc, groups);
   __m512i t[16];
-  for (int g = 0; g < groups; ++g) {
-    for (int64_t x0 = 0; x0 < d; x0 += 16) {
-      for (int i = 0; i < 16; ++i) {
-        const int r = 16 * g + i;
-        t[i] = r < nrows ? _mm512_load_si512(rows[r].acc + x0) : _mm512_setzero_si512();
-      }
-      transpose16(t);
-      for (int i = 0; i < 16; ++i) sp.acc[(x0 + i) * groups + g] = _mm512_castsi512_ps(t[i]);
-    }
+  for (int g = 0; g < groups; ++g)
     for (int64_t p0 = 0; p0 < d / 2; p0 += 16) {
       for (int i = 0; i < 16; ++i) {
         const int r = 16 * g + i;
@@ -538,7 +566,6 @@ void lanes_in(const RowState* rows, int nrows, int64_t d, const LaneSpace& sp, i
         sp.qf[(p0 + i) * 2 * groups + groups + g] = _mm512_castsi512_ps(_mm512_slli_epi32(t[i], 16));
       }
     }
-  }
 }
 
 void lanes_out(RowState* rows, int nrows, int64_t d, const LaneSpace& sp, int groups) {
@@ -548,13 +575,53 @@ void lanes_out(RowState* rows, int nrows, int64_t d, const LaneSpace& sp, int gr
     rows[r].m = m[r];
     rows[r].l = l[r];
   }
-  __m512i t[16];
-  for (int g = 0; g < groups; ++g)
-    for (int64_t x0 = 0; x0 < d; x0 += 16) {
-      for (int i = 0; i < 16; ++i) t[i] = _mm512_castps_si512(sp.acc[(x0 + i) * groups + g]);
-      transpose16(t);
-      for (int i = 0; i < 16 && 16 * g + i < nrows; ++i) _mm512_store_si512(rows[16 * g + i].acc + x0, t[i]);
+  floats_out([&](int r) { return rows[r].acc; }, nrows, d, sp.acc, groups);
+}
+
+// The rows' folds into the lanes and out (ChunkFolds).
+void folds_in(const ChunkFolds& f, int nrows, int64_t d, const LaneSpace& sp, int groups) {
+  float* tm = reinterpret_cast<float*>(sp.tm);
+  float* tl = reinterpret_cast<float*>(sp.tl);
+  for (int g = 0; g < groups; ++g) sp.started[g] = 0;
+  for (int r = 0; r < groups * 16; ++r) {
+    tm[r] = r < nrows ? f.tml[2 * r] : 0.f;
+    tl[r] = r < nrows ? f.tml[2 * r + 1] : 0.f;
+    if (r < nrows && f.started[r]) sp.started[r / 16] |= static_cast<__mmask16>(1u << (r % 16));
+  }
+  floats_in([&](int r) { return f.tacc + r * d; }, nrows, d, sp.tacc, groups);
+}
+
+void folds_out(const ChunkFolds& f, int nrows, int64_t d, const LaneSpace& sp, int groups) {
+  const float* tm = reinterpret_cast<const float*>(sp.tm);
+  const float* tl = reinterpret_cast<const float*>(sp.tl);
+  for (int r = 0; r < nrows; ++r) {
+    f.tml[2 * r] = tm[r];
+    f.tml[2 * r + 1] = tl[r];
+    f.started[r] = (sp.started[r / 16] >> (r % 16)) & 1;
+  }
+  floats_out([&](int r) { return f.tacc + r * d; }, nrows, d, sp.tacc, groups);
+}
+
+// Every lane's chunk into its fold as fold_state puts it, lane for lane (a lane whose fold holds no chunk yet
+// takes the chunk's state as it is), then a fresh chunk in every lane.
+void lane_fold(const LaneSpace& sp, int64_t d, int groups) {
+  for (int g = 0; g < groups; ++g) {
+    const __mmask16 st = sp.started[g];
+    const __m512 m = sp.m[g], l = sp.l[g], tm = sp.tm[g];
+    const __m512 mn = _mm512_max_ps(tm, m);
+    const __m512 a = exp_avx512(_mm512_sub_ps(tm, mn)), b = exp_avx512(_mm512_sub_ps(m, mn));
+    sp.tl[g] = _mm512_mask_blend_ps(st, l, _mm512_add_ps(_mm512_mul_ps(sp.tl[g], a), _mm512_mul_ps(l, b)));
+    sp.tm[g] = _mm512_mask_blend_ps(st, m, mn);
+    for (int64_t x = 0; x < d; ++x) {
+      const __m512 acc = sp.acc[x * groups + g];
+      __m512& t = sp.tacc[x * groups + g];
+      t = _mm512_mask_blend_ps(st, acc, _mm512_add_ps(_mm512_mul_ps(t, a), _mm512_mul_ps(acc, b)));
+      sp.acc[x * groups + g] = _mm512_setzero_ps();
     }
+    sp.started[g] = 0xFFFF;
+    sp.m[g] = _mm512_set1_ps(kNegInf);
+    sp.l[g] = _mm512_setzero_ps();
+  }
 }
 
 // The lane-group tiles of a block, of balanced sizes: f(Count<GT>{}, g0) for groups [g0, g0 + GT).
@@ -574,13 +641,19 @@ void each_tile(int groups, F&& f) {
 }
 
 template <class Dot, int D>
-void run_d(const uint16_t* k, const uint16_t* v, int nblocks, RowState* rows, int nrows, float* ws) {
+void run_d(const uint16_t* k, const uint16_t* v, int nblocks, RowState* rows, int nrows, float* ws,
+           const ChunkFolds* chunks) {
   const int groups = (nrows + 15) / 16;
   const LaneSpace sp = lane_space(ws, D, groups, rows[0].cap);
   lanes_in(rows, nrows, D, sp, groups);
+  // Blocks [0, nblocks) cross a chunk's start at each multiple of kBlocksPerChunk on from `next_chunk`.
+  const int64_t next_chunk = chunks == nullptr ? nblocks : kBlocksPerChunk - chunks->first_block % kBlocksPerChunk;
+  const bool folds = next_chunk < nblocks;
+  if (folds) folds_in(*chunks, nrows, D, sp, groups);
   LaneBlock<Dot, D> blk;
   const int tiles = tile_count<Dot>(groups);
   for (int b = 0; b < nblocks; ++b) {
+    if (folds && b >= next_chunk && (b - next_chunk) % kBlocksPerChunk == 0) lane_fold(sp, D, groups);
     const uint16_t* kb = k + b * kBlock * D;
     const uint16_t* vb = v + b * kBlock * D;
     // The block kAheadBlocks on (as the few rows' kernels take theirs) comes in over this one's work.
@@ -594,16 +667,41 @@ void run_d(const uint16_t* k, const uint16_t* v, int nblocks, RowState* rows, in
     each_tile<Dot>(groups, [&](auto GT, int g0) { lane_values<Dot, D, GT>(blk, sp, groups, g0, next_values); });
   }
   lanes_out(rows, nrows, D, sp, groups);
+  if (folds) folds_out(*chunks, nrows, D, sp, groups);
 }
 
 template <class Dot>
-void run(const uint16_t* k, const uint16_t* v, int nblocks, int64_t d, RowState* rows, int nrows, float* ws) {
+void run(const uint16_t* k, const uint16_t* v, int nblocks, int64_t d, RowState* rows, int nrows, float* ws,
+         const ChunkFolds* chunks) {
   if (d == 256)
-    run_d<Dot, 256>(k, v, nblocks, rows, nrows, ws);
+    run_d<Dot, 256>(k, v, nblocks, rows, nrows, ws, chunks);
   else if (d == 128)
-    run_d<Dot, 128>(k, v, nblocks, rows, nrows, ws);
+    run_d<Dot, 128>(k, v, nblocks, rows, nrows, ws, chunks);
   else
-    run_d<Dot, 64>(k, v, nblocks, rows, nrows, ws);
+    run_d<Dot, 64>(k, v, nblocks, rows, nrows, ws, chunks);
+}
+
+// fold_state with its bits: its two exponentials as two lanes of exp_avx512 (exp_portable lane for lane),
+// each weighted value as fold_state computes it (two products, then their sum), 16 at a time.
+void fold(float m, float l, const float* acc, char* started, float* tml, float* tacc, int64_t d) {
+  if (!*started) {
+    tml[0] = m;
+    tml[1] = l;
+    std::memcpy(tacc, acc, d * sizeof(float));
+    *started = 1;
+    return;
+  }
+  const float mn = std::fmax(tml[0], m);
+  alignas(64) float e[16];
+  _mm512_store_ps(e, exp_avx512(_mm512_setr_ps(tml[0] - mn, m - mn, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)));
+  const float a = e[0], b = e[1];
+  const float la = tml[1] * a, lb = l * b;
+  tml[0] = mn;
+  tml[1] = la + lb;
+  const __m512 va = _mm512_set1_ps(a), vb = _mm512_set1_ps(b);
+  for (int64_t x = 0; x < d; x += 16)
+    _mm512_storeu_ps(tacc + x, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(tacc + x), va),
+                                             _mm512_mul_ps(_mm512_loadu_ps(acc + x), vb)));
 }
 
 // Accumulator c = 2*chunk + half holds, in lane l, dim 32*chunk + 8*(l/4) + 4*half + l%4 (the
@@ -644,9 +742,9 @@ bool block_kernel_avx512(int64_t d, BlockKernel* out) {
   if (!cpu_has_avx512_bf16() || (d != 64 && d != 128 && d != 256)) return false;
   const bool dot = avx512_bf16_dot_pays();
   if (dot)
-    *out = {block<Bf16Dot>, finish, workspace, dequant, run<Bf16Dot>, kRunRows};
+    *out = {block<Bf16Dot>, finish, workspace, dequant, run<Bf16Dot>, kRunRows, fold};
   else
-    *out = {block<FmaDot>, finish, workspace, dequant, run<FmaDot>, kRunRows};
+    *out = {block<FmaDot>, finish, workspace, dequant, run<FmaDot>, kRunRows, fold};
   return true;
 }
 

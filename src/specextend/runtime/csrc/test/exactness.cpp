@@ -212,7 +212,7 @@ bool same_items(const spx::AttentionPlan& a, const spx::AttentionPlan& b) {
 
 bool same_kernel(const spx::BlockKernel& a, const spx::BlockKernel& b) {
   return a.block == b.block && a.finish == b.finish && a.workspace == b.workspace && a.dequant == b.dequant &&
-         a.run == b.run && a.run_rows == b.run_rows;
+         a.run == b.run && a.run_rows == b.run_rows && a.fold == b.fold;
 }
 
 // The plan for `threads` run on this thread, its items in order or backwards (a long cache read in
