@@ -35,8 +35,28 @@ from . import roofline, step_split
 def read_bandwidth_gbs(mb: int = 1024, repeats: int = 5) -> float:
     """Streaming read bandwidth: sum a buffer far larger than the caches (best of several), in the
     kind of memory the weights are loaded into (2 MB pages read faster than 4 KB ones)."""
-    buf = read_buffer(mb)
-    return max(read_pass_gbs(buf) for _ in range(repeats))
+    return ReadRate(mb).sample(repeats)
+
+
+class ReadRate:
+    """The memory's streaming read rate (`read_pass_gbs` over one buffer), sampled at the moments a
+    benchmark chooses. On a shared host the rate can move from one minute to the next, within a run
+    (docs/log/2026-12-read-rate.md), so a memory floor is comparable only with timings taken beside
+    its sample; `span` says how far it moved."""
+
+    def __init__(self, mb: int = 1024) -> None:
+        self.buf = read_buffer(mb)
+        self.samples: list[float] = []
+
+    def sample(self, passes: int = 2) -> float:
+        """GB/s now: the best of `passes` reads (the first read of fresh pages runs slower)."""
+        gbs = max(read_pass_gbs(self.buf) for _ in range(passes))
+        self.samples.append(gbs)
+        return gbs
+
+    @property
+    def span(self) -> tuple[float, float]:
+        return min(self.samples), max(self.samples)
 
 
 def read_buffer(mb: int = 1024) -> torch.Tensor:
@@ -134,13 +154,18 @@ def main(argv: list[str] | None = None) -> int:
                            "load_s": time.perf_counter() - t, "threads": torch.get_num_threads(),
                            "cpu_kernels": cpu_kernels(pair.target)}
     res.update(prefill_speed(pair.target, a.prefill_tokens))
+    rate = ReadRate()
+    rate.sample(5)
     res.update(step_costs(pair.target, a.context, rows, a.repeats,
                           split=res["cpu_kernels"] not in (None, kernels.EMULATED_AMX)))
-    bw = read_bandwidth_gbs()
+    rate.sample(5)
     wb = weight_bytes_per_forward(pair.target)
-    res.update(read_bandwidth_gbs=bw, weight_bytes=wb, floor_s=wb / (bw * 1e9))
     if res["cpu_kernels"] not in (None, kernels.EMULATED_AMX) and pair.target.fused:
-        res["one_row_split"] = step_split.split_one_row(pair.target, a.context, res["floor_s"], a.repeats * 4)
+        res["one_row_split"] = step_split.split_one_row(pair.target, a.context, wb, rate, a.repeats * 4)
+    # The floor at the best rate seen: the machine's limit in this run (`read_bandwidth_gbs_span`: where it moved).
+    bw = rate.span[1]
+    res.update(read_bandwidth_gbs=bw, read_bandwidth_gbs_span=list(rate.span), weight_bytes=wb,
+               floor_s=wb / (bw * 1e9))
     if res["cpu_kernels"] not in (None, kernels.EMULATED_AMX):  # an emulation has no peak to divide by
         res["roofline"] = measure_roofline(pair.target, res, lengths)
     print(json.dumps(res, indent=2) if a.json else report(res, a.prefill_tokens))
@@ -307,12 +332,20 @@ def report(res: dict[str, Any], prefill_tokens: int) -> str:
                 extra += f" ({linear[r] / linear['1']:.2f}x, {attention[r] / attention['1']:.2f}x one row's)"
         lines.append(f"  {int(r):3d} new tokens: {seconds * 1e3:7.1f} ms{extra}")
     lines.append(f"floor: {res['weight_bytes'] / 1e9:.2f} GB of weights / {res['read_bandwidth_gbs']:.1f} GB/s read "
-                 f"bandwidth = {res['floor_s'] * 1e3:.0f} ms")
+                 f"bandwidth = {res['floor_s'] * 1e3:.0f} ms{moved_note(res.get('read_bandwidth_gbs_span'))}")
     if "one_row_split" in res:
         lines.append(step_split.report(res["one_row_split"]))
     if "roofline" in res:
         lines.append(roofline_report(res["roofline"]))
     return "\n".join(lines)
+
+
+def moved_note(span: list[float] | tuple[float, float] | None, moved: float = 1.1) -> str:
+    """A floor's caveat where the read rate moved by more than `moved` during the run ('' if not)."""
+    if not span or span[1] <= moved * span[0]:
+        return ""
+    return (f" (the read rate moved between {span[0]:.1f} and {span[1]:.1f} GB/s during this run: a time taken at "
+            f"the lower rate sits up to {span[1] / span[0]:.2f}x further from this floor than the memory held it)")
 
 
 def roofline_report(rf: dict[str, Any]) -> str:

@@ -6,8 +6,9 @@ kernel calls a layer) and as the whole-step C++ call (runtime/fused_step.py). Th
 with the kernels' clock (`kernels.clocked`): the linear layers (the weight stream; the head
 included), attention, the other operators (RoPE and the cache write, the embedding lookup and
 the rotation angles, timed alone here) and the rest (Python and the hand-overs to the thread
-team between calls). Each time is the best of `repeats`, the ways interleaved, so a slow spell
-on a shared machine lands on both."""
+team between calls). Each time is the best of `repeats` rounds, the ways interleaved, so a slow spell
+on a shared machine lands on both; each round samples the memory's read rate first, and each ratio to
+the floor is a round's time against that round's floor."""
 
 from __future__ import annotations
 
@@ -50,9 +51,20 @@ def _other_ops_s(model: Any, cache: Any, context: int, repeats: int) -> float:
     return _best(ops, repeats)
 
 
-def split_one_row(model: Any, context: int, floor_s: float, repeats: int = 20) -> dict[str, Any]:
+def against_floors(rounds: list[dict[str, float]], parts: tuple[str, ...]) -> dict[str, float]:
+    """Each part's best time over rounds, and its best ratio to the floor of its own round (`floor_s`,
+    the memory's rate sampled beside it): a round at a slower memory rate meets a higher floor."""
+    out = {}
+    for part in parts:
+        out[f"{part}_s"] = min(r[part] for r in rounds)
+        out[f"{part}_of_floor"] = min(r[part] / r["floor_s"] for r in rounds)
+    return out
+
+
+def split_one_row(model: Any, context: int, weight_bytes: int, rate: Any, repeats: int = 20) -> dict[str, Any]:
     """A one-row step after `context` cached tokens: Python-driven and whole-step seconds, the
-    Python-driven step's parts, and each against `floor_s`."""
+    Python-driven step's parts, and each against the memory floor (`weight_bytes` at the read rate
+    `rate.sample()` gives in the same round: `runtime.ReadRate`)."""
     cache = model.new_cache(context + 8)
     model.prefill(torch.randint(0, model.cfg.vocab_size, (context,)), cache)
     tok, pos = torch.tensor([7]), torch.tensor([context])
@@ -63,34 +75,39 @@ def split_one_row(model: Any, context: int, floor_s: float, repeats: int = 20) -
         model(tok, pos, cache)
         cache.discard()
 
+    rounds = []
     try:
         step(0), step(saved)  # warm-up (the whole step's plan is built here)
-        python_s, whole_s = float("inf"), float("inf")
         for _ in range(repeats):
-            python_s = min(python_s, _best(lambda: step(0), 1))
-            whole_s = min(whole_s, _best(lambda: step(saved), 1))
-        linear_s = attention_s = float("inf")
-        for _ in range(repeats):
+            floor = weight_bytes / (rate.sample() * 1e9)
+            python = _best(lambda: step(0), 1)
+            whole = _best(lambda: step(saved), 1)
             model.step_rows = 0
             with kernels.clocked() as clock:
                 model(tok, pos, cache)
             cache.discard()
-            linear_s, attention_s = min(linear_s, clock.linear_s), min(attention_s, clock.attention_s)
+            rounds.append({"floor_s": floor, "python_step": python, "whole_step": whole, "linear": clock.linear_s,
+                           "attention": clock.attention_s})
     finally:
         model.step_rows = saved
-    other_s = _other_ops_s(model, cache, context, repeats)
-    rest_s = python_s - linear_s - attention_s - other_s
-    return {"context": context, "floor_s": floor_s, "python_step_s": python_s, "whole_step_s": whole_s,
-            "linear_s": linear_s, "attention_s": attention_s, "other_ops_s": other_s, "rest_s": rest_s,
-            "python_of_floor": python_s / floor_s, "whole_of_floor": whole_s / floor_s,
-            "linear_of_floor": linear_s / floor_s}
+    out = against_floors(rounds, ("python_step", "whole_step", "linear", "attention"))
+    del out["attention_of_floor"]  # attention reads the cache, not the weights
+    out["other_ops_s"] = _other_ops_s(model, cache, context, repeats)
+    out["rest_s"] = out["python_step_s"] - out["linear_s"] - out["attention_s"] - out["other_ops_s"]
+    floors = [r["floor_s"] for r in rounds]
+    out.update(context=context, floor_s=min(floors), floor_s_span=[min(floors), max(floors)])
+    out["python_of_floor"], out["whole_of_floor"] = out.pop("python_step_of_floor"), out.pop("whole_step_of_floor")
+    return out
 
 
 def report(split: dict[str, Any]) -> str:
     """The split as text."""
     ms = {k: v * 1e3 for k, v in split.items() if k.endswith("_s")}
-    return (f"one-row step over a {split['context']}-token cache (memory floor {ms['floor_s']:.1f} ms): "
-            f"driven from Python {ms['python_step_s']:.1f} ms ({split['python_of_floor']:.2f}x the floor) = "
-            f"linear layers {ms['linear_s']:.1f} ({split['linear_of_floor']:.2f}x the floor) + attention "
-            f"{ms['attention_s']:.1f} + other operators {ms['other_ops_s']:.1f} + rest {ms['rest_s']:.1f}; "
-            f"whole step in C++ {ms['whole_step_s']:.1f} ms ({split['whole_of_floor']:.2f}x the floor)")
+    lo, hi = (x * 1e3 for x in split["floor_s_span"])
+    floor = f"{lo:.1f} ms" if hi <= 1.1 * lo else f"{lo:.1f}-{hi:.1f} ms, the read rate moving between rounds"
+    return (f"one-row step over a {split['context']}-token cache (memory floor {floor}; each ratio against its "
+            f"round's floor): driven from Python {ms['python_step_s']:.1f} ms ({split['python_of_floor']:.2f}x "
+            f"the floor) = linear layers {ms['linear_s']:.1f} ({split['linear_of_floor']:.2f}x the floor) + "
+            f"attention {ms['attention_s']:.1f} + other operators {ms['other_ops_s']:.1f} + rest "
+            f"{ms['rest_s']:.1f}; whole step in C++ {ms['whole_step_s']:.1f} ms ({split['whole_of_floor']:.2f}x "
+            "the floor)")
