@@ -213,9 +213,355 @@ void finish(const RowState& st, int64_t d, float* out) {
   }
 }
 
-size_t workspace(int64_t d, int nrows) {
-  return static_cast<size_t>(nrows) * kBlock + (nrows + 7) / 8 * 8 + kKeyHalf * d + kBlock * kDimHalf;
+// ------------------------------------------------------------------ many rows: rows across the lanes
+//
+// A run of full blocks read by many rows (a prefill chunk's tokens) puts 8 rows in a register's lanes (a
+// group), as the avx512 path's `FmaDot` run does with 16: the block's keys and values widened to float32
+// once and broadcast from memory, each broadcast serving every group of a tile, the maximum and the sum
+// running across registers, a group's rescale one exponential. Each lane computes its row's chains as
+// `block` does (a score: the pairs in order, odd product then even; the sum of weights: key i + key i + 16,
+// then the tree i+8, i+4, i+2, i+1; a value: the key pairs in order, odd key first), so the bits are `block`'s.
+
+// A tile: GT groups (2, or 3 where the count is odd, 1 alone), TK keys (scores) or stored dimensions (values)
+// broadcast a step: GT * TK accumulators, 2 GT query or weight registers and 2 broadcasts in 16 registers.
+template <int GT>
+constexpr int kLaneKeys = GT == 3 ? 2 : 4;
+
+// The run's workspace (floats, 32-byte aligned): per group the queries' odd and even elements of each pair,
+// the block's scores (then weights), the value accumulators, maximum, sum and rescale, and the rows' folds.
+struct Lanes8 {
+  __m256* qo;   // [d / 2][G]: lane i = the odd element of query pair p of row 8g + i
+  __m256* qe;   // [d / 2][G]: the even element
+  __m256* s;    // [kBlock][G]
+  __m256* acc;  // [d][G], in `value_row`'s stored order
+  __m256 *m, *l, *alpha;  // [G]
+  __m256 *tm, *tl, *tacc;  // the folds (ChunkFolds): [G], [G], [d][G]
+  int* started;            // [G]: a group's lanes whose fold holds a chunk, a bit a lane
+  float cap = 0.f;
+};
+
+inline int64_t lanes8_floats(int64_t d, int groups) { return (d + kBlock + 2 * d + 6 + 1) * groups * 8; }
+
+Lanes8 lanes8(float* ws, int64_t d, int groups, float cap) {
+  __m256* z = reinterpret_cast<__m256*>(ws);
+  Lanes8 sp;
+  sp.cap = cap;
+  sp.qo = z;
+  sp.qe = z + d / 2 * groups;
+  z += d * groups;
+  sp.s = z;
+  z += kBlock * groups;
+  sp.acc = z;
+  z += d * groups;
+  sp.m = z;
+  sp.l = z + groups;
+  sp.alpha = z + 2 * groups;
+  sp.tm = z + 3 * groups;
+  sp.tl = z + 4 * groups;
+  sp.started = reinterpret_cast<int*>(z + 5 * groups);
+  sp.tacc = z + 6 * groups;
+  return sp;
 }
+
+// A block widened to float32: the keys in place (kf [kBlock][D]), and each value pair's odd and even key in
+// the stored order (vo, ve [kBlock / 2][D]).
+template <int D>
+struct Block8 {
+  alignas(32) float kf[kBlock * D], vo[kBlock / 2 * D], ve[kBlock / 2 * D];
+  void load(const uint16_t* k, const uint16_t* v) {
+    for (int64_t i = 0; i < kBlock * D; i += 8)
+      _mm256_store_ps(kf + i, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                  _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k + i))), 16)));
+    for (int j = 0; j < kBlock / 2; ++j) {
+      value_row(v + (2 * j + 1) * D, D, vo + j * D);
+      value_row(v + 2 * j * D, D, ve + j * D);
+    }
+  }
+};
+
+template <int D, int GT>
+void lane8_scores(const Block8<D>& blk, const Lanes8& sp, int groups, int g0, Trickle& next_keys) {
+  constexpr int kLaneKeys = spx::kLaneKeys<GT>;
+  for (int k0 = 0; k0 < kBlock; k0 += kLaneKeys) {
+    next_keys.step();
+    __m256 acc[kLaneKeys][GT];
+    for (int k = 0; k < kLaneKeys; ++k)
+      for (int g = 0; g < GT; ++g) acc[k][g] = _mm256_setzero_ps();
+#pragma GCC unroll 2
+    for (int p = 0; p < D / 2; ++p) {
+      __m256 qo[GT], qe[GT];
+      for (int g = 0; g < GT; ++g) {
+        qo[g] = sp.qo[p * groups + g0 + g];
+        qe[g] = sp.qe[p * groups + g0 + g];
+      }
+      const float* key = blk.kf + k0 * D + 2 * p;
+      for (int k = 0; k < kLaneKeys; ++k) {
+        const __m256 ko = _mm256_broadcast_ss(key + k * D + 1), ke = _mm256_broadcast_ss(key + k * D);
+        for (int g = 0; g < GT; ++g) acc[k][g] = _mm256_fmadd_ps(ke, qe[g], _mm256_fmadd_ps(ko, qo[g], acc[k][g]));
+      }
+    }
+    for (int k = 0; k < kLaneKeys; ++k)
+      for (int g = 0; g < GT; ++g) sp.s[(k0 + k) * groups + g0 + g] = acc[k][g];
+  }
+}
+
+// Group g's online-softmax step over the block's scores (soft-capped first where the rows are): maximum,
+// rescale, weights (rounded to bfloat16 in place, float_to_bf16's integer rounding), sum.
+void lane8_softmax(const Lanes8& sp, int groups, int g) {
+  __m256* s = sp.s + g;
+  if (sp.cap > 0.f) {
+    const float inv = softcap_inverse(sp.cap);
+    for (int k = 0; k < kBlock; ++k) s[k * groups] = softcap_avx2(s[k * groups], sp.cap, inv);
+  }
+  __m256 mx = s[0];
+  for (int k = 1; k < kBlock; ++k) mx = _mm256_max_ps(mx, s[k * groups]);
+  const __m256 m_new = _mm256_max_ps(sp.m[g], mx);
+  sp.alpha[g] = exp_avx2(_mm256_sub_ps(sp.m[g], m_new));
+  __m256 x[16];
+  for (int k = 0; k < kBlock; ++k) {
+    const __m256 p = exp_avx2(_mm256_sub_ps(s[k * groups], m_new));
+    if (k < 16)
+      x[k] = p;
+    else
+      x[k - 16] = _mm256_add_ps(x[k - 16], p);
+    const __m256i u = _mm256_castps_si256(p);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
+    s[k * groups] = _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+  for (int w = 8; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) x[i] = _mm256_add_ps(x[i], x[i + w]);
+  sp.l[g] = _mm256_fmadd_ps(sp.l[g], sp.alpha[g], x[0]);
+  sp.m[g] = m_new;
+}
+
+template <int D, int GT>
+void lane8_values(const Block8<D>& blk, const Lanes8& sp, int groups, int g0, Trickle& next_values) {
+  constexpr int kLaneKeys = spx::kLaneKeys<GT>;
+  bool rescale = false;
+  for (int g = 0; g < GT; ++g)  // x * 1 = x
+    rescale |= _mm256_movemask_ps(_mm256_cmp_ps(sp.alpha[g0 + g], _mm256_set1_ps(1.f), _CMP_NEQ_UQ)) != 0;
+  for (int x0 = 0; x0 < D; x0 += kLaneKeys) {
+    next_values.step();
+    __m256 acc[kLaneKeys][GT];
+    for (int x = 0; x < kLaneKeys; ++x)
+      for (int g = 0; g < GT; ++g) {
+        acc[x][g] = sp.acc[(x0 + x) * groups + g0 + g];
+        if (rescale) acc[x][g] = _mm256_mul_ps(acc[x][g], sp.alpha[g0 + g]);
+      }
+#pragma GCC unroll 4
+    for (int j = 0; j < kBlock / 2; ++j) {
+      __m256 wo[GT], we[GT];
+      for (int g = 0; g < GT; ++g) {
+        wo[g] = sp.s[(2 * j + 1) * groups + g0 + g];
+        we[g] = sp.s[2 * j * groups + g0 + g];
+      }
+      for (int x = 0; x < kLaneKeys; ++x) {
+        const __m256 o = _mm256_broadcast_ss(blk.vo + j * D + x0 + x), e = _mm256_broadcast_ss(blk.ve + j * D + x0 + x);
+        for (int g = 0; g < GT; ++g) acc[x][g] = _mm256_fmadd_ps(e, we[g], _mm256_fmadd_ps(o, wo[g], acc[x][g]));
+      }
+    }
+    for (int x = 0; x < kLaneKeys; ++x)
+      for (int g = 0; g < GT; ++g) sp.acc[(x0 + x) * groups + g0 + g] = acc[x][g];
+  }
+}
+
+// Rows' d floats (row(r), 32-byte aligned) into lanes [d][G] and out, 8 x 8 words at a time; lanes past nrows
+// get zeros and are never read back.
+template <class Row>
+void floats8_in(Row row, int nrows, int64_t d, __m256* lanes, int groups) {
+  __m256i t[8];
+  for (int g = 0; g < groups; ++g)
+    for (int64_t x0 = 0; x0 < d; x0 += 8) {
+      for (int i = 0; i < 8; ++i) {
+        const int r = 8 * g + i;
+        t[i] = r < nrows ? _mm256_castps_si256(_mm256_loadu_ps(row(r) + x0)) : _mm256_setzero_si256();
+      }
+      transpose8(t);
+      for (int i = 0; i < 8; ++i) lanes[(x0 + i) * groups + g] = _mm256_castsi256_ps(t[i]);
+    }
+}
+
+template <class Row>
+void floats8_out(Row row, int nrows, int64_t d, const __m256* lanes, int groups) {
+  __m256i t[8];
+  for (int g = 0; g < groups; ++g)
+    for (int64_t x0 = 0; x0 < d; x0 += 8) {
+      for (int i = 0; i < 8; ++i) t[i] = _mm256_castps_si256(lanes[(x0 + i) * groups + g]);
+      transpose8(t);
+      for (int i = 0; i < 8 && 8 * g + i < nrows; ++i) _mm256_storeu_ps(row(8 * g + i) + x0, _mm256_castsi256_ps(t[i]));
+    }
+}
+
+// The rows' states and queries into the lanes (rows past nrows: zeros), and the states out.
+void lanes8_in(const RowState* rows, int nrows, int64_t d, const Lanes8& sp, int groups) {
+  float* m = reinterpret_cast<float*>(sp.m);
+  float* l = reinterpret_cast<float*>(sp.l);
+  for (int r = 0; r < groups * 8; ++r) {
+    m[r] = r < nrows ? rows[r].m : 0.f;
+    l[r] = r < nrows ? rows[r].l : 0.f;
+  }
+  floats8_in([&](int r) { return rows[r].acc; }, nrows, d, sp.acc, groups);
+  __m256i t[8];
+  for (int g = 0; g < groups; ++g)
+    for (int64_t x0 = 0; x0 < d; x0 += 8) {  // the queries' float32 values, dims x0.. x0 + 7: pairs x0 / 2..
+      for (int i = 0; i < 8; ++i) {
+        const int r = 8 * g + i;
+        t[i] = r < nrows ? _mm256_castps_si256(_mm256_loadu_ps(rows[r].qf + x0)) : _mm256_setzero_si256();
+      }
+      transpose8(t);
+      for (int i = 0; i < 8; i += 2) {
+        sp.qe[(x0 + i) / 2 * groups + g] = _mm256_castsi256_ps(t[i]);
+        sp.qo[(x0 + i) / 2 * groups + g] = _mm256_castsi256_ps(t[i + 1]);
+      }
+    }
+}
+
+void lanes8_out(RowState* rows, int nrows, int64_t d, const Lanes8& sp, int groups) {
+  const float* m = reinterpret_cast<const float*>(sp.m);
+  const float* l = reinterpret_cast<const float*>(sp.l);
+  for (int r = 0; r < nrows; ++r) {
+    rows[r].m = m[r];
+    rows[r].l = l[r];
+  }
+  floats8_out([&](int r) { return rows[r].acc; }, nrows, d, sp.acc, groups);
+}
+
+void folds8_in(const ChunkFolds& f, int nrows, int64_t d, const Lanes8& sp, int groups) {
+  float* tm = reinterpret_cast<float*>(sp.tm);
+  float* tl = reinterpret_cast<float*>(sp.tl);
+  for (int g = 0; g < groups; ++g) sp.started[g] = 0;
+  for (int r = 0; r < groups * 8; ++r) {
+    tm[r] = r < nrows ? f.tml[2 * r] : 0.f;
+    tl[r] = r < nrows ? f.tml[2 * r + 1] : 0.f;
+    if (r < nrows && f.started[r]) sp.started[r / 8] |= 1 << (r % 8);
+  }
+  floats8_in([&](int r) { return f.tacc + r * d; }, nrows, d, sp.tacc, groups);
+}
+
+void folds8_out(const ChunkFolds& f, int nrows, int64_t d, const Lanes8& sp, int groups) {
+  const float* tm = reinterpret_cast<const float*>(sp.tm);
+  const float* tl = reinterpret_cast<const float*>(sp.tl);
+  for (int r = 0; r < nrows; ++r) {
+    f.tml[2 * r] = tm[r];
+    f.tml[2 * r + 1] = tl[r];
+    f.started[r] = (sp.started[r / 8] >> (r % 8)) & 1;
+  }
+  floats8_out([&](int r) { return f.tacc + r * d; }, nrows, d, sp.tacc, groups);
+}
+
+// Every lane's chunk into its fold as fold_state puts it, lane for lane (a lane whose fold holds no chunk yet
+// takes the chunk's state as it is), then a fresh chunk in every lane.
+void lane8_fold(const Lanes8& sp, int64_t d, int groups) {
+  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  for (int g = 0; g < groups; ++g) {
+    const __m256 st = _mm256_castsi256_ps(
+        _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(sp.started[g]), bit), bit));
+    const __m256 m = sp.m[g], l = sp.l[g], tm = sp.tm[g];
+    const __m256 mn = _mm256_max_ps(tm, m);
+    const __m256 a = exp_avx2(_mm256_sub_ps(tm, mn)), b = exp_avx2(_mm256_sub_ps(m, mn));
+    sp.tl[g] = _mm256_blendv_ps(l, _mm256_add_ps(_mm256_mul_ps(sp.tl[g], a), _mm256_mul_ps(l, b)), st);
+    sp.tm[g] = _mm256_blendv_ps(m, mn, st);
+    for (int64_t x = 0; x < d; ++x) {
+      const __m256 acc = sp.acc[x * groups + g];
+      __m256& t = sp.tacc[x * groups + g];
+      t = _mm256_blendv_ps(acc, _mm256_add_ps(_mm256_mul_ps(t, a), _mm256_mul_ps(acc, b)), st);
+      sp.acc[x * groups + g] = _mm256_setzero_ps();
+    }
+    sp.started[g] = 0xFF;
+    sp.m[g] = _mm256_set1_ps(kNegInf);
+    sp.l[g] = _mm256_setzero_ps();
+  }
+}
+
+// The lane-group tiles of a block: f(GT, g0) for groups [g0, g0 + GT), pairs, the last three where the count
+// is odd (a lone group only where there is one: a tile of one group is bound by its loads).
+template <class F>
+void each_tile8(int groups, F&& f) {
+  if (groups == 1) return f(std::integral_constant<int, 1>{}, 0);
+  int g0 = 0;
+  for (; groups - g0 > 3 || groups - g0 == 2; g0 += 2) f(std::integral_constant<int, 2>{}, g0);
+  if (g0 < groups) f(std::integral_constant<int, 3>{}, g0);
+}
+
+// A block's steps over the tiles (the scores' or, per key, values' `per` keys or dimensions at a tile's pace).
+int tile8_steps(int groups, int per) {
+  int steps = 0;
+  each_tile8(groups, [&](auto GT, int) { steps += per / kLaneKeys<GT>; });
+  return steps;
+}
+
+template <int D>
+void run_d(const uint16_t* k, const uint16_t* v, int nblocks, RowState* rows, int nrows, float* ws,
+           const ChunkFolds* chunks) {
+  const int groups = (nrows + 7) / 8;
+  const Lanes8 sp = lanes8(ws, D, groups, rows[0].cap);
+  lanes8_in(rows, nrows, D, sp, groups);
+  // Blocks [0, nblocks) cross a chunk's start at each multiple of kBlocksPerChunk on from `next_chunk`.
+  const int64_t next_chunk = chunks == nullptr ? nblocks : kBlocksPerChunk - chunks->first_block % kBlocksPerChunk;
+  const bool folds = next_chunk < nblocks;
+  if (folds) folds8_in(*chunks, nrows, D, sp, groups);
+  Block8<D> blk;
+  const int key_steps = tile8_steps(groups, kBlock), value_steps = tile8_steps(groups, D);
+  for (int b = 0; b < nblocks; ++b) {
+    if (folds && b >= next_chunk && (b - next_chunk) % kBlocksPerChunk == 0) lane8_fold(sp, D, groups);
+    const uint16_t* kb = k + b * kBlock * D;
+    const uint16_t* vb = v + b * kBlock * D;
+    const bool ahead = b + kAheadBlocks < nblocks;  // the block kAheadBlocks on comes in over this one's work
+    const int64_t on = kAheadBlocks * kBlock * D;
+    Trickle next_keys(ahead ? kb + on : nullptr, kBlock * D * 2, key_steps);
+    Trickle next_values(ahead ? vb + on : nullptr, kBlock * D * 2, value_steps);
+    blk.load(kb, vb);
+    each_tile8(groups, [&](auto GT, int g0) { lane8_scores<D, GT>(blk, sp, groups, g0, next_keys); });
+    for (int g = 0; g < groups; ++g) lane8_softmax(sp, groups, g);
+    each_tile8(groups, [&](auto GT, int g0) { lane8_values<D, GT>(blk, sp, groups, g0, next_values); });
+  }
+  lanes8_out(rows, nrows, D, sp, groups);
+  if (folds) folds8_out(*chunks, nrows, D, sp, groups);
+}
+
+void run(const uint16_t* k, const uint16_t* v, int nblocks, int64_t d, RowState* rows, int nrows, float* ws,
+         const ChunkFolds* chunks) {
+  if (d == 256)
+    run_d<256>(k, v, nblocks, rows, nrows, ws, chunks);
+  else if (d == 128)
+    run_d<128>(k, v, nblocks, rows, nrows, ws, chunks);
+  else
+    run_d<64>(k, v, nblocks, rows, nrows, ws, chunks);
+}
+
+// fold_state with its bits: its two exponentials as two lanes of exp_avx2 (exp_portable lane for lane), each
+// weighted value as fold_state computes it (two products, then their sum), 8 at a time.
+void fold(float m, float l, const float* acc, char* started, float* tml, float* tacc, int64_t d) {
+  if (!*started) {
+    tml[0] = m;
+    tml[1] = l;
+    std::memcpy(tacc, acc, d * sizeof(float));
+    *started = 1;
+    return;
+  }
+  const float mn = std::fmax(tml[0], m);
+  alignas(32) float e[8];
+  _mm256_store_ps(e, exp_avx2(_mm256_setr_ps(tml[0] - mn, m - mn, 0, 0, 0, 0, 0, 0)));
+  const float a = e[0], b = e[1];
+  const float la = tml[1] * a, lb = l * b;
+  tml[0] = mn;
+  tml[1] = la + lb;
+  const __m256 va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b);
+  for (int64_t x = 0; x < d; x += 8)
+    _mm256_storeu_ps(tacc + x, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(tacc + x), va),
+                                             _mm256_mul_ps(_mm256_loadu_ps(acc + x), vb)));
+}
+
+// From this many rows a run of blocks computes faster with rows across the lanes.
+constexpr int kRunRows = 48;
+
+// The block kernel's (per row: scores, rescale; the key planes and values), or a run's lanes.
+size_t workspace(int64_t d, int nrows) {
+  const size_t rows = static_cast<size_t>(nrows) * kBlock + (nrows + 7) / 8 * 8 + kKeyHalf * d + kBlock * kDimHalf;
+  return std::max<size_t>(rows, lanes8_floats(d, (nrows + 7) / 8));
+}
+
 
 }  // namespace
 
@@ -249,7 +595,10 @@ void dequant(const uint16_t* rows, int n, int64_t d, uint16_t* out) {
 
 bool block_kernel_avx2(int64_t d, BlockKernel* out) {
   if (!cpu_supports(Path::AVX2) || d % 32 != 0 || d > 256) return false;
-  *out = {block, finish, workspace, dequant};
+  if (d == 64 || d == 128 || d == 256)
+    *out = {block, finish, workspace, dequant, run, kRunRows, fold};
+  else
+    *out = {block, finish, workspace, dequant, nullptr, 0, fold};
   return true;
 }
 
