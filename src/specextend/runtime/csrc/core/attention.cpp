@@ -215,18 +215,12 @@ BlockKernel kernel_for(Path path, int64_t d) {
 // The running fold (m, l, acc at tml/tacc; `started` says whether it holds a chunk yet) absorbs
 // one chunk's state: both rescaled to the larger maximum, then summed, in this order on every path.
 void fold_state(float m, float l, const float* acc, char* started, float* tml, float* tacc, int64_t d) {
-  if (!*started) {
-    tml[0] = m;
-    tml[1] = l;
-    std::memcpy(tacc, acc, d * sizeof(float));
-    *started = 1;
-    return;
-  }
-  const float mn = std::fmax(tml[0], m);
-  const float a = exp_portable(tml[0] - mn), b = exp_portable(m - mn);
-  const float la = tml[1] * a, lb = l * b;
-  tml[0] = mn;
-  tml[1] = la + lb;
+  float a, b;
+  const auto exp2 = [](float x, float y, float* ex, float* ey) {
+    *ex = exp_portable(x);
+    *ey = exp_portable(y);
+  };
+  if (!fold_scalars(m, l, acc, started, tml, tacc, d, exp2, &a, &b)) return;
   for (int64_t x = 0; x < d; ++x) {
     const float ta = tacc[x] * a, tb = acc[x] * b;
     tacc[x] = ta + tb;

@@ -46,8 +46,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -137,6 +139,27 @@ void attend_all(Path path, const Attention& pb, const AttentionPlan& plan);
 // (tml: maximum, sum; tacc: d floats; *started: whether it holds a chunk yet), the same on every
 // path: the first chunk is copied, a later one rescales both sides to the larger maximum and adds.
 void fold_state(float m, float l, const float* acc, char* started, float* tml, float* tacc, int64_t d);
+
+// fold_state's scalar part, every path's: a first chunk copied (false: nothing left to do), else the fold's
+// maximum and sum moved on, with the rescales *a = exp(tm - mn) and *b = exp(m - mn) from exp2 (the path's
+// exp_portable, on two values) for the weighted values, tacc * a + acc * b, that the caller computes next.
+template <class Exp2>
+inline bool fold_scalars(float m, float l, const float* acc, char* started, float* tml, float* tacc, int64_t d,
+                         Exp2 exp2, float* a, float* b) {
+  if (!*started) {
+    tml[0] = m;
+    tml[1] = l;
+    std::memcpy(tacc, acc, d * sizeof(float));
+    *started = 1;
+    return false;
+  }
+  const float mn = std::fmax(tml[0], m);
+  exp2(tml[0] - mn, m - mn, a, b);
+  const float la = tml[1] * *a, lb = l * *b;
+  tml[0] = mn;
+  tml[1] = la + lb;
+  return true;
+}
 
 // ------------------------------------------------------------------ per path
 

@@ -4,7 +4,8 @@
 // shifting it out, so the 16 lanes of a VDPBF16PS chain are two registers of odd products
 // added before two of even ones; products of bfloat16 values are exact, so an FMA adds each
 // with the one rounding the reference has. A block's keys and values are converted to float32
-// once and shared by every query row of the item.
+// once and shared by every query row of the item; many rows (a prefill chunk) run with rows across
+// the lanes (`run`).
 #if defined(__x86_64__)
 
 #include <immintrin.h>
@@ -533,20 +534,14 @@ void run(const uint16_t* k, const uint16_t* v, int nblocks, int64_t d, RowState*
 // fold_state with its bits: its two exponentials as two lanes of exp_avx2 (exp_portable lane for lane), each
 // weighted value as fold_state computes it (two products, then their sum), 8 at a time.
 void fold(float m, float l, const float* acc, char* started, float* tml, float* tacc, int64_t d) {
-  if (!*started) {
-    tml[0] = m;
-    tml[1] = l;
-    std::memcpy(tacc, acc, d * sizeof(float));
-    *started = 1;
-    return;
-  }
-  const float mn = std::fmax(tml[0], m);
-  alignas(32) float e[8];
-  _mm256_store_ps(e, exp_avx2(_mm256_setr_ps(tml[0] - mn, m - mn, 0, 0, 0, 0, 0, 0)));
-  const float a = e[0], b = e[1];
-  const float la = tml[1] * a, lb = l * b;
-  tml[0] = mn;
-  tml[1] = la + lb;
+  float a, b;
+  const auto exp2 = [](float x, float y, float* ex, float* ey) {
+    alignas(32) float e[8];
+    _mm256_store_ps(e, exp_avx2(_mm256_setr_ps(x, y, 0, 0, 0, 0, 0, 0)));
+    *ex = e[0];
+    *ey = e[1];
+  };
+  if (!fold_scalars(m, l, acc, started, tml, tacc, d, exp2, &a, &b)) return;
   const __m256 va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b);
   for (int64_t x = 0; x < d; x += 8)
     _mm256_storeu_ps(tacc + x, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(tacc + x), va),

@@ -684,20 +684,14 @@ void run(const uint16_t* k, const uint16_t* v, int nblocks, int64_t d, RowState*
 // fold_state with its bits: its two exponentials as two lanes of exp_avx512 (exp_portable lane for lane),
 // each weighted value as fold_state computes it (two products, then their sum), 16 at a time.
 void fold(float m, float l, const float* acc, char* started, float* tml, float* tacc, int64_t d) {
-  if (!*started) {
-    tml[0] = m;
-    tml[1] = l;
-    std::memcpy(tacc, acc, d * sizeof(float));
-    *started = 1;
-    return;
-  }
-  const float mn = std::fmax(tml[0], m);
-  alignas(64) float e[16];
-  _mm512_store_ps(e, exp_avx512(_mm512_setr_ps(tml[0] - mn, m - mn, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)));
-  const float a = e[0], b = e[1];
-  const float la = tml[1] * a, lb = l * b;
-  tml[0] = mn;
-  tml[1] = la + lb;
+  float a, b;
+  const auto exp2 = [](float x, float y, float* ex, float* ey) {
+    alignas(64) float e[16];
+    _mm512_store_ps(e, exp_avx512(_mm512_setr_ps(x, y, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)));
+    *ex = e[0];
+    *ey = e[1];
+  };
+  if (!fold_scalars(m, l, acc, started, tml, tacc, d, exp2, &a, &b)) return;
   const __m512 va = _mm512_set1_ps(a), vb = _mm512_set1_ps(b);
   for (int64_t x = 0; x < d; x += 16)
     _mm512_storeu_ps(tacc + x, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(tacc + x), va),
