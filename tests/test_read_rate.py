@@ -11,12 +11,14 @@ from specextend.bench.step_split import against_floors
 
 
 def test_each_ratio_is_a_rounds_time_over_its_own_rounds_floor() -> None:
-    # The memory ran fast in the first round and at half the rate in the second, the step with it.
-    rounds = [{"floor_s": 0.010, "step": 0.015}, {"floor_s": 0.020, "step": 0.025}]
+    # The memory ran fast in two rounds and at half the rate in two, the step with it (1.5x its floor in each).
+    rounds = [{"floor_s": 0.010, "step": 0.015}, {"floor_s": 0.020, "step": 0.030}] * 2
+    # ... and in one round the rate fell after its sample was taken: a step at the slow level over a fast floor.
+    rounds.append({"floor_s": 0.010, "step": 0.030})
     out = against_floors(rounds, ("step",))
     assert out["step_s"] == 0.015  # the best time
-    # Not 0.75x (the best time over the slow round's floor) nor 1.5x (the first round alone): 1.25x.
-    assert out["step_of_floor"] == pytest.approx(1.25)
+    # 1.5x: not 0.75x (the best time over the slow level's floor), and not the mixed round's 3x.
+    assert out["step_of_floor"] == pytest.approx(1.5)
 
 
 def test_a_floor_names_the_span_only_where_the_rate_moved() -> None:
