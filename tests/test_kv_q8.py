@@ -324,13 +324,26 @@ def test_the_long_decode_bench_times_both_kinds_over_one_prefill(tmp_path, monke
     folder = save_tiny_model(tmp_path / "m", seed=5, layers=1, **{k: v for k, v in SHAPE.items() if k != "vocab"})
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps({"text": "abc " * 40 + str(i)}) for i in range(3)) + "\n")
-    monkeypatch.setattr(long_decode, "read_bandwidth_gbs", lambda: 50.0)
+    samples: list[float] = []
+
+    class Rate:  # the memory's read rate, sampled beside each decode: 50 GB/s, then 40
+        def sample(self) -> float:
+            samples.append(50.0 if not samples else 40.0)
+            return samples[-1]
+
+        @property
+        def span(self) -> tuple[float, float]:
+            return min(samples), max(samples)
+
+    monkeypatch.setattr(long_decode, "ReadRate", Rate)
     args = ["--target", str(folder), "--weights", "int4", "--data", str(data), "--lengths", "16,48",
             "--new-tokens", "3", "--repeats", "1"]
     assert long_decode.main([*args, "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert set(res["decode_tokens_per_s"]) == {"bf16@16", "q8@16", "bf16@48", "q8@48"}
     assert res["kv_bytes"]["q8@48"] / res["kv_bytes"]["bf16@48"] == 68 / 128  # head_dim 64: 68 bytes a row
+    assert res["read_bandwidth_gbs_span"] == [40.0, 50.0] and res["read_bandwidth_gbs"] == 50.0  # floors at the best
+    assert len(samples) == 1 + 4  # before the decodes, and after each
     with pytest.raises(SystemExit) as e:
         long_decode.main([*args[:-6], "--kv-caches", "q4"])
     assert e.value.code == 2

@@ -26,7 +26,7 @@ import torch
 
 from ..common.jsonl import read_texts
 from ..options import OneLineParser, add_model_arguments, model_options
-from .runtime import cpu_kernels, parse_counts, read_bandwidth_gbs, weight_bytes_per_forward
+from .runtime import ReadRate, cpu_kernels, moved_note, parse_counts, weight_bytes_per_forward
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -107,34 +107,38 @@ def main(argv: list[str] | None = None) -> int:
                            "cpu_kernels": cpu_kernels(model), "threads": torch.get_num_threads()}
     caches = {k: base if k == "bf16" else as_q8(model, base) for k in kinds}
     speed = {f"{k}@{n}": 0.0 for n in lengths for k in kinds}
+    rate = ReadRate()  # sampled beside every decode: the memory's rate can move within the run
+    rate.sample()
     for _ in range(a.repeats):
         for n in lengths:
             for k in kinds:
                 speed[f"{k}@{n}"] = max(speed[f"{k}@{n}"], decode_speed(model, caches[k], prompt, n, a.new_tokens))
+                rate.sample()
     res["decode_tokens_per_s"] = speed
-    res.update(floors(model, kinds, lengths))
+    res.update(floors(model, kinds, lengths, rate.span))
     print(json.dumps(res, indent=2) if a.json else report(res, kinds, lengths))
     return 0
 
 
-def floors(model: Any, kinds: list[str], lengths: list[int]) -> dict[str, Any]:
+def floors(model: Any, kinds: list[str], lengths: list[int], span: tuple[float, float]) -> dict[str, Any]:
     """Bytes a one-row step reads (weights, and each kind's KV at each length) and the tokens per
-    second that reading them once at the measured bandwidth allows."""
+    second that reading them once allows at the highest read rate of `span` (GB/s, sampled beside the
+    decodes; both ends reported)."""
     from ..runtime.kv_cache import row_bytes
 
-    c, bw, wb = model.cfg, read_bandwidth_gbs(), weight_bytes_per_forward(model)
+    c, bw, wb = model.cfg, span[1], weight_bytes_per_forward(model)
     dtypes = {"bf16": torch.bfloat16, "q8": torch.int8}
     kv = {f"{k}@{n}": 2 * c.num_layers * c.num_kv_heads * n * row_bytes(c.head_dim, dtypes[k])
           for k in kinds for n in lengths}
-    return {"read_bandwidth_gbs": bw, "weight_bytes": wb, "kv_bytes": kv,
+    return {"read_bandwidth_gbs": bw, "read_bandwidth_gbs_span": list(span), "weight_bytes": wb, "kv_bytes": kv,
             "floor_tokens_per_s": {key: bw * 1e9 / (wb + b) for key, b in kv.items()}}
 
 
 def report(res: dict[str, Any], kinds: list[str], lengths: list[int]) -> str:
     sp, fl = res["decode_tokens_per_s"], res["floor_tokens_per_s"]
     lines = [f"prefill {res['prefill_tokens']} tokens in {res['prefill_s']:.1f} s; kernels {res['cpu_kernels']}, "
-             f"{res['threads']} threads; read bandwidth {res['read_bandwidth_gbs']:.1f} GB/s, weights "
-             f"{res['weight_bytes'] / 1e6:.0f} MB", "",
+             f"{res['threads']} threads; read bandwidth {res['read_bandwidth_gbs']:.1f} GB/s"
+             f"{moved_note(res.get('read_bandwidth_gbs_span'))}, weights {res['weight_bytes'] / 1e6:.0f} MB", "",
              "| context | " + " | ".join(f"{k} tok/s (vs its {lengths[0]}) | {k} floor" for k in kinds) + " |",
              "|---:|" + "---:|---:|" * len(kinds)]
     for n in lengths:
