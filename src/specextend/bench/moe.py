@@ -32,7 +32,7 @@ import torch
 from ..common.errors import UserError
 from ..options import OneLineParser
 from .llamacpp import find_peer
-from .runtime import elapsed, parse_counts, read_buffer, read_pass_gbs
+from .runtime import ReadRate, elapsed, parse_counts
 
 
 def peak_rss_gb() -> float:
@@ -121,11 +121,11 @@ def alternated(step: Callable[[], None], pairs: int, mb: int = 1024) -> tuple[li
     the weights' kind of memory: the seconds of each step and the GB/s of the read after it. A step's
     read rate is judged against the read beside it, so a machine whose memory speed drifts during a
     run (a VM whose neighbours come and go: 17-22 GB/s within minutes on one) does not skew it."""
-    buf = read_buffer(mb)
+    rate = ReadRate(mb)
     steps, reads = [], []
     for _ in range(pairs):
         steps.append(elapsed(step))
-        reads.append(read_pass_gbs(buf))
+        reads.append(rate.sample(passes=1))
     return steps, reads
 
 

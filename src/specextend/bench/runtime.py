@@ -32,14 +32,9 @@ from ..runtime import hugepages, kernels
 from . import roofline, step_split
 
 
-def read_bandwidth_gbs(mb: int = 1024, repeats: int = 5) -> float:
-    """Streaming read bandwidth: sum a buffer far larger than the caches (best of several), in the
-    kind of memory the weights are loaded into (2 MB pages read faster than 4 KB ones)."""
-    return ReadRate(mb).sample(repeats)
-
-
 class ReadRate:
-    """The memory's streaming read rate (`read_pass_gbs` over one buffer), sampled at the moments a
+    """The memory's streaming read rate (`read_pass_gbs`: a sum over a buffer far larger than the caches,
+    in the kind of memory the weights are loaded into: 2 MB pages read faster than 4 KB ones), sampled at the moments a
     benchmark chooses. On a shared host the rate can move from one minute to the next, within a run
     (docs/log/2026-12-read-rate.md), so a memory floor is comparable only with timings taken beside
     its sample; `span` says how far it moved."""

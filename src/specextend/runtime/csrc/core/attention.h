@@ -174,6 +174,16 @@ struct ChunkFolds {
   char* started;
 };
 
+// Where a run of nblocks blocks (from `chunks`' first block; null: one chunk) starts chunks after its first
+// block: at `first` and every kBlocksPerChunk blocks on (`first` >= nblocks: none).
+struct ChunkStarts {
+  int64_t first, nblocks;
+  ChunkStarts(const ChunkFolds* chunks, int64_t n)
+      : first(chunks == nullptr ? n : kBlocksPerChunk - chunks->first_block % kBlocksPerChunk), nblocks(n) {}
+  bool any() const { return first < nblocks; }
+  bool at(int64_t b) const { return b >= first && (b - first) % kBlocksPerChunk == 0; }
+};
+
 // One query row's running softmax: maximum, sum, and the weighted sum of values.
 struct RowState {
   const uint16_t* q;  // bfloat16 [d], already scaled

@@ -498,14 +498,13 @@ void run_d(const uint16_t* k, const uint16_t* v, int nblocks, RowState* rows, in
   const int groups = (nrows + 7) / 8;
   const Lanes8 sp = lanes8(ws, D, groups, rows[0].cap);
   lanes8_in(rows, nrows, D, sp, groups);
-  // Blocks [0, nblocks) cross a chunk's start at each multiple of kBlocksPerChunk on from `next_chunk`.
-  const int64_t next_chunk = chunks == nullptr ? nblocks : kBlocksPerChunk - chunks->first_block % kBlocksPerChunk;
-  const bool folds = next_chunk < nblocks;
+  const ChunkStarts starts(chunks, nblocks);
+  const bool folds = starts.any();
   if (folds) folds8_in(*chunks, nrows, D, sp, groups);
   Block8<D> blk;
   const int key_steps = tile8_steps(groups, kBlock), value_steps = tile8_steps(groups, D);
   for (int b = 0; b < nblocks; ++b) {
-    if (folds && b >= next_chunk && (b - next_chunk) % kBlocksPerChunk == 0) lane8_fold(sp, D, groups);
+    if (starts.at(b)) lane8_fold(sp, D, groups);
     const uint16_t* kb = k + b * kBlock * D;
     const uint16_t* vb = v + b * kBlock * D;
     const bool ahead = b + kAheadBlocks < nblocks;  // the block kAheadBlocks on comes in over this one's work

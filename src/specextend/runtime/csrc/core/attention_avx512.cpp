@@ -646,14 +646,13 @@ void run_d(const uint16_t* k, const uint16_t* v, int nblocks, RowState* rows, in
   const int groups = (nrows + 15) / 16;
   const LaneSpace sp = lane_space(ws, D, groups, rows[0].cap);
   lanes_in(rows, nrows, D, sp, groups);
-  // Blocks [0, nblocks) cross a chunk's start at each multiple of kBlocksPerChunk on from `next_chunk`.
-  const int64_t next_chunk = chunks == nullptr ? nblocks : kBlocksPerChunk - chunks->first_block % kBlocksPerChunk;
-  const bool folds = next_chunk < nblocks;
+  const ChunkStarts starts(chunks, nblocks);
+  const bool folds = starts.any();
   if (folds) folds_in(*chunks, nrows, D, sp, groups);
   LaneBlock<Dot, D> blk;
   const int tiles = tile_count<Dot>(groups);
   for (int b = 0; b < nblocks; ++b) {
-    if (folds && b >= next_chunk && (b - next_chunk) % kBlocksPerChunk == 0) lane_fold(sp, D, groups);
+    if (starts.at(b)) lane_fold(sp, D, groups);
     const uint16_t* kb = k + b * kBlock * D;
     const uint16_t* vb = v + b * kBlock * D;
     // The block kAheadBlocks on (as the few rows' kernels take theirs) comes in over this one's work.
