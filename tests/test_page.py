@@ -84,6 +84,13 @@ def cached_tokens(page, n: int) -> int:
     return int(re.search(r"from cache\s+([\d,]+)", stats).group(1).replace(",", ""))
 
 
+def first_words(page, timeout_s: float = 30) -> None:
+    """Until the first answer shows words of its own: not the "Waiting for the first token" line the
+    page shows before any (with it, a test would look at the server before the request even ran)."""
+    answers(page).first.locator(".body").filter(has_not=page.locator(".info"), has_text=re.compile(r"\S")).wait_for(
+        timeout=timeout_s * 1000)
+
+
 def wait_done(page, n: int, timeout_s: float = 60) -> None:
     """Until the n-th answer has its numbers (it has ended)."""
     page.locator(".msg.assistant .stats").nth(n - 1).wait_for(timeout=timeout_s * 1000)
@@ -98,8 +105,7 @@ def test_ask_twice_and_the_second_answer_comes_from_the_cache(browser, pair, fol
         paste(page, DOC)
         page.locator("#doc-info").filter(has_text="fits").wait_for(timeout=30_000)
         ask(page, "What does the report cover?")
-        answers(page).first.locator(".body").filter(has_text=re.compile(r"\S")).wait_for(
-            timeout=30_000)
+        first_words(page)
         wait_done(page, 1)
         first = answers(page).nth(0)
         stats = first.locator(".stats").inner_text()
@@ -119,8 +125,7 @@ def test_stop_cancels_the_answer_on_the_server(browser, pair, folders):  # noqa:
         ask(page, "Tell me everything.")
         # The document prefills in steps that each sleep too; on a loaded CI machine the first words
         # can take a while, and the 200 tokens after them many seconds more.
-        answers(page).first.locator(".body").filter(has_text=re.compile(r"\w")).wait_for(
-            timeout=120_000)
+        first_words(page, timeout_s=120)
         assert http.get(f"{url}/health").json()["running"] == 1
         page.keyboard.press("Escape")
         answers(page).first.filter(has_text="(stopped)").wait_for(timeout=10_000)
@@ -139,7 +144,7 @@ def test_a_busy_server_is_a_message_with_its_wait(browser, pair, folders):  # no
             paste(page, DOC)
             page.get_by_label("Max tokens").fill("200")
         ask(first, "Tell me everything.")
-        answers(first).first.locator(".body").filter(has_text=re.compile(r"\w")).wait_for(timeout=30_000)
+        first_words(first)
         ask(second, "And now?")  # the one slot is taken and no request may wait
         error = second.locator(".msg.error").filter(has_text="busy")
         error.wait_for(timeout=30_000)
