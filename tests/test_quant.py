@@ -19,7 +19,7 @@ ext = kernels.load()
 # d for the symmetric legacy types and m of either sign).
 F16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q4_1": (0, 2), "Q5_1": (0, 2),
               "Q2_K": (80, 82)}
-SIGNED = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K"}
+SIGNED = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K", "IQ3_S"}
 
 
 def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -64,7 +64,8 @@ def reference(x: torch.Tensor, w: torch.Tensor, kind: str = "Q8_0") -> torch.Ten
 
 KINDS = [("Q4_K", 48, 512), ("Q6_K", 40, 256), ("Q8_0", 35, 96), ("Q5_0", 33, 64), ("Q4_0", 35, 96),
          ("Q4_1", 33, 160), ("Q3_K", 40, 512), ("IQ4_NL", 17, 64), ("Q5_K", 40, 512), ("IQ4_XS", 33, 256),
-         ("Q5_1", 35, 96), ("Q2_K", 35, 768), ("F16", 40, 512), ("BF16", 35, 160), ("MXFP4", 35, 96)]
+         ("Q5_1", 35, 96), ("Q2_K", 35, 768), ("F16", 40, 512), ("BF16", 35, 160), ("MXFP4", 35, 96),
+         ("IQ3_S", 35, 512)]
 
 
 @pytest.mark.parametrize(("kind", "n", "k"), KINDS)
@@ -112,6 +113,22 @@ def test_mxfp4_keeps_every_exponent_and_code_exactly() -> None:
     seg = quant.from_gguf_blocks("MXFP4", raw, n, k)
     assert seg.nbytes == n * k * 17 // 32  # the file's bytes: one exponent and 16 code bytes a block
     assert_same_weights("MXFP4", seg.dequantize().numpy(), gguf_dequant("MXFP4", raw, n, k))
+
+
+def test_iq3_s_keeps_every_grid_entry_and_sign_exactly() -> None:
+    """Each of IQ3_S's 512 grid entries (an index's ninth bit included), with its signs clear and set,
+    under every scale code, dequantizes to `gguf`'s float32 bits on the kernels' own unpacking."""
+    n, k = 16, 256  # row r: grid indices 64 * (r % 8) .. + 63, every sign bit r // 8
+    raw = np.zeros((n, 1, 110), dtype=np.uint8)
+    raw[..., 0:2] = np.array([0.0123], dtype=np.float16).view(np.uint8)
+    idx = np.arange(64)[None, :] + 64 * (np.arange(n) % 8)[:, None]  # [n, 64]
+    raw[:, 0, 2:66] = idx & 255
+    raw[:, 0, 66:74] = np.packbits((idx >> 8).astype(np.uint8).reshape(n, 8, 8), axis=2, bitorder="little")[..., 0]
+    raw[:, 0, 74:106] = np.where(np.arange(n) // 8 == 1, 255, 0)[:, None]
+    raw[:, 0, 106:110] = np.array([0x10, 0x32, 0x54, 0xF6], dtype=np.uint8)  # scale codes 0, 1, .., 6 and 15
+    raw = raw.reshape(n, -1)
+    seg = quant.from_gguf_blocks("IQ3_S", raw, n, k)
+    assert_same_weights("IQ3_S", seg.dequantize().numpy(), gguf_dequant("IQ3_S", raw, n, k))
 
 
 @pytest.mark.parametrize(("kind", "n", "k"), KINDS)
@@ -256,7 +273,7 @@ def test_bad_blob_size_is_refused() -> None:
 
 
 @pytest.mark.parametrize("fmt", ["q4k", "q6k", "q5k", "iq4", "q3k", "q2k", "q8", "q40", "q50", "iq4nl", "q41",
-                                 "q51", "mxfp4", "f16", "bf16"])
+                                 "q51", "mxfp4", "iq3s", "f16", "bf16"])
 def test_a_whole_weight_dequantizes_to_each_rows_own_floats(fmt: str) -> None:
     """A whole weight (runs of rows unpacked together, a panel at a time) and any rows asked in any
     order give each row's floats as it gives them alone, written into `out` when one is given."""

@@ -43,14 +43,14 @@ from ..options import OneLineParser
 from ..runtime import hugepages, kernels, quant
 from .runtime import ReadRate, moved_note, parse_counts
 
-FORMATS = ("q4k", "q6k", "q5k", "iq4", "q3k", "q2k", "q8", "q40", "q50", "iq4nl", "q41", "q51", "mxfp4", "f16",
+FORMATS = ("q4k", "q6k", "q5k", "iq4", "iq3s", "q3k", "q2k", "q8", "q40", "q50", "iq4nl", "q41", "q51", "mxfp4", "f16",
            "bf16", "bf16d")
 # q8's header over 4- and 5-bit codes: (code count, offset) of Q4_0's, Q5_0's and IQ4_NL's grids.
 Q8_HEADER_CODES = {"q40": (16, 8), "q50": (32, 16), "iq4nl": (16, 128), "q41": (16, 0), "q51": (32, 0)}
 
 
 def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> quant.QWeight:
-    """A random n x k matrix packed as `fmt` (q4k, q5k, iq4: 8 groups a super-block; q6k, q3k, q2k;
+    """A random n x k matrix packed as `fmt` (q4k, q5k, iq4, iq3s: 8 groups a super-block; q6k, q3k, q2k;
     q8: Q8_0; q40, q50, iq4nl, q41, q51: Q4_0, Q5_0, IQ4_NL, Q4_1, Q5_1; mxfp4: MXFP4; f16, bf16; bf16d: BF16 on
     bfloat16 dot products), real layout."""
     rng = np.random.default_rng(seed)
@@ -73,7 +73,7 @@ def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> quant.QWeight:
                              rng.uniform(0.01, 0.1, (n, k // 256)).astype(np.float16),
                              rng.integers(0, 256, (n, k // 16), dtype=np.uint8),
                              rng.integers(0, 4, (n, k), dtype=np.uint8))
-    elif fmt in quant.K_CODE_BYTES:  # Q5_K's grid, or IQ4_XS's (no minimums)
+    elif fmt in quant.K_CODE_BYTES:  # Q5_K's grid, or IQ4_XS's and IQ3_S's (no minimums)
         q5 = fmt == "q5k"
         dmin = rng.uniform(0.01, 0.1, (n, k // 256)).astype(np.float16) if q5 else None
         mn = rng.integers(0, 64, (n, k // 32), dtype=np.uint8) if q5 else None

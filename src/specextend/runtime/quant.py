@@ -14,7 +14,9 @@ A `QWeight` is a [n, k] matrix stored in one or more row *segments*, each in one
   GGUF's Q8_0 (offset 128) grid, and our 8-bit format for float weights.
 - ``q5k`` and ``iq4``: q4k's header (signed scale codes; ``iq4`` without the minimum) over 5-bit
   codes (nibbles and a bit plane) or IQ4's 4-bit table indices, unpacked by the kernels into q8's
-  byte codes: GGUF's Q5_K and IQ4_XS (8 groups a super-block), Q5_1 (one group).
+  byte codes: GGUF's Q5_K and IQ4_XS (8 groups a super-block), Q5_1 (one group); ``iq3s``, iq4's
+  layout over a table of IQ3_S's 16 signed values (the odd integers -15..15) with the scale codes
+  1 + 2 * its 4-bit scales: GGUF's IQ3_S exactly, at 4.56 bits a weight (the file's 3.44).
 - ``q40``, ``q50`` and ``iq4nl``: q8's header (one float16 scale a group of 32) over q4k's
   nibbles (Q4_0, offset 8), q5k's nibbles and bit plane (Q5_0, offset 16) or IQ4's table indices
   (IQ4_NL, offset 128): each at its file's bits a weight; ``q41`` and ``q51``, the same with a
@@ -37,6 +39,7 @@ multiplies are exactly the ones `gguf`'s dequantiser returns.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,11 +51,11 @@ from . import kernels
 
 PANEL = 16
 FORMATS = {"q4k": 0, "q6k": 1, "q8": 2, "q5k": 3, "iq4": 4, "q3k": 5, "q2k": 6, "f16": 7, "bf16": 8, "q40": 9,
-           "q50": 10, "iq4nl": 11, "q41": 12, "q51": 13, "mxfp4": 14, "bf16d": 15}
+           "q50": 10, "iq4nl": 11, "q41": 12, "q51": 13, "mxfp4": 14, "bf16d": 15, "iq3s": 16}
 # The 16-bit float formats: GGUF type -> format (super-blocks of 32 inputs, 2 bytes a weight).
 FLOAT_KINDS = {"F16": "f16", "BF16": "bf16"}
 # Code bytes per group of 16 channels x 32 inputs of the formats with q4k's header (`pack_kgroups`).
-K_CODE_BYTES = {"q5k": 320, "iq4": 256}
+K_CODE_BYTES = {"q5k": 320, "iq4": 256, "iq3s": 256}
 # The same for the formats with q8's header (`pack_q8`): one group of 32 inputs a super-block.
 Q8_CODE_BYTES = {"q8": 512, "q40": 256, "q50": 320, "iq4nl": 256, "q41": 256, "q51": 320, "mxfp4": 256}
 MIN_FORMATS = ("q41", "q51")  # q8's header with a float16 minimum a group
@@ -64,7 +67,7 @@ def _superblock(fmt: str, groups: int) -> tuple[int, int]:
     if fmt == "q4k":
         return 32 * groups, 64 + 288 * groups
     if fmt in K_CODE_BYTES:
-        header = 64 + 32 * groups if fmt == "q5k" else 32 + 16 * groups  # iq4: no minimum
+        header = 64 + 32 * groups if fmt == "q5k" else 32 + 16 * groups  # iq4, iq3s: no minimum
         return 32 * groups, header + K_CODE_BYTES[fmt] * groups
     if fmt in Q8_CODE_BYTES:
         return 32, Q8_HEADER_BYTES.get(fmt, 32) + Q8_CODE_BYTES[fmt]
@@ -318,10 +321,11 @@ def pack_kgroups(fmt: str, d: np.ndarray, dmin: np.ndarray | None, sc: np.ndarra
     - ``q5k``: the code 0..31, held as q4k's nibbles plus a plane of fifth bits (bit s of a plane
       byte belongs to step s of the nibble byte at the same place);
     - ``iq4``: IQ4's table value + 128 for the code 0..15, held as q4k's nibbles (offset 128), with
-      no minimum (dmin and mn None: the header keeps d and the scale codes only).
+      no minimum (dmin and mn None: the header keeps d and the scale codes only); ``iq3s`` the same
+      over IQ3_S's table (the odd integers -15..15 + 128 for the codes 0..15).
     """
-    if (fmt == "iq4") != (dmin is None and mn is None):
-        raise ValueError("iq4 has no minimum; q5k has one")
+    if (fmt in ("iq4", "iq3s")) != (dmin is None and mn is None):
+        raise ValueError("iq4 and iq3s have no minimum; q5k has one")
     n = codes.shape[0]
     st = _steps(_panels(codes), 32)  # [P, k/32, 8, 64]
     p, g = st.shape[:2]
@@ -341,7 +345,7 @@ def pack_kgroups(fmt: str, d: np.ndarray, dmin: np.ndarray | None, sc: np.ndarra
 GGUF_BLOCKS = {
     "Q4_K": (144, 256), "Q6_K": (210, 256), "Q8_0": (34, 32), "Q5_0": (22, 32),
     "Q4_0": (18, 32), "Q4_1": (20, 32), "Q3_K": (110, 256), "IQ4_NL": (18, 32), "MXFP4": (17, 32),
-    "Q5_K": (176, 256), "IQ4_XS": (136, 256), "Q5_1": (24, 32), "Q2_K": (84, 256),
+    "Q5_K": (176, 256), "IQ4_XS": (136, 256), "Q5_1": (24, 32), "Q2_K": (84, 256), "IQ3_S": (110, 256),
     # 16-bit floats have no blocks; kept in runs of 32 (the kernels' super-block), so the width
     # must be a multiple of 32.
     "F16": (64, 32), "BF16": (64, 32),
@@ -353,6 +357,7 @@ KEPT_AS = {
     "Q4_K": ("q4k", 8), "Q6_K": ("q6k", 8), "Q8_0": ("q8", 8), "Q5_0": ("q50", 8), "Q4_0": ("q40", 8),
     "Q4_1": ("q41", 8), "Q3_K": ("q3k", 8), "IQ4_NL": ("iq4nl", 8), "Q5_K": ("q5k", 8), "IQ4_XS": ("iq4", 8),
     "Q5_1": ("q51", 8), "Q2_K": ("q2k", 8), "F16": ("f16", 1), "BF16": ("bf16", 1), "MXFP4": ("mxfp4", 8),
+    "IQ3_S": ("iq3s", 8),
 }
 
 
@@ -455,6 +460,35 @@ def _iq4xs(b: np.ndarray, n: int, k: int) -> Segment:
     return pack_kgroups("iq4", d, None, sc.reshape(n, -1), None, codes, 128, groups=8)
 
 
+def _iq3s(b: np.ndarray, n: int, k: int) -> Segment:
+    """IQ3_S as iq3s. A block of 256 (110 bytes): d (f16), the low 8 bits of 64 grid indices (one a 4
+    weights), their ninth bits, 256 sign bits, 4-bit scales ls a group of 32; a weight is
+    d * (1 + 2 * ls) * grid byte * sign, each of the grid's bytes 2e + 1 (e = 0..7), so the weight's
+    table index is 8 + e, or 7 - e where its sign bit is set. The grid (512 entries of 4) is gguf's."""
+    nb = b.shape[1]
+    d = _f16(b[..., 0:2])
+    qh = _bits(b[..., 66:74], 8).reshape(n, nb, 64).astype(np.uint16)  # index i's ninth bit: bit i % 8 of byte i // 8
+    idx = b[..., 2:66].astype(np.uint16) | (qh << 8)
+    e = _iq3s_grid()[idx].reshape(n, nb, 256)
+    sign = _bits(b[..., 74:106], 8).reshape(n, nb, 256)  # weight i's: bit i % 8 of byte i // 8
+    codes = np.where(sign == 1, 7 - e, 8 + e).astype(np.uint8).reshape(n, k)
+    ls = _bits(b[..., 106:110], 2, 4).reshape(n, nb, 8)  # byte j: groups 2j (low nibble), 2j + 1
+    sc = (1 + 2 * ls.astype(np.int16)).astype(np.int8)
+    return pack_kgroups("iq3s", d, None, sc.reshape(n, -1), None, codes, 128, groups=8)
+
+
+@functools.cache
+def _iq3s_grid() -> np.ndarray:
+    """IQ3_S's grid as e (each byte 2e + 1), [512, 4] uint8, from gguf's copy of ggml's table."""
+    from gguf.quants import IQ3_S
+
+    IQ3_S.init_grid()
+    grid = np.asarray(IQ3_S.grid).reshape(512, 4)
+    if not np.all(np.isin(grid, np.arange(1, 16, 2))):
+        raise ValueError("gguf's IQ3_S grid holds a value other than the odd integers 1..15")
+    return ((grid - 1) // 2).astype(np.uint8)
+
+
 def pack_float(kind: str, raw: np.ndarray, n: int, k: int, *, dot: bool = False) -> Segment:
     """F16 or BF16 values ([n, k] of 16-bit values, any dtype of that width, or their bytes) as the
     kernels' f16/bf16 layout: per panel, per input, the 16 channels' values. `dot` (BF16 only): as
@@ -510,6 +544,8 @@ def from_gguf_blocks(kind: str, raw: np.ndarray, n: int, k: int) -> Segment:
         return _q5k(b, n, k)
     if kind == "IQ4_XS":
         return _iq4xs(b, n, k)
+    if kind == "IQ3_S":
+        return _iq3s(b, n, k)
     if per == 32:
         return _legacy(kind, b, n, k)
     raise ValueError(f"GGUF type {kind} is not kept as is")

@@ -45,7 +45,7 @@ def _sections(fmt: str, groups: int) -> list[tuple[int, int]]:
     if fmt in ("q4k", "q5k"):  # d, dmin (f16), scales, mins (1 byte), codes in 64-byte rows of 4 bytes a channel
         rows = 5 if fmt == "q5k" else 4  # q5k: a fifth row, the bit plane
         return [(1, 2), (1, 2), (groups, 1), (groups, 1), (rows * groups, 4)]
-    if fmt == "iq4":  # the same without the minimum: d (f16), scales, codes
+    if fmt in ("iq4", "iq3s"):  # the same without the minimum: d (f16), scales, codes
         return [(1, 2), (groups, 1), (4 * groups, 4)]
     if fmt == "q6k":  # d (f16), scales (i8), per group of 16: three 64-byte planes
         return [(1, 2), (16, 1), (48, 4)]

@@ -29,6 +29,7 @@ bool format_info(int64_t fmt, int64_t sbg, FormatInfo* out) {
     case Q51: *out = {32, 32, byte_header(fmt, 1) + code_bytes(fmt)}; return true;
     case Q5K:
     case IQ4:
+    case IQ3S:
       if (sbg < 1 || sbg > 8) return false;
       *out = {32, static_cast<int>(32 * sbg), byte_header(fmt, sbg) + code_bytes(fmt) * sbg};
       return true;

@@ -75,6 +75,11 @@
 //       d[16] f16, sc[G][16] i8, then per group Q4K's nibbles (4 x 64 bytes), IQ4 table indices
 //       w = d*sc[g] * (byte - 128), the byte kIq4Bytes[nibble] (the IQ4 table + 128); Q8's
 //       arithmetic with the scale d*sc[g].
+//   IQ3S (GGUF's IQ3_S in IQ4's layout, G = 8): each weight of a group of 32 is d*(1 + 2*ls) times a
+//       signed odd integer of at most 15 (its grid value and sign bit), so the scale code is 1 + 2*ls
+//       and the 16 signed values are a table like IQ4's: kIq3sBytes[nibble] = value + 128. The file's
+//       own values exactly (d*(1 + 2*ls) and its product with the value are exact in float32), at
+//       4.56 bits a weight against the file's 3.44 (the grid's 512 entries do not fit a register table).
 //   F16 and BF16 (the file's own 16-bit float weights, kept as they are): per input, the panel's
 //       16 channels' values (32 bytes), super-blocks of 32 inputs (1 KB)       w = float(value), exact
 //       These are products of floats, not of codes: the activations are not quantized (Rows::xf,
@@ -115,7 +120,7 @@ namespace spx {
 
 enum Format : int64_t {
   Q4K = 0, Q6K = 1, Q8 = 2, Q5K = 3, IQ4 = 4, Q3K = 5, Q2K = 6, F16 = 7, BF16 = 8, Q40 = 9, Q50 = 10, IQ4NL = 11,
-  Q41 = 12, Q51 = 13, MXFP4 = 14, BF16D = 15
+  Q41 = 12, Q51 = 13, MXFP4 = 14, BF16D = 15, IQ3S = 16
 };
 
 // The float formats (F16, BF16): products of float32 activations, not of int8 codes.
@@ -146,7 +151,7 @@ constexpr bool q8_header(int64_t fmt) { return fmt == Q8 || fmt == Q40 || fmt ==
 constexpr bool min_header(int64_t fmt) { return fmt == Q41 || fmt == Q51; }
 // A one-byte E8M0 exponent a channel and group instead of d (MXFP4): see e8m0_half.
 constexpr bool e8m0_header(int64_t fmt) { return fmt == MXFP4; }
-constexpr bool scale_codes(int64_t fmt) { return fmt == Q5K || fmt == IQ4; }  // a signed scale code a group
+constexpr bool scale_codes(int64_t fmt) { return fmt == Q5K || fmt == IQ4 || fmt == IQ3S; }  // a signed scale code a group
 constexpr bool has_minimum(int64_t fmt) { return k_header(fmt) || min_header(fmt); }
 constexpr bool byte_format(int64_t fmt) {
   return scale_codes(fmt) || q8_header(fmt) || min_header(fmt) || e8m0_header(fmt);
@@ -154,7 +159,7 @@ constexpr bool byte_format(int64_t fmt) {
 // How a byte-code format's codes unpack: Q8 (bytes), Q5K (nibble and fifth bit), IQ4 (a table of
 // 16 bytes, code_table) or Q40 (the nibble).
 constexpr int64_t code_kind(int64_t fmt) {
-  return fmt == Q50 || fmt == Q51 ? Q5K : fmt == IQ4NL || fmt == MXFP4 ? IQ4 : fmt == Q41 ? Q40 : fmt;
+  return fmt == Q50 || fmt == Q51 ? Q5K : fmt == IQ4NL || fmt == MXFP4 || fmt == IQ3S ? IQ4 : fmt == Q41 ? Q40 : fmt;
 }
 constexpr int code_bytes(int64_t fmt) {  // a group's
   return code_kind(fmt) == Q5K ? 320 : code_kind(fmt) == Q8 ? 512 : 256;
@@ -208,8 +213,13 @@ alignas(16) constexpr uint8_t kIq4Bytes[16] = {1, 24, 45, 63, 79, 93, 106, 118, 
 // MXFP4's 16 values (ggml's kvalues_mxfp4: twice E2M1's, so integers) + 128.
 alignas(16) constexpr uint8_t kMxfp4Bytes[16] = {128, 129, 130, 131, 132, 134, 136, 140,
                                                  128, 127, 126, 125, 124, 122, 120, 116};
+// IQ3_S's 16 signed values (the odd integers -15..15: its grid bytes 1, 3, .., 15 and a sign) + 128.
+alignas(16) constexpr uint8_t kIq3sBytes[16] = {113, 115, 117, 119, 121, 123, 125, 127,
+                                                129, 131, 133, 135, 137, 139, 141, 143};
 // The table a code_kind IQ4 format's nibbles index.
-constexpr const uint8_t* code_table(int64_t fmt) { return fmt == MXFP4 ? kMxfp4Bytes : kIq4Bytes; }
+constexpr const uint8_t* code_table(int64_t fmt) {
+  return fmt == MXFP4 ? kMxfp4Bytes : fmt == IQ3S ? kIq3sBytes : kIq4Bytes;
+}
 
 // An E8M0 byte's scale with ggml's half folded in, 2^(e - 128), exactly (GGML_E8M0_TO_FP32_HALF:
 // float bits (e - 1) << 23, or the subnormals 2^-128 and 2^-127 for e < 2). The vector paths build

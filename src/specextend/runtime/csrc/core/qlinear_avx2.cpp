@@ -609,6 +609,7 @@ void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const T
     else if (s.fmt == Q51) one_small<Q51>(s, p, x, r0, acc[0]);
     else if (s.fmt == Q8) one_bytes<Q8>(s, p, x, r0, acc[0]);
     else if (s.fmt == IQ4) one_bytes<IQ4>(s, p, x, r0, acc[0]);
+    else if (s.fmt == IQ3S) one_bytes<IQ3S>(s, p, x, r0, acc[0]);
     else if (s.fmt == IQ4NL) one_bytes<IQ4NL>(s, p, x, r0, acc[0]);
     else if (s.fmt == MXFP4) one_bytes<MXFP4>(s, p, x, r0, acc[0]);
     else if (s.fmt == Q6K) one_q6k<Q6K>(s, p, x, r0, acc[0]);

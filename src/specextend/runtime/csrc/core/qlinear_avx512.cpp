@@ -245,6 +245,7 @@ void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const T
     case Q2K: panel_q6k<R, Q2K>(s, p, x, r0, acc); break;
     case Q5K: panel_q8<R, Q5K>(s, p, x, r0, acc); break;
     case IQ4: panel_q8<R, IQ4>(s, p, x, r0, acc); break;
+    case IQ3S: panel_q8<R, IQ3S>(s, p, x, r0, acc); break;
     case Q40: panel_q8<R, Q40>(s, p, x, r0, acc); break;
     case Q50: panel_q8<R, Q50>(s, p, x, r0, acc); break;
     case IQ4NL: panel_q8<R, IQ4NL>(s, p, x, r0, acc); break;
@@ -713,6 +714,7 @@ void rows_avx512(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, 
     case Q2K: rows_q6k<Q2K>(s, p, x, r0, n, acc); break;
     case Q5K: rows_q8<Q5K>(s, p, x, r0, n, acc); break;
     case IQ4: rows_q8<IQ4>(s, p, x, r0, n, acc); break;
+    case IQ3S: rows_q8<IQ3S>(s, p, x, r0, n, acc); break;
     case Q40: rows_q8<Q40>(s, p, x, r0, n, acc); break;
     case Q50: rows_q8<Q50>(s, p, x, r0, n, acc); break;
     case IQ4NL: rows_q8<IQ4NL>(s, p, x, r0, n, acc); break;

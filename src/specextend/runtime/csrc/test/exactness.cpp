@@ -160,6 +160,7 @@ void linear_tests(const std::vector<Path>& paths) {
       {spx::Q41, 35, 96, 0, 1, true, false, true, false},    {spx::Q51, 48, 896, 0, 1, false, true, false, true},
       {spx::Q5K, 48, 512, 0, 8, true, false, true, false},   {spx::IQ4, 32, 768, 128, 8, false, true, false, true},
       {spx::Q5K, 35, 96, 0, 1, false, false, true, true},    {spx::IQ4, 33, 64, 128, 1, true, false, false, false},
+      {spx::IQ3S, 40, 512, 128, 8, false, true, true, false}, {spx::IQ3S, 33, 256, 128, 8, true, false, false, true},
       {spx::Q3K, 40, 512, 0, 8, true, false, true, true},    {spx::Q2K, 48, 768, 0, 8, false, true, true, false},
       {spx::F16, 48, 512, 0, 1, false, false, true, false},  {spx::BF16, 35, 96, 0, 1, true, false, true, true},
       {spx::F16, 33, 160, 0, 1, false, true, false, true},   {spx::BF16, 64, 1536, 0, 1, true, false, false, false},
