@@ -302,11 +302,12 @@ def test_a_q2_k_file_keeps_its_grid(tmp_path, tokenizer_gguf, capsys, monkeypatc
     assert is_current(folder)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "Q8_0", "MXFP4", "IQ3_S"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "Q8_0", "MXFP4", "IQ3_S",
+                                  "IQ3_XXS", "IQ2_XXS", "IQ1_S"])
 def test_a_kept_type_holds_its_files_bytes(tmp_path, tokenizer_gguf, capsys, kind) -> None:
     """The converted copy of a file of one type holds that type's own layout, whose bytes are what
-    inspect reports and about the file's (panels of 16 rows and IQ4_XS's scale bytes aside; IQ3_S's
-    grid indices become 4-bit table indices, 4.56 bits a weight against the file's 3.44)."""
+    inspect reports and about the file's (panels of 16 rows and IQ4_XS's scale bytes aside; the IQ types'
+    grid indices become 4-bit table indices, 4.56-4.63 bits a weight against the files' 1.56-3.44)."""
     src = random_gguf(tmp_path, tokenizer_gguf, kind)
     info = json.loads(run(capsys, "models", "inspect", str(src), "--json")[1])
     row = next(r for r in info["types"] if r["type"] == kind)
@@ -314,7 +315,8 @@ def test_a_kept_type_holds_its_files_bytes(tmp_path, tokenizer_gguf, capsys, kin
     stored = QuantizedFile(folder / conv.WEIGHTS_FILE)
     kept = [stored.segment(name) for name in stored.formats]
     assert {s.fmt for s in kept} == {quant.KEPT_AS[kind][0]} and len(kept) == row["tensors"]
-    grown = 4.56 / 3.44 if kind == "IQ3_S" else 1.0
+    grown = {"IQ3_S": 4.56 / 3.44, "IQ3_XXS": 4.63 / 3.06, "IQ2_XXS": 4.63 / 2.06, "IQ1_S": 4.63 / 1.56}
+    grown = grown.get(kind, 1.0)
     assert sum(s.nbytes for s in kept) == row["converted_bytes"] <= row["file_bytes"] * 1.03 * grown
     assert row["kept"] and not row["expanded"]
     if loaded_as_file(info):  # the type's kernel path by name

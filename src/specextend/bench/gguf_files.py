@@ -119,7 +119,7 @@ GRANITE_SCALES = {"embedding_multiplier": "add_embedding_scale", "residual_multi
 RANDOM_BLOCKS: dict[str, tuple[int, int | None]] = {
     "Q2_K": (80, 82), "Q3_K": (108, None), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None),
     "IQ4_NL": (0, None), "IQ4_XS": (0, None), "MXFP4": (0, None),  # MXFP4's: an E8M0 exponent byte (`_set_scales`)
-    "IQ3_S": (0, None),
+    "IQ3_S": (0, None), "IQ3_XXS": (0, None), "IQ2_XXS": (0, None), "IQ1_S": (0, None),
 }
 QUANTIZED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "BF16", "F32", "TQ1_0", "TQ2_0")
 # A mix's main type, and the type of llama.cpp's "more bits" tensors (output, some V and down projections).

@@ -43,14 +43,14 @@ from ..options import OneLineParser
 from ..runtime import hugepages, kernels, quant
 from .runtime import ReadRate, moved_note, parse_counts
 
-FORMATS = ("q4k", "q6k", "q5k", "iq4", "iq3s", "q3k", "q2k", "q8", "q40", "q50", "iq4nl", "q41", "q51", "mxfp4", "f16",
-           "bf16", "bf16d")
+FORMATS = ("q4k", "q6k", "q5k", "iq4", "iq3s", "iq3xxs", "iq2xxs", "iq1s", "q3k", "q2k", "q8", "q40", "q50", "iq4nl",
+           "q41", "q51", "mxfp4", "f16", "bf16", "bf16d")
 # q8's header over 4- and 5-bit codes: (code count, offset) of Q4_0's, Q5_0's and IQ4_NL's grids.
 Q8_HEADER_CODES = {"q40": (16, 8), "q50": (32, 16), "iq4nl": (16, 128), "q41": (16, 0), "q51": (32, 0)}
 
 
 def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> quant.QWeight:
-    """A random n x k matrix packed as `fmt` (q4k, q5k, iq4, iq3s: 8 groups a super-block; q6k, q3k, q2k;
+    """A random n x k matrix packed as `fmt` (q4k, q5k and the table formats: 8 groups a super-block; q6k, q3k, q2k;
     q8: Q8_0; q40, q50, iq4nl, q41, q51: Q4_0, Q5_0, IQ4_NL, Q4_1, Q5_1; mxfp4: MXFP4; f16, bf16; bf16d: BF16 on
     bfloat16 dot products), real layout."""
     rng = np.random.default_rng(seed)
@@ -77,7 +77,8 @@ def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> quant.QWeight:
         q5 = fmt == "q5k"
         dmin = rng.uniform(0.01, 0.1, (n, k // 256)).astype(np.float16) if q5 else None
         mn = rng.integers(0, 64, (n, k // 32), dtype=np.uint8) if q5 else None
-        seg = quant.pack_kgroups(fmt, rng.uniform(0.01, 0.1, (n, k // 256)).astype(np.float16), dmin,
+        d = rng.uniform(0.01, 0.1, (n, k // 256)).astype(np.float32 if fmt in quant.F32_D else np.float16)
+        seg = quant.pack_kgroups(fmt, d, dmin,
                                  rng.integers(0 if q5 else -32, 64 if q5 else 32, (n, k // 32), dtype=np.int8), mn,
                                  rng.integers(0, 32 if q5 else 16, (n, k), dtype=np.uint8), 0 if q5 else 128, 8)
     elif fmt == "q8":  # Q8_0's blocks: a float16 scale, 32 int8 codes

@@ -16,7 +16,10 @@ A `QWeight` is a [n, k] matrix stored in one or more row *segments*, each in one
   codes (nibbles and a bit plane) or IQ4's 4-bit table indices, unpacked by the kernels into q8's
   byte codes: GGUF's Q5_K and IQ4_XS (8 groups a super-block), Q5_1 (one group); ``iq3s``, iq4's
   layout over a table of IQ3_S's 16 signed values (the odd integers -15..15) with the scale codes
-  1 + 2 * its 4-bit scales: GGUF's IQ3_S exactly, at 4.56 bits a weight (the file's 3.44).
+  1 + 2 * its 4-bit scales: GGUF's IQ3_S exactly, at 4.56 bits a weight (the file's 3.44);
+  ``iq3xxs``, ``iq2xxs`` and ``iq1s`` the same over tables of IQ3_XXS's, IQ2_XXS's and IQ1_S's values
+  (4 or 8 times them) under a float32 d (the file's d over 4 or 8: float16 could not hold it), at
+  4.63 bits a weight (the files' 3.06, 2.06 and 1.56).
 - ``q40``, ``q50`` and ``iq4nl``: q8's header (one float16 scale a group of 32) over q4k's
   nibbles (Q4_0, offset 8), q5k's nibbles and bit plane (Q5_0, offset 16) or IQ4's table indices
   (IQ4_NL, offset 128): each at its file's bits a weight; ``q41`` and ``q51``, the same with a
@@ -51,11 +54,20 @@ from . import kernels
 
 PANEL = 16
 FORMATS = {"q4k": 0, "q6k": 1, "q8": 2, "q5k": 3, "iq4": 4, "q3k": 5, "q2k": 6, "f16": 7, "bf16": 8, "q40": 9,
-           "q50": 10, "iq4nl": 11, "q41": 12, "q51": 13, "mxfp4": 14, "bf16d": 15, "iq3s": 16}
+           "q50": 10, "iq4nl": 11, "q41": 12, "q51": 13, "mxfp4": 14, "bf16d": 15, "iq3s": 16,
+           "iq3xxs": 17, "iq2xxs": 18, "iq1s": 19}
 # The 16-bit float formats: GGUF type -> format (super-blocks of 32 inputs, 2 bytes a weight).
 FLOAT_KINDS = {"F16": "f16", "BF16": "bf16"}
 # Code bytes per group of 16 channels x 32 inputs of the formats with q4k's header (`pack_kgroups`).
-K_CODE_BYTES = {"q5k": 320, "iq4": 256, "iq3s": 256}
+K_CODE_BYTES = {"q5k": 320, "iq4": 256, "iq3s": 256, "iq3xxs": 256, "iq2xxs": 256, "iq1s": 256}
+# The table formats whose d is float32 (16 a panel: 64 bytes), not float16.
+F32_D = ("iq3xxs", "iq2xxs", "iq1s")
+# Their GGUF types: (format, the power of two d carries, the signed values of the table in order).
+SCALED_TABLES = {
+    "IQ3_XXS": ("iq3xxs", 0.25, (-62, -52, -44, -36, -28, -20, -12, -4, 4, 12, 20, 28, 36, 44, 52, 62)),
+    "IQ2_XXS": ("iq2xxs", 0.125, (-43, -25, -8, 8, 25, 43)),
+    "IQ1_S": ("iq1s", 0.125, (-9, -7, -1, 1, 7, 9)),
+}
 # The same for the formats with q8's header (`pack_q8`): one group of 32 inputs a super-block.
 Q8_CODE_BYTES = {"q8": 512, "q40": 256, "q50": 320, "iq4nl": 256, "q41": 256, "q51": 320, "mxfp4": 256}
 MIN_FORMATS = ("q41", "q51")  # q8's header with a float16 minimum a group
@@ -67,7 +79,8 @@ def _superblock(fmt: str, groups: int) -> tuple[int, int]:
     if fmt == "q4k":
         return 32 * groups, 64 + 288 * groups
     if fmt in K_CODE_BYTES:
-        header = 64 + 32 * groups if fmt == "q5k" else 32 + 16 * groups  # iq4, iq3s: no minimum
+        d_bytes = 64 if fmt in F32_D else 32
+        header = 64 + 32 * groups if fmt == "q5k" else d_bytes + 16 * groups  # iq4 and the tables: no minimum
         return 32 * groups, header + K_CODE_BYTES[fmt] * groups
     if fmt in Q8_CODE_BYTES:
         return 32, Q8_HEADER_BYTES.get(fmt, 32) + Q8_CODE_BYTES[fmt]
@@ -324,7 +337,7 @@ def pack_kgroups(fmt: str, d: np.ndarray, dmin: np.ndarray | None, sc: np.ndarra
       no minimum (dmin and mn None: the header keeps d and the scale codes only); ``iq3s`` the same
       over IQ3_S's table (the odd integers -15..15 + 128 for the codes 0..15).
     """
-    if (fmt in ("iq4", "iq3s")) != (dmin is None and mn is None):
+    if (fmt != "q5k") != (dmin is None and mn is None):
         raise ValueError("iq4 and iq3s have no minimum; q5k has one")
     n = codes.shape[0]
     st = _steps(_panels(codes), 32)  # [P, k/32, 8, 64]
@@ -346,6 +359,7 @@ GGUF_BLOCKS = {
     "Q4_K": (144, 256), "Q6_K": (210, 256), "Q8_0": (34, 32), "Q5_0": (22, 32),
     "Q4_0": (18, 32), "Q4_1": (20, 32), "Q3_K": (110, 256), "IQ4_NL": (18, 32), "MXFP4": (17, 32),
     "Q5_K": (176, 256), "IQ4_XS": (136, 256), "Q5_1": (24, 32), "Q2_K": (84, 256), "IQ3_S": (110, 256),
+    "IQ3_XXS": (98, 256), "IQ2_XXS": (66, 256), "IQ1_S": (50, 256),
     # 16-bit floats have no blocks; kept in runs of 32 (the kernels' super-block), so the width
     # must be a multiple of 32.
     "F16": (64, 32), "BF16": (64, 32),
@@ -357,7 +371,7 @@ KEPT_AS = {
     "Q4_K": ("q4k", 8), "Q6_K": ("q6k", 8), "Q8_0": ("q8", 8), "Q5_0": ("q50", 8), "Q4_0": ("q40", 8),
     "Q4_1": ("q41", 8), "Q3_K": ("q3k", 8), "IQ4_NL": ("iq4nl", 8), "Q5_K": ("q5k", 8), "IQ4_XS": ("iq4", 8),
     "Q5_1": ("q51", 8), "Q2_K": ("q2k", 8), "F16": ("f16", 1), "BF16": ("bf16", 1), "MXFP4": ("mxfp4", 8),
-    "IQ3_S": ("iq3s", 8),
+    "IQ3_S": ("iq3s", 8), "IQ3_XXS": ("iq3xxs", 8), "IQ2_XXS": ("iq2xxs", 8), "IQ1_S": ("iq1s", 8),
 }
 
 
@@ -477,6 +491,38 @@ def _iq3s(b: np.ndarray, n: int, k: int) -> Segment:
     return pack_kgroups("iq3s", d, None, sc.reshape(n, -1), None, codes, 128, groups=8)
 
 
+def _group_scales(kind: str, b: np.ndarray) -> np.ndarray:
+    """The 4-bit (IQ1_S: 3-bit) scale ls of each group of 32 of IQ3_XXS, IQ2_XXS or IQ1_S blocks b [n, nb, bytes]."""
+    if kind == "IQ3_XXS":  # the top 4 bits of 8 uint32 after the 64 grid index bytes
+        return np.ascontiguousarray(b[..., 66:98]).view("<u4") >> 28
+    if kind == "IQ2_XXS":  # per group two uint32: 4 grid indices, then signs and ls in the top 4 bits
+        return np.ascontiguousarray(b[..., 2:66]).view("<u4")[..., 1::2] >> 28
+    return (np.ascontiguousarray(b[..., 34:50]).view("<u2") >> 12) & 7  # IQ1_S: bits 12-14 of 8 uint16
+
+
+def _scaled_table(kind: str, b: np.ndarray, n: int, k: int) -> Segment:
+    """IQ3_XXS, IQ2_XXS or IQ1_S: a weight is d * (2 ls + 1) * p * v, p the power of two and v one of
+    the type's signed values (SCALED_TABLES); kept as a float32 d * p, the scale code 2 ls + 1 and v's
+    index in the table. The grids (256 or 2048 entries) are gguf's, read through its dequantization:
+    each weight over its group's d * p * (2 ls + 1) (exact in float32) is checked to be a value of the
+    table exactly."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    fmt, power, values = SCALED_TABLES[kind]
+    nb = b.shape[1]
+    d = _f16(b[..., 0:2]).astype(np.float32) * np.float32(power)
+    sc = (2 * _group_scales(kind, b).astype(np.int16) + 1).astype(np.int8)  # [n, nb, 8]
+    w = dequantize(np.ascontiguousarray(b).reshape(n, -1), getattr(GGMLQuantizationType, kind)).reshape(n, nb, 8, 32)
+    db = d[..., None, None] * sc.astype(np.float32)[..., None]
+    v = np.where(db == 0, np.float32(values[-1]), np.rint(w / np.where(db == 0, np.float32(1), db)))
+    table = np.asarray(values, dtype=np.float32)
+    idx = np.clip(np.searchsorted(table, v), 0, len(values) - 1)
+    if not (np.all(table[idx] == v) and np.all(v * db == w)):
+        raise ValueError(f"{kind} block whose values are not d * (2 * scale + 1) * one of its grid's values")
+    return pack_kgroups(fmt, d, None, sc.reshape(n, -1), None, idx.astype(np.uint8).reshape(n, k), 128, groups=8)
+
+
 @functools.cache
 def _iq3s_grid() -> np.ndarray:
     """IQ3_S's grid as e (each byte 2e + 1), [512, 4] uint8, from gguf's copy of ggml's table."""
@@ -546,6 +592,8 @@ def from_gguf_blocks(kind: str, raw: np.ndarray, n: int, k: int) -> Segment:
         return _iq4xs(b, n, k)
     if kind == "IQ3_S":
         return _iq3s(b, n, k)
+    if kind in SCALED_TABLES:
+        return _scaled_table(kind, b, n, k)
     if per == 32:
         return _legacy(kind, b, n, k)
     raise ValueError(f"GGUF type {kind} is not kept as is")

@@ -47,6 +47,8 @@ def _sections(fmt: str, groups: int) -> list[tuple[int, int]]:
         return [(1, 2), (1, 2), (groups, 1), (groups, 1), (rows * groups, 4)]
     if fmt in ("iq4", "iq3s"):  # the same without the minimum: d (f16), scales, codes
         return [(1, 2), (groups, 1), (4 * groups, 4)]
+    if fmt in ("iq3xxs", "iq2xxs", "iq1s"):  # the same with d as float32
+        return [(1, 4), (groups, 1), (4 * groups, 4)]
     if fmt == "q6k":  # d (f16), scales (i8), per group of 16: three 64-byte planes
         return [(1, 2), (16, 1), (48, 4)]
     if fmt == "q3k":  # the same with three 64-byte planes per pair of groups

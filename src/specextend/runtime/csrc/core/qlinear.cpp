@@ -30,6 +30,9 @@ bool format_info(int64_t fmt, int64_t sbg, FormatInfo* out) {
     case Q5K:
     case IQ4:
     case IQ3S:
+    case IQ3XXS:
+    case IQ2XXS:
+    case IQ1S:
       if (sbg < 1 || sbg > 8) return false;
       *out = {32, static_cast<int>(32 * sbg), byte_header(fmt, sbg) + code_bytes(fmt) * sbg};
       return true;

@@ -80,6 +80,11 @@
 //       and the 16 signed values are a table like IQ4's: kIq3sBytes[nibble] = value + 128. The file's
 //       own values exactly (d*(1 + 2*ls) and its product with the value are exact in float32), at
 //       4.56 bits a weight against the file's 3.44 (the grid's 512 entries do not fit a register table).
+//   IQ3XXS, IQ2XXS, IQ1S (GGUF's IQ3_XXS, IQ2_XXS and IQ1_S the same way, G = 8): a weight is d*(2*ls + 1)
+//       times one of at most 16 signed values (IQ3_XXS: its grid's 4..62 over 4; IQ2_XXS: 8, 25, 43 over 8;
+//       IQ1_S: grid -1, 0, 1 plus or minus 1/8), so the table holds 4 or 8 times the values and d carries
+//       the 1/4 or 1/8: d/4 of a float16 d is often below float16's normal range, so these keep d[16] as
+//       float32 (f32_header): d[16] f32, sc[G][16] i8, then IQ4's nibbles; w = d*sc[g] * (byte - 128).
 //   F16 and BF16 (the file's own 16-bit float weights, kept as they are): per input, the panel's
 //       16 channels' values (32 bytes), super-blocks of 32 inputs (1 KB)       w = float(value), exact
 //       These are products of floats, not of codes: the activations are not quantized (Rows::xf,
@@ -115,12 +120,13 @@
 #include <cstring>
 
 #include "cpu.h"
+#include "half.h"
 
 namespace spx {
 
 enum Format : int64_t {
   Q4K = 0, Q6K = 1, Q8 = 2, Q5K = 3, IQ4 = 4, Q3K = 5, Q2K = 6, F16 = 7, BF16 = 8, Q40 = 9, Q50 = 10, IQ4NL = 11,
-  Q41 = 12, Q51 = 13, MXFP4 = 14, BF16D = 15, IQ3S = 16
+  Q41 = 12, Q51 = 13, MXFP4 = 14, BF16D = 15, IQ3S = 16, IQ3XXS = 17, IQ2XXS = 18, IQ1S = 19
 };
 
 // The float formats (F16, BF16): products of float32 activations, not of int8 codes.
@@ -151,7 +157,11 @@ constexpr bool q8_header(int64_t fmt) { return fmt == Q8 || fmt == Q40 || fmt ==
 constexpr bool min_header(int64_t fmt) { return fmt == Q41 || fmt == Q51; }
 // A one-byte E8M0 exponent a channel and group instead of d (MXFP4): see e8m0_half.
 constexpr bool e8m0_header(int64_t fmt) { return fmt == MXFP4; }
-constexpr bool scale_codes(int64_t fmt) { return fmt == Q5K || fmt == IQ4 || fmt == IQ3S; }  // a signed scale code a group
+// d[16] as float32, not float16 (the table formats whose d carries a 1/4 or 1/8).
+constexpr bool f32_header(int64_t fmt) { return fmt == IQ3XXS || fmt == IQ2XXS || fmt == IQ1S; }
+constexpr bool scale_codes(int64_t fmt) {  // a signed scale code a group
+  return fmt == Q5K || fmt == IQ4 || fmt == IQ3S || f32_header(fmt);
+}
 constexpr bool has_minimum(int64_t fmt) { return k_header(fmt) || min_header(fmt); }
 constexpr bool byte_format(int64_t fmt) {
   return scale_codes(fmt) || q8_header(fmt) || min_header(fmt) || e8m0_header(fmt);
@@ -159,7 +169,10 @@ constexpr bool byte_format(int64_t fmt) {
 // How a byte-code format's codes unpack: Q8 (bytes), Q5K (nibble and fifth bit), IQ4 (a table of
 // 16 bytes, code_table) or Q40 (the nibble).
 constexpr int64_t code_kind(int64_t fmt) {
-  return fmt == Q50 || fmt == Q51 ? Q5K : fmt == IQ4NL || fmt == MXFP4 || fmt == IQ3S ? IQ4 : fmt == Q41 ? Q40 : fmt;
+  return fmt == Q50 || fmt == Q51                                         ? Q5K
+         : fmt == IQ4NL || fmt == MXFP4 || fmt == IQ3S || f32_header(fmt) ? IQ4
+         : fmt == Q41                                                     ? Q40
+                                                                          : fmt;
 }
 constexpr int code_bytes(int64_t fmt) {  // a group's
   return code_kind(fmt) == Q5K ? 320 : code_kind(fmt) == Q8 ? 512 : 256;
@@ -173,10 +186,20 @@ constexpr bool small_codes(int64_t fmt) { return code_kind(fmt) == Q5K || code_k
 // then the codes. A group's scale is d (x its scale code), its minimum dmin (x its minimum code).
 constexpr int64_t byte_header(int64_t fmt, int64_t sbg) {
   if (e8m0_header(fmt)) return 16;
-  return q8_header(fmt) ? 32 : min_header(fmt) ? 64 : k_header(fmt) ? 64 + 32 * sbg : 32 + 16 * sbg;
+  if (q8_header(fmt)) return 32;
+  return min_header(fmt) ? 64 : k_header(fmt) ? 64 + 32 * sbg : (f32_header(fmt) ? 64 : 32) + 16 * sbg;
 }
 inline const uint8_t* group_scales(int64_t fmt, const uint8_t* sb, int g) {
-  return sb + (k_header(fmt) ? 64 : 32) + 16 * g;
+  return sb + (k_header(fmt) || f32_header(fmt) ? 64 : 32) + 16 * g;
+}
+// Channel c's d of a byte-code super-block at sb (float16, or float32 where f32_header).
+inline float byte_d(int64_t fmt, const uint8_t* sb, int c) {
+  if (f32_header(fmt)) {
+    float d;
+    std::memcpy(&d, sb + 4 * c, 4);
+    return d;
+  }
+  return half_to_float(reinterpret_cast<const uint16_t*>(sb)[c]);
 }
 inline const uint8_t* group_mins(int64_t sbg, const uint8_t* sb, int g) { return sb + 64 + 16 * sbg + 16 * g; }
 inline const uint8_t* byte_codes(int64_t fmt, int64_t sbg, const uint8_t* sb, int g) {
@@ -216,9 +239,23 @@ alignas(16) constexpr uint8_t kMxfp4Bytes[16] = {128, 129, 130, 131, 132, 134, 1
 // IQ3_S's 16 signed values (the odd integers -15..15: its grid bytes 1, 3, .., 15 and a sign) + 128.
 alignas(16) constexpr uint8_t kIq3sBytes[16] = {113, 115, 117, 119, 121, 123, 125, 127,
                                                 129, 131, 133, 135, 137, 139, 141, 143};
+// IQ3_XXS's 16 signed values (its grid's 4, 12, .., 62 and a sign; d carries their 1/4) + 128.
+alignas(16) constexpr uint8_t kIq3xxsBytes[16] = {66, 76, 84, 92, 100, 108, 116, 124,
+                                                  132, 140, 148, 156, 164, 172, 180, 190};
+// IQ2_XXS's 6 signed values (its grid's 8, 25, 43 and a sign; d carries their 1/8) + 128, then unused.
+alignas(16) constexpr uint8_t kIq2xxsBytes[16] = {85, 103, 120, 136, 153, 171, 128, 128,
+                                                  128, 128, 128, 128, 128, 128, 128, 128};
+// IQ1_S's 6 values, 8 x (grid -1, 0, 1 plus or minus 1/8) (d carries the 1/8) + 128, then unused.
+alignas(16) constexpr uint8_t kIq1sBytes[16] = {119, 121, 127, 129, 135, 137, 128, 128,
+                                                128, 128, 128, 128, 128, 128, 128, 128};
 // The table a code_kind IQ4 format's nibbles index.
 constexpr const uint8_t* code_table(int64_t fmt) {
-  return fmt == MXFP4 ? kMxfp4Bytes : fmt == IQ3S ? kIq3sBytes : kIq4Bytes;
+  return fmt == MXFP4    ? kMxfp4Bytes
+         : fmt == IQ3S   ? kIq3sBytes
+         : fmt == IQ3XXS ? kIq3xxsBytes
+         : fmt == IQ2XXS ? kIq2xxsBytes
+         : fmt == IQ1S   ? kIq1sBytes
+                         : kIq4Bytes;
 }
 
 // An E8M0 byte's scale with ggml's half folded in, 2^(e - 128), exactly (GGML_E8M0_TO_FP32_HALF:

@@ -94,6 +94,15 @@ struct ScalarVec {
     for (int c = 0; c < kPanel; ++c) out[c] = half_to_float(dh[c]);
   }
 
+  // d as float32 (f32_header) times the signed codes at q.
+  static void float_scales(const uint8_t* d, const uint8_t* q, float* out) {
+    for (int c = 0; c < kPanel; ++c) {
+      float dc;
+      std::memcpy(&dc, d + 4 * c, 4);
+      out[c] = dc * static_cast<float>(static_cast<int8_t>(q[c]));
+    }
+  }
+
   static void exponents(const uint8_t* e, float* out) {
     for (int c = 0; c < kPanel; ++c) out[c] = e8m0_half(e[c]);
   }
@@ -180,6 +189,11 @@ struct Avx512Vec {
   }
 
   static void halves(const uint8_t* d, float* out) { _mm512_store_ps(out, cvt_f16(d)); }
+
+  static void float_scales(const uint8_t* d, const uint8_t* q, float* out) {
+    const __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q));
+    _mm512_store_ps(out, _mm512_mul_ps(_mm512_loadu_ps(d), _mm512_cvtepi32_ps(w)));
+  }
 
   static void exponents(const uint8_t* e, float* out) { _mm512_store_ps(out, e8m0_half16(e)); }
 
@@ -307,7 +321,8 @@ const uint8_t* prepare_group(const Segment& s, const uint8_t* p, int64_t gi, uin
   const int64_t groups = fi.superblock / 32;
   const int g = static_cast<int>(gi % groups);
   const uint8_t* sb = p + (gi / groups) * fi.bytes;
-  if (scale_codes(s.fmt)) V::scales(sb, group_scales(s.fmt, sb, g), true, gs.scale);
+  if (f32_header(s.fmt)) V::float_scales(sb, group_scales(s.fmt, sb, g), gs.scale);
+  else if (scale_codes(s.fmt)) V::scales(sb, group_scales(s.fmt, sb, g), true, gs.scale);
   else if (e8m0_header(s.fmt)) V::exponents(sb, gs.scale);
   else V::halves(sb, gs.scale);
   if (k_header(s.fmt)) V::scales(sb + 32, group_mins(s.sbg, sb, g), false, gs.mins);

@@ -345,7 +345,9 @@ inline __m256 e8m0_half8(const uint8_t* p) {
 // code where the format has codes); returns whether the format has minimums.
 inline bool byte_scales(const Segment& s, const uint8_t* p, int g, __m256* scale, __m256* mins) {
   for (int h = 0; h < 2; ++h) {
-    scale[h] = e8m0_header(s.fmt) ? e8m0_half8(p + 8 * h) : cvt_f16(p + 16 * h);
+    scale[h] = e8m0_header(s.fmt)  ? e8m0_half8(p + 8 * h)
+               : f32_header(s.fmt) ? _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8 * h)
+                                   : cvt_f16(p + 16 * h);
     if (scale_codes(s.fmt)) scale[h] = _mm256_mul_ps(scale[h], cvt_i8(group_scales(s.fmt, p, g) + 8 * h));
     if (!has_minimum(s.fmt)) continue;
     mins[h] = cvt_f16(p + 32 + 16 * h);
@@ -610,6 +612,9 @@ void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const T
     else if (s.fmt == Q8) one_bytes<Q8>(s, p, x, r0, acc[0]);
     else if (s.fmt == IQ4) one_bytes<IQ4>(s, p, x, r0, acc[0]);
     else if (s.fmt == IQ3S) one_bytes<IQ3S>(s, p, x, r0, acc[0]);
+    else if (s.fmt == IQ3XXS) one_bytes<IQ3XXS>(s, p, x, r0, acc[0]);
+    else if (s.fmt == IQ2XXS) one_bytes<IQ2XXS>(s, p, x, r0, acc[0]);
+    else if (s.fmt == IQ1S) one_bytes<IQ1S>(s, p, x, r0, acc[0]);
     else if (s.fmt == IQ4NL) one_bytes<IQ4NL>(s, p, x, r0, acc[0]);
     else if (s.fmt == MXFP4) one_bytes<MXFP4>(s, p, x, r0, acc[0]);
     else if (s.fmt == Q6K) one_q6k<Q6K>(s, p, x, r0, acc[0]);

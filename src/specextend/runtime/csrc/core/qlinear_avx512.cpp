@@ -191,7 +191,7 @@ inline void load_q8_group(const uint8_t* p, int64_t sbg, int g, int share, __m51
   prefetch_group(p + share * g, share);
 #pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) w[i] = step_bytes(FMT, cb, i);
-  *scale = e8m0_header(FMT) ? e8m0_half16(p) : cvt_f16(p);
+  *scale = e8m0_header(FMT) ? e8m0_half16(p) : f32_header(FMT) ? _mm512_loadu_ps(p) : cvt_f16(p);
   if constexpr (scale_codes(FMT)) *scale = _mm512_mul_ps(*scale, cvt_i8(group_scales(FMT, p, g)));
   *mins = has_minimum(FMT) ? cvt_f16(p + 32) : _mm512_setzero_ps();
   if constexpr (k_header(FMT)) *mins = _mm512_mul_ps(*mins, cvt_u8(group_mins(sbg, p, g)));
@@ -246,6 +246,9 @@ void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const T
     case Q5K: panel_q8<R, Q5K>(s, p, x, r0, acc); break;
     case IQ4: panel_q8<R, IQ4>(s, p, x, r0, acc); break;
     case IQ3S: panel_q8<R, IQ3S>(s, p, x, r0, acc); break;
+    case IQ3XXS: panel_q8<R, IQ3XXS>(s, p, x, r0, acc); break;
+    case IQ2XXS: panel_q8<R, IQ2XXS>(s, p, x, r0, acc); break;
+    case IQ1S: panel_q8<R, IQ1S>(s, p, x, r0, acc); break;
     case Q40: panel_q8<R, Q40>(s, p, x, r0, acc); break;
     case Q50: panel_q8<R, Q50>(s, p, x, r0, acc); break;
     case IQ4NL: panel_q8<R, IQ4NL>(s, p, x, r0, acc); break;
@@ -715,6 +718,9 @@ void rows_avx512(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, 
     case Q5K: rows_q8<Q5K>(s, p, x, r0, n, acc); break;
     case IQ4: rows_q8<IQ4>(s, p, x, r0, n, acc); break;
     case IQ3S: rows_q8<IQ3S>(s, p, x, r0, n, acc); break;
+    case IQ3XXS: rows_q8<IQ3XXS>(s, p, x, r0, n, acc); break;
+    case IQ2XXS: rows_q8<IQ2XXS>(s, p, x, r0, n, acc); break;
+    case IQ1S: rows_q8<IQ1S>(s, p, x, r0, n, acc); break;
     case Q40: rows_q8<Q40>(s, p, x, r0, n, acc); break;
     case Q50: rows_q8<Q50>(s, p, x, r0, n, acc); break;
     case IQ4NL: rows_q8<IQ4NL>(s, p, x, r0, n, acc); break;

@@ -202,7 +202,9 @@ inline float32x4_t e8m0_half4(const uint8_t* p) {
 // Quad c (channels 4c..4c+3) of a byte-code group's float scales and minimums (qlinear.h: d and
 // dmin, each times its code where the format has codes); returns whether the format has minimums.
 inline bool byte_scales(const Segment& s, const uint8_t* p, int g, int c, float32x4_t* scale, float32x4_t* mins) {
-  *scale = e8m0_header(s.fmt) ? e8m0_half4(p + 4 * c) : load_f16x4(p + 8 * c);
+  *scale = e8m0_header(s.fmt)  ? e8m0_half4(p + 4 * c)
+           : f32_header(s.fmt) ? vld1q_f32(reinterpret_cast<const float*>(p) + 4 * c)
+                               : load_f16x4(p + 8 * c);
   if (scale_codes(s.fmt)) *scale = vmulq_f32(*scale, cvt_i8x4(group_scales(s.fmt, p, g) + 4 * c));
   *mins = has_minimum(s.fmt) ? load_f16x4(p + 32 + 8 * c) : vdupq_n_f32(0.f);
   if (k_header(s.fmt)) *mins = vmulq_f32(*mins, cvt_u8x4(group_mins(s.sbg, p, g) + 4 * c));

@@ -79,7 +79,7 @@ struct Group {
 void unpack_group(const Segment& s, const uint8_t* p, int g, Group& out) {
   const uint16_t* dh = reinterpret_cast<const uint16_t*>(p);
   for (int c = 0; c < kPanel; ++c) {
-    const float d = half_to_float(dh[c]);
+    const float d = f32_header(s.fmt) ? byte_d(s.fmt, p, c) : half_to_float(dh[c]);
     out.d[c] = d;
     out.dmin[c] = has_minimum(s.fmt) || s.fmt == Q4K || s.fmt == Q2K ? half_to_float(dh[16 + c]) : 0.f;
     out.imn[c] = 0;
