@@ -335,10 +335,13 @@ def pack_kgroups(fmt: str, d: np.ndarray, dmin: np.ndarray | None, sc: np.ndarra
       byte belongs to step s of the nibble byte at the same place);
     - ``iq4``: IQ4's table value + 128 for the code 0..15, held as q4k's nibbles (offset 128), with
       no minimum (dmin and mn None: the header keeps d and the scale codes only); ``iq3s`` the same
-      over IQ3_S's table (the odd integers -15..15 + 128 for the codes 0..15).
+      over IQ3_S's table (the odd integers -15..15 + 128 for the codes 0..15); ``iq3xxs``, ``iq2xxs``
+      and ``iq1s`` the same over their tables with d float32 (F32_D).
     """
     if (fmt != "q5k") != (dmin is None and mn is None):
-        raise ValueError("iq4 and iq3s have no minimum; q5k has one")
+        raise ValueError("of these formats only q5k has a minimum")
+    if d.dtype != (np.float32 if fmt in F32_D else np.float16):
+        raise ValueError(f"{fmt}: d must be {'float32' if fmt in F32_D else 'float16'}, not {d.dtype}")
     n = codes.shape[0]
     st = _steps(_panels(codes), 32)  # [P, k/32, 8, 64]
     p, g = st.shape[:2]
