@@ -16,10 +16,10 @@ A `QWeight` is a [n, k] matrix stored in one or more row *segments*, each in one
   codes (nibbles and a bit plane) or IQ4's 4-bit table indices, unpacked by the kernels into q8's
   byte codes: GGUF's Q5_K and IQ4_XS (8 groups a super-block), Q5_1 (one group); ``iq3s``, iq4's
   layout over a table of IQ3_S's 16 signed values (the odd integers -15..15) with the scale codes
-  1 + 2 * its 4-bit scales: GGUF's IQ3_S exactly, at 4.56 bits a weight (the file's 3.44);
+  1 + 2 * its 4-bit scales: GGUF's IQ3_S exactly, at 4.31 bits a weight (the file's 3.44);
   ``iq3xxs``, ``iq2xxs`` and ``iq1s`` the same over tables of IQ3_XXS's, IQ2_XXS's and IQ1_S's values
   (4 or 8 times them) under a float32 d (the file's d over 4 or 8: float16 could not hold it), at
-  4.63 bits a weight (the files' 3.06, 2.06 and 1.56).
+  4.38 bits a weight (the files' 3.06, 2.06 and 1.56).
 - ``q40``, ``q50`` and ``iq4nl``: q8's header (one float16 scale a group of 32) over q4k's
   nibbles (Q4_0, offset 8), q5k's nibbles and bit plane (Q5_0, offset 16) or IQ4's table indices
   (IQ4_NL, offset 128): each at its file's bits a weight; ``q41`` and ``q51``, the same with a

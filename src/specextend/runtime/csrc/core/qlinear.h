@@ -79,7 +79,7 @@
 //       signed odd integer of at most 15 (its grid value and sign bit), so the scale code is 1 + 2*ls
 //       and the 16 signed values are a table like IQ4's: kIq3sBytes[nibble] = value + 128. The file's
 //       own values exactly (d*(1 + 2*ls) and its product with the value are exact in float32), at
-//       4.56 bits a weight against the file's 3.44 (the grid's 512 entries do not fit a register table).
+//       4.31 bits a weight against the file's 3.44 (the grid's 512 entries do not fit a register table).
 //   IQ3XXS, IQ2XXS, IQ1S (GGUF's IQ3_XXS, IQ2_XXS and IQ1_S the same way, G = 8): a weight is d*(2*ls + 1)
 //       times one of at most 16 signed values (IQ3_XXS: its grid's 4..62 over 4; IQ2_XXS: 8, 25, 43 over 8;
 //       IQ1_S: grid -1, 0, 1 plus or minus 1/8), so the table holds 4 or 8 times the values and d carries
