@@ -505,25 +505,61 @@ def _group_scales(kind: str, b: np.ndarray) -> np.ndarray:
 
 def _scaled_table(kind: str, b: np.ndarray, n: int, k: int) -> Segment:
     """IQ3_XXS, IQ2_XXS or IQ1_S: a weight is d * (2 ls + 1) * p * v, p the power of two and v one of
-    the type's signed values (SCALED_TABLES); kept as a float32 d * p, the scale code 2 ls + 1 and v's
-    index in the table. The grids (256 or 2048 entries) are gguf's, read through its dequantization:
-    each weight over its group's d * p * (2 ls + 1) (exact in float32) is checked to be a value of the
-    table exactly."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
+    the type's signed values (SCALED_TABLES); kept as a float32 d * p (exact), the scale code 2 ls + 1
+    and v's index in the table."""
     fmt, power, values = SCALED_TABLES[kind]
-    nb = b.shape[1]
     d = _f16(b[..., 0:2]).astype(np.float32) * np.float32(power)
     sc = (2 * _group_scales(kind, b).astype(np.int16) + 1).astype(np.int8)  # [n, nb, 8]
-    w = dequantize(np.ascontiguousarray(b).reshape(n, -1), getattr(GGMLQuantizationType, kind)).reshape(n, nb, 8, 32)
-    db = d[..., None, None] * sc.astype(np.float32)[..., None]
-    v = np.where(db == 0, np.float32(values[-1]), np.rint(w / np.where(db == 0, np.float32(1), db)))
-    table = np.asarray(values, dtype=np.float32)
+    v = _table_values(kind, b)
+    table = np.asarray(values, dtype=np.int16)
     idx = np.clip(np.searchsorted(table, v), 0, len(values) - 1)
-    if not (np.all(table[idx] == v) and np.all(v * db == w)):
-        raise ValueError(f"{kind} block whose values are not d * (2 * scale + 1) * one of its grid's values")
+    if not np.all(table[idx] == v):
+        raise ValueError(f"{kind} block with a value outside its grid's")
     return pack_kgroups(fmt, d, None, sc.reshape(n, -1), None, idx.astype(np.uint8).reshape(n, k), 128, groups=8)
+
+
+def _table_values(kind: str, b: np.ndarray) -> np.ndarray:
+    """Each weight's signed integer v of IQ3_XXS, IQ2_XXS or IQ1_S blocks b [n, nb, bytes] -> [n, nb, 256]
+    (gguf's dequantization, in integers): IQ3_XXS and IQ2_XXS a grid entry (4 or 8 weights, from 8-bit
+    indices) and a sign each, 8 signs from 7 bits and their parity (ggml's ksigns); IQ1_S a grid entry of
+    8 in -1, 0, 1 (11-bit indices) times 8, plus or minus 1 by the group's delta bit."""
+    n, nb = b.shape[:2]
+    grid = _iq_grid(kind)
+    if kind == "IQ1_S":
+        qh = np.ascontiguousarray(b[..., 34:50]).view("<u2")  # [n, nb, 8]
+        high = (qh[..., None] >> np.array([0, 3, 6, 9], dtype=np.uint16)) & 7  # [n, nb, 8, 4]
+        idx = b[..., 2:34].reshape(n, nb, 8, 4).astype(np.uint16) | (high << 8)
+        delta = np.where(qh >> 15 == 1, -1, 1).astype(np.int16)[..., None, None]
+        return (8 * grid[idx] + delta).reshape(n, nb, 256)
+    if kind == "IQ3_XXS":
+        idx, packed = b[..., 2:66].reshape(n, nb, 8, 8), np.ascontiguousarray(b[..., 66:98]).view("<u4")
+    else:  # IQ2_XXS: per group two uint32, 4 grid indices then the signs (and ls)
+        words = np.ascontiguousarray(b[..., 2:66]).view("<u4").reshape(n, nb, 8, 2)
+        idx, packed = np.ascontiguousarray(words[..., 0]).view(np.uint8).reshape(n, nb, 8, 4), words[..., 1]
+    seven = (packed[..., None] >> np.array([0, 7, 14, 21], dtype=np.uint32)) & 127  # [n, nb, 8, 4]
+    signs = _bits((seven | (_parity7(seven) << 7)).astype(np.uint8), 8).reshape(n, nb, 256)
+    return (grid[idx].reshape(n, nb, 256) * (1 - 2 * signs.astype(np.int16))).astype(np.int16)
+
+
+def _parity7(x: np.ndarray) -> np.ndarray:
+    """The parity of the low 7 bits of x."""
+    p = np.zeros(x.shape, dtype=x.dtype)
+    for i in range(7):
+        p ^= (x >> i) & 1
+    return p
+
+
+@functools.cache
+def _iq_grid(kind: str) -> np.ndarray:
+    """gguf's copy of ggml's grid of IQ3_XXS (256 x 4), IQ2_XXS (256 x 8) or IQ1_S (2048 x 8) as int16."""
+    from gguf import quants
+
+    cls = getattr(quants, kind)
+    cls.init_grid()
+    grid = np.asarray(cls.grid).reshape(cls.grid_shape)
+    if not np.array_equal(grid, np.rint(grid)):
+        raise ValueError(f"gguf's {kind} grid holds a value that is not an integer")
+    return grid.astype(np.int16)
 
 
 @functools.cache
