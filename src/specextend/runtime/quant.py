@@ -62,8 +62,10 @@ FLOAT_KINDS = {"F16": "f16", "BF16": "bf16"}
 K_CODE_BYTES = {"q5k": 320, "iq4": 256, "iq3s": 256, "iq3xxs": 256, "iq2xxs": 256, "iq1s": 256}
 # The table formats whose d is float32 (16 a panel: 64 bytes), not float16.
 F32_D = ("iq3xxs", "iq2xxs", "iq1s")
-# Their GGUF types: (format, the power of two d carries, the signed values of the table in order).
+# The GGUF types kept over a table of their values: (format, the power of two d carries, the signed
+# values of the table in order); a weight is d * power * (2 ls + 1) * value.
 SCALED_TABLES = {
+    "IQ3_S": ("iq3s", 1.0, (-15, -13, -11, -9, -7, -5, -3, -1, 1, 3, 5, 7, 9, 11, 13, 15)),
     "IQ3_XXS": ("iq3xxs", 0.25, (-62, -52, -44, -36, -28, -20, -12, -4, 4, 12, 20, 28, 36, 44, 52, 62)),
     "IQ2_XXS": ("iq2xxs", 0.125, (-43, -25, -8, 8, 25, 43)),
     "IQ1_S": ("iq1s", 0.125, (-9, -7, -1, 1, 7, 9)),
@@ -477,25 +479,10 @@ def _iq4xs(b: np.ndarray, n: int, k: int) -> Segment:
     return pack_kgroups("iq4", d, None, sc.reshape(n, -1), None, codes, 128, groups=8)
 
 
-def _iq3s(b: np.ndarray, n: int, k: int) -> Segment:
-    """IQ3_S as iq3s. A block of 256 (110 bytes): d (f16), the low 8 bits of 64 grid indices (one a 4
-    weights), their ninth bits, 256 sign bits, 4-bit scales ls a group of 32; a weight is
-    d * (1 + 2 * ls) * grid byte * sign, each of the grid's bytes 2e + 1 (e = 0..7), so the weight's
-    table index is 8 + e, or 7 - e where its sign bit is set. The grid (512 entries of 4) is gguf's."""
-    nb = b.shape[1]
-    d = _f16(b[..., 0:2])
-    qh = _bits(b[..., 66:74], 8).reshape(n, nb, 64).astype(np.uint16)  # index i's ninth bit: bit i % 8 of byte i // 8
-    idx = b[..., 2:66].astype(np.uint16) | (qh << 8)
-    e = _iq3s_grid()[idx].reshape(n, nb, 256)
-    sign = _bits(b[..., 74:106], 8).reshape(n, nb, 256)  # weight i's: bit i % 8 of byte i // 8
-    codes = np.where(sign == 1, 7 - e, 8 + e).astype(np.uint8).reshape(n, k)
-    ls = _bits(b[..., 106:110], 2, 4).reshape(n, nb, 8)  # byte j: groups 2j (low nibble), 2j + 1
-    sc = (1 + 2 * ls.astype(np.int16)).astype(np.int8)
-    return pack_kgroups("iq3s", d, None, sc.reshape(n, -1), None, codes, 128, groups=8)
-
-
 def _group_scales(kind: str, b: np.ndarray) -> np.ndarray:
-    """The 4-bit (IQ1_S: 3-bit) scale ls of each group of 32 of IQ3_XXS, IQ2_XXS or IQ1_S blocks b [n, nb, bytes]."""
+    """The 4-bit (IQ1_S: 3-bit) scale ls of each group of 32 of a SCALED_TABLES type's blocks b [n, nb, bytes]."""
+    if kind == "IQ3_S":  # 4 bytes at the end: groups 2j (low nibble) and 2j + 1
+        return _bits(b[..., 106:110], 2, 4).reshape(*b.shape[:2], 8)
     if kind == "IQ3_XXS":  # the top 4 bits of 8 uint32 after the 64 grid index bytes
         return np.ascontiguousarray(b[..., 66:98]).view("<u4") >> 28
     if kind == "IQ2_XXS":  # per group two uint32: 4 grid indices, then signs and ls in the top 4 bits
@@ -504,27 +491,36 @@ def _group_scales(kind: str, b: np.ndarray) -> np.ndarray:
 
 
 def _scaled_table(kind: str, b: np.ndarray, n: int, k: int) -> Segment:
-    """IQ3_XXS, IQ2_XXS or IQ1_S: a weight is d * (2 ls + 1) * p * v, p the power of two and v one of
-    the type's signed values (SCALED_TABLES); kept as a float32 d * p (exact), the scale code 2 ls + 1
-    and v's index in the table."""
+    """IQ3_S, IQ3_XXS, IQ2_XXS or IQ1_S: a weight is d * (2 ls + 1) * p * v, p the power of two and v
+    one of the type's signed values (SCALED_TABLES); kept as d * p (float32, exact, where p is not 1:
+    F32_D; else the file's float16 d), the scale code 2 ls + 1 and v's index in the table."""
     fmt, power, values = SCALED_TABLES[kind]
-    d = _f16(b[..., 0:2]).astype(np.float32) * np.float32(power)
+    d = _f16(b[..., 0:2])
+    if fmt in F32_D:
+        d = d.astype(np.float32) * np.float32(power)
     sc = (2 * _group_scales(kind, b).astype(np.int16) + 1).astype(np.int8)  # [n, nb, 8]
-    v = _table_values(kind, b)
-    table = np.asarray(values, dtype=np.int16)
-    idx = np.clip(np.searchsorted(table, v), 0, len(values) - 1)
-    if not np.all(table[idx] == v):
+    span = values[-1] - values[0]
+    v = _table_values(kind, b).astype(np.int32) - values[0]  # 0 .. span within the table's range
+    index = np.full(span + 1, 255, dtype=np.uint8)  # a value's table index, 255 for none
+    index[np.asarray(values) - values[0]] = np.arange(len(values), dtype=np.uint8)
+    idx = index[np.clip(v, 0, span)]
+    if np.any(idx == 255) or np.any((v < 0) | (v > span)):
         raise ValueError(f"{kind} block with a value outside its grid's")
-    return pack_kgroups(fmt, d, None, sc.reshape(n, -1), None, idx.astype(np.uint8).reshape(n, k), 128, groups=8)
+    return pack_kgroups(fmt, d, None, sc.reshape(n, -1), None, idx.reshape(n, k), 128, groups=8)
 
 
 def _table_values(kind: str, b: np.ndarray) -> np.ndarray:
-    """Each weight's signed integer v of IQ3_XXS, IQ2_XXS or IQ1_S blocks b [n, nb, bytes] -> [n, nb, 256]
-    (gguf's dequantization, in integers): IQ3_XXS and IQ2_XXS a grid entry (4 or 8 weights, from 8-bit
-    indices) and a sign each, 8 signs from 7 bits and their parity (ggml's ksigns); IQ1_S a grid entry of
-    8 in -1, 0, 1 (11-bit indices) times 8, plus or minus 1 by the group's delta bit."""
+    """Each weight's signed integer v of a SCALED_TABLES type's blocks b [n, nb, bytes] -> [n, nb, 256]
+    (gguf's dequantization, in integers): IQ3_S a grid entry of 4 (9-bit indices) and a sign bit each;
+    IQ3_XXS and IQ2_XXS a grid entry (4 or 8 weights, from 8-bit indices) and a sign each, 8 signs from 7
+    bits and their parity (ggml's ksigns); IQ1_S a grid entry of 8 in -1, 0, 1 (11-bit indices) times 8,
+    plus or minus 1 by the group's delta bit."""
     n, nb = b.shape[:2]
     grid = _iq_grid(kind)
+    if kind == "IQ3_S":  # index i's ninth bit: bit i % 8 of byte i // 8; weight i's sign likewise
+        idx = b[..., 2:66].astype(np.uint16) | (_bits(b[..., 66:74], 8).reshape(n, nb, 64).astype(np.uint16) << 8)
+        signs = _bits(b[..., 74:106], 8).reshape(n, nb, 256)
+        return (grid[idx].reshape(n, nb, 256) * (1 - 2 * signs.astype(np.int16))).astype(np.int16)
     if kind == "IQ1_S":
         qh = np.ascontiguousarray(b[..., 34:50]).view("<u2")  # [n, nb, 8]
         high = (qh[..., None] >> np.array([0, 3, 6, 9], dtype=np.uint16)) & 7  # [n, nb, 8, 4]
@@ -551,7 +547,8 @@ def _parity7(x: np.ndarray) -> np.ndarray:
 
 @functools.cache
 def _iq_grid(kind: str) -> np.ndarray:
-    """gguf's copy of ggml's grid of IQ3_XXS (256 x 4), IQ2_XXS (256 x 8) or IQ1_S (2048 x 8) as int16."""
+    """gguf's copy of ggml's grid of IQ3_S (512 x 4), IQ3_XXS (256 x 4), IQ2_XXS (256 x 8) or IQ1_S
+    (2048 x 8) as int16."""
     from gguf import quants
 
     cls = getattr(quants, kind)
@@ -560,18 +557,6 @@ def _iq_grid(kind: str) -> np.ndarray:
     if not np.array_equal(grid, np.rint(grid)):
         raise ValueError(f"gguf's {kind} grid holds a value that is not an integer")
     return grid.astype(np.int16)
-
-
-@functools.cache
-def _iq3s_grid() -> np.ndarray:
-    """IQ3_S's grid as e (each byte 2e + 1), [512, 4] uint8, from gguf's copy of ggml's table."""
-    from gguf.quants import IQ3_S
-
-    IQ3_S.init_grid()
-    grid = np.asarray(IQ3_S.grid).reshape(512, 4)
-    if not np.all(np.isin(grid, np.arange(1, 16, 2))):
-        raise ValueError("gguf's IQ3_S grid holds a value other than the odd integers 1..15")
-    return ((grid - 1) // 2).astype(np.uint8)
 
 
 def pack_float(kind: str, raw: np.ndarray, n: int, k: int, *, dot: bool = False) -> Segment:
@@ -629,8 +614,6 @@ def from_gguf_blocks(kind: str, raw: np.ndarray, n: int, k: int) -> Segment:
         return _q5k(b, n, k)
     if kind == "IQ4_XS":
         return _iq4xs(b, n, k)
-    if kind == "IQ3_S":
-        return _iq3s(b, n, k)
     if kind in SCALED_TABLES:
         return _scaled_table(kind, b, n, k)
     if per == 32:
