@@ -303,11 +303,11 @@ def test_a_q2_k_file_keeps_its_grid(tmp_path, tokenizer_gguf, capsys, monkeypatc
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "Q8_0", "MXFP4", "IQ3_S",
-                                  "IQ3_XXS", "IQ2_XXS", "IQ1_S"])
+                                  "IQ3_XXS", "IQ2_XXS", "IQ1_S", "IQ2_XS", "IQ2_S", "IQ1_M"])
 def test_a_kept_type_holds_its_files_bytes(tmp_path, tokenizer_gguf, capsys, kind) -> None:
     """The converted copy of a file of one type holds that type's own layout, whose bytes are what
     inspect reports and about the file's (panels of 16 rows and IQ4_XS's scale bytes aside; the IQ types'
-    grid indices become 4-bit table indices, 4.31-4.38 bits a weight against the files' 1.56-3.44)."""
+    grid indices become 3- or 4-bit table indices, 3.63-4.38 bits a weight against the files' 1.56-3.44)."""
     src = random_gguf(tmp_path, tokenizer_gguf, kind)
     info = json.loads(run(capsys, "models", "inspect", str(src), "--json")[1])
     row = next(r for r in info["types"] if r["type"] == kind)
@@ -315,7 +315,8 @@ def test_a_kept_type_holds_its_files_bytes(tmp_path, tokenizer_gguf, capsys, kin
     stored = QuantizedFile(folder / conv.WEIGHTS_FILE)
     kept = [stored.segment(name) for name in stored.formats]
     assert {s.fmt for s in kept} == {quant.KEPT_AS[kind][0]} and len(kept) == row["tensors"]
-    grown = {"IQ3_S": 4.31 / 3.44, "IQ3_XXS": 4.38 / 3.06, "IQ2_XXS": 4.38 / 2.06, "IQ1_S": 4.38 / 1.56}
+    grown = {"IQ3_S": 4.31 / 3.44, "IQ3_XXS": 4.38 / 3.06, "IQ2_XXS": 4.38 / 2.06, "IQ1_S": 4.38 / 1.56,
+             "IQ2_XS": 3.63 / 2.31, "IQ2_S": 3.63 / 2.56, "IQ1_M": 3.63 / 1.75}
     grown = grown.get(kind, 1.0)
     assert sum(s.nbytes for s in kept) == row["converted_bytes"] <= row["file_bytes"] * 1.03 * grown
     assert row["kept"] and not row["expanded"]

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -39,7 +40,7 @@ WEIGHTS = [("Q4_K", 48, 512), ("Q4_K", 64, 1536), ("Q6_K", 40, 256), ("Q6_K", 35
            ("Q2_K", 48, 512), ("F16", 48, 416), ("BF16", 35, 160), ("F16", 33, 96), ("BF16", 64, 768),
            ("MXFP4", 40, 896), ("MXFP4", 33, 64), ("BF16D", 35, 160), ("BF16D", 64, 768),
            ("IQ3_S", 40, 512), ("IQ3_S", 33, 256), ("IQ3_XXS", 48, 512), ("IQ2_XXS", 35, 256),
-           ("IQ1_S", 33, 768)]
+           ("IQ1_S", 33, 768), ("IQ2_XS", 40, 512), ("IQ2_S", 33, 256), ("IQ1_M", 35, 768)]
 
 
 def segment(kind: str, n: int, k: int) -> quant.Segment:
@@ -75,6 +76,24 @@ def test_products_equal_the_portable_bits(path: str, kind, n: int, k: int) -> No
         assert torch.equal(product(w, x, path, **fused), product(w, x, "portable", **fused)), m
         gate_up = torch.cat([x, torch.randn(m, k, generator=g)], dim=1)
         assert torch.equal(product(w, gate_up, path, silu=True), product(w, gate_up, "portable", silu=True)), m
+
+
+@pytest.mark.skipif(not VECTOR, reason="this CPU has only the portable path")
+@pytest.mark.parametrize("path", VECTOR)
+@pytest.mark.parametrize("fmt", ["iq2xs", "iq1m"])
+def test_the_largest_codes_at_full_scale_stay_exact(path: str, fmt: str) -> None:
+    """Every weight at its table's largest magnitude and every activation at full scale with the
+    weight's sign: each group's integer sums reach their largest (16 products of the top code and
+    127), which a path summing more steps in int16 than fit (AVX2's VPMADDUBSW) would wrap."""
+    n, k = 32, 512
+    sign = np.random.default_rng(0).choice([-1.0, 1.0], k)
+    idx = np.broadcast_to(np.where(sign > 0, 5, 0), (n, k)).astype(np.uint8)  # the table's largest, either sign
+    seg = quant.pack_q3k(np.full((n, k // 256), 0.125, np.float32), np.full((n, k // 16), 31, np.int8), idx, fmt)
+    w = quant.QWeight(k, [seg])
+    x = torch.from_numpy(np.tile(sign, (3, 1)).astype(np.float32))
+    exact = 0.125 * 31 * (43 if fmt == "iq2xs" else 9) * k  # every product positive, activations exactly 1
+    assert torch.equal(product(w, x, path), product(w, x, "portable"))
+    assert torch.allclose(product(w, x, path), torch.full((3, n), float(exact)), rtol=1e-6)
 
 
 @pytest.mark.skipif(not VECTOR, reason="this CPU has only the portable path")

@@ -20,7 +20,7 @@ ext = kernels.load()
 F16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q4_1": (0, 2), "Q5_1": (0, 2),
               "Q2_K": (80, 82)}
 SIGNED = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K", "IQ3_S", "IQ3_XXS", "IQ2_XXS",
-          "IQ1_S"}
+          "IQ1_S", "IQ2_XS", "IQ2_S", "IQ1_M"}
 
 
 def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -41,7 +41,14 @@ def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
         vals = rng.random((n, k // per)) * 0.01 + 0.001
         if kind in SIGNED:
             vals *= rng.choice([-1.0, 1.0], vals.shape)
-        raw[..., lo : lo + 2] = vals.astype(np.float16).view(np.uint8).reshape(n, k // per, 2)
+        bits = vals.astype(np.float16).view(np.uint8).reshape(n, k // per, 2)
+        if kind == "IQ1_M":  # d's bits in the top nibbles of the block's last four uint16
+            words = np.ascontiguousarray(raw[..., 48:56]).view("<u2") & 0x0FFF
+            d = bits.view("<u2")  # [n, blocks, 1]
+            words |= ((d >> np.array([0, 4, 8, 12], dtype=np.uint16)) & 15) << 12
+            raw[..., 48:56] = words.view(np.uint8)
+        else:
+            raw[..., lo : lo + 2] = bits
     return raw.reshape(n, -1)
 
 
@@ -66,7 +73,8 @@ def reference(x: torch.Tensor, w: torch.Tensor, kind: str = "Q8_0") -> torch.Ten
 KINDS = [("Q4_K", 48, 512), ("Q6_K", 40, 256), ("Q8_0", 35, 96), ("Q5_0", 33, 64), ("Q4_0", 35, 96),
          ("Q4_1", 33, 160), ("Q3_K", 40, 512), ("IQ4_NL", 17, 64), ("Q5_K", 40, 512), ("IQ4_XS", 33, 256),
          ("Q5_1", 35, 96), ("Q2_K", 35, 768), ("F16", 40, 512), ("BF16", 35, 160), ("MXFP4", 35, 96),
-         ("IQ3_S", 35, 512), ("IQ3_XXS", 33, 512), ("IQ2_XXS", 35, 256), ("IQ1_S", 40, 768)]
+         ("IQ3_S", 35, 512), ("IQ3_XXS", 33, 512), ("IQ2_XXS", 35, 256), ("IQ1_S", 40, 768), ("IQ2_XS", 35, 512),
+         ("IQ2_S", 33, 256), ("IQ1_M", 40, 768)]
 
 
 @pytest.mark.parametrize(("kind", "n", "k"), KINDS)
@@ -274,7 +282,7 @@ def test_bad_blob_size_is_refused() -> None:
 
 
 @pytest.mark.parametrize("fmt", ["q4k", "q6k", "q5k", "iq4", "q3k", "q2k", "q8", "q40", "q50", "iq4nl", "q41",
-                                 "q51", "mxfp4", "iq3s", "iq3xxs", "iq2xxs", "iq1s", "f16",
+                                 "q51", "mxfp4", "iq3s", "iq3xxs", "iq2xxs", "iq1s", "iq2xs", "iq1m", "f16",
                                  "bf16"])
 def test_a_whole_weight_dequantizes_to_each_rows_own_floats(fmt: str) -> None:
     """A whole weight (runs of rows unpacked together, a panel at a time) and any rows asked in any

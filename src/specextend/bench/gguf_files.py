@@ -119,7 +119,8 @@ GRANITE_SCALES = {"embedding_multiplier": "add_embedding_scale", "residual_multi
 RANDOM_BLOCKS: dict[str, tuple[int, int | None]] = {
     "Q2_K": (80, 82), "Q3_K": (108, None), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None),
     "IQ4_NL": (0, None), "IQ4_XS": (0, None), "MXFP4": (0, None),  # MXFP4's: an E8M0 exponent byte (`_set_scales`)
-    "IQ3_S": (0, None), "IQ3_XXS": (0, None), "IQ2_XXS": (0, None), "IQ1_S": (0, None),
+    "IQ3_S": (0, None), "IQ3_XXS": (0, None), "IQ2_XXS": (0, None), "IQ1_S": (0, None), "IQ2_XS": (0, None),
+    "IQ2_S": (0, None), "IQ1_M": (48, None),  # IQ1_M's: d's bits in the top nibbles of 4 uint16 (`_set_scales`)
 }
 QUANTIZED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "BF16", "F32", "TQ1_0", "TQ2_0")
 # A mix's main type, and the type of llama.cpp's "more bits" tensors (output, some V and down projections).
@@ -311,6 +312,12 @@ def _set_scales(blocks: np.ndarray, kind: str, d: float, dmin: float) -> None:
     d_at, dmin_at = RANDOM_BLOCKS[kind]
     if kind == "MXFP4":
         blocks[..., d_at] = np.uint8(min(254, max(1, 127 + round(float(np.log2(d))))))
+        return
+    if kind == "IQ1_M":
+        words = np.ascontiguousarray(blocks[..., d_at:d_at + 8]).view("<u2")
+        bits = int(np.float16(d).view(np.uint16))
+        nibbles = np.array([(bits >> (4 * j)) & 15 for j in range(4)], dtype=np.uint16)
+        blocks[..., d_at:d_at + 8] = ((words & 0x0FFF) | (nibbles << 12)).view(np.uint8)
         return
     blocks[..., d_at:d_at + 2] = np.frombuffer(np.float16(d).tobytes(), dtype=np.uint8)
     if dmin_at is not None:

@@ -43,16 +43,16 @@ from ..options import OneLineParser
 from ..runtime import hugepages, kernels, quant
 from .runtime import ReadRate, moved_note, parse_counts
 
-FORMATS = ("q4k", "q6k", "q5k", "iq4", "iq3s", "iq3xxs", "iq2xxs", "iq1s", "q3k", "q2k", "q8", "q40", "q50", "iq4nl",
-           "q41", "q51", "mxfp4", "f16", "bf16", "bf16d")
+FORMATS = ("q4k", "q6k", "q5k", "iq4", "iq3s", "iq3xxs", "iq2xxs", "iq1s", "q3k", "iq2xs", "iq1m", "q2k", "q8", "q40",
+           "q50", "iq4nl", "q41", "q51", "mxfp4", "f16", "bf16", "bf16d")
 # q8's header over 4- and 5-bit codes: (code count, offset) of Q4_0's, Q5_0's and IQ4_NL's grids.
 Q8_HEADER_CODES = {"q40": (16, 8), "q50": (32, 16), "iq4nl": (16, 128), "q41": (16, 0), "q51": (32, 0)}
 
 
 def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> quant.QWeight:
-    """A random n x k matrix packed as `fmt` (q4k, q5k and the table formats: 8 groups a super-block; q6k, q3k, q2k;
-    q8: Q8_0; q40, q50, iq4nl, q41, q51: Q4_0, Q5_0, IQ4_NL, Q4_1, Q5_1; mxfp4: MXFP4; f16, bf16; bf16d: BF16 on
-    bfloat16 dot products), real layout."""
+    """A random n x k matrix packed as `fmt` (q4k, q5k and the table formats: 8 groups a super-block; q6k, q3k,
+    iq2xs, iq1m, q2k; q8: Q8_0; q40, q50, iq4nl, q41, q51: Q4_0, Q5_0, IQ4_NL, Q4_1, Q5_1; mxfp4: MXFP4; f16, bf16;
+    bf16d: BF16 on bfloat16 dot products), real layout."""
     rng = np.random.default_rng(seed)
     if fmt == "q4k":
         seg = quant.pack_q4k(rng.uniform(0.01, 0.1, (n, k // 256)).astype(np.float16),
@@ -64,10 +64,10 @@ def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> quant.QWeight:
         seg = quant.pack_q6k(rng.uniform(0.01, 0.1, (n, k // 256)).astype(np.float16),
                              rng.integers(-64, 64, (n, k // 16), dtype=np.int8),
                              rng.integers(0, 64, (n, k), dtype=np.uint8))
-    elif fmt == "q3k":
-        seg = quant.pack_q3k(rng.uniform(0.01, 0.1, (n, k // 256)).astype(np.float16),
+    elif fmt in ("q3k", "iq2xs", "iq1m"):  # Q3_K's grid, or a table's (IQ2_XS's, IQ1_M's: six values)
+        seg = quant.pack_q3k(rng.uniform(0.01, 0.1, (n, k // 256)).astype(np.float16 if fmt == "q3k" else np.float32),
                              rng.integers(-32, 32, (n, k // 16), dtype=np.int8),
-                             rng.integers(0, 8, (n, k), dtype=np.uint8))
+                             rng.integers(0, 8 if fmt == "q3k" else 6, (n, k), dtype=np.uint8), fmt)
     elif fmt == "q2k":
         seg = quant.pack_q2k(rng.uniform(0.01, 0.1, (n, k // 256)).astype(np.float16),
                              rng.uniform(0.01, 0.1, (n, k // 256)).astype(np.float16),

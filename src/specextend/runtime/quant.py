@@ -9,7 +9,10 @@ A `QWeight` is a [n, k] matrix stored in one or more row *segments*, each in one
   weights (up to 8 groups per super-block, so any width divisible by 32 fits).
 - ``q6k``: 6-bit codes (a nibble plane and a 2-bit plane) in groups of 16 with signed 8-bit
   scales: exactly GGUF's Q6_K grid; ``q3k``, the same at three bits a code: GGUF's Q3_K;
-  ``q2k``, 2-bit codes under a 4-bit scale and a 4-bit minimum per group of 16: GGUF's Q2_K.
+  ``q2k``, 2-bit codes under a 4-bit scale and a 4-bit minimum per group of 16: GGUF's Q2_K;
+  ``iq2xs`` and ``iq1m``, q3k's 3-bit codes indexing a table of six values (IQ2's ±8, 25, 43; IQ1_M's
+  8 x (-1, 0, 1) ± 1) under a float32 d (the file's d over 8) and scale codes 2 ls + 1 per 16:
+  GGUF's IQ2_XS, IQ2_S and IQ1_M exactly, at 3.63 bits a weight (the files' 2.31, 2.56, 1.75).
 - ``q8``: byte codes in groups of 32 with one float16 scale and a fixed offset:
   GGUF's Q8_0 (offset 128) grid, and our 8-bit format for float weights.
 - ``q5k`` and ``iq4``: q4k's header (signed scale codes; ``iq4`` without the minimum) over 5-bit
@@ -55,7 +58,7 @@ from . import kernels
 PANEL = 16
 FORMATS = {"q4k": 0, "q6k": 1, "q8": 2, "q5k": 3, "iq4": 4, "q3k": 5, "q2k": 6, "f16": 7, "bf16": 8, "q40": 9,
            "q50": 10, "iq4nl": 11, "q41": 12, "q51": 13, "mxfp4": 14, "bf16d": 15, "iq3s": 16,
-           "iq3xxs": 17, "iq2xxs": 18, "iq1s": 19}
+           "iq3xxs": 17, "iq2xxs": 18, "iq1s": 19, "iq2xs": 20, "iq1m": 21}
 # The 16-bit float formats: GGUF type -> format (super-blocks of 32 inputs, 2 bytes a weight).
 FLOAT_KINDS = {"F16": "f16", "BF16": "bf16"}
 # Code bytes per group of 16 channels x 32 inputs of the formats with q4k's header (`pack_kgroups`).
@@ -69,6 +72,14 @@ SCALED_TABLES = {
     "IQ3_XXS": ("iq3xxs", 0.25, (-62, -52, -44, -36, -28, -20, -12, -4, 4, 12, 20, 28, 36, 44, 52, 62)),
     "IQ2_XXS": ("iq2xxs", 0.125, (-43, -25, -8, 8, 25, 43)),
     "IQ1_S": ("iq1s", 0.125, (-9, -7, -1, 1, 7, 9)),
+}
+# The GGUF types whose scales are per 16 weights, kept in q3k's layout (`pack_q3k`) over a table of
+# their values (csrc/core/qlinear.h's kIq2xsQ3, kIq1mQ3) under a float32 d: (format, the signed
+# values in order); a weight is d / 8 * (2 ls + 1) * value.
+Q3_TABLES = {
+    "IQ2_XS": ("iq2xs", (-43, -25, -8, 8, 25, 43)),
+    "IQ2_S": ("iq2xs", (-43, -25, -8, 8, 25, 43)),
+    "IQ1_M": ("iq1m", (-9, -7, -1, 1, 7, 9)),
 }
 # The same for the formats with q8's header (`pack_q8`): one group of 32 inputs a super-block.
 Q8_CODE_BYTES = {"q8": 512, "q40": 256, "q50": 320, "iq4nl": 256, "q41": 256, "q51": 320, "mxfp4": 256}
@@ -86,7 +97,8 @@ def _superblock(fmt: str, groups: int) -> tuple[int, int]:
         return 32 * groups, header + K_CODE_BYTES[fmt] * groups
     if fmt in Q8_CODE_BYTES:
         return 32, Q8_HEADER_BYTES.get(fmt, 32) + Q8_CODE_BYTES[fmt]
-    return {"q6k": (256, 3360), "q3k": (256, 1824), "q2k": (256, 1344), "f16": (32, 1024), "bf16": (32, 1024),
+    return {"q6k": (256, 3360), "q3k": (256, 1824), "q2k": (256, 1344), "iq2xs": (256, 1856), "iq1m": (256, 1856),
+            "f16": (32, 1024), "bf16": (32, 1024),
             "bf16d": (32, 1024)}[fmt]
 
 
@@ -265,13 +277,16 @@ def pack_q6k(d: np.ndarray, sc: np.ndarray, codes: np.ndarray) -> Segment:
     return Segment("q6k", n, _blob(parts), 0, codes.shape[1])
 
 
-def pack_q3k(d: np.ndarray, sc: np.ndarray, codes: np.ndarray) -> Segment:
+def pack_q3k(d: np.ndarray, sc: np.ndarray, codes: np.ndarray, fmt: str = "q3k") -> Segment:
     """d: [n, k/256] float16; sc: [n, k/16] int8; codes [n, k] uint8 (0..7, 4 means zero; w = d * sc * (code - 4)).
 
     q6k's grid at three bits a code: per pair of groups of 16, each group's low two bits of its 4
     steps (a 64-byte plane, step s at bits 2s), then both groups' third bits (one plane: the first
     group's step s at bit s, the second's at bit 4 + s). The kernels unpack a code as 28 + code, a
-    q6k code."""
+    q6k code. `fmt` iq2xs or iq1m (Q3_TABLES): the same codes index the format's table of values
+    (w = d * sc * value), d float32."""
+    if (fmt == "q3k") != (d.dtype == np.float16) or (fmt != "q3k" and d.dtype != np.float32):
+        raise ValueError(f"{fmt} takes d as {'float16' if fmt == 'q3k' else 'float32'}, not {d.dtype}")
     n = codes.shape[0]
     st = _steps(_panels(codes), 16)  # [P, k/16, 4, 64]
     low = sum((st[:, :, i] & 3) << (2 * i) for i in range(4)).astype(np.uint8)  # [P, k/16, 64]
@@ -279,7 +294,7 @@ def pack_q3k(d: np.ndarray, sc: np.ndarray, codes: np.ndarray) -> Segment:
     p, g = st.shape[:2]
     pairs = np.concatenate([low.reshape(p, g // 2, 128), third[:, 0::2] | (third[:, 1::2] << 4)], axis=2)
     parts = [_by_panel(_panels(d), 1), _by_panel(_panels(sc), 16), pairs.reshape(p, g // 16, 8 * 192)]
-    return Segment("q3k", n, _blob(parts), 0, codes.shape[1])
+    return Segment(fmt, n, _blob(parts), 0, codes.shape[1])
 
 
 def pack_q2k(d: np.ndarray, dmin: np.ndarray, sm: np.ndarray, codes: np.ndarray) -> Segment:
@@ -364,7 +379,8 @@ GGUF_BLOCKS = {
     "Q4_K": (144, 256), "Q6_K": (210, 256), "Q8_0": (34, 32), "Q5_0": (22, 32),
     "Q4_0": (18, 32), "Q4_1": (20, 32), "Q3_K": (110, 256), "IQ4_NL": (18, 32), "MXFP4": (17, 32),
     "Q5_K": (176, 256), "IQ4_XS": (136, 256), "Q5_1": (24, 32), "Q2_K": (84, 256), "IQ3_S": (110, 256),
-    "IQ3_XXS": (98, 256), "IQ2_XXS": (66, 256), "IQ1_S": (50, 256),
+    "IQ3_XXS": (98, 256), "IQ2_XXS": (66, 256), "IQ1_S": (50, 256), "IQ2_XS": (74, 256), "IQ2_S": (82, 256),
+    "IQ1_M": (56, 256),
     # 16-bit floats have no blocks; kept in runs of 32 (the kernels' super-block), so the width
     # must be a multiple of 32.
     "F16": (64, 32), "BF16": (64, 32),
@@ -377,6 +393,7 @@ KEPT_AS = {
     "Q4_1": ("q41", 8), "Q3_K": ("q3k", 8), "IQ4_NL": ("iq4nl", 8), "Q5_K": ("q5k", 8), "IQ4_XS": ("iq4", 8),
     "Q5_1": ("q51", 8), "Q2_K": ("q2k", 8), "F16": ("f16", 1), "BF16": ("bf16", 1), "MXFP4": ("mxfp4", 8),
     "IQ3_S": ("iq3s", 8), "IQ3_XXS": ("iq3xxs", 8), "IQ2_XXS": ("iq2xxs", 8), "IQ1_S": ("iq1s", 8),
+    "IQ2_XS": ("iq2xs", 8), "IQ2_S": ("iq2xs", 8), "IQ1_M": ("iq1m", 8),
 }
 
 
@@ -499,14 +516,40 @@ def _scaled_table(kind: str, b: np.ndarray, n: int, k: int) -> Segment:
     if fmt in F32_D:
         d = d.astype(np.float32) * np.float32(power)
     sc = (2 * _group_scales(kind, b).astype(np.int16) + 1).astype(np.int8)  # [n, nb, 8]
+    idx = _table_index(kind, _table_values(kind, b), values)
+    return pack_kgroups(fmt, d, None, sc.reshape(n, -1), None, idx.reshape(n, k), 128, groups=8)
+
+
+def _table_index(kind: str, v: np.ndarray, values: tuple[int, ...]) -> np.ndarray:
+    """Each signed value v's index in the table `values` (ascending); a value not in it is an error."""
     span = values[-1] - values[0]
-    v = _table_values(kind, b).astype(np.int32) - values[0]  # 0 .. span within the table's range
+    off = v.astype(np.int32) - values[0]  # 0 .. span within the table's range
     index = np.full(span + 1, 255, dtype=np.uint8)  # a value's table index, 255 for none
     index[np.asarray(values) - values[0]] = np.arange(len(values), dtype=np.uint8)
-    idx = index[np.clip(v, 0, span)]
-    if np.any(idx == 255) or np.any((v < 0) | (v > span)):
+    idx = index[np.clip(off, 0, span)]
+    if np.any(idx == 255) or np.any((off < 0) | (off > span)):
         raise ValueError(f"{kind} block with a value outside its grid's")
-    return pack_kgroups(fmt, d, None, sc.reshape(n, -1), None, idx.reshape(n, k), 128, groups=8)
+    return idx
+
+
+def _q3_table(kind: str, b: np.ndarray, n: int, k: int) -> Segment:
+    """IQ2_XS, IQ2_S or IQ1_M: a weight is d * (2 ls + 1) / 8 * v with a scale ls per 16 weights and
+    v one of the type's six signed values (Q3_TABLES); kept as d / 8 (float32, exact), the scale code
+    2 ls + 1 a group of 16 and v's index in the table, in q3k's layout."""
+    fmt, values = Q3_TABLES[kind]
+    n, nb = b.shape[:2]
+    if kind == "IQ1_M":  # d's float16 bits in the top nibbles of the four uint16 of scales
+        sc16 = np.ascontiguousarray(b[..., 48:56]).view("<u2")  # [n, nb, 4]
+        bits = (sc16 >> 12) << np.array([0, 4, 8, 12], dtype=np.uint16)
+        d = np.bitwise_or.reduce(bits, axis=-1).astype(np.uint16).view(np.float16)
+        ls = (sc16[..., None] >> np.array([0, 3, 6, 9], dtype=np.uint16)) & 7  # [n, nb, 4, 4]
+    else:  # a byte a group of 32: the first 16 weights' ls in its low nibble
+        d = _f16(b[..., 0:2])
+        ls = _bits(b[..., -8:], 2, 4)  # [n, nb, 8, 2]
+    sc = (2 * ls.reshape(n, nb * 16).astype(np.int16) + 1).astype(np.int8)
+    d = d.astype(np.float32) / np.float32(8)
+    idx = _table_index(kind, _table_values(kind, b), values)
+    return pack_q3k(d.reshape(n, nb), sc, idx.reshape(n, k), fmt)
 
 
 def _table_values(kind: str, b: np.ndarray) -> np.ndarray:
@@ -517,6 +560,8 @@ def _table_values(kind: str, b: np.ndarray) -> np.ndarray:
     plus or minus 1 by the group's delta bit."""
     n, nb = b.shape[:2]
     grid = _iq_grid(kind)
+    if kind in ("IQ2_XS", "IQ2_S", "IQ1_M"):
+        return _table_values16(kind, b, grid)
     if kind == "IQ3_S":  # index i's ninth bit: bit i % 8 of byte i // 8; weight i's sign likewise
         idx = b[..., 2:66].astype(np.uint16) | (_bits(b[..., 66:74], 8).reshape(n, nb, 64).astype(np.uint16) << 8)
         signs = _bits(b[..., 74:106], 8).reshape(n, nb, 256)
@@ -537,6 +582,28 @@ def _table_values(kind: str, b: np.ndarray) -> np.ndarray:
     return (grid[idx].reshape(n, nb, 256) * (1 - 2 * signs.astype(np.int16))).astype(np.int16)
 
 
+def _table_values16(kind: str, b: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    """_table_values of the Q3_TABLES types: a grid entry of 8 a 16-bit or 8-bit index and its
+    signs (IQ2_XS: 9 index bits, 7 sign bits and their parity; IQ2_S: 10 index bits, a sign byte),
+    or IQ1_M's entry of 8 in -1, 0, 1 (11-bit indices) times 8, plus or minus 1 by a delta bit a half."""
+    n, nb = b.shape[:2]
+    if kind == "IQ1_M":
+        qh = b[..., 32:48]  # per byte: entries 2i, 2i + 1's index bits 8-10 (bits 0-2, 4-6), delta (3, 7)
+        high = _bits(qh, 2, 4).reshape(n, nb, 32).astype(np.uint16)
+        idx = b[..., 0:32].astype(np.uint16) | ((high & 7) << 8)
+        delta = np.where(high >> 3 == 1, -1, 1).astype(np.int16)[..., None]
+        return (8 * grid[idx] + delta).reshape(n, nb, 256)
+    if kind == "IQ2_XS":
+        qs = np.ascontiguousarray(b[..., 2:66]).view("<u2")  # [n, nb, 32]
+        idx, seven = qs & 511, qs >> 9
+        signs = _bits((seven | (_parity7(seven) << 7)).astype(np.uint8), 8)  # [n, nb, 32, 8]
+    else:  # IQ2_S: low index bytes, sign bytes, then 2 high index bits of 4 entries a byte
+        high = _bits(b[..., 66:74], 4, 2).reshape(n, nb, 32).astype(np.uint16)
+        idx = b[..., 2:34].astype(np.uint16) | (high << 8)
+        signs = _bits(b[..., 34:66], 8)
+    return (grid[idx] * (1 - 2 * signs.astype(np.int16))).reshape(n, nb, 256).astype(np.int16)
+
+
 def _parity7(x: np.ndarray) -> np.ndarray:
     """The parity of the low 7 bits of x."""
     p = np.zeros(x.shape, dtype=x.dtype)
@@ -547,8 +614,8 @@ def _parity7(x: np.ndarray) -> np.ndarray:
 
 @functools.cache
 def _iq_grid(kind: str) -> np.ndarray:
-    """gguf's copy of ggml's grid of IQ3_S (512 x 4), IQ3_XXS (256 x 4), IQ2_XXS (256 x 8) or IQ1_S
-    (2048 x 8) as int16."""
+    """gguf's copy of ggml's grid of IQ3_S (512 x 4), IQ3_XXS (256 x 4), IQ2_XXS (256 x 8), IQ2_XS
+    (512 x 8), IQ2_S (1024 x 8), IQ1_S or IQ1_M (2048 x 8) as int16."""
     from gguf import quants
 
     cls = getattr(quants, kind)
@@ -616,6 +683,8 @@ def from_gguf_blocks(kind: str, raw: np.ndarray, n: int, k: int) -> Segment:
         return _iq4xs(b, n, k)
     if kind in SCALED_TABLES:
         return _scaled_table(kind, b, n, k)
+    if kind in Q3_TABLES:
+        return _q3_table(kind, b, n, k)
     if per == 32:
         return _legacy(kind, b, n, k)
     raise ValueError(f"GGUF type {kind} is not kept as is")

@@ -53,6 +53,8 @@ def _sections(fmt: str, groups: int) -> list[tuple[int, int]]:
         return [(1, 2), (16, 1), (48, 4)]
     if fmt == "q3k":  # the same with three 64-byte planes per pair of groups
         return [(1, 2), (16, 1), (24, 4)]
+    if fmt in ("iq2xs", "iq1m"):  # q3k's with d as float32
+        return [(1, 4), (16, 1), (24, 4)]
     if fmt == "q2k":  # d, dmin (f16), scale/min bytes, one 64-byte plane per group
         return [(1, 2), (1, 2), (16, 1), (16, 4)]
     if fmt in ("f16", "bf16"):  # per input, 16 channels' 16-bit values

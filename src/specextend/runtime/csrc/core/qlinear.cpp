@@ -19,7 +19,9 @@ bool format_info(int64_t fmt, int64_t sbg, FormatInfo* out) {
       return true;
     case Q6K:
     case Q3K:
-    case Q2K: *out = {16, 256, q6_header(fmt) + 16 * group16_bytes(fmt)}; return true;
+    case Q2K:
+    case IQ2XS:
+    case IQ1M: *out = {16, 256, q6_header(fmt) + 16 * group16_bytes(fmt)}; return true;
     case Q8:
     case Q40:
     case Q50:

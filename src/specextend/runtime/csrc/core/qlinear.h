@@ -85,6 +85,13 @@
 //       IQ1_S: grid -1, 0, 1 plus or minus 1/8), so the table holds 4 or 8 times the values and d carries
 //       the 1/4 or 1/8: d/4 of a float16 d is often below float16's normal range, so these keep d[16] as
 //       float32 (f32_header): d[16] f32, sc[G][16] i8, then IQ4's nibbles; w = d*sc[g] * (byte - 128).
+//   IQ2XS, IQ1M (GGUF's IQ2_XS and IQ2_S, and IQ1_M, in the Q6K family: their scales are per 16
+//       weights): a weight is d*(2*ls + 1) times one of 6 signed values (IQ2: 8, 25, 43 over 8;
+//       IQ1_M: IQ1_S's), so Q3K's 3-bit codes index a table of them (kIq2xsQ3, kIq1mQ3: value +
+//       q6_zero) under a float32 d that carries the 1/8 and signed scale codes 2*ls + 1 a group of 16:
+//       d[16] f32, sc[16][16] i8, pairs[8][3][64] (Q3K's)      w = d*sc[g] * (table[code] - q6_zero)
+//       3.63 bits a weight (the files' 2.31, 2.56 and 1.75: their grids do not fit a register table).
+//       Q6K's arithmetic; not a K-quant of the per-256 activations.
 //   F16 and BF16 (the file's own 16-bit float weights, kept as they are): per input, the panel's
 //       16 channels' values (32 bytes), super-blocks of 32 inputs (1 KB)       w = float(value), exact
 //       These are products of floats, not of codes: the activations are not quantized (Rows::xf,
@@ -126,7 +133,7 @@ namespace spx {
 
 enum Format : int64_t {
   Q4K = 0, Q6K = 1, Q8 = 2, Q5K = 3, IQ4 = 4, Q3K = 5, Q2K = 6, F16 = 7, BF16 = 8, Q40 = 9, Q50 = 10, IQ4NL = 11,
-  Q41 = 12, Q51 = 13, MXFP4 = 14, BF16D = 15, IQ3S = 16, IQ3XXS = 17, IQ2XXS = 18, IQ1S = 19
+  Q41 = 12, Q51 = 13, MXFP4 = 14, BF16D = 15, IQ3S = 16, IQ3XXS = 17, IQ2XXS = 18, IQ1S = 19, IQ2XS = 20, IQ1M = 21
 };
 
 // The float formats (F16, BF16): products of float32 activations, not of int8 codes.
@@ -157,8 +164,10 @@ constexpr bool q8_header(int64_t fmt) { return fmt == Q8 || fmt == Q40 || fmt ==
 constexpr bool min_header(int64_t fmt) { return fmt == Q41 || fmt == Q51; }
 // A one-byte E8M0 exponent a channel and group instead of d (MXFP4): see e8m0_half.
 constexpr bool e8m0_header(int64_t fmt) { return fmt == MXFP4; }
-// d[16] as float32, not float16 (the table formats whose d carries a 1/4 or 1/8).
+// d[16] as float32, not float16 (the table formats whose d carries a 1/4 or 1/8): the byte-code
+// ones (f32_header) and the Q6K family's (q3_table).
 constexpr bool f32_header(int64_t fmt) { return fmt == IQ3XXS || fmt == IQ2XXS || fmt == IQ1S; }
+constexpr bool f32_d(int64_t fmt) { return f32_header(fmt) || fmt == IQ2XS || fmt == IQ1M; }
 constexpr bool scale_codes(int64_t fmt) {  // a signed scale code a group
   return fmt == Q5K || fmt == IQ4 || fmt == IQ3S || f32_header(fmt);
 }
@@ -192,9 +201,9 @@ constexpr int64_t byte_header(int64_t fmt, int64_t sbg) {
 inline const uint8_t* group_scales(int64_t fmt, const uint8_t* sb, int g) {
   return sb + (k_header(fmt) || f32_header(fmt) ? 64 : 32) + 16 * g;
 }
-// Channel c's d of a byte-code super-block at sb (float16, or float32 where f32_header).
+// Channel c's d of a super-block at sb (float16, or float32 where f32_d).
 inline float byte_d(int64_t fmt, const uint8_t* sb, int c) {
-  if (f32_header(fmt)) {
+  if (f32_d(fmt)) {
     float d;
     std::memcpy(&d, sb + 4 * c, 4);
     return d;
@@ -206,25 +215,47 @@ inline const uint8_t* byte_codes(int64_t fmt, int64_t sbg, const uint8_t* sb, in
   return sb + byte_header(fmt, sbg) + code_bytes(fmt) * g;
 }
 
-// The 6-bit formats (Q6K, Q3K, Q2K: codes of at most 6 bits in groups of 16): a group's bytes in
-// the blob (a Q3K pair's 192 shared), the header before the codes, the zero point the kernels
-// subtract (zero x the group's activation sum) and whether a minimum term follows (Q2K).
-constexpr bool six_bit(int64_t fmt) { return fmt == Q6K || fmt == Q3K || fmt == Q2K; }
-constexpr int group16_bytes(int64_t fmt) { return fmt == Q2K ? 64 : fmt == Q3K ? 96 : 192; }
-constexpr int q6_header(int64_t fmt) { return fmt == Q2K ? 320 : 288; }
-constexpr int q6_zero(int64_t fmt) { return fmt == Q2K ? 0 : 32; }
+// The table formats of the Q6K family (IQ2XS, IQ1M: Q3K's 3-bit codes index a table of their
+// values, under a float32 d and signed per-16 scale codes).
+constexpr bool q3_table(int64_t fmt) { return fmt == IQ2XS || fmt == IQ1M; }
+// The 6-bit formats (Q6K, Q3K, Q2K, and the table formats: codes of at most 7 bits in groups of
+// 16): a group's bytes in the blob (a Q3K pair's 192 shared), the header before the codes, where
+// a group's scale codes sit, the zero point the kernels subtract (zero x the group's activation
+// sum) and whether a minimum term follows (Q2K).
+constexpr bool six_bit(int64_t fmt) { return fmt == Q6K || fmt == Q3K || fmt == Q2K || q3_table(fmt); }
+constexpr int group16_bytes(int64_t fmt) { return fmt == Q2K ? 64 : fmt == Q3K || q3_table(fmt) ? 96 : 192; }
+constexpr int q6_header(int64_t fmt) { return fmt == Q2K || q3_table(fmt) ? 320 : 288; }
+constexpr int q6_scales_at(int64_t fmt) { return fmt == Q2K || q3_table(fmt) ? 64 : 32; }
+constexpr int q6_zero(int64_t fmt) { return fmt == Q2K ? 0 : fmt == IQ2XS ? 43 : fmt == IQ1M ? 9 : 32; }
+// The largest code a format's vector unpacking gives (codes_zero's grid): how many steps of
+// products of a code and an int8 activation (pairs of inputs, at most 2 x max x 128 each) an int16
+// sum holds (AVX2's VPMADDUBSW): 4, 2 or 1.
+constexpr int q6_code_max(int64_t fmt) {
+  return fmt == Q2K ? 3 : fmt == Q3K ? 7 : fmt == IQ2XS ? 86 : fmt == IQ1M ? 18 : 63;
+}
+constexpr int int16_steps(int64_t fmt) {
+  return 4 * 2 * 128 * q6_code_max(fmt) <= 32767 ? 4 : 2 * 2 * 128 * q6_code_max(fmt) <= 32767 ? 2 : 1;
+}
 // The zero point of the codes a vector path unpacks straight from the bits: Q3K's as their 3 bits
 // (0-7) with zero point 4, not shifted by 28 into q6_zero's grid (an add a step saved; the integer
 // sums, and so the bits, are the same).
 constexpr int32_t codes_zero(int64_t fmt) { return fmt == Q3K ? 4 : q6_zero(fmt); }
+// The table formats' values + their zero point, by 3-bit code (16 bytes: a byte shuffle's table;
+// unused codes give the zero point, a weight of 0). IQ2XS (GGUF's IQ2_XS and IQ2_S): their grids'
+// 8, 25, 43 and a sign (d carries the 1/8) + 43; IQ1M (IQ1_M): IQ1_S's values, 8 x (grid -1, 0, 1
+// plus or minus 1/8) + 9.
+alignas(16) constexpr uint8_t kIq2xsQ3[16] = {0, 18, 35, 51, 68, 86, 43, 43, 43, 43, 43, 43, 43, 43, 43, 43};
+alignas(16) constexpr uint8_t kIq1mQ3[16] = {0, 2, 8, 10, 16, 18, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9};
+constexpr const uint8_t* q3_table_bytes(int64_t fmt) { return fmt == IQ1M ? kIq1mQ3 : kIq2xsQ3; }
 
 // The 6-bit code of step st (0..3), lane byte b of group g (0..15) of the super-block at sb: the
 // reference unpacking of Q6K, Q3K and Q2K, which each path's vector unpacking reproduces.
 inline int q6_code(int64_t fmt, const uint8_t* sb, int g, int st, int b) {
   if (fmt == Q2K) return (sb[320 + 64 * g + b] >> (2 * st)) & 3;
-  if (fmt == Q3K) {
-    const uint8_t* pair = sb + 288 + 192 * (g / 2);
-    return 28 + (((pair[64 * (g % 2) + b] >> (2 * st)) & 3) | (((pair[128 + b] >> (4 * (g % 2) + st)) & 1) << 2));
+  if (fmt == Q3K || q3_table(fmt)) {
+    const uint8_t* pair = sb + q6_header(fmt) + 192 * (g / 2);
+    const int raw = ((pair[64 * (g % 2) + b] >> (2 * st)) & 3) | (((pair[128 + b] >> (4 * (g % 2) + st)) & 1) << 2);
+    return fmt == Q3K ? 28 + raw : q3_table_bytes(fmt)[raw];
   }
   const uint8_t* cb = sb + 288 + 192 * g;
   const uint8_t lo = cb[64 * (st % 2) + b];
@@ -304,7 +335,7 @@ inline void for_q8_groups(const Segment& s, const uint8_t* p, F&& f) {
 // The K-quant super-blocks of 256 inputs whose products may take activations with one scale per
 // 256 values (Rows::kq8): Q4K, Q5K and IQ4 with 8 groups a super-block, Q6K, Q3K and Q2K.
 constexpr bool k256_format(int64_t fmt, int64_t sbg) {
-  return six_bit(fmt) || ((fmt == Q4K || fmt == Q5K || fmt == IQ4) && sbg == 8);
+  return (six_bit(fmt) && !q3_table(fmt)) || ((fmt == Q4K || fmt == Q5K || fmt == IQ4) && sbg == 8);
 }
 constexpr int kKBlock = 256;  // the K-quants' activation block (llama.cpp's Q8_K)
 

@@ -75,10 +75,11 @@ inline __m256 cvt_i8(const uint8_t* p) {
 inline __m256 cvt_f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline __m256i load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-// Group g's four steps of codes, half h, of the Q6K, Q3K or Q2K super-block at sb (q6_code in
-// qlinear.h, less codes_zero's difference). Q6K: step s's high bits sit at bits 2s..2s+1 of hb;
-// shifted to bits 4..5 they join the nibble. Q3K, Q2K: 16-bit shifts bring a field to the bottom
-// of its byte, where bits from the other byte of the pair miss the mask.
+// Group g's four steps of codes, half h, of the Q6K, Q3K, Q2K or table (q3_table) super-block at
+// sb (q6_code in qlinear.h, less codes_zero's difference). Q6K: step s's high bits sit at bits
+// 2s..2s+1 of hb; shifted to bits 4..5 they join the nibble. Q3K, Q2K: 16-bit shifts bring a field
+// to the bottom of its byte, where bits from the other byte of the pair miss the mask; the table
+// formats' 3-bit codes, so unpacked, index their table (one byte shuffle).
 inline void q6k_codes(int64_t fmt, const uint8_t* sb, int g, int h, __m256i* w) {
   if (fmt == Q2K) {
     const __m256i v = load(sb + 320 + 64 * g + 32 * h);
@@ -86,8 +87,8 @@ inline void q6k_codes(int64_t fmt, const uint8_t* sb, int g, int h, __m256i* w) 
     for (int st = 0; st < 4; ++st) w[st] = _mm256_and_si256(_mm256_srli_epi16(v, 2 * st), _mm256_set1_epi8(3));
     return;
   }
-  if (fmt == Q3K) {
-    const uint8_t* pair = sb + 288 + 192 * (g / 2);
+  if (fmt == Q3K || q3_table(fmt)) {
+    const uint8_t* pair = sb + q6_header(fmt) + 192 * (g / 2);
     const __m256i lo = load(pair + 64 * (g % 2) + 32 * h), hi = load(pair + 128 + 32 * h);
     const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
     for (int st = 0; st < 4; ++st) {
@@ -96,6 +97,8 @@ inline void q6k_codes(int64_t fmt, const uint8_t* sb, int g, int h, __m256i* w) 
       const int hb = 4 * (g % 2) + st;
       const __m256i t = hb >= 2 ? _mm256_srl_epi16(hi, _mm_cvtsi32_si128(hb - 2)) : _mm256_sll_epi16(hi, _mm_cvtsi32_si128(2 - hb));
       w[st] = _mm256_or_si256(l, _mm256_and_si256(t, four));
+      if (q3_table(fmt))
+        w[st] = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(q3_table_bytes(fmt)))), w[st]);
     }
     return;
   }
@@ -108,15 +111,16 @@ inline void q6k_codes(int64_t fmt, const uint8_t* sb, int g, int h, __m256i* w) 
   w[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low), _mm256_and_si256(_mm256_srli_epi16(hb, 2), top));
 }
 
-// Codes small enough that a group's four steps share one int16 sum: Q3K's 4 * 2 * 7 * 127 and
-// Q2K's 4 * 2 * 3 * 127 fit, Q6K's 63s only in pairs.
-constexpr bool one_int16_sum(int64_t fmt) { return fmt != Q6K; }
+// A 6-bit super-block's d, half h: its f16 halves as floats, or its float32 (f32_d).
+inline __m256 q6k_d(int64_t fmt, const uint8_t* sb, int h) {
+  return f32_d(fmt) ? _mm256_loadu_ps(reinterpret_cast<const float*>(sb) + 8 * h) : cvt_f16(sb + 16 * h);
+}
 
 // Group g's float scales and (Q2K) minimums, half h (d, dmin: the super-block's halves h).
 inline void q6k_scales(int64_t fmt, const uint8_t* sb, int g, int h, __m256 d, __m256 dmin, __m256* scale,
                        __m256* mins) {
   if (fmt != Q2K) {
-    *scale = _mm256_mul_ps(d, cvt_i8(sb + 32 + 16 * g + 8 * h));
+    *scale = _mm256_mul_ps(d, cvt_i8(sb + q6_scales_at(fmt) + 16 * g + 8 * h));
     return;
   }
   const __m256i sm = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + 64 + 16 * g + 8 * h)));
@@ -127,6 +131,21 @@ inline void q6k_scales(int64_t fmt, const uint8_t* sb, int g, int h, __m256 d, _
 
 // int16 pairs summed into int32 lanes (exact).
 inline __m256i widen(__m256i s) { return _mm256_madd_epi16(s, _mm256_set1_epi16(1)); }
+
+// A 6-bit group's four steps' VPMADDUBSW products (int16, pairs of inputs) as one int32 sum: in one
+// int16 sum where all four fit (int16_steps: Q3K's and Q2K's small codes, IQ1M's), two pairs (Q6K's
+// 63s) or each step widened apart (IQ2XS's 86s).
+template <int kSteps>
+inline __m256i sum_steps(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
+  if constexpr (kSteps == 1) {
+    return _mm256_add_epi32(_mm256_add_epi32(widen(p0), widen(p1)), _mm256_add_epi32(widen(p2), widen(p3)));
+  } else {
+    __m256i s01 = _mm256_add_epi16(p0, p1), s23 = _mm256_add_epi16(p2, p3);
+    in_register(s01);
+    in_register(s23);
+    return kSteps == 4 ? widen(_mm256_add_epi16(s01, s23)) : _mm256_add_epi32(widen(s01), widen(s23));
+  }
+}
 
 // acc = fma(float(dot) * d8, scale, acc): the reference epilogue of one group, 8 channels.
 inline __m256 epilogue(__m256i dot, float d8, __m256 scale, __m256 acc) {
@@ -200,22 +219,15 @@ void panel_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __
   }
 }
 
-// NR rows' exact int32 dot products of one Q6K group of 16 inputs (its 4 steps): 6-bit codes
-// make pairs of up to 2 * 63 * 127, so two steps share an int16 sum before VPMADDWD widens it;
-// smaller codes (kOne: one_int16_sum) all four.
-template <int NR, bool kOne>
+// NR rows' exact int32 dot products of one Q6K group of 16 inputs (its 4 steps), their int16
+// products summed kSteps at a time (int16_steps) before VPMADDWD widens them.
+template <int NR, int kSteps>
 inline void q6k_dots(const __m256i (*w)[2], const int8_t* const* q, __m256i (*dot)[2]) {
-  const __m256i ones = _mm256_set1_epi16(1);
   for (int j = 0; j < NR; ++j) {
     const __m256i a0 = bcast4(q[j]), a1 = bcast4(q[j] + 4), a2 = bcast4(q[j] + 8), a3 = bcast4(q[j] + 12);
-    for (int h = 0; h < 2; ++h) {
-      __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0][h], a0), _mm256_maddubs_epi16(w[1][h], a1));
-      __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2][h], a2), _mm256_maddubs_epi16(w[3][h], a3));
-      in_register(s01);
-      in_register(s23);
-      dot[j][h] = kOne ? _mm256_madd_epi16(_mm256_add_epi16(s01, s23), ones)
-                       : _mm256_add_epi32(_mm256_madd_epi16(s01, ones), _mm256_madd_epi16(s23, ones));
-    }
+    for (int h = 0; h < 2; ++h)
+      dot[j][h] = sum_steps<kSteps>(_mm256_maddubs_epi16(w[0][h], a0), _mm256_maddubs_epi16(w[1][h], a1),
+                                    _mm256_maddubs_epi16(w[2][h], a2), _mm256_maddubs_epi16(w[3][h], a3));
   }
 }
 
@@ -223,11 +235,11 @@ template <int R>
 void panel_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m256 (*acc)[2]) {
   const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16, sb_bytes = s.fi().bytes;
   const int32_t zero = codes_zero(s.fmt);
-  const bool one = one_int16_sum(s.fmt);
+  const int steps = int16_steps(s.fmt);
   alignas(32) __m256i w[4][2];  // [step][half]
   const PrefetchShare share(sb_bytes, 16);
   for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
-    const __m256 d[2] = {cvt_f16(p), cvt_f16(p + 16)}, dmin[2] = {cvt_f16(p + 32), cvt_f16(p + 48)};
+    const __m256 d[2] = {q6k_d(s.fmt, p, 0), q6k_d(s.fmt, p, 1)}, dmin[2] = {cvt_f16(p + 32), cvt_f16(p + 48)};
     for (int g = 0; g < 16; ++g) {
       const int64_t k0 = sb * 256 + g * 16;
       share(p, g);
@@ -242,10 +254,12 @@ void panel_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __
         const int8_t* q[2] = {x.q8 + (r0 + r) * x.k + k0, x.q8 + (r0 + r + 1) * x.k + k0};
         __m256i dot[2][2];
         // direct calls, each inlined (through a pointer they were not: 0.75x)
-        if (R - r >= 2 && one) q6k_dots<2, true>(w, q, dot);
-        else if (R - r >= 2) q6k_dots<2, false>(w, q, dot);
-        else if (one) q6k_dots<1, true>(w, q, dot);
-        else q6k_dots<1, false>(w, q, dot);
+        if (R - r >= 2 && steps == 4) q6k_dots<2, 4>(w, q, dot);
+        else if (R - r >= 2 && steps == 2) q6k_dots<2, 2>(w, q, dot);
+        else if (R - r >= 2) q6k_dots<2, 1>(w, q, dot);
+        else if (steps == 4) q6k_dots<1, 4>(w, q, dot);
+        else if (steps == 2) q6k_dots<1, 2>(w, q, dot);
+        else q6k_dots<1, 1>(w, q, dot);
         for (int j = 0; j < 2 && r + j < R; ++j) {
           const int64_t row = r0 + r + j;
           const __m256i off = _mm256_set1_epi32(zero * x.s16[row * k16 + k0 / 16]);
@@ -562,11 +576,10 @@ void one_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m2
   constexpr bool kQ2 = FMT == Q2K;
   constexpr int32_t zero = codes_zero(FMT);
   const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16, sb_bytes = s.fi().bytes;
-  const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* q = x.q8 + r0 * x.k;
   const PrefetchShare share(sb_bytes, 16);
   for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
-    const __m256 d[2] = {cvt_f16(p), cvt_f16(p + 16)};
+    const __m256 d[2] = {q6k_d(FMT, p, 0), q6k_d(FMT, p, 1)};
     __m256 dmin[2] = {d[0], d[1]};
     if (kQ2) dmin[0] = cvt_f16(p + 32), dmin[1] = cvt_f16(p + 48);
 #pragma GCC unroll 2
@@ -584,10 +597,8 @@ void one_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m2
       for (int h = 0; h < 2; ++h) {
         __m256i w[4];  // the codes go straight into the multiply
         q6k_codes(FMT, p, g, h, w);
-        __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], a0), _mm256_maddubs_epi16(w[1], a1));
-        __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], a2), _mm256_maddubs_epi16(w[3], a3));
-        __m256i dot = one_int16_sum(FMT) ? _mm256_madd_epi16(_mm256_add_epi16(s01, s23), ones)
-                                         : _mm256_add_epi32(_mm256_madd_epi16(s01, ones), _mm256_madd_epi16(s23, ones));
+        __m256i dot = sum_steps<int16_steps(FMT)>(_mm256_maddubs_epi16(w[0], a0), _mm256_maddubs_epi16(w[1], a1),
+                                                  _mm256_maddubs_epi16(w[2], a2), _mm256_maddubs_epi16(w[3], a3));
         if (zero != 0) dot = _mm256_sub_epi32(dot, off);
         __m256 scale, mins;
         q6k_scales(FMT, p, g, h, d[h], dmin[h], &scale, &mins);
@@ -620,13 +631,17 @@ void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const T
     else if (s.fmt == Q6K) one_q6k<Q6K>(s, p, x, r0, acc[0]);
     else if (s.fmt == Q3K) one_q6k<Q3K>(s, p, x, r0, acc[0]);
     else if (s.fmt == Q2K) one_q6k<Q2K>(s, p, x, r0, acc[0]);
+    else if (s.fmt == IQ2XS) one_q6k<IQ2XS>(s, p, x, r0, acc[0]);
+    else if (s.fmt == IQ1M) one_q6k<IQ1M>(s, p, x, r0, acc[0]);
     else panel_q8<1, false>(s, p, x, r0, acc);
   } else {
     switch (s.fmt) {
       case Q4K: panel_q4k<R>(s, p, x, r0, acc); break;
       case Q6K:
       case Q3K:
-      case Q2K: panel_q6k<R>(s, p, x, r0, acc); break;
+      case Q2K:
+      case IQ2XS:
+      case IQ1M: panel_q6k<R>(s, p, x, r0, acc); break;
       default:
         if (small_codes(s.fmt)) panel_q8<R, true>(s, p, x, r0, acc);
         else panel_q8<R, false>(s, p, x, r0, acc);
@@ -767,12 +782,12 @@ inline void unpack_q6k_group(int64_t fmt, const uint8_t* p, int g, const __m256*
 }
 
 // R rows of one group of format FMT: Q6K's pairs of steps share an int16 sum (2 * 2 * 63 * 127
-// fits), widened to int32 before the next pair; Q3K's and Q2K's smaller codes keep all 4 steps in
-// one (one_int16_sum).
+// fits), widened to int32 before the next pair; Q3K's, Q2K's and IQ1M's smaller codes keep all 4
+// steps in one, IQ2XS's larger ones widen each step (int16_steps).
 template <int R, int64_t FMT>
 inline void q6k_tile_rows(const Q6Group& g, const int8_t* q, int64_t xk, const int32_t* s16, int64_t k16,
                           const float* d8, int64_t kb, float* acc) {
-  constexpr bool kQ2 = FMT == Q2K, kOne = one_int16_sum(FMT);
+  constexpr bool kQ2 = FMT == Q2K, kOne = int16_steps(FMT) == 4, kEach = int16_steps(FMT) == 1;
   __m256i dot[R][2], sum[R][2];
 #pragma GCC unroll 2
   for (int pr = 0; pr < 2; ++pr) {
@@ -781,8 +796,15 @@ inline void q6k_tile_rows(const Q6Group& g, const int8_t* q, int64_t xk, const i
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256i a0 = bcast4(q + r * xk + 8 * pr), a1 = bcast4(q + r * xk + 8 * pr + 4);
-      __m256i s0 = _mm256_add_epi16(_mm256_maddubs_epi16(c00, a0), _mm256_maddubs_epi16(c10, a1));
-      __m256i s1 = _mm256_add_epi16(_mm256_maddubs_epi16(c01, a0), _mm256_maddubs_epi16(c11, a1));
+      const __m256i p00 = _mm256_maddubs_epi16(c00, a0), p10 = _mm256_maddubs_epi16(c10, a1);
+      const __m256i p01 = _mm256_maddubs_epi16(c01, a0), p11 = _mm256_maddubs_epi16(c11, a1);
+      if (kEach) {
+        const __m256i e0 = _mm256_add_epi32(widen(p00), widen(p10)), e1 = _mm256_add_epi32(widen(p01), widen(p11));
+        dot[r][0] = pr ? _mm256_add_epi32(dot[r][0], e0) : e0;
+        dot[r][1] = pr ? _mm256_add_epi32(dot[r][1], e1) : e1;
+        continue;
+      }
+      __m256i s0 = _mm256_add_epi16(p00, p10), s1 = _mm256_add_epi16(p01, p11);
       in_register(s0);
       in_register(s1);
       if (kOne) {
@@ -818,7 +840,7 @@ void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int
   constexpr int64_t xk = 32;  // the group-major rows' stride
   Q6Group grp;
   for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
-    const __m256 d[2] = {cvt_f16(p), cvt_f16(p + 16)}, dmin[2] = {cvt_f16(p + 32), cvt_f16(p + 48)};
+    const __m256 d[2] = {q6k_d(s.fmt, p, 0), q6k_d(s.fmt, p, 1)}, dmin[2] = {cvt_f16(p + 32), cvt_f16(p + 48)};
     for (int g = 0; g < 16; ++g) {
       const int64_t k0 = sb * 256 + g * 16;
       if (g % 4 == 0) prefetch(p + gb * g, 4 * gb);
@@ -840,6 +862,8 @@ void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int
       };
       if (s.fmt == Q2K) tiles(std::integral_constant<int64_t, Q2K>{});
       else if (s.fmt == Q3K) tiles(std::integral_constant<int64_t, Q3K>{});
+      else if (s.fmt == IQ2XS) tiles(std::integral_constant<int64_t, IQ2XS>{});
+      else if (s.fmt == IQ1M) tiles(std::integral_constant<int64_t, IQ1M>{});
       else tiles(std::integral_constant<int64_t, Q6K>{});
     }
   }
@@ -1116,7 +1140,9 @@ void rows_avx2(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, in
     case Q4K: rows_q4k(s, p, x, r0, n, acc); break;
     case Q6K:
     case Q3K:
-    case Q2K: rows_q6k(s, p, x, r0, n, acc); break;
+    case Q2K:
+    case IQ2XS:
+    case IQ1M: rows_q6k(s, p, x, r0, n, acc); break;
     default: rows_q8(s, p, x, r0, n, acc); break;
   }
   store_rows(acc, r0, n, out);

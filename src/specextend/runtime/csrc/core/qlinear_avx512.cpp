@@ -54,6 +54,8 @@ inline __m512i bcast_i32(const int32_t* p) { return _mm512_broadcastd_epi32(_mm_
 inline __m512 cvt_u8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p))); }
 inline __m512 cvt_i8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
 inline __m512 cvt_f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+// A 6-bit super-block's d: its f16 halves as floats, or its float32 (f32_d).
+inline __m512 q6_d(int64_t fmt, const uint8_t* sb) { return f32_d(fmt) ? _mm512_loadu_ps(sb) : cvt_f16(sb); }
 
 // Rows are interleaved step by step (one accumulator per row), so a tile's R dot products are
 // R independent VPDPBUSD chains the core can overlap; integer sums are exact in any order. A
@@ -121,13 +123,8 @@ void panel_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __
 template <int64_t FMT>
 inline __m512i q6k_start(const int32_t* s16) {
   constexpr int32_t zero = codes_zero(FMT);
-  if constexpr (zero == 0) {
-    return _mm512_setzero_si512();
-  } else {
-    constexpr int shift = zero == 32 ? 5 : 2;
-    static_assert(zero == 1 << shift);
-    return _mm512_set1_epi32(-(*s16 << shift));
-  }
+  if constexpr (zero == 0) return _mm512_setzero_si512();
+  else return _mm512_set1_epi32(-zero * *s16);
 }
 
 // A 6-bit super-block's bytes a group asks to have prefetched (its share of the panel's blob).
@@ -141,7 +138,7 @@ void panel_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __
   constexpr int gb = q6_group_bytes<FMT>();
   const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16, sb_bytes = s.fi().bytes;
   for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
-    const __m512 d = cvt_f16(p), dmin = cvt_f16(p + 32);
+    const __m512 d = q6_d(FMT, p), dmin = cvt_f16(p + 32);
 #pragma GCC unroll 1  // a loop, not 16 copies (Q2K's one row measured faster so)
     for (int g = 0; g < 16; ++g) {
       const int64_t k0 = sb * 256 + g * 16;
@@ -243,6 +240,8 @@ void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const T
     case Q6K: panel_q6k<R, Q6K>(s, p, x, r0, acc); break;
     case Q3K: panel_q6k<R, Q3K>(s, p, x, r0, acc); break;
     case Q2K: panel_q6k<R, Q2K>(s, p, x, r0, acc); break;
+    case IQ2XS: panel_q6k<R, IQ2XS>(s, p, x, r0, acc); break;
+    case IQ1M: panel_q6k<R, IQ1M>(s, p, x, r0, acc); break;
     case Q5K: panel_q8<R, Q5K>(s, p, x, r0, acc); break;
     case IQ4: panel_q8<R, IQ4>(s, p, x, r0, acc); break;
     case IQ3S: panel_q8<R, IQ3S>(s, p, x, r0, acc); break;
@@ -337,7 +336,7 @@ void rows_q6k_slice(const Segment& s, const uint8_t* p, const Rows& x, int64_t r
   constexpr int gb = q6_group_bytes<FMT>();
   const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16, xk = x.k, sb_bytes = s.fi().bytes;
   for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
-    const __m512 d = cvt_f16(p), dmin = cvt_f16(p + 32);
+    const __m512 d = q6_d(FMT, p), dmin = cvt_f16(p + 32);
     for (int g = 0; g < 16; g += 2) {
       const int64_t k0 = sb * 256 + g * 16;
       __m512 scale0, scale1, mins0, mins1;
@@ -715,6 +714,8 @@ void rows_avx512(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, 
     case Q6K: rows_q6k<Q6K>(s, p, x, r0, n, acc); break;
     case Q3K: rows_q6k<Q3K>(s, p, x, r0, n, acc); break;
     case Q2K: rows_q6k<Q2K>(s, p, x, r0, n, acc); break;
+    case IQ2XS: rows_q6k<IQ2XS>(s, p, x, r0, n, acc); break;
+    case IQ1M: rows_q6k<IQ1M>(s, p, x, r0, n, acc); break;
     case Q5K: rows_q8<Q5K>(s, p, x, r0, n, acc); break;
     case IQ4: rows_q8<IQ4>(s, p, x, r0, n, acc); break;
     case IQ3S: rows_q8<IQ3S>(s, p, x, r0, n, acc); break;

@@ -99,8 +99,8 @@ void panel_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, fl
   }
 }
 
-// Group g's four steps of 6-bit codes, quad c (channels 4c..4c+3), of the Q6K, Q3K or Q2K
-// super-block at sb: q6_code (qlinear.h) on 16 lanes.
+// Group g's four steps of 6-bit codes, quad c (channels 4c..4c+3), of the Q6K, Q3K, Q2K or table
+// (q3_table) super-block at sb: q6_code (qlinear.h) on 16 lanes.
 inline void q6_quad(int64_t fmt, const uint8_t* sb, int g, int c, int8x16_t* w) {
   if (fmt == Q2K) {
     const uint8x16_t v = vld1q_u8(sb + 320 + 64 * g + 16 * c), three = vdupq_n_u8(3);
@@ -110,13 +110,14 @@ inline void q6_quad(int64_t fmt, const uint8_t* sb, int g, int c, int8x16_t* w) 
     w[3] = vreinterpretq_s8_u8(vshrq_n_u8(v, 6));
     return;
   }
-  if (fmt == Q3K) {
-    const uint8_t* pair = sb + 288 + 192 * (g / 2);
+  if (fmt == Q3K || q3_table(fmt)) {
+    const uint8_t* pair = sb + q6_header(fmt) + 192 * (g / 2);
     const uint8x16_t lo = vld1q_u8(pair + 64 * (g % 2) + 16 * c), hi = vld1q_u8(pair + 128 + 16 * c);
     for (int st = 0; st < 4; ++st) {
       const uint8x16_t l = vandq_u8(vshlq_u8(lo, vdupq_n_s8(static_cast<int8_t>(-2 * st))), vdupq_n_u8(3));
       const uint8x16_t t = vandq_u8(vshlq_u8(hi, vdupq_n_s8(static_cast<int8_t>(-(4 * (g % 2) + st)))), vdupq_n_u8(1));
-      w[st] = vreinterpretq_s8_u8(vaddq_u8(vorrq_u8(l, vshlq_n_u8(t, 2)), vdupq_n_u8(28)));
+      const uint8x16_t raw = vorrq_u8(l, vshlq_n_u8(t, 2));
+      w[st] = vreinterpretq_s8_u8(q3_table(fmt) ? vqtbl1q_u8(vld1q_u8(q3_table_bytes(fmt)), raw) : vaddq_u8(raw, vdupq_n_u8(28)));
     }
     return;
   }
@@ -133,7 +134,8 @@ inline void q6_quad(int64_t fmt, const uint8_t* sb, int g, int c, int8x16_t* w) 
 // 6-bit super-block at sb.
 inline void q6_scales(int64_t fmt, const uint8_t* sb, int g, int c, float32x4_t* scale, float32x4_t* mins) {
   if (fmt != Q2K) {
-    *scale = vmulq_f32(load_f16x4(sb + 8 * c), cvt_i8x4(sb + 32 + 16 * g + 4 * c));
+    const float32x4_t d = f32_d(fmt) ? vld1q_f32(reinterpret_cast<const float*>(sb) + 4 * c) : load_f16x4(sb + 8 * c);
+    *scale = vmulq_f32(d, cvt_i8x4(sb + q6_scales_at(fmt) + 16 * g + 4 * c));
     return;
   }
   const uint8_t* sm = sb + 64 + 16 * g + 4 * c;
@@ -266,7 +268,9 @@ void tile(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, const T
     case Q4K: panel_q4k<R>(s, p, x, r0, acc); break;
     case Q6K:
     case Q3K:
-    case Q2K: panel_q6k<R>(s, p, x, r0, acc); break;
+    case Q2K:
+    case IQ2XS:
+    case IQ1M: panel_q6k<R>(s, p, x, r0, acc); break;
     default: panel_q8<R>(s, p, x, r0, acc); break;
   }
   for (int c = 0; c < 4; ++c) {
@@ -546,7 +550,9 @@ void rows_neon(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, in
     case Q4K: rows_q4k(s, p, x, r0, n, acc); break;
     case Q6K:
     case Q3K:
-    case Q2K: rows_q6k(s, p, x, r0, n, acc); break;
+    case Q2K:
+    case IQ2XS:
+    case IQ1M: rows_q6k(s, p, x, r0, n, acc); break;
     default: rows_q8(s, p, x, r0, n, acc); break;
   }
   store_rows(acc, r0, n, out);

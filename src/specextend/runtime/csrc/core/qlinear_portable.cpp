@@ -79,7 +79,7 @@ struct Group {
 void unpack_group(const Segment& s, const uint8_t* p, int g, Group& out) {
   const uint16_t* dh = reinterpret_cast<const uint16_t*>(p);
   for (int c = 0; c < kPanel; ++c) {
-    const float d = f32_header(s.fmt) ? byte_d(s.fmt, p, c) : half_to_float(dh[c]);
+    const float d = byte_d(s.fmt, p, c);
     out.d[c] = d;
     out.dmin[c] = has_minimum(s.fmt) || s.fmt == Q4K || s.fmt == Q2K ? half_to_float(dh[16 + c]) : 0.f;
     out.imn[c] = 0;
@@ -105,7 +105,7 @@ void unpack_group(const Segment& s, const uint8_t* p, int g, Group& out) {
       for (int st = 0; st < 4; ++st)
         for (int j = 0; j < 4; ++j) out.codes[c][4 * st + j] = q6_code(s.fmt, p, g, st, 4 * c + j);
     } else if (six_bit(s.fmt)) {
-      out.isc[c] = reinterpret_cast<const int8_t*>(p + 32)[16 * g + c];
+      out.isc[c] = reinterpret_cast<const int8_t*>(p + q6_scales_at(s.fmt))[16 * g + c];
       out.scale[c] = d * static_cast<float>(out.isc[c]);
       for (int st = 0; st < 4; ++st)
         for (int j = 0; j < 4; ++j) out.codes[c][4 * st + j] = q6_code(s.fmt, p, g, st, 4 * c + j);
@@ -274,7 +274,7 @@ void dequantize_channels(const Segment& s, int64_t panel, int c0, int c1, float*
         // with min = 0 where a format has none (x - 0 is x, bit for bit, -0 included).
         const float scale = grp.scale[c];
         const float mn = s.fmt == Q4K || s.fmt == Q2K || has_minimum(s.fmt) ? grp.mins[c] : 0.f;
-        const int zero = s.fmt == Q4K || s.fmt == Q2K ? 0 : six_bit(s.fmt) ? 32 : static_cast<int>(s.offset);
+        const int zero = s.fmt == Q4K ? 0 : six_bit(s.fmt) ? q6_zero(s.fmt) : static_cast<int>(s.offset);
         const auto* codes = grp.codes[c];
         float* og = o + (c - c0) * ldo + i0;
         for (int i = 0; i < fi.group; ++i) og[i] = scale * static_cast<float>(codes[i] - zero) - mn;

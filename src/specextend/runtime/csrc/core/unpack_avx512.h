@@ -36,11 +36,12 @@ inline __m512 e8m0_half16(const uint8_t* p) {
   return _mm512_castsi512_ps(_mm512_mask_blend_epi32(low, big, small));
 }
 
-// Group g's four steps of 6-bit codes of the Q6K, Q3K or Q2K super-block at sb: q6_code
-// (qlinear.h) on 64 lanes, each format compiled apart. Q6K: step s's high bits sit at bits
-// 2s..2s+1 of h; shifted to bits 4..5 they join the nibble. Q3K, Q2K: 16-bit shifts bring a field
-// to the bottom of its byte, where bits from the other byte of the pair miss the mask; Q3K's high
-// bit goes straight to bit 2 (one shift, one mask). kRaw: Q3K's codes as their 3 bits (zero point
+// Group g's four steps of 6-bit codes of the Q6K, Q3K, Q2K or table (q3_table) super-block at
+// sb: q6_code (qlinear.h) on 64 lanes, each format compiled apart. Q6K: step s's high bits sit at
+// bits 2s..2s+1 of h; shifted to bits 4..5 they join the nibble. Q3K, Q2K: 16-bit shifts bring a
+// field to the bottom of its byte, where bits from the other byte of the pair miss the mask; Q3K's
+// high bit goes straight to bit 2 (one shift, one mask); the table formats' 3-bit codes, so
+// unpacked, index their table (one byte shuffle). kRaw: Q3K's codes as their 3 bits (zero point
 // codes_zero), not moved into q6_zero's grid.
 template <int64_t FMT, bool kRaw = false>
 inline void unpack_q6(const uint8_t* sb, int g, __m512i* w) {
@@ -48,8 +49,8 @@ inline void unpack_q6(const uint8_t* sb, int g, __m512i* w) {
     const __m512i v = _mm512_loadu_si512(sb + 320 + 64 * g);
 #pragma GCC unroll 4
     for (int st = 0; st < 4; ++st) w[st] = _mm512_and_si512(_mm512_srli_epi16(v, 2 * st), _mm512_set1_epi8(3));
-  } else if constexpr (FMT == Q3K) {
-    const uint8_t* pair = sb + 288 + 192 * (g / 2);
+  } else if constexpr (FMT == Q3K || q3_table(FMT)) {
+    const uint8_t* pair = sb + q6_header(FMT) + 192 * (g / 2);
     const __m512i lo = _mm512_loadu_si512(pair + 64 * (g % 2)), hi = _mm512_loadu_si512(pair + 128);
 #pragma GCC unroll 4
     for (int st = 0; st < 4; ++st) {
@@ -57,7 +58,12 @@ inline void unpack_q6(const uint8_t* sb, int g, __m512i* w) {
       const int hb = 4 * (g % 2) + st;
       const __m512i t = hb >= 2 ? _mm512_srl_epi16(hi, _mm_cvtsi32_si128(hb - 2)) : _mm512_sll_epi16(hi, _mm_cvtsi32_si128(2 - hb));
       w[st] = _mm512_or_si512(l, _mm512_and_si512(t, _mm512_set1_epi8(4)));
-      if constexpr (!kRaw) w[st] = _mm512_add_epi8(w[st], _mm512_set1_epi8(static_cast<char>(q6_zero(Q3K) - codes_zero(Q3K))));
+      if constexpr (q3_table(FMT)) {
+        const __m128i table = _mm_load_si128(reinterpret_cast<const __m128i*>(q3_table_bytes(FMT)));
+        w[st] = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(table), w[st]);
+      } else if constexpr (!kRaw) {
+        w[st] = _mm512_add_epi8(w[st], _mm512_set1_epi8(static_cast<char>(q6_zero(Q3K) - codes_zero(Q3K))));
+      }
     }
   } else {
     const uint8_t* cb = sb + 288 + 192 * g;
@@ -74,13 +80,15 @@ inline void unpack_q6(const uint8_t* sb, int g, __m512i* w) {
 inline void unpack_q6(int64_t fmt, const uint8_t* sb, int g, __m512i* w) {
   if (fmt == Q2K) unpack_q6<Q2K>(sb, g, w);
   else if (fmt == Q3K) unpack_q6<Q3K>(sb, g, w);
+  else if (fmt == IQ2XS) unpack_q6<IQ2XS>(sb, g, w);
+  else if (fmt == IQ1M) unpack_q6<IQ1M>(sb, g, w);
   else unpack_q6<Q6K>(sb, g, w);
 }
 
 // Group g's float scales and (Q2K: a 4-bit scale and minimum a byte) minimums of the 6-bit
-// super-block at sb; d, dmin: the super-block's f16 halves as floats (dmin: Q2K's only).
+// super-block at sb; d, dmin: the super-block's d (q6_d) and Q2K's dmin as floats.
 inline void q6_scales(int64_t fmt, const uint8_t* sb, int g, __m512 d, __m512 dmin, __m512* scale, __m512* mins) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + (fmt == Q2K ? 64 : 32) + 16 * g));
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + q6_scales_at(fmt) + 16 * g));
   if (fmt != Q2K) {
     *scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)));
     return;

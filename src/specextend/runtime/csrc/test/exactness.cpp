@@ -88,7 +88,7 @@ std::vector<uint8_t> random_blob(const spx::Segment& shape) {
       for (int c = 0; c < 16; ++c) blob[off + c] = static_cast<uint8_t>(c == 0 ? blob[off] % 3 : 110 + blob[off + c] % 20);
       continue;
     }
-    if (spx::f32_header(shape.fmt)) {  // d as float32, a quarter or an eighth of a float16's scale
+    if (spx::f32_d(shape.fmt)) {  // d as float32, a quarter or an eighth of a float16's scale
       for (int c = 0; c < 16; ++c) {
         const float d = scale(rng) / 8.f;
         std::memcpy(&blob[off + 4 * c], &d, 4);
@@ -171,6 +171,8 @@ void linear_tests(const std::vector<Path>& paths) {
       {spx::IQ3XXS, 48, 512, 128, 8, true, false, true, false}, {spx::IQ2XXS, 35, 256, 128, 8, false, true, false, true},
       {spx::IQ1S, 33, 768, 128, 8, false, false, true, true},
       {spx::Q3K, 40, 512, 0, 8, true, false, true, true},    {spx::Q2K, 48, 768, 0, 8, false, true, true, false},
+      {spx::IQ2XS, 40, 512, 0, 8, false, true, true, true},  {spx::IQ1M, 33, 768, 0, 8, true, false, false, true},
+      {spx::IQ2XS, 35, 256, 0, 8, true, false, true, false},
       {spx::F16, 48, 512, 0, 1, false, false, true, false},  {spx::BF16, 35, 96, 0, 1, true, false, true, true},
       {spx::F16, 33, 160, 0, 1, false, true, false, true},   {spx::BF16, 64, 1536, 0, 1, true, false, false, false},
       {spx::BF16D, 35, 96, 0, 1, true, false, true, true},   {spx::BF16D, 80, 1536, 0, 1, false, true, false, false},
