@@ -537,7 +537,7 @@ def _q3_table(kind: str, b: np.ndarray, n: int, k: int) -> Segment:
     v one of the type's six signed values (Q3_TABLES); kept as d / 8 (float32, exact), the scale code
     2 ls + 1 a group of 16 and v's index in the table, in q3k's layout."""
     fmt, values = Q3_TABLES[kind]
-    n, nb = b.shape[:2]
+    nb = b.shape[1]
     if kind == "IQ1_M":  # d's float16 bits in the top nibbles of the four uint16 of scales
         sc16 = np.ascontiguousarray(b[..., 48:56]).view("<u2")  # [n, nb, 4]
         bits = (sc16 >> 12) << np.array([0, 4, 8, 12], dtype=np.uint16)

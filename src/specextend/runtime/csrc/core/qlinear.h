@@ -249,7 +249,8 @@ alignas(16) constexpr uint8_t kIq1mQ3[16] = {0, 2, 8, 10, 16, 18, 9, 9, 9, 9, 9,
 constexpr const uint8_t* q3_table_bytes(int64_t fmt) { return fmt == IQ1M ? kIq1mQ3 : kIq2xsQ3; }
 
 // The 6-bit code of step st (0..3), lane byte b of group g (0..15) of the super-block at sb: the
-// reference unpacking of Q6K, Q3K and Q2K, which each path's vector unpacking reproduces.
+// reference unpacking of Q6K, Q3K, Q2K and the table formats (their table's byte), which each
+// path's vector unpacking reproduces.
 inline int q6_code(int64_t fmt, const uint8_t* sb, int g, int st, int b) {
   if (fmt == Q2K) return (sb[320 + 64 * g + b] >> (2 * st)) & 3;
   if (fmt == Q3K || q3_table(fmt)) {
