@@ -64,8 +64,9 @@ def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> quant.QWeight:
         seg = quant.pack_q6k(rng.uniform(0.01, 0.1, (n, k // 256)).astype(np.float16),
                              rng.integers(-64, 64, (n, k // 16), dtype=np.int8),
                              rng.integers(0, 64, (n, k), dtype=np.uint8))
-    elif fmt in ("q3k", "iq2xs", "iq1m"):  # Q3_K's grid, or a table's (IQ2_XS's, IQ1_M's: six values)
-        seg = quant.pack_q3k(rng.uniform(0.01, 0.1, (n, k // 256)).astype(np.float16 if fmt == "q3k" else np.float32),
+    elif fmt in ("q3k", *quant.Q3_FORMATS):  # Q3_K's grid, or a table's (IQ2_XS's, IQ1_M's: six values)
+        d = rng.uniform(0.01, 0.1, (n, k // 256)).astype(np.float32 if fmt in quant.F32_D else np.float16)
+        seg = quant.pack_q3k(d,
                              rng.integers(-32, 32, (n, k // 16), dtype=np.int8),
                              rng.integers(0, 8 if fmt == "q3k" else 6, (n, k), dtype=np.uint8), fmt)
     elif fmt == "q2k":

@@ -63,8 +63,9 @@ FORMATS = {"q4k": 0, "q6k": 1, "q8": 2, "q5k": 3, "iq4": 4, "q3k": 5, "q2k": 6, 
 FLOAT_KINDS = {"F16": "f16", "BF16": "bf16"}
 # Code bytes per group of 16 channels x 32 inputs of the formats with q4k's header (`pack_kgroups`).
 K_CODE_BYTES = {"q5k": 320, "iq4": 256, "iq3s": 256, "iq3xxs": 256, "iq2xxs": 256, "iq1s": 256}
-# The table formats whose d is float32 (16 a panel: 64 bytes), not float16.
-F32_D = ("iq3xxs", "iq2xxs", "iq1s")
+# The table formats whose d is float32 (16 a panel: 64 bytes), not float16: the byte-code ones (iq4's layout)
+# and q3k's (Q3_TABLES); csrc/core/qlinear.h's f32_d.
+F32_D = ("iq3xxs", "iq2xxs", "iq1s", "iq2xs", "iq1m")
 # The GGUF types kept over a table of their values: (format, the power of two d carries, the signed
 # values of the table in order); a weight is d * power * (2 ls + 1) * value.
 SCALED_TABLES = {
@@ -81,6 +82,7 @@ Q3_TABLES = {
     "IQ2_S": ("iq2xs", (-43, -25, -8, 8, 25, 43)),
     "IQ1_M": ("iq1m", (-9, -7, -1, 1, 7, 9)),
 }
+Q3_FORMATS = tuple(sorted({fmt for fmt, _ in Q3_TABLES.values()}))
 # The same for the formats with q8's header (`pack_q8`): one group of 32 inputs a super-block.
 Q8_CODE_BYTES = {"q8": 512, "q40": 256, "q50": 320, "iq4nl": 256, "q41": 256, "q51": 320, "mxfp4": 256}
 MIN_FORMATS = ("q41", "q51")  # q8's header with a float16 minimum a group
@@ -97,9 +99,9 @@ def _superblock(fmt: str, groups: int) -> tuple[int, int]:
         return 32 * groups, header + K_CODE_BYTES[fmt] * groups
     if fmt in Q8_CODE_BYTES:
         return 32, Q8_HEADER_BYTES.get(fmt, 32) + Q8_CODE_BYTES[fmt]
-    return {"q6k": (256, 3360), "q3k": (256, 1824), "q2k": (256, 1344), "iq2xs": (256, 1856), "iq1m": (256, 1856),
-            "f16": (32, 1024), "bf16": (32, 1024),
-            "bf16d": (32, 1024)}[fmt]
+    if fmt in ("q3k", *Q3_FORMATS):  # d, 16 scale codes a channel, 8 pairs of groups' three 64-byte planes
+        return 256, (64 if fmt in F32_D else 32) + 256 + 8 * 192
+    return {"q6k": (256, 3360), "q2k": (256, 1344), "f16": (32, 1024), "bf16": (32, 1024), "bf16d": (32, 1024)}[fmt]
 
 
 def superblock_inputs(fmt: str, groups: int) -> int:
@@ -277,6 +279,11 @@ def pack_q6k(d: np.ndarray, sc: np.ndarray, codes: np.ndarray) -> Segment:
     return Segment("q6k", n, _blob(parts), 0, codes.shape[1])
 
 
+def _check_d(fmt: str, d: np.ndarray) -> None:
+    if d.dtype != (np.float32 if fmt in F32_D else np.float16):
+        raise ValueError(f"{fmt}: d must be {'float32' if fmt in F32_D else 'float16'}, not {d.dtype}")
+
+
 def pack_q3k(d: np.ndarray, sc: np.ndarray, codes: np.ndarray, fmt: str = "q3k") -> Segment:
     """d: [n, k/256] float16; sc: [n, k/16] int8; codes [n, k] uint8 (0..7, 4 means zero; w = d * sc * (code - 4)).
 
@@ -285,8 +292,7 @@ def pack_q3k(d: np.ndarray, sc: np.ndarray, codes: np.ndarray, fmt: str = "q3k")
     group's step s at bit s, the second's at bit 4 + s). The kernels unpack a code as 28 + code, a
     q6k code. `fmt` iq2xs or iq1m (Q3_TABLES): the same codes index the format's table of values
     (w = d * sc * value), d float32."""
-    if (fmt == "q3k") != (d.dtype == np.float16) or (fmt != "q3k" and d.dtype != np.float32):
-        raise ValueError(f"{fmt} takes d as {'float16' if fmt == 'q3k' else 'float32'}, not {d.dtype}")
+    _check_d(fmt, d)
     n = codes.shape[0]
     st = _steps(_panels(codes), 16)  # [P, k/16, 4, 64]
     low = sum((st[:, :, i] & 3) << (2 * i) for i in range(4)).astype(np.uint8)  # [P, k/16, 64]
@@ -357,8 +363,7 @@ def pack_kgroups(fmt: str, d: np.ndarray, dmin: np.ndarray | None, sc: np.ndarra
     """
     if (fmt != "q5k") != (dmin is None and mn is None):
         raise ValueError("of these formats only q5k has a minimum")
-    if d.dtype != (np.float32 if fmt in F32_D else np.float16):
-        raise ValueError(f"{fmt}: d must be {'float32' if fmt in F32_D else 'float16'}, not {d.dtype}")
+    _check_d(fmt, d)
     n = codes.shape[0]
     st = _steps(_panels(codes), 32)  # [P, k/32, 8, 64]
     p, g = st.shape[:2]
@@ -548,7 +553,7 @@ def _q3_table(kind: str, b: np.ndarray, n: int, k: int) -> Segment:
         ls = _bits(b[..., -8:], 2, 4)  # [n, nb, 8, 2]
     sc = (2 * ls.reshape(n, nb * 16).astype(np.int16) + 1).astype(np.int8)
     d = d.astype(np.float32) / np.float32(8)
-    idx = _table_index(kind, _table_values(kind, b), values)
+    idx = _table_index(kind, _table_values16(kind, b), values)
     return pack_q3k(d.reshape(n, nb), sc, idx.reshape(n, k), fmt)
 
 
@@ -560,8 +565,6 @@ def _table_values(kind: str, b: np.ndarray) -> np.ndarray:
     plus or minus 1 by the group's delta bit."""
     n, nb = b.shape[:2]
     grid = _iq_grid(kind)
-    if kind in ("IQ2_XS", "IQ2_S", "IQ1_M"):
-        return _table_values16(kind, b, grid)
     if kind == "IQ3_S":  # index i's ninth bit: bit i % 8 of byte i // 8; weight i's sign likewise
         idx = b[..., 2:66].astype(np.uint16) | (_bits(b[..., 66:74], 8).reshape(n, nb, 64).astype(np.uint16) << 8)
         signs = _bits(b[..., 74:106], 8).reshape(n, nb, 256)
@@ -578,15 +581,16 @@ def _table_values(kind: str, b: np.ndarray) -> np.ndarray:
         words = np.ascontiguousarray(b[..., 2:66]).view("<u4").reshape(n, nb, 8, 2)
         idx, packed = np.ascontiguousarray(words[..., 0]).view(np.uint8).reshape(n, nb, 8, 4), words[..., 1]
     seven = (packed[..., None] >> np.array([0, 7, 14, 21], dtype=np.uint32)) & 127  # [n, nb, 8, 4]
-    signs = _bits((seven | (_parity7(seven) << 7)).astype(np.uint8), 8).reshape(n, nb, 256)
+    signs = _ksigns(seven).reshape(n, nb, 256)
     return (grid[idx].reshape(n, nb, 256) * (1 - 2 * signs.astype(np.int16))).astype(np.int16)
 
 
-def _table_values16(kind: str, b: np.ndarray, grid: np.ndarray) -> np.ndarray:
+def _table_values16(kind: str, b: np.ndarray) -> np.ndarray:
     """_table_values of the Q3_TABLES types: a grid entry of 8 a 16-bit or 8-bit index and its
     signs (IQ2_XS: 9 index bits, 7 sign bits and their parity; IQ2_S: 10 index bits, a sign byte),
     or IQ1_M's entry of 8 in -1, 0, 1 (11-bit indices) times 8, plus or minus 1 by a delta bit a half."""
     n, nb = b.shape[:2]
+    grid = _iq_grid(kind)
     if kind == "IQ1_M":
         qh = b[..., 32:48]  # per byte: entries 2i, 2i + 1's index bits 8-10 (bits 0-2, 4-6), delta (3, 7)
         high = _bits(qh, 2, 4).reshape(n, nb, 32).astype(np.uint16)
@@ -595,8 +599,7 @@ def _table_values16(kind: str, b: np.ndarray, grid: np.ndarray) -> np.ndarray:
         return (8 * grid[idx] + delta).reshape(n, nb, 256)
     if kind == "IQ2_XS":
         qs = np.ascontiguousarray(b[..., 2:66]).view("<u2")  # [n, nb, 32]
-        idx, seven = qs & 511, qs >> 9
-        signs = _bits((seven | (_parity7(seven) << 7)).astype(np.uint8), 8)  # [n, nb, 32, 8]
+        idx, signs = qs & 511, _ksigns(qs >> 9)  # signs [n, nb, 32, 8]
     else:  # IQ2_S: low index bytes, sign bytes, then 2 high index bits of 4 entries a byte
         high = _bits(b[..., 66:74], 4, 2).reshape(n, nb, 32).astype(np.uint16)
         idx = b[..., 2:34].astype(np.uint16) | (high << 8)
@@ -604,12 +607,12 @@ def _table_values16(kind: str, b: np.ndarray, grid: np.ndarray) -> np.ndarray:
     return (grid[idx] * (1 - 2 * signs.astype(np.int16))).reshape(n, nb, 256).astype(np.int16)
 
 
-def _parity7(x: np.ndarray) -> np.ndarray:
-    """The parity of the low 7 bits of x."""
-    p = np.zeros(x.shape, dtype=x.dtype)
+def _ksigns(seven: np.ndarray) -> np.ndarray:
+    """8 sign bits from 7 and their parity (ggml's ksigns), [...] -> [..., 8]."""
+    parity = np.zeros(seven.shape, dtype=seven.dtype)
     for i in range(7):
-        p ^= (x >> i) & 1
-    return p
+        parity ^= (seven >> i) & 1
+    return _bits((seven | (parity << 7)).astype(np.uint8), 8)
 
 
 @functools.cache

@@ -28,7 +28,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..runtime.quant import MIN_FORMATS, PANEL, Q8_CODE_BYTES, QWeight, Segment, superblock_inputs
+from ..runtime.quant import (
+    F32_D,
+    K_CODE_BYTES,
+    MIN_FORMATS,
+    PANEL,
+    Q3_FORMATS,
+    Q8_CODE_BYTES,
+    QWeight,
+    Segment,
+    superblock_inputs,
+)
 
 if TYPE_CHECKING:
     from ..runtime.transformer import Transformer
@@ -45,16 +55,13 @@ def _sections(fmt: str, groups: int) -> list[tuple[int, int]]:
     if fmt in ("q4k", "q5k"):  # d, dmin (f16), scales, mins (1 byte), codes in 64-byte rows of 4 bytes a channel
         rows = 5 if fmt == "q5k" else 4  # q5k: a fifth row, the bit plane
         return [(1, 2), (1, 2), (groups, 1), (groups, 1), (rows * groups, 4)]
-    if fmt in ("iq4", "iq3s"):  # the same without the minimum: d (f16), scales, codes
-        return [(1, 2), (groups, 1), (4 * groups, 4)]
-    if fmt in ("iq3xxs", "iq2xxs", "iq1s"):  # the same with d as float32
-        return [(1, 4), (groups, 1), (4 * groups, 4)]
+    d = (1, 4 if fmt in F32_D else 2)  # d: float16, or float32 for the table formats that carry a 1/4 or 1/8
+    if fmt in K_CODE_BYTES:  # iq4 and the table formats: q5k's without the minimum: d, scales, codes
+        return [d, (groups, 1), (4 * groups, 4)]
     if fmt == "q6k":  # d (f16), scales (i8), per group of 16: three 64-byte planes
-        return [(1, 2), (16, 1), (48, 4)]
-    if fmt == "q3k":  # the same with three 64-byte planes per pair of groups
-        return [(1, 2), (16, 1), (24, 4)]
-    if fmt in ("iq2xs", "iq1m"):  # q3k's with d as float32
-        return [(1, 4), (16, 1), (24, 4)]
+        return [d, (16, 1), (48, 4)]
+    if fmt in ("q3k", *Q3_FORMATS):  # the same with three 64-byte planes per pair of groups
+        return [d, (16, 1), (24, 4)]
     if fmt == "q2k":  # d, dmin (f16), scale/min bytes, one 64-byte plane per group
         return [(1, 2), (1, 2), (16, 1), (16, 4)]
     if fmt in ("f16", "bf16"):  # per input, 16 channels' 16-bit values

@@ -202,7 +202,7 @@ inline const uint8_t* group_scales(int64_t fmt, const uint8_t* sb, int g) {
   return sb + (k_header(fmt) || f32_header(fmt) ? 64 : 32) + 16 * g;
 }
 // Channel c's d of a super-block at sb (float16, or float32 where f32_d).
-inline float byte_d(int64_t fmt, const uint8_t* sb, int c) {
+inline float channel_d(int64_t fmt, const uint8_t* sb, int c) {
   if (f32_d(fmt)) {
     float d;
     std::memcpy(&d, sb + 4 * c, 4);

@@ -313,7 +313,7 @@ const uint8_t* prepare_group(const Segment& s, const uint8_t* p, int64_t gi, uin
     const uint8_t* sb = p + (gi / 16) * s.fi().bytes;
     if (s.fmt == Q2K) V::q2k_scales(sb, static_cast<int>(g), gs);
     else if (f32_d(s.fmt)) V::float_scales(sb, sb + q6_scales_at(s.fmt) + 16 * g, gs.scale);
-    else V::scales(sb, sb + 32 + 16 * g, true, gs.scale);
+    else V::scales(sb, sb + q6_scales_at(s.fmt) + 16 * g, true, gs.scale);
     V::unpack_q6(s.fmt, sb, static_cast<int>(g), buf);
     return buf;
   }

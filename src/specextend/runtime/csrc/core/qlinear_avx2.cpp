@@ -111,8 +111,8 @@ inline void q6k_codes(int64_t fmt, const uint8_t* sb, int g, int h, __m256i* w) 
   w[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low), _mm256_and_si256(_mm256_srli_epi16(hb, 2), top));
 }
 
-// A 6-bit super-block's d, half h: its f16 halves as floats, or its float32 (f32_d).
-inline __m256 q6k_d(int64_t fmt, const uint8_t* sb, int h) {
+// A super-block's d, half h (channels 8h..8h+7): its f16 halves as floats, or its float32 (f32_d).
+inline __m256 load_d(int64_t fmt, const uint8_t* sb, int h) {
   return f32_d(fmt) ? _mm256_loadu_ps(reinterpret_cast<const float*>(sb) + 8 * h) : cvt_f16(sb + 16 * h);
 }
 
@@ -239,7 +239,7 @@ void panel_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __
   alignas(32) __m256i w[4][2];  // [step][half]
   const PrefetchShare share(sb_bytes, 16);
   for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
-    const __m256 d[2] = {q6k_d(s.fmt, p, 0), q6k_d(s.fmt, p, 1)}, dmin[2] = {cvt_f16(p + 32), cvt_f16(p + 48)};
+    const __m256 d[2] = {load_d(s.fmt, p, 0), load_d(s.fmt, p, 1)}, dmin[2] = {cvt_f16(p + 32), cvt_f16(p + 48)};
     for (int g = 0; g < 16; ++g) {
       const int64_t k0 = sb * 256 + g * 16;
       share(p, g);
@@ -359,9 +359,7 @@ inline __m256 e8m0_half8(const uint8_t* p) {
 // code where the format has codes); returns whether the format has minimums.
 inline bool byte_scales(const Segment& s, const uint8_t* p, int g, __m256* scale, __m256* mins) {
   for (int h = 0; h < 2; ++h) {
-    scale[h] = e8m0_header(s.fmt)  ? e8m0_half8(p + 8 * h)
-               : f32_header(s.fmt) ? _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8 * h)
-                                   : cvt_f16(p + 16 * h);
+    scale[h] = e8m0_header(s.fmt) ? e8m0_half8(p + 8 * h) : load_d(s.fmt, p, h);
     if (scale_codes(s.fmt)) scale[h] = _mm256_mul_ps(scale[h], cvt_i8(group_scales(s.fmt, p, g) + 8 * h));
     if (!has_minimum(s.fmt)) continue;
     mins[h] = cvt_f16(p + 32 + 16 * h);
@@ -579,7 +577,7 @@ void one_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __m2
   const int8_t* q = x.q8 + r0 * x.k;
   const PrefetchShare share(sb_bytes, 16);
   for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
-    const __m256 d[2] = {q6k_d(FMT, p, 0), q6k_d(FMT, p, 1)};
+    const __m256 d[2] = {load_d(FMT, p, 0), load_d(FMT, p, 1)};
     __m256 dmin[2] = {d[0], d[1]};
     if (kQ2) dmin[0] = cvt_f16(p + 32), dmin[1] = cvt_f16(p + 48);
 #pragma GCC unroll 2
@@ -840,7 +838,7 @@ void rows_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, int
   constexpr int64_t xk = 32;  // the group-major rows' stride
   Q6Group grp;
   for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
-    const __m256 d[2] = {q6k_d(s.fmt, p, 0), q6k_d(s.fmt, p, 1)}, dmin[2] = {cvt_f16(p + 32), cvt_f16(p + 48)};
+    const __m256 d[2] = {load_d(s.fmt, p, 0), load_d(s.fmt, p, 1)}, dmin[2] = {cvt_f16(p + 32), cvt_f16(p + 48)};
     for (int g = 0; g < 16; ++g) {
       const int64_t k0 = sb * 256 + g * 16;
       if (g % 4 == 0) prefetch(p + gb * g, 4 * gb);

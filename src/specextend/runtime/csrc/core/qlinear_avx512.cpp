@@ -54,8 +54,8 @@ inline __m512i bcast_i32(const int32_t* p) { return _mm512_broadcastd_epi32(_mm_
 inline __m512 cvt_u8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p))); }
 inline __m512 cvt_i8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
 inline __m512 cvt_f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
-// A 6-bit super-block's d: its f16 halves as floats, or its float32 (f32_d).
-inline __m512 q6_d(int64_t fmt, const uint8_t* sb) { return f32_d(fmt) ? _mm512_loadu_ps(sb) : cvt_f16(sb); }
+// A super-block's d[16]: its f16 halves as floats, or its float32 (f32_d).
+inline __m512 load_d(int64_t fmt, const uint8_t* sb) { return f32_d(fmt) ? _mm512_loadu_ps(sb) : cvt_f16(sb); }
 
 // Rows are interleaved step by step (one accumulator per row), so a tile's R dot products are
 // R independent VPDPBUSD chains the core can overlap; integer sums are exact in any order. A
@@ -138,7 +138,7 @@ void panel_q6k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, __
   constexpr int gb = q6_group_bytes<FMT>();
   const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16, sb_bytes = s.fi().bytes;
   for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
-    const __m512 d = q6_d(FMT, p), dmin = cvt_f16(p + 32);
+    const __m512 d = load_d(FMT, p), dmin = cvt_f16(p + 32);
 #pragma GCC unroll 1  // a loop, not 16 copies (Q2K's one row measured faster so)
     for (int g = 0; g < 16; ++g) {
       const int64_t k0 = sb * 256 + g * 16;
@@ -188,7 +188,7 @@ inline void load_q8_group(const uint8_t* p, int64_t sbg, int g, int share, __m51
   prefetch_group(p + share * g, share);
 #pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) w[i] = step_bytes(FMT, cb, i);
-  *scale = e8m0_header(FMT) ? e8m0_half16(p) : f32_header(FMT) ? _mm512_loadu_ps(p) : cvt_f16(p);
+  *scale = e8m0_header(FMT) ? e8m0_half16(p) : load_d(FMT, p);
   if constexpr (scale_codes(FMT)) *scale = _mm512_mul_ps(*scale, cvt_i8(group_scales(FMT, p, g)));
   *mins = has_minimum(FMT) ? cvt_f16(p + 32) : _mm512_setzero_ps();
   if constexpr (k_header(FMT)) *mins = _mm512_mul_ps(*mins, cvt_u8(group_mins(sbg, p, g)));
@@ -336,7 +336,7 @@ void rows_q6k_slice(const Segment& s, const uint8_t* p, const Rows& x, int64_t r
   constexpr int gb = q6_group_bytes<FMT>();
   const int64_t nsb = s.k / 256, kb = s.k / 32, k16 = s.k / 16, xk = x.k, sb_bytes = s.fi().bytes;
   for (int64_t sb = 0; sb < nsb; ++sb, p += sb_bytes) {
-    const __m512 d = q6_d(FMT, p), dmin = cvt_f16(p + 32);
+    const __m512 d = load_d(FMT, p), dmin = cvt_f16(p + 32);
     for (int g = 0; g < 16; g += 2) {
       const int64_t k0 = sb * 256 + g * 16;
       __m512 scale0, scale1, mins0, mins1;

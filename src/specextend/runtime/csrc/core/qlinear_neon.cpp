@@ -99,6 +99,11 @@ void panel_q4k(const Segment& s, const uint8_t* p, const Rows& x, int64_t r0, fl
   }
 }
 
+// Quad c (channels 4c..4c+3) of a super-block's d: its f16 halves as floats, or its float32 (f32_d).
+inline float32x4_t load_d(int64_t fmt, const uint8_t* sb, int c) {
+  return f32_d(fmt) ? vld1q_f32(reinterpret_cast<const float*>(sb) + 4 * c) : load_f16x4(sb + 8 * c);
+}
+
 // Group g's four steps of 6-bit codes, quad c (channels 4c..4c+3), of the Q6K, Q3K, Q2K or table
 // (q3_table) super-block at sb: q6_code (qlinear.h) on 16 lanes.
 inline void q6_quad(int64_t fmt, const uint8_t* sb, int g, int c, int8x16_t* w) {
@@ -134,8 +139,7 @@ inline void q6_quad(int64_t fmt, const uint8_t* sb, int g, int c, int8x16_t* w) 
 // 6-bit super-block at sb.
 inline void q6_scales(int64_t fmt, const uint8_t* sb, int g, int c, float32x4_t* scale, float32x4_t* mins) {
   if (fmt != Q2K) {
-    const float32x4_t d = f32_d(fmt) ? vld1q_f32(reinterpret_cast<const float*>(sb) + 4 * c) : load_f16x4(sb + 8 * c);
-    *scale = vmulq_f32(d, cvt_i8x4(sb + q6_scales_at(fmt) + 16 * g + 4 * c));
+    *scale = vmulq_f32(load_d(fmt, sb, c), cvt_i8x4(sb + q6_scales_at(fmt) + 16 * g + 4 * c));
     return;
   }
   const uint8_t* sm = sb + 64 + 16 * g + 4 * c;
@@ -204,9 +208,7 @@ inline float32x4_t e8m0_half4(const uint8_t* p) {
 // Quad c (channels 4c..4c+3) of a byte-code group's float scales and minimums (qlinear.h: d and
 // dmin, each times its code where the format has codes); returns whether the format has minimums.
 inline bool byte_scales(const Segment& s, const uint8_t* p, int g, int c, float32x4_t* scale, float32x4_t* mins) {
-  *scale = e8m0_header(s.fmt)  ? e8m0_half4(p + 4 * c)
-           : f32_header(s.fmt) ? vld1q_f32(reinterpret_cast<const float*>(p) + 4 * c)
-                               : load_f16x4(p + 8 * c);
+  *scale = e8m0_header(s.fmt) ? e8m0_half4(p + 4 * c) : load_d(s.fmt, p, c);
   if (scale_codes(s.fmt)) *scale = vmulq_f32(*scale, cvt_i8x4(group_scales(s.fmt, p, g) + 4 * c));
   *mins = has_minimum(s.fmt) ? load_f16x4(p + 32 + 8 * c) : vdupq_n_f32(0.f);
   if (k_header(s.fmt)) *mins = vmulq_f32(*mins, cvt_u8x4(group_mins(s.sbg, p, g) + 4 * c));

@@ -79,7 +79,7 @@ struct Group {
 void unpack_group(const Segment& s, const uint8_t* p, int g, Group& out) {
   const uint16_t* dh = reinterpret_cast<const uint16_t*>(p);
   for (int c = 0; c < kPanel; ++c) {
-    const float d = byte_d(s.fmt, p, c);
+    const float d = channel_d(s.fmt, p, c);
     out.d[c] = d;
     out.dmin[c] = has_minimum(s.fmt) || s.fmt == Q4K || s.fmt == Q2K ? half_to_float(dh[16 + c]) : 0.f;
     out.imn[c] = 0;
