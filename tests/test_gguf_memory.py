@@ -29,8 +29,8 @@ from test_gguf import write_tiny_gguf
 
 pytestmark = pytest.mark.usefixtures("isolated_home")  # conftest.py: a model cache of its own
 
-# A type the kernels will never compute with as it is (ternary): always expanded.
-EXPANDED = "TQ2_0"
+# A type the kernels do not compute with as it is (NVFP4: E2M1 codes under an E4M3 scale a 16): expanded.
+EXPANDED = "NVFP4"
 TINY = {"model_type": "qwen2", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
 
@@ -215,7 +215,7 @@ def test_the_refusal_exits_2_with_one_line(tmp_path, tokenizer_gguf, capsys, mon
     monkeypatch.setattr(meminfo, "available_memory_mb", lambda: 1.0)
     code, out, err = run(capsys, "generate", "--target", str(src), "--method", "ar", "--prompt", "hi", "-q")
     lines = err.strip().splitlines()
-    assert code == 2 and out == "" and lines[-1].startswith("specextend: error: r-TQ2_0.gguf would need about")
+    assert code == 2 and out == "" and lines[-1].startswith("specextend: error: r-NVFP4.gguf would need about")
     assert EXPANDED in lines[-1] and len([line for line in lines if "error" in line]) == 1
 
 
@@ -303,11 +303,12 @@ def test_a_q2_k_file_keeps_its_grid(tmp_path, tokenizer_gguf, capsys, monkeypatc
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "Q8_0", "MXFP4", "IQ3_S",
-                                  "IQ3_XXS", "IQ2_XXS", "IQ1_S", "IQ2_XS", "IQ2_S", "IQ1_M"])
+                                  "IQ3_XXS", "IQ2_XXS", "IQ1_S", "IQ2_XS", "IQ2_S", "IQ1_M", "TQ2_0", "TQ1_0"])
 def test_a_kept_type_holds_its_files_bytes(tmp_path, tokenizer_gguf, capsys, kind) -> None:
     """The converted copy of a file of one type holds that type's own layout, whose bytes are what
     inspect reports and about the file's (panels of 16 rows and IQ4_XS's scale bytes aside; the IQ types'
-    grid indices become 3- or 4-bit table indices, 3.63-4.38 bits a weight against the files' 1.56-3.44)."""
+    grid indices become 3- or 4-bit table indices, 3.63-4.38 bits a weight against the files' 1.56-3.44; the
+    ternary types Q2_K's 2.63 against 2.06 and 1.69)."""
     src = random_gguf(tmp_path, tokenizer_gguf, kind)
     info = json.loads(run(capsys, "models", "inspect", str(src), "--json")[1])
     row = next(r for r in info["types"] if r["type"] == kind)
@@ -316,7 +317,8 @@ def test_a_kept_type_holds_its_files_bytes(tmp_path, tokenizer_gguf, capsys, kin
     kept = [stored.segment(name) for name in stored.formats]
     assert {s.fmt for s in kept} == {quant.KEPT_AS[kind][0]} and len(kept) == row["tensors"]
     grown = {"IQ3_S": 4.31 / 3.44, "IQ3_XXS": 4.38 / 3.06, "IQ2_XXS": 4.38 / 2.06, "IQ1_S": 4.38 / 1.56,
-             "IQ2_XS": 3.63 / 2.31, "IQ2_S": 3.63 / 2.56, "IQ1_M": 3.63 / 1.75}
+             "IQ2_XS": 3.63 / 2.31, "IQ2_S": 3.63 / 2.56, "IQ1_M": 3.63 / 1.75, "TQ2_0": 2.63 / 2.06,
+             "TQ1_0": 2.63 / 1.69}
     grown = grown.get(kind, 1.0)
     assert sum(s.nbytes for s in kept) == row["converted_bytes"] <= row["file_bytes"] * 1.03 * grown
     assert row["kept"] and not row["expanded"]

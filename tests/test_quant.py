@@ -18,7 +18,7 @@ ext = kernels.load()
 # code and sub-scale is valid), and whether they may be negative (ggml's quantizers make negative
 # d for the symmetric legacy types and m of either sign).
 F16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q4_1": (0, 2), "Q5_1": (0, 2),
-              "Q2_K": (80, 82)}
+              "Q2_K": (80, 82), "TQ2_0": (64,), "TQ1_0": (52,)}
 SIGNED = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K", "IQ3_S", "IQ3_XXS", "IQ2_XXS",
           "IQ1_S", "IQ2_XS", "IQ2_S", "IQ1_M"}
 
@@ -74,7 +74,7 @@ KINDS = [("Q4_K", 48, 512), ("Q6_K", 40, 256), ("Q8_0", 35, 96), ("Q5_0", 33, 64
          ("Q4_1", 33, 160), ("Q3_K", 40, 512), ("IQ4_NL", 17, 64), ("Q5_K", 40, 512), ("IQ4_XS", 33, 256),
          ("Q5_1", 35, 96), ("Q2_K", 35, 768), ("F16", 40, 512), ("BF16", 35, 160), ("MXFP4", 35, 96),
          ("IQ3_S", 35, 512), ("IQ3_XXS", 33, 512), ("IQ2_XXS", 35, 256), ("IQ1_S", 40, 768), ("IQ2_XS", 35, 512),
-         ("IQ2_S", 33, 256), ("IQ1_M", 40, 768)]
+         ("IQ2_S", 33, 256), ("IQ1_M", 40, 768), ("TQ2_0", 35, 512), ("TQ1_0", 33, 768)]
 
 
 @pytest.mark.parametrize(("kind", "n", "k"), KINDS)
@@ -94,7 +94,7 @@ def assert_same_weights(kind: str, ours: np.ndarray, ref: np.ndarray) -> None:
     assert np.array_equal(ours.view(np.uint32), ref.view(np.uint32)), kind
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_1", "MXFP4"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_1", "MXFP4", "TQ2_0", "TQ1_0"])
 def test_blocks_from_ggufs_quantizer_are_kept_exactly(kind: str) -> None:
     """Real blocks from `gguf`'s own quantizer, edge rows included (zeros, a single spike, constants)."""
     n, k = 20, 256

@@ -33,7 +33,7 @@ WEIGHTS_HELP = (
     "target keeps its own quantization grids, a float target is quantized to int8 and a draft to int4; "
     "else --dtype), "
     "gguf (the GGUF file's grids: Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q2_K, IQ4_NL, IQ4_XS, MXFP4, "
-    "IQ3_S, IQ3_XXS, IQ2_XXS, IQ1_S, IQ2_XS, IQ2_S, IQ1_M, F16, BF16), "
+    "IQ3_S, IQ3_XXS, IQ2_XXS, IQ1_S, IQ2_XS, IQ2_S, IQ1_M, TQ2_0, TQ1_0, F16, BF16), "
     "int8, int4, or float32|bfloat16|float16|float64"
 )
 DRAFT_DTYPE_HELP = ("the draft's dtype (default: float32 with quantized draft weights; else bfloat16 on a CPU "

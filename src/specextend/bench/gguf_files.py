@@ -121,6 +121,7 @@ RANDOM_BLOCKS: dict[str, tuple[int, int | None]] = {
     "IQ4_NL": (0, None), "IQ4_XS": (0, None), "MXFP4": (0, None),  # MXFP4's: an E8M0 exponent byte (`_set_scales`)
     "IQ3_S": (0, None), "IQ3_XXS": (0, None), "IQ2_XXS": (0, None), "IQ1_S": (0, None), "IQ2_XS": (0, None),
     "IQ2_S": (0, None), "IQ1_M": (48, None),  # IQ1_M's: d's bits in the top nibbles of 4 uint16 (`_set_scales`)
+    "NVFP4": (0, None),  # NVFP4's: four unsigned E4M3 bytes, one a 16 values (`_set_scales`)
 }
 QUANTIZED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "BF16", "F32", "TQ1_0", "TQ2_0")
 # A mix's main type, and the type of llama.cpp's "more bits" tensors (output, some V and down projections).
@@ -308,10 +309,16 @@ def _block_scales(kind: str, rng: np.random.Generator) -> tuple[float, float]:
 
 def _set_scales(blocks: np.ndarray, kind: str, d: float, dmin: float) -> None:
     """Write the float16 scales into every block of `blocks` ([..., block bytes] uint8); MXFP4's scale
-    is a power of two, its E8M0 byte the nearest exponent's."""
+    is a power of two, its E8M0 byte the nearest exponent's; NVFP4's four are the E4M3 nearest d."""
     d_at, dmin_at = RANDOM_BLOCKS[kind]
     if kind == "MXFP4":
         blocks[..., d_at] = np.uint8(min(254, max(1, 127 + round(float(np.log2(d))))))
+        return
+    if kind == "NVFP4":  # the E4M3 byte whose scale (as gguf decodes it) is nearest d
+        from gguf.quants import NVFP4
+
+        codes = np.arange(127, dtype=np.uint8)
+        blocks[..., 0:4] = codes[np.argmin(np.abs(NVFP4.ue4m3_to_fp32(codes) - d))]
         return
     if kind == "IQ1_M":
         words = np.ascontiguousarray(blocks[..., d_at:d_at + 8]).view("<u2")

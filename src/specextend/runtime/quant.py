@@ -9,7 +9,8 @@ A `QWeight` is a [n, k] matrix stored in one or more row *segments*, each in one
   weights (up to 8 groups per super-block, so any width divisible by 32 fits).
 - ``q6k``: 6-bit codes (a nibble plane and a 2-bit plane) in groups of 16 with signed 8-bit
   scales: exactly GGUF's Q6_K grid; ``q3k``, the same at three bits a code: GGUF's Q3_K;
-  ``q2k``, 2-bit codes under a 4-bit scale and a 4-bit minimum per group of 16: GGUF's Q2_K;
+  ``q2k``, 2-bit codes under a 4-bit scale and a 4-bit minimum per group of 16: GGUF's Q2_K, and
+  the ternary TQ2_0 and TQ1_0 (scale and minimum codes 1, dmin = d) at 2.63 bits a weight;
   ``iq2xs`` and ``iq1m``, q3k's 3-bit codes indexing a table of six values (IQ2's ±8, 25, 43; IQ1_M's
   8 x (-1, 0, 1) ± 1) under a float32 d (the file's d over 8) and scale codes 2 ls + 1 per 16:
   GGUF's IQ2_XS, IQ2_S and IQ1_M exactly, at 3.63 bits a weight (the files' 2.31, 2.56, 1.75).
@@ -385,7 +386,7 @@ GGUF_BLOCKS = {
     "Q4_0": (18, 32), "Q4_1": (20, 32), "Q3_K": (110, 256), "IQ4_NL": (18, 32), "MXFP4": (17, 32),
     "Q5_K": (176, 256), "IQ4_XS": (136, 256), "Q5_1": (24, 32), "Q2_K": (84, 256), "IQ3_S": (110, 256),
     "IQ3_XXS": (98, 256), "IQ2_XXS": (66, 256), "IQ1_S": (50, 256), "IQ2_XS": (74, 256), "IQ2_S": (82, 256),
-    "IQ1_M": (56, 256),
+    "IQ1_M": (56, 256), "TQ1_0": (54, 256), "TQ2_0": (66, 256),
     # 16-bit floats have no blocks; kept in runs of 32 (the kernels' super-block), so the width
     # must be a multiple of 32.
     "F16": (64, 32), "BF16": (64, 32),
@@ -398,7 +399,7 @@ KEPT_AS = {
     "Q4_1": ("q41", 8), "Q3_K": ("q3k", 8), "IQ4_NL": ("iq4nl", 8), "Q5_K": ("q5k", 8), "IQ4_XS": ("iq4", 8),
     "Q5_1": ("q51", 8), "Q2_K": ("q2k", 8), "F16": ("f16", 1), "BF16": ("bf16", 1), "MXFP4": ("mxfp4", 8),
     "IQ3_S": ("iq3s", 8), "IQ3_XXS": ("iq3xxs", 8), "IQ2_XXS": ("iq2xxs", 8), "IQ1_S": ("iq1s", 8),
-    "IQ2_XS": ("iq2xs", 8), "IQ2_S": ("iq2xs", 8), "IQ1_M": ("iq1m", 8),
+    "IQ2_XS": ("iq2xs", 8), "IQ2_S": ("iq2xs", 8), "IQ1_M": ("iq1m", 8), "TQ1_0": ("q2k", 8), "TQ2_0": ("q2k", 8),
 }
 
 
@@ -469,6 +470,30 @@ def _q2k(b: np.ndarray, n: int, k: int) -> Segment:
     # weights 128h + 32s + i at bits 2s of byte 32h + i (as Q3_K's low bits)
     codes = _bits(qs.reshape(n, nb, 2, 32), 4, 2).transpose(0, 1, 2, 4, 3).reshape(n, k)
     return pack_q2k(d, dmin, sm.reshape(n, -1), codes)
+
+
+def _trits(b: np.ndarray, count: int) -> np.ndarray:
+    """Base-3 digits packed in bytes as TQ1_0 packs them (a byte holds ceil(v * 256 / 3^count) of a value v of
+    `count` digits, most significant first): digit t of byte x is the top of 3 * (x * 3^t mod 256), read in
+    integers -> [..., bytes, count] planes of 0, 1 or 2."""
+    powers = (3 ** np.arange(count)).astype(np.uint8).reshape(*([1] * b.ndim), count)
+    return ((b[..., None] * powers).astype(np.uint16) * 3 >> 8).astype(np.uint8)
+
+
+def _ternary(kind: str, b: np.ndarray, n: int, k: int) -> Segment:
+    """TQ2_0 and TQ1_0, d * (q - 1) with q in 0..2 (TQ2_0's 2-bit fields may hold 3: 2 d), as q2k under
+    every group's scale and minimum codes 1 and dmin = d: d * 1 * q - d * 1 is the file's weight exactly (a zero
+    weight under a negative d, which ggml's quantizer never writes, is +0 where gguf's is -0)."""
+    nb = b.shape[1]
+    if kind == "TQ2_0":  # Q2_K's layout: weights 128h + 32s + i at bits 2s of byte 32h + i
+        d = _f16(b[..., 64:66])
+        codes = _bits(b[..., 0:64].reshape(n, nb, 2, 32), 4, 2).transpose(0, 1, 2, 4, 3).reshape(n, k)
+    else:  # TQ1_0: weight 32t + i is digit t of byte i, 160 + 16t + i of byte 32 + i, 240 + 4t + i of byte 48 + i
+        d = _f16(b[..., 52:54])
+        parts = [_trits(b[..., lo:hi], digits).transpose(0, 1, 3, 2).reshape(n, nb, -1)
+                 for lo, hi, digits in ((0, 32, 5), (32, 48, 5), (48, 52, 4))]
+        codes = np.concatenate(parts, axis=2).reshape(n, k)
+    return pack_q2k(d, d, np.full((n, k // 16), 0x11, dtype=np.uint8), codes)
 
 
 def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -680,6 +705,8 @@ def from_gguf_blocks(kind: str, raw: np.ndarray, n: int, k: int) -> Segment:
         return _q3k(b, n, k)
     if kind == "Q2_K":
         return _q2k(b, n, k)
+    if kind in ("TQ1_0", "TQ2_0"):
+        return _ternary(kind, b, n, k)
     if kind == "Q5_K":
         return _q5k(b, n, k)
     if kind == "IQ4_XS":
