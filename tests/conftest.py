@@ -15,7 +15,7 @@ import torch
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 # The families that are switches over the same block (runtime/families.py): the parity tests run
 # them too; the engine-level tests of every feature keep the four above.
-FAMILY_ARCHS = ["granite", "smollm3", "olmo2", "gemma3", "gemma2", "phi3"]
+FAMILY_ARCHS = ["granite", "smollm3", "olmo2", "olmo3", "gemma3", "gemma2", "phi3"]
 
 
 USER_COSTS_ENV = "SPECEXTEND_TESTS_USER_COST_CACHE"  # the cost cache's setting before the tests moved it
@@ -190,6 +190,20 @@ def tiny_hf_config(arch: str, vocab: int = 64, layers: int = 2, **kw):
         return tf.Phi3Config(pad_token_id=None, **common)
     if arch == "olmo2":
         return tf.Olmo2Config(pad_token_id=None, **common)
+    if arch == "olmo3":
+        # A window shorter than the tests' prompts on all but every 4th layer (alternating in a model of fewer
+        # than 4), YaRN on the global layers alone, its attention factor other than the default (the file's
+        # key is read), and the windowed layers' rope on a base of their own (a mix-up of the two shows).
+        n = common["num_hidden_layers"]
+        pattern = 4 if n >= 4 else 2
+        common.setdefault("layer_types", ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                          for i in range(n)])
+        common.setdefault("sliding_window", 8)
+        common.setdefault("rope_parameters", {
+            "full_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                               "attention_factor": 1.25, "rope_theta": 10_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 50_000.0}})
+        return tf.Olmo3Config(pad_token_id=None, **common)
     raise ValueError(arch)
 
 

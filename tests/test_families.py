@@ -39,6 +39,7 @@ SMALL = dict(chunk_size=4, top_k_chunks=3, retrieve_every=2, tree_budget=6, tree
              cmr_min_ratio=0.0)
 PERMUTED = {"granite", "smollm3"}  # llama.cpp converts these as Llama (LlamaModel subclasses)
 NORM_SHIFT = {"gemma3": 1.0, "gemma2": 1.0}  # what llama.cpp adds to `*norm.weight` (Gemma's norms scale by 1 + w)
+GGUF_ARCH = {"olmo3": "olmo2"}  # llama.cpp files OLMo 3 under olmo2
 
 
 def ref_tol(arch: str) -> float:
@@ -58,6 +59,8 @@ def family_kw(arch: str, layers: int | None = None) -> dict:
         kw["head_dim"] = 64
     if arch == "gemma2":  # alternating windowed layers; the query scale from head_dim (64)
         kw.update(head_dim=64, query_pre_attn_scalar=64, sliding_window=WINDOW)
+    if arch == "olmo3":  # 3 windowed layers to 1 global
+        kw.update(sliding_window=WINDOW)
     if arch == "gemma3":  # 5 windowed layers to 1 global; the query scale from head_dim (64)
         kw.update(head_dim=64, query_pre_attn_scalar=64, sliding_window=WINDOW,
                   layer_types=["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)])
@@ -85,6 +88,15 @@ def _metadata(w: gguf.GGUFWriter, arch: str, cfg) -> None:
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
         w.add_sliding_window(cfg.sliding_window)
+    if arch == "olmo3":  # its converter's keys: the window, the windowed layers, YaRN (HF's attention factor)
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+        glob, local = cfg.rope_parameters["full_attention"], cfg.rope_parameters["sliding_attention"]
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(glob["factor"])
+        w.add_rope_scaling_attn_factors(glob["attention_factor"])
+        w.add_rope_scaling_orig_ctx_len(glob["original_max_position_embeddings"])
+        w.add_rope_freq_base_swa(local["rope_theta"])
     if arch == "granite":
         w.add_attention_scale(cfg.attention_multiplier)
         w.add_embedding_scale(cfg.embedding_multiplier)
@@ -102,7 +114,8 @@ def write_like_llama_cpp(model, path: Path, arch: str, kind: str = "F32", seed: 
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
-    w = gguf.GGUFWriter(str(path), arch)
+    garch = GGUF_ARCH.get(arch, arch)
+    w = gguf.GGUFWriter(str(path), garch)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(n)
@@ -133,7 +146,7 @@ def write_like_llama_cpp(model, path: Path, arch: str, kind: str = "F32", seed: 
         w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
         w.add_token_merges(MERGES)
         w.add_chat_template(CHAT_TEMPLATE)
-    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), n)
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, garch.upper()), n)
     stored: dict[str, torch.Tensor] = {}
     rng = np.random.default_rng(seed)
     for name, value in sd.items():
@@ -466,13 +479,25 @@ def test_a_token_gets_the_same_bits_alone_inside_a_tree_and_in_a_batch(converted
     assert torch.equal(batched[1], model(tokens[:3], torch.arange(3) + p // 2, other))
 
 
-def test_an_olmo_3_file_is_refused_in_one_line(tmp_path):
-    """llama.cpp files OLMo 3 under olmo2 with sliding-window layers, which OLMo 2 does not have."""
-    model = make_tiny_hf("olmo2", 0, dtype=torch.float32, **family_kw("olmo2", 1))
-    write_like_llama_cpp(model, tmp_path / "m.gguf", "olmo2", window=4096)
-    with pytest.raises(UserError, match="OLMo 3") as e:
-        conv.convert_gguf(tmp_path / "m.gguf", tmp_path / "hf", progress=False, tokenizer=False)
-    assert "\n" not in str(e.value) and not (tmp_path / "hf").exists()
+def test_an_olmo_3_file_of_the_older_converter_takes_every_4th_layer_as_global():
+    """llama.cpp's first OLMo 3 files say only the window (no per-layer pattern, no rope base of the windowed
+    layers): llama.cpp then windows all but every 4th layer, on the global rope base unscaled; so do we."""
+    key = lambda name, default=None: {"attention.sliding_window": WINDOW}.get(name, default)  # noqa: E731
+    glob = {"rope_type": "yarn", "rope_theta": 1000.0, "factor": 8.0}
+    cfg = FAMILIES["olmo3"].gguf_config(key, {"num_hidden_layers": 8, "rope_parameters": glob})
+    assert cfg["layer_types"] == [("full" if i % 4 == 3 else "sliding") + "_attention" for i in range(8)]
+    assert cfg["sliding_window"] == WINDOW
+    assert cfg["rope_parameters"] == {"full_attention": glob,
+                                      "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}
+
+
+@pytest.mark.parametrize("pattern", [[True, False], [True, False, True, True, False]])
+def test_an_olmo_3_pattern_of_the_wrong_length_is_refused_in_one_line(pattern):
+    key = lambda name, default=None: {"attention.sliding_window_pattern": pattern,  # noqa: E731
+                                      "attention.sliding_window": 8}.get(name, default)
+    with pytest.raises(UserError, match="sliding_window_pattern has") as e:
+        FAMILIES["olmo3"].gguf_config(key, {"num_hidden_layers": 4, "rope_parameters": {"rope_theta": 1.0}})
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("cap", [-50.0, float("inf"), "50"])

@@ -560,6 +560,22 @@ def test_a_random_qwen2moe_file_loads_with_its_shared_expert(tmp_path, tokenizer
     assert torch.isfinite(model.prefill(torch.arange(1, 21), model.new_cache(32), chunk=8)).all()
 
 
+def test_a_random_olmo3_file_loads_as_the_family(tmp_path, tokenizer_gguf) -> None:
+    """The OLMo 3 preset at a tiny size, filed as llama.cpp files it (olmo2 with a window): norms after
+    attention and the MLP and q/k norms over all heads where llama.cpp names them, all but every 4th layer
+    windowed, YaRN with the file's attention factor on the global layers and the plain rope on the others."""
+    config = {**gguf_files.PRESETS["olmo-3-7b"], "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "num_key_value_heads": 4, "sliding_window": 16}
+    src = gguf_files.write_random(tmp_path / "o.gguf", config, "Q4_K_M", tokenizer_gguf, progress=False)
+    model = load_model(registry.converted_gguf(src, progress=False), torch.float32, weights="gguf")
+    c = model.cfg
+    assert c.arch == "olmo3" and c.window_layers == (True, True, True, False) and c.sliding_window == 16
+    assert c.rope_scaling["rope_type"] == "yarn" and c.rope_scaling["attention_factor"] == pytest.approx(1.2079441)
+    assert c.local_rope_theta == c.rope_theta == 500000.0 and c.qk_norm == "full" and c.stepped
+    cache = model.new_cache(64, room=8)
+    assert torch.isfinite(model.prefill(torch.arange(1, 41), cache, chunk=8)).all() and cache.wk.shape[2] == 24
+
+
 def test_a_random_granite_file_loads_with_its_multipliers(tmp_path, tokenizer_gguf) -> None:
     config = {**gguf_files.PRESETS["granite-3-8b"], "hidden_size": 256, "intermediate_size": 512,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}

@@ -93,6 +93,13 @@ PRESETS: dict[str, dict[str, Any]] = {
                   "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 10000.0,
                   "partial_rotary_factor": 0.75, "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
                   "max_position_embeddings": 131072, "tie_word_embeddings": True},
+    # OLMo 3 7B (llama.cpp files it as olmo2): norms after attention and the MLP, q/k norms over all heads, a
+    # 4,096-token window on all but every 4th layer, YaRN (8x over 8,192) on the global layers alone.
+    "olmo-3-7b": {"model_type": "olmo2", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                  "num_attention_heads": 32, "num_key_value_heads": 32, "rope_theta": 500000.0, "sliding_window": 4096,
+                  "rope_scaling_type": "yarn", "rope_scaling_factor": 8.0, "original_max_position_embeddings": 8192,
+                  "yarn_attention_factor": 1.2079441541679836, "rms_norm_eps": 1e-6,
+                  "max_position_embeddings": 65536, "tie_word_embeddings": False},
     # Granite 3.1 8B: Llama's layers with embedding, residual, attention and logit multipliers, tied embeddings.
     "granite-3-8b": {"model_type": "granite", "hidden_size": 4096, "intermediate_size": 12800,
                      "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -108,7 +115,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                     "tie_word_embeddings": False, "num_experts": 32, "num_experts_per_tok": 4},
 }
 # The model types a random file can take (the expert ones: each layer's experts stacked, llama.cpp's way).
-RANDOM_TYPES = ("llama", "qwen2", "olmoe", "qwen3moe", "qwen2moe", "gemma2", "gemma3", "granite", "gpt-oss", "phi3")
+RANDOM_TYPES = ("llama", "qwen2", "olmoe", "qwen3moe", "qwen2moe", "gemma2", "gemma3", "granite", "gpt-oss", "phi3",
+                "olmo2")
 # Granite's multipliers: the config's names and the GGUF writer's (llama.cpp's *_scale keys).
 GRANITE_SCALES = {"embedding_multiplier": "add_embedding_scale", "residual_multiplier": "add_residual_scale",
                   "attention_multiplier": "add_attention_scale", "logits_scaling": "add_logit_scale"}
@@ -201,6 +209,7 @@ def tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tuple
     head_norm = config.get("model_type") in ("qwen3moe", "gemma3")
     exps = EXPERT_TYPES.get(kind)
     phi = config.get("model_type") == "phi3"  # fused projections, LongRoPE's factors as tensors
+    olmo = config.get("model_type") == "olmo2"  # OLMo 2 and 3: norms after, not before; q/k norms over all heads
 
     def more_bits(i: int) -> bool:  # llama.cpp's use_more_bits: the first and last eighth, every third between
         return i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
@@ -212,18 +221,19 @@ def tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tuple
         yield "rope_factors_short.weight", (rot // 2,), "F32"
     for i in range(layers):
         b = f"blk.{i}."
-        yield b + "attn_norm.weight", (h,), "F32"
+        if not olmo:
+            yield b + "attn_norm.weight", (h,), "F32"
         yield from _qkv_tensors(b, config, main, more if more_bits(i) else main)
-        if gemma and head_norm:
-            yield b + "attn_q_norm.weight", (hd,), "F32"
-            yield b + "attn_k_norm.weight", (hd,), "F32"
+        if (gemma and head_norm) or olmo:
+            yield b + "attn_q_norm.weight", (hd if gemma else heads * hd,), "F32"
+            yield b + "attn_k_norm.weight", (hd if gemma else kv * hd,), "F32"
         yield b + "attn_output.weight", (h, heads * hd), main
         if oss:  # gpt-oss: an output bias, a sink logit a head; its MLP's pre-norm is llama.cpp's post_attention_norm
             yield b + "attn_output.bias", (h,), "F32"
             yield b + "attn_sinks.weight", (heads,), "F32"
-        if gemma or oss:
+        if gemma or oss or olmo:
             yield b + "post_attention_norm.weight", (h,), "F32"
-        if not oss:
+        if not oss and not olmo:
             yield b + "ffn_norm.weight", (h,), "F32"
         if experts:
             if not oss and not qwen:  # Qwen3-MoE's and OLMoE's q/k norms
@@ -235,7 +245,7 @@ def tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tuple
             yield b + "ffn_gate.weight", (f, h), main
         yield b + "ffn_up.weight", (2 * f if phi else f, h), main
         yield b + "ffn_down.weight", (h, f), more if more_bits(i) else main
-        if gemma:
+        if gemma or olmo:
             yield b + "post_ffw_norm.weight", (h,), "F32"
     yield "output_norm.weight", (h,), "F32"
     if not config.get("tie_word_embeddings", False):
@@ -404,6 +414,8 @@ def _write_keys(w: Any, config: dict[str, Any]) -> None:
         w.add_rope_scaling_factor(float(config["rope_scaling_factor"]))
         if yarn:
             w.add_rope_scaling_orig_ctx_len(int(config["original_max_position_embeddings"]))
+        if config.get("yarn_attention_factor"):  # OLMo 3's converter writes HF's attention_factor
+            w.add_rope_scaling_attn_factors(float(config["yarn_attention_factor"]))
     if config.get("num_experts"):
         w.add_expert_count(int(config["num_experts"]))
         w.add_expert_used_count(int(config["num_experts_per_tok"]))

@@ -227,10 +227,13 @@ def gguf_architecture(reader: Any) -> str:
 
 
 def _hf_model_type(reader: Any, arch: str) -> str:
-    """llama.cpp files Mistral models under "llama"; only the model name tells them apart."""
+    """The family of a file llama.cpp filed under another's architecture: Mistral under "llama" (only the model
+    name tells), Mixtral under "llama" (its experts tell), OLMo 3 under "olmo2" (its window tells)."""
     name = str(field(reader, "general.name", "") or "").lower()
     if arch == "llama" and field(reader, "llama.expert_count"):  # Mixtral: the llama block with experts
         return "mixtral"
+    if arch == "olmo2" and field(reader, "olmo2.attention.sliding_window"):
+        return "olmo3"
     if arch == "llama" and "mistral" in name:
         return "mistral"
     return arch

@@ -178,8 +178,11 @@ class ModelConfig:
         if arch is None:
             name = ", ".join(archs) or d.get("model_type") or "unknown"
             raise UserError(f"unsupported model architecture {name}; supported families: {supported()}")
-        # transformers 5 folds rope settings into `rope_parameters`; older configs use top-level keys.
+        # transformers 5 folds rope settings into `rope_parameters`; older configs use top-level keys. A
+        # family with a rope a layer type (Gemma 3, OLMo 3) has the global layers' as the model's: its switches
+        # say what its windowed layers take.
         rope = dict(d.get("rope_parameters") or {})
+        rope = dict(rope.get("full_attention") or {}) if "full_attention" in rope else rope
         scaling = d.get("rope_scaling") or None
         if scaling is None and rope.get("rope_type", "default") != "default":
             scaling = rope

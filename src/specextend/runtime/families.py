@@ -96,11 +96,44 @@ def _smollm3_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
     return {"no_rope_layer_interval": 4, "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(n)]}
 
 
-def _olmo2_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
-    # llama.cpp files OLMo 3 under olmo2, with sliding-window layers that OLMo 2 does not have.
-    if key("attention.sliding_window"):
-        raise UserError("an OLMo 3 GGUF (olmo2 with sliding-window layers) is not supported yet")
-    return {}
+_OLMO2 = {"norms": ("attn_out_norm", "mlp_out_norm"), "qk_norm": "full"}  # norms after, q/k norms over all heads
+
+
+def _olmo3(d: dict[str, Any]) -> dict[str, Any]:
+    """OLMo 3: OLMo 2's block with windowed layers (HF's `layer_types`; by default all but every 4th) whose
+    rope is never scaled (transformers' and llama.cpp's); the global layers take the model's rope, YaRN in
+    the long-context models."""
+    n = int(d["num_hidden_layers"])
+    types = d.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]
+    window = int(d.get("sliding_window") or 0)
+    rope = d.get("rope_parameters") or {}
+    theta = (rope.get("sliding_attention") or {}).get("rope_theta") or rope.get("rope_theta") or d.get("rope_theta")
+    windowed = tuple(window > 0 and t == "sliding_attention" for t in types)
+    out: dict[str, Any] = {**_OLMO2, "sliding_window": window, "window_layers": windowed}
+    if any(windowed):
+        out["local_rope_theta"] = float(theta or 500_000.0)
+    return out
+
+
+def _olmo3_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's OLMo 3 keys (its olmo2 files with a window): the windowed layers as a list or a period (by
+    default 4: all but every 4th layer), their rope base where the file has one; YaRN's attention factor."""
+    n = int(cfg["num_hidden_layers"])
+    pattern = key("attention.sliding_window_pattern", 4)
+    windowed = [bool(x) for x in pattern] if isinstance(pattern, list) else [i % int(pattern) < int(pattern) - 1
+                                                                             for i in range(n)]
+    if len(windowed) != n:
+        raise UserError(f"an OLMo 3 GGUF whose sliding_window_pattern has {len(windowed)} layers, not {n}")
+    glob = dict(cfg["rope_parameters"])
+    if glob.get("rope_type") == "yarn" and key("rope.scaling.attn_factor") is not None:
+        glob["attention_factor"] = float(key("rope.scaling.attn_factor"))
+    local = {"rope_type": "default", "rope_theta": float(key("rope.freq_base_swa", glob["rope_theta"]))}
+    out = {"sliding_window": int(key("attention.sliding_window")),
+           "layer_types": ["sliding_attention" if w else "full_attention" for w in windowed],
+           "rope_parameters": {"full_attention": glob, "sliding_attention": local}}
+    if cfg.get("rope_scaling"):  # the global layers' scaling, as transformers reads it too
+        out["rope_scaling"] = {k: v for k, v in glob.items() if k != "rope_theta"}
+    return out
 
 
 # llama.cpp's names of the norms on attention's and the MLP's outputs (OLMo 2, Gemma).
@@ -338,8 +371,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            eos_tokens=("<|end_of_text|>", "<|end_of_role|>")),
     Family("smollm3", "SmolLM3ForCausalLM", _smollm3, gguf_permuted_qk=True, gguf_config=_smollm3_gguf,
            eos_tokens=("<|im_end|>", "<|end_of_text|>")),
-    Family("olmo2", "Olmo2ForCausalLM", lambda d: {"norms": ("attn_out_norm", "mlp_out_norm"), "qk_norm": "full"},
-           gguf_tensors=_POST_NORM_TENSORS, gguf_config=_olmo2_gguf,
+    Family("olmo2", "Olmo2ForCausalLM", lambda d: _OLMO2, gguf_tensors=_POST_NORM_TENSORS,
+           eos_tokens=("<|endoftext|>", "<|im_end|>")),
+    # llama.cpp files OLMo 3 under olmo2; its windowed layers tell it apart (models/gguf.py).
+    Family("olmo3", "Olmo3ForCausalLM", _olmo3, gguf_tensors=_POST_NORM_TENSORS, gguf_config=_olmo3_gguf,
            eos_tokens=("<|endoftext|>", "<|im_end|>")),
     Family("phi3", "Phi3ForCausalLM", _phi3, gguf_config=_phi3_gguf, rms_eps_default=1e-5,
            gguf_tensors={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
