@@ -15,7 +15,7 @@ import torch
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 # The families that are switches over the same block (runtime/families.py): the parity tests run
 # them too; the engine-level tests of every feature keep the four above.
-FAMILY_ARCHS = ["granite", "smollm3", "olmo2", "olmo3", "gemma3", "gemma2", "phi3"]
+FAMILY_ARCHS = ["granite", "smollm3", "olmo2", "olmo3", "gemma3", "gemma2", "phi3", "mistral3"]
 
 
 USER_COSTS_ENV = "SPECEXTEND_TESTS_USER_COST_CACHE"  # the cost cache's setting before the tests moved it
@@ -190,6 +190,13 @@ def tiny_hf_config(arch: str, vocab: int = 64, layers: int = 2, **kw):
         return tf.Phi3Config(pad_token_id=None, **common)
     if arch == "olmo2":
         return tf.Olmo2Config(pad_token_id=None, **common)
+    if arch == "mistral3":
+        # Ministral 3's YaRN and its attention temperature from an original window shorter than the tests'
+        # prompts, with a beta large enough that a temperature dropped, or applied from the wrong position, shows.
+        common.setdefault("rope_parameters", {
+            "rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5})
+        return tf.Ministral3Config(pad_token_id=None, sliding_window=None, **common)
     if arch == "olmo3":
         # A window shorter than the tests' prompts on all but every 4th layer (alternating in a model of fewer
         # than 4), YaRN on the global layers alone, its attention factor other than the default (the file's

@@ -37,7 +37,7 @@ WINDOW = 16  # Gemma's sliding window here: the prompts are longer
 PROMPT = torch.randint(0, 95, (40,), generator=torch.Generator().manual_seed(7)).tolist()
 SMALL = dict(chunk_size=4, top_k_chunks=3, retrieve_every=2, tree_budget=6, tree_depth=4, tree_topk=2,
              cmr_min_ratio=0.0)
-PERMUTED = {"granite", "smollm3"}  # llama.cpp converts these as Llama (LlamaModel subclasses)
+PERMUTED = {"granite", "smollm3", "mistral3"}  # llama.cpp converts these as Llama (LlamaModel subclasses)
 NORM_SHIFT = {"gemma3": 1.0, "gemma2": 1.0}  # what llama.cpp adds to `*norm.weight` (Gemma's norms scale by 1 + w)
 GGUF_ARCH = {"olmo3": "olmo2"}  # llama.cpp files OLMo 3 under olmo2
 
@@ -97,6 +97,15 @@ def _metadata(w: gguf.GGUFWriter, arch: str, cfg) -> None:
         w.add_rope_scaling_attn_factors(glob["attention_factor"])
         w.add_rope_scaling_orig_ctx_len(glob["original_max_position_embeddings"])
         w.add_rope_freq_base_swa(local["rope_theta"])
+    if arch == "mistral3":  # LlamaModel's YaRN keys, then Ministral 3's own: mscale_all_dim, the temperature
+        rope = cfg.rope_parameters
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        w.add_rope_scaling_yarn_log_mul(rope["mscale_all_dim"])
+        w.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
     if arch == "granite":
         w.add_attention_scale(cfg.attention_multiplier)
         w.add_embedding_scale(cfg.embedding_multiplier)

@@ -576,6 +576,21 @@ def test_a_random_olmo3_file_loads_as_the_family(tmp_path, tokenizer_gguf) -> No
     assert torch.isfinite(model.prefill(torch.arange(1, 41), cache, chunk=8)).all() and cache.wk.shape[2] == 24
 
 
+def test_a_random_ministral3_file_loads_as_the_family(tmp_path, tokenizer_gguf) -> None:
+    """The Ministral 3 preset at a tiny size (llama.cpp's mistral3): YaRN at magnitude 1 (the file's
+    yarn_log_multiplier as transformers' mscale_all_dim) and the attention temperature's beta from the file,
+    from the original window on; decode steps inside that window take the whole-step call."""
+    config = {**gguf_files.PRESETS["ministral-3-8b"], "hidden_size": 256, "intermediate_size": 512,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+              "original_max_position_embeddings": 16}
+    src = gguf_files.write_random(tmp_path / "m.gguf", config, "Q4_K_M", tokenizer_gguf, progress=False)
+    model = load_model(registry.converted_gguf(src, progress=False), torch.float32, weights="gguf")
+    c = model.cfg
+    assert c.arch == "mistral3" and (c.attn_temperature, c.temperature_length) == (0.1, 16) and c.stepped
+    assert c.rope_scaling["rope_type"] == "yarn" and c.rope_scaling["attention_factor"] == 1.0
+    assert torch.isfinite(model.prefill(torch.arange(1, 41), model.new_cache(48), chunk=8)).all()
+
+
 def test_a_random_granite_file_loads_with_its_multipliers(tmp_path, tokenizer_gguf) -> None:
     config = {**gguf_files.PRESETS["granite-3-8b"], "hidden_size": 256, "intermediate_size": 512,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}

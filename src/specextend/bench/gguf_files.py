@@ -100,6 +100,14 @@ PRESETS: dict[str, dict[str, Any]] = {
                   "rope_scaling_type": "yarn", "rope_scaling_factor": 8.0, "original_max_position_embeddings": 8192,
                   "yarn_attention_factor": 1.2079441541679836, "rms_norm_eps": 1e-6,
                   "max_position_embeddings": 65536, "tie_word_embeddings": False},
+    # Ministral 3 8B (text; llama.cpp's mistral3): Mistral's layers, YaRN (16x over 16,384, magnitude 1), Llama 4's
+    # attention temperature (beta 0.1) from 16,384 tokens on.
+    "ministral-3-8b": {"model_type": "mistral3", "hidden_size": 4096, "intermediate_size": 14336,
+                       "num_hidden_layers": 34, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                       "rope_theta": 1000000.0, "rope_scaling_type": "yarn", "rope_scaling_factor": 16.0,
+                       "original_max_position_embeddings": 16384, "yarn_log_multiplier": 1.0,
+                       "attention_temperature_scale": 0.1, "rms_norm_eps": 1e-5, "max_position_embeddings": 262144,
+                       "tie_word_embeddings": False},
     # Granite 3.1 8B: Llama's layers with embedding, residual, attention and logit multipliers, tied embeddings.
     "granite-3-8b": {"model_type": "granite", "hidden_size": 4096, "intermediate_size": 12800,
                      "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -116,7 +124,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 # The model types a random file can take (the expert ones: each layer's experts stacked, llama.cpp's way).
 RANDOM_TYPES = ("llama", "qwen2", "olmoe", "qwen3moe", "qwen2moe", "gemma2", "gemma3", "granite", "gpt-oss", "phi3",
-                "olmo2")
+                "olmo2", "mistral3")
 # Granite's multipliers: the config's names and the GGUF writer's (llama.cpp's *_scale keys).
 GRANITE_SCALES = {"embedding_multiplier": "add_embedding_scale", "residual_multiplier": "add_residual_scale",
                   "attention_multiplier": "add_attention_scale", "logits_scaling": "add_logit_scale"}
@@ -416,6 +424,10 @@ def _write_keys(w: Any, config: dict[str, Any]) -> None:
             w.add_rope_scaling_orig_ctx_len(int(config["original_max_position_embeddings"]))
         if config.get("yarn_attention_factor"):  # OLMo 3's converter writes HF's attention_factor
             w.add_rope_scaling_attn_factors(float(config["yarn_attention_factor"]))
+        if "yarn_log_multiplier" in config:  # Ministral 3's converter: HF's mscale_all_dim
+            w.add_rope_scaling_yarn_log_mul(float(config["yarn_log_multiplier"]))
+    if config.get("attention_temperature_scale"):
+        w.add_attn_temperature_scale(float(config["attention_temperature_scale"]))
     if config.get("num_experts"):
         w.add_expert_count(int(config["num_experts"]))
         w.add_expert_used_count(int(config["num_experts_per_tok"]))

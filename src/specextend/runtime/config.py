@@ -53,6 +53,10 @@ class ModelConfig:
     local_rope_theta: float | None = None  # windowed layers' rope base, unscaled (None: the global rope)
     rotary_dim: int = 0  # the leading dimensions of each head that rope rotates (0: all of them)
     attn_sinks: bool = False  # a learned logit per query head joins each softmax's denominator (gpt-oss)
+    # Llama 4's attention temperature (Ministral 3): queries at position p scaled by 1 + attn_temperature
+    # * log(1 + floor(p / temperature_length)), exactly 1 within the first temperature_length positions.
+    attn_temperature: float = 0.0
+    temperature_length: int = 0
     o_bias: bool = False  # the output projection has a bias (gpt-oss)
     # Mixture of experts (runtime/experts.py; 0 experts: the dense MLP of `intermediate_size`).
     experts: int = 0  # experts a layer holds
@@ -184,7 +188,7 @@ class ModelConfig:
         rope = dict(d.get("rope_parameters") or {})
         rope = dict(rope.get("full_attention") or {}) if "full_attention" in rope else rope
         scaling = d.get("rope_scaling") or None
-        if scaling is None and rope.get("rope_type", "default") != "default":
+        if scaling is None and rope.get("rope_type", rope.get("type", "default")) != "default":
             scaling = rope
         theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
         if scaling is not None:
@@ -248,7 +252,8 @@ def yarn_scaling(scaling: dict[str, Any], rope: dict[str, Any], max_position: in
 # The fields a family sets (everything after the sizes): `plain` compares them with the defaults.
 _SWITCHES = frozenset({"norms", "norm_plus_one", "activation", "embed_scale", "residual_scale", "attn_scale",
                        "attn_softcap", "logit_divisor", "final_softcap", "sliding_window", "window_layers",
-                       "rope_layers", "local_rope_theta", "rotary_dim", "attn_sinks", "o_bias", "experts",
+                       "rope_layers", "local_rope_theta", "rotary_dim", "attn_sinks", "attn_temperature", "o_bias",
+                       "experts",
                        "experts_used", "expert_ff", "shared_ff", "router", "expert_act"})
 # The expert layer's switches (the folded per-layer kernels have no expert layer: `plain` is False with them).
 _EXPERT_SWITCHES = frozenset({"experts", "experts_used", "expert_ff", "shared_ff", "router", "expert_act"})

@@ -268,6 +268,39 @@ def _phi3_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _ministral3(d: dict[str, Any]) -> dict[str, Any]:
+    """Ministral 3 (llama.cpp's mistral3): Mistral's block under YaRN (config.py reads it, its mscale terms
+    with it) and Llama 4's attention temperature past the original window (`attn_temperature`)."""
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    beta = float(rope.get("llama_4_scaling_beta") or 0.0)
+    if not beta:
+        return {}
+    length = rope.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
+    if not length:
+        raise UserError("a Ministral 3 config with llama_4_scaling_beta but no original_max_position_embeddings")
+    return {"attn_temperature": beta, "temperature_length": int(length)}
+
+
+def _mistral3_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's mistral3 keys in transformers' terms: YaRN's betas and its mscale_all_dim (the file's
+    yarn_log_multiplier; mscale 1), the temperature's beta (from the original context on, as llama.cpp)."""
+    if key("expert_count"):
+        raise UserError("a mistral3 GGUF with experts (Mistral Large 3) is not supported")
+    rope = dict(cfg["rope_parameters"])
+    if rope.get("rope_type") == "yarn":
+        rope.update(beta_fast=float(key("rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=float(key("rope.scaling.yarn_beta_slow", 1.0)),
+                    mscale=1.0, mscale_all_dim=float(key("rope.scaling.yarn_log_multiplier", 1.0)))
+    beta = key("attention.temperature_scale")
+    if beta:
+        rope["llama_4_scaling_beta"] = float(beta)
+        rope.setdefault("original_max_position_embeddings", int(key("attention.temperature_length", 0)) or None)
+    out: dict[str, Any] = {"rope_parameters": rope}
+    if cfg.get("rope_scaling"):
+        out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return out
+
+
 # --------------------------------------------------------------------------- mixtures of experts
 # An expert family's MLP is runtime/experts.py's layer: a router picks `experts_used` of `experts`
 # MLPs a token (weighted as `router` says: experts.WEIGHTINGS), each of width `expert_ff`, with
@@ -365,6 +398,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", "LlamaForCausalLM", gguf_permuted_qk=True, rms_eps_default=1e-5,
            eos_tokens=("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")),
     Family("mistral", "MistralForCausalLM", gguf_permuted_qk=True, rms_eps_default=1e-5),
+    Family("mistral3", "Ministral3ForCausalLM", _ministral3, gguf_permuted_qk=True, gguf_config=_mistral3_gguf,
+           rms_eps_default=1e-5, hf_model_type="ministral3"),
     Family("qwen2", "Qwen2ForCausalLM", _qwen2, eos_tokens=("<|im_end|>", "<|endoftext|>")),
     Family("qwen3", "Qwen3ForCausalLM", lambda d: {"qk_norm": "head"}, eos_tokens=("<|im_end|>", "<|endoftext|>")),
     Family("granite", "GraniteForCausalLM", _granite, gguf_permuted_qk=True, gguf_config=_granite_gguf,

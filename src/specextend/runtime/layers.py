@@ -74,6 +74,15 @@ def _yarn_inv_freq(sc: dict, theta: float, dim: int) -> torch.Tensor:
     return 1.0 / (factor * pos) * (1 - extrapolated) + 1.0 / pos * extrapolated
 
 
+def query_temperature(beta: float, length: int, positions: torch.Tensor) -> torch.Tensor | None:
+    """Llama 4's attention temperature per position (`ModelConfig.attn_temperature`: beta, `temperature_length`),
+    in float32 as transformers and llama.cpp compute it; None where every position is inside the first `length`
+    (all exactly 1)."""
+    if not beta or int(positions.max()) < length:
+        return None
+    return 1 + beta * torch.log(1 + torch.floor(positions / length))
+
+
 def gated(activation: str, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """act(gate, up) of a dense gated MLP by the family's `activation` (the experts' are
     experts.ACTIVATIONS, gpt-oss's clamped SwiGLU among them)."""
@@ -240,6 +249,7 @@ class Block(nn.Module):
         self.rope_kind = cfg.rope_kind(index)
         self.window = cfg.sliding_window if cfg.windowed(index) else 0
         self.attn_scale, self.attn_softcap = cfg.attn_scale, cfg.attn_softcap
+        self.temperature = (cfg.attn_temperature, cfg.temperature_length)
         self.residual_scale = cfg.residual_scale
         self.activation = cfg.activation
         self.gelu = cfg.activation == "gelu_tanh"  # the whole-step call's GeGLU (fused_step.py)
@@ -306,6 +316,9 @@ class Block(nn.Module):
         if self.rope_kind >= 0:
             cos, sin = ropes[self.rope_kind]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        scales = None if positions is None else query_temperature(*self.temperature, positions)
+        if scales is not None:
+            q = q * scales.to(q.dtype)[None, :, None]
         if keep_q is not None and self.index in keep_q:
             keep_q[self.index] = q
         k_all, v_all, base = cache.write(self.index, k, v)
@@ -418,6 +431,9 @@ class Block(nn.Module):
             rows = slice(off, off + t)
             q = ext.rope_store(qkv[rows], cos[rows], sin[rows], self.n_heads, q_norm, k_norm, eps,
                                k_layer, v_layer, start - base, self.k_offset)
+            scales = query_temperature(*self.temperature, p.positions)
+            if scales is not None:  # the whole-step call leaves such rows to these kernels (Transformer._takes_step)
+                q = q * scales[None, :, None]
             if p.keep_q is not None and self.index in p.keep_q:
                 p.keep_q[self.index] = q
             end = start + cache.pending

@@ -280,8 +280,12 @@ class Transformer(nn.Module):
         a batch's sequences whatever their rows. A family with switches the C++ step does not
         implement (`ModelConfig.stepped`) keeps the per-layer kernels, and so does an expert model's
         forward of more rows than a step's (a batch's prefill: there each expert's many rows take the
-        many-row kernels through `Experts`)."""
+        many-row kernels through `Experts`) and a forward with rows past an attention temperature's first
+        window (Ministral 3 beyond its original context)."""
         if not self.cfg.stepped or self.step_rows <= 0 or (len(parts) == 1 and parts[0].size > self.step_rows):
+            return False
+        c = self.cfg  # the call has no attention temperature: rows past its first window take the layers' kernels
+        if c.attn_temperature and any(int(p.positions.max()) >= c.temperature_length for p in parts):
             return False
         if self.cfg.experts and x.shape[0] > self.step_rows:
             return False
