@@ -500,6 +500,33 @@ def test_an_olmo_3_file_of_the_older_converter_takes_every_4th_layer_as_global()
                                       "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}
 
 
+def test_published_olmo3_and_ministral3_configs_read_as_their_rope_says():
+    """Hugging Face config.json files as the checkpoints publish them (top-level rope keys, and transformers 5's rope
+    a layer type): OLMo 3's windowed layers on the global base unscaled, its global ones on YaRN; Ministral 3's
+    temperature from its original window, none where the config sets no beta."""
+    from specextend.runtime.config import ModelConfig
+
+    sizes = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4)
+    yarn = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192, "attention_factor": 1.2}
+    old = ModelConfig.from_hf({**sizes, "architectures": ["Olmo3ForCausalLM"], "rope_theta": 500000.0,
+                               "rope_scaling": yarn, "sliding_window": 4096, "max_position_embeddings": 65536})
+    new = ModelConfig.from_hf({**sizes, "architectures": ["Olmo3ForCausalLM"], "sliding_window": 4096,
+                               "max_position_embeddings": 65536, "rope_parameters": {
+                                   "full_attention": {**yarn, "rope_theta": 500000.0},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}}})
+    for c in (old, new):
+        assert c.window_layers == (True, True, True, False) and c.local_rope_theta == c.rope_theta == 500000.0
+        assert c.rope_scaling["rope_type"] == "yarn" and c.rope_scaling["attention_factor"] == 1.2
+    rope = {"type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 16384,
+            "mscale": 1.0, "mscale_all_dim": 1.0}
+    mini = ModelConfig.from_hf({**sizes, "architectures": ["Ministral3ForCausalLM"], "max_position_embeddings": 262144,
+                                "rope_parameters": {**rope, "llama_4_scaling_beta": 0.1}})
+    assert (mini.attn_temperature, mini.temperature_length) == (0.1, 16384)
+    assert mini.rope_scaling["rope_type"] == "yarn" and mini.rope_scaling["attention_factor"] == 1.0
+    plain = ModelConfig.from_hf({**sizes, "architectures": ["Ministral3ForCausalLM"], "rope_parameters": rope})
+    assert plain.attn_temperature == 0.0 and plain.rope_scaling["factor"] == 16.0
+
+
 @pytest.mark.parametrize("pattern", [[True, False], [True, False, True, True, False]])
 def test_an_olmo_3_pattern_of_the_wrong_length_is_refused_in_one_line(pattern):
     key = lambda name, default=None: {"attention.sliding_window_pattern": pattern,  # noqa: E731

@@ -253,8 +253,7 @@ def yarn_scaling(scaling: dict[str, Any], rope: dict[str, Any], max_position: in
 _SWITCHES = frozenset({"norms", "norm_plus_one", "activation", "embed_scale", "residual_scale", "attn_scale",
                        "attn_softcap", "logit_divisor", "final_softcap", "sliding_window", "window_layers",
                        "rope_layers", "local_rope_theta", "rotary_dim", "attn_sinks", "attn_temperature", "o_bias",
-                       "experts",
-                       "experts_used", "expert_ff", "shared_ff", "router", "expert_act"})
+                       "experts", "experts_used", "expert_ff", "shared_ff", "router", "expert_act"})
 # The expert layer's switches (the folded per-layer kernels have no expert layer: `plain` is False with them).
 _EXPERT_SWITCHES = frozenset({"experts", "experts_used", "expert_ff", "shared_ff", "router", "expert_act"})
 # The switches the plain block takes as per-layer rope tables.

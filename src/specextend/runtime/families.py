@@ -107,11 +107,12 @@ def _olmo3(d: dict[str, Any]) -> dict[str, Any]:
     types = d.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]
     window = int(d.get("sliding_window") or 0)
     rope = d.get("rope_parameters") or {}
-    theta = (rope.get("sliding_attention") or {}).get("rope_theta") or rope.get("rope_theta") or d.get("rope_theta")
+    local, glob = rope.get("sliding_attention") or {}, rope.get("full_attention") or rope
+    theta = local.get("rope_theta") or glob.get("rope_theta") or d.get("rope_theta") or 10_000.0  # config.py's default
     windowed = tuple(window > 0 and t == "sliding_attention" for t in types)
     out: dict[str, Any] = {**_OLMO2, "sliding_window": window, "window_layers": windowed}
     if any(windowed):
-        out["local_rope_theta"] = float(theta or 500_000.0)
+        out["local_rope_theta"] = float(theta)
     return out
 
 
