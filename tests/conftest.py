@@ -15,7 +15,7 @@ import torch
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 # The families that are switches over the same block (runtime/families.py): the parity tests run
 # them too; the engine-level tests of every feature keep the four above.
-FAMILY_ARCHS = ["granite", "smollm3", "olmo2", "olmo3", "gemma3", "gemma2", "phi3", "mistral3"]
+FAMILY_ARCHS = ["granite", "smollm3", "olmo2", "olmo3", "gemma3", "gemma2", "phi3", "mistral3", "exaone4"]
 
 
 USER_COSTS_ENV = "SPECEXTEND_TESTS_USER_COST_CACHE"  # the cost cache's setting before the tests moved it
@@ -190,6 +190,15 @@ def tiny_hf_config(arch: str, vocab: int = 64, layers: int = 2, **kw):
         return tf.Phi3Config(pad_token_id=None, **common)
     if arch == "olmo2":
         return tf.Olmo2Config(pad_token_id=None, **common)
+    if arch == "exaone4":
+        # The 1.2B's layout unless told otherwise: no window, rope on every layer; with `sliding_window`, the 32B's
+        # (windows on all but every 4th layer, which take no rope).
+        n = common["num_hidden_layers"]
+        window = common.pop("sliding_window", None)
+        common.setdefault("layer_types", ["sliding_attention" if window and (i + 1) % 4 else "full_attention"
+                                          for i in range(n)])
+        return tf.Exaone4Config(pad_token_id=None, sliding_window=window, sliding_window_pattern=4 if window else None,
+                                **common)
     if arch == "mistral3":
         # Ministral 3's YaRN and its attention temperature from an original window shorter than the tests'
         # prompts, with a beta large enough that a temperature dropped, or applied from the wrong position, shows.

@@ -500,6 +500,20 @@ def test_an_olmo_3_file_of_the_older_converter_takes_every_4th_layer_as_global()
                                       "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}
 
 
+def test_a_64_layer_exaone4_file_windows_and_drops_rope_on_its_global_layers_as_transformers_does(tmp_path):
+    """llama.cpp windows an EXAONE 4.0 file only at the 32B's 64 layers (all but every 4th, 4,096 tokens unless the
+    file says): a 64-layer tiny model with a window shorter than the prompt, its global layers without rope."""
+    kw = dict(SHAPE, hidden_size=64, intermediate_size=128, layers=64, sliding_window=WINDOW)
+    model = sharp(make_tiny_hf("exaone4", 0, dtype=torch.float32, **kw))
+    stored = write_like_llama_cpp(model, tmp_path / "m.gguf", "exaone4", window=WINDOW)
+    folder = conv.convert_gguf(tmp_path / "m.gguf", tmp_path / "hf", progress=False, tokenizer=False)
+    ours = load_model(folder, torch.float64, weights="float64")
+    assert ours.cfg.window_layers == ours.cfg.rope_layers == tuple((i + 1) % 4 != 0 for i in range(64))
+    ref = make_tiny_hf("exaone4", 0, dtype=torch.float64, **kw)
+    assert not set(ref.load_state_dict({k: v.double() for k, v in stored.items()}, strict=False).unexpected_keys)
+    assert torch.allclose(ours_logits(ours, PROMPT), hf_logits(ref, PROMPT), atol=1e-5, rtol=0)
+
+
 def test_published_olmo3_and_ministral3_configs_read_as_their_rope_says():
     """Hugging Face config.json files as the checkpoints publish them (top-level rope keys, and transformers 5's rope
     a layer type): OLMo 3's windowed layers on the global base unscaled, its global ones on YaRN; Ministral 3's

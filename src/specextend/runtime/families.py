@@ -269,6 +269,34 @@ def _phi3_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _exaone4(d: dict[str, Any]) -> dict[str, Any]:
+    """EXAONE 4.0: OLMo 2's norms after attention and the MLP, per-head q/k norms, and where a window is set (the 32B)
+    windowed layers (HF's `layer_types`; by default all but every `sliding_window_pattern`-th) with rope, the
+    global layers without (NoPE), as transformers' Exaone4Attention ropes only windowed layers once a window is set."""
+    n = int(d["num_hidden_layers"])
+    window = int(d.get("sliding_window") or 0)
+    pattern = d.get("sliding_window_pattern")
+    types = d.get("layer_types")
+    if types is None:
+        every = int(pattern) if isinstance(pattern, int) and window else 0
+        types = ["sliding_attention" if every and (i + 1) % every else "full_attention" for i in range(n)]
+    out: dict[str, Any] = {"norms": ("attn_out_norm", "mlp_out_norm"), "qk_norm": "head"}
+    if window:
+        windowed = tuple(t == "sliding_attention" for t in types)
+        out.update(sliding_window=window, window_layers=windowed, rope_layers=windowed)
+    return out
+
+
+def _exaone4_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp windows an EXAONE 4.0 file only where it has 64 layers (the 32B): all but every 4th layer, 4,096
+    tokens unless the file says its window; the 1.2B attends fully with rope on every layer."""
+    n = int(cfg["num_hidden_layers"])
+    if n != 64:
+        return {"sliding_window": None, "layer_types": ["full_attention"] * n}
+    return {"sliding_window": int(key("attention.sliding_window", 4096)), "sliding_window_pattern": 4,
+            "layer_types": ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]}
+
+
 def _ministral3(d: dict[str, Any]) -> dict[str, Any]:
     """Ministral 3 (llama.cpp's mistral3): Mistral's block under YaRN (config.py reads it, its mscale terms
     with it) and Llama 4's attention temperature past the original window (`attn_temperature`)."""
@@ -412,6 +440,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # llama.cpp files OLMo 3 under olmo2; its windowed layers tell it apart (models/gguf.py).
     Family("olmo3", "Olmo3ForCausalLM", _olmo3, gguf_tensors=_POST_NORM_TENSORS, gguf_config=_olmo3_gguf,
            eos_tokens=("<|endoftext|>", "<|im_end|>")),
+    Family("exaone4", "Exaone4ForCausalLM", _exaone4, gguf_tensors=_POST_NORM_TENSORS, gguf_config=_exaone4_gguf,
+           rms_eps_default=1e-5, eos_tokens=("[|endofturn|]",)),
     Family("phi3", "Phi3ForCausalLM", _phi3, gguf_config=_phi3_gguf, rms_eps_default=1e-5,
            gguf_tensors={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
            eos_tokens=("<|end|>", "<|endoftext|>")),
