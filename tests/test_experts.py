@@ -27,8 +27,9 @@ from test_gguf import llama_cpp_permute
 from test_quantized_runtime import tree
 from test_step import run as step_run
 
-ARCHS = ["qwen3moe", "qwen2moe", "mixtral", "olmoe"]
+ARCHS = ["qwen3moe", "qwen2moe", "mixtral", "olmoe", "granitemoe"]
 GGUF_ARCH = {"mixtral": "llama"}  # llama.cpp files Mixtral under llama
+PERMUTED = {"mixtral", "granitemoe"}  # llama.cpp converts these as Llama (Q/K rows interleaved)
 # Widths divisible by 256 (K-quants); each expert 256 wide, 8 of them, 2 or 3 a token.
 HIDDEN, FF, SHARED_FF, VOCAB, LAYERS = 256, 256, 512, 96, 2
 PROMPT = torch.randint(0, 95, (24,), generator=torch.Generator().manual_seed(7)).tolist()
@@ -48,6 +49,10 @@ def hf_config(arch: str, layers: int = LAYERS):
         return tf.Qwen2MoeConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=FF, intermediate_size=512,
                                  shared_expert_intermediate_size=SHARED_FF, norm_topk_prob=False, rms_norm_eps=1e-6,
                                  **common)
+    if arch == "granitemoe":  # Granite's multipliers far from 1, so a forward that drops one cannot pass
+        return tf.GraniteMoeConfig(num_local_experts=8, num_experts_per_tok=2, intermediate_size=FF, rms_norm_eps=1e-5,
+                                   embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.25,
+                                   logits_scaling=2.5, **common)
     if arch == "mixtral":
         return tf.MixtralConfig(num_local_experts=8, num_experts_per_tok=2, intermediate_size=FF, rms_norm_eps=1e-5,
                                 sliding_window=None, **common)
@@ -68,7 +73,7 @@ def make_moe(arch: str, seed: int = 0, layers: int = LAYERS, dtype=torch.float32
             if "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif p.ndim >= 2:
-                sharp = 4.0 if name.endswith("mlp.gate.weight") else 1.0
+                sharp = 4.0 if name.endswith(("mlp.gate.weight", "router.weight")) else 1.0
                 p.copy_(torch.randn_like(p) * (sharp * 0.6 / p.shape[-1] ** 0.5))
             else:
                 p.copy_(0.1 * torch.randn_like(p))
@@ -78,10 +83,12 @@ def make_moe(arch: str, seed: int = 0, layers: int = LAYERS, dtype=torch.float32
 def _gguf_names(arch: str, hf: str, names) -> list[tuple[str, slice | None]]:
     """GGUF tensor names for a HF tensor (a fused expert gate_up: two, each a half of its rows)."""
     m = hf.split(".")
-    if hf.endswith("mlp.experts.gate_up_proj"):
+    if hf.endswith("experts.gate_up_proj"):  # mlp's, or Granite MoE's block_sparse_moe's
         return [(f"blk.{m[2]}.ffn_gate_exps.weight", slice(0, FF)), (f"blk.{m[2]}.ffn_up_exps.weight", slice(FF, None))]
-    if hf.endswith("mlp.experts.down_proj"):
+    if hf.endswith("experts.down_proj"):
         return [(f"blk.{m[2]}.ffn_down_exps.weight", None)]
+    if hf.endswith("block_sparse_moe.router.weight"):  # transformers 5's name of Granite MoE's router
+        return [(f"blk.{m[2]}.ffn_gate_inp.weight", None)]
     gname = names.get_name(hf, try_suffixes=(".weight", ".bias"))
     assert gname is not None, hf
     return [(gname, None)]
@@ -110,10 +117,16 @@ def write_moe_gguf(model, path, arch: str, kind: str = "F32", seed: int = 0) -> 
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if arch == "granitemoe":  # Granite's multipliers, as llama.cpp's converter names them
+        w.add_attention_scale(cfg.attention_multiplier)
+        w.add_embedding_scale(cfg.embedding_multiplier)
+        w.add_residual_scale(cfg.residual_multiplier)
+        w.add_logit_scale(cfg.logits_scaling)
     w.add_bos_token_id(0)
     w.add_eos_token_id(cfg.vocab_size - 1)
     w.add_pad_token_id(0)
-    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, garch.upper()), cfg.num_hidden_layers)
+    arch_id = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == garch)
+    names = gguf.get_tensor_name_map(arch_id, cfg.num_hidden_layers)
     rng = np.random.default_rng(seed)
     stored: dict[str, torch.Tensor] = {}
     for hf, value in ((k, v.detach().float().numpy()) for k, v in model.state_dict().items()):
@@ -121,13 +134,13 @@ def write_moe_gguf(model, path, arch: str, kind: str = "F32", seed: int = 0) -> 
         for gname, rows in _gguf_names(arch, hf, names):
             data = value if rows is None else value[:, rows]
             heads = None
-            if arch == "mixtral" and hf.endswith(("q_proj.weight", "k_proj.weight")):
+            if arch in PERMUTED and hf.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = cfg.num_attention_heads if "q_proj" in hf else cfg.num_key_value_heads
                 data = llama_cpp_permute(data, heads)
             if hf.endswith("shared_expert_gate.weight"):
                 data = data.reshape(-1)  # llama.cpp's ffn_gate_inp_shexp is a vector
-            back = _add(w, gname, np.ascontiguousarray(data), kind if value.ndim >= 2 and "mlp.gate." not in hf
-                        and "expert_gate" not in hf else "F32", rng)
+            router = "mlp.gate." in hf or "router." in hf or "expert_gate" in hf
+            back = _add(w, gname, np.ascontiguousarray(data), kind if value.ndim >= 2 and not router else "F32", rng)
             if heads is not None:
                 back = llama_cpp_permute_back(back, heads)
             backs.append(back.reshape(value[:, rows].shape if rows is not None else value.shape))
@@ -191,7 +204,8 @@ def test_the_gguf_rebuilds_the_expert_config(converted, arch):
     assert cfg.arch == arch and not cfg.plain
     assert (cfg.experts, cfg.experts_used, cfg.expert_ff) == (8, ref.num_experts_per_tok, FF)
     assert cfg.shared_ff == (SHARED_FF if arch == "qwen2moe" else 0)
-    assert cfg.router == ("softmax_topk_norm" if arch in ("qwen3moe", "mixtral") else "softmax_topk")
+    assert cfg.router == {"qwen3moe": "softmax_topk_norm", "mixtral": "softmax_topk_norm",
+                          "granitemoe": "topk_softmax"}.get(arch, "softmax_topk")
     assert cfg.qk_norm == {"qwen3moe": "head", "olmoe": "full"}.get(arch, "")
     assert config["model_type"] == ref.model_type
 
@@ -400,7 +414,7 @@ def test_a_shared_expert_is_described_and_stepped(converted):
     assert "a shared expert" in model.cfg.describe() and "whole-step C++ call for decode" in model.cfg.describe()
 
 
-@pytest.mark.parametrize("arch", ["qwen2moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen2moe", "mixtral", "granitemoe"])
 def test_a_hugging_face_folder_of_an_expert_model_loads(tmp_path, arch):
     """transformers' own checkpoint (one tensor an expert: `experts.{e}.gate_proj`, Mixtral's
     `block_sparse_moe.experts.{e}.w1`): float64 logits are transformers', int8 runs the kernels."""

@@ -456,7 +456,7 @@ def test_the_estimate_follows_the_scheme_auto_picks(tmp_path: Path) -> None:
         assert slow.loaded_bytes == (64 * 32 + 256 * 32 + 64) * 4 and slow.converted_bytes == fast.converted_bytes
 
 
-@pytest.mark.parametrize("preset", ["olmoe-1b-7b", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("preset", ["olmoe-1b-7b", "qwen3-30b-a3b", "granite-3.1-3b-a800m"])
 def test_a_random_expert_file_of_each_preset_loads_with_its_experts(tmp_path, tokenizer_gguf, preset) -> None:
     """The expert presets' layouts at a tiny size: the experts' width (Qwen3-MoE's moe_intermediate_size,
     OLMoE's intermediate_size), their count and the q/k norms' widths are what the family reads."""

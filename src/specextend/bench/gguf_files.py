@@ -108,6 +108,14 @@ PRESETS: dict[str, dict[str, Any]] = {
                        "original_max_position_embeddings": 16384, "yarn_log_multiplier": 1.0,
                        "attention_temperature_scale": 0.1, "rms_norm_eps": 1e-5, "max_position_embeddings": 262144,
                        "tie_word_embeddings": False},
+    # Granite 3.1 3B-A800M: Granite's multipliers over 40 experts of 512 a layer, 8 a token (the top 8 logits'
+    # softmax), tied embeddings.
+    "granite-3.1-3b-a800m": {"model_type": "granitemoe", "hidden_size": 1536, "intermediate_size": 512,
+                             "num_hidden_layers": 32, "num_attention_heads": 24, "num_key_value_heads": 8,
+                             "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 131072,
+                             "tie_word_embeddings": True, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                             "attention_multiplier": 0.015625, "logits_scaling": 6.0, "num_experts": 40,
+                             "num_experts_per_tok": 8},
     # Granite 3.1 8B: Llama's layers with embedding, residual, attention and logit multipliers, tied embeddings.
     "granite-3-8b": {"model_type": "granite", "hidden_size": 4096, "intermediate_size": 12800,
                      "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -124,7 +132,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 # The model types a random file can take (the expert ones: each layer's experts stacked, llama.cpp's way).
 RANDOM_TYPES = ("llama", "qwen2", "olmoe", "qwen3moe", "qwen2moe", "gemma2", "gemma3", "granite", "gpt-oss", "phi3",
-                "olmo2", "mistral3")
+                "olmo2", "mistral3", "granitemoe")
 # Granite's multipliers: the config's names and the GGUF writer's (llama.cpp's *_scale keys).
 GRANITE_SCALES = {"embedding_multiplier": "add_embedding_scale", "residual_multiplier": "add_residual_scale",
                   "attention_multiplier": "add_attention_scale", "logits_scaling": "add_logit_scale"}
@@ -209,7 +217,6 @@ def tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tuple
     heads = config["num_attention_heads"]
     kv = config.get("num_key_value_heads", heads)
     hd = config.get("head_dim") or h // heads
-    qwen = config.get("model_type") in ("qwen2", "qwen2moe")
     experts = int(config.get("num_experts") or 0)
     gemma = config.get("model_type") in ("gemma2", "gemma3")  # sandwich norms
     oss = config.get("model_type") == "gpt-oss"
@@ -244,7 +251,7 @@ def tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tuple
         if not oss and not olmo:
             yield b + "ffn_norm.weight", (h,), "F32"
         if experts:
-            if not oss and not qwen:  # Qwen3-MoE's and OLMoE's q/k norms
+            if config.get("model_type") in ("qwen3moe", "olmoe"):  # their q/k norms
                 yield b + "attn_q_norm.weight", (hd if head_norm else heads * hd,), "F32"
                 yield b + "attn_k_norm.weight", (hd if head_norm else kv * hd,), "F32"
             yield from _expert_tensors(b, config, exps or main, exps or (more if more_bits(i) else main))

@@ -388,9 +388,10 @@ def _fill_experts(moe: Experts, w: _Weights, p: str, cfg: ModelConfig) -> None:
     file's types) or stacked here from a Hugging Face checkpoint (`_expert_tensor`); the shared
     expert as any projection."""
     h, n, ff = cfg.hidden_size, cfg.experts, cfg.expert_ff
-    if not w.ts.has(p + "gate.weight") and w.ts.has(_mixtral(p) + "gate.weight"):
-        p = _mixtral(p)  # a Mixtral checkpoint's block_sparse_moe
-    moe.router.weight = w.wrap(_checked(w.ts.get(p + "gate.weight", w.act), (n, h), p + "gate.weight"))
+    # A checkpoint's block_sparse_moe (Mixtral's, Granite MoE's), its router `gate` or (Granite MoE) `router.layer`.
+    p, router = next(((q, r) for q in (p, _mixtral(p)) for r in ("gate.weight", "router.layer.weight", "router.weight")
+                      if w.ts.has(q + r)), (p, "gate.weight"))
+    moe.router.weight = w.wrap(_checked(w.ts.get(p + router, w.act), (n, h), p + router))
     if w.ts.has(p + "gate.bias"):
         moe.router.bias = w.param(p + "gate.bias")
     if moe.shared:
@@ -421,16 +422,20 @@ def _mixtral(p: str) -> str:
 
 def _expert_tensor(w: _Weights, p: str, name: str, n: int, ff: int) -> torch.Tensor:
     """One projection of every expert, [experts, rows, width], in float: stacked already (a converted
-    GGUF), transformers 5's fused `gate_up_proj`, or one tensor an expert (`experts.{e}.gate_proj`,
-    Mixtral's `experts.{e}.w1`)."""
+    GGUF), transformers 5's fused `gate_up_proj` (Granite MoE's `input_linear`), or one tensor an expert
+    (`experts.{e}.gate_proj`, Mixtral's `experts.{e}.w1`)."""
     if w.ts.has(f"{p}experts.{name}_proj.weight"):
         return w.ts.get(f"{p}experts.{name}_proj.weight", w.act).reshape(n, -1, w.ts.shape(
             f"{p}experts.{name}_proj.weight")[-1])
-    if name != "down" and w.ts.has(p + "experts.gate_up_proj"):
-        fused = w.ts.get(p + "experts.gate_up_proj", w.act)
-        return fused[:, :ff] if name == "gate" else fused[:, ff:]
-    if w.ts.has(p + "experts.down_proj"):
-        return w.ts.get(p + "experts.down_proj", w.act)
+    # transformers 5's fused gate_up_proj and stacked down_proj, or Granite MoE's checkpoint names of the same
+    fused, down = next(((a, b) for a, b in (("experts.gate_up_proj", "experts.down_proj"),
+                                            ("input_linear.weight", "output_linear.weight")) if w.ts.has(p + b)),
+                       (None, None))
+    if name != "down" and fused is not None and w.ts.has(p + fused):
+        both = w.ts.get(p + fused, w.act)
+        return both[:, :ff] if name == "gate" else both[:, ff:]
+    if down is not None:
+        return w.ts.get(p + down, w.act)
     own = {"gate": "w1", "up": "w3", "down": "w2"}[name] if "block_sparse_moe" in p else f"{name}_proj"
     names = [f"{p}experts.{e}.{own}.weight" for e in range(n)]
     return w.stacked(names).reshape(n, -1, w.ts.shape(names[0])[-1])

@@ -382,6 +382,17 @@ def _olmoe(d: dict[str, Any]) -> dict[str, Any]:
     return {**_experts(d), "qk_norm": "full"}
 
 
+def _granitemoe(d: dict[str, Any]) -> dict[str, Any]:
+    """Granite 3 MoE: Granite's multipliers over experts whose router takes the top k logits, then their softmax."""
+    return {**_granite(d), **_experts(d), "router": "topk_softmax"}
+
+
+def _granitemoe_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
+    out = _experts_gguf(key, cfg, None)  # the router's weights, a softmax of the top k, need no renormalising
+    return {**_granite_gguf(key, cfg), "num_local_experts": out.pop("num_experts"), **out,
+            "intermediate_size": out["moe_intermediate_size"]}
+
+
 def _mixtral_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
     out = _experts_gguf(key, cfg, True)  # Mixtral always renormalises its top 2
     return {"num_local_experts": out.pop("num_experts"), **out,
@@ -459,6 +470,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # llama.cpp files Mixtral under `llama`; its expert tensors tell it apart (models/gguf.py).
     Family("mixtral", "MixtralForCausalLM", lambda d: _experts(d, True), gguf_permuted_qk=True,
            gguf_tensors=_EXPERT_TENSORS, gguf_config=_mixtral_gguf, rms_eps_default=1e-5),
+    Family("granitemoe", "GraniteMoeForCausalLM", _granitemoe, gguf_permuted_qk=True, gguf_tensors=_EXPERT_TENSORS,
+           gguf_config=_granitemoe_gguf, rms_eps_default=1e-5, eos_tokens=("<|end_of_text|>", "<|end_of_role|>")),
     Family("olmoe", "OlmoeForCausalLM", _olmoe, gguf_tensors=_EXPERT_TENSORS,
            gguf_config=lambda key, cfg: _experts_gguf(key, cfg, False), rms_eps_default=1e-5,
            eos_tokens=("<|endoftext|>", "<|im_end|>")),
