@@ -539,6 +539,11 @@ def test_published_olmo3_and_ministral3_configs_read_as_their_rope_says():
     assert mini.rope_scaling["rope_type"] == "yarn" and mini.rope_scaling["attention_factor"] == 1.0
     plain = ModelConfig.from_hf({**sizes, "architectures": ["Ministral3ForCausalLM"], "rope_parameters": rope})
     assert plain.attn_temperature == 0.0 and plain.rope_scaling["factor"] == 16.0
+    from specextend.runtime.layers import query_temperature
+
+    assert query_temperature(0.1, 16, torch.arange(16)) is None and query_temperature(0.1, 16, torch.arange(0)) is None
+    assert torch.equal(query_temperature(0.1, 16, torch.tensor([15, 16, 48])),
+                       1 + 0.1 * torch.log(torch.tensor([1.0, 2.0, 4.0])))
 
 
 @pytest.mark.parametrize("pattern", [[True, False], [True, False, True, True, False]])

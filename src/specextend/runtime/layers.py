@@ -78,7 +78,7 @@ def query_temperature(beta: float, length: int, positions: torch.Tensor) -> torc
     """Llama 4's attention temperature per position (`ModelConfig.attn_temperature`: beta, `temperature_length`),
     in float32 as transformers and llama.cpp compute it; None where every position is inside the first `length`
     (all exactly 1)."""
-    if not beta or int(positions.max()) < length:
+    if not beta or positions.numel() == 0 or int(positions.max()) < length:
         return None
     return 1 + beta * torch.log(1 + torch.floor(positions / length))
 

@@ -285,7 +285,7 @@ class Transformer(nn.Module):
         if not self.cfg.stepped or self.step_rows <= 0 or (len(parts) == 1 and parts[0].size > self.step_rows):
             return False
         c = self.cfg  # the call has no attention temperature: rows past its first window take the layers' kernels
-        if c.attn_temperature and any(int(p.positions.max()) >= c.temperature_length for p in parts):
+        if c.attn_temperature and any(p.size and int(p.positions.max()) >= c.temperature_length for p in parts):
             return False
         if self.cfg.experts and x.shape[0] > self.step_rows:
             return False
