@@ -125,6 +125,37 @@ Kernels kernels_for(Path path) {
   }
 }
 
+// A partial panel (the last of a segment whose width is not a multiple of 16) for rows [r0, r1) through the
+// path's vector tile: the blob holds it as a whole panel (zeros past the width) and each lane is its own
+// channel, so the tile gives the valid channels the bits it gives a full panel's (every path's tile gives the
+// portable tile's), into a full panel's scratch rows with the bias and residual padded the same way; the
+// valid columns are copied out. (The portable tile, which can write part of a panel, ran 7-10x slower: a
+// router of 40 experts' three parts, 120 rows, took 110 us a row against 15 for 128 rows.)
+void partial_panel(TileFn tile, int tile_rows, const Segment& s, const uint8_t* pb, const Rows& x, int64_t r0,
+                   int64_t r1, const TileOut& out) {
+  const int v = out.valid;
+  std::vector<float> y(static_cast<size_t>(r1) * kPanel), res, bias;
+  TileOut pad{y.data(), kPanel, nullptr, nullptr, kPanel};
+  if (out.bias != nullptr) {
+    bias.assign(kPanel, 0.f);
+    std::copy(out.bias, out.bias + v, bias.begin());
+    pad.bias = bias.data();
+  }
+  if (out.residual != nullptr) {
+    res.assign(static_cast<size_t>(r1) * kPanel, 0.f);
+    for (int64_t r = r0; r < r1; ++r)
+      std::copy(out.residual + r * out.ldo, out.residual + r * out.ldo + v, res.begin() + r * kPanel);
+    pad.residual = res.data();
+  }
+  const int64_t tiles = (r1 - r0 + tile_rows - 1) / tile_rows;
+  for (int64_t ti = 0, r = r0; ti < tiles; ++ti) {
+    const int rows = static_cast<int>((r1 - r) / (tiles - ti));
+    tile(s, pb, x, r, rows, pad);
+    r += rows;
+  }
+  for (int64_t r = r0; r < r1; ++r) std::copy(y.begin() + r * kPanel, y.begin() + r * kPanel + v, out.y + r * out.ldo);
+}
+
 // BF16D's panels from p (the segment's panel index; `left` of them in this call) for rows [r0, r1):
 // its kernels where the path has them, else the portable tiles. Returns the panels done.
 template <class OutAt>
@@ -231,11 +262,15 @@ void linear_block(Path path, const Linear& op, int64_t p0, int64_t p1, int64_t r
         kn.rows(s, pb, op.x, r, static_cast<int>(std::min<int64_t>(kRowBlock, r1 - r)), out, scratch);
       continue;
     }
+    if (vector && out.valid < kPanel) {
+      partial_panel(kn.tile, kn.tile_rows, s, pb, op.x, r0, r1, out);
+      continue;
+    }
     for (int64_t ti = 0, r = r0; ti < tiles; ++ti) {
       // Balanced tiles (16 rows in tiles of 10: 8 + 8, not 10 + 6); which tile a row lands in
-      // never changes its bits. A partial panel (a width not a multiple of 16) runs portable.
+      // never changes its bits.
       const int rows = static_cast<int>((r1 - r) / (tiles - ti));
-      (vector && out.valid == kPanel ? kn.tile : tile_portable)(s, pb, op.x, r, rows, out);
+      kn.tile(s, pb, op.x, r, rows, out);
       r += rows;
     }
   }
