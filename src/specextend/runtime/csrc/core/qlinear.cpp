@@ -125,16 +125,31 @@ Kernels kernels_for(Path path) {
   }
 }
 
+// Rows [r0, r1) of one panel in balanced tiles of at most tile_rows (16 rows in tiles of 10: 8 + 8, not
+// 10 + 6); which tile a row lands in never changes its bits.
+void balanced_tiles(TileFn tile, int tile_rows, const Segment& s, const uint8_t* pb, const Rows& x, int64_t r0,
+                    int64_t r1, const TileOut& out) {
+  const int64_t tiles = (r1 - r0 + tile_rows - 1) / tile_rows;
+  for (int64_t ti = 0, r = r0; ti < tiles; ++ti) {
+    const int rows = static_cast<int>((r1 - r) / (tiles - ti));
+    tile(s, pb, x, r, rows, out);
+    r += rows;
+  }
+}
+
 // A partial panel (the last of a segment whose width is not a multiple of 16) for rows [r0, r1) through the
 // path's vector tile: the blob holds it as a whole panel (zeros past the width) and each lane is its own
 // channel, so the tile gives the valid channels the bits it gives a full panel's (every path's tile gives the
 // portable tile's), into a full panel's scratch rows with the bias and residual padded the same way; the
 // valid columns are copied out. (The portable tile, which can write part of a panel, ran 7-10x slower: a
-// router of 40 experts' three parts, 120 rows, took 110 us a row against 15 for 128 rows.)
+// router of 40 experts' three parts, 120 rows, took 110 us a row against 15 for 128 rows.) The scratch is the
+// thread's, kept between calls: a decode step meets the same partial panels every layer.
 void partial_panel(TileFn tile, int tile_rows, const Segment& s, const uint8_t* pb, const Rows& x, int64_t r0,
                    int64_t r1, const TileOut& out) {
+  thread_local std::vector<float> y, res, bias;
   const int v = out.valid;
-  std::vector<float> y(static_cast<size_t>(r1) * kPanel), res, bias;
+  const size_t need = static_cast<size_t>(r1) * kPanel;  // rows are addressed by their index in the call
+  if (y.size() < need) y.resize(need);
   TileOut pad{y.data(), kPanel, nullptr, nullptr, kPanel};
   if (out.bias != nullptr) {
     bias.assign(kPanel, 0.f);
@@ -142,17 +157,12 @@ void partial_panel(TileFn tile, int tile_rows, const Segment& s, const uint8_t* 
     pad.bias = bias.data();
   }
   if (out.residual != nullptr) {
-    res.assign(static_cast<size_t>(r1) * kPanel, 0.f);
-    for (int64_t r = r0; r < r1; ++r)
+    if (res.size() < need) res.resize(need);
+    for (int64_t r = r0; r < r1; ++r)  // lanes past the width keep whatever they held: they are never read back
       std::copy(out.residual + r * out.ldo, out.residual + r * out.ldo + v, res.begin() + r * kPanel);
     pad.residual = res.data();
   }
-  const int64_t tiles = (r1 - r0 + tile_rows - 1) / tile_rows;
-  for (int64_t ti = 0, r = r0; ti < tiles; ++ti) {
-    const int rows = static_cast<int>((r1 - r) / (tiles - ti));
-    tile(s, pb, x, r, rows, pad);
-    r += rows;
-  }
+  balanced_tiles(tile, tile_rows, s, pb, x, r0, r1, pad);
   for (int64_t r = r0; r < r1; ++r) std::copy(y.begin() + r * kPanel, y.begin() + r * kPanel + v, out.y + r * out.ldo);
 }
 
@@ -225,7 +235,6 @@ void linear_block(Path path, const Linear& op, int64_t p0, int64_t p1, int64_t r
     const bool k256 = uses_k256(s, op.x);
     const Kernels& kn = float_format(s.fmt) || (k256 && !amx_k256_tiles(path, s.fmt)) ? kf : kq;
     const bool by_rows = kn.rows != nullptr && m >= kn.rows_from && (!kn.group_rows || op.x.q8g != nullptr);
-    const int64_t tiles = (m + kn.tile_rows - 1) / kn.tile_rows;
     const int64_t p = gp - op.first_panel[si];
     const uint8_t* pb = s.blob + p * s.panel_bytes();
     const auto out_at = [&](int64_t panel) {
@@ -262,17 +271,7 @@ void linear_block(Path path, const Linear& op, int64_t p0, int64_t p1, int64_t r
         kn.rows(s, pb, op.x, r, static_cast<int>(std::min<int64_t>(kRowBlock, r1 - r)), out, scratch);
       continue;
     }
-    if (vector && out.valid < kPanel) {
-      partial_panel(kn.tile, kn.tile_rows, s, pb, op.x, r0, r1, out);
-      continue;
-    }
-    for (int64_t ti = 0, r = r0; ti < tiles; ++ti) {
-      // Balanced tiles (16 rows in tiles of 10: 8 + 8, not 10 + 6); which tile a row lands in
-      // never changes its bits.
-      const int rows = static_cast<int>((r1 - r) / (tiles - ti));
-      kn.tile(s, pb, op.x, r, rows, out);
-      r += rows;
-    }
+    (vector && out.valid < kPanel ? partial_panel : balanced_tiles)(kn.tile, kn.tile_rows, s, pb, op.x, r0, r1, out);
   }
 }
 
