@@ -96,6 +96,12 @@ def _smollm3_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
     return {"no_rope_layer_interval": 4, "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(n)]}
 
 
+def _legacy_scaling(cfg: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
+    """The top-level `rope_scaling` a config built from a GGUF carries (which config.py reads first), made the
+    rope a family's keys completed: where the config has one at all."""
+    return {"rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"}} if cfg.get("rope_scaling") else {}
+
+
 _OLMO2 = {"norms": ("attn_out_norm", "mlp_out_norm"), "qk_norm": "full"}  # norms after, q/k norms over all heads
 
 
@@ -132,9 +138,7 @@ def _olmo3_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
     out = {"sliding_window": int(key("attention.sliding_window")),
            "layer_types": ["sliding_attention" if w else "full_attention" for w in windowed],
            "rope_parameters": {"full_attention": glob, "sliding_attention": local}}
-    if cfg.get("rope_scaling"):  # the global layers' scaling, as transformers reads it too
-        out["rope_scaling"] = {k: v for k, v in glob.items() if k != "rope_theta"}
-    return out
+    return {**out, **_legacy_scaling(cfg, glob)}
 
 
 # llama.cpp's names of the norms on attention's and the MLP's outputs (OLMo 2, Gemma).
@@ -324,10 +328,7 @@ def _mistral3_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
     if beta:
         rope["llama_4_scaling_beta"] = float(beta)
         rope.setdefault("original_max_position_embeddings", int(key("attention.temperature_length", 0)) or None)
-    out: dict[str, Any] = {"rope_parameters": rope}
-    if cfg.get("rope_scaling"):
-        out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
-    return out
+    return {"rope_parameters": rope, **_legacy_scaling(cfg, rope)}
 
 
 # --------------------------------------------------------------------------- mixtures of experts
@@ -387,16 +388,20 @@ def _granitemoe(d: dict[str, Any]) -> dict[str, Any]:
     return {**_granite(d), **_experts(d), "router": "topk_softmax"}
 
 
+def _local_experts_gguf(key: GgufKey, cfg: dict[str, Any], renormalise: bool | None) -> dict[str, Any]:
+    """`_experts_gguf` in the keys of the configs that name their experts `num_local_experts` and their width
+    `intermediate_size` (Mixtral, Granite MoE)."""
+    out = _experts_gguf(key, cfg, renormalise)
+    return {"num_local_experts": out.pop("num_experts"), **out, "intermediate_size": out["moe_intermediate_size"]}
+
+
 def _granitemoe_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
-    out = _experts_gguf(key, cfg, None)  # the router's weights, a softmax of the top k, need no renormalising
-    return {**_granite_gguf(key, cfg), "num_local_experts": out.pop("num_experts"), **out,
-            "intermediate_size": out["moe_intermediate_size"]}
+    # its router's weights, a softmax of the top k, need no renormalising
+    return {**_granite_gguf(key, cfg), **_local_experts_gguf(key, cfg, None)}
 
 
 def _mixtral_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
-    out = _experts_gguf(key, cfg, True)  # Mixtral always renormalises its top 2
-    return {"num_local_experts": out.pop("num_experts"), **out,
-            "intermediate_size": out["moe_intermediate_size"]}
+    return _local_experts_gguf(key, cfg, True)  # Mixtral always renormalises its top 2
 
 
 def _gpt_oss(d: dict[str, Any]) -> dict[str, Any]:

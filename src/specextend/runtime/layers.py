@@ -115,6 +115,14 @@ class Rows:
     backend: Backend = "efficient"  # the attention of the float paths (the quantized runtime's is its own)
     # (keys, window) -> window_mask's (first, mask): the same for every windowed layer of a forward
     windows: dict[tuple[int, int], tuple[int, torch.Tensor]] = field(default_factory=dict, repr=False)
+    # (beta, length) -> query_temperature's scales: the same for every layer of a forward
+    scales: dict[tuple[float, int], torch.Tensor | None] = field(default_factory=dict, repr=False)
+
+    def temperature(self, beta: float, length: int) -> torch.Tensor | None:
+        """`query_temperature` of these rows, computed once per forward (every layer scales by it)."""
+        if (beta, length) not in self.scales:
+            self.scales[beta, length] = query_temperature(beta, length, self.positions)
+        return self.scales[beta, length]
 
     def window(self, keys: int, window: int) -> tuple[int, torch.Tensor]:
         """`window_mask` of these rows over `keys` cache slots, computed once per forward."""
@@ -431,7 +439,7 @@ class Block(nn.Module):
             rows = slice(off, off + t)
             q = ext.rope_store(qkv[rows], cos[rows], sin[rows], self.n_heads, q_norm, k_norm, eps,
                                k_layer, v_layer, start - base, self.k_offset)
-            scales = query_temperature(*self.temperature, p.positions)
+            scales = p.temperature(*self.temperature) if self.temperature[0] else None
             if scales is not None:  # the whole-step call leaves such rows to these kernels (Transformer._takes_step)
                 q = q * scales[None, :, None]
             if p.keep_q is not None and self.index in p.keep_q:
