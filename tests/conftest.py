@@ -15,7 +15,8 @@ import torch
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 # The families that are switches over the same block (runtime/families.py): the parity tests run
 # them too; the engine-level tests of every feature keep the four above.
-FAMILY_ARCHS = ["granite", "smollm3", "olmo2", "olmo3", "gemma3", "gemma2", "phi3", "mistral3", "exaone4"]
+FAMILY_ARCHS = ["granite", "smollm3", "olmo2", "olmo3", "gemma3", "gemma2", "phi3", "mistral3", "exaone4", "ernie4_5",
+                "glm4"]
 
 
 USER_COSTS_ENV = "SPECEXTEND_TESTS_USER_COST_CACHE"  # the cost cache's setting before the tests moved it
@@ -220,6 +221,16 @@ def tiny_hf_config(arch: str, vocab: int = 64, layers: int = 2, **kw):
                                "attention_factor": 1.25, "rope_theta": 10_000.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 50_000.0}})
         return tf.Olmo3Config(pad_token_id=None, **common)
+    if arch == "ernie4_5":
+        # tied embeddings, as every released ERNIE 4.5; its rope on adjacent pairs
+        common["tie_word_embeddings"] = kw.get("tie_word_embeddings", True)
+        return tf.Ernie4_5Config(pad_token_id=None, **common)
+    if arch == "glm4":
+        # GLM-4's sandwich norms, q/k/v biases and rope on adjacent pairs of half of each head (a quarter where
+        # the head is 8 wide: rotated dimensions must pair up in both orders)
+        common.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10_000.0,
+                                              "partial_rotary_factor": 0.5})
+        return tf.Glm4Config(pad_token_id=None, **common)
     raise ValueError(arch)
 
 

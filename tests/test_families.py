@@ -57,6 +57,8 @@ def family_kw(arch: str, layers: int | None = None) -> dict:
         kw["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(n)]
     if arch == "phi3":  # Phi-4-mini's partial rotary (48 of 64 dimensions)
         kw["head_dim"] = 64
+    if arch == "glm4":  # GLM-4's partial rotary (32 of 64 dimensions)
+        kw["head_dim"] = 64
     if arch == "gemma2":  # alternating windowed layers; the query scale from head_dim (64)
         kw.update(head_dim=64, query_pre_attn_scalar=64, sliding_window=WINDOW)
     if arch == "olmo3":  # 3 windowed layers to 1 global
@@ -106,6 +108,8 @@ def _metadata(w: gguf.GGUFWriter, arch: str, cfg) -> None:
         w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
         w.add_rope_scaling_yarn_log_mul(rope["mscale_all_dim"])
         w.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
+    if arch == "glm4":  # the rotated dimensions a head
+        w.add_rope_dimension_count(int(cfg.rope_parameters["partial_rotary_factor"] * cfg.head_dim))
     if arch == "granite":
         w.add_attention_scale(cfg.attention_multiplier)
         w.add_embedding_scale(cfg.embedding_multiplier)
@@ -311,7 +315,7 @@ def test_quantized_logits_track_transformers_on_the_files_weights(converted, arc
     ref = reference(arch, stored)
     ours = load_model(folder, torch.float32, weights="gguf")
     # the quantized kernels; the whole-step call too where the switches are per-layer ropes only
-    assert ours.fused and ours.cfg.plain == (arch == "smollm3")
+    assert ours.fused and ours.cfg.plain == (arch in ("smollm3", "ernie4_5"))
     expect = hf_logits(ref, PROMPT)
     got = ours_logits(ours, PROMPT).double()
     # int8 activations over sharpened attention: within ~6% here (relative RMS); a dropped switch

@@ -116,6 +116,17 @@ PRESETS: dict[str, dict[str, Any]] = {
                              "tie_word_embeddings": True, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                              "attention_multiplier": 0.015625, "logits_scaling": 6.0, "num_experts": 40,
                              "num_experts_per_tok": 8},
+    # GLM-4-9B-0414: norms before and after attention and the MLP, q/k/v biases, the fused gate-up projection,
+    # rope on adjacent pairs of half of each head; its MLP's 13,696 no multiple of 256 (llama.cpp's fallback types).
+    "glm-4-9b": {"model_type": "glm4", "hidden_size": 4096, "intermediate_size": 13696, "num_hidden_layers": 40,
+                 "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128, "partial_rotary_factor": 0.5,
+                 "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 32768,
+                 "tie_word_embeddings": False},
+    # ERNIE 4.5 0.3B: Llama's layers with rope on adjacent pairs, head_dim 128 over a 1,024 hidden, tied embeddings.
+    "ernie-4.5-0.3b": {"model_type": "ernie4_5", "hidden_size": 1024, "intermediate_size": 3072,
+                       "num_hidden_layers": 18, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 128,
+                       "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+                       "tie_word_embeddings": True},
     # Granite 3.1 8B: Llama's layers with embedding, residual, attention and logit multipliers, tied embeddings.
     "granite-3-8b": {"model_type": "granite", "hidden_size": 4096, "intermediate_size": 12800,
                      "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -132,7 +143,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 # The model types a random file can take (the expert ones: each layer's experts stacked, llama.cpp's way).
 RANDOM_TYPES = ("llama", "qwen2", "olmoe", "qwen3moe", "qwen2moe", "gemma2", "gemma3", "granite", "gpt-oss", "phi3",
-                "olmo2", "mistral3", "granitemoe")
+                "olmo2", "mistral3", "granitemoe", "glm4", "ernie4_5")
 # Granite's multipliers: the config's names and the GGUF writer's (llama.cpp's *_scale keys).
 GRANITE_SCALES = {"embedding_multiplier": "add_embedding_scale", "residual_multiplier": "add_residual_scale",
                   "attention_multiplier": "add_attention_scale", "logits_scaling": "add_logit_scale"}
@@ -210,8 +221,18 @@ def load_shape(shape: str) -> dict[str, Any]:
     return config
 
 
+# llama.cpp's type for a matrix whose rows are no multiple of 256 values, where the mix asks for a 256-value type.
+FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
+
+
 def tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tuple[str, tuple[int, ...], str]]:
-    """(GGUF name, shape in torch order, GGUF type) of every tensor, in llama.cpp's order."""
+    """(GGUF name, shape in torch order, GGUF type) of every tensor, in llama.cpp's order; a matrix whose rows
+    a 256-value type cannot hold takes llama.cpp's fallback type (`FALLBACK`)."""
+    for name, shape, t in _tensor_plan(config, vocab, kind):
+        yield name, shape, FALLBACK.get(t, t) if len(shape) > 1 and shape[-1] % 256 else t
+
+
+def _tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tuple[str, tuple[int, ...], str]]:
     main, more = MIXES.get(kind, (kind, kind))
     h, f, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
     heads = config["num_attention_heads"]
@@ -225,6 +246,8 @@ def tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tuple
     exps = EXPERT_TYPES.get(kind)
     phi = config.get("model_type") == "phi3"  # fused projections, LongRoPE's factors as tensors
     olmo = config.get("model_type") == "olmo2"  # OLMo 2 and 3: norms after, not before; q/k norms over all heads
+    glm = config.get("model_type") == "glm4"  # norms before and after, the fused gate-up projection
+    fused_up = phi or glm
 
     def more_bits(i: int) -> bool:  # llama.cpp's use_more_bits: the first and last eighth, every third between
         return i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
@@ -246,7 +269,7 @@ def tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tuple
         if oss:  # gpt-oss: an output bias, a sink logit a head; its MLP's pre-norm is llama.cpp's post_attention_norm
             yield b + "attn_output.bias", (h,), "F32"
             yield b + "attn_sinks.weight", (heads,), "F32"
-        if gemma or oss or olmo:
+        if gemma or oss or olmo or glm:
             yield b + "post_attention_norm.weight", (h,), "F32"
         if not oss and not olmo:
             yield b + "ffn_norm.weight", (h,), "F32"
@@ -256,11 +279,11 @@ def tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tuple
                 yield b + "attn_k_norm.weight", (hd if head_norm else kv * hd,), "F32"
             yield from _expert_tensors(b, config, exps or main, exps or (more if more_bits(i) else main))
             continue
-        if not phi:
+        if not fused_up:
             yield b + "ffn_gate.weight", (f, h), main
-        yield b + "ffn_up.weight", (2 * f if phi else f, h), main
+        yield b + "ffn_up.weight", (2 * f if fused_up else f, h), main
         yield b + "ffn_down.weight", (h, f), more if more_bits(i) else main
-        if gemma or olmo:
+        if gemma or olmo or glm:
             yield b + "post_ffw_norm.weight", (h,), "F32"
     yield "output_norm.weight", (h,), "F32"
     if not config.get("tie_word_embeddings", False):
@@ -279,7 +302,7 @@ def _qkv_tensors(b: str, config: dict[str, Any], main: str, v_kind: str) -> Iter
         yield b + "attn_q.weight", (heads * hd, h), main
         yield b + "attn_k.weight", (kv * hd, h), main
         yield b + "attn_v.weight", (kv * hd, h), v_kind
-    if config.get("model_type") in ("qwen2", "qwen2moe", "gpt-oss"):
+    if config.get("model_type") in ("qwen2", "qwen2moe", "gpt-oss", "glm4"):
         yield b + "attn_q.bias", (heads * hd,), "F32"
         yield b + "attn_k.bias", (kv * hd,), "F32"
         yield b + "attn_v.bias", (kv * hd,), "F32"
@@ -413,7 +436,7 @@ def _write_keys(w: Any, config: dict[str, Any]) -> None:
             getattr(w, add)(float(config[name]))
     if config.get("sliding_window"):
         w.add_sliding_window(int(config["sliding_window"]))
-    if config.get("partial_rotary_factor"):  # Phi-4-mini: the rotated dimensions of a head
+    if config.get("partial_rotary_factor"):  # Phi-4-mini, GLM-4: the rotated dimensions of a head
         hd = config.get("head_dim") or config["hidden_size"] // heads
         w.add_rope_dimension_count(int(hd * float(config["partial_rotary_factor"])))
     if config.get("model_type") == "phi3" and config.get("original_max_position_embeddings"):

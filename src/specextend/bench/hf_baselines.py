@@ -22,15 +22,20 @@ window (prompt lookup's n-gram search is in other_s), retrieval_s = 0.
 from __future__ import annotations
 
 import gc
+import re
 import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..common.errors import UserError
+from ..models.gguf import rotate_half_order
+from ..models.loader import read_config
+from ..runtime.families import QK_ROWS_KEY, ROTATE_HALF
 
 HF_METHODS = ("hf-ar", "hf-assisted", "hf-lookup")
 PROMPT_LOOKUP_TOKENS = 10
@@ -99,18 +104,34 @@ def hf_model(path: Path, dtype: torch.dtype) -> Any:
     from ..models.loader import open_tensors
 
     tensors = open_tensors(Path(path))
-    if not tensors.quantized:
+    reordered = read_config(Path(path)).get(QK_ROWS_KEY) == ROTATE_HALF
+    if not tensors.quantized and not reordered:
         return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     config = AutoConfig.from_pretrained(str(path))
     with _no_init_weights():  # every weight is loaded next: initialising 0.5B of them took 5 s
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     state = {name: tensors.get(name, dtype) for name in tensors.names}
+    if reordered:  # our converter put GLM's and ERNIE's Q/K rows in rotate-half order: back to theirs
+        state = {name: _interleaved(name, t, config) for name, t in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]:
         raise UserError(f"{path}: tensors do not match the transformers model ({(missing + unexpected)[:3]})")
     if config.tie_word_embeddings:
         model.tie_weights()
     return model
+
+
+def _interleaved(name: str, t: torch.Tensor, config: Any) -> torch.Tensor:
+    """A Q/K projection's rows from rotate-half order back to adjacent pairs (the inverse of
+    `rotate_half_order`); any other tensor as it is."""
+    m = re.search(r"self_attn\.([qk])_proj\.(weight|bias)$", name)
+    if m is None:
+        return t
+    heads = config.num_attention_heads if m.group(1) == "q" else config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    factor = getattr(config, "partial_rotary_factor", None) or config.rope_parameters.get("partial_rotary_factor", 1.0)
+    order = rotate_half_order(t.shape[0], heads, int(head_dim * factor))
+    return t[torch.from_numpy(np.argsort(order))]
 
 
 class HFBaselines:

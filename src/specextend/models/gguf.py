@@ -34,7 +34,7 @@ import numpy as np
 
 from ..common import meminfo
 from ..common.errors import UserError
-from ..runtime.families import FAMILIES, Family, family_of, supported
+from ..runtime.families import FAMILIES, QK_ROWS_KEY, ROTATE_HALF, Family, family_of, supported
 from . import pretokenize
 from .footprint import Footprint, TensorInfo, check_fits, expert_share, footprint, is_kept, notice, random_notice
 
@@ -288,7 +288,8 @@ def gguf_to_hf_config(reader: Any) -> dict[str, Any]:
     config["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta, **(scaling or {})}
     if scaling:
         config["rope_scaling"] = scaling
-    config.update(family.gguf_config(key, config))
+    # Rows un-permuted as llama's are (`_qk_heads`) are in rotate-half order: say so where HF's are not.
+    config.update(family.gguf_config(key, config), **({QK_ROWS_KEY: ROTATE_HALF} if family.hf_interleaved_qk else {}))
     for hf_key, gguf_key in (
         ("bos_token_id", "bos_token_id"),
         ("eos_token_id", "eos_token_id"),
@@ -413,10 +414,19 @@ def permute_qk(weights: np.ndarray, n_heads: int) -> np.ndarray:
     return weights.reshape(n_heads, 2, shape[0] // n_heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def unpermute_qk(weights: np.ndarray, n_heads: int) -> np.ndarray:
-    """Inverse of `permute_qk`: restores the HF row order."""
-    shape = weights.shape
-    return weights.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+def unpermute_qk(weights: np.ndarray, n_heads: int, rot: int = 0) -> np.ndarray:
+    """Inverse of `permute_qk`: restores the HF row order (`rot`: see `rotate_half_order`)."""
+    return weights[rotate_half_order(weights.shape[0], n_heads, rot)]
+
+
+def rotate_half_order(rows: int, n_heads: int, rot: int = 0) -> np.ndarray:
+    """The rows of a Q/K projection whose rope rotates adjacent pairs (2i, 2i + 1) of each head, in
+    the order whose rope rotates halves (i, i + rot/2): each head's even rows of its leading `rot`
+    (0: all) then its odd ones, then the rest. Q and K reordered alike give the same scores."""
+    d = rows // n_heads
+    rot = rot or d
+    head = np.concatenate([np.arange(0, rot, 2), np.arange(1, rot, 2), np.arange(rot, d)])
+    return (np.arange(n_heads)[:, None] * d + head[None, :]).reshape(-1)
 
 
 def _dequantize(tensor: Any) -> np.ndarray:
@@ -437,16 +447,17 @@ def _float32(data: np.ndarray, tensor_type: int, shape: tuple[int, ...]) -> np.n
     return np.ascontiguousarray(out.reshape(shape))
 
 
-def _qk_heads(name: str, config: dict[str, Any]) -> int | None:
-    """Heads to un-permute for a Q/K projection of an architecture llama.cpp permutes, else None."""
+def _qk_heads(name: str, config: dict[str, Any]) -> tuple[int, int] | None:
+    """Heads and rotated dimensions a head (0: all) to un-permute for a Q/K projection of an
+    architecture llama.cpp permutes (or ropes the "norm" way as HF holds it), else None."""
     if not _family(config).gguf_permuted_qk:
         return None
     m = _LAYER_RE.match(name)
-    if m and m.group(2) == "attn_q":
-        return int(config["num_attention_heads"])
-    if m and m.group(2) == "attn_k":
-        return int(config["num_key_value_heads"])
-    return None
+    kind = m.group(2) if m else ""
+    if kind not in ("attn_q", "attn_k"):
+        return None
+    heads = int(config["num_attention_heads" if kind == "attn_q" else "num_key_value_heads"])
+    return heads, int(int(config["head_dim"]) * float(config.get("partial_rotary_factor") or 1.0))
 
 
 def hf_tensor(tensor: Any, config: dict[str, Any]) -> np.ndarray:
@@ -455,7 +466,7 @@ def hf_tensor(tensor: Any, config: dict[str, Any]) -> np.ndarray:
     out = _dequantize(tensor)
     heads = _qk_heads(tensor.name, config)
     if heads is not None:
-        out = unpermute_qk(out, heads)
+        out = unpermute_qk(out, *heads)
     shift = _family(config).gguf_norm_shift
     if shift and tensor.name.endswith("norm.weight"):  # back to the HF weight (Gemma's 1 + w norms)
         out = out - np.float32(shift)
@@ -516,7 +527,7 @@ def tensor_parts(reader: Any, tensor: Any, config: dict[str, Any], kept: bool) -
     data = _matrix(tensor)
     kind = type_name(tensor)
     # Rows are output channels; unpermuting moves each row's blocks as a whole.
-    order = None if heads is None else unpermute_qk(np.arange(n), heads)
+    order = None if heads is None else rotate_half_order(n, *heads)
     step = max(quant.PANEL, CHUNK_WEIGHTS // k // quant.PANEL * quant.PANEL)
     row_bytes = int(tensor.n_bytes) // n
     for start in range(0, n, step):

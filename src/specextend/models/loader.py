@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from ..runtime.families import hf_norm_names
 from ..runtime.layers import Embedding, Experts, Linear, rope_inv_freq
 from ..runtime.quant import QWeight
 from ..runtime.transformer import Transformer
+from .gguf import rotate_half_order
 from .qstore import DerivedWeights, QuantizedFile, is_quantized_file
 
 DTYPES = {
@@ -196,11 +198,39 @@ class _Tensors:
     def has(self, name: str) -> bool:
         return name in self.where
 
+    @property
+    def names(self) -> list[str]:
+        return list(self.where)
+
     def segment(self, name: str, mapped: bool = True, streamed: bool = True) -> None:
         return None  # a Hugging Face checkpoint holds float tensors only
 
     def stacked_segments(self, names: list[str]) -> None:
         return None
+
+
+class _RotateHalfRows:
+    """A Hugging Face checkpoint whose Q/K rows rotate adjacent pairs (GLM, ERNIE), read with each
+    head's rows in rotate-half order (`ModelConfig.qk_rows_interleaved`): the runtime's rope."""
+
+    _QK = re.compile(r"model\.layers\.\d+\.self_attn\.([qk])_proj\.(weight|bias)$")
+
+    def __init__(self, inner: Any, cfg: ModelConfig) -> None:
+        if cfg.qk_norm:
+            raise UserError(f"a {cfg.arch} checkpoint with q/k norms and rope on adjacent pairs is not supported")
+        self.inner, self.cfg = inner, cfg
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def get(self, name: str, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        m = self._QK.match(name)
+        if m is None:
+            return self.inner.get(name, dtype, out)
+        heads = self.cfg.num_heads if m.group(1) == "q" else self.cfg.num_kv_heads
+        t = self.inner.get(name, dtype)
+        t = t[torch.from_numpy(rotate_half_order(t.shape[0], heads, self.cfg.rotary_dim))]
+        return t if out is None else out.copy_(t)
 
 
 def holds_quantized_file(folder: Path) -> bool:
@@ -267,6 +297,8 @@ def build_model(m: ResolvedModel, device: torch.device | str = "cpu", pack: bool
     inv_freq = rope_inv_freq(m.config).to(device)
     with torch.device("meta"):
         model = Transformer(m.config, inv_freq)
+    if m.config.qk_rows_interleaved:
+        ts = _RotateHalfRows(ts, m.config)
     _fill(model, _Weights(ts, act, device, derived, m.weights))
     if derived is not None:
         derived.save()
@@ -366,7 +398,7 @@ def _fill(model: Transformer, w: _Weights) -> None:
                 [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
             w.project(blk.gate_up, gate_up, 2 * cfg.intermediate_size, h)
             w.project(blk.down, [p + "mlp.down_proj.weight"], h, cfg.intermediate_size)
-        for place, hf in hf_norm_names(cfg.norms).items():
+        for place, hf in hf_norm_names(cfg.norms, cfg.arch).items():
             getattr(blk, place).weight = norm(p + hf + ".weight")
         if blk.q_norm is not None:
             blk.q_norm.weight = norm(a + "q_norm.weight")

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..common.errors import UserError
 from ..common.settings import check_context
-from .families import FAMILIES, HF_CLASSES, family_of, supported
+from .families import FAMILIES, HF_CLASSES, QK_ROWS_KEY, ROTATE_HALF, family_of, supported
 
 SUPPORTED_ARCHS = HF_CLASSES
 
@@ -58,6 +58,9 @@ class ModelConfig:
     attn_temperature: float = 0.0
     temperature_length: int = 0
     o_bias: bool = False  # the output projection has a bias (gpt-oss)
+    # The checkpoint's Q/K rows rotate adjacent pairs (a GLM or ERNIE Hugging Face checkpoint): the loader puts them
+    # in rotate-half order (families.py `hf_interleaved_qk`). Not a switch: the runtime never sees such rows.
+    qk_rows_interleaved: bool = False
     # Mixture of experts (runtime/experts.py; 0 experts: the dense MLP of `intermediate_size`).
     experts: int = 0  # experts a layer holds
     experts_used: int = 0  # experts a token runs (top-k)
@@ -223,7 +226,8 @@ class ModelConfig:
             qk_norm="",
             rope_scaling=scaling,
         )
-        return replace(base, **FAMILIES[arch].switches(d))
+        interleaved = family.hf_interleaved_qk and d.get(QK_ROWS_KEY) != ROTATE_HALF
+        return replace(base, qk_rows_interleaved=interleaved, **FAMILIES[arch].switches(d))
 
 
 def yarn_scaling(scaling: dict[str, Any], rope: dict[str, Any], max_position: int) -> dict[str, Any]:

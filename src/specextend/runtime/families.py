@@ -29,13 +29,25 @@ POST_NORMS = {"attn_out_norm": "post_attention_layernorm", "mlp_out_norm": "post
 
 
 
-def hf_norm_names(norms: tuple[str, ...]) -> dict[str, str]:
+# GLM-4's sandwich: its pre-MLP norm keeps the pre-norm blocks' name, its output norms have their own.
+GLM_NORMS = {"attn_norm": "input_layernorm", "attn_out_norm": "post_self_attn_layernorm",
+             "mlp_norm": "post_attention_layernorm", "mlp_out_norm": "post_mlp_layernorm"}
+
+
+def hf_norm_names(norms: tuple[str, ...], arch: str = "") -> dict[str, str]:
     """Block norm placement -> the HF module name of a layer's norm, for the placements `norms` has
-    (HF reuses `post_attention_layernorm` for the pre-MLP norm of pre-norm blocks)."""
-    table = SANDWICH_NORMS if "attn_norm" in norms and "attn_out_norm" in norms else \
+    (HF reuses `post_attention_layernorm` for the pre-MLP norm of pre-norm blocks; `arch`'s family
+    may name its norms otherwise: `Family.hf_norms`)."""
+    family = FAMILIES.get(arch)
+    table = family.hf_norms if family is not None and family.hf_norms else \
+        SANDWICH_NORMS if "attn_norm" in norms and "attn_out_norm" in norms else \
         POST_NORMS if "attn_out_norm" in norms else PRE_NORMS
     return {n: table[n] for n in norms}
 
+
+# A converted GGUF's config.json key (ours; transformers keeps it as an unused attribute): its Q/K rows are in
+# rotate-half order already (`Family.hf_interleaved_qk`), where a Hugging Face checkpoint's are not.
+QK_ROWS_KEY, ROTATE_HALF = "qk_rows", "rotate_half"
 
 GgufKey = Callable[..., Any]  # `key(name, default)`: the GGUF metadata value `<arch>.<name>`
 
@@ -58,6 +70,12 @@ class Family:
     eos_tokens: tuple[str, ...] = ()
     rms_eps_default: float = 1e-6
     hf_model_type: str = ""  # the HF model_type, where it is not `name`
+    # The HF checkpoints rotate adjacent pairs of each head's Q/K rows (GLM's and ERNIE's rope; llama.cpp's
+    # "norm" rope, its files holding the rows as HF does). The runtime ropes rotate-half, which is the same
+    # product once both Q's and K's rows of a head are put in rotate-half order: the loader reorders them
+    # (models/gguf.py `rotate_half_order`), and a converted GGUF's folder holds them reordered already.
+    hf_interleaved_qk: bool = False
+    hf_norms: dict[str, str] = field(default_factory=dict)  # placement -> HF norm name, where not the usual
 
     @property
     def model_type(self) -> str:
@@ -223,6 +241,14 @@ def _gemma3_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
                                 "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}}
 
 
+def _rotary_dim(d: dict[str, Any]) -> dict[str, Any]:
+    """The rotated leading dimensions of each head, where a config rotates only part of it."""
+    rope = d.get("rope_parameters") or {}
+    head_dim = int(d.get("head_dim") or int(d["hidden_size"]) // int(d["num_attention_heads"]))
+    partial = float(d.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
+    return {"rotary_dim": int(head_dim * partial)} if partial < 1.0 else {}
+
+
 def _phi3(d: dict[str, Any]) -> dict[str, Any]:
     """Phi-3, 3.5 and 4-mini: the Llama block with fused projections (the loader reads them as they
     are), a sliding window on every layer where set, partial rotary dimensions (Phi-4-mini) and
@@ -232,10 +258,7 @@ def _phi3(d: dict[str, Any]) -> dict[str, Any]:
     original window (exact against both there), and `--max-context` up to the file's own takes the long
     factors (exact against transformers on sequences longer than the window)."""
     rope = dict(d.get("rope_parameters") or {})
-    heads = int(d["num_attention_heads"])
-    head_dim = int(d.get("head_dim") or int(d["hidden_size"]) // heads)
-    partial = float(d.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
-    out: dict[str, Any] = {"rotary_dim": int(head_dim * partial)} if partial < 1.0 else {}
+    out: dict[str, Any] = _rotary_dim(d)
     scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     context = int(d.get("max_position_embeddings", 4096))
     window = int(d.get("sliding_window") or 0)
@@ -271,6 +294,31 @@ def _phi3_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
     if original:
         out["original_max_position_embeddings"] = int(original)
     return out
+
+
+def _rope_dims_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A file's rotated dimensions a head (`rope.dimension_count`) as transformers' partial_rotary_factor, at the top
+    level and in the rope parameters (where transformers 5 reads it), where fewer than the head's."""
+    dims = key("rope.dimension_count")
+    if not dims or int(dims) == int(cfg["head_dim"]):
+        return {}
+    factor = int(dims) / int(cfg["head_dim"])
+    rope = {**cfg["rope_parameters"], "partial_rotary_factor": factor}
+    return {"partial_rotary_factor": factor, "rope_parameters": rope}
+
+
+def _ernie4_5(d: dict[str, Any]) -> dict[str, Any]:
+    """ERNIE 4.5 (dense): the Llama block, its rope on adjacent pairs (`hf_interleaved_qk`); biases on no released
+    model, and the MLP's would have nowhere to go."""
+    if d.get("use_bias"):
+        raise UserError("an ERNIE 4.5 config with use_bias is not supported (no released model has biases)")
+    return {}
+
+
+def _glm4(d: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4 (0414): sandwich norms (GLM's names: `hf_norms`), biases on q/k/v, the fused gate-up projection (the
+    loader reads it as it is), rope on adjacent pairs of the leading half of each head."""
+    return {"norms": tuple(GLM_NORMS), "attention_bias": bool(d.get("attention_bias", True)), **_rotary_dim(d)}
 
 
 def _exaone4(d: dict[str, Any]) -> dict[str, Any]:
@@ -456,6 +504,14 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # llama.cpp files OLMo 3 under olmo2; its windowed layers tell it apart (models/gguf.py).
     Family("olmo3", "Olmo3ForCausalLM", _olmo3, gguf_tensors=_POST_NORM_TENSORS, gguf_config=_olmo3_gguf,
            eos_tokens=("<|endoftext|>", "<|im_end|>")),
+    # llama.cpp ropes both the "norm" way with the HF rows as they are: reading them is undoing llama's permutation.
+    Family("ernie4_5", "Ernie4_5ForCausalLM", _ernie4_5, gguf_permuted_qk=True, hf_interleaved_qk=True,
+           rms_eps_default=1e-5, eos_tokens=("</s>", "<|end_of_sentence|>")),
+    Family("glm4", "Glm4ForCausalLM", _glm4, gguf_permuted_qk=True, hf_interleaved_qk=True, hf_norms=GLM_NORMS,
+           gguf_tensors={"ffn_up": "mlp.gate_up_proj", "ffn_norm": "post_attention_layernorm",
+                         "post_attention_norm": "post_self_attn_layernorm", "post_ffw_norm": "post_mlp_layernorm"},
+           gguf_config=_rope_dims_gguf, rms_eps_default=1e-5,
+           eos_tokens=("<|endoftext|>", "<|user|>", "<|observation|>")),
     Family("exaone4", "Exaone4ForCausalLM", _exaone4, gguf_tensors=_POST_NORM_TENSORS, gguf_config=_exaone4_gguf,
            rms_eps_default=1e-5, eos_tokens=("[|endofturn|]",)),
     Family("phi3", "Phi3ForCausalLM", _phi3, gguf_config=_phi3_gguf, rms_eps_default=1e-5,
