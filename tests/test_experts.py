@@ -1,5 +1,6 @@
 """Mixture-of-experts families (runtime/experts.py): Qwen3-MoE, Qwen2-MoE (a shared expert under a
-sigmoid gate), Mixtral (llama.cpp's `llama` with experts) and OLMoE, each a tiny random model of
+sigmoid gate), Mixtral (llama.cpp's `llama` with experts), OLMoE, Granite MoE and ERNIE 4.5's MoE (a
+dense first layer, a selection bias, ungated shared experts), each a tiny random model of
 transformers' own class written as GGUF the way llama.cpp's converter writes it (each layer's
 experts stacked into 3-D `ffn_*_exps` tensors, the family's `expert_*` keys), in float32, Q8_0 and
 a K-quant; converted by our loader and compared with transformers on the same weights; greedy over
@@ -27,7 +28,7 @@ from test_gguf import llama_cpp_permute
 from test_quantized_runtime import tree
 from test_step import run as step_run
 
-ARCHS = ["qwen3moe", "qwen2moe", "mixtral", "olmoe", "granitemoe"]
+ARCHS = ["qwen3moe", "qwen2moe", "mixtral", "olmoe", "granitemoe", "ernie4_5-moe"]
 GGUF_ARCH = {"mixtral": "llama"}  # llama.cpp files Mixtral under llama
 PERMUTED = {"mixtral", "granitemoe"}  # llama.cpp converts these as Llama (Q/K rows interleaved)
 # Widths divisible by 256 (K-quants); each expert 256 wide, 8 of them, 2 or 3 a token.
@@ -53,6 +54,10 @@ def hf_config(arch: str, layers: int = LAYERS):
         return tf.GraniteMoeConfig(num_local_experts=8, num_experts_per_tok=2, intermediate_size=FF, rms_norm_eps=1e-5,
                                    embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.25,
                                    logits_scaling=2.5, **common)
+    if arch == "ernie4_5-moe":  # a dense first layer where there are more; two shared experts as one MLP of 512
+        return tf.Ernie4_5_MoeConfig(moe_num_experts=8, moe_k=3, moe_intermediate_size=FF, intermediate_size=512,
+                                     moe_num_shared_experts=SHARED_FF // FF, moe_layer_start_index=int(layers > 1),
+                                     rms_norm_eps=1e-5, **common)
     if arch == "mixtral":
         return tf.MixtralConfig(num_local_experts=8, num_experts_per_tok=2, intermediate_size=FF, rms_norm_eps=1e-5,
                                 sliding_window=None, **common)
@@ -89,6 +94,8 @@ def _gguf_names(arch: str, hf: str, names) -> list[tuple[str, slice | None]]:
         return [(f"blk.{m[2]}.ffn_down_exps.weight", None)]
     if hf.endswith("block_sparse_moe.router.weight"):  # transformers 5's name of Granite MoE's router
         return [(f"blk.{m[2]}.ffn_gate_inp.weight", None)]
+    if hf.endswith("moe_statics.e_score_correction_bias"):  # ERNIE's selection bias: llama.cpp's exp_probs_b
+        return [(f"blk.{m[2]}.exp_probs_b.bias", None)]
     gname = names.get_name(hf, try_suffixes=(".weight", ".bias"))
     assert gname is not None, hf
     return [(gname, None)]
@@ -113,10 +120,14 @@ def write_moe_gguf(model, path, arch: str, kind: str = "F32", seed: int = 0) -> 
     w.add_value_length(head_dim)
     w.add_expert_count(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
-    if arch.startswith("qwen"):
+    if arch.startswith(("qwen", "ernie")):
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if arch == "ernie4_5-moe":  # its converter's keys
+        w.add_expert_shared_count(cfg.moe_num_shared_experts)
+        w.add_leading_dense_block_count(cfg.moe_layer_start_index)
+        w.add_interleave_moe_layer_step(cfg.moe_layer_interval)
     if arch == "granitemoe":  # Granite's multipliers, as llama.cpp's converter names them
         w.add_attention_scale(cfg.attention_multiplier)
         w.add_embedding_scale(cfg.embedding_multiplier)
@@ -137,8 +148,8 @@ def write_moe_gguf(model, path, arch: str, kind: str = "F32", seed: int = 0) -> 
             if arch in PERMUTED and hf.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = cfg.num_attention_heads if "q_proj" in hf else cfg.num_key_value_heads
                 data = llama_cpp_permute(data, heads)
-            if hf.endswith("shared_expert_gate.weight"):
-                data = data.reshape(-1)  # llama.cpp's ffn_gate_inp_shexp is a vector
+            if hf.endswith(("shared_expert_gate.weight", "e_score_correction_bias")):
+                data = data.reshape(-1)  # llama.cpp's ffn_gate_inp_shexp and exp_probs_b are vectors
             router = "mlp.gate." in hf or "router." in hf or "expert_gate" in hf
             back = _add(w, gname, np.ascontiguousarray(data), kind if value.ndim >= 2 and not router else "F32", rng)
             if heads is not None:
@@ -203,9 +214,12 @@ def test_the_gguf_rebuilds_the_expert_config(converted, arch):
     ref = hf_config(arch)
     assert cfg.arch == arch and not cfg.plain
     assert (cfg.experts, cfg.experts_used, cfg.expert_ff) == (8, ref.num_experts_per_tok, FF)
-    assert cfg.shared_ff == (SHARED_FF if arch == "qwen2moe" else 0)
+    assert cfg.shared_ff == (SHARED_FF if arch in ("qwen2moe", "ernie4_5-moe") else 0)
+    assert cfg.shared_gate == (arch != "ernie4_5-moe")
     assert cfg.router == {"qwen3moe": "softmax_topk_norm", "mixtral": "softmax_topk_norm",
-                          "granitemoe": "topk_softmax"}.get(arch, "softmax_topk")
+                          "granitemoe": "topk_softmax", "ernie4_5-moe": "softmax_biased_topk_norm"}.get(arch,
+                                                                                                     "softmax_topk")
+    assert [cfg.expert_layer(i) for i in range(LAYERS)] == [arch != "ernie4_5-moe", True]
     assert cfg.qk_norm == {"qwen3moe": "head", "olmoe": "full"}.get(arch, "")
     assert config["model_type"] == ref.model_type
 
@@ -231,7 +245,7 @@ def test_quantized_logits_track_transformers_with_the_files_expert_types(convert
     folder, stored = converted(arch, kind)
     ours = load_model(folder, torch.float32, weights="gguf")
     assert ours.fused and not ours.cfg.plain
-    moe = ours.layers[0].moe
+    moe = next(layer.moe for layer in ours.layers if layer.moe is not None)
     assert moe.q_down[0].segments[0].fmt == {"Q8_0": "q8", "Q4_K": "q4k"}[kind]  # the file's type, not expanded
     expect = hf_logits(reference(arch, stored), PROMPT)
     got = ours_logits(ours, PROMPT).double()
@@ -255,12 +269,14 @@ def test_the_quantized_expert_layer_is_the_float_one_on_the_files_weights(conver
     x = 2 * torch.randn(40, HIDDEN, generator=torch.Generator().manual_seed(2))
     for layer, other in zip(ours.layers, ref.layers, strict=True):
         moe, norm = layer.moe, layer.mlp_norm
+        if moe is None:  # a dense layer among the expert ones (ERNIE's first)
+            continue
         got = moe.forward_rows(x, norm.weight, norm.eps).double()
         h = other.mlp_norm(x.double())
         logits = moe._router_rows(x, {"norm": norm.weight, "eps": norm.eps})[:, : moe.count].double()
         assert torch.allclose(logits, other.moe.router(h), atol=2e-5 * float(logits.abs().max()), rtol=0)
-        assert torch.equal(moe.weighting(logits, moe.used)[0].sort(-1)[0],
-                           other.moe.weighting(other.moe.router(h), moe.used)[0].sort(-1)[0])
+        assert torch.equal(moe.weighting(logits, moe.used, moe.select_bias)[0].sort(-1)[0],
+                           other.moe.weighting(other.moe.router(h), moe.used, other.moe.select_bias)[0].sort(-1)[0])
         want = other.moe(h)
         assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max() < 0.03
 
@@ -309,7 +325,7 @@ def test_a_batch_of_four_prompts_is_each_prompt_alone(converted, arch):
 
 
 @needs_kernels
-@pytest.mark.parametrize("arch", ["qwen2moe", "olmoe"])
+@pytest.mark.parametrize("arch", ["qwen2moe", "olmoe", "ernie4_5-moe"])
 def test_every_kernel_path_gives_the_same_bits_and_rows_never_mix(converted, monkeypatch, arch):
     """Each path this CPU runs: a tree's rows (routed to different experts) get the bits each gets
     alone after its ancestors, and every path the portable one's logits."""
@@ -367,26 +383,32 @@ def test_the_expert_layer_reads_only_each_rows_experts_and_its_rows_stand_alone(
 def test_the_kernels_weighting_is_the_references_with_ties_to_the_lower_index(router):
     """`route_rows` (csrc/core/experts.h) picks PyTorch's experts in PyTorch's order with its weights to
     float32 rounding, row by row; equal logits go to the lower index; a bad k is refused."""
-    ext, used = kernels.load(), 3
+    ext, used, kind = kernels.load(), 3, experts_mod.WEIGHTING_IDS[router]
+    biased = router == experts_mod.BIASED  # ERNIE's: a selection bias that moves the picks, not the weights
     logits = torch.randn(40, 16, generator=torch.Generator().manual_seed(4)) * 3
-    experts, weights = ext.route_rows(logits, used, experts_mod.WEIGHTING_IDS[router])
-    ref_experts, ref_weights = experts_mod.WEIGHTINGS[router](logits, used)
+    bias = torch.randn(16, generator=torch.Generator().manual_seed(5)) * 0.2 if biased else None
+    experts, weights = ext.route_rows(logits, used, kind, bias)
+    ref_experts, ref_weights = experts_mod.WEIGHTINGS[router](logits, used, bias)
     assert torch.equal(experts, ref_experts)
     torch.testing.assert_close(weights, ref_weights, rtol=2e-6, atol=1e-7)
+    if biased:  # the bias picks other experts than the probabilities alone
+        assert not torch.equal(experts, experts_mod.WEIGHTINGS[router](logits, used, torch.zeros(16))[0])
     for i in range(4):
-        e, w = ext.route_rows(logits[i : i + 1], used, experts_mod.WEIGHTING_IDS[router])
+        e, w = ext.route_rows(logits[i : i + 1], used, kind, bias)
         assert torch.equal(e[0], experts[i]) and torch.equal(w[0], weights[i])
     tied = torch.zeros(1, 8)
     tied[0, 5] = tied[0, 2] = 1.0
-    assert ext.route_rows(tied, used, experts_mod.WEIGHTING_IDS[router])[0].tolist() == [[2, 5, 0]]
+    assert ext.route_rows(tied, used, kind, torch.zeros(8) if biased else None)[0].tolist() == [[2, 5, 0]]
     with pytest.raises(RuntimeError, match="top-k"):
         ext.route_rows(logits, 17, 0)
+    with pytest.raises(RuntimeError, match="selection bias"):  # the bias and the biased weighting come together
+        ext.route_rows(logits, used, kind, None if biased else torch.zeros(16))
 
 
 @needs_kernels
 @pytest.mark.parametrize("path", kernels.cpu_paths())
 @pytest.mark.parametrize(("arch", "kind"), [("qwen3moe", "Q4_K"), ("mixtral", "Q8_0"), ("olmoe", "Q4_K"),
-                                           ("qwen2moe", "Q8_0"), ("qwen2moe", "Q4_K")])
+                                           ("qwen2moe", "Q8_0"), ("qwen2moe", "Q4_K"), ("ernie4_5-moe", "Q4_K")])
 def test_the_whole_step_runs_the_experts_with_the_per_layer_bits(converted, monkeypatch, path, arch, kind):
     """SiLU experts (Qwen2-MoE's with its shared expert under a sigmoid gate) decode through the
     whole-step call (csrc/core/step.h) with the per-layer forward's bits: logits, every K/V slot and
@@ -414,7 +436,7 @@ def test_a_shared_expert_is_described_and_stepped(converted):
     assert "a shared expert" in model.cfg.describe() and "whole-step C++ call for decode" in model.cfg.describe()
 
 
-@pytest.mark.parametrize("arch", ["qwen2moe", "mixtral", "granitemoe"])
+@pytest.mark.parametrize("arch", ["qwen2moe", "mixtral", "granitemoe", "ernie4_5-moe"])
 def test_a_hugging_face_folder_of_an_expert_model_loads(tmp_path, arch):
     """transformers' own checkpoint (one tensor an expert: `experts.{e}.gate_proj`, Mixtral's
     `block_sparse_moe.experts.{e}.w1`): float64 logits are transformers', int8 runs the kernels."""

@@ -127,6 +127,14 @@ PRESETS: dict[str, dict[str, Any]] = {
                        "num_hidden_layers": 18, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 128,
                        "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
                        "tie_word_embeddings": True},
+    # ERNIE-4.5-21B-A3B: ERNIE 4.5's layers with 64 experts of 1,536 a layer, 6 a token (picked with a selection
+    # bias), two shared experts as one ungated MLP, the first layer dense (12,288); tied embeddings.
+    "ernie-4.5-21b-a3b": {"model_type": "ernie4_5-moe", "hidden_size": 2560, "intermediate_size": 12288,
+                          "num_hidden_layers": 28, "num_attention_heads": 20, "num_key_value_heads": 4,
+                          "head_dim": 128, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+                          "max_position_embeddings": 131072, "tie_word_embeddings": True, "num_experts": 64,
+                          "num_experts_per_tok": 6, "moe_intermediate_size": 1536, "moe_num_shared_experts": 2,
+                          "moe_layer_start_index": 1},
     # Granite 3.1 8B: Llama's layers with embedding, residual, attention and logit multipliers, tied embeddings.
     "granite-3-8b": {"model_type": "granite", "hidden_size": 4096, "intermediate_size": 12800,
                      "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -143,7 +151,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 # The model types a random file can take (the expert ones: each layer's experts stacked, llama.cpp's way).
 RANDOM_TYPES = ("llama", "qwen2", "olmoe", "qwen3moe", "qwen2moe", "gemma2", "gemma3", "granite", "gpt-oss", "phi3",
-                "olmo2", "mistral3", "granitemoe", "glm4", "ernie4_5")
+                "olmo2", "mistral3", "granitemoe", "glm4", "ernie4_5", "ernie4_5-moe")
 # Granite's multipliers: the config's names and the GGUF writer's (llama.cpp's *_scale keys).
 GRANITE_SCALES = {"embedding_multiplier": "add_embedding_scale", "residual_multiplier": "add_residual_scale",
                   "attention_multiplier": "add_attention_scale", "logits_scaling": "add_logit_scale"}
@@ -273,7 +281,7 @@ def _tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tupl
             yield b + "post_attention_norm.weight", (h,), "F32"
         if not oss and not olmo:
             yield b + "ffn_norm.weight", (h,), "F32"
-        if experts:
+        if experts and i >= int(config.get("moe_layer_start_index", 0)):  # ERNIE's leading dense layers
             if config.get("model_type") in ("qwen3moe", "olmoe"):  # their q/k norms
                 yield b + "attn_q_norm.weight", (hd if head_norm else heads * hd,), "F32"
                 yield b + "attn_k_norm.weight", (hd if head_norm else kv * hd,), "F32"
@@ -315,9 +323,12 @@ def _expert_tensors(b: str, config: dict[str, Any], kind: str, down: str) -> Ite
     yield b + "ffn_gate_exps.weight", (experts, ef, h), kind
     yield b + "ffn_up_exps.weight", (experts, ef, h), kind
     yield b + "ffn_down_exps.weight", (experts, h, ef), down
-    shared = int(config.get("shared_expert_intermediate_size") or 0)
-    if shared:  # Qwen2-MoE's shared expert: its gate a vector, its projections dense
-        yield b + "ffn_gate_inp_shexp.weight", (h,), "F32"
+    if config.get("model_type") == "ernie4_5-moe":  # the selection bias
+        yield b + "exp_probs_b.bias", (experts,), "F32"
+    shared = int(config.get("shared_expert_intermediate_size") or ef * int(config.get("moe_num_shared_experts", 0)))
+    if shared:  # Qwen2-MoE's shared expert (its gate a vector) or ERNIE's ungated ones, their projections dense
+        if config.get("shared_expert_intermediate_size"):
+            yield b + "ffn_gate_inp_shexp.weight", (h,), "F32"
         yield b + "ffn_gate_shexp.weight", (shared, h), kind
         yield b + "ffn_up_shexp.weight", (shared, h), kind
         yield b + "ffn_down_shexp.weight", (h, shared), down
@@ -464,6 +475,10 @@ def _write_keys(w: Any, config: dict[str, Any]) -> None:
         w.add_expert_feed_forward_length(expert_ff(config))
     if config.get("shared_expert_intermediate_size"):
         w.add_expert_shared_feed_forward_length(int(config["shared_expert_intermediate_size"]))
+    if config.get("moe_num_shared_experts"):  # ERNIE's: the shared experts' count, the leading dense layers
+        w.add_expert_shared_count(int(config["moe_num_shared_experts"]))
+        w.add_leading_dense_block_count(int(config.get("moe_layer_start_index", 0)))
+        w.add_interleave_moe_layer_step(1)
 
 
 def write_random(out: Path, config: dict[str, Any], kind: str, tokenizer_from: Path, seed: int = 0,

@@ -110,7 +110,9 @@ def hf_model(path: Path, dtype: torch.dtype) -> Any:
     config = AutoConfig.from_pretrained(str(path))
     with _no_init_weights():  # every weight is loaded next: initialising 0.5B of them took 5 s
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    state = {name: tensors.get(name, dtype) for name in tensors.names}
+    params = model.state_dict()
+    # a vector llama.cpp keeps flat where transformers has [1, n] (ERNIE's selection bias) takes the model's shape
+    state = {name: _shaped(tensors.get(name, dtype), params.get(name)) for name in tensors.names}
     if reordered:  # our converter put GLM's and ERNIE's Q/K rows in rotate-half order: back to theirs
         state = {name: _interleaved(name, t, config) for name, t in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -119,6 +121,13 @@ def hf_model(path: Path, dtype: torch.dtype) -> Any:
     if config.tie_word_embeddings:
         model.tie_weights()
     return model
+
+
+def _shaped(t: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor:
+    """`t` in `like`'s shape where they differ only in dimensions of 1."""
+    if like is None or t.shape == like.shape or t.numel() != like.numel():
+        return t
+    return t.reshape(like.shape) if [d for d in t.shape if d != 1] == [d for d in like.shape if d != 1] else t
 
 
 def _interleaved(name: str, t: torch.Tensor, config: Any) -> torch.Tensor:

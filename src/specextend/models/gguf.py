@@ -34,7 +34,7 @@ import numpy as np
 
 from ..common import meminfo
 from ..common.errors import UserError
-from ..runtime.families import FAMILIES, QK_ROWS_KEY, ROTATE_HALF, Family, family_of, supported
+from ..runtime.families import FAMILIES, QK_ROWS_KEY, ROTATE_HALF, SELECT_BIAS, Family, family_of, supported
 from . import pretokenize
 from .footprint import Footprint, TensorInfo, check_fits, expert_share, footprint, is_kept, notice, random_notice
 
@@ -401,6 +401,8 @@ def hf_tensor_name(gguf_name: str, family: Family | None = None) -> str | None:
     names = _LAYER_TENSORS if family is None else {**_LAYER_TENSORS, **family.gguf_tensors}
     if m and m.group(2) in names:
         layer, kind, suffix = m.groups()
+        if names[kind].endswith(SELECT_BIAS):  # a parameter of its own in HF, where llama.cpp names a bias
+            return f"model.layers.{layer}.{names[kind]}"
         return f"model.layers.{layer}.{names[kind]}.{suffix}"
     raise UserError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent; cannot convert")
 

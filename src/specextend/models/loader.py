@@ -31,7 +31,8 @@ from ..common import meminfo
 from ..common.errors import UserError
 from ..runtime import quant
 from ..runtime.config import ModelConfig
-from ..runtime.families import hf_norm_names
+from ..runtime.experts import BIASED
+from ..runtime.families import SELECT_BIAS, hf_norm_names
 from ..runtime.layers import Embedding, Experts, Linear, rope_inv_freq
 from ..runtime.quant import QWeight
 from ..runtime.transformer import Transformer
@@ -426,9 +427,13 @@ def _fill_experts(moe: Experts, w: _Weights, p: str, cfg: ModelConfig) -> None:
     moe.router.weight = w.wrap(_checked(w.ts.get(p + router, w.act), (n, h), p + router))
     if w.ts.has(p + "gate.bias"):
         moe.router.bias = w.param(p + "gate.bias")
-    if moe.shared:
+    if cfg.router == BIASED:  # ERNIE's selection bias ([1, experts]; its checkpoints' name, or transformers')
+        name = p + SELECT_BIAS if w.ts.has(p + SELECT_BIAS) else p + SELECT_BIAS.removeprefix("gate.")
+        moe.select_bias = w.wrap(_checked(w.ts.get(name, w.act).reshape(-1), (n,), name))
+    if moe.shared_gated:
         moe.shared_gate.weight = w.wrap(w.ts.get(p + "shared_expert_gate.weight", w.act).reshape(1, h))
-        s = p + "shared_expert."
+    if moe.shared:  # Qwen2-MoE's `shared_expert`, ERNIE's `shared_experts` (its shared experts as one MLP)
+        s = p + ("shared_experts." if w.ts.has(p + "shared_experts.down_proj.weight") else "shared_expert.")
         w.project(moe.shared_gate_up, [s + "gate_proj.weight", s + "up_proj.weight"], 2 * cfg.shared_ff, h)
         w.project(moe.shared_down, [s + "down_proj.weight"], h, cfg.shared_ff)
     shapes = {"gate": (ff, h), "up": (ff, h), "down": (h, ff)}

@@ -65,9 +65,16 @@ class ModelConfig:
     experts: int = 0  # experts a layer holds
     experts_used: int = 0  # experts a token runs (top-k)
     expert_ff: int = 0  # each expert's MLP width
-    shared_ff: int = 0  # the width of a shared expert every token runs, under a sigmoid gate (0: none)
+    shared_ff: int = 0  # the width of a shared expert every token runs (0: none)
+    shared_gate: bool = True  # the shared expert joins under a sigmoid gate (Qwen2-MoE), else as it is (ERNIE 4.5)
     router: str = "softmax_topk"  # how the top-k experts are weighted (experts.WEIGHTINGS)
     expert_act: str = "silu"  # the experts' gated activation (experts.ACTIVATIONS)
+    # per layer: holds experts (empty: every layer does); the others a dense MLP of intermediate_size (ERNIE 4.5)
+    expert_layers: tuple[bool, ...] = ()
+
+    def expert_layer(self, layer: int) -> bool:
+        """Whether layer `layer` holds experts (else a dense MLP)."""
+        return self.experts > 0 and (not self.expert_layers or self.expert_layers[layer])
 
     @property
     def plain(self) -> bool:
@@ -107,9 +114,12 @@ class ModelConfig:
             return "+".join(v) if isinstance(v, tuple) else f"{v:.6g}" if isinstance(v, float) else str(v)
 
         if self.experts:
-            shared = f", a shared expert ({self.shared_ff})" if self.shared_ff else ""
+            shared = f", a{'' if self.shared_gate else 'n ungated'} shared expert ({self.shared_ff})" \
+                if self.shared_ff else ""
+            dense = self.num_layers - sum(self.expert_layer(i) for i in range(self.num_layers))
+            dense_text = f", {dense} dense layers ({self.intermediate_size})" if dense else ""
             parts.append(f"{self.experts} experts ({self.expert_ff}), {self.experts_used} a token, router "
-                         f"{self.router}, {self.expert_act}{shared}")
+                         f"{self.router}, {self.expert_act}{shared}{dense_text}")
         skip = {"window_layers", "sliding_window", "rope_layers", *_EXPERT_SWITCHES}
         parts += [f"{k} {text(v)}" for k, v in s.items() if k not in skip]
         step = ("the whole-step C++ call for decode steps, the per-layer kernels for prefill" if self.stepped
@@ -257,8 +267,10 @@ def yarn_scaling(scaling: dict[str, Any], rope: dict[str, Any], max_position: in
 _SWITCHES = frozenset({"norms", "norm_plus_one", "activation", "embed_scale", "residual_scale", "attn_scale",
                        "attn_softcap", "logit_divisor", "final_softcap", "sliding_window", "window_layers",
                        "rope_layers", "local_rope_theta", "rotary_dim", "attn_sinks", "attn_temperature", "o_bias",
-                       "experts", "experts_used", "expert_ff", "shared_ff", "router", "expert_act"})
+                       "experts", "experts_used", "expert_ff", "shared_ff", "shared_gate", "router", "expert_act",
+                       "expert_layers"})
 # The expert layer's switches (the folded per-layer kernels have no expert layer: `plain` is False with them).
-_EXPERT_SWITCHES = frozenset({"experts", "experts_used", "expert_ff", "shared_ff", "router", "expert_act"})
+_EXPERT_SWITCHES = frozenset({"experts", "experts_used", "expert_ff", "shared_ff", "shared_gate", "router",
+                              "expert_act", "expert_layers"})
 # The switches the plain block takes as per-layer rope tables.
 _ROPE_SWITCHES = frozenset({"rope_layers", "local_rope_theta"})

@@ -1,6 +1,6 @@
 """Mixture-of-experts MLP layers: a router picks each token's top-k experts, each a gated MLP of its
 own, and their outputs are summed under the router's weights (plus, where the family has one, a
-shared expert under a sigmoid gate: Qwen2-MoE).
+shared expert: under a sigmoid gate in Qwen2-MoE, as it is in ERNIE 4.5).
 
 Two pluggable switches come from the family (`ModelConfig.router`, `ModelConfig.expert_act`):
 
@@ -79,31 +79,48 @@ ACTIVATIONS: dict[str, Activation] = {"silu": Activation(lambda g, u: F.silu(g) 
 Routing = tuple[torch.Tensor, torch.Tensor]  # (experts [rows, k] int64, weights [rows, k] float32)
 
 
-def _softmax_topk(logits: torch.Tensor, k: int) -> Routing:
+def _softmax_topk(logits: torch.Tensor, k: int, bias: torch.Tensor | None = None) -> Routing:
     weights, experts = torch.topk(torch.softmax(logits.float(), dim=-1), k, dim=-1)
     return experts, weights
 
 
-def _softmax_topk_norm(logits: torch.Tensor, k: int) -> Routing:
+def _softmax_topk_norm(logits: torch.Tensor, k: int, bias: torch.Tensor | None = None) -> Routing:
     experts, weights = _softmax_topk(logits, k)
     return experts, weights / weights.sum(dim=-1, keepdim=True)
 
 
-def _topk_softmax(logits: torch.Tensor, k: int) -> Routing:
+def _topk_softmax(logits: torch.Tensor, k: int, bias: torch.Tensor | None = None) -> Routing:
     top, experts = torch.topk(logits.float(), k, dim=-1)
     return experts, torch.softmax(top, dim=-1)
 
 
-# Router logits -> each row's experts (in descending weight: the row's rank order) and weights.
-WEIGHTINGS: dict[str, Callable[[torch.Tensor, int], Routing]] = {
+NORM_MIN = 1e-12  # ERNIE 4.5's moe_norm_min: the least sum its weights are divided by
+
+
+def _softmax_biased_topk_norm(logits: torch.Tensor, k: int, bias: torch.Tensor | None = None) -> Routing:
+    """ERNIE 4.5's: the top k of the probabilities plus a learned selection bias, weighted by their
+    probabilities alone, renormalised (the sum at least NORM_MIN)."""
+    if bias is None:
+        raise UserError("the biased expert weighting needs the router's selection bias")
+    p = torch.softmax(logits.float(), dim=-1)
+    experts = torch.topk(p + bias.float(), k, dim=-1)[1]
+    weights = torch.gather(p, -1, experts)
+    return experts, weights / weights.sum(dim=-1, keepdim=True).clamp(min=NORM_MIN)
+
+
+# Router logits (and the router's selection bias, which only ERNIE's uses) -> each row's experts (in
+# descending weight: the row's rank order) and weights.
+WEIGHTINGS: dict[str, Callable[[torch.Tensor, int, torch.Tensor | None], Routing]] = {
     "softmax_topk": _softmax_topk,  # Qwen2-MoE, OLMoE
     "softmax_topk_norm": _softmax_topk_norm,  # Qwen3-MoE, Mixtral
     "topk_softmax": _topk_softmax,  # gpt-oss
+    "softmax_biased_topk_norm": _softmax_biased_topk_norm,  # ERNIE 4.5
 }
 # The same weightings in the kernels (csrc/core/experts.h's Weighting): the quantized runtime's, with
 # bits of their own (fastexp.h's exp, fixed summation orders, ties to the lower index), so that the
 # per-layer forward and the whole-step call (fused_step.py) route a row alike.
-WEIGHTING_IDS = {"softmax_topk": 0, "softmax_topk_norm": 1, "topk_softmax": 2}
+WEIGHTING_IDS = {"softmax_topk": 0, "softmax_topk_norm": 1, "topk_softmax": 2, "softmax_biased_topk_norm": 3}
+BIASED = "softmax_biased_topk_norm"  # the weighting that takes a selection bias
 
 
 def expert_views(seg: Segment, experts: int) -> list[Segment]:
@@ -146,9 +163,13 @@ class Experts(nn.Module):
         self.weighting_id = WEIGHTING_IDS[cfg.router]
         self.act = ACTIVATIONS[cfg.expert_act]
         self.router = linear(self.hidden, self.count, False)  # the loader sets a bias where the file has one
+        # ERNIE's selection bias [experts] (float32; the loader sets it), added to the probabilities that pick
+        self.register_parameter("select_bias", None)
         self.shared = cfg.shared_ff > 0
-        if self.shared:
+        self.shared_gated = self.shared and cfg.shared_gate
+        if self.shared_gated:
             self.shared_gate = linear(self.hidden, 1, False)
+        if self.shared:
             self.shared_gate_up = linear(self.hidden, 2 * cfg.shared_ff, False)
             self.shared_down = linear(cfg.shared_ff, self.hidden, False)
         for name in ("gate", "up", "down", "gate_bias", "up_bias", "down_bias"):
@@ -183,7 +204,7 @@ class Experts(nn.Module):
         # The same biases stacked [experts, width] for the one call (None: the file has none).
         self.q_stacked_bias = (None if self.gate_bias is None else torch.stack(self.q_gate_up_bias),
                                None if self.down_bias is None else torch.stack(self.q_down_bias))
-        rows = [self.router.weight] + ([self.shared_gate.weight] if self.shared else [])
+        rows = [self.router.weight] + ([self.shared_gate.weight] if self.shared_gated else [])
         self.q_router = exact_bf16(torch.cat([r.detach().float() for r in rows]))
         self.gate = self.up = self.down = None
 
@@ -191,7 +212,7 @@ class Experts(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """The layer's output for normed rows h [rows, hidden] in their dtype (PyTorch's kernels)."""
-        experts, weights = self.weighting(self.router(h), self.used)
+        experts, weights = self.weighting(self.router(h), self.used, self.select_bias)
         weights = weights.to(h.dtype)
         ys = h.new_zeros(h.shape[0], self.used, self.hidden)
         for e in torch.unique(experts).tolist():
@@ -204,7 +225,8 @@ class Experts(nn.Module):
         out = self._weighted(ys, weights)
         if self.shared:
             g, u = self.shared_gate_up(h).chunk(2, dim=-1)
-            out = out + torch.sigmoid(self.shared_gate(h)) * self.shared_down(self.act.fn(g, u))
+            s = self.shared_down(self.act.fn(g, u))
+            out = out + (torch.sigmoid(self.shared_gate(h)) * s if self.shared_gated else s)
         return out
 
     @staticmethod
@@ -224,7 +246,8 @@ class Experts(nn.Module):
         the rows that chose it."""
         kw: dict[str, Any] = {} if norm is None else {"norm": norm, "eps": eps}
         logits = self._router_rows(x, kw)
-        experts, weights = kernels.load().route_rows(logits[:, : self.count], self.used, self.weighting_id)
+        experts, weights = kernels.load().route_rows(logits[:, : self.count], self.used, self.weighting_id,
+                                                     self.kernel_select_bias)
         if self._one_call:
             out = self._experts_call(x, experts, weights, kw)
         else:
@@ -232,9 +255,14 @@ class Experts(nn.Module):
         if self.shared:
             gu = qlinear(x, self.shared_gate_up.qweight, **kw)
             s = self._down(gu, self.shared_down.qweight, None)
-            # out + sigmoid(gate) * s as the whole-step call adds it (core/experts.h)
-            out = kernels.load().shared_expert_add(out, logits[:, self.count], s)
+            # out + sigmoid(gate) * s, or out + s, as the whole-step call adds it (core/experts.h)
+            out = kernels.load().shared_expert_add(out, logits[:, self.count], s) if self.shared_gated else out + s
         return out
+
+    @property
+    def kernel_select_bias(self) -> torch.Tensor | None:
+        """The selection bias as the kernels take it (float32, contiguous), where the weighting has one."""
+        return None if self.select_bias is None else self.select_bias.detach().float().reshape(-1).contiguous()
 
     @property
     def _one_call(self) -> bool:

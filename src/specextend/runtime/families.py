@@ -425,6 +425,40 @@ def _experts_gguf(key: GgufKey, cfg: dict[str, Any], renormalise: bool | None) -
     return out
 
 
+# ERNIE 4.5's selection bias, under a layer's `mlp.` (a parameter of its own: no `.weight`).
+SELECT_BIAS = "gate.moe_statics.e_score_correction_bias"
+
+
+def _ernie4_5_moe(d: dict[str, Any]) -> dict[str, Any]:
+    """ERNIE 4.5's MoE: the dense model's block; expert layers from `moe_layer_start_index` to
+    `moe_layer_end_index`, every `moe_layer_interval`-th (the rest dense MLPs of intermediate_size); a
+    softmax router whose top k are picked with a learned bias added and weighted without it, renormalised;
+    its shared experts as one ungated MLP beside them."""
+    n = int(d["num_hidden_layers"])
+    start, interval = int(d.get("moe_layer_start_index", 1)), int(d.get("moe_layer_interval", 1))
+    end = int(d.get("moe_layer_end_index", -1))
+    end = n - 1 if end < 0 else end
+    ff = int(d["moe_intermediate_size"])
+    return {**_ernie4_5(d), "experts": int(d.get("moe_num_experts") or d["num_experts"]),
+            "experts_used": int(d.get("moe_k") or d["num_experts_per_tok"]), "expert_ff": ff,
+            "shared_ff": ff * int(d.get("moe_num_shared_experts") or 0), "shared_gate": False,
+            "router": "softmax_biased_topk_norm",
+            "expert_layers": tuple((i + 1) % interval == 0 and start <= i <= end for i in range(n))}
+
+
+def _ernie4_5_moe_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's ERNIE 4.5 MoE keys: the leading dense layers and the step between expert layers (they
+    run to the last layer), the experts' counts and width, the shared experts' count."""
+    if not key("expert_count"):
+        raise UserError("an ERNIE 4.5 MoE GGUF without expert_count")
+    return {"moe_num_experts": int(key("expert_count")), "moe_k": int(key("expert_used_count")),
+            "moe_intermediate_size": int(key("expert_feed_forward_length")),
+            "moe_num_shared_experts": int(key("expert_shared_count", 0)),
+            "moe_layer_start_index": int(key("leading_dense_block_count", 1)),
+            "moe_layer_interval": int(key("interleave_moe_layer_step", 1)),
+            "moe_layer_end_index": int(cfg["num_hidden_layers"]) - 1, "use_bias": False}
+
+
 def _olmoe(d: dict[str, Any]) -> dict[str, Any]:
     if d.get("clip_qkv") is not None:
         raise UserError("OLMoE with clip_qkv is not supported yet")
@@ -507,6 +541,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # llama.cpp ropes both the "norm" way with the HF rows as they are: reading them is undoing llama's permutation.
     Family("ernie4_5", "Ernie4_5ForCausalLM", _ernie4_5, gguf_permuted_qk=True, hf_interleaved_qk=True,
            rms_eps_default=1e-5, eos_tokens=("</s>", "<|end_of_sentence|>")),
+    Family("ernie4_5-moe", "Ernie4_5_MoeForCausalLM", _ernie4_5_moe, gguf_permuted_qk=True, hf_interleaved_qk=True,
+           gguf_config=_ernie4_5_moe_gguf, rms_eps_default=1e-5, eos_tokens=("</s>", "<|end_of_sentence|>"),
+           hf_model_type="ernie4_5_moe",
+           gguf_tensors={**_EXPERT_TENSORS, "exp_probs_b": "mlp." + SELECT_BIAS,
+                         "ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
+                         "ffn_down_shexp": "mlp.shared_experts.down_proj"}),
     Family("glm4", "Glm4ForCausalLM", _glm4, gguf_permuted_qk=True, hf_interleaved_qk=True, hf_norms=GLM_NORMS,
            gguf_tensors={"ffn_up": "mlp.gate_up_proj", "ffn_norm": "post_attention_layernorm",
                          "post_attention_norm": "post_self_attn_layernorm", "post_ffw_norm": "post_mlp_layernorm"},

@@ -75,7 +75,8 @@ def plan(cfg: ModelConfig, layers: Iterable[Block]) -> Any:
 def _experts(p: Any, moe: Experts) -> None:
     """A layer's experts as the C++ step takes them: the router's exact bfloat16 parts (with the
     shared expert's gate where there is one) and bias, the stacked tensors, their biases and
-    activation, and the shared expert's two products."""
+    activation, the shared expert's two products and whether a gate weighs it, and the router's
+    selection bias (ERNIE's)."""
     if moe.q_stacked is None or moe.q_router is None:
         raise ValueError("the whole-step call runs quantized experts only")
     shared = (_weight(moe.shared_gate_up), _weight(moe.shared_down)) if moe.shared else (None, None)
@@ -84,7 +85,7 @@ def _experts(p: Any, moe: Experts) -> None:
     stacked = [(s.blob, FORMATS[s.fmt], s.n, s.offset, s.groups) for s in moe.q_stacked]
     p.layer_experts((router.blobs, router.formats, router.widths, router.offsets, router.groups, None), bias,
                     *stacked, moe.count, moe.used, moe.ff, moe.weighting_id, *moe.q_stacked_bias, moe.act.kernel,
-                    *shared)
+                    *shared, moe.shared_gated, moe.kernel_select_bias)
 
 
 def rope_kinds(cfg: ModelConfig) -> int:

@@ -240,7 +240,7 @@ class Block(nn.Module):
         self.qkv = Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.attention_bias)
         self.o = Linear(q_out, cfg.hidden_size, bias=cfg.o_bias)
         # The MLP: a dense one, or a mixture of experts (experts.py) where the family has them.
-        self.moe = Experts(cfg, Linear) if cfg.experts else None
+        self.moe = Experts(cfg, Linear) if cfg.expert_layer(index) else None
         self.gate_up = None if self.moe else Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down = None if self.moe else Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 

@@ -90,7 +90,11 @@ void add_layer(StepPlan& p, const py::tuple& qkv, const py::tuple& o, const py::
     TORCH_CHECK(l.down.n == md.hidden && l.gate_up.bias == nullptr && l.down.bias == nullptr,
                 "step: down must map the MLP back to the hidden width; only qkv has a bias");
   }
-  TORCH_CHECK(md.layers.empty() || (l.qkv.n == md.layers[0].qkv.n && l.gate_up.n == md.layers[0].gate_up.n),
+  // Dense MLPs alike (an expert layer's is empty): the step's buffers are sized over the layers (step.cpp).
+  const auto dense = std::find_if(md.layers.begin(), md.layers.end(),
+                                  [](const spx::StepLayer& x) { return !x.gate_up.segs.empty(); });
+  TORCH_CHECK(md.layers.empty() || (l.qkv.n == md.layers[0].qkv.n &&
+                                    (gate_up.is_none() || dense == md.layers.end() || l.gate_up.n == dense->gate_up.n)),
               "step: every layer must have the same shape");
   // OLMo 2's layers have no norm before attention or the MLP
   if (attn_norm.has_value()) l.attn_norm = kept_float(p, *attn_norm, md.hidden, "attn_norm");
@@ -169,13 +173,14 @@ spx::Segment stacked_segment(StepPlan& p, const py::tuple& t, int64_t n, int64_t
 
 // The last added layer's experts (step.h's StepExperts; add_layer gave it no dense MLP): the router as
 // three bfloat16 parts (experts.exact_bf16) and its bias, the stacked gate, up and down tensors, their
-// biases [count, 2 ff] and [count, hidden] (or None), the activation (core/experts.h's ExpertAct) and a
-// shared expert's gate_up and down (or None; its gate is then the router's last row in each part).
+// biases [count, 2 ff] and [count, hidden] (or None), the activation (core/experts.h's ExpertAct), a
+// shared expert's gate_up and down (or None; where `shared_gated`, its gate is the router's last row in
+// each part) and the weighting's selection bias [count] (SoftmaxBiasedTopkNorm's; else None).
 void layer_experts(StepPlan& p, const py::tuple& router, const c10::optional<at::Tensor>& router_bias,
                    const py::tuple& gate, const py::tuple& up, const py::tuple& down, int64_t count, int64_t used,
                    int64_t ff, int64_t kind, const c10::optional<at::Tensor>& gate_up_bias,
                    const c10::optional<at::Tensor>& down_bias, int64_t act, const py::object& shared_gate_up,
-                   const py::object& shared_down) {
+                   const py::object& shared_down, bool shared_gated, const c10::optional<at::Tensor>& select_bias) {
   spx::StepModel& md = p.model;
   TORCH_CHECK(!md.layers.empty() && md.layers.back().gate_up.segs.empty(), "step: layer_experts follows add_layer "
               "of a layer without a dense MLP");
@@ -186,9 +191,13 @@ void layer_experts(StepPlan& p, const py::tuple& router, const c10::optional<at:
   spx::StepExperts& e = l.moe;
   TORCH_CHECK(shared_gate_up.is_none() == shared_down.is_none(), "step: a shared expert's gate_up and down come together");
   const bool shared = !shared_gate_up.is_none();
+  e.shared_gated = shared && shared_gated;
   e.router = step_linear(p, router, md.hidden, "router");
-  TORCH_CHECK(e.router.n == 3 * (count + (shared ? 1 : 0)) && e.router.bias == nullptr,
+  TORCH_CHECK(e.router.n == 3 * (count + (e.shared_gated ? 1 : 0)) && e.router.bias == nullptr,
               "step: the router must be [3 * (experts + 1 if a shared expert's gate follows), hidden]");
+  TORCH_CHECK(select_bias.has_value() == (kind == static_cast<int64_t>(spx::Weighting::SoftmaxBiasedTopkNorm)),
+              "step: a selection bias comes with the biased weighting, and only with it");
+  if (select_bias.has_value()) e.select_bias = kept_float(p, *select_bias, count, "select_bias");
   if (shared) {
     e.shared_gate_up = step_linear(p, shared_gate_up.cast<py::tuple>(), md.hidden, "shared_gate_up");
     TORCH_CHECK(e.shared_gate_up.n % 64 == 0 && e.shared_gate_up.bias == nullptr,
@@ -210,10 +219,11 @@ void layer_experts(StepPlan& p, const py::tuple& router, const c10::optional<at:
   e.act = static_cast<spx::ExpertAct>(act);
   if (gate_up_bias.has_value()) e.gate_up_bias = kept_float(p, *gate_up_bias, count * 2 * ff, "gate_up_bias");
   if (down_bias.has_value()) e.down_bias = kept_float(p, *down_bias, count * md.hidden, "down_bias");
-  const spx::StepLayer& first = md.layers.front();
+  const spx::StepLayer& first = *std::find_if(md.layers.begin(), md.layers.end(),
+                                               [](const spx::StepLayer& x) { return x.moe.count > 0; });
   TORCH_CHECK(first.moe.count == count && first.moe.used == used && first.moe.ff == ff &&
-                  first.moe.shared_ff == e.shared_ff,
-              "step: every layer must have the same experts");
+                  first.moe.shared_ff == e.shared_ff && first.moe.shared_gated == e.shared_gated,
+              "step: every expert layer must have the same experts");
 }
 
 // The final norm and an LM head (the whole one, or a draft's trimmed one) for forward_batch.

@@ -625,18 +625,26 @@ at::Tensor shared_expert_add(const at::Tensor& out, const at::Tensor& gate, cons
   return res;
 }
 
-std::tuple<at::Tensor, at::Tensor> route_rows(const at::Tensor& logits, int64_t used, int64_t kind) {
+std::tuple<at::Tensor, at::Tensor> route_rows(const at::Tensor& logits, int64_t used, int64_t kind,
+                                              const c10::optional<at::Tensor>& select_bias) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "route: logits must be float32 [m, experts]");
   const at::Tensor lc = logits.contiguous();
   const int64_t m = lc.size(0), count = lc.size(1);
   TORCH_CHECK(used >= 1 && used <= count && kind >= 0 && kind < spx::kWeightings, "route: bad top-k or weighting");
+  const bool biased = kind == static_cast<int64_t>(spx::Weighting::SoftmaxBiasedTopkNorm);
+  TORCH_CHECK(select_bias.has_value() == biased, "route: a selection bias comes with the biased weighting, and only with it");
+  at::Tensor bias;
+  if (biased) {
+    bias = select_bias->contiguous();
+    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.numel() == count, "route: the selection bias is float32 [experts]");
+  }
   at::Tensor experts = at::empty({m, used}, lc.options().dtype(at::kLong)), weights = at::empty({m, used}, lc.options());
-  std::vector<float> scratch(count);
+  std::vector<float> scratch(2 * count);
   std::vector<int64_t> iscratch(count);
   for (int64_t r = 0; r < m; ++r)
     spx::route_row(lc.data_ptr<float>() + r * count, count, used, static_cast<spx::Weighting>(kind),
-                   experts.data_ptr<int64_t>() + r * used, weights.data_ptr<float>() + r * used, scratch.data(),
-                   iscratch.data());
+                   biased ? bias.data_ptr<float>() : nullptr, experts.data_ptr<int64_t>() + r * used,
+                   weights.data_ptr<float>() + r * used, scratch.data(), iscratch.data());
   return {experts, weights};
 }
 
@@ -650,7 +658,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("silu_mul"), py::arg("residual"), py::arg("path"), py::arg("out") = py::none());
   m.def("swiglu_oai", &swiglu_oai, "gpt-oss's clamped SwiGLU of rows [gate | up] (core/experts.h)");
   m.def("shared_expert_add", &shared_expert_add, "a shared expert's rows into the experts' sums under its sigmoid gate");
-  m.def("route_rows", &route_rows, "router logits -> each row's top-k experts and weights (core/experts.h)");
+  m.def("route_rows", &route_rows, "router logits -> each row's top-k experts and weights (core/experts.h)",
+        py::arg("logits"), py::arg("used"), py::arg("kind"), py::arg("select_bias") = py::none());
   m.def("experts_rows", &experts_rows, "a mixture of experts' products and weighted sum (experts.py)");
   m.def("dequantize", &dequantize, "dequantize rows of a weight blob", py::arg("blob"), py::arg("fmt"), py::arg("n"),
         py::arg("k"), py::arg("offset"), py::arg("sbg"), py::arg("row_ids"), py::arg("out") = py::none());

@@ -50,8 +50,8 @@ inline float sigmoid_plain(float x) {
 
 }  // namespace
 
-void route_row(const float* logits, int64_t count, int64_t used, Weighting kind, int64_t* experts, float* weights,
-               float* scratch, int64_t* iscratch) {
+void route_row(const float* logits, int64_t count, int64_t used, Weighting kind, const float* select_bias,
+               int64_t* experts, float* weights, float* scratch, int64_t* iscratch) {
   if (kind == Weighting::TopkSoftmax) {
     top_indices(logits, count, used, experts, iscratch);
     for (int64_t j = 0; j < used; ++j) scratch[j] = logits[experts[j]];
@@ -60,11 +60,18 @@ void route_row(const float* logits, int64_t count, int64_t used, Weighting kind,
   }
   float* p = scratch;
   softmax(logits, count, p);
-  top_indices(p, count, used, experts, iscratch);
+  if (kind == Weighting::SoftmaxBiasedTopkNorm) {  // the bias picks the experts; the probabilities weigh them
+    float* chosen = scratch + count;
+    for (int64_t i = 0; i < count; ++i) chosen[i] = p[i] + select_bias[i];
+    top_indices(chosen, count, used, experts, iscratch);
+  } else {
+    top_indices(p, count, used, experts, iscratch);
+  }
   for (int64_t j = 0; j < used; ++j) weights[j] = p[experts[j]];
-  if (kind == Weighting::SoftmaxTopkNorm) {
+  if (kind != Weighting::SoftmaxTopk) {
     float s = 0.f;
     for (int64_t j = 0; j < used; ++j) s += weights[j];
+    if (kind == Weighting::SoftmaxBiasedTopkNorm) s = std::fmax(s, kNormMin);
     for (int64_t j = 0; j < used; ++j) weights[j] = weights[j] / s;
   }
 }
@@ -93,6 +100,10 @@ void weighted_sum_row(const float* const* ys, const float* weights, int64_t used
 void shared_expert_add_row(float* out, float gate, const float* s, int64_t hidden) {
   const float g = sigmoid_plain(gate);
   for (int64_t i = 0; i < hidden; ++i) out[i] = out[i] + g * s[i];
+}
+
+void shared_expert_add_row(float* out, const float* s, int64_t hidden) {
+  for (int64_t i = 0; i < hidden; ++i) out[i] = out[i] + s[i];
 }
 
 }  // namespace spx

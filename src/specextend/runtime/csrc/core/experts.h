@@ -15,15 +15,20 @@ enum class Weighting : int {
   SoftmaxTopk = 0,      // softmax over all experts, then the top k (Qwen2-MoE, OLMoE)
   SoftmaxTopkNorm = 1,  // the same, the k weights divided by their sum (Qwen3-MoE, Mixtral)
   TopkSoftmax = 2,      // the top k logits, then a softmax over them (gpt-oss)
+  // softmax over all experts; the top k of the probabilities plus a per-expert selection bias, weighted
+  // by their probabilities divided by their sum (at least kNormMin) (ERNIE 4.5's MoE)
+  SoftmaxBiasedTopkNorm = 3,
 };
-constexpr int kWeightings = 3;
+constexpr int kWeightings = 4;
+constexpr float kNormMin = 1e-12f;  // ERNIE 4.5's moe_norm_min
 
 // A row's top `used` of `count` experts, by descending weight (ties: the lower index first), into
 // experts [used] and weights [used]. The softmax: m = the maximum, e_i = exp(l_i - m), s = their
 // sum in index order (the selected ones' in rank order for TopkSoftmax), p_i = e_i / s.
-// scratch: `count` floats and `count` indices (nothing is allocated: a step's parallel region calls it).
-void route_row(const float* logits, int64_t count, int64_t used, Weighting kind, int64_t* experts, float* weights,
-               float* scratch, int64_t* iscratch);
+// `select_bias` [count]: SoftmaxBiasedTopkNorm's (the others take none: null).
+// scratch: 2 `count` floats and `count` indices (nothing is allocated: a step's parallel region calls it).
+void route_row(const float* logits, int64_t count, int64_t used, Weighting kind, const float* select_bias,
+               int64_t* experts, float* weights, float* scratch, int64_t* iscratch);
 
 // The experts' gated activations (experts.py, ACTIVATIONS): SiLU runs inside the quantization of the down
 // product's input (PreOp::silu_mul); gpt-oss's clamped SwiGLU is this row operation first.
@@ -40,5 +45,7 @@ void weighted_sum_row(const float* const* ys, const float* weights, int64_t used
 // Qwen2-MoE's shared expert added to a row's experts' sum: out [hidden] = out + sigmoid(gate) * s (the
 // product rounded, then the sum; sigmoid as swiglu_oai_row's).
 void shared_expert_add_row(float* out, float gate, const float* s, int64_t hidden);
+// An ungated shared expert's (ERNIE 4.5's): out [hidden] = out + s.
+void shared_expert_add_row(float* out, const float* s, int64_t hidden);
 
 }  // namespace spx

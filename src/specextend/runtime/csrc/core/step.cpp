@@ -94,15 +94,22 @@ struct Buffers {
 
   Buffers(Path path, StepWorkspace& ws, const StepModel& md, const StepBatch& bt, int64_t t, int threads)
       : w(ws) {
+    // Every layer has the first's attention; the MLP may differ (dense layers among expert ones: ERNIE 4.5).
     const StepLayer& l = md.layers[0];
-    const int64_t hd = md.heads * md.head_dim, inter = inner_width(l);
-    const int64_t kmax = std::max({md.hidden, hd, inter, l.moe.shared_ff});
+    const int64_t hd = md.heads * md.head_dim;
+    int64_t kmax = std::max(md.hidden, hd), gate_up = 0;
+    const StepLayer* expert_layer = nullptr;
+    for (const StepLayer& x : md.layers) {
+      kmax = std::max({kmax, inner_width(x), x.moe.shared_ff});
+      gate_up = std::max(gate_up, x.gate_up.n);
+      if (x.moe.count > 0 && expert_layer == nullptr) expert_layer = &x;
+    }
     grow(w.x2, t * md.hidden);
     grow(w.qkv, t * l.qkv.n);
     grow(w.q, t * hd);
     grow(w.att, t * hd);
     grow(w.att_rows, t * hd);
-    grow(w.gu, t * l.gate_up.n);
+    grow(w.gu, t * gate_up);
     grow(w.hx, bt.n_logits * md.hidden);
     pre_stride = kmax;
     grow(w.pre, static_cast<size_t>(threads) * kmax);
@@ -125,7 +132,7 @@ struct Buffers {
     if (floats) grow(w.xf, std::max<int64_t>(t, bt.n_logits) * kmax);
     bf16d = has_format(md, bt, bf16_dot_format);
     if (bf16d) grow(w.xb, std::max<int64_t>(t, bt.n_logits) * kmax / 2);
-    if (l.moe.count > 0) experts(l.moe, t, md.hidden);
+    if (expert_layer != nullptr) experts(expert_layer->moe, t, md.hidden);
     // Each thread's accumulators 64-byte aligned, on their own 4 KB page (as torch_ops.cpp's run_linear).
     constexpr int64_t kPage = 1024;
     acc_stride = kRowBlock * kPanel + kPage + 16;
@@ -147,7 +154,7 @@ struct Buffers {
     }
     return r;
   }
-  // The expert layers' buffers (every layer has the same experts' shape).
+  // The expert layers' buffers (every expert layer has the same experts' shape).
   std::vector<ExpertProduct> gate_up, down;  // reserved here: filled in the region without allocating
   std::vector<int64_t> gate_up_base, down_base;
   void experts(const StepExperts& e, int64_t t, int64_t hidden) {
@@ -156,7 +163,7 @@ struct Buffers {
     grow(w.logits, t * e.router.n);
     grow(w.weights, slots);
     grow(w.experts, slots);
-    grow(w.route_scratch, e.count);
+    grow(w.route_scratch, 2 * e.count);
     grow(w.route_index, e.count);
     grow(w.start, e.count + 1);
     grow(w.order, slots);
@@ -388,8 +395,8 @@ void route_and_plan(Path path, const StepModel& md, const StepExperts& e, int64_
       if (e.router_bias != nullptr && i < n) v = v + e.router_bias[i];
       lg[i] = v;
     }
-    route_row(lg, n, used, e.kind, w.experts.data() + r * used, w.weights.data() + r * used, w.route_scratch.data(),
-              w.route_index.data());
+    route_row(lg, n, used, e.kind, e.select_bias, w.experts.data() + r * used, w.weights.data() + r * used,
+              w.route_scratch.data(), w.route_index.data());
   }
   int64_t* start = w.start.data();
   std::fill(start, start + n + 1, int64_t{0});
@@ -479,7 +486,8 @@ void experts_phases(const Team& team, Path path, const StepModel& md, const Step
     for (int64_t j = 0; j < used; ++j) ys[j] = w.ey.data() + w.where[r * used + j] * h;
     float* sum = w.esum.data() + r * h;
     weighted_sum_row(ys, w.weights.data() + r * used, used, h, sum);
-    if (e.shared_ff > 0) shared_expert_add_row(sum, w.logits[r * e.router.n + e.count], w.sy.data() + r * h, h);
+    if (e.shared_ff > 0 && e.shared_gated) shared_expert_add_row(sum, w.logits[r * e.router.n + e.count], w.sy.data() + r * h, h);
+    if (e.shared_ff > 0 && !e.shared_gated) shared_expert_add_row(sum, w.sy.data() + r * h, h);
     residual_row(w.x2.data() + r * h, sum, h, l.mlp_out_norm, md.eps, md.residual_scale, x + r * h);
   }
   team.sync();

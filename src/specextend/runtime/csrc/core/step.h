@@ -47,19 +47,22 @@ struct StepLinear {
 // A layer's mixture of experts (runtime/experts.py) in place of gate_up and down (Qwen3-MoE, OLMoE,
 // Mixtral, gpt-oss, Qwen2-MoE). Each used expert runs its gate/up and down products (with its biases,
 // if any) once over the rows that chose it, each row quantized on its own (as experts_rows does from
-// Python), and a row's outputs are summed in its own rank order; a shared expert (Qwen2-MoE) runs over
-// every row as a dense MLP and joins that sum under its sigmoid gate (shared_expert_add_row).
+// Python), and a row's outputs are summed in its own rank order; a shared expert (Qwen2-MoE, ERNIE 4.5) runs
+// over every row as a dense MLP and joins that sum, under its sigmoid gate where it has one
+// (shared_expert_add_row). Layers without experts among them (ERNIE 4.5's first) have count 0.
 struct StepExperts {
   // The router's float32 weights as three bfloat16 parts [3 * m, hidden], m = count (+ 1: the shared
   // expert's gate, the last row of each part).
   StepLinear router;
   const float* router_bias = nullptr;  // [count] or null
+  const float* select_bias = nullptr;  // [count]: SoftmaxBiasedTopkNorm's selection bias, else null
   Segment gate{}, up{}, down{};        // stacked: [count * ff, hidden] twice, [count * hidden, ff]
   const float* gate_up_bias = nullptr;  // [count, 2 ff] or null
   const float* down_bias = nullptr;     // [count, hidden] or null
   int64_t count = 0, used = 0, ff = 0;
   StepLinear shared_gate_up, shared_down;  // [2 shared_ff, hidden], [hidden, shared_ff]; empty: none
   int64_t shared_ff = 0;
+  bool shared_gated = true;  // the shared expert under a sigmoid gate (Qwen2-MoE), or added as it is (ERNIE 4.5)
   Weighting kind = Weighting::SoftmaxTopk;
   ExpertAct act = ExpertAct::Silu;
   // Expert e's rows of a stacked segment: its panels' byte range (the kernels' layout is panel-major).
