@@ -55,3 +55,15 @@ def test_the_read_share_pairs_each_step_with_the_read_beside_it():
     assert got["of_read_rate"] == pytest.approx(0.25)
     assert got["read_gbs"] == pytest.approx(15.0) and got["one_row_read_gbs"] == pytest.approx(5 / 1.5)
     assert got["one_row_read_gbs"] / got["read_gbs"] != pytest.approx(0.25)
+
+
+def test_a_peer_that_fails_is_a_result_not_a_lost_run(tmp_path):
+    """llama-bench dying (a file it cannot load, an instruction this CPU lacks) leaves our half of the run
+    and says why, instead of a traceback after minutes of measuring."""
+    fake = tmp_path / "llama-bench"
+    fake.write_text("#!/bin/sh\necho 'llama_bench: error: failed to load model' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    got = moe.llama(fake, tmp_path / "m.gguf", 2, [32], 4, 1)
+    assert got["error"] == "exit 1: llama_bench: error: failed to load model" and "decode_tok_s" not in got
+    fake.write_text("#!/bin/sh\nkill -ILL $$\n")
+    assert moe.llama(fake, tmp_path / "m.gguf", 2, [32], 4, 1)["error"].startswith("exit -4 (signal 4)")

@@ -475,8 +475,9 @@ def _write_keys(w: Any, config: dict[str, Any]) -> None:
         w.add_expert_feed_forward_length(expert_ff(config))
     if config.get("shared_expert_intermediate_size"):
         w.add_expert_shared_feed_forward_length(int(config["shared_expert_intermediate_size"]))
-    if config.get("moe_num_shared_experts"):  # ERNIE's: the shared experts' count, the leading dense layers
+    if config.get("moe_num_shared_experts"):  # ERNIE's: the shared experts' count and width, the leading dense layers
         w.add_expert_shared_count(int(config["moe_num_shared_experts"]))
+        w.add_expert_shared_feed_forward_length(expert_ff(config) * int(config["moe_num_shared_experts"]))
         w.add_leading_dense_block_count(int(config.get("moe_layer_start_index", 0)))
         w.add_interleave_moe_layer_step(1)
 

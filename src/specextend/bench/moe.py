@@ -140,7 +140,12 @@ def llama(binary: Path, path: Path, threads: int, prefill: list[int], decode: in
     cmd = [str(binary), "-m", str(path), "-t", str(threads), "-p", ",".join(map(str, prefill)), "-n", str(decode),
            "-r", str(reps), "-o", "json"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:  # our half of the run is kept: the peer's failure is a result too
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        why = next((x for x in reversed(lines) if "error" in x.lower()), lines[-1] if lines else "")
+        signal = f" (signal {-done.returncode})" if done.returncode < 0 else ""
+        return {"command": " ".join(cmd), "error": f"exit {done.returncode}{signal}: {why.strip()}"}
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     out: dict[str, Any] = {"command": " ".join(cmd), "peak_rss_gb": max(peak, before) * 1024 / 1e9}
     for r in json.loads(done.stdout[done.stdout.index("["):]):
@@ -183,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     if peer:
         res["llama"] = llama(a.llama_bench, a.target, res["ours"]["threads"], prefill, a.decode, a.llama_repeats)
         res["ratio"] = {k: res["ours"][k] / v for k, v in res["llama"].items() if k.endswith("tok_s")}
+        if "error" in res["llama"]:
+            print(f"bench.moe: llama-bench failed, {res['llama']['error']}", file=sys.stderr)
     text = json.dumps(res, indent=1)
     print(text)
     if a.json:

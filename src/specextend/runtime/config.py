@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from ..common.errors import UserError
+from ..common.plural import count
 from ..common.settings import check_context
 from .families import FAMILIES, HF_CLASSES, QK_ROWS_KEY, ROTATE_HALF, family_of, supported
 
@@ -117,7 +118,7 @@ class ModelConfig:
             shared = f", a{'' if self.shared_gate else 'n ungated'} shared expert ({self.shared_ff})" \
                 if self.shared_ff else ""
             dense = self.num_layers - sum(self.expert_layer(i) for i in range(self.num_layers))
-            dense_text = f", {dense} dense layers ({self.intermediate_size})" if dense else ""
+            dense_text = f", {count(dense, 'dense layer')} ({self.intermediate_size})" if dense else ""
             parts.append(f"{self.experts} experts ({self.expert_ff}), {self.experts_used} a token, router "
                          f"{self.router}, {self.expert_act}{shared}{dense_text}")
         skip = {"window_layers", "sliding_window", "rope_layers", *_EXPERT_SWITCHES}
