@@ -486,8 +486,11 @@ void experts_phases(const Team& team, Path path, const StepModel& md, const Step
     for (int64_t j = 0; j < used; ++j) ys[j] = w.ey.data() + w.where[r * used + j] * h;
     float* sum = w.esum.data() + r * h;
     weighted_sum_row(ys, w.weights.data() + r * used, used, h, sum);
-    if (e.shared_ff > 0 && e.shared_gated) shared_expert_add_row(sum, w.logits[r * e.router.n + e.count], w.sy.data() + r * h, h);
-    if (e.shared_ff > 0 && !e.shared_gated) shared_expert_add_row(sum, w.sy.data() + r * h, h);
+    if (e.shared_ff > 0 && e.shared_gated) {
+      shared_expert_add_row(sum, w.logits[r * e.router.n + e.count], w.sy.data() + r * h, h);
+    } else if (e.shared_ff > 0) {
+      shared_expert_add_row(sum, w.sy.data() + r * h, h);
+    }
     residual_row(w.x2.data() + r * h, sum, h, l.mlp_out_norm, md.eps, md.residual_scale, x + r * h);
   }
   team.sync();
