@@ -513,3 +513,22 @@ def test_the_experts_stay_on_the_files_pages_while_streamed_weights_go_to_the_ar
     blk = model.layers[0]
     assert all(in_file(s.blob) for s in blk.moe.q_stacked)
     assert not any(in_file(s.blob) for s in blk.qkv.qweight.segments)
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ["qwen2moe", "ernie4_5-moe"])
+def test_the_runtime_bench_floor_counts_the_experts_a_token_reads(converted, arch):
+    """bench.runtime's memory floor (`weight_bytes_per_forward`): every projection a row runs, and of each
+    expert layer its router and k of its experts' bytes, not none of them (it counted only modules that hold
+    a `qweight`, and a layer's experts hold segments)."""
+    from specextend.bench import runtime
+
+    model = load_model(converted(arch, "Q8_0")[0], torch.float32, weights="gguf")
+    dense = [model.lm_head] + [m for blk in model.layers for m in (blk.qkv, blk.o, blk.gate_up, blk.down) if m]
+    dense += [m for blk in model.layers if blk.moe is not None and blk.moe.shared
+              for m in (blk.moe.shared_gate_up, blk.moe.shared_down)]
+    experts = sum(blk.moe.q_router.nbytes + sum(s.nbytes for s in blk.moe.q_stacked) * blk.moe.used // blk.moe.count
+                  for blk in model.layers if blk.moe is not None)
+    norms = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if type(m).__name__ == "RMSNorm")
+    assert experts > 0
+    assert runtime.weight_bytes_per_forward(model) == sum(m.qweight.nbytes for m in dense) + experts + norms

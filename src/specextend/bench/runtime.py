@@ -29,6 +29,7 @@ from tqdm import tqdm
 from ..models.loader import QUANTIZED_WEIGHTS
 from ..options import OneLineParser, add_model_arguments, model_options
 from ..runtime import hugepages, kernels
+from ..runtime.experts import Experts
 from . import roofline, step_split
 
 
@@ -74,18 +75,34 @@ def cpu_kernels(model) -> str | None:
 
 
 def weight_bytes_per_forward(model) -> int:
-    """Bytes of weights one forward reads: everything except the embedding table (a lookup)."""
+    """Bytes of weights a one-row forward reads: everything except the embedding table (a lookup), and of
+    a layer's experts the k a token runs (`expert_bytes`)."""
     total = 0
     for name, mod in model.named_modules():
-        if name.endswith("embed"):
+        if name.endswith(("embed", "moe.router", "moe.shared_gate")):  # a lookup; a router's bytes are its layer's
             continue
-        if getattr(mod, "qweight", None) is not None:
+        if isinstance(mod, Experts):
+            total += expert_bytes(mod)
+        elif getattr(mod, "qweight", None) is not None:
             total += mod.qweight.nbytes
         elif getattr(mod, "packed", None) is not None:
             total += mod.packed.numel() * mod.packed.element_size()
         elif getattr(mod, "weight", None) is not None:
             total += mod.weight.numel() * mod.weight.element_size()
     return total
+
+
+def expert_bytes(moe: Experts) -> int:
+    """What one row reads of a layer's experts: the router (and a shared expert's gate; the quantized
+    runtime's three bfloat16 parts) and `used` of its `count` experts (the shared expert's projections are
+    modules of their own)."""
+    if moe.q_stacked is not None:
+        router = moe.q_router.nbytes if moe.q_router is not None else 0
+        return router + sum(s.nbytes for s in moe.q_stacked) * moe.used // moe.count
+    router = sum(m.weight.numel() * m.weight.element_size() for m in (moe.router, getattr(moe, "shared_gate", None))
+                 if m is not None and m.weight is not None)
+    experts = sum(t.numel() * t.element_size() for t in (moe.gate, moe.up, moe.down) if t is not None)
+    return router + experts * moe.used // moe.count
 
 
 def elapsed(fn) -> float:
