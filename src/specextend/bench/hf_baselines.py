@@ -22,19 +22,17 @@ window (prompt lookup's n-gram search is in other_s), retrieval_s = 0.
 from __future__ import annotations
 
 import gc
-import re
 import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..common.errors import UserError
-from ..models.gguf import rotate_half_order
-from ..models.loader import read_config
+from ..models.loader import qk_row_order, read_config
+from ..runtime.config import ModelConfig
 from ..runtime.families import QK_ROWS_KEY, ROTATE_HALF
 
 HF_METHODS = ("hf-ar", "hf-assisted", "hf-lookup")
@@ -104,7 +102,8 @@ def hf_model(path: Path, dtype: torch.dtype) -> Any:
     from ..models.loader import open_tensors
 
     tensors = open_tensors(Path(path))
-    reordered = read_config(Path(path)).get(QK_ROWS_KEY) == ROTATE_HALF
+    raw = read_config(Path(path))
+    reordered = raw.get(QK_ROWS_KEY) == ROTATE_HALF
     if not tensors.quantized and not reordered:
         return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     config = AutoConfig.from_pretrained(str(path))
@@ -114,7 +113,9 @@ def hf_model(path: Path, dtype: torch.dtype) -> Any:
     # a vector llama.cpp keeps flat where transformers has [1, n] (ERNIE's selection bias) takes the model's shape
     state = {name: _shaped(tensors.get(name, dtype), params.get(name)) for name in tensors.names}
     if reordered:  # our converter put GLM's and ERNIE's Q/K rows in rotate-half order: back to theirs
-        state = {name: _interleaved(name, t, config) for name, t in state.items()}
+        cfg = ModelConfig.from_hf(raw)
+        orders = {name: qk_row_order(name, cfg) for name in state}
+        state = {name: t if orders[name] is None else t[torch.argsort(orders[name])] for name, t in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]:
         raise UserError(f"{path}: tensors do not match the transformers model ({(missing + unexpected)[:3]})")
@@ -128,19 +129,6 @@ def _shaped(t: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor:
     if like is None or t.shape == like.shape or t.numel() != like.numel():
         return t
     return t.reshape(like.shape) if [d for d in t.shape if d != 1] == [d for d in like.shape if d != 1] else t
-
-
-def _interleaved(name: str, t: torch.Tensor, config: Any) -> torch.Tensor:
-    """A Q/K projection's rows from rotate-half order back to adjacent pairs (the inverse of
-    `rotate_half_order`); any other tensor as it is."""
-    m = re.search(r"self_attn\.([qk])_proj\.(weight|bias)$", name)
-    if m is None:
-        return t
-    heads = config.num_attention_heads if m.group(1) == "q" else config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    factor = getattr(config, "partial_rotary_factor", None) or config.rope_parameters.get("partial_rotary_factor", 1.0)
-    order = rotate_half_order(t.shape[0], heads, int(head_dim * factor))
-    return t[torch.from_numpy(np.argsort(order))]
 
 
 class HFBaselines:

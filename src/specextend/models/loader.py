@@ -210,11 +210,23 @@ class _Tensors:
         return None
 
 
+_QK = re.compile(r"model\.layers\.\d+\.self_attn\.([qk])_proj\.(weight|bias)$")
+
+
+def qk_row_order(name: str, cfg: ModelConfig) -> torch.Tensor | None:
+    """A Q/K projection's rows (weight or bias) in rotate-half order (`gguf.rotate_half_order`, over
+    the rotated part of each head), for a family whose checkpoints rotate adjacent pairs; None for any
+    other tensor."""
+    m = _QK.match(name)
+    if m is None:
+        return None
+    heads = cfg.num_heads if m.group(1) == "q" else cfg.num_kv_heads
+    return torch.from_numpy(rotate_half_order(heads * cfg.head_dim, heads, cfg.rotary_dim))
+
+
 class _RotateHalfRows:
     """A Hugging Face checkpoint whose Q/K rows rotate adjacent pairs (GLM, ERNIE), read with each
     head's rows in rotate-half order (`ModelConfig.qk_rows_interleaved`): the runtime's rope."""
-
-    _QK = re.compile(r"model\.layers\.\d+\.self_attn\.([qk])_proj\.(weight|bias)$")
 
     def __init__(self, inner: Any, cfg: ModelConfig) -> None:
         if cfg.qk_norm:
@@ -225,12 +237,10 @@ class _RotateHalfRows:
         return getattr(self.inner, name)
 
     def get(self, name: str, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-        m = self._QK.match(name)
-        if m is None:
+        order = qk_row_order(name, self.cfg)
+        if order is None:
             return self.inner.get(name, dtype, out)
-        heads = self.cfg.num_heads if m.group(1) == "q" else self.cfg.num_kv_heads
-        t = self.inner.get(name, dtype)
-        t = t[torch.from_numpy(rotate_half_order(t.shape[0], heads, self.cfg.rotary_dim))]
+        t = self.inner.get(name, dtype)[order]
         return t if out is None else out.copy_(t)
 
 

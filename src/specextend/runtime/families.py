@@ -284,18 +284,6 @@ def _phi3(d: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _phi3_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
-    rope = dict(cfg["rope_parameters"])
-    out: dict[str, Any] = {"rope_parameters": rope, "sliding_window": int(key("attention.sliding_window", 0)) or None}
-    dims = key("rope.dimension_count")
-    if dims and int(dims) != int(cfg["head_dim"]):  # Phi-4-mini (transformers reads it at the top level)
-        rope["partial_rotary_factor"] = out["partial_rotary_factor"] = int(dims) / int(cfg["head_dim"])
-    original = key("rope.scaling.original_context_length")
-    if original:
-        out["original_max_position_embeddings"] = int(original)
-    return out
-
-
 def _rope_dims_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
     """A file's rotated dimensions a head (`rope.dimension_count`) as transformers' partial_rotary_factor, at the top
     level and in the rope parameters (where transformers 5 reads it), where fewer than the head's."""
@@ -305,6 +293,16 @@ def _rope_dims_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
     factor = int(dims) / int(cfg["head_dim"])
     rope = {**cfg["rope_parameters"], "partial_rotary_factor": factor}
     return {"partial_rotary_factor": factor, "rope_parameters": rope}
+
+
+def _phi3_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"rope_parameters": dict(cfg["rope_parameters"]),
+                           "sliding_window": int(key("attention.sliding_window", 0)) or None,
+                           **_rope_dims_gguf(key, cfg)}  # Phi-4-mini's partial rotary
+    original = key("rope.scaling.original_context_length")
+    if original:
+        out["original_max_position_embeddings"] = int(original)
+    return out
 
 
 def _ernie4_5(d: dict[str, Any]) -> dict[str, Any]:
