@@ -16,7 +16,7 @@ ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 # The families that are switches over the same block (runtime/families.py): the parity tests run
 # them too; the engine-level tests of every feature keep the four above.
 FAMILY_ARCHS = ["granite", "smollm3", "olmo2", "olmo3", "gemma3", "gemma2", "phi3", "mistral3", "exaone4", "ernie4_5",
-                "glm4"]
+                "glm4", "lfm2"]
 
 
 USER_COSTS_ENV = "SPECEXTEND_TESTS_USER_COST_CACHE"  # the cost cache's setting before the tests moved it
@@ -231,6 +231,14 @@ def tiny_hf_config(arch: str, vocab: int = 64, layers: int = 2, **kw):
         common.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10_000.0,
                                               "partial_rotary_factor": 0.5})
         return tf.Glm4Config(pad_token_id=None, **common)
+    if arch == "lfm2":
+        # short convolutions on the even layers, attention on the odd (a 1-layer model: a convolution alone); the
+        # MLP's width as given (the 1.2B's config derives it: `block_auto_adjust_ff_dim`), tied embeddings
+        n = common["num_hidden_layers"]
+        common.setdefault("layer_types", ["full_attention" if i % 2 else "conv" for i in range(n)])
+        common["tie_word_embeddings"] = kw.get("tie_word_embeddings", True)
+        return tf.Lfm2Config(pad_token_id=None, norm_eps=common["rms_norm_eps"], block_auto_adjust_ff_dim=False,
+                             **common)
     raise ValueError(arch)
 
 

@@ -110,6 +110,8 @@ def _metadata(w: gguf.GGUFWriter, arch: str, cfg) -> None:
         w.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
     if arch == "glm4":  # the rotated dimensions a head
         w.add_rope_dimension_count(int(cfg.rope_parameters["partial_rotary_factor"] * cfg.head_dim))
+    if arch == "lfm2":  # its converter's keys: 0 KV heads on a convolution's layer, the kernel's length
+        w.add_shortconv_l_cache(cfg.conv_L_cache)
     if arch == "granite":
         w.add_attention_scale(cfg.attention_multiplier)
         w.add_embedding_scale(cfg.embedding_multiplier)
@@ -134,7 +136,8 @@ def write_like_llama_cpp(model, path: Path, arch: str, kind: str = "F32", seed: 
     w.add_block_count(n)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_head_count_kv([0 if t == "conv" else cfg.num_key_value_heads for t in cfg.layer_types] if arch == "lfm2"
+                        else cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # Gemma 3: the global layers'
     w.add_rope_freq_base(rope["rope_theta"])
@@ -171,6 +174,8 @@ def write_like_llama_cpp(model, path: Path, arch: str, kind: str = "F32", seed: 
         elif arch in PERMUTED and name.endswith("k_proj.weight"):
             heads = cfg.num_key_value_heads
         data = value if heads is None else llama_cpp_permute(value, heads)
+        if name.endswith("conv.conv.weight"):  # the converter squeezes the depthwise kernel to [channels, length]
+            data = value.squeeze(1)
         if name.endswith("norm.weight") and arch in NORM_SHIFT:
             data = (data + np.float32(NORM_SHIFT[arch])).astype(np.float32)
             value = data - np.float32(NORM_SHIFT[arch])
@@ -290,6 +295,9 @@ def test_the_gguf_names_the_family_and_its_config_rebuilds(converted, arch):
             assert config[k] == getattr(ref, k), k
     if arch == "gemma3":
         for k in ("layer_types", "sliding_window", "query_pre_attn_scalar", "rope_parameters"):
+            assert config[k] == getattr(ref, k), k
+    if arch == "lfm2":
+        for k in ("layer_types", "conv_L_cache", "norm_eps", "intermediate_size", "tie_word_embeddings"):
             assert config[k] == getattr(ref, k), k
 
 
@@ -574,7 +582,7 @@ def test_a_soft_cap_that_is_no_positive_number_is_refused_in_one_line(cap):
 
 @pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")
 @pytest.mark.parametrize("path", kernels.cpu_paths())
-@pytest.mark.parametrize("arch", FAMILY_ARCHS)
+@pytest.mark.parametrize("arch", [a for a in FAMILY_ARCHS if a != "lfm2"])  # LFM2: the per-layer kernels only
 def test_the_whole_step_call_gives_the_per_layer_bits(converted, monkeypatch, arch, path):
     """Every family's switches in the whole-step C++ call (sandwich and post norms, GeGLU, the
     multipliers and logit divisor, whole-row q/k norms, per-layer ropes and NoPE, partial rotary,
@@ -683,3 +691,52 @@ def test_inspect_tells_the_default_context_and_how_far_context_goes(long_phi, ca
     for bad in (0, -5, 2.5, True):
         with pytest.raises(UserError, match="--max-context must be a whole number"):
             LoadOptions(max_context=bad)
+
+
+def test_lfm2_convolution_state_keeps_its_window_through_chunks_snapshots_and_files(converted, tmp_path):
+    """LFM2's short convolutions keep only their last tokens' inputs in a cache made with room (as a windowed
+    layer's keys), fed in chunks: transformers' logits at every position; a snapshot of the prompt, written to a
+    prefix-cache file and read back into a fresh cache, continues with the same bits as the cache it came from."""
+    from specextend.requests import kv_file
+    from specextend.runtime.kv_cache import PrefixKV
+
+    folder, stored = converted("lfm2")
+    ref = reference("lfm2", stored)
+    ours = load_model(folder, torch.float64, weights="float64")
+    ids = PROMPT + PROMPT[:8]
+    expect = hf_logits(ref, ids)
+    cache = ours.new_cache(len(ids) + 4, room=4)
+    got = []
+    for s in range(0, len(PROMPT), 5):
+        piece = ids[s : min(s + 5, len(PROMPT))]
+        got.append(ours(torch.tensor(piece), torch.arange(s, s + len(piece)), cache))
+        cache.commit()
+    assert cache.wk.shape[2] <= 3 + 5 and cache.woffset > 0  # the kernel's 3 tokens and a chunk, not the prompt
+    path = tmp_path / "p.kv"
+    kv_file.write(path, PROMPT, PrefixKV(cache.snapshot(), None), "f", "float64", None)
+    fresh = ours.new_cache(len(ids) + 4, room=4)
+    fresh.load(kv_file.read(path)[1].target_kv)
+    rest, pos = torch.tensor(ids[len(PROMPT):]), torch.arange(len(PROMPT), len(ids))
+    tail = ours(rest, pos, cache)
+    assert torch.allclose(torch.cat([*got, tail]), expect, atol=ref_tol("lfm2"), rtol=0)
+    assert torch.equal(ours(rest, pos, fresh), tail)
+    unconvolved = reference("lfm2", {k: (v * 0 if k.endswith("conv.conv.weight") else v) for k, v in stored.items()})
+    assert not torch.allclose(hf_logits(unconvolved, ids), expect, atol=1e-3, rtol=0)  # the convolution matters
+
+
+@pytest.mark.usefixtures("isolated_home")
+def test_inspect_names_lfm2s_convolutions_and_their_state(converted, capsys):
+    from specextend.cli.main import main
+
+    folder, _ = converted("lfm2")
+    assert main(["models", "inspect", str(folder.parent / "m.gguf")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    line = next(x for x in lines if x.startswith("family"))
+    assert "lfm2" in line and "2 of 4 layers short convolutions (3 tokens)" in line and "per-layer kernels" in line
+    assert "the 2 short convolutions keep the inputs of their last 3 tokens and 512 more" in \
+        next(x for x in lines if x.startswith("kv"))
+    assert main(["models", "inspect", str(folder.parent / "m.gguf"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    row = 2 * 2 * 64 * 2  # a layer's K and V x KV heads x head_dim x bfloat16
+    assert out["kv_bytes_per_token"] == 2 * row  # the two attention layers'
+    assert out["kv_bytes_32k"] == 2 * row * 32768 + 2 * 256 * 4 * (3 + 512)  # and a float32 row a kept token

@@ -390,6 +390,24 @@ def test_random_gguf_loads_and_generates(tmp_path, tokenizer_gguf, capsys) -> No
     assert "random weights" in capsys.readouterr().err
 
 
+def test_a_random_lfm2_file_has_llama_cpps_layout_and_generates(tmp_path, tokenizer_gguf) -> None:
+    """The lfm2 shapes' layout (convolutions where `full_attn_idxs` leaves a layer, 0 KV heads there, the final
+    norm under token_embd_norm) is one our converter reads as the family and runs."""
+    from specextend import api
+    from specextend.models import gguf as conv
+
+    shape = {**gguf_files.PRESETS["lfm2-350m"], "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "full_attn_idxs": [1, 3]}
+    src = gguf_files.write_random(tmp_path / "lfm2.gguf", shape, "Q4_K_M", tokenizer_gguf, progress=False)
+    reader = conv.open_gguf(src)
+    assert list(conv.field(reader, "lfm2.attention.head_count_kv")) == [0, 2, 0, 2]
+    config = conv.gguf_to_hf_config(reader)
+    assert config["layer_types"] == ["conv", "full_attention", "conv", "full_attention"]
+    with api.load(str(src), load_draft=False, progress=False) as pair:
+        assert pair.target.cfg.conv_layers == (True, False, True, False)
+        assert pair.generate("hello", method="ar", max_new_tokens=4).new_tokens == 4
+
+
 def test_random_blocks_have_the_spread_asked(tokenizer_gguf) -> None:
     import numpy as np
     from gguf import GGMLQuantizationType

@@ -148,10 +148,21 @@ PRESETS: dict[str, dict[str, Any]] = {
                     "rope_scaling_type": "yarn", "rope_scaling_factor": 32.0, "original_max_position_embeddings": 4096,
                     "sliding_window": 128, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
                     "tie_word_embeddings": False, "num_experts": 32, "num_experts_per_tok": 4},
+    # LFM2-1.2B: gated short convolutions (3 tokens) on 10 of 16 layers, attention with per-head q/k norms on the
+    # others, tied embeddings (its own vocabulary has 65,536 tokens: --tokenizer-from sets the file's).
+    "lfm2-1.2b": {"model_type": "lfm2", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                  "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5,
+                  "max_position_embeddings": 128000, "tie_word_embeddings": True,
+                  "full_attn_idxs": [2, 5, 8, 10, 12, 14], "conv_L_cache": 3},
+    # LFM2-350M: the 1.2B's layout, half as wide (a draft for it: the same vocabulary).
+    "lfm2-350m": {"model_type": "lfm2", "hidden_size": 1024, "intermediate_size": 4608, "num_hidden_layers": 16,
+                  "num_attention_heads": 16, "num_key_value_heads": 8, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5,
+                  "max_position_embeddings": 128000, "tie_word_embeddings": True,
+                  "full_attn_idxs": [2, 5, 8, 10, 12, 14], "conv_L_cache": 3},
 }
 # The model types a random file can take (the expert ones: each layer's experts stacked, llama.cpp's way).
 RANDOM_TYPES = ("llama", "qwen2", "olmoe", "qwen3moe", "qwen2moe", "gemma2", "gemma3", "granite", "gpt-oss", "phi3",
-                "olmo2", "mistral3", "granitemoe", "glm4", "ernie4_5", "ernie4_5-moe")
+                "olmo2", "mistral3", "granitemoe", "glm4", "ernie4_5", "ernie4_5-moe", "lfm2")
 # Granite's multipliers: the config's names and the GGUF writer's (llama.cpp's *_scale keys).
 GRANITE_SCALES = {"embedding_multiplier": "add_embedding_scale", "residual_multiplier": "add_residual_scale",
                   "attention_multiplier": "add_attention_scale", "logits_scaling": "add_logit_scale"}
@@ -250,7 +261,8 @@ def _tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tupl
     gemma = config.get("model_type") in ("gemma2", "gemma3")  # sandwich norms
     oss = config.get("model_type") == "gpt-oss"
     # Qwen3's and Gemma 3's q/k norms: one head's width, not all heads'
-    head_norm = config.get("model_type") in ("qwen3moe", "gemma3")
+    head_norm = config.get("model_type") in ("qwen3moe", "gemma3", "lfm2")
+    lfm2, conv = config.get("model_type") == "lfm2", conv_layers(config)
     exps = EXPERT_TYPES.get(kind)
     phi = config.get("model_type") == "phi3"  # fused projections, LongRoPE's factors as tensors
     olmo = config.get("model_type") == "olmo2"  # OLMo 2 and 3: norms after, not before; q/k norms over all heads
@@ -269,10 +281,13 @@ def _tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tupl
         b = f"blk.{i}."
         if not olmo:
             yield b + "attn_norm.weight", (h,), "F32"
+        if i in conv:
+            yield from _conv_tensors(b, config, main, more if more_bits(i) else main)
+            continue
         yield from _qkv_tensors(b, config, main, more if more_bits(i) else main)
-        if (gemma and head_norm) or olmo:
-            yield b + "attn_q_norm.weight", (hd if gemma else heads * hd,), "F32"
-            yield b + "attn_k_norm.weight", (hd if gemma else kv * hd,), "F32"
+        if (gemma and head_norm) or olmo or lfm2:
+            yield b + "attn_q_norm.weight", (hd if gemma or lfm2 else heads * hd,), "F32"
+            yield b + "attn_k_norm.weight", (hd if gemma or lfm2 else kv * hd,), "F32"
         yield b + "attn_output.weight", (h, heads * hd), main
         if oss:  # gpt-oss: an output bias, a sink logit a head; its MLP's pre-norm is llama.cpp's post_attention_norm
             yield b + "attn_output.bias", (h,), "F32"
@@ -293,9 +308,29 @@ def _tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tupl
         yield b + "ffn_down.weight", (h, f), more if more_bits(i) else main
         if gemma or olmo or glm:
             yield b + "post_ffw_norm.weight", (h,), "F32"
-    yield "output_norm.weight", (h,), "F32"
+    yield "token_embd_norm.weight" if lfm2 else "output_norm.weight", (h,), "F32"  # LFM2's final norm's name
     if not config.get("tie_word_embeddings", False):
         yield "output.weight", (vocab, h), more
+
+
+def conv_layers(config: dict[str, Any]) -> set[int]:
+    """The layers of an LFM2 shape that are short convolutions (all but `full_attn_idxs`; none for other types)."""
+    if config.get("model_type") != "lfm2":
+        return set()
+    return set(range(config["num_hidden_layers"])) - set(config["full_attn_idxs"])
+
+
+def _conv_tensors(b: str, config: dict[str, Any], main: str, down: str) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """An LFM2 convolution layer's (prefix `b`, its norm before): the projections and kernel [channels, length] in
+    place of attention, then the MLP's norm and gated MLP."""
+    h, f = config["hidden_size"], config["intermediate_size"]
+    yield b + "shortconv.in_proj.weight", (3 * h, h), main
+    yield b + "shortconv.conv.weight", (h, int(config.get("conv_L_cache", 3))), "F32"
+    yield b + "shortconv.out_proj.weight", (h, h), main
+    yield b + "ffn_norm.weight", (h,), "F32"
+    yield b + "ffn_gate.weight", (f, h), main
+    yield b + "ffn_up.weight", (f, h), main
+    yield b + "ffn_down.weight", (h, f), down
 
 
 def _qkv_tensors(b: str, config: dict[str, Any], main: str, v_kind: str) -> Iterator[tuple[str, tuple[int, ...], str]]:
@@ -436,7 +471,11 @@ def _write_keys(w: Any, config: dict[str, Any]) -> None:
     w.add_block_count(config["num_hidden_layers"])
     w.add_feed_forward_length(config["intermediate_size"])
     w.add_head_count(heads)
-    w.add_head_count_kv(config.get("num_key_value_heads", heads))
+    kv = config.get("num_key_value_heads", heads)
+    conv = conv_layers(config)
+    w.add_head_count_kv([0 if i in conv else kv for i in range(config["num_hidden_layers"])] if conv else kv)
+    if conv:  # LFM2: a convolution's layer has no KV heads; the kernel's length
+        w.add_shortconv_l_cache(int(config.get("conv_L_cache", 3)))
     if config.get("head_dim"):
         w.add_key_length(config["head_dim"])
         w.add_value_length(config["head_dim"])

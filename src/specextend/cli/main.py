@@ -584,8 +584,9 @@ def _kv(hf_config: dict[str, Any]) -> tuple[int, int, str] | None:
     except UserError:
         return None
     room = window_room(c, 256)
-    kept = "" if not c.windowed_layers or room is None else (
-        f"; the {c.windowed_layers} windowed layers keep their window of {c.sliding_window:,} and {room:,} more")
+    what = f"short convolutions keep the inputs of their last {c.conv_kernel} tokens" if c.conv_layers else \
+        f"windowed layers keep their window of {c.sliding_window:,}"
+    kept = "" if not c.windowed_layers or room is None else f"; the {c.windowed_layers} {what} and {room:,} more"
     return c.kv_bytes_per_token(), c.kv_bytes(32768, room), kept or ", every layer"
 
 

@@ -78,7 +78,7 @@ _LAYER_TENSORS = {
 # Tensors llama.cpp adds that have no HF weight: rope factors are folded back into the config.
 _SKIPPED_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
 
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+(?:\.[a-z_]+)?)\.(weight|bias)$")  # LFM2's `shortconv.conv` too
 _PER_EXPERT_RE = re.compile(r"^blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight$")
 
 # Weights converted at a time (`tensor_parts`): a few runs of this size are all the converting
@@ -251,7 +251,7 @@ def gguf_to_hf_config(reader: Any) -> dict[str, Any]:
 
     hidden = int(key("embedding_length"))
     n_heads = int(_uniform(key("attention.head_count"), "attention.head_count"))
-    n_kv = int(_uniform(key("attention.head_count_kv", n_heads), "attention.head_count_kv"))
+    n_kv = _kv_heads(key("attention.head_count_kv", n_heads), family, n_heads)
     head_dim = int(key("attention.key_length", hidden // n_heads))
     embd = tensors.get("token_embd.weight")
     if embd is None:
@@ -305,6 +305,14 @@ def _family(config: dict[str, Any]) -> Family:
     family = family_of(config)
     assert family is not None, "a config this module wrote names its family"
     return family
+
+
+def _kv_heads(kv: Any, family: Family, n_heads: int) -> int:
+    """The KV heads of the attention layers; a layer of none is a short convolution where the family has them
+    (its gguf_config reads which)."""
+    if family.gguf_conv_layers and isinstance(kv, list):
+        kv = [h for h in kv if h] or [n_heads]
+    return int(_uniform(kv, "attention.head_count_kv"))
 
 
 def _uniform(value: Any, name: str) -> Any:
@@ -394,6 +402,8 @@ def hf_tensor_name(gguf_name: str, family: Family | None = None) -> str | None:
         return _GLOBAL_TENSORS[gguf_name]
     if gguf_name in _SKIPPED_TENSORS:
         return None
+    if family is not None and gguf_name in family.gguf_tensors:  # a whole name: a global tensor of the family's
+        return family.gguf_tensors[gguf_name]
     if _PER_EXPERT_RE.match(gguf_name):
         raise UserError(f"GGUF tensor {gguf_name!r}: an old Mixtral file with one tensor an expert; convert the "
                         "model again with a recent llama.cpp (experts stacked in ffn_*_exps)")
@@ -472,7 +482,15 @@ def hf_tensor(tensor: Any, config: dict[str, Any]) -> np.ndarray:
     shift = _family(config).gguf_norm_shift
     if shift and tensor.name.endswith("norm.weight"):  # back to the HF weight (Gemma's 1 + w norms)
         out = out - np.float32(shift)
+    if _is_conv_kernel(tensor.name, out):  # HF's Conv1d weight [channels, 1, length]
+        out = out.reshape(out.shape[0], 1, out.shape[1])
     return np.ascontiguousarray(out)
+
+
+def _is_conv_kernel(name: str, data: Any) -> bool:
+    """A depthwise convolution's kernel (LFM2's `shortconv.conv`), which llama.cpp's converter squeezed to
+    [channels, length]."""
+    return name.endswith("shortconv.conv.weight") and len(data.shape) == 2
 
 
 def type_name(tensor: Any) -> str:
@@ -521,7 +539,8 @@ def tensor_parts(reader: Any, tensor: Any, config: dict[str, Any], kept: bool) -
     from ..runtime import quant
 
     heads = _qk_heads(tensor.name, config)
-    if len(tensor.shape) != 2 and not (kept and len(tensor.shape) == 3):  # norms, biases: small, whole
+    small = len(tensor.shape) != 2 and not (kept and len(tensor.shape) == 3)
+    if small or _is_conv_kernel(tensor.name, tensor.shape):  # norms, biases, a convolution's kernel: whole
         yield torch.from_numpy(hf_tensor(tensor, config))
         _release(reader, int(tensor.data_offset), int(tensor.n_bytes))
         return
@@ -552,6 +571,13 @@ def torch_shape(tensor: Any) -> tuple[int, ...]:
     return tuple(int(d) for d in reversed(tensor.shape.tolist()))
 
 
+def hf_shape(tensor: Any) -> tuple[int, ...]:
+    """The HF parameter's shape of a GGUF tensor: its torch shape, but a depthwise convolution's kernel [channels,
+    1, length] (`hf_tensor`)."""
+    shape = torch_shape(tensor)
+    return (shape[0], 1, shape[1]) if _is_conv_kernel(tensor.name, tensor.shape) else shape
+
+
 def write_weights(reader: Any, config: dict[str, Any], out: Path, progress: bool = True) -> list[str]:
     """Write `model.safetensors`: quantized tensors in the kernels' layout with their GGUF grid
     unchanged (see `runtime/quant.py`), every other tensor as float32; returns the file names.
@@ -574,7 +600,7 @@ def write_weights(reader: Any, config: dict[str, Any], out: Path, progress: bool
     for name, tensor in tensors.items():
         planned = kept_format(tensor)
         if planned is None:
-            floats[name] = (torch.float32, torch_shape(tensor))
+            floats[name] = (torch.float32, hf_shape(tensor))
         else:
             segments[name] = planned
 

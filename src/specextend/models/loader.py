@@ -20,6 +20,7 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,8 +33,8 @@ from ..common.errors import UserError
 from ..runtime import quant
 from ..runtime.config import ModelConfig
 from ..runtime.experts import BIASED
-from ..runtime.families import SELECT_BIAS, hf_norm_names
-from ..runtime.layers import Embedding, Experts, Linear, rope_inv_freq
+from ..runtime.families import FAMILIES, SELECT_BIAS, hf_norm_names
+from ..runtime.layers import Block, Embedding, Experts, Linear, rope_inv_freq
 from ..runtime.quant import QWeight
 from ..runtime.transformer import Transformer
 from .gguf import rotate_half_order
@@ -244,6 +245,37 @@ class _RotateHalfRows:
         return t if out is None else out.copy_(t)
 
 
+class _Renamed:
+    """A checkpoint of a family that names weights otherwise than Llama (`Family.hf_names`), read by Llama's names."""
+
+    def __init__(self, inner: Any, names: dict[str, str]) -> None:
+        self.inner, self.names = inner, names
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def _name(self, name: str) -> str:
+        for ours, theirs in self.names.items():
+            if ours in name:
+                return name.replace(ours, theirs)
+        return name
+
+    def get(self, name: str, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.inner.get(self._name(name), dtype, out)
+
+    def has(self, name: str) -> bool:
+        return self.inner.has(self._name(name))
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.inner.shape(self._name(name))
+
+    def segment(self, name: str, mapped: bool = True, streamed: bool = True) -> Any:
+        return self.inner.segment(self._name(name), mapped, streamed)
+
+    def stacked_segments(self, names: list[str]) -> Any:
+        return self.inner.stacked_segments([self._name(n) for n in names])
+
+
 def holds_quantized_file(folder: Path) -> bool:
     """Whether the folder's weights are our quantized file (a converted GGUF), not a Hugging Face checkpoint."""
     single = folder / "model.safetensors"
@@ -310,6 +342,9 @@ def build_model(m: ResolvedModel, device: torch.device | str = "cpu", pack: bool
         model = Transformer(m.config, inv_freq)
     if m.config.qk_rows_interleaved:
         ts = _RotateHalfRows(ts, m.config)
+    names = FAMILIES[m.config.arch].hf_names
+    if names:
+        ts = _Renamed(ts, names)
     _fill(model, _Weights(ts, act, device, derived, m.weights))
     if derived is not None:
         derived.save()
@@ -392,6 +427,13 @@ def _fill(model: Transformer, w: _Weights) -> None:
     for i, blk in enumerate(model.layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
+        if blk.conv is not None:  # LFM2's short convolution: its two projections and kernel [hidden, 1, kernel]
+            w.project(blk.qkv, [p + "conv.in_proj.weight"], 3 * h, h)
+            w.project(blk.o, [p + "conv.out_proj.weight"], h, h)
+            kernel = w.ts.get(p + "conv.conv.weight", w.act)
+            blk.conv = w.wrap(_checked(kernel, (h, 1, cfg.conv_kernel), p + "conv.conv.weight").reshape(h, -1))
+            _fill_mlp(blk, w, p, cfg, norm)
+            continue
         # Fused q/k/v and gate/up checkpoints (Phi-3) already hold our layout.
         fused_qkv = w.ts.has(a + "qkv_proj.weight")
         w.project(blk.qkv, [a + "qkv_proj.weight"] if fused_qkv else [a + f"{n}_proj.weight" for n in "qkv"], None, h)
@@ -402,15 +444,7 @@ def _fill(model: Transformer, w: _Weights) -> None:
             blk.o.bias = w.wrap(w.ts.get(a + "o_proj.bias", w.act))
         if blk.sinks is not None:  # one logit a query head (a GGUF's `attn_sinks.weight`)
             blk.sinks = w.wrap(w.ts.get(a + "sinks" if w.ts.has(a + "sinks") else a + "sinks.weight", w.act))
-        if blk.moe is not None:
-            _fill_experts(blk.moe, w, p + "mlp.", cfg)
-        else:
-            gate_up = [p + "mlp.gate_up_proj.weight"] if w.ts.has(p + "mlp.gate_up_proj.weight") else \
-                [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
-            w.project(blk.gate_up, gate_up, 2 * cfg.intermediate_size, h)
-            w.project(blk.down, [p + "mlp.down_proj.weight"], h, cfg.intermediate_size)
-        for place, hf in hf_norm_names(cfg.norms, cfg.arch).items():
-            getattr(blk, place).weight = norm(p + hf + ".weight")
+        _fill_mlp(blk, w, p, cfg, norm)
         if blk.q_norm is not None:
             blk.q_norm.weight = norm(a + "q_norm.weight")
             blk.k_norm.weight = norm(a + "k_norm.weight")
@@ -422,6 +456,20 @@ def _fill(model: Transformer, w: _Weights) -> None:
             model.lm_head.weight = model.embed.weight
     else:
         w.project(model.lm_head, ["lm_head.weight"], cfg.vocab_size, h)
+
+
+def _fill_mlp(blk: Block, w: _Weights, p: str, cfg: ModelConfig, norm: Callable[[str], torch.nn.Parameter]) -> None:
+    """A layer's MLP (dense, or its experts) and its block norms."""
+    h = cfg.hidden_size
+    if blk.moe is not None:
+        _fill_experts(blk.moe, w, p + "mlp.", cfg)
+    else:
+        gate_up = [p + "mlp.gate_up_proj.weight"] if w.ts.has(p + "mlp.gate_up_proj.weight") else \
+            [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        w.project(blk.gate_up, gate_up, 2 * cfg.intermediate_size, h)
+        w.project(blk.down, [p + "mlp.down_proj.weight"], h, cfg.intermediate_size)
+    for place, hf in hf_norm_names(cfg.norms, cfg.arch).items():
+        getattr(blk, place).weight = norm(p + hf + ".weight")
 
 
 def _fill_experts(moe: Experts, w: _Weights, p: str, cfg: ModelConfig) -> None:

@@ -78,7 +78,10 @@ def _tensors(prefix: PrefixKV) -> list[tuple[str, torch.Tensor]]:
 
 
 def _raw(t: torch.Tensor) -> memoryview:
-    """The tensor's bytes without a copy (one if it is not contiguous)."""
+    """The tensor's bytes without a copy (one if it is not contiguous); none of an empty one (a convolution's
+    values)."""
+    if t.numel() == 0:
+        return memoryview(b"")
     return memoryview(t.detach().cpu().contiguous().view(torch.uint8).numpy()).cast("B")
 
 

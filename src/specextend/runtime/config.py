@@ -15,6 +15,8 @@ from ..common.settings import check_context
 from .families import FAMILIES, HF_CLASSES, QK_ROWS_KEY, ROTATE_HALF, family_of, supported
 
 SUPPORTED_ARCHS = HF_CLASSES
+# Bytes of a short convolution's state a token (a float32 value a hidden unit, whatever the KV cache's kind).
+CONV_STATE_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,23 @@ class ModelConfig:
     expert_act: str = "silu"  # the experts' gated activation (experts.ACTIVATIONS)
     # per layer: holds experts (empty: every layer does); the others a dense MLP of intermediate_size (ERNIE 4.5)
     expert_layers: tuple[bool, ...] = ()
+    # LFM2's short convolutions: per layer, a gated causal depthwise convolution over the last `conv_kernel` tokens
+    # in place of attention (empty: every layer attends); its state is the last conv_kernel - 1 tokens' inputs,
+    # which the cache keeps as a windowed layer's (kv_cache.py), so a tree's rows and a rewind stay exact.
+    conv_layers: tuple[bool, ...] = ()
+    conv_kernel: int = 0
+
+    def conv(self, layer: int) -> bool:
+        """Whether layer `layer` is a short convolution (LFM2) rather than attention."""
+        return bool(self.conv_layers) and self.conv_layers[layer]
+
+    @property
+    def cache_windows(self) -> tuple[tuple[bool, ...], int]:
+        """(per-layer flags, window) of the layers whose cache keeps only a window of tokens: the sliding-window
+        layers, or the short convolutions (their state: the last `conv_kernel` tokens' inputs)."""
+        if self.conv_layers:
+            return self.conv_layers, self.conv_kernel
+        return self.window_layers, self.sliding_window
 
     def expert_layer(self, layer: int) -> bool:
         """Whether layer `layer` holds experts (else a dense MLP)."""
@@ -91,7 +110,7 @@ class ModelConfig:
         """Whether decode steps take the whole-step C++ call (fused_step.py): every family whose MLP
         activation it runs, expert layers included (gpt-oss's sinks, biases and clamped SwiGLU,
         Qwen2-MoE's shared expert) and Gemma 2's soft-capped scores (core/step.h)."""
-        return self.activation in ("silu", "gelu_tanh")
+        return self.activation in ("silu", "gelu_tanh") and not self.conv_layers
 
     def switches(self) -> dict[str, Any]:
         """The family switches this model sets (those that differ from Llama's), by field name."""
@@ -111,6 +130,10 @@ class ModelConfig:
             parts.append(f"{sum(self.window_layers)} of {self.num_layers} layers windowed ({self.sliding_window})")
         if self.rope_layers:
             parts.append(f"{self.num_layers - sum(self.rope_layers)} layers without rope")
+        if self.conv_layers:
+            parts.append(f"{sum(self.conv_layers)} of {self.num_layers} layers short convolutions ({self.conv_kernel} "
+                         "tokens)")
+
         def text(v: Any) -> str:
             return "+".join(v) if isinstance(v, tuple) else f"{v:.6g}" if isinstance(v, float) else str(v)
 
@@ -121,10 +144,11 @@ class ModelConfig:
             dense_text = f", {count(dense, 'dense layer')} ({self.intermediate_size})" if dense else ""
             parts.append(f"{self.experts} experts ({self.expert_ff}), {self.experts_used} a token, router "
                          f"{self.router}, {self.expert_act}{shared}{dense_text}")
-        skip = {"window_layers", "sliding_window", "rope_layers", *_EXPERT_SWITCHES}
+        skip = {"window_layers", "sliding_window", "rope_layers", "conv_layers", "conv_kernel", *_EXPERT_SWITCHES}
         parts += [f"{k} {text(v)}" for k, v in s.items() if k not in skip]
+        missing = "short convolutions" if self.conv_layers else self.activation
         step = ("the whole-step C++ call for decode steps, the per-layer kernels for prefill" if self.stepped
-                else f"the per-layer kernels (the whole-step C++ call does not run {self.activation})")
+                else f"the per-layer kernels (the whole-step C++ call does not run {missing})")
         return f"{self.arch}{': ' + ', '.join(parts) if parts else ''}; quantized weights run {step}"
 
     @property
@@ -162,7 +186,9 @@ class ModelConfig:
 
     @property
     def windowed_layers(self) -> int:
-        return sum(self.window_layers) if self.sliding_window else 0
+        """The layers whose cache keeps a window of tokens (`cache_windows`)."""
+        flags, window = self.cache_windows
+        return sum(flags) if window else 0
 
     def kv_bytes_per_token(self, row_bytes: int | None = None) -> int:
         """What a token of context costs in the KV cache past the windows: keys and values of the
@@ -173,17 +199,20 @@ class ModelConfig:
 
     def kv_bytes(self, tokens: int, room: int | None, row_bytes: int | None = None) -> int:
         """What `tokens` of context cost in the KV cache: every token on the layers that attend to
-        all of them, and on the windowed layers at most the window and `room` (None: every token)."""
+        all of them, and on the windowed layers at most the window and `room` (None: every token); a
+        short convolution's slot is one float32 row of the hidden size."""
         row = 2 * self.head_dim if row_bytes is None else row_bytes
-        kept = tokens if room is None else min(tokens, self.sliding_window + room)
-        return self.kv_bytes_per_token(row) * tokens + self.windowed_layers * 2 * self.num_kv_heads * row * kept
+        kept = tokens if room is None else min(tokens, self.cache_windows[1] + room)
+        slot = CONV_STATE_BYTES * self.hidden_size if self.conv_layers else 2 * self.num_kv_heads * row
+        return self.kv_bytes_per_token(row) * tokens + self.windowed_layers * slot * kept
 
     def windowed(self, layer: int) -> bool:
         return bool(self.window_layers) and self.window_layers[layer]
 
     def rope_kind(self, layer: int) -> int:
-        """Which rope layer `layer` applies: 0 the global one, 1 the windowed layers' own, -1 none."""
-        if self.rope_layers and not self.rope_layers[layer]:
+        """Which rope layer `layer` applies: 0 the global one, 1 the windowed layers' own, -1 none (a NoPE layer, a
+        short convolution)."""
+        if (self.rope_layers and not self.rope_layers[layer]) or self.conv(layer):
             return -1
         return 1 if self.local_rope_theta is not None and self.windowed(layer) else 0
 
@@ -224,7 +253,7 @@ class ModelConfig:
             arch=arch,
             vocab_size=int(d["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(d["intermediate_size"]),
+            intermediate_size=int(d.get("intermediate_size") or 0),  # LFM2's: its switches say
             num_layers=int(d["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=int(d.get("num_key_value_heads") or heads),
@@ -269,7 +298,7 @@ _SWITCHES = frozenset({"norms", "norm_plus_one", "activation", "embed_scale", "r
                        "attn_softcap", "logit_divisor", "final_softcap", "sliding_window", "window_layers",
                        "rope_layers", "local_rope_theta", "rotary_dim", "attn_sinks", "attn_temperature", "o_bias",
                        "experts", "experts_used", "expert_ff", "shared_ff", "shared_gate", "router", "expert_act",
-                       "expert_layers"})
+                       "expert_layers", "conv_layers", "conv_kernel"})
 # The expert layer's switches (the folded per-layer kernels have no expert layer: `plain` is False with them).
 _EXPERT_SWITCHES = frozenset({"experts", "experts_used", "expert_ff", "shared_ff", "shared_gate", "router",
                               "expert_act", "expert_layers"})

@@ -76,6 +76,11 @@ class Family:
     # (models/gguf.py `rotate_half_order`), and a converted GGUF's folder holds them reordered already.
     hf_interleaved_qk: bool = False
     hf_norms: dict[str, str] = field(default_factory=dict)  # placement -> HF norm name, where not the usual
+    # Llama's HF tensor names -> the family's, where its checkpoints name the same weights otherwise (the loader asks
+    # for Llama's names).
+    hf_names: dict[str, str] = field(default_factory=dict)
+    # GGUF: a layer of 0 KV heads (`attention.head_count_kv` an array) is a short convolution (LFM2).
+    gguf_conv_layers: bool = False
 
     @property
     def model_type(self) -> str:
@@ -347,6 +352,42 @@ def _exaone4_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
             "layer_types": ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]}
 
 
+def _lfm2(d: dict[str, Any]) -> dict[str, Any]:
+    """LFM2: pre-norm blocks whose mixer is attention with per-head q/k norms on a few layers (HF's `layer_types`,
+    or the older configs' `full_attn_idxs`) and a gated short convolution on the others; tied embeddings, the MLP's
+    width from `block_ff_dim` through the adjustment transformers' Lfm2MLP applies."""
+    n = int(d["num_hidden_layers"])
+    types = d.get("layer_types")
+    if types is None:
+        full = set(d.get("full_attn_idxs") or range(n))
+        types = ["full_attention" if i in full else "conv" for i in range(n)]
+    if len(types) != n or not set(types) <= {"conv", "full_attention"}:
+        raise UserError(f"an LFM2 config's layer_types must be {n} of conv and full_attention, not {types}")
+    if d.get("conv_bias"):
+        raise UserError("an LFM2 config with conv_bias is not supported (no released model has biases)")
+    ff = int(d.get("block_ff_dim") or d.get("intermediate_size") or 0)
+    if d.get("block_auto_adjust_ff_dim", True):
+        ff = int(2 * ff / 3)
+        if d.get("block_ffn_dim_multiplier") is not None:
+            ff = int(float(d["block_ffn_dim_multiplier"]) * ff)
+            multiple = int(d.get("block_multiple_of", 256))
+            ff = multiple * ((ff + multiple - 1) // multiple)
+    conv = tuple(t == "conv" for t in types)
+    return {"qk_norm": "head", "intermediate_size": ff, "rms_norm_eps": float(d.get("norm_eps", 1e-5)),
+            "tie_word_embeddings": bool(d.get("tie_word_embeddings", d.get("tie_embedding", True))),
+            "conv_layers": conv if any(conv) else (), "conv_kernel": int(d.get("conv_L_cache", 3)) if any(conv) else 0}
+
+
+def _lfm2_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's LFM2 keys: a layer of 0 KV heads is a convolution, the MLP's width as it runs, the kernel's
+    length (`shortconv.l_cache`)."""
+    n = int(cfg["num_hidden_layers"])
+    kv = key("attention.head_count_kv")
+    kv = kv if isinstance(kv, list) else [kv] * n
+    return {"layer_types": ["full_attention" if h else "conv" for h in kv], "block_auto_adjust_ff_dim": False,
+            "conv_L_cache": int(key("shortconv.l_cache", 3)), "norm_eps": cfg["rms_norm_eps"], "conv_bias": False}
+
+
 def _ministral3(d: dict[str, Any]) -> dict[str, Any]:
     """Ministral 3 (llama.cpp's mistral3): Mistral's block under YaRN (config.py reads it, its mscale terms
     with it) and Llama 4's attention temperature past the original window (`attn_temperature`)."""
@@ -574,6 +615,20 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("olmoe", "OlmoeForCausalLM", _olmoe, gguf_tensors=_EXPERT_TENSORS,
            gguf_config=lambda key, cfg: _experts_gguf(key, cfg, False), rms_eps_default=1e-5,
            eos_tokens=("<|endoftext|>", "<|im_end|>")),
+    # LFM2 (Liquid AI): its own names for the final norm ("embedding_norm"), attention's output and q/k norms, the MLP.
+    Family("lfm2", "Lfm2ForCausalLM", _lfm2, gguf_config=_lfm2_gguf, gguf_conv_layers=True, rms_eps_default=1e-5,
+           hf_norms={"attn_norm": "operator_norm", "mlp_norm": "ffn_norm"},
+           hf_names={"self_attn.o_proj.": "self_attn.out_proj.", "self_attn.q_norm.": "self_attn.q_layernorm.",
+                     "self_attn.k_norm.": "self_attn.k_layernorm.", "mlp.gate_proj.": "feed_forward.w1.",
+                     "mlp.up_proj.": "feed_forward.w3.", "mlp.down_proj.": "feed_forward.w2.",
+                     "model.norm.": "model.embedding_norm."},
+           gguf_tensors={"attn_norm": "operator_norm", "ffn_norm": "ffn_norm", "attn_output": "self_attn.out_proj",
+                         "attn_q_norm": "self_attn.q_layernorm", "attn_k_norm": "self_attn.k_layernorm",
+                         "ffn_gate": "feed_forward.w1", "ffn_up": "feed_forward.w3", "ffn_down": "feed_forward.w2",
+                         "shortconv.conv": "conv.conv", "shortconv.in_proj": "conv.in_proj",
+                         "shortconv.out_proj": "conv.out_proj",
+                         "token_embd_norm.weight": "model.embedding_norm.weight"},
+           eos_tokens=("<|im_end|>", "<|endoftext|>")),
     # gpt-oss's harmony format ends an answer with <|return|> and a tool call with <|call|>; its
     # <|end|> closes a message (the reasoning's too) inside one turn, so it does not stop.
     Family("gpt-oss", "GptOssForCausalLM", _gpt_oss, eos_tokens=("<|return|>", "<|call|>"), rms_eps_default=1e-5,

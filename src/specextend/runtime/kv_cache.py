@@ -214,9 +214,12 @@ class KVCache:
         windowed: Sequence[bool] = (),
         window: int = 0,
         room: int | None = None,
+        conv_width: int = 0,
     ) -> None:
         """`windowed` (per layer) and `window`: the layers that attend through a sliding window, kept
-        apart; `room`: slots beyond the window they keep (None: the capacity, never sliding)."""
+        apart; `room`: slots beyond the window they keep (None: the capacity, never sliding).
+        `conv_width`: the windowed layers are short convolutions (LFM2) whose slot holds one float32 row of that
+        many values (their input of the token), `wk` [layers, 1, slots, conv_width], and `wv` no values."""
         if dtype == torch.int8 and head_dim % Q8_GROUP:
             raise ValueError(f"a q8 KV cache needs a head_dim that is a multiple of {Q8_GROUP}, not {head_dim}")
         flags = tuple(bool(w) for w in windowed) if window > 0 and any(windowed) else ()
@@ -234,9 +237,14 @@ class KVCache:
         self.k = torch.zeros((counts[0], n_kv_heads, capacity, width), dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.wcapacity = capacity if room is None or not flags else min(capacity, self.window + max(room, 1))
-        self.wk = torch.zeros((counts[1], n_kv_heads, self.wcapacity, width), dtype=dtype, device=device) \
-            if flags else None
-        self.wv = torch.zeros_like(self.wk) if self.wk is not None else None
+        self.wk, self.wv = None, None
+        if flags and conv_width:  # float32 whatever the kind: the state is read back exactly as it was computed
+            wdtype = torch.float64 if dtype == torch.float64 else torch.float32
+            self.wk = torch.zeros((counts[1], 1, self.wcapacity, conv_width), dtype=wdtype, device=device)
+            self.wv = torch.zeros((counts[1], 1, self.wcapacity, 0), dtype=wdtype, device=device)
+        elif flags:
+            self.wk = torch.zeros((counts[1], n_kv_heads, self.wcapacity, width), dtype=dtype, device=device)
+            self.wv = torch.zeros_like(self.wk)
         self.woffset = 0  # the position of the windowed layers' slot 0
         self.capacity = capacity
         self.length = 0
@@ -293,7 +301,7 @@ class KVCache:
         assert self.wk is not None and self.wv is not None
         n = self.length - self.woffset
         k = self.wk.new_zeros((*self.wk.shape[:2], slots, self.wk.shape[3]))
-        v = torch.zeros_like(k)
+        v = self.wv.new_zeros((*self.wv.shape[:2], slots, self.wv.shape[3]))  # a convolution's: no values
         k[:, :, :n], v[:, :, :n] = self.wk[:, :, :n], self.wv[:, :, :n]
         self.wk, self.wv, self.wcapacity = k, v, slots
 
@@ -451,7 +459,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() * 2 for k, _, _ in self.buffers())
+        return sum(t.numel() * t.element_size() for k, v, _ in self.buffers() for t in (k, v))
 
     @property
     def q8(self) -> bool:

@@ -102,6 +102,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def conv_taps(rows: int, length: int, tree_mask: torch.Tensor | None, kernel: int) -> torch.Tensor:
+    """[rows, kernel] the cache slots a short convolution reads for each new row (the rows at slots length + r): the
+    kernel - 1 tokens before it on its path (what it may see: the tree mask over the last M slots, all slots before
+    those), oldest first, then its own; -1 where the sequence has no such token. Without a mask, the slots before."""
+    own = torch.arange(length, length + rows)
+    if tree_mask is None:
+        taps = own[:, None] + torch.arange(1 - kernel, 1)[None, :]
+        return torch.where(taps >= 0, taps, -1)
+    mask = tree_mask.cpu()
+    first = length + rows - mask.shape[1]  # the slot of the mask's first column
+    out = torch.full((rows, kernel), -1, dtype=torch.long)
+    for r in range(rows):
+        seen = (first + torch.nonzero(mask[r, : mask.shape[1] - rows + r]).flatten()).tolist()
+        earlier = list(range(max(0, first - kernel + 1), first))  # before the mask: every slot is seen
+        prev = (earlier + seen)[-(kernel - 1):] if kernel > 1 else []
+        out[r, kernel - 1 - len(prev):] = torch.tensor([*prev, int(own[r])], dtype=torch.long)
+    return out
+
+
 @dataclass
 class Rows:
     """One sequence's new tokens in a forward: `Transformer.forward`'s arguments as one value."""
@@ -226,6 +245,13 @@ class Workspace:
         return self._buf[: rows * cols].view(rows, cols)
 
 
+def _normed(lin: Linear, h: torch.Tensor, norm: RMSNorm | None, **kw: object) -> torch.Tensor:
+    """The quantized product of h with `lin`'s weight (and bias), through the norm before it if any (folded in)."""
+    if norm is None:
+        return qlinear(h, lin.qweight, lin.bias, **kw)
+    return qlinear(h, lin.qweight, lin.bias, norm=norm.weight, eps=norm.eps, **kw)
+
+
 Ropes = list[tuple[torch.Tensor, torch.Tensor]]  # (cos, sin) per rope kind (`ModelConfig.rope_kind`)
 
 
@@ -237,8 +263,14 @@ class Block(nn.Module):
         self.index = index
         self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv = Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.attention_bias)
-        self.o = Linear(q_out, cfg.hidden_size, bias=cfg.o_bias)
+        # LFM2's short convolution in place of attention: `qkv` is its input projection (B, C and x, each of the
+        # hidden size), `o` its output projection, `conv` the depthwise kernel [hidden, kernel].
+        self.conv = nn.Parameter(torch.zeros(cfg.hidden_size, cfg.conv_kernel), requires_grad=False) \
+            if cfg.conv(index) else None
+        if self.conv is not None:
+            q_out, kv_out = cfg.hidden_size, cfg.hidden_size
+        self.qkv = Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.attention_bias and self.conv is None)
+        self.o = Linear(q_out, cfg.hidden_size, bias=cfg.o_bias and self.conv is None)
         # The MLP: a dense one, or a mixture of experts (experts.py) where the family has them.
         self.moe = Experts(cfg, Linear) if cfg.expert_layer(index) else None
         self.gate_up = None if self.moe else Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
@@ -251,8 +283,8 @@ class Block(nn.Module):
         self.mlp_norm, self.mlp_out_norm = norm("mlp_norm"), norm("mlp_out_norm")
         self.qk_full = cfg.qk_norm == "full"
         qk_dim = (q_out, kv_out) if self.qk_full else (cfg.head_dim, cfg.head_dim)
-        self.q_norm = RMSNorm(qk_dim[0], cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(qk_dim[1], cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(qk_dim[0], cfg.rms_norm_eps) if cfg.qk_norm and self.conv is None else None
+        self.k_norm = RMSNorm(qk_dim[1], cfg.rms_norm_eps) if cfg.qk_norm and self.conv is None else None
         self.plain = cfg.plain
         self.rope_kind = cfg.rope_kind(index)
         self.window = cfg.sliding_window if cfg.windowed(index) else 0
@@ -310,6 +342,9 @@ class Block(nn.Module):
         keep_q: dict[int, torch.Tensor] | None,
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if self.conv is not None:
+            h = self.qkv(self.attn_norm(x) if self.attn_norm is not None else x)
+            return self._mlp(self._residual(x, self.o(self._convolve(h, cache, tree_mask, keep_q)), self.attn_out_norm))
         t = x.shape[0]
         hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv
         qkv = self.qkv(self.attn_norm(x) if self.attn_norm is not None else x)
@@ -334,12 +369,40 @@ class Block(nn.Module):
         if self.score_inputs is not None:
             q, k_all, v_all = self.score_inputs(self, q, k_all, v_all)
         a = attend(q, k_all, v_all, mask, backend, self.attn_scale, self.attn_softcap, self.sinks, numbers)
-        x = self._residual(x, self.o(a.transpose(0, 1).reshape(t, nh * hd)), self.attn_out_norm)
+        return self._mlp(self._residual(x, self.o(a.transpose(0, 1).reshape(t, nh * hd)), self.attn_out_norm))
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """x plus the MLP's (or the experts') output, as PyTorch operations."""
         if self.moe is not None:
             return self._residual(x, self.moe(self.mlp_norm(x) if self.mlp_norm is not None else x), self.mlp_out_norm)
         gu = self.gate_up(self.mlp_norm(x) if self.mlp_norm is not None else x)
         g, u = gu.chunk(2, dim=-1)
         return self._residual(x, self.down(self._act(g, u)), self.mlp_out_norm)
+
+    def _convolve(self, h: torch.Tensor, cache: KVCache, tree_mask: torch.Tensor | None,
+                  keep_q: dict[int, torch.Tensor] | None) -> torch.Tensor:
+        """LFM2's short convolution of one sequence's rows, from its input projection h [T, 3 x hidden] (B, C, x):
+        C times the depthwise convolution of B * x over each row's last `kernel` tokens along its path
+        (`conv_taps`), whose B * x the cache keeps as this layer's state. Elementwise products and sums in a fixed
+        order, in float32 (float64 in a float64 model): a row's bits depend on its own taps alone."""
+        if keep_q is not None:  # no query here: retrieval scores with attention layers
+            keep_q.pop(self.index, None)
+        b, c, xs = h.chunk(3, dim=-1)
+        state, _, base = cache.layer(self.index)
+        t, start = h.shape[0], cache.length
+        state[0, start - base : start - base + t] = (b * xs).to(state.dtype)
+        taps = conv_taps(t, start, tree_mask, self.conv.shape[1])
+        held = taps >= 0
+        if bool((taps[held] < base).any()):
+            raise RuntimeError(f"layer {self.index} needs inputs from {int(taps[held].min())}, its cache holds them "
+                               f"from {base}")
+        seen = state[0, (taps - base).clamp(min=0).to(state.device)]  # [T, kernel, hidden]
+        seen = torch.where(held.to(state.device)[..., None], seen, 0)
+        w = self.conv.to(state.dtype)
+        acc = w[:, 0] * seen[:, 0]
+        for j in range(1, w.shape[1]):
+            acc = acc + w[:, j] * seen[:, j]
+        return c * acc.to(c.dtype)
 
     @property
     def quantized(self) -> bool:
@@ -372,12 +435,9 @@ class Block(nn.Module):
     def _switched_rows(self, x: torch.Tensor, ropes: Ropes, parts: list[Rows]) -> torch.Tensor:
         ext = kernels.load()
 
-        def normed(lin: Linear, h: torch.Tensor, norm: RMSNorm | None, **kw: object) -> torch.Tensor:
-            if norm is None:
-                return qlinear(h, lin.qweight, lin.bias, **kw)
-            return qlinear(h, lin.qweight, lin.bias, norm=norm.weight, eps=norm.eps, **kw)
-
-        qkv = normed(self.qkv, x, self.attn_norm)
+        qkv = _normed(self.qkv, x, self.attn_norm)
+        if self.conv is not None:
+            return self._mlp_rows(self._post(x, self._convolve_rows(qkv, parts), self.o, self.attn_out_norm))
         if self.qk_full:  # one norm over a row's queries, one over its keys (family.h's rms_row)
             nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
             qkv = torch.cat([ext.rms_rows(qkv[:, :nq], self.q_norm.weight, self.q_norm.eps),
@@ -385,12 +445,25 @@ class Block(nn.Module):
                              qkv[:, nq + nk :]], 1)
         cos, sin = self._rope_table(ropes, x.shape[0])  # [T, rotary dims]: rope_store rotates those
         a = self._attend_rows(qkv, cos, sin, parts)
-        x = self._post(x, a, self.o, self.attn_out_norm)
+        return self._mlp_rows(self._post(x, a, self.o, self.attn_out_norm))
+
+    def _convolve_rows(self, h: torch.Tensor, parts: list[Rows]) -> torch.Tensor:
+        """`_convolve` per sequence over its own cache (its rows one after the other in h)."""
+        outs, off = [], 0
+        for p in parts:
+            outs.append(self._convolve(h[off : off + p.size], p.cache, p.tree_mask, p.keep_q))
+            off += p.size
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _mlp_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x plus the MLP's (or the experts') output, in the quantized kernels."""
+        ext = kernels.load()
+
         if self.moe is not None:
             norm = self.mlp_norm
             y = self.moe.forward_rows(x, None if norm is None else norm.weight, 0.0 if norm is None else norm.eps)
             return self._add(x, y, self.mlp_out_norm)
-        gu = normed(self.gate_up, x, self.mlp_norm, out=self.workspace.take(x.shape[0], self.gate_up.qweight.n))
+        gu = _normed(self.gate_up, x, self.mlp_norm, out=self.workspace.take(x.shape[0], self.gate_up.qweight.n))
         if self.gelu:
             return self._post(x, ext.gelu_mul(gu), self.down, self.mlp_out_norm)
         if self.activation == "silu":

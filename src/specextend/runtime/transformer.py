@@ -155,8 +155,9 @@ class Transformer(nn.Module):
         """A KV cache of `capacity` tokens; with `room`, the windowed layers keep only their window
         and that many slots more (kv_cache.py), else every token."""
         c = self.cfg
+        flags, window = c.cache_windows
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, dtype or self.kv_dtype, self.device,
-                       c.window_layers, c.sliding_window, room)
+                       flags, window, room, c.hidden_size if c.conv_layers else 0)
 
     def rope(self, positions: torch.Tensor, inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # Angles in float32 then cast, exactly as the reference does, so float64 runs match it.

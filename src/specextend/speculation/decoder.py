@@ -76,7 +76,8 @@ def window_room(cfg: ModelConfig, new_tokens: int) -> int | None:
     still be rewound to its prompt (`Prefilled.restore`) and snapshotted (`Prefilled.snapshot`).
     None (every token) where every layer is windowed: retrieval then scores with windowed layers
     over the whole prompt (`draft_policy.seeing_everything`)."""
-    if cfg.window_layers and all(cfg.window_layers):
+    flags = cfg.cache_windows[0]
+    if flags and all(flags):
         return None
     return max(PREFILL_CHUNK, new_tokens + TREE_HEADROOM)
 
@@ -475,7 +476,7 @@ class SpecEngine:
         reads, which the clock counts as prefill; the rest is retrieval's time)."""
         assert self.draft is not None and state.draft_store is not None
         policy = make_policy(s.draft_cache, self.draft, state.draft_store, s.attention, s, state.draft_prompt)
-        layers = seeing_everything(policy.score_layers(self.target.cfg.num_layers), self.target.cfg.window_layers)
+        layers = seeing_everything(policy.score_layers(self.target.cfg.num_layers), self.target.cfg.cache_windows[0])
 
         def start() -> None:
             clock.lap("draft_s")
@@ -489,7 +490,7 @@ class SpecEngine:
         """What the last prompt token attends to in the target layers CMR scores with
         (`retrieval_layer`, `retrieval_layers_mean`): the scores of its first retrieval."""
         layers = retrieval_layers(settings, self.target.cfg.num_layers)
-        scores = prompt_scores(state, seeing_everything(layers, self.target.cfg.window_layers))
+        scores = prompt_scores(state, seeing_everything(layers, self.target.cfg.cache_windows[0]))
         assert scores is not None
         return scores
 
