@@ -740,3 +740,28 @@ def test_inspect_names_lfm2s_convolutions_and_their_state(converted, capsys):
     row = 2 * 2 * 64 * 2  # a layer's K and V x KV heads x head_dim x bfloat16
     assert out["kv_bytes_per_token"] == 2 * row  # the two attention layers'
     assert out["kv_bytes_32k"] == 2 * row * 32768 + 2 * 256 * 4 * (3 + 512)  # and a float32 row a kept token
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")
+def test_the_convolution_kernel_gives_the_pytorch_operations_bits():
+    """csrc/core/family.h's conv_row (the quantized runtime's) and layers.py's PyTorch operations (float64 and other
+    devices) are one arithmetic: the same bits on float32 rows, taps of a tree with missing ones included."""
+    from specextend.runtime.layers import conv_taps
+
+    gen = torch.Generator().manual_seed(3)
+    hidden, kernel, slots = 40, 3, 12
+    h = torch.randn(5, 3 * hidden, generator=gen)
+    w = torch.randn(hidden, kernel, generator=gen)
+    state = torch.randn(slots, hidden, generator=gen)
+    mask, _ = tree(5)
+    taps = conv_taps(5, 1, mask, kernel)  # one token before the tree: its first rows reach past the sequence's start
+    assert (taps == -1).any()
+    ours = state.clone()
+    got = kernels.load().conv_rows(h, ours, taps, w)
+    b, c, xs = h.chunk(3, dim=-1)
+    state[taps[:, -1]] = b * xs
+    seen = torch.where((taps >= 0)[..., None], state[taps.clamp(min=0)], 0)
+    acc = w[:, 0] * seen[:, 0]
+    for j in range(1, kernel):
+        acc = acc + w[:, j] * seen[:, j]
+    assert torch.equal(ours, state) and torch.equal(got, c * acc)

@@ -136,12 +136,21 @@ class Rows:
     windows: dict[tuple[int, int], tuple[int, torch.Tensor]] = field(default_factory=dict, repr=False)
     # (beta, length) -> query_temperature's scales: the same for every layer of a forward
     scales: dict[tuple[float, int], torch.Tensor | None] = field(default_factory=dict, repr=False)
+    # (kernel, cache length) -> conv_taps of these rows: the same for every convolution layer of a forward
+    taps: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
 
     def temperature(self, beta: float, length: int) -> torch.Tensor | None:
         """`query_temperature` of these rows, computed once per forward (every layer scales by it)."""
         if (beta, length) not in self.scales:
             self.scales[beta, length] = query_temperature(beta, length, self.positions)
         return self.scales[beta, length]
+
+    def conv_taps(self, kernel: int) -> torch.Tensor:
+        """`conv_taps` of these rows (their cache's length before the forward), computed once per forward."""
+        key = (kernel, self.cache.length)
+        if key not in self.taps:
+            self.taps[key] = conv_taps(self.size, self.cache.length, self.tree_mask, kernel)
+        return self.taps[key]
 
     def window(self, keys: int, window: int) -> tuple[int, torch.Tensor]:
         """`window_mask` of these rows over `keys` cache slots, computed once per forward."""
@@ -380,23 +389,28 @@ class Block(nn.Module):
         return self._residual(x, self.down(self._act(g, u)), self.mlp_out_norm)
 
     def _convolve(self, h: torch.Tensor, cache: KVCache, tree_mask: torch.Tensor | None,
-                  keep_q: dict[int, torch.Tensor] | None) -> torch.Tensor:
+                  keep_q: dict[int, torch.Tensor] | None, taps: torch.Tensor | None = None) -> torch.Tensor:
         """LFM2's short convolution of one sequence's rows, from its input projection h [T, 3 x hidden] (B, C, x):
         C times the depthwise convolution of B * x over each row's last `kernel` tokens along its path
         (`conv_taps`), whose B * x the cache keeps as this layer's state. Elementwise products and sums in a fixed
-        order, in float32 (float64 in a float64 model): a row's bits depend on its own taps alone."""
+        order (csrc/core/family.h's conv_row in float32; these PyTorch operations in float64 and on other
+        devices, the same arithmetic): a row's bits depend on its own taps alone."""
         if keep_q is not None:  # no query here: retrieval scores with attention layers
             keep_q.pop(self.index, None)
-        b, c, xs = h.chunk(3, dim=-1)
         state, _, base = cache.layer(self.index)
-        t, start = h.shape[0], cache.length
-        state[0, start - base : start - base + t] = (b * xs).to(state.dtype)
-        taps = conv_taps(t, start, tree_mask, self.conv.shape[1])
+        if taps is None:
+            taps = conv_taps(h.shape[0], cache.length, tree_mask, self.conv.shape[1])
         held = taps >= 0
         if bool((taps[held] < base).any()):
             raise RuntimeError(f"layer {self.index} needs inputs from {int(taps[held].min())}, its cache holds them "
                                f"from {base}")
-        seen = state[0, (taps - base).clamp(min=0).to(state.device)]  # [T, kernel, hidden]
+        slots = torch.where(held, taps - base, -1)
+        if h.dtype == state.dtype == self.conv.dtype == torch.float32 and h.device.type == "cpu" \
+                and kernels.available():
+            return kernels.load().conv_rows(h, state[0], slots, self.conv)
+        b, c, xs = h.chunk(3, dim=-1)
+        state[0, slots[:, -1].to(state.device)] = (b * xs).to(state.dtype)
+        seen = state[0, slots.clamp(min=0).to(state.device)]  # [T, kernel, hidden]
         seen = torch.where(held.to(state.device)[..., None], seen, 0)
         w = self.conv.to(state.dtype)
         acc = w[:, 0] * seen[:, 0]
@@ -451,7 +465,8 @@ class Block(nn.Module):
         """`_convolve` per sequence over its own cache (its rows one after the other in h)."""
         outs, off = [], 0
         for p in parts:
-            outs.append(self._convolve(h[off : off + p.size], p.cache, p.tree_mask, p.keep_q))
+            outs.append(self._convolve(h[off : off + p.size], p.cache, p.tree_mask, p.keep_q,
+                                       p.conv_taps(self.conv.shape[1])))
             off += p.size
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 

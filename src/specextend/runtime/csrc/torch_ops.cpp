@@ -431,6 +431,43 @@ at::Tensor gelu_mul(const at::Tensor& gu) {
   return out;
 }
 
+// LFM2's short convolution of rows h [T, 3 * hidden] (B, C, x) over `state` [slots, hidden] (a layer's buffer):
+// each row's B * x goes to its slot taps[r, kernel - 1], then out [T, hidden] reads the slots taps[r] (-1: none).
+at::Tensor conv_rows(const at::Tensor& h, at::Tensor& state, const at::Tensor& taps, const at::Tensor& w) {
+  TORCH_CHECK(state.dim() == 2 && state.scalar_type() == at::kFloat && state.is_contiguous(),
+              "conv_rows: a contiguous float32 state [slots, hidden]");
+  const int64_t hidden = state.size(1), slots = state.size(0);
+  const at::Tensor hc = family_rows(h, 3 * hidden, "conv_rows");
+  TORCH_CHECK(w.dim() == 2 && w.size(0) == hidden && w.scalar_type() == at::kFloat, "conv_rows: w [hidden, kernel]");
+  const int64_t kernel = w.size(1), t = hc.size(0);
+  const at::Tensor tc = taps.to(at::kLong).contiguous();
+  TORCH_CHECK(tc.dim() == 2 && tc.size(0) == t && tc.size(1) == kernel, "conv_rows: taps [T, kernel]");
+  const at::Tensor wc = w.contiguous();
+  const int64_t* tp = tc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t * kernel; ++i)
+    TORCH_CHECK(tp[i] >= -1 && tp[i] < slots, "conv_rows: a tap outside the state's ", slots, " slots");
+  float* sp = state.data_ptr<float>();
+  const float* hp = hc.data_ptr<float>();
+  for (int64_t r = 0; r < t; ++r) {
+    const int64_t own = tp[r * kernel + kernel - 1];
+    TORCH_CHECK(own >= 0, "conv_rows: each row needs its own slot");
+    spx::conv_input_row(hp + r * 3 * hidden, hidden, sp + own * hidden);
+  }
+  at::Tensor out = at::empty({t, hidden}, hc.options());
+  at::parallel_for(0, t, 1, [&](int64_t b, int64_t e) {
+    std::vector<const float*> rows(kernel);
+    for (int64_t r = b; r < e; ++r) {
+      for (int64_t j = 0; j < kernel; ++j) {
+        const int64_t slot = tp[r * kernel + j];
+        rows[j] = slot >= 0 ? sp + slot * hidden : nullptr;
+      }
+      spx::conv_row(hp + r * 3 * hidden, hidden, rows.data(), wc.data_ptr<float>(), kernel,
+                    out.data_ptr<float>() + r * hidden);
+    }
+  });
+  return out;
+}
+
 // A mixture of experts' products for rows x [m, hidden] routed to `experts` [m, used] under
 // `weights` [m, used] (experts.py, Experts.forward_rows): each used expert's gate/up product over
 // the rows that chose it (rmsnorm(x) with weight `norm` quantized per row), silu(gate) * up
@@ -669,6 +706,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("path"), py::arg("scale") = 0.0,
         py::arg("sinks") = py::none(), py::arg("softcap") = 0.0, py::arg("ends") = py::none(), py::arg("lead") = 0);
   m.def("rms_rows", &rms_rows, "RMSNorm of whole rows (a family's q/k norms)");
+  m.def("conv_rows", &conv_rows, "LFM2's short convolution of rows over a layer's state (family.h)");
   m.def("post_residual", &post_residual, "x + scale * post_norm(y), row by row (a family's residual add)");
   m.def("gelu_mul", &gelu_mul, "GeGLU with the tanh GELU, row by row");
   m.def("quantize_activations256", &quantize_activations256, "int8 activations, one scale per 256 (the K-quants')");

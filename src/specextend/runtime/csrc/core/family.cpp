@@ -60,4 +60,17 @@ void gelu_mul_row(const float* gu, int64_t inter, float* out) {
   }
 }
 
+void conv_input_row(const float* bcx, int64_t hidden, float* own) {
+  for (int64_t i = 0; i < hidden; ++i) own[i] = bcx[i] * bcx[2 * hidden + i];
+}
+
+void conv_row(const float* bcx, int64_t hidden, const float* const* taps, const float* w, int64_t kernel, float* out) {
+  const float* c = bcx + hidden;
+  for (int64_t i = 0; i < hidden; ++i) {
+    float acc = w[i * kernel] * (taps[0] != nullptr ? taps[0][i] : 0.f);
+    for (int64_t j = 1; j < kernel; ++j) acc = acc + w[i * kernel + j] * (taps[j] != nullptr ? taps[j][i] : 0.f);
+    out[i] = c[i] * acc;
+  }
+}
+
 }  // namespace spx

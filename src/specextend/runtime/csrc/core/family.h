@@ -21,4 +21,13 @@ void residual_row(const float* x, const float* y, int64_t k, const float* norm, 
 // out [inter] = gelu_tanh(gate) * up, of a row [gate | up] (2 inter values); out may be gu.
 void gelu_mul_row(const float* gu, int64_t inter, float* out);
 
+// LFM2's gated short convolution, in two steps so that every row of a forward has stored its input before any
+// row reads it (a tree row reads its parent's). bcx [3 * hidden] is the row's input projection (B, C, x):
+// conv_input_row stores its B * x in `own` (its slot of the layer's state); conv_row then gives out [hidden] =
+// C * (w[:, 0] * tap_0 + w[:, 1] * tap_1 + ...), taps[kernel] the state rows of the tokens the row reads, oldest
+// first and its own last (null: none, a zero), w [hidden, kernel]; each product rounded before its add (the kernels
+// build without contraction), as layers.py's PyTorch operations compute it.
+void conv_input_row(const float* bcx, int64_t hidden, float* own);
+void conv_row(const float* bcx, int64_t hidden, const float* const* taps, const float* w, int64_t kernel, float* out);
+
 }  // namespace spx
