@@ -582,7 +582,7 @@ def test_a_soft_cap_that_is_no_positive_number_is_refused_in_one_line(cap):
 
 @pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")
 @pytest.mark.parametrize("path", kernels.cpu_paths())
-@pytest.mark.parametrize("arch", [a for a in FAMILY_ARCHS if a != "lfm2"])  # LFM2: the per-layer kernels only
+@pytest.mark.parametrize("arch", FAMILY_ARCHS)
 def test_the_whole_step_call_gives_the_per_layer_bits(converted, monkeypatch, arch, path):
     """Every family's switches in the whole-step C++ call (sandwich and post norms, GeGLU, the
     multipliers and logit divisor, whole-row q/k norms, per-layer ropes and NoPE, partial rotary,

@@ -110,7 +110,7 @@ class ModelConfig:
         """Whether decode steps take the whole-step C++ call (fused_step.py): every family whose MLP
         activation it runs, expert layers included (gpt-oss's sinks, biases and clamped SwiGLU,
         Qwen2-MoE's shared expert) and Gemma 2's soft-capped scores (core/step.h)."""
-        return self.activation in ("silu", "gelu_tanh") and not self.conv_layers
+        return self.activation in ("silu", "gelu_tanh")
 
     def switches(self) -> dict[str, Any]:
         """The family switches this model sets (those that differ from Llama's), by field name."""

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import kernels
+from .layers import conv_slots
 from .quant import FORMATS
 
 if TYPE_CHECKING:
@@ -59,6 +60,10 @@ def plan(cfg: ModelConfig, layers: Iterable[Block]) -> Any:
     for layer in layers:
         per_head = not layer.qk_full
         moe = layer.moe
+        if layer.conv is not None:  # LFM2's convolution (its pre-norms and dense MLP only)
+            p.add_conv_layer(_weight(layer.qkv), _weight(layer.o), _weight(layer.gate_up), _weight(layer.down),
+                             layer.conv.detach().float().contiguous(), _norm(layer.attn_norm), _norm(layer.mlp_norm))
+            continue
         p.add_layer(_weight(layer.qkv), _weight(layer.o), None if moe else _weight(layer.gate_up),
                     None if moe else _weight(layer.down), _norm(layer.attn_norm), _norm(layer.mlp_norm),
                     _norm(layer.q_norm) if per_head else None, _norm(layer.k_norm) if per_head else None,
@@ -136,13 +141,16 @@ def logit_rows(parts: list[Rows]) -> tuple[torch.Tensor, list[int]]:
 
 
 def run(step_plan: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, parts: list[Rows], heads: int,
-        step_head: Any = None, rows: torch.Tensor | None = None, window: int = 0) -> torch.Tensor | None:
+        step_head: Any = None, rows: torch.Tensor | None = None, window: int = 0, conv: int = 0
+        ) -> torch.Tensor | None:
     """Every layer over the parts' new rows x [T, hidden] (one part after another; overwritten with
     the last layer's output), cos/sin [kinds, T, rotary dims] or [T, rotary dims] (`rope_tables`);
     each part's K/V go to its cache's pending slots and its `keep_q`'s layers get their rotated
     queries [heads, rows, head_dim], as the per-layer forward writes and keeps them. `window`: the
     windowed layers' (0: none), whose keys and mask each part's positions give (`window_mask`, as
-    the per-layer forward computes them). With a head: the logits of x's rows `rows`, else None."""
+    the per-layer forward computes them). `conv`: the convolution layers' kernel (0: none), whose states each
+    part's cache keeps as its windowed layers' and whose taps its rows give (`Rows.conv_taps`); the parts keep
+    no queries of them. With a head: the logits of x's rows `rows`, else None."""
     args, kept = [], []
     for p in parts:
         layers = sorted(p.keep_q) if p.keep_q else []
@@ -150,6 +158,8 @@ def run(step_plan: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
         part = (p.cache.k, p.cache.v, p.size, p.cache.length, p.tree_mask, layers, queries)
         if window:
             part += (*p.window(p.cache.length + p.size, window), p.cache.wk, p.cache.wv, p.cache.woffset)
+        if conv:
+            part += (p.cache.wk, conv_slots(p.conv_taps(conv), p.cache.woffset))
         args.append(part)
         kept.append((layers, queries))
     logits = kernels.load().forward_batch(step_plan, x, cos, sin, args, kernels.path_id(), step_head, rows)

@@ -121,6 +121,16 @@ def conv_taps(rows: int, length: int, tree_mask: torch.Tensor | None, kernel: in
     return out
 
 
+def conv_slots(taps: torch.Tensor, base: int, layer: int | None = None) -> torch.Tensor:
+    """`conv_taps` as slots of a state whose slot 0 holds position `base` (-1: none); RuntimeError where a tap is
+    no longer held (the state slid past it)."""
+    held = taps >= 0
+    if bool((taps[held] < base).any()):
+        where = "" if layer is None else f"layer {layer} "
+        raise RuntimeError(f"{where}needs inputs from {int(taps[held].min())}, its cache holds them from {base}")
+    return torch.where(held, taps - base, -1)
+
+
 @dataclass
 class Rows:
     """One sequence's new tokens in a forward: `Transformer.forward`'s arguments as one value."""
@@ -400,11 +410,8 @@ class Block(nn.Module):
         state, _, base = cache.layer(self.index)
         if taps is None:
             taps = conv_taps(h.shape[0], cache.length, tree_mask, self.conv.shape[1])
-        held = taps >= 0
-        if bool((taps[held] < base).any()):
-            raise RuntimeError(f"layer {self.index} needs inputs from {int(taps[held].min())}, its cache holds them "
-                               f"from {base}")
-        slots = torch.where(held, taps - base, -1)
+        slots = conv_slots(taps, base, self.index)
+        held = slots >= 0
         if h.dtype == state.dtype == self.conv.dtype == torch.float32 and h.device.type == "cpu" \
                 and kernels.available():
             return kernels.load().conv_rows(h, state[0], slots, self.conv)

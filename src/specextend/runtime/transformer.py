@@ -304,8 +304,12 @@ class Transformer(nn.Module):
             self._step_head = (weight, fused_step.head(self._step_plan, self.norm, weight))
         rows, counts = fused_step.logit_rows(parts)
         window = self.cfg.sliding_window if any(self.cfg.window_layers) else 0
+        for p in parts:  # a convolution layer has no query to keep (as in its per-layer forward)
+            for i in range(self.cfg.num_layers):
+                if p.keep_q is not None and self.cfg.conv(i):
+                    p.keep_q.pop(i, None)
         logits = fused_step.run(self._step_plan, x.contiguous(), cos, sin, parts, self.cfg.num_heads,
-                                self._step_head[1], rows, window)
+                                self._step_head[1], rows, window, self.cfg.conv_kernel)
         if self.output_head is not None:
             logits = self.output_head.widen(logits)
         logits = self._scaled_logits(logits)

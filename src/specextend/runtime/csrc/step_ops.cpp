@@ -71,6 +71,56 @@ std::shared_ptr<StepPlan> step_plan(int64_t hidden, int64_t heads, int64_t kv_he
   return p;
 }
 
+// Dense MLPs alike (an expert layer's is empty), attention layers alike: the step's buffers are sized over the
+// layers (step.cpp).
+void check_mlp(const spx::StepModel& md, const spx::StepLayer& l, bool experts) {
+  const auto dense = std::find_if(md.layers.begin(), md.layers.end(),
+                                  [](const spx::StepLayer& x) { return !x.gate_up.segs.empty(); });
+  const auto attention = std::find_if(md.layers.begin(), md.layers.end(),
+                                      [](const spx::StepLayer& x) { return x.conv == nullptr; });
+  TORCH_CHECK((l.conv != nullptr || attention == md.layers.end() || l.qkv.n == attention->qkv.n) &&
+                  (experts || dense == md.layers.end() || l.gate_up.n == dense->gate_up.n),
+              "step: every layer must have the same shape");
+}
+
+// A layer's dense MLP (gate_up, down) or None for both (experts follow).
+void dense_mlp(StepPlan& p, spx::StepLayer& l, const py::object& gate_up, const py::object& down) {
+  const spx::StepModel& md = p.model;
+  TORCH_CHECK(gate_up.is_none() == down.is_none(), "step: gate_up and down come together (None: experts follow)");
+  if (gate_up.is_none()) return;
+  l.gate_up = step_linear(p, gate_up.cast<py::tuple>(), md.hidden, "gate_up");
+  TORCH_CHECK(l.gate_up.n % 64 == 0, "step: gate_up's width must be a multiple of 64");
+  l.down = step_linear(p, down.cast<py::tuple>(), l.gate_up.n / 2, "down");
+  TORCH_CHECK(l.down.n == md.hidden && l.gate_up.bias == nullptr && l.down.bias == nullptr,
+              "step: down must map the MLP back to the hidden width; only qkv has a bias");
+}
+
+// LFM2's convolution layer (step.h's StepLayer::conv): its input projection [3 hidden, hidden], output
+// projection, kernel [hidden, kernel], pre-norms and MLP; kv_index counts the convolution layers before it.
+void add_conv_layer(StepPlan& p, const py::tuple& in_proj, const py::tuple& out_proj, const py::object& gate_up,
+                    const py::object& down, const at::Tensor& kernel, const at::Tensor& attn_norm,
+                    const at::Tensor& mlp_norm) {
+  spx::StepModel& md = p.model;
+  spx::StepLayer l;
+  l.qkv = step_linear(p, in_proj, md.hidden, "in_proj");
+  l.o = step_linear(p, out_proj, md.hidden, "out_proj");
+  TORCH_CHECK(l.qkv.n == 3 * md.hidden && l.o.n == md.hidden && l.qkv.bias == nullptr && l.o.bias == nullptr,
+              "step: a convolution's projections must be [3 hidden, hidden] and [hidden, hidden], without biases");
+  TORCH_CHECK(kernel.dim() == 2 && kernel.size(0) == md.hidden && kernel.size(1) >= 1 &&
+                  kernel.size(1) <= spx::kMaxConvKernel,
+              "step: a convolution's kernel must be [hidden, length <= ", spx::kMaxConvKernel, "]");
+  l.conv_kernel = kernel.size(1);
+  l.conv = kept_float(p, kernel, md.hidden * l.conv_kernel, "conv");
+  l.attn_norm = kept_float(p, attn_norm, md.hidden, "attn_norm");
+  l.mlp_norm = kept_float(p, mlp_norm, md.hidden, "mlp_norm");
+  dense_mlp(p, l, gate_up, down);
+  check_mlp(md, l, gate_up.is_none());
+  l.kv_index = std::count_if(md.layers.begin(), md.layers.end(), [](const spx::StepLayer& e) {
+    return e.conv != nullptr;
+  });
+  md.layers.push_back(std::move(l));
+}
+
 void add_layer(StepPlan& p, const py::tuple& qkv, const py::tuple& o, const py::object& gate_up, const py::object& down,
                const c10::optional<at::Tensor>& attn_norm, const c10::optional<at::Tensor>& mlp_norm,
                const c10::optional<at::Tensor>& q_norm,
@@ -82,20 +132,8 @@ void add_layer(StepPlan& p, const py::tuple& qkv, const py::tuple& o, const py::
   l.o = step_linear(p, o, hd, "o");
   TORCH_CHECK(l.qkv.n == hd + 2 * md.kv_heads * md.head_dim && l.o.n == md.hidden,
               "step: layer widths do not match the model's shape");
-  TORCH_CHECK(gate_up.is_none() == down.is_none(), "step: gate_up and down come together (None: experts follow)");
-  if (!gate_up.is_none()) {  // a dense MLP (else layer_experts gives the layer its experts)
-    l.gate_up = step_linear(p, gate_up.cast<py::tuple>(), md.hidden, "gate_up");
-    TORCH_CHECK(l.gate_up.n % 64 == 0, "step: gate_up's width must be a multiple of 64");
-    l.down = step_linear(p, down.cast<py::tuple>(), l.gate_up.n / 2, "down");
-    TORCH_CHECK(l.down.n == md.hidden && l.gate_up.bias == nullptr && l.down.bias == nullptr,
-                "step: down must map the MLP back to the hidden width; only qkv has a bias");
-  }
-  // Dense MLPs alike (an expert layer's is empty): the step's buffers are sized over the layers (step.cpp).
-  const auto dense = std::find_if(md.layers.begin(), md.layers.end(),
-                                  [](const spx::StepLayer& x) { return !x.gate_up.segs.empty(); });
-  TORCH_CHECK(md.layers.empty() || (l.qkv.n == md.layers[0].qkv.n &&
-                                    (gate_up.is_none() || dense == md.layers.end() || l.gate_up.n == dense->gate_up.n)),
-              "step: every layer must have the same shape");
+  dense_mlp(p, l, gate_up, down);  // else layer_experts gives the layer its experts
+  check_mlp(md, l, gate_up.is_none());
   // OLMo 2's layers have no norm before attention or the MLP
   if (attn_norm.has_value()) l.attn_norm = kept_float(p, *attn_norm, md.hidden, "attn_norm");
   if (mlp_norm.has_value()) l.mlp_norm = kept_float(p, *mlp_norm, md.hidden, "mlp_norm");
@@ -106,7 +144,9 @@ void add_layer(StepPlan& p, const py::tuple& qkv, const py::tuple& o, const py::
   }
   TORCH_CHECK(rope_kind >= 0, "step: a layer's rope kind is an index into forward_batch's rope tables");
   l.rope_kind = rope_kind;
-  l.kv_index = static_cast<int64_t>(md.layers.size());  // layer_family counts it among its kind's
+  l.kv_index = std::count_if(md.layers.begin(), md.layers.end(), [](const spx::StepLayer& e) {
+    return e.conv == nullptr;
+  });  // among the attention layers; layer_family counts it among its kind's
   md.layers.push_back(std::move(l));
 }
 
@@ -139,8 +179,9 @@ void layer_family(StepPlan& p, const c10::optional<at::Tensor>& attn_out_norm,
     l.k_full_norm = kept_float(p, *k_full_norm, md.kv_heads * md.head_dim, "k_full_norm");
   }
   l.windowed = windowed;
+  TORCH_CHECK(l.conv == nullptr, "step: layer_family is an attention layer's");
   l.kv_index = std::count_if(md.layers.begin(), md.layers.end() - 1, [&](const spx::StepLayer& e) {
-    return e.windowed == windowed;
+    return e.windowed == windowed && e.conv == nullptr;
   });
   l.gelu = gelu;
   if (sinks.has_value()) l.sinks = kept_float(p, *sinks, md.heads, "sinks");
@@ -257,20 +298,48 @@ bool check_cache(const spx::StepModel& md, const at::Tensor& c, int64_t capacity
 // One sequence's part, checked, with what its pointers point into.
 struct SeqArgs {
   spx::StepSeq seq{};
-  at::Tensor mask, wmask;
+  at::Tensor mask, wmask, taps;
   std::vector<float*> keep;
 };
+
+// A part's convolution states [convs, 1, slots, hidden] (float32) and taps [rows, kernel] (slots, -1: none).
+void conv_sequence(const spx::StepModel& md, const py::tuple& part, int64_t convs, SeqArgs& out) {
+  spx::StepSeq& s = out.seq;
+  auto state = part[7].cast<at::Tensor>();
+  out.taps = part[8].cast<at::Tensor>().to(at::kLong).contiguous();
+  const auto first = std::find_if(md.layers.begin(), md.layers.end(), [](const spx::StepLayer& l) {
+    return l.conv != nullptr;
+  });
+  const int64_t kernel = first->conv_kernel;
+  TORCH_CHECK(state.scalar_type() == at::kFloat && state.is_contiguous() && state.dim() == 4 &&
+                  state.size(0) == convs && state.size(1) == 1 && state.size(3) == md.hidden,
+              "forward_batch: convolution states must be contiguous float32 [convs, 1, slots, hidden]");
+  TORCH_CHECK(out.taps.dim() == 2 && out.taps.size(0) == s.t && out.taps.size(1) == kernel,
+              "forward_batch: convolution taps [rows, kernel]");
+  s.conv_capacity = state.size(2);
+  const int64_t* tp = out.taps.data_ptr<int64_t>();
+  for (int64_t i = 0; i < s.t * kernel; ++i) {
+    const bool own = i % kernel == kernel - 1;
+    TORCH_CHECK(tp[i] >= (own ? 0 : -1) && tp[i] < s.conv_capacity,
+                "forward_batch: a convolution tap outside its state's slots");
+  }
+  s.conv_state = state.data_ptr<float>();
+  s.taps = tp;
+}
 
 // part: (k_cache, v_cache, rows, start, mask or None, keep_layers, keep_q[, window_first, window_mask,
 // window_k, window_v, window_offset]): with windowed layers, k and v hold the other layers.
 void sequence(const spx::StepModel& md, const py::tuple& part, SeqArgs& out) {
-  TORCH_CHECK(part.size() == 7 || part.size() == 12,
+  TORCH_CHECK(part.size() == 7 || part.size() == 9 || part.size() == 12,
               "forward_batch: a part is (k, v, rows, start, mask, keep_layers, keep_q[, window_first, window_mask, "
-              "window_k, window_v, window_offset])");
+              "window_k, window_v, window_offset]) or (..., keep_q, conv_state, conv_taps)");
   const int64_t windowed = std::count_if(md.layers.begin(), md.layers.end(), [](const spx::StepLayer& l) {
     return l.windowed;
   });
-  const int64_t others = static_cast<int64_t>(md.layers.size()) - windowed;
+  const int64_t convs = std::count_if(md.layers.begin(), md.layers.end(), [](const spx::StepLayer& l) {
+    return l.conv != nullptr;
+  });
+  const int64_t others = static_cast<int64_t>(md.layers.size()) - windowed - convs;
   auto k_cache = part[0].cast<at::Tensor>(), v_cache = part[1].cast<at::Tensor>();
   const int64_t t = part[2].cast<int64_t>(), start = part[3].cast<int64_t>();
   const int64_t capacity = k_cache.dim() == 4 ? k_cache.size(2) : -1;
@@ -306,6 +375,8 @@ void sequence(const spx::StepModel& md, const py::tuple& part, SeqArgs& out) {
     s.wk = static_cast<uint16_t*>(wk.data_ptr());
     s.wv = static_cast<uint16_t*>(wv.data_ptr());
   }
+  TORCH_CHECK(!convs || (part.size() == 9 && !windowed), "forward_batch: convolution layers need their states");
+  if (convs) conv_sequence(md, part, convs, out);
   const auto layers_kept = part[5].cast<std::vector<int64_t>>();
   const auto queries = part[6].cast<std::vector<at::Tensor>>();
   const int64_t layers = static_cast<int64_t>(md.layers.size());
@@ -318,6 +389,7 @@ void sequence(const spx::StepModel& md, const py::tuple& part, SeqArgs& out) {
     TORCH_CHECK(queries[i].scalar_type() == at::kFloat && queries[i].is_contiguous() && queries[i].dim() == 3 &&
                     queries[i].size(0) == md.heads && queries[i].size(1) == t && queries[i].size(2) == md.head_dim,
                 "forward_batch: kept queries must be contiguous float32 [heads, t, head_dim]");
+    TORCH_CHECK(md.layers[li].conv == nullptr, "forward_batch: a convolution layer has no queries to keep");
     out.keep[li] = queries[i].data_ptr<float>();
   }
 }
@@ -395,6 +467,7 @@ void bind_step(py::module& m) {
   m.def("release_thread_team", &release_thread_team, "free the calling thread's idle OpenMP team");
   py::class_<StepPlan, std::shared_ptr<StepPlan>>(m, "StepPlan")
       .def("add_layer", &add_layer)
+      .def("add_conv_layer", &add_conv_layer)
       .def("set_family", &set_family)
       .def("layer_family", &layer_family)
       .def("layer_key_offset", &layer_key_offset)

@@ -94,21 +94,22 @@ struct Buffers {
 
   Buffers(Path path, StepWorkspace& ws, const StepModel& md, const StepBatch& bt, int64_t t, int threads)
       : w(ws) {
-    // Every layer has the first's attention; the MLP may differ (dense layers among expert ones: ERNIE 4.5).
-    const StepLayer& l = md.layers[0];
+    // Every attention layer has the same shape, every convolution layer too (LFM2); the MLP may differ (dense
+    // layers among expert ones: ERNIE 4.5).
     const int64_t hd = md.heads * md.head_dim;
-    int64_t kmax = std::max(md.hidden, hd), gate_up = 0;
+    int64_t kmax = std::max(md.hidden, hd), gate_up = 0, qkv = 0;
     const StepLayer* expert_layer = nullptr;
     for (const StepLayer& x : md.layers) {
       kmax = std::max({kmax, inner_width(x), x.moe.shared_ff});
       gate_up = std::max(gate_up, x.gate_up.n);
+      qkv = std::max(qkv, x.qkv.n);
       if (x.moe.count > 0 && expert_layer == nullptr) expert_layer = &x;
     }
     grow(w.x2, t * md.hidden);
-    grow(w.qkv, t * l.qkv.n);
+    grow(w.qkv, t * qkv);
     grow(w.q, t * hd);
     grow(w.att, t * hd);
-    grow(w.att_rows, t * hd);
+    grow(w.att_rows, t * std::max(hd, md.hidden));  // a convolution's output rows too
     grow(w.gu, t * gate_up);
     grow(w.hx, bt.n_logits * md.hidden);
     pre_stride = kmax;
@@ -298,6 +299,44 @@ void post_phase(const Team& team, const StepModel& md, const float* x, const flo
   team.sync();
 }
 
+// The first attention layer (the rope's qkv rows are its width), or the first layer where none attends.
+const StepLayer& attention_layer(const StepModel& md) {
+  const auto it = std::find_if(md.layers.begin(), md.layers.end(), [](const StepLayer& l) { return l.conv == nullptr; });
+  return it != md.layers.end() ? *it : md.layers[0];
+}
+
+// LFM2's convolution of every row (family.h): each row's B * x into its slot of its sequence's state, then, once
+// all are stored (a tree row reads its parent's), the convolution of each row quantized as the output
+// projection's input (a: rows of the hidden width).
+void conv_phases(const Team& team, Path path, const StepModel& md, const StepLayer& l, const StepBatch& bt,
+                 const BatchPlan& bp, Buffers& b, const Rows& a, float* scratch) {
+  const int64_t h = md.hidden, k = l.conv_kernel, n = l.qkv.n;
+  const float* qkv = b.w.qkv.data();
+#pragma omp for schedule(static) nowait
+  for (int64_t row = 0; row < bp.t; ++row) {
+    const SeqPlan& sp = bp.seqs[bp.seq_of_row[row]];
+    const StepSeq& r = bt.seqs[bp.seq_of_row[row]];
+    float* state = r.conv_state + l.kv_index * r.conv_capacity * h;
+    conv_input_row(qkv + row * n, h, state + r.taps[(row - sp.row0) * k + k - 1] * h);
+  }
+  team.sync();
+  float* out = b.w.att_rows.data();
+#pragma omp for schedule(static) nowait
+  for (int64_t row = 0; row < bp.t; ++row) {
+    const SeqPlan& sp = bp.seqs[bp.seq_of_row[row]];
+    const StepSeq& r = bt.seqs[bp.seq_of_row[row]];
+    const float* state = r.conv_state + l.kv_index * r.conv_capacity * h;
+    const float* taps[kMaxConvKernel];
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t slot = r.taps[(row - sp.row0) * k + j];
+      taps[j] = slot >= 0 ? state + slot * h : nullptr;
+    }
+    conv_row(qkv + row * n, h, taps, l.conv, k, out + row * h);
+    quantize_rows(path, out, h, PreOp{}, a, row, row + 1, scratch);
+  }
+  team.sync();
+}
+
 // Whether a sublayer's output goes through post_phase rather than the product's residual epilogue.
 bool posts(const StepModel& md, const float* norm) { return norm != nullptr || md.residual_scale != 1.f; }
 
@@ -313,7 +352,7 @@ BatchPlan batch_plan(const StepModel& md, const StepBatch& bt, Buffers& b, int t
     SeqPlan& sp = bp.seqs[s];
     sp.row0 = row0;
     std::fill(bp.seq_of_row.begin() + row0, bp.seq_of_row.begin() + row0 + r.t, s);
-    const StepLayer& l0 = md.layers[0];
+    const StepLayer& l0 = attention_layer(md);
     const int64_t unit = seq_row_units(md, r);
     sp.rope = Rope{b.w.qkv.data() + row0 * l0.qkv.n, bt.cos + row0 * d, bt.sin + row0 * d, nullptr, nullptr, md.eps,
                    r.t, md.heads, md.kv_heads, d, r.start, b.w.q.data() + row0 * hd, nullptr, nullptr,
@@ -496,18 +535,10 @@ void experts_phases(const Team& team, Path path, const StepModel& md, const Step
   team.sync();
 }
 
-// One layer, run by every thread of the team; x holds the layer's input and gets its output.
-void layer_phases(const Team& team, Path path, const StepModel& md, const StepLayer& l, int64_t li,
-                  const StepBatch& bt, const BatchPlan& bp, Buffers& b, int threads) {
-  const int tid = thread_num();
-  float* scratch = b.scratch(tid);
-  float* acc = b.accumulators(tid);
+// A layer's RoPE and cache writes (after its q/k norms), per row of each sequence.
+void rope_phase(const Team& team, const StepModel& md, const StepLayer& l, const StepBatch& bt, const BatchPlan& bp,
+                Buffers& b) {
   const int64_t t = bp.t, d = md.head_dim;
-  PreOp norm;
-  norm.norm = l.attn_norm;
-  norm.eps = md.eps;
-  quantize_phase(team, path, bt.x, md.hidden, norm, b.act(md.hidden), t, scratch);
-  linear_phase(team, path, l.qkv, b.act(md.hidden), t, b.w.qkv.data(), nullptr, threads, acc);
 #pragma omp for schedule(static) nowait
   for (int64_t row = 0; row < t; ++row) {
     const int64_t s = bp.seq_of_row[row];
@@ -534,6 +565,13 @@ void layer_phases(const Team& team, Path path, const StepModel& md, const StepLa
     rope_tokens(rope, tok, tok + 1);
   }
   team.sync();
+}
+
+// A layer's attention after RoPE and the cache writes: kept queries, each sequence's attention items, and the
+// rows of its output quantized as the output projection's input.
+void attend_phases(const Team& team, Path path, const StepModel& md, const StepLayer& l, int64_t li,
+                   const StepBatch& bt, const BatchPlan& bp, Buffers& b, float* scratch) {
+  const int64_t d = md.head_dim;
   // Attention only reads q, so the copies need no barrier of their own.
 #pragma omp for schedule(static) nowait
   for (int64_t s = 0; s < bt.nseqs; ++s) {
@@ -560,12 +598,16 @@ void layer_phases(const Team& team, Path path, const StepModel& md, const StepLa
     attend_item(path, pb, win ? sp.wplan : sp.plan, ref.item);
   }
   team.sync();
-  const int64_t hd = md.heads * d;
-  gather_quantize_phase(team, path, md, bp, b.w.att.data(), b.w.att_rows.data(), b.act(hd), scratch);
-  const bool post_attn = posts(md, l.attn_out_norm), post_mlp = posts(md, l.mlp_out_norm);
-  linear_phase(team, path, l.o, b.act(hd), t, b.w.x2.data(), post_attn ? nullptr : bt.x, threads, acc);
-  if (post_attn) post_phase(team, md, bt.x, b.w.x2.data(), l.attn_out_norm, b.w.x2.data(), t);
+  gather_quantize_phase(team, path, md, bp, b.w.att.data(), b.w.att_rows.data(), b.act(md.heads * d), scratch);
+}
+
+// The layer's MLP (or experts) on x2, the residual stream after its mixer; x gets the layer's output.
+void mlp_phases(const Team& team, Path path, const StepModel& md, const StepLayer& l, const StepBatch& bt,
+                const BatchPlan& bp, Buffers& b, int threads, float* acc, float* scratch) {
+  const int64_t t = bp.t;
+  PreOp norm;
   norm.norm = l.mlp_norm;
+  norm.eps = md.eps;
   quantize_phase(team, path, b.w.x2.data(), md.hidden, norm, b.act(md.hidden), t, scratch);
   if (l.moe.count > 0) {
     experts_phases(team, path, md, l, t, bt.x, b, threads, norm, acc, scratch);
@@ -581,8 +623,35 @@ void layer_phases(const Team& team, Path path, const StepModel& md, const StepLa
     team.sync();
   }
   quantize_phase(team, path, b.w.gu.data(), 2 * inter, act, b.act(inter), t, scratch);
+  const bool post_mlp = posts(md, l.mlp_out_norm);
   linear_phase(team, path, l.down, b.act(inter), t, bt.x, post_mlp ? nullptr : b.w.x2.data(), threads, acc);
   if (post_mlp) post_phase(team, md, b.w.x2.data(), bt.x, l.mlp_out_norm, bt.x, t);
+}
+
+// One layer, run by every thread of the team; x holds the layer's input and gets its output.
+void layer_phases(const Team& team, Path path, const StepModel& md, const StepLayer& l, int64_t li,
+                  const StepBatch& bt, const BatchPlan& bp, Buffers& b, int threads) {
+  const int tid = thread_num();
+  float* scratch = b.scratch(tid);
+  float* acc = b.accumulators(tid);
+  const int64_t t = bp.t;
+  PreOp norm;
+  norm.norm = l.attn_norm;
+  norm.eps = md.eps;
+  quantize_phase(team, path, bt.x, md.hidden, norm, b.act(md.hidden), t, scratch);
+  linear_phase(team, path, l.qkv, b.act(md.hidden), t, b.w.qkv.data(), nullptr, threads, acc);
+  const bool conv = l.conv != nullptr;
+  if (conv) {
+    conv_phases(team, path, md, l, bt, bp, b, b.act(md.hidden), scratch);
+  } else {
+    rope_phase(team, md, l, bt, bp, b);
+    attend_phases(team, path, md, l, li, bt, bp, b, scratch);
+  }
+  const bool post_attn = posts(md, l.attn_out_norm);
+  const int64_t in = conv ? md.hidden : md.heads * md.head_dim;
+  linear_phase(team, path, l.o, b.act(in), t, b.w.x2.data(), post_attn ? nullptr : bt.x, threads, acc);
+  if (post_attn) post_phase(team, md, bt.x, b.w.x2.data(), l.attn_out_norm, b.w.x2.data(), t);
+  mlp_phases(team, path, md, l, bt, bp, b, threads, acc, scratch);
 }
 
 // The picked rows through the final norm and the head (the team's last phases).

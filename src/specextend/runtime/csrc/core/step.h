@@ -18,7 +18,8 @@
 // A family's switches (StepLayer, family.h) change it where its per-layer forward does
 // (layers.py, Block._switched_rows): no pre-norm (OLMo 2), whole-row q/k norms before rope,
 // partial rotary, a score scale, a windowed layer's keys, x2 = x + scale * post_norm(a . Wo)
-// (likewise after the MLP), GeGLU.
+// (likewise after the MLP), GeGLU; LFM2's convolution layers replace rope and attention with their
+// convolution (a = conv(qkv), the output projection's input of the hidden width).
 #pragma once
 
 #include <cstdint>
@@ -73,6 +74,7 @@ struct StepExperts {
   }
 };
 constexpr int64_t kMaxExpertsUsed = 64;
+constexpr int64_t kMaxConvKernel = 16;  // the longest short convolution (LFM2's: 3)
 
 struct StepLayer {
   StepLinear qkv, o, gate_up, down;  // gate_up and down empty where the layer has experts (moe)
@@ -96,6 +98,11 @@ struct StepLayer {
   bool gelu = false;                     // GeGLU (tanh GELU) instead of SwiGLU
   const float* sinks = nullptr;          // [heads]: gpt-oss's attention sinks (attention.h), or null
   const float* k_offset = nullptr;       // [kv_heads * head_dim]: subtracted from keys a q8 cache stores (rope.h)
+  // LFM2's short convolution in place of attention (family.h's conv_input_row, conv_row): qkv is its input
+  // projection [3 hidden] (B, C, x), o its output projection, conv its kernel [hidden, conv_kernel]; kv_index
+  // then indexes the sequences' convolution states (StepSeq::conv_state). Null: an attention layer.
+  const float* conv = nullptr;
+  int64_t conv_kernel = 0;
 };
 
 struct StepModel {
@@ -147,6 +154,11 @@ struct StepSeq {
   uint16_t* wv = nullptr;
   int64_t wcapacity = 0, woffset = 0;
   bool q8 = false;  // k, v hold q8 rows (kv_q8.h); sizes and strides in 16-bit units either way
+  // The convolution layers' states [conv layers, conv_capacity, hidden] (float32: each slot a token's B * x)
+  // and each row's taps [t, conv_kernel]: the slots it reads, oldest first and its own last (-1: none).
+  float* conv_state = nullptr;
+  int64_t conv_capacity = 0;
+  const int64_t* taps = nullptr;
 };
 
 // The final norm and the LM head (a draft's trimmed head, or the whole one).
