@@ -32,16 +32,22 @@ def _best(fn, repeats: int) -> float:
 
 def _other_ops_s(model: Any, cache: Any, context: int, repeats: int) -> float:
     """The embedding lookup, the rotation angles and every layer's RoPE and cache write of one
-    row, called alone (their Python calls included)."""
+    row (a convolution layer's convolution: LFM2), called alone (their Python calls included)."""
     ext = kernels.load()
     tok, pos = torch.tensor([1]), torch.tensor([context])
     width = (model.cfg.num_heads + 2 * model.cfg.num_kv_heads) * model.cfg.head_dim
-    qkv = torch.randn(1, width)
+    qkv, bcx = torch.randn(1, width), torch.randn(1, 3 * model.cfg.hidden_size)
+    kernel = model.cfg.conv_kernel
 
     def ops() -> None:
         model.embed(tok)
         cos, sin = model.rope(pos)
         for layer in model.layers:
+            if layer.conv is not None:
+                state, _, base = cache.layer(layer.index)
+                taps = torch.arange(context - kernel + 1, context + 1)[None] - base
+                ext.conv_rows(bcx, state[0], taps, layer.conv)
+                continue
             q_norm = layer.q_norm.weight if layer.q_norm is not None else None
             k_norm = layer.k_norm.weight if layer.k_norm is not None else None
             k, v, base = cache.layer(layer.index)
