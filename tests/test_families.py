@@ -765,3 +765,25 @@ def test_the_convolution_kernel_gives_the_pytorch_operations_bits():
     for j in range(1, kernel):
         acc = acc + w[:, j] * seen[:, j]
     assert torch.equal(ours, state) and torch.equal(got, c * acc)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")
+def test_lfm2_over_a_q8_cache_calibrates_its_attention_keys_and_speculates_as_ar(converted):
+    """A q8 KV cache holds LFM2's attention layers' K/V as q8 rows and its convolutions' state in float32: the key
+    offsets are measured on the attention layers (none to measure on a convolution), the whole-step call and the
+    per-layer kernels agree, and `sd` equals `ar`."""
+    from test_kv_q8 import CALIBRATION
+
+    folder, _ = converted("lfm2", "Q8_0")
+    model = load_model(folder, torch.float32, weights="gguf")
+    model.kv_cache = "q8"
+    model.calibrate_key_offset(CALIBRATION)
+    cache = model.new_cache(64)
+    assert cache.q8 and cache.wk.dtype == torch.float32
+    assert all((layer.k_offset.abs().sum() > 0) != model.cfg.conv(i) for i, layer in enumerate(model.layers))
+    draft = load_model(converted("lfm2", "Q8_0", seed=5, layers=1)[0], torch.float32, weights="gguf")
+    eng = SpecEngine(model, draft, eos_ids=[])
+    ar = eng.generate(PROMPT, Settings(method="ar", max_new_tokens=24)).token_ids
+    assert eng.generate(PROMPT, Settings(method="sd", max_new_tokens=24, **SMALL)).token_ids == ar
+    model.step_rows = 0
+    assert eng.generate(PROMPT, Settings(method="ar", max_new_tokens=24)).token_ids == ar

@@ -129,8 +129,11 @@ class Transformer(nn.Module):
         ids = torch.tensor(list(tokens), dtype=torch.long)
         self.forward(ids, torch.arange(n), cache, logits_rows=slice(n - 1, n))
         cache.commit()
-        # in float64, where a sum of bfloat16 values is exact: the same offsets whatever the threads
-        return [cache.keys(i, n).double().mean(1).float().contiguous() for i in range(len(self.layers))]
+        # in float64, where a sum of bfloat16 values is exact: the same offsets whatever the threads; a convolution
+        # layer (LFM2) stores no keys: zeros
+        none = torch.zeros(self.cfg.num_kv_heads, self.cfg.head_dim)
+        return [none if self.cfg.conv(i) else cache.keys(i, n).double().mean(1).float().contiguous()
+                for i in range(len(self.layers))]
 
     def set_key_offsets(self, offsets: Sequence[torch.Tensor] | None) -> None:
         """Set the layers' key offsets (`measure_key_offsets`' or read back from disk; None: none)."""
