@@ -28,7 +28,7 @@ from test_gguf import llama_cpp_permute
 from test_quantized_runtime import tree
 from test_step import run as step_run
 
-ARCHS = ["qwen3moe", "qwen2moe", "mixtral", "olmoe", "granitemoe", "ernie4_5-moe"]
+ARCHS = ["qwen3moe", "qwen2moe", "mixtral", "olmoe", "granitemoe", "ernie4_5-moe", "lfm2moe"]
 GGUF_ARCH = {"mixtral": "llama"}  # llama.cpp files Mixtral under llama
 PERMUTED = {"mixtral", "granitemoe"}  # llama.cpp converts these as Llama (Q/K rows interleaved)
 # Widths divisible by 256 (K-quants); each expert 256 wide, 8 of them, 2 or 3 a token.
@@ -58,6 +58,11 @@ def hf_config(arch: str, layers: int = LAYERS):
         return tf.Ernie4_5_MoeConfig(moe_num_experts=8, moe_k=3, moe_intermediate_size=FF, intermediate_size=512,
                                      moe_num_shared_experts=SHARED_FF // FF, moe_layer_start_index=int(layers > 1),
                                      rms_norm_eps=1e-5, **common)
+    if arch == "lfm2moe":  # a dense first layer (attention) where there are more, then a convolution with experts
+        types = ["full_attention", "conv"][-layers:] if layers <= 2 else None
+        return tf.Lfm2MoeConfig(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=FF, intermediate_size=512,
+                                num_dense_layers=int(layers > 1), layer_types=types, norm_eps=1e-5, rms_norm_eps=1e-5,
+                                **{**common, "tie_word_embeddings": True})  # llama.cpp's lfm2moe has no output
     if arch == "mixtral":
         return tf.MixtralConfig(num_local_experts=8, num_experts_per_tok=2, intermediate_size=FF, rms_norm_eps=1e-5,
                                 sliding_window=None, **common)
@@ -78,10 +83,13 @@ def make_moe(arch: str, seed: int = 0, layers: int = LAYERS, dtype=torch.float32
             if "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif p.ndim >= 2:
-                sharp = 4.0 if name.endswith(("mlp.gate.weight", "router.weight")) else 1.0
+                sharp = 4.0 if name.endswith(("mlp.gate.weight", "router.weight", "feed_forward.gate.weight")) else 1.0
                 p.copy_(torch.randn_like(p) * (sharp * 0.6 / p.shape[-1] ** 0.5))
             else:
                 p.copy_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):  # LFM2's selection bias, a buffer: at the sigmoids' spread
+                b.copy_(0.1 * torch.randn_like(b))
     return model.eval()
 
 
@@ -94,7 +102,7 @@ def _gguf_names(arch: str, hf: str, names) -> list[tuple[str, slice | None]]:
         return [(f"blk.{m[2]}.ffn_down_exps.weight", None)]
     if hf.endswith("block_sparse_moe.router.weight"):  # transformers 5's name of Granite MoE's router
         return [(f"blk.{m[2]}.ffn_gate_inp.weight", None)]
-    if hf.endswith("moe_statics.e_score_correction_bias"):  # ERNIE's selection bias: llama.cpp's exp_probs_b
+    if hf.endswith(("moe_statics.e_score_correction_bias", "feed_forward.expert_bias")):  # llama.cpp's exp_probs_b
         return [(f"blk.{m[2]}.exp_probs_b.bias", None)]
     gname = names.get_name(hf, try_suffixes=(".weight", ".bias"))
     assert gname is not None, hf
@@ -112,7 +120,12 @@ def write_moe_gguf(model, path, arch: str, kind: str = "F32", seed: int = 0) -> 
     w.add_block_count(cfg.num_hidden_layers)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    lfm2 = arch == "lfm2moe"  # 0 KV heads on a convolution's layer, the kernel's length
+    w.add_head_count_kv([0 if t == "conv" else cfg.num_key_value_heads for t in cfg.layer_types] if lfm2
+                        else cfg.num_key_value_heads)
+    if lfm2:
+        w.add_shortconv_l_cache(cfg.conv_L_cache)
+        w.add_leading_dense_block_count(cfg.num_dense_layers)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -120,7 +133,7 @@ def write_moe_gguf(model, path, arch: str, kind: str = "F32", seed: int = 0) -> 
     w.add_value_length(head_dim)
     w.add_expert_count(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
-    if arch.startswith(("qwen", "ernie")):
+    if arch.startswith(("qwen", "ernie", "lfm2")):
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
@@ -141,6 +154,8 @@ def write_moe_gguf(model, path, arch: str, kind: str = "F32", seed: int = 0) -> 
     rng = np.random.default_rng(seed)
     stored: dict[str, torch.Tensor] = {}
     for hf, value in ((k, v.detach().float().numpy()) for k, v in model.state_dict().items()):
+        if hf == "lm_head.weight" and cfg.tie_word_embeddings:  # the embedding's (LFM2's MoE): no tensor of its own
+            continue
         backs = []
         for gname, rows in _gguf_names(arch, hf, names):
             data = value if rows is None else value[:, rows]
@@ -150,7 +165,9 @@ def write_moe_gguf(model, path, arch: str, kind: str = "F32", seed: int = 0) -> 
                 data = llama_cpp_permute(data, heads)
             if hf.endswith(("shared_expert_gate.weight", "e_score_correction_bias")):
                 data = data.reshape(-1)  # llama.cpp's ffn_gate_inp_shexp and exp_probs_b are vectors
-            router = "mlp.gate." in hf or "router." in hf or "expert_gate" in hf
+            if hf.endswith("conv.conv.weight"):  # LFM2's kernel, squeezed to [channels, length], kept in F32
+                data = data.squeeze(1)
+            router = any(r in hf for r in ("mlp.gate.", "router.", "expert_gate", "feed_forward.gate.", "conv.conv"))
             back = _add(w, gname, np.ascontiguousarray(data), kind if value.ndim >= 2 and not router else "F32", rng)
             if heads is not None:
                 back = llama_cpp_permute_back(back, heads)
@@ -161,6 +178,8 @@ def write_moe_gguf(model, path, arch: str, kind: str = "F32", seed: int = 0) -> 
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    if cfg.tie_word_embeddings:
+        stored["lm_head.weight"] = stored["model.embed_tokens.weight"]
     return stored
 
 
@@ -217,12 +236,13 @@ def test_the_gguf_rebuilds_the_expert_config(converted, arch):
     assert cfg.shared_ff == (SHARED_FF if arch in ("qwen2moe", "ernie4_5-moe") else 0)
     assert cfg.shared_gate == (arch != "ernie4_5-moe")
     assert cfg.router == {"qwen3moe": "softmax_topk_norm", "mixtral": "softmax_topk_norm",
-                          "granitemoe": "topk_softmax", "ernie4_5-moe": "softmax_biased_topk_norm"}.get(arch,
-                                                                                                     "softmax_topk")
-    assert [cfg.expert_layer(i) for i in range(LAYERS)] == [arch != "ernie4_5-moe", True]
+                          "granitemoe": "topk_softmax", "ernie4_5-moe": "softmax_biased_topk_norm",
+                          "lfm2moe": "sigmoid_biased_topk_norm"}.get(arch, "softmax_topk")
+    assert [cfg.expert_layer(i) for i in range(LAYERS)] == [arch not in ("ernie4_5-moe", "lfm2moe"), True]
+    assert cfg.conv_layers == ((False, True) if arch == "lfm2moe" else ())
     if arch == "ernie4_5-moe":  # `models inspect`'s line says what differs
         assert "an ungated shared expert (512), 1 dense layer (512)" in cfg.describe()
-    assert cfg.qk_norm == {"qwen3moe": "head", "olmoe": "full"}.get(arch, "")
+    assert cfg.qk_norm == {"qwen3moe": "head", "olmoe": "full", "lfm2moe": "head"}.get(arch, "")
     assert config["model_type"] == ref.model_type
 
 
@@ -327,7 +347,7 @@ def test_a_batch_of_four_prompts_is_each_prompt_alone(converted, arch):
 
 
 @needs_kernels
-@pytest.mark.parametrize("arch", ["qwen2moe", "olmoe", "ernie4_5-moe"])
+@pytest.mark.parametrize("arch", ["qwen2moe", "olmoe", "ernie4_5-moe", "lfm2moe"])
 def test_every_kernel_path_gives_the_same_bits_and_rows_never_mix(converted, monkeypatch, arch):
     """Each path this CPU runs: a tree's rows (routed to different experts) get the bits each gets
     alone after its ancestors, and every path the portable one's logits."""
@@ -386,7 +406,7 @@ def test_the_kernels_weighting_is_the_references_with_ties_to_the_lower_index(ro
     """`route_rows` (csrc/core/experts.h) picks PyTorch's experts in PyTorch's order with its weights to
     float32 rounding, row by row; equal logits go to the lower index; a bad k is refused."""
     ext, used, kind = kernels.load(), 3, experts_mod.WEIGHTING_IDS[router]
-    biased = router == experts_mod.BIASED  # ERNIE's: a selection bias that moves the picks, not the weights
+    biased = router in experts_mod.BIASED  # ERNIE's, LFM2's: a selection bias that moves the picks, not the weights
     logits = torch.randn(40, 16, generator=torch.Generator().manual_seed(4)) * 3
     bias = torch.randn(16, generator=torch.Generator().manual_seed(5)) * 0.2 if biased else None
     experts, weights = ext.route_rows(logits, used, kind, bias)
@@ -410,7 +430,8 @@ def test_the_kernels_weighting_is_the_references_with_ties_to_the_lower_index(ro
 @needs_kernels
 @pytest.mark.parametrize("path", kernels.cpu_paths())
 @pytest.mark.parametrize(("arch", "kind"), [("qwen3moe", "Q4_K"), ("mixtral", "Q8_0"), ("olmoe", "Q4_K"),
-                                           ("qwen2moe", "Q8_0"), ("qwen2moe", "Q4_K"), ("ernie4_5-moe", "Q4_K")])
+                                           ("qwen2moe", "Q8_0"), ("qwen2moe", "Q4_K"), ("ernie4_5-moe", "Q4_K"),
+                                           ("lfm2moe", "Q4_K")])
 def test_the_whole_step_runs_the_experts_with_the_per_layer_bits(converted, monkeypatch, path, arch, kind):
     """SiLU experts (Qwen2-MoE's with its shared expert under a sigmoid gate) decode through the
     whole-step call (csrc/core/step.h) with the per-layer forward's bits: logits, every K/V slot and
@@ -438,11 +459,12 @@ def test_a_shared_expert_is_described_and_stepped(converted):
     assert "a shared expert" in model.cfg.describe() and "whole-step C++ call for decode" in model.cfg.describe()
 
 
-@pytest.mark.parametrize("arch", ["qwen2moe", "mixtral", "granitemoe", "ernie4_5-moe"])
+@pytest.mark.parametrize("arch", ["qwen2moe", "mixtral", "granitemoe", "ernie4_5-moe", "lfm2moe"])
 def test_a_hugging_face_folder_of_an_expert_model_loads(tmp_path, arch):
     """transformers' own checkpoint (one tensor an expert: `experts.{e}.gate_proj`, Mixtral's
     `block_sparse_moe.experts.{e}.w1`): float64 logits are transformers', int8 runs the kernels."""
-    model = make_moe(arch, 0, 1, dtype=torch.float64)
+    # LFM2's MoE of 2 layers: transformers runs no model of convolutions alone
+    model = make_moe(arch, 0, 2 if arch == "lfm2moe" else 1, dtype=torch.float64)
     model.save_pretrained(tmp_path)
     expect = hf_logits(model, PROMPT)
     assert torch.allclose(ours_logits(load_model(tmp_path, torch.float64, weights="float64"), PROMPT), expect,

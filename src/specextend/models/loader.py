@@ -485,7 +485,7 @@ def _fill_experts(moe: Experts, w: _Weights, p: str, cfg: ModelConfig) -> None:
     moe.router.weight = w.wrap(_checked(w.ts.get(p + router, w.act), (n, h), p + router))
     if w.ts.has(p + "gate.bias"):
         moe.router.bias = w.param(p + "gate.bias")
-    if cfg.router == BIASED:  # ERNIE's selection bias ([1, experts]; its checkpoints' name, or transformers')
+    if cfg.router in BIASED:  # the selection bias ([1, experts]; ERNIE's checkpoints' name, or transformers')
         name = p + SELECT_BIAS if w.ts.has(p + SELECT_BIAS) else p + SELECT_BIAS.removeprefix("gate.")
         moe.select_bias = w.wrap(_checked(w.ts.get(name, w.act).reshape(-1), (n,), name))
     if moe.shared_gated:
@@ -518,7 +518,7 @@ def _mixtral(p: str) -> str:
 def _expert_tensor(w: _Weights, p: str, name: str, n: int, ff: int) -> torch.Tensor:
     """One projection of every expert, [experts, rows, width], in float: stacked already (a converted
     GGUF), transformers 5's fused `gate_up_proj` (Granite MoE's `input_linear`), or one tensor an expert
-    (`experts.{e}.gate_proj`, Mixtral's `experts.{e}.w1`)."""
+    (`experts.{e}.gate_proj`, Mixtral's and LFM2's `experts.{e}.w1`)."""
     if w.ts.has(f"{p}experts.{name}_proj.weight"):
         return w.ts.get(f"{p}experts.{name}_proj.weight", w.act).reshape(n, -1, w.ts.shape(
             f"{p}experts.{name}_proj.weight")[-1])
@@ -531,7 +531,9 @@ def _expert_tensor(w: _Weights, p: str, name: str, n: int, ff: int) -> torch.Ten
         return both[:, :ff] if name == "gate" else both[:, ff:]
     if down is not None:
         return w.ts.get(p + down, w.act)
-    own = {"gate": "w1", "up": "w3", "down": "w2"}[name] if "block_sparse_moe" in p else f"{name}_proj"
+    # Mixtral's and LFM2's MoE checkpoints name an expert's projections w1, w3, w2
+    llama_names = "block_sparse_moe" in p or w.ts.has(f"{p}experts.0.w1.weight")
+    own = {"gate": "w1", "up": "w3", "down": "w2"}[name] if llama_names else f"{name}_proj"
     names = [f"{p}experts.{e}.{own}.weight" for e in range(n)]
     return w.stacked(names).reshape(n, -1, w.ts.shape(names[0])[-1])
 

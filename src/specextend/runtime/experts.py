@@ -108,19 +108,36 @@ def _softmax_biased_topk_norm(logits: torch.Tensor, k: int, bias: torch.Tensor |
     return experts, weights / weights.sum(dim=-1, keepdim=True).clamp(min=NORM_MIN)
 
 
-# Router logits (and the router's selection bias, which only ERNIE's uses) -> each row's experts (in
+SIGMOID_NORM_EPS = 1e-6  # what transformers' LFM2 MoE router adds to the sum of its top k's sigmoids
+
+
+def _sigmoid_biased_topk_norm(logits: torch.Tensor, k: int, bias: torch.Tensor | None = None) -> Routing:
+    """LFM2's MoE: the top k of the logits' sigmoids plus a learned selection bias, weighted by their sigmoids
+    alone divided by their sum plus SIGMOID_NORM_EPS."""
+    if bias is None:
+        raise UserError("the biased expert weighting needs the router's selection bias")
+    p = torch.sigmoid(logits.float())
+    experts = torch.topk(p + bias.float(), k, dim=-1)[1]
+    weights = torch.gather(p, -1, experts)
+    return experts, weights / (weights.sum(dim=-1, keepdim=True) + SIGMOID_NORM_EPS)
+
+
+# Router logits (and the router's selection bias, which only the biased weightings use) -> each row's experts (in
 # descending weight: the row's rank order) and weights.
 WEIGHTINGS: dict[str, Callable[[torch.Tensor, int, torch.Tensor | None], Routing]] = {
     "softmax_topk": _softmax_topk,  # Qwen2-MoE, OLMoE
     "softmax_topk_norm": _softmax_topk_norm,  # Qwen3-MoE, Mixtral
     "topk_softmax": _topk_softmax,  # gpt-oss
     "softmax_biased_topk_norm": _softmax_biased_topk_norm,  # ERNIE 4.5
+    "sigmoid_biased_topk_norm": _sigmoid_biased_topk_norm,  # LFM2's MoE
 }
 # The same weightings in the kernels (csrc/core/experts.h's Weighting): the quantized runtime's, with
 # bits of their own (fastexp.h's exp, fixed summation orders, ties to the lower index), so that the
 # per-layer forward and the whole-step call (fused_step.py) route a row alike.
-WEIGHTING_IDS = {"softmax_topk": 0, "softmax_topk_norm": 1, "topk_softmax": 2, "softmax_biased_topk_norm": 3}
-BIASED = "softmax_biased_topk_norm"  # the weighting that takes a selection bias
+WEIGHTING_IDS = {"softmax_topk": 0, "softmax_topk_norm": 1, "topk_softmax": 2, "softmax_biased_topk_norm": 3,
+                 "sigmoid_biased_topk_norm": 4}
+# The weightings that take a selection bias.
+BIASED = frozenset({"softmax_biased_topk_norm", "sigmoid_biased_topk_norm"})
 
 
 def expert_views(seg: Segment, experts: int) -> list[Segment]:

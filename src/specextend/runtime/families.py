@@ -356,6 +356,18 @@ def _lfm2(d: dict[str, Any]) -> dict[str, Any]:
     """LFM2: pre-norm blocks whose mixer is attention with per-head q/k norms on a few layers (HF's `layer_types`,
     or the older configs' `full_attn_idxs`) and a gated short convolution on the others; tied embeddings, the MLP's
     width from `block_ff_dim` through the adjustment transformers' Lfm2MLP applies."""
+    ff = int(d.get("block_ff_dim") or d.get("intermediate_size") or 0)
+    if d.get("block_auto_adjust_ff_dim", True):
+        ff = int(2 * ff / 3)
+        if d.get("block_ffn_dim_multiplier") is not None:
+            ff = int(float(d["block_ffn_dim_multiplier"]) * ff)
+            multiple = int(d.get("block_multiple_of", 256))
+            ff = multiple * ((ff + multiple - 1) // multiple)
+    return {**_lfm2_layers(d), "intermediate_size": ff}
+
+
+def _lfm2_layers(d: dict[str, Any]) -> dict[str, Any]:
+    """LFM2's layers (its MoE's too): convolutions and attention layers, per-head q/k norms, tied embeddings."""
     n = int(d["num_hidden_layers"])
     types = d.get("layer_types")
     if types is None:
@@ -365,17 +377,36 @@ def _lfm2(d: dict[str, Any]) -> dict[str, Any]:
         raise UserError(f"an LFM2 config's layer_types must be {n} of conv and full_attention, not {types}")
     if d.get("conv_bias"):
         raise UserError("an LFM2 config with conv_bias is not supported (no released model has biases)")
-    ff = int(d.get("block_ff_dim") or d.get("intermediate_size") or 0)
-    if d.get("block_auto_adjust_ff_dim", True):
-        ff = int(2 * ff / 3)
-        if d.get("block_ffn_dim_multiplier") is not None:
-            ff = int(float(d["block_ffn_dim_multiplier"]) * ff)
-            multiple = int(d.get("block_multiple_of", 256))
-            ff = multiple * ((ff + multiple - 1) // multiple)
     conv = tuple(t == "conv" for t in types)
-    return {"qk_norm": "head", "intermediate_size": ff, "rms_norm_eps": float(d.get("norm_eps", 1e-5)),
+    return {"qk_norm": "head", "rms_norm_eps": float(d.get("norm_eps", 1e-5)),
             "tie_word_embeddings": bool(d.get("tie_word_embeddings", d.get("tie_embedding", True))),
             "conv_layers": conv if any(conv) else (), "conv_kernel": int(d.get("conv_L_cache", 3)) if any(conv) else 0}
+
+
+def _lfm2moe(d: dict[str, Any]) -> dict[str, Any]:
+    """LFM2's MoE (LFM2-8B-A1B): LFM2's layers, the first `num_dense_layers` with a dense MLP, the others experts
+    picked by their logits' sigmoids plus a selection bias and weighted by the sigmoids renormalised (transformers'
+    Lfm2MoeTopKRouter, as every released model configures it)."""
+    if not d.get("use_expert_bias", True) or not d.get("norm_topk_prob", True) or \
+            float(d.get("routed_scaling_factor", 1.0)) != 1.0:
+        raise UserError("an LFM2 MoE config without the expert bias, without renormalised weights or with a routed "
+                        "scaling factor is not supported (no released model has them)")
+    dense = int(d.get("num_dense_layers", 0))
+    return {**_lfm2_layers(d), "intermediate_size": int(d["intermediate_size"]),
+            "experts": int(d["num_experts"]), "experts_used": int(d["num_experts_per_tok"]),
+            "expert_ff": int(d["moe_intermediate_size"]), "router": "sigmoid_biased_topk_norm",
+            "expert_layers": tuple(i >= dense for i in range(int(d["num_hidden_layers"])))}
+
+
+def _lfm2moe_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's LFM2 MoE keys: LFM2's, the experts' count, width and top k, the leading dense layers."""
+    count = key("expert_count")
+    if not count:
+        raise UserError("an expert model's GGUF without expert_count")
+    return {**_lfm2_gguf(key, cfg), "num_experts": int(count), "num_experts_per_tok": int(key("expert_used_count")),
+            "moe_intermediate_size": int(key("expert_feed_forward_length")),
+            "num_dense_layers": int(key("leading_dense_block_count", 0)), "use_expert_bias": True,
+            "norm_topk_prob": True, "routed_scaling_factor": 1.0}
 
 
 def _lfm2_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -560,6 +591,19 @@ def _gpt_oss_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
 _GEMMA_TENSORS = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                   "post_ffw_norm": "post_feedforward_layernorm"}
 
+# LFM2's names: its block's norms, its final norm ("embedding_norm"), attention's output and q/k norms, the MLP, the
+# convolution.
+_LFM2_NORMS = {"attn_norm": "operator_norm", "mlp_norm": "ffn_norm"}
+_LFM2_NAMES = {"self_attn.o_proj.": "self_attn.out_proj.", "self_attn.q_norm.": "self_attn.q_layernorm.",
+               "self_attn.k_norm.": "self_attn.k_layernorm.", "mlp.gate_proj.": "feed_forward.w1.",
+               "mlp.up_proj.": "feed_forward.w3.", "mlp.down_proj.": "feed_forward.w2.",
+               "model.norm.": "model.embedding_norm."}
+_LFM2_TENSORS = {"attn_norm": "operator_norm", "ffn_norm": "ffn_norm", "attn_output": "self_attn.out_proj",
+                 "attn_q_norm": "self_attn.q_layernorm", "attn_k_norm": "self_attn.k_layernorm",
+                 "ffn_gate": "feed_forward.w1", "ffn_up": "feed_forward.w3", "ffn_down": "feed_forward.w2",
+                 "shortconv.conv": "conv.conv", "shortconv.in_proj": "conv.in_proj",
+                 "shortconv.out_proj": "conv.out_proj", "token_embd_norm.weight": "model.embedding_norm.weight"}
+
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", "LlamaForCausalLM", gguf_permuted_qk=True, rms_eps_default=1e-5,
            eos_tokens=("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")),
@@ -615,19 +659,19 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("olmoe", "OlmoeForCausalLM", _olmoe, gguf_tensors=_EXPERT_TENSORS,
            gguf_config=lambda key, cfg: _experts_gguf(key, cfg, False), rms_eps_default=1e-5,
            eos_tokens=("<|endoftext|>", "<|im_end|>")),
-    # LFM2 (Liquid AI): its own names for the final norm ("embedding_norm"), attention's output and q/k norms, the MLP.
+    # LFM2 (Liquid AI): short convolutions beside attention, its own names (_LFM2_NAMES).
     Family("lfm2", "Lfm2ForCausalLM", _lfm2, gguf_config=_lfm2_gguf, gguf_conv_layers=True, rms_eps_default=1e-5,
-           hf_norms={"attn_norm": "operator_norm", "mlp_norm": "ffn_norm"},
-           hf_names={"self_attn.o_proj.": "self_attn.out_proj.", "self_attn.q_norm.": "self_attn.q_layernorm.",
-                     "self_attn.k_norm.": "self_attn.k_layernorm.", "mlp.gate_proj.": "feed_forward.w1.",
-                     "mlp.up_proj.": "feed_forward.w3.", "mlp.down_proj.": "feed_forward.w2.",
-                     "model.norm.": "model.embedding_norm."},
-           gguf_tensors={"attn_norm": "operator_norm", "ffn_norm": "ffn_norm", "attn_output": "self_attn.out_proj",
-                         "attn_q_norm": "self_attn.q_layernorm", "attn_k_norm": "self_attn.k_layernorm",
-                         "ffn_gate": "feed_forward.w1", "ffn_up": "feed_forward.w3", "ffn_down": "feed_forward.w2",
-                         "shortconv.conv": "conv.conv", "shortconv.in_proj": "conv.in_proj",
-                         "shortconv.out_proj": "conv.out_proj",
-                         "token_embd_norm.weight": "model.embedding_norm.weight"},
+           hf_norms=_LFM2_NORMS, hf_names=_LFM2_NAMES, gguf_tensors=_LFM2_TENSORS,
+           eos_tokens=("<|im_end|>", "<|endoftext|>")),
+    Family("lfm2moe", "Lfm2MoeForCausalLM", _lfm2moe, gguf_config=_lfm2moe_gguf, gguf_conv_layers=True,
+           rms_eps_default=1e-5, hf_model_type="lfm2_moe", hf_norms=_LFM2_NORMS,
+           hf_names={"mlp." + SELECT_BIAS: "feed_forward.expert_bias",
+                     "mlp." + SELECT_BIAS.removeprefix("gate."): "feed_forward.expert_bias",
+                     "mlp.gate.": "feed_forward.gate.", "mlp.experts.": "feed_forward.experts.", **_LFM2_NAMES},
+           gguf_tensors={**_LFM2_TENSORS, "ffn_gate_inp": "feed_forward.gate",
+                         "ffn_gate_exps": "feed_forward.experts.gate_proj",
+                         "ffn_up_exps": "feed_forward.experts.up_proj",
+                         "ffn_down_exps": "feed_forward.experts.down_proj", "exp_probs_b": "feed_forward.expert_bias"},
            eos_tokens=("<|im_end|>", "<|endoftext|>")),
     # gpt-oss's harmony format ends an answer with <|return|> and a tool call with <|call|>; its
     # <|end|> closes a message (the reasoning's too) inside one turn, so it does not stop.

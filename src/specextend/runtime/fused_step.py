@@ -60,9 +60,12 @@ def plan(cfg: ModelConfig, layers: Iterable[Block]) -> Any:
     for layer in layers:
         per_head = not layer.qk_full
         moe = layer.moe
-        if layer.conv is not None:  # LFM2's convolution (its pre-norms and dense MLP only)
-            p.add_conv_layer(_weight(layer.qkv), _weight(layer.o), _weight(layer.gate_up), _weight(layer.down),
-                             layer.conv.detach().float().contiguous(), _norm(layer.attn_norm), _norm(layer.mlp_norm))
+        if layer.conv is not None:  # LFM2's convolution (its pre-norms, its dense MLP or experts)
+            p.add_conv_layer(_weight(layer.qkv), _weight(layer.o), None if moe else _weight(layer.gate_up),
+                             None if moe else _weight(layer.down), layer.conv.detach().float().contiguous(),
+                             _norm(layer.attn_norm), _norm(layer.mlp_norm))
+            if moe is not None:
+                _experts(p, moe)
             continue
         p.add_layer(_weight(layer.qkv), _weight(layer.o), None if moe else _weight(layer.gate_up),
                     None if moe else _weight(layer.down), _norm(layer.attn_norm), _norm(layer.mlp_norm),

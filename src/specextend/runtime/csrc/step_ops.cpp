@@ -216,7 +216,7 @@ spx::Segment stacked_segment(StepPlan& p, const py::tuple& t, int64_t n, int64_t
 // three bfloat16 parts (experts.exact_bf16) and its bias, the stacked gate, up and down tensors, their
 // biases [count, 2 ff] and [count, hidden] (or None), the activation (core/experts.h's ExpertAct), a
 // shared expert's gate_up and down (or None; where `shared_gated`, its gate is the router's last row in
-// each part) and the weighting's selection bias [count] (SoftmaxBiasedTopkNorm's; else None).
+// each part) and the weighting's selection bias [count] (the biased weightings'; else None).
 void layer_experts(StepPlan& p, const py::tuple& router, const c10::optional<at::Tensor>& router_bias,
                    const py::tuple& gate, const py::tuple& up, const py::tuple& down, int64_t count, int64_t used,
                    int64_t ff, int64_t kind, const c10::optional<at::Tensor>& gate_up_bias,
@@ -236,7 +236,7 @@ void layer_experts(StepPlan& p, const py::tuple& router, const c10::optional<at:
   e.router = step_linear(p, router, md.hidden, "router");
   TORCH_CHECK(e.router.n == 3 * (count + (e.shared_gated ? 1 : 0)) && e.router.bias == nullptr,
               "step: the router must be [3 * (experts + 1 if a shared expert's gate follows), hidden]");
-  TORCH_CHECK(select_bias.has_value() == (kind == static_cast<int64_t>(spx::Weighting::SoftmaxBiasedTopkNorm)),
+  TORCH_CHECK(select_bias.has_value() == spx::biased(static_cast<spx::Weighting>(kind)),
               "step: a selection bias comes with the biased weighting, and only with it");
   if (select_bias.has_value()) e.select_bias = kept_float(p, *select_bias, count, "select_bias");
   if (shared) {

@@ -668,7 +668,7 @@ std::tuple<at::Tensor, at::Tensor> route_rows(const at::Tensor& logits, int64_t 
   const at::Tensor lc = logits.contiguous();
   const int64_t m = lc.size(0), count = lc.size(1);
   TORCH_CHECK(used >= 1 && used <= count && kind >= 0 && kind < spx::kWeightings, "route: bad top-k or weighting");
-  const bool biased = kind == static_cast<int64_t>(spx::Weighting::SoftmaxBiasedTopkNorm);
+  const bool biased = spx::biased(static_cast<spx::Weighting>(kind));
   TORCH_CHECK(select_bias.has_value() == biased, "route: a selection bias comes with the biased weighting, and only with it");
   at::Tensor bias;
   if (biased) {

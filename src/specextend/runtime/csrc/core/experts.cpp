@@ -59,8 +59,12 @@ void route_row(const float* logits, int64_t count, int64_t used, Weighting kind,
     return;
   }
   float* p = scratch;
-  softmax(logits, count, p);
-  if (kind == Weighting::SoftmaxBiasedTopkNorm) {  // the bias picks the experts; the probabilities weigh them
+  if (kind == Weighting::SigmoidBiasedTopkNorm) {
+    for (int64_t i = 0; i < count; ++i) p[i] = sigmoid_plain(logits[i]);
+  } else {
+    softmax(logits, count, p);
+  }
+  if (biased(kind)) {  // the bias picks the experts; the probabilities weigh them
     float* chosen = scratch + count;
     for (int64_t i = 0; i < count; ++i) chosen[i] = p[i] + select_bias[i];
     top_indices(chosen, count, used, experts, iscratch);
@@ -72,6 +76,7 @@ void route_row(const float* logits, int64_t count, int64_t used, Weighting kind,
     float s = 0.f;
     for (int64_t j = 0; j < used; ++j) s += weights[j];
     if (kind == Weighting::SoftmaxBiasedTopkNorm) s = std::fmax(s, kNormMin);
+    if (kind == Weighting::SigmoidBiasedTopkNorm) s = s + kSigmoidNormEps;
     for (int64_t j = 0; j < used; ++j) weights[j] = weights[j] / s;
   }
 }

@@ -18,14 +18,24 @@ enum class Weighting : int {
   // softmax over all experts; the top k of the probabilities plus a per-expert selection bias, weighted
   // by their probabilities divided by their sum (at least kNormMin) (ERNIE 4.5's MoE)
   SoftmaxBiasedTopkNorm = 3,
+  // a sigmoid of each logit; the top k of those plus a per-expert selection bias, weighted by their sigmoids
+  // divided by their sum plus kSigmoidNormEps (LFM2's MoE)
+  SigmoidBiasedTopkNorm = 4,
 };
-constexpr int kWeightings = 4;
+constexpr int kWeightings = 5;
 constexpr float kNormMin = 1e-12f;  // ERNIE 4.5's moe_norm_min
+constexpr float kSigmoidNormEps = 1e-6f;  // what transformers' Lfm2MoeTopKRouter adds to the sum
+
+// Whether a weighting picks by its probabilities plus a selection bias (it takes one, the others none).
+inline bool biased(Weighting kind) {
+  return kind == Weighting::SoftmaxBiasedTopkNorm || kind == Weighting::SigmoidBiasedTopkNorm;
+}
 
 // A row's top `used` of `count` experts, by descending weight (ties: the lower index first), into
 // experts [used] and weights [used]. The softmax: m = the maximum, e_i = exp(l_i - m), s = their
 // sum in index order (the selected ones' in rank order for TopkSoftmax), p_i = e_i / s.
-// `select_bias` [count]: SoftmaxBiasedTopkNorm's (the others take none: null).
+// `select_bias` [count]: the biased weightings' (the others take none: null). The sigmoid: 1 / (1 + exp(-l)),
+// the kernels' exp.
 // scratch: 2 `count` floats and `count` indices (nothing is allocated: a step's parallel region calls it).
 void route_row(const float* logits, int64_t count, int64_t used, Weighting kind, const float* select_bias,
                int64_t* experts, float* weights, float* scratch, int64_t* iscratch);

@@ -56,7 +56,7 @@ struct StepExperts {
   // expert's gate, the last row of each part).
   StepLinear router;
   const float* router_bias = nullptr;  // [count] or null
-  const float* select_bias = nullptr;  // [count]: SoftmaxBiasedTopkNorm's selection bias, else null
+  const float* select_bias = nullptr;  // [count]: the biased weightings' selection bias, else null
   Segment gate{}, up{}, down{};        // stacked: [count * ff, hidden] twice, [count * hidden, ff]
   const float* gate_up_bias = nullptr;  // [count, 2 ff] or null
   const float* down_bias = nullptr;     // [count, hidden] or null
