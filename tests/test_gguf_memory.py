@@ -408,6 +408,22 @@ def test_a_random_lfm2_file_has_llama_cpps_layout_and_generates(tmp_path, tokeni
         assert pair.generate("hello", method="ar", max_new_tokens=4).new_tokens == 4
 
 
+def test_a_random_lfm2_moe_file_has_llama_cpps_layout_and_generates(tmp_path, tokenizer_gguf) -> None:
+    """The lfm2-8b-a1b shape's layout (LFM2's, with experts and their selection bias after the dense layers) is one
+    our converter reads as the family and runs."""
+    from specextend import api
+
+    shape = {**gguf_files.PRESETS["lfm2-8b-a1b"], "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "full_attn_idxs": [1, 3], "num_experts": 4,
+             "num_experts_per_tok": 2, "moe_intermediate_size": 256}
+    src = gguf_files.write_random(tmp_path / "lfm2moe.gguf", shape, "Q4_K_M", tokenizer_gguf, progress=False)
+    with api.load(str(src), load_draft=False, progress=False) as pair:
+        cfg = pair.target.cfg
+        assert cfg.conv_layers == (True, False, True, False) and cfg.router == "sigmoid_biased_topk_norm"
+        assert [cfg.expert_layer(i) for i in range(4)] == [False, False, True, True]
+        assert pair.generate("hello", method="ar", max_new_tokens=4).new_tokens == 4
+
+
 def test_random_blocks_have_the_spread_asked(tokenizer_gguf) -> None:
     import numpy as np
     from gguf import GGMLQuantizationType

@@ -154,6 +154,13 @@ PRESETS: dict[str, dict[str, Any]] = {
                   "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5,
                   "max_position_embeddings": 128000, "tie_word_embeddings": True,
                   "full_attn_idxs": [2, 5, 8, 10, 12, 14], "conv_L_cache": 3},
+    # LFM2-8B-A1B: LFM2's layers (attention on 6 of 24) with 32 experts of 1,792 a layer, 4 a token, picked by
+    # sigmoids plus a selection bias, after 2 dense layers (7,168).
+    "lfm2-8b-a1b": {"model_type": "lfm2moe", "hidden_size": 2048, "intermediate_size": 7168, "num_hidden_layers": 24,
+                    "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5,
+                    "max_position_embeddings": 128000, "tie_word_embeddings": True,
+                    "full_attn_idxs": [2, 6, 10, 14, 18, 21], "conv_L_cache": 3, "num_experts": 32,
+                    "num_experts_per_tok": 4, "moe_intermediate_size": 1792, "num_dense_layers": 2},
     # LFM2-350M: the 1.2B's layout, half as wide (a draft for it: the same vocabulary).
     "lfm2-350m": {"model_type": "lfm2", "hidden_size": 1024, "intermediate_size": 4608, "num_hidden_layers": 16,
                   "num_attention_heads": 16, "num_key_value_heads": 8, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5,
@@ -162,7 +169,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 # The model types a random file can take (the expert ones: each layer's experts stacked, llama.cpp's way).
 RANDOM_TYPES = ("llama", "qwen2", "olmoe", "qwen3moe", "qwen2moe", "gemma2", "gemma3", "granite", "gpt-oss", "phi3",
-                "olmo2", "mistral3", "granitemoe", "glm4", "ernie4_5", "ernie4_5-moe", "lfm2")
+                "olmo2", "mistral3", "granitemoe", "glm4", "ernie4_5", "ernie4_5-moe", "lfm2", "lfm2moe")
 # Granite's multipliers: the config's names and the GGUF writer's (llama.cpp's *_scale keys).
 GRANITE_SCALES = {"embedding_multiplier": "add_embedding_scale", "residual_multiplier": "add_residual_scale",
                   "attention_multiplier": "add_attention_scale", "logits_scaling": "add_logit_scale"}
@@ -261,8 +268,8 @@ def _tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tupl
     gemma = config.get("model_type") in ("gemma2", "gemma3")  # sandwich norms
     oss = config.get("model_type") == "gpt-oss"
     # Qwen3's and Gemma 3's q/k norms: one head's width, not all heads'
-    head_norm = config.get("model_type") in ("qwen3moe", "gemma3", "lfm2")
-    lfm2, conv = config.get("model_type") == "lfm2", conv_layers(config)
+    head_norm = config.get("model_type") in ("qwen3moe", "gemma3")
+    lfm2, conv = config.get("model_type") in ("lfm2", "lfm2moe"), conv_layers(config)
     exps = EXPERT_TYPES.get(kind)
     phi = config.get("model_type") == "phi3"  # fused projections, LongRoPE's factors as tensors
     olmo = config.get("model_type") == "olmo2"  # OLMo 2 and 3: norms after, not before; q/k norms over all heads
@@ -281,14 +288,10 @@ def _tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tupl
         b = f"blk.{i}."
         if not olmo:
             yield b + "attn_norm.weight", (h,), "F32"
-        if i in conv:
-            yield from _conv_tensors(b, config, main, more if more_bits(i) else main)
-            continue
-        yield from _qkv_tensors(b, config, main, more if more_bits(i) else main)
-        if (gemma and head_norm) or olmo or lfm2:
-            yield b + "attn_q_norm.weight", (hd if gemma or lfm2 else heads * hd,), "F32"
-            yield b + "attn_k_norm.weight", (hd if gemma or lfm2 else kv * hd,), "F32"
-        yield b + "attn_output.weight", (h, heads * hd), main
+        if i in conv:  # LFM2's convolution in place of attention, then the MLP or experts as any layer's
+            yield from _conv_tensors(b, config, main)
+        else:
+            yield from _attention_tensors(b, config, main, more if more_bits(i) else main)
         if oss:  # gpt-oss: an output bias, a sink logit a head; its MLP's pre-norm is llama.cpp's post_attention_norm
             yield b + "attn_output.bias", (h,), "F32"
             yield b + "attn_sinks.weight", (heads,), "F32"
@@ -296,7 +299,8 @@ def _tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tupl
             yield b + "post_attention_norm.weight", (h,), "F32"
         if not oss and not olmo:
             yield b + "ffn_norm.weight", (h,), "F32"
-        if experts and i >= int(config.get("moe_layer_start_index", 0)):  # ERNIE's leading dense layers
+        if experts and i >= int(config.get("moe_layer_start_index", config.get("num_dense_layers", 0))):  # leading
+            # dense layers (ERNIE's, LFM2's)
             if config.get("model_type") in ("qwen3moe", "olmoe"):  # their q/k norms
                 yield b + "attn_q_norm.weight", (hd if head_norm else heads * hd,), "F32"
                 yield b + "attn_k_norm.weight", (hd if head_norm else kv * hd,), "F32"
@@ -315,22 +319,32 @@ def _tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tupl
 
 def conv_layers(config: dict[str, Any]) -> set[int]:
     """The layers of an LFM2 shape that are short convolutions (all but `full_attn_idxs`; none for other types)."""
-    if config.get("model_type") != "lfm2":
+    if config.get("model_type") not in ("lfm2", "lfm2moe"):
         return set()
     return set(range(config["num_hidden_layers"])) - set(config["full_attn_idxs"])
 
 
-def _conv_tensors(b: str, config: dict[str, Any], main: str, down: str) -> Iterator[tuple[str, tuple[int, ...], str]]:
-    """An LFM2 convolution layer's (prefix `b`, its norm before): the projections and kernel [channels, length] in
-    place of attention, then the MLP's norm and gated MLP."""
-    h, f = config["hidden_size"], config["intermediate_size"]
+def _conv_tensors(b: str, config: dict[str, Any], main: str) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """An LFM2 convolution (prefix `b`): its projections and kernel [channels, length], in place of attention."""
+    h = config["hidden_size"]
     yield b + "shortconv.in_proj.weight", (3 * h, h), main
     yield b + "shortconv.conv.weight", (h, int(config.get("conv_L_cache", 3))), "F32"
     yield b + "shortconv.out_proj.weight", (h, h), main
-    yield b + "ffn_norm.weight", (h,), "F32"
-    yield b + "ffn_gate.weight", (f, h), main
-    yield b + "ffn_up.weight", (f, h), main
-    yield b + "ffn_down.weight", (h, f), down
+
+
+def _attention_tensors(b: str, config: dict[str, Any], main: str, v_kind: str
+                       ) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """A layer's attention projections (prefix `b`), its q/k norms where the family has them before the MLP's."""
+    h, heads = config["hidden_size"], config["num_attention_heads"]
+    kv = config.get("num_key_value_heads", heads)
+    hd = config.get("head_dim") or h // heads
+    kind = config.get("model_type")
+    yield from _qkv_tensors(b, config, main, v_kind)
+    head = kind in ("gemma3", "lfm2", "lfm2moe")  # one head's width, not all heads'
+    if head or kind == "olmo2":
+        yield b + "attn_q_norm.weight", (hd if head else heads * hd,), "F32"
+        yield b + "attn_k_norm.weight", (hd if head else kv * hd,), "F32"
+    yield b + "attn_output.weight", (h, heads * hd), main
 
 
 def _qkv_tensors(b: str, config: dict[str, Any], main: str, v_kind: str) -> Iterator[tuple[str, tuple[int, ...], str]]:
@@ -358,7 +372,7 @@ def _expert_tensors(b: str, config: dict[str, Any], kind: str, down: str) -> Ite
     yield b + "ffn_gate_exps.weight", (experts, ef, h), kind
     yield b + "ffn_up_exps.weight", (experts, ef, h), kind
     yield b + "ffn_down_exps.weight", (experts, h, ef), down
-    if config.get("model_type") == "ernie4_5-moe":  # the selection bias
+    if config.get("model_type") in ("ernie4_5-moe", "lfm2moe"):  # the selection bias
         yield b + "exp_probs_b.bias", (experts,), "F32"
     shared = int(config.get("shared_expert_intermediate_size") or ef * int(config.get("moe_num_shared_experts", 0)))
     if shared:  # Qwen2-MoE's shared expert (its gate a vector) or ERNIE's ungated ones, their projections dense
@@ -514,6 +528,8 @@ def _write_keys(w: Any, config: dict[str, Any]) -> None:
         w.add_expert_feed_forward_length(expert_ff(config))
     if config.get("shared_expert_intermediate_size"):
         w.add_expert_shared_feed_forward_length(int(config["shared_expert_intermediate_size"]))
+    if config.get("num_dense_layers"):  # LFM2's MoE: the leading dense layers
+        w.add_leading_dense_block_count(int(config["num_dense_layers"]))
     if config.get("moe_num_shared_experts"):  # ERNIE's: the shared experts' count and width, the leading dense layers
         w.add_expert_shared_count(int(config["moe_num_shared_experts"]))
         w.add_expert_shared_feed_forward_length(expert_ff(config) * int(config["moe_num_shared_experts"]))
