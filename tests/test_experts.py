@@ -126,6 +126,7 @@ def write_moe_gguf(model, path, arch: str, kind: str = "F32", seed: int = 0) -> 
     if lfm2:
         w.add_shortconv_l_cache(cfg.conv_L_cache)
         w.add_leading_dense_block_count(cfg.num_dense_layers)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

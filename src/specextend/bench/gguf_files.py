@@ -528,8 +528,12 @@ def _write_keys(w: Any, config: dict[str, Any]) -> None:
         w.add_expert_feed_forward_length(expert_ff(config))
     if config.get("shared_expert_intermediate_size"):
         w.add_expert_shared_feed_forward_length(int(config["shared_expert_intermediate_size"]))
-    if config.get("num_dense_layers"):  # LFM2's MoE: the leading dense layers
+    if config.get("model_type") == "lfm2moe":  # the leading dense layers, the router's sigmoid (llama.cpp needs it)
+        import gguf
+
         w.add_leading_dense_block_count(int(config["num_dense_layers"]))
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_norm(True)
     if config.get("moe_num_shared_experts"):  # ERNIE's: the shared experts' count and width, the leading dense layers
         w.add_expert_shared_count(int(config["moe_num_shared_experts"]))
         w.add_expert_shared_feed_forward_length(expert_ff(config) * int(config["moe_num_shared_experts"]))

@@ -398,11 +398,16 @@ def _lfm2moe(d: dict[str, Any]) -> dict[str, Any]:
             "expert_layers": tuple(i >= dense for i in range(int(d["num_hidden_layers"])))}
 
 
+SIGMOID_GATING = 2  # llama.cpp's expert_gating_func for a sigmoid router (LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID)
+
+
 def _lfm2moe_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
     """llama.cpp's LFM2 MoE keys: LFM2's, the experts' count, width and top k, the leading dense layers."""
     count = key("expert_count")
     if not count:
         raise UserError("an expert model's GGUF without expert_count")
+    if int(key("expert_gating_func", SIGMOID_GATING)) != SIGMOID_GATING:
+        raise UserError("an LFM2 MoE file whose router is no sigmoid is not supported (no released model has one)")
     return {**_lfm2_gguf(key, cfg), "num_experts": int(count), "num_experts_per_tok": int(key("expert_used_count")),
             "moe_intermediate_size": int(key("expert_feed_forward_length")),
             "num_dense_layers": int(key("leading_dense_block_count", 0)), "use_expert_bias": True,
