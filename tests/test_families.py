@@ -299,6 +299,10 @@ def test_the_gguf_names_the_family_and_its_config_rebuilds(converted, arch):
     if arch == "lfm2":
         for k in ("layer_types", "conv_L_cache", "norm_eps", "intermediate_size", "tie_word_embeddings"):
             assert config[k] == getattr(ref, k), k
+        from safetensors import safe_open
+
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:  # HF's Conv1d kernel, as transformers holds it
+            assert f.get_slice("model.layers.0.conv.conv.weight").get_shape() == [256, 1, 3]
 
 
 @pytest.mark.parametrize("arch", FAMILY_ARCHS)
@@ -732,7 +736,7 @@ def test_inspect_names_lfm2s_convolutions_and_their_state(converted, capsys):
     assert main(["models", "inspect", str(folder.parent / "m.gguf")]) == 0
     lines = capsys.readouterr().out.splitlines()
     line = next(x for x in lines if x.startswith("family"))
-    assert "lfm2" in line and "2 of 4 layers short convolutions (3 tokens)" in line and "per-layer kernels" in line
+    assert "lfm2" in line and "2 of 4 layers short convolutions (3 tokens)" in line and "whole-step C++ call" in line
     assert "the 2 short convolutions keep the inputs of their last 3 tokens and 512 more" in \
         next(x for x in lines if x.startswith("kv"))
     assert main(["models", "inspect", str(folder.parent / "m.gguf"), "--json"]) == 0
@@ -740,6 +744,8 @@ def test_inspect_names_lfm2s_convolutions_and_their_state(converted, capsys):
     row = 2 * 2 * 64 * 2  # a layer's K and V x KV heads x head_dim x bfloat16
     assert out["kv_bytes_per_token"] == 2 * row  # the two attention layers'
     assert out["kv_bytes_32k"] == 2 * row * 32768 + 2 * 256 * 4 * (3 + 512)  # and a float32 row a kept token
+    # the convolutions' kernels run in float32 as they are, with the 9 norms and 4 q/k norms (not requantized)
+    assert next(r for r in out["types"] if r["runs_as"] == "float32")["tensors"] == 9 + 4 + 2
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the C++ kernels cannot be built here")

@@ -59,7 +59,8 @@ class TensorInfo:
     shape: tuple[int, ...]  # GGUF order: the input width (the fastest dimension) first
     file_bytes: int
     router: bool = False  # an expert router (`ffn_gate_inp.weight`): float32, run exactly (runtime/experts.py)
-    bias: bool = False  # a bias (`*.bias`): float32 whatever its shape (the experts' are [experts, width])
+    # a bias (`*.bias`): float32 whatever its shape (the experts' are [experts, width]); LFM2's convolution kernels too
+    bias: bool = False
 
 
 @dataclass

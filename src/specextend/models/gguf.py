@@ -482,15 +482,15 @@ def hf_tensor(tensor: Any, config: dict[str, Any]) -> np.ndarray:
     shift = _family(config).gguf_norm_shift
     if shift and tensor.name.endswith("norm.weight"):  # back to the HF weight (Gemma's 1 + w norms)
         out = out - np.float32(shift)
-    if _is_conv_kernel(tensor.name, out):  # HF's Conv1d weight [channels, 1, length]
+    if _is_conv_kernel(tensor.name, out.ndim):  # HF's Conv1d weight [channels, 1, length]
         out = out.reshape(out.shape[0], 1, out.shape[1])
     return np.ascontiguousarray(out)
 
 
-def _is_conv_kernel(name: str, data: Any) -> bool:
-    """A depthwise convolution's kernel (LFM2's `shortconv.conv`), which llama.cpp's converter squeezed to
-    [channels, length]."""
-    return name.endswith("shortconv.conv.weight") and len(data.shape) == 2
+def _is_conv_kernel(name: str, dims: int) -> bool:
+    """Whether a tensor of `dims` dimensions is a depthwise convolution's kernel (LFM2's `shortconv.conv`), which
+    llama.cpp's converter squeezed to [channels, length]."""
+    return name.endswith("shortconv.conv.weight") and dims == 2
 
 
 def type_name(tensor: Any) -> str:
@@ -540,7 +540,7 @@ def tensor_parts(reader: Any, tensor: Any, config: dict[str, Any], kept: bool) -
 
     heads = _qk_heads(tensor.name, config)
     small = len(tensor.shape) != 2 and not (kept and len(tensor.shape) == 3)
-    if small or _is_conv_kernel(tensor.name, tensor.shape):  # norms, biases, a convolution's kernel: whole
+    if small or _is_conv_kernel(tensor.name, len(tensor.shape)):  # norms, biases, a convolution's kernel: whole
         yield torch.from_numpy(hf_tensor(tensor, config))
         _release(reader, int(tensor.data_offset), int(tensor.n_bytes))
         return
@@ -575,7 +575,7 @@ def hf_shape(tensor: Any) -> tuple[int, ...]:
     """The HF parameter's shape of a GGUF tensor: its torch shape, but a depthwise convolution's kernel [channels,
     1, length] (`hf_tensor`)."""
     shape = torch_shape(tensor)
-    return (shape[0], 1, shape[1]) if _is_conv_kernel(tensor.name, tensor.shape) else shape
+    return (shape[0], 1, shape[1]) if _is_conv_kernel(tensor.name, len(shape)) else shape
 
 
 def write_weights(reader: Any, config: dict[str, Any], out: Path, progress: bool = True) -> list[str]:
@@ -640,7 +640,7 @@ def file_footprint(reader: Any, path: str | os.PathLike[str], kernel_path: str |
                 continue
         except UserError:
             pass  # counted all the same: inspect describes what the file holds
-        bias = t.name.endswith(".bias")
+        bias = t.name.endswith(".bias") or _is_conv_kernel(t.name, len(t.shape))  # float32 as it is, like a bias
         router = ".ffn_gate_inp" in t.name and not bias
         tensors.append((t.name, TensorInfo(type_name(t), tuple(int(d) for d in t.shape), int(t.n_bytes), router,
                                            bias)))
