@@ -522,6 +522,12 @@ def _write_keys(w: Any, config: dict[str, Any]) -> None:
             w.add_rope_scaling_yarn_log_mul(float(config["yarn_log_multiplier"]))
     if config.get("attention_temperature_scale"):
         w.add_attn_temperature_scale(float(config["attention_temperature_scale"]))
+    _expert_keys(w, config)
+
+
+def _expert_keys(w: Any, config: dict[str, Any]) -> None:
+    """An expert model's keys: the experts' count, top k and width, the shared experts', the dense layers' and the
+    router's where the family writes them."""
     if config.get("num_experts"):
         w.add_expert_count(int(config["num_experts"]))
         w.add_expert_used_count(int(config["num_experts_per_tok"]))
