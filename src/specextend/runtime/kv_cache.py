@@ -35,6 +35,10 @@ costs the windowed layers only their window, not every token. Without `room` the
 capacity and `woffset` stays 0 (the draft's store and working cache, whose slots retrieval copies
 around). Only the windowed layers' oldest tokens are ever dropped, and only those more than a
 window before every row to come, so what each row attends to, and its bits, stay as they were.
+
+LFM2's short convolutions keep their state in the same place (`conv_width`): a convolution over the
+last `kernel` tokens is, for the cache, a windowed layer of window `kernel` whose slot holds one
+float32 row (the token's B * x) instead of K and V, so every slot operation above serves it too.
 """
 
 from __future__ import annotations
