@@ -450,18 +450,22 @@ def test_the_converted_folder_is_the_model_for_transformers_too(converted, arch)
     assert diff < 1e-9, float(diff)
 
 
-@pytest.mark.usefixtures("isolated_home")
-def test_inspect_names_the_family_and_what_runs(converted, capsys):
+def inspected(folder: Path, capsys) -> tuple[str, str, dict]:
+    """`models inspect` of the folder's source file: its family line, its kv line and its --json."""
     from specextend.cli.main import main
 
-    folder, _ = converted("gemma3")
     assert main(["models", "inspect", str(folder.parent / "m.gguf")]) == 0
     lines = capsys.readouterr().out.splitlines()
-    line = next(x for x in lines if x.startswith("family"))
-    assert "gemma3" in line and "5 of 6 layers windowed (16)" in line and "whole-step C++ call" in line
-    assert "the 5 windowed layers keep their window of 16 and 512 more" in next(x for x in lines if x.startswith("kv"))
+    family, kv = (next(x for x in lines if x.startswith(key)) for key in ("family", "kv"))
     assert main(["models", "inspect", str(folder.parent / "m.gguf"), "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    return family, kv, json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.usefixtures("isolated_home")
+def test_inspect_names_the_family_and_what_runs(converted, capsys):
+    line, kv, out = inspected(converted("gemma3")[0], capsys)
+    assert "gemma3" in line and "5 of 6 layers windowed (16)" in line and "whole-step C++ call" in line
+    assert "the 5 windowed layers keep their window of 16 and 512 more" in kv
     assert out["family"].startswith("gemma3:")
     row = 2 * 2 * 64 * 2  # a layer's K and V x KV heads x head_dim x bfloat16
     assert out["kv_bytes_per_token"] == row  # the global layer's: the windowed ones keep a window
@@ -730,17 +734,9 @@ def test_lfm2_convolution_state_keeps_its_window_through_chunks_snapshots_and_fi
 
 @pytest.mark.usefixtures("isolated_home")
 def test_inspect_names_lfm2s_convolutions_and_their_state(converted, capsys):
-    from specextend.cli.main import main
-
-    folder, _ = converted("lfm2")
-    assert main(["models", "inspect", str(folder.parent / "m.gguf")]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    line = next(x for x in lines if x.startswith("family"))
+    line, kv, out = inspected(converted("lfm2")[0], capsys)
     assert "lfm2" in line and "2 of 4 layers short convolutions (3 tokens)" in line and "whole-step C++ call" in line
-    assert "the 2 short convolutions keep the inputs of their last 3 tokens and 512 more" in \
-        next(x for x in lines if x.startswith("kv"))
-    assert main(["models", "inspect", str(folder.parent / "m.gguf"), "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    assert "the 2 short convolutions keep the inputs of their last 3 tokens and 512 more" in kv
     row = 2 * 2 * 64 * 2  # a layer's K and V x KV heads x head_dim x bfloat16
     assert out["kv_bytes_per_token"] == 2 * row  # the two attention layers'
     assert out["kv_bytes_32k"] == 2 * row * 32768 + 2 * 256 * 4 * (3 + 512)  # and a float32 row a kept token
