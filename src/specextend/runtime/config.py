@@ -146,9 +146,8 @@ class ModelConfig:
                          f"{self.router}, {self.expert_act}{shared}{dense_text}")
         skip = {"window_layers", "sliding_window", "rope_layers", "conv_layers", "conv_kernel", *_EXPERT_SWITCHES}
         parts += [f"{k} {text(v)}" for k, v in s.items() if k not in skip]
-        missing = "short convolutions" if self.conv_layers else self.activation
         step = ("the whole-step C++ call for decode steps, the per-layer kernels for prefill" if self.stepped
-                else f"the per-layer kernels (the whole-step C++ call does not run {missing})")
+                else f"the per-layer kernels (the whole-step C++ call does not run {self.activation})")
         return f"{self.arch}{': ' + ', '.join(parts) if parts else ''}; quantized weights run {step}"
 
     @property
