@@ -789,3 +789,20 @@ def test_lfm2_over_a_q8_cache_calibrates_its_attention_keys_and_speculates_as_ar
     assert eng.generate(PROMPT, Settings(method="sd", max_new_tokens=24, **SMALL)).token_ids == ar
     model.step_rows = 0
     assert eng.generate(PROMPT, Settings(method="ar", max_new_tokens=24)).token_ids == ar
+
+
+@pytest.mark.parametrize(("block_ff", "hidden", "ff"), [(12288, 2048, 8192), (6656, 1024, 4608)])
+def test_a_published_lfm2_config_reads_as_transformers_builds_it(block_ff, hidden, ff):
+    """LFM2-1.2B's and 350M's published config.json keys (`block_ff_dim` adjusted by `block_auto_adjust_ff_dim`,
+    `full_attn_idxs`, `tie_embedding`): the MLP width transformers' Lfm2MLP builds, 10 convolutions, tied."""
+    import transformers as tf
+
+    from specextend.runtime.config import ModelConfig
+
+    d = dict(vocab_size=65536, hidden_size=hidden, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+             block_ff_dim=block_ff, block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.0, block_multiple_of=256,
+             full_attn_idxs=[2, 5, 8, 10, 12, 14], norm_eps=1e-5, conv_L_cache=3, tie_embedding=True)
+    ours = ModelConfig.from_hf({"architectures": ["Lfm2ForCausalLM"], "model_type": "lfm2", **d})
+    mlp = tf.models.lfm2.modeling_lfm2.Lfm2MLP(tf.Lfm2Config(**d))
+    assert ours.intermediate_size == mlp.w1.out_features == ff
+    assert ours.conv_layers.count(True) == 10 and not ours.conv(2) and ours.tie_word_embeddings
