@@ -113,9 +113,9 @@ def conv_taps(rows: int, length: int, tree_mask: torch.Tensor | None, kernel: in
     mask = tree_mask.cpu()
     first = length + rows - mask.shape[1]  # the slot of the mask's first column
     out = torch.full((rows, kernel), -1, dtype=torch.long)
+    earlier = list(range(max(0, first - kernel + 1), first))  # before the mask: every slot is seen
     for r in range(rows):
         seen = (first + torch.nonzero(mask[r, : mask.shape[1] - rows + r]).flatten()).tolist()
-        earlier = list(range(max(0, first - kernel + 1), first))  # before the mask: every slot is seen
         prev = (earlier + seen)[-(kernel - 1):] if kernel > 1 else []
         out[r, kernel - 1 - len(prev):] = torch.tensor([*prev, int(own[r])], dtype=torch.long)
     return out
@@ -363,7 +363,7 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         if self.conv is not None:
             h = self.qkv(self.attn_norm(x) if self.attn_norm is not None else x)
-            return self._mlp(self._residual(x, self.o(self._convolve(h, cache, tree_mask, keep_q)), self.attn_out_norm))
+            return self._mlp(self._residual(x, self.o(self._convolve(h, cache, tree_mask)), self.attn_out_norm))
         t = x.shape[0]
         hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv
         qkv = self.qkv(self.attn_norm(x) if self.attn_norm is not None else x)
@@ -399,14 +399,12 @@ class Block(nn.Module):
         return self._residual(x, self.down(self._act(g, u)), self.mlp_out_norm)
 
     def _convolve(self, h: torch.Tensor, cache: KVCache, tree_mask: torch.Tensor | None,
-                  keep_q: dict[int, torch.Tensor] | None, taps: torch.Tensor | None = None) -> torch.Tensor:
+                  taps: torch.Tensor | None = None) -> torch.Tensor:
         """LFM2's short convolution of one sequence's rows, from its input projection h [T, 3 x hidden] (B, C, x):
         C times the depthwise convolution of B * x over each row's last `kernel` tokens along its path
         (`conv_taps`), whose B * x the cache keeps as this layer's state. Elementwise products and sums in a fixed
         order (csrc/core/family.h's conv_row in float32; these PyTorch operations in float64 and on other
         devices, the same arithmetic): a row's bits depend on its own taps alone."""
-        if keep_q is not None:  # no query here: retrieval scores with attention layers
-            keep_q.pop(self.index, None)
         state, _, base = cache.layer(self.index)
         if taps is None:
             taps = conv_taps(h.shape[0], cache.length, tree_mask, self.conv.shape[1])
@@ -472,8 +470,7 @@ class Block(nn.Module):
         """`_convolve` per sequence over its own cache (its rows one after the other in h)."""
         outs, off = [], 0
         for p in parts:
-            outs.append(self._convolve(h[off : off + p.size], p.cache, p.tree_mask, p.keep_q,
-                                       p.conv_taps(self.conv.shape[1])))
+            outs.append(self._convolve(h[off : off + p.size], p.cache, p.tree_mask, p.conv_taps(self.conv.shape[1])))
             off += p.size
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 

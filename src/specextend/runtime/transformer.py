@@ -228,6 +228,7 @@ class Transformer(nn.Module):
         """
         if self.fused:
             return self._forward_fused([Rows(tokens, positions, cache, tree_mask, logits_rows, keep_q, backend)])[0]
+        self._attention_queries(keep_q)
         cache.begin(tokens.shape[0])
         if self.rowwise_attention:
             backend = "rowwise"
@@ -257,8 +258,16 @@ class Transformer(nn.Module):
             return self._forward_fused(parts)
         return [self(p.tokens, p.positions, p.cache, p.tree_mask, p.backend, p.logits_rows, p.keep_q) for p in parts]
 
+    def _attention_queries(self, keep_q: dict[int, torch.Tensor] | None) -> None:
+        """Drop the convolution layers (LFM2) from the layers whose queries a forward keeps: they have none, and
+        retrieval scores with the attention layers (`draft_policy.seeing_everything`)."""
+        if keep_q and self.cfg.conv_layers:
+            for i in [i for i in keep_q if self.cfg.conv(i)]:
+                del keep_q[i]
+
     def _forward_fused(self, parts: list[Rows]) -> list[torch.Tensor]:
         for p in parts:
+            self._attention_queries(p.keep_q)
             p.cache.begin(p.size)
         one = len(parts) == 1
         positions = parts[0].positions if one else torch.cat([p.positions for p in parts])
@@ -307,10 +316,6 @@ class Transformer(nn.Module):
             self._step_head = (weight, fused_step.head(self._step_plan, self.norm, weight))
         rows, counts = fused_step.logit_rows(parts)
         window = self.cfg.sliding_window if any(self.cfg.window_layers) else 0
-        for p in parts:  # a convolution layer has no query to keep (as in its per-layer forward)
-            for i in range(self.cfg.num_layers):
-                if p.keep_q is not None and self.cfg.conv(i):
-                    p.keep_q.pop(i, None)
         logits = fused_step.run(self._step_plan, x.contiguous(), cos, sin, parts, self.cfg.num_heads,
                                 self._step_head[1], rows, window, self.cfg.conv_kernel)
         if self.output_head is not None:
