@@ -16,7 +16,7 @@ ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 # The families that are switches over the same block (runtime/families.py): the parity tests run
 # them too; the engine-level tests of every feature keep the four above.
 FAMILY_ARCHS = ["granite", "smollm3", "olmo2", "olmo3", "gemma3", "gemma2", "phi3", "mistral3", "exaone4", "ernie4_5",
-                "glm4", "lfm2"]
+                "glm4", "lfm2", "command-r", "cohere2"]
 
 
 USER_COSTS_ENV = "SPECEXTEND_TESTS_USER_COST_CACHE"  # the cost cache's setting before the tests moved it
@@ -239,6 +239,16 @@ def tiny_hf_config(arch: str, vocab: int = 64, layers: int = 2, **kw):
         common["tie_word_embeddings"] = kw.get("tie_word_embeddings", True)
         return tf.Lfm2Config(pad_token_id=None, norm_eps=common["rms_norm_eps"], block_auto_adjust_ff_dim=False,
                              **common)
+    if arch in ("command-r", "cohere2"):
+        # Cohere's LayerNorms (their eps), parallel block, rope on adjacent pairs and a logit scale that no power of
+        # two is (a multiplier read as a divisor shows); Command R7B's windows on 3 layers of 4, which alone take rope.
+        common["layer_norm_eps"] = common.pop("rms_norm_eps")
+        common["tie_word_embeddings"] = kw.get("tie_word_embeddings", True)
+        common.setdefault("logit_scale", 0.3)
+        if arch == "command-r":
+            return tf.CohereConfig(pad_token_id=None, **common)
+        common.setdefault("sliding_window", 8)
+        return tf.Cohere2Config(pad_token_id=None, **common)
     raise ValueError(arch)
 
 

@@ -63,6 +63,8 @@ def family_kw(arch: str, layers: int | None = None) -> dict:
         kw.update(head_dim=64, query_pre_attn_scalar=64, sliding_window=WINDOW)
     if arch == "olmo3":  # 3 windowed layers to 1 global
         kw.update(sliding_window=WINDOW)
+    if arch == "cohere2":  # 3 windowed layers to 1 global (transformers' default, llama.cpp's fixed pattern)
+        kw.update(sliding_window=WINDOW)
     if arch == "gemma3":  # 5 windowed layers to 1 global; the query scale from head_dim (64)
         kw.update(head_dim=64, query_pre_attn_scalar=64, sliding_window=WINDOW,
                   layer_types=["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)])
@@ -112,6 +114,10 @@ def _metadata(w: gguf.GGUFWriter, arch: str, cfg) -> None:
         w.add_rope_dimension_count(int(cfg.rope_parameters["partial_rotary_factor"] * cfg.head_dim))
     if arch == "lfm2":  # its converter's keys: 0 KV heads on a convolution's layer, the kernel's length
         w.add_shortconv_l_cache(cfg.conv_L_cache)
+    if arch in ("command-r", "cohere2"):  # the logit scale; Command R7B's window (llama.cpp fixes its pattern)
+        w.add_logit_scale(cfg.logit_scale)
+        if arch == "cohere2":
+            w.add_sliding_window(cfg.sliding_window)
     if arch == "granite":
         w.add_attention_scale(cfg.attention_multiplier)
         w.add_embedding_scale(cfg.embedding_multiplier)
@@ -131,6 +137,7 @@ def write_like_llama_cpp(model, path: Path, arch: str, kind: str = "F32", seed: 
         sd.pop("lm_head.weight", None)
     garch = GGUF_ARCH.get(arch, arch)
     w = gguf.GGUFWriter(str(path), garch)
+    cohere = arch in ("command-r", "cohere2")
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(n)
@@ -138,7 +145,10 @@ def write_like_llama_cpp(model, path: Path, arch: str, kind: str = "F32", seed: 
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv([0 if t == "conv" else cfg.num_key_value_heads for t in cfg.layer_types] if arch == "lfm2"
                         else cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if cohere:  # LayerNorms: their eps under the LayerNorm key
+        w.add_layer_norm_eps(cfg.layer_norm_eps)
+    else:
+        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # Gemma 3: the global layers'
     w.add_rope_freq_base(rope["rope_theta"])
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -162,7 +172,7 @@ def write_like_llama_cpp(model, path: Path, arch: str, kind: str = "F32", seed: 
         w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
         w.add_token_merges(MERGES)
         w.add_chat_template(CHAT_TEMPLATE)
-    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, garch.upper()), n)
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, garch.upper().replace("-", "_")), n)
     stored: dict[str, torch.Tensor] = {}
     rng = np.random.default_rng(seed)
     for name, value in sd.items():
@@ -603,7 +613,7 @@ def test_the_whole_step_call_gives_the_per_layer_bits(converted, monkeypatch, ar
     folder, _ = converted(arch, "Q8_0")
     model = load_model(folder, torch.float32, weights="gguf")
     assert model.cfg.stepped
-    assert model.cfg.rope_layers == ((True, True, True, False) if arch == "smollm3" else ())
+    assert model.cfg.rope_layers == ((True, True, True, False) if arch in ("smollm3", "cohere2") else ())
     calls = []
     step = fused_step.run
     monkeypatch.setattr(fused_step, "run", lambda *a: calls.append(1) or step(*a))

@@ -61,6 +61,10 @@ class ModelConfig:
     attn_temperature: float = 0.0
     temperature_length: int = 0
     o_bias: bool = False  # the output projection has a bias (gpt-oss)
+    layer_norm: bool = False  # every norm a LayerNorm without bias: the row's mean subtracted first (Cohere)
+    # Cohere's parallel block: attention and the MLP both read the layer's input through the attention norm, and
+    # their outputs join the residual together (x + attention + MLP, in that order).
+    parallel: bool = False
     # The checkpoint's Q/K rows rotate adjacent pairs (a GLM or ERNIE Hugging Face checkpoint): the loader puts them
     # in rotate-half order (families.py `hf_interleaved_qk`). Not a switch: the runtime never sees such rows.
     qk_rows_interleaved: bool = False
@@ -296,6 +300,7 @@ def yarn_scaling(scaling: dict[str, Any], rope: dict[str, Any], max_position: in
 _SWITCHES = frozenset({"norms", "norm_plus_one", "activation", "embed_scale", "residual_scale", "attn_scale",
                        "attn_softcap", "logit_divisor", "final_softcap", "sliding_window", "window_layers",
                        "rope_layers", "local_rope_theta", "rotary_dim", "attn_sinks", "attn_temperature", "o_bias",
+                       "layer_norm", "parallel",
                        "experts", "experts_used", "expert_ff", "shared_ff", "shared_gate", "router", "expert_act",
                        "expert_layers", "conv_layers", "conv_kernel"})
 # The expert layer's switches (the folded per-layer kernels have no expert layer: `plain` is False with them).

@@ -352,6 +352,47 @@ def _exaone4_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
             "layer_types": ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]}
 
 
+def _cohere(d: dict[str, Any]) -> dict[str, Any]:
+    """Cohere (Command R, Aya): one LayerNorm without bias before a parallel block (attention and the MLP read the
+    same normed input, their outputs join the residual together), rope on adjacent pairs (`hf_interleaved_qk`), the
+    logits multiplied by `logit_scale` (as a divisor: 1 / 0.0625 and 1 / 0.25 are exact, the same products)."""
+    if d.get("use_qk_norm"):
+        raise UserError("Cohere's per-head q/k LayerNorms (use_qk_norm: Command R+) are not supported")
+    scale = float(d.get("logit_scale", 0.0625))
+    if not (math.isfinite(scale) and scale > 0):
+        raise UserError(f"logit_scale must be a positive number, not {d.get('logit_scale')!r}")
+    return {"norms": ("attn_norm",), "layer_norm": True, "parallel": True, "logit_divisor": 1.0 / scale,
+            "rms_norm_eps": float(d.get("layer_norm_eps", 1e-5)), "o_bias": bool(d.get("attention_bias", False))}
+
+
+def _cohere2(d: dict[str, Any]) -> dict[str, Any]:
+    """Command R7B: Cohere's block, windowed layers (HF's `layer_types`; by default all but every
+    `sliding_window_pattern`-th) that take rope and global layers that take none, as transformers' Cohere2Attention
+    ropes only where a layer has a window."""
+    n = int(d["num_hidden_layers"])
+    window = int(d.get("sliding_window") or 0)
+    types = d.get("layer_types") or ["sliding_attention" if (i + 1) % int(d.get("sliding_window_pattern", 4))
+                                     else "full_attention" for i in range(n)]
+    windowed = tuple(bool(window) and t == "sliding_attention" for t in types)
+    out = {**_cohere(d), "rope_layers": windowed}
+    if window:
+        out.update(sliding_window=window, window_layers=windowed)
+    return out
+
+
+def _cohere_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
+    return {"logit_scale": float(key("logit_scale", 1.0)), "layer_norm_eps": float(key("attention.layer_norm_epsilon",
+                                                                                          1e-5))}
+
+
+def _cohere2_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
+    # llama.cpp fixes the pattern its converter does not write: 3 windowed layers to 1 global.
+    n = int(cfg["num_hidden_layers"])
+    window = key("attention.sliding_window")
+    return {**_cohere_gguf(key, cfg), "sliding_window": int(window) if window else None,
+            "layer_types": ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]}
+
+
 def _lfm2(d: dict[str, Any]) -> dict[str, Any]:
     """LFM2: pre-norm blocks whose mixer is attention with per-head q/k norms on a few layers (HF's `layer_types`,
     or the older configs' `full_attn_idxs`) and a gated short convolution on the others; tied embeddings, the MLP's
@@ -664,6 +705,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("olmoe", "OlmoeForCausalLM", _olmoe, gguf_tensors=_EXPERT_TENSORS,
            gguf_config=lambda key, cfg: _experts_gguf(key, cfg, False), rms_eps_default=1e-5,
            eos_tokens=("<|endoftext|>", "<|im_end|>")),
+    # Cohere: LayerNorms and the parallel block; llama.cpp ropes it the "norm" way with the HF rows as they are.
+    Family("command-r", "CohereForCausalLM", _cohere, gguf_permuted_qk=True, hf_interleaved_qk=True,
+           gguf_config=_cohere_gguf, hf_model_type="cohere",
+           eos_tokens=("<|END_OF_TURN_TOKEN|>", "<EOS_TOKEN>")),
+    Family("cohere2", "Cohere2ForCausalLM", _cohere2, gguf_permuted_qk=True, hf_interleaved_qk=True,
+           gguf_config=_cohere2_gguf, eos_tokens=("<|END_OF_TURN_TOKEN|>", "<|END_RESPONSE|>", "<EOS_TOKEN>")),
     # LFM2 (Liquid AI): short convolutions beside attention, its own names (_LFM2_NAMES).
     Family("lfm2", "Lfm2ForCausalLM", _lfm2, gguf_config=_lfm2_gguf, gguf_conv_layers=True, rms_eps_default=1e-5,
            hf_norms=_LFM2_NORMS, hf_names=_LFM2_NAMES, gguf_tensors=_LFM2_TENSORS,

@@ -55,7 +55,7 @@ def plan(cfg: ModelConfig, layers: Iterable[Block]) -> Any:
     p = kernels.load().step_plan(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                  float(cfg.rms_norm_eps))
     p.set_family(float(cfg.attn_scale or 0.0), float(cfg.residual_scale), int(cfg.rotary_dim),
-                 float(cfg.attn_softcap or 0.0))
+                 float(cfg.attn_softcap or 0.0), cfg.layer_norm, cfg.parallel)
     identity = rope_kinds(cfg)  # a layer without rope takes the table of angle zero, after the others
     for layer in layers:
         per_head = not layer.qk_full

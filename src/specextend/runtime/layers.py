@@ -174,14 +174,20 @@ class Rows:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """RMSNorm, or with `center` a LayerNorm without bias (Cohere's): the RMSNorm of the row less its mean, which
+    is the same function (the quantized kernels fold both into a product's input: `PreOp::center`)."""
+
+    def __init__(self, dim: int, eps: float, center: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.center = center
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 whatever the model dtype (as the reference implementations do).
         xf = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+        if self.center:
+            xf = xf - xf.mean(-1, keepdim=True)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
@@ -268,7 +274,7 @@ def _normed(lin: Linear, h: torch.Tensor, norm: RMSNorm | None, **kw: object) ->
     """The quantized product of h with `lin`'s weight (and bias), through the norm before it if any (folded in)."""
     if norm is None:
         return qlinear(h, lin.qweight, lin.bias, **kw)
-    return qlinear(h, lin.qweight, lin.bias, norm=norm.weight, eps=norm.eps, **kw)
+    return qlinear(h, lin.qweight, lin.bias, norm=norm.weight, eps=norm.eps, center=norm.center, **kw)
 
 
 Ropes = list[tuple[torch.Tensor, torch.Tensor]]  # (cos, sin) per rope kind (`ModelConfig.rope_kind`)
@@ -296,10 +302,14 @@ class Block(nn.Module):
         self.down = None if self.moe else Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
         def norm(name: str) -> RMSNorm | None:
-            return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if name in cfg.norms else None
+            return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.layer_norm) if name in cfg.norms else None
 
         self.attn_norm, self.attn_out_norm = norm("attn_norm"), norm("attn_out_norm")
         self.mlp_norm, self.mlp_out_norm = norm("mlp_norm"), norm("mlp_out_norm")
+        if cfg.parallel and (self.moe is not None or self.attn_out_norm is not None or self.mlp_out_norm is not None):
+            raise ValueError("a parallel block has no experts and no post norms")
+        # Cohere's parallel block: the MLP reads the layer's input through the attention norm (`_mlp_input`).
+        self.parallel = cfg.parallel
         self.qk_full = cfg.qk_norm == "full"
         qk_dim = (q_out, kv_out) if self.qk_full else (cfg.head_dim, cfg.head_dim)
         self.q_norm = RMSNorm(qk_dim[0], cfg.rms_norm_eps) if cfg.qk_norm and self.conv is None else None
@@ -363,7 +373,7 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         if self.conv is not None:
             h = self.qkv(self.attn_norm(x) if self.attn_norm is not None else x)
-            return self._mlp(self._residual(x, self.o(self._convolve(h, cache, tree_mask)), self.attn_out_norm))
+            return self._mlp(self._residual(x, self.o(self._convolve(h, cache, tree_mask)), self.attn_out_norm), x)
         t = x.shape[0]
         hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv
         qkv = self.qkv(self.attn_norm(x) if self.attn_norm is not None else x)
@@ -388,14 +398,20 @@ class Block(nn.Module):
         if self.score_inputs is not None:
             q, k_all, v_all = self.score_inputs(self, q, k_all, v_all)
         a = attend(q, k_all, v_all, mask, backend, self.attn_scale, self.attn_softcap, self.sinks, numbers)
-        return self._mlp(self._residual(x, self.o(a.transpose(0, 1).reshape(t, nh * hd)), self.attn_out_norm))
+        return self._mlp(self._residual(x, self.o(a.transpose(0, 1).reshape(t, nh * hd)), self.attn_out_norm), x)
 
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+    def _mlp_input(self, x: torch.Tensor, layer_in: torch.Tensor) -> tuple[torch.Tensor, RMSNorm | None]:
+        """What the MLP reads, through which norm: the residual stream after attention through the MLP's norm, or in
+        a parallel block the layer's input through the attention norm."""
+        return (layer_in, self.attn_norm) if self.parallel else (x, self.mlp_norm)
+
+    def _mlp(self, x: torch.Tensor, layer_in: torch.Tensor) -> torch.Tensor:
         """x plus the MLP's (or the experts') output, as PyTorch operations."""
+        h, norm = self._mlp_input(x, layer_in)
+        h = norm(h) if norm is not None else h
         if self.moe is not None:
-            return self._residual(x, self.moe(self.mlp_norm(x) if self.mlp_norm is not None else x), self.mlp_out_norm)
-        gu = self.gate_up(self.mlp_norm(x) if self.mlp_norm is not None else x)
-        g, u = gu.chunk(2, dim=-1)
+            return self._residual(x, self.moe(h), self.mlp_out_norm)
+        g, u = self.gate_up(h).chunk(2, dim=-1)
         return self._residual(x, self.down(self._act(g, u)), self.mlp_out_norm)
 
     def _convolve(self, h: torch.Tensor, cache: KVCache, tree_mask: torch.Tensor | None,
@@ -456,7 +472,7 @@ class Block(nn.Module):
 
         qkv = _normed(self.qkv, x, self.attn_norm)
         if self.conv is not None:
-            return self._mlp_rows(self._post(x, self._convolve_rows(qkv, parts), self.o, self.attn_out_norm))
+            return self._mlp_rows(self._post(x, self._convolve_rows(qkv, parts), self.o, self.attn_out_norm), x)
         if self.qk_full:  # one norm over a row's queries, one over its keys (family.h's rms_row)
             nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
             qkv = torch.cat([ext.rms_rows(qkv[:, :nq], self.q_norm.weight, self.q_norm.eps),
@@ -464,7 +480,7 @@ class Block(nn.Module):
                              qkv[:, nq + nk :]], 1)
         cos, sin = self._rope_table(ropes, x.shape[0])  # [T, rotary dims]: rope_store rotates those
         a = self._attend_rows(qkv, cos, sin, parts)
-        return self._mlp_rows(self._post(x, a, self.o, self.attn_out_norm))
+        return self._mlp_rows(self._post(x, a, self.o, self.attn_out_norm), x)
 
     def _convolve_rows(self, h: torch.Tensor, parts: list[Rows]) -> torch.Tensor:
         """`_convolve` per sequence over its own cache (its rows one after the other in h)."""
@@ -474,15 +490,16 @@ class Block(nn.Module):
             off += p.size
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _mlp_rows(self, x: torch.Tensor) -> torch.Tensor:
+    def _mlp_rows(self, x: torch.Tensor, layer_in: torch.Tensor) -> torch.Tensor:
         """x plus the MLP's (or the experts') output, in the quantized kernels."""
         ext = kernels.load()
 
-        if self.moe is not None:
+        if self.moe is not None:  # (no family has experts in a parallel block or LayerNorms: config.py)
             norm = self.mlp_norm
             y = self.moe.forward_rows(x, None if norm is None else norm.weight, 0.0 if norm is None else norm.eps)
             return self._add(x, y, self.mlp_out_norm)
-        gu = _normed(self.gate_up, x, self.mlp_norm, out=self.workspace.take(x.shape[0], self.gate_up.qweight.n))
+        h, norm = self._mlp_input(x, layer_in)
+        gu = _normed(self.gate_up, h, norm, out=self.workspace.take(x.shape[0], self.gate_up.qweight.n))
         if self.gelu:
             return self._post(x, ext.gelu_mul(gu), self.down, self.mlp_out_norm)
         if self.activation == "silu":

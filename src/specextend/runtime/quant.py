@@ -205,16 +205,17 @@ def stacking_runs(kinds: list[tuple[object, ...]], rows: list[int]) -> list[list
 
 
 def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, *, norm: torch.Tensor | None = None,
-            eps: float = 0.0, silu_mul: bool = False, residual: torch.Tensor | None = None,
+            eps: float = 0.0, center: bool = False, silu_mul: bool = False, residual: torch.Tensor | None = None,
             out: torch.Tensor | None = None) -> torch.Tensor:
     """y = pre(x) W^T (+ bias) (+ residual) for a block-quantized W; x is float32 [rows, k].
 
-    pre: RMSNorm with weight `norm` and `eps`, or silu(gate) * up when `silu_mul` (x holds
-    [gate | up]); each is applied in the same pass that quantizes the row. out: a contiguous
-    float32 [rows, n] to write y into (and return) instead of a new tensor.
+    pre: RMSNorm with weight `norm` and `eps` (with `center`, a LayerNorm without bias: the row's
+    mean subtracted first), or silu(gate) * up when `silu_mul` (x holds [gate | up]); each is
+    applied in the same pass that quantizes the row. out: a contiguous float32 [rows, n] to write
+    y into (and return) instead of a new tensor.
     """
     args = (x, w.blobs, w.formats, w.widths, w.offsets, w.groups, bias, norm, eps, silu_mul, residual,
-            kernels.path_id(), out)
+            kernels.path_id(), out, center)
     return kernels.timed("linear", kernels.load().qlinear, args)
 
 

@@ -68,7 +68,7 @@ class Transformer(nn.Module):
         self.workspace = Workspace()
         for layer in self.layers:
             layer.workspace = self.workspace
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.layer_norm)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg) if inv_freq is None else inv_freq, persistent=False)
         # The windowed layers' own rope (Gemma 3's local base), when the family has one.
@@ -327,7 +327,7 @@ class Transformer(nn.Module):
         if self.output_head is not None:
             return self._scaled_logits(self.output_head.logits(x))
         if self.lm_head.qweight is not None:  # the final norm folded into the head's quantized product
-            logits = qlinear(x, self.lm_head.qweight, norm=self.norm.weight, eps=self.norm.eps)
+            logits = qlinear(x, self.lm_head.qweight, norm=self.norm.weight, eps=self.norm.eps, center=self.norm.center)
         else:
             logits = self.lm_head(self.norm(x))
         if logits.dtype in (torch.bfloat16, torch.float16):

@@ -144,7 +144,7 @@ class VocabTrim:
         if isinstance(self._head, QWeight):
             from ..runtime.quant import qlinear
 
-            sub = qlinear(x, self._head, norm=m.norm.weight, eps=m.norm.eps)
+            sub = qlinear(x, self._head, norm=m.norm.weight, eps=m.norm.eps, center=m.norm.center)
         else:
             sub = F.linear(m.norm(x), self._head)
         return self.widen(sub.float() if sub.dtype in (torch.bfloat16, torch.float16) else sub)

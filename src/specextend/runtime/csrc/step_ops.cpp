@@ -151,8 +151,10 @@ void add_layer(StepPlan& p, const py::tuple& qkv, const py::tuple& o, const py::
 }
 
 // The model's family switches (step.h's StepModel): the score scale (0: 1 / sqrt(head_dim)), the
-// residual multiplier, the rotary dimensions (0: all) and the scores' soft cap (0: none).
-void set_family(StepPlan& p, double attn_scale, double residual_scale, int64_t rot, double attn_softcap) {
+// residual multiplier, the rotary dimensions (0: all), the scores' soft cap (0: none), LayerNorms and the
+// parallel block (Cohere).
+void set_family(StepPlan& p, double attn_scale, double residual_scale, int64_t rot, double attn_softcap,
+                bool layer_norm, bool parallel) {
   TORCH_CHECK(rot >= 0 && rot <= p.model.head_dim && rot % 2 == 0, "step: rotary dimensions must be even, <= head_dim");
   TORCH_CHECK(p.model.layers.empty(), "step: set the family before adding layers");
   TORCH_CHECK(attn_softcap >= 0 && std::isfinite(attn_softcap), "step: the soft cap must be finite and >= 0");
@@ -160,6 +162,8 @@ void set_family(StepPlan& p, double attn_scale, double residual_scale, int64_t r
   p.model.attn_softcap = static_cast<float>(attn_softcap);
   p.model.residual_scale = static_cast<float>(residual_scale);
   p.model.rot = rot;
+  p.model.layer_norm = layer_norm;
+  p.model.parallel = parallel;
 }
 
 // The last added layer's family switches (step.h's StepLayer).
@@ -170,6 +174,8 @@ void layer_family(StepPlan& p, const c10::optional<at::Tensor>& attn_out_norm,
   spx::StepModel& md = p.model;
   TORCH_CHECK(!md.layers.empty(), "step: layer_family follows add_layer");
   spx::StepLayer& l = md.layers.back();
+  TORCH_CHECK(!md.parallel || !(attn_out_norm.has_value() || mlp_out_norm.has_value()),
+              "step: a parallel block has no post norms");
   if (attn_out_norm.has_value()) l.attn_out_norm = kept_float(p, *attn_out_norm, md.hidden, "attn_out_norm");
   if (mlp_out_norm.has_value()) l.mlp_out_norm = kept_float(p, *mlp_out_norm, md.hidden, "mlp_out_norm");
   TORCH_CHECK(q_full_norm.has_value() == k_full_norm.has_value() && !(q_full_norm.has_value() && l.q_norm != nullptr),
@@ -225,6 +231,7 @@ void layer_experts(StepPlan& p, const py::tuple& router, const c10::optional<at:
   spx::StepModel& md = p.model;
   TORCH_CHECK(!md.layers.empty() && md.layers.back().gate_up.segs.empty(), "step: layer_experts follows add_layer "
               "of a layer without a dense MLP");
+  TORCH_CHECK(!md.parallel, "step: a parallel block has no experts");
   TORCH_CHECK(count >= 1 && used >= 1 && used <= count && used <= spx::kMaxExpertsUsed && ff > 0 && ff % 32 == 0 &&
                   kind >= 0 && kind < spx::kWeightings && act >= 0 && act < spx::kExpertActs,
               "step: unsupported experts (count, used, width or weighting)");

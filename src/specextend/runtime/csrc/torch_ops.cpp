@@ -127,14 +127,15 @@ const float* optional_float(const c10::optional<at::Tensor>& t, at::Tensor& keep
 }
 
 // y[M, sum(n)] = pre(x)[M, K] @ concat(segments)^T (+ bias) (+ residual), one activation
-// quantization for all segments. pre: an RMSNorm with weight `norm`, or silu(gate) * up when
+// quantization for all segments. pre: an RMSNorm with weight `norm` (a LayerNorm's where `center`: the row's
+// mean subtracted first), or silu(gate) * up when
 // `silu_mul` (x then holds [gate | up], 2K columns); residual: [M, sum(n)] added to the result.
 at::Tensor qlinear(const at::Tensor& x, const std::vector<at::Tensor>& blobs, const std::vector<int64_t>& fmts,
                    const std::vector<int64_t>& ns, const std::vector<int64_t>& offsets,
                    const std::vector<int64_t>& sbgs, const c10::optional<at::Tensor>& bias,
                    const c10::optional<at::Tensor>& norm, double eps, bool silu_mul,
                    const c10::optional<at::Tensor>& residual, int64_t path_id,
-                   const c10::optional<at::Tensor>& out) {
+                   const c10::optional<at::Tensor>& out, bool center) {
   const spx::Path path = checked_path(path_id);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "qlinear: x must be a 2-D float32 tensor");
   TORCH_CHECK(blobs.size() == fmts.size() && fmts.size() == ns.size() && ns.size() == offsets.size() &&
@@ -149,6 +150,8 @@ at::Tensor qlinear(const at::Tensor& x, const std::vector<at::Tensor>& blobs, co
   op.norm = optional_float(norm, norm_keep, k, "norm");
   TORCH_CHECK(!(op.norm && silu_mul), "qlinear: norm and silu_mul do not combine");
   op.eps = static_cast<float>(eps);
+  TORCH_CHECK(!center || op.norm, "qlinear: center is a LayerNorm's, with a norm");
+  op.center = center;
   op.silu_mul = silu_mul;
   int64_t n_total = 0;
   std::vector<spx::Segment> segs;
@@ -692,7 +695,8 @@ void bind_step(py::module& m);  // step_ops.cpp
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear, "quantized linear over weight segments", py::arg("x"), py::arg("blobs"), py::arg("fmts"),
         py::arg("ns"), py::arg("offsets"), py::arg("sbgs"), py::arg("bias"), py::arg("norm"), py::arg("eps"),
-        py::arg("silu_mul"), py::arg("residual"), py::arg("path"), py::arg("out") = py::none());
+        py::arg("silu_mul"), py::arg("residual"), py::arg("path"), py::arg("out") = py::none(),
+        py::arg("center") = false);
   m.def("swiglu_oai", &swiglu_oai, "gpt-oss's clamped SwiGLU of rows [gate | up] (core/experts.h)");
   m.def("shared_expert_add", &shared_expert_add, "a shared expert's rows into the experts' sums under its sigmoid gate");
   m.def("route_rows", &route_rows, "router logits -> each row's top-k experts and weights (core/experts.h)",

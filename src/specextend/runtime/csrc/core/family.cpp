@@ -17,6 +17,15 @@ void rms_row(const float* x, int64_t k, const float* w, float eps, float* out) {
   for (int64_t i = 0; i < k; ++i) out[i] = w != nullptr ? w[i] * (x[i] * inv) : x[i] * inv;
 }
 
+void center_row(const float* x, int64_t k, float* out) {
+  float part[16] = {0.f};
+  for (int64_t i = 0; i < k; ++i) part[i % 16] += x[i];
+  float total = 0.f;
+  for (float v : part) total += v;
+  const float mean = total / static_cast<float>(k);
+  for (int64_t i = 0; i < k; ++i) out[i] = x[i] - mean;
+}
+
 void residual_row(const float* x, const float* y, int64_t k, const float* norm, float eps, float scale, float* out) {
   float inv = 1.f;
   if (norm != nullptr) {

@@ -14,6 +14,9 @@ namespace spx {
 // out [k] = w * (x * 1 / sqrt(mean(x^2) + eps)) (w null: no weight); out may be x.
 void rms_row(const float* x, int64_t k, const float* w, float eps, float* out);
 
+// out [k] = x - mean(x), the mean from 16 interleaved partial sums (lane i % 16) added in lane order; out may be x.
+void center_row(const float* x, int64_t k, float* out);
+
 // out [k] = x + scale * post(y), post the RMSNorm with weight `norm` (null: none) and the
 // multiplication skipped where scale is 1; out may be x or y.
 void residual_row(const float* x, const float* y, int64_t k, const float* norm, float eps, float scale, float* out);

@@ -2,6 +2,7 @@
 #include "qlinear.h"
 
 #include "amx_tiles.h"
+#include "family.h"
 #include "half.h"
 
 #include <algorithm>
@@ -206,6 +207,10 @@ void quantize_rows(Path path, const float* x, int64_t ldx, const PreOp& op, cons
   for (int64_t r = r0; r < r1; ++r) {
     const float* src = x + r * ldx;
     if (pre) {
+      if (op.center) {  // one scalar pass, the same on every path: the vector paths then norm the centred row
+        center_row(src, k, scratch);
+        src = scratch;
+      }
       kn.pre_op(src, k, op, scratch);
       src = scratch;
     }

@@ -396,6 +396,9 @@ inline float q16_xs(const Rows& x, int64_t row, int64_t k0) {
 struct PreOp {
   const float* norm = nullptr;  // RMSNorm weight [k]: row * rsqrt(mean(row^2) + eps) * norm
   float eps = 0.f;
+  // LayerNorm without a bias (Cohere): the row's mean subtracted first (family.h's center_row), then the RMSNorm
+  // above, which over a centred row is the LayerNorm.
+  bool center = false;
   bool silu_mul = false;  // the row holds [gate | up] (2k values): silu(gate) * up
 };
 

@@ -606,9 +606,11 @@ void mlp_phases(const Team& team, Path path, const StepModel& md, const StepLaye
                 const BatchPlan& bp, Buffers& b, int threads, float* acc, float* scratch) {
   const int64_t t = bp.t;
   PreOp norm;
-  norm.norm = l.mlp_norm;
+  norm.norm = md.parallel ? l.attn_norm : l.mlp_norm;
   norm.eps = md.eps;
-  quantize_phase(team, path, b.w.x2.data(), md.hidden, norm, b.act(md.hidden), t, scratch);
+  norm.center = md.layer_norm;
+  // a parallel block's MLP reads the layer's input, which the attention's product left in x (its sum went to x2)
+  quantize_phase(team, path, md.parallel ? bt.x : b.w.x2.data(), md.hidden, norm, b.act(md.hidden), t, scratch);
   if (l.moe.count > 0) {
     experts_phases(team, path, md, l, t, bt.x, b, threads, norm, acc, scratch);
     return;
@@ -638,6 +640,7 @@ void layer_phases(const Team& team, Path path, const StepModel& md, const StepLa
   PreOp norm;
   norm.norm = l.attn_norm;
   norm.eps = md.eps;
+  norm.center = md.layer_norm;
   quantize_phase(team, path, bt.x, md.hidden, norm, b.act(md.hidden), t, scratch);
   linear_phase(team, path, l.qkv, b.act(md.hidden), t, b.w.qkv.data(), nullptr, threads, acc);
   const bool conv = l.conv != nullptr;
@@ -664,6 +667,7 @@ void head_phases(const Team& team, Path path, const StepModel& md, const StepBat
   PreOp norm;
   norm.norm = bt.head->norm;
   norm.eps = bt.head->eps;
+  norm.center = md.layer_norm;
   quantize_phase(team, path, b.w.hx.data(), h, norm, b.act(h), n, b.scratch(tid));
   linear_phase(team, path, bt.head->w, b.act(h), n, bt.logits, nullptr, threads, b.accumulators(tid));
 }

@@ -112,6 +112,10 @@ struct StepModel {
   float attn_scale = 0.f;      // the attention score scale; 0: 1 / sqrt(head_dim)
   float attn_softcap = 0.f;    // > 0: attention scores soft-capped at it (Gemma 2; attention.h)
   float residual_scale = 1.f;  // multiplies the sublayers' outputs (Granite)
+  bool layer_norm = false;     // every norm a LayerNorm without bias (PreOp::center; Cohere)
+  // Attention and the MLP both read the layer's input through its attention norm, their outputs added to it in
+  // that order (Cohere's parallel block); the layers have no post norms and no experts.
+  bool parallel = false;
   int64_t rot = 0;             // rotary dimensions of a head (partial rotary); 0: head_dim
   int64_t rope_width() const { return rot > 0 ? rot : head_dim; }
 };
