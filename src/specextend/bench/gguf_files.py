@@ -161,6 +161,17 @@ PRESETS: dict[str, dict[str, Any]] = {
                     "max_position_embeddings": 128000, "tie_word_embeddings": True,
                     "full_attn_idxs": [2, 6, 10, 14, 18, 21], "conv_L_cache": 3, "num_experts": 32,
                     "num_experts_per_tok": 4, "moe_intermediate_size": 1792, "num_dense_layers": 2},
+    # Command R7B (cohere2): one LayerNorm before a parallel block, a 4,096-token window on 3 layers of 4 (which alone
+    # take rope), logits scaled by 0.25, tied embeddings.
+    "command-r7b": {"model_type": "cohere2", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                    "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 50000.0, "layer_norm_eps": 1e-5,
+                    "sliding_window": 4096, "logit_scale": 0.25, "max_position_embeddings": 131072,
+                    "tie_word_embeddings": True},
+    # Aya Expanse 8B (llama.cpp's command-r): Cohere's block, rope on every layer, logits scaled by 0.125.
+    "aya-expanse-8b": {"model_type": "command-r", "hidden_size": 4096, "intermediate_size": 14336,
+                       "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                       "rope_theta": 10000.0, "layer_norm_eps": 1e-5, "logit_scale": 0.125,
+                       "max_position_embeddings": 8192, "tie_word_embeddings": True},
     # LFM2-350M: the 1.2B's layout, half as wide (a draft for it: the same vocabulary).
     "lfm2-350m": {"model_type": "lfm2", "hidden_size": 1024, "intermediate_size": 4608, "num_hidden_layers": 16,
                   "num_attention_heads": 16, "num_key_value_heads": 8, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5,
@@ -169,7 +180,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 # The model types a random file can take (the expert ones: each layer's experts stacked, llama.cpp's way).
 RANDOM_TYPES = ("llama", "qwen2", "olmoe", "qwen3moe", "qwen2moe", "gemma2", "gemma3", "granite", "gpt-oss", "phi3",
-                "olmo2", "mistral3", "granitemoe", "glm4", "ernie4_5", "ernie4_5-moe", "lfm2", "lfm2moe")
+                "olmo2", "mistral3", "granitemoe", "glm4", "ernie4_5", "ernie4_5-moe", "lfm2", "lfm2moe", "command-r",
+                "cohere2")
 # Granite's multipliers: the config's names and the GGUF writer's (llama.cpp's *_scale keys).
 GRANITE_SCALES = {"embedding_multiplier": "add_embedding_scale", "residual_multiplier": "add_residual_scale",
                   "attention_multiplier": "add_attention_scale", "logits_scaling": "add_logit_scale"}
@@ -275,6 +287,7 @@ def _tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tupl
     olmo = config.get("model_type") == "olmo2"  # OLMo 2 and 3: norms after, not before; q/k norms over all heads
     glm = config.get("model_type") == "glm4"  # norms before and after, the fused gate-up projection
     fused_up = phi or glm
+    cohere = config.get("model_type") in ("command-r", "cohere2")  # the parallel block: one norm a layer
 
     def more_bits(i: int) -> bool:  # llama.cpp's use_more_bits: the first and last eighth, every third between
         return i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
@@ -297,7 +310,7 @@ def _tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tupl
             yield b + "attn_sinks.weight", (heads,), "F32"
         if gemma or oss or olmo or glm:
             yield b + "post_attention_norm.weight", (h,), "F32"
-        if not oss and not olmo:
+        if not oss and not olmo and not cohere:  # (Cohere's MLP reads the attention norm's output)
             yield b + "ffn_norm.weight", (h,), "F32"
         if experts and i >= int(config.get("moe_layer_start_index", config.get("num_dense_layers", 0))):  # leading
             # dense layers (ERNIE's, LFM2's)
@@ -493,7 +506,11 @@ def _write_keys(w: Any, config: dict[str, Any]) -> None:
     if config.get("head_dim"):
         w.add_key_length(config["head_dim"])
         w.add_value_length(config["head_dim"])
-    w.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
+    if "layer_norm_eps" in config:  # Cohere's LayerNorms and logit scale
+        w.add_layer_norm_eps(float(config["layer_norm_eps"]))
+        w.add_logit_scale(float(config["logit_scale"]))
+    else:
+        w.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
     w.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
     for name, add in GRANITE_SCALES.items():
         if name in config:

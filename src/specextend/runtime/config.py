@@ -149,7 +149,7 @@ class ModelConfig:
             parts.append(f"{self.experts} experts ({self.expert_ff}), {self.experts_used} a token, router "
                          f"{self.router}, {self.expert_act}{shared}{dense_text}")
         skip = {"window_layers", "sliding_window", "rope_layers", "conv_layers", "conv_kernel", *_EXPERT_SWITCHES}
-        parts += [f"{k} {text(v)}" for k, v in s.items() if k not in skip]
+        parts += [k if v is True else f"{k} {text(v)}" for k, v in s.items() if k not in skip]  # a set flag: its name
         step = ("the whole-step C++ call for decode steps, the per-layer kernels for prefill" if self.stepped
                 else f"the per-layer kernels (the whole-step C++ call does not run {self.activation})")
         return f"{self.arch}{': ' + ', '.join(parts) if parts else ''}; quantized weights run {step}"
