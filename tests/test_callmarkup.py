@@ -17,6 +17,7 @@ import pytest
 from specextend.api import load
 from specextend.requests import callmarkup
 from specextend.requests.callmarkup import (
+    COHERE,
     FUNCTIONGEMMA,
     GRANITE,
     HARMONY,
@@ -64,6 +65,10 @@ SHOWN = {
                      "{{ c.function.arguments | tojson }}{% endfor %}"),
     "llama3": ("{%- set c = m.tool_calls[0].function %}{{- '{\"name\": \"' + c.name + '\", ' }}"
                "{{- '\"parameters\": ' }}{{- c.arguments | tojson }}{{- '}' }}"),
+    # Command R7B's: the calls numbered, one a line, under its own keys
+    "cohere": ('<|START_ACTION|>[\n{% for c in m.tool_calls %}    {"tool_call_id": "{{ loop.index0 }}", "tool_name": '
+               '"{{ c.function.name }}", "parameters": {{ c.function.arguments | tojson }}}'
+               '{% if not loop.last %},\n{% endif %}{% endfor %}\n]<|END_ACTION|>'),
     "none": "{{ m.content }}",
 }
 
@@ -71,7 +76,7 @@ SHOWN = {
 @pytest.mark.parametrize(("shown", "markup"), [
     ("hermes", HERMES), ("granite", GRANITE), ("phi", PHI), ("phi-system", PHI),
     ("mistral", MISTRAL), ("mistral-small", replace(MISTRAL, lead=" ")), ("mistral-args", MISTRAL_ARGS),
-    ("functiongemma", FUNCTIONGEMMA),
+    ("functiongemma", FUNCTIONGEMMA), ("cohere", COHERE),
     ("llama3", LLAMA3), ("none", HERMES)])
 def test_the_template_says_which_markup_the_model_writes(shown, markup):
     template = "{% for m in messages %}<|{{ m.role }}|>" + SHOWN[shown] + "<|end|>{% endfor %}"
@@ -83,6 +88,8 @@ def test_inspect_describes_the_calls_a_template_asks_for():
     offered = "{% if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}"
     assert callmarkup.describe(offered + SHOWN["granite"] + "{% endfor %}").startswith("Granite's <|tool_call|> list")
     assert callmarkup.describe(offered + SHOWN["llama3"] + "{% endfor %}").startswith("Llama 3's bare JSON call")
+    assert callmarkup.describe(offered + SHOWN["cohere"] + "{% endfor %}").startswith(
+        "Command R7B's <|START_ACTION|> list")
     assert callmarkup.describe(offered + "{{ m.content }}{% endfor %}").startswith("Hermes's <tool_call> blocks")
     assert callmarkup.describe("{% for m in messages %}{{ m.content }}{% endfor %}").startswith("none: its chat")
     assert callmarkup.describe(None) == "none: the file has no chat template"
@@ -102,6 +109,7 @@ ANSWERS = {
                 f'[TOOL_CALLS] [{json.dumps({**A, "id": "a1b2c3d4e"})}, {json.dumps(B)}]'),
     "mistral-args": (MISTRAL_ARGS, f'[TOOL_CALLS]get_weather[ARGS]{json.dumps(A["arguments"])}'
                                    f'[TOOL_CALLS]book[ARGS]{json.dumps(B["arguments"])}'),
+    "cohere": (COHERE, callmarkup.written(COHERE, [{"function": A}, {"function": B}])),
 }
 
 
@@ -142,7 +150,9 @@ def test_each_markups_calls_are_read_whole_and_streamed_alike(name):
     again = CallParser(markup=markup)
     repeated = text.replace('"book", "arguments": {"seats": ["a"]}',
                             '"get_weather", "arguments": {"city": "Os]lo,{", "days": 2}').replace(
-        f'book[ARGS]{json.dumps(B["arguments"])}', f'get_weather[ARGS]{json.dumps(A["arguments"])}')
+        f'book[ARGS]{json.dumps(B["arguments"])}', f'get_weather[ARGS]{json.dumps(A["arguments"])}').replace(
+        '"tool_name": "book", "parameters": {"seats": ["a"]}',
+        '"tool_name": "get_weather", "parameters": {"city": "Os]lo,{", "days": 2}')
     assert repeated != text and len(again.answer(repeated)[1]) == 1
     assert again.ended
     # another family's markup is text
@@ -200,7 +210,8 @@ def markup_tokenizer(markers: list[str], shown: str, special: bool = True):
                                    chat_template=template)
 
 
-MARKERS = {"granite": ["<|tool_call|>"], "phi": ["<|tool_call|>", "<|/tool_call|>"], "mistral-small": ["[TOOL_CALLS]"],
+MARKERS = {"granite": ["<|tool_call|>"], "cohere": ["<|START_ACTION|>", "<|END_ACTION|>"],
+           "phi": ["<|tool_call|>", "<|/tool_call|>"], "mistral-small": ["[TOOL_CALLS]"],
            "mistral-args": ["[TOOL_CALLS]", "[ARGS]"],
            "functiongemma": ["<start_function_call>", "<end_function_call>", "<escape>"],
            "llama3": [], "phi-system": ["<|tool_call|>", "<|/tool_call|>", "<|tool|>", "<|/tool|>"]}
@@ -227,7 +238,8 @@ def test_forced_calls_are_written_in_the_familys_markup(family_pair, parallel):
     name, pair, _ = family_pair
     markup = callmarkup.markup_for(pair.tokenizer)
     assert markup == {"granite": GRANITE, "phi": PHI, "phi-system": PHI, "mistral-small": markup_of(SHOWN[name]),
-                      "mistral-args": MISTRAL_ARGS, "llama3": LLAMA3, "functiongemma": FUNCTIONGEMMA}[name]
+                      "mistral-args": MISTRAL_ARGS, "llama3": LLAMA3, "functiongemma": FUNCTIONGEMMA,
+                      "cohere": COHERE}[name]
     runs = {m: pair.generate(ASK, method=m, max_new_tokens=120, tools=TOOLS, tool_choice="required",
                              parallel_tool_calls=parallel, **SMALL) for m in ("ar", "specextend")}
     ar = runs["ar"]

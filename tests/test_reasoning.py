@@ -206,6 +206,24 @@ def test_magistrals_think_markers():
     assert [c["function"]["name"] for c in with_tools.answer(answer)[1]] == ["book"]
 
 
+def test_command_r7bs_plan_before_its_action_is_reasoning():
+    """Command R7B plans between <|START_THINKING|> and <|END_THINKING|>, then acts: its template (naming both, with
+    the action markers as special tokens) gives a plan that is reasoning, admitted by the tool grammar before the
+    numbered list of calls, which are read as calls."""
+    tok = markup_tokenizer(["<|START_THINKING|>", "<|END_THINKING|>", "<|START_ACTION|>", "<|END_ACTION|>"], "cohere")
+    tok.chat_template = tok.chat_template.replace("<|assistant|>", "<|assistant|>{# <|END_THINKING|> #}")
+    assert reasoning.markers_of(tok.chat_template) == ("<|START_THINKING|>", "<|END_THINKING|>")
+    assert callmarkup.markup_for(tok) == callmarkup.COHERE
+    answer = "<|START_THINKING|>plan<|END_THINKING|>" + callmarkup.written(callmarkup.COHERE, [{"function": CALL}])
+    assert '{"tool_call_id": "0", "tool_name": "book", "parameters": {"seats": ["a"]}}' in answer
+    assert grammar_takes(ToolSpec.parse(TOOLS, "auto"), tok, answer)
+    assert grammar_takes(ToolSpec.parse(TOOLS, "required"), tok, answer)
+    assert not grammar_takes(ToolSpec.parse(TOOLS, "required"), tok, answer.replace('"0"', '"x"'))
+    parser = answer_parser(tok, ToolSpec.parse(TOOLS, "auto"))
+    content, calls = parser.answer(answer)
+    assert parser.reasoning == "plan" and content is None and [c["function"]["name"] for c in calls] == ["book"]
+
+
 @pytest.mark.parametrize("thinking_pair", [False], indirect=True, ids=["thinks"])
 def test_the_python_api_takes_chat_template_kwargs(thinking_pair):
     """`generate(..., chat_template_kwargs=...)` as the server's field: the prompt is the template's

@@ -12,7 +12,9 @@ none), one JSON object a block
 Phi-4-mini's blocks, `<|tool_call|>...<|/tool_call|>`, each a call or a JSON list of calls (the
 model writes both; Ollama's template shows it the list); or one JSON list of every call after a
 single opener, which ends the answer: Granite 3's `<|tool_call|>[{...}, ...]` and Mistral's
-`[TOOL_CALLS][{...}, ...]` (`[TOOL_CALLS] [` where the template writes a space); Mistral's later
+`[TOOL_CALLS][{...}, ...]` (`[TOOL_CALLS] [` where the template writes a space), and Command R7B's
+`<|START_ACTION|>[` one call a line `]<|END_ACTION|>`, each call numbered by the model and its name
+and arguments under keys of its own (`{"tool_call_id": "0", "tool_name": ..., "parameters": {...}}`); Mistral's later
 calls, the name outside the JSON, `[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}` a call (Mistral
 Small 3.2, Devstral, Magistral: templates that write `[ARGS]`); or Llama 3.x's
 answer that is one call as bare JSON, `{"name": "get_weather", "parameters": {...}}`. FunctionGemma's
@@ -62,6 +64,9 @@ class CallMarkup:
     lists: bool = False  # a block may hold a JSON list of calls (Phi-4-mini writes either)
     args: str = ""  # between the function's name and its arguments: a block is open NAME args {...}
     gemma: bool = False  # a block is open lead NAME{...} in FunctionGemma's syntax (gemmacalls.py), not JSON
+    name_key: str = "name"  # the call's JSON names its function under it
+    id_key: str = ""  # the call's JSON opens with an id the model numbers under it ("0", "1", ...; Command R7B's)
+    items: tuple[str, str, str] = ("[", ", ", "]")  # a listed markup's list as written: its start, separator and end
 
     @property
     def bare(self) -> bool:
@@ -82,7 +87,9 @@ MISTRAL_ARGS = CallMarkup("mistral-args", "Mistral's [TOOL_CALLS]name[ARGS] call
 LLAMA3 = CallMarkup("llama3", 'Llama 3\'s bare JSON call ("parameters")', "", key="parameters")
 FUNCTIONGEMMA = CallMarkup("functiongemma", "FunctionGemma's <start_function_call> calls", "<start_function_call>",
                            "<end_function_call>", lead="call:", gemma=True)
-MARKUPS = (HERMES, PHI, GRANITE, MISTRAL, MISTRAL_ARGS, LLAMA3, FUNCTIONGEMMA)
+COHERE = CallMarkup("cohere", "Command R7B's <|START_ACTION|> list", "<|START_ACTION|>", "<|END_ACTION|>", listed=True,
+                    key="parameters", name_key="tool_name", id_key="tool_call_id", items=("[\n    ", ",\n    ", "\n]"))
+MARKUPS = (HERMES, PHI, GRANITE, MISTRAL, MISTRAL_ARGS, LLAMA3, FUNCTIONGEMMA, COHERE)
 PHI_TOOLS = "<|tool|>"  # where Phi-4-mini's template writes the system message's tools
 # A template that reads a message's `tools` field (message['tools'], message.tools), not the variable
 MESSAGE_TOOLS = re.compile(r"""\w\[\s*['"]tools['"]\s*\]|\w\.tools\b""")
@@ -98,6 +105,8 @@ def markup_of(template: str | None) -> CallMarkup:
         return HERMES
     if FUNCTIONGEMMA.open in text:
         return FUNCTIONGEMMA
+    if COHERE.open in text:
+        return COHERE
     if MISTRAL_ARGS.args in text:  # Mistral's v11 templates and later (Small 3.2, Devstral, Magistral)
         return MISTRAL_ARGS
     if MISTRAL.open in text:
@@ -180,11 +189,14 @@ def written(markup: CallMarkup, calls: Sequence[dict[str, Any]]) -> str:
         value = gemmacalls.write if markup.gemma else partial(json.dumps, ensure_ascii=False)
         return "".join(f"{markup.open}{markup.lead}{c['function']['name']}{markup.args}"
                        f"{value(c['function']['arguments'])}{markup.close}" for c in calls)
-    items = [json.dumps({"name": c["function"]["name"], markup.key: c["function"]["arguments"]}, ensure_ascii=False)
-             for c in calls]
+    items = [json.dumps({**({markup.id_key: str(i)} if markup.id_key else {}), markup.name_key: c["function"]["name"],
+                         markup.key: c["function"]["arguments"]}, ensure_ascii=False) for i, c in enumerate(calls)]
     if markup.bare:
         return items[0] if items else ""
-    if markup.listed or markup.lists:
+    if markup.listed:
+        start, sep, end = markup.items
+        return f"{markup.open}{markup.lead}{start}{sep.join(items)}{end}{markup.trail}{markup.close}"
+    if markup.lists:
         return f"{markup.open}{markup.lead}[{', '.join(items)}]{markup.trail}{markup.close}"
     return markup.sep.join(f"{markup.open}{markup.lead}{i}{markup.trail}{markup.close}" for i in items)
 

@@ -312,7 +312,7 @@ class CallParser:
 
     def _given(self, text: str, out: list[dict[str, Any]]) -> bool:
         """A markup call's JSON read: as `_give`."""
-        return self._give(_markup_call(text), out)
+        return self._give(_markup_call(text, self.markup), out)
 
     def _give(self, call: tuple[str, dict[str, Any]] | None, out: list[dict[str, Any]]) -> bool:
         """A call read (None: it was not one): its delta added to `out`; False when it repeats an
@@ -437,12 +437,13 @@ class CallParser:
         return validator is not None and bool(validator.is_valid(args))
 
 
-def _markup_call(text: str) -> tuple[str, dict[str, Any]] | None:
-    """The name and arguments of a markup block's JSON; None if it is not a call."""
+def _markup_call(text: str, markup: CallMarkup) -> tuple[str, dict[str, Any]] | None:
+    """The name and arguments of a markup block's JSON (under the markup's keys); None if it is not a call."""
     try:
         obj = json.loads(text)
     except ValueError:
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("arguments"), dict):
+    if not isinstance(obj, dict):
         return None
-    return obj["name"], obj["arguments"]
+    name, args = obj.get(markup.name_key), obj.get(markup.key)
+    return (name, args) if isinstance(name, str) and isinstance(args, dict) else None

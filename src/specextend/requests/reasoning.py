@@ -32,8 +32,9 @@ from jinja2 import TemplateError
 from .harmony import CHANNEL_MARK, REASONING, held, merged
 
 OPEN, CLOSE = "<think>", "</think>"
-# A thought's markers, by the closer a template names: `<think>` blocks, and Magistral's [THINK].
-THOUGHTS = ((OPEN, CLOSE), ("[THINK]", "[/THINK]"))
+# A thought's markers, by the closer a template names: `<think>` blocks, Magistral's [THINK], and Command R7B's plan
+# before its calls.
+THOUGHTS = ((OPEN, CLOSE), ("[THINK]", "[/THINK]"), ("<|START_THINKING|>", "<|END_THINKING|>"))
 
 
 class AnswerParser(Protocol):

@@ -61,11 +61,13 @@ class Tool:
         fn["parameters"] = self.parameters
         return {"type": "function", "function": fn}
 
-    def call_schema(self, key: str = "arguments") -> dict[str, Any]:
+    def call_schema(self, key: str = "arguments", name_key: str = "name", id_key: str = "") -> dict[str, Any]:
         """The JSON of one call of this tool: its name, then arguments matching its schema (under
-        `key`: Llama 3's calls name them "parameters")."""
-        return {"type": "object", "properties": {"name": {"const": self.name}, key: self.parameters},
-                "required": ["name", key], "additionalProperties": False, "x-guidance": JSON_OPTIONS}
+        `key`: Llama 3's calls name them "parameters"; the name under `name_key`), after an id the
+        model numbers where the markup has one (`id_key`: Command R7B's)."""
+        ids = {id_key: {"type": "string", "pattern": "^[0-9]{1,3}$"}} if id_key else {}
+        return {"type": "object", "properties": {**ids, name_key: {"const": self.name}, key: self.parameters},
+                "required": [*ids, name_key, key], "additionalProperties": False, "x-guidance": JSON_OPTIONS}
 
 
 @dataclass(frozen=True)
@@ -261,10 +263,11 @@ def _markup_rules(markup: CallMarkup, tokenizer: Any, several: bool, fns: str) -
         return ["calls: call", f"call: {fns}"]
     opener = _literal(tokenizer, markup.open)
     lead, trail, sep = (json.dumps(t) if t else "" for t in (markup.lead, markup.trail, markup.sep))
-    if markup.listed:  # the list as the templates' `tojson` writes it: ", " between items
-        items = 'call ("," " " call)*' if several else "call"
-        return [f'calls: {opener} {lead} "[" {items} "]"', f"call: {fns}"]
     closer = _literal(tokenizer, markup.close) if markup.close else ""
+    if markup.listed:  # the list as the template writes it (`tojson`'s ", " between items, or one call a line)
+        start, between, end = (json.dumps(t) for t in markup.items)
+        items = f"call ({between} call)*" if several else "call"
+        return [f"calls: {opener} {lead} {start} {items} {end} {closer}", f"call: {fns}"]
     body = f'(({fns}) | "[" ({fns}) ("," " " ({fns}))* "]")' if markup.lists and several else \
         f'(({fns}) | "[" ({fns}) "]")' if markup.lists else f"({fns})"
     return [f"calls: call ({sep} call)*" if several else "calls: call",
@@ -282,7 +285,8 @@ def _call_rules(markup: CallMarkup, tokenizer: Any, fns: list[str], tools: Seque
             out += [f"{fn}: {json.dumps(t.name)} {rules.object(t.parameters)}", *rules.lines]
         return out
     if not markup.args:
-        return [f"{fn}: %json {json.dumps(t.call_schema(markup.key))}" for fn, t in zip(fns, tools, strict=True)]
+        return [f"{fn}: %json {json.dumps(t.call_schema(markup.key, markup.name_key, markup.id_key))}"
+                for fn, t in zip(fns, tools, strict=True)]
     args = _literal(tokenizer, markup.args)
     return [rule for fn, t in zip(fns, tools, strict=True) for rule in (
         f"{fn}: {json.dumps(t.name)} {args} {fn}_named",
