@@ -340,6 +340,33 @@ def test_langchain_binds_tools_and_runs_a_two_step_loop(url):
     assert not second.invalid_tool_calls
 
 
+@pytest.mark.parametrize("shown", [
+    # Qwen3-Coder's: XML arguments inside Hermes's own tags
+    "<tool_call>\n<function={{ c.function.name }}>\n{% for k, v in c.function.arguments.items() %}<parameter={{ k }}>"
+    "\n{{ v }}\n</parameter>\n{% endfor %}</function>\n</tool_call>",
+    # LFM2's Pythonic calls
+    "<|tool_call_start|>[{{ c.function.name }}()]<|tool_call_end|>"])
+def test_a_call_format_not_read_here_is_refused_tools_not_held_to_another(tmp_path, shown):
+    """A template that offers tools but shows its calls in a format no markup here reads (Qwen3-Coder's XML inside
+    <tool_call>, LFM2's Pythonic calls) is refused tools in one line naming that format, not held to Hermes's
+    JSON blocks; `models inspect` says so; the conversation without tools is answered."""
+    from specextend.api import prepare
+    from specextend.requests import callmarkup
+
+    from tiny_tokenizer import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    tok.chat_template = ("{% if tools %}tools: {{ tools | tojson }}{% endif %}{% for m in messages %}<|{{ m['role'] }}|>"
+                         "{% for c in m.tool_calls or [] %}" + shown + "{% endfor %}{{ m['content'] }}<|endoftext|>"
+                         "{% endfor %}")
+    plain = prepare(save_tiny_model(tmp_path / "target", tokenizer=tok), load_draft=False, progress=False)
+    with pytest.raises(ToolError, match="which this server does not read") as refused:
+        plain.prompt_ids(ASK, tools=ToolSpec.parse(TOOLS))
+    assert refused.value.param == "tools" and callmarkup.unread(tok.chat_template) in str(refused.value)
+    assert callmarkup.describe(tok.chat_template).startswith("none: its chat template shows ")
+    assert plain.prompt_ids(ASK)
+
+
 def test_a_template_without_tools_is_refused_them_in_one_line(tmp_path):
     """A family whose chat template has no tool-call format (Gemma's, OLMo 2's) ignores `tools`:
     the model would never see them offered, so a request with tools is refused (a 400 naming

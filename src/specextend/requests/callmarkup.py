@@ -97,6 +97,22 @@ MESSAGE_TOOLS = re.compile(r"""\w\[\s*['"]tools['"]\s*\]|\w\.tools\b""")
 HARMONY = CallMarkup("harmony", "harmony messages to functions.NAME (gpt-oss)", harmony.CHANNEL_MARK)
 
 
+# Call formats a template may show that no markup here reads, by a marker its text holds (checked before the
+# markups: Qwen3-Coder's and GLM-4.5's XML arguments sit inside Hermes's own <tool_call> tags): such a model is
+# refused tools in one line, where constraining it to another family's markup would make it write what it never
+# learned.
+UNREAD = (("<function=", "Qwen3-Coder's XML calls (<function=NAME><parameter=KEY>)"),
+          ("<arg_key>", "GLM-4.5's XML calls (<arg_key>, <arg_value>)"),
+          ("<|tool_call_start|>", "LFM2's Pythonic calls (<|tool_call_start|>[name(key=value)])"),
+          ("<|tool_calls_section_begin|>", "Kimi's <|tool_calls_section_begin|> calls"),
+          ("tool▁calls▁begin", "DeepSeek's <｜tool▁calls▁begin｜> calls"))
+
+
+def unread(template: str | None) -> str | None:
+    """The call format a chat template shows that no markup here reads (its name), or None."""
+    return next((name for marker, name in UNREAD if template is not None and marker in template), None)
+
+
 def markup_of(template: str | None) -> CallMarkup:
     """The markup a chat template's text writes an assistant's calls in (Hermes's where it shows
     none of the others)."""
@@ -129,6 +145,9 @@ def describe(template: str | None) -> str:
         return HARMONY.title
     if "tools" not in template:
         return "none: its chat template does not describe tools (a request with tools is refused)"
+    if unread(template) is not None:
+        return f"none: its chat template shows {unread(template)}, which are not read here (a request with tools " \
+               "is refused)"
     if MESSAGE_TOOLS.search(template):
         return f"{markup_of(template).title}, the tools offered in the system message as its chat template reads them"
     return f"{markup_of(template).title}, as its chat template writes them"

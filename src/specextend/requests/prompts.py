@@ -118,6 +118,11 @@ class Prompts:
         check_template_kwargs(template_kwargs)
         if not getattr(self.tokenizer, "chat_template", None):
             raise UserError(f"the tokenizer in {self.target_path} has no chat template; send a plain prompt")
+        unread = callmarkup.unread(callmarkup.template_of(self.tokenizer))
+        if tools and unread is not None:
+            raise ToolError(f"this model's chat template shows {unread}, which this server does not read: constrained "
+                            "to another family's markup the model would write what it never learned; send the "
+                            "request without `tools`", "tools")
         if tools and not self.template_takes_tools():
             raise ToolError(f"this model's chat template does not describe tools (the {self.spec.target.config.arch} "
                             "family has no tool-call format), so the model would never see them offered; send the "
