@@ -356,9 +356,9 @@ def test_a_call_format_not_read_here_is_refused_tools_not_held_to_another(tmp_pa
     from tiny_tokenizer import tiny_tokenizer
 
     tok = tiny_tokenizer()
-    tok.chat_template = ("{% if tools %}tools: {{ tools | tojson }}{% endif %}{% for m in messages %}<|{{ m['role'] }}|>"
-                         "{% for c in m.tool_calls or [] %}" + shown + "{% endfor %}{{ m['content'] }}<|endoftext|>"
-                         "{% endfor %}")
+    tok.chat_template = ("{% if tools %}tools: {{ tools | tojson }}{% endif %}{% for m in messages %}"
+                         "<|{{ m['role'] }}|>{% for c in m.tool_calls or [] %}" + shown +
+                         "{% endfor %}{{ m['content'] }}<|endoftext|>{% endfor %}")
     plain = prepare(save_tiny_model(tmp_path / "target", tokenizer=tok), load_draft=False, progress=False)
     with pytest.raises(ToolError, match="which this server does not read") as refused:
         plain.prompt_ids(ASK, tools=ToolSpec.parse(TOOLS))
