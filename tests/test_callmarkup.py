@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 
 from specextend.api import load
-from specextend.requests import callmarkup
+from specextend.requests import callmarkup, xmlcalls
 from specextend.requests.callmarkup import (
     COHERE,
     FUNCTIONGEMMA,
@@ -26,6 +26,7 @@ from specextend.requests.callmarkup import (
     MISTRAL,
     MISTRAL_ARGS,
     PHI,
+    QWEN_XML,
     markup_of,
 )
 from specextend.requests.callparser import CallParser
@@ -69,6 +70,11 @@ SHOWN = {
     "cohere": ('<|START_ACTION|>[\n{% for c in m.tool_calls %}    {"tool_call_id": "{{ loop.index0 }}", "tool_name": '
                '"{{ c.function.name }}", "parameters": {{ c.function.arguments | tojson }}}'
                '{% if not loop.last %},\n{% endif %}{% endfor %}\n]<|END_ACTION|>'),
+    # Qwen3-Coder's: a function block of parameters inside Hermes's tags, strings as they are, the rest as JSON
+    "qwen3-coder": ("{% for c in m.tool_calls %}<tool_call>\n<function={{ c.function.name }}>\n"
+                    "{% for k, v in c.function.arguments.items() %}<parameter={{ k }}>\n"
+                    "{{ v if v is string else v | tojson }}\n</parameter>\n{% endfor %}</function>\n</tool_call>"
+                    "{% endfor %}"),
     "none": "{{ m.content }}",
 }
 
@@ -76,7 +82,7 @@ SHOWN = {
 @pytest.mark.parametrize(("shown", "markup"), [
     ("hermes", HERMES), ("granite", GRANITE), ("phi", PHI), ("phi-system", PHI),
     ("mistral", MISTRAL), ("mistral-small", replace(MISTRAL, lead=" ")), ("mistral-args", MISTRAL_ARGS),
-    ("functiongemma", FUNCTIONGEMMA), ("cohere", COHERE),
+    ("functiongemma", FUNCTIONGEMMA), ("cohere", COHERE), ("qwen3-coder", QWEN_XML),
     ("llama3", LLAMA3), ("none", HERMES)])
 def test_the_template_says_which_markup_the_model_writes(shown, markup):
     template = "{% for m in messages %}<|{{ m.role }}|>" + SHOWN[shown] + "<|end|>{% endfor %}"
@@ -110,6 +116,7 @@ ANSWERS = {
     "mistral-args": (MISTRAL_ARGS, f'[TOOL_CALLS]get_weather[ARGS]{json.dumps(A["arguments"])}'
                                    f'[TOOL_CALLS]book[ARGS]{json.dumps(B["arguments"])}'),
     "cohere": (COHERE, callmarkup.written(COHERE, [{"function": A}, {"function": B}])),
+    "qwen3-coder": (QWEN_XML, callmarkup.written(QWEN_XML, [{"function": A}, {"function": B}])),
 }
 
 
@@ -152,7 +159,8 @@ def test_each_markups_calls_are_read_whole_and_streamed_alike(name):
                             '"get_weather", "arguments": {"city": "Os]lo,{", "days": 2}').replace(
         f'book[ARGS]{json.dumps(B["arguments"])}', f'get_weather[ARGS]{json.dumps(A["arguments"])}').replace(
         '"tool_name": "book", "parameters": {"seats": ["a"]}',
-        '"tool_name": "get_weather", "parameters": {"city": "Os]lo,{", "days": 2}')
+        '"tool_name": "get_weather", "parameters": {"city": "Os]lo,{", "days": 2}').replace(
+        xmlcalls.write("book", B["arguments"]), xmlcalls.write("get_weather", A["arguments"]))
     assert repeated != text and len(again.answer(repeated)[1]) == 1
     assert again.ended
     # another family's markup is text
@@ -211,6 +219,7 @@ def markup_tokenizer(markers: list[str], shown: str, special: bool = True):
 
 
 MARKERS = {"granite": ["<|tool_call|>"], "cohere": ["<|START_ACTION|>", "<|END_ACTION|>"],
+           "qwen3-coder": ["<tool_call>", "</tool_call>"],
            "phi": ["<|tool_call|>", "<|/tool_call|>"], "mistral-small": ["[TOOL_CALLS]"],
            "mistral-args": ["[TOOL_CALLS]", "[ARGS]"],
            "functiongemma": ["<start_function_call>", "<end_function_call>", "<escape>"],
@@ -239,7 +248,7 @@ def test_forced_calls_are_written_in_the_familys_markup(family_pair, parallel):
     markup = callmarkup.markup_for(pair.tokenizer)
     assert markup == {"granite": GRANITE, "phi": PHI, "phi-system": PHI, "mistral-small": markup_of(SHOWN[name]),
                       "mistral-args": MISTRAL_ARGS, "llama3": LLAMA3, "functiongemma": FUNCTIONGEMMA,
-                      "cohere": COHERE}[name]
+                      "cohere": COHERE, "qwen3-coder": QWEN_XML}[name]
     runs = {m: pair.generate(ASK, method=m, max_new_tokens=120, tools=TOOLS, tool_choice="required",
                              parallel_tool_calls=parallel, **SMALL) for m in ("ar", "specextend")}
     ar = runs["ar"]
@@ -338,3 +347,26 @@ def test_a_template_reading_the_system_messages_tools_shows_them_to_the_model(fa
     assert callmarkup.describe(pair.tokenizer.chat_template) == (
         "Phi-4-mini's <|tool_call|> blocks (a call or a list), the tools offered in the system message as its chat "
         "template reads them")
+
+
+def test_qwen3_coders_blocks_type_each_argument_by_its_schema_and_the_grammar_holds_them():
+    """Qwen3-Coder's blocks: a string's text as it is (over lines, with JSON's own characters), other values as JSON
+    (Python's True and None read too), a function's unknown name read as the model wrote it; the grammar admits a
+    string over lines and refuses one past its maxLength, a number past its bounds, a missing required parameter."""
+    spec = ToolSpec.parse(TOOLS, "required")
+    block = ('<tool_call>\n<function=get_weather>\n<parameter=city>\n"Os\nlo"\n</parameter>\n<parameter=days>\n2\n'
+             '</parameter>\n</function>\n</tool_call>')
+    assert spec.parser(QWEN_XML).answer(block)[1][0]["function"] == {
+        "name": "get_weather", "arguments": json.dumps({"city": '"Os\nlo"', "days": 2})}
+    schemas = {"f": {"properties": {"s": {"type": "string"}, "n": {"type": "integer"}, "o": {"type": "object"}}}}
+    text = "<function=f>\n<parameter=s>\n12\n</parameter>\n<parameter=n>\n12\n</parameter>\n<parameter=o>\n" \
+           '{"a": [1]}\n</parameter>\n<parameter=x>\nTrue\n</parameter>\n</function>'
+    assert xmlcalls.parse(text, schemas) == (("f", {"s": "12", "n": 12, "o": {"a": [1]}, "x": True}), len(text))
+    with pytest.raises(xmlcalls.Incomplete):
+        xmlcalls.parse(text[:-4], schemas)
+    tok = markup_tokenizer(MARKERS["qwen3-coder"], "qwen3-coder")
+    ok = block.replace('"Os\nlo"', "Os\nlo")
+    assert grammar_takes(spec, tok, ok)
+    assert not grammar_takes(spec, tok, ok.replace("Os\nlo", "Oslo, far"))  # maxLength 8
+    assert not grammar_takes(spec, tok, ok.replace("\n2\n", "\n9\n"))  # maximum 7
+    assert not grammar_takes(spec, tok, ok.replace("<parameter=days>\n2\n</parameter>\n", ""))  # required

@@ -18,7 +18,8 @@ and arguments under keys of its own (`{"tool_call_id": "0", "tool_name": ..., "p
 calls, the name outside the JSON, `[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}` a call (Mistral
 Small 3.2, Devstral, Magistral: templates that write `[ARGS]`); or Llama 3.x's
 answer that is one call as bare JSON, `{"name": "get_weather", "parameters": {...}}`. FunctionGemma's
-calls are not JSON (gemmacalls.py); gpt-oss writes calls as harmony messages (harmony.py).
+calls are not JSON (gemmacalls.py), nor are Qwen3-Coder's, `<function=NAME>` blocks of `<parameter=KEY>`
+inside Hermes's tags (xmlcalls.py); gpt-oss writes calls as harmony messages (harmony.py).
 
 Phi-4-mini's own template reads the tools from the system message's `tools` field (JSON text,
 between `<|tool|>` and `<|/tool|>`) rather than from the template's `tools` variable, and shows no
@@ -41,7 +42,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
-from . import gemmacalls, harmony, reasoning
+from . import gemmacalls, harmony, reasoning, xmlcalls
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class CallMarkup:
     lists: bool = False  # a block may hold a JSON list of calls (Phi-4-mini writes either)
     args: str = ""  # between the function's name and its arguments: a block is open NAME args {...}
     gemma: bool = False  # a block is open lead NAME{...} in FunctionGemma's syntax (gemmacalls.py), not JSON
+    xml: bool = False  # a block holds a <function=NAME> of <parameter=KEY> values (xmlcalls.py), not JSON
     name_key: str = "name"  # the call's JSON names its function under it
     id_key: str = ""  # the call's JSON opens with an id the model numbers under it ("0", "1", ...; Command R7B's)
     items: tuple[str, str, str] = ("[", ", ", "]")  # a listed markup's list as written: its start, separator and end
@@ -87,9 +89,11 @@ MISTRAL_ARGS = CallMarkup("mistral-args", "Mistral's [TOOL_CALLS]name[ARGS] call
 LLAMA3 = CallMarkup("llama3", 'Llama 3\'s bare JSON call ("parameters")', "", key="parameters")
 FUNCTIONGEMMA = CallMarkup("functiongemma", "FunctionGemma's <start_function_call> calls", "<start_function_call>",
                            "<end_function_call>", lead="call:", gemma=True)
+QWEN_XML = CallMarkup("qwen3-coder", "Qwen3-Coder's <function=NAME> blocks in <tool_call>", "<tool_call>",
+                      "</tool_call>", lead="\n", trail="\n", sep="\n", xml=True)
 COHERE = CallMarkup("cohere", "Command R7B's <|START_ACTION|> list", "<|START_ACTION|>", "<|END_ACTION|>", listed=True,
                     key="parameters", name_key="tool_name", id_key="tool_call_id", items=("[\n    ", ",\n    ", "\n]"))
-MARKUPS = (HERMES, PHI, GRANITE, MISTRAL, MISTRAL_ARGS, LLAMA3, FUNCTIONGEMMA, COHERE)
+MARKUPS = (HERMES, PHI, GRANITE, MISTRAL, MISTRAL_ARGS, LLAMA3, FUNCTIONGEMMA, COHERE, QWEN_XML)
 PHI_TOOLS = "<|tool|>"  # where Phi-4-mini's template writes the system message's tools
 # A template that reads a message's `tools` field (message['tools'], message.tools), not the variable
 MESSAGE_TOOLS = re.compile(r"""\w\[\s*['"]tools['"]\s*\]|\w\.tools\b""")
@@ -98,11 +102,9 @@ HARMONY = CallMarkup("harmony", "harmony messages to functions.NAME (gpt-oss)", 
 
 
 # Call formats a template may show that no markup here reads, by a marker its text holds (checked before the
-# markups: Qwen3-Coder's and GLM-4.5's XML arguments sit inside Hermes's own <tool_call> tags): such a model is
-# refused tools in one line, where constraining it to another family's markup would make it write what it never
-# learned.
-UNREAD = (("<function=", "Qwen3-Coder's XML calls (<function=NAME><parameter=KEY>)"),
-          ("<arg_key>", "GLM-4.5's XML calls (<arg_key>, <arg_value>)"),
+# markups: GLM-4.5's XML arguments sit inside Hermes's own <tool_call> tags): such a model is refused tools in one
+# line, where constraining it to another family's markup would make it write what it never learned.
+UNREAD = (("<arg_key>", "GLM-4.5's XML calls (<arg_key>, <arg_value>)"),
           ("<|tool_call_start|>", "LFM2's Pythonic calls (<|tool_call_start|>[name(key=value)])"),
           ("<|tool_calls_section_begin|>", "Kimi's <|tool_calls_section_begin|> calls"),
           ("tool▁calls▁begin", "DeepSeek's <｜tool▁calls▁begin｜> calls"))
@@ -118,7 +120,7 @@ def markup_of(template: str | None) -> CallMarkup:
     none of the others)."""
     text = template or ""
     if HERMES.open in text:
-        return HERMES
+        return QWEN_XML if "<function=" in text else HERMES
     if FUNCTIONGEMMA.open in text:
         return FUNCTIONGEMMA
     if COHERE.open in text:
@@ -204,6 +206,9 @@ def offer(template: str | None, messages: Sequence[dict[str, Any]], tools: Seque
 
 def written(markup: CallMarkup, calls: Sequence[dict[str, Any]]) -> str:
     """Calls ({"function": {"name", "arguments"}}, the arguments an object) as `markup` writes them."""
+    if markup.xml:
+        blocks = [xmlcalls.write(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+        return markup.sep.join(f"{markup.open}{markup.lead}{b}{markup.trail}{markup.close}" for b in blocks)
     if markup.args or markup.gemma:  # the name outside the arguments
         value = gemmacalls.write if markup.gemma else partial(json.dumps, ensure_ascii=False)
         return "".join(f"{markup.open}{markup.lead}{c['function']['name']}{markup.args}"

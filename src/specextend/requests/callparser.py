@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from . import gemmacalls
+from . import gemmacalls, xmlcalls
 from .callmarkup import HERMES, CallMarkup
 from .harmony import held
 
@@ -89,6 +89,8 @@ class CallParser:
     tools: Sequence[CalledTool] = ()  # tools whose bare JSON calls are recognised; (): markup only
     several: bool = True  # a bare answer may make several calls (parallel_tool_calls)
     markup: CallMarkup = HERMES  # the chat template's markup of calls (callmarkup.py)
+    schemas: dict[str, dict[str, Any]] = field(default_factory=dict)  # the callable functions' parameters, by
+    # name: how an XML call's argument texts are typed (xmlcalls.py)
     buf: str = ""  # text received and not yet given out
     mode: str = "undecided"  # "text", "calls" (markup or a bare call), "ended" (by a repeated call)
     content: str = ""
@@ -170,6 +172,8 @@ class CallParser:
             return self._listed()
         if self.markup.args or self.markup.gemma:
             return self._named()
+        if self.markup.xml:
+            return self._xml()
         opener, closer = self.markup.open, self.markup.close
         out: list[dict[str, Any]] = []
         while self.mode == "calls":
@@ -239,6 +243,40 @@ class CallParser:
                 return out
             self.buf, self._block_open = body[end:], bool(closer)
             if not self._give((name, args) if isinstance(args, dict) else None, out):
+                return out
+        return out
+
+    def _xml(self) -> list[dict[str, Any]]:
+        """Qwen3-Coder's blocks, `<tool_call>` around a `<function=NAME>` of `<parameter=KEY>` values
+        (xmlcalls.py), one after another; each call given out the moment its function closes."""
+        m = self.markup
+        out: list[dict[str, Any]] = []
+        while self.mode == "calls":
+            s = self.buf.lstrip()
+            if self._block_open:  # a call read: its closer next
+                if m.close.startswith(s):
+                    self.buf = s
+                    return out
+                self._block_open = False
+                self.buf = s[len(m.close):] if s.startswith(m.close) else s
+                continue
+            if m.open.startswith(s):
+                self.buf = s
+                return out
+            if not s.startswith(m.open):
+                self.buf = ""  # text after calls (no grammar admits it): not read
+                return out
+            body = s[len(m.open):].lstrip()
+            try:
+                call, end = xmlcalls.parse(body, self.schemas)
+            except xmlcalls.Incomplete:
+                self.buf = s
+                return out
+            except ValueError:
+                self.buf = ""
+                return out
+            self.buf, self._block_open = body[end:], True
+            if not self._give(call, out):
                 return out
         return out
 

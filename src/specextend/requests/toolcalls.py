@@ -34,7 +34,7 @@ from typing import Any
 
 from ..common.errors import FieldError, UserError
 from ..sampling.grammar import JSON_OPTIONS, GrammarSpec
-from . import gemmacalls, reasoning
+from . import gemmacalls, reasoning, xmlcalls
 from .callmarkup import HARMONY, HERMES, CallMarkup, markup_for, template_of
 from .callparser import NAME, CallParser, bare_head
 from .harmony import HarmonyParser
@@ -103,7 +103,7 @@ class ToolSpec:
             return CallParser(self.called, several=False, markup=markup)
         if markup is not HARMONY:
             return CallParser(self.tools if self.choice == "auto" and self.recover else (), several=self.parallel,
-                              markup=markup)
+                              markup=markup, schemas={t.name: t.parameters for t in self.called})
         calls, names = CallParser(), {t.name for t in self.called}
 
         def call(name: str, body: str) -> dict[str, Any] | None:
@@ -278,6 +278,12 @@ def _call_rules(markup: CallMarkup, tokenizer: Any, fns: list[str], tools: Seque
     """One rule a function, `fns[i]` for `tools[i]`: its call's JSON (name and arguments), or where
     the markup writes the name outside the JSON (Mistral's `[ARGS]`), the name, the marker and the
     arguments' JSON."""
+    if markup.xml:  # Qwen3-Coder's <function=NAME> of <parameter=KEY> values
+        out = []
+        for fn, t in zip(fns, tools, strict=True):
+            rules = xmlcalls.Rules(f"{fn}_x")
+            out += [f"{fn}: {rules.block(t.name, t.parameters)}", *rules.lines]
+        return out
     if markup.gemma:  # FunctionGemma's syntax, not JSON: the name, then the arguments
         out = []
         for fn, t in zip(fns, tools, strict=True):
