@@ -26,6 +26,7 @@ from specextend.requests.callmarkup import (
     MISTRAL,
     MISTRAL_ARGS,
     PHI,
+    PYTHONIC,
     QWEN_XML,
     markup_of,
 )
@@ -75,6 +76,9 @@ SHOWN = {
                     "{% for k, v in c.function.arguments.items() %}<parameter={{ k }}>\n"
                     "{{ v if v is string else v | tojson }}\n</parameter>\n{% endfor %}</function>\n</tool_call>"
                     "{% endfor %}"),
+    # LFM2's own: the tools listed in the system turn, no calls shown (they are written into the assistant's text)
+    "lfm2": ("{% if m['role'] == 'system' and tools %}List of tools: <|tool_list_start|>{{ tools | tojson }}"
+             "<|tool_list_end|>{% endif %}"),
     "none": "{{ m.content }}",
 }
 
@@ -82,7 +86,7 @@ SHOWN = {
 @pytest.mark.parametrize(("shown", "markup"), [
     ("hermes", HERMES), ("granite", GRANITE), ("phi", PHI), ("phi-system", PHI),
     ("mistral", MISTRAL), ("mistral-small", replace(MISTRAL, lead=" ")), ("mistral-args", MISTRAL_ARGS),
-    ("functiongemma", FUNCTIONGEMMA), ("cohere", COHERE), ("qwen3-coder", QWEN_XML),
+    ("functiongemma", FUNCTIONGEMMA), ("cohere", COHERE), ("qwen3-coder", QWEN_XML), ("lfm2", PYTHONIC),
     ("llama3", LLAMA3), ("none", HERMES)])
 def test_the_template_says_which_markup_the_model_writes(shown, markup):
     template = "{% for m in messages %}<|{{ m.role }}|>" + SHOWN[shown] + "<|end|>{% endfor %}"
@@ -117,6 +121,7 @@ ANSWERS = {
                                    f'[TOOL_CALLS]book[ARGS]{json.dumps(B["arguments"])}'),
     "cohere": (COHERE, callmarkup.written(COHERE, [{"function": A}, {"function": B}])),
     "qwen3-coder": (QWEN_XML, callmarkup.written(QWEN_XML, [{"function": A}, {"function": B}])),
+    "lfm2": (PYTHONIC, callmarkup.written(PYTHONIC, [{"function": A}, {"function": B}])),
 }
 
 
@@ -160,7 +165,8 @@ def test_each_markups_calls_are_read_whole_and_streamed_alike(name):
         f'book[ARGS]{json.dumps(B["arguments"])}', f'get_weather[ARGS]{json.dumps(A["arguments"])}').replace(
         '"tool_name": "book", "parameters": {"seats": ["a"]}',
         '"tool_name": "get_weather", "parameters": {"city": "Os]lo,{", "days": 2}').replace(
-        xmlcalls.write("book", B["arguments"]), xmlcalls.write("get_weather", A["arguments"]))
+        xmlcalls.write("book", B["arguments"]), xmlcalls.write("get_weather", A["arguments"])).replace(
+        'book(seats=["a"])', 'get_weather(city="Os]lo,{", days=2)')
     assert repeated != text and len(again.answer(repeated)[1]) == 1
     assert again.ended
     # another family's markup is text
@@ -213,6 +219,10 @@ def markup_tokenizer(markers: list[str], shown: str, special: bool = True):
     if shown == "phi-system":  # as Phi-4-mini's own: the tools in the system message, no calls shown
         template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}" + SHOWN[shown] +
                     "<|endoftext|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    if shown == "lfm2":  # as LFM2's own: the tools listed in a system turn of their own, no calls shown
+        template = ("{% if tools %}<|system|>List of tools: <|tool_list_start|>{{ tools | tojson }}<|tool_list_end|>"
+                    "<|endoftext|>{% endif %}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>"
+                    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token=EOS,
                                    additional_special_tokens=SPECIALS[1:] + (markers if special else []),
                                    chat_template=template)
@@ -220,6 +230,7 @@ def markup_tokenizer(markers: list[str], shown: str, special: bool = True):
 
 MARKERS = {"granite": ["<|tool_call|>"], "cohere": ["<|START_ACTION|>", "<|END_ACTION|>"],
            "qwen3-coder": ["<tool_call>", "</tool_call>"],
+           "lfm2": ["<|tool_call_start|>", "<|tool_call_end|>", "<|tool_list_start|>", "<|tool_list_end|>"],
            "phi": ["<|tool_call|>", "<|/tool_call|>"], "mistral-small": ["[TOOL_CALLS]"],
            "mistral-args": ["[TOOL_CALLS]", "[ARGS]"],
            "functiongemma": ["<start_function_call>", "<end_function_call>", "<escape>"],
@@ -248,7 +259,7 @@ def test_forced_calls_are_written_in_the_familys_markup(family_pair, parallel):
     markup = callmarkup.markup_for(pair.tokenizer)
     assert markup == {"granite": GRANITE, "phi": PHI, "phi-system": PHI, "mistral-small": markup_of(SHOWN[name]),
                       "mistral-args": MISTRAL_ARGS, "llama3": LLAMA3, "functiongemma": FUNCTIONGEMMA,
-                      "cohere": COHERE, "qwen3-coder": QWEN_XML}[name]
+                      "cohere": COHERE, "qwen3-coder": QWEN_XML, "lfm2": PYTHONIC}[name]
     runs = {m: pair.generate(ASK, method=m, max_new_tokens=120, tools=TOOLS, tool_choice="required",
                              parallel_tool_calls=parallel, **SMALL) for m in ("ar", "specextend")}
     ar = runs["ar"]
@@ -370,3 +381,32 @@ def test_qwen3_coders_blocks_type_each_argument_by_its_schema_and_the_grammar_ho
     assert not grammar_takes(spec, tok, ok.replace("Os\nlo", "Oslo, far"))  # maxLength 8
     assert not grammar_takes(spec, tok, ok.replace("\n2\n", "\n9\n"))  # maximum 7
     assert not grammar_takes(spec, tok, ok.replace("<parameter=days>\n2\n</parameter>\n", ""))  # required
+
+
+def test_lfm2s_python_calls_read_python_literals_and_the_grammar_holds_them():
+    """LFM2's list of Python calls: keyword values read as Python's (True, None, quotes either way) or JSON's, a
+    positional argument no call; the grammar writes booleans as Python's and refuses a value past its schema or a
+    missing required keyword; an earlier call is written into the assistant's text, where its template shows none."""
+    from specextend.requests import pycalls
+
+    assert pycalls.parse("f(a='x', b=True, c=None, d=[1, \"y\"], e={\"k\": false})") == (
+        "f", {"a": "x", "b": True, "c": None, "d": [1, "y"], "e": {"k": False}})
+    assert pycalls.parse("f(1)") is None and pycalls.parse("f(a=g())") is None
+    assert pycalls.call_end('get_weather(city="a)b", days=2), book()') == len('get_weather(city="a)b", days=2)')
+    flag = {"type": "function", "function": {"name": "flag", "parameters": {
+        "type": "object", "properties": {"on": {"type": "boolean"}, "why": {"type": "string"}}, "required": ["on"]}}}
+    spec = ToolSpec.parse([WEATHER, flag], "required")
+    tok = markup_tokenizer(MARKERS["lfm2"], "lfm2")
+    assert grammar_takes(spec, tok, '<|tool_call_start|>[flag(on=True)]<|tool_call_end|>')
+    assert grammar_takes(spec, tok, '<|tool_call_start|>[flag(on=False, why="x")]<|tool_call_end|>')
+    assert not grammar_takes(spec, tok, '<|tool_call_start|>[flag(on=true)]<|tool_call_end|>')
+    assert not grammar_takes(spec, tok, '<|tool_call_start|>[flag(why="x")]<|tool_call_end|>')
+    assert not grammar_takes(spec, tok, '<|tool_call_start|>[get_weather(city="Oslo", days=9)]<|tool_call_end|>')
+    assert [c["function"]["name"] for c in spec.parser(PYTHONIC).answer(
+        '<|tool_call_start|>[flag(on=True), get_weather(city="Oslo", days=2)]<|tool_call_end|>')[1]] == [
+        "flag", "get_weather"]
+    earlier = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "flag", "arguments": {"on": True}}}]},
+        {"role": "tool", "content": "done"}]
+    shown, _ = callmarkup.offer(tok.chat_template, earlier, TOOLS)
+    assert shown[1]["content"] == "<|tool_call_start|>[flag(on=True)]<|tool_call_end|>"

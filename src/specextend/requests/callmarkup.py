@@ -19,7 +19,10 @@ calls, the name outside the JSON, `[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"
 Small 3.2, Devstral, Magistral: templates that write `[ARGS]`); or Llama 3.x's
 answer that is one call as bare JSON, `{"name": "get_weather", "parameters": {...}}`. FunctionGemma's
 calls are not JSON (gemmacalls.py), nor are Qwen3-Coder's, `<function=NAME>` blocks of `<parameter=KEY>`
-inside Hermes's tags (xmlcalls.py); gpt-oss writes calls as harmony messages (harmony.py).
+inside Hermes's tags (xmlcalls.py), nor LFM2's, a Python list of calls with keyword arguments between
+`<|tool_call_start|>` and `<|tool_call_end|>` (pycalls.py; its template lists the tools between
+`<|tool_list_start|>` and `<|tool_list_end|>` and shows no calls: the earlier ones are written into
+the assistant's text); gpt-oss writes calls as harmony messages (harmony.py).
 
 Phi-4-mini's own template reads the tools from the system message's `tools` field (JSON text,
 between `<|tool|>` and `<|/tool|>`) rather than from the template's `tools` variable, and shows no
@@ -42,7 +45,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
-from . import gemmacalls, harmony, reasoning, xmlcalls
+from . import gemmacalls, harmony, pycalls, reasoning, xmlcalls
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class CallMarkup:
     args: str = ""  # between the function's name and its arguments: a block is open NAME args {...}
     gemma: bool = False  # a block is open lead NAME{...} in FunctionGemma's syntax (gemmacalls.py), not JSON
     xml: bool = False  # a block holds a <function=NAME> of <parameter=KEY> values (xmlcalls.py), not JSON
+    python: bool = False  # a listed markup's items are Python calls, NAME(key=value, ...) (pycalls.py), not JSON
     name_key: str = "name"  # the call's JSON names its function under it
     id_key: str = ""  # the call's JSON opens with an id the model numbers under it ("0", "1", ...; Command R7B's)
     items: tuple[str, str, str] = ("[", ", ", "]")  # a listed markup's list as written: its start, separator and end
@@ -91,9 +95,12 @@ FUNCTIONGEMMA = CallMarkup("functiongemma", "FunctionGemma's <start_function_cal
                            "<end_function_call>", lead="call:", gemma=True)
 QWEN_XML = CallMarkup("qwen3-coder", "Qwen3-Coder's <function=NAME> blocks in <tool_call>", "<tool_call>",
                       "</tool_call>", lead="\n", trail="\n", sep="\n", xml=True)
+PYTHONIC = CallMarkup("lfm2", "LFM2's Pythonic <|tool_call_start|> list", "<|tool_call_start|>", "<|tool_call_end|>",
+                      listed=True, python=True)
+LFM2_TOOLS = "<|tool_list_start|>"  # where LFM2's template lists the tools (it shows no calls)
 COHERE = CallMarkup("cohere", "Command R7B's <|START_ACTION|> list", "<|START_ACTION|>", "<|END_ACTION|>", listed=True,
                     key="parameters", name_key="tool_name", id_key="tool_call_id", items=("[\n    ", ",\n    ", "\n]"))
-MARKUPS = (HERMES, PHI, GRANITE, MISTRAL, MISTRAL_ARGS, LLAMA3, FUNCTIONGEMMA, COHERE, QWEN_XML)
+MARKUPS = (HERMES, PHI, GRANITE, MISTRAL, MISTRAL_ARGS, LLAMA3, FUNCTIONGEMMA, COHERE, QWEN_XML, PYTHONIC)
 PHI_TOOLS = "<|tool|>"  # where Phi-4-mini's template writes the system message's tools
 # A template that reads a message's `tools` field (message['tools'], message.tools), not the variable
 MESSAGE_TOOLS = re.compile(r"""\w\[\s*['"]tools['"]\s*\]|\w\.tools\b""")
@@ -105,7 +112,6 @@ HARMONY = CallMarkup("harmony", "harmony messages to functions.NAME (gpt-oss)", 
 # markups: GLM-4.5's XML arguments sit inside Hermes's own <tool_call> tags): such a model is refused tools in one
 # line, where constraining it to another family's markup would make it write what it never learned.
 UNREAD = (("<arg_key>", "GLM-4.5's XML calls (<arg_key>, <arg_value>)"),
-          ("<|tool_call_start|>", "LFM2's Pythonic calls (<|tool_call_start|>[name(key=value)])"),
           ("<|tool_calls_section_begin|>", "Kimi's <|tool_calls_section_begin|> calls"),
           ("tool▁calls▁begin", "DeepSeek's <｜tool▁calls▁begin｜> calls"))
 
@@ -125,6 +131,8 @@ def markup_of(template: str | None) -> CallMarkup:
         return FUNCTIONGEMMA
     if COHERE.open in text:
         return COHERE
+    if PYTHONIC.open in text or LFM2_TOOLS in text:
+        return PYTHONIC
     if MISTRAL_ARGS.args in text:  # Mistral's v11 templates and later (Small 3.2, Devstral, Magistral)
         return MISTRAL_ARGS
     if MISTRAL.open in text:
@@ -213,7 +221,8 @@ def written(markup: CallMarkup, calls: Sequence[dict[str, Any]]) -> str:
         value = gemmacalls.write if markup.gemma else partial(json.dumps, ensure_ascii=False)
         return "".join(f"{markup.open}{markup.lead}{c['function']['name']}{markup.args}"
                        f"{value(c['function']['arguments'])}{markup.close}" for c in calls)
-    items = [json.dumps({**({markup.id_key: str(i)} if markup.id_key else {}), markup.name_key: c["function"]["name"],
+    items = [pycalls.write(c["function"]["name"], c["function"]["arguments"]) if markup.python else
+             json.dumps({**({markup.id_key: str(i)} if markup.id_key else {}), markup.name_key: c["function"]["name"],
                          markup.key: c["function"]["arguments"]}, ensure_ascii=False) for i, c in enumerate(calls)]
     if markup.bare:
         return items[0] if items else ""

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from . import gemmacalls, xmlcalls
+from . import gemmacalls, pycalls, xmlcalls
 from .callmarkup import HERMES, CallMarkup
 from .harmony import held
 
@@ -335,15 +335,16 @@ class CallParser:
                 return out
             elif self._list == "after":
                 self._list, self.buf = ("item", s[1:]) if s[0] == "," else ("done", "")
-            elif s[0] != "{":  # "]" (the list's end), or what no grammar admits
-                self._list, self.buf = "done", ""
+            elif not (s[0].isidentifier() if self.markup.python else s[0] == "{"):  # "]" (the list's end), or
+                self._list, self.buf = "done", ""  # what no grammar admits
             else:
-                end = json_end(s)
+                end = pycalls.call_end(s) if self.markup.python else json_end(s)
                 if end is None:
                     self.buf = s
                     return out
                 self._list, self.buf = "after", s[end:]
-                if not self._given(s[:end], out):
+                call = pycalls.parse(s[:end]) if self.markup.python else _markup_call(s[:end], self.markup)
+                if not self._give(call, out):
                     return out
         self.buf = ""
         return out

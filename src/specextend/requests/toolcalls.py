@@ -34,7 +34,7 @@ from typing import Any
 
 from ..common.errors import FieldError, UserError
 from ..sampling.grammar import JSON_OPTIONS, GrammarSpec
-from . import gemmacalls, reasoning, xmlcalls
+from . import gemmacalls, pycalls, reasoning, xmlcalls
 from .callmarkup import HARMONY, HERMES, CallMarkup, markup_for, template_of
 from .callparser import NAME, CallParser, bare_head
 from .harmony import HarmonyParser
@@ -278,6 +278,12 @@ def _call_rules(markup: CallMarkup, tokenizer: Any, fns: list[str], tools: Seque
     """One rule a function, `fns[i]` for `tools[i]`: its call's JSON (name and arguments), or where
     the markup writes the name outside the JSON (Mistral's `[ARGS]`), the name, the marker and the
     arguments' JSON."""
+    if markup.python:  # LFM2's NAME(key=value, ...)
+        out = []
+        for fn, t in zip(fns, tools, strict=True):
+            rules = pycalls.Rules(f"{fn}_p")
+            out += [f"{fn}: {rules.call(t.name, t.parameters)}", *rules.lines]
+        return out
     if markup.xml:  # Qwen3-Coder's <function=NAME> of <parameter=KEY> values
         out = []
         for fn, t in zip(fns, tools, strict=True):
