@@ -62,6 +62,35 @@ def product(w: quant.QWeight, x: torch.Tensor, path: str, **kw) -> torch.Tensor:
                        kernels.path_index(path))
 
 
+def centred(x: torch.Tensor) -> torch.Tensor:
+    """Each row less its mean in family.h's center_row arithmetic: float32 sums in 16 interleaved lanes, added in
+    lane order."""
+    a = x.numpy().astype(np.float32)
+    lanes = np.zeros((a.shape[0], 16), dtype=np.float32)
+    for i in range(a.shape[1]):
+        lanes[:, i % 16] += a[:, i]
+    total = np.zeros(a.shape[0], dtype=np.float32)
+    for j in range(16):
+        total += lanes[:, j]
+    return torch.from_numpy(a - (total / np.float32(a.shape[1]))[:, None])
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(("kind", "n", "k"), [("Q4_K", 48, 512), ("Q8_0", 35, 96), ("BF16D", 35, 160)])
+def test_a_layer_norm_is_the_rms_norm_of_the_centred_row_on_every_path(path: str, kind, n: int, k: int) -> None:
+    """A product through a LayerNorm (`center`, Cohere's) gives, on every path, the bits of the same product through
+    the RMSNorm of each row less its mean, the centring in center_row's own arithmetic."""
+    w = weight(kind, n, k)
+    g = torch.Generator().manual_seed(3)
+    norm = torch.rand(k, generator=g) + 0.5
+    args = (w.blobs, w.formats, w.widths, w.offsets, w.groups, None, norm, 1e-6, False, None, kernels.path_index(path))
+    for m in (1, 9):
+        x = torch.randn(m, k, generator=g) * 3 + 2  # a mean far from 0: a centring left out shows
+        got = ext.qlinear(x, *args, center=True)
+        assert torch.equal(got, ext.qlinear(centred(x), *args))
+        assert not torch.equal(got, ext.qlinear(x, *args))
+
+
 @pytest.mark.skipif(not VECTOR, reason="this CPU has only the portable path")
 @pytest.mark.parametrize("path", VECTOR)
 @pytest.mark.parametrize(("kind", "n", "k"), WEIGHTS)
