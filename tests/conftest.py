@@ -16,7 +16,7 @@ ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 # The families that are switches over the same block (runtime/families.py): the parity tests run
 # them too; the engine-level tests of every feature keep the four above.
 FAMILY_ARCHS = ["granite", "smollm3", "olmo2", "olmo3", "gemma3", "gemma2", "phi3", "mistral3", "exaone4", "ernie4_5",
-                "glm4", "lfm2", "command-r", "cohere2"]
+                "glm4", "lfm2", "command-r", "cohere2", "granite_swa"]
 
 
 USER_COSTS_ENV = "SPECEXTEND_TESTS_USER_COST_CACHE"  # the cost cache's setting before the tests moved it
@@ -239,6 +239,16 @@ def tiny_hf_config(arch: str, vocab: int = 64, layers: int = 2, **kw):
         common["tie_word_embeddings"] = kw.get("tie_word_embeddings", True)
         return tf.Lfm2Config(pad_token_id=None, norm_eps=common["rms_norm_eps"], block_auto_adjust_ff_dim=False,
                              **common)
+    if arch == "granite_swa":
+        # Granite's multipliers (an attention scale below 1/sqrt(head_dim) and a logit divisor below 1: scores
+        # that int8 activations do not flip, logits spread, not flat), a window shorter than the tests' prompts on
+        # all but every 4th layer (from the first), no rope on the global layers (llama.cpp's files say rope or
+        # none a layer, one base for all).
+        n = common["num_hidden_layers"]
+        common.setdefault("sliding_window", 8)
+        common.setdefault("layer_rope_theta", [0 if i % 4 == 0 else 10_000.0 for i in range(n)])
+        return tf.GraniteSWAConfig(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.1,
+                                   logits_scaling=0.5, pad_token_id=None, **common)
     if arch in ("command-r", "cohere2"):
         # Cohere's LayerNorms (their eps), parallel block, rope on adjacent pairs and a logit scale that no power of
         # two is (a multiplier read as a divisor shows); Command R7B's windows on 3 layers of 4, which alone take rope.

@@ -37,7 +37,9 @@ WINDOW = 16  # Gemma's sliding window here: the prompts are longer
 PROMPT = torch.randint(0, 95, (40,), generator=torch.Generator().manual_seed(7)).tolist()
 SMALL = dict(chunk_size=4, top_k_chunks=3, retrieve_every=2, tree_budget=6, tree_depth=4, tree_topk=2,
              cmr_min_ratio=0.0)
-PERMUTED = {"granite", "smollm3", "mistral3"}  # llama.cpp converts these as Llama (LlamaModel subclasses)
+# llama.cpp converts these as Llama (LlamaModel subclasses)
+PERMUTED = {"granite", "smollm3", "mistral3", "granite_swa"}
+TENSOR_MAP = {"granite_swa": "granite"}  # gguf's name map of the family (this gguf package knows no Granite SWA)
 NORM_SHIFT = {"gemma3": 1.0, "gemma2": 1.0}  # what llama.cpp adds to `*norm.weight` (Gemma's norms scale by 1 + w)
 GGUF_ARCH = {"olmo3": "olmo2"}  # llama.cpp files OLMo 3 under olmo2
 
@@ -62,6 +64,8 @@ def family_kw(arch: str, layers: int | None = None) -> dict:
     if arch == "gemma2":  # alternating windowed layers; the query scale from head_dim (64)
         kw.update(head_dim=64, query_pre_attn_scalar=64, sliding_window=WINDOW)
     if arch == "olmo3":  # 3 windowed layers to 1 global
+        kw.update(sliding_window=WINDOW)
+    if arch == "granite_swa":  # 3 windowed layers to 1 global, which takes no rope
         kw.update(sliding_window=WINDOW)
     if arch == "cohere2":  # 3 windowed layers to 1 global (transformers' default, llama.cpp's fixed pattern)
         kw.update(sliding_window=WINDOW)
@@ -118,7 +122,11 @@ def _metadata(w: gguf.GGUFWriter, arch: str, cfg) -> None:
         w.add_logit_scale(cfg.logit_scale)
         if arch == "cohere2":
             w.add_sliding_window(cfg.sliding_window)
-    if arch == "granite":
+    if arch == "granite_swa":  # the windowed layers and the layers with rope as lists
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+        w.add_array("granite_swa.attention.rope_pattern", [bool(t) for t in cfg.layer_rope_theta])
+    if arch in ("granite", "granite_swa"):
         w.add_attention_scale(cfg.attention_multiplier)
         w.add_embedding_scale(cfg.embedding_multiplier)
         w.add_residual_scale(cfg.residual_multiplier)
@@ -172,11 +180,13 @@ def write_like_llama_cpp(model, path: Path, arch: str, kind: str = "F32", seed: 
         w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
         w.add_token_merges(MERGES)
         w.add_chat_template(CHAT_TEMPLATE)
-    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, garch.upper().replace("-", "_")), n)
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, TENSOR_MAP.get(arch, garch).upper().replace("-", "_")), n)
     stored: dict[str, torch.Tensor] = {}
     rng = np.random.default_rng(seed)
     for name, value in sd.items():
         gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if name.endswith("self_attn.sinks"):  # (a name map without attention sinks)
+            gname = gname or f"blk.{name.split('.')[2]}.attn_sinks.weight"
         assert gname is not None, name
         heads = None
         if arch in PERMUTED and name.endswith("q_proj.weight"):
@@ -585,6 +595,25 @@ def test_an_olmo_3_pattern_of_the_wrong_length_is_refused_in_one_line(pattern):
     assert "\n" not in str(e.value)
 
 
+def test_granite_swa_layers_with_rope_bases_of_their_own_match_transformers(tmp_path):
+    """A Granite SWA checkpoint whose windowed and global layers rotate with bases of their own (`layer_rope_theta`;
+    llama.cpp's files hold one base and say which layers rotate): our model of its folder gives transformers' float64
+    logits, the windowed layers on their own base; several bases among one kind of layer are refused in one line."""
+    from specextend.runtime.config import ModelConfig
+
+    kw = dict(family_kw("granite_swa"), layer_rope_theta=[50_000.0, 10_000.0, 10_000.0, 10_000.0])
+    model = sharp(make_tiny_hf("granite_swa", 0, **kw))
+    model.save_pretrained(tmp_path)
+    ours = load_model(tmp_path, torch.float64)
+    assert (ours.cfg.rope_theta, ours.cfg.local_rope_theta, ours.cfg.rope_layers) == (50_000.0, 10_000.0, ())
+    assert torch.allclose(ours_logits(ours, PROMPT), hf_logits(model, PROMPT), atol=ref_tol("granite_swa"), rtol=0)
+    d = model.config.to_dict()
+    d["layer_rope_theta"] = [50_000.0, 10_000.0, 20_000.0, 10_000.0]
+    with pytest.raises(UserError, match="several rope bases") as e:
+        ModelConfig.from_hf(d)
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("cap", [-50.0, float("inf"), "50"])
 def test_a_soft_cap_that_is_no_positive_number_is_refused_in_one_line(cap):
     """The kernels cap scores at a finite positive number (0 or absent: none); a file or config
@@ -613,7 +642,8 @@ def test_the_whole_step_call_gives_the_per_layer_bits(converted, monkeypatch, ar
     folder, _ = converted(arch, "Q8_0")
     model = load_model(folder, torch.float32, weights="gguf")
     assert model.cfg.stepped
-    assert model.cfg.rope_layers == ((True, True, True, False) if arch in ("smollm3", "cohere2") else ())
+    assert model.cfg.rope_layers == ((True, True, True, False) if arch in ("smollm3", "cohere2") else
+                                     (False, True, True, True) if arch == "granite_swa" else ())
     calls = []
     step = fused_step.run
     monkeypatch.setattr(fused_step, "run", lambda *a: calls.append(1) or step(*a))

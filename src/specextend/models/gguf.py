@@ -411,7 +411,8 @@ def hf_tensor_name(gguf_name: str, family: Family | None = None) -> str | None:
     names = _LAYER_TENSORS if family is None else {**_LAYER_TENSORS, **family.gguf_tensors}
     if m and m.group(2) in names:
         layer, kind, suffix = m.groups()
-        if names[kind].endswith((SELECT_BIAS, "expert_bias")):  # a parameter of its own in HF; llama.cpp's a bias
+        # a parameter of its own in HF (llama.cpp's a bias or weight): a selection bias, attention sinks
+        if names[kind].endswith((SELECT_BIAS, "expert_bias", "sinks")):
             return f"model.layers.{layer}.{names[kind]}"
         return f"model.layers.{layer}.{names[kind]}.{suffix}"
     raise UserError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent; cannot convert")

@@ -586,6 +586,50 @@ def _granitemoe(d: dict[str, Any]) -> dict[str, Any]:
     return {**_granite(d), **_experts(d), "router": "topk_softmax"}
 
 
+def _granite_swa(d: dict[str, Any]) -> dict[str, Any]:
+    """Granite SWA (IBM's granite-swash): Granite's multipliers, a sliding window on the layers HF's `layer_types`
+    names (by default all but every 4th, from the first), attention sinks, and a rope base a layer
+    (`layer_rope_theta`, 0: no rope), read as the global layers' base and the windowed layers' own."""
+    n = int(d["num_hidden_layers"])
+    types = d.get("layer_types") or ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(n)]
+    window = int(d.get("sliding_window") or 0)
+    windowed = tuple(bool(window) and t == "sliding_attention" for t in types)
+    rope = d.get("rope_parameters") or {}
+    theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
+    thetas = [float(t) for t in (d.get("layer_rope_theta") or [theta] * n)]
+    if len(thetas) != n or len(types) != n:
+        raise UserError(f"a Granite SWA config whose layer_types or layer_rope_theta list is not of its {n} layers")
+    bases = [{t for t, w in zip(thetas, windowed, strict=True) if t and w == kind} for kind in (False, True)]
+    if len(bases[0]) > 1 or len(bases[1]) > 1:
+        raise UserError("a Granite SWA config with several rope bases among its global or its windowed layers is not "
+                        f"supported (layer_rope_theta {sorted(set(thetas))})")
+    glob = next(iter(bases[0] or bases[1] or {theta}))
+    local = next(iter(bases[1]), glob)
+    out = {**_granite(d), "attn_sinks": True, "rope_theta": glob,
+           "rope_layers": () if all(thetas) else tuple(bool(t) for t in thetas)}
+    if local != glob:
+        if d.get("rope_scaling") or rope.get("rope_type", "default") != "default":
+            raise UserError("a Granite SWA config with a scaled rope and a windowed layers' base of their own is not "
+                            "supported")
+        out["local_rope_theta"] = local
+    if window:
+        out.update(sliding_window=window, window_layers=windowed)
+    return out
+
+
+def _granite_swa_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's keys: the windowed layers and the layers with rope as lists (one rope base for all)."""
+    n = int(cfg["num_hidden_layers"])
+    windowed, roped = key("attention.sliding_window_pattern"), key("attention.rope_pattern", [True] * n)
+    if not isinstance(windowed, list) or not isinstance(roped, list) or len(windowed) != n or len(roped) != n:
+        raise UserError(f"a Granite SWA GGUF whose sliding_window_pattern or rope_pattern is not a list of its {n} "
+                        "layers")
+    theta = float(cfg["rope_parameters"]["rope_theta"])
+    return {**_granite_gguf(key, cfg), "sliding_window": int(key("attention.sliding_window")),
+            "layer_types": ["sliding_attention" if w else "full_attention" for w in windowed],
+            "layer_rope_theta": [theta if r else 0 for r in roped]}
+
+
 def _local_experts_gguf(key: GgufKey, cfg: dict[str, Any], renormalise: bool | None) -> dict[str, Any]:
     """`_experts_gguf` in the keys of the configs that name their experts `num_local_experts` and their width
     `intermediate_size` (Mixtral, Granite MoE)."""
@@ -660,6 +704,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qwen3", "Qwen3ForCausalLM", lambda d: {"qk_norm": "head"}, eos_tokens=("<|im_end|>", "<|endoftext|>")),
     Family("granite", "GraniteForCausalLM", _granite, gguf_permuted_qk=True, gguf_config=_granite_gguf,
            eos_tokens=("<|end_of_text|>", "<|end_of_role|>")),
+    Family("granite_swa", "GraniteSWAForCausalLM", _granite_swa, gguf_permuted_qk=True, gguf_config=_granite_swa_gguf,
+           gguf_tensors={"attn_sinks": "self_attn.sinks"}, eos_tokens=("<|end_of_text|>", "<|end_of_role|>")),
     Family("smollm3", "SmolLM3ForCausalLM", _smollm3, gguf_permuted_qk=True, gguf_config=_smollm3_gguf,
            eos_tokens=("<|im_end|>", "<|end_of_text|>")),
     Family("olmo2", "Olmo2ForCausalLM", lambda d: _OLMO2, gguf_tensors=_POST_NORM_TENSORS,
