@@ -161,6 +161,13 @@ PRESETS: dict[str, dict[str, Any]] = {
                     "max_position_embeddings": 128000, "tie_word_embeddings": True,
                     "full_attn_idxs": [2, 6, 10, 14, 18, 21], "conv_L_cache": 3, "num_experts": 32,
                     "num_experts_per_tok": 4, "moe_intermediate_size": 1792, "num_dense_layers": 2},
+    # Granite SWA 2B (granite-swash; transformers' GraniteSWAConfig defaults): Granite's multipliers, a 128-token window
+    # on all but every 4th layer, a learned sink logit a head, tied embeddings.
+    "granite-swash-2b": {"model_type": "granite_swa", "hidden_size": 2560, "intermediate_size": 8192,
+                         "num_hidden_layers": 24, "num_attention_heads": 20, "num_key_value_heads": 4,
+                         "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "sliding_window": 128,
+                         "max_position_embeddings": 8192, "tie_word_embeddings": True, "embedding_multiplier": 12.0,
+                         "residual_multiplier": 0.22, "attention_multiplier": 0.0078125, "logits_scaling": 8.0},
     # Command R7B (cohere2): one LayerNorm before a parallel block, a 4,096-token window on 3 layers of 4 (which alone
     # take rope), logits scaled by 0.25, tied embeddings.
     "command-r7b": {"model_type": "cohere2", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -181,7 +188,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 # The model types a random file can take (the expert ones: each layer's experts stacked, llama.cpp's way).
 RANDOM_TYPES = ("llama", "qwen2", "olmoe", "qwen3moe", "qwen2moe", "gemma2", "gemma3", "granite", "gpt-oss", "phi3",
                 "olmo2", "mistral3", "granitemoe", "glm4", "ernie4_5", "ernie4_5-moe", "lfm2", "lfm2moe", "command-r",
-                "cohere2")
+                "cohere2", "granite_swa")
 # Granite's multipliers: the config's names and the GGUF writer's (llama.cpp's *_scale keys).
 GRANITE_SCALES = {"embedding_multiplier": "add_embedding_scale", "residual_multiplier": "add_residual_scale",
                   "attention_multiplier": "add_attention_scale", "logits_scaling": "add_logit_scale"}
@@ -307,6 +314,7 @@ def _tensor_plan(config: dict[str, Any], vocab: int, kind: str) -> Iterator[tupl
             yield from _attention_tensors(b, config, main, more if more_bits(i) else main)
         if oss:  # gpt-oss: an output bias, a sink logit a head; its MLP's pre-norm is llama.cpp's post_attention_norm
             yield b + "attn_output.bias", (h,), "F32"
+        if oss or config.get("model_type") == "granite_swa":
             yield b + "attn_sinks.weight", (heads,), "F32"
         if gemma or oss or olmo or glm:
             yield b + "post_attention_norm.weight", (h,), "F32"
@@ -517,6 +525,8 @@ def _write_keys(w: Any, config: dict[str, Any]) -> None:
             getattr(w, add)(float(config[name]))
     if config.get("sliding_window"):
         w.add_sliding_window(int(config["sliding_window"]))
+    if config.get("model_type") == "granite_swa":  # its windowed layers: all but every 4th, from the first
+        w.add_sliding_window_pattern([i % 4 != 0 for i in range(config["num_hidden_layers"])])
     if config.get("partial_rotary_factor"):  # Phi-4-mini, GLM-4: the rotated dimensions of a head
         hd = config.get("head_dim") or config["hidden_size"] // heads
         w.add_rope_dimension_count(int(hd * float(config["partial_rotary_factor"])))
