@@ -28,9 +28,10 @@ from test_gguf import llama_cpp_permute
 from test_quantized_runtime import tree
 from test_step import run as step_run
 
-ARCHS = ["qwen3moe", "qwen2moe", "mixtral", "olmoe", "granitemoe", "ernie4_5-moe", "lfm2moe"]
-GGUF_ARCH = {"mixtral": "llama"}  # llama.cpp files Mixtral under llama
-PERMUTED = {"mixtral", "granitemoe"}  # llama.cpp converts these as Llama (Q/K rows interleaved)
+ARCHS = ["qwen3moe", "qwen2moe", "mixtral", "olmoe", "granitemoe", "ernie4_5-moe", "lfm2moe", "granitemoe_swa"]
+GGUF_ARCH = {"mixtral": "llama", "granitemoe_swa": "granite_swa"}  # llama.cpp files Mixtral under llama
+PERMUTED = {"mixtral", "granitemoe", "granitemoe_swa"}  # llama.cpp converts these as Llama (Q/K rows interleaved)
+TENSOR_MAP = {"granite_swa": "granitemoe"}  # gguf's name map of the family (this gguf package knows no Granite SWA)
 # Widths divisible by 256 (K-quants); each expert 256 wide, 8 of them, 2 or 3 a token.
 HIDDEN, FF, SHARED_FF, VOCAB, LAYERS = 256, 256, 512, 96, 2
 PROMPT = torch.randint(0, 95, (24,), generator=torch.Generator().manual_seed(7)).tolist()
@@ -54,6 +55,11 @@ def hf_config(arch: str, layers: int = LAYERS):
         return tf.GraniteMoeConfig(num_local_experts=8, num_experts_per_tok=2, intermediate_size=FF, rms_norm_eps=1e-5,
                                    embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.25,
                                    logits_scaling=2.5, **common)
+    if arch == "granitemoe_swa":  # Granite MoE's, its first layer global without rope, the second windowed (8)
+        return tf.GraniteMoeSWAConfig(num_local_experts=8, num_experts_per_tok=2, intermediate_size=FF,
+                                      rms_norm_eps=1e-5, embedding_multiplier=4.0, residual_multiplier=0.5,
+                                      attention_multiplier=0.1, logits_scaling=0.5, sliding_window=8,
+                                      layer_rope_theta=[0 if i % 4 == 0 else 10_000.0 for i in range(layers)], **common)
     if arch == "ernie4_5-moe":  # a dense first layer where there are more; two shared experts as one MLP of 512
         return tf.Ernie4_5_MoeConfig(moe_num_experts=8, moe_k=3, moe_intermediate_size=FF, intermediate_size=512,
                                      moe_num_shared_experts=SHARED_FF // FF, moe_layer_start_index=int(layers > 1),
@@ -104,6 +110,8 @@ def _gguf_names(arch: str, hf: str, names) -> list[tuple[str, slice | None]]:
         return [(f"blk.{m[2]}.ffn_gate_inp.weight", None)]
     if hf.endswith(("moe_statics.e_score_correction_bias", "feed_forward.expert_bias")):  # llama.cpp's exp_probs_b
         return [(f"blk.{m[2]}.exp_probs_b.bias", None)]
+    if hf.endswith("self_attn.sinks"):  # (a name map without attention sinks)
+        return [(f"blk.{m[2]}.attn_sinks.weight", None)]
     gname = names.get_name(hf, try_suffixes=(".weight", ".bias"))
     assert gname is not None, hf
     return [(gname, None)]
@@ -142,7 +150,11 @@ def write_moe_gguf(model, path, arch: str, kind: str = "F32", seed: int = 0) -> 
         w.add_expert_shared_count(cfg.moe_num_shared_experts)
         w.add_leading_dense_block_count(cfg.moe_layer_start_index)
         w.add_interleave_moe_layer_step(cfg.moe_layer_interval)
-    if arch == "granitemoe":  # Granite's multipliers, as llama.cpp's converter names them
+    if arch == "granitemoe_swa":  # the windowed layers and the layers with rope as lists
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+        w.add_array("granite_swa.attention.rope_pattern", [bool(t) for t in cfg.layer_rope_theta])
+    if arch in ("granitemoe", "granitemoe_swa"):  # Granite's multipliers, as llama.cpp's converter names them
         w.add_attention_scale(cfg.attention_multiplier)
         w.add_embedding_scale(cfg.embedding_multiplier)
         w.add_residual_scale(cfg.residual_multiplier)
@@ -150,7 +162,7 @@ def write_moe_gguf(model, path, arch: str, kind: str = "F32", seed: int = 0) -> 
     w.add_bos_token_id(0)
     w.add_eos_token_id(cfg.vocab_size - 1)
     w.add_pad_token_id(0)
-    arch_id = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == garch)
+    arch_id = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == TENSOR_MAP.get(garch, garch))
     names = gguf.get_tensor_name_map(arch_id, cfg.num_hidden_layers)
     rng = np.random.default_rng(seed)
     stored: dict[str, torch.Tensor] = {}
@@ -237,7 +249,8 @@ def test_the_gguf_rebuilds_the_expert_config(converted, arch):
     assert cfg.shared_ff == (SHARED_FF if arch in ("qwen2moe", "ernie4_5-moe") else 0)
     assert cfg.shared_gate == (arch != "ernie4_5-moe")
     assert cfg.router == {"qwen3moe": "softmax_topk_norm", "mixtral": "softmax_topk_norm",
-                          "granitemoe": "topk_softmax", "ernie4_5-moe": "softmax_biased_topk_norm",
+                          "granitemoe": "topk_softmax", "granitemoe_swa": "topk_softmax",
+                          "ernie4_5-moe": "softmax_biased_topk_norm",
                           "lfm2moe": "sigmoid_biased_topk_norm"}.get(arch, "softmax_topk")
     assert [cfg.expert_layer(i) for i in range(LAYERS)] == [arch not in ("ernie4_5-moe", "lfm2moe"), True]
     assert cfg.conv_layers == ((False, True) if arch == "lfm2moe" else ())
@@ -348,7 +361,7 @@ def test_a_batch_of_four_prompts_is_each_prompt_alone(converted, arch):
 
 
 @needs_kernels
-@pytest.mark.parametrize("arch", ["qwen2moe", "olmoe", "ernie4_5-moe", "lfm2moe"])
+@pytest.mark.parametrize("arch", ["qwen2moe", "olmoe", "ernie4_5-moe", "lfm2moe", "granitemoe_swa"])
 def test_every_kernel_path_gives_the_same_bits_and_rows_never_mix(converted, monkeypatch, arch):
     """Each path this CPU runs: a tree's rows (routed to different experts) get the bits each gets
     alone after its ancestors, and every path the portable one's logits."""
@@ -432,7 +445,7 @@ def test_the_kernels_weighting_is_the_references_with_ties_to_the_lower_index(ro
 @pytest.mark.parametrize("path", kernels.cpu_paths())
 @pytest.mark.parametrize(("arch", "kind"), [("qwen3moe", "Q4_K"), ("mixtral", "Q8_0"), ("olmoe", "Q4_K"),
                                            ("qwen2moe", "Q8_0"), ("qwen2moe", "Q4_K"), ("ernie4_5-moe", "Q4_K"),
-                                           ("lfm2moe", "Q4_K")])
+                                           ("lfm2moe", "Q4_K"), ("granitemoe_swa", "Q4_K")])
 def test_the_whole_step_runs_the_experts_with_the_per_layer_bits(converted, monkeypatch, path, arch, kind):
     """SiLU experts (Qwen2-MoE's with its shared expert under a sigmoid gate) decode through the
     whole-step call (csrc/core/step.h) with the per-layer forward's bits: logits, every K/V slot and
@@ -460,7 +473,7 @@ def test_a_shared_expert_is_described_and_stepped(converted):
     assert "a shared expert" in model.cfg.describe() and "whole-step C++ call for decode" in model.cfg.describe()
 
 
-@pytest.mark.parametrize("arch", ["qwen2moe", "mixtral", "granitemoe", "ernie4_5-moe", "lfm2moe"])
+@pytest.mark.parametrize("arch", ["qwen2moe", "mixtral", "granitemoe", "ernie4_5-moe", "lfm2moe", "granitemoe_swa"])
 def test_a_hugging_face_folder_of_an_expert_model_loads(tmp_path, arch):
     """transformers' own checkpoint (one tensor an expert: `experts.{e}.gate_proj`, Mixtral's
     `block_sparse_moe.experts.{e}.w1`): float64 logits are transformers', int8 runs the kernels."""

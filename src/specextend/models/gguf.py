@@ -228,12 +228,15 @@ def gguf_architecture(reader: Any) -> str:
 
 def _hf_model_type(reader: Any, arch: str) -> str:
     """The family of a file llama.cpp filed under another's architecture: Mistral under "llama" (only the model
-    name tells), Mixtral under "llama" (its experts tell), OLMo 3 under "olmo2" (its window tells)."""
+    name tells), Mixtral under "llama" (its experts tell), OLMo 3 under "olmo2" (its window tells), Granite MoE SWA
+    under "granite_swa" (its experts tell)."""
     name = str(field(reader, "general.name", "") or "").lower()
     if arch == "llama" and field(reader, "llama.expert_count"):  # Mixtral: the llama block with experts
         return "mixtral"
     if arch == "olmo2" and field(reader, "olmo2.attention.sliding_window"):
         return "olmo3"
+    if arch == "granite_swa" and field(reader, "granite_swa.expert_count"):  # Granite MoE SWA: its experts tell
+        return "granitemoe_swa"
     if arch == "llama" and "mistral" in name:
         return "mistral"
     return arch

@@ -630,6 +630,13 @@ def _granite_swa_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
             "layer_rope_theta": [theta if r else 0 for r in roped]}
 
 
+def _granitemoe_swa(d: dict[str, Any]) -> dict[str, Any]:
+    """Granite MoE SWA: Granite SWA's attention over Granite 3 MoE's experts (its optional shared expert refused)."""
+    if int(d.get("shared_intermediate_size") or 0):
+        raise UserError("a Granite MoE SWA config with a shared expert (shared_intermediate_size) is not supported")
+    return {**_granite_swa(d), **_experts(d), "router": "topk_softmax"}
+
+
 def _local_experts_gguf(key: GgufKey, cfg: dict[str, Any], renormalise: bool | None) -> dict[str, Any]:
     """`_experts_gguf` in the keys of the configs that name their experts `num_local_experts` and their width
     `intermediate_size` (Mixtral, Granite MoE)."""
@@ -706,6 +713,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            eos_tokens=("<|end_of_text|>", "<|end_of_role|>")),
     Family("granite_swa", "GraniteSWAForCausalLM", _granite_swa, gguf_permuted_qk=True, gguf_config=_granite_swa_gguf,
            gguf_tensors={"attn_sinks": "self_attn.sinks"}, eos_tokens=("<|end_of_text|>", "<|end_of_role|>")),
+    # llama.cpp files it under granite_swa; its experts tell it apart (models/gguf.py).
+    Family("granitemoe_swa", "GraniteMoeSWAForCausalLM", _granitemoe_swa, gguf_permuted_qk=True,
+           gguf_config=lambda key, cfg: {**_granite_swa_gguf(key, cfg), **_local_experts_gguf(key, cfg, None)},
+           gguf_tensors={**_EXPERT_TENSORS, "attn_sinks": "self_attn.sinks"}, rms_eps_default=1e-5,
+           eos_tokens=("<|end_of_text|>", "<|end_of_role|>")),
     Family("smollm3", "SmolLM3ForCausalLM", _smollm3, gguf_permuted_qk=True, gguf_config=_smollm3_gguf,
            eos_tokens=("<|im_end|>", "<|end_of_text|>")),
     Family("olmo2", "Olmo2ForCausalLM", lambda d: _OLMO2, gguf_tensors=_POST_NORM_TENSORS,
