@@ -10,7 +10,7 @@ import json
 import pytest
 
 from specextend.common.errors import UserError
-from specextend.requests import gemmacalls
+from specextend.requests import gemmacalls, schema_rules
 from specextend.requests.callmarkup import FUNCTIONGEMMA, written
 from specextend.requests.callparser import CallParser
 from specextend.requests.gemmacalls import Incomplete, parse, write
@@ -119,10 +119,11 @@ def test_the_grammar_holds_bounds_patterns_and_lengths_past_small_ones(tokenizer
 
 
 def test_a_pattern_matches_anywhere_unless_anchored():
-    assert gemmacalls.searched("ab") == "(.|\\n)*(?:ab)(.|\\n)*"
-    assert gemmacalls.searched("^a(b|c)$") == "(?:a(b|c))"
-    assert gemmacalls.searched("^a|[|$]b") == "(?:(?:a)(.|\\n)*|(.|\\n)*(?:[|$]b)(.|\\n)*)"
-    assert gemmacalls.searched("a\\$") == "(.|\\n)*(?:a\\$)(.|\\n)*" and gemmacalls.searched("a/b").count("\\/") == 1
+    assert schema_rules.searched("ab") == "(.|\\n)*(?:ab)(.|\\n)*"
+    assert schema_rules.searched("^a(b|c)$") == "(?:a(b|c))"
+    assert schema_rules.searched("^a|[|$]b") == "(?:(?:a)(.|\\n)*|(.|\\n)*(?:[|$]b)(.|\\n)*)"
+    assert schema_rules.searched("a\\$") == "(.|\\n)*(?:a\\$)(.|\\n)*"
+    assert schema_rules.searched("a/b").count("\\/") == 1
 
 
 def test_an_array_no_length_admits_is_refused():

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from . import gemmacalls, pycalls, xmlcalls
 from .callmarkup import HERMES, CallMarkup
 from .harmony import held
+from .schema_rules import closed_at
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 # The start of a bare JSON call under `auto`: an optional ```json fence, then {"name": "<function>"
@@ -52,24 +53,7 @@ FIRST_NAME = re.compile(r'\[?\s*\{\s*"(?:name|function)"\s*:\s*"((?:[^"\\]|\\.)*
 def json_end(text: str) -> int | None:
     """The index just past the JSON object or array that `text` opens with (its brackets counted
     outside strings); None while it is not closed."""
-    depth, string, escape = 0, False, False
-    for i, ch in enumerate(text):
-        if string:
-            if escape:
-                escape = False
-            elif ch == "\\":
-                escape = True
-            elif ch == '"':
-                string = False
-        elif ch == '"':
-            string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+    return closed_at(text)
 
 
 @dataclass

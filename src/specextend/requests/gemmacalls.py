@@ -19,6 +19,7 @@ from typing import Any
 
 from ..common.errors import UserError
 from ..sampling.grammar import JSON_OPTIONS
+from .schema_rules import ANY_TEXT, RuleSet, length_and_pattern
 
 ESCAPE = "<escape>"
 KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
@@ -28,7 +29,6 @@ LITERAL = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?|true|false
 INTEGER = r"/-?(0|[1-9][0-9]*)/"
 NUMBER = r"/-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/"
 BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
-ANY_TEXT = "(.|\\n)*"
 
 
 class Incomplete(Exception):
@@ -101,21 +101,14 @@ def write(value: Any) -> str:
     return json.dumps(value)
 
 
-class Rules:
+class Rules(RuleSet):
     """Lark rules of values in FunctionGemma's syntax, one rule per schema node (`value` names the
     rule of a schema); `escape` is the marker as the grammar writes it (its token where it has one)."""
 
     def __init__(self, prefix: str, escape: str) -> None:
-        self.prefix, self.escape = prefix, escape  # rules are lowercase, terminals uppercase (Lark's)
-        self.terminal = prefix.upper()
-        self.lines = [f"{self.terminal}_STR: /(.|\\n)*/ & ~/(.|\\n)*{ESCAPE}(.|\\n)*/"]
-        self._n = 0
-
-    def _rule(self, body: str) -> str:
-        self._n += 1
-        name = f"{self.prefix}_{self._n}"
-        self.lines.append(f"{name}: {body}")
-        return name
+        super().__init__(prefix)
+        self.escape = escape
+        self.lines.append(f"{self.terminal}_STR: /(.|\\n)*/ & ~/(.|\\n)*{ESCAPE}(.|\\n)*/")
 
     def string(self, text: str) -> str:
         return f"{self.escape} {json.dumps(text)} {self.escape}"
@@ -158,19 +151,8 @@ class Rules:
         if not isinstance(props, dict) or not props:
             return self._any_object()
         required = set(schema.get("required") or ())
-        names = list(props)
-        # run[i]: the properties from the i-th on, one or more, every required one among them; after
-        # an item comes "," and the next run, or nothing where no later property is required
-        run: list[str] = [""] * (len(names) + 1)
-        for i in range(len(names) - 1, -1, -1):
-            rest_required = any(n in required for n in names[i + 1:])
-            after = f'("," {run[i + 1]})' if i + 1 < len(names) else ""
-            if after and not rest_required:
-                after += "?"
-            item = f"{json.dumps(names[i])} \":\" {self.value(props[names[i]])} {after}".strip()
-            run[i] = self._rule(item if names[i] in required else f"{item} | {run[i + 1]}" if run[i + 1] else item)
-        optional = not any(n in required for n in names)
-        return self._rule(f'"{{" {run[0]}{"?" if optional else ""} "}}"')
+        items = self.keyed(props, required, lambda n: f'{json.dumps(n)} ":"', self.value, '","')
+        return self._rule(f'"{{" {items} "}}"')
 
     def _array(self, schema: dict[str, Any]) -> str:
         """`[item,...]` with minItems to maxItems items."""
@@ -187,20 +169,11 @@ class Rules:
 
     def _string(self, schema: dict[str, Any]) -> str:
         """The terminal of a string's text: any text without the marker, within the schema's
-        minLength and maxLength, matching its pattern (found anywhere in the text, as JSON schema
-        reads a pattern, unless the pattern anchors itself)."""
-        lo, hi, pattern = schema.get("minLength"), schema.get("maxLength"), schema.get("pattern")
-        parts = []
-        if isinstance(lo, int) or isinstance(hi, int):
-            parts.append(f"/(.|\\n){{{lo if isinstance(lo, int) else 0},{hi if isinstance(hi, int) else ''}}}/")
-        if isinstance(pattern, str):
-            parts.append(f"/{searched(pattern)}/")
+        minLength and maxLength, matching its pattern."""
+        parts = length_and_pattern(schema)
         if not parts:
             return f"{self.terminal}_STR"
-        self._n += 1
-        name = f"{self.terminal}_S{self._n}"
-        self.lines.append(f"{name}: {' & '.join(parts)} & ~/{ANY_TEXT}{ESCAPE}{ANY_TEXT}/")
-        return name
+        return self._terminal(f"{' & '.join(parts)} & ~/{ANY_TEXT}{ESCAPE}{ANY_TEXT}/")
 
     def _literal(self, value: Any) -> str:
         return self.string(value) if isinstance(value, str) else json.dumps(write(value))
@@ -221,43 +194,3 @@ class Rules:
 
 def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def searched(pattern: str) -> str:
-    """A JSON schema pattern as a regex of the whole text: a pattern matches anywhere in a string
-    unless `^` / `$` anchor it, and llguidance's regexes match whole lexemes. Each top-level
-    alternative is anchored or widened on its own; `/` is escaped for Lark's /.../."""
-    branches, depth, start, i, in_class = [], 0, 0, 0, False
-    while i < len(pattern):
-        c = pattern[i]
-        if c == "\\":
-            i += 2
-            continue
-        if in_class:
-            in_class = c != "]"
-        elif c == "[":
-            in_class = True
-        elif c == "(":
-            depth += 1
-        elif c == ")":
-            depth -= 1
-        elif c == "|" and depth == 0:
-            branches.append(pattern[start:i])
-            start = i + 1
-        i += 1
-    branches.append(pattern[start:])
-    out = []
-    for b in branches:
-        head = b[1:] if b.startswith("^") else b
-        end = head.endswith("$") and not _escaped(head, len(head) - 1)
-        body = head[:-1] if end else head
-        out.append(("" if b.startswith("^") else ANY_TEXT) + f"(?:{body})" + ("" if end else ANY_TEXT))
-    return re.sub(r"(?<!\\)/", r"\\/", out[0] if len(out) == 1 else "(?:" + "|".join(out) + ")")
-
-
-def _escaped(text: str, at: int) -> bool:
-    """Whether the character at `at` follows an odd run of backslashes."""
-    n = 0
-    while at - n - 1 >= 0 and text[at - n - 1] == "\\":
-        n += 1
-    return n % 2 == 1

@@ -18,6 +18,7 @@ import json
 from typing import Any
 
 from ..sampling.grammar import JSON_OPTIONS
+from .schema_rules import RuleSet, closed_at
 
 LITERALS = {"True": True, "False": False, "None": None}
 
@@ -25,24 +26,7 @@ LITERALS = {"True": True, "False": False, "None": None}
 def call_end(text: str) -> int | None:
     """The index just past the call `text` opens with (`name(...)`: its parentheses and brackets
     counted outside strings, quoted either way); None while it is not closed."""
-    depth, quote, escape = 0, "", False
-    for i, ch in enumerate(text):
-        if quote:
-            if escape:
-                escape = False
-            elif ch == "\\":
-                escape = True
-            elif ch == quote:
-                quote = ""
-        elif ch in "\"'":
-            quote = ch
-        elif ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+    return closed_at(text, "\"'", "([{", ")]}")
 
 
 def parse(text: str) -> tuple[str, dict[str, Any]] | None:
@@ -93,38 +77,15 @@ def _python(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-class Rules:
-    """Lark rules of one function's call (`call` names its rule); `prefix` keeps its rules apart
-    from the other functions'."""
-
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
-        self.lines: list[str] = []
-        self._n = 0
-
-    def _rule(self, body: str) -> str:
-        self._n += 1
-        name = f"{self.prefix}_{self._n}"
-        self.lines.append(f"{name}: {body}")
-        return name
+class Rules(RuleSet):
+    """Lark rules of one function's call (`call` names its rule)."""
 
     def call(self, name: str, schema: dict[str, Any]) -> str:
         """`name(key=value, ...)`: the schema's properties in its order, each required one present."""
         props = schema.get("properties")
         props = props if isinstance(props, dict) else {}
         required = set(schema.get("required") or ())
-        names = list(props)
-        # run[i]: the keywords from the i-th on, one or more, every required one among them; after one comes ", "
-        # and the next run, or nothing where no later keyword is required
-        run = [""] * (len(names) + 1)
-        for i in range(len(names) - 1, -1, -1):
-            rest_required = any(n in required for n in names[i + 1:])
-            after = f'(", " {run[i + 1]})' if i + 1 < len(names) else ""
-            if after and not rest_required:
-                after += "?"
-            item = f"{json.dumps(names[i] + '=')} {self.value(props[names[i]])} {after}".strip()
-            run[i] = self._rule(item if names[i] in required else f"{item} | {run[i + 1]}" if run[i + 1] else item)
-        keywords = "" if not names else f"{run[0]}{'' if required & set(names) else '?'}"
+        keywords = self.keyed(props, required, lambda n: json.dumps(n + "="), self.value, '", "') if props else ""
         return self._rule(f'{json.dumps(name + "(")} {keywords} ")"')
 
     def value(self, schema: Any) -> str:

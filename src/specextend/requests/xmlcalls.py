@@ -27,7 +27,8 @@ import json
 from typing import Any
 
 from ..sampling.grammar import JSON_OPTIONS
-from .gemmacalls import ANY_TEXT, Incomplete, searched
+from .gemmacalls import Incomplete
+from .schema_rules import ANY_TEXT, RuleSet, length_and_pattern
 
 FUNCTION, PARAMETER, END_PARAMETER, END_FUNCTION = "<function=", "<parameter=", "</parameter>", "</function>"
 VALUE_END = "\n" + END_PARAMETER  # what ends a value's text
@@ -110,20 +111,12 @@ END_RE = "\\n<\\/parameter>"
 STRING_END = f"/{ANY_TEXT}{END_RE}/ & ~/{ANY_TEXT}{END_RE}(.|\\n)+/"
 
 
-class Rules:
-    """Lark rules of one function's block (`block` names its rule); `prefix` keeps its rules apart
-    from the other functions'."""
+class Rules(RuleSet):
+    """Lark rules of one function's block (`block` names its rule)."""
 
     def __init__(self, prefix: str) -> None:
-        self.prefix, self.terminal = prefix, prefix.upper()  # rules are lowercase, terminals uppercase (Lark's)
-        self.lines = [f"{self.terminal}_STR: {STRING_END}"]
-        self._n = 0
-
-    def _rule(self, body: str) -> str:
-        self._n += 1
-        name = f"{self.prefix}_{self._n}"
-        self.lines.append(f"{name}: {body}")
-        return name
+        super().__init__(prefix)
+        self.lines.append(f"{self.terminal}_STR: {STRING_END}")
 
     def block(self, name: str, schema: dict[str, Any]) -> str:
         """`<function=NAME>` and the parameters in the schema's order, each required one present."""
@@ -150,16 +143,6 @@ class Rules:
 
     def _string(self, schema: dict[str, Any]) -> str:
         """The terminal of a string's text and its end: within minLength and maxLength, matching the
-        pattern (anywhere, as JSON schema reads one, unless anchored)."""
-        lo, hi, pattern = schema.get("minLength"), schema.get("maxLength"), schema.get("pattern")
-        parts = []
-        if isinstance(lo, int) or isinstance(hi, int):
-            parts.append(f"/(.|\\n){{{lo if isinstance(lo, int) else 0},{hi if isinstance(hi, int) else ''}}}{END_RE}/")
-        if isinstance(pattern, str):
-            parts.append(f"/(?:{searched(pattern)}){END_RE}/")
-        if not parts:
-            return f"{self.terminal}_STR"
-        self._n += 1
-        name = f"{self.terminal}_S{self._n}"
-        self.lines.append(f"{name}: {' & '.join(parts)} & {STRING_END}")
-        return name
+        pattern."""
+        parts = length_and_pattern(schema, END_RE)
+        return self._terminal(f"{' & '.join(parts)} & {STRING_END}") if parts else f"{self.terminal}_STR"
