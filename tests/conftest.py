@@ -16,7 +16,8 @@ ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 # The families that are switches over the same block (runtime/families.py): the parity tests run
 # them too; the engine-level tests of every feature keep the four above.
 FAMILY_ARCHS = ["granite", "smollm3", "olmo2", "olmo3", "gemma3", "gemma2", "phi3", "mistral3", "exaone4", "ernie4_5",
-                "glm4", "lfm2", "command-r", "cohere2", "granite_swa"]
+                "glm4", "lfm2", "command-r", "cohere2", "granite_swa",
+                "seed_oss"]
 
 
 USER_COSTS_ENV = "SPECEXTEND_TESTS_USER_COST_CACHE"  # the cost cache's setting before the tests moved it
@@ -249,6 +250,9 @@ def tiny_hf_config(arch: str, vocab: int = 64, layers: int = 2, **kw):
         common.setdefault("layer_rope_theta", [0 if i % 4 == 0 else 10_000.0 for i in range(n)])
         return tf.GraniteSWAConfig(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.1,
                                    logits_scaling=0.5, pad_token_id=None, **common)
+    if arch == "seed_oss":  # biases on q/k/v, none on the output projection (the released model; llama.cpp reads none)
+        return tf.SeedOssConfig(pad_token_id=None, attention_bias=True, attention_out_bias=False, mlp_bias=False,
+                                attention_dropout=0.0, residual_dropout=0.0, **common)
     if arch in ("command-r", "cohere2"):
         # Cohere's LayerNorms (their eps), parallel block, rope on adjacent pairs and a logit scale that no power of
         # two is (a multiplier read as a divisor shows); Command R7B's windows on 3 layers of 4, which alone take rope.

@@ -213,6 +213,7 @@ def test_command_r7bs_plan_before_its_action_is_reasoning():
     tok = markup_tokenizer(["<|START_THINKING|>", "<|END_THINKING|>", "<|START_ACTION|>", "<|END_ACTION|>"], "cohere")
     tok.chat_template = tok.chat_template.replace("<|assistant|>", "<|assistant|>{# <|END_THINKING|> #}")
     assert reasoning.markers_of(tok.chat_template) == ("<|START_THINKING|>", "<|END_THINKING|>")
+    assert reasoning.markers_of("{# </seed:think> #}") == ("<seed:think>", "</seed:think>")  # Seed-OSS's thought
     assert callmarkup.markup_for(tok) == callmarkup.COHERE
     answer = "<|START_THINKING|>plan<|END_THINKING|>" + callmarkup.written(callmarkup.COHERE, [{"function": CALL}])
     assert '{"tool_call_id": "0", "tool_name": "book", "parameters": {"seats": ["a"]}}' in answer

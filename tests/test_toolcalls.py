@@ -345,7 +345,9 @@ def test_langchain_binds_tools_and_runs_a_two_step_loop(url):
     "<tool_call>{{ c.function.name }}\n{% for k, v in c.function.arguments.items() %}<arg_key>{{ k }}</arg_key>\n"
     "<arg_value>{{ v }}</arg_value>\n{% endfor %}</tool_call>",
     # Kimi's
-    "<|tool_calls_section_begin|>{{ c.function.name }}<|tool_calls_section_end|>"])
+    "<|tool_calls_section_begin|>{{ c.function.name }}<|tool_calls_section_end|>",
+    # Seed-OSS's (Qwen3-Coder's XML in tags of its own)
+    "<seed:tool_call>\n<function={{ c.function.name }}>\n</function>\n</seed:tool_call>"])
 def test_a_call_format_not_read_here_is_refused_tools_not_held_to_another(tmp_path, shown):
     """A template that offers tools but shows its calls in a format no markup here reads (GLM-4.5's XML inside
     <tool_call>, Kimi's sections) is refused tools in one line naming that format, not held to Hermes's

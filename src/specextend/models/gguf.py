@@ -285,6 +285,9 @@ def gguf_to_hf_config(reader: Any) -> dict[str, Any]:
     }
     if family.gguf_permuted_qk:
         config["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
+    if arch == "seed_oss":  # its output projection's bias, where the file has one (llama.cpp's is optional); no
+        # dropout (its config's default is 0.1: a model transformers builds from the folder in training mode drops)
+        config.update(attention_out_bias="blk.0.attn_output.bias" in tensors, residual_dropout=0.0)
     if arch == "qwen2":
         config["use_sliding_window"] = False
     scaling = _rope_scaling(reader, arch, tensors)

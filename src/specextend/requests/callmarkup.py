@@ -113,7 +113,8 @@ HARMONY = CallMarkup("harmony", "harmony messages to functions.NAME (gpt-oss)", 
 # line, where constraining it to another family's markup would make it write what it never learned.
 UNREAD = (("<arg_key>", "GLM-4.5's XML calls (<arg_key>, <arg_value>)"),
           ("<|tool_calls_section_begin|>", "Kimi's <|tool_calls_section_begin|> calls"),
-          ("tool▁calls▁begin", "DeepSeek's <｜tool▁calls▁begin｜> calls"))
+          ("tool▁calls▁begin", "DeepSeek's <｜tool▁calls▁begin｜> calls"),
+          ("<seed:tool_call>", "Seed-OSS's <seed:tool_call> calls"))
 
 
 def unread(template: str | None) -> str | None:

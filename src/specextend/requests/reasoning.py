@@ -32,9 +32,10 @@ from jinja2 import TemplateError
 from .harmony import CHANNEL_MARK, REASONING, held, merged
 
 OPEN, CLOSE = "<think>", "</think>"
-# A thought's markers, by the closer a template names: `<think>` blocks, Magistral's [THINK], and Command R7B's plan
-# before its calls.
-THOUGHTS = ((OPEN, CLOSE), ("[THINK]", "[/THINK]"), ("<|START_THINKING|>", "<|END_THINKING|>"))
+# A thought's markers, by the closer a template names: `<think>` blocks, Magistral's [THINK], Command R7B's plan
+# before its calls, and Seed-OSS's.
+THOUGHTS = ((OPEN, CLOSE), ("[THINK]", "[/THINK]"), ("<|START_THINKING|>", "<|END_THINKING|>"),
+            ("<seed:think>", "</seed:think>"))
 
 
 class AnswerParser(Protocol):

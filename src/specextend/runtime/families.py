@@ -393,6 +393,14 @@ def _cohere2_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
             "layer_types": ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]}
 
 
+def _seed_oss(d: dict[str, Any]) -> dict[str, Any]:
+    """Seed-OSS (ByteDance): the Llama block with biases on q/k/v (`attention_bias`) and on the output projection
+    where set (`attention_out_bias`); the MLP's biases (`mlp_bias`, off in the released model) are refused."""
+    if d.get("mlp_bias"):
+        raise UserError("a Seed-OSS config with MLP biases (mlp_bias) is not supported")
+    return {"attention_bias": bool(d.get("attention_bias", True)), "o_bias": bool(d.get("attention_out_bias", False))}
+
+
 def _lfm2(d: dict[str, Any]) -> dict[str, Any]:
     """LFM2: pre-norm blocks whose mixer is attention with per-head q/k norms on a few layers (HF's `layer_types`,
     or the older configs' `full_attn_idxs`) and a gated short convolution on the others; tied embeddings, the MLP's
@@ -763,6 +771,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("olmoe", "OlmoeForCausalLM", _olmoe, gguf_tensors=_EXPERT_TENSORS,
            gguf_config=lambda key, cfg: _experts_gguf(key, cfg, False), rms_eps_default=1e-5,
            eos_tokens=("<|endoftext|>", "<|im_end|>")),
+    # llama.cpp names its pre-MLP norm post_attention_norm (as transformers does).
+    Family("seed_oss", "SeedOssForCausalLM", _seed_oss, eos_tokens=("<seed:eos>",),
+           gguf_tensors={"post_attention_norm": "post_attention_layernorm"}),
     # Cohere: LayerNorms and the parallel block; llama.cpp ropes it the "norm" way with the HF rows as they are.
     Family("command-r", "CohereForCausalLM", _cohere, gguf_permuted_qk=True, hf_interleaved_qk=True,
            gguf_config=_cohere_gguf, hf_model_type="cohere",
