@@ -283,13 +283,7 @@ def gguf_to_hf_config(reader: Any) -> dict[str, Any]:
         "use_cache": True,
         "torch_dtype": "float32",
     }
-    if family.gguf_permuted_qk:
-        config["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
-    if arch == "seed_oss":  # its output projection's bias, where the file has one (llama.cpp's is optional); no
-        # dropout (its config's default is 0.1: a model transformers builds from the folder in training mode drops)
-        config.update(attention_out_bias="blk.0.attn_output.bias" in tensors, residual_dropout=0.0)
-    if arch == "qwen2":
-        config["use_sliding_window"] = False
+    config.update(_family_flags(arch, family, tensors))
     scaling = _rope_scaling(reader, arch, tensors)
     config["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta, **(scaling or {})}
     if scaling:
@@ -305,6 +299,19 @@ def gguf_to_hf_config(reader: Any) -> dict[str, Any]:
         if value is not None:
             config[hf_key] = int(value)
     return config
+
+
+def _family_flags(arch: str, family: Family, tensors: dict[str, Any]) -> dict[str, Any]:
+    """The config keys of a family that the file's tensors tell, or that transformers' defaults would get wrong."""
+    out: dict[str, Any] = {}
+    if family.gguf_permuted_qk:
+        out["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
+    if arch == "seed_oss":  # its output projection's bias, where the file has one (llama.cpp's is optional); no
+        # dropout (its config's default is 0.1: a model transformers builds from the folder in training mode drops)
+        out.update(attention_out_bias="blk.0.attn_output.bias" in tensors, residual_dropout=0.0)
+    if arch == "qwen2":
+        out["use_sliding_window"] = False
+    return out
 
 
 def _family(config: dict[str, Any]) -> Family:
