@@ -128,17 +128,24 @@ def _legacy_scaling(cfg: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]
 _OLMO2 = {"norms": ("attn_out_norm", "mlp_out_norm"), "qk_norm": "full"}  # norms after, q/k norms over all heads
 
 
+def _windowed(d: dict[str, Any], every: int, first: bool = False) -> tuple[int, tuple[bool, ...]]:
+    """(window, per-layer flags) of a config's sliding-window layers: HF's `layer_types`, by default all but every
+    `every`-th layer (the last of each period; with `first`, the first); none where no window is set."""
+    n = int(d["num_hidden_layers"])
+    window = int(d.get("sliding_window") or 0)
+    types = d.get("layer_types") or ["full_attention" if (i if first else i + 1) % every == 0 else "sliding_attention"
+                                     for i in range(n)]
+    return window, tuple(window > 0 and t == "sliding_attention" for t in types)
+
+
 def _olmo3(d: dict[str, Any]) -> dict[str, Any]:
     """OLMo 3: OLMo 2's block with windowed layers (HF's `layer_types`; by default all but every 4th) whose
     rope is never scaled (transformers' and llama.cpp's); the global layers take the model's rope, YaRN in
     the long-context models."""
-    n = int(d["num_hidden_layers"])
-    types = d.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]
-    window = int(d.get("sliding_window") or 0)
+    window, windowed = _windowed(d, 4)
     rope = d.get("rope_parameters") or {}
     local, glob = rope.get("sliding_attention") or {}, rope.get("full_attention") or rope
     theta = local.get("rope_theta") or glob.get("rope_theta") or d.get("rope_theta") or 10_000.0  # config.py's default
-    windowed = tuple(window > 0 and t == "sliding_attention" for t in types)
     out: dict[str, Any] = {**_OLMO2, "sliding_window": window, "window_layers": windowed}
     if any(windowed):
         out["local_rope_theta"] = float(theta)
@@ -171,12 +178,10 @@ def _gemma(d: dict[str, Any], pattern: int) -> dict[str, Any]:
     """Gemma 2 and 3: sandwich norms with (1 + weight), GeGLU, the embeddings scaled by sqrt(hidden),
     the query scale from query_pre_attn_scalar, soft-capping where set, and sliding-window layers
     (HF's `layer_types`; by default all but every `pattern`-th layer)."""
-    n = int(d["num_hidden_layers"])
     act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise UserError(f"unsupported Gemma activation {act!r} (supported: gelu_pytorch_tanh)")
-    types = d.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
-    window = int(d.get("sliding_window") or 0)
+    window, windowed = _windowed(d, pattern)
     softcap = d.get("attn_logit_softcapping")
     final = d.get("final_logit_softcapping")
     for name, cap in (("attn_logit_softcapping", softcap), ("final_logit_softcapping", final)):
@@ -187,8 +192,7 @@ def _gemma(d: dict[str, Any], pattern: int) -> dict[str, Any]:
             "embed_scale": float(d["hidden_size"]) ** 0.5,
             "attn_scale": float(d.get("query_pre_attn_scalar") or head_dim) ** -0.5,
             "attn_softcap": float(softcap) if softcap else None, "final_softcap": float(final) if final else None,
-            "sliding_window": window,
-            "window_layers": tuple(window > 0 and t == "sliding_attention" for t in types)}
+            "sliding_window": window, "window_layers": windowed}
 
 
 def _gemma2(d: dict[str, Any]) -> dict[str, Any]:
@@ -369,11 +373,7 @@ def _cohere2(d: dict[str, Any]) -> dict[str, Any]:
     """Command R7B: Cohere's block, windowed layers (HF's `layer_types`; by default all but every
     `sliding_window_pattern`-th) that take rope and global layers that take none, as transformers' Cohere2Attention
     ropes only where a layer has a window."""
-    n = int(d["num_hidden_layers"])
-    window = int(d.get("sliding_window") or 0)
-    types = d.get("layer_types") or ["sliding_attention" if (i + 1) % int(d.get("sliding_window_pattern", 4))
-                                     else "full_attention" for i in range(n)]
-    windowed = tuple(bool(window) and t == "sliding_attention" for t in types)
+    window, windowed = _windowed(d, int(d.get("sliding_window_pattern", 4)))
     out = {**_cohere(d), "rope_layers": windowed}
     if window:
         out.update(sliding_window=window, window_layers=windowed)
@@ -599,13 +599,11 @@ def _granite_swa(d: dict[str, Any]) -> dict[str, Any]:
     names (by default all but every 4th, from the first), attention sinks, and a rope base a layer
     (`layer_rope_theta`, 0: no rope), read as the global layers' base and the windowed layers' own."""
     n = int(d["num_hidden_layers"])
-    types = d.get("layer_types") or ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(n)]
-    window = int(d.get("sliding_window") or 0)
-    windowed = tuple(bool(window) and t == "sliding_attention" for t in types)
+    window, windowed = _windowed(d, 4, first=True)
     rope = d.get("rope_parameters") or {}
     theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
     thetas = [float(t) for t in (d.get("layer_rope_theta") or [theta] * n)]
-    if len(thetas) != n or len(types) != n:
+    if len(thetas) != n or len(windowed) != n:
         raise UserError(f"a Granite SWA config whose layer_types or layer_rope_theta list is not of its {n} layers")
     bases = [{t for t, w in zip(thetas, windowed, strict=True) if t and w == kind} for kind in (False, True)]
     if len(bases[0]) > 1 or len(bases[1]) > 1:
@@ -668,13 +666,11 @@ def _gpt_oss(d: dict[str, Any]) -> dict[str, Any]:
     chosen, biases on the experts' projections and the clamped SwiGLU (`swiglu_oai`)."""
     if (float(d.get("swiglu_alpha", 1.702)), float(d.get("swiglu_limit", 7.0))) != (1.702, 7.0):
         raise UserError("a gpt-oss config with a SwiGLU alpha or limit other than 1.702 and 7.0 is not supported")
-    n = int(d["num_hidden_layers"])
-    types = d.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
-    window = int(d.get("sliding_window") or 0)
+    window, windowed = _windowed(d, 2)
     return {**_experts(d), "router": "topk_softmax", "expert_act": "swiglu_oai",
             "attention_bias": bool(d.get("attention_bias", True)), "o_bias": bool(d.get("attention_bias", True)),
             "attn_sinks": True, "sliding_window": window,
-            "window_layers": tuple(window > 0 and t == "sliding_attention" for t in types)}
+            "window_layers": windowed}
 
 
 def _gpt_oss_gguf(key: GgufKey, cfg: dict[str, Any]) -> dict[str, Any]:
